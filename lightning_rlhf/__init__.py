@@ -1,0 +1,28 @@
+"""lightning_rlhf: single-controller RLHF (HybridFlow) as a PyTorch Lightning plugin."""
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.data import PromptDataModule
+from lightning_rlhf.module import RLHFModule
+from lightning_rlhf.modules import GRPOModule, PPOModule
+from lightning_rlhf.roles import RewardFunctionError
+from lightning_rlhf.strategy import ControllerError, Dispatch, RLHFStrategy, WorkerError, role_method
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlgorithmConfig",
+    "Batch",
+    "ControllerError",
+    "Dispatch",
+    "GRPOModule",
+    "OptimConfig",
+    "PPOModule",
+    "PromptDataModule",
+    "RLHFModule",
+    "RLHFStrategy",
+    "RewardFunctionError",
+    "RolloutConfig",
+    "WorkerError",
+    "role_method",
+]

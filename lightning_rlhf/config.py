@@ -1,0 +1,177 @@
+"""Settings, as frozen keyword-only dataclasses validated when they are made.
+
+Every field says why it has its default. Bad values raise ``ValueError`` naming the class, the field, the value
+and the fix, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Literal
+
+__all__ = ["AlgorithmConfig", "OptimConfig", "RolloutConfig", "config_from_dict"]
+
+
+def _fail(obj: object, field: str, value: object, expected: str) -> None:
+    raise ValueError(f"{type(obj).__name__}.{field}={value!r} is invalid: expected {expected}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """How rollouts are sampled."""
+
+    n: int = 8
+    """Samples per prompt (the group size of GRPO/RLOO; 1 is usual for PPO)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs for the loss are computed at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 keeps the full distribution (what the policy gradient assumes)."""
+    top_k: int = 0
+    """Keep only the top-k tokens; 0 disables (the transformers default of 50 would bias the rollouts)."""
+    max_new_tokens: int = 256
+    """Longest response; responses cut here have no EOS and count in ``response_length/clip_ratio``."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a response like EOS (EOS of the tokenizer always stops)."""
+    seed: int = 0
+    """Base seed; each step and rank derive their own, so a resumed run samples what the original did."""
+    generation_batch_size: int = 64
+    """Prompts generated at once per rank by the transformers engine (bounds its memory)."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            _fail(self, "n", self.n, "an integer >= 1")
+        if self.temperature <= 0:
+            _fail(self, "temperature", self.temperature, "> 0 (greedy decoding: a tiny value such as 1e-4)")
+        if not 0 < self.top_p <= 1:
+            _fail(self, "top_p", self.top_p, "a value in (0, 1]")
+        if self.top_k < 0:
+            _fail(self, "top_k", self.top_k, ">= 0 (0 disables top-k)")
+        if self.max_new_tokens < 1:
+            _fail(self, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if self.generation_batch_size < 1:
+            _fail(self, "generation_batch_size", self.generation_batch_size, "an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule of one trainable role (AdamW)."""
+
+    lr: float = 1e-6
+    """Peak learning rate; 1e-6 is the common choice for billion-parameter policies."""
+    weight_decay: float = 0.0
+    """AdamW weight decay; RL fine-tuning usually needs none."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warm-up in RL steps; tiny models at high learning rates need it (the first step can undo a warm start)."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, down to ``min_lr_ratio * lr`` at ``Trainer.max_steps``."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decay, relative to ``lr``."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            _fail(self, "lr", self.lr, "a learning rate > 0")
+        if self.warmup_steps < 0:
+            _fail(self, "warmup_steps", self.warmup_steps, ">= 0")
+        if self.schedule not in ("constant", "linear", "cosine"):
+            _fail(self, "schedule", self.schedule, "one of 'constant', 'linear', 'cosine'")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail(self, "min_lr_ratio", self.min_lr_ratio, "a value in [0, 1]")
+        if self.grad_clip < 0:
+            _fail(self, "grad_clip", self.grad_clip, ">= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """The RL math: advantage estimator, losses, KL, and how the batch is cut into updates."""
+
+    advantage: str = "grpo"
+    """Registered advantage estimator (``lightning_rlhf.algorithms.ADVANTAGE_ESTIMATORS``): 'grpo', 'gae'."""
+    gamma: float = 1.0
+    """Discount; 1.0 because the reward arrives once, at the end of the response."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's reward std (False gives Dr.GRPO's estimator)."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio is kept above ``1 - clip_ratio_low``."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: the ratio is kept below ``1 + clip_ratio_high`` (raise it for DAPO's clip-higher)."""
+    value_clip: float = 0.2
+    """Critic: new values stay within this distance of the rollout's values."""
+    loss_agg: str = "token-mean"
+    """Registered loss aggregation; token-mean weighs every response token of the mini-batch equally."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy; 0 turns it off (and the reference role is not needed)."""
+    kl_estimator: str = "k3"
+    """Registered KL estimator: 'k1', 'k2', 'k3' (k3 is the low-variance one GRPO uses)."""
+    kl_in_reward: bool = False
+    """True: subtract ``kl_coef * KL`` from the token rewards (classic PPO); False: add it to the actor loss (GRPO)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight in the actor loss (entropy is logged either way)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    mini_batch_size: int | None = None
+    """Samples per optimizer step across all ranks; None: the whole step's batch (one on-policy update)."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one rank (gradient accumulation up to the mini-batch)."""
+
+    def __post_init__(self) -> None:
+        from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+
+        for field, registry in (
+            ("advantage", ADVANTAGE_ESTIMATORS),
+            ("kl_estimator", KL_ESTIMATORS),
+            ("loss_agg", LOSS_AGGREGATIONS),
+        ):
+            name = getattr(self, field)
+            if name not in registry:
+                _fail(self, field, name, f"one of {registry.names()}")
+        for field in ("clip_ratio_low", "clip_ratio_high", "value_clip", "kl_coef", "entropy_coef"):
+            if getattr(self, field) < 0:
+                _fail(self, field, getattr(self, field), ">= 0")
+        if not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:
+            _fail(self, "gamma/lam", (self.gamma, self.lam), "gamma in (0, 1] and lam in [0, 1]")
+        if self.ppo_epochs < 1:
+            _fail(self, "ppo_epochs", self.ppo_epochs, "an integer >= 1")
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            _fail(self, "mini_batch_size", self.mini_batch_size, "None or an integer >= 1")
+        if self.micro_batch_size < 1:
+            _fail(self, "micro_batch_size", self.micro_batch_size, "an integer >= 1")
+
+    def check_batch(self, *, samples: int, world_size: int) -> int:
+        """Validate the batch arithmetic of one step and return the mini-batch size (samples, all ranks).
+
+        Runs on: every process, before training starts.
+        """
+        mini = self.mini_batch_size or samples
+        problems = []
+        if samples % world_size:
+            problems.append(f"samples per step ({samples}) must be divisible by the number of ranks ({world_size})")
+        if samples % mini:
+            problems.append(f"samples per step ({samples}) must be divisible by mini_batch_size ({mini})")
+        elif mini % world_size:
+            problems.append(f"mini_batch_size ({mini}) must be divisible by the number of ranks ({world_size})")
+        if problems:
+            raise ValueError(
+                f"{type(self).__name__}: batch sizes do not fit: " + "; ".join(problems) + ". "
+                "HINT: samples per step = dataloader batch size (prompts) x RolloutConfig.n."
+            )
+        return mini
+
+
+def config_from_dict(cls: type[Any], values: dict[str, Any]) -> Any:
+    """Build config ``cls`` from a dict; unknown keys raise an error naming the closest valid key."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(names)}."
+            raise ValueError(f"{cls.__name__} has no setting '{key}'.{hint}")
+    return cls(**values)

@@ -1,0 +1,67 @@
+"""The demo task: single-line arithmetic ("3+4=" -> "7") with an exact-match reward."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import datasets
+
+
+def addition_dataset(*, num_prompts: int = 100, seed: int = 0, digits: int = 1) -> datasets.Dataset:
+    """Builds the addition prompts ``"a+b="`` with their answers.
+
+    With ``digits=1`` and ``num_prompts=100`` (the default) this is every pair ``a, b`` in ``0..9``, in
+    order (``"0+0="``, ``"0+1="``, ...), whatever the seed. Otherwise ``num_prompts`` distinct pairs of
+    ``digits``-digit-at-most operands are drawn with ``seed`` (all pairs, in order, if there are no more
+    than ``num_prompts``).
+
+    Runs on: any process (plain function).
+
+    Args:
+        num_prompts: Number of prompts.
+        seed: Seed of the draw (only used when there are more pairs than ``num_prompts``).
+        digits: Maximum number of digits of each operand.
+
+    Returns:
+        A dataset with string columns ``"prompt"`` (e.g. ``"3+4="``) and ``"answer"`` (e.g. ``"7"``).
+    """
+    if num_prompts < 1 or digits < 1:
+        raise ValueError("num_prompts and digits must be positive")
+    top = 10**digits
+    total = top * top
+    if total <= num_prompts:
+        codes = list(range(total))
+    else:
+        codes = sorted(random.Random(seed).sample(range(total), num_prompts))
+    pairs = [divmod(code, top) for code in codes]
+    return datasets.Dataset.from_dict(
+        {"prompt": [f"{a}+{b}=" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]}
+    )
+
+
+def addition_reward(
+    prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any
+) -> list[float]:
+    """Exact-match reward of the addition task.
+
+    A completion scores 1.0 when, stripped of surrounding whitespace, it equals the answer, else 0.0.
+    Completions are the decoded responses without special tokens (generation already cut at EOS).
+
+    Runs on: any process (plain function).
+
+    Args:
+        prompts: The prompts (unused; part of the reward-function signature).
+        completions: The decoded completions, one per prompt.
+        answer: The ``"answer"`` dataset column, one per prompt.
+        **kwargs: Other dataset columns (ignored).
+
+    Returns:
+        One reward per completion.
+    """
+    if len(completions) != len(answer):
+        raise ValueError(f"{len(completions)} completions but {len(answer)} answers")
+    return [
+        1.0 if completion.strip() == str(ans).strip() else 0.0
+        for completion, ans in zip(completions, answer, strict=True)
+    ]

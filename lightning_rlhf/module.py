@@ -1,0 +1,217 @@
+"""``RLHFModule``: a LightningModule with four roles whose ``training_step`` is the RL dataflow.
+
+Subclass it and write ``training_step`` as one sequential program over role calls (it runs on the controller,
+rank 0), or use a ready module (``GRPOModule``, ``PPOModule``). Run it with ``Trainer(strategy=RLHFStrategy())``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_rlhf.algorithms import compute_advantages, kl_penalty, masked_mean, scores_to_token_rewards
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardFn, RewardRole, Role
+from lightning_rlhf.roles.base import check_pretrained
+
+__all__ = ["RLHFModule"]
+
+
+class RLHFModule(L.LightningModule):
+    """Four roles (actor, critic, reference, reward) and the helpers an RL dataflow needs.
+
+    Runs on: every process. ``training_step`` runs on the controller only; role methods called from it run on
+    every rank.
+
+    Args:
+        actor: local folder or hub id of the policy (a transformers causal LM).
+        reward: a function ``fn(prompts, completions, **dataset_columns) -> list[float]``, or the path of a
+            sequence-classification reward model.
+        critic: path of the value model's initial weights (usually the actor's); None: no critic.
+        reference: path of the frozen reference policy; ``True`` uses the actor's path; None or False: none.
+            Needed only when ``algorithm.kl_coef > 0``.
+        tokenizer: tokenizer path; defaults to the actor's.
+        rollout: sampling settings.
+        algorithm: RL math and batch splitting.
+        actor_optim: optimizer of the actor.
+        critic_optim: optimizer of the critic.
+    """
+
+    def __init__(
+        self,
+        actor: str,
+        *,
+        reward: RewardFn | str,
+        critic: str | None = None,
+        reference: str | bool | None = True,
+        tokenizer: str | None = None,
+        rollout: RolloutConfig | None = None,
+        algorithm: AlgorithmConfig | None = None,
+        actor_optim: OptimConfig | None = None,
+        critic_optim: OptimConfig | None = None,
+    ) -> None:
+        super().__init__()
+        from transformers import AutoTokenizer
+
+        self.automatic_optimization = False  # the roles step their own optimizers, several times per step
+        self.rollout_config = rollout or RolloutConfig()
+        self.algorithm = algorithm or AlgorithmConfig()
+        check_pretrained(actor, setting="RLHFModule(actor=...)")
+        if isinstance(reward, str):
+            check_pretrained(reward, setting="RLHFModule(reward=...)")
+        elif not callable(reward):
+            raise TypeError(
+                f"RLHFModule(reward=...) must be a function or a model path, got {type(reward).__name__}."
+            )
+        if critic is not None:
+            check_pretrained(critic, setting="RLHFModule(critic=...)")
+        ref_path = actor if reference is True else (reference or None)
+        if self.algorithm.kl_coef > 0 and ref_path is None:
+            raise ValueError(
+                f"AlgorithmConfig.kl_coef={self.algorithm.kl_coef} needs a reference policy, but "
+                "RLHFModule(reference=None). HINT: pass reference=True (the actor's initial weights) or kl_coef=0."
+            )
+        if self.algorithm.advantage == "gae" and critic is None:
+            raise ValueError(
+                "AlgorithmConfig.advantage='gae' needs a critic, but RLHFModule(critic=None). "
+                "HINT: pass critic=<path> (often the actor's path) or use advantage='grpo'."
+            )
+        if ref_path is not None and isinstance(ref_path, str) and ref_path != actor:
+            check_pretrained(ref_path, setting="RLHFModule(reference=...)")
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or actor)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer.padding_side = "left"
+
+        micro = self.algorithm.micro_batch_size
+        self.actor = ActorRole(
+            actor,
+            tokenizer=self.tokenizer,
+            rollout=self.rollout_config,
+            algorithm=self.algorithm,
+            optim=actor_optim or OptimConfig(),
+        )
+        self.critic: CriticRole | None = (
+            CriticRole(critic, algorithm=self.algorithm, optim=critic_optim or OptimConfig(lr=1e-5))
+            if critic is not None
+            else None
+        )
+        self.reference: ReferenceRole | None = (
+            ReferenceRole(ref_path, temperature=self.rollout_config.temperature, micro_batch_size=micro)
+            if ref_path
+            else None
+        )
+        self.reward = RewardRole(reward, tokenizer=self.tokenizer, micro_batch_size=micro)
+        self._step_logs: list[tuple[str, float, dict[str, Any]]] | None = None
+
+    # ------------------------------------------------------------------------------------ the roles
+    def roles(self) -> dict[str, Role]:
+        """The roles present, by name."""
+        found = {name: getattr(self, name) for name in ("actor", "critic", "reference", "reward")}
+        return {name: role for name, role in found.items() if role is not None}
+
+    def get_role(self, name: str) -> Role:
+        """The role called ``name`` (the controller's messages name roles)."""
+        return self.roles()[name]
+
+    def configure_model(self) -> None:
+        """Load every role's model (all ranks, full weights); the strategy shards them right after."""
+        for role in self.roles().values():
+            role.load()
+
+    def configure_optimizers(self) -> Any:
+        """One AdamW + schedule per trainable role, in role order (actor, then critic)."""
+        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 1000
+        pairs = [role.configure_optimizer(total) for role in self.roles().values() if role.trainable]  # type: ignore[attr-defined]
+        return [opt for opt, _ in pairs], [{"scheduler": sched, "interval": "step"} for _, sched in pairs]
+
+    # ------------------------------------------------------------------------------ step helpers
+    def training_step(self, batch: Batch) -> None:  # type: ignore[override]
+        """The RL dataflow of one step. Runs on: the controller (rank 0). Override it (see ``GRPOModule``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.training_step is not defined. HINT: subclass RLHFModule and write the "
+            "dataflow, or use GRPOModule / PPOModule."
+        )
+
+    @contextlib.contextmanager
+    def timer(self, name: str, metrics: dict[str, float]) -> Iterator[None]:
+        """Time a block into ``metrics["timing_s/<name>"]``. Runs on: controller."""
+        t0 = time.perf_counter()
+        yield
+        metrics[f"timing_s/{name}"] = time.perf_counter() - t0
+
+    def compute_advantages(self, rollout: Batch, metrics: dict[str, float] | None = None) -> Batch:
+        """Token rewards (score at the last token, minus the KL penalty if it is in the reward), then the
+        configured advantage estimator. Adds ``token_rewards``, ``advantages`` and ``returns``.
+
+        Runs on: controller (pure tensor math on the whole batch).
+        """
+        algo = self.algorithm
+        mask = rollout["response_mask"]
+        token_rewards = scores_to_token_rewards(rollout["scores"], mask)
+        if algo.kl_in_reward and algo.kl_coef > 0:
+            kl = kl_penalty(rollout["old_logprobs"], rollout["ref_logprobs"], estimator=algo.kl_estimator)
+            token_rewards = token_rewards - algo.kl_coef * kl * mask
+            if metrics is not None:
+                metrics["actor/reward_kl_penalty"] = float(masked_mean(kl, mask))
+        advantages, returns = compute_advantages(
+            algo.advantage,
+            token_rewards=token_rewards,
+            response_mask=mask,
+            values=rollout["values"] if "values" in rollout else None,
+            group_ids=rollout["uid"],
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_by_std=algo.norm_adv_by_std,
+        )
+        rollout["token_rewards"] = token_rewards
+        rollout["advantages"] = advantages
+        rollout["returns"] = returns
+        return rollout
+
+    def rollout_metrics(self, rollout: Batch, step_seconds: float | None = None) -> dict[str, float]:
+        """The standard per-step metrics of a scored rollout (names as in verl). Runs on: controller."""
+        mask = rollout["response_mask"].float()
+        lengths = mask.sum(-1)
+        scores = rollout["scores"].float()
+        out = {
+            "critic/score/mean": float(scores.mean()),
+            "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((lengths >= self.rollout_config.max_new_tokens).float().mean()),
+        }
+        if "advantages" in rollout:
+            out["critic/advantages/mean"] = float(masked_mean(rollout["advantages"], rollout["response_mask"]))
+        if "returns" in rollout:
+            out["critic/returns/mean"] = float(masked_mean(rollout["returns"], rollout["response_mask"]))
+        if "values" in rollout:
+            out["critic/values/mean"] = float(masked_mean(rollout["values"], rollout["response_mask"]))
+        if step_seconds:
+            tokens = float(rollout["prompt_mask"].sum() + mask.sum())
+            out["perf/throughput"] = tokens / step_seconds / max(1, self.trainer.world_size)
+        for key in ("timing_s/update_weights",):
+            if key in rollout.meta:
+                out[key] = float(rollout.meta[key])
+        return out
+
+    # ----------------------------------------------------------------------------------- logging
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """``LightningModule.log``; on the controller the value is also recorded for the workers.
+
+        Runs on: every process. The strategy replays the controller's logs on the workers at the end of the
+        step, so callbacks that monitor a metric see it on every rank.
+        """
+        kwargs.setdefault("batch_size", 1)
+        if self._step_logs is not None:
+            value = float(value.detach().float()) if isinstance(value, torch.Tensor) else float(value)
+            keep = {k: v for k, v in kwargs.items() if k in ("prog_bar", "logger", "on_step", "on_epoch", "batch_size")}
+            self._step_logs.append((name, value, keep))
+        super().log(name, value, *args, **kwargs)

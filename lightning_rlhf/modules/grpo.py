@@ -1,0 +1,42 @@
+"""GRPO: group-normalised rewards as advantages, no critic (Shao et al., 2024, DeepSeekMath)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig
+from lightning_rlhf.module import RLHFModule
+
+__all__ = ["GRPOModule"]
+
+
+class GRPOModule(RLHFModule):
+    """GRPO. Same arguments as :class:`RLHFModule`; the default algorithm is GRPO with a k3 KL loss.
+
+    Runs on: every process; ``training_step`` on the controller.
+    """
+
+    def __init__(self, actor: str, **kwargs: Any) -> None:
+        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="grpo"))
+        super().__init__(actor, **kwargs)
+
+    def training_step(self, batch: Batch) -> None:  # type: ignore[override]
+        """Generate n samples per prompt, score, normalise within each group, update the actor."""
+        t0, metrics = time.perf_counter(), {}
+        with self.timer("gen", metrics):
+            rollout = self.actor.generate(batch)
+        rollout = self.reward.score(rollout)
+        with self.timer("old_log_prob", metrics):
+            rollout = self.actor.log_prob(rollout)
+        if self.reference is not None and self.algorithm.kl_coef > 0:
+            with self.timer("ref", metrics):
+                rollout = self.reference.log_prob(rollout)
+        rollout = self.compute_advantages(rollout, metrics)
+        with self.timer("update_actor", metrics):
+            metrics |= self.actor.update(rollout)
+        metrics["timing_s/step"] = time.perf_counter() - t0
+        metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"])
+        self.log("critic/score/mean", metrics.pop("critic/score/mean"), prog_bar=True)
+        self.log_dict(metrics)

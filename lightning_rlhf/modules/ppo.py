@@ -1,0 +1,46 @@
+"""PPO with a critic and GAE (Ouyang et al., 2022; Schulman et al., 2017)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig, RolloutConfig
+from lightning_rlhf.module import RLHFModule
+
+__all__ = ["PPOModule"]
+
+
+class PPOModule(RLHFModule):
+    """PPO: GAE advantages from a learned critic, KL to the reference as a per-token reward penalty.
+
+    Same arguments as :class:`RLHFModule`; ``critic`` is required.
+    Runs on: every process; ``training_step`` on the controller.
+    """
+
+    def __init__(self, actor: str, **kwargs: Any) -> None:
+        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="gae", kl_in_reward=True, kl_estimator="k1"))
+        kwargs.setdefault("rollout", RolloutConfig(n=1))
+        super().__init__(actor, **kwargs)
+
+    def training_step(self, batch: Batch) -> None:  # type: ignore[override]
+        """Generate, score, reference and old log-probs, values, GAE, then update critic and actor."""
+        assert self.critic is not None
+        t0, metrics = time.perf_counter(), {}
+        with self.timer("gen", metrics):
+            rollout = self.actor.generate(batch)
+        rollout = self.reward.score(rollout)
+        rollout = self.actor.log_prob(rollout)
+        if self.reference is not None and self.algorithm.kl_coef > 0:
+            rollout = self.reference.log_prob(rollout)
+        rollout = self.critic.values(rollout)
+        rollout = self.compute_advantages(rollout, metrics)
+        with self.timer("update_critic", metrics):
+            metrics |= self.critic.update(rollout)
+        with self.timer("update_actor", metrics):
+            metrics |= self.actor.update(rollout)
+        metrics["timing_s/step"] = time.perf_counter() - t0
+        metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"])
+        self.log("critic/score/mean", metrics.pop("critic/score/mean"), prog_bar=True)
+        self.log_dict(metrics)

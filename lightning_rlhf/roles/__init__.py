@@ -1,0 +1,9 @@
+"""The four roles of RLHF. One role, one class; where each runs is the strategy's business."""
+
+from lightning_rlhf.roles.actor import ActorRole
+from lightning_rlhf.roles.base import Role
+from lightning_rlhf.roles.critic import CriticRole
+from lightning_rlhf.roles.reference import ReferenceRole
+from lightning_rlhf.roles.reward import RewardFn, RewardFunctionError, RewardRole
+
+__all__ = ["ActorRole", "CriticRole", "ReferenceRole", "RewardFn", "RewardFunctionError", "RewardRole", "Role"]

@@ -1,0 +1,224 @@
+"""The actor: the trainable policy, and the rollout engine it feeds with its weights."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rlhf.algorithms import aggregate_loss, kl_penalty, policy_loss_clipped
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
+from lightning_rlhf.engines.train import forward_response, full_tensors
+from lightning_rlhf.roles.base import Role, disable_dropout, make_optimizer
+from lightning_rlhf.roles.training import MetricAccumulator, global_token_count, minibatches, world
+from lightning_rlhf.strategy.dispatch import Dispatch, role_method
+
+__all__ = ["ActorRole"]
+
+
+class ActorRole(Role):
+    """Trainable causal LM. ``generate`` samples rollouts, ``log_prob`` scores them, ``update`` trains on them.
+
+    Runs on: every process; its methods are called by the controller and run on all ranks.
+
+    Args:
+        path: local folder or hub id of a transformers causal LM.
+        tokenizer: the tokenizer of the actor (pad and EOS ids).
+        rollout: sampling settings.
+        algorithm: loss settings and batch splitting.
+        optim: optimizer settings.
+    """
+
+    name = "actor"
+
+    def __init__(
+        self, path: str, *, tokenizer: Any, rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig
+    ) -> None:
+        super().__init__()
+        self.path = path
+        self.tokenizer = tokenizer
+        self.rollout = rollout
+        self.algorithm = algorithm
+        self.optim = optim
+        self._engine: RolloutEngine | None = None  # not an nn.Module attribute: stays out of checkpoints
+        self._weights_version = 0
+        self._engine_version = 0
+
+    @property
+    def trainable(self) -> bool:
+        return True
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The colocated rollout engine (set by the strategy at setup)."""
+        if self._engine is None:
+            raise RuntimeError("ActorRole has no rollout engine yet: the strategy attaches one in setup().")
+        return self._engine
+
+    def attach_engine(self, engine: RolloutEngine) -> None:
+        """Attach the rollout engine. Runs on: every worker rank, at setup, before sharding."""
+        self._engine = engine
+
+    def load(self) -> None:
+        """Load the causal LM with transformers (every rank, full weights, before sharding)."""
+        from transformers import AutoModelForCausalLM
+
+        if self.model is None:
+            self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+            disable_dropout(self.model)
+
+    def configure_optimizer(
+        self, total_steps: int
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """Create the optimizer over this rank's shards. Runs on: every process, after sharding."""
+        assert self.model is not None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = make_optimizer(params, self.optim, total_steps)
+        return self.optimizer, self.scheduler
+
+    # --------------------------------------------------------------------------------------- rollout
+    @role_method(Dispatch.DP_SPLIT)
+    def generate(self, batch: Batch) -> Batch:
+        """Sample ``rollout.n`` responses per prompt with the colocated engine.
+
+        Runs on: every worker rank, each on its share of the prompts. Input: ``prompts``/``prompt_mask``
+        (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask`` and the
+        input columns repeated. The engine first receives the weights of the latest update, if any.
+        """
+        sync_s, sync_bytes = self.sync_weights()
+        cfg = self.rollout
+        n = cfg.n
+        rank, _ = world()
+        step = int(batch.meta.get("step", 0))
+        params = SamplingParams(
+            n=n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=cfg.stop_token_ids,
+            seed=cfg.seed * 1_000_003 + step * 7919 + rank,
+            greedy=bool(batch.meta.get("greedy", False)),
+        )
+        prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompts, params)
+        gen_s = time.perf_counter() - t0
+        width = max(1, max(len(r) for r in out.responses))
+        responses = torch.full((len(out.responses), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((len(out.responses), width), dtype=torch.long)
+        for i, r in enumerate(out.responses):
+            responses[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask[i, : len(r)] = 1
+        rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
+        rollout["responses"] = responses
+        rollout["response_mask"] = response_mask
+        if out.logprobs is not None:
+            lp = torch.zeros((len(out.responses), width))
+            for i, row in enumerate(out.logprobs):
+                lp[i, : len(row)] = torch.tensor(row)
+            rollout["rollout_logprobs"] = lp
+        rollout.meta.update({"timing_s/update_weights": sync_s, "weights_bytes": sync_bytes, "gen_s": gen_s})
+        return rollout
+
+    def sync_weights(self) -> tuple[float, int]:
+        """Hand the latest actor weights to the engine, one parameter at a time (if they changed).
+
+        Runs on: every worker rank (each ``full_tensor`` is an all-gather, in the same order everywhere).
+        Returns ``(seconds, bytes received by this rank)``.
+        """
+        if self._engine_version == self._weights_version:
+            return 0.0, 0
+        assert self.model is not None
+        t0 = time.perf_counter()
+        self.engine.wake_up()
+        received = self.engine.load_weights(full_tensors(self.model))
+        self._engine_version = self._weights_version
+        return time.perf_counter() - t0, received
+
+    # ------------------------------------------------------------------------------------- training
+    @role_method(Dispatch.DP_SPLIT)
+    def log_prob(self, batch: Batch) -> Batch:
+        """Log-probs of the sampled responses under the current weights, as ``old_logprobs`` ``[B, R]``.
+
+        Runs on: every worker rank (FSDP forward, micro-batched).
+        """
+        assert self.model is not None
+        parts = []
+        with torch.no_grad():
+            for micro in batch.split(self.algorithm.micro_batch_size):
+                out = forward_response(self.model, micro, output="logprobs", temperature=self.rollout.temperature)
+                parts.append(out["logprobs"].cpu())
+        batch["old_logprobs"] = torch.cat(parts)
+        return batch
+
+    @role_method(Dispatch.DP_SPLIT)
+    def update(self, batch: Batch) -> dict[str, float]:
+        """PPO-style policy update: clipped loss (+ KL loss, - entropy bonus) over epochs and mini-batches.
+
+        Runs on: every worker rank. Needs ``advantages``, ``old_logprobs`` (and ``ref_logprobs`` when the KL
+        is in the loss). Returns the rank's metrics (the controller averages them over ranks).
+        """
+        assert self.model is not None
+        algo = self.algorithm
+        use_kl_loss = algo.kl_coef > 0 and not algo.kl_in_reward
+        if use_kl_loss and "ref_logprobs" not in batch:
+            raise KeyError("ActorRole.update: kl_coef > 0 needs `ref_logprobs`: call reference.log_prob first.")
+        mini_size = algo.mini_batch_size or len(batch) * world()[1]
+        acc = MetricAccumulator()
+        self.model.train()
+        for mini in minibatches(batch, mini_batch_size=mini_size, epochs=algo.ppo_epochs):
+            # FSDP averages gradients over ranks; scaling by the per-rank share of the global token count
+            # makes the sum over micro-batches and ranks an exact token-mean over the whole mini-batch.
+            num_tokens = global_token_count(mini["response_mask"]) / world()[1]
+            for micro in mini.split(algo.micro_batch_size):
+                loss, metrics = self._micro_loss(micro, num_tokens, len(micro) / len(mini), use_kl_loss)
+                loss.backward()
+                acc.add(metrics)
+            grad_norm, stepped = self.step_optimizer(self.optim.grad_clip)
+            acc.add({"grad_norm": grad_norm, "update_skipped": torch.tensor(float(not stepped))})
+        assert self.scheduler is not None
+        acc.add({"lr": torch.tensor(self.scheduler.get_last_lr()[0])})
+        self.scheduler.step()
+        self._weights_version += 1
+        return acc.result("actor")
+
+    def _micro_loss(
+        self, micro: Batch, num_tokens: Tensor, share: float, use_kl_loss: bool
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        algo = self.algorithm
+        assert self.model is not None
+        device = next(self.model.parameters()).device
+        out = forward_response(
+            self.model, micro, output="logprobs", temperature=self.rollout.temperature, with_entropy=True
+        )
+        mask = micro["response_mask"].to(device)
+        token_mean = algo.loss_agg == "token-mean"
+        agg: dict[str, Any] = {"mode": algo.loss_agg, "num_tokens": num_tokens if token_mean else None}
+        scale = 1.0 if token_mean else share
+        pg_loss, metrics = policy_loss_clipped(
+            out["logprobs"],
+            micro["old_logprobs"].to(device),
+            micro["advantages"].to(device),
+            mask,
+            clip_low=algo.clip_ratio_low,
+            clip_high=algo.clip_ratio_high,
+            agg=algo.loss_agg,
+            num_tokens=agg["num_tokens"],
+        )
+        entropy = aggregate_loss(out["entropy"], mask, **agg)
+        loss = pg_loss - algo.entropy_coef * entropy
+        report = {"pg_loss": pg_loss, "entropy": entropy, **metrics}
+        if use_kl_loss:
+            kl = kl_penalty(out["logprobs"], micro["ref_logprobs"].to(device), estimator=algo.kl_estimator)
+            kl_loss = aggregate_loss(kl, mask, **agg)
+            loss = loss + algo.kl_coef * kl_loss
+            report["kl_loss"] = kl_loss
+        # Reported values are per-micro-batch token means (comparable across batch sizes).
+        local = mask.sum().clamp(min=1) / num_tokens if token_mean else torch.tensor(1.0)
+        report = {k: v.detach() / local if k in ("pg_loss", "entropy", "kl_loss") else v for k, v in report.items()}
+        return loss * scale, report

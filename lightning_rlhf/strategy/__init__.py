@@ -1,0 +1,7 @@
+"""The single controller: strategy, transfer protocols, and the worker loop."""
+
+from lightning_rlhf.strategy.controller import ControllerError, WorkerError
+from lightning_rlhf.strategy.dispatch import Dispatch, role_method
+from lightning_rlhf.strategy.strategy import RLHFStrategy
+
+__all__ = ["ControllerError", "Dispatch", "RLHFStrategy", "WorkerError", "role_method"]

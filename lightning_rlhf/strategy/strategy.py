@@ -1,0 +1,173 @@
+"""``RLHFStrategy``: Lightning's FSDP2 strategy turned into HybridFlow's hybrid controller.
+
+What it changes in Lightning's ``ModelParallelStrategy``:
+
+- **setup**: loads nothing itself (``configure_model`` does), attaches a rollout engine to the actor, then
+  shards every role's model with FSDP2 over all ranks (1-D data-parallel mesh) before the optimizers exist.
+- **training_step**: rank 0 runs the module's ``training_step`` as the single controller; the other ranks
+  serve its role calls (:class:`~lightning_rlhf.strategy.controller.Controller`). One call = one RL iteration,
+  so ``global_step`` counts iterations however many optimizer steps the roles took.
+- **data**: every rank iterates the same loader (no distributed sampler); only the controller's copy of a
+  batch is used, and the transfer protocols split it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.engines.rollout import HFRolloutEngine
+from lightning_rlhf.strategy.controller import Controller
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_rlhf.module import RLHFModule
+
+__all__ = ["RLHFStrategy"]
+
+
+class RLHFStrategy(ModelParallelStrategy):
+    """Single controller on rank 0, FSDP2 workers on every rank.
+
+    Args:
+        rollout: rollout engine: ``"hf"`` (transformers ``generate``; the default). ``"vllm"`` comes next.
+        param_dtype: compute dtype of the sharded models (e.g. ``torch.bfloat16`` on GPUs); None keeps
+            float32. Gradients are reduced in float32 either way.
+        worker_error_timeout_s: after any rank reports an error, how long another rank may stay blocked in a
+            collective before it ends itself (prevents hangs when a rank dies mid-collective).
+        timeout: process-group timeout for collectives.
+        save_distributed_checkpoint: sharded checkpoints (a folder, one file per rank); False gathers a
+            single file on rank 0.
+    """
+
+    def __init__(
+        self,
+        rollout: Literal["hf"] = "hf",
+        *,
+        param_dtype: torch.dtype | None = None,
+        worker_error_timeout_s: float = 60.0,
+        timeout: timedelta = timedelta(minutes=30),
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+    ) -> None:
+        if rollout not in ("hf",):
+            raise ValueError(
+                f"RLHFStrategy(rollout={rollout!r}) is not available. Valid: 'hf'. "
+                "HINT: the vLLM engine arrives with the hybrid-engine release."
+            )
+        if worker_error_timeout_s <= 0:
+            raise ValueError(f"RLHFStrategy(worker_error_timeout_s={worker_error_timeout_s}) must be > 0.")
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.rollout = rollout
+        self.param_dtype = param_dtype
+        self.worker_error_timeout_s = worker_error_timeout_s
+        self._controller: Controller | None = None
+
+    # ------------------------------------------------------------------------------------- set-up
+    @override
+    def setup_environment(self) -> None:
+        """Start the process group, a 1-D data-parallel mesh over all ranks, and the control plane."""
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+        module = self._rlhf_module()
+        self._controller = Controller(
+            module.get_role,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            error_timeout_s=self.worker_error_timeout_s,
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Attach the rollout engine, shard the roles with FSDP2, then let Lightning make the optimizers."""
+        module = self._rlhf_module()
+        if trainer.state.fn == "fit":
+            batch_size = getattr(trainer.datamodule, "batch_size", None) if trainer.datamodule else None
+            if batch_size:
+                module.algorithm.check_batch(samples=batch_size * module.rollout_config.n, world_size=self.world_size)
+        mesh = self.device_mesh["data_parallel"]
+        for name, role in module.roles().items():
+            if role.model is None:
+                continue
+            role.model.to(self.root_device)
+            if name == "actor":
+                module.actor.attach_engine(self._make_engine(module))
+            role.shard(mesh, param_dtype=self.param_dtype)
+        super().setup(trainer)
+
+    def _make_engine(self, module: RLHFModule) -> HFRolloutEngine:
+        assert module.actor.model is not None
+        tok = module.tokenizer
+        return HFRolloutEngine(
+            module.actor.model,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            device=self.root_device,
+            generation_batch_size=module.rollout_config.generation_batch_size,
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank reads the whole batch: the controller splits it by each call's protocol."""
+        return {"num_replicas": 1, "rank": 0}
+
+    # -------------------------------------------------------------------------------------- a step
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """One RL iteration: the controller runs the dataflow, workers serve it; then count the step.
+
+        Runs on: every rank (rank 0 as controller, others as workers).
+        """
+        assert self._controller is not None
+        module = self._rlhf_module()
+        trainer = module.trainer
+        batch = args[0]
+        if isinstance(batch, Batch):
+            batch.meta["step"] = trainer.global_step
+        if self.global_rank == 0:
+            module._step_logs = []
+            try:
+                out = self._controller.run_step(lambda: module.training_step(*args, **kwargs), module._step_logs)
+            finally:
+                module._step_logs = None
+        else:
+            self._controller.serve(lambda name, value, kw: module.log(name, value, **kw))
+            out = None
+        loader = trainer.train_dataloader
+        if isinstance(batch, Batch) and hasattr(loader, "mark_consumed"):
+            loader.mark_consumed(batch)  # resumable data position = last batch trained on
+        # global_step follows RL iterations, not optimizer steps (the roles step raw optimizers).
+        progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
+        return out
+
+    @override
+    def teardown(self) -> None:
+        if self._controller is not None:
+            self._controller.close()
+        super().teardown()
+
+    def _rlhf_module(self) -> RLHFModule:
+        from lightning_rlhf.module import RLHFModule
+
+        module = self.lightning_module
+        if not isinstance(module, RLHFModule):
+            raise TypeError(
+                f"RLHFStrategy drives an RLHFModule, got `{type(module).__name__}`. "
+                "HINT: subclass lightning_rlhf.RLHFModule (or use GRPOModule / PPOModule)."
+            )
+        return module
