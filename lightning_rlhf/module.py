@@ -202,6 +202,11 @@ class RLHFModule(L.LightningModule):
                 out[key] = float(rollout.meta[key])
         return out
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The restored actor weights differ from what the rollout engine holds: hand them over before the
+        next generation. Runs on: every process."""
+        self.actor.mark_weights_changed()
+
     # ----------------------------------------------------------------------------------- logging
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """``LightningModule.log``; on the controller the value is also recorded for the workers.

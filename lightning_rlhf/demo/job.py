@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the demo job. Runs on: every process (Lightning relaunches this module as the other ranks)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_rlhf.demo", description=__doc__)
     parser.add_argument("--devices", type=int, default=2, help="worker processes (CPU)")
-    parser.add_argument("--steps", type=int, default=100, help="RL steps")
+    parser.add_argument("--steps", type=int, default=250, help="RL steps")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--lr", type=float, default=5e-4)

@@ -70,6 +70,7 @@ class ActorRole(Role):
         if self.model is None:
             self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
             disable_dropout(self.model)
+            self.model.train()  # from_pretrained returns eval mode; dropout is off anyway
 
     def configure_optimizer(
         self, total_steps: int
@@ -124,6 +125,10 @@ class ActorRole(Role):
             rollout["rollout_logprobs"] = lp
         rollout.meta.update({"timing_s/update_weights": sync_s, "weights_bytes": sync_bytes, "gen_s": gen_s})
         return rollout
+
+    def mark_weights_changed(self) -> None:
+        """Make the next ``generate`` hand the weights to the engine first (after an update or a restore)."""
+        self._weights_version += 1
 
     def sync_weights(self) -> tuple[float, int]:
         """Hand the latest actor weights to the engine, one parameter at a time (if they changed).
@@ -184,7 +189,7 @@ class ActorRole(Role):
         assert self.scheduler is not None
         acc.add({"lr": torch.tensor(self.scheduler.get_last_lr()[0])})
         self.scheduler.step()
-        self._weights_version += 1
+        self.mark_weights_changed()
         return acc.result("actor")
 
     def _micro_loss(

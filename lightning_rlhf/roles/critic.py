@@ -48,6 +48,7 @@ class CriticRole(Role):
                 self.path, num_labels=1, dtype=torch.float32
             )
             disable_dropout(self.model)
+            self.model.train()  # from_pretrained returns eval mode; dropout is off anyway
 
     def configure_optimizer(
         self, total_steps: int

@@ -164,7 +164,8 @@ class Controller:
         fn = getattr(type(role), call.method).__wrapped__
         where = f"{call.role}.{call.method}"
         try:
-            result = fn(role, *call.args, **call.kwargs)
+            with controller_active(None):
+                result = fn(role, *call.args, **call.kwargs)
         except Exception:
             tb = traceback.format_exc()
             self._post_error(f"rank {self.rank} failed in `{where}`:\n{tb}", _Failure(self.rank, where, tb))

@@ -45,7 +45,7 @@ class _Controller(Protocol):
     def call(self, role: Role, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
-_ACTIVE: list[_Controller] = []
+_ACTIVE: list[_Controller | None] = []
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -58,9 +58,10 @@ def current_controller() -> _Controller | None:
 
 
 class controller_active:
-    """Context manager that routes role-method calls through ``controller`` (rank 0, inside a step)."""
+    """Route role-method calls through ``controller`` (rank 0, inside a step); ``None`` makes them local
+    again (while a role method itself runs, its calls to other role methods are plain calls)."""
 
-    def __init__(self, controller: _Controller) -> None:
+    def __init__(self, controller: _Controller | None) -> None:
         self._controller = controller
 
     def __enter__(self) -> None:

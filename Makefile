@@ -1,0 +1,48 @@
+# lightning_rlhf: `make demo` and `make test` work on a fresh machine (they create .venv and install first).
+SHELL := bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: help setup demo test unit lint format typecheck clean
+
+help:  ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+setup: $(STAMP)  ## Create .venv and install the project (CPU machines get the CPU build of torch)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
+	@# No GPU: pin the CPU wheel first so no dependency pulls a CUDA build of torch.
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install -q "torch==2.13.0" 2>&1 | $(QUIET_PIP); fi
+	@$(BIN)/python -m pip install -q -e ".[dev]" 2>&1 | $(QUIET_PIP)
+	@$(BIN)/python -c "import torch, lightning, transformers, datasets, wandb" 
+	@touch $@
+
+demo: setup  ## Run the embedded default job (tiny model learns addition by GRPO, 2 CPU processes)
+	$(BIN)/python -m lightning_rlhf.demo
+
+test: setup lint typecheck  ## Lint, type-check and run the whole test suite
+	$(BIN)/python -m pytest -q tests
+
+unit: setup  ## Only the fast unit tests
+	$(BIN)/python -m pytest -q tests/unit
+
+lint: setup  ## ruff lint + format check
+	$(BIN)/ruff check lightning_rlhf tests recipes
+	$(BIN)/ruff format --check lightning_rlhf tests recipes
+
+format: setup  ## Apply ruff formatting and safe fixes
+	$(BIN)/ruff format lightning_rlhf tests recipes
+	$(BIN)/ruff check --fix lightning_rlhf tests recipes
+
+typecheck: setup  ## mypy over the package
+	$(BIN)/mypy lightning_rlhf
+
+clean:  ## Remove the virtualenv and caches
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

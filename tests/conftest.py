@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny local models (nothing is downloaded) and a runner for multi-process scripts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen2 causal LM + char tokenizer saved locally (head_dim 32)."""
+    from lightning_rlhf.demo import save_tiny
+
+    return save_tiny(str(tmp_path_factory.mktemp("tiny") / "model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen2 sequence classifier (one output) saved locally."""
+    from lightning_rlhf.demo import save_tiny
+
+    return save_tiny(str(tmp_path_factory.mktemp("tiny_rm") / "model"), seed=1, classifier=True)
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The demo's warm-started tiny model (about a second to make)."""
+    from lightning_rlhf.demo import prepare_demo_model
+
+    return prepare_demo_model(str(tmp_path_factory.mktemp("cache")), seed=0)
+
+
+def run_script(name: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/scripts/<name>`` in a fresh interpreter (Lightning launches the other ranks from it)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(ROOT),
+        env=full_env,
+    )

@@ -1,0 +1,138 @@
+"""Training script the distributed tests launch as a subprocess (Lightning starts the other ranks from it).
+
+Usage: python tests/scripts/train.py --model DIR --out DIR [--algo grpo|ppo] [--devices N] [--steps N] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from lightning_rlhf import (
+    AlgorithmConfig,
+    GRPOModule,
+    OptimConfig,
+    PPOModule,
+    PromptDataModule,
+    RLHFStrategy,
+    RolloutConfig,
+)
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.demo import addition_dataset, addition_reward
+from lightning_rlhf.roles import ActorRole
+from lightning_rlhf.strategy.dispatch import Dispatch, role_method
+
+
+def failing_reward(prompts, completions, answer, **kw):
+    """Raises on rank 1 only: the clean error path (every rank reaches the gather)."""
+    if torch.distributed.get_rank() == 1:
+        raise ValueError("reward exploded on purpose")
+    return addition_reward(prompts, completions, answer)
+
+
+class FailingActor(ActorRole):
+    """Raises in update on rank 1 only, while rank 0 waits in FSDP collectives: the stuck error path."""
+
+    @role_method(Dispatch.DP_SPLIT)
+    def update(self, batch: Batch) -> dict[str, float]:
+        if torch.distributed.get_rank() == 1:
+            raise RuntimeError("actor update exploded on purpose")
+        return super().update(batch)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--algo", default="grpo")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--mini-batch-size", type=int, default=None)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--ppo-epochs", type=int, default=1)
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--save-ckpt", default=None, help="save a checkpoint here at the end")
+    p.add_argument("--resume", default=None, help="resume from this checkpoint")
+    p.add_argument("--wandb", action="store_true")
+    p.add_argument("--checkpoint-callback", action="store_true")
+    p.add_argument("--fault", choices=["none", "reward", "actor_update"], default="none")
+    p.add_argument("--error-timeout", type=float, default=10.0)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    algo_kwargs = dict(
+        micro_batch_size=args.micro_batch_size,
+        mini_batch_size=args.mini_batch_size,
+        ppo_epochs=args.ppo_epochs,
+        kl_coef=args.kl_coef,
+    )
+    common = dict(
+        reward=failing_reward if args.fault == "reward" else addition_reward,
+        rollout=RolloutConfig(n=args.n, max_new_tokens=5, seed=0),
+        actor_optim=OptimConfig(lr=1e-3, warmup_steps=2),
+    )
+    if args.algo == "ppo":
+        module = PPOModule(
+            args.model,
+            critic=args.model,
+            reference=True,
+            algorithm=AlgorithmConfig(advantage="gae", kl_in_reward=True, kl_estimator="k1", **algo_kwargs),
+            critic_optim=OptimConfig(lr=1e-3),
+            **common,
+        )
+    else:
+        module = GRPOModule(
+            args.model,
+            reference=True if args.kl_coef > 0 else None,
+            algorithm=AlgorithmConfig(advantage="grpo", **algo_kwargs),
+            **common,
+        )
+    if args.fault == "actor_update":
+        old = module.actor
+        module.actor = FailingActor(
+            old.path, tokenizer=old.tokenizer, rollout=old.rollout, algorithm=old.algorithm, optim=old.optim
+        )
+    loggers: list = [CSVLogger(args.out, name="", version="")]
+    if args.wandb:
+        loggers.append(WandbLogger(project="lightning_rlhf-test", save_dir=args.out, offline=True))
+    callbacks = []
+    if args.checkpoint_callback:
+        callbacks.append(
+            ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), monitor="critic/score/mean", mode="max", every_n_train_steps=1)
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=RLHFStrategy(worker_error_timeout_s=args.error_timeout),
+        max_steps=args.steps,
+        logger=loggers,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        enable_checkpointing=args.checkpoint_callback,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = PromptDataModule(addition_dataset(), batch_size=args.prompts, max_prompt_length=16)
+    trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+    if args.save_ckpt:
+        trainer.save_checkpoint(args.save_ckpt)
+    if trainer.global_rank == 0:
+        first = next(module.actor.model.parameters())
+        info = {"global_step": trainer.global_step, "param_checksum": float(first.full_tensor().double().sum())}
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(info, f)
+    else:
+        next(module.actor.model.parameters()).full_tensor()  # the checksum's all-gather
+
+
+if __name__ == "__main__":
+    main()
