@@ -42,9 +42,7 @@ class Batch:
         self.tensors: dict[str, Tensor] = dict(tensors or {})
         self.columns: dict[str, list[Any]] = {k: list(v) for k, v in (columns or {}).items()}
         self.meta: dict[str, Any] = dict(meta or {})
-        sizes = {k: int(v.shape[0]) for k, v in self.tensors.items()} | {
-            k: len(v) for k, v in self.columns.items()
-        }
+        sizes = {k: int(v.shape[0]) for k, v in self.tensors.items()} | {k: len(v) for k, v in self.columns.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"Batch columns disagree on the batch size: {sizes}")
 

@@ -66,9 +66,7 @@ class RLHFModule(L.LightningModule):
         if isinstance(reward, str):
             check_pretrained(reward, setting="RLHFModule(reward=...)")
         elif not callable(reward):
-            raise TypeError(
-                f"RLHFModule(reward=...) must be a function or a model path, got {type(reward).__name__}."
-            )
+            raise TypeError(f"RLHFModule(reward=...) must be a function or a model path, got {type(reward).__name__}.")
         if critic is not None:
             check_pretrained(critic, setting="RLHFModule(critic=...)")
         ref_path = actor if reference is True else (reference or None)
@@ -128,7 +126,7 @@ class RLHFModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         """One AdamW + schedule per trainable role, in role order (actor, then critic)."""
         total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 1000
-        pairs = [role.configure_optimizer(total) for role in self.roles().values() if role.trainable]  # type: ignore[attr-defined]
+        pairs = [role.configure_optimizer(total) for role in self.roles().values() if role.trainable]
         return [opt for opt, _ in pairs], [{"scheduler": sched, "interval": "step"} for _, sched in pairs]
 
     # ------------------------------------------------------------------------------ step helpers
@@ -164,7 +162,7 @@ class RLHFModule(L.LightningModule):
             algo.advantage,
             token_rewards=token_rewards,
             response_mask=mask,
-            values=rollout["values"] if "values" in rollout else None,
+            values=rollout.tensors.get("values"),
             group_ids=rollout["uid"],
             gamma=algo.gamma,
             lam=algo.lam,

@@ -37,9 +37,16 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return prepare_demo_model(str(tmp_path_factory.mktemp("cache")), seed=0)
 
 
-def run_script(name: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_script(
+    name: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``tests/scripts/<name>`` in a fresh interpreter (Lightning launches the other ranks from it)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    full_env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_MODE": "offline",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, str(SCRIPTS / name), *args],

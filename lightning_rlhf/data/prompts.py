@@ -204,7 +204,11 @@ class PromptDataModule(L.LightningDataModule):
         assert self._rows is not None, "call setup('fit') first"
         if self._loader is None:
             self._loader = PromptLoader(
-                self._rows, batch_size=self.batch_size, collate=self.collate, shuffle=self.shuffle, seed=self.seed
+                self._rows,
+                batch_size=self.batch_size,
+                collate=self.collate,
+                shuffle=self.shuffle,
+                seed=self.seed,
             )
         return self._loader
 
@@ -222,7 +226,10 @@ def _load_dataset(source: Any) -> Any:
         builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
         if builder is None:
             raise ValueError(
-                f"PromptDataModule(train={path!r}): unknown file type '.{ext}'. Expected .jsonl, .json, .parquet or .csv."
+                f"PromptDataModule(train={path!r}): unknown file type '.{ext}'. "
+                "Expected .jsonl, .json, .parquet or .csv."
             )
         return datasets.load_dataset(builder, data_files=path, split="train")
-    raise TypeError(f"PromptDataModule(train=...) expects a datasets.Dataset or a file path, got {type(source).__name__}.")
+    raise TypeError(
+        f"PromptDataModule(train=...) expects a datasets.Dataset or a file path, got {type(source).__name__}."
+    )

@@ -20,7 +20,14 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_rlhf import AlgorithmConfig, GRPOModule, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig
+    from lightning_rlhf import (
+        AlgorithmConfig,
+        GRPOModule,
+        OptimConfig,
+        PromptDataModule,
+        RLHFStrategy,
+        RolloutConfig,
+    )
     from lightning_rlhf.demo.task import addition_dataset, addition_reward
 
     module = GRPOModule(
@@ -31,7 +38,9 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         algorithm=AlgorithmConfig(advantage="grpo", kl_coef=0.0, micro_batch_size=args.micro_batch_size),
         actor_optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
     )
-    data = PromptDataModule(addition_dataset(seed=args.seed), batch_size=args.prompts, max_prompt_length=16, seed=args.seed)
+    data = PromptDataModule(
+        addition_dataset(seed=args.seed), batch_size=args.prompts, max_prompt_length=16, seed=args.seed
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,

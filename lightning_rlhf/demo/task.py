@@ -40,9 +40,7 @@ def addition_dataset(*, num_prompts: int = 100, seed: int = 0, digits: int = 1) 
     )
 
 
-def addition_reward(
-    prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any
-) -> list[float]:
+def addition_reward(prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
     """Exact-match reward of the addition task.
 
     A completion scores 1.0 when, stripped of surrounding whitespace, it equals the answer, else 0.0.

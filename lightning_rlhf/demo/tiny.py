@@ -210,9 +210,7 @@ def build_tiny_classifier(
     return _finish(model, tokenizer)
 
 
-def save_tiny(
-    model_dir: str | os.PathLike[str], *, seed: int = 0, classifier: bool = False, **kw: Any
-) -> str:
+def save_tiny(model_dir: str | os.PathLike[str], *, seed: int = 0, classifier: bool = False, **kw: Any) -> str:
     """Builds the char tokenizer and a tiny model and saves both into ``model_dir`` (safetensors).
 
     The directory can then be loaded like any local checkpoint (``AutoTokenizer.from_pretrained``,

@@ -111,9 +111,7 @@ def warm_start(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-    log.info(
-        "warm start: %d steps in %.2fs, final loss %.3f", steps, time.perf_counter() - start, loss.item()
-    )
+    log.info("warm start: %d steps in %.2fs, final loss %.3f", steps, time.perf_counter() - start, loss.item())
     model.eval()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -240,8 +238,6 @@ def greedy_accuracy(model_dir: str, *, digits: int = 1) -> float:
     model, tokenizer = _load(model_dir)
     data = addition_dataset(digits=digits)
     prompts, answers = list(data["prompt"]), list(data["answer"])
-    completions = _generate_completions(
-        model, tokenizer, prompts, do_sample=False, temperature=1.0, max_new_tokens=4
-    )
+    completions = _generate_completions(model, tokenizer, prompts, do_sample=False, temperature=1.0, max_new_tokens=4)
     rewards = addition_reward(prompts, completions, answer=answers)
     return sum(rewards) / len(rewards)

@@ -24,7 +24,7 @@ class GRPOModule(RLHFModule):
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
         """Generate n samples per prompt, score, normalise within each group, update the actor."""
-        t0, metrics = time.perf_counter(), {}
+        t0, metrics = time.perf_counter(), dict[str, float]()
         with self.timer("gen", metrics):
             rollout = self.actor.generate(batch)
         rollout = self.reward.score(rollout)

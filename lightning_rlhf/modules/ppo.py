@@ -27,7 +27,7 @@ class PPOModule(RLHFModule):
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
         """Generate, score, reference and old log-probs, values, GAE, then update critic and actor."""
         assert self.critic is not None
-        t0, metrics = time.perf_counter(), {}
+        t0, metrics = time.perf_counter(), dict[str, float]()
         with self.timer("gen", metrics):
             rollout = self.actor.generate(batch)
         rollout = self.reward.score(rollout)

@@ -6,4 +6,12 @@ from lightning_rlhf.roles.critic import CriticRole
 from lightning_rlhf.roles.reference import ReferenceRole
 from lightning_rlhf.roles.reward import RewardFn, RewardFunctionError, RewardRole
 
-__all__ = ["ActorRole", "CriticRole", "ReferenceRole", "RewardFn", "RewardFunctionError", "RewardRole", "Role"]
+__all__ = [
+    "ActorRole",
+    "CriticRole",
+    "ReferenceRole",
+    "RewardFn",
+    "RewardFunctionError",
+    "RewardRole",
+    "Role",
+]

@@ -13,7 +13,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
 from lightning_rlhf.engines.train import forward_response, full_tensors
-from lightning_rlhf.roles.base import Role, disable_dropout, make_optimizer
+from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.roles.training import MetricAccumulator, global_token_count, minibatches, world
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 
@@ -36,7 +36,13 @@ class ActorRole(Role):
     name = "actor"
 
     def __init__(
-        self, path: str, *, tokenizer: Any, rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig
+        self,
+        path: str,
+        *,
+        tokenizer: Any,
+        rollout: RolloutConfig,
+        algorithm: AlgorithmConfig,
+        optim: OptimConfig,
     ) -> None:
         super().__init__()
         self.path = path
@@ -71,15 +77,6 @@ class ActorRole(Role):
             self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
             disable_dropout(self.model)
             self.model.train()  # from_pretrained returns eval mode; dropout is off anyway
-
-    def configure_optimizer(
-        self, total_steps: int
-    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        """Create the optimizer over this rank's shards. Runs on: every process, after sharding."""
-        assert self.model is not None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(params, self.optim, total_steps)
-        return self.optimizer, self.scheduler
 
     # --------------------------------------------------------------------------------------- rollout
     @role_method(Dispatch.DP_SPLIT)

@@ -45,6 +45,20 @@ class Role(nn.Module):
         """Whether the role owns an optimizer."""
         return False
 
+    def configure_optimizer(
+        self, total_steps: int
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """Create AdamW and its schedule over this rank's shards (trainable roles, which set ``self.optim``).
+
+        Runs on: every process, in ``configure_optimizers``, after sharding.
+        """
+        optim: OptimConfig | None = getattr(self, "optim", None)
+        if not self.trainable or optim is None or self.model is None:
+            raise TypeError(f"{type(self).__name__} is not trainable: it has no optimizer to configure.")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = make_optimizer(params, optim, total_steps)
+        return self.optimizer, self.scheduler
+
     def step_optimizer(self, grad_clip: float) -> tuple[torch.Tensor, bool]:
         """Clip, step and zero the optimizer; skip the step when the norm is not finite.
 

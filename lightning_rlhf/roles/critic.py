@@ -8,7 +8,7 @@ from lightning_rlhf.algorithms import value_loss_clipped
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig
 from lightning_rlhf.engines.train import forward_response
-from lightning_rlhf.roles.base import Role, disable_dropout, make_optimizer
+from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.roles.training import MetricAccumulator, global_token_count, minibatches, world
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 
@@ -44,20 +44,9 @@ class CriticRole(Role):
         from transformers import AutoModelForTokenClassification
 
         if self.model is None:
-            self.model = AutoModelForTokenClassification.from_pretrained(
-                self.path, num_labels=1, dtype=torch.float32
-            )
+            self.model = AutoModelForTokenClassification.from_pretrained(self.path, num_labels=1, dtype=torch.float32)
             disable_dropout(self.model)
             self.model.train()  # from_pretrained returns eval mode; dropout is off anyway
-
-    def configure_optimizer(
-        self, total_steps: int
-    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        """Create the optimizer over this rank's shards. Runs on: every process, after sharding."""
-        assert self.model is not None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(params, self.optim, total_steps)
-        return self.optimizer, self.scheduler
 
     @role_method(Dispatch.DP_SPLIT)
     def values(self, batch: Batch) -> Batch:

@@ -12,7 +12,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 
-__all__ = ["RewardFunctionError", "RewardFn", "RewardRole"]
+__all__ = ["RewardFn", "RewardFunctionError", "RewardRole"]
 
 RewardFn = Callable[..., Sequence[float]]
 """``fn(prompts: list[str], completions: list[str], **dataset_columns) -> list[float]`` (TRL's convention)."""
@@ -55,8 +55,8 @@ class RewardRole(Role):
             self._model_tokenizer.padding_side = "right"
             if self._model_tokenizer.pad_token is None:
                 self._model_tokenizer.pad_token = self._model_tokenizer.eos_token
-            if getattr(self.model.config, "pad_token_id", None) is None:
-                self.model.config.pad_token_id = self._model_tokenizer.pad_token_id
+            if getattr(model.config, "pad_token_id", None) is None:
+                model.config.pad_token_id = self._model_tokenizer.pad_token_id
 
     @role_method(Dispatch.DP_SPLIT)
     def score(self, batch: Batch) -> Batch:

@@ -14,6 +14,7 @@ fails loudly instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -23,7 +24,6 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from lightning_rlhf.batch import Batch
@@ -45,7 +45,9 @@ class WorkerError(RuntimeError):
         self.where = where
         self.remote_traceback = remote_traceback
         last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else ""
-        super().__init__(f"rank {rank} failed in `{where}`: {last}\n\n--- traceback on rank {rank} ---\n{remote_traceback}")
+        super().__init__(
+            f"rank {rank} failed in `{where}`: {last}\n\n--- traceback on rank {rank} ---\n{remote_traceback}"
+        )
 
 
 class ControllerError(RuntimeError):
@@ -193,10 +195,8 @@ class Controller:
         import pickle
 
         payload = pickle.dumps((message, failure))
-        try:
+        with contextlib.suppress(Exception):  # the store may already be gone at shutdown
             self._store.compare_set(_ERROR_KEY, "", payload)
-        except Exception:  # the store may already be gone at shutdown
-            pass
 
     def _first_posted_failure(self) -> _Failure | None:
         if self._store is None:
@@ -259,10 +259,3 @@ class _Watchdog:
                 flush=True,
             )
             os._exit(1)
-
-
-def to_cpu(obj: Any) -> Any:
-    """Move a Batch or tensor to CPU (control-plane messages carry CPU data only)."""
-    if isinstance(obj, Batch | torch.Tensor):
-        return obj.to("cpu")
-    return obj

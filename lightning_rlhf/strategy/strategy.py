@@ -94,7 +94,7 @@ class RLHFStrategy(ModelParallelStrategy):
         """Attach the rollout engine, shard the roles with FSDP2, then let Lightning make the optimizers."""
         module = self._rlhf_module()
         if trainer.state.fn == "fit":
-            batch_size = getattr(trainer.datamodule, "batch_size", None) if trainer.datamodule else None
+            batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
             if batch_size:
                 module.algorithm.check_batch(samples=batch_size * module.rollout_config.n, world_size=self.world_size)
         mesh = self.device_mesh["data_parallel"]
@@ -146,9 +146,9 @@ class RLHFStrategy(ModelParallelStrategy):
         else:
             self._controller.serve(lambda name, value, kw: module.log(name, value, **kw))
             out = None
-        loader = trainer.train_dataloader
-        if isinstance(batch, Batch) and hasattr(loader, "mark_consumed"):
-            loader.mark_consumed(batch)  # resumable data position = last batch trained on
+        mark_consumed = getattr(trainer.train_dataloader, "mark_consumed", None)
+        if isinstance(batch, Batch) and mark_consumed is not None:
+            mark_consumed(batch)  # resumable data position = last batch trained on
         # global_step follows RL iterations, not optimizer steps (the roles step raw optimizers).
         progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         progress.increment_ready()

@@ -39,18 +39,39 @@ def read_metrics(out: Path) -> list[dict[str, str]]:
 
 
 def check_ok(proc) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
 
 
 def test_grpo_two_ranks_logs_every_metric_and_counts_rl_steps(demo_model: str, tmp_path: Path) -> None:
     # mini-batches and micro-batches: 8 prompts x 4 samples = 32 samples, 2 optimizer steps per epoch, 2 epochs.
     proc = run_script(
-        "train.py", "--model", demo_model, "--out", str(tmp_path), "--devices", "2", "--steps", "3",
-        "--mini-batch-size", "16", "--micro-batch-size", "4", "--ppo-epochs", "2", "--kl-coef", "0.01",
+        "train.py",
+        "--model",
+        demo_model,
+        "--out",
+        str(tmp_path),
+        "--devices",
+        "2",
+        "--steps",
+        "3",
+        "--mini-batch-size",
+        "16",
+        "--micro-batch-size",
+        "4",
+        "--ppo-epochs",
+        "2",
+        "--kl-coef",
+        "0.01",
     )
     check_ok(proc)
     rows = read_metrics(tmp_path)
-    assert [int(r["step"]) for r in rows] == [0, 1, 2]  # global_step counts RL iterations, not the 4 optimizer steps
+    assert [int(r["step"]) for r in rows] == [
+        0,
+        1,
+        2,
+    ]  # global_step counts RL iterations, not the 4 optimizer steps
     for name in [*REQUIRED_METRICS, "actor/kl_loss"]:
         values = [float(r[name]) for r in rows]
         assert all(math.isfinite(v) for v in values), name
@@ -64,13 +85,34 @@ def test_grpo_two_ranks_logs_every_metric_and_counts_rl_steps(demo_model: str, t
 
 def test_ppo_with_critic_and_reference_two_ranks(demo_model: str, tmp_path: Path) -> None:
     proc = run_script(
-        "train.py", "--model", demo_model, "--out", str(tmp_path), "--algo", "ppo", "--devices", "2",
-        "--steps", "2", "--n", "1", "--prompts", "8", "--kl-coef", "0.05",
+        "train.py",
+        "--model",
+        demo_model,
+        "--out",
+        str(tmp_path),
+        "--algo",
+        "ppo",
+        "--devices",
+        "2",
+        "--steps",
+        "2",
+        "--n",
+        "1",
+        "--prompts",
+        "8",
+        "--kl-coef",
+        "0.05",
     )
     check_ok(proc)
     rows = read_metrics(tmp_path)
     assert len(rows) == 2
-    for name in [*REQUIRED_METRICS, "critic/vf_loss", "critic/grad_norm", "critic/values/mean", "timing_s/update_critic"]:
+    for name in [
+        *REQUIRED_METRICS,
+        "critic/vf_loss",
+        "critic/grad_norm",
+        "critic/values/mean",
+        "timing_s/update_critic",
+    ]:
         assert all(math.isfinite(float(r[name])) for r in rows), name
     assert float(rows[0]["critic/vf_loss"]) > 0
 
@@ -86,7 +128,13 @@ def test_resume_continues_like_the_uninterrupted_run(demo_model: str, tmp_path: 
     full, resumed = read_metrics(straight), read_metrics(second)
     assert [int(r["step"]) for r in resumed] == [2, 3]
     for a, b in zip(full[2:], resumed, strict=True):
-        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/lr"):
+        for key in (
+            "critic/score/mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "response_length/mean",
+            "actor/lr",
+        ):
             assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-6), key
     end_full = json.loads((straight / "result.json").read_text())["param_checksum"]
     end_resumed = json.loads((second / "result.json").read_text())["param_checksum"]
@@ -95,8 +143,17 @@ def test_resume_continues_like_the_uninterrupted_run(demo_model: str, tmp_path: 
 
 def test_wandb_offline_and_checkpoint_callback_monitoring_reward(demo_model: str, tmp_path: Path) -> None:
     proc = run_script(
-        "train.py", "--model", demo_model, "--out", str(tmp_path), "--devices", "2", "--steps", "2",
-        "--wandb", "--checkpoint-callback",
+        "train.py",
+        "--model",
+        demo_model,
+        "--out",
+        str(tmp_path),
+        "--devices",
+        "2",
+        "--steps",
+        "2",
+        "--wandb",
+        "--checkpoint-callback",
     )
     check_ok(proc)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
@@ -119,8 +176,17 @@ def test_worker_dying_mid_collective_does_not_hang(demo_model: str, tmp_path: Pa
     # Rank 1 raises in actor.update while rank 0 waits in an FSDP all-gather that rank 1 never joins.
     t0 = time.monotonic()
     proc = run_script(
-        "train.py", "--model", demo_model, "--out", str(tmp_path), "--devices", "2", "--fault", "actor_update",
-        "--error-timeout", "5",
+        "train.py",
+        "--model",
+        demo_model,
+        "--out",
+        str(tmp_path),
+        "--devices",
+        "2",
+        "--fault",
+        "actor_update",
+        "--error-timeout",
+        "5",
     )
     assert proc.returncode != 0
     assert "rank 1 failed in `actor.update`" in proc.stderr

@@ -107,7 +107,12 @@ def main() -> None:
     callbacks = []
     if args.checkpoint_callback:
         callbacks.append(
-            ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), monitor="critic/score/mean", mode="max", every_n_train_steps=1)
+            ModelCheckpoint(
+                dirpath=os.path.join(args.out, "ckpt"),
+                monitor="critic/score/mean",
+                mode="max",
+                every_n_train_steps=1,
+            )
         )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -127,7 +132,10 @@ def main() -> None:
         trainer.save_checkpoint(args.save_ckpt)
     if trainer.global_rank == 0:
         first = next(module.actor.model.parameters())
-        info = {"global_step": trainer.global_step, "param_checksum": float(first.full_tensor().double().sum())}
+        info = {
+            "global_step": trainer.global_step,
+            "param_checksum": float(first.full_tensor().double().sum()),
+        }
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(info, f)
     else:

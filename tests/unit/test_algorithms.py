@@ -148,9 +148,7 @@ def test_gae_hand_example() -> None:
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
     values = torch.tensor([[0.5, 0.4, 0.3]])
     mask = torch.ones(1, 3)
-    adv, ret = compute_advantages(
-        "gae", token_rewards=rewards, response_mask=mask, values=values, gamma=0.9, lam=0.8
-    )
+    adv, ret = compute_advantages("gae", token_rewards=rewards, response_mask=mask, values=values, gamma=0.9, lam=0.8)
     close(ret, [[0.62928, 0.774, 1.0]])
     close(adv, [[-0.9493241, -0.0946251, 1.0439492]])
 
@@ -219,9 +217,7 @@ def test_gae_matches_slow_loop() -> None:
     rewards = torch.randn(b, t, generator=gen, dtype=torch.float64)
     values = torch.randn(b, t, generator=gen, dtype=torch.float64)
     mask = _random_ragged_mask(gen, b, t)
-    adv, ret = compute_advantages(
-        "gae", token_rewards=rewards, response_mask=mask, values=values, gamma=gamma, lam=lam
-    )
+    adv, ret = compute_advantages("gae", token_rewards=rewards, response_mask=mask, values=values, gamma=gamma, lam=lam)
     raw = torch.zeros(b, t, dtype=torch.float64)
     for i in range(b):
         idx = [j for j in range(t) if mask[i, j]]  # valid tokens only; padding is skipped
@@ -243,9 +239,7 @@ def test_grpo_matches_slow_loop() -> None:
     rewards = torch.randn(b, t, generator=gen, dtype=torch.float64)
     mask = _random_ragged_mask(gen, b, t)
     group_ids = torch.tensor([3, 3, 3, 0, 0, 9, 5, 5, 5, 5, 3, 1])
-    adv, _ = compute_advantages(
-        "grpo", token_rewards=rewards * mask, response_mask=mask, group_ids=group_ids, eps=eps
-    )
+    adv, _ = compute_advantages("grpo", token_rewards=rewards * mask, response_mask=mask, group_ids=group_ids, eps=eps)
     scores = [float((rewards[i] * mask[i]).sum()) for i in range(b)]
     expected = torch.zeros(b, t, dtype=torch.float64)
     for i in range(b):

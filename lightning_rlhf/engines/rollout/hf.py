@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +43,7 @@ class HFRolloutEngine:
         device: torch.device,
         generation_batch_size: int = 64,
     ) -> None:
-        self.model = copy.deepcopy(model).to(device).eval().requires_grad_(False)
+        self.model: Any = copy.deepcopy(model).to(device).eval().requires_grad_(False)
         self._params = dict(self.model.named_parameters())
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id

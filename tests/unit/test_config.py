@@ -1,0 +1,50 @@
+"""Settings validation: bad values fail with the field, the value and the fix, before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, config_from_dict
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        (RolloutConfig, {"n": 0}, r"RolloutConfig.n=0 is invalid"),
+        (RolloutConfig, {"temperature": 0.0}, r"temperature=0.0"),
+        (RolloutConfig, {"top_p": 1.5}, r"top_p=1.5"),
+        (OptimConfig, {"lr": 0}, r"OptimConfig.lr=0"),
+        (OptimConfig, {"schedule": "step"}, r"schedule='step'"),
+        (
+            AlgorithmConfig,
+            {"advantage": "grpoo"},
+            r"advantage='grpoo' is invalid: expected one of \['gae', 'grpo'\]",
+        ),
+        (AlgorithmConfig, {"kl_estimator": "k9"}, r"kl_estimator='k9'"),
+        (AlgorithmConfig, {"micro_batch_size": 0}, r"micro_batch_size=0"),
+    ],
+)
+def test_bad_values_are_rejected(cls, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_unknown_key_suggests_the_closest() -> None:
+    with pytest.raises(ValueError, match=r"RolloutConfig has no setting 'temprature'. Did you mean 'temperature'"):
+        config_from_dict(RolloutConfig, {"temprature": 0.7})
+    assert config_from_dict(RolloutConfig, {"n": 4}).n == 4
+
+
+def test_batch_arithmetic() -> None:
+    algo = AlgorithmConfig(mini_batch_size=16)
+    assert algo.check_batch(samples=32, world_size=2) == 16
+    assert AlgorithmConfig().check_batch(samples=32, world_size=2) == 32
+    with pytest.raises(ValueError, match=r"samples per step \(30\) must be divisible by the number of ranks \(4\)"):
+        AlgorithmConfig().check_batch(samples=30, world_size=4)
+    with pytest.raises(ValueError, match=r"must be divisible by mini_batch_size \(12\)"):
+        AlgorithmConfig(mini_batch_size=12).check_batch(samples=32, world_size=2)
+
+
+def test_configs_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        RolloutConfig().n = 3  # type: ignore[misc]

@@ -1,0 +1,45 @@
+"""RLHFModule and RLHFStrategy reject bad settings before any model weights load."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_rlhf import AlgorithmConfig, GRPOModule, PPOModule, RLHFModule, RLHFStrategy
+from lightning_rlhf.demo import addition_reward
+
+
+def test_missing_model_path_names_the_setting(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"RLHFModule\(actor=...\)='/nowhere/model': no such folder"):
+        GRPOModule("/nowhere/model", reward=addition_reward)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
+        GRPOModule(str(tmp_path / "empty"), reward=addition_reward)
+
+
+def test_missing_critic_and_reward_model_paths(tiny_model: str) -> None:
+    with pytest.raises(FileNotFoundError, match=r"RLHFModule\(critic=...\)"):
+        PPOModule(tiny_model, reward=addition_reward, critic="./no/critic")
+    with pytest.raises(FileNotFoundError, match=r"RLHFModule\(reward=...\)"):
+        GRPOModule(tiny_model, reward="./no/reward_model")
+    with pytest.raises(TypeError, match="must be a function or a model path"):
+        GRPOModule(tiny_model, reward=3)  # type: ignore[arg-type]
+
+
+def test_inconsistent_roles(tiny_model: str) -> None:
+    with pytest.raises(ValueError, match=r"kl_coef=0.1 needs a reference policy"):
+        GRPOModule(tiny_model, reward=addition_reward, reference=None, algorithm=AlgorithmConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match=r"advantage='gae' needs a critic"):
+        PPOModule(tiny_model, reward=addition_reward)
+
+
+def test_base_module_without_dataflow_says_what_to_do(tiny_model: str) -> None:
+    module = RLHFModule(tiny_model, reward=addition_reward, reference=None)
+    with pytest.raises(NotImplementedError, match="subclass RLHFModule"):
+        module.training_step(None)  # type: ignore[arg-type]
+
+
+def test_strategy_arguments() -> None:
+    with pytest.raises(ValueError, match=r"rollout='sglang'"):
+        RLHFStrategy(rollout="sglang")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="worker_error_timeout_s"):
+        RLHFStrategy(worker_error_timeout_s=0)

@@ -1,0 +1,64 @@
+"""The transformers rollout engine: sampling settings, stop handling, masks, weight hand-off."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_rlhf.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
+
+
+def engine_for(path: str) -> tuple[HFRolloutEngine, object, torch.nn.Module]:
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    eng = HFRolloutEngine(
+        model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=torch.device("cpu")
+    )
+    return eng, tok, model
+
+
+def test_n_samples_per_prompt_cut_at_eos_and_seeded(demo_model: str) -> None:
+    eng, tok, _ = engine_for(demo_model)
+    assert isinstance(eng, RolloutEngine)
+    prompts = [tok("3+4=")["input_ids"], tok("1+1=")["input_ids"]]
+    params = SamplingParams(n=5, max_new_tokens=6, seed=3)
+    out = eng.generate(prompts, params)
+    assert len(out.responses) == 10
+    for r in out.responses:
+        assert 1 <= len(r) <= 6
+        if tok.eos_token_id in r:
+            assert r.index(tok.eos_token_id) == len(r) - 1  # nothing after the stop token
+    assert eng.generate(prompts, params).responses == out.responses  # same seed, same samples
+    greedy = eng.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=6, greedy=True))
+    assert tok.decode(greedy.responses[0], skip_special_tokens=True) == "7"  # the warm start knows this one
+
+
+def test_stop_tokens_and_max_new_tokens(demo_model: str) -> None:
+    eng, tok, _ = engine_for(demo_model)
+    prompt = [tok("3+4=")["input_ids"]]
+    seven = tok.convert_tokens_to_ids("7")
+    out = eng.generate(prompt, SamplingParams(n=1, max_new_tokens=6, greedy=True, stop_token_ids=(seven,)))
+    assert out.responses[0] == [seven]
+    eos = tok.eos_token_id
+    out = eng.generate(prompt, SamplingParams(n=3, max_new_tokens=1, seed=0))
+    assert all(len(r) == 1 for r in out.responses)
+    assert eos is not None
+
+
+def test_load_weights_changes_generation_and_rejects_unknown_names(demo_model: str, tiny_model: str) -> None:
+    eng, tok, _ = engine_for(demo_model)
+    prompt = [tok("3+4=")["input_ids"]]
+    greedy = SamplingParams(n=1, max_new_tokens=4, greedy=True)
+    before = eng.generate(prompt, greedy).responses
+    other = AutoModelForCausalLM.from_pretrained(tiny_model)  # random weights, same architecture
+    received = eng.load_weights(other.named_parameters())
+    assert received == sum(p.numel() * 4 for p in other.parameters())
+    assert eng.generate(prompt, greedy).responses != before
+    eng.load_weights(AutoModelForCausalLM.from_pretrained(demo_model).named_parameters())
+    assert eng.generate(prompt, greedy).responses == before
+    try:
+        eng.load_weights([("not.a.param", torch.zeros(1))])
+    except KeyError as err:
+        assert "not.a.param" in str(err)
+    else:
+        raise AssertionError("unknown parameter name was accepted")
