@@ -98,6 +98,8 @@ class PromptDataModule(L.LightningDataModule):
             a count) or rejected (``overlong="error"``).
         overlong: what to do with prompts over ``max_prompt_length``.
         tokenizer: tokenizer path; None takes the LightningModule's tokenizer.
+        chat_template: render each prompt as one user message with the tokenizer's chat template (for
+            instruct models); reward functions still receive the plain prompt text.
         shuffle: reshuffle every epoch (seeded).
         seed: shuffling seed.
     """
@@ -111,6 +113,7 @@ class PromptDataModule(L.LightningDataModule):
         max_prompt_length: int = 512,
         overlong: str = "filter",
         tokenizer: str | None = None,
+        chat_template: bool = False,
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
@@ -125,6 +128,7 @@ class PromptDataModule(L.LightningDataModule):
         self.max_prompt_length = max_prompt_length
         self.overlong = overlong
         self.tokenizer_path = tokenizer
+        self.chat_template = chat_template
         self.shuffle = shuffle
         self.seed = seed
         self._rows: list[dict[str, Any]] | None = None
@@ -151,7 +155,7 @@ class PromptDataModule(L.LightningDataModule):
                     f"PromptDataModule: row {i} has an empty or non-text prompt in column {col!r} ({text!r}). "
                     "HINT: drop or fix such rows before training."
                 )
-            ids = self._tokenizer(text, add_special_tokens=True)["input_ids"]
+            ids = self._encode(text)
             if len(ids) > self.max_prompt_length:
                 if self.overlong == "error":
                     raise ValueError(
@@ -172,6 +176,19 @@ class PromptDataModule(L.LightningDataModule):
                 f"{self.batch_size}. HINT: lower batch_size or raise max_prompt_length."
             )
         self._rows = rows
+
+    def _encode(self, text: str) -> list[int]:
+        if not self.chat_template:
+            return list(self._tokenizer(text, add_special_tokens=True)["input_ids"])
+        if getattr(self._tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "PromptDataModule(chat_template=True): the tokenizer has no chat template. "
+                "HINT: use an instruct model's tokenizer or chat_template=False."
+            )
+        rendered = self._tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return list(self._tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
     def _resolve_tokenizer(self) -> Any:
         if self.tokenizer_path is not None:
