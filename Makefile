@@ -34,12 +34,12 @@ unit: setup  ## Only the fast unit tests
 	$(BIN)/python -m pytest -q tests/unit
 
 lint: setup  ## ruff lint + format check
-	$(BIN)/ruff check lightning_rlhf tests recipes
-	$(BIN)/ruff format --check lightning_rlhf tests recipes
+	$(BIN)/ruff check lightning_rlhf tests recipes benchmarks
+	$(BIN)/ruff format --check lightning_rlhf tests recipes benchmarks
 
 format: setup  ## Apply ruff formatting and safe fixes
-	$(BIN)/ruff format lightning_rlhf tests recipes
-	$(BIN)/ruff check --fix lightning_rlhf tests recipes
+	$(BIN)/ruff format lightning_rlhf tests recipes benchmarks
+	$(BIN)/ruff check --fix lightning_rlhf tests recipes benchmarks
 
 typecheck: setup  ## mypy over the package
 	$(BIN)/mypy lightning_rlhf

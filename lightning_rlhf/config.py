@@ -145,16 +145,20 @@ class AlgorithmConfig:
         if self.micro_batch_size < 1:
             _fail(self, "micro_batch_size", self.micro_batch_size, "an integer >= 1")
 
-    def check_batch(self, *, samples: int, world_size: int) -> int:
+    def check_batch(self, *, prompts: int, n: int, world_size: int) -> int:
         """Validate the batch arithmetic of one step and return the mini-batch size (samples, all ranks).
 
-        Runs on: every process, before training starts.
+        Runs on: every process, before training starts. Prompts are split over ranks for generation, samples
+        (``prompts * n``) for everything after it, mini-batches for each optimizer step.
         """
+        samples = prompts * n
         mini = self.mini_batch_size or samples
         problems = []
-        if samples % world_size:
+        if prompts % world_size:
+            problems.append(f"prompts per step ({prompts}) must be divisible by the number of ranks ({world_size})")
+        elif samples % world_size:
             problems.append(f"samples per step ({samples}) must be divisible by the number of ranks ({world_size})")
-        if samples % mini:
+        if mini > samples or samples % mini:
             problems.append(f"samples per step ({samples}) must be divisible by mini_batch_size ({mini})")
         elif mini % world_size:
             problems.append(f"mini_batch_size ({mini}) must be divisible by the number of ranks ({world_size})")

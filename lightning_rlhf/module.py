@@ -7,6 +7,7 @@ rank 0), or use a ready module (``GRPOModule``, ``PPOModule``). Run it with ``Tr
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -34,8 +35,8 @@ class RLHFModule(L.LightningModule):
         reward: a function ``fn(prompts, completions, **dataset_columns) -> list[float]``, or the path of a
             sequence-classification reward model.
         critic: path of the value model's initial weights (usually the actor's); None: no critic.
-        reference: path of the frozen reference policy; ``True`` uses the actor's path; None or False: none.
-            Needed only when ``algorithm.kl_coef > 0``.
+        reference: path of the frozen reference policy; ``True`` uses the actor's path; ``False``: none;
+            ``None`` (default): the actor's path when ``algorithm.kl_coef > 0``, else none.
         tokenizer: tokenizer path; defaults to the actor's.
         rollout: sampling settings.
         algorithm: RL math and batch splitting.
@@ -49,7 +50,7 @@ class RLHFModule(L.LightningModule):
         *,
         reward: RewardFn | str,
         critic: str | None = None,
-        reference: str | bool | None = True,
+        reference: str | bool | None = None,
         tokenizer: str | None = None,
         rollout: RolloutConfig | None = None,
         algorithm: AlgorithmConfig | None = None,
@@ -69,11 +70,13 @@ class RLHFModule(L.LightningModule):
             raise TypeError(f"RLHFModule(reward=...) must be a function or a model path, got {type(reward).__name__}.")
         if critic is not None:
             check_pretrained(critic, setting="RLHFModule(critic=...)")
+        if reference is None:
+            reference = self.algorithm.kl_coef > 0
         ref_path = actor if reference is True else (reference or None)
         if self.algorithm.kl_coef > 0 and ref_path is None:
             raise ValueError(
                 f"AlgorithmConfig.kl_coef={self.algorithm.kl_coef} needs a reference policy, but "
-                "RLHFModule(reference=None). HINT: pass reference=True (the actor's initial weights) or kl_coef=0."
+                "RLHFModule(reference=False). HINT: pass reference=True (the actor's initial weights) or kl_coef=0."
             )
         if self.algorithm.advantage == "gae" and critic is None:
             raise ValueError(
@@ -110,13 +113,24 @@ class RLHFModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------ the roles
     def roles(self) -> dict[str, Role]:
-        """The roles present, by name."""
-        found = {name: getattr(self, name) for name in ("actor", "critic", "reference", "reward")}
-        return {name: role for name, role in found.items() if role is not None}
+        """The roles present, by attribute name (a subclass may add more, e.g. a cost model beside the reward).
+
+        Each role's ``name`` is set to its attribute name: the controller's messages address roles by it.
+        """
+        found = {name: child for name, child in self.named_children() if isinstance(child, Role)}
+        for name, role in found.items():
+            role.name = name
+        return found
 
     def get_role(self, name: str) -> Role:
         """The role called ``name`` (the controller's messages name roles)."""
         return self.roles()[name]
+
+    def setup(self, stage: str) -> None:
+        """Check the batch arithmetic against the world size before any model loads. Runs on: every process."""
+        batch_size = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
+        if stage == "fit" and batch_size:
+            self.algorithm.check_batch(prompts=batch_size, n=self.rollout_config.n, world_size=self.trainer.world_size)
 
     def configure_model(self) -> None:
         """Load every role's model (all ranks, full weights); the strategy shards them right after."""
@@ -125,8 +139,16 @@ class RLHFModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         """One AdamW + schedule per trainable role, in role order (actor, then critic)."""
-        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 1000
-        pairs = [role.configure_optimizer(total) for role in self.roles().values() if role.trainable]
+        total = self.trainer.estimated_stepping_batches  # = RL steps (one batch is one step)
+        if not math.isfinite(total):
+            decaying = [r.name for r in self.roles().values() if r.optim is not None and r.optim.schedule != "constant"]
+            if decaying:
+                raise ValueError(
+                    f"OptimConfig.schedule decays over the run, but the run length is unknown (roles: {decaying}). "
+                    "HINT: set Trainer(max_steps=...) or max_epochs, or schedule='constant'."
+                )
+            total = 1
+        pairs = [role.configure_optimizer(int(total)) for role in self.roles().values() if role.trainable]
         return [opt for opt, _ in pairs], [{"scheduler": sched, "interval": "step"} for _, sched in pairs]
 
     # ------------------------------------------------------------------------------ step helpers
@@ -184,7 +206,7 @@ class RLHFModule(L.LightningModule):
             "critic/score/min": float(scores.min()),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": float((lengths >= self.rollout_config.max_new_tokens).float().mean()),
+            "response_length/clip_ratio": float(rollout["response_truncated"].float().mean()),
         }
         if "advantages" in rollout:
             out["critic/advantages/mean"] = float(masked_mean(rollout["advantages"], rollout["response_mask"]))
@@ -212,7 +234,8 @@ class RLHFModule(L.LightningModule):
         Runs on: every process. The strategy replays the controller's logs on the workers at the end of the
         step, so callbacks that monitor a metric see it on every rank.
         """
-        kwargs.setdefault("batch_size", 1)
+        if kwargs.get("batch_size") is None:
+            kwargs["batch_size"] = 1
         if self._step_logs is not None:
             value = float(value.detach().float()) if isinstance(value, torch.Tensor) else float(value)
             keep = {k: v for k, v in kwargs.items() if k in ("prog_bar", "logger", "on_step", "on_epoch", "batch_size")}

@@ -17,7 +17,29 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rlhf.batch import Batch
 
-__all__ = ["PromptDataModule", "PromptLoader"]
+__all__ = ["RESERVED_COLUMNS", "PromptDataModule", "PromptLoader"]
+
+RESERVED_COLUMNS = frozenset(
+    {
+        "prompts",
+        "prompt_mask",
+        "prompt_ids",
+        "uid",
+        "responses",
+        "response_mask",
+        "response_truncated",
+        "completion",
+        "scores",
+        "old_logprobs",
+        "ref_logprobs",
+        "rollout_logprobs",
+        "values",
+        "token_rewards",
+        "advantages",
+        "returns",
+    }
+)
+"""Batch columns the framework writes; a dataset column with one of these names would be overwritten."""
 
 
 class PromptLoader:
@@ -146,6 +168,12 @@ class PromptDataModule(L.LightningDataModule):
             raise KeyError(
                 f"PromptDataModule(prompt_column={col!r}): the dataset has no such column. "
                 f"Columns: {dataset.column_names}. HINT: set prompt_column to the column holding the prompt text."
+            )
+        clash = sorted(set(dataset.column_names) & RESERVED_COLUMNS)
+        if clash:
+            raise ValueError(
+                f"PromptDataModule: dataset columns {clash} clash with the rollout columns lightning_rlhf adds. "
+                "HINT: rename them (datasets.Dataset.rename_column) before training."
             )
         rows, too_long = [], 0
         for i, row in enumerate(dataset):

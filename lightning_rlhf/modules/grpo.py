@@ -13,13 +13,14 @@ __all__ = ["GRPOModule"]
 
 
 class GRPOModule(RLHFModule):
-    """GRPO. Same arguments as :class:`RLHFModule`; the default algorithm is GRPO with a k3 KL loss.
+    """GRPO. Same arguments as :class:`RLHFModule`; the default algorithm is GRPO with a k3 KL loss
+    (coefficient 0.001, so a reference model is loaded unless ``kl_coef=0``).
 
     Runs on: every process; ``training_step`` on the controller.
     """
 
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="grpo"))
+        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="grpo", kl_coef=0.001, kl_estimator="k3"))
         super().__init__(actor, **kwargs)
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]

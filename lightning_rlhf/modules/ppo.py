@@ -22,6 +22,13 @@ class PPOModule(RLHFModule):
     def __init__(self, actor: str, **kwargs: Any) -> None:
         kwargs.setdefault("algorithm", AlgorithmConfig(advantage="gae", kl_in_reward=True, kl_estimator="k1"))
         kwargs.setdefault("rollout", RolloutConfig(n=1))
+        if kwargs.get("critic") is None:
+            raise ValueError("PPOModule needs a value model: pass critic=<path> (often the actor's own path).")
+        if kwargs["algorithm"].advantage != "gae":
+            raise ValueError(
+                f"PPOModule uses GAE with the critic, but AlgorithmConfig.advantage={kwargs['algorithm'].advantage!r}. "
+                "HINT: pass AlgorithmConfig(advantage='gae', ...), or use GRPOModule for critic-free advantages."
+            )
         super().__init__(actor, **kwargs)
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
@@ -31,10 +38,13 @@ class PPOModule(RLHFModule):
         with self.timer("gen", metrics):
             rollout = self.actor.generate(batch)
         rollout = self.reward.score(rollout)
-        rollout = self.actor.log_prob(rollout)
+        with self.timer("old_log_prob", metrics):
+            rollout = self.actor.log_prob(rollout)
         if self.reference is not None and self.algorithm.kl_coef > 0:
-            rollout = self.reference.log_prob(rollout)
-        rollout = self.critic.values(rollout)
+            with self.timer("ref", metrics):
+                rollout = self.reference.log_prob(rollout)
+        with self.timer("values", metrics):
+            rollout = self.critic.values(rollout)
         rollout = self.compute_advantages(rollout, metrics)
         with self.timer("update_critic", metrics):
             metrics |= self.critic.update(rollout)

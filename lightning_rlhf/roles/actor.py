@@ -84,9 +84,12 @@ class ActorRole(Role):
         """Sample ``rollout.n`` responses per prompt with the colocated engine.
 
         Runs on: every worker rank, each on its share of the prompts. Input: ``prompts``/``prompt_mask``
-        (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask`` and the
-        input columns repeated. The engine first receives the weights of the latest update, if any.
+        (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask``,
+        ``response_truncated`` (no stop token within ``max_new_tokens``) and the input columns repeated.
+        The engine wakes up (on a GPU: its weights return to device memory), receives the weights of the
+        latest update if any, generates, and goes back to sleep while training runs.
         """
+        self.engine.wake_up()
         sync_s, sync_bytes = self.sync_weights()
         cfg = self.rollout
         n = cfg.n
@@ -106,15 +109,18 @@ class ActorRole(Role):
         t0 = time.perf_counter()
         out = self.engine.generate(prompts, params)
         gen_s = time.perf_counter() - t0
+        self.engine.sleep()
         width = max(1, max(len(r) for r in out.responses))
         responses = torch.full((len(out.responses), width), self.tokenizer.pad_token_id, dtype=torch.long)
         response_mask = torch.zeros((len(out.responses), width), dtype=torch.long)
         for i, r in enumerate(out.responses):
             responses[i, : len(r)] = torch.tensor(r, dtype=torch.long)
             response_mask[i, : len(r)] = 1
+        stops = {self.tokenizer.eos_token_id, *cfg.stop_token_ids}
         rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
         rollout["responses"] = responses
         rollout["response_mask"] = response_mask
+        rollout["response_truncated"] = torch.tensor([not r or r[-1] not in stops for r in out.responses])
         if out.logprobs is not None:
             lp = torch.zeros((len(out.responses), width))
             for i, row in enumerate(out.logprobs):
@@ -137,7 +143,6 @@ class ActorRole(Role):
             return 0.0, 0
         assert self.model is not None
         t0 = time.perf_counter()
-        self.engine.wake_up()
         received = self.engine.load_weights(full_tensors(self.model))
         self._engine_version = self._weights_version
         return time.perf_counter() - t0, received
@@ -181,7 +186,7 @@ class ActorRole(Role):
                 loss, metrics = self._micro_loss(micro, num_tokens, len(micro) / len(mini), use_kl_loss)
                 loss.backward()
                 acc.add(metrics)
-            grad_norm, stepped = self.step_optimizer(self.optim.grad_clip)
+            grad_norm, stepped = self.step_optimizer()
             acc.add({"grad_norm": grad_norm, "update_skipped": torch.tensor(float(not stepped))})
         assert self.scheduler is not None
         acc.add({"lr": torch.tensor(self.scheduler.get_last_lr()[0])})

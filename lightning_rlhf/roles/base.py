@@ -29,6 +29,7 @@ class Role(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.model = None
+        self.optim: OptimConfig | None = None  # trainable roles set it
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
@@ -52,21 +53,20 @@ class Role(nn.Module):
 
         Runs on: every process, in ``configure_optimizers``, after sharding.
         """
-        optim: OptimConfig | None = getattr(self, "optim", None)
-        if not self.trainable or optim is None or self.model is None:
+        if not self.trainable or self.optim is None or self.model is None:
             raise TypeError(f"{type(self).__name__} is not trainable: it has no optimizer to configure.")
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(params, optim, total_steps)
+        self.optimizer, self.scheduler = make_optimizer(params, self.optim, total_steps)
         return self.optimizer, self.scheduler
 
-    def step_optimizer(self, grad_clip: float) -> tuple[torch.Tensor, bool]:
+    def step_optimizer(self) -> tuple[torch.Tensor, bool]:
         """Clip, step and zero the optimizer; skip the step when the norm is not finite.
 
         Runs on: every worker rank (the norm is a collective). Returns ``(grad_norm, stepped)``.
         """
-        assert self.optimizer is not None and self.model is not None
+        assert self.optimizer is not None and self.model is not None and self.optim is not None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = clip_grad_norm(params, grad_clip)
+        norm = clip_grad_norm(params, self.optim.grad_clip)
         stepped = bool(torch.isfinite(norm))
         if stepped:
             self.optimizer.step()

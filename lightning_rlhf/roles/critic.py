@@ -86,7 +86,7 @@ class CriticRole(Role):
                 (loss if token_mean else loss * len(micro) / len(mini)).backward()
                 local = mask.sum().clamp(min=1) / num_tokens if num_tokens is not None else torch.tensor(1.0)
                 acc.add({"vf_loss": loss.detach() / local, **metrics})
-            grad_norm, _ = self.step_optimizer(self.optim.grad_clip)
+            grad_norm, _ = self.step_optimizer()
             acc.add({"grad_norm": grad_norm})
         assert self.scheduler is not None
         self.scheduler.step()

@@ -14,6 +14,7 @@ fails loudly instead of hanging.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -133,9 +134,10 @@ class Controller:
         dispatch = dispatch_of(role, method)
         per_rank = split_args(dispatch, args, kwargs, self.world_size, where=where)
         messages = [None if a is None else _Call(role.name, method, a[0], a[1]) for a in per_rank]
-        mine = self._scatter(messages)
-        result = self._execute(mine) if mine is not None else None
-        results = self._gather(result)
+        with self._busy():
+            mine = self._scatter(messages)
+            result = self._execute(mine) if mine is not None else None
+            results = self._gather(result)
         failures = [r for r in results if isinstance(r, _Failure)]
         if failures:
             first = self._first_posted_failure() or failures[0]
@@ -149,7 +151,8 @@ class Controller:
         Runs on: workers (ranks > 0), once per training step.
         """
         while True:
-            msg = self._scatter(None)
+            with self._busy():
+                msg = self._scatter(None)
             if isinstance(msg, _EndStep):
                 for name, value, kw in msg.logs:
                     replay_log(name, value, kw)
@@ -158,7 +161,8 @@ class Controller:
                 raise ControllerError(
                     f"rank {self.rank}: the controller's step failed ({msg.message}); it raises the error."
                 )
-            self._gather(self._execute(msg) if msg is not None else None)
+            with self._busy():
+                self._gather(self._execute(msg) if msg is not None else None)
 
     # -------------------------------------------------------------------------------------- plumbing
     def _execute(self, call: _Call) -> Any:
@@ -211,6 +215,17 @@ class Controller:
             return None
         return failure if isinstance(failure, _Failure) else None
 
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Mark this rank as inside a control-plane exchange (where a dead peer would block it forever)."""
+        if self._watchdog is not None:
+            self._watchdog.busy = True
+        try:
+            yield
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.busy = False
+
     def close(self) -> None:
         """Stop the watchdog. Runs on: every rank, at teardown."""
         if self._watchdog is not None:
@@ -218,7 +233,11 @@ class Controller:
 
 
 class _Watchdog:
-    """Ends this process if another rank posted an error and this one stays blocked past the timeout."""
+    """Ends this process if another rank posted an error and this one stays blocked past the timeout.
+
+    "Blocked" means inside a role call or waiting for the controller (``busy``); a rank that is shutting down
+    cleanly elsewhere gets three times as long before it is ended.
+    """
 
     def __init__(self, store: Any, rank: int, timeout_s: float, poll_s: float = 0.5) -> None:
         self._store = store
@@ -226,11 +245,15 @@ class _Watchdog:
         self._timeout_s = timeout_s
         self._poll_s = poll_s
         self._stop = threading.Event()
+        self.busy = False
         self._thread = threading.Thread(target=self._run, name="lightning_rlhf-watchdog", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)  # leave no thread inside a store call while the interpreter shuts down
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self._poll_s + 1)
 
     def _run(self) -> None:
         import pickle
@@ -246,7 +269,7 @@ class _Watchdog:
             if not posted:
                 continue
             seen_at = seen_at or time.monotonic()
-            if time.monotonic() - seen_at < self._timeout_s:
+            if time.monotonic() - seen_at < self._timeout_s * (1 if self.busy else 3):
                 continue
             try:
                 message, _ = pickle.loads(self._store.get(_ERROR_KEY))

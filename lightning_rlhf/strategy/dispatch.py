@@ -119,12 +119,14 @@ def split_args(
     if dispatch is Dispatch.RANK_ZERO:
         return [(args, kwargs)] + [None] * (world_size - 1)
     if not args or not isinstance(args[0], Batch):
-        raise TypeError(f"{where} is DP_SPLIT: its first argument must be a Batch, got {type(args[0])}")
+        got = type(args[0]).__name__ if args else "no positional argument"
+        raise TypeError(f"{where} is DP_SPLIT: pass the Batch as its first positional argument (got {got}).")
     batch = args[0]
     if len(batch) % world_size:
         raise ValueError(
             f"{where}: a batch of {len(batch)} rows cannot be split evenly over {world_size} ranks. "
-            "HINT: make prompts per step x samples per prompt a multiple of the number of devices."
+            "HINT: make the batch size (prompts per step, and prompts x samples per prompt) a multiple of the "
+            "number of ranks."
         )
     return [((part, *args[1:]), kwargs) for part in batch.chunk(world_size)]
 

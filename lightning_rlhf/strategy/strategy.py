@@ -13,6 +13,7 @@ What it changes in Lightning's ``ModelParallelStrategy``:
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -93,10 +94,8 @@ class RLHFStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Attach the rollout engine, shard the roles with FSDP2, then let Lightning make the optimizers."""
         module = self._rlhf_module()
-        if trainer.state.fn == "fit":
-            batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
-            if batch_size:
-                module.algorithm.check_batch(samples=batch_size * module.rollout_config.n, world_size=self.world_size)
+        # Frozen roles (reference, reward model) are in eval mode on purpose.
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
         mesh = self.device_mesh["data_parallel"]
         for name, role in module.roles().items():
             if role.model is None:
@@ -116,6 +115,7 @@ class RLHFStrategy(ModelParallelStrategy):
             eos_token_id=tok.eos_token_id,
             device=self.root_device,
             generation_batch_size=module.rollout_config.generation_batch_size,
+            dtype=self.param_dtype,
         )
 
     @property

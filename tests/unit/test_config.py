@@ -37,12 +37,14 @@ def test_unknown_key_suggests_the_closest() -> None:
 
 def test_batch_arithmetic() -> None:
     algo = AlgorithmConfig(mini_batch_size=16)
-    assert algo.check_batch(samples=32, world_size=2) == 16
-    assert AlgorithmConfig().check_batch(samples=32, world_size=2) == 32
-    with pytest.raises(ValueError, match=r"samples per step \(30\) must be divisible by the number of ranks \(4\)"):
-        AlgorithmConfig().check_batch(samples=30, world_size=4)
+    assert algo.check_batch(prompts=8, n=4, world_size=2) == 16
+    assert AlgorithmConfig().check_batch(prompts=8, n=4, world_size=2) == 32
+    with pytest.raises(ValueError, match=r"prompts per step \(2\) must be divisible by the number of ranks \(4\)"):
+        AlgorithmConfig().check_batch(prompts=2, n=8, world_size=4)
     with pytest.raises(ValueError, match=r"must be divisible by mini_batch_size \(12\)"):
-        AlgorithmConfig(mini_batch_size=12).check_batch(samples=32, world_size=2)
+        AlgorithmConfig(mini_batch_size=12).check_batch(prompts=8, n=4, world_size=2)
+    with pytest.raises(ValueError, match=r"mini_batch_size \(6\) must be divisible by the number of ranks \(4\)"):
+        AlgorithmConfig(mini_batch_size=6).check_batch(prompts=4, n=3, world_size=4)
 
 
 def test_configs_are_frozen() -> None:

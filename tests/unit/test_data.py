@@ -25,6 +25,12 @@ def test_missing_prompt_column(tiny_model: str) -> None:
     assert len(dm(ds, tiny_model, batch_size=2, prompt_column="question")._rows) == 4
 
 
+def test_dataset_column_clashing_with_rollout_columns(tiny_model: str) -> None:
+    ds = datasets.Dataset.from_dict({"prompt": ["1+1="] * 2, "scores": [1, 2]})
+    with pytest.raises(ValueError, match=r"dataset columns \['scores'\] clash"):
+        dm(ds, tiny_model, batch_size=1)
+
+
 def test_empty_prompt_names_the_row(tiny_model: str) -> None:
     ds = datasets.Dataset.from_dict({"prompt": ["1+1=", "  ", "2+2="]})
     with pytest.raises(ValueError, match=r"row 1 has an empty or non-text prompt"):

@@ -16,7 +16,7 @@ def test_dp_split_gives_each_rank_an_equal_contiguous_part() -> None:
     assert all(a[0][1] == 1 and a[1] == {"k": 2} for a in per_rank)
     with pytest.raises(ValueError, match=r"r\.m: a batch of 6 rows cannot be split evenly over 4 ranks"):
         split_args(Dispatch.DP_SPLIT, (b,), {}, 4, where="r.m")
-    with pytest.raises(TypeError, match="first argument must be a Batch"):
+    with pytest.raises(TypeError, match="pass the Batch as its first positional argument"):
         split_args(Dispatch.DP_SPLIT, ([1, 2],), {}, 2, where="r.m")
 
 

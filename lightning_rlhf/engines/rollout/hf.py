@@ -32,6 +32,8 @@ class HFRolloutEngine:
         eos_token_id: end-of-sequence id of the tokenizer.
         device: where to generate.
         generation_batch_size: prompts per ``generate`` call.
+        dtype: dtype of the engine's copy (the training compute dtype, e.g. bfloat16 on GPUs); None keeps the
+            actor's.
     """
 
     def __init__(
@@ -42,8 +44,9 @@ class HFRolloutEngine:
         eos_token_id: int,
         device: torch.device,
         generation_batch_size: int = 64,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        self.model: Any = copy.deepcopy(model).to(device).eval().requires_grad_(False)
+        self.model: Any = copy.deepcopy(model).to(device=device, dtype=dtype).eval().requires_grad_(False)
         self._params = dict(self.model.named_parameters())
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
