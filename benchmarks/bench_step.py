@@ -110,7 +110,7 @@ def framework(devices: int, steps: int) -> dict[str, float]:
         "sync": "timing_s/update_weights",
         "tok/s/dev": "perf/throughput",
     }
-    return {k: statistics.mean(float(r[v]) for r in rows[warm:]) for k, v in keys.items()}
+    return {k: statistics.mean(float(r.get(v) or 0.0) for r in rows[warm:]) for k, v in keys.items()}
 
 
 def main() -> None:

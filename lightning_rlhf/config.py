@@ -145,6 +145,11 @@ class AlgorithmConfig:
         if self.micro_batch_size < 1:
             _fail(self, "micro_batch_size", self.micro_batch_size, "an integer >= 1")
 
+    @property
+    def on_policy(self) -> bool:
+        """One update per step over the whole batch: the rollout policy is the policy being updated."""
+        return self.ppo_epochs == 1 and self.mini_batch_size is None
+
     def check_batch(self, *, prompts: int, n: int, world_size: int) -> int:
         """Validate the batch arithmetic of one step and return the mini-batch size (samples, all ranks).
 

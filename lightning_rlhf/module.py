@@ -227,6 +227,14 @@ class RLHFModule(L.LightningModule):
         next generation. Runs on: every process."""
         self.actor.mark_weights_changed()
 
+    def log_step(self, rollout: Batch, metrics: dict[str, float], *, started: float) -> None:
+        """Log a step: ``metrics`` plus ``timing_s/step`` (since ``started``, a ``time.perf_counter()``) and
+        :meth:`rollout_metrics`; the mean reward also goes on the progress bar. Runs on: controller."""
+        metrics["timing_s/step"] = time.perf_counter() - started
+        metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"])
+        self.log("critic/score/mean", metrics.pop("critic/score/mean"), prog_bar=True)
+        self.log_dict(metrics)
+
     # ----------------------------------------------------------------------------------- logging
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """``LightningModule.log``; on the controller the value is also recorded for the workers.

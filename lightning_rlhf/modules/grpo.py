@@ -24,20 +24,21 @@ class GRPOModule(RLHFModule):
         super().__init__(actor, **kwargs)
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
-        """Generate n samples per prompt, score, normalise within each group, update the actor."""
+        """Generate n samples per prompt, score, normalise within each group, update the actor.
+
+        Runs on: controller.
+        """
         t0, metrics = time.perf_counter(), dict[str, float]()
         with self.timer("gen", metrics):
             rollout = self.actor.generate(batch)
         rollout = self.reward.score(rollout)
-        with self.timer("old_log_prob", metrics):
-            rollout = self.actor.log_prob(rollout)
+        if not self.algorithm.on_policy:  # on-policy, the update's own (detached) log-probs are the old ones
+            with self.timer("old_log_prob", metrics):
+                rollout = self.actor.log_prob(rollout)
         if self.reference is not None and self.algorithm.kl_coef > 0:
             with self.timer("ref", metrics):
                 rollout = self.reference.log_prob(rollout)
         rollout = self.compute_advantages(rollout, metrics)
         with self.timer("update_actor", metrics):
             metrics |= self.actor.update(rollout)
-        metrics["timing_s/step"] = time.perf_counter() - t0
-        metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"])
-        self.log("critic/score/mean", metrics.pop("critic/score/mean"), prog_bar=True)
-        self.log_dict(metrics)
+        self.log_step(rollout, metrics, started=t0)

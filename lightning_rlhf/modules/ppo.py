@@ -50,7 +50,4 @@ class PPOModule(RLHFModule):
             metrics |= self.critic.update(rollout)
         with self.timer("update_actor", metrics):
             metrics |= self.actor.update(rollout)
-        metrics["timing_s/step"] = time.perf_counter() - t0
-        metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"])
-        self.log("critic/score/mean", metrics.pop("critic/score/mean"), prog_bar=True)
-        self.log_dict(metrics)
+        self.log_step(rollout, metrics, started=t0)

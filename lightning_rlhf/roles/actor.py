@@ -167,8 +167,10 @@ class ActorRole(Role):
     def update(self, batch: Batch) -> dict[str, float]:
         """PPO-style policy update: clipped loss (+ KL loss, - entropy bonus) over epochs and mini-batches.
 
-        Runs on: every worker rank. Needs ``advantages``, ``old_logprobs`` (and ``ref_logprobs`` when the KL
-        is in the loss). Returns the rank's metrics (the controller averages them over ranks).
+        Runs on: every worker rank. Needs ``advantages`` (and ``ref_logprobs`` when the KL is in the loss).
+        Without ``old_logprobs`` the update must be on-policy (one epoch, one mini-batch): the rollout policy is
+        then the current one, and its log-probs are the detached ones of this very forward pass (exact, and
+        it saves the separate ``log_prob`` pass). Returns the rank's metrics (the controller averages them over ranks).
         """
         assert self.model is not None
         algo = self.algorithm
@@ -176,6 +178,11 @@ class ActorRole(Role):
         if use_kl_loss and "ref_logprobs" not in batch:
             raise KeyError("ActorRole.update: kl_coef > 0 needs `ref_logprobs`: call reference.log_prob first.")
         mini_size = algo.mini_batch_size or len(batch) * world()[1]
+        if "old_logprobs" not in batch and (algo.ppo_epochs > 1 or mini_size < len(batch) * world()[1]):
+            raise KeyError(
+                "ActorRole.update: `old_logprobs` missing and the update is off-policy (several epochs or "
+                "mini-batches). HINT: call actor.log_prob(rollout) before actor.update."
+            )
         acc = MetricAccumulator()
         self.model.train()
         for mini in minibatches(batch, mini_batch_size=mini_size, epochs=algo.ppo_epochs):
@@ -209,7 +216,7 @@ class ActorRole(Role):
         scale = 1.0 if token_mean else share
         pg_loss, metrics = policy_loss_clipped(
             out["logprobs"],
-            micro["old_logprobs"].to(device),
+            micro["old_logprobs"].to(device) if "old_logprobs" in micro else out["logprobs"].detach(),
             micro["advantages"].to(device),
             mask,
             clip_low=algo.clip_ratio_low,

@@ -51,6 +51,8 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--algo", default="grpo")
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (GPU runs)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=8)
@@ -115,9 +117,11 @@ def main() -> None:
             )
         )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
-        strategy=RLHFStrategy(worker_error_timeout_s=args.error_timeout),
+        strategy=RLHFStrategy(
+            worker_error_timeout_s=args.error_timeout, param_dtype=torch.bfloat16 if args.bf16 else None
+        ),
         max_steps=args.steps,
         logger=loggers,
         callbacks=callbacks,
