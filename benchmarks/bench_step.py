@@ -31,7 +31,7 @@ from lightning_rlhf.demo import addition_dataset, addition_reward, prepare_demo_
 
 
 def plain_loop(model_path: str, steps: int, prompts_per_step: int = 32, n: int = 8) -> dict[str, float]:
-    """GRPO with transformers + torch only, one process: generate, score, old log-probs, one AdamW step."""
+    """GRPO with transformers + torch only, one process: generate, score, one on-policy AdamW step."""
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
@@ -62,17 +62,13 @@ def plain_loop(model_path: str, steps: int, prompts_per_step: int = 32, n: int =
         scores = torch.tensor(addition_reward([], texts, [r["answer"] for r in rows for _ in range(n)]))
         attn = torch.cat([enc["attention_mask"].repeat_interleave(n, 0), mask], 1)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            old = logprobs_from_logits(
-                model(out, attention_mask=attn, position_ids=pos).logits[:, prompt_len - 1 : -1], responses
-            )
         adv, _ = grpo_advantages(
             scores_to_token_rewards(scores, mask), mask, group_ids=torch.arange(prompts_per_step).repeat_interleave(n)
         )
         lp = logprobs_from_logits(
             model(out, attention_mask=attn, position_ids=pos).logits[:, prompt_len - 1 : -1], responses
         )
-        loss, _ = policy_loss_clipped(lp, old, adv, mask)
+        loss, _ = policy_loss_clipped(lp, lp.detach(), adv, mask)  # on-policy, as GRPOModule
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

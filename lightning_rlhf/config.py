@@ -150,6 +150,12 @@ class AlgorithmConfig:
         """One update per step over the whole batch: the rollout policy is the policy being updated."""
         return self.ppo_epochs == 1 and self.mini_batch_size is None
 
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether a step needs the rollout policy's log-probs before the update: off-policy updates do, and so
+        does a KL penalty in the reward. On-policy, the update's own detached log-probs serve."""
+        return not self.on_policy or (self.kl_in_reward and self.kl_coef > 0)
+
     def check_batch(self, *, prompts: int, n: int, world_size: int) -> int:
         """Validate the batch arithmetic of one step and return the mini-batch size (samples, all ranks).
 

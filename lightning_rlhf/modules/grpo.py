@@ -32,7 +32,7 @@ class GRPOModule(RLHFModule):
         with self.timer("gen", metrics):
             rollout = self.actor.generate(batch)
         rollout = self.reward.score(rollout)
-        if not self.algorithm.on_policy:  # on-policy, the update's own (detached) log-probs are the old ones
+        if self.algorithm.needs_old_logprobs:  # else the update's own detached log-probs are the old ones
             with self.timer("old_log_prob", metrics):
                 rollout = self.actor.log_prob(rollout)
         if self.reference is not None and self.algorithm.kl_coef > 0:

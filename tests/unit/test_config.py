@@ -50,3 +50,11 @@ def test_batch_arithmetic() -> None:
 def test_configs_are_frozen() -> None:
     with pytest.raises(AttributeError):
         RolloutConfig().n = 3  # type: ignore[misc]
+
+
+def test_when_old_logprobs_are_needed() -> None:
+    assert not AlgorithmConfig().needs_old_logprobs  # on-policy GRPO: the update's own log-probs serve
+    assert AlgorithmConfig(ppo_epochs=2).needs_old_logprobs
+    assert AlgorithmConfig(mini_batch_size=8).needs_old_logprobs
+    assert AlgorithmConfig(kl_coef=0.1, kl_in_reward=True).needs_old_logprobs
+    assert not AlgorithmConfig(kl_coef=0.1, kl_in_reward=False).needs_old_logprobs
