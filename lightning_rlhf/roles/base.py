@@ -30,6 +30,7 @@ class Role(nn.Module):
         super().__init__()
         self.model = None
         self.optim: OptimConfig | None = None  # trainable roles set it
+        self.sharded = False
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
@@ -38,8 +39,9 @@ class Role(nn.Module):
 
     def shard(self, mesh: DeviceMesh, *, param_dtype: torch.dtype | None) -> None:
         """Shard the role's model with FSDP2 over ``mesh``. Runs on: every worker rank, at setup."""
-        if self.model is not None:
+        if self.model is not None and not self.sharded:
             shard_model(self.model, mesh, param_dtype=param_dtype)
+            self.sharded = True
 
     @property
     def trainable(self) -> bool:

@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import pickle
 import sys
 import threading
 import time
@@ -196,8 +197,6 @@ class Controller:
         """Publish the first error of the run (later ones keep the first) for every rank's watchdog."""
         if self._store is None:
             return
-        import pickle
-
         payload = pickle.dumps((message, failure))
         with contextlib.suppress(Exception):  # the store may already be gone at shutdown
             self._store.compare_set(_ERROR_KEY, "", payload)
@@ -205,8 +204,6 @@ class Controller:
     def _first_posted_failure(self) -> _Failure | None:
         if self._store is None:
             return None
-        import pickle
-
         try:
             if not self._store.check([_ERROR_KEY]):
                 return None
@@ -256,8 +253,6 @@ class _Watchdog:
             self._thread.join(timeout=2 * self._poll_s + 1)
 
     def _run(self) -> None:
-        import pickle
-
         seen_at: float | None = None
         while not self._stop.wait(self._poll_s):
             try:

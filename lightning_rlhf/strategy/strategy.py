@@ -98,7 +98,7 @@ class RLHFStrategy(ModelParallelStrategy):
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
         mesh = self.device_mesh["data_parallel"]
         for name, role in module.roles().items():
-            if role.model is None:
+            if role.model is None or role.sharded:  # a second fit() on the same module reuses the shards
                 continue
             role.model.to(self.root_device)
             if name == "actor":
