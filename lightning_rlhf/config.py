@@ -92,7 +92,11 @@ class AlgorithmConfig:
     """The RL math: advantage estimator, losses, KL, and how the batch is cut into updates."""
 
     advantage: str = "grpo"
-    """Registered advantage estimator (``lightning_rlhf.algorithms.ADVANTAGE_ESTIMATORS``): 'grpo', 'gae'."""
+    """Registered advantage estimator (``ADVANTAGE_ESTIMATORS``): 'grpo', 'gae', 'rloo', 'reinforce_plus_plus', ..."""
+    policy_loss: str = "vanilla"
+    """Registered policy loss (``POLICY_LOSSES``): 'vanilla' (clipped PPO), 'dual_clip', 'gspo'."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (``policy_loss='dual_clip'``); must be > 1."""
     gamma: float = 1.0
     """Discount; 1.0 because the reward arrives once, at the end of the response."""
     lam: float = 1.0
@@ -123,10 +127,11 @@ class AlgorithmConfig:
     """Samples per forward/backward on one rank (gradient accumulation up to the mini-batch)."""
 
     def __post_init__(self) -> None:
-        from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+        from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 
         for field, registry in (
             ("advantage", ADVANTAGE_ESTIMATORS),
+            ("policy_loss", POLICY_LOSSES),
             ("kl_estimator", KL_ESTIMATORS),
             ("loss_agg", LOSS_AGGREGATIONS),
         ):
@@ -136,6 +141,8 @@ class AlgorithmConfig:
         for field in ("clip_ratio_low", "clip_ratio_high", "value_clip", "kl_coef", "entropy_coef"):
             if getattr(self, field) < 0:
                 _fail(self, field, getattr(self, field), ">= 0")
+        if self.clip_ratio_c <= 1:
+            _fail(self, "clip_ratio_c", self.clip_ratio_c, "a value > 1 (dual-clip bound, 3.0 is usual)")
         if not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:
             _fail(self, "gamma/lam", (self.gamma, self.lam), "gamma in (0, 1] and lam in [0, 1]")
         if self.ppo_epochs < 1:

@@ -3,18 +3,32 @@
 Following Schulman's "Approximating KL divergence" note, with ``logr = logprobs - ref_logprobs`` on tokens
 sampled from the policy: ``k1 = logr`` (unbiased, high variance), ``k2 = logr**2 / 2`` (biased, low
 variance), ``k3 = exp(-logr) + logr - 1`` (unbiased, low variance, always >= 0).
+
+Also the KL coefficient controllers (fixed, and adaptive as in Ziegler et al., 2019), small stateful host
+objects holding a Python float.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_rlhf.algorithms.registry import Registry
 
-__all__ = ["KL_ESTIMATORS", "KLEstimator", "kl_k1", "kl_k2", "kl_k3", "kl_penalty"]
+__all__ = [
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
+    "KLEstimator",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalty",
+]
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 
@@ -89,3 +103,131 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, estimator: str = "k3")
         ValueError: If ``estimator`` is unknown.
     """
     return KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs)
+
+
+class KLController(Protocol):
+    """Interface shared by the KL coefficient controllers."""
+
+    @property
+    def value(self) -> float: ...
+
+    def update(self, current_kl: float, n_steps: int) -> float: ...
+
+    def state_dict(self) -> dict[str, float]: ...
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None: ...
+
+
+class FixedKLController:
+    """A KL coefficient that never changes; same interface as ``AdaptiveKLController``.
+
+    Runs on: controller (a Python float, no tensors).
+
+    Args:
+        kl_coef: The coefficient (>= 0).
+
+    Raises:
+        ValueError: If ``kl_coef < 0``.
+    """
+
+    def __init__(self, *, kl_coef: float) -> None:
+        if kl_coef < 0:
+            raise ValueError(f"`kl_coef` must be >= 0, got {kl_coef}.")
+        self._value = float(kl_coef)
+
+    @property
+    def value(self) -> float:
+        """The current KL coefficient."""
+        return self._value
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Leaves the coefficient unchanged.
+
+        Args:
+            current_kl: Ignored.
+            n_steps: Ignored.
+
+        Returns:
+            The (unchanged) coefficient.
+        """
+        del current_kl, n_steps
+        return self._value
+
+    def state_dict(self) -> dict[str, float]:
+        """Returns ``{"value": coefficient}`` for checkpointing."""
+        return {"value": self._value}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        """Restores the coefficient saved by ``state_dict``."""
+        self._value = float(state["value"])
+
+    def __repr__(self) -> str:
+        return f"FixedKLController(value={self._value})"
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al., 2019, "Fine-Tuning Language Models from Human
+    Preferences"), a proportional controller steering the observed KL towards ``target_kl``.
+
+    After each step with observed KL ``current_kl`` over ``n_steps`` samples:
+    ``error = clip(current_kl / target_kl - 1, -0.2, 0.2)`` and
+    ``value <- value * (1 + error * n_steps / horizon)``.
+
+    Runs on: controller (a Python float, no tensors; pass the KL already reduced to a float).
+
+    Args:
+        init_kl_coef: Initial coefficient (>= 0).
+        target_kl: Target KL (> 0).
+        horizon: Controller horizon in samples (> 0); larger means slower adaptation.
+
+    Raises:
+        ValueError: If an argument is out of range.
+
+    Example:
+        >>> ctl = AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10000)
+        >>> round(ctl.update(12.0, 1000), 6)  # error clipped to 0.2 -> 0.1 * (1 + 0.2 * 0.1)
+        0.102
+    """
+
+    def __init__(self, *, init_kl_coef: float, target_kl: float, horizon: int) -> None:
+        if init_kl_coef < 0:
+            raise ValueError(f"`init_kl_coef` must be >= 0, got {init_kl_coef}.")
+        if target_kl <= 0:
+            raise ValueError(f"`target_kl` must be > 0, got {target_kl}.")
+        if horizon <= 0:
+            raise ValueError(f"`horizon` must be > 0, got {horizon}.")
+        self._value = float(init_kl_coef)
+        self.target_kl = float(target_kl)
+        self.horizon = horizon
+
+    @property
+    def value(self) -> float:
+        """The current KL coefficient."""
+        return self._value
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Moves the coefficient towards the target after one step.
+
+        Args:
+            current_kl: KL observed in this step (e.g. the masked mean per-token KL times the sequence
+                length, whichever quantity ``target_kl`` refers to).
+            n_steps: Number of samples (sequences) in this step.
+
+        Returns:
+            The updated coefficient.
+        """
+        error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
+        self._value *= 1.0 + error * n_steps / self.horizon
+        return self._value
+
+    def state_dict(self) -> dict[str, float]:
+        """Returns ``{"value": coefficient}`` for checkpointing (the target and horizon come from the
+        constructor, i.e. the configuration)."""
+        return {"value": self._value}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        """Restores the coefficient saved by ``state_dict``."""
+        self._value = float(state["value"])
+
+    def __repr__(self) -> str:
+        return f"AdaptiveKLController(value={self._value}, target_kl={self.target_kl}, horizon={self.horizon})"

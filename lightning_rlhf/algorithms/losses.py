@@ -1,8 +1,13 @@
-"""PPO-style clipped policy/value losses and loss aggregation modes."""
+"""Policy losses (PPO clip, dual clip, GSPO), the clipped value loss, and loss aggregation modes.
+
+Policy losses share one signature so a trainer can switch by name::
+
+    loss, metrics = compute_policy_loss("gspo", logprobs, old_logprobs, advantages, mask, clip_low=3e-4)
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -12,11 +17,17 @@ from lightning_rlhf.algorithms.registry import Registry
 
 __all__ = [
     "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
     "LossAggregation",
+    "PolicyLoss",
     "aggregate_loss",
+    "compute_policy_loss",
     "policy_loss_clipped",
+    "policy_loss_dual_clip",
+    "policy_loss_gspo",
     "seq_mean_token_mean",
     "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
     "token_mean",
     "value_loss_clipped",
 ]
@@ -25,14 +36,18 @@ __all__ = [
 class LossAggregation(Protocol):
     """Signature shared by all registered loss aggregations."""
 
-    def __call__(self, loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None) -> Tensor: ...
+    def __call__(
+        self, loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
+    ) -> Tensor: ...
 
 
 LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry("loss aggregation")
 
 
 @LOSS_AGGREGATIONS.register("token-mean")
-def token_mean(loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None) -> Tensor:
+def token_mean(
+    loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
+) -> Tensor:
     """Sum of valid-token losses divided by the number of tokens.
 
     Pass the global token count of the whole (mini-)batch as ``num_tokens`` when summing losses of
@@ -44,10 +59,12 @@ def token_mean(loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None 
         loss: ``[B, T]`` per-token loss.
         mask: ``[B, T]`` binary mask of valid tokens.
         num_tokens: Denominator; defaults to ``mask.sum()``. Clamped to at least 1.
+        max_len: Ignored (accepted for a uniform signature).
 
     Returns:
         Scalar loss.
     """
+    del max_len
     total = masked_sum(loss, mask)
     denom = mask.bool().sum() if num_tokens is None else num_tokens
     denom_t = torch.as_tensor(denom, device=total.device).to(total.dtype).clamp_min(1.0)
@@ -55,7 +72,9 @@ def token_mean(loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None 
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum")
-def seq_mean_token_sum(loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None) -> Tensor:
+def seq_mean_token_sum(
+    loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
+) -> Tensor:
     """Per-sequence sum over valid tokens, then mean over all ``B`` sequences.
 
     Runs on: controller or worker (pure function).
@@ -64,17 +83,20 @@ def seq_mean_token_sum(loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float
         loss: ``[B, T]`` per-token loss.
         mask: ``[B, T]`` binary mask of valid tokens.
         num_tokens: Ignored (accepted for a uniform signature).
+        max_len: Ignored (accepted for a uniform signature).
 
     Returns:
         Scalar loss (``0`` if ``B == 0``).
     """
-    del num_tokens
+    del num_tokens, max_len
     seq_losses = masked_sum(loss, mask, dim=-1)  # [B]
     return seq_losses.sum() / max(seq_losses.shape[0], 1)
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-mean")
-def seq_mean_token_mean(loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None) -> Tensor:
+def seq_mean_token_mean(
+    loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
+) -> Tensor:
     """Per-sequence mean over valid tokens, then mean over sequences with a non-empty mask.
 
     Runs on: controller or worker (pure function).
@@ -83,18 +105,59 @@ def seq_mean_token_mean(loss: Tensor, mask: Tensor, *, num_tokens: Tensor | floa
         loss: ``[B, T]`` per-token loss.
         mask: ``[B, T]`` binary mask of valid tokens.
         num_tokens: Ignored (accepted for a uniform signature).
+        max_len: Ignored (accepted for a uniform signature).
 
     Returns:
         Scalar loss (``0`` if every mask row is empty).
     """
-    del num_tokens
+    del num_tokens, max_len
     seq_means = masked_mean(loss, mask, dim=-1)  # [B]
     non_empty = mask.bool().any(dim=-1)  # [B]
     return masked_mean(seq_means, non_empty)
 
 
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(
+    loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
+) -> Tensor:
+    """Per-sequence sum over valid tokens divided by a constant ``max_len``, then mean over all ``B``
+    sequences: the length-unbiased aggregation of Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like
+    Training: A Critical Perspective"), ``1/B * sum_i 1/max_len * sum_t loss_{i,t}``.
+
+    Unlike ``"seq-mean-token-mean"`` no sequence is divided by its own length, so long and short
+    responses are not weighted differently per token. With micro-batches of varying padded length, pass
+    the same ``max_len`` (e.g. the rollout's maximum response length) everywhere so the constant is
+    the same for every micro-batch.
+
+    Runs on: controller or worker (pure function).
+
+    Args:
+        loss: ``[B, T]`` per-token loss.
+        mask: ``[B, T]`` binary mask of valid tokens.
+        num_tokens: Ignored (accepted for a uniform signature).
+        max_len: Constant divisor (> 0); defaults to ``T`` (``mask.shape[-1]``, at least 1).
+
+    Returns:
+        Scalar loss (``0`` if ``B == 0``).
+
+    Raises:
+        ValueError: If ``max_len`` is given and not positive.
+    """
+    del num_tokens
+    if max_len is not None and max_len <= 0:
+        raise ValueError(f"`max_len` must be > 0 for 'seq-mean-token-sum-norm', got {max_len}.")
+    divisor = max(mask.shape[-1], 1) if max_len is None else max_len
+    seq_losses = masked_sum(loss, mask, dim=-1)  # [B]
+    return seq_losses.sum() / (divisor * max(seq_losses.shape[0], 1))
+
+
 def aggregate_loss(
-    loss: Tensor, mask: Tensor, *, mode: str = "token-mean", num_tokens: Tensor | float | None = None
+    loss: Tensor,
+    mask: Tensor,
+    *,
+    mode: str = "token-mean",
+    num_tokens: Tensor | float | None = None,
+    max_len: int | None = None,
 ) -> Tensor:
     """Reduces a per-token loss to a scalar with the aggregation registered as ``mode``.
 
@@ -105,6 +168,7 @@ def aggregate_loss(
         mask: ``[B, T]`` binary mask of valid tokens.
         mode: One of ``LOSS_AGGREGATIONS.names()``.
         num_tokens: Optional global token count (used by ``"token-mean"``).
+        max_len: Optional constant sequence-length divisor (used by ``"seq-mean-token-sum-norm"``).
 
     Returns:
         Scalar loss.
@@ -112,9 +176,44 @@ def aggregate_loss(
     Raises:
         ValueError: If ``mode`` is unknown.
     """
-    return LOSS_AGGREGATIONS.get(mode)(loss, mask, num_tokens=num_tokens)
+    return LOSS_AGGREGATIONS.get(mode)(loss, mask, num_tokens=num_tokens, max_len=max_len)
 
 
+class PolicyLoss(Protocol):
+    """Signature shared by all registered policy losses."""
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        old_logprobs: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        *,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        clip_ratio_c: float = 3.0,
+        agg: str = "token-mean",
+        num_tokens: Tensor | float | None = None,
+        max_len: int | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def _clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's pessimistic per-token loss ``max(-A * r, -A * clamp(r, 1 - clip_low, 1 + clip_high))``.
+
+    Returns ``(per_token, unclipped, clipped)``, all ``[B, T]``.
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), unclipped, clipped
+
+
+@POLICY_LOSSES.register("vanilla")
 def policy_loss_clipped(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -123,13 +222,16 @@ def policy_loss_clipped(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
     agg: str = "token-mean",
     num_tokens: Tensor | float | None = None,
+    max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate objective (Schulman et al., 2017), with asymmetric clip range.
 
     ``ratio = exp(clamp(logprobs - old_logprobs, -20, 20))`` and the per-token loss is
-    ``max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))``.
+    ``max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))``. DAPO's "clip-higher"
+    (Yu et al., 2025) is this loss with ``clip_high > clip_low``; no separate loss is needed.
 
     Runs on: controller or worker (pure function).
 
@@ -140,26 +242,180 @@ def policy_loss_clipped(
         response_mask: ``[B, T]`` binary mask of valid response tokens.
         clip_low: Lower clip ``epsilon`` (ratio >= ``1 - clip_low``).
         clip_high: Upper clip ``epsilon`` (ratio <= ``1 + clip_high``).
+        clip_ratio_c: Ignored (accepted for the uniform ``POLICY_LOSSES`` signature; see ``"dual_clip"``).
         agg: Loss aggregation mode (see ``LOSS_AGGREGATIONS``).
         num_tokens: Optional global token count for ``"token-mean"``.
+        max_len: Optional constant length divisor for ``"seq-mean-token-sum-norm"``.
 
     Returns:
         ``(loss, metrics)``: differentiable scalar loss and detached scalar metrics
         ``"pg_clipfrac"`` (fraction of valid tokens where the clipped branch is strictly larger) and
         ``"ppo_kl"`` (masked mean of ``old_logprobs - logprobs``).
     """
+    del clip_ratio_c
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    loss = aggregate_loss(per_token, response_mask, mode=agg, num_tokens=num_tokens)
+    per_token, unclipped, clipped = _clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high)
+    loss = aggregate_loss(per_token, response_mask, mode=agg, num_tokens=num_tokens, max_len=max_len)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), response_mask),
             "ppo_kl": masked_mean(-log_ratio, response_mask),
         }
     return loss, metrics
+
+
+@POLICY_LOSSES.register("dual_clip")
+def policy_loss_dual_clip(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    agg: str = "token-mean",
+    num_tokens: Tensor | float | None = None,
+    max_len: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dual-clip PPO (Ye et al., 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
+    Learning"): PPO's clipped loss, additionally bounded for negative advantages.
+
+    With ``ppo = max(-A * r, -A * clamp(r, 1 - clip_low, 1 + clip_high))`` as in ``"vanilla"``, the
+    per-token loss is ``min(ppo, -A * clip_ratio_c)`` where ``A < 0`` and ``ppo`` elsewhere, so a token
+    whose ratio has grown far beyond ``clip_ratio_c`` under a negative advantage cannot produce an
+    unbounded loss (its gradient is zero once the bound is active).
+
+    Runs on: controller or worker (pure function).
+
+    Args:
+        logprobs: ``[B, T]`` current policy log-probabilities (requires grad).
+        old_logprobs: ``[B, T]`` log-probabilities of the behaviour policy.
+        advantages: ``[B, T]`` advantages.
+        response_mask: ``[B, T]`` binary mask of valid response tokens.
+        clip_low: Lower clip ``epsilon`` (ratio >= ``1 - clip_low``).
+        clip_high: Upper clip ``epsilon`` (ratio <= ``1 + clip_high``).
+        clip_ratio_c: Dual-clip constant ``c`` (> 1; the paper uses 3).
+        agg: Loss aggregation mode (see ``LOSS_AGGREGATIONS``).
+        num_tokens: Optional global token count for ``"token-mean"``.
+        max_len: Optional constant length divisor for ``"seq-mean-token-sum-norm"``.
+
+    Returns:
+        ``(loss, metrics)``: differentiable scalar loss and detached scalar metrics ``"pg_clipfrac"``
+        (as in ``"vanilla"``), ``"pg_clipfrac_lower"`` (fraction of valid tokens where ``A < 0`` and the
+        dual bound is strictly smaller than the PPO loss) and ``"ppo_kl"``.
+
+    Raises:
+        ValueError: If ``clip_ratio_c <= 1``.
+    """
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"Policy loss 'dual_clip' requires `clip_ratio_c` > 1, got {clip_ratio_c}.")
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    ppo, unclipped, clipped = _clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high)
+    bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    per_token = torch.where(negative, torch.minimum(ppo, bound), ppo)
+    loss = aggregate_loss(per_token, response_mask, mode=agg, num_tokens=num_tokens, max_len=max_len)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), response_mask),
+            "pg_clipfrac_lower": masked_mean((negative & (ppo > bound)).to(per_token.dtype), response_mask),
+            "ppo_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def policy_loss_gspo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    agg: str = "token-mean",
+    num_tokens: Tensor | float | None = None,
+    max_len: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Group Sequence Policy Optimization (GSPO; Zheng et al., 2025): PPO clipping on a sequence-level,
+    length-normalised importance ratio.
+
+    The sequence ratio is the geometric mean of the token ratios,
+    ``s_i = exp(mean_t (logprobs - old_logprobs))`` over the sequence's valid tokens. The token-level
+    form ``s_{i,t} = sg[s_i] * exp(logprobs_t - sg[logprobs_t])`` (``sg`` = stop-gradient) has value
+    ``s_i`` on every token, while its gradient flows through each token's own log-probability; with
+    ``agg="seq-mean-token-mean"`` this reproduces the paper's objective and gradient
+    ``s_i * A_i * mean_t grad(logprobs_t)`` exactly (the paper's GSPO-token variant is the same loss
+    with token-level advantages). The per-token loss is PPO's
+    ``max(-A * s, -A * clamp(s, 1 - clip_low, 1 + clip_high))``; the log of ``sg[s_i]`` is clamped to
+    ``[-20, 20]``. GSPO uses much smaller clip ranges than token-level PPO (the paper: ``clip_low=3e-4``,
+    ``clip_high=4e-4``); they are not changed here.
+
+    Runs on: controller or worker (pure function).
+
+    Args:
+        logprobs: ``[B, T]`` current policy log-probabilities (requires grad).
+        old_logprobs: ``[B, T]`` log-probabilities of the behaviour policy.
+        advantages: ``[B, T]`` advantages (normally the sequence advantage broadcast over its tokens).
+        response_mask: ``[B, T]`` binary mask of valid response tokens.
+        clip_low: Lower clip ``epsilon`` (``s >= 1 - clip_low``).
+        clip_high: Upper clip ``epsilon`` (``s <= 1 + clip_high``).
+        clip_ratio_c: Ignored (accepted for the uniform ``POLICY_LOSSES`` signature).
+        agg: Loss aggregation mode (see ``LOSS_AGGREGATIONS``); the paper's is ``"seq-mean-token-mean"``.
+        num_tokens: Optional global token count for ``"token-mean"``.
+        max_len: Optional constant length divisor for ``"seq-mean-token-sum-norm"``.
+
+    Returns:
+        ``(loss, metrics)``: differentiable scalar loss and detached scalar metrics ``"pg_clipfrac"``
+        (fraction of valid tokens where the clipped branch is strictly larger; as the ratio is shared by
+        a sequence's tokens, this is the fraction of clipped sequences weighted by their token counts)
+        and ``"ppo_kl"`` (token-level masked mean of ``old_logprobs - logprobs``).
+    """
+    del clip_ratio_c
+    log_ratio = logprobs - old_logprobs
+    seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1).detach().clamp(-20.0, 20.0)  # [B]
+    ratio = torch.exp(seq_log_ratio.unsqueeze(-1) + (logprobs - logprobs.detach()))  # value s_i, grad per token
+    per_token, unclipped, clipped = _clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high)
+    loss = aggregate_loss(per_token, response_mask, mode=agg, num_tokens=num_tokens, max_len=max_len)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), response_mask),
+            "ppo_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return loss, metrics
+
+
+def compute_policy_loss(
+    name: str,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Runs the policy loss registered as ``name``.
+
+    Runs on: controller or worker (pure function).
+
+    Args:
+        name: Registered policy loss (see ``POLICY_LOSSES.names()``: ``"vanilla"``, ``"dual_clip"``, ...).
+        logprobs: ``[B, T]`` current policy log-probabilities (requires grad).
+        old_logprobs: ``[B, T]`` log-probabilities of the behaviour policy.
+        advantages: ``[B, T]`` advantages.
+        response_mask: ``[B, T]`` binary mask of valid response tokens.
+        **kwargs: Keyword arguments of the loss (``clip_low``, ``clip_high``, ``clip_ratio_c``, ``agg``, ...).
+
+    Returns:
+        ``(loss, metrics)``: differentiable scalar loss and detached scalar metrics.
+
+    Raises:
+        ValueError: If ``name`` is unknown or an argument is invalid.
+    """
+    return POLICY_LOSSES.get(name)(logprobs, old_logprobs, advantages, response_mask, **kwargs)
 
 
 def value_loss_clipped(
@@ -171,6 +427,7 @@ def value_loss_clipped(
     clip: float = 0.2,
     agg: str = "token-mean",
     num_tokens: Tensor | float | None = None,
+    max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value-function loss as in PPO implementations.
 
@@ -187,6 +444,7 @@ def value_loss_clipped(
         clip: Clip range for the value update.
         agg: Loss aggregation mode (see ``LOSS_AGGREGATIONS``).
         num_tokens: Optional global token count for ``"token-mean"``.
+        max_len: Optional constant length divisor for ``"seq-mean-token-sum-norm"``.
 
     Returns:
         ``(loss, metrics)``: differentiable scalar loss and detached scalar metric ``"vf_clipfrac"``
@@ -196,7 +454,7 @@ def value_loss_clipped(
     unclipped = (values - returns) ** 2
     clipped = (v_clipped - returns) ** 2
     per_token = 0.5 * torch.maximum(unclipped, clipped)
-    loss = aggregate_loss(per_token, response_mask, mode=agg, num_tokens=num_tokens)
+    loss = aggregate_loss(per_token, response_mask, mode=agg, num_tokens=num_tokens, max_len=max_len)
     with torch.no_grad():
         metrics = {"vf_clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), response_mask)}
     return loss, metrics

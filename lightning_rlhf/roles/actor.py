@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rlhf.algorithms import aggregate_loss, kl_penalty, policy_loss_clipped
+from lightning_rlhf.algorithms import aggregate_loss, compute_policy_loss, kl_penalty
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
@@ -212,17 +212,24 @@ class ActorRole(Role):
         )
         mask = micro["response_mask"].to(device)
         token_mean = algo.loss_agg == "token-mean"
-        agg: dict[str, Any] = {"mode": algo.loss_agg, "num_tokens": num_tokens if token_mean else None}
+        agg: dict[str, Any] = {
+            "mode": algo.loss_agg,
+            "num_tokens": num_tokens if token_mean else None,
+            "max_len": self.rollout.max_new_tokens,  # the constant of seq-mean-token-sum-norm (Dr.GRPO)
+        }
         scale = 1.0 if token_mean else share
-        pg_loss, metrics = policy_loss_clipped(
+        pg_loss, metrics = compute_policy_loss(
+            algo.policy_loss,
             out["logprobs"],
             micro["old_logprobs"].to(device) if "old_logprobs" in micro else out["logprobs"].detach(),
             micro["advantages"].to(device),
             mask,
             clip_low=algo.clip_ratio_low,
             clip_high=algo.clip_ratio_high,
+            clip_ratio_c=algo.clip_ratio_c,
             agg=algo.loss_agg,
             num_tokens=agg["num_tokens"],
+            max_len=agg["max_len"],
         )
         entropy = aggregate_loss(out["entropy"], mask, **agg)
         loss = pg_loss - algo.entropy_coef * entropy

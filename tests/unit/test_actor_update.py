@@ -73,3 +73,12 @@ def test_weights_reach_the_engine_only_after_an_update(tiny_model: str) -> None:
     for (name, p), q in zip(actor.model.named_parameters(), actor.engine.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
     assert actor.sync_weights() == (0.0, 0)
+
+
+@pytest.mark.parametrize(("loss", "agg"), [("dual_clip", "token-mean"), ("gspo", "seq-mean-token-sum-norm")])
+def test_registered_policy_losses_train(tiny_model: str, loss: str, agg: str) -> None:
+    actor = make_actor(tiny_model, policy_loss=loss, loss_agg=agg)
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    metrics = actor.update(rollout_batch())
+    assert metrics["actor/grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, actor.model.parameters(), strict=True))

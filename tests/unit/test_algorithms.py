@@ -63,11 +63,13 @@ def test_registry_duplicate_raises() -> None:
 def test_registry_unknown_with_and_without_suggestion() -> None:
     with pytest.raises(ValueError) as info:
         ADVANTAGE_ESTIMATORS.get("gea")
-    assert str(info.value) == "Unknown advantage estimator 'gea'. Valid: gae, grpo. Did you mean 'gae'?"
+    message = str(info.value)
+    assert message.startswith("Unknown advantage estimator 'gea'. Valid: gae, grpo, ")
+    assert message.endswith(". Did you mean 'gae'?")
     with pytest.raises(ValueError) as info:
         KL_ESTIMATORS.get("zzz")
     assert str(info.value) == "Unknown KL estimator 'zzz'. Valid: k1, k2, k3."
-    assert LOSS_AGGREGATIONS.names() == ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"]
+    assert {"seq-mean-token-mean", "seq-mean-token-sum", "token-mean"} <= set(LOSS_AGGREGATIONS.names())
 
 
 # --------------------------------------------------------------------------------------------- functional

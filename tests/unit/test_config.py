@@ -18,10 +18,12 @@ from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, c
         (
             AlgorithmConfig,
             {"advantage": "grpoo"},
-            r"advantage='grpoo' is invalid: expected one of \['gae', 'grpo'\]",
+            r"advantage='grpoo' is invalid: expected one of \['gae', 'grpo', ",
         ),
         (AlgorithmConfig, {"kl_estimator": "k9"}, r"kl_estimator='k9'"),
         (AlgorithmConfig, {"micro_batch_size": 0}, r"micro_batch_size=0"),
+        (AlgorithmConfig, {"policy_loss": "ppo"}, r"policy_loss='ppo' is invalid"),
+        (AlgorithmConfig, {"clip_ratio_c": 1.0}, r"clip_ratio_c=1.0"),
     ],
 )
 def test_bad_values_are_rejected(cls, kwargs, match) -> None:
