@@ -4,7 +4,14 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.data import PromptDataModule
 from lightning_rlhf.module import RLHFModule
-from lightning_rlhf.modules import GRPOModule, PPOModule
+from lightning_rlhf.modules import (
+    DrGRPOModule,
+    GRPOModule,
+    PPOModule,
+    REINFORCEPPModule,
+    ReMaxModule,
+    RLOOModule,
+)
 from lightning_rlhf.roles import RewardFunctionError
 from lightning_rlhf.strategy import ControllerError, Dispatch, RLHFStrategy, WorkerError, role_method
 
@@ -15,12 +22,16 @@ __all__ = [
     "Batch",
     "ControllerError",
     "Dispatch",
+    "DrGRPOModule",
     "GRPOModule",
     "OptimConfig",
     "PPOModule",
     "PromptDataModule",
+    "REINFORCEPPModule",
     "RLHFModule",
     "RLHFStrategy",
+    "RLOOModule",
+    "ReMaxModule",
     "RewardFunctionError",
     "RolloutConfig",
     "WorkerError",

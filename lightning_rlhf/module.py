@@ -168,7 +168,8 @@ class RLHFModule(L.LightningModule):
 
     def compute_advantages(self, rollout: Batch, metrics: dict[str, float] | None = None) -> Batch:
         """Token rewards (score at the last token, minus the KL penalty if it is in the reward), then the
-        configured advantage estimator. Adds ``token_rewards``, ``advantages`` and ``returns``.
+        configured advantage estimator. Adds ``token_rewards``, ``advantages`` and ``returns``. Optional inputs
+        the estimator may use: ``values`` (critic), ``baselines`` (per-sample baseline scores, ReMax).
 
         Runs on: controller (pure tensor math on the whole batch).
         """
@@ -186,6 +187,7 @@ class RLHFModule(L.LightningModule):
             response_mask=mask,
             values=rollout.tensors.get("values"),
             group_ids=rollout["uid"],
+            baselines=rollout.tensors.get("baselines"),
             gamma=algo.gamma,
             lam=algo.lam,
             norm_by_std=algo.norm_adv_by_std,

@@ -12,7 +12,22 @@ import os
 import time
 from typing import Any
 
-__all__ = ["build_job", "main", "plot_reward"]
+__all__ = ["ALGORITHMS_NAMES", "build_job", "main", "plot_reward"]
+
+
+def _algorithms() -> dict[str, tuple[Any, str]]:
+    from lightning_rlhf.modules import GRPOModule, PPOModule, REINFORCEPPModule, ReMaxModule, RLOOModule
+
+    return {
+        "grpo": (GRPOModule, "grpo"),
+        "rloo": (RLOOModule, "rloo"),
+        "reinforce_pp": (REINFORCEPPModule, "reinforce_plus_plus"),
+        "remax": (ReMaxModule, "remax"),
+        "ppo": (PPOModule, "gae"),
+    }
+
+
+ALGORITHMS_NAMES = ("grpo", "rloo", "reinforce_pp", "remax", "ppo")
 
 
 def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]:
@@ -20,23 +35,21 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_rlhf import (
-        AlgorithmConfig,
-        GRPOModule,
-        OptimConfig,
-        PromptDataModule,
-        RLHFStrategy,
-        RolloutConfig,
-    )
+    from lightning_rlhf import AlgorithmConfig, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig
     from lightning_rlhf.demo.task import addition_dataset, addition_reward
 
-    module = GRPOModule(
+    module_cls, advantage = _algorithms()[args.algo]
+    extra: dict[str, Any] = {}
+    if args.algo == "ppo":  # the critic starts from the actor's backbone with a fresh value head
+        extra = {"critic": model_path, "critic_optim": OptimConfig(lr=args.lr * 2, warmup_steps=args.warmup)}
+    module = module_cls(
         model_path,
         reward=addition_reward,
-        reference=None,
+        reference=False,
         rollout=RolloutConfig(n=args.n, temperature=1.0, max_new_tokens=6, seed=args.seed),
-        algorithm=AlgorithmConfig(advantage="grpo", kl_coef=0.0, micro_batch_size=args.micro_batch_size),
+        algorithm=AlgorithmConfig(advantage=advantage, kl_coef=0.0, micro_batch_size=args.micro_batch_size),
         actor_optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
+        **extra,
     )
     data = PromptDataModule(
         addition_dataset(seed=args.seed), batch_size=args.prompts, max_prompt_length=16, seed=args.seed
@@ -55,7 +68,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     return module, data, trainer
 
 
-def plot_reward(metrics_csv: str, out_png: str) -> dict[str, float]:
+def plot_reward(metrics_csv: str, out_png: str, title: str = "GRPO") -> dict[str, float]:
     """Plot ``critic/score/mean`` per step into ``out_png``; returns first/last-10% means. Runs on: rank 0."""
     import csv
 
@@ -77,7 +90,7 @@ def plot_reward(metrics_csv: str, out_png: str) -> dict[str, float]:
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean reward (critic/score/mean)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"GRPO on addition: {summary['first']:.2f} -> {summary['last']:.2f}")
+    ax.set_title(f"{title} on addition: {summary['first']:.2f} -> {summary['last']:.2f}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
@@ -88,6 +101,7 @@ def plot_reward(metrics_csv: str, out_png: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     """Run the demo job. Runs on: every process (Lightning relaunches this module as the other ranks)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_rlhf.demo", description=__doc__)
+    parser.add_argument("--algo", choices=ALGORITHMS_NAMES, default="grpo", help="ready module to train with")
     parser.add_argument("--devices", type=int, default=2, help="worker processes (CPU)")
     parser.add_argument("--steps", type=int, default=250, help="RL steps")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
@@ -115,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.global_rank != 0:
         return
     run_dir = trainer.logger.log_dir
-    summary = plot_reward(os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "reward.png"))
+    summary = plot_reward(os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "reward.png"), args.algo)
     print(
         f"reward {summary['first']:.3f} (first 10% of steps) -> {summary['last']:.3f} (last 10%), "
         f"{int(summary['steps'])} steps in {time.perf_counter() - t0:.0f}s"

@@ -2,5 +2,7 @@
 
 from lightning_rlhf.modules.grpo import GRPOModule
 from lightning_rlhf.modules.ppo import PPOModule
+from lightning_rlhf.modules.remax import ReMaxModule
+from lightning_rlhf.modules.variants import DrGRPOModule, REINFORCEPPModule, RLOOModule
 
-__all__ = ["GRPOModule", "PPOModule"]
+__all__ = ["DrGRPOModule", "GRPOModule", "PPOModule", "REINFORCEPPModule", "RLOOModule", "ReMaxModule"]

@@ -80,8 +80,9 @@ class ActorRole(Role):
 
     # --------------------------------------------------------------------------------------- rollout
     @role_method(Dispatch.DP_SPLIT)
-    def generate(self, batch: Batch) -> Batch:
-        """Sample ``rollout.n`` responses per prompt with the colocated engine.
+    def generate(self, batch: Batch, *, n: int | None = None, greedy: bool = False) -> Batch:
+        """Sample ``n`` (default ``rollout.n``) responses per prompt with the colocated engine; ``greedy``
+        decodes one deterministic response per prompt instead (e.g. ReMax's baseline).
 
         Runs on: every worker rank, each on its share of the prompts. Input: ``prompts``/``prompt_mask``
         (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask``,
@@ -92,7 +93,7 @@ class ActorRole(Role):
         self.engine.wake_up()
         sync_s, sync_bytes = self.sync_weights()
         cfg = self.rollout
-        n = cfg.n
+        n = 1 if greedy else (n or cfg.n)
         rank, _ = world()
         step = int(batch.meta.get("step", 0))
         params = SamplingParams(
@@ -103,7 +104,7 @@ class ActorRole(Role):
             max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=cfg.stop_token_ids,
             seed=cfg.seed * 1_000_003 + step * 7919 + rank,
-            greedy=bool(batch.meta.get("greedy", False)),
+            greedy=greedy,
         )
         prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
         t0 = time.perf_counter()

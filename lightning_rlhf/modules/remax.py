@@ -1,0 +1,45 @@
+"""ReMax (Li et al., 2023): REINFORCE with the reward of the greedy response as each prompt's baseline."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig
+from lightning_rlhf.module import RLHFModule
+
+__all__ = ["ReMaxModule"]
+
+
+class ReMaxModule(RLHFModule):
+    """ReMax: one extra greedy generation per prompt gives the baseline; no critic, no groups needed.
+
+    Same arguments as :class:`RLHFModule`. Runs on: every process; ``training_step`` on the controller.
+    """
+
+    def __init__(self, actor: str, **kwargs: Any) -> None:
+        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="remax"))
+        super().__init__(actor, **kwargs)
+
+    def training_step(self, batch: Batch) -> None:  # type: ignore[override]
+        """Sample, decode greedily for the baseline, score both, advantage = reward - greedy reward, update.
+
+        Runs on: controller.
+        """
+        t0, metrics = time.perf_counter(), dict[str, float]()
+        with self.timer("gen", metrics):
+            rollout = self.actor.generate(batch)
+        with self.timer("gen_baseline", metrics):
+            greedy = self.reward.score(self.actor.generate(batch, greedy=True))
+        rollout = self.reward.score(rollout)
+        rollout["baselines"] = greedy["scores"][rollout["uid"]]  # uid = the prompt's row in `batch`
+        metrics["critic/baseline_score/mean"] = float(greedy["scores"].mean())
+        if self.algorithm.needs_old_logprobs:
+            rollout = self.actor.log_prob(rollout)
+        if self.reference is not None and self.algorithm.kl_coef > 0:
+            rollout = self.reference.log_prob(rollout)
+        rollout = self.compute_advantages(rollout, metrics)
+        with self.timer("update_actor", metrics):
+            metrics |= self.actor.update(rollout)
+        self.log_step(rollout, metrics, started=t0)

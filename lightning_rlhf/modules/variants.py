@@ -1,0 +1,42 @@
+"""Critic-free algorithms that share GRPO's dataflow and differ only in settings (registered math parts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_rlhf.config import AlgorithmConfig
+from lightning_rlhf.modules.grpo import GRPOModule
+
+__all__ = ["DrGRPOModule", "REINFORCEPPModule", "RLOOModule"]
+
+
+class RLOOModule(GRPOModule):
+    """RLOO (Ahmadian et al., 2024): each sample's baseline is the mean reward of the other samples of its
+    prompt. GRPO's dataflow with ``advantage="rloo"``; no KL by default. Runs on: every process."""
+
+    def __init__(self, actor: str, **kwargs: Any) -> None:
+        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="rloo"))
+        super().__init__(actor, **kwargs)
+
+
+class REINFORCEPPModule(GRPOModule):
+    """REINFORCE++ (Hu, 2025): token-level KL penalty in the reward, returns whitened over the whole batch,
+    PPO's clipped loss, no critic. Runs on: every process."""
+
+    def __init__(self, actor: str, **kwargs: Any) -> None:
+        kwargs.setdefault(
+            "algorithm",
+            AlgorithmConfig(advantage="reinforce_plus_plus", kl_coef=0.01, kl_in_reward=True, kl_estimator="k2"),
+        )
+        super().__init__(actor, **kwargs)
+
+
+class DrGRPOModule(GRPOModule):
+    """Dr.GRPO (Liu et al., 2025): GRPO without the std normalisation and with token sums divided by a constant
+    length, removing GRPO's length and difficulty biases. Runs on: every process."""
+
+    def __init__(self, actor: str, **kwargs: Any) -> None:
+        kwargs.setdefault(
+            "algorithm", AlgorithmConfig(advantage="grpo", norm_adv_by_std=False, loss_agg="seq-mean-token-sum-norm")
+        )
+        super().__init__(actor, **kwargs)

@@ -1,0 +1,38 @@
+"""Each ready algorithm learns the synthetic task (2 processes): last 10% of steps >= first 10% + 0.2.
+
+GRPO is covered by the demo test (250 steps, +0.3); these run 120 steps each.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("algo", ["rloo", "reinforce_pp", "remax", "ppo"])
+def test_algorithm_learns_addition(algo: str, demo_model: str, tmp_path: Path) -> None:
+    cache = str(Path(demo_model).parent)  # reuse the session's warm-started model
+    cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--algo", algo, "--steps", "120"]
+    cmd += ["--out", str(tmp_path), "--cache", cache]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    run = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run folder: "))
+    with open(run / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("critic/score/mean")]
+    scores = [float(r["critic/score/mean"]) for r in rows]
+    assert len(scores) == 120
+    k = len(scores) // 10
+    first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
+    assert last >= first + 0.2, (algo, first, last)
+    if algo == "ppo":
+        assert all(float(r["critic/vf_loss"]) >= 0 for r in rows)
+    if algo == "remax":
+        assert "critic/baseline_score/mean" in rows[0]
