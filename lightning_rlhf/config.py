@@ -117,6 +117,18 @@ class AlgorithmConfig:
     """Registered KL estimator: 'k1', 'k2', 'k3' (k3 is the low-variance one GRPO uses)."""
     kl_in_reward: bool = False
     """True: subtract ``kl_coef * KL`` from the token rewards (classic PPO); False: add it to the actor loss (GRPO)."""
+    kl_target: float | None = None
+    """Adaptive KL penalty (Ziegler et al., 2019): the per-token KL that the reward-penalty coefficient steers
+    towards, starting from ``kl_coef``; None keeps ``kl_coef`` fixed. Needs ``kl_in_reward=True``."""
+    kl_horizon: int = 10000
+    """Adaptive KL: samples over which the coefficient adapts (larger is slower)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the last this-many tokens before ``max_new_tokens`` cost up to
+    ``overlong_penalty`` reward, linearly; 0 disables."""
+    overlong_penalty: float = 1.0
+    """DAPO: the reward penalty of a response that reaches ``max_new_tokens``."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: responses cut at ``max_new_tokens`` (no stop token) add nothing to the loss."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the actor loss (entropy is logged either way)."""
     ppo_epochs: int = 1
@@ -141,6 +153,17 @@ class AlgorithmConfig:
         for field in ("clip_ratio_low", "clip_ratio_high", "value_clip", "kl_coef", "entropy_coef"):
             if getattr(self, field) < 0:
                 _fail(self, field, getattr(self, field), ">= 0")
+        if self.kl_target is not None and (self.kl_target <= 0 or not self.kl_in_reward or self.kl_coef <= 0):
+            _fail(
+                self,
+                "kl_target",
+                self.kl_target,
+                "a KL > 0, with kl_in_reward=True and kl_coef > 0 (the starting coefficient); None for a fixed kl_coef",
+            )
+        if self.kl_horizon < 1:
+            _fail(self, "kl_horizon", self.kl_horizon, "an integer >= 1")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            _fail(self, "overlong_buffer/overlong_penalty", (self.overlong_buffer, self.overlong_penalty), ">= 0")
         if self.clip_ratio_c <= 1:
             _fail(self, "clip_ratio_c", self.clip_ratio_c, "a value > 1 (dual-clip bound, 3.0 is usual)")
         if not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:

@@ -15,7 +15,15 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_rlhf.algorithms import compute_advantages, kl_penalty, masked_mean, scores_to_token_rewards
+from lightning_rlhf.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    compute_advantages,
+    kl_penalty,
+    masked_mean,
+    overlong_reward_penalty,
+    scores_to_token_rewards,
+)
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardFn, RewardRole, Role
@@ -110,6 +118,17 @@ class RLHFModule(L.LightningModule):
         )
         self.reward = RewardRole(reward, tokenizer=self.tokenizer, micro_batch_size=micro)
         self._step_logs: list[tuple[str, float, dict[str, Any]]] | None = None
+        algo = self.algorithm
+        self.kl_controller: AdaptiveKLController | FixedKLController = (
+            AdaptiveKLController(init_kl_coef=algo.kl_coef, target_kl=algo.kl_target, horizon=algo.kl_horizon)
+            if algo.kl_target is not None
+            else FixedKLController(kl_coef=algo.kl_coef)
+        )
+        if algo.overlong_buffer > self.rollout_config.max_new_tokens:
+            raise ValueError(
+                f"AlgorithmConfig.overlong_buffer={algo.overlong_buffer} exceeds RolloutConfig.max_new_tokens="
+                f"{self.rollout_config.max_new_tokens}. HINT: a buffer of about a quarter of max_new_tokens is usual."
+            )
 
     # ------------------------------------------------------------------------------------ the roles
     def roles(self) -> dict[str, Role]:
@@ -174,13 +193,28 @@ class RLHFModule(L.LightningModule):
         Runs on: controller (pure tensor math on the whole batch).
         """
         algo = self.algorithm
+        metrics = {} if metrics is None else metrics
         mask = rollout["response_mask"]
-        token_rewards = scores_to_token_rewards(rollout["scores"], mask)
+        scores = rollout["scores"].float()
+        if algo.overlong_buffer:
+            penalty = overlong_reward_penalty(
+                mask.sum(-1),
+                max_len=self.rollout_config.max_new_tokens,
+                buffer=algo.overlong_buffer,
+                penalty=algo.overlong_penalty,
+            )
+            scores = scores + penalty
+            metrics["critic/overlong_penalty/mean"] = float(penalty.mean())
+        token_rewards = scores_to_token_rewards(scores, mask)
         if algo.kl_in_reward and algo.kl_coef > 0:
             kl = kl_penalty(rollout["old_logprobs"], rollout["ref_logprobs"], estimator=algo.kl_estimator)
-            token_rewards = token_rewards - algo.kl_coef * kl * mask
-            if metrics is not None:
-                metrics["actor/reward_kl_penalty"] = float(masked_mean(kl, mask))
+            coef = self.kl_controller.value
+            token_rewards = token_rewards - coef * kl * mask
+            metrics["actor/reward_kl_penalty"] = current_kl = float(masked_mean(kl, mask))
+            metrics["actor/reward_kl_coef"] = coef
+            self.kl_controller.update(current_kl, n_steps=len(rollout))
+        if algo.mask_truncated:
+            rollout["loss_mask"] = mask * (~rollout["response_truncated"]).to(mask.dtype)[:, None]
         advantages, returns = compute_advantages(
             algo.advantage,
             token_rewards=token_rewards,
@@ -224,9 +258,16 @@ class RLHFModule(L.LightningModule):
                 out[key] = float(rollout.meta[key])
         return out
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the controller-side state (the KL coefficient). Runs on: every process."""
+        checkpoint["lightning_rlhf"] = {"kl_controller": self.kl_controller.state_dict()}
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The restored actor weights differ from what the rollout engine holds: hand them over before the
-        next generation. Runs on: every process."""
+        """Restore the KL coefficient; and since the restored actor weights differ from what the rollout engine
+        holds, hand them over before the next generation. Runs on: every process."""
+        state = checkpoint.get("lightning_rlhf", {})
+        if "kl_controller" in state:
+            self.kl_controller.load_state_dict(state["kl_controller"])
         self.actor.mark_weights_changed()
 
     def log_step(self, rollout: Batch, metrics: dict[str, float], *, started: float) -> None:

@@ -21,6 +21,7 @@ from lightning_rlhf.algorithms.functional import (
     masked_sum,
     masked_var,
     masked_whiten,
+    overlong_reward_penalty,
     scores_to_token_rewards,
 )
 from lightning_rlhf.algorithms.kl import (
@@ -80,6 +81,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_reward_penalty",
     "policy_loss_clipped",
     "policy_loss_dual_clip",
     "policy_loss_gspo",

@@ -188,3 +188,27 @@ def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
     rewards = torch.zeros(mask.shape, dtype=dtype, device=scores.device)
     rewards.scatter_(-1, last.clamp_min(0).unsqueeze(-1), values.unsqueeze(-1))
     return rewards
+
+
+def overlong_reward_penalty(lengths: Tensor, *, max_len: int, buffer: int, penalty: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al., 2025): a reward term that grows linearly more negative over
+    the last ``buffer`` tokens before ``max_len``.
+
+    ``0`` for ``L <= max_len - buffer``; ``-penalty * (L - (max_len - buffer)) / buffer`` up to ``max_len``;
+    ``-penalty`` beyond it.
+
+    Runs on: controller or worker (pure function).
+
+    Args:
+        lengths: ``[B]`` response lengths in tokens.
+        max_len: the longest allowed response (``RolloutConfig.max_new_tokens``).
+        buffer: length of the penalised zone; must be in ``(0, max_len]``.
+        penalty: the penalty at ``max_len``.
+
+    Returns:
+        ``[B]`` float32 penalties (<= 0), to add to the scores.
+    """
+    if not 0 < buffer <= max_len:
+        raise ValueError(f"overlong buffer must be in (0, max_len={max_len}], got {buffer}.")
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0.0, max=float(buffer))
+    return -penalty * over / buffer

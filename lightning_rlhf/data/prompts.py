@@ -24,6 +24,8 @@ RESERVED_COLUMNS = frozenset(
         "prompts",
         "prompt_mask",
         "prompt_ids",
+        "loss_mask",
+        "baselines",
         "uid",
         "responses",
         "response_mask",

@@ -189,7 +189,7 @@ class ActorRole(Role):
         for mini in minibatches(batch, mini_batch_size=mini_size, epochs=algo.ppo_epochs):
             # FSDP averages gradients over ranks; scaling by the per-rank share of the global token count
             # makes the sum over micro-batches and ranks an exact token-mean over the whole mini-batch.
-            num_tokens = global_token_count(mini["response_mask"]) / world()[1]
+            num_tokens = global_token_count(_loss_mask(mini)) / world()[1]
             for micro in mini.split(algo.micro_batch_size):
                 loss, metrics = self._micro_loss(micro, num_tokens, len(micro) / len(mini), use_kl_loss)
                 loss.backward()
@@ -211,7 +211,7 @@ class ActorRole(Role):
         out = forward_response(
             self.model, micro, output="logprobs", temperature=self.rollout.temperature, with_entropy=True
         )
-        mask = micro["response_mask"].to(device)
+        mask = _loss_mask(micro).to(device)
         token_mean = algo.loss_agg == "token-mean"
         agg: dict[str, Any] = {
             "mode": algo.loss_agg,
@@ -244,3 +244,9 @@ class ActorRole(Role):
         local = mask.sum().clamp(min=1) / num_tokens if token_mean else torch.tensor(1.0)
         report = {k: v.detach() / local if k in ("pg_loss", "entropy", "kl_loss") else v for k, v in report.items()}
         return loss * scale, report
+
+
+def _loss_mask(batch: Batch) -> Tensor:
+    """Tokens that count in the loss: ``loss_mask`` when the dataflow set one (e.g. DAPO's overlong
+    filtering), else every response token."""
+    return batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"]

@@ -82,3 +82,13 @@ def test_registered_policy_losses_train(tiny_model: str, loss: str, agg: str) ->
     metrics = actor.update(rollout_batch())
     assert metrics["actor/grad_norm"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, actor.model.parameters(), strict=True))
+
+
+def test_loss_mask_excludes_tokens_from_the_update(tiny_model: str) -> None:
+    actor = make_actor(tiny_model)
+    batch = rollout_batch()
+    batch["loss_mask"] = torch.zeros_like(batch["response_mask"])  # e.g. every response truncated (DAPO)
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    metrics = actor.update(batch)
+    assert metrics["actor/grad_norm"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, actor.model.parameters(), strict=True))
