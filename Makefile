@@ -28,10 +28,10 @@ demo: setup  ## Run the embedded default job (tiny model learns addition by GRPO
 	$(BIN)/python -m lightning_rlhf.demo
 
 test: setup lint typecheck  ## Lint, type-check and run the whole test suite
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests --basetemp="$(CURDIR)/.pytest_tmp"
 
 unit: setup  ## Only the fast unit tests
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q tests/unit --basetemp="$(CURDIR)/.pytest_tmp"
 
 lint: setup  ## ruff lint + format check
 	$(BIN)/ruff check lightning_rlhf tests recipes benchmarks
@@ -45,4 +45,4 @@ typecheck: setup  ## mypy over the package
 	$(BIN)/mypy lightning_rlhf
 
 clean:  ## Remove the virtualenv and caches
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .pytest_tmp

@@ -37,6 +37,14 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return prepare_demo_model(str(tmp_path_factory.mktemp("cache")), seed=0)
 
 
+def failure_text(proc: subprocess.CompletedProcess[str]) -> str:
+    """The parts of a failed run's output that explain it: the start and end of stderr, where every rank's
+    first error and the controller's final one land."""
+    err = proc.stderr
+    body = err if len(err) <= 8000 else f"{err[:3000]}\n[... {len(err) - 8000} characters ...]\n{err[-5000:]}"
+    return f"exit {proc.returncode}\n--- stdout (end)\n{proc.stdout[-1500:]}\n--- stderr\n{body}"
+
+
 def run_script(
     name: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:

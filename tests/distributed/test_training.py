@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_script
+from tests.conftest import failure_text, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -39,9 +39,7 @@ def read_metrics(out: Path) -> list[dict[str, str]]:
 
 
 def check_ok(proc) -> None:
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-    )
+    assert proc.returncode == 0, failure_text(proc)
 
 
 def test_grpo_two_ranks_logs_every_metric_and_counts_rl_steps(demo_model: str, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, failure_text
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_algorithm_learns_addition(algo: str, demo_model: str, tmp_path: Path) -
     cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--algo", algo, "--steps", "120"]
     cmd += ["--out", str(tmp_path), "--cache", cache]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.returncode == 0, failure_text(proc)
     run = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run folder: "))
     with open(run / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("critic/score/mean")]

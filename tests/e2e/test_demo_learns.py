@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, failure_text
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def test_demo_job_learns_addition(tmp_path: Path) -> None:
         timeout=600,
         cwd=str(ROOT),
     )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.returncode == 0, failure_text(proc)
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("run folder: ")
     run = Path(last.removeprefix("run folder: "))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, failure_text
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_grpo_gsm8k_recipe_runs_a_step(demo_model: str, tmp_path: Path) -> None:
         timeout=300,
         cwd=str(ROOT),
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_text(proc)
     (metrics,) = tmp_path.rglob("metrics.csv")
     with open(metrics) as f:
         steps = [r for r in csv.DictReader(f) if r.get("critic/score/mean")]

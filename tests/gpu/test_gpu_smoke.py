@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import failure_text, run_script
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -19,7 +19,7 @@ def test_trains_on_one_gpu_in_bf16(demo_model: str, tmp_path: Path, algo: str) -
     args = ["--model", demo_model, "--out", str(tmp_path), "--accelerator", "gpu", "--devices", "1", "--bf16"]
     args += ["--algo", algo, "--steps", "3", "--kl-coef", "0.01"] + (["--n", "1"] if algo == "ppo" else [])
     proc = run_script("train.py", *args)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.returncode == 0, failure_text(proc)
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 3
