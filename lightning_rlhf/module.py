@@ -27,6 +27,7 @@ from lightning_rlhf.algorithms import (
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardFn, RewardRole, Role
+from lightning_rlhf.roles.actor import rollout_probs_diff
 from lightning_rlhf.roles.base import check_pretrained
 
 __all__ = ["RLHFModule"]
@@ -253,9 +254,12 @@ class RLHFModule(L.LightningModule):
         if step_seconds:
             tokens = float(rollout["prompt_mask"].sum() + mask.sum())
             out["perf/throughput"] = tokens / step_seconds / max(1, self.trainer.world_size)
-        for key in ("timing_s/update_weights",):
+        for key in ("timing_s/update_weights", "perf/weight_sync_bytes"):
             if key in rollout.meta:
                 out[key] = float(rollout.meta[key])
+        if "rollout_logprobs" in rollout and "old_logprobs" in rollout:  # the on-policy update reports its own
+            diff = rollout_probs_diff(rollout["old_logprobs"], rollout["rollout_logprobs"], rollout["response_mask"])
+            out |= {f"training/{k}": float(v) for k, v in diff.items()}
         return out
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

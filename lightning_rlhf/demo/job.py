@@ -57,7 +57,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=RLHFStrategy(),
+        strategy=RLHFStrategy(args.rollout),
         max_steps=args.steps,
         logger=CSVLogger(args.out, name="demo"),
         log_every_n_steps=1,
@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_rlhf.demo", description=__doc__)
     parser.add_argument("--algo", choices=ALGORITHMS_NAMES, default="grpo", help="ready module to train with")
     parser.add_argument("--devices", type=int, default=2, help="worker processes (CPU)")
+    parser.add_argument(
+        "--rollout", choices=["auto", "vllm", "hf"], default="auto", help="rollout engine (auto: vLLM if installed)"
+    )
     parser.add_argument("--steps", type=int, default=250, help="RL steps")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")

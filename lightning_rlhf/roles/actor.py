@@ -12,7 +12,7 @@ from lightning_rlhf.algorithms import aggregate_loss, compute_policy_loss, kl_pe
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
-from lightning_rlhf.engines.train import forward_response, full_tensors
+from lightning_rlhf.engines.train import forward_response, full_tensors, move_optimizer_state
 from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.roles.training import MetricAccumulator, global_token_count, minibatches, world
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
@@ -53,6 +53,8 @@ class ActorRole(Role):
         self._engine: RolloutEngine | None = None  # not an nn.Module attribute: stays out of checkpoints
         self._weights_version = 0
         self._engine_version = 0
+        self.offload_optimizer = False
+        """Move the optimizer state to host memory while the engine generates (set by the strategy on GPUs)."""
 
     @property
     def trainable(self) -> bool:
@@ -90,6 +92,8 @@ class ActorRole(Role):
         The engine wakes up (on a GPU: its weights return to device memory), receives the weights of the
         latest update if any, generates, and goes back to sleep while training runs.
         """
+        if self.offload_optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, "cpu")
         self.engine.wake_up()
         sync_s, sync_bytes = self.sync_weights()
         cfg = self.rollout
@@ -111,6 +115,8 @@ class ActorRole(Role):
         out = self.engine.generate(prompts, params)
         gen_s = time.perf_counter() - t0
         self.engine.sleep()
+        if self.offload_optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, next(self.model.parameters()).device)  # type: ignore[union-attr]
         width = max(1, max(len(r) for r in out.responses))
         responses = torch.full((len(out.responses), width), self.tokenizer.pad_token_id, dtype=torch.long)
         response_mask = torch.zeros((len(out.responses), width), dtype=torch.long)
@@ -127,7 +133,7 @@ class ActorRole(Role):
             for i, row in enumerate(out.logprobs):
                 lp[i, : len(row)] = torch.tensor(row)
             rollout["rollout_logprobs"] = lp
-        rollout.meta.update({"timing_s/update_weights": sync_s, "weights_bytes": sync_bytes, "gen_s": gen_s})
+        rollout.meta.update({"timing_s/update_weights": sync_s, "perf/weight_sync_bytes": sync_bytes, "gen_s": gen_s})
         return rollout
 
     def mark_weights_changed(self) -> None:
@@ -135,18 +141,21 @@ class ActorRole(Role):
         self._weights_version += 1
 
     def sync_weights(self) -> tuple[float, int]:
-        """Hand the latest actor weights to the engine, one parameter at a time (if they changed).
+        """Hand the latest actor weights to the engine (if they changed, or the engine lost its own), streamed
+        one parameter at a time out of the FSDP shards.
 
         Runs on: every worker rank (each ``full_tensor`` is an all-gather, in the same order everywhere).
-        Returns ``(seconds, bytes received by this rank)``.
+        Returns ``(seconds, bytes this rank received from the other ranks)``.
         """
-        if self._engine_version == self._weights_version:
+        stale = getattr(self.engine, "weights_discarded", False)
+        if self._engine_version == self._weights_version and not stale:
             return 0.0, 0
         assert self.model is not None
         t0 = time.perf_counter()
-        received = self.engine.load_weights(full_tensors(self.model))
+        received = [0]
+        self.engine.load_weights(full_tensors(self.model, received))
         self._engine_version = self._weights_version
-        return time.perf_counter() - t0, received
+        return time.perf_counter() - t0, received[0]
 
     # ------------------------------------------------------------------------------------- training
     @role_method(Dispatch.DP_SPLIT)
@@ -184,27 +193,29 @@ class ActorRole(Role):
                 "ActorRole.update: `old_logprobs` missing and the update is off-policy (several epochs or "
                 "mini-batches). HINT: call actor.log_prob(rollout) before actor.update."
             )
-        acc = MetricAccumulator()
+        acc, diffs = MetricAccumulator(), MetricAccumulator()
         self.model.train()
         for mini in minibatches(batch, mini_batch_size=mini_size, epochs=algo.ppo_epochs):
             # FSDP averages gradients over ranks; scaling by the per-rank share of the global token count
             # makes the sum over micro-batches and ranks an exact token-mean over the whole mini-batch.
             num_tokens = global_token_count(_loss_mask(mini)) / world()[1]
             for micro in mini.split(algo.micro_batch_size):
-                loss, metrics = self._micro_loss(micro, num_tokens, len(micro) / len(mini), use_kl_loss)
+                loss, metrics, logprobs = self._micro_loss(micro, num_tokens, len(micro) / len(mini), use_kl_loss)
                 loss.backward()
                 acc.add(metrics)
+                if "rollout_logprobs" in micro and "old_logprobs" not in micro:  # on-policy: same weights as rollout
+                    diffs.add(rollout_probs_diff(logprobs, micro["rollout_logprobs"], micro["response_mask"]))
             grad_norm, stepped = self.step_optimizer()
             acc.add({"grad_norm": grad_norm, "update_skipped": torch.tensor(float(not stepped))})
         assert self.scheduler is not None
         acc.add({"lr": torch.tensor(self.scheduler.get_last_lr()[0])})
         self.scheduler.step()
         self.mark_weights_changed()
-        return acc.result("actor")
+        return acc.result("actor") | diffs.result("training")
 
     def _micro_loss(
         self, micro: Batch, num_tokens: Tensor, share: float, use_kl_loss: bool
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         algo = self.algorithm
         assert self.model is not None
         device = next(self.model.parameters()).device
@@ -243,7 +254,19 @@ class ActorRole(Role):
         # Reported values are per-micro-batch token means (comparable across batch sizes).
         local = mask.sum().clamp(min=1) / num_tokens if token_mean else torch.tensor(1.0)
         report = {k: v.detach() / local if k in ("pg_loss", "entropy", "kl_loss") else v for k, v in report.items()}
-        return loss * scale, report
+        return loss * scale, report, out["logprobs"].detach()
+
+
+def rollout_probs_diff(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the rollout engine's token probabilities are from the trainer's on the same tokens (verl's
+    ``training/rollout_probs_diff_*``): max and mean of ``|p_train - p_rollout|`` over response tokens."""
+    width = min(logprobs.shape[1], rollout_logprobs.shape[1])
+    m = mask[:, :width].bool().to(logprobs.device)
+    diff = (logprobs[:, :width].float().exp() - rollout_logprobs[:, :width].to(logprobs.device).float().exp()).abs()
+    picked = diff[m]
+    if picked.numel() == 0:
+        return {}
+    return {"rollout_probs_diff_max": picked.max(), "rollout_probs_diff_mean": picked.mean()}
 
 
 def _loss_mask(batch: Batch) -> Tensor:

@@ -45,6 +45,15 @@ def minibatches(batch: Batch, *, mini_batch_size: int, epochs: int) -> Iterator[
         yield from batch.split(local)
 
 
+def _reduce(key: str, values: Tensor) -> Tensor:
+    """Metrics named ``*_max`` / ``*_min`` keep their extreme; the others are averaged."""
+    if key.endswith("_max"):
+        return values.max()
+    if key.endswith("_min"):
+        return values.min()
+    return values.mean()
+
+
 class MetricAccumulator:
     """Averages scalar metrics over micro-batches and mini-batches on one rank."""
 
@@ -60,5 +69,5 @@ class MetricAccumulator:
         if not self._values:
             return {}
         keys = list(self._values)
-        means = torch.stack([torch.stack(self._values[k]).mean() for k in keys]).cpu().tolist()
+        means = torch.stack([_reduce(k, torch.stack(self._values[k])) for k in keys]).cpu().tolist()
         return {f"{prefix}/{transform(k) if transform else k}": v for k, v in zip(keys, means, strict=True)}

@@ -134,7 +134,8 @@ def split_args(
 def merge_results(dispatch: Dispatch, results: Sequence[Any]) -> Any:
     """Combine per-rank results into the controller's return value.
 
-    Runs on: controller. Batches are concatenated in rank order; dicts of numbers are averaged over ranks;
+    Runs on: controller. Batches are concatenated in rank order; dicts of numbers are averaged over ranks
+    (``*_max``/``*_min`` keys keep their extreme);
     anything else comes from rank 0.
     """
     if dispatch is not Dispatch.DP_SPLIT or len(results) == 1:
@@ -143,11 +144,17 @@ def merge_results(dispatch: Dispatch, results: Sequence[Any]) -> Any:
     if isinstance(first, Batch):
         return Batch.cat(list(results))
     if isinstance(first, dict):
-        return {k: _mean([r[k] for r in results]) for k in first}
+        return {k: _reduce(k, [r[k] for r in results]) for k in first}
     return first
 
 
-def _mean(values: list[Any]) -> Any:
+def _reduce(key: str, values: list[Any]) -> Any:
+    """Average over ranks, except metrics named ``*_max`` / ``*_min``, which keep their extreme."""
     if isinstance(values[0], torch.Tensor):
-        return torch.stack([v.float() for v in values]).mean(0)
-    return sum(values) / len(values)
+        stacked = torch.stack([v.float() for v in values])
+        if key.endswith("_max"):
+            return stacked.amax(0)
+        return stacked.amin(0) if key.endswith("_min") else stacked.mean(0)
+    if key.endswith("_max"):
+        return max(values)
+    return min(values) if key.endswith("_min") else sum(values) / len(values)

@@ -22,7 +22,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.engines.rollout import HFRolloutEngine
+from lightning_rlhf.config import VLLMConfig, config_from_dict
+from lightning_rlhf.engines.rollout import HFRolloutEngine, RolloutEngine
+from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings, vllm_available
 from lightning_rlhf.strategy.controller import Controller
 
 if TYPE_CHECKING:
@@ -37,7 +39,9 @@ class RLHFStrategy(ModelParallelStrategy):
     """Single controller on rank 0, FSDP2 workers on every rank.
 
     Args:
-        rollout: rollout engine: ``"hf"`` (transformers ``generate``; the default). ``"vllm"`` comes next.
+        rollout: rollout engine: ``"vllm"`` (colocated vLLM, tensor-parallel inside each node), ``"hf"``
+            (transformers ``generate``), or ``"auto"``: vLLM when a supported version is installed, else hf.
+        vllm: settings of the vLLM engine (a :class:`~lightning_rlhf.config.VLLMConfig` or a dict of its fields).
         param_dtype: compute dtype of the sharded models (e.g. ``torch.bfloat16`` on GPUs); None keeps
             float32. Gradients are reduced in float32 either way.
         worker_error_timeout_s: after any rank reports an error, how long another rank may stay blocked in a
@@ -49,21 +53,25 @@ class RLHFStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        rollout: Literal["hf"] = "hf",
+        rollout: Literal["auto", "hf", "vllm"] = "auto",
         *,
+        vllm: VLLMConfig | dict[str, Any] | None = None,
         param_dtype: torch.dtype | None = None,
         worker_error_timeout_s: float = 60.0,
         timeout: timedelta = timedelta(minutes=30),
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
     ) -> None:
-        if rollout not in ("hf",):
-            raise ValueError(
-                f"RLHFStrategy(rollout={rollout!r}) is not available. Valid: 'hf'. "
-                "HINT: the vLLM engine arrives with the hybrid-engine release."
-            )
+        if rollout not in ("auto", "hf", "vllm"):
+            raise ValueError(f"RLHFStrategy(rollout={rollout!r}) is not available. Valid: 'auto', 'hf', 'vllm'.")
         if worker_error_timeout_s <= 0:
             raise ValueError(f"RLHFStrategy(worker_error_timeout_s={worker_error_timeout_s}) must be > 0.")
+        if isinstance(vllm, dict):
+            vllm = config_from_dict(VLLMConfig, vllm)
+        if vllm is not None and not isinstance(vllm, VLLMConfig):
+            raise TypeError(f"RLHFStrategy(vllm=...) takes a VLLMConfig or a dict, got {type(vllm).__name__}.")
+        if rollout == "auto":
+            rollout = "vllm" if vllm_available() else "hf"
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
@@ -71,10 +79,12 @@ class RLHFStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.rollout = rollout
+        self.rollout: Literal["hf", "vllm"] = rollout
+        self.vllm_config = vllm or VLLMConfig()
         self.param_dtype = param_dtype
         self.worker_error_timeout_s = worker_error_timeout_s
         self._controller: Controller | None = None
+        self._max_model_len = 0
 
     # ------------------------------------------------------------------------------------- set-up
     @override
@@ -83,6 +93,17 @@ class RLHFStrategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
         module = self._rlhf_module()
+        if self.rollout == "vllm":  # fail on settings vLLM cannot serve before any model is loaded
+            datamodule = getattr(module.trainer, "datamodule", None)
+            self._max_model_len = check_vllm_settings(
+                module.actor.path,
+                self.vllm_config,
+                dtype=self.param_dtype or torch.float32,
+                device_type=self.root_device.type,
+                world_size=self.world_size,
+                max_prompt_length=getattr(datamodule, "max_prompt_length", None),
+                max_new_tokens=module.rollout_config.max_new_tokens,
+            )
         self._controller = Controller(
             module.get_role,
             rank=self.global_rank,
@@ -106,11 +127,25 @@ class RLHFStrategy(ModelParallelStrategy):
             role.shard(mesh, param_dtype=self.param_dtype)
         super().setup(trainer)
 
-    def _make_engine(self, module: RLHFModule) -> HFRolloutEngine:
-        assert module.actor.model is not None
+    def _make_engine(self, module: RLHFModule) -> RolloutEngine:
+        actor = module.actor.model
+        assert actor is not None
         tok = module.tokenizer
+        if self.rollout == "vllm":
+            cfg = self.vllm_config
+            module.actor.offload_optimizer = cfg.offload_optimizer and self.root_device.type == "cuda"
+            return VLLMRolloutEngine(
+                module.actor.path,
+                param_names=[name for name, _ in actor.named_parameters()],
+                config=cfg,
+                dtype=self.param_dtype or torch.float32,
+                device=self.root_device,
+                max_model_len=self._max_model_len,
+                seed=module.rollout_config.seed,
+                tie_word_embeddings=bool(getattr(actor.config, "tie_word_embeddings", False)),
+            )
         return HFRolloutEngine(
-            module.actor.model,
+            actor,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
             device=self.root_device,

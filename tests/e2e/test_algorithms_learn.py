@@ -1,6 +1,7 @@
 """Each ready algorithm learns the synthetic task (2 processes): last 10% of steps >= first 10% + 0.2.
 
-GRPO is covered by the demo test (250 steps, +0.3); these run 120 steps each.
+GRPO is covered by the demo test (250 steps, +0.3, vLLM rollouts when installed); these run 120 steps each.
+RLOO uses the transformers rollout engine, so both engines have a learning test.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 def test_algorithm_learns_addition(algo: str, demo_model: str, tmp_path: Path) -> None:
     cache = str(Path(demo_model).parent)  # reuse the session's warm-started model
     cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--algo", algo, "--steps", "120"]
-    cmd += ["--out", str(tmp_path), "--cache", cache]
+    cmd += ["--out", str(tmp_path), "--cache", cache, "--rollout", "hf" if algo == "rloo" else "auto"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     assert proc.returncode == 0, failure_text(proc)
     run = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run folder: "))

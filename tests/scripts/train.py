@@ -54,6 +54,9 @@ def main() -> None:
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (GPU runs)")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--rollout", default="hf", choices=["hf", "vllm"])
+    p.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
+    p.add_argument("--bucket-mb", type=float, default=256.0, help="vLLM weight hand-off bucket size")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=4)
@@ -120,7 +123,10 @@ def main() -> None:
         accelerator=args.accelerator,
         devices=args.devices,
         strategy=RLHFStrategy(
-            worker_error_timeout_s=args.error_timeout, param_dtype=torch.bfloat16 if args.bf16 else None
+            args.rollout,
+            vllm={"tensor_parallel_size": args.tp, "weight_bucket_mb": args.bucket_mb},
+            worker_error_timeout_s=args.error_timeout,
+            param_dtype=torch.bfloat16 if args.bf16 else None,
         ),
         max_steps=args.steps,
         logger=loggers,

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm", "full_tensors", "shard_model"]
+__all__ = ["clip_grad_norm", "full_tensors", "move_optimizer_state", "shard_model"]
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -60,11 +60,29 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     return norm
 
 
-def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_tensors(model: nn.Module, received: list[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` per parameter, one at a time (never the whole model at once).
 
-    Runs on: every worker rank, in the same order (each ``full_tensor`` is an all-gather).
+    Runs on: every worker rank, in the same order (each ``full_tensor`` is an all-gather). When ``received`` is
+    given, ``received[0]`` grows by the bytes this rank gets from the others.
     """
     for name, param in model.named_parameters():
         data = param.data
-        yield name, data.full_tensor() if isinstance(data, DTensor) else data
+        if isinstance(data, DTensor):
+            local = data.to_local()
+            data = data.full_tensor()
+            if received is not None:
+                received[0] += (data.numel() - local.numel()) * data.element_size()
+        yield name, data
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move every tensor of the optimizer's state (e.g. Adam moments) to ``device``, in place.
+
+    Runs on: every worker rank (local shards only, no collective). Used to free accelerator memory for the
+    rollout engine while it generates.
+    """
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)

