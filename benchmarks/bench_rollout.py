@@ -8,9 +8,10 @@ tokens, temperature 1, EOS disabled by a stop id that never occurs so every resp
 response tokens per second over 3 timed rounds after a warm-up round.
 
 Hand-off: two processes (torchrun), the actor sharded with FSDP2 over both, a colocated vLLM engine with
-TP=1 (an engine per rank) and TP=2 (one engine over both ranks); time of ``load_weights(full_tensors(...))``
-(all-gather + hand-off + vLLM's re-processing), bytes each rank received from the other and bytes it handed
-to its engine, for three model sizes. The machine's memcpy bandwidth is printed for scale.
+TP=1 (an engine per rank) and TP=2 (one engine over both ranks, full tensors as the peers do, or only each
+rank's TP slices); time of ``load_weights(weights_for(...))`` (exchange + hand-off + vLLM's re-processing),
+bytes each rank received from the other and bytes it handed to its engine, for three model sizes. The
+machine's memcpy bandwidth is printed for scale.
 """
 
 from __future__ import annotations
@@ -91,25 +92,27 @@ def bench_rollout(folder: str, size: str) -> None:
         print(f"rollout  {size:<5} {name:<13} {statistics.median(rates):>9.0f} response tokens/s", flush=True)
 
 
-def sync_worker(path: str, tp: int, out: str) -> None:
+def sync_worker(path: str, tp: int, transfer: str, out: str) -> None:
     """One rank of the hand-off benchmark (under torchrun)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from lightning_rlhf.config import VLLMConfig
+    from lightning_rlhf.engines.rollout.reshard import weights_for
     from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
-    from lightning_rlhf.engines.train import full_tensors, shard_model
+    from lightning_rlhf.engines.train import shard_model
 
     dist.init_process_group("gloo")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     engine = VLLMRolloutEngine(
         path,
         param_names=[n for n, _ in model.named_parameters()],
-        config=VLLMConfig(tensor_parallel_size=tp, kv_cache_memory_bytes=64 << 20),
+        config=VLLMConfig(tensor_parallel_size=tp, kv_cache_memory_bytes=64 << 20, weight_transfer=transfer),
         dtype=torch.float32,
         device=torch.device("cpu"),
         max_model_len=64,
         tie_word_embeddings=True,
+        hf_config=model.config,
     )
     shard_model(model, dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),)))
     times, received, handed = [], 0, 0
@@ -117,7 +120,7 @@ def sync_worker(path: str, tp: int, out: str) -> None:
         dist.barrier()
         box = [0]
         t0 = time.perf_counter()
-        handed = engine.load_weights(full_tensors(model, box))
+        handed = engine.load_weights(weights_for(engine, model, box))
         times.append(time.perf_counter() - t0)
         received = box[0]
     if dist.get_rank() == 0:
@@ -129,21 +132,20 @@ def sync_worker(path: str, tp: int, out: str) -> None:
 
 def bench_sync(folder: str) -> None:
     print(f"memcpy   {memcpy_gbps():.1f} GB/s (one 256 MB host copy)")
-    print("hand-off  size   TP   params   time ms   received/rank MB   handed/rank MB")
+    print("hand-off  size   TP transfer  params   time ms   received/rank MB   handed/rank MB")
     for size in SIZES:
         path = _model(folder, size)
-        for tp in (1, 2):
-            out = os.path.join(folder, f"sync-{size}-{tp}.json")
+        for tp, transfer in ((1, "full"), (2, "full"), (2, "slices")):
+            out = os.path.join(folder, f"sync-{size}-{tp}-{transfer}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
-            proc = subprocess.run(
-                [*cmd, "--worker", path, "--tp", str(tp), "--out", out], capture_output=True, text=True
-            )
+            cmd += ["--worker", path, "--tp", str(tp), "--transfer", transfer, "--out", out]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
-                sys.exit(f"sync worker failed ({size}, TP={tp}):\n{proc.stderr[-3000:]}")
+                sys.exit(f"sync worker failed ({size}, TP={tp}, {transfer}):\n{proc.stderr[-3000:]}")
             with open(out) as f:
                 r = json.load(f)
             print(
-                f"          {size:<6} {tp:>2} {r['params'] / 1e6:>7.1f}M {r['s'] * 1e3:>9.1f} "
+                f"          {size:<6} {tp:>2} {transfer:<8} {r['params'] / 1e6:>7.1f}M {r['s'] * 1e3:>9.1f} "
                 f"{r['received'] / 2**20:>18.2f} {r['handed'] / 2**20:>16.2f}"
             )
 
@@ -154,12 +156,13 @@ def main() -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--rollout-size", help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--transfer", default="full", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     folder = os.path.join(tempfile.gettempdir(), "lightning_rlhf_bench_models")
     if args.worker:
-        sync_worker(args.worker, args.tp, args.out)
+        sync_worker(args.worker, args.tp, args.transfer, args.out)
         return
     if args.rollout_size:
         bench_rollout(folder, args.rollout_size)

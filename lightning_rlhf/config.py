@@ -63,6 +63,11 @@ class VLLMConfig:
     weight_bucket_mb: float = 256.0
     """Size of one weight hand-off call after an update; groups vLLM fuses (q/k/v, gate/up) are never split,
     so a bucket may exceed this when one group alone is larger."""
+    weight_transfer: Literal["slices", "full"] = "slices"
+    """``slices``: each rank receives only the part of each tensor its TP shard loads (FSDP2 rows that are
+    already in place do not move); ``full``: every rank gathers every full tensor (what verl/TRL do). With
+    TP=1 both gather everything, since each engine needs the whole model. Models outside the Llama/Qwen2/
+    Qwen3/Mistral family always use ``full``."""
     max_model_len: int | None = None
     """Longest prompt + response the engine serves; None takes the model's ``max_position_embeddings``."""
     kv_cache_memory_bytes: int | None = None
@@ -97,6 +102,8 @@ class VLLMConfig:
             _fail(self, "gpu_memory_utilization", self.gpu_memory_utilization, "a fraction in (0, 1)")
         if self.sleep_level not in (0, 1, 2):
             _fail(self, "sleep_level", self.sleep_level, "0, 1 or 2")
+        if self.weight_transfer not in ("slices", "full"):
+            _fail(self, "weight_transfer", self.weight_transfer, "'slices' or 'full'")
         if self.load_format not in ("dummy", "auto"):
             _fail(self, "load_format", self.load_format, "'dummy' or 'auto'")
 

@@ -47,6 +47,9 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--max-prompt-length", type=int, default=512, help="longer prompts are dropped")
+    p.add_argument("--rollout", choices=["auto", "vllm", "hf"], default="auto", help="auto: vLLM if installed")
+    p.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
     p.add_argument("--out", default="runs/grpo_gsm8k")
     p.add_argument("--wandb", action="store_true")
     args = p.parse_args()
@@ -69,7 +72,7 @@ def main() -> None:
     data = PromptDataModule(
         questions,
         batch_size=args.prompts,
-        max_prompt_length=512,
+        max_prompt_length=args.max_prompt_length,
         chat_template=module.tokenizer.chat_template is not None,
     )
     loggers = [CSVLogger(args.out, name="")] + (
@@ -78,7 +81,11 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy=RLHFStrategy(param_dtype=torch.bfloat16 if on_gpu else None),
+        strategy=RLHFStrategy(
+            args.rollout,
+            vllm={"tensor_parallel_size": args.tp},
+            param_dtype=torch.bfloat16 if on_gpu else None,
+        ),
         max_steps=args.steps,
         logger=loggers,
         callbacks=[ModelCheckpoint(every_n_train_steps=50, save_top_k=-1)],

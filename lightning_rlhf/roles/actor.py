@@ -12,7 +12,8 @@ from lightning_rlhf.algorithms import aggregate_loss, compute_policy_loss, kl_pe
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
-from lightning_rlhf.engines.train import forward_response, full_tensors, move_optimizer_state
+from lightning_rlhf.engines.rollout.reshard import weights_for
+from lightning_rlhf.engines.train import forward_response, move_optimizer_state
 from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.roles.training import MetricAccumulator, global_token_count, minibatches, world
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
@@ -142,7 +143,8 @@ class ActorRole(Role):
 
     def sync_weights(self) -> tuple[float, int]:
         """Hand the latest actor weights to the engine (if they changed, or the engine lost its own), streamed
-        one parameter at a time out of the FSDP shards.
+        one parameter at a time out of the FSDP shards: full tensors, or, for a tensor-parallel vLLM engine,
+        only the slices this rank's engine loads.
 
         Runs on: every worker rank (each ``full_tensor`` is an all-gather, in the same order everywhere).
         Returns ``(seconds, bytes this rank received from the other ranks)``.
@@ -153,7 +155,7 @@ class ActorRole(Role):
         assert self.model is not None
         t0 = time.perf_counter()
         received = [0]
-        self.engine.load_weights(full_tensors(self.model, received))
+        self.engine.load_weights(weights_for(self.engine, self.model, received))
         self._engine_version = self._weights_version
         return time.perf_counter() - t0, received[0]
 

@@ -143,6 +143,8 @@ class RLHFStrategy(ModelParallelStrategy):
                 max_model_len=self._max_model_len,
                 seed=module.rollout_config.seed,
                 tie_word_embeddings=bool(getattr(actor.config, "tie_word_embeddings", False)),
+                hf_config=actor.config,
+                eos_token_id=tok.eos_token_id,
             )
         return HFRolloutEngine(
             actor,

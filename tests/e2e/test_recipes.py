@@ -37,6 +37,7 @@ def test_grpo_gsm8k_recipe_runs_a_step(demo_model: str, tmp_path: Path) -> None:
     data.write_text("\n".join(json.dumps(r) for r in rows))
     args = ["--model", demo_model, "--data", str(data), "--accelerator", "cpu", "--devices", "1", "--steps", "2"]
     args += ["--prompts", "4", "--n", "2", "--max-new-tokens", "6", "--micro-batch-size", "4", "--out", str(tmp_path)]
+    args += ["--max-prompt-length", "32"]  # the tiny model has 64 positions
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "grpo_gsm8k.py"), *args],
         capture_output=True,

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from lightning_rlhf.config import VLLMConfig
 from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams
+from lightning_rlhf.engines.rollout.reshard import SliceHolder, tp_slicer
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -170,6 +171,11 @@ def check_vllm_settings(
 
 
 # ------------------------------------------------------------------------------------ weight buckets
+def _nbytes(t: Tensor) -> int:
+    """Bytes a tensor really holds (a :class:`SliceHolder` holds only its slice)."""
+    return t.held_bytes if isinstance(t, SliceHolder) else t.numel() * t.element_size()
+
+
 def fusion_group(name: str) -> str:
     """The vLLM module a transformers parameter loads into (``layers.0.self_attn.k_proj.bias`` ->
     ``layers.0.self_attn.qkv_proj``): parameters of one group must reach vLLM in the same call."""
@@ -202,7 +208,7 @@ def weight_buckets(
         if remaining[group]:
             continue
         members = pending.pop(group)
-        nbytes = sum(t.numel() * t.element_size() for _, t in members)
+        nbytes = sum(_nbytes(t) for _, t in members)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -248,6 +254,8 @@ class VLLMRolloutEngine:
         max_model_len: from :func:`check_vllm_settings`.
         seed: engine seed (sampling uses per-request seeds from :class:`SamplingParams`).
         tie_word_embeddings: whether the model ties its output head to the embedding.
+        hf_config: the actor's transformers config (picks the TP slicing rules of the hand-off).
+        eos_token_id: the tokenizer's EOS, which always ends a response (vLLM runs without the tokenizer).
     """
 
     def __init__(
@@ -261,6 +269,8 @@ class VLLMRolloutEngine:
         max_model_len: int,
         seed: int = 0,
         tie_word_embeddings: bool = False,
+        hf_config: Any = None,
+        eos_token_id: int | None = None,
     ) -> None:
         _check_version()
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
@@ -275,6 +285,7 @@ class VLLMRolloutEngine:
             logging.getLogger(name).addFilter(_DropExpectedWarnings())
 
         self.config = config
+        self.eos_token_id = eos_token_id
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -289,6 +300,10 @@ class VLLMRolloutEngine:
         actor then hands its weights over before the next rollout even if they did not change."""
         self.tp_size = config.tensor_parallel_size
         self._tp_group, self._tp_rank = self._make_tp_group(self.tp_size)
+        self.slicer = (
+            tp_slicer(hf_config, self.tp_size) if config.weight_transfer == "slices" and hf_config is not None else None
+        )
+        """Which slice of each tensor this engine's TP rank loads; None: hand over full tensors."""
         kwargs: dict[str, Any] = {
             "model": model_path,
             "skip_tokenizer_init": True,  # token ids in, token ids out
@@ -360,6 +375,7 @@ class VLLMRolloutEngine:
             dist.all_gather_object(gathered, parts[0], group=self._tp_group)
             parts = gathered
         requests, sampling = [], []
+        stops = sorted({*params.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
         for seed, group_prompts in parts:
             for i, p in enumerate(group_prompts):
                 requests.append(TokensPrompt(prompt_token_ids=p))
@@ -370,7 +386,7 @@ class VLLMRolloutEngine:
                         top_p=1.0 if params.greedy else params.top_p,
                         top_k=0 if params.greedy else params.top_k,
                         max_tokens=params.max_new_tokens,
-                        stop_token_ids=list(params.stop_token_ids),
+                        stop_token_ids=stops,
                         seed=(seed * 1_000_003 + i * params.n) % (1 << 62),  # children use seed + index
                         logprobs=0,
                         detokenize=False,
@@ -395,10 +411,10 @@ class VLLMRolloutEngine:
         Runs on: worker (each rank loads its own engine; at TP > 1 vLLM's loaders keep the rank's slices).
         """
         handed = 0
-        cast = ((name, t.to(self.dtype)) for name, t in weights)
+        cast = ((name, t if isinstance(t, SliceHolder) else t.to(self.dtype)) for name, t in weights)
         for bucket in weight_buckets(cast, self.param_names, self.bucket_bytes):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
-            handed += sum(t.numel() * t.element_size() for _, t in bucket)
+            handed += sum(_nbytes(t) for _, t in bucket)
         if self._refresh_head:
             self.llm.collective_rpc(_refresh_tied_head)
         self.llm.reset_prefix_cache()

@@ -1,0 +1,247 @@
+"""FSDP2 -> tensor-parallel resharding: each rank receives only the slice of each tensor its TP shard needs.
+
+The peers gather every full tensor on every rank before handing it to vLLM, so each rank receives
+``(W-1)/W`` of the model after every update. With FSDP2's ``Shard(0)`` over W ranks and TP = W on the same
+ranks, most of a decoder layer is already where tensor parallelism needs it: q, k, v, gate and up (and the
+vocabulary rows of the embedding and the head) are row-sliced by TP exactly as FSDP2 slices them, so
+nothing moves; o_proj and down_proj are column-sliced (each rank receives the column block of its TP rank
+from the other ranks' rows); only replicated tensors (norms, biases of row-parallel layers) are gathered.
+
+How it works, per parameter, in the same order on every rank:
+
+1. :func:`tp_slice` says which region ``(dim, start, length)`` of the full tensor TP rank ``r`` loads, with
+   the same rules as vLLM's parameter loaders (Llama/Qwen2/Qwen3/Mistral naming; anything else: whole).
+2. :func:`exchange` sends each destination rank the intersection of the local FSDP rows with the rows it
+   needs (restricted to its columns), in one ``all_to_all_single``; a rank that already holds its region
+   receives nothing.
+3. vLLM's loaders expect the full tensor and ``narrow`` it themselves. :class:`SliceHolder` stands in for the
+   full tensor: it has the full shape but holds only the slice, and answers exactly the ``narrow`` the loader
+   will ask for; any other access raises, so a loader whose slicing differs fails loudly instead of loading
+   wrong values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["SliceHolder", "TPSlice", "exchange", "sliced_tensors", "tp_slice", "tp_slicer", "weights_for"]
+
+VOCAB_PADDING = 64
+"""vLLM pads the vocabulary to a multiple of 64 before splitting it over TP ranks."""
+
+_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPSlice:
+    """The region ``[start, start + length)`` along ``dim`` of a full tensor."""
+
+    dim: int
+    start: int
+    length: int
+
+
+Slicer = Callable[[str, tuple[int, ...], int], TPSlice | None]
+"""``(name, full shape, tp rank) -> region that rank loads`` (None: the whole tensor)."""
+
+
+def tp_slice(name: str, shape: tuple[int, ...], *, config: Any, tp_size: int, tp_rank: int) -> TPSlice | None:
+    """The region of ``name`` (full ``shape``) that vLLM's loader on TP rank ``tp_rank`` keeps; None = all.
+
+    Runs on: any process (pure).
+    """
+    if tp_size == 1:
+        return None
+    parts = name.split(".")
+    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    if module == "q_proj":
+        rows = heads * head_dim // tp_size
+        return TPSlice(0, tp_rank * rows, rows)
+    if module in ("k_proj", "v_proj"):
+        if kv_heads >= tp_size:
+            rows = kv_heads * head_dim // tp_size
+            return TPSlice(0, tp_rank * rows, rows)
+        head = tp_rank // (tp_size // kv_heads)  # replicated KV heads: one head per rank
+        return TPSlice(0, head * head_dim, head_dim)
+    if module in ("gate_proj", "up_proj"):
+        rows = shape[0] // tp_size
+        return TPSlice(0, tp_rank * rows, rows)
+    if module in ("o_proj", "down_proj") and kind == "weight":
+        cols = shape[1] // tp_size
+        return TPSlice(1, tp_rank * cols, cols)
+    if module in ("embed_tokens", "lm_head") and kind == "weight":
+        vocab = shape[0]
+        per_rank = math.ceil(vocab / VOCAB_PADDING) * VOCAB_PADDING // tp_size
+        start = min(tp_rank * per_rank, vocab)
+        return TPSlice(0, start, min(start + per_rank, vocab) - start)
+    return None
+
+
+def tp_slicer(config: Any, tp_size: int) -> Slicer | None:
+    """A :data:`Slicer` for this model, or None when its architecture is not covered (whole tensors then).
+
+    Runs on: any process.
+    """
+    if tp_size == 1 or getattr(config, "model_type", None) not in _SUPPORTED:
+        return None
+
+    def slicer(name: str, shape: tuple[int, ...], tp_rank: int) -> TPSlice | None:
+        return tp_slice(name, shape, config=config, tp_size=tp_size, tp_rank=tp_rank)
+
+    return slicer
+
+
+class SliceHolder(torch.Tensor):
+    """Stands in for a full tensor of which only ``region`` is held; answers only ``narrow(region)``.
+
+    Handed to vLLM's parameter loaders, which ``narrow`` the full checkpoint tensor to their TP slice.
+    """
+
+    _held: Tensor
+    _region: TPSlice
+
+    @staticmethod
+    def __new__(cls, held: Tensor, full_shape: tuple[int, ...], region: TPSlice) -> SliceHolder:
+        self = torch.Tensor._make_wrapper_subclass(cls, full_shape, dtype=held.dtype, device=held.device)
+        self._held = held
+        self._region = region
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.narrow, torch.narrow):
+            holder, dim, start, length = (*args, *kwargs.values())[:4]
+            region = holder._region
+            dim = dim % holder.dim()
+            if (dim, int(start), int(length)) != (region.dim, region.start, region.length):
+                raise RuntimeError(
+                    f"vLLM's loader asked for narrow(dim={dim}, start={start}, length={length}) but the resharded "
+                    f"weight holds {region}. HINT: VLLMConfig(weight_transfer='full') for this model, and report it."
+                )
+            return holder._held
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "dim", "size", "numel", "__len__") or func in (torch.Tensor.dim, torch.Tensor.size):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        raise RuntimeError(
+            f"vLLM's loader used {name or func} on a resharded weight, which only supports narrow(). HINT: "
+            "VLLMConfig(weight_transfer='full') for this model, and report it."
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        raise RuntimeError(f"SliceHolder supports narrow() only, not {func}")
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes actually held (the slice)."""
+        return self._held.numel() * self._held.element_size()
+
+
+def _local_rows(param: Tensor, rank: int, world: int) -> tuple[Tensor, int, int]:
+    """This rank's FSDP2 rows ``(local tensor, first row, row count)``; a plain tensor holds them all."""
+    if not isinstance(param, DTensor):
+        return param, 0, param.shape[0] if param.dim() else 1
+    if tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"resharding expects FSDP2 Shard(0) parameters, got {param.placements}")
+    rows = param.shape[0]
+    chunk = math.ceil(rows / world)
+    start = min(rank * chunk, rows)
+    return param.to_local(), start, min(start + chunk, rows) - start
+
+
+def _block(local: Tensor, first: int, count: int, need: TPSlice | None) -> Tensor:
+    """The part of ``local`` (full rows ``[first, first+count)``) inside region ``need``."""
+    if need is None:
+        return local
+    if need.dim == 0:
+        lo, hi = max(first, need.start), min(first + count, need.start + need.length)
+        return local[max(0, lo - first) : max(0, hi - first)]
+    return local[:, need.start : need.start + need.length]
+
+
+def exchange(param: Tensor, needs: list[TPSlice | None], *, dtype: torch.dtype | None = None) -> tuple[Tensor, int]:
+    """Give each rank ``d`` the region ``needs[d]`` of the full tensor behind ``param`` (an FSDP2 DTensor).
+
+    Runs on: every worker rank, collectively (one ``all_to_all_single`` of exactly the bytes that move).
+    Returns ``(this rank's region, bytes received from other ranks)``.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local, first, count = _local_rows(param.data, rank, world)
+    if dtype is not None:
+        local = local.to(dtype)
+    full_shape = tuple(param.shape)
+    trailing = full_shape[1:]
+    # What every source rank sends to every destination: known everywhere from the shapes alone.
+    chunk = math.ceil(full_shape[0] / world) if full_shape else 1
+
+    def block_shape(src: int, dst: int) -> tuple[int, ...]:
+        s_first = min(src * chunk, full_shape[0])
+        s_count = min(s_first + chunk, full_shape[0]) - s_first
+        need = needs[dst]
+        if need is None:
+            return (s_count, *trailing)
+        if need.dim == 0:
+            lo, hi = max(s_first, need.start), min(s_first + s_count, need.start + need.length)
+            return (max(0, hi - lo), *trailing)
+        return (s_count, need.length, *trailing[1:])
+
+    send = [_block(local, first, count, needs[d]).contiguous() for d in range(world)]
+    recv_shapes = [block_shape(s, rank) for s in range(world)]
+    recv_sizes = [math.prod(s) for s in recv_shapes]
+    out = torch.empty(sum(recv_sizes), dtype=local.dtype, device=local.device)
+    dist.all_to_all_single(
+        out,
+        torch.cat([t.reshape(-1) for t in send]),
+        output_split_sizes=recv_sizes,
+        input_split_sizes=[t.numel() for t in send],
+    )
+    blocks = [b.reshape(s) for b, s in zip(out.split(recv_sizes), recv_shapes, strict=True)]
+    region = torch.cat(blocks, dim=0)  # row blocks arrive in source-rank order, which is row order
+    received = sum(recv_sizes) - recv_sizes[rank]
+    return region, received * local.element_size()
+
+
+def sliced_tensors(
+    model: nn.Module, slicer: Slicer, *, tp_size: int, received: list[int] | None = None, dtype: torch.dtype
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(name, weight)`` per parameter for this rank's TP engine: a :class:`SliceHolder` where TP slices
+    the tensor, the full tensor where it is replicated. Runs on: every worker rank, in the same order.
+
+    ``received[0]`` grows by the bytes this rank receives from the others.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        needs = [slicer(name, shape, d % tp_size) for d in range(world)]
+        if not shape:  # a scalar: every rank has it whole
+            region, got = param.data.full_tensor() if isinstance(param.data, DTensor) else param.data, 0
+        else:
+            region, got = exchange(param, needs, dtype=dtype)
+        if received is not None:
+            received[0] += got
+        mine = needs[rank]
+        yield name, region if mine is None else SliceHolder(region, shape, mine)
+
+
+def weights_for(engine: Any, model: nn.Module, received: list[int] | None = None) -> Iterator[tuple[str, Tensor]]:
+    """The weight stream ``engine.load_weights`` should get from the FSDP2 ``model``: only this rank's TP slices
+    when the engine has a ``slicer`` (vLLM at TP > 1), else full tensors. Runs on: every worker rank."""
+    from lightning_rlhf.engines.train import full_tensors
+
+    slicer = getattr(engine, "slicer", None)
+    if slicer is None:
+        return full_tensors(model, received)
+    return sliced_tensors(model, slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)
