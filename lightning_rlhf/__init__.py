@@ -1,16 +1,18 @@
 """lightning_rlhf: single-controller RLHF (HybridFlow) as a PyTorch Lightning plugin."""
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, VLLMConfig
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, SafetyConfig, VLLMConfig
 from lightning_rlhf.data import PromptDataModule
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.modules import (
+    DAPOModule,
     DrGRPOModule,
     GRPOModule,
     PPOModule,
     REINFORCEPPModule,
     ReMaxModule,
     RLOOModule,
+    SafeRLHFModule,
 )
 from lightning_rlhf.roles import RewardFunctionError
 from lightning_rlhf.strategy import ControllerError, Dispatch, RLHFStrategy, WorkerError, role_method
@@ -21,6 +23,7 @@ __all__ = [
     "AlgorithmConfig",
     "Batch",
     "ControllerError",
+    "DAPOModule",
     "Dispatch",
     "DrGRPOModule",
     "GRPOModule",
@@ -34,6 +37,8 @@ __all__ = [
     "ReMaxModule",
     "RewardFunctionError",
     "RolloutConfig",
+    "SafeRLHFModule",
+    "SafetyConfig",
     "VLLMConfig",
     "WorkerError",
     "role_method",

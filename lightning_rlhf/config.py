@@ -184,6 +184,12 @@ class AlgorithmConfig:
     """DAPO: the reward penalty of a response that reaches ``max_new_tokens``."""
     mask_truncated: bool = False
     """DAPO's overlong filtering: responses cut at ``max_new_tokens`` (no stop token) add nothing to the loss."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop prompts whose samples all got the same score (they carry no gradient under
+    group-relative advantages) and sample more prompts until the step's batch is full again."""
+    max_sampling_rounds: int = 3
+    """DAPO: generation rounds per step at most, the first included. A batch still short after them is filled
+    with dropped groups (zero advantage) so the batch arithmetic holds, and the shortfall is logged."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the actor loss (entropy is logged either way)."""
     ppo_epochs: int = 1
@@ -223,6 +229,8 @@ class AlgorithmConfig:
             _fail(self, "clip_ratio_c", self.clip_ratio_c, "a value > 1 (dual-clip bound, 3.0 is usual)")
         if not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:
             _fail(self, "gamma/lam", (self.gamma, self.lam), "gamma in (0, 1] and lam in [0, 1]")
+        if self.max_sampling_rounds < 1:
+            _fail(self, "max_sampling_rounds", self.max_sampling_rounds, "an integer >= 1 (the first round counts)")
         if self.ppo_epochs < 1:
             _fail(self, "ppo_epochs", self.ppo_epochs, "an integer >= 1")
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
@@ -264,6 +272,28 @@ class AlgorithmConfig:
                 "HINT: samples per step = dataloader batch size (prompts) x RolloutConfig.n."
             )
         return mini
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SafetyConfig:
+    """Safe-RLHF's constraint ``E[cost] <= cost_limit`` and the Lagrange multiplier that enforces it."""
+
+    cost_limit: float = 0.0
+    """The constraint's threshold on the mean cost per response (Safe-RLHF: 0, costs < 0 meaning safe)."""
+    lambda_init: float = 1.0
+    """Starting multiplier; > 0, since it is updated in log space."""
+    lambda_lr: float = 0.1
+    """Step size of the ascent on ``log lambda``; larger reacts faster to constraint violations."""
+    lambda_max: float | None = None
+    """Upper bound on the multiplier; None: unbounded."""
+
+    def __post_init__(self) -> None:
+        if self.lambda_init <= 0:
+            _fail(self, "lambda_init", self.lambda_init, "a multiplier > 0 (it is updated in log space)")
+        if self.lambda_lr < 0:
+            _fail(self, "lambda_lr", self.lambda_lr, ">= 0 (0 keeps the multiplier fixed)")
+        if self.lambda_max is not None and self.lambda_max < self.lambda_init:
+            _fail(self, "lambda_max", self.lambda_max, f"None or >= lambda_init ({self.lambda_init})")
 
 
 def config_from_dict(cls: type[Any], values: dict[str, Any]) -> Any:

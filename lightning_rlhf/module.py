@@ -10,7 +10,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -19,6 +19,7 @@ from lightning_rlhf.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     compute_advantages,
+    informative_groups,
     kl_penalty,
     masked_mean,
     overlong_reward_penalty,
@@ -125,6 +126,11 @@ class RLHFModule(L.LightningModule):
             if algo.kl_target is not None
             else FixedKLController(kl_coef=algo.kl_coef)
         )
+        if algo.dynamic_sampling and self.rollout_config.n < 2:
+            raise ValueError(
+                "AlgorithmConfig.dynamic_sampling=True compares the scores of each prompt's samples, but "
+                f"RolloutConfig.n={self.rollout_config.n}. HINT: n >= 2 (DAPO uses 16), or dynamic_sampling=False."
+            )
         if algo.overlong_buffer > self.rollout_config.max_new_tokens:
             raise ValueError(
                 f"AlgorithmConfig.overlong_buffer={algo.overlong_buffer} exceeds RolloutConfig.max_new_tokens="
@@ -186,6 +192,51 @@ class RLHFModule(L.LightningModule):
         yield
         metrics[f"timing_s/{name}"] = time.perf_counter() - t0
 
+    def keep_informative_groups(self, batch: Batch, rollout: Batch, metrics: dict[str, float]) -> Batch:
+        """DAPO's dynamic sampling: keep the prompts whose samples got different scores; while fewer than the
+        batch's prompts are kept, generate and score more prompts (drawn at random from the training set), for
+        at most ``AlgorithmConfig.max_sampling_rounds`` rounds in all. A batch still short after them is
+        filled with dropped groups (their advantage is zero) so every later split and mini-batch fits.
+
+        Runs on: controller. ``rollout`` is ``batch`` generated and scored; the result has as many rows.
+        Logs ``dynamic_sampling/rounds``, ``/dropped_groups`` (all rounds), ``/filled_groups`` and
+        ``/raw_score/mean`` (the mean score of the step's own prompts, before selection: the learning curve).
+        """
+        want, n = len(batch), self.rollout_config.n
+        kept: list[Batch] = []
+        dropped: list[Batch] = []
+        rounds, first_meta = 0, rollout.meta
+        metrics["dynamic_sampling/raw_score/mean"] = float(rollout["scores"].float().mean())  # before selection
+        while True:
+            groups, informative = informative_groups(rollout["scores"], rollout["uid"])
+            for gid, keep in zip(groups.tolist(), informative.tolist(), strict=True):
+                (kept if keep else dropped).append(rollout.select(torch.nonzero(rollout["uid"] == gid)[:, 0]))
+            rounds += 1
+            if len(kept) >= want or rounds >= self.algorithm.max_sampling_rounds:
+                break
+            more = self._extra_prompts(want, key=int(batch.meta.get("step", 0)) * 1_000 + rounds)
+            more.meta = {**batch.meta, "sampling_round": rounds}
+            rollout = self.reward.score(self.actor.generate(more))
+        filled = max(0, want - len(kept))
+        out = Batch.cat(kept[:want] + dropped[:filled])
+        out.meta = dict(first_meta)  # the weight hand-off happened in the first round
+        out["uid"] = torch.arange(want).repeat_interleave(n)  # groups of different rounds share uids
+        metrics["dynamic_sampling/rounds"] = rounds
+        metrics["dynamic_sampling/dropped_groups"] = len(dropped)
+        metrics["dynamic_sampling/filled_groups"] = filled
+        return out
+
+    def _extra_prompts(self, count: int, *, key: int) -> Batch:
+        loader = self.trainer.train_dataloader
+        sample = getattr(loader, "sample", None)
+        if sample is None:
+            raise TypeError(
+                f"AlgorithmConfig.dynamic_sampling=True draws extra prompts from the training loader, but it is a "
+                f"{type(loader).__name__} without `sample(count, key=...)`. HINT: use lightning_rlhf's "
+                "PromptDataModule, or set dynamic_sampling=False."
+            )
+        return cast(Batch, sample(count, key=key))
+
     def compute_advantages(self, rollout: Batch, metrics: dict[str, float] | None = None) -> Batch:
         """Token rewards (score at the last token, minus the KL penalty if it is in the reward), then the
         configured advantage estimator. Adds ``token_rewards``, ``advantages`` and ``returns``. Optional inputs
@@ -216,21 +267,32 @@ class RLHFModule(L.LightningModule):
             self.kl_controller.update(current_kl, n_steps=len(rollout))
         if algo.mask_truncated:
             rollout["loss_mask"] = mask * (~rollout["response_truncated"]).to(mask.dtype)[:, None]
-        advantages, returns = compute_advantages(
-            algo.advantage,
-            token_rewards=token_rewards,
-            response_mask=mask,
-            values=rollout.tensors.get("values"),
-            group_ids=rollout["uid"],
-            baselines=rollout.tensors.get("baselines"),
-            gamma=algo.gamma,
-            lam=algo.lam,
-            norm_by_std=algo.norm_adv_by_std,
-        )
+        advantages, returns = self.estimate_advantages(rollout, token_rewards)
         rollout["token_rewards"] = token_rewards
         rollout["advantages"] = advantages
         rollout["returns"] = returns
         return rollout
+
+    def estimate_advantages(
+        self, rollout: Batch, token_rewards: torch.Tensor, *, values: str = "values", baselines: str = "baselines"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(advantages, returns)`` ``[B, R]`` of ``token_rewards`` with the configured estimator, reading the
+        critic's values and the baselines from the named columns if present.
+
+        Runs on: controller.
+        """
+        algo = self.algorithm
+        return compute_advantages(
+            algo.advantage,
+            token_rewards=token_rewards,
+            response_mask=rollout["response_mask"],
+            values=rollout.tensors.get(values),
+            group_ids=rollout["uid"],
+            baselines=rollout.tensors.get(baselines),
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_by_std=algo.norm_adv_by_std,
+        )
 
     def rollout_metrics(self, rollout: Batch, step_seconds: float | None = None) -> dict[str, float]:
         """The standard per-step metrics of a scored rollout (names as in verl). Runs on: controller."""

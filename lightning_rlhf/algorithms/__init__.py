@@ -14,6 +14,7 @@ from lightning_rlhf.algorithms.advantages import (
     remax_advantages,
     rloo_advantages,
 )
+from lightning_rlhf.algorithms.constrained import LagrangeMultiplier, informative_groups, lagrangian_advantages
 from lightning_rlhf.algorithms.functional import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -63,6 +64,7 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "KLEstimator",
+    "LagrangeMultiplier",
     "LossAggregation",
     "PolicyLoss",
     "Registry",
@@ -72,10 +74,12 @@ __all__ = [
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",
+    "informative_groups",
     "kl_k1",
     "kl_k2",
     "kl_k3",
     "kl_penalty",
+    "lagrangian_advantages",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

@@ -32,6 +32,9 @@ RESERVED_COLUMNS = frozenset(
         "response_truncated",
         "completion",
         "scores",
+        "costs",
+        "cost_values",
+        "cost_returns",
         "old_logprobs",
         "ref_logprobs",
         "rollout_logprobs",
@@ -89,6 +92,18 @@ class PromptLoader:
             batch.meta["data_position"] = (self._epoch, b)
             yield batch
         self._epoch += 1
+
+    def sample(self, count: int, *, key: int) -> Batch:
+        """``count`` prompt rows drawn at random, outside the epoch's order (DAPO's extra sampling rounds).
+
+        Runs on: controller. The draw depends only on ``seed`` and ``key`` (the caller passes step and round),
+        so a resumed run draws the same rows, and the epoch's position is not moved.
+        """
+        if count > len(self.rows):
+            raise ValueError(f"PromptLoader.sample: {count} rows asked, the dataset has {len(self.rows)}.")
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + 1_000_000_007 * (key + 1))
+        idx = torch.randperm(len(self.rows), generator=gen)[:count].tolist()
+        return self.collate([self.rows[i] for i in idx])
 
     def mark_consumed(self, batch: Batch) -> None:
         """Record that ``batch`` was trained on. Runs on: every process, in the strategy's step."""

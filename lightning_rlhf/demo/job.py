@@ -16,10 +16,20 @@ __all__ = ["ALGORITHMS_NAMES", "build_job", "main", "plot_reward"]
 
 
 def _algorithms() -> dict[str, tuple[Any, str]]:
-    from lightning_rlhf.modules import GRPOModule, PPOModule, REINFORCEPPModule, ReMaxModule, RLOOModule
+    from lightning_rlhf.modules import (
+        DAPOModule,
+        GRPOModule,
+        PPOModule,
+        REINFORCEPPModule,
+        ReMaxModule,
+        RLOOModule,
+        SafeRLHFModule,
+    )
 
     return {
         "grpo": (GRPOModule, "grpo"),
+        "dapo": (DAPOModule, "grpo"),
+        "safe": (SafeRLHFModule, "grpo"),
         "rloo": (RLOOModule, "rloo"),
         "reinforce_pp": (REINFORCEPPModule, "reinforce_plus_plus"),
         "remax": (ReMaxModule, "remax"),
@@ -27,7 +37,7 @@ def _algorithms() -> dict[str, tuple[Any, str]]:
     }
 
 
-ALGORITHMS_NAMES = ("grpo", "rloo", "reinforce_pp", "remax", "ppo")
+ALGORITHMS_NAMES = ("grpo", "rloo", "reinforce_pp", "remax", "ppo", "dapo", "safe")
 
 
 def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]:
@@ -35,19 +45,24 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_rlhf import AlgorithmConfig, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig
-    from lightning_rlhf.demo.task import addition_dataset, addition_reward
+    from lightning_rlhf import AlgorithmConfig, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig, SafetyConfig
+    from lightning_rlhf.demo.task import addition_cost, addition_dataset, addition_reward
 
     module_cls, advantage = _algorithms()[args.algo]
     extra: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
     if args.algo == "ppo":  # the critic starts from the actor's backbone with a fresh value head
         extra = {"critic": model_path, "critic_optim": OptimConfig(lr=args.lr * 2, warmup_steps=args.warmup)}
+    if args.algo == "dapo":  # clip-higher and dynamic sampling; no overlong shaping at 6 new tokens
+        settings = {"clip_ratio_high": 0.28, "dynamic_sampling": True}
+    if args.algo == "safe":  # answers with a 7 are "unsafe": at most 2% of responses may write one
+        extra = {"cost": addition_cost, "safety": SafetyConfig(cost_limit=0.02, lambda_init=0.5, lambda_lr=0.5)}
     module = module_cls(
         model_path,
         reward=addition_reward,
         reference=False,
         rollout=RolloutConfig(n=args.n, temperature=1.0, max_new_tokens=6, seed=args.seed),
-        algorithm=AlgorithmConfig(advantage=advantage, kl_coef=0.0, micro_batch_size=args.micro_batch_size),
+        algorithm=AlgorithmConfig(advantage=advantage, kl_coef=0.0, micro_batch_size=args.micro_batch_size, **settings),
         actor_optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
         **extra,
     )
@@ -68,8 +83,12 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     return module, data, trainer
 
 
-def plot_reward(metrics_csv: str, out_png: str, title: str = "GRPO") -> dict[str, float]:
-    """Plot ``critic/score/mean`` per step into ``out_png``; returns first/last-10% means. Runs on: rank 0."""
+def plot_reward(
+    metrics_csv: str, out_png: str, title: str = "GRPO", metric: str = "critic/score/mean"
+) -> dict[str, float]:
+    """Plot ``metric`` (the mean reward) per step into ``out_png``; returns first/last-10% means.
+
+    Runs on: rank 0."""
     import csv
 
     import matplotlib
@@ -80,15 +99,15 @@ def plot_reward(metrics_csv: str, out_png: str, title: str = "GRPO") -> dict[str
     steps, scores = [], []
     with open(metrics_csv) as f:
         for row in csv.DictReader(f):
-            if row.get("critic/score/mean"):
+            if row.get(metric):
                 steps.append(int(row["step"]))
-                scores.append(float(row["critic/score/mean"]))
+                scores.append(float(row[metric]))
     k = max(1, len(scores) // 10)
     summary = {"first": sum(scores[:k]) / k, "last": sum(scores[-k:]) / k, "steps": float(len(scores))}
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, scores, lw=1.5)
     ax.set_xlabel("RL step")
-    ax.set_ylabel("mean reward (critic/score/mean)")
+    ax.set_ylabel(f"mean reward ({metric})")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"{title} on addition: {summary['first']:.2f} -> {summary['last']:.2f}")
     ax.grid(alpha=0.3)
@@ -132,7 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.global_rank != 0:
         return
     run_dir = trainer.logger.log_dir
-    summary = plot_reward(os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "reward.png"), args.algo)
+    # DAPO trains on the prompts its samples disagree on; its learning curve is the score before selection
+    metric = "dynamic_sampling/raw_score/mean" if args.algo == "dapo" else "critic/score/mean"
+    csv_path, png = os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "reward.png")
+    summary = plot_reward(csv_path, png, args.algo, metric=metric)
     print(
         f"reward {summary['first']:.3f} (first 10% of steps) -> {summary['last']:.3f} (last 10%), "
         f"{int(summary['steps'])} steps in {time.perf_counter() - t0:.0f}s"

@@ -63,3 +63,14 @@ def addition_reward(prompts: list[str], completions: list[str], answer: list[str
         1.0 if completion.strip() == str(ans).strip() else 0.0
         for completion, ans in zip(completions, answer, strict=True)
     ]
+
+
+def addition_cost(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """The demo's cost for Safe-RLHF: writing the digit 7 is "unsafe" (cost 1.0), anything else costs 0.0.
+
+    About one prompt in ten has an answer with a 7 (7 and 17), so a constraint ``E[cost] <= 0.02`` makes the
+    policy give up those answers while it learns the others: a reward/safety trade-off in miniature.
+
+    Runs on: any process (plain function).
+    """
+    return [1.0 if "7" in completion else 0.0 for completion in completions]

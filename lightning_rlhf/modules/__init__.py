@@ -3,6 +3,16 @@
 from lightning_rlhf.modules.grpo import GRPOModule
 from lightning_rlhf.modules.ppo import PPOModule
 from lightning_rlhf.modules.remax import ReMaxModule
-from lightning_rlhf.modules.variants import DrGRPOModule, REINFORCEPPModule, RLOOModule
+from lightning_rlhf.modules.safe_rlhf import SafeRLHFModule
+from lightning_rlhf.modules.variants import DAPOModule, DrGRPOModule, REINFORCEPPModule, RLOOModule
 
-__all__ = ["DrGRPOModule", "GRPOModule", "PPOModule", "REINFORCEPPModule", "RLOOModule", "ReMaxModule"]
+__all__ = [
+    "DAPOModule",
+    "DrGRPOModule",
+    "GRPOModule",
+    "PPOModule",
+    "REINFORCEPPModule",
+    "RLOOModule",
+    "ReMaxModule",
+    "SafeRLHFModule",
+]

@@ -24,7 +24,8 @@ class GRPOModule(RLHFModule):
         super().__init__(actor, **kwargs)
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
-        """Generate n samples per prompt, score, normalise within each group, update the actor.
+        """Generate n samples per prompt, score (with dynamic sampling: keep only prompts whose samples
+        disagree), normalise within each group, update the actor.
 
         Runs on: controller.
         """
@@ -32,6 +33,9 @@ class GRPOModule(RLHFModule):
         with self.timer("gen", metrics):
             rollout = self.actor.generate(batch)
         rollout = self.reward.score(rollout)
+        if self.algorithm.dynamic_sampling:  # DAPO: only prompts whose samples disagree, more rounds if needed
+            with self.timer("dynamic_sampling", metrics):
+                rollout = self.keep_informative_groups(batch, rollout, metrics)
         if self.algorithm.needs_old_logprobs:  # else the update's own detached log-probs are the old ones
             with self.timer("old_log_prob", metrics):
                 rollout = self.actor.log_prob(rollout)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_rlhf.config import AlgorithmConfig
+from lightning_rlhf.config import AlgorithmConfig, RolloutConfig
 from lightning_rlhf.modules.grpo import GRPOModule
 
-__all__ = ["DrGRPOModule", "REINFORCEPPModule", "RLOOModule"]
+__all__ = ["DAPOModule", "DrGRPOModule", "REINFORCEPPModule", "RLOOModule"]
 
 
 class RLOOModule(GRPOModule):
@@ -38,5 +38,27 @@ class DrGRPOModule(GRPOModule):
     def __init__(self, actor: str, **kwargs: Any) -> None:
         kwargs.setdefault(
             "algorithm", AlgorithmConfig(advantage="grpo", norm_adv_by_std=False, loss_agg="seq-mean-token-sum-norm")
+        )
+        super().__init__(actor, **kwargs)
+
+
+class DAPOModule(GRPOModule):
+    """DAPO (Yu et al., 2025): GRPO with clip-higher (``clip_ratio_high=0.28``), dynamic sampling (prompts whose
+    samples all score the same are replaced), token-mean loss, soft overlong punishment over the last quarter
+    of ``max_new_tokens``, and no KL term. Runs on: every process."""
+
+    def __init__(self, actor: str, **kwargs: Any) -> None:
+        rollout = kwargs.setdefault("rollout", RolloutConfig(n=16))
+        kwargs.setdefault(
+            "algorithm",
+            AlgorithmConfig(
+                advantage="grpo",
+                clip_ratio_low=0.2,
+                clip_ratio_high=0.28,
+                loss_agg="token-mean",
+                dynamic_sampling=True,
+                overlong_buffer=max(1, rollout.max_new_tokens // 4),
+                kl_coef=0.0,
+            ),
         )
         super().__init__(actor, **kwargs)

@@ -108,7 +108,7 @@ class ActorRole(Role):
             top_k=cfg.top_k,
             max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=cfg.stop_token_ids,
-            seed=cfg.seed * 1_000_003 + step * 7919 + rank,
+            seed=cfg.seed * 1_000_003 + step * 7919 + rank + int(batch.meta.get("sampling_round", 0)) * 104_729,
             greedy=greedy,
         )
         prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]

@@ -25,12 +25,15 @@ class CriticRole(Role):
         path: local folder or hub id (usually the actor's initial checkpoint or a reward model).
         algorithm: value-clip and batch splitting settings.
         optim: optimizer settings (critics usually take a higher learning rate than the actor).
+        prefix: prefix of the columns it writes and trains on (``values``, ``returns``); a second critic, e.g.
+            Safe-RLHF's cost critic, uses ``prefix="cost_"`` (``cost_values``, ``cost_returns``).
     """
 
     name = "critic"
 
-    def __init__(self, path: str, *, algorithm: AlgorithmConfig, optim: OptimConfig) -> None:
+    def __init__(self, path: str, *, algorithm: AlgorithmConfig, optim: OptimConfig, prefix: str = "") -> None:
         super().__init__()
+        self.prefix = prefix
         self.path = path
         self.algorithm = algorithm
         self.optim = optim
@@ -50,18 +53,19 @@ class CriticRole(Role):
 
     @role_method(Dispatch.DP_SPLIT)
     def values(self, batch: Batch) -> Batch:
-        """Per-token values of the responses, as ``values`` ``[B, R]``. Runs on: every worker rank."""
+        """Per-token values of the responses, as ``<prefix>values`` ``[B, R]``. Runs on: every worker rank."""
         assert self.model is not None
         parts = []
         with torch.no_grad():
             for micro in batch.split(self.algorithm.micro_batch_size):
                 parts.append(forward_response(self.model, micro, output="values")["values"].cpu())
-        batch["values"] = torch.cat(parts)
+        batch[f"{self.prefix}values"] = torch.cat(parts)
         return batch
 
     @role_method(Dispatch.DP_SPLIT)
     def update(self, batch: Batch) -> dict[str, float]:
-        """Clipped value regression on ``returns`` over epochs and mini-batches. Runs on: every worker rank."""
+        """Clipped value regression on ``<prefix>returns`` over epochs and mini-batches; metrics are named after the
+        role (``critic/vf_loss``, ``cost_critic/vf_loss``). Runs on: every worker rank."""
         assert self.model is not None
         algo = self.algorithm
         device = next(self.model.parameters()).device
@@ -76,8 +80,8 @@ class CriticRole(Role):
                 mask = micro["response_mask"].to(device)
                 loss, metrics = value_loss_clipped(
                     values,
-                    micro["values"].to(device),
-                    micro["returns"].to(device),
+                    micro[f"{self.prefix}values"].to(device),
+                    micro[f"{self.prefix}returns"].to(device),
                     mask,
                     clip=algo.value_clip,
                     agg=algo.loss_agg,
@@ -90,4 +94,4 @@ class CriticRole(Role):
             acc.add({"grad_norm": grad_norm})
         assert self.scheduler is not None
         self.scheduler.step()
-        return acc.result("critic")
+        return acc.result(self.name)

@@ -31,12 +31,14 @@ class RewardRole(Role):
         reward: a reward function, or the path / hub id of a sequence-classification model with one output.
         tokenizer: the actor's tokenizer, to decode responses.
         micro_batch_size: samples per forward of a reward model on one rank.
+        key: the column the scores go to (``scores``; a Safe-RLHF cost role writes ``costs``).
     """
 
     name = "reward"
 
-    def __init__(self, reward: RewardFn | str, *, tokenizer: Any, micro_batch_size: int) -> None:
+    def __init__(self, reward: RewardFn | str, *, tokenizer: Any, micro_batch_size: int, key: str = "scores") -> None:
         super().__init__()
+        self.key = key
         self.fn: RewardFn | None = None if isinstance(reward, str) else reward
         self.path = reward if isinstance(reward, str) else None
         self.tokenizer = tokenizer
@@ -60,7 +62,9 @@ class RewardRole(Role):
 
     @role_method(Dispatch.DP_SPLIT)
     def score(self, batch: Batch) -> Batch:
-        """Decode the responses into ``completion`` and score them into ``scores``. Runs on: every worker rank."""
+        """Decode the responses into ``completion`` and score them into ``scores`` (or the role's ``key``).
+
+        Runs on: every worker rank."""
         completions = [
             self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True)
             for row, m in zip(batch["responses"], batch["response_mask"], strict=True)
@@ -71,7 +75,7 @@ class RewardRole(Role):
             scores = self._call_fn(prompts, completions, batch)
         else:
             scores = self._score_model([p + c for p, c in zip(prompts, completions, strict=True)])
-        batch["scores"] = scores
+        batch[self.key] = scores
         return batch
 
     def _call_fn(self, prompts: list[str], completions: list[str], batch: Batch) -> torch.Tensor:

@@ -16,15 +16,18 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from lightning_rlhf import (
     AlgorithmConfig,
+    DAPOModule,
     GRPOModule,
     OptimConfig,
     PPOModule,
     PromptDataModule,
     RLHFStrategy,
     RolloutConfig,
+    SafeRLHFModule,
+    SafetyConfig,
 )
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.demo import addition_dataset, addition_reward
+from lightning_rlhf.demo import addition_cost, addition_dataset, addition_reward
 from lightning_rlhf.roles import ActorRole
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 
@@ -92,6 +95,24 @@ def main() -> None:
             reference=True,
             algorithm=AlgorithmConfig(advantage="gae", kl_in_reward=True, kl_estimator="k1", **algo_kwargs),
             critic_optim=OptimConfig(lr=1e-3),
+            **common,
+        )
+    elif args.algo == "safe":  # PPO-Lagrangian with a reward critic and a cost critic
+        module = SafeRLHFModule(
+            args.model,
+            cost=addition_cost,
+            critic=args.model,
+            algorithm=AlgorithmConfig(advantage="gae", **algo_kwargs),
+            safety=SafetyConfig(cost_limit=0.0, lambda_init=1.0, lambda_lr=1.0),
+            critic_optim=OptimConfig(lr=1e-3),
+            **common,
+        )
+    elif args.algo == "dapo":  # dynamic sampling with a single extra round at most
+        module = DAPOModule(
+            args.model,
+            algorithm=AlgorithmConfig(
+                dynamic_sampling=True, max_sampling_rounds=2, clip_ratio_high=0.28, **algo_kwargs
+            ),
             **common,
         )
     else:
