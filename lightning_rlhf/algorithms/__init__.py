@@ -15,6 +15,7 @@ from lightning_rlhf.algorithms.advantages import (
     rloo_advantages,
 )
 from lightning_rlhf.algorithms.constrained import LagrangeMultiplier, informative_groups, lagrangian_advantages
+from lightning_rlhf.algorithms.evaluation import mean_at_n, pass_at_k
 from lightning_rlhf.algorithms.functional import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -85,7 +86,9 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mean_at_n",
     "overlong_reward_penalty",
+    "pass_at_k",
     "policy_loss_clipped",
     "policy_loss_dual_clip",
     "policy_loss_gspo",

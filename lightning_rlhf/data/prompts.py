@@ -1,4 +1,5 @@
-"""Prompt data: a LightningDataModule over a ``datasets.Dataset`` and a loader whose position resumes exactly.
+"""Prompt data: a LightningDataModule of training and validation prompts (text or chats, from ``datasets``
+objects, files, folders or hub names) and a loader whose position resumes exactly.
 
 Each batch is a :class:`~lightning_rlhf.batch.Batch` with ``prompts`` / ``prompt_mask`` (left-padded token ids),
 ``uid`` (the prompt's index in the batch, used to group samples) and every dataset column as a Python list
@@ -7,7 +8,6 @@ Each batch is a :class:`~lightning_rlhf.batch.Batch` with ``prompts`` / ``prompt
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.data.chat import chat_prompt_text, check_messages, render_chat
+from lightning_rlhf.data.sources import load_prompt_dataset, split_off
 
 __all__ = ["RESERVED_COLUMNS", "PromptDataModule", "PromptLoader"]
 
@@ -124,116 +126,188 @@ class PromptLoader:
 
 
 class PromptDataModule(L.LightningDataModule):
-    """Prompts from a ``datasets.Dataset`` or a local jsonl/json/parquet/csv file.
+    """Prompts for training and validation, from ``datasets`` objects, local files or folders, or hub datasets.
 
-    Runs on: every process. Validation (column present, no empty prompts, length limit) happens in
-    ``setup``, before any model is loaded.
+    Runs on: every process. Every check (files, columns, chat shapes, empty prompts, length limit, rows left)
+    happens in ``setup``, on the training and the validation data alike, before any model is loaded.
 
     Args:
-        train: a ``datasets.Dataset``, or the path of a data file.
+        train: the training prompts: a ``datasets.Dataset`` or ``DatasetDict``, the path of a
+            ``.jsonl``/``.json``/``.parquet``/``.csv`` file or of a folder, or a hub dataset name (``"openai/gsm8k"``).
+        val: the validation prompts, in any of the same forms; None: ``val_size`` or no validation.
+        val_size: split validation prompts off ``train`` instead: a row count (int) or a fraction (float in
+            (0, 1)), drawn with ``seed`` before any filtering, so the same rows in every run and on every rank.
         batch_size: prompts per RL step (the samples per step are ``batch_size * RolloutConfig.n``).
+        val_batch_size: prompts per validation batch; None: ``batch_size``. The last batch may be smaller.
         prompt_column: the column holding the prompt text.
+        messages_column: the column holding each prompt as a chat (``[{"role": "user", "content": ...}, ...]``),
+            rendered with the tokenizer's chat template and ``add_generation_prompt=True``; ``prompt_column`` is
+            then unused. Reward functions get the last user message's content as the ``prompt`` (and the chat
+            itself under this column's name, unless it is ``"prompt"``).
         max_prompt_length: longest prompt in tokens; longer ones are dropped (``overlong="filter"``, logged with
             a count) or rejected (``overlong="error"``).
         overlong: what to do with prompts over ``max_prompt_length``.
         tokenizer: tokenizer path; None takes the LightningModule's tokenizer.
-        chat_template: render each prompt as one user message with the tokenizer's chat template (for
+        chat_template: render each text prompt as one user message with the tokenizer's chat template (for
             instruct models); reward functions still receive the plain prompt text.
-        shuffle: reshuffle every epoch (seeded).
-        seed: shuffling seed.
+        dataset_config: configuration name of a hub dataset or folder (``"main"`` for GSM8K); None: its default.
+        train_split: split of a hub dataset, folder or ``DatasetDict`` to train on (``"train[:1000]"`` works too).
+        val_split: split of ``val`` when it is a hub dataset, folder or ``DatasetDict``.
+        shuffle: reshuffle every epoch (seeded). Validation batches are never shuffled.
+        seed: shuffling seed, and the seed of the ``val_size`` split.
     """
 
     def __init__(
         self,
         train: Any,
         *,
+        val: Any = None,
+        val_size: int | float | None = None,
         batch_size: int = 8,
+        val_batch_size: int | None = None,
         prompt_column: str = "prompt",
+        messages_column: str | None = None,
         max_prompt_length: int = 512,
         overlong: str = "filter",
         tokenizer: str | None = None,
         chat_template: bool = False,
+        dataset_config: str | None = None,
+        train_split: str = "train",
+        val_split: str = "test",
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"PromptDataModule(batch_size={batch_size}) must be >= 1.")
+        if val_batch_size is not None and val_batch_size < 1:
+            raise ValueError(f"PromptDataModule(val_batch_size={val_batch_size}) must be None or >= 1.")
         if overlong not in ("filter", "error"):
             raise ValueError(f"PromptDataModule(overlong={overlong!r}): expected 'filter' or 'error'.")
+        if val_size is not None:
+            if val is not None:
+                raise ValueError(
+                    "PromptDataModule: pass either val=... (separate validation data) or val_size=... (split off "
+                    "the training data), not both."
+                )
+            fraction = isinstance(val_size, float) and 0 < val_size < 1
+            count = isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 1
+            if not (fraction or count):
+                raise ValueError(
+                    f"PromptDataModule(val_size={val_size!r}): expected a row count (int >= 1) or a fraction "
+                    "(float in (0, 1)) of the training data."
+                )
+        for name, split in (("train_split", train_split), ("val_split", val_split)):
+            if not isinstance(split, str):
+                raise TypeError(
+                    f"PromptDataModule({name}={split!r}) names a split of a hub dataset or folder (e.g. 'test'). "
+                    "HINT: to split validation prompts off the training data, use val_size=<count or fraction>."
+                )
         self.train = train
+        self.val = val
+        self.val_size = val_size
         self.batch_size = batch_size
+        self.val_batch_size = val_batch_size
         self.prompt_column = prompt_column
+        self.messages_column = messages_column
         self.max_prompt_length = max_prompt_length
         self.overlong = overlong
         self.tokenizer_path = tokenizer
         self.chat_template = chat_template
+        self.dataset_config = dataset_config
+        self.train_split = train_split
+        self.val_split = val_split
         self.shuffle = shuffle
         self.seed = seed
         self._rows: list[dict[str, Any]] | None = None
+        self._val_rows: list[dict[str, Any]] | None = None
         self._loader: PromptLoader | None = None
         self._tokenizer: Any = None
 
     def setup(self, stage: str) -> None:
-        """Load, validate and tokenize the prompts. Runs on: every process, before models are loaded."""
+        """Load, check and tokenize the training and validation prompts.
+
+        Runs on: every process, before models are loaded (Lightning calls it before ``configure_model``).
+        """
         if self._rows is not None:
             return
         self._tokenizer = self._resolve_tokenizer()
-        dataset = _load_dataset(self.train)
-        col = self.prompt_column
+        train = load_prompt_dataset(self.train, setting="train", config=self.dataset_config, split=self.train_split)
+        val = None
+        if self.val is not None:
+            val = load_prompt_dataset(self.val, setting="val", config=self.dataset_config, split=self.val_split)
+        elif self.val_size is not None:
+            train, val = split_off(train, self.val_size, seed=self.seed)
+        rows = self._prepare(train, "training", min_rows=self.batch_size)
+        if val is not None:
+            missing = sorted(set(train.column_names) - set(val.column_names))
+            if missing:
+                raise KeyError(
+                    f"PromptDataModule(val=...): the validation data lacks the training columns {missing}. "
+                    "HINT: reward functions receive the same columns during validation; add them to the "
+                    "validation data."
+                )
+            self._val_rows = self._prepare(val, "validation", min_rows=1)
+        self._rows = rows
+
+    def _prepare(self, dataset: Any, which: str, *, min_rows: int) -> list[dict[str, Any]]:
+        """Check ``dataset``'s columns and rows, tokenize the prompts, drop (or reject) overlong ones."""
+        chat = self.messages_column is not None
+        col = self.messages_column or self.prompt_column
+        setting = "messages_column" if chat else "prompt_column"
         if col not in dataset.column_names:
             raise KeyError(
-                f"PromptDataModule(prompt_column={col!r}): the dataset has no such column. "
-                f"Columns: {dataset.column_names}. HINT: set prompt_column to the column holding the prompt text."
+                f"PromptDataModule({setting}={col!r}): the {which} data has no such column. "
+                f"Columns: {dataset.column_names}. HINT: set {setting} to the column holding the prompts."
             )
         clash = sorted(set(dataset.column_names) & RESERVED_COLUMNS)
         if clash:
             raise ValueError(
-                f"PromptDataModule: dataset columns {clash} clash with the rollout columns lightning_rlhf adds. "
-                "HINT: rename them (datasets.Dataset.rename_column) before training."
+                f"PromptDataModule: {which} dataset columns {clash} clash with the rollout columns lightning_rlhf "
+                "adds. HINT: rename them (datasets.Dataset.rename_column) before training."
             )
         rows, too_long = [], 0
         for i, row in enumerate(dataset):
-            text = row[col]
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(
-                    f"PromptDataModule: row {i} has an empty or non-text prompt in column {col!r} ({text!r}). "
-                    "HINT: drop or fix such rows before training."
-                )
-            ids = self._encode(text)
+            if chat:
+                messages = check_messages(row[col], column=col, row=i, which=which)
+                text = chat_prompt_text(messages)
+                ids = render_chat(self._tokenizer, messages, row=i, which=which)
+            else:
+                text = row[col]
+                if not isinstance(text, str) or not text.strip():
+                    raise ValueError(
+                        f"PromptDataModule: row {i} has an empty or non-text prompt in column {col!r} of the {which} "
+                        f"data ({text!r:.80}). HINT: drop or fix such rows before training (a column of chats goes "
+                        "in messages_column)."
+                    )
+                ids = self._encode(text, row=i, which=which)
             if len(ids) > self.max_prompt_length:
                 if self.overlong == "error":
                     raise ValueError(
                         f"PromptDataModule: row {i} has {len(ids)} prompt tokens > max_prompt_length="
-                        f"{self.max_prompt_length}. HINT: raise max_prompt_length or use overlong='filter'."
+                        f"{self.max_prompt_length} ({which} data). HINT: raise max_prompt_length or use "
+                        "overlong='filter'."
                     )
                 too_long += 1
                 continue
-            rows.append({**row, "prompt_ids": ids})
+            rows.append({**row, "prompt": text, "prompt_ids": ids})
         if too_long:
             rank_zero_info(
-                f"PromptDataModule: dropped {too_long} of {len(dataset)} prompts longer than "
+                f"PromptDataModule: dropped {too_long} of {len(dataset)} {which} prompts longer than "
                 f"max_prompt_length={self.max_prompt_length} tokens."
             )
-        if len(rows) < self.batch_size:
+        if len(rows) < min_rows:
+            least = f"batch_size={self.batch_size}" if which == "training" else "1"
             raise ValueError(
-                f"PromptDataModule: {len(rows)} prompts left after filtering, fewer than batch_size="
-                f"{self.batch_size}. HINT: lower batch_size or raise max_prompt_length."
+                f"PromptDataModule: {len(rows)} prompts left after filtering the {which} data, fewer than {least}. "
+                "HINT: lower batch_size, raise max_prompt_length, or check the data."
             )
-        self._rows = rows
+        return rows
 
-    def _encode(self, text: str) -> list[int]:
-        if not self.chat_template:
-            return list(self._tokenizer(text, add_special_tokens=True)["input_ids"])
-        if getattr(self._tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                "PromptDataModule(chat_template=True): the tokenizer has no chat template. "
-                "HINT: use an instruct model's tokenizer or chat_template=False."
-            )
-        rendered = self._tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        return list(self._tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    def _encode(self, text: str, *, row: int, which: str) -> list[int]:
+        if self.chat_template:
+            return render_chat(self._tokenizer, [{"role": "user", "content": text}], row=row, which=which)
+        return list(self._tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def _resolve_tokenizer(self) -> Any:
         if self.tokenizer_path is not None:
@@ -257,8 +331,6 @@ class PromptDataModule(L.LightningDataModule):
             prompts[i, width - n :] = torch.tensor(r["prompt_ids"])
             mask[i, width - n :] = 1
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
-        if self.prompt_column != "prompt":
-            columns["prompt"] = columns[self.prompt_column]
         return Batch({"prompts": prompts, "prompt_mask": mask, "uid": torch.arange(len(rows))}, columns)
 
     def train_dataloader(self) -> PromptLoader:
@@ -274,24 +346,16 @@ class PromptDataModule(L.LightningDataModule):
             )
         return self._loader
 
-
-def _load_dataset(source: Any) -> Any:
-    import datasets
-
-    if isinstance(source, datasets.Dataset):
-        return source
-    if isinstance(source, str | os.PathLike):
-        path = os.fspath(source)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"PromptDataModule(train={path!r}): no such file.")
-        ext = os.path.splitext(path)[1].lstrip(".")
-        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
-        if builder is None:
-            raise ValueError(
-                f"PromptDataModule(train={path!r}): unknown file type '.{ext}'. "
-                "Expected .jsonl, .json, .parquet or .csv."
-            )
-        return datasets.load_dataset(builder, data_files=path, split="train")
-    raise TypeError(
-        f"PromptDataModule(train=...) expects a datasets.Dataset or a file path, got {type(source).__name__}."
-    )
+    def val_dataloader(self) -> PromptLoader | list[Any]:
+        """The validation prompts in order, every one of them (the last batch may be smaller); an empty list
+        (Lightning then skips validation) when there are none. Its position is never saved: each validation
+        reads all of it. Runs on: every process."""
+        if self._val_rows is None:
+            return []
+        return PromptLoader(
+            self._val_rows,
+            batch_size=self.val_batch_size or self.batch_size,
+            collate=self.collate,
+            shuffle=False,
+            drop_last=False,
+        )

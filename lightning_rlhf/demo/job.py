@@ -2,14 +2,15 @@
 
 A tiny Qwen2-style model (built locally, warm-started for a second on supervised addition and cached) learns
 single-digit addition ("3+4=" -> "7") by GRPO on CPU, over 2 processes by default. The run folder gets the
-CSVLogger's ``metrics.csv`` and ``reward.png``; the last printed line names the folder.
+CSVLogger's ``metrics.csv``, the curves ``reward.png``, ``response_length.png``, ``entropy.png`` (and
+``kl.png`` with a KL term) and ``samples.jsonl`` (sample rollouts every 25 steps); the run summary is printed
+at the end, and the last printed line names the folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
 __all__ = ["ALGORITHMS_NAMES", "build_job", "main", "plot_reward"]
@@ -46,6 +47,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_rlhf import AlgorithmConfig, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig, SafetyConfig
+    from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
     from lightning_rlhf.demo.task import addition_cost, addition_dataset, addition_reward
 
     module_cls, advantage = _algorithms()[args.algo]
@@ -75,6 +77,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         strategy=RLHFStrategy(args.rollout),
         max_steps=args.steps,
         logger=CSVLogger(args.out, name="demo"),
+        callbacks=[RLHFProgressBar(), MetricPlots(), RolloutSamples(every_n_steps=25), RunSummary()],
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -146,17 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     L.seed_everything(args.seed, verbose=False)
     model_path = prepare_demo_model(args.cache, seed=args.seed, warm_start_steps=args.warm_start_steps)
     module, data, trainer = build_job(args, model_path)
-    t0 = time.perf_counter()
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data)  # RunSummary prints the summary; MetricPlots draws reward.png & co
     if trainer.global_rank != 0:
         return
-    run_dir = trainer.logger.log_dir
-    # DAPO trains on the prompts its samples disagree on; its learning curve is the score before selection
-    metric = "dynamic_sampling/raw_score/mean" if args.algo == "dapo" else "critic/score/mean"
-    csv_path, png = os.path.join(run_dir, "metrics.csv"), os.path.join(run_dir, "reward.png")
-    summary = plot_reward(csv_path, png, args.algo, metric=metric)
-    print(
-        f"reward {summary['first']:.3f} (first 10% of steps) -> {summary['last']:.3f} (last 10%), "
-        f"{int(summary['steps'])} steps in {time.perf_counter() - t0:.0f}s"
-    )
-    print(f"run folder: {os.path.abspath(run_dir)}")
+    print(f"run folder: {os.path.abspath(trainer.logger.log_dir)}")

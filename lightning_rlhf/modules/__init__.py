@@ -1,4 +1,8 @@
-"""Ready algorithm modules: each is an RLHFModule whose ``training_step`` is the algorithm's dataflow."""
+"""Ready algorithm modules: each is an RLHFModule whose ``training_step`` is the algorithm's dataflow.
+
+A module's own default ``algorithm`` (and ``rollout``) applies when the argument is missing or None: the
+command line passes every argument, unset ones as None.
+"""
 
 from lightning_rlhf.modules.grpo import GRPOModule
 from lightning_rlhf.modules.ppo import PPOModule

@@ -20,7 +20,9 @@ class GRPOModule(RLHFModule):
     """
 
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="grpo", kl_coef=0.001, kl_estimator="k3"))
+        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(
+            advantage="grpo", kl_coef=0.001, kl_estimator="k3"
+        )
         super().__init__(actor, **kwargs)
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]

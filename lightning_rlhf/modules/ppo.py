@@ -20,8 +20,10 @@ class PPOModule(RLHFModule):
     """
 
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="gae", kl_in_reward=True, kl_estimator="k1"))
-        kwargs.setdefault("rollout", RolloutConfig(n=1))
+        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(
+            advantage="gae", kl_in_reward=True, kl_estimator="k1"
+        )
+        kwargs["rollout"] = kwargs.get("rollout") or RolloutConfig(n=1)
         if kwargs.get("critic") is None:
             raise ValueError("PPOModule needs a value model: pass critic=<path> (often the actor's own path).")
         if kwargs["algorithm"].advantage != "gae":

@@ -19,7 +19,7 @@ class ReMaxModule(RLHFModule):
     """
 
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="remax"))
+        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(advantage="remax")
         super().__init__(actor, **kwargs)
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]

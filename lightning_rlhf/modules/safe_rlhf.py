@@ -6,6 +6,7 @@ scores every rollout beside the reward, and, with GAE, a second critic learns th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -55,8 +56,12 @@ class SafeRLHFModule(RLHFModule):
         if isinstance(cost, str):
             check_pretrained(cost, setting="SafeRLHFModule(cost=...)")
         self.safety = safety or SafetyConfig()
-        self.cost = RewardRole(
-            cost, tokenizer=self.tokenizer, micro_batch_size=self.algorithm.micro_batch_size, key="costs"
+        self.cost = RewardRole(  # called like the reward (timeout, fallback), its own components unweighted
+            cost,
+            tokenizer=self.tokenizer,
+            micro_batch_size=self.algorithm.micro_batch_size,
+            key="costs",
+            config=dataclasses.replace(self.reward_config, weights=None),
         )
         self.cost_critic: CriticRole | None = None
         if self.critic is not None:

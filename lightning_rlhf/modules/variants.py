@@ -15,7 +15,7 @@ class RLOOModule(GRPOModule):
     prompt. GRPO's dataflow with ``advantage="rloo"``; no KL by default. Runs on: every process."""
 
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs.setdefault("algorithm", AlgorithmConfig(advantage="rloo"))
+        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(advantage="rloo")
         super().__init__(actor, **kwargs)
 
 
@@ -24,9 +24,8 @@ class REINFORCEPPModule(GRPOModule):
     PPO's clipped loss, no critic. Runs on: every process."""
 
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs.setdefault(
-            "algorithm",
-            AlgorithmConfig(advantage="reinforce_plus_plus", kl_coef=0.01, kl_in_reward=True, kl_estimator="k2"),
+        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(
+            advantage="reinforce_plus_plus", kl_coef=0.01, kl_in_reward=True, kl_estimator="k2"
         )
         super().__init__(actor, **kwargs)
 
@@ -36,8 +35,8 @@ class DrGRPOModule(GRPOModule):
     length, removing GRPO's length and difficulty biases. Runs on: every process."""
 
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs.setdefault(
-            "algorithm", AlgorithmConfig(advantage="grpo", norm_adv_by_std=False, loss_agg="seq-mean-token-sum-norm")
+        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(
+            advantage="grpo", norm_adv_by_std=False, loss_agg="seq-mean-token-sum-norm"
         )
         super().__init__(actor, **kwargs)
 
@@ -48,17 +47,14 @@ class DAPOModule(GRPOModule):
     of ``max_new_tokens``, and no KL term. Runs on: every process."""
 
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        rollout = kwargs.setdefault("rollout", RolloutConfig(n=16))
-        kwargs.setdefault(
-            "algorithm",
-            AlgorithmConfig(
-                advantage="grpo",
-                clip_ratio_low=0.2,
-                clip_ratio_high=0.28,
-                loss_agg="token-mean",
-                dynamic_sampling=True,
-                overlong_buffer=max(1, rollout.max_new_tokens // 4),
-                kl_coef=0.0,
-            ),
+        rollout = kwargs["rollout"] = kwargs.get("rollout") or RolloutConfig(n=16)
+        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(
+            advantage="grpo",
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.28,
+            loss_agg="token-mean",
+            dynamic_sampling=True,
+            overlong_buffer=max(1, rollout.max_new_tokens // 4),
+            kl_coef=0.0,
         )
         super().__init__(actor, **kwargs)

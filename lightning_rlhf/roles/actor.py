@@ -83,9 +83,19 @@ class ActorRole(Role):
 
     # --------------------------------------------------------------------------------------- rollout
     @role_method(Dispatch.DP_SPLIT)
-    def generate(self, batch: Batch, *, n: int | None = None, greedy: bool = False) -> Batch:
+    def generate(
+        self,
+        batch: Batch,
+        *,
+        n: int | None = None,
+        greedy: bool = False,
+        temperature: float | None = None,
+        seed_offset: int = 0,
+    ) -> Batch:
         """Sample ``n`` (default ``rollout.n``) responses per prompt with the colocated engine; ``greedy``
-        decodes one deterministic response per prompt instead (e.g. ReMax's baseline).
+        decodes one deterministic response per prompt instead (e.g. ReMax's baseline). ``temperature``
+        overrides the rollout's (validation); ``seed_offset`` moves the sampling seeds off the training
+        stream's, so other generations at the same step draw their own samples.
 
         Runs on: every worker rank, each on its share of the prompts. Input: ``prompts``/``prompt_mask``
         (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask``,
@@ -103,12 +113,16 @@ class ActorRole(Role):
         step = int(batch.meta.get("step", 0))
         params = SamplingParams(
             n=n,
-            temperature=cfg.temperature,
+            temperature=cfg.temperature if temperature is None else temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
             max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=cfg.stop_token_ids,
-            seed=cfg.seed * 1_000_003 + step * 7919 + rank + int(batch.meta.get("sampling_round", 0)) * 104_729,
+            seed=cfg.seed * 1_000_003
+            + step * 7919
+            + rank
+            + int(batch.meta.get("sampling_round", 0)) * 104_729
+            + seed_offset,
             greedy=greedy,
         )
         prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]

@@ -1,52 +1,72 @@
-"""The reward: a Python function over decoded text, or a transformers sequence-classification model."""
+"""The reward: Python functions over decoded text and/or a transformers sequence-classification model."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import RewardConfig
+from lightning_rlhf.rewards import (
+    RewardComponent,
+    RewardFn,
+    RewardFunctionError,
+    RewardSpec,
+    call_reward_fn,
+    reward_components,
+    reward_fn_name,
+    weighted_sum,
+)
 from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 
 __all__ = ["RewardFn", "RewardFunctionError", "RewardRole"]
 
-RewardFn = Callable[..., Sequence[float]]
-"""``fn(prompts: list[str], completions: list[str], **dataset_columns) -> list[float]`` (TRL's convention)."""
-
-
-class RewardFunctionError(RuntimeError):
-    """The reward function raised, or returned something other than one finite number per completion."""
-
 
 class RewardRole(Role):
-    """Scores rollouts into ``scores`` ``[B]``.
+    """Scores rollouts into ``scores`` ``[B]`` (or the column ``key``): one reward, or several combined.
 
     Runs on: every process; ``score`` runs on all ranks, each on its share of the rollouts.
 
+    Besides the combined score, ``score`` writes each component's scores to ``<role name>/<component>`` ``[B]``
+    and the samples that got the fallback score to ``<role name>/<component>/failed`` ``[B]`` (bool), which
+    :meth:`metrics` turns into ``reward/<component>/mean`` and ``reward/<component>/failed``.
+
     Args:
-        reward: a reward function, or the path / hub id of a sequence-classification model with one output.
+        reward: a reward function, the path / hub id of a sequence-classification model with one output, or
+            ``{name: function or model path}`` (any number of functions, at most one model), combined as
+            ``sum(weight * score)`` with ``config.weights``.
         tokenizer: the actor's tokenizer, to decode responses.
         micro_batch_size: samples per forward of a reward model on one rank.
         key: the column the scores go to (``scores``; a Safe-RLHF cost role writes ``costs``).
+        config: how functions are called (timeout, fallback, batches) and the weights. None: functions are
+            called in-process, without a timeout (``RLHFModule`` passes its ``reward_config``, which forks).
     """
 
     name = "reward"
 
-    def __init__(self, reward: RewardFn | str, *, tokenizer: Any, micro_batch_size: int, key: str = "scores") -> None:
+    def __init__(
+        self,
+        reward: RewardSpec,
+        *,
+        tokenizer: Any,
+        micro_batch_size: int,
+        key: str = "scores",
+        config: RewardConfig | None = None,
+    ) -> None:
         super().__init__()
         self.key = key
-        self.fn: RewardFn | None = None if isinstance(reward, str) else reward
-        self.path = reward if isinstance(reward, str) else None
+        self.config = config or RewardConfig(timeout_s=None)
+        self.components: list[RewardComponent] = reward_components(reward, weights=self.config.weights)
+        model = next((c for c in self.components if c.is_model), None)
+        self.path: str | None = model.source if model is not None and isinstance(model.source, str) else None
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self._model_tokenizer: Any = None
 
     def load(self) -> None:
-        """Load the reward model, if the reward is one (every rank, before sharding)."""
+        """Load the reward model, if a component is one (every rank, before sharding)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if self.path is not None and self.model is None:
@@ -62,57 +82,58 @@ class RewardRole(Role):
 
     @role_method(Dispatch.DP_SPLIT)
     def score(self, batch: Batch) -> Batch:
-        """Decode the responses into ``completion`` and score them into ``scores`` (or the role's ``key``).
+        """Decode the responses into ``completion``, score them with every component and write the weighted
+        sum into ``scores`` (or the role's ``key``), each component's scores and failures beside it.
 
-        Runs on: every worker rank."""
+        Runs on: every worker rank. Functions run as ``RewardConfig`` says (forked, with a timeout, by default
+        in ``RLHFModule``); the model runs here, ``micro_batch_size`` texts per forward.
+        """
         completions = [
             self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True)
             for row, m in zip(batch["responses"], batch["response_mask"], strict=True)
         ]
         batch["completion"] = completions
         prompts = list(batch["prompt"]) if "prompt" in batch else [""] * len(batch)
-        if self.fn is not None:
-            scores = self._call_fn(prompts, completions, batch)
-        else:
-            scores = self._score_model([p + c for p, c in zip(prompts, completions, strict=True)])
-        batch[self.key] = scores
+        columns = {k: v for k, v in batch.columns.items() if k not in ("prompt", "completion")}
+        cfg = self.config
+        scores: dict[str, torch.Tensor] = {}
+        for c in self.components:
+            failed = torch.zeros(len(batch), dtype=torch.bool)
+            if isinstance(c.source, str):
+                scores[c.name] = self._score_model([p + t for p, t in zip(prompts, completions, strict=True)])
+            else:
+                fn_name = reward_fn_name(c.source)
+                out = call_reward_fn(
+                    c.source,
+                    prompts,
+                    completions,
+                    columns,
+                    timeout_s=cfg.timeout_s,
+                    fallback_score=cfg.fallback_score,
+                    batch_size=cfg.batch_size,
+                    num_workers=cfg.num_workers,
+                    on_exception=cfg.on_exception,
+                    name=fn_name if fn_name.strip("<>") == c.name else f"{c.name}` (`{fn_name}`)",
+                )
+                scores[c.name], failed = out.scores, out.failed
+            batch[f"{self.name}/{c.name}"] = scores[c.name]
+            batch[f"{self.name}/{c.name}/failed"] = failed
+        batch[self.key] = weighted_sum(scores, {c.name: c.weight for c in self.components})
         return batch
 
-    def _call_fn(self, prompts: list[str], completions: list[str], batch: Batch) -> torch.Tensor:
-        assert self.fn is not None
-        name = getattr(self.fn, "__name__", type(self.fn).__name__)
-        extra = {k: v for k, v in batch.columns.items() if k not in ("prompt", "completion")}
-        try:
-            values = self.fn(prompts, completions, **extra)
-        except Exception as err:
-            raise RewardFunctionError(
-                f"reward function `{name}` raised {type(err).__name__}: {err} "
-                f"(called on {len(prompts)} completions; dataset columns passed: {sorted(extra)})"
-            ) from err
-        if not isinstance(values, Sequence | torch.Tensor) or isinstance(values, str):
-            raise RewardFunctionError(
-                f"reward function `{name}` returned {type(values).__name__}; expected a list of "
-                f"{len(prompts)} floats, one per completion."
-            )
-        if len(values) != len(prompts):
-            raise RewardFunctionError(
-                f"reward function `{name}` returned {len(values)} values for {len(prompts)} completions; "
-                "expected exactly one float per completion."
-            )
-        out = []
-        for i, v in enumerate(values):
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                f = math.nan
-            if not math.isfinite(f):
-                raise RewardFunctionError(
-                    f"reward function `{name}` returned {v!r} for completion {i} "
-                    f"(prompt {prompts[i]!r}, completion {completions[i]!r}); expected a finite float. "
-                    "HINT: return 0.0 (or another fallback) for completions you cannot score."
-                )
-            out.append(f)
-        return torch.tensor(out, dtype=torch.float32)
+    def metrics(self, batch: Batch) -> dict[str, float]:
+        """Each component's mean score and failed-sample count over a scored batch (all ranks' samples).
+
+        Runs on: controller. Keys: ``<role name>/<component>/mean`` and ``<role name>/<component>/failed``
+        (samples that got ``RewardConfig.fallback_score`` because their call timed out or crashed).
+        """
+        out: dict[str, float] = {}
+        for c in self.components:
+            column = f"{self.name}/{c.name}"
+            if column in batch:
+                out[f"{column}/mean"] = float(batch[column].float().mean())
+                out[f"{column}/failed"] = float(batch[f"{column}/failed"].sum())
+        return out
 
     def _score_model(self, texts: list[str]) -> torch.Tensor:
         assert self.model is not None

@@ -110,7 +110,7 @@ class Controller:
 
     # ----------------------------------------------------------------------------------- controller
     def run_step(self, step_fn: Callable[[], Any], logs: list[tuple[str, float, dict[str, Any]]]) -> Any:
-        """Run ``step_fn`` (the module's training step) as the controller and release the workers after.
+        """Run ``step_fn`` (the module's training or validation step) as the controller, then release the workers.
 
         Runs on: controller (rank 0). ``logs`` is filled by the module while the step runs and is replayed
         on the workers, so every rank sees the same logged metrics (callbacks that monitor them work).
@@ -129,7 +129,7 @@ class Controller:
     def call(self, role: Role, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Distribute one role call by its declared protocol and return the merged result.
 
-        Runs on: controller (rank 0), from inside a role method called in the training step.
+        Runs on: controller (rank 0), from inside a role method called in a training or validation step.
         """
         where = f"{role.name}.{method}"
         dispatch = dispatch_of(role, method)
@@ -149,7 +149,7 @@ class Controller:
     def serve(self, replay_log: Callable[[str, float, dict[str, Any]], None]) -> None:
         """Serve the controller's role calls until it ends the step.
 
-        Runs on: workers (ranks > 0), once per training step.
+        Runs on: workers (ranks > 0), once per training step and once per validation batch.
         """
         while True:
             with self._busy():

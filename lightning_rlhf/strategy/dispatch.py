@@ -52,7 +52,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def current_controller() -> _Controller | None:
     """The controller that is running a training step in this process, if any.
 
-    Runs on: any process. Only rank 0 has one, and only inside the strategy's training step.
+    Runs on: any process. Only rank 0 has one, and only inside the strategy's training or validation step.
     """
     return _ACTIVE[-1] if _ACTIVE else None
 

@@ -7,6 +7,8 @@ What it changes in Lightning's ``ModelParallelStrategy``:
 - **training_step**: rank 0 runs the module's ``training_step`` as the single controller; the other ranks
   serve its role calls (:class:`~lightning_rlhf.strategy.controller.Controller`). One call = one RL iteration,
   so ``global_step`` counts iterations however many optimizer steps the roles took.
+- **validation_step**: routed the same way (Lightning's validation loop, its interval and sanity check work
+  unchanged); with ``ValidationConfig.before_train`` one validation also runs before the first step.
 - **data**: every rank iterates the same loader (no distributed sampler); only the controller's copy of a
   batch is used, and the transfer protocols split it.
 """
@@ -14,11 +16,13 @@ What it changes in Lightning's ``ModelParallelStrategy``:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_rlhf.batch import Batch
@@ -117,6 +121,8 @@ class RLHFStrategy(ModelParallelStrategy):
         module = self._rlhf_module()
         # Frozen roles (reference, reward model) are in eval mode on purpose.
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
+        # Every rank logs the controller's values (replayed), so epoch-level metrics need no sync_dist.
+        warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True\)`")
         mesh = self.device_mesh["data_parallel"]
         for name, role in module.roles().items():
             if role.model is None or role.sharded:  # a second fit() on the same module reuses the shards
@@ -168,21 +174,16 @@ class RLHFStrategy(ModelParallelStrategy):
 
         Runs on: every rank (rank 0 as controller, others as workers).
         """
-        assert self._controller is not None
         module = self._rlhf_module()
         trainer = module.trainer
         batch = args[0]
         if isinstance(batch, Batch):
             batch.meta["step"] = trainer.global_step
-        if self.global_rank == 0:
-            module._step_logs = []
-            try:
-                out = self._controller.run_step(lambda: module.training_step(*args, **kwargs), module._step_logs)
-            finally:
-                module._step_logs = None
-        else:
-            self._controller.serve(lambda name, value, kw: module.log(name, value, **kw))
-            out = None
+        # Loggers place a step's metrics at `_batches_that_stepped`, which equals global_step here (one batch, one
+        # step), except after resuming from a checkpoint saved after a validation ran on the last batch (a save
+        # after fit): Lightning's restore then counts the skipped validation as one more batch.
+        trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+        out = self._run_controlled(lambda: module.training_step(*args, **kwargs))
         mark_consumed = getattr(trainer.train_dataloader, "mark_consumed", None)
         if isinstance(batch, Batch) and mark_consumed is not None:
             mark_consumed(batch)  # resumable data position = last batch trained on
@@ -191,6 +192,63 @@ class RLHFStrategy(ModelParallelStrategy):
         progress.increment_ready()
         progress.increment_completed()
         return out
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """One validation batch, routed like a training step: the controller runs the module's
+        ``validation_step``, the workers serve its role calls and replay its logs. It counts no step and leaves
+        the training loader's position alone.
+
+        Runs on: every rank (rank 0 as controller, others as workers). Gradients are off but inference mode is
+        left for the step: FSDP2 would otherwise allocate its unsharded parameters as inference tensors, which
+        the next training step could not write to.
+        """
+        module = self._rlhf_module()
+        batch = args[0] if args else None
+        if isinstance(batch, Batch):
+            batch.meta["step"] = module.trainer.global_step
+        with torch.inference_mode(False), torch.no_grad():
+            return self._run_controlled(lambda: module.validation_step(*args, **kwargs))
+
+    @override
+    def on_train_start(self) -> None:
+        """Run one validation before the first training step when ``ValidationConfig.before_train`` is set,
+        logged at the current ``global_step`` (0, or where a resumed run starts).
+
+        Runs on: every rank, after the callbacks' and the module's ``on_train_start``.
+        """
+        super().on_train_start()
+        module = self._rlhf_module()
+        if not module.validation_config.before_train:
+            return
+        trainer = module.trainer
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        val_loop.restarting = False  # a whole validation, not the rest of one a restored checkpoint had begun
+        # What Lightning's training epoch loop does around a validation it runs between two steps.
+        trainer.validating = True
+        first_loop_iter = trainer._logger_connector._first_loop_iter
+        val_loop.run()
+        trainer.training = True
+        trainer._logger_connector._first_loop_iter = first_loop_iter
+        if val_loop.skip:
+            rank_zero_warn(
+                "ValidationConfig.before_train=True, but there is nothing to validate on. HINT: give the datamodule "
+                "validation prompts (PromptDataModule(val=...) or val_size=...); check limit_val_batches."
+            )
+
+    def _run_controlled(self, step_fn: Callable[[], Any]) -> Any:
+        """Rank 0 runs ``step_fn`` as the controller (recording its logs); the other ranks serve its role calls
+        and replay those logs. Runs on: every rank; returns ``step_fn``'s result on rank 0, None elsewhere."""
+        assert self._controller is not None
+        module = self._rlhf_module()
+        if self.global_rank == 0:
+            module._step_logs = []
+            try:
+                return self._controller.run_step(step_fn, module._step_logs)
+            finally:
+                module._step_logs = None
+        self._controller.serve(lambda name, value, kw: module.log(name, value, **kw))
+        return None
 
     @override
     def teardown(self) -> None:

@@ -1,52 +1,80 @@
-"""Recipes run end to end with a tiny local model and a small local dataset substituted."""
+"""Every YAML recipe in ``recipes/`` runs through the ``lightning-rlhf`` console script: parsed as written, with
+only the model, the data and the sizes substituted on the command line (the demo's tiny model, a few local
+rows, CPU), for 2 steps. The demo recipe runs on 2 processes with its own rollout engine (vLLM when installed);
+the others on 1 process with transformers generation, to keep each test short."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, failure_text
+from lightning_rlhf.engines.rollout.vllm import vllm_available
+from tests.conftest import ROOT, failure_text, run_cli
 
 pytestmark = pytest.mark.slow
 
-
-def load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 
 
-def test_gsm8k_reward_reads_the_final_number() -> None:
-    reward = load_recipe("grpo_gsm8k").gsm8k_reward
-    ref = ["Natalia sold 48/2 = 24 clips in May. 48+24 = 72\n#### 72"] * 4
-    got = reward(["q"] * 4, ["so #### 72", "#### 1,072", "no answer", "#### 7 then #### 72."], answer=ref)
-    assert got == [1.0, 0.1, 0.0, 1.0]
+def gsm8k_like(folder: Path) -> str:
+    """A few GSM8K-shaped rows (``question``, ``answer`` ending in ``#### <number>``) the tiny model can read."""
+    rows = [
+        {"question": f"{a}+{b}=", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a in range(4) for b in range(4)
+    ]
+    path = folder / "gsm8k.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
 
 
-def test_grpo_gsm8k_recipe_runs_a_step(demo_model: str, tmp_path: Path) -> None:
-    data = tmp_path / "gsm8k.jsonl"
-    rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    args = ["--model", demo_model, "--data", str(data), "--accelerator", "cpu", "--devices", "1", "--steps", "2"]
-    args += ["--prompts", "4", "--n", "2", "--max-new-tokens", "6", "--micro-batch-size", "4", "--out", str(tmp_path)]
-    args += ["--max-prompt-length", "32"]  # the tiny model has 64 positions
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "grpo_gsm8k.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=str(ROOT),
-    )
+def substitutes(recipe: str, model: str, tmp_path: Path) -> list[str]:
+    """The command-line overrides that make ``recipe`` run here: what a user changes for their model and data."""
+    common = ["--model.actor", model, "--trainer.max_steps", "2", "--trainer.logger.save_dir", str(tmp_path)]
+    if recipe == "demo":  # already a CPU recipe: only the placeholder model and a smaller batch
+        return [*common, "--data.batch_size", "8"]
+    small = [
+        "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--trainer.strategy.rollout", "hf", "--trainer.strategy.param_dtype", "null",
+        "--data.train", gsm8k_like(tmp_path), "--data.chat_template", "false",  # the char tokenizer has no template
+        "--data.batch_size", "4", "--data.max_prompt_length", "32",  # the tiny model has 64 positions
+        "--model.rollout.max_new_tokens", "6", "--model.algorithm.micro_batch_size", "4",
+    ]  # fmt: skip
+    if recipe == "ppo":  # 4 prompts x 1 sample: two optimizer steps of 2 samples
+        return [*common, *small, "--model.critic", model, "--model.algorithm.mini_batch_size", "2"]
+    if recipe in ("grpo_gsm8k", "rloo"):
+        return [*common, *small, "--model.rollout.n", "2"]
+    raise AssertionError(f"recipes/{recipe}.yaml has no test substitutes. HINT: add them to substitutes().")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_runs_two_steps(recipe: str, demo_model: str, tmp_path: Path) -> None:
+    proc = run_cli("fit", "--config", f"recipes/{recipe}.yaml", *substitutes(recipe, demo_model, tmp_path))
     assert proc.returncode == 0, failure_text(proc)
     (metrics,) = tmp_path.rglob("metrics.csv")
     with open(metrics) as f:
         steps = [r for r in csv.DictReader(f) if r.get("critic/score/mean")]
     assert len(steps) == 2 and all(0.0 <= float(r["critic/score/mean"]) <= 1.0 for r in steps)
+    if recipe == "demo" and vllm_available():  # the one recipe test that generates with vLLM
+        assert "timing_s/update_weights" in steps[0]
+    run = metrics.parent
+    assert (run / "config.yaml").is_file()  # LightningCLI saves the resolved recipe beside the metrics
+    assert (run / "actor" / "model.safetensors").is_file() and (run / "actor" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_header_says_how_to_run_it(recipe: str) -> None:
+    header = (ROOT / "recipes" / f"{recipe}.yaml").read_text().split("\n\n")[0]
+    assert f"lightning-rlhf fit --config recipes/{recipe}.yaml" in header
+    assert "Hardware:" in header
+
+
+def test_validate_subcommand(demo_model: str, tmp_path: Path) -> None:
+    proc = run_cli(
+        "validate", "--config", "recipes/demo.yaml", "--model.actor", demo_model, "--trainer.devices", "1",
+        "--trainer.strategy.rollout", "hf", "--data.val", "recipes/data/addition.jsonl",
+        "--trainer.logger.save_dir", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, failure_text(proc)
+    assert "val/score/mean" in proc.stdout

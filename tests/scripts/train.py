@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import lightning as L
 import torch
@@ -21,12 +22,15 @@ from lightning_rlhf import (
     OptimConfig,
     PPOModule,
     PromptDataModule,
+    RewardConfig,
     RLHFStrategy,
     RolloutConfig,
     SafeRLHFModule,
     SafetyConfig,
+    ValidationConfig,
 )
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
 from lightning_rlhf.demo import addition_cost, addition_dataset, addition_reward
 from lightning_rlhf.roles import ActorRole
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
@@ -37,6 +41,23 @@ def failing_reward(prompts, completions, answer, **kw):
     if torch.distributed.get_rank() == 1:
         raise ValueError("reward exploded on purpose")
     return addition_reward(prompts, completions, answer)
+
+
+def hanging_reward(out: str):
+    """The addition reward, except that rank 1's second call (step 1) hangs: the timeout must end it.
+
+    A closure (the reward runner forks, so it needs no pickling); calls are counted in files under ``out``,
+    since each call runs in its own child process."""
+
+    def hanging_reward(prompts, completions, answer, **kw):
+        rank = torch.distributed.get_rank()
+        with open(os.path.join(out, f"reward_calls_rank{rank}"), "a") as f:
+            f.write(".")
+        if rank == 1 and os.path.getsize(os.path.join(out, f"reward_calls_rank{rank}")) == 2:
+            time.sleep(1000)
+        return addition_reward(prompts, completions, answer)
+
+    return hanging_reward
 
 
 class FailingActor(ActorRole):
@@ -71,8 +92,17 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="resume from this checkpoint")
     p.add_argument("--wandb", action="store_true")
     p.add_argument("--checkpoint-callback", action="store_true")
+    p.add_argument("--ux-callbacks", action="store_true", help="progress bar, summary, plots, sample rollouts")
+    p.add_argument("--samples-every", type=int, default=2, help="RolloutSamples(every_n_steps=...)")
     p.add_argument("--fault", choices=["none", "reward", "actor_update"], default="none")
     p.add_argument("--error-timeout", type=float, default=10.0)
+    p.add_argument("--val-every", type=int, default=0, help="validate every N steps on a separate set (0: none)")
+    p.add_argument("--val-before-train", action="store_true", help="ValidationConfig(before_train=True)")
+    p.add_argument("--val-prompts", type=int, default=6, help="prompts in the validation set")
+    p.add_argument("--val-batch-size", type=int, default=4)
+    p.add_argument("--val-n", type=int, default=1, help="ValidationConfig.n: 1 is greedy, more sample at 1.0")
+    p.add_argument("--reward", choices=["addition", "hang"], default="addition", help="hang: rank 1's 2nd call hangs")
+    p.add_argument("--reward-timeout", type=float, default=60.0, help="RewardConfig.timeout_s")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -83,9 +113,14 @@ def main() -> None:
         ppo_epochs=args.ppo_epochs,
         kl_coef=args.kl_coef,
     )
+    reward = failing_reward if args.fault == "reward" else addition_reward
     common = dict(
-        reward=failing_reward if args.fault == "reward" else addition_reward,
+        reward=hanging_reward(args.out) if args.reward == "hang" else reward,
+        reward_config=RewardConfig(timeout_s=args.reward_timeout),
         rollout=RolloutConfig(n=args.n, max_new_tokens=5, seed=0),
+        validation=ValidationConfig(
+            n=args.val_n, temperature=1.0 if args.val_n > 1 else 0.0, before_train=args.val_before_train
+        ),
         actor_optim=OptimConfig(lr=1e-3, warmup_steps=2),
     )
     if args.algo == "ppo":
@@ -140,6 +175,13 @@ def main() -> None:
                 every_n_train_steps=1,
             )
         )
+    if args.ux_callbacks:
+        callbacks += [
+            RLHFProgressBar(),
+            MetricPlots(),
+            RolloutSamples(every_n_steps=args.samples_every, num_samples=3),
+            RunSummary(),
+        ]
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
@@ -154,10 +196,18 @@ def main() -> None:
         callbacks=callbacks,
         log_every_n_steps=1,
         enable_checkpointing=args.checkpoint_callback,
-        enable_progress_bar=False,
+        enable_progress_bar=args.ux_callbacks,
         enable_model_summary=False,
+        val_check_interval=args.val_every or None,
+        check_val_every_n_epoch=None if args.val_every else 1,
     )
-    data = PromptDataModule(addition_dataset(), batch_size=args.prompts, max_prompt_length=16)
+    data = PromptDataModule(
+        addition_dataset(),
+        val=addition_dataset(num_prompts=args.val_prompts, seed=1) if args.val_every else None,
+        val_batch_size=args.val_batch_size,
+        batch_size=args.prompts,
+        max_prompt_length=16,
+    )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
@@ -167,6 +217,9 @@ def main() -> None:
             "global_step": trainer.global_step,
             "param_checksum": float(first.full_tensor().double().sum()),
         }
+        if args.ux_callbacks:
+            info["progress_bar_metrics"] = sorted(trainer.progress_bar_metrics)
+            info["progress_bar_items"] = sorted(trainer.progress_bar_callback.get_metrics(trainer, module))
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(info, f)
     else:

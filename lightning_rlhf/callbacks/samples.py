@@ -1,0 +1,104 @@
+"""``RolloutSamples``: every n steps, a few of the step's rollouts (prompt, completion, reward) in a jsonl file
+in the run folder and, with a ``WandbLogger``, as a ``wandb.Table`` (what TRL logs as its completions table).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.callbacks.history import run_folder, step_of
+
+__all__ = ["SAMPLE_COLUMNS", "RolloutSamples", "sample_rows"]
+
+#: the fields of each sample, in the jsonl rows and the wandb table
+SAMPLE_COLUMNS = ("step", "prompt", "completion", "reward")
+
+
+def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]]:
+    """``count`` rows spread evenly over ``rollout`` (so several prompts, not one prompt's group), as dicts
+    with :data:`SAMPLE_COLUMNS`. A missing ``prompt`` or ``completion`` column gives empty strings.
+
+    Runs on: controller (rank 0).
+    """
+    size = len(rollout)
+    count = min(count, size)
+    index = [i * size // count for i in range(count)]
+    prompts, completions = rollout.columns.get("prompt"), rollout.columns.get("completion")
+    scores = rollout["scores"].tolist()
+    return [
+        {
+            "step": step,
+            "prompt": str(prompts[i]) if prompts is not None else "",
+            "completion": str(completions[i]) if completions is not None else "",
+            "reward": float(scores[i]),
+        }
+        for i in index
+    ]
+
+
+class RolloutSamples(L.Callback):
+    """After every ``every_n_steps``-th step (the steps ``n-1, 2n-1, ...`` of ``metrics.csv``, as Lightning's
+    ``log_every_n_steps``), append ``num_samples`` of its rollouts to ``<run folder>/samples.jsonl`` (one JSON
+    object per line: ``step``, ``prompt``, ``completion``, ``reward``) and, when a ``WandbLogger`` is attached,
+    log them as a ``wandb.Table`` under ``table_key``.
+
+    Runs on: every rank; rank 0 writes. Reads ``last_rollout``, which ``RLHFModule.log_step`` sets on the
+    controller: a custom ``training_step`` that does not call ``log_step`` must set it (a ``Batch`` with
+    ``scores`` and the ``prompt``/``completion`` columns).
+
+    Args:
+        every_n_steps: write after every n-th RL step.
+        num_samples: rollouts per write, spread over the batch.
+        filename: the jsonl file, in the run folder (the first logger's ``log_dir``) unless absolute.
+        table_key: the wandb key of the table.
+    """
+
+    def __init__(
+        self, every_n_steps: int = 10, num_samples: int = 4, filename: str = "samples.jsonl", table_key: str = "samples"
+    ) -> None:
+        if every_n_steps < 1 or num_samples < 1:
+            raise ValueError(
+                f"RolloutSamples(every_n_steps={every_n_steps}, num_samples={num_samples}): both must be >= 1."
+            )
+        self.every_n_steps = every_n_steps
+        self.num_samples = num_samples
+        self.filename = filename
+        self.table_key = table_key
+        self.path: str | None = None
+        self._warned = False
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Write the samples of every n-th step. Runs on: every rank; rank 0 writes."""
+        step = step_of(trainer)
+        if not trainer.is_global_zero or (step + 1) % self.every_n_steps:
+            return
+        rollout = getattr(pl_module, "last_rollout", None)
+        if not isinstance(rollout, Batch) or "scores" not in rollout:
+            if not self._warned:
+                rank_zero_warn(
+                    f"RolloutSamples: `{type(pl_module).__name__}.last_rollout` holds no scored rollout, so no "
+                    "samples are written. HINT: call `self.log_step(rollout, ...)` in training_step, or set "
+                    "`self.last_rollout` to a Batch with `scores` and the `prompt`/`completion` columns."
+                )
+                self._warned = True
+            return
+        rows = sample_rows(rollout, self.num_samples, step=step)
+        self.path = os.path.join(run_folder(trainer), self.filename)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                data = [[row[c] for c in SAMPLE_COLUMNS] for row in rows]
+                logger.log_table(self.table_key, columns=list(SAMPLE_COLUMNS), data=data, step=step)

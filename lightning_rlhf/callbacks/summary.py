@@ -1,0 +1,102 @@
+"""``RunSummary``: one screen at the end of ``fit``: reward start -> end, speed, and where everything is."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+from lightning_rlhf.callbacks.history import MetricHistory, first_last, run_folder
+
+__all__ = ["REWARD_KEYS", "RunSummary"]
+
+#: where the learning curve is, in order of preference: DAPO's score before its selection, else the mean score
+REWARD_KEYS = ("dynamic_sampling/raw_score/mean", "critic/score/mean")
+
+
+class RunSummary(MetricHistory):
+    """Print a summary of the run when ``fit`` ends::
+
+        lightning_rlhf run summary
+          reward (critic/score/mean): 0.312 (first 10% of steps) -> 0.875 (last 10%)
+          steps: 250 in 312s (1.23 s/step)
+          throughput: 1,204 tokens/s per rank, 2,408 tokens/s over 2 ranks (perf/throughput, mean)
+          run folder: /abs/runs/demo/version_0
+          checkpoints: /abs/runs/ckpt (best: ..., last: ...)
+          exported model: /abs/runs/hf
+
+    Runs on: every rank; rank 0 records and prints (to stdout), in the ``teardown`` hook of ``fit``: after every
+    callback's ``on_fit_end``, whatever the order of the callbacks, and only when ``fit`` ended without an
+    error. The checkpoint line appears when a ``ModelCheckpoint`` saved something, the export line when a
+    callback has a non-empty ``last_export`` attribute (``ExportActor``).
+
+    Args:
+        reward_keys: the reward metric, the first of these that was logged.
+        fraction: the share of steps averaged at the start and at the end.
+    """
+
+    def __init__(self, reward_keys: Sequence[str] = REWARD_KEYS, fraction: float = 0.1) -> None:
+        super().__init__([*reward_keys, "perf/throughput", "timing_s/step"])
+        if not 0 < fraction <= 0.5:
+            raise ValueError(f"RunSummary(fraction={fraction}) must be in (0, 0.5]. HINT: 0.1 = first/last 10%.")
+        self.reward_keys = tuple(reward_keys)
+        self.fraction = fraction
+        self._started: float | None = None
+        self.text: str | None = None
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Start the wall clock (model loading included). Runs on: every rank."""
+        if stage == "fit":
+            self._started = time.perf_counter()
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Print the summary after a ``fit`` that ended normally. Runs on: every rank; rank 0 prints."""
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        seconds = time.perf_counter() - self._started if self._started is not None else None
+        self.text = self.summarize(trainer, seconds)
+        print(self.text, flush=True)
+
+    def summarize(self, trainer: L.Trainer, seconds: float | None) -> str:
+        """The summary text of what was recorded. Runs on: rank 0."""
+        pct = f"{self.fraction:.0%}"
+        lines = ["lightning_rlhf run summary"]
+        key = self.first_present(self.reward_keys)
+        if key is None:
+            lines.append(f"  reward: none of {list(self.reward_keys)} was logged")
+        else:
+            first, last = first_last(self.values(key)[1], self.fraction)
+            lines.append(f"  reward ({key}): {first:.3f} (first {pct} of steps) -> {last:.3f} (last {pct})")
+        steps = len(self.values(key)[1]) if key else trainer.global_step
+        timing = self.values("timing_s/step")[1]
+        line = f"  steps: {steps}"
+        if seconds is not None:
+            line += f" in {seconds:.0f}s"
+        if timing:
+            line += f" ({sum(timing) / len(timing):.2f} s/step)"
+        lines.append(line)
+        throughput = self.values("perf/throughput")[1]
+        if throughput:
+            per_rank = sum(throughput) / len(throughput)
+            world = trainer.world_size
+            lines.append(
+                f"  throughput: {per_rank:,.0f} tokens/s per rank, {per_rank * world:,.0f} tokens/s over {world} "
+                f"rank{'s' if world > 1 else ''} (perf/throughput, mean)"
+            )
+        lines.append(f"  run folder: {run_folder(trainer)}")
+        ckpt = trainer.checkpoint_callback
+        if isinstance(ckpt, ModelCheckpoint) and (ckpt.best_model_path or ckpt.last_model_path):
+            saved = {"best": ckpt.best_model_path, "last": ckpt.last_model_path}
+            parts = ", ".join(f"{name}: {path}" for name, path in saved.items() if path)
+            lines.append(f"  checkpoints: {ckpt.dirpath} ({parts})")
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            exported: Any = getattr(callback, "last_export", None)
+            if exported:
+                lines.append(f"  exported model: {exported}")
+        return "\n".join(lines)

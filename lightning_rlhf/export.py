@@ -1,0 +1,234 @@
+"""Export the trained actor as a transformers model folder (safetensors, config, generation config, tokenizer).
+
+    lightning-rlhf export runs/grpo_gsm8k/version_0/checkpoints/step=200.ckpt out/actor --dtype bfloat16
+
+Two sources: a live module at the end of training (:func:`export_actor`; FSDP2 shards are gathered to rank 0 one
+tensor at a time) and a checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy``
+(:func:`export_checkpoint`; a sharded folder of ``torch.distributed.checkpoint`` files or a single file, read on
+CPU in one process). Either way the folder loads with ``AutoModelForCausalLM.from_pretrained`` and with vLLM.
+
+A checkpoint holds the weights; the model's config and tokenizer come from the ``ExportActor`` callback, which
+stores their files in every checkpoint (the command line adds it), or from ``base=`` (the model the run started
+from).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from lightning_rlhf.module import RLHFModule
+
+__all__ = ["CHECKPOINT_KEY", "actor_files", "export_actor", "export_checkpoint", "resolve_dtype"]
+
+CHECKPOINT_KEY = "lightning_rlhf_actor_files"
+"""Top-level checkpoint entry with the actor's config/tokenizer files (``{file name: bytes}``)."""
+
+ACTOR_PREFIX = "actor.model."
+"""Prefix of the actor's weights in the module's state dict (the ``actor`` role's ``model``)."""
+
+_METADATA = "meta.pt"  # Lightning's non-tensor part of a sharded checkpoint (lightning.fabric's _METADATA_FILENAME)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``; None stays None.
+
+    Runs on: any process.
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"export dtype={dtype!r} is not supported. Valid: {sorted(_DTYPES)} (or None: as trained).")
+    return _DTYPES[name]
+
+
+def actor_files(module: RLHFModule) -> dict[str, bytes]:
+    """The actor's ``config.json``, ``generation_config.json`` (if any) and tokenizer files, as bytes.
+
+    Runs on: any process (reads the module's model config and reloads its tokenizer from its path, so the
+    training-time padding side is not saved). Stored in checkpoints so they export without the original model.
+    """
+    from transformers import AutoTokenizer
+
+    model = module.actor.model
+    config = getattr(model, "config", None)
+    if config is None:
+        raise RuntimeError("actor_files: the actor's model is not loaded yet. HINT: call it after trainer setup.")
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(module.tokenizer.name_or_path).save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+
+def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None) -> str:
+    """Write the live actor as a transformers folder at ``out``.
+
+    Runs on: every process when the actor is sharded (each parameter's ``full_tensor`` is an all-gather, taken
+    in the same order everywhere, one tensor at a time); only rank 0 keeps the gathered tensors and writes. All
+    ranks return when the folder is complete.
+
+    Args:
+        module: the trained module (its ``actor`` role).
+        out: folder to write (created; files in it are replaced).
+        dtype: weight dtype of the folder (``"bfloat16"``, ``torch.float16``, ...); None keeps the training dtype.
+
+    Returns:
+        ``out`` as a string.
+    """
+    model = module.actor.model
+    if model is None:
+        raise RuntimeError("export_actor: the actor has no model (configure_model has not run).")
+    target = resolve_dtype(dtype)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    state: dict[str, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor] = {}  # tied weights are one parameter under two names: gather it once
+    for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves, not copies
+        key = id(tensor)
+        if key not in gathered:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            gathered[key] = _cast(full.detach(), target).cpu() if rank == 0 else torch.empty(0)
+            del full
+        if rank == 0:
+            state[name] = gathered[key]
+    if rank == 0:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(module.tokenizer.name_or_path)
+        _save_pretrained(state, model.config, getattr(model, "generation_config", None), tokenizer, out)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return os.fspath(out)
+
+
+def export_checkpoint(
+    checkpoint: str,
+    out: str,
+    *,
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None,
+    base: str | None = None,
+) -> str:
+    """Write the actor of a Lightning checkpoint as a transformers model folder.
+
+    The ``lightning-rlhf export CKPT OUT`` command. Runs on: one process, on CPU (no process group needed).
+    Reads only the actor's tensors of a sharded checkpoint, and memory-maps a single-file one, so optimizer
+    states are never loaded.
+
+    Args:
+        checkpoint: a checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy``: a sharded folder
+            (``save_distributed_checkpoint=True``, the default) or a single file.
+        out: folder to write (created; files in it are replaced).
+        dtype: weight dtype of the folder: ``bfloat16``, ``float16`` or ``float32``; None keeps the saved dtype.
+        base: folder or hub id of the model the run started from, for the config and tokenizer; needed only when
+            the checkpoint was saved without the ``ExportActor`` callback (which stores them).
+
+    Returns:
+        ``out``.
+    """
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    path = Path(checkpoint)
+    target = resolve_dtype(dtype)
+    if path.is_dir():
+        if not (path / _METADATA).is_file():
+            raise FileNotFoundError(
+                f"export_checkpoint({checkpoint!r}): the folder has no {_METADATA}, so it is not a sharded Lightning "
+                "checkpoint. HINT: pass the folder that trainer.save_checkpoint(path) wrote, or a .ckpt file."
+            )
+        meta = torch.load(path / _METADATA, map_location="cpu", weights_only=True)
+        state = _load_sharded(path, ACTOR_PREFIX, target)
+    elif path.is_file():
+        meta = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        state = _select(meta.get("state_dict", {}), ACTOR_PREFIX, target)
+    else:
+        raise FileNotFoundError(f"export_checkpoint({checkpoint!r}): no such file or folder.")
+    if not state:
+        raise KeyError(
+            f"export_checkpoint({checkpoint!r}): no weights under '{ACTOR_PREFIX}' in the checkpoint. "
+            "HINT: it must come from an RLHFModule trained with RLHFStrategy."
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        source = base
+        if source is None:
+            files = meta.get(CHECKPOINT_KEY)
+            if not files:
+                raise ValueError(
+                    f"export_checkpoint({checkpoint!r}): the checkpoint has no model config or tokenizer (it was "
+                    "saved without the ExportActor callback). HINT: pass base=<the model folder or hub id the run "
+                    "started from> (`--base` on the command line)."
+                )
+            for name, data in files.items():
+                Path(tmp, name).write_bytes(data)
+            source = tmp
+        config = AutoConfig.from_pretrained(source)
+        try:
+            generation: Any = GenerationConfig.from_pretrained(source)
+        except OSError:
+            generation = None
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        _save_pretrained(state, config, generation, tokenizer, out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _select(state: Mapping[str, Any], prefix: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: _cast(v, dtype) for k, v in state.items() if k.startswith(prefix)}
+
+
+def _load_sharded(path: Path, prefix: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The tensors under ``state_dict.<prefix>`` of a ``torch.distributed.checkpoint`` folder, in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(path)
+    full_prefix = f"state_dict.{prefix}"
+    templates = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(full_prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if templates:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
+            dcp.load(templates, storage_reader=reader, no_dist=True)
+    return _select(templates, full_prefix, dtype)
+
+
+def _save_pretrained(state: dict[str, torch.Tensor], config: Any, generation: Any, tokenizer: Any, out: Any) -> None:
+    """Build the architecture on the meta device, put ``state`` in it (every weight must be used, none left
+    over), and write it with ``save_pretrained`` beside the tokenizer. Runs on: one process (rank 0)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left or unexpected:
+        raise RuntimeError(
+            f"export: the weights do not match the {type(model).__name__} architecture: missing {left or missing}, "
+            f"unexpected {unexpected}. HINT: the config (base=...) must be the one the run trained."
+        )
+    if generation is not None:
+        model.generation_config = generation
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
