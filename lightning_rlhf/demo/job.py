@@ -47,7 +47,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_rlhf import AlgorithmConfig, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig, SafetyConfig
-    from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
+    from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
     from lightning_rlhf.demo.task import addition_cost, addition_dataset, addition_reward
 
     module_cls, advantage = _algorithms()[args.algo]
@@ -77,7 +77,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         strategy=RLHFStrategy(args.rollout),
         max_steps=args.steps,
         logger=CSVLogger(args.out, name="demo"),
-        callbacks=[RLHFProgressBar(), MetricPlots(), RolloutSamples(every_n_steps=25), RunSummary()],
+        callbacks=[RLHFProgressBar(), MetricPlots(), RolloutSamples(every_n_steps=25), ExportActor(), RunSummary()],
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,
