@@ -41,6 +41,10 @@ def main() -> None:
     # one write per line: the two ranks share stdout, and print() may write its parts separately
     sys.stdout.write(" ".join(["OK", str(rank), *map(str, received)]) + "\n")
     sys.stdout.flush()
+    # Tear gloo down before the interpreter exits: its threads still running at exit abort the process
+    # ("terminate called without an active exception"), now and then.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
