@@ -214,26 +214,32 @@ class RLHFModule(L.LightningModule):
         ``/raw_score/mean`` (the mean score of the step's own prompts, before selection: the learning curve).
         """
         want, n = len(batch), self.rollout_config.n
-        kept: list[Batch] = []
+        kept: list[Batch] = []  # per round: the rows of its informative groups (n consecutive rows a group)
         dropped: list[Batch] = []
-        rounds, first_meta = 0, rollout.meta
+        num_kept = num_dropped = rounds = 0
+        first_meta = rollout.meta
         metrics["dynamic_sampling/raw_score/mean"] = float(rollout["scores"].float().mean())  # before selection
         while True:
             groups, informative = informative_groups(rollout["scores"], rollout["uid"])
-            for gid, keep in zip(groups.tolist(), informative.tolist(), strict=True):
-                (kept if keep else dropped).append(rollout.select(torch.nonzero(rollout["uid"] == gid)[:, 0]))
+            keep_rows = torch.isin(rollout["uid"], groups[informative])
+            kept.append(rollout.select(torch.nonzero(keep_rows)[:, 0]))
+            dropped.append(rollout.select(torch.nonzero(~keep_rows)[:, 0]))
+            num_kept += int(informative.sum())
+            num_dropped += len(groups) - int(informative.sum())
             rounds += 1
-            if len(kept) >= want or rounds >= self.algorithm.max_sampling_rounds:
+            if num_kept >= want or rounds >= self.algorithm.max_sampling_rounds:
                 break
             more = self._extra_prompts(want, key=int(batch.meta.get("step", 0)) * 1_000 + rounds)
             more.meta = {**batch.meta, "sampling_round": rounds}
             rollout = self.reward.score(self.actor.generate(more))
-        filled = max(0, want - len(kept))
-        out = Batch.cat(kept[:want] + dropped[:filled])
+        filled = max(0, want - num_kept)
+        out = Batch.cat(kept).select(slice(0, (want - filled) * n))  # the first `want` informative groups
+        if filled:  # still short: the first dropped groups make up the batch
+            out = Batch.cat([out, Batch.cat(dropped).select(slice(0, filled * n))])
         out.meta = dict(first_meta)  # the weight hand-off happened in the first round
         out["uid"] = torch.arange(want).repeat_interleave(n)  # groups of different rounds share uids
         metrics["dynamic_sampling/rounds"] = rounds
-        metrics["dynamic_sampling/dropped_groups"] = len(dropped)
+        metrics["dynamic_sampling/dropped_groups"] = num_dropped
         metrics["dynamic_sampling/filled_groups"] = filled
         return out
 
