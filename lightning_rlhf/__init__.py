@@ -11,7 +11,7 @@ from lightning_rlhf.config import (
     ValidationConfig,
     VLLMConfig,
 )
-from lightning_rlhf.data import PromptDataModule
+from lightning_rlhf.data import PromptDataModule, SFTDataModule
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.modules import (
     DAPOModule,
@@ -22,6 +22,7 @@ from lightning_rlhf.modules import (
     ReMaxModule,
     RLOOModule,
     SafeRLHFModule,
+    SFTModule,
 )
 from lightning_rlhf.roles import RewardFunctionError
 from lightning_rlhf.strategy import ControllerError, Dispatch, RLHFStrategy, WorkerError, role_method
@@ -52,6 +53,8 @@ __all__ = [
     "RolloutConfig",
     "RolloutSamples",
     "RunSummary",
+    "SFTDataModule",
+    "SFTModule",
     "SafeRLHFModule",
     "SafetyConfig",
     "VLLMConfig",

@@ -4,6 +4,7 @@
     lightning-rlhf fit --config recipes/grpo_gsm8k.yaml --trainer.max_steps 10 --model.rollout.n 4
     lightning-rlhf fit --config recipes/demo.yaml --print_config              # every key, with its value
     lightning-rlhf export CKPT OUT [--dtype bfloat16] [--base MODEL]          # actor -> transformers folder
+    lightning-rlhf sft --config recipes/sft_demo.yaml [--ckpt_path CKPT]      # supervised warm start (SFTModule)
 
 ``python -m lightning_rlhf.cli`` is the same command. The strategy defaults to ``RLHFStrategy`` and metrics are
 logged every step; ``ExportActor`` writes the actor to ``<run folder>/actor`` when ``fit`` ends (settings under
@@ -20,6 +21,7 @@ import inspect
 import os
 import re
 import sys
+import warnings
 from typing import Any, NoReturn
 
 import torch
@@ -29,12 +31,15 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_rlhf.callbacks.export import ExportActor
-from lightning_rlhf.data import PromptDataModule
+from lightning_rlhf.data import PromptDataModule, SFTDataModule
 from lightning_rlhf.export import export_checkpoint
 from lightning_rlhf.module import RLHFModule
+from lightning_rlhf.modules.sft import SFTModule
+from lightning_rlhf.strategy.checkpoint_io import check_resume_path
 
 __all__ = [
     "RLHFCLI",
+    "SFTCLI",
     "TRAINER_DEFAULTS",
     "RLHFArgumentParser",
     "export_parser",
@@ -194,6 +199,8 @@ class RLHFCLI(LightningCLI):
         subcommands = getattr(self.parser, "_subcommands_action", None)
         if add_subcommands and subcommands is not None:
             subcommands.add_subcommand("export", export_parser(), help=_first_line(export_checkpoint.__doc__))
+            listing = ArgumentParser(prog="lightning-rlhf sft", description=_first_line(SFTCLI.__doc__))
+            subcommands.add_subcommand("sft", listing, help=_first_line(SFTCLI.__doc__))  # `main` runs it
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -214,8 +221,13 @@ class RLHFCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        """Fail on a reward given as an import path that does not import, before anything loads."""
+        """Fail on a reward given as an import path that does not import, or a ``ckpt_path`` that is missing or
+        incomplete, before anything loads."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        try:
+            check_resume_path(config.get("ckpt_path"))
+        except (FileNotFoundError, ValueError) as err:
+            self.parser.error(str(err))
         init_args = config.get("model", Namespace()).get("init_args") or Namespace()
         for name in _CALLABLE_ARGS:
             value = init_args.get(name)
@@ -229,6 +241,52 @@ class RLHFCLI(LightningCLI):
                         "HINT: give the function as `package.module.function`, importable from the current folder "
                         "or an installed package."
                     )
+
+
+class SFTCLI(RLHFCLI):
+    """Supervised fine-tuning with SFTModule and SFTDataModule, e.g. a warm start before RL.
+
+    ``lightning-rlhf sft --config recipes/sft_demo.yaml [--ckpt_path CKPT] [--key value ...]``: the same recipe
+    format and defaults as ``fit`` (``RLHFStrategy``, ``ExportActor`` writing ``<run folder>/actor``), with any
+    SFTModule subclass as ``model`` and any SFTDataModule as ``data``; ``--ckpt_path`` resumes a run.
+
+    Runs on: every process (Lightning re-runs the command line for the other ranks).
+
+    Args:
+        args: the arguments after ``sft`` (no program name); None reads ``sys.argv[2:]``.
+        run: run ``fit``; False only instantiates (``cli.model``, ``cli.datamodule``, ``cli.trainer``).
+    """
+
+    def __init__(self, args: list[str] | None = None, *, run: bool = True) -> None:
+        no_abbrev = {"allow_abbrev": False}
+        with warnings.catch_warnings():  # the args are sys.argv minus `sft`, on purpose
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            self._init_cli(no_abbrev, sys.argv[2:] if args is None else args)
+        if run:
+            self.trainer.fit(self.model, datamodule=self.datamodule, ckpt_path=self.config.get("ckpt_path"))
+
+    def _init_cli(self, no_abbrev: dict[str, Any], args: list[str]) -> None:
+        LightningCLI.__init__(
+            self,
+            SFTModule,
+            SFTDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            trainer_defaults=TRAINER_DEFAULTS,
+            parser_class=RLHFArgumentParser,
+            parser_kwargs={**no_abbrev, "prog": "lightning-rlhf sft", "description": _first_line(SFTCLI.__doc__)},
+            auto_configure_optimizers=False,
+            args=args,
+            run=False,  # one command, no subcommand: `fit` is called by __init__
+        )
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """``export_actor.*`` (as for ``fit``) and ``--ckpt_path`` (resume from a checkpoint)."""
+        super().add_arguments_to_parser(parser)
+        parser.add_argument(
+            "--ckpt_path", type=str | None, default=None, help="resume from this checkpoint (Trainer.fit's ckpt_path)"
+        )
 
 
 _UNION_REPORT = "Does not validate against any of the Union subtypes"
@@ -289,6 +347,9 @@ def main(args: list[str] | None = None) -> None:
         parsed = export_parser().parse_args(argv[1:])
         out = export_checkpoint(parsed.checkpoint, parsed.out, dtype=parsed.dtype, base=parsed.base)
         print(f"exported: {os.path.abspath(out)}")
+        return
+    if argv[:1] == ["sft"]:
+        SFTCLI(argv[1:])
         return
     RLHFCLI(args)
 

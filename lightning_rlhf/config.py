@@ -32,11 +32,17 @@ class RolloutConfig:
     n: int = 8
     """Samples per prompt (the group size of GRPO/RLOO; 1 is usual for PPO)."""
     temperature: float = 1.0
-    """Sampling temperature; log-probs for the loss are computed at the same temperature."""
+    """Sampling temperature, in [0.01, 2] (vLLM raises anything lower to 0.01, so lower values are refused);
+    log-probs for the loss (actor, old and reference) are computed at the same temperature. 0: greedy decoding
+    on every engine, with log-probs of the raw policy (temperature 1); every sample of a prompt is then the
+    same, so group advantages are zero (a warning says so when ``n > 1``)."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 keeps the full distribution (what the policy gradient assumes)."""
+    """Nucleus sampling mass; 1.0 keeps the full distribution (what the policy gradient assumes). Below 1 the
+    engine samples from the truncated distribution while the loss scores the full one, as in verl and TRL (a
+    warning says so; see docs/hybrid-engine.md)."""
     top_k: int = 0
-    """Keep only the top-k tokens; 0 disables (the transformers default of 50 would bias the rollouts)."""
+    """Keep only the top-k tokens; 0 disables (the transformers default of 50 would bias the rollouts). Like
+    ``top_p``, the loss does not apply it."""
     max_new_tokens: int = 256
     """Longest response; responses cut here have no EOS and count in ``response_length/clip_ratio``."""
     stop_token_ids: tuple[int, ...] = ()
@@ -45,20 +51,47 @@ class RolloutConfig:
     """Base seed; each step and rank derive their own, so a resumed run samples what the original did."""
     generation_batch_size: int = 64
     """Prompts generated at once per rank by the transformers engine (bounds its memory)."""
+    max_probs_diff: float | None = 0.05
+    """Bound on ``training/rollout_probs_diff_max`` (the largest gap between the engine's and the trainer's
+    probability of a sampled token): the first step above it warns with the likely causes. Measured on the demo
+    model: float32 about 1e-6 with either engine, a bfloat16 engine against a float32 trainer 0.006; deeper
+    models in bfloat16 drift further (raise the bound there). None: never warn."""
 
     def __post_init__(self) -> None:
+        from lightning_rlhf.engines.rollout.base import check_sampling
+
         if self.n < 1:
             _fail(self, "n", self.n, "an integer >= 1")
-        if self.temperature <= 0:
-            _fail(self, "temperature", self.temperature, "> 0 (greedy decoding: a tiny value such as 1e-4)")
-        if not 0 < self.top_p <= 1:
-            _fail(self, "top_p", self.top_p, "a value in (0, 1]")
-        if self.top_k < 0:
-            _fail(self, "top_k", self.top_k, ">= 0 (0 disables top-k)")
+        check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, owner=type(self).__name__)
+        if self.max_probs_diff is not None and not 0 < self.max_probs_diff <= 1:
+            _fail(self, "max_probs_diff", self.max_probs_diff, "a probability gap in (0, 1], or None (no warning)")
         if self.max_new_tokens < 1:
             _fail(self, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
         if self.generation_batch_size < 1:
             _fail(self, "generation_batch_size", self.generation_batch_size, "an integer >= 1")
+        self._warn_sampling()
+
+    def _warn_sampling(self) -> None:
+        """Warn (rank 0, once per message) about settings that run but do not train as users may expect."""
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        if self.temperature == 0 and self.n > 1:
+            rank_zero_warn(
+                f"RolloutConfig.temperature=0 decodes greedily, so the n={self.n} samples of each prompt are the "
+                "same response: group-relative advantages (GRPO, RLOO, ...) are all zero and the actor does not "
+                "learn. HINT: temperature > 0 (1.0 samples the policy as it is) for group estimators, or n=1 with "
+                "a critic (PPO).",
+                category=UserWarning,
+            )
+        if self.temperature > 0 and (self.top_p < 1 or self.top_k > 0):
+            rank_zero_warn(
+                f"RolloutConfig(top_p={self.top_p}, top_k={self.top_k}) truncates the distribution rollouts are "
+                f"sampled from, but the loss's log-probs (actor, old, reference) are those of the full distribution "
+                f"at temperature {self.temperature}, as in verl and TRL: the importance ratio is off by the cut "
+                "mass, and training/rollout_probs_diff_* report that gap. HINT: top_p=1.0, top_k=0 for an "
+                "unbiased policy gradient; keep the truncation for validation or evaluation only.",
+                category=UserWarning,
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -320,18 +353,19 @@ class RewardConfig:
     """How reward functions are called and several rewards combined (``RLHFModule(reward_config=...)``)."""
 
     timeout_s: float | None = 60.0
-    """Seconds one call of a reward function may take. Each call runs in a forked child process (tens of ms per
-    call, growing with the worker's memory) that is killed at the timeout, so a hanging or crashing function
-    cannot stop training; its samples get ``fallback_score``. None: call in the worker itself (no isolation, no
-    timeout)."""
+    """Seconds one call of a reward function may take. Each call runs in a reward worker process (spawned once
+    per rank and function, reused; about 1 ms per call) that is killed and replaced at the timeout, so a hanging
+    or crashing function cannot stop training; its samples get ``fallback_score``. None: call in the worker
+    itself (no isolation, no timeout)."""
     fallback_score: float = 0.0
     """Score of a sample whose call timed out or crashed; 0.0 is a rule reward's 'wrong'. Counted per step as
     ``reward/<name>/failed``."""
     batch_size: int | None = None
-    """Samples per call; None: all of a rank's samples in one call (one fork per step and function). Smaller
-    calls lose fewer samples to one hang, at one fork each."""
+    """Samples per call; None: all of a rank's samples in one call (one call per step and function). Smaller
+    calls lose fewer samples to one hang."""
     num_workers: int = 1
-    """Calls of one function that run at once on a rank (when ``batch_size`` splits the samples)."""
+    """Calls of one function that run at once on a rank (when ``batch_size`` splits the samples): the number of
+    reward worker processes per rank and function."""
     on_exception: Literal["raise", "fallback"] = "raise"
     """A Python exception in a reward function is usually a bug: 'raise' stops the run with the function's
     traceback (training on fallback scores would be a silently wrong run); 'fallback' scores the call's samples
@@ -369,8 +403,9 @@ class ValidationConfig:
     n: int = 1
     """Samples per validation prompt: the N of ``val/mean@N``. 1 is verl's default (one greedy answer each)."""
     temperature: float = 0.0
-    """0: greedy decoding (deterministic, so repeated validations of the same weights agree); > 0: sampling at
-    this temperature, with the rollout's ``top_p``/``top_k``."""
+    """0: greedy decoding (deterministic, so repeated validations of the same weights agree), the same greedy
+    path as ``RolloutConfig.temperature=0``; else sampling at this temperature (in [0.01, 2], as for rollouts),
+    with the rollout's ``top_p``/``top_k``."""
     pass_k: tuple[int, ...] | None = None
     """The k of each ``val/pass@k`` (each in 1..n); None: 1 and ``n``."""
     pass_threshold: float = 0.0
@@ -383,10 +418,11 @@ class ValidationConfig:
     def __post_init__(self) -> None:
         import math
 
+        from lightning_rlhf.engines.rollout.base import check_sampling
+
         if self.n < 1:
             _fail(self, "n", self.n, "an integer >= 1")
-        if not self.temperature >= 0:
-            _fail(self, "temperature", self.temperature, ">= 0 (0: greedy decoding)")
+        check_sampling(temperature=self.temperature, top_p=1.0, top_k=0, owner=type(self).__name__)
         if self.temperature == 0 and self.n > 1:
             _fail(self, "n", self.n, "1 with temperature=0 (greedy gives one answer n times), or temperature > 0")
         if self.pass_k is not None and (not self.pass_k or any(not 1 <= k <= self.n for k in self.pass_k)):

@@ -140,6 +140,8 @@ def export_checkpoint(
     """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from lightning_rlhf.models import resolve_model_path
+
     path = Path(checkpoint)
     target = resolve_dtype(dtype)
     if path.is_dir():
@@ -161,7 +163,7 @@ def export_checkpoint(
             "HINT: it must come from an RLHFModule trained with RLHFStrategy."
         )
     with tempfile.TemporaryDirectory() as tmp:
-        source = base
+        source = base if base is None else resolve_model_path(base, setting="export_checkpoint(base=...)")
         if source is None:
             files = meta.get(CHECKPOINT_KEY)
             if not files:

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_rlhf.algorithms import (
     AdaptiveKLController,
@@ -29,6 +30,7 @@ from lightning_rlhf.algorithms import (
 )
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
+from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.rewards import RewardSpec, reward_components
 from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role
 from lightning_rlhf.roles.actor import rollout_probs_diff
@@ -56,7 +58,7 @@ class RLHFModule(L.LightningModule):
         algorithm: RL math and batch splitting.
         actor_optim: optimizer of the actor.
         critic_optim: optimizer of the critic.
-        reward_config: how reward functions are called (a forked process per call with a timeout, fallback
+        reward_config: how reward functions are called (in reward worker processes, with a timeout, fallback
             score, batches) and the weights of named rewards.
         validation: how the validation loop generates (samples per prompt, greedy or a temperature) and its
             pass@k settings; it runs when the datamodule has validation prompts.
@@ -84,13 +86,13 @@ class RLHFModule(L.LightningModule):
         self.rollout_config = rollout or RolloutConfig()
         self.algorithm = algorithm or AlgorithmConfig()
         self.validation_config = validation or ValidationConfig()
-        check_pretrained(actor, setting="RLHFModule(actor=...)")
+        actor = check_pretrained(actor, setting="RLHFModule(actor=...)")  # a folder or hub id from here on
         self.reward_config = reward_config or RewardConfig()
         for part in reward_components(reward, weights=self.reward_config.weights, setting="RLHFModule(reward=...)"):
             if isinstance(part.source, str):
                 check_pretrained(part.source, setting="RLHFModule(reward=...)")
         if critic is not None:
-            check_pretrained(critic, setting="RLHFModule(critic=...)")
+            critic = check_pretrained(critic, setting="RLHFModule(critic=...)")
         if reference is None:
             reference = self.algorithm.kl_coef > 0
         ref_path = actor if reference is True else (reference or None)
@@ -105,10 +107,11 @@ class RLHFModule(L.LightningModule):
                 "HINT: pass critic=<path> (often the actor's path) or use advantage='grpo'."
             )
         if ref_path is not None and isinstance(ref_path, str) and ref_path != actor:
-            check_pretrained(ref_path, setting="RLHFModule(reference=...)")
+            ref_path = check_pretrained(ref_path, setting="RLHFModule(reference=...)")
+        if tokenizer is not None:
+            tokenizer = resolve_model_path(tokenizer, setting="RLHFModule(tokenizer=...)", tokenizer_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or actor)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        ensure_pad_token(self.tokenizer, source=tokenizer or actor)
         self.tokenizer.padding_side = "left"
 
         micro = self.algorithm.micro_batch_size
@@ -344,6 +347,49 @@ class RLHFModule(L.LightningModule):
             out |= {f"training/{k}": float(v) for k, v in diff.items()}
         return out
 
+    _probs_diff_warned = False
+
+    def check_rollout_probs_diff(self, metrics: dict[str, float], *, step: int) -> None:
+        """Warn, once per run, the first time ``training/rollout_probs_diff_max`` exceeds
+        ``RolloutConfig.max_probs_diff``: the engine then sampled from another distribution than the one the
+        trainer scores, and the warning names the likely causes, this run's own settings first.
+
+        Runs on: controller (from :meth:`log_step`; a custom dataflow logging by hand may call it).
+        """
+        bound = self.rollout_config.max_probs_diff
+        value = metrics.get("training/rollout_probs_diff_max")
+        if bound is None or value is None or self._probs_diff_warned or not value > bound:
+            return
+        self._probs_diff_warned = True
+        cfg = self.rollout_config
+        causes = []
+        if cfg.temperature > 0 and (cfg.top_p < 1 or cfg.top_k > 0):
+            causes.append(
+                f"top-k/top-p truncation: the engine samples from a truncated distribution (RolloutConfig.top_p="
+                f"{cfg.top_p}, top_k={cfg.top_k}) while the loss scores the full one; set top_p=1.0, top_k=0"
+            )
+        dtype = getattr(getattr(self._trainer, "strategy", None), "param_dtype", None)
+        if dtype is not None and dtype != torch.float32:
+            causes.append(
+                f"low precision: the engine and the trainer compute in {dtype} with different kernels (in float32 "
+                "the gap stays below 1e-5); raise RolloutConfig.max_probs_diff if this level is expected"
+            )
+        causes += [
+            "stale engine weights: a weight hand-off that failed or was skipped, so the engine sampled with older "
+            "weights than the trainer's (a custom role or engine that does not call actor.mark_weights_changed() "
+            "after changing the weights)",
+            "another temperature: the rollout was generated at a temperature other than RolloutConfig.temperature="
+            f"{cfg.temperature} (actor.generate(temperature=...) in a custom dataflow)",
+        ]
+        listed = "; ".join(f"({i}) {c}" for i, c in enumerate(causes, 1))
+        rank_zero_warn(
+            f"Step {step}: training/rollout_probs_diff_max={value:.3g} exceeds RolloutConfig.max_probs_diff={bound}: "
+            "the rollout engine sampled from another distribution than the one the trainer scores, so the update "
+            f"is off-policy by that much. Likely causes: {listed}. HINT: fix the cause, or raise max_probs_diff "
+            "(None: no warning). This warning is shown once per run; the metric is logged every step.",
+            category=UserWarning,
+        )
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save the controller-side state (the KL coefficient). Runs on: every process."""
         checkpoint["lightning_rlhf"] = {"kl_controller": self.kl_controller.state_dict()}
@@ -356,6 +402,8 @@ class RLHFModule(L.LightningModule):
             self.kl_controller.load_state_dict(state["kl_controller"])
         self.actor.mark_weights_changed()
 
+    needs_rollout_engine: bool = True
+    """Whether the strategy gives the actor a rollout engine (``SFTModule``, which never generates, says no)."""
     PROGRESS_BAR_METRICS: tuple[str, ...] = ("critic/score/mean", "response_length/mean", "timing_s/step")
     """What :meth:`log_step` also puts on the progress bar (Lightning's default bar shows them)."""
     last_rollout: Batch | None = None
@@ -368,6 +416,7 @@ class RLHFModule(L.LightningModule):
         :class:`~lightning_rlhf.callbacks.RolloutSamples`). Runs on: controller."""
         metrics["timing_s/step"] = time.perf_counter() - started
         metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"])
+        self.check_rollout_probs_diff(metrics, step=int(rollout.meta.get("step", self.trainer.global_step)))
         self.log_dict({k: metrics.pop(k) for k in self.PROGRESS_BAR_METRICS if k in metrics}, prog_bar=True)
         self.log_dict(metrics)
         self.last_rollout = Batch(
@@ -402,12 +451,10 @@ class RLHFModule(L.LightningModule):
         pad = -size % self.trainer.world_size
         if pad:
             batch = batch.select(torch.cat([torch.arange(size), torch.zeros(pad, dtype=torch.long)]))
-        greedy = cfg.temperature == 0
-        rollout = self.actor.generate(
+        rollout = self.actor.generate(  # temperature 0: greedy, the same path as RolloutConfig.temperature=0
             batch,
             n=cfg.n,
-            greedy=greedy,
-            temperature=None if greedy else cfg.temperature,
+            temperature=cfg.temperature,
             seed_offset=(batch_idx + 1) * 15_485_863,  # not the training stream's seeds at this step
         )
         rollout = self.reward.score(rollout)

@@ -15,7 +15,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny random Qwen2 causal LM + char tokenizer saved locally (head_dim 32)."""
+    """A tiny random Qwen2 causal LM + its byte-level BPE tokenizer saved locally (head_dim 32)."""
     from lightning_rlhf.demo import save_tiny
 
     return save_tiny(str(tmp_path_factory.mktemp("tiny") / "model"), seed=0)

@@ -12,10 +12,14 @@ from typing_extensions import override
 
 from lightning_rlhf.callbacks.history import MetricHistory, first_last, run_folder
 
-__all__ = ["REWARD_KEYS", "RunSummary"]
+__all__ = ["REWARD_KEYS", "SUMMARY_KEYS", "VALIDATION_KEYS", "RunSummary"]
 
 #: where the learning curve is, in order of preference: DAPO's score before its selection, else the mean score
 REWARD_KEYS = ("dynamic_sampling/raw_score/mean", "critic/score/mean")
+#: what the summary's first line reports: the reward, or for a supervised run (SFTModule) its loss
+SUMMARY_KEYS = (*REWARD_KEYS, "sft/loss")
+#: validation metrics the summary reports, first and last validation (the first found is shown)
+VALIDATION_KEYS = ("val/score/mean", "val/loss")
 
 
 class RunSummary(MetricHistory):
@@ -23,6 +27,7 @@ class RunSummary(MetricHistory):
 
         lightning_rlhf run summary
           reward (critic/score/mean): 0.312 (first 10% of steps) -> 0.875 (last 10%)
+          validation (val/score/mean): 0.410 before training (step 0) -> 0.870 at step 250
           steps: 250 in 312s (1.23 s/step)
           throughput: 1,204 tokens/s per rank, 2,408 tokens/s over 2 ranks (perf/throughput, mean)
           run folder: /abs/runs/demo/version_0
@@ -31,15 +36,17 @@ class RunSummary(MetricHistory):
 
     Runs on: every rank; rank 0 records and prints (to stdout), in the ``teardown`` hook of ``fit``: after every
     callback's ``on_fit_end``, whatever the order of the callbacks, and only when ``fit`` ended without an
-    error. The checkpoint line appears when a ``ModelCheckpoint`` saved something, the export line when a
-    callback has a non-empty ``last_export`` attribute (``ExportActor``).
+    error. The validation line appears when validation ran (``val/score/mean``, else ``val/loss``): its first and
+    last value, each at the step of the weights it measured (step 0 with ``ValidationConfig(before_train=True)``
+    is "before training"). The checkpoint line appears when a ``ModelCheckpoint`` saved something, the export line
+    when a callback has a non-empty ``last_export`` attribute (``ExportActor``).
 
     Args:
-        reward_keys: the reward metric, the first of these that was logged.
+        reward_keys: the reward metric (or a supervised run's loss), the first of these that was logged.
         fraction: the share of steps averaged at the start and at the end.
     """
 
-    def __init__(self, reward_keys: Sequence[str] = REWARD_KEYS, fraction: float = 0.1) -> None:
+    def __init__(self, reward_keys: Sequence[str] = SUMMARY_KEYS, fraction: float = 0.1) -> None:
         super().__init__([*reward_keys, "perf/throughput", "timing_s/step"])
         if not 0 < fraction <= 0.5:
             raise ValueError(f"RunSummary(fraction={fraction}) must be in (0, 0.5]. HINT: 0.1 = first/last 10%.")
@@ -47,12 +54,50 @@ class RunSummary(MetricHistory):
         self.fraction = fraction
         self._started: float | None = None
         self.text: str | None = None
+        self.validations: dict[str, list[tuple[int, float]]] = {}
+        """Each validation's value of the :data:`VALIDATION_KEYS` logged, with the step it measured (rank 0)."""
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Start the wall clock (model loading included). Runs on: every rank."""
         if stage == "fit":
             self._started = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Record the validation's metrics at the current ``global_step``. Runs on: every rank; rank 0 records."""
+        if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        for key in VALIDATION_KEYS:
+            if key in trainer.callback_metrics:
+                series = self.validations.setdefault(key, [])
+                step = trainer.global_step
+                if series and series[-1][0] == step:  # validated twice at one step: keep the last
+                    series.pop()
+                series.append((step, float(trainer.callback_metrics[key])))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "validations": {k: [list(p) for p in v] for k, v in self.validations.items()}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        saved = state_dict.get("validations", {})
+        self.validations = {k: [(int(s), float(v)) for s, v in pairs] for k, pairs in saved.items()}
+
+    def validation_line(self) -> str | None:
+        """``validation (<key>): <first> before training (step 0) -> <last> at step N``, or None when no
+        validation ran. Runs on: rank 0."""
+        key = next((k for k in VALIDATION_KEYS if self.validations.get(k)), None)
+        if key is None:
+            return None
+        series = self.validations[key]
+        (first_step, first), (last_step, last) = series[0], series[-1]
+        start = "before training (step 0)" if first_step == 0 else f"at step {first_step}"
+        if len(series) == 1:
+            return f"  validation ({key}): {first:.3f} {start}"
+        return f"  validation ({key}): {first:.3f} {start} -> {last:.3f} at step {last_step}"
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -72,7 +117,11 @@ class RunSummary(MetricHistory):
             lines.append(f"  reward: none of {list(self.reward_keys)} was logged")
         else:
             first, last = first_last(self.values(key)[1], self.fraction)
-            lines.append(f"  reward ({key}): {first:.3f} (first {pct} of steps) -> {last:.3f} (last {pct})")
+            what = "loss" if key == "sft/loss" else "reward"
+            lines.append(f"  {what} ({key}): {first:.3f} (first {pct} of steps) -> {last:.3f} (last {pct})")
+        validation = self.validation_line()
+        if validation:
+            lines.append(validation)
         steps = len(self.values(key)[1]) if key else trainer.global_step
         timing = self.values("timing_s/step")[1]
         line = f"  steps: {steps}"

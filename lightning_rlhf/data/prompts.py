@@ -313,7 +313,11 @@ class PromptDataModule(L.LightningDataModule):
         if self.tokenizer_path is not None:
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(self.tokenizer_path)
+            from lightning_rlhf.models import resolve_model_path
+
+            setting = "PromptDataModule(tokenizer=...)"
+            path = resolve_model_path(self.tokenizer_path, setting=setting, tokenizer_only=True)
+            return AutoTokenizer.from_pretrained(path)
         module = self.trainer.lightning_module if self.trainer is not None else None
         tok = getattr(module, "tokenizer", None)
         if tok is None:

@@ -1,10 +1,12 @@
 """The embedded default job: ``python -m lightning_rlhf.demo`` (what ``make demo`` runs).
 
-A tiny Qwen2-style model (built locally, warm-started for a second on supervised addition and cached) learns
-single-digit addition ("3+4=" -> "7") by GRPO on CPU, over 2 processes by default. The run folder gets the
+A tiny Qwen2-style model (built locally, warm-started with ``SFTModule`` on 80 of the 100 single-digit additions,
+and cached) learns single-digit addition ("3+4=" -> "7") by GRPO on those 80 prompts, on CPU, over 2 processes by
+default. The 20 other prompts are held out: neither the warm start nor RL trains on them, and ``val/score/mean``
+(greedy answers) is measured on them before the first RL step and after the last. The run folder gets the
 CSVLogger's ``metrics.csv``, the curves ``reward.png``, ``response_length.png``, ``entropy.png`` (and
 ``kl.png`` with a KL term) and ``samples.jsonl`` (sample rollouts every 25 steps); the run summary is printed
-at the end, and the last printed line names the folder.
+at the end (with the held-out score before and after RL), and the last printed line names the folder.
 """
 
 from __future__ import annotations
@@ -41,14 +43,48 @@ def _algorithms() -> dict[str, tuple[Any, str]]:
 ALGORITHMS_NAMES = ("grpo", "rloo", "reinforce_pp", "remax", "ppo", "dapo", "safe")
 
 
+_VERSION_ENV = "LIGHTNING_RLHF_RUN_VERSION"
+
+
+def claim_run_version(out: str, name: str) -> int:
+    """The run folder's version number, claimed with an atomic ``mkdir`` so two demos started at once in the same
+    folder never share ``version_N`` (CSVLogger's own choice lists the folder, which races). The number travels
+    to the ranks Lightning launches through the environment.
+
+    Runs on: every process (rank 0 claims; the ranks it launches inherit the number).
+    """
+    inherited = os.environ.get(_VERSION_ENV)
+    if inherited is not None:
+        return int(inherited)
+    root = os.path.join(out, name)
+    os.makedirs(root, exist_ok=True)
+    version = 0
+    while True:
+        try:
+            os.mkdir(os.path.join(root, f"version_{version}"))
+            break
+        except FileExistsError:
+            version += 1
+    os.environ[_VERSION_ENV] = str(version)
+    return version
+
+
 def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]:
     """Module, datamodule and trainer of the demo. Runs on: every process."""
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_rlhf import AlgorithmConfig, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig, SafetyConfig
+    from lightning_rlhf import (
+        AlgorithmConfig,
+        OptimConfig,
+        PromptDataModule,
+        RLHFStrategy,
+        RolloutConfig,
+        SafetyConfig,
+        ValidationConfig,
+    )
     from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
-    from lightning_rlhf.demo.task import addition_cost, addition_dataset, addition_reward
+    from lightning_rlhf.demo.task import addition_cost, addition_reward, addition_splits
 
     module_cls, advantage = _algorithms()[args.algo]
     extra: dict[str, Any] = {}
@@ -66,22 +102,26 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         rollout=RolloutConfig(n=args.n, temperature=1.0, max_new_tokens=6, seed=args.seed),
         algorithm=AlgorithmConfig(advantage=advantage, kl_coef=0.0, micro_batch_size=args.micro_batch_size, **settings),
         actor_optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
+        validation=ValidationConfig(before_train=True),  # greedy answers to the held-out prompts, before RL
         **extra,
     )
+    splits = addition_splits()  # the same 20 held-out prompts as the warm start left out
     data = PromptDataModule(
-        addition_dataset(seed=args.seed), batch_size=args.prompts, max_prompt_length=16, seed=args.seed
+        splits["train"], val=splits["test"], batch_size=args.prompts, max_prompt_length=16, seed=args.seed
     )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=RLHFStrategy(args.rollout),
         max_steps=args.steps,
-        logger=CSVLogger(args.out, name="demo"),
+        logger=CSVLogger(args.out, name="demo", version=claim_run_version(args.out, "demo")),
         callbacks=[RLHFProgressBar(), MetricPlots(), RolloutSamples(every_n_steps=25), ExportActor(), RunSummary()],
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        val_check_interval=args.steps,  # validate again after the last step
+        check_val_every_n_epoch=None,
     )
     return module, data, trainer
 
@@ -134,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--warmup", type=int, default=20, help="learning-rate warm-up steps")
     parser.add_argument("--micro-batch-size", type=int, default=128)
-    parser.add_argument("--warm-start-steps", type=int, default=60)
+    parser.add_argument("--warm-start-steps", type=int, default=40, help="SFTModule steps of the warm start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs", help="parent folder of the run folder")
     parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "lightning_rlhf"))

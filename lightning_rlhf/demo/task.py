@@ -40,6 +40,35 @@ def addition_dataset(*, num_prompts: int = 100, seed: int = 0, digits: int = 1) 
     )
 
 
+HELD_OUT_PROMPTS = 20
+"""How many of the 100 single-digit prompts the demo holds out: neither its warm start nor RL trains on them."""
+
+
+def addition_splits(*, held_out: int = HELD_OUT_PROMPTS, seed: int = 0, digits: int = 1) -> datasets.DatasetDict:
+    """The addition prompts split into ``"train"`` (what the warm start and RL train on) and ``"test"``
+    (``held_out`` prompts that neither sees: the demo's ``val/score/mean`` is measured on them).
+
+    The held-out prompts are drawn with ``seed`` (the same ones in every run and on every rank); each split keeps
+    the order of :func:`addition_dataset`.
+
+    Runs on: any process (plain function).
+
+    Args:
+        held_out: Number of held-out prompts (at least 1, fewer than all).
+        seed: Seed of the draw.
+        digits: ``digits`` of :func:`addition_dataset` (its default 100 prompts).
+
+    Returns:
+        A ``DatasetDict`` with ``"train"`` and ``"test"``, both with the columns ``"prompt"`` and ``"answer"``.
+    """
+    data = addition_dataset(seed=seed, digits=digits)
+    if not 1 <= held_out < len(data):
+        raise ValueError(f"addition_splits(held_out={held_out}): expected 1..{len(data) - 1}.")
+    test = set(random.Random(seed).sample(range(len(data)), held_out))
+    train = [i for i in range(len(data)) if i not in test]
+    return datasets.DatasetDict({"train": data.select(train), "test": data.select(sorted(test))})
+
+
 def addition_reward(prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
     """Exact-match reward of the addition task.
 

@@ -1,16 +1,25 @@
 """Tiny, randomly initialised, fully local models for tests and the embedded demo job.
 
-Everything here is built in-process (no hub access): a character-level tokenizer and small causal LM /
-sequence-classifier models whose vocabulary is that tokenizer's.
+Everything here is built in-process (no hub access): a small byte-level BPE tokenizer, trained on a fixed corpus
+written below through exactly Qwen2's pre-tokenizer pipeline, and small causal LM / sequence-classifier models
+whose vocabulary is that tokenizer's.
+
+The tokenizer reads any text (every byte has a token, so nothing maps to ``<unk>``), keeps each digit a token of
+its own (Qwen2's split regex cuts ``\\p{N}`` one character at a time, which the addition task relies on), and is
+a ``Qwen2Tokenizer``: transformers loads any ``model_type=qwen2`` folder's tokenizer through that class, which
+rebuilds Qwen2's normalizer and pre-tokenizer, so building it as one means the tokenizer saved with a model
+gives the same ids once ``AutoTokenizer.from_pretrained`` (or vLLM) reloads it.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from typing import Any
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -18,57 +27,123 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
 )
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
-"""Special tokens, in id order: ``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<unk>`` = 3."""
-CHARACTERS: tuple[str, ...] = tuple("0123456789+-*=")
-"""The ordinary characters of the vocabulary (ids 4..17)."""
+"""Special tokens, in id order: ``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<unk>`` = 3 (byte-level BPE never
+needs ``<unk>``; it is declared so that no loader adds a default unknown token of its own)."""
+INIT_STD = 0.04
+"""Standard deviation of the random initial weights (``initializer_range``; Qwen2's is 0.02). With a vocabulary
+of about 400 tokens, the demo's warm start (40 SFT steps) reaches a sampled addition accuracy of about 0.14 from
+0.02 and about 0.4 from 0.04: the partly-right policy RL needs, where the 18-token character vocabulary put it."""
+VOCAB_SIZE = 512
+"""Target vocabulary of the BPE training: 4 special tokens, the 256 byte tokens, and merges up to 512 (fewer
+when the corpus runs out of pairs seen twice)."""
+
+_ENGLISH = """\
+Which is larger? Which is smaller? What is the sum, the difference, the product? Answer with a number.
+The answer is correct. The answer is wrong. Think step by step, then write the final answer.
+Question: Tom has 3 apples and buys 4 more. How many apples does he have now? Answer: 7.
+Question: A train leaves at 9 and arrives at 11. How long is the trip? Answer: 2 hours.
+Please write a short story about a cat, a dog and a bird who live in a small house by the sea.
+The quick brown fox jumps over the lazy dog. She said: "It's a good day, isn't it?" and we agreed.
+You are a helpful assistant. The user asks a question and the assistant answers it politely and clearly.
+Reinforcement learning from human feedback trains a policy to maximise a reward while staying close to
+a reference model. Each prompt is sampled several times, and the samples are scored and compared.
+"""
 
 
-def build_char_tokenizer(save_dir: str | None = None) -> PreTrainedTokenizerFast:
-    """Builds the character-level tokenizer of the tiny models (18 tokens).
+def _training_corpus() -> list[str]:
+    """The fixed corpus of the tiny BPE: the demo's additions, number comparisons and some English."""
+    lines = [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)]
+    lines += [f"{a}+{b}=" for a in range(100) for b in range(0, 100, 7)]
+    lines += [f"Which is larger, {a} or {b}? Answer: {max(a, b)}" for a in range(0, 100, 3) for b in (19, 41, 77)]
+    lines += _ENGLISH.splitlines()
+    return lines
 
-    Every character is one token (``0-9 + - * =``; anything else maps to ``<unk>``). Encoding with
-    ``add_special_tokens=True`` prepends ``<s>`` (no ``</s>`` is appended); decoding joins tokens with no
-    separator, so ``decode(ids, skip_special_tokens=True)`` gives back the plain text. Padding is on the
-    left.
 
-    Runs on: any process (plain function).
+def _qwen2_pipeline(backend: Tokenizer) -> Tokenizer:
+    """Qwen2's normalizer, pre-tokenizer and decoder (as ``Qwen2Tokenizer.__init__`` rebuilds them on load)."""
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+@functools.lru_cache(maxsize=1)
+def _trained_vocab_and_merges() -> tuple[str, str]:
+    """Trains the BPE once per process; returns ``(vocab, merges)`` as JSON text (deterministic)."""
+    backend = _qwen2_pipeline(
+        Tokenizer(
+            models.BPE(
+                dropout=None,
+                unk_token=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+                byte_fallback=False,
+            )
+        )
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_training_corpus(), trainer=trainer)
+    model = json.loads(backend.to_str())["model"]
+    return json.dumps(model["vocab"]), json.dumps(model["merges"])
+
+
+def build_tiny_tokenizer(save_dir: str | os.PathLike[str] | None = None) -> Qwen2Tokenizer:
+    """Builds the byte-level BPE tokenizer of the tiny models (about 500 tokens), trained locally.
+
+    The BPE is trained with the ``tokenizers`` library on a fixed corpus written in this module (the demo's
+    addition prompts, number comparisons and a few English sentences) through Qwen2's pipeline (NFC, Qwen2's
+    split regex, byte-level without a prefix space), so it is the same in every process and on every machine,
+    and it reads any text: letters, punctuation, any script, emoji. Each digit is a token of its own. The
+    tokenizer is a ``Qwen2Tokenizer`` with ``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<unk>`` = 3 (never
+    produced). Encoding with ``add_special_tokens=True`` prepends ``<s>`` (no ``</s>`` is appended);
+    ``decode(ids, skip_special_tokens=True)`` gives back the text. Padding is on the left. No chat template.
+
+    Runs on: any process (plain function; the training takes a few milliseconds and is cached per process).
 
     Args:
-        save_dir: If given, the tokenizer is written there with ``save_pretrained`` (reloadable with
-            ``AutoTokenizer.from_pretrained(save_dir)``).
+        save_dir: If given, the tokenizer is written there with ``save_pretrained``; the folder reloads with
+            ``AutoTokenizer.from_pretrained(save_dir)`` (and in vLLM) as the same tokenizer, giving the same ids.
 
     Returns:
         The tokenizer, with ``pad_token`` / ``bos_token`` / ``eos_token`` / ``unk_token`` set.
     """
-    vocab = {token: idx for idx, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A",
-        pair=f"{BOS_TOKEN} $A $B",
-        special_tokens=[(BOS_TOKEN, vocab[BOS_TOKEN])],
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD_TOKEN,
+    vocab, merges = _trained_vocab_and_merges()
+    pairs: Any = [tuple(pair) for pair in json.loads(merges)]  # (left, right) pairs, as tokenizers' BPE takes them
+    tokenizer = Qwen2Tokenizer(
+        vocab=json.loads(vocab),
+        merges=pairs,
+        unk_token=UNK_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
+        pad_token=PAD_TOKEN,
+        add_bos_token=True,
+        add_eos_token=False,
         padding_side="left",
         clean_up_tokenization_spaces=False,
         model_max_length=64,
     )
     if save_dir is not None:
-        tokenizer.save_pretrained(save_dir)
+        tokenizer.save_pretrained(os.fspath(save_dir))
     return tokenizer
 
 
@@ -100,6 +175,7 @@ def _model_config(
         max_position_embeddings=64,
         tie_word_embeddings=True,
         attention_dropout=0.0,
+        initializer_range=INIT_STD,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -127,7 +203,7 @@ def build_tiny_model(
     seed: int = 0,
     model_type: str = "qwen2",
 ) -> PreTrainedModel:
-    """Builds a randomly initialised tiny causal LM (default: ``Qwen2ForCausalLM``, ~299k parameters).
+    """Builds a randomly initialised tiny causal LM (default: ``Qwen2ForCausalLM``, ~345k parameters).
 
     Tied input/output embeddings, ``head_dim = hidden_size // num_heads`` (32 by default), no dropout,
     ``max_position_embeddings=64``, vocabulary ``len(tokenizer)`` rounded up to a multiple of 8, and
@@ -136,7 +212,7 @@ def build_tiny_model(
     Runs on: any process (plain function).
 
     Args:
-        tokenizer: The tokenizer the model is for (usually :func:`build_char_tokenizer`).
+        tokenizer: The tokenizer the model is for (usually :func:`build_tiny_tokenizer`).
         hidden_size: Model width. Below 128 the demo task does not learn reliably.
         num_layers: Number of decoder layers.
         num_heads: Number of attention heads.
@@ -182,7 +258,7 @@ def build_tiny_classifier(
     Runs on: any process (plain function).
 
     Args:
-        tokenizer: The tokenizer the model is for (usually :func:`build_char_tokenizer`).
+        tokenizer: The tokenizer the model is for (usually :func:`build_tiny_tokenizer`).
         hidden_size: Model width.
         num_layers: Number of decoder layers.
         num_heads: Number of attention heads.
@@ -211,7 +287,7 @@ def build_tiny_classifier(
 
 
 def save_tiny(model_dir: str | os.PathLike[str], *, seed: int = 0, classifier: bool = False, **kw: Any) -> str:
-    """Builds the char tokenizer and a tiny model and saves both into ``model_dir`` (safetensors).
+    """Builds the tiny tokenizer and a tiny model and saves both into ``model_dir`` (safetensors).
 
     The directory can then be loaded like any local checkpoint (``AutoTokenizer.from_pretrained``,
     ``AutoModelForCausalLM.from_pretrained``). Takes well under a second.
@@ -231,7 +307,7 @@ def save_tiny(model_dir: str | os.PathLike[str], *, seed: int = 0, classifier: b
     """
     path = os.fspath(model_dir)
     os.makedirs(path, exist_ok=True)
-    tokenizer = build_char_tokenizer(path)
+    tokenizer = build_tiny_tokenizer(path)
     build = build_tiny_classifier if classifier else build_tiny_model
     model = build(tokenizer, seed=seed, **kw)
     model.save_pretrained(path, safe_serialization=True)

@@ -1,15 +1,22 @@
-"""Supervised warm start of the tiny demo model, its on-disk cache, and accuracy checks.
+"""Supervised warm start of the tiny demo model with :class:`~lightning_rlhf.modules.SFTModule`, its on-disk
+cache, and accuracy checks.
 
-A randomly initialised tiny model never produces a correct sum, so RL has no signal. A few dozen
-supervised steps bring it to a partly-right policy (sampled accuracy around 0.4) that RL can then
-visibly improve.
+A randomly initialised tiny model never produces a correct sum, so RL has no signal. A few dozen supervised
+steps on the training prompts (:func:`~lightning_rlhf.demo.task.addition_splits`; the held-out ones are never
+trained on) bring it to a partly-right policy that RL can then visibly improve.
+
+``python -m lightning_rlhf.demo.warmstart MODEL OUT [--steps N ...]`` runs one warm start (what
+:func:`warm_start` launches as a subprocess).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -22,12 +29,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from lightning_rlhf.demo.task import addition_dataset, addition_reward
+from lightning_rlhf.demo.task import addition_dataset, addition_reward, addition_splits
 from lightning_rlhf.demo.tiny import save_tiny
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = "v1"
+CACHE_VERSION = "v3"
 """Bumped whenever the tiny model, tokenizer or warm start change, so stale caches are not reused."""
 
 
@@ -38,94 +45,121 @@ def _load(model_dir: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return model, tokenizer
 
 
-def _supervised_batch_tensors(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[str], answers: list[str]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``prompt + answer + eos`` sequences with labels only on ``answer + eos``."""
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id
-    assert eos is not None and pad is not None, "tokenizer needs eos and pad tokens"
-    rows: list[tuple[list[int], list[int]]] = []
-    for prompt, answer in zip(prompts, answers, strict=True):
-        prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        response_ids = [*tokenizer(answer, add_special_tokens=False)["input_ids"], eos]
-        rows.append((prompt_ids, response_ids))
-    width = max(len(p) + len(r) for p, r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (prompt_ids, response_ids) in enumerate(rows):
-        n_prompt, n_total = len(prompt_ids), len(prompt_ids) + len(response_ids)
-        input_ids[i, :n_total] = torch.tensor(prompt_ids + response_ids)
-        attention_mask[i, :n_total] = 1
-        labels[i, n_prompt:n_total] = torch.tensor(response_ids)
-    return input_ids, attention_mask, labels
-
-
 def warm_start(
     model_dir: str,
     out_dir: str,
     *,
-    steps: int = 60,
+    steps: int = 40,
     batch_size: int = 64,
     lr: float = 1e-3,
     seed: int = 0,
     digits: int = 1,
+    timeout_s: float = 600.0,
 ) -> str:
-    """Trains the model in ``model_dir`` supervised on the addition task and saves it to ``out_dir``.
+    """Fine-tunes the model in ``model_dir`` on the training split of the addition task with
+    :class:`~lightning_rlhf.modules.SFTModule` and saves it (model and tokenizer) to ``out_dir``.
 
-    Each step draws ``batch_size`` prompts (with replacement) from :func:`addition_dataset` and minimises
-    the cross-entropy of ``answer + eos`` given the prompt, with AdamW in plain PyTorch. Prompt ids are
-    ``tokenizer(prompt, add_special_tokens=True)["input_ids"]`` (as the RL rollouts tokenize them) and the
-    response is the answer's characters followed by EOS. Deterministic for a given seed; the global RNG
-    state is left untouched. About 1.5 s on CPU for the defaults.
+    The run is a one-process Lightning ``fit`` (``RLHFStrategy``, ``SFTDataModule`` over
+    ``addition_splits(digits=digits)["train"]``: loss on the answer and EOS only, AdamW at ``lr``, one step per
+    batch, reshuffled every epoch with ``seed``) in a fresh Python process started with ``subprocess``: it never
+    shares a process group with the caller, so a script may call this and then start a multi-process ``fit``
+    (Lightning relaunches the script for the other ranks, which find the model cached by then). Deterministic for
+    a given seed. A few seconds for the defaults, most of it the new interpreter's imports.
 
-    Runs on: any process (plain function).
+    Runs on: any process (launches and waits for a child process).
 
     Args:
         model_dir: Directory with a causal LM and its tokenizer (e.g. from :func:`save_tiny`).
-        out_dir: Where the trained model and the tokenizer are saved (``save_pretrained``).
-        steps: Number of optimizer steps.
-        batch_size: Sequences per step.
+        out_dir: Where the trained model and the tokenizer are written.
+        steps: Optimizer steps (one per batch).
+        batch_size: Examples per step.
         lr: AdamW learning rate.
-        seed: Seed of the batch draws.
-        digits: ``digits`` of :func:`addition_dataset`.
+        seed: Seed of the shuffling and of the run.
+        digits: ``digits`` of :func:`~lightning_rlhf.demo.task.addition_splits`.
+        timeout_s: How long the child may run before it is killed and this raises.
 
     Returns:
         ``out_dir``.
+
+    Raises:
+        RuntimeError: the child process failed (its output's end is in the message) or timed out.
     """
-    model, tokenizer = _load(model_dir)
-    data = addition_dataset(seed=seed, digits=digits)
-    input_ids, attention_mask, labels = _supervised_batch_tensors(tokenizer, data["prompt"], data["answer"])
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
+    args = [
+        model_dir, out_dir, "--steps", str(steps), "--batch-size", str(batch_size), "--lr", repr(lr),
+        "--seed", str(seed), "--digits", str(digits),
+    ]  # fmt: skip
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",  # a 300k-parameter model gains nothing from threads; on a busy CPU they cost
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p),
+    }
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # a caller inside a distributed run must not make the child join its process group
     start = time.perf_counter()
-    loss = torch.zeros(())
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for _ in range(steps):
-            idx = torch.randint(0, input_ids.shape[0], (batch_size,), generator=generator)
-            out = model(input_ids=input_ids[idx], attention_mask=attention_mask[idx], labels=labels[idx])
-            loss = out.loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    log.info("warm start: %d steps in %.2fs, final loss %.3f", steps, time.perf_counter() - start, loss.item())
-    model.eval()
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "lightning_rlhf.demo.warmstart", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(
+            f"warm_start({model_dir!r}): the SFT run did not finish within timeout_s={timeout_s:g}. HINT: the "
+            "machine may be overloaded; retry, or raise timeout_s."
+        ) from err
+    if proc.returncode != 0 or not os.path.isfile(os.path.join(out_dir, "config.json")):
+        raise RuntimeError(
+            f"warm_start({model_dir!r}): the SFT run exited with {proc.returncode}.\n--- its output (end) ---\n"
+            f"{(proc.stdout + proc.stderr)[-4000:]}"
+        )
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    log.info("warm start: %s (%.1f s)", summary, time.perf_counter() - start)
     return out_dir
 
 
-def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int = 60) -> str:
+def _warm_start_here(
+    model_dir: str, out_dir: str, *, steps: int, batch_size: int, lr: float, seed: int, digits: int
+) -> dict[str, float]:
+    """The SFT run :func:`warm_start` launches; returns the first and last ``sft/loss``. Runs on: one process."""
+    import lightning as L
+
+    from lightning_rlhf import OptimConfig, RLHFStrategy, SFTDataModule, SFTModule
+    from lightning_rlhf.callbacks import ExportActor
+    from lightning_rlhf.callbacks.history import MetricHistory
+
+    L.seed_everything(seed, verbose=False)
+    module = SFTModule(model_dir, optim=OptimConfig(lr=lr), micro_batch_size=batch_size)
+    data = SFTDataModule(addition_splits(digits=digits)["train"], batch_size=batch_size, max_length=32, seed=seed)
+    history = MetricHistory(["sft/loss"])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=RLHFStrategy("hf"),
+        max_steps=steps,
+        logger=False,
+        callbacks=[ExportActor(out_dir), history],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=data)
+    losses = history.values("sft/loss")[1]
+    return {"first": losses[0], "last": losses[-1], "steps": float(len(losses))}
+
+
+def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int = 40) -> str:
     """Returns a warm-started tiny demo model, building and caching it on first use.
 
-    The model lives in ``cache_dir/demo-model-v1-seed{seed}-ws{warm_start_steps}``; if that directory
-    already has a ``config.json`` it is reused as is (nothing printed). Otherwise a tiny model is built
-    (:func:`save_tiny`) and warm-started (:func:`warm_start`) in a temporary directory inside
-    ``cache_dir`` that is then renamed into place, so concurrent callers never see a partial model.
+    The model lives in ``cache_dir/demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}``; if that
+    directory already has a ``config.json`` it is reused as is (nothing printed). Otherwise a tiny model is built
+    (:func:`save_tiny`) and warm-started (:func:`warm_start`, an ``SFTModule`` run in a child process) in a
+    temporary directory inside ``cache_dir`` that is then renamed into place, so concurrent callers never see a
+    partial model. Call it before starting a multi-process ``fit``: the other ranks then find the model cached.
 
     Runs on: any process (plain function).
 
@@ -241,3 +275,32 @@ def greedy_accuracy(model_dir: str, *, digits: int = 1) -> float:
     completions = _generate_completions(model, tokenizer, prompts, do_sample=False, temperature=1.0, max_new_tokens=4)
     rewards = addition_reward(prompts, completions, answer=answers)
     return sum(rewards) / len(rewards)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lightning_rlhf.demo.warmstart MODEL OUT``: one warm start in this process (what
+    :func:`warm_start` runs in its child); prints the loss line last. Runs on: one process."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_rlhf.demo.warmstart", description=main.__doc__)
+    parser.add_argument("model_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--digits", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    loss = _warm_start_here(
+        args.model_dir,
+        args.out_dir,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        digits=args.digits,
+    )
+    print(f"SFTModule: {loss['steps']:.0f} steps, sft/loss {loss['first']:.3f} -> {loss['last']:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,5 @@
-"""Ready algorithm modules: each is an RLHFModule whose ``training_step`` is the algorithm's dataflow.
+"""Ready algorithm modules: each is an RLHFModule whose ``training_step`` is the algorithm's dataflow
+(``SFTModule``: supervised fine-tuning, the warm start before RL).
 
 A module's own default ``algorithm`` (and ``rollout``) applies when the argument is missing or None: the
 command line passes every argument, unset ones as None.
@@ -8,6 +9,7 @@ from lightning_rlhf.modules.grpo import GRPOModule
 from lightning_rlhf.modules.ppo import PPOModule
 from lightning_rlhf.modules.remax import ReMaxModule
 from lightning_rlhf.modules.safe_rlhf import SafeRLHFModule
+from lightning_rlhf.modules.sft import SFTModule
 from lightning_rlhf.modules.variants import DAPOModule, DrGRPOModule, REINFORCEPPModule, RLOOModule
 
 __all__ = [
@@ -18,5 +20,6 @@ __all__ = [
     "REINFORCEPPModule",
     "RLOOModule",
     "ReMaxModule",
+    "SFTModule",
     "SafeRLHFModule",
 ]

@@ -9,7 +9,9 @@ from lightning_rlhf.rewards.runner import (
     RewardOutcome,
     call_reward_fn,
     check_scores,
+    close_reward_pools,
     reward_fn_name,
+    reward_workers,
 )
 
 __all__ = [
@@ -20,10 +22,12 @@ __all__ = [
     "RewardSpec",
     "call_reward_fn",
     "check_scores",
+    "close_reward_pools",
     "extract_final_number",
     "gsm8k_reward",
     "math_reward",
     "reward_components",
     "reward_fn_name",
+    "reward_workers",
     "weighted_sum",
 ]

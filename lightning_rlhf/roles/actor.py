@@ -12,8 +12,10 @@ from lightning_rlhf.algorithms import aggregate_loss, compute_policy_loss, kl_pe
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
+from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.rollout.reshard import weights_for
 from lightning_rlhf.engines.train import forward_response, move_optimizer_state
+from lightning_rlhf.models import resolve_model_path
 from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.roles.training import MetricAccumulator, global_token_count, minibatches, world
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
@@ -62,6 +64,12 @@ class ActorRole(Role):
         return True
 
     @property
+    def logprob_temperature(self) -> float:
+        """The temperature of every log-prob the loss uses (old, new; the reference role uses the same):
+        ``RolloutConfig.temperature``, or 1 (the raw policy) for greedy rollouts (temperature 0)."""
+        return logprob_temperature(self.rollout.temperature)
+
+    @property
     def engine(self) -> RolloutEngine:
         """The colocated rollout engine (set by the strategy at setup)."""
         if self._engine is None:
@@ -77,7 +85,8 @@ class ActorRole(Role):
         from transformers import AutoModelForCausalLM
 
         if self.model is None:
-            self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+            path = resolve_model_path(self.path, setting="ActorRole(path=...)")
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             disable_dropout(self.model)
             self.model.train()  # from_pretrained returns eval mode; dropout is off anyway
 
@@ -94,8 +103,10 @@ class ActorRole(Role):
     ) -> Batch:
         """Sample ``n`` (default ``rollout.n``) responses per prompt with the colocated engine; ``greedy``
         decodes one deterministic response per prompt instead (e.g. ReMax's baseline). ``temperature``
-        overrides the rollout's (validation); ``seed_offset`` moves the sampling seeds off the training
-        stream's, so other generations at the same step draw their own samples.
+        overrides the rollout's (validation; 0 decodes greedily, ``n`` identical responses per prompt), checked
+        like ``RolloutConfig.temperature``; ``seed_offset`` moves the sampling seeds off the training stream's,
+        so other generations at the same step draw their own samples. ``log_prob`` and ``update`` score at
+        ``RolloutConfig.temperature`` (1 when it is 0), whatever was sampled here.
 
         Runs on: every worker rank, each on its share of the prompts. Input: ``prompts``/``prompt_mask``
         (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask``,
@@ -184,7 +195,7 @@ class ActorRole(Role):
         parts = []
         with torch.no_grad():
             for micro in batch.split(self.algorithm.micro_batch_size):
-                out = forward_response(self.model, micro, output="logprobs", temperature=self.rollout.temperature)
+                out = forward_response(self.model, micro, output="logprobs", temperature=self.logprob_temperature)
                 parts.append(out["logprobs"].cpu())
         batch["old_logprobs"] = torch.cat(parts)
         return batch
@@ -236,7 +247,7 @@ class ActorRole(Role):
         assert self.model is not None
         device = next(self.model.parameters()).device
         out = forward_response(
-            self.model, micro, output="logprobs", temperature=self.rollout.temperature, with_entropy=True
+            self.model, micro, output="logprobs", temperature=self.logprob_temperature, with_entropy=True
         )
         mask = _loss_mask(micro).to(device)
         token_mean = algo.loss_agg == "token-mean"
@@ -271,6 +282,72 @@ class ActorRole(Role):
         local = mask.sum().clamp(min=1) / num_tokens if token_mean else torch.tensor(1.0)
         report = {k: v.detach() / local if k in ("pg_loss", "entropy", "kl_loss") else v for k, v in report.items()}
         return loss * scale, report, out["logprobs"].detach()
+
+    # ------------------------------------------------------------------------------- supervised (SFT)
+    @role_method(Dispatch.DP_SPLIT)
+    def sft_step(self, batch: Batch) -> dict[str, float]:
+        """One supervised optimizer step: the cross-entropy of every token whose ``loss_mask`` is 1 given the
+        tokens before it, micro-batched by ``algorithm.micro_batch_size``, as a token mean over the whole batch
+        (sum of the token losses of all ranks / their total count), then one clipped AdamW step and one
+        scheduler step.
+
+        Runs on: every worker rank, on its share of the examples (``input_ids``, ``attention_mask``,
+        ``loss_mask`` ``[B, T]``, right-padded, from :class:`~lightning_rlhf.data.SFTDataModule`). Returns
+        ``sft/loss``, ``sft/grad_norm``, ``sft/lr``, ``sft/tokens`` (loss tokens over all ranks) and
+        ``sft/update_skipped``; averaged over ranks by the controller, ``sft/loss`` is the batch's token mean.
+        """
+        assert self.model is not None and self.scheduler is not None
+        self.model.train()
+        total = global_token_count(batch["loss_mask"][:, 1:]).clamp(min=1)
+        # FSDP averages gradients over ranks; dividing by the per-rank share of the global count makes the sum
+        # over micro-batches and ranks an exact token mean over the whole batch.
+        per_rank = total / world()[1]
+        loss_sum = torch.zeros((), device=total.device)
+        for micro in batch.split(self.algorithm.micro_batch_size):
+            token_loss, mask = self._sft_token_losses(micro)
+            summed = (token_loss * mask).sum()
+            (summed / per_rank).backward()
+            loss_sum += summed.detach()
+        grad_norm, stepped = self.step_optimizer()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.mark_weights_changed()
+        return {
+            "sft/loss": float(loss_sum / per_rank),
+            "sft/grad_norm": float(grad_norm),
+            "sft/lr": float(lr),
+            "sft/tokens": float(total),
+            "sft/update_skipped": float(not stepped),
+        }
+
+    @role_method(Dispatch.DP_SPLIT)
+    def sft_loss(self, batch: Batch) -> dict[str, float]:
+        """The summed token loss (``loss_sum``) and the loss-token count (``tokens``) of this rank's share of an
+        SFT batch, without gradients (validation). Averaged over ranks by the controller, their ratio is the
+        token mean over the whole batch.
+
+        Runs on: every worker rank (FSDP forward, micro-batched).
+        """
+        assert self.model is not None
+        loss_sum, tokens = torch.zeros(()), torch.zeros(())
+        with torch.no_grad():
+            for micro in batch.split(self.algorithm.micro_batch_size):
+                token_loss, mask = self._sft_token_losses(micro)
+                loss_sum += (token_loss * mask).sum().cpu()
+                tokens += mask.sum().cpu()
+        return {"loss_sum": float(loss_sum), "tokens": float(tokens)}
+
+    def _sft_token_losses(self, micro: Batch) -> tuple[Tensor, Tensor]:
+        """Per-token cross-entropy ``[B, T-1]`` of ``input_ids[:, 1:]`` and its loss mask, padding trimmed."""
+        assert self.model is not None
+        device = next(self.model.parameters()).device
+        width = max(2, int(micro["attention_mask"].sum(-1).max()))
+        ids = micro["input_ids"][:, :width].to(device)
+        logits = self.model(input_ids=ids, attention_mask=micro["attention_mask"][:, :width].to(device)).logits
+        token_loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
+        )
+        return token_loss, micro["loss_mask"][:, 1:width].to(device).float()
 
 
 def rollout_probs_diff(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, Tensor]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -76,29 +75,17 @@ class Role(nn.Module):
         return norm.detach(), stepped
 
 
-def check_pretrained(path: str, *, setting: str) -> None:
-    """Fail fast, with the setting's name, when ``path`` is neither a local model folder nor a loadable hub id.
+def check_pretrained(path: str, *, setting: str) -> str:
+    """Fail fast, with the setting's name, when ``path`` is neither a local model folder, an embedded model's name
+    (``lightning-rlhf/...``) nor a loadable hub id; returns what ``from_pretrained`` should load.
 
-    Runs on: any process, before models are loaded (reads ``config.json`` only).
+    Same as :func:`lightning_rlhf.models.resolve_model_path` (kept under this name for existing callers).
+
+    Runs on: any process, before models are loaded (reads ``config.json`` only; builds an embedded model once).
     """
-    from transformers import AutoConfig
+    from lightning_rlhf.models import resolve_model_path
 
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(
-                f"{setting}={path!r}: the folder has no config.json. HINT: point it at a folder written by "
-                "`save_pretrained` (config.json + weights)."
-            )
-        return
-    looks_local = path.startswith((".", "/", "~")) or os.sep in path.strip("/").replace("/", os.sep, 1)
-    try:
-        AutoConfig.from_pretrained(path)
-    except Exception as err:
-        where = "no such folder" if looks_local else "not a local folder, and the hub id could not be loaded"
-        raise FileNotFoundError(
-            f"{setting}={path!r}: {where} ({type(err).__name__}). HINT: pass a local model folder or a "
-            "hub id that is in the local cache (HF_HUB_OFFLINE=1 machines need it downloaded beforehand)."
-        ) from None
+    return resolve_model_path(path, setting=setting)
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -8,6 +8,7 @@ from lightning_rlhf.algorithms import value_loss_clipped
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig
 from lightning_rlhf.engines.train import forward_response
+from lightning_rlhf.models import resolve_model_path
 from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.roles.training import MetricAccumulator, global_token_count, minibatches, world
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
@@ -47,7 +48,8 @@ class CriticRole(Role):
         from transformers import AutoModelForTokenClassification
 
         if self.model is None:
-            self.model = AutoModelForTokenClassification.from_pretrained(self.path, num_labels=1, dtype=torch.float32)
+            path = resolve_model_path(self.path, setting="CriticRole(path=...)")
+            self.model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
             disable_dropout(self.model)
             self.model.train()  # from_pretrained returns eval mode; dropout is off anyway
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.train import forward_response
+from lightning_rlhf.models import resolve_model_path
 from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 
@@ -17,7 +19,8 @@ class ReferenceRole(Role):
 
     Args:
         path: local folder or hub id (normally the actor's initial checkpoint).
-        temperature: the rollout temperature (log-probs are taken at the sampling temperature).
+        temperature: the rollout temperature: log-probs are taken at it, as the actor's are (at 1, the raw
+            policy's, for greedy rollouts at temperature 0).
         micro_batch_size: samples per forward on one rank.
     """
 
@@ -26,7 +29,7 @@ class ReferenceRole(Role):
     def __init__(self, path: str, *, temperature: float, micro_batch_size: int) -> None:
         super().__init__()
         self.path = path
-        self.temperature = temperature
+        self.temperature = logprob_temperature(temperature)
         self.micro_batch_size = micro_batch_size
 
     def load(self) -> None:
@@ -34,7 +37,8 @@ class ReferenceRole(Role):
         from transformers import AutoModelForCausalLM
 
         if self.model is None:
-            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+            path = resolve_model_path(self.path, setting="ReferenceRole(path=...)")
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             disable_dropout(model)
             self.model = model.eval().requires_grad_(False)
 

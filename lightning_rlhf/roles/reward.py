@@ -8,6 +8,7 @@ import torch
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RewardConfig
+from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.rewards import (
     RewardComponent,
     RewardFn,
@@ -18,6 +19,7 @@ from lightning_rlhf.rewards import (
     reward_fn_name,
     weighted_sum,
 )
+from lightning_rlhf.rewards.runner import close_reward_pools, reward_workers
 from lightning_rlhf.roles.base import Role, disable_dropout
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 
@@ -41,7 +43,8 @@ class RewardRole(Role):
         micro_batch_size: samples per forward of a reward model on one rank.
         key: the column the scores go to (``scores``; a Safe-RLHF cost role writes ``costs``).
         config: how functions are called (timeout, fallback, batches) and the weights. None: functions are
-            called in-process, without a timeout (``RLHFModule`` passes its ``reward_config``, which forks).
+            called in-process, without a timeout (``RLHFModule`` passes its ``reward_config``, whose functions
+            run in reward worker processes).
     """
 
     name = "reward"
@@ -66,17 +69,26 @@ class RewardRole(Role):
         self._model_tokenizer: Any = None
 
     def load(self) -> None:
-        """Load the reward model, if a component is one (every rank, before sharding)."""
+        """Load the reward model, if a component is one, and start the reward functions' worker processes
+        (with ``config.timeout_s`` set), which then load their functions while the models load.
+
+        Runs on: every rank, before sharding.
+        """
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        if self.config.timeout_s is not None:
+            for c in self.components:
+                if not isinstance(c.source, str):
+                    reward_workers(c.source, name=self._fn_label(c)).start(self.config.num_workers)
+
         if self.path is not None and self.model is None:
-            model = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1, dtype=torch.float32)
+            path = resolve_model_path(self.path, setting="RewardRole(reward=...)")
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
             disable_dropout(model)
             self.model = model.eval().requires_grad_(False)
-            self._model_tokenizer = AutoTokenizer.from_pretrained(self.path)
+            self._model_tokenizer = AutoTokenizer.from_pretrained(path)
             self._model_tokenizer.padding_side = "right"
-            if self._model_tokenizer.pad_token is None:
-                self._model_tokenizer.pad_token = self._model_tokenizer.eos_token
+            ensure_pad_token(self._model_tokenizer, source=path)
             if getattr(model.config, "pad_token_id", None) is None:
                 model.config.pad_token_id = self._model_tokenizer.pad_token_id
 
@@ -85,8 +97,8 @@ class RewardRole(Role):
         """Decode the responses into ``completion``, score them with every component and write the weighted
         sum into ``scores`` (or the role's ``key``), each component's scores and failures beside it.
 
-        Runs on: every worker rank. Functions run as ``RewardConfig`` says (forked, with a timeout, by default
-        in ``RLHFModule``); the model runs here, ``micro_batch_size`` texts per forward.
+        Runs on: every worker rank. Functions run as ``RewardConfig`` says (in reward worker processes, with a
+        timeout, by default in ``RLHFModule``); the model runs here, ``micro_batch_size`` texts per forward.
         """
         completions = [
             self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True)
@@ -102,7 +114,6 @@ class RewardRole(Role):
             if isinstance(c.source, str):
                 scores[c.name] = self._score_model([p + t for p, t in zip(prompts, completions, strict=True)])
             else:
-                fn_name = reward_fn_name(c.source)
                 out = call_reward_fn(
                     c.source,
                     prompts,
@@ -113,13 +124,27 @@ class RewardRole(Role):
                     batch_size=cfg.batch_size,
                     num_workers=cfg.num_workers,
                     on_exception=cfg.on_exception,
-                    name=fn_name if fn_name.strip("<>") == c.name else f"{c.name}` (`{fn_name}`)",
+                    name=self._fn_label(c),
                 )
                 scores[c.name], failed = out.scores, out.failed
             batch[f"{self.name}/{c.name}"] = scores[c.name]
             batch[f"{self.name}/{c.name}/failed"] = failed
         batch[self.key] = weighted_sum(scores, {c.name: c.weight for c in self.components})
         return batch
+
+    def close(self) -> None:
+        """End the worker processes of this role's reward functions. Idempotent; they are started again if
+        the role scores afterwards.
+
+        Runs on: every rank, at teardown (interpreter exit closes them too).
+        """
+        close_reward_pools([c.source for c in self.components if not isinstance(c.source, str)])
+
+    @staticmethod
+    def _fn_label(c: RewardComponent) -> str:
+        """How a function component is named in messages: its name, and the function's when they differ."""
+        fn_name = reward_fn_name(c.source)  # type: ignore[arg-type]
+        return fn_name if fn_name.strip("<>") == c.name else f"{c.name}` (`{fn_name}`)"
 
     def metrics(self, batch: Batch) -> dict[str, float]:
         """Each component's mean score and failed-sample count over a scored batch (all ranks' samples).

@@ -2,6 +2,7 @@
 
 from lightning_rlhf.strategy.controller import ControllerError, WorkerError
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
+from lightning_rlhf.strategy.liveness import RankDiedError
 from lightning_rlhf.strategy.strategy import RLHFStrategy
 
-__all__ = ["ControllerError", "Dispatch", "RLHFStrategy", "WorkerError", "role_method"]
+__all__ = ["ControllerError", "Dispatch", "RLHFStrategy", "RankDiedError", "WorkerError", "role_method"]

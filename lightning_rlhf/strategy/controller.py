@@ -9,19 +9,21 @@ Failures: a role method that raises on any rank is caught there; its traceback t
 results and the controller raises :class:`WorkerError`. The failing rank also posts the error to the
 rendezvous store, so if the other ranks are stuck in a collective that the failed rank will never join, a
 watchdog thread on every rank prints the error and ends the process after ``error_timeout_s``: the run
-fails loudly instead of hanging.
+fails loudly instead of hanging. A rank whose process dies (SIGKILL, a crash) is named on the others by
+:class:`~lightning_rlhf.strategy.liveness.RankDiedError` (rank, pid, signal or exit code, role call): see
+``liveness.py``.
+
+Stops: the end-of-step message carries rank 0's decision to stop after this step (a preemption signal seen on
+any rank), so every rank stops at the same step boundary.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import os
+import functools
 import pickle
-import sys
-import threading
-import time
+import subprocess
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,13 +32,15 @@ import torch.distributed as dist
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.strategy.dispatch import controller_active, dispatch_of, merge_results, split_args
+from lightning_rlhf.strategy.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
 
 if TYPE_CHECKING:
     from lightning_rlhf.roles.base import Role
 
-__all__ = ["Controller", "ControllerError", "WorkerError"]
+__all__ = ["Controller", "ControllerError", "RankDiedError", "WorkerError"]
 
-_ERROR_KEY = "lightning_rlhf/error"
+_ERROR_KEY = ERROR_KEY
+_COMM_ERROR_WORDS = ("connection", "gloo", "nccl", "socket", "broken pipe", "timed out", "peer")
 
 
 class WorkerError(RuntimeError):
@@ -67,6 +71,7 @@ class _Call:
 @dataclasses.dataclass
 class _EndStep:
     logs: list[tuple[str, float, dict[str, Any]]]
+    stop: int = 0  # signal number of a stop requested on any rank: every rank stops after this step
 
 
 @dataclasses.dataclass
@@ -89,42 +94,102 @@ class Controller:
         rank: this process's global rank.
         world_size: number of processes.
         error_timeout_s: how long a rank may stay blocked after another rank posted an error before the
-            watchdog ends the process.
+            watchdog ends the process; also how long a rank on another host may miss heartbeats.
+        children: this process's child processes that are ranks (Lightning's launcher makes ranks 1.. children
+            of rank 0): their exit status names how they died.
+        stop_requested: returns the signal number of a stop asked of this rank (0 if none).
     """
 
     def __init__(
-        self, roles: Callable[[str], Role], *, rank: int, world_size: int, error_timeout_s: float = 60.0
+        self,
+        roles: Callable[[str], Role],
+        *,
+        rank: int,
+        world_size: int,
+        error_timeout_s: float = 60.0,
+        children: list[subprocess.Popen[Any]] | None = None,
+        stop_requested: Callable[[], int] = lambda: 0,
     ) -> None:
         self._roles = roles
         self.rank = rank
         self.world_size = world_size
         self._group: Any = None
         self._store: Any = None
-        self._watchdog: _Watchdog | None = None
+        self._watchdog: Watchdog | None = None
+        self._liveness: Liveness | None = None
+        self._stop_requested = stop_requested
+        self.where: str | None = None  # the role call in flight on this rank
+        self._last_where: str | None = None
+        self.stop_signum = 0  # set after each step: the stop every rank agreed on (0: go on)
         if world_size > 1:
             # Control messages are pickled Python objects: keep them on a CPU (gloo) group whatever the
             # data-plane backend is, so NCCL never carries them and GPU tensors never enter them.
             self._group = dist.new_group(backend="gloo")
             self._store = dist.distributed_c10d._get_default_store()
-            self._watchdog = _Watchdog(self._store, rank, error_timeout_s)
+            self._liveness = Liveness(
+                self._store, rank, world_size, children=children, heartbeat_timeout_s=error_timeout_s
+            )
+            self._liveness.publish()
+            self._liveness.where = self.describe_where
+            self._watchdog = Watchdog(
+                self._store,
+                rank,
+                error_timeout_s,
+                liveness=self._liveness,
+                stop_flag=stop_requested,
+                grace_s=min(10.0, error_timeout_s),
+            )
+
+    def describe_where(self) -> str | None:
+        """The role call this rank has in flight, or the last one it served. Runs on: any rank."""
+        if self.where is not None:
+            return self.where
+        if self._last_where is not None:
+            return f"the wait for the next role call (after `{self._last_where}`)"
+        return None
 
     # ----------------------------------------------------------------------------------- controller
-    def run_step(self, step_fn: Callable[[], Any], logs: list[tuple[str, float, dict[str, Any]]]) -> Any:
+    def run_step(
+        self, step_fn: Callable[[], Any], logs: list[tuple[str, float, dict[str, Any]]], *, track_stop: bool = False
+    ) -> Any:
         """Run ``step_fn`` (the module's training or validation step) as the controller, then release the workers.
 
         Runs on: controller (rank 0). ``logs`` is filled by the module while the step runs and is replayed
-        on the workers, so every rank sees the same logged metrics (callbacks that monitor them work).
+        on the workers, so every rank sees the same logged metrics (callbacks that monitor them work). With
+        ``track_stop`` (training steps) the end-of-step message carries the stop decision (``stop_signum``).
         """
+        self._last_where = None
         try:
             with controller_active(self):
                 out = step_fn()
         except BaseException as err:
+            if isinstance(err, RankDiedError):  # the control plane is broken: no abort can reach every rank
+                raise
             if self.world_size > 1 and not isinstance(err, WorkerError):
                 self._post_error(f"controller (rank 0) failed:\n{traceback.format_exc()}")
-            self._scatter([_Abort(repr(err))] * self.world_size)
+            try:
+                self._scatter([_Abort(repr(err))] * self.world_size)
+            except Exception as abort_err:
+                died = self._dead_peer(abort_err)
+                if died is not None:
+                    raise died from err
+                raise
             raise
-        self._scatter([_EndStep(logs)] * self.world_size)
+        self.stop_signum = self._decide_stop() if track_stop else 0
+        self._communicate(lambda: self._scatter([_EndStep(logs, self.stop_signum)] * self.world_size))
         return out
+
+    def _decide_stop(self) -> int:
+        """A stop asked of rank 0 itself, or posted to the store by another rank (the first one wins)."""
+        signum = self._stop_requested()
+        if signum or self._store is None:
+            return signum
+        try:
+            if self._store.check([STOP_KEY]):
+                return int(self._store.get(STOP_KEY))
+        except Exception:
+            return 0
+        return 0
 
     def call(self, role: Role, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Distribute one role call by its declared protocol and return the merged result.
@@ -135,10 +200,18 @@ class Controller:
         dispatch = dispatch_of(role, method)
         per_rank = split_args(dispatch, args, kwargs, self.world_size, where=where)
         messages = [None if a is None else _Call(role.name, method, a[0], a[1]) for a in per_rank]
-        with self._busy():
+
+        def exchange() -> list[Any]:
             mine = self._scatter(messages)
             result = self._execute(mine) if mine is not None else None
-            results = self._gather(result)
+            return self._gather(result)
+
+        self.where = where
+        try:
+            with self._busy():
+                results = self._communicate(exchange)
+        finally:
+            self.where, self._last_where = None, where
         failures = [r for r in results if isinstance(r, _Failure)]
         if failures:
             first = self._first_posted_failure() or failures[0]
@@ -151,10 +224,12 @@ class Controller:
 
         Runs on: workers (ranks > 0), once per training step and once per validation batch.
         """
+        self._last_where = None
         while True:
             with self._busy():
-                msg = self._scatter(None)
+                msg = self._communicate(lambda: self._scatter(None))
             if isinstance(msg, _EndStep):
+                self.stop_signum = msg.stop
                 for name, value, kw in msg.logs:
                     replay_log(name, value, kw)
                 return
@@ -163,21 +238,52 @@ class Controller:
                     f"rank {self.rank}: the controller's step failed ({msg.message}); it raises the error."
                 )
             with self._busy():
-                self._gather(self._execute(msg) if msg is not None else None)
+                result = self._execute(msg) if msg is not None else None
+                if self._watchdog is not None:
+                    self._watchdog.post_stop()  # before the reply: rank 0 sees it at the end of this step
+                self._communicate(functools.partial(self._gather, result))
 
     # -------------------------------------------------------------------------------------- plumbing
     def _execute(self, call: _Call) -> Any:
         role = self._roles(call.role)
         fn = getattr(type(role), call.method).__wrapped__
         where = f"{call.role}.{call.method}"
+        self.where = where
         try:
             with controller_active(None):
                 result = fn(role, *call.args, **call.kwargs)
-        except Exception:
+        except Exception as err:
+            died = self._dead_peer(err)
+            if died is not None:  # a collective failed because a peer died: not this role's fault
+                raise died from err
             tb = traceback.format_exc()
             self._post_error(f"rank {self.rank} failed in `{where}`:\n{tb}", _Failure(self.rank, where, tb))
             return _Failure(self.rank, where, tb)
+        finally:
+            self.where, self._last_where = None, where
         return result.to("cpu") if isinstance(result, Batch) and self.world_size > 1 else result
+
+    def _communicate(self, fn: Callable[[], Any]) -> Any:
+        """Run a control-plane exchange; a failure caused by a dead rank becomes :class:`RankDiedError`."""
+        try:
+            return fn()
+        except RankDiedError:
+            raise
+        except Exception as err:
+            died = self._dead_peer(err)
+            if died is not None:
+                raise died from err
+            raise
+
+    def _dead_peer(self, err: BaseException) -> RankDiedError | None:
+        """The dead rank behind ``err``, if any: waits a few seconds to learn it when ``err`` looks like a
+        broken connection (the backend usually notices before the watchdog does)."""
+        if self._liveness is None or isinstance(err, RankDiedError):
+            return None
+        text = f"{type(err).__name__} {err}".lower()
+        comm = isinstance(err, getattr(dist, "DistError", ())) or any(w in text for w in _COMM_ERROR_WORDS)
+        death = self._liveness.wait_for_death(10.0 if comm else 0.0)
+        return None if death is None else RankDiedError(death, self.describe_where())
 
     def _scatter(self, messages: list[Any] | None) -> Any:
         if self.world_size == 1:
@@ -223,57 +329,15 @@ class Controller:
             if self._watchdog is not None:
                 self._watchdog.busy = False
 
+    @property
+    def death(self) -> Any:
+        """The dead rank this process saw (a :class:`~lightning_rlhf.strategy.liveness.Death`), or None."""
+        return None if self._liveness is None else self._liveness.death
+
     def close(self) -> None:
-        """Stop the watchdog. Runs on: every rank, at teardown."""
-        if self._watchdog is not None:
+        """Stop the watchdog, unless a rank died: then it stays to end this process if the shutdown hangs.
+
+        Runs on: every rank, at teardown.
+        """
+        if self._watchdog is not None and self.death is None:
             self._watchdog.stop()
-
-
-class _Watchdog:
-    """Ends this process if another rank posted an error and this one stays blocked past the timeout.
-
-    "Blocked" means inside a role call or waiting for the controller (``busy``); a rank that is shutting down
-    cleanly elsewhere gets three times as long before it is ended.
-    """
-
-    def __init__(self, store: Any, rank: int, timeout_s: float, poll_s: float = 0.5) -> None:
-        self._store = store
-        self._rank = rank
-        self._timeout_s = timeout_s
-        self._poll_s = poll_s
-        self._stop = threading.Event()
-        self.busy = False
-        self._thread = threading.Thread(target=self._run, name="lightning_rlhf-watchdog", daemon=True)
-        self._thread.start()
-        atexit.register(self.stop)  # leave no thread inside a store call while the interpreter shuts down
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self._poll_s + 1)
-
-    def _run(self) -> None:
-        seen_at: float | None = None
-        while not self._stop.wait(self._poll_s):
-            try:
-                posted = self._store.check([_ERROR_KEY])
-            except Exception:  # rank 0's store is gone: the run is over, do not linger
-                posted = seen_at is not None
-                if not posted:
-                    return
-            if not posted:
-                continue
-            seen_at = seen_at or time.monotonic()
-            if time.monotonic() - seen_at < self._timeout_s * (1 if self.busy else 3):
-                continue
-            try:
-                message, _ = pickle.loads(self._store.get(_ERROR_KEY))
-            except Exception:
-                message = "another rank failed (its message could not be read)"
-            print(
-                f"\n[lightning_rlhf] rank {self._rank}: blocked {self._timeout_s:.0f}s after an error elsewhere; "
-                f"ending this process.\n{message}",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(1)

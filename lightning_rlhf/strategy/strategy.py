@@ -11,25 +11,39 @@ What it changes in Lightning's ``ModelParallelStrategy``:
   unchanged); with ``ValidationConfig.before_train`` one validation also runs before the first step.
 - **data**: every rank iterates the same loader (no distributed sampler); only the controller's copy of a
   batch is used, and the transfer protocols split it.
+- **faults**: a dead rank is named on the others (``liveness.py``); SIGTERM/SIGUSR1 on any rank stop every rank
+  after the same step, save a checkpoint and exit with ``128 + signum`` (``preemption.py``); checkpoints are
+  renamed into place only once complete, and a missing or incomplete ``ckpt_path`` is refused before anything
+  loads (``checkpoint_io.py``, ``launcher.py``).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import VLLMConfig, config_from_dict
 from lightning_rlhf.engines.rollout import HFRolloutEngine, RolloutEngine
+from lightning_rlhf.engines.rollout.hf import check_hf_settings
 from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings, vllm_available
+from lightning_rlhf.strategy.checkpoint_io import publish, temporary_sibling
 from lightning_rlhf.strategy.controller import Controller
+from lightning_rlhf.strategy.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
+from lightning_rlhf.strategy.liveness import expect_exit
+from lightning_rlhf.strategy.preemption import PreemptionHandler, parse_signals
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -53,6 +67,13 @@ class RLHFStrategy(ModelParallelStrategy):
         timeout: process-group timeout for collectives.
         save_distributed_checkpoint: sharded checkpoints (a folder, one file per rank); False gathers a
             single file on rank 0.
+        preemption_checkpoint: when a preemption signal reaches any rank, save a checkpoint after the current
+            training step before exiting with ``128 + signum`` (143 for SIGTERM, 138 for SIGUSR1). False exits
+            the same way without saving.
+        preemption_signals: the signals that mean "stop soon" (names or numbers); ``()`` leaves every signal to
+            Lightning. These replace Lightning's own SIGTERM handling (and its SLURM SIGUSR1 requeue handler).
+        preemption_path: where that checkpoint goes. None: ``<ModelCheckpoint.dirpath>/preempted.ckpt`` when a
+            ModelCheckpoint has one, else ``<trainer.log_dir or default_root_dir>/checkpoints/preempted.ckpt``.
     """
 
     def __init__(
@@ -65,6 +86,9 @@ class RLHFStrategy(ModelParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
+        preemption_checkpoint: bool = True,
+        preemption_signals: Sequence[int | str] = ("SIGTERM", "SIGUSR1"),
+        preemption_path: str | os.PathLike[str] | None = None,
     ) -> None:
         if rollout not in ("auto", "hf", "vllm"):
             raise ValueError(f"RLHFStrategy(rollout={rollout!r}) is not available. Valid: 'auto', 'hf', 'vllm'.")
@@ -89,16 +113,38 @@ class RLHFStrategy(ModelParallelStrategy):
         self.worker_error_timeout_s = worker_error_timeout_s
         self._controller: Controller | None = None
         self._max_model_len = 0
+        self.preemption_checkpoint = preemption_checkpoint
+        self.preemption_path = None if preemption_path is None else os.fspath(preemption_path)
+        self._preemption = PreemptionHandler(parse_signals(preemption_signals))
+        self._stopping = 0  # the preemption signal every rank agreed to stop on (0: none)
 
     # ------------------------------------------------------------------------------------- set-up
+    @override
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher whose child observer defers to our watchdog; both check ``ckpt_path`` first."""
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            self._launcher = ExternalLauncher()
+        else:
+            self._launcher = RLHFLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
     @override
     def setup_environment(self) -> None:
         """Start the process group, a 1-D data-parallel mesh over all ranks, and the control plane."""
         self._data_parallel_size = self.num_nodes * self.num_processes
+        self._preemption.rank = self.global_rank
+        self._preemption.install()  # a signal during loading is acted on after the first step
         super().setup_environment()
         module = self._rlhf_module()
-        if self.rollout == "vllm":  # fail on settings vLLM cannot serve before any model is loaded
-            datamodule = getattr(module.trainer, "datamodule", None)
+        datamodule = getattr(module.trainer, "datamodule", None)
+        engine = module.needs_rollout_engine  # False for SFTModule: no engine, no generation settings to check
+        if engine and self.rollout == "hf":  # prompt + response must fit the positions, for either engine
+            check_hf_settings(
+                module.actor.path,
+                max_prompt_length=getattr(datamodule, "max_prompt_length", None),
+                max_new_tokens=module.rollout_config.max_new_tokens,
+            )
+        if engine and self.rollout == "vllm":  # fail on settings vLLM cannot serve before any model is loaded
             self._max_model_len = check_vllm_settings(
                 module.actor.path,
                 self.vllm_config,
@@ -108,12 +154,16 @@ class RLHFStrategy(ModelParallelStrategy):
                 max_prompt_length=getattr(datamodule, "max_prompt_length", None),
                 max_new_tokens=module.rollout_config.max_new_tokens,
             )
+        launcher = self._launcher
         self._controller = Controller(
             module.get_role,
             rank=self.global_rank,
             world_size=self.world_size,
             error_timeout_s=self.worker_error_timeout_s,
+            children=list(launcher.procs) if isinstance(launcher, RLHFLauncher) else None,
+            stop_requested=lambda: self._preemption.requested,
         )
+        watchdog_running(self.world_size > 1)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -128,7 +178,7 @@ class RLHFStrategy(ModelParallelStrategy):
             if role.model is None or role.sharded:  # a second fit() on the same module reuses the shards
                 continue
             role.model.to(self.root_device)
-            if name == "actor":
+            if name == "actor" and module.needs_rollout_engine:
                 module.actor.attach_engine(self._make_engine(module))
             role.shard(mesh, param_dtype=self.param_dtype)
         super().setup(trainer)
@@ -183,7 +233,7 @@ class RLHFStrategy(ModelParallelStrategy):
         # step), except after resuming from a checkpoint saved after a validation ran on the last batch (a save
         # after fit): Lightning's restore then counts the skipped validation as one more batch.
         trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
-        out = self._run_controlled(lambda: module.training_step(*args, **kwargs))
+        out = self._run_controlled(lambda: module.training_step(*args, **kwargs), track_stop=True)
         mark_consumed = getattr(trainer.train_dataloader, "mark_consumed", None)
         if isinstance(batch, Batch) and mark_consumed is not None:
             mark_consumed(batch)  # resumable data position = last batch trained on
@@ -191,6 +241,12 @@ class RLHFStrategy(ModelParallelStrategy):
         progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         progress.increment_ready()
         progress.increment_completed()
+        assert self._controller is not None
+        if self._controller.stop_signum and not self._stopping:
+            # Every rank got the same decision in the end-of-step message: Lightning's loops raise their
+            # SIGTERMException at the end of this batch, after its callbacks; `on_exception` saves and sets the code.
+            self._stopping = self._controller.stop_signum
+            trainer._signal_connector.received_sigterm = True
         return out
 
     @override
@@ -218,6 +274,7 @@ class RLHFStrategy(ModelParallelStrategy):
         Runs on: every rank, after the callbacks' and the module's ``on_train_start``.
         """
         super().on_train_start()
+        self._preemption.install()  # Lightning installed its own SIGTERM handler since set-up: ours decides
         module = self._rlhf_module()
         if not module.validation_config.before_train:
             return
@@ -236,7 +293,7 @@ class RLHFStrategy(ModelParallelStrategy):
                 "validation prompts (PromptDataModule(val=...) or val_size=...); check limit_val_batches."
             )
 
-    def _run_controlled(self, step_fn: Callable[[], Any]) -> Any:
+    def _run_controlled(self, step_fn: Callable[[], Any], *, track_stop: bool = False) -> Any:
         """Rank 0 runs ``step_fn`` as the controller (recording its logs); the other ranks serve its role calls
         and replay those logs. Runs on: every rank; returns ``step_fn``'s result on rank 0, None elsewhere."""
         assert self._controller is not None
@@ -244,15 +301,96 @@ class RLHFStrategy(ModelParallelStrategy):
         if self.global_rank == 0:
             module._step_logs = []
             try:
-                return self._controller.run_step(step_fn, module._step_logs)
+                return self._controller.run_step(step_fn, module._step_logs, track_stop=track_stop)
             finally:
                 module._step_logs = None
         self._controller.serve(lambda name, value, kw: module.log(name, value, **kw))
         return None
 
+    # --------------------------------------------------------------------------- preemption, checkpoints
+    @override
+    def on_validation_start(self) -> None:
+        """A stop decided after a training step waits for the validation Lightning runs at that step's end."""
+        super().on_validation_start()
+        if self._stopping:
+            self._rlhf_module().trainer._signal_connector.received_sigterm = False
+
+    @override
+    def on_validation_end(self) -> None:
+        """Re-arm the stop (see ``on_validation_start``)."""
+        super().on_validation_end()
+        if self._stopping:
+            self._rlhf_module().trainer._signal_connector.received_sigterm = True
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """On the stop that every rank agreed on: save the preemption checkpoint (all ranks, a collective), then
+        make the exit status ``128 + signum`` (Lightning's ``SIGTERMException`` would exit with 0).
+
+        Runs on: every rank, when Lightning's loop raises ``SIGTERMException`` at the end of the stopping step.
+        """
+        super().on_exception(exception)
+        if not (self._stopping and isinstance(exception, SIGTERMException)):
+            return
+        expect_exit()  # ranks exiting now are not a fault
+        trainer = self._rlhf_module().trainer
+        name = signal.Signals(self._stopping).name
+        code = 128 + self._stopping
+        if self.preemption_checkpoint:
+            path = self._preemption_ckpt_path(trainer)
+            trainer.save_checkpoint(path)
+            if self.global_rank == 0:
+                print(
+                    f"[lightning_rlhf] stopped by {name} after step {trainer.global_step}: checkpoint saved to {path}\n"
+                    f"[lightning_rlhf] resume with trainer.fit(..., ckpt_path={str(path)!r}); exiting with {code}.",
+                    flush=True,
+                )
+        elif self.global_rank == 0:
+            print(
+                f"[lightning_rlhf] stopped by {name} after step {trainer.global_step} without a checkpoint "
+                f"(preemption_checkpoint=False); exiting with {code}.",
+                flush=True,
+            )
+        exception.code = code
+
+    def _preemption_ckpt_path(self, trainer: pl.Trainer) -> str:
+        if self.preemption_path is not None:
+            return self.preemption_path
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if dirpath:
+            return os.path.join(dirpath, "preempted.ckpt")
+        return os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints", "preempted.ckpt")
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
+        """Write into ``<filepath>.tmp-<token>`` on every rank, then rank 0 syncs it and renames it to ``filepath``
+        after a barrier: a run killed while saving never leaves a checkpoint that resume accepts.
+
+        Runs on: every rank (Lightning's ``trainer.save_checkpoint`` is collective).
+        """
+        path = Path(self.broadcast(os.fspath(filepath)))
+        tmp = temporary_sibling(path, self.broadcast(uuid.uuid4().hex[:12]))
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier("lightning_rlhf.save_checkpoint.written")
+        if self.global_rank == 0 and tmp.exists():
+            publish(tmp, path)
+        self.barrier("lightning_rlhf.save_checkpoint.published")
+
     @override
     def teardown(self) -> None:
+        self._preemption.restore()
+        from lightning_rlhf.module import RLHFModule
+
+        if isinstance(self.lightning_module, RLHFModule):  # e.g. reward worker processes; a later fit restarts them
+            for role in self.lightning_module.roles().values():
+                close = getattr(role, "close", None)
+                if callable(close):
+                    close()
         if self._controller is not None:
+            if self._controller.death is None:  # after a death the watchdog stays and still speaks for the run
+                watchdog_running(False)
             self._controller.close()
         super().teardown()
 

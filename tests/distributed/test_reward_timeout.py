@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_hanging_reward_times_out_and_training_continues(demo_model: str, tmp_path: Path) -> None:
     # 8 prompts x 4 samples over 2 ranks: each rank scores 16 samples per step in one call. Rank 1's call of
     # step 1 sleeps forever; with a 3 s timeout its 16 samples get the fallback score 0.0 and are counted.
-    t0 = time.monotonic()
+    # A hang would end only at run_script's timeout (300 s); how fast the run goes is not this test's business.
     proc = run_script(
         "train.py",
         "--model",
@@ -39,7 +38,6 @@ def test_hanging_reward_times_out_and_training_continues(demo_model: str, tmp_pa
     failed = [float(r["reward/hanging_reward/failed"]) for r in rows]
     assert failed == [0.0, 16.0, 0.0]
     assert all(0.0 <= float(r["reward/hanging_reward/mean"]) <= 1.0 for r in rows)
-    assert float(rows[1]["timing_s/step"]) >= 3.0
+    assert 3.0 <= float(rows[1]["timing_s/step"]) < 60.0  # waited for the 3 s timeout, not much longer
     assert "reward function `hanging_reward` timed out after 3 s on 16 samples" in proc.stderr
     assert json.loads((tmp_path / "result.json").read_text())["global_step"] == 3
-    assert time.monotonic() - t0 < 90

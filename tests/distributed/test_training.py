@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -161,18 +160,16 @@ def test_wandb_offline_and_checkpoint_callback_monitoring_reward(demo_model: str
 
 
 def test_reward_error_on_a_worker_reaches_the_controller(demo_model: str, tmp_path: Path) -> None:
-    t0 = time.monotonic()
     proc = run_script("train.py", "--model", demo_model, "--out", str(tmp_path), "--devices", "2", "--fault", "reward")
     assert proc.returncode != 0
     assert "WorkerError: rank 1 failed in `reward.score`" in proc.stderr
     assert "reward exploded on purpose" in proc.stderr
     assert "failing_reward" in proc.stderr  # the worker's own traceback frames
-    assert time.monotonic() - t0 < 120
 
 
 def test_worker_dying_mid_collective_does_not_hang(demo_model: str, tmp_path: Path) -> None:
-    # Rank 1 raises in actor.update while rank 0 waits in an FSDP all-gather that rank 1 never joins.
-    t0 = time.monotonic()
+    # Rank 1 raises in actor.update while rank 0 waits in an FSDP all-gather that rank 1 never joins. Without the
+    # 5 s error timeout rank 0 would wait out the 30 min process-group timeout; run_script's 300 s limit fails it.
     proc = run_script(
         "train.py",
         "--model",
@@ -189,4 +186,3 @@ def test_worker_dying_mid_collective_does_not_hang(demo_model: str, tmp_path: Pa
     assert proc.returncode != 0
     assert "rank 1 failed in `actor.update`" in proc.stderr
     assert "actor update exploded on purpose" in proc.stderr
-    assert time.monotonic() - t0 < 120

@@ -1,7 +1,8 @@
 """Every YAML recipe in ``recipes/`` runs through the ``lightning-rlhf`` console script: parsed as written, with
 only the model, the data and the sizes substituted on the command line (the demo's tiny model, a few local
-rows, CPU), for 2 steps. The demo recipe runs on 2 processes with its own rollout engine (vLLM when installed);
-the others on 1 process with transformers generation, to keep each test short."""
+rows, CPU), for 2 steps. The demo recipe runs as it is (its actor is the embedded ``lightning-rlhf/tiny-addition``),
+on 2 processes with its own rollout engine (vLLM when installed); the others on 1 process with transformers
+generation, to keep each test short."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ pytestmark = pytest.mark.slow
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 
 
+def command_of(recipe: str) -> str:
+    """``sft`` for a supervised recipe (its model is an SFTModule), else ``fit``."""
+    return "sft" if "lightning_rlhf.SFTModule" in (ROOT / "recipes" / f"{recipe}.yaml").read_text() else "fit"
+
+
 def gsm8k_like(folder: Path) -> str:
     """A few GSM8K-shaped rows (``question``, ``answer`` ending in ``#### <number>``) the tiny model can read."""
     rows = [
@@ -31,13 +37,14 @@ def gsm8k_like(folder: Path) -> str:
 
 def substitutes(recipe: str, model: str, tmp_path: Path) -> list[str]:
     """The command-line overrides that make ``recipe`` run here: what a user changes for their model and data."""
-    common = ["--model.actor", model, "--trainer.max_steps", "2", "--trainer.logger.save_dir", str(tmp_path)]
-    if recipe == "demo":  # already a CPU recipe: only the placeholder model and a smaller batch
-        return [*common, "--data.batch_size", "8"]
+    common = ["--trainer.max_steps", "2", "--trainer.logger.save_dir", str(tmp_path)]
+    if recipe in ("demo", "sft_demo"):  # CPU recipes with an embedded model: nothing to substitute but the length
+        return common
+    common += ["--model.actor", model]
     small = [
         "--trainer.accelerator", "cpu", "--trainer.devices", "1",
         "--trainer.strategy.rollout", "hf", "--trainer.strategy.param_dtype", "null",
-        "--data.train", gsm8k_like(tmp_path), "--data.chat_template", "false",  # the char tokenizer has no template
+        "--data.train", gsm8k_like(tmp_path), "--data.chat_template", "false",  # the tiny tokenizer has no template
         "--data.batch_size", "4", "--data.max_prompt_length", "32",  # the tiny model has 64 positions
         "--model.rollout.max_new_tokens", "6", "--model.algorithm.micro_batch_size", "4",
     ]  # fmt: skip
@@ -48,31 +55,45 @@ def substitutes(recipe: str, model: str, tmp_path: Path) -> list[str]:
     raise AssertionError(f"recipes/{recipe}.yaml has no test substitutes. HINT: add them to substitutes().")
 
 
+@pytest.fixture
+def embedded_cache(demo_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lightning-rlhf/tiny-addition`` resolves to the session's demo model (built once, in a temporary cache)."""
+    monkeypatch.setenv("LIGHTNING_RLHF_CACHE", str(Path(demo_model).parent))
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_two_steps(recipe: str, demo_model: str, tmp_path: Path) -> None:
-    proc = run_cli("fit", "--config", f"recipes/{recipe}.yaml", *substitutes(recipe, demo_model, tmp_path))
+def test_recipe_runs_two_steps(recipe: str, demo_model: str, embedded_cache: None, tmp_path: Path) -> None:
+    command = command_of(recipe)
+    proc = run_cli(command, "--config", f"recipes/{recipe}.yaml", *substitutes(recipe, demo_model, tmp_path))
     assert proc.returncode == 0, failure_text(proc)
     (metrics,) = tmp_path.rglob("metrics.csv")
+    key = "sft/loss" if command == "sft" else "critic/score/mean"
     with open(metrics) as f:
-        steps = [r for r in csv.DictReader(f) if r.get("critic/score/mean")]
-    assert len(steps) == 2 and all(0.0 <= float(r["critic/score/mean"]) <= 1.0 for r in steps)
+        steps = [r for r in csv.DictReader(f) if r.get(key)]
+    assert len(steps) == 2
+    if command == "sft":  # the loss of the second step is below the first's
+        assert float(steps[1][key]) < float(steps[0][key])
+    else:
+        assert all(0.0 <= float(r[key]) <= 1.0 for r in steps)
     if recipe == "demo" and vllm_available():  # the one recipe test that generates with vLLM
         assert "timing_s/update_weights" in steps[0]
     run = metrics.parent
     assert (run / "config.yaml").is_file()  # LightningCLI saves the resolved recipe beside the metrics
+    if recipe == "demo":  # the recipe names the embedded model, and the saved config keeps that name
+        assert "actor: lightning-rlhf/tiny-addition" in (run / "config.yaml").read_text()
     assert (run / "actor" / "model.safetensors").is_file() and (run / "actor" / "tokenizer.json").is_file()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_header_says_how_to_run_it(recipe: str) -> None:
     header = (ROOT / "recipes" / f"{recipe}.yaml").read_text().split("\n\n")[0]
-    assert f"lightning-rlhf fit --config recipes/{recipe}.yaml" in header
+    assert f"lightning-rlhf {command_of(recipe)} --config recipes/{recipe}.yaml" in header
     assert "Hardware:" in header
 
 
-def test_validate_subcommand(demo_model: str, tmp_path: Path) -> None:
+def test_validate_subcommand(embedded_cache: None, tmp_path: Path) -> None:
     proc = run_cli(
-        "validate", "--config", "recipes/demo.yaml", "--model.actor", demo_model, "--trainer.devices", "1",
+        "validate", "--config", "recipes/demo.yaml", "--trainer.devices", "1",
         "--trainer.strategy.rollout", "hf", "--data.val", "recipes/data/addition.jsonl",
         "--trainer.logger.save_dir", str(tmp_path),
     )  # fmt: skip

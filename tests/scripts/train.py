@@ -36,9 +36,15 @@ from lightning_rlhf.roles import ActorRole
 from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 
 
+def _rank() -> int:
+    """This rank, read where reward functions run: in a reward worker process, which has no process group (the
+    launcher's LOCAL_RANK is in its environment; rank 0 is the launching process, which has none)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def failing_reward(prompts, completions, answer, **kw):
     """Raises on rank 1 only: the clean error path (every rank reaches the gather)."""
-    if torch.distributed.get_rank() == 1:
+    if _rank() == 1:
         raise ValueError("reward exploded on purpose")
     return addition_reward(prompts, completions, answer)
 
@@ -46,11 +52,11 @@ def failing_reward(prompts, completions, answer, **kw):
 def hanging_reward(out: str):
     """The addition reward, except that rank 1's second call (step 1) hangs: the timeout must end it.
 
-    A closure (the reward runner forks, so it needs no pickling); calls are counted in files under ``out``,
-    since each call runs in its own child process."""
+    A closure (cloudpickle sends it to the reward worker process by value); calls are counted in files under
+    ``out``, since the calls run in that process."""
 
     def hanging_reward(prompts, completions, answer, **kw):
-        rank = torch.distributed.get_rank()
+        rank = _rank()
         with open(os.path.join(out, f"reward_calls_rank{rank}"), "a") as f:
             f.write(".")
         if rank == 1 and os.path.getsize(os.path.join(out, f"reward_calls_rank{rank}")) == 2:
@@ -68,6 +74,38 @@ class FailingActor(ActorRole):
         if torch.distributed.get_rank() == 1:
             raise RuntimeError("actor update exploded on purpose")
         return super().update(batch)
+
+
+class SignalActor(ActorRole):
+    """Rank ``rank`` sends itself ``signum`` during its ``nth`` ``actor.update`` (1-based): a kill mid-step."""
+
+    signal_at: tuple[int, int, int] = (-1, 0, 0)
+
+    @role_method(Dispatch.DP_SPLIT)
+    def update(self, batch: Batch) -> dict[str, float]:
+        rank, signum, nth = self.signal_at
+        self._updates = getattr(self, "_updates", 0) + 1
+        if torch.distributed.get_rank() == rank and self._updates == nth:
+            print(f"[train.py] rank {rank} sends itself signal {signum} at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signum)
+        return super().update(batch)
+
+
+def kill_during_save(rank: int) -> None:
+    """Rank ``rank`` SIGKILLs itself right after writing its checkpoint shards, before the save completes."""
+    import signal as signal_module
+
+    from lightning.pytorch.strategies import model_parallel
+
+    original = model_parallel._distributed_checkpoint_save
+
+    def save_then_die(state, path):
+        original(state, path)
+        if torch.distributed.get_rank() == rank:
+            print(f"[train.py] rank {rank} sends itself SIGKILL while saving at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal_module.SIGKILL)
+
+    model_parallel._distributed_checkpoint_save = save_then_die
 
 
 def main() -> None:
@@ -103,7 +141,15 @@ def main() -> None:
     p.add_argument("--val-n", type=int, default=1, help="ValidationConfig.n: 1 is greedy, more sample at 1.0")
     p.add_argument("--reward", choices=["addition", "hang"], default="addition", help="hang: rank 1's 2nd call hangs")
     p.add_argument("--reward-timeout", type=float, default=60.0, help="RewardConfig.timeout_s")
+    p.add_argument("--signal-at", default=None, help="RANK:SIGNAL:N: rank sends itself SIGNAL in its N-th actor.update")
+    p.add_argument("--kill-during-save", type=int, default=None, help="this rank SIGKILLs itself while saving")
+    p.add_argument("--preemption-path", default=None, help="RLHFStrategy(preemption_path=...)")
+    p.add_argument("--no-preemption-checkpoint", action="store_true", help="RLHFStrategy(preemption_checkpoint=False)")
     args = p.parse_args()
+    if args.signal_at or args.kill_during_save is not None:
+        print(f"[train.py] rank {os.environ.get('LOCAL_RANK', '0')} pid {os.getpid()}", flush=True)
+    if args.kill_during_save is not None:
+        kill_during_save(args.kill_during_save)
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -162,6 +208,15 @@ def main() -> None:
         module.actor = FailingActor(
             old.path, tokenizer=old.tokenizer, rollout=old.rollout, algorithm=old.algorithm, optim=old.optim
         )
+    if args.signal_at:
+        import signal as signal_module
+
+        rank, name, nth = args.signal_at.split(":")
+        old = module.actor
+        module.actor = SignalActor(
+            old.path, tokenizer=old.tokenizer, rollout=old.rollout, algorithm=old.algorithm, optim=old.optim
+        )
+        module.actor.signal_at = (int(rank), int(signal_module.Signals[name]), int(nth))
     loggers: list = [CSVLogger(args.out, name="", version="")]
     if args.wandb:
         loggers.append(WandbLogger(project="lightning_rlhf-test", save_dir=args.out, offline=True))
@@ -190,6 +245,8 @@ def main() -> None:
             vllm={"tensor_parallel_size": args.tp, "weight_bucket_mb": args.bucket_mb},
             worker_error_timeout_s=args.error_timeout,
             param_dtype=torch.bfloat16 if args.bf16 else None,
+            preemption_checkpoint=not args.no_preemption_checkpoint,
+            preemption_path=args.preemption_path,
         ),
         max_steps=args.steps,
         logger=loggers,

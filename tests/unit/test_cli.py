@@ -77,7 +77,7 @@ def test_unset_settings_keep_each_modules_own_defaults(tiny_model: str, class_pa
 def test_unknown_key_names_it_and_the_closest_valid_one(
     capsys: pytest.CaptureFixture[str], args: list[str], expected: str
 ) -> None:
-    # DEMO_MODEL (the recipe's placeholder) is no model: the error comes before anything is loaded.
+    # The error comes while parsing, before any model (the recipe's embedded one included) is resolved.
     assert expected in parse_error(capsys, *args)
 
 

@@ -11,7 +11,7 @@ from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, c
     ("cls", "kwargs", "match"),
     [
         (RolloutConfig, {"n": 0}, r"RolloutConfig.n=0 is invalid"),
-        (RolloutConfig, {"temperature": 0.0}, r"temperature=0.0"),
+        (RolloutConfig, {"temperature": 1e-3}, r"RolloutConfig.temperature=0.001 is below 0.01"),
         (RolloutConfig, {"top_p": 1.5}, r"top_p=1.5"),
         (OptimConfig, {"lr": 0}, r"OptimConfig.lr=0"),
         (OptimConfig, {"schedule": "step"}, r"schedule='step'"),

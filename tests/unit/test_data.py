@@ -95,13 +95,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}*{% endif %}{{ m['content'] }}"
     "{% if m['role'] == 'assistant' %}-{% endif %}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 )
-"""A tiny template the char tokenizer can spell: ``*`` opens a system message, ``-`` closes an assistant turn,
+"""A tiny template of single-character markers: ``*`` opens a system message, ``-`` closes an assistant turn,
 and the generation prompt is ``=``."""
 
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny model's char tokenizer with a chat template, saved like an instruct model's."""
+    """The tiny model's tokenizer with a chat template, saved like an instruct model's."""
     tok = AutoTokenizer.from_pretrained(tiny_model)
     tok.chat_template = CHAT_TEMPLATE
     path = tmp_path_factory.mktemp("chat_tok")

@@ -1,65 +1,32 @@
-"""Tests of the embedded demo pieces: char tokenizer, tiny models, addition task, warm start."""
+"""Tests of the embedded demo pieces: tiny models, addition task, warm start (the tokenizer: test_tiny_tokenizer.py)."""
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from lightning_rlhf.demo import (
     addition_dataset,
     addition_reward,
-    build_char_tokenizer,
     build_tiny_classifier,
     build_tiny_model,
+    build_tiny_tokenizer,
     prepare_demo_model,
     sampled_accuracy,
     save_tiny,
 )
-
-
-def test_tokenizer_round_trip_and_special_ids(tmp_path: Path) -> None:
-    tok = build_char_tokenizer(str(tmp_path))
-    ids = tok("3+4=7", add_special_tokens=True)["input_ids"]
-    assert ids[0] == tok.bos_token_id
-    assert len(ids) == 6
-    assert tok.decode([*ids, tok.eos_token_id], skip_special_tokens=True) == "3+4=7"
-    assert tok.decode(tok("12+34=46", add_special_tokens=False)["input_ids"]) == "12+34=46"
-    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
-    assert tok.padding_side == "left"
-    assert len(tok) == 18
-
-    reloaded = AutoTokenizer.from_pretrained(str(tmp_path))
-    assert reloaded("3+4=")["input_ids"] == tok("3+4=")["input_ids"]
-    assert reloaded.eos_token_id == tok.eos_token_id and reloaded.pad_token_id == tok.pad_token_id
-    assert reloaded.padding_side == "left"
-    assert reloaded.decode([*ids, reloaded.eos_token_id], skip_special_tokens=True) == "3+4=7"
-
-
-def test_tokenizer_left_padding() -> None:
-    tok = build_char_tokenizer()
-    enc = tok(["1+2=", "12+3="], padding=True, return_tensors="pt")
-    assert enc["input_ids"].shape == (2, 6)
-    assert enc["input_ids"][0, 0].item() == tok.pad_token_id
-    assert enc["attention_mask"][0].tolist() == [0, 1, 1, 1, 1, 1]
-    assert enc["attention_mask"][1].tolist() == [1] * 6
-
-
-def test_all_single_digit_prompts_same_length() -> None:
-    tok = build_char_tokenizer()
-    lengths = {len(tok(p)["input_ids"]) for p in addition_dataset()["prompt"]}
-    assert lengths == {5}
+from lightning_rlhf.demo.warmstart import CACHE_VERSION
 
 
 def test_tiny_model_forward_and_size() -> None:
-    tok = build_char_tokenizer()
+    tok = build_tiny_tokenizer()
     model = build_tiny_model(tok)
     n_params = sum(p.numel() for p in model.parameters())
-    assert 250_000 < n_params < 400_000
+    assert 300_000 < n_params < 400_000
     assert model.config.tie_word_embeddings
     assert model.config.vocab_size % 8 == 0 and model.config.vocab_size >= len(tok)
     assert model.config.eos_token_id == tok.eos_token_id
@@ -72,16 +39,14 @@ def test_tiny_model_forward_and_size() -> None:
 
 
 def test_tiny_classifier_scores() -> None:
-    tok = build_char_tokenizer()
+    tok = build_tiny_tokenizer()
     model = build_tiny_classifier(tok)
     enc = tok(["3+4=7", "12+3=15"], padding=True, return_tensors="pt")
     assert model(**enc).logits.shape == (2, 1)
 
 
-def test_save_tiny_is_fast_and_loadable(tmp_path: Path) -> None:
-    start = time.perf_counter()
-    path = save_tiny(tmp_path / "m", seed=1)
-    assert time.perf_counter() - start < 1.0
+def test_save_tiny_is_loadable(tmp_path: Path) -> None:
+    path = save_tiny(tmp_path / "m", seed=1)  # its time: benchmarks/bench_overheads.py
     assert os.path.isfile(os.path.join(path, "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.pad_token_id == 0
@@ -118,12 +83,13 @@ def test_addition_dataset() -> None:
 
 def test_prepare_demo_model_is_warm_and_cached(tmp_path: Path) -> None:
     path = prepare_demo_model(str(tmp_path))
-    assert os.path.basename(path) == "demo-model-v1-seed0-ws60"
+    assert os.path.basename(path) == f"demo-model-{CACHE_VERSION}-seed0-ws40"
     assert os.path.isfile(os.path.join(path, "config.json"))
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")], "temp dir left behind"
     acc = sampled_accuracy(path, num_samples=4)
     assert 0.2 <= acc <= 0.8
 
-    start = time.perf_counter()
-    assert prepare_demo_model(str(tmp_path)) == path
-    assert time.perf_counter() - start < 0.1
+    weights = os.stat(os.path.join(path, "model.safetensors"))
+    assert prepare_demo_model(str(tmp_path)) == path  # a cache hit (its time: benchmarks/bench_overheads.py) ...
+    again = os.stat(os.path.join(path, "model.safetensors"))
+    assert (again.st_ino, again.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns), "... rebuilt the model"

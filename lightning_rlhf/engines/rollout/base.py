@@ -1,19 +1,149 @@
-"""The rollout engine interface every generator implements (transformers now, vLLM next)."""
+"""The rollout engine interface every generator implements, and the sampling rules all engines share.
+
+Sampling and training must agree on the distribution a response was drawn from, whatever the engine. The
+shared rules live here, so that the transformers and the vLLM engine apply the same ones:
+
+- :func:`check_sampling`: the settings every engine serves unchanged. vLLM silently raises a temperature in
+  ``(0, 0.01)`` to 0.01 and refuses one above 2, so those are refused for every engine, before any model loads.
+- ``temperature=0`` is greedy decoding on every engine. Log-probs of a greedy rollout are those of the raw
+  policy (temperature 1, :func:`logprob_temperature`), on the trainer's side (actor, old and reference
+  log-probs) and the engine's alike.
+- :func:`processed_logprobs`: what an engine reports as the log-prob of a sampled token: the distribution it
+  sampled from (temperature, then top-k, then top-p, renormalised), as vLLM's ``processed_logprobs``.
+- :func:`check_sequence_length`: prompt + response must fit the engine's positions.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
-__all__ = ["RolloutEngine", "RolloutOutput", "SamplingParams"]
+__all__ = [
+    "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
+    "RolloutEngine",
+    "RolloutOutput",
+    "SamplingParams",
+    "check_sampling",
+    "check_sequence_length",
+    "logprob_temperature",
+    "processed_logprobs",
+]
+
+MIN_TEMPERATURE = 0.01
+"""Smallest sampling temperature > 0 that every engine serves as given: vLLM raises anything below to this
+(``vllm.sampling_params._MAX_TEMP``), which would make the engine sample at another temperature than the one the
+trainer scores at."""
+MAX_TEMPERATURE = 2.0
+"""Largest temperature vLLM accepts (it raises at generation time above it)."""
+
+
+def check_sampling(*, temperature: float, top_p: float, top_k: int, owner: str) -> None:
+    """Refuse sampling settings that an engine would change or refuse, naming ``owner``'s field and the fix.
+
+    Runs on: any process (the configs call it when they are made, both engines before every generation).
+
+    Args:
+        temperature: 0 for greedy decoding, else in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``.
+        top_p: nucleus mass in ``(0, 1]``.
+        top_k: 0 (off) or the number of tokens kept.
+        owner: what holds the settings, e.g. ``"RolloutConfig"``; errors read ``f"{owner}.temperature=..."``.
+
+    Raises:
+        ValueError: naming the setting, its value, and the fix.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not math.isfinite(temperature):
+        raise ValueError(
+            f"{owner}.temperature={temperature!r} is invalid: expected a finite number. "
+            f"HINT: 0 for greedy decoding, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]."
+        )
+    if temperature < 0 or temperature > MAX_TEMPERATURE:
+        raise ValueError(
+            f"{owner}.temperature={temperature!r} is invalid: vLLM serves temperatures in [0, {MAX_TEMPERATURE}]. "
+            f"HINT: 0 for greedy decoding, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (1.0 samples the "
+            "policy as it is)."
+        )
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"{owner}.temperature={temperature!r} is below {MIN_TEMPERATURE}, which vLLM silently raises to "
+            f"{MIN_TEMPERATURE}: the engine would sample at another temperature than the trainer scores at. "
+            f"HINT: 0 for greedy decoding, or >= {MIN_TEMPERATURE}."
+        )
+    if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+        raise ValueError(
+            f"{owner}.top_p={top_p!r} is invalid: expected a value in (0, 1]. HINT: 1.0 keeps the full distribution."
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"{owner}.top_k={top_k!r} is invalid: expected an integer >= 0. HINT: 0 disables top-k.")
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature log-probs are computed at for a rollout sampled at ``temperature``: the same one, except
+    for greedy decoding (0), whose log-probs are those of the raw policy (temperature 1).
+
+    Runs on: any process.
+    """
+    return float(temperature) if temperature > 0 else 1.0
+
+
+def processed_logprobs(logits: Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Log-probabilities ``[..., V]`` of the distribution an engine samples from: ``logits`` divided by
+    :func:`logprob_temperature`, then cut to the ``top_k`` most likely tokens, then to the smallest set whose
+    mass reaches ``top_p`` (on the top-k-renormalised distribution), renormalised. Greedy (``temperature=0``)
+    applies no cut. The same order and tie rules as vLLM's sampler and transformers' warpers.
+
+    Runs on: worker (inside an engine's generation loop).
+    """
+    logits = logits.float() / logprob_temperature(temperature)
+    if temperature > 0 and 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if temperature > 0 and top_p < 1:
+        ascending, order = logits.sort(dim=-1)
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        remove[..., -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), -math.inf)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def check_sequence_length(
+    *, prompt_length: int, max_new_tokens: int, limit: int, engine: str, prompt_setting: str
+) -> None:
+    """Refuse a prompt length plus ``max_new_tokens`` above the positions an engine serves.
+
+    Runs on: any process (at set-up with ``max_prompt_length``, before any model loads; in ``generate`` with
+    each prompt's length). Both engines call it.
+
+    Args:
+        prompt_length: tokens of the (longest) prompt.
+        max_new_tokens: ``RolloutConfig.max_new_tokens``.
+        limit: the longest sequence the engine serves (vLLM's ``max_model_len``, the model's
+            ``max_position_embeddings`` for transformers).
+        engine: words for the limit, e.g. ``"the vLLM engine's max_model_len"``.
+        prompt_setting: words for the prompt length, e.g. ``"max_prompt_length=60"``.
+
+    Raises:
+        ValueError: naming both settings and the fix.
+    """
+    if prompt_length + max_new_tokens > limit:
+        raise ValueError(
+            f"Prompts of {prompt_setting} tokens plus max_new_tokens={max_new_tokens} exceed {engine}={limit}. "
+            "HINT: lower PromptDataModule(max_prompt_length=) or RolloutConfig(max_new_tokens=)."
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """Sampling settings of one generate call (validated upstream by ``RolloutConfig``)."""
+    """Sampling settings of one generate call (checked by :func:`check_sampling` in every engine).
+
+    ``temperature=0`` or ``greedy=True`` decode greedily: every one of the ``n`` samples of a prompt is the
+    same response.
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -24,6 +154,22 @@ class SamplingParams:
     seed: int = 0
     greedy: bool = False
 
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy decoding: ``greedy=True`` or ``temperature=0``."""
+        return self.greedy or self.temperature == 0
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature the engine uses: 0 for greedy decoding."""
+        return 0.0 if self.is_greedy else self.temperature
+
+    def check(self) -> None:
+        """:func:`check_sampling` on these settings. Runs on: worker (each engine, before generating)."""
+        check_sampling(
+            temperature=self.sampling_temperature, top_p=self.top_p, top_k=self.top_k, owner=type(self).__name__
+        )
+
 
 @dataclasses.dataclass
 class RolloutOutput:
@@ -31,7 +177,8 @@ class RolloutOutput:
 
     ``responses[i]`` holds the generated token ids up to and including the first stop token (EOS or one of
     ``stop_token_ids``), or ``max_new_tokens`` ids if none came. ``logprobs[i]``, when the engine reports
-    them, are its own log-probabilities of those tokens.
+    them, are its own log-probabilities of those tokens under the distribution it sampled from
+    (:func:`processed_logprobs`).
     """
 
     responses: list[list[int]]

@@ -4,6 +4,11 @@ It keeps its own unsharded copy of the actor in inference layout, so each rank g
 without any collective (ranks finish at different lengths without waiting for one another). After every
 actor update the copy is refreshed one parameter at a time from the FSDP shards (``load_weights``). On a GPU
 the copy is moved to host memory while training runs (``sleep``).
+
+Sampling follows :class:`SamplingParams` only: the copy's ``generation_config`` is reset, so a model's own
+``generation_config.json`` (a ``repetition_penalty``, ``top_k``, ...) cannot change what is sampled behind the
+trainer's back, as it does not in vLLM. Like vLLM, the engine reports the log-prob of each sampled token
+(:func:`~lightning_rlhf.engines.rollout.base.processed_logprobs`), recorded during generation.
 """
 
 from __future__ import annotations
@@ -14,11 +19,45 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams
+from lightning_rlhf.engines.rollout.base import (
+    RolloutOutput,
+    SamplingParams,
+    check_sequence_length,
+    processed_logprobs,
+)
 
-__all__ = ["HFRolloutEngine"]
+__all__ = ["HFRolloutEngine", "check_hf_settings", "model_max_length"]
+
+
+def model_max_length(config: Any) -> int | None:
+    """Longest sequence a transformers model's positions cover (``max_position_embeddings``, or GPT-2's
+    ``n_positions``); None when the config states none. Runs on: any process."""
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(positions) if positions else None
+
+
+def check_hf_settings(model_path: str, *, max_prompt_length: int | None, max_new_tokens: int) -> int | None:
+    """Check that prompts of ``max_prompt_length`` tokens plus ``max_new_tokens`` fit the model's positions,
+    reading only its config: the transformers engine's counterpart of ``check_vllm_settings`` (both call
+    :func:`~lightning_rlhf.engines.rollout.base.check_sequence_length`).
+
+    Runs on: every process, at set-up, before any model is loaded. Returns the model's length limit (None:
+    the config states none, nothing is checked). Raises ``ValueError`` naming the settings to change.
+    """
+    from transformers import AutoConfig
+
+    limit = model_max_length(AutoConfig.from_pretrained(model_path))
+    if limit is not None and max_prompt_length is not None:
+        check_sequence_length(
+            prompt_length=max_prompt_length,
+            max_new_tokens=max_new_tokens,
+            limit=limit,
+            engine="the model's max_position_embeddings",
+            prompt_setting=f"up to max_prompt_length={max_prompt_length}",
+        )
+    return limit
 
 
 class HFRolloutEngine:
@@ -46,7 +85,17 @@ class HFRolloutEngine:
         generation_batch_size: int = 64,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.model: Any = copy.deepcopy(model).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        engine_model: Any = copy.deepcopy(model).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        # Only SamplingParams decide what is sampled (the model's generation_config.json would fill in the
+        # settings left unset: repetition penalties, bad words, ...).
+        engine_model.generation_config = GenerationConfig(
+            bos_token_id=getattr(engine_model.config, "bos_token_id", None),
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
+        self.model: Any = engine_model
+        self.max_length = model_max_length(self.model.config)
+        """Longest prompt + response the model's positions cover (None: unknown, not checked)."""
         self._params = dict(self.model.named_parameters())
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -54,28 +103,56 @@ class HFRolloutEngine:
         self.generation_batch_size = generation_batch_size
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker."""
+        """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker.
+
+        Greedy decoding (``temperature=0`` or ``greedy=True``) decodes each prompt once and repeats the response
+        ``n`` times (transformers, like vLLM, decodes greedily only one sequence per prompt).
+        """
+        params.check()
+        if self.max_length is not None:
+            for p in prompts:
+                check_sequence_length(
+                    prompt_length=len(p),
+                    max_new_tokens=params.max_new_tokens,
+                    limit=self.max_length,
+                    engine="the model's max_position_embeddings",
+                    prompt_setting=f"{len(p)}",
+                )
         stops = {self.eos_token_id, *params.stop_token_ids}
+        greedy = params.is_greedy
+        copies = params.n if greedy else 1
         config = GenerationConfig(
-            do_sample=not params.greedy,
-            temperature=params.temperature if not params.greedy else None,
-            top_p=params.top_p if not params.greedy else None,
-            top_k=params.top_k if not params.greedy else None,
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,  # unused when greedy (the defaults fill them)
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy else params.top_k,
             max_new_tokens=params.max_new_tokens,
-            num_return_sequences=params.n,
+            num_return_sequences=1 if greedy else params.n,
             eos_token_id=sorted(stops),
             pad_token_id=self.pad_token_id,
         )
         responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             torch.manual_seed(params.seed)
             for start in range(0, len(prompts), self.generation_batch_size):
                 chunk = prompts[start : start + self.generation_batch_size]
                 ids, mask = self._left_pad(chunk)
-                out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-                responses.extend(_cut_at_stop(row, stops) for row in out[:, ids.shape[1] :].tolist())
-        return RolloutOutput(responses=responses)
+                recorder = _TokenLogprobs(params)
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList([recorder]),
+                )
+                generated = out[:, ids.shape[1] :]
+                token_lps = recorder.result(generated).tolist()
+                for row, lps in zip(generated.tolist(), token_lps, strict=True):
+                    response = _cut_at_stop(row, stops)
+                    responses.extend(list(response) for _ in range(copies))
+                    logprobs.extend(lps[: len(response)] for _ in range(copies))
+        return RolloutOutput(responses=responses, logprobs=logprobs)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
         width = max(len(p) for p in prompts)
@@ -116,3 +193,32 @@ def _cut_at_stop(row: list[int], stops: set[int]) -> list[int]:
         if tok in stops:
             return row[: i + 1]
     return row
+
+
+class _TokenLogprobs(LogitsProcessor):
+    """Records the engine's log-prob of every generated token while ``generate`` runs, keeping one step's
+    distribution at a time: at step ``t`` the token chosen at ``t - 1`` is the last input id.
+
+    It runs before transformers' temperature/top-k/top-p warpers, on the raw logits (the engine's
+    ``generation_config`` adds no other processor), and applies them itself (:func:`processed_logprobs`).
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._last: Tensor | None = None
+        self._picked: list[Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._last is not None:
+            self._picked.append(self._last.gather(1, input_ids[:, -1:]))
+        p = self.params
+        self._last = processed_logprobs(scores, temperature=p.sampling_temperature, top_k=p.top_k, top_p=p.top_p)
+        return scores
+
+    def result(self, generated: Tensor) -> Tensor:
+        """``[rows, generated tokens]`` log-probs (padding after a stop token holds junk; callers cut it)."""
+        if self._last is not None and len(self._picked) < generated.shape[1]:
+            self._picked.append(self._last.gather(1, generated[:, len(self._picked) : len(self._picked) + 1]))
+        if not self._picked:
+            return torch.zeros(generated.shape, dtype=torch.float32)
+        return torch.cat(self._picked, dim=1).float().cpu()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rlhf.config import VLLMConfig
-from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams
+from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams, check_sequence_length
 from lightning_rlhf.engines.rollout.reshard import SliceHolder, tp_slicer
 
 __all__ = [
@@ -151,11 +151,13 @@ def check_vllm_settings(
             f"VLLMConfig(max_model_len={max_model_len}) exceeds the model's max_position_embeddings={positions}. "
             "HINT: leave max_model_len=None."
         )
-    if max_prompt_length is not None and max_prompt_length + max_new_tokens > max_model_len:
-        raise ValueError(
-            f"Prompts of up to max_prompt_length={max_prompt_length} tokens plus max_new_tokens={max_new_tokens} "
-            f"exceed the engine's max_model_len={max_model_len}. HINT: lower PromptDataModule(max_prompt_length=) "
-            "or RolloutConfig(max_new_tokens=)."
+    if max_prompt_length is not None:
+        check_sequence_length(
+            prompt_length=max_prompt_length,
+            max_new_tokens=max_new_tokens,
+            limit=max_model_len,
+            engine="the engine's max_model_len",
+            prompt_setting=f"up to max_prompt_length={max_prompt_length}",
         )
     kv_bytes = config.kv_cache_memory_bytes or (_CPU_DEFAULT_KV_BYTES if device_type == "cpu" else None)
     if kv_bytes is not None:
@@ -314,7 +316,9 @@ class VLLMRolloutEngine:
             "enforce_eager": on_cpu if config.enforce_eager is None else config.enforce_eager,
             "enable_prefix_caching": config.enable_prefix_caching,
             "max_model_len": max_model_len,
-            "logprobs_mode": "processed_logprobs",  # after temperature/top-k/top-p: what the actor computes
+            # after temperature/top-k/top-p (greedy: temperature 1): the distribution sampled from, like the hf
+            # engine's; the trainer scores at the same temperature, without top-k/top-p (see docs/hybrid-engine.md)
+            "logprobs_mode": "processed_logprobs",
         }
         if dist.is_available() and dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -358,17 +362,25 @@ class VLLMRolloutEngine:
     # ------------------------------------------------------------------------------------- rollout
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker (all ranks of a
-        TP group together)."""
+        TP group together).
+
+        Greedy decoding (``temperature=0`` or ``greedy=True``) asks vLLM for one sequence per prompt (it refuses
+        ``n > 1`` at temperature 0) and repeats it ``n`` times.
+        """
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
+        params.check()  # what vLLM would change (a temperature below its floor) is refused, as in the hf engine
         for p in prompts:
-            if len(p) + params.max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"A prompt of {len(p)} tokens plus max_new_tokens={params.max_new_tokens} exceeds the vLLM "
-                    f"engine's max_model_len={self.max_model_len}. HINT: lower PromptDataModule(max_prompt_length=) "
-                    "or RolloutConfig(max_new_tokens=)."
-                )
+            check_sequence_length(
+                prompt_length=len(p),
+                max_new_tokens=params.max_new_tokens,
+                limit=self.max_model_len,
+                engine="the vLLM engine's max_model_len",
+                prompt_setting=f"{len(p)}",
+            )
+        greedy = params.is_greedy
+        copies = params.n if greedy else 1
         parts: list[tuple[int, list[list[int]]]] = [(params.seed, prompts)]
         if self._tp_group is not None:
             gathered: list[Any] = [None] * self.tp_size
@@ -381,10 +393,10 @@ class VLLMRolloutEngine:
                 requests.append(TokensPrompt(prompt_token_ids=p))
                 sampling.append(
                     VSamplingParams(
-                        n=params.n,
-                        temperature=0.0 if params.greedy else params.temperature,
-                        top_p=1.0 if params.greedy else params.top_p,
-                        top_k=0 if params.greedy else params.top_k,
+                        n=1 if greedy else params.n,
+                        temperature=params.sampling_temperature,
+                        top_p=1.0 if greedy else params.top_p,
+                        top_k=0 if greedy else params.top_k,
                         max_tokens=params.max_new_tokens,
                         stop_token_ids=stops,
                         seed=(seed * 1_000_003 + i * params.n) % (1 << 62),  # children use seed + index
@@ -399,9 +411,11 @@ class VLLMRolloutEngine:
         for out in outputs[start : start + len(prompts)]:
             for sample in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(sample.token_ids)
-                responses.append(ids)
                 lps: list[Any] = list(sample.logprobs or [])
-                logprobs.append([float(step[tok].logprob) for step, tok in zip(lps, ids, strict=True)])
+                token_lps = [float(step[tok].logprob) for step, tok in zip(lps, ids, strict=True)]
+                for _ in range(copies):
+                    responses.append(list(ids))
+                    logprobs.append(list(token_lps))
         return RolloutOutput(responses=responses, logprobs=logprobs)
 
     # ------------------------------------------------------------------------------ weight hand-off

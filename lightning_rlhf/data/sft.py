@@ -1,0 +1,272 @@
+"""Supervised (SFT) data: prompt/answer pairs or chats, tokenized with a loss mask on the answers only.
+
+Each SFT batch is a :class:`~lightning_rlhf.batch.Batch` with ``input_ids``, ``attention_mask`` and ``loss_mask``
+(``[B, T]``, right-padded) and every dataset column as a Python list. ``loss_mask`` is 1 on the tokens the model
+is trained to write (the answer and its EOS, or each assistant turn) and 0 on the prompt and the padding.
+
+Prompts are tokenized exactly as :class:`~lightning_rlhf.data.PromptDataModule` tokenizes them for RL, and the
+answer separately after them (the rollout engine also writes its tokens after the prompt's), so a model
+warm-started here sees the same prompt tokens when RL begins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.data.chat import check_messages
+from lightning_rlhf.data.prompts import PromptDataModule
+
+__all__ = ["SFT_COLUMNS", "SFTDataModule", "collate_sft", "encode_chat", "encode_prompt_answer"]
+
+SFT_COLUMNS = frozenset({"input_ids", "attention_mask", "loss_mask"})
+"""Batch tensors an SFT batch carries; a dataset column with one of these names is refused."""
+
+
+def _eos_id(tokenizer: Any) -> int:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(
+            f"SFT data: the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token, so the model "
+            "could not learn where an answer ends. HINT: set tokenizer.eos_token (e.g. '</s>' or '<|im_end|>') "
+            "and save the tokenizer beside the model."
+        )
+    return int(eos)
+
+
+def encode_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of ``prompt + answer + EOS``, with the loss on the answer and the EOS only.
+
+    Runs on: any process (pure). The prompt is ``tokenizer(prompt, add_special_tokens=True)`` (as RL prompts
+    are), the answer ``tokenizer(answer, add_special_tokens=False)`` followed by the EOS id.
+    """
+    prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    answer_ids = [*tokenizer(answer, add_special_tokens=False)["input_ids"], _eos_id(tokenizer)]
+    return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of a chat rendered with the tokenizer's chat template, with the loss on every
+    assistant turn (its content and the template's end-of-turn token, up to the first EOS) and on nothing else.
+
+    Runs on: any process (pure). Each assistant turn's prompt is the template of the turns before it with the
+    generation prompt (as :class:`~lightning_rlhf.data.PromptDataModule` renders chat prompts for RL); its
+    answer is what the template adds for the turn. An answer without the EOS token gets one appended.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, the chat has no assistant turn or starts with one, or
+            the template renders earlier turns differently once later turns follow (not prefix-stable).
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"SFT data: the rows are chats (messages_column, or chat_template=True), but the tokenizer "
+            f"{getattr(tokenizer, 'name_or_path', '')!r} has no chat template. HINT: use an instruct model's "
+            "tokenizer (SFTDataModule(tokenizer=...)), set tokenizer.chat_template, or use prompt/answer columns."
+        )
+    eos = _eos_id(tokenizer)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns or turns[0] == 0:
+        raise ValueError(
+            f"SFT data: a chat needs an assistant turn after at least one other message (roles: "
+            f"{[m['role'] for m in messages]}). HINT: each row is [..., {{'role': 'user', ...}}, "
+            "{'role': 'assistant', 'content': <what the model should write>}]."
+        )
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""  # the text tokenized so far
+
+    def add(text: str, weight: int) -> list[int]:
+        part = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        ids.extend(part)
+        mask.extend([weight] * len(part))
+        return part
+
+    for i in turns:
+        prompt = _render(tokenizer, messages[:i], generation_prompt=True)
+        full = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        if not prompt.startswith(done) or not full.startswith(prompt):
+            raise ValueError(
+                f"SFT data: the chat template is not prefix-stable at message {i} (it renders earlier turns "
+                "differently once later ones follow), so the assistant turns cannot be located. HINT: keep one "
+                "assistant turn per row (split long chats into one row per turn)."
+            )
+        add(prompt[len(done) :], 0)
+        answer = list(tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"])
+        end = answer.index(eos) + 1 if eos in answer else len(answer)
+        trained = answer[:end] if eos in answer else [*answer, eos]
+        ids.extend(trained)
+        mask.extend([1] * len(trained))
+        ids.extend(answer[end:])  # what the template writes after the EOS (e.g. a newline): context
+        mask.extend([0] * len(answer[end:]))
+        done = full
+    return ids, mask
+
+
+def collate_sft(rows: list[dict[str, Any]], *, pad_token_id: int) -> Batch:
+    """Right-pad the ``input_ids`` / ``loss_mask`` of ``rows`` into a Batch (plus the other columns as lists).
+
+    Runs on: every process.
+    """
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[i, :n] = torch.tensor(r["input_ids"])
+        attention[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(r["loss_mask"])
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("input_ids", "loss_mask")}
+    return Batch({"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}, columns)
+
+
+class SFTDataModule(PromptDataModule):
+    """Supervised examples for :class:`~lightning_rlhf.modules.SFTModule`: prompt/answer columns or chats.
+
+    Runs on: every process. Sources, splits, ``val_size``, shuffling and the resumable loader are those of
+    :class:`~lightning_rlhf.data.PromptDataModule`; every check happens in ``setup``, before any model loads.
+
+    Args:
+        train: the training examples (a ``datasets`` object, a ``.jsonl``/``.json``/``.parquet``/``.csv`` file,
+            a folder, or a hub dataset name).
+        val: held-out examples for ``val/loss``, in any of the same forms; None: ``val_size`` or no validation.
+        val_size: split held-out examples off ``train`` instead (a row count or a fraction, seeded).
+        batch_size: examples per training step (one optimizer step), a multiple of the number of processes.
+        val_batch_size: examples per validation batch; None: ``batch_size``.
+        prompt_column: the column holding the prompt text.
+        answer_column: the column holding the answer the model learns to write after the prompt (an EOS
+            token is appended).
+        messages_column: the column holding each example as a chat (``[{"role": ..., "content": ...}, ...]``),
+            trained on its assistant turns; ``prompt_column`` and ``answer_column`` are then unused. Needs a
+            tokenizer with a chat template.
+        max_length: longest example (prompt + answer) in tokens; longer ones are dropped (``overlong="filter"``,
+            logged with a count) or rejected (``overlong="error"``).
+        overlong: what to do with examples over ``max_length``.
+        tokenizer: tokenizer path; None takes the LightningModule's tokenizer.
+        chat_template: render each prompt/answer pair as a user and an assistant message with the tokenizer's
+            chat template (for instruct models that RL will prompt with ``chat_template=True``).
+        dataset_config: configuration name of a hub dataset or folder; None: its default.
+        train_split: split of a hub dataset, folder or ``DatasetDict`` to train on.
+        val_split: split of ``val`` when it is a hub dataset, folder or ``DatasetDict``.
+        shuffle: reshuffle every epoch (seeded).
+        seed: shuffling seed, and the seed of the ``val_size`` split.
+    """
+
+    def __init__(
+        self,
+        train: Any,
+        *,
+        val: Any = None,
+        val_size: int | float | None = None,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        prompt_column: str = "prompt",
+        answer_column: str = "answer",
+        messages_column: str | None = None,
+        max_length: int = 1024,
+        overlong: str = "filter",
+        tokenizer: str | None = None,
+        chat_template: bool = False,
+        dataset_config: str | None = None,
+        train_split: str = "train",
+        val_split: str = "test",
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            train,
+            val=val,
+            val_size=val_size,
+            batch_size=batch_size,
+            val_batch_size=val_batch_size,
+            prompt_column=prompt_column,
+            messages_column=messages_column,
+            max_prompt_length=max_length,
+            overlong=overlong,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            dataset_config=dataset_config,
+            train_split=train_split,
+            val_split=val_split,
+            shuffle=shuffle,
+            seed=seed,
+        )
+        self.answer_column = answer_column
+        self.max_length = max_length
+
+    def _prepare(self, dataset: Any, which: str, *, min_rows: int) -> list[dict[str, Any]]:
+        """Check ``dataset``'s columns and rows, tokenize each example with its loss mask, drop (or reject)
+        overlong ones. Runs on: every process, in ``setup``."""
+        chat = self.messages_column is not None
+        needed = [self.messages_column] if chat else [self.prompt_column, self.answer_column]
+        for col, setting in zip(
+            needed, ["messages_column"] if chat else ["prompt_column", "answer_column"], strict=True
+        ):
+            if col not in dataset.column_names:
+                raise KeyError(
+                    f"SFTDataModule({setting}={col!r}): the {which} data has no such column. Columns: "
+                    f"{dataset.column_names}. HINT: set {setting} to the column holding the "
+                    f"{'chats' if chat else setting.removesuffix('_column') + 's'}."
+                )
+        clash = sorted(set(dataset.column_names) & SFT_COLUMNS)
+        if clash:
+            raise ValueError(
+                f"SFTDataModule: {which} dataset columns {clash} clash with the batch tensors SFT adds. HINT: "
+                "rename them (datasets.Dataset.rename_column); SFTDataModule tokenizes the text itself."
+            )
+        rows, too_long = [], 0
+        for i, row in enumerate(dataset):
+            ids, mask = self._encode_row(row, row_index=i, which=which)
+            if not any(mask):
+                raise ValueError(f"SFTDataModule: row {i} of the {which} data has no token to train on.")
+            if len(ids) > self.max_length:
+                if self.overlong == "error":
+                    raise ValueError(
+                        f"SFTDataModule: row {i} has {len(ids)} tokens > max_length={self.max_length} ({which} "
+                        "data). HINT: raise max_length or use overlong='filter'."
+                    )
+                too_long += 1
+                continue
+            rows.append({**row, "input_ids": ids, "loss_mask": mask})
+        if too_long:
+            rank_zero_info(
+                f"SFTDataModule: dropped {too_long} of {len(dataset)} {which} examples longer than "
+                f"max_length={self.max_length} tokens."
+            )
+        if len(rows) < min_rows:
+            least = f"batch_size={self.batch_size}" if which == "training" else "1"
+            raise ValueError(
+                f"SFTDataModule: {len(rows)} examples left after filtering the {which} data, fewer than {least}. "
+                "HINT: lower batch_size, raise max_length, or check the data."
+            )
+        return rows
+
+    def _encode_row(self, row: dict[str, Any], *, row_index: int, which: str) -> tuple[list[int], list[int]]:
+        tok = self._tokenizer
+        if self.messages_column is not None:
+            messages = check_messages(
+                row[self.messages_column], column=self.messages_column, row=row_index, which=which
+            )
+            return encode_chat(tok, messages)
+        prompt, answer = row[self.prompt_column], row[self.answer_column]
+        for value, col in ((prompt, self.prompt_column), (answer, self.answer_column)):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(
+                    f"SFTDataModule: row {row_index} has an empty or non-text value in column {col!r} of the "
+                    f"{which} data ({value!r:.80}). HINT: drop or fix such rows (datasets.Dataset.filter)."
+                )
+        if self.chat_template:
+            return encode_chat(tok, [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
+        return encode_prompt_answer(tok, prompt, answer)
+
+    def collate(self, rows: list[dict[str, Any]]) -> Batch:
+        """Right-pad the examples of ``rows`` into a Batch (:func:`collate_sft`). Runs on: every process."""
+        pad = self._tokenizer.pad_token_id
+        return collate_sft(rows, pad_token_id=pad if pad is not None else _eos_id(self._tokenizer))

@@ -1,0 +1,126 @@
+"""``SFTModule``: supervised fine-tuning (a warm start before RL) on the same roles, strategy and checkpoints.
+
+    module = SFTModule("path/or/hub-id", optim=OptimConfig(lr=1e-5), micro_batch_size=8)
+    data = SFTDataModule("train.jsonl", batch_size=32, val_size=64)   # columns: prompt, answer (or messages)
+    L.Trainer(strategy=RLHFStrategy(), max_steps=200).fit(module, datamodule=data)
+
+Only the actor role exists: FSDP2-sharded by :class:`~lightning_rlhf.RLHFStrategy` like in RL, exported by
+:class:`~lightning_rlhf.callbacks.ExportActor`, checkpointed and resumed like any module. No rollout engine is
+made (SFT never generates).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, ValidationConfig
+from lightning_rlhf.models import ensure_pad_token, resolve_model_path
+from lightning_rlhf.module import RLHFModule
+from lightning_rlhf.roles import ActorRole
+from lightning_rlhf.roles.base import check_pretrained
+
+__all__ = ["SFTModule"]
+
+
+class SFTModule(RLHFModule):
+    """Supervised fine-tuning of a causal LM: the loss on the answer tokens (and EOS) given the prompt.
+
+    Runs on: every process. ``training_step`` runs on the controller (rank 0) and sends each batch to
+    :meth:`ActorRole.sft_step <lightning_rlhf.roles.ActorRole.sft_step>`, which every rank runs on its share:
+    one optimizer step per training step, the loss a token mean over all ranks. Logs ``sft/loss``,
+    ``sft/grad_norm``, ``sft/lr``, ``sft/tokens`` and ``timing_s/step``; with validation data, ``val/loss``
+    (token mean over the whole validation set). Use it with :class:`~lightning_rlhf.data.SFTDataModule`.
+
+    Args:
+        actor: local folder, hub id or embedded name (``lightning-rlhf/tiny-random``) of the model to fine-tune
+            (a transformers causal LM).
+        tokenizer: tokenizer path; defaults to the actor's.
+        optim: optimizer and schedule (AdamW; ``lr`` 1e-5 by default, a usual SFT rate for 0.5B-7B models).
+        micro_batch_size: examples per forward/backward pass on each rank (gradients accumulate over them).
+        validate_before_train: compute ``val/loss`` once before the first step (the starting point).
+    """
+
+    needs_rollout_engine = False
+
+    def __init__(
+        self,
+        actor: str,
+        *,
+        tokenizer: str | None = None,
+        optim: OptimConfig | None = None,
+        micro_batch_size: int = 8,
+        validate_before_train: bool = False,
+    ) -> None:
+        # Not RLHFModule.__init__: it builds the reward and the other RL roles. What the strategy and the
+        # callbacks read from an RLHFModule is set here.
+        L.LightningModule.__init__(self)
+        from transformers import AutoTokenizer
+
+        if micro_batch_size < 1:
+            raise ValueError(f"SFTModule(micro_batch_size={micro_batch_size}) must be >= 1.")
+        actor = check_pretrained(actor, setting="SFTModule(actor=...)")  # a folder or hub id from here on
+        if tokenizer is not None:
+            tokenizer = resolve_model_path(tokenizer, setting="SFTModule(tokenizer=...)", tokenizer_only=True)
+        self.automatic_optimization = False  # the actor steps its own optimizer
+        self.rollout_config = RolloutConfig(n=1)
+        self.algorithm = AlgorithmConfig(micro_batch_size=micro_batch_size)
+        self.validation_config = ValidationConfig(before_train=validate_before_train)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or actor)
+        ensure_pad_token(self.tokenizer, source=tokenizer or actor)
+        self.actor = ActorRole(
+            actor,
+            tokenizer=self.tokenizer,
+            rollout=self.rollout_config,
+            algorithm=self.algorithm,
+            optim=optim or OptimConfig(lr=1e-5),
+        )
+        self._step_logs: list[tuple[str, float, dict[str, Any]]] | None = None
+
+    def setup(self, stage: str) -> None:
+        """Check that a batch splits evenly over the ranks, before any model loads. Runs on: every process."""
+        batch_size = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
+        world = self.trainer.world_size
+        if stage == "fit" and batch_size and batch_size % world:
+            raise ValueError(
+                f"SFTDataModule(batch_size={batch_size}) does not split evenly over {world} processes. "
+                f"HINT: use a multiple of {world}."
+            )
+
+    PROGRESS_BAR_METRICS: tuple[str, ...] = ("sft/loss", "timing_s/step")
+
+    def training_step(self, batch: Batch) -> None:  # type: ignore[override]
+        """One supervised step over ``batch`` on every rank. Runs on: the controller (rank 0)."""
+        started = time.perf_counter()
+        metrics = self.actor.sft_step(batch)
+        metrics["timing_s/step"] = time.perf_counter() - started
+        self.log_dict({k: metrics.pop(k) for k in self.PROGRESS_BAR_METRICS if k in metrics}, prog_bar=True)
+        self.log_dict(metrics)
+
+    def validation_step(self, batch: Batch, batch_idx: int = 0) -> None:  # type: ignore[override]
+        """Log ``val/loss`` of a validation batch, weighted by its loss tokens (Lightning's epoch mean is then
+        the token mean of the whole validation set), and ``step`` = ``global_step``.
+
+        Runs on: the controller (rank 0); the forward passes run on every rank. A batch that does not split
+        evenly over the ranks is padded with rows that count no token.
+        """
+        world, size = self.trainer.world_size, len(batch)
+        pad = -size % world
+        if pad:
+            batch = batch.select(torch.cat([torch.arange(size), torch.zeros(pad, dtype=torch.long)]))
+            batch["loss_mask"][size:] = 0
+        out = self.actor.sft_loss(batch)  # averaged over ranks: the ratio is the batch's token mean
+        tokens = out["tokens"] * world
+        loss = out["loss_sum"] / max(out["tokens"], 1e-9)
+        self.log("val/loss", loss, batch_size=max(1, round(tokens)), on_step=False, on_epoch=True, prog_bar=True)
+        self.log("step", float(self.trainer.global_step), on_step=False, on_epoch=True, reduce_fx="max")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Nothing beyond Lightning's state (weights, optimizer, schedule, data position). Runs on: every process."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Nothing to restore beyond Lightning's state. Runs on: every process."""

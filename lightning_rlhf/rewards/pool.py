@@ -1,0 +1,485 @@
+"""Long-lived reward worker processes: a pool per reward function, each worker a freshly spawned interpreter.
+
+The trainer process runs vLLM, gloo, OpenMP and watchdog threads, so it is never forked: a worker is a new
+``python -P .../pool.py FD PARENT_PID`` (``subprocess`` forks and execs at once, which is safe with threads).
+It gets the function once, as ``cloudpickle`` bytes (closures, lambdas, functions of ``__main__`` and of test
+modules travel by value; importable functions by reference, with the trainer's ``sys.path``), then serves calls
+until it is closed. A call that outlives its timeout, or a worker that dies, costs only that worker: its whole
+process group is killed and a new worker takes its place. Workers die with the trainer (``PR_SET_PDEATHSIG``,
+and end of input when the trainer's end of the socket closes), and the pools are closed at interpreter exit.
+
+This file is also the worker's main program. It imports only the standard library (and, to load the function,
+whatever the function itself needs), so that a worker starts in a fraction of a second and imports no torch
+unless the function does. Why not ``multiprocessing``'s spawn: see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["WORKER_ENV", "RewardPool", "ScoresError", "as_scores", "close_reward_pools", "reward_pool"]
+
+log = logging.getLogger(__name__)
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+"""Set in every worker's environment: one thread per native math library (num_workers processes run at once
+beside the trainer; a reward function should not start an OpenMP pool per core)."""
+STARTUP_TIMEOUT_S = 120.0
+"""Seconds a new worker may take to start and load its function (imports included) before it counts as hung."""
+_TERM_GRACE_S = 1.0  # SIGTERM first (the function's `finally` blocks run), SIGKILL after this long
+_MAX_POOLS = 16  # pools kept by `reward_pool` (least recently used closed first): bounds a loop of fresh lambdas
+
+Call = tuple[list[str], list[str], dict[str, list[Any]]]
+"""One call's ``(prompts, completions, columns)``."""
+Result = tuple[str, list[float] | None, str, str]
+"""``(kind, scores, message, traceback)``; kind: ok, raised, invalid, timeout, crash."""
+
+
+class ScoresError(ValueError):
+    """A reward function's return value is not one finite real number per completion."""
+
+
+# ------------------------------------------------------------------------------------- return values
+def as_scores(values: Any, *, name: str, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
+    """``values`` as one finite float per completion, or a :class:`ScoresError` saying what is wrong.
+
+    Accepted: any 1-D sequence of real numbers (lists, tuples, numpy arrays, torch tensors), whose elements may
+    be Python, numpy or 0-d tensor scalars. Refused: strings, mappings, sets, generators, arrays of another
+    dimension, a wrong length, strings or other non-numbers as elements, NaN and infinities.
+
+    Runs on: wherever the reward function ran (the worker holding the samples, or a reward worker process).
+    """
+    n = len(prompts)
+    kind = type(values).__name__
+    ndim = getattr(values, "ndim", None)
+    if isinstance(ndim, int) and callable(getattr(values, "tolist", None)):  # numpy array, torch tensor
+        if ndim != 1:
+            shape = tuple(getattr(values, "shape", ()))
+            raise ScoresError(
+                f"reward function `{name}` returned a {ndim}-D {kind} of shape {shape}; expected a 1-D sequence of "
+                f"{n} floats, one per completion. HINT: return `scores.reshape(-1)` if it holds one score per "
+                "completion."
+            )
+        values = values.tolist()
+    elif not isinstance(values, Sequence) or isinstance(values, str | bytes | bytearray):
+        raise ScoresError(
+            f"reward function `{name}` returned {kind}; expected a list of {n} floats, one per completion."
+        )
+    if len(values) != n:
+        raise ScoresError(
+            f"reward function `{name}` returned {len(values)} values for {n} completions; "
+            "expected exactly one float per completion."
+        )
+    out = []
+    for i, v in enumerate(values):
+        f = math.nan
+        if not isinstance(v, str | bytes) and hasattr(type(v), "__float__") and getattr(v, "ndim", 0) == 0:
+            with contextlib.suppress(TypeError, ValueError, OverflowError):
+                f = float(v)
+        if not math.isfinite(f):
+            raise ScoresError(
+                f"reward function `{name}` returned {v!r} for completion {i} "
+                f"(prompt {prompts[i]!r}, completion {completions[i]!r}); expected a finite float. "
+                "HINT: return 0.0 (or another fallback) for completions you cannot score."
+            )
+        out.append(f)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the pool
+@dataclasses.dataclass(eq=False)
+class _Worker:
+    proc: subprocess.Popen[bytes]
+    conn: Connection
+    started: float
+    ready: bool = False
+    call: int | None = None  # index of the call it runs
+    deadline: float = math.inf
+
+
+class RewardPool:
+    """Worker processes for one reward function, reused across calls and steps.
+
+    Runs on: the process that scores (a worker rank of the trainer); its workers are child processes. Not
+    shared across processes: a pool used in a process it was not made in (after a fork) raises.
+
+    Args:
+        fn: the reward function; pickled once, with ``cloudpickle``, when the pool is made.
+        name: how the function is named in messages.
+
+    Raises:
+        TypeError: ``fn`` cannot be pickled (it holds a lock, a socket, a CUDA tensor, ...).
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, name: str) -> None:
+        import cloudpickle
+
+        try:
+            fn_bytes = cloudpickle.dumps(fn)
+        except Exception as err:
+            raise TypeError(
+                f"reward function `{name}` cannot be sent to its reward worker process: cloudpickle failed with "
+                f"{type(err).__name__}: {err}. HINT: create locks, sockets, clients and models inside the "
+                "function (or in a module it imports) rather than capturing them, or set "
+                "RewardConfig(timeout_s=None) to call it in the trainer process (no timeout, no isolation)."
+            ) from err
+        self.name = name
+        self.fn = fn  # held so that the registry's key (the function's id) stays unique
+        self._payload = pickle.dumps((list(sys.path), fn_bytes))
+        self._workers: list[_Worker] = []
+        self._size = 0  # workers kept started between calls (the largest num_workers asked for)
+        self._owner = os.getpid()
+        self._lock = threading.Lock()
+        self._call_name = name
+        self.closed = False
+        self.started = 0  # worker processes started so far (replacements included)
+
+    # -------------------------------------------------------------------------------------- public
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the live workers (started or starting)."""
+        return [w.proc.pid for w in self._workers]
+
+    def start(self, num_workers: int = 1) -> None:
+        """Start workers up to ``num_workers`` without waiting for them (the next call waits, if it must).
+
+        Runs on: the scoring process, e.g. when its role loads, so that the start overlaps model loading.
+        """
+        with self._lock:
+            self._check_usable()
+            self._size = max(self._size, num_workers)
+            self._top_up()
+
+    def run(
+        self, calls: Sequence[Call], *, timeout_s: float, num_workers: int, name: str | None = None
+    ) -> list[Result]:
+        """Run ``calls`` on up to ``num_workers`` workers at once, each call for at most ``timeout_s`` seconds.
+
+        Runs on: the scoring process. The timeout counts from the moment a started worker takes the call (a
+        new worker's start is bounded by :data:`STARTUP_TIMEOUT_S`). A call that times out, or whose worker
+        dies, kills that worker and its process group; a new worker replaces it.
+
+        Args:
+            calls: ``(prompts, completions, columns)`` of each call.
+            timeout_s: seconds one call may take.
+            num_workers: calls running at once; the pool keeps this many workers from now on.
+            name: how the function is named in messages (default: the pool's name).
+
+        Returns:
+            One ``(kind, scores, message, traceback)`` per call, in order.
+        """
+        with self._lock:
+            self._check_usable()
+            self._size = max(self._size, num_workers)
+            self._call_name = name or self.name
+            return self._run(list(calls), timeout_s=timeout_s, num_workers=max(1, num_workers))
+
+    def close(self) -> None:
+        """End every worker (and anything its function left running). Idempotent.
+
+        Runs on: the scoring process, at teardown and at interpreter exit.
+        """
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if os.getpid() != self._owner:  # a forked copy: the workers belong to the parent
+                return
+            workers, self._workers = self._workers, []
+            for w in workers:
+                w.conn.close()  # end of input: an idle worker exits by itself
+            deadline = time.monotonic() + _TERM_GRACE_S
+            for w in workers:
+                _wait_exit(w.proc.pid, deadline - time.monotonic())
+                _reap(w.proc)
+
+    # ------------------------------------------------------------------------------------- private
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the reward pool of `{self.name}` is closed. HINT: get a new one with reward_pool().")
+        if os.getpid() != self._owner:
+            raise RuntimeError(
+                f"the reward pool of `{self.name}` was made in process {self._owner} and used in {os.getpid()} "
+                "(a fork). HINT: make pools in the process that scores (reward_pool() does)."
+            )
+
+    def _spawn(self) -> _Worker:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            env = {**os.environ, **WORKER_ENV}
+            proc = subprocess.Popen(
+                [sys.executable, "-P", os.path.abspath(__file__), str(theirs.fileno()), str(os.getpid())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+                process_group=0,  # its own group: a kill reaches what the function started; Ctrl-C does not
+            )
+            conn = Connection(os.dup(ours.fileno()))
+        self.started += 1
+        worker = _Worker(proc, conn, started=time.monotonic())
+        with contextlib.suppress(OSError):  # it died at once: seen as a crash at its first read
+            conn.send_bytes(self._payload)  # into the socket buffer; the worker reads it once it runs
+        return worker
+
+    def _top_up(self) -> None:
+        while len(self._workers) < self._size:
+            self._workers.append(self._spawn())
+
+    def _remove(self, w: _Worker, *, term: bool) -> str:
+        """Kill ``w``'s process group (SIGTERM first if ``term``), reap it; returns how it ended."""
+        self._workers.remove(w)
+        w.conn.close()
+        if term:
+            with contextlib.suppress(OSError):
+                os.killpg(w.proc.pid, signal.SIGTERM)
+        _wait_exit(w.proc.pid, _TERM_GRACE_S)
+        return _reap(w.proc)
+
+    def _run(self, calls: list[Call], *, timeout_s: float, num_workers: int) -> list[Result]:
+        results: list[Result | None] = [None] * len(calls)
+        pending = collections.deque(range(len(calls)))
+        for w in [w for w in self._workers if w.call is None and _wait_exit(w.proc.pid, 0.0)]:
+            self._remove(w, term=False)  # died while idle (killed from outside): replace without a word
+        try:
+            while pending or any(w.call is not None for w in self._workers):
+                busy = sum(w.call is not None for w in self._workers)
+                while len(self._workers) < min(num_workers, busy + len(pending)):
+                    self._workers.append(self._spawn())
+                for w in self._workers:
+                    if pending and w.ready and w.call is None:
+                        i = pending.popleft()
+                        prompts, completions, columns = calls[i]
+                        try:
+                            w.conn.send_bytes(pickle.dumps((self._call_name, prompts, completions, columns)))
+                        except OSError:
+                            pending.appendleft(i)  # died since it said ready: its EOF is read below
+                            continue
+                        w.call, w.deadline = i, time.monotonic() + timeout_s
+                deadlines = [w.deadline for w in self._workers if w.call is not None]
+                deadlines += [w.started + STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
+                watched = {w.conn: w for w in self._workers if w.call is not None or not w.ready}
+                delay = max(0.0, min(deadlines, default=math.inf) - time.monotonic())
+                for conn in wait(list(watched), timeout=None if delay == math.inf else delay):
+                    self._receive(watched[conn], calls, results, pending)  # type: ignore[index]
+                now = time.monotonic()
+                for w in list(self._workers):
+                    if w.call is not None and now >= w.deadline:
+                        self._remove(w, term=True)
+                        n = len(calls[w.call][0])
+                        message = f"reward function `{self._call_name}` timed out after {timeout_s:g} s on {n} samples"
+                        results[w.call] = ("timeout", None, message, "")
+                    elif not w.ready and now >= w.started + STARTUP_TIMEOUT_S:
+                        self._remove(w, term=True)
+                        message = (
+                            f"the reward process of `{self._call_name}` did not load the function within "
+                            f"{STARTUP_TIMEOUT_S:g} s (a slow or hanging import?)"
+                        )
+                        _fail_pending(pending, results, calls, ("timeout", None, message, ""))
+        except BaseException:  # an error (or KeyboardInterrupt) while calls run: leave no call running
+            for w in [w for w in self._workers if w.call is not None]:
+                self._remove(w, term=True)
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                self._top_up()  # replacements start now, ready by the next call
+        return [r if r is not None else ("crash", None, "lost", "") for r in results]
+
+    def _receive(self, w: _Worker, calls: list[Call], results: list[Result | None], pending: Any) -> None:
+        """Handle one message (or the end of input) from ``w``."""
+        try:
+            msg = pickle.loads(w.conn.recv_bytes())
+        except (EOFError, OSError):
+            how = self._remove(w, term=False)
+            if w.call is not None:
+                n = len(calls[w.call][0])
+                message = f"reward function `{self._call_name}` crashed on {n} samples: its process died ({how})"
+                results[w.call] = ("crash", None, message, "")
+            elif not w.ready:
+                message = f"the reward process of `{self._call_name}` died ({how}) while loading the function"
+                _fail_pending(pending, results, calls, ("crash", None, message, ""))
+            return
+        if msg[0] == "ready":
+            w.ready = True
+        elif msg[0] == "load_error":
+            self._remove(w, term=True)
+            message = (
+                f"reward function `{self._call_name}` could not be loaded in its reward process: {msg[1]}. HINT: the "
+                "worker imports the function's module by name with the trainer's sys.path; define the function in "
+                "an importable module (or in the script), and check that its module imports without error."
+                f"\n--- traceback (in the reward process) ---\n{msg[2]}"
+            )
+            _fail_pending(pending, results, calls, ("raised", None, message, msg[2]))
+        else:
+            assert w.call is not None
+            results[w.call] = msg
+            w.call, w.deadline = None, math.inf
+
+
+def _fail_pending(pending: Any, results: list[Result | None], calls: list[Call], result: Result) -> None:
+    while pending:
+        results[pending.popleft()] = result
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for ``pid`` to exit, without reaping it (its group id stays reserved); whether
+    it has exited."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                return True
+        except ChildProcessError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> str:
+    """SIGKILL what is left of ``proc``'s process group (its function's subprocesses too), reap ``proc``."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker's own group, never ours
+    code = proc.wait()
+    return f"exit code {code}" if code >= 0 else signal.Signals(-code).name
+
+
+# ------------------------------------------------------------------------------------- the registry
+_POOLS: collections.OrderedDict[Any, RewardPool] = collections.OrderedDict()
+_POOLS_LOCK = threading.Lock()
+
+
+def _key(fn: Callable[..., Any]) -> Any:
+    func, owner = getattr(fn, "__func__", None), getattr(fn, "__self__", None)
+    if func is not None and owner is not None:  # a bound method: a new object at each attribute access
+        return (id(owner), id(func))
+    return id(fn)
+
+
+def reward_pool(fn: Callable[..., Any], *, name: str) -> RewardPool:
+    """The pool of ``fn`` in this process: made (without workers) on first use, then reused.
+
+    Runs on: the scoring process. Keyed by the function object (a bound method by its object and function);
+    at most 16 pools are kept, the least recently used is closed first.
+    """
+    with _POOLS_LOCK:
+        key = _key(fn)
+        pool = _POOLS.get(key)
+        if pool is None or pool.closed:
+            pool = _POOLS[key] = RewardPool(fn, name=name)
+        _POOLS.move_to_end(key)
+        evicted = [_POOLS.popitem(last=False)[1] for _ in range(len(_POOLS) - _MAX_POOLS)]
+    for old in evicted:
+        old.close()
+    return pool
+
+
+def close_reward_pools(fns: Sequence[Callable[..., Any]] | None = None) -> None:
+    """Close the pools of ``fns`` (None: every pool of this process). Idempotent.
+
+    Runs on: the scoring process, at teardown; also at interpreter exit.
+    """
+    with _POOLS_LOCK:
+        keys = list(_POOLS) if fns is None else [_key(fn) for fn in fns]
+        pools = [_POOLS.pop(k) for k in keys if k in _POOLS]
+    for pool in pools:
+        pool.close()
+
+
+def _forget_pools_after_fork() -> None:
+    """In a forked child: drop the parent's pools (their workers are the parent's), closing our copies of the
+    sockets so that the workers still see the end of input when the parent dies."""
+    for pool in _POOLS.values():
+        pool.closed = True
+        for w in pool._workers:
+            with contextlib.suppress(OSError):
+                w.conn.close()
+    _POOLS.clear()
+
+
+if __name__ != "__main__":
+    atexit.register(close_reward_pools)
+    os.register_at_fork(after_in_child=_forget_pools_after_fork)
+
+
+# ----------------------------------------------------------------------------------- the worker side
+def _worker_main(fd: int, parent: int) -> None:
+    """Main program of a reward worker: load the function, then serve calls until the end of input.
+
+    Runs on: a reward worker process (spawned by :class:`RewardPool`).
+    """
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())  # a mask inherited from the spawning thread
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)  # killed means killed, whatever the trainer ignores or handles
+    _die_with_parent(parent)
+    os.set_inheritable(fd, False)  # the function's own subprocesses do not hold the pool's socket open
+    conn = Connection(fd)
+    with contextlib.suppress(EOFError, OSError):  # the pool closed (or the trainer died): exit quietly
+        sys_path, fn_bytes = pickle.loads(conn.recv_bytes())
+        sys.path[:] = sys_path
+        try:
+            fn = pickle.loads(fn_bytes)
+        except Exception as err:
+            conn.send_bytes(pickle.dumps(("load_error", f"{type(err).__name__}: {err}", traceback.format_exc())))
+            return
+        conn.send_bytes(pickle.dumps(("ready",)))
+        while True:
+            name, prompts, completions, columns = pickle.loads(conn.recv_bytes())
+            result = _call(fn, name, prompts, completions, columns)
+            with contextlib.suppress(Exception):  # before sending: the pool may kill this process once it has it
+                sys.stdout.flush()
+                sys.stderr.flush()
+            conn.send_bytes(pickle.dumps(result))
+
+
+def _call(
+    fn: Callable[..., Any], name: str, prompts: list[str], completions: list[str], columns: Mapping[str, Any]
+) -> Result:
+    try:
+        values = fn(prompts, completions, **columns)
+    except Exception as err:
+        tb = traceback.format_exc()
+        message = (
+            f"reward function `{name}` raised {type(err).__name__}: {err} "
+            f"(called on {len(prompts)} completions; dataset columns passed: {sorted(columns)})"
+            f"\n--- traceback of `{name}` (in its reward process) ---\n{tb}"
+        )
+        return ("raised", None, message, tb)
+    try:
+        return ("ok", as_scores(values, name=name, prompts=prompts, completions=completions), "", "")
+    except ScoresError as err:
+        return ("invalid", None, str(err), "")
+    except Exception as err:  # a sequence-like object whose len() or tolist() fails
+        message = f"reward function `{name}` returned a {type(values).__name__} that cannot be read: {err!r}"
+        return ("invalid", None, message, traceback.format_exc())
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when the trainer (the thread that started it) ends."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the trainer died before prctl took effect
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    _worker_main(int(sys.argv[1]), int(sys.argv[2]))
