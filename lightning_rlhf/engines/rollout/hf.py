@@ -109,15 +109,15 @@ class HFRolloutEngine:
         ``n`` times (transformers, like vLLM, decodes greedily only one sequence per prompt).
         """
         params.check()
+        longest = max((len(p) for p in prompts), default=0)  # the longest prompt decides
         if self.max_length is not None:
-            for p in prompts:
-                check_sequence_length(
-                    prompt_length=len(p),
-                    max_new_tokens=params.max_new_tokens,
-                    limit=self.max_length,
-                    engine="the model's max_position_embeddings",
-                    prompt_setting=f"{len(p)}",
-                )
+            check_sequence_length(
+                prompt_length=longest,
+                max_new_tokens=params.max_new_tokens,
+                limit=self.max_length,
+                engine="the model's max_position_embeddings",
+                prompt_setting=f"{longest}",
+            )
         stops = {self.eos_token_id, *params.stop_token_ids}
         greedy = params.is_greedy
         copies = params.n if greedy else 1

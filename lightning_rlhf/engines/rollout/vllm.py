@@ -371,14 +371,14 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         params.check()  # what vLLM would change (a temperature below its floor) is refused, as in the hf engine
-        for p in prompts:
-            check_sequence_length(
-                prompt_length=len(p),
-                max_new_tokens=params.max_new_tokens,
-                limit=self.max_model_len,
-                engine="the vLLM engine's max_model_len",
-                prompt_setting=f"{len(p)}",
-            )
+        longest = max((len(p) for p in prompts), default=0)  # the longest prompt decides
+        check_sequence_length(
+            prompt_length=longest,
+            max_new_tokens=params.max_new_tokens,
+            limit=self.max_model_len,
+            engine="the vLLM engine's max_model_len",
+            prompt_setting=f"{longest}",
+        )
         greedy = params.is_greedy
         copies = params.n if greedy else 1
         parts: list[tuple[int, list[list[int]]]] = [(params.seed, prompts)]
