@@ -20,6 +20,7 @@ from lightning_rlhf.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     compute_advantages,
+    estimator_inputs,
     informative_groups,
     kl_penalty,
     masked_mean,
@@ -29,7 +30,9 @@ from lightning_rlhf.algorithms import (
     scores_to_token_rewards,
 )
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.compat import attached_trainer
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
+from lightning_rlhf.engines.train import resolve_dtype
 from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.rewards import RewardSpec, reward_components
 from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role
@@ -62,6 +65,9 @@ class RLHFModule(L.LightningModule):
             score, batches) and the weights of named rewards.
         validation: how the validation loop generates (samples per prompt, greedy or a temperature) and its
             pass@k settings; it runs when the datamodule has validation prompts.
+        frozen_dtype: the dtype the frozen models (reference, reward model) are held and computed in:
+            ``"float32"`` or ``"bfloat16"`` (half their memory; the trainable roles keep float32 master weights
+            and compute in ``RLHFStrategy(param_dtype=...)``).
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class RLHFModule(L.LightningModule):
         critic_optim: OptimConfig | None = None,
         reward_config: RewardConfig | None = None,
         validation: ValidationConfig | None = None,
+        frozen_dtype: str | torch.dtype = "float32",
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -101,9 +108,9 @@ class RLHFModule(L.LightningModule):
                 f"AlgorithmConfig.kl_coef={self.algorithm.kl_coef} needs a reference policy, but "
                 "RLHFModule(reference=False). HINT: pass reference=True (the actor's initial weights) or kl_coef=0."
             )
-        if self.algorithm.advantage == "gae" and critic is None:
+        if "values" in estimator_inputs(self.algorithm.advantage) and critic is None:
             raise ValueError(
-                "AlgorithmConfig.advantage='gae' needs a critic, but RLHFModule(critic=None). "
+                f"AlgorithmConfig.advantage={self.algorithm.advantage!r} needs a critic, but RLHFModule(critic=None). "
                 "HINT: pass critic=<path> (often the actor's path) or use advantage='grpo'."
             )
         if ref_path is not None and isinstance(ref_path, str) and ref_path != actor:
@@ -115,6 +122,9 @@ class RLHFModule(L.LightningModule):
         self.tokenizer.padding_side = "left"
 
         micro = self.algorithm.micro_batch_size
+        frozen = resolve_dtype(frozen_dtype, setting="RLHFModule.frozen_dtype")
+        assert frozen is not None
+        self.frozen_dtype = frozen
         self.actor = ActorRole(
             actor,
             tokenizer=self.tokenizer,
@@ -128,11 +138,13 @@ class RLHFModule(L.LightningModule):
             else None
         )
         self.reference: ReferenceRole | None = (
-            ReferenceRole(ref_path, temperature=self.rollout_config.temperature, micro_batch_size=micro)
+            ReferenceRole(ref_path, temperature=self.rollout_config.temperature, micro_batch_size=micro, dtype=frozen)
             if ref_path
             else None
         )
-        self.reward = RewardRole(reward, tokenizer=self.tokenizer, micro_batch_size=micro, config=self.reward_config)
+        self.reward = RewardRole(
+            reward, tokenizer=self.tokenizer, micro_batch_size=micro, config=self.reward_config, dtype=frozen
+        )
         self._step_logs: list[tuple[str, float, dict[str, Any]]] | None = None
         algo = self.algorithm
         self.kl_controller: AdaptiveKLController | FixedKLController = (
@@ -368,7 +380,7 @@ class RLHFModule(L.LightningModule):
                 f"top-k/top-p truncation: the engine samples from a truncated distribution (RolloutConfig.top_p="
                 f"{cfg.top_p}, top_k={cfg.top_k}) while the loss scores the full one; set top_p=1.0, top_k=0"
             )
-        dtype = getattr(getattr(self._trainer, "strategy", None), "param_dtype", None)
+        dtype = getattr(getattr(attached_trainer(self), "strategy", None), "param_dtype", None)
         if dtype is not None and dtype != torch.float32:
             causes.append(
                 f"low precision: the engine and the trainer compute in {dtype} with different kernels (in float32 "
@@ -402,8 +414,11 @@ class RLHFModule(L.LightningModule):
             self.kl_controller.load_state_dict(state["kl_controller"])
         self.actor.mark_weights_changed()
 
-    needs_rollout_engine: bool = True
-    """Whether the strategy gives the actor a rollout engine (``SFTModule``, which never generates, says no)."""
+    @property
+    def needs_rollout_engine(self) -> bool:
+        """Whether any role needs a rollout engine (``SFTModule``'s actor, which never generates, does not)."""
+        return any(role.needs_rollout_engine for role in self.roles().values())
+
     PROGRESS_BAR_METRICS: tuple[str, ...] = ("critic/score/mean", "response_length/mean", "timing_s/step")
     """What :meth:`log_step` also puts on the progress bar (Lightning's default bar shows them)."""
     last_rollout: Batch | None = None
@@ -476,6 +491,18 @@ class RLHFModule(L.LightningModule):
         return out
 
     # ----------------------------------------------------------------------------------- logging
+    @contextlib.contextmanager
+    def recording_logs(self) -> Iterator[list[tuple[str, float, dict[str, Any]]]]:
+        """Record every ``log`` call made inside the block (the controller's step), for the workers to replay.
+
+        Runs on: controller (the strategy wraps each step it runs in it).
+        """
+        self._step_logs = []
+        try:
+            yield self._step_logs
+        finally:
+            self._step_logs = None
+
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """``LightningModule.log``; on the controller the value is also recorded for the workers.
 

@@ -425,6 +425,19 @@ def remax_advantages(
     return advantages, advantages.clone()
 
 
+_EXTRA_INPUTS: dict[str, frozenset[str]] = {"gae": frozenset({"values"}), "remax": frozenset({"baselines"})}
+
+
+def estimator_inputs(name: str) -> frozenset[str]:
+    """What advantage estimator ``name`` needs beyond rewards and group ids: ``"values"`` (a critic) for GAE,
+    ``"baselines"`` (a per-prompt reference score) for ReMax; empty for the group-relative estimators.
+
+    Runs on: any process (modules check their roles against it before any model loads).
+    """
+    ADVANTAGE_ESTIMATORS.get(name)
+    return _EXTRA_INPUTS.get(name, frozenset())
+
+
 def compute_advantages(name: str, **kwargs: Any) -> tuple[Tensor, Tensor]:
     """Runs the advantage estimator registered as ``name``.
 

@@ -7,6 +7,7 @@ Policy losses share one signature so a trainer can switch by name::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +20,7 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
     "LossAggregation",
+    "MicroBatchAggregation",
     "PolicyLoss",
     "aggregate_loss",
     "compute_policy_loss",
@@ -29,6 +31,7 @@ __all__ = [
     "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
     "token_mean",
+    "uses_global_token_count",
     "value_loss_clipped",
 ]
 
@@ -177,6 +180,63 @@ def aggregate_loss(
         ValueError: If ``mode`` is unknown.
     """
     return LOSS_AGGREGATIONS.get(mode)(loss, mask, num_tokens=num_tokens, max_len=max_len)
+
+
+_GLOBAL_TOKEN_COUNT = {"token-mean": True}
+"""Aggregations that divide by the token count of the whole mini-batch over all ranks (a collective per
+mini-batch); the others average per-sequence values, so each micro-batch is weighted by its share of rows."""
+
+
+def uses_global_token_count(mode: str) -> bool:
+    """Whether aggregation ``mode`` divides by the mini-batch's token count over all ranks (``"token-mean"``).
+
+    Runs on: any process. Raises the registry's error for an unknown mode.
+    """
+    LOSS_AGGREGATIONS.get(mode)
+    return _GLOBAL_TOKEN_COUNT.get(mode, False)
+
+
+@dataclass(frozen=True)
+class MicroBatchAggregation:
+    """How one micro-batch's loss joins its mini-batch's loss under aggregation ``mode``, so that the gradients
+    summed over micro-batches and averaged over ranks (FSDP) equal those of the whole mini-batch at once.
+
+    - ``"token-mean"``: each micro-batch divides its token sum by ``num_tokens``, the per-rank share of the
+      mini-batch's global token count (FSDP averages over ranks); the losses are then summed unscaled.
+    - per-sequence modes: each micro-batch's loss is a mean over its rows, scaled by ``share`` (its rows over
+      the mini-batch's rows on this rank).
+
+    Runs on: every worker rank (the training engine makes one per micro-batch; the role's loss uses it).
+    """
+
+    mode: str
+    num_tokens: Tensor | None
+    """Per-rank share of the mini-batch's global token count (``"token-mean"``), else None."""
+    share: float
+    """Rows of this micro-batch over rows of its mini-batch on this rank."""
+    max_len: int | None = None
+    """The constant length of ``"seq-mean-token-sum-norm"`` (e.g. the rollout's ``max_new_tokens``)."""
+
+    def aggregate(self, loss: Tensor, mask: Tensor) -> Tensor:
+        """``loss`` ``[B, T]`` reduced to this micro-batch's part of the mini-batch loss (before ``scale``)."""
+        return aggregate_loss(loss, mask, mode=self.mode, num_tokens=self.num_tokens, max_len=self.max_len)
+
+    @property
+    def loss_kwargs(self) -> dict[str, Any]:
+        """``agg``, ``num_tokens`` and ``max_len`` for the registered policy and value losses."""
+        return {"agg": self.mode, "num_tokens": self.num_tokens, "max_len": self.max_len}
+
+    @property
+    def scale(self) -> float:
+        """Factor on the aggregated loss before ``backward``."""
+        return 1.0 if self.num_tokens is not None else self.share
+
+    def report(self, value: Tensor, mask: Tensor) -> Tensor:
+        """A detached aggregated value as this micro-batch's own mean (comparable across batch sizes)."""
+        if self.num_tokens is None:
+            return value.detach()
+        local = mask.sum().clamp(min=1) / self.num_tokens
+        return value.detach() / local
 
 
 class PolicyLoss(Protocol):

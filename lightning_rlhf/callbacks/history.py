@@ -12,6 +12,8 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from typing_extensions import override
 
+from lightning_rlhf.compat import batches_that_stepped
+
 __all__ = ["MetricHistory", "first_last", "run_folder", "step_of"]
 
 
@@ -33,7 +35,7 @@ def step_of(trainer: L.Trainer) -> int:
 
     Valid in ``on_train_batch_end``; Lightning's ``LearningRateMonitor`` reads the same counter. Runs on: any.
     """
-    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    return batches_that_stepped(trainer)
 
 
 def first_last(values: Sequence[float], fraction: float = 0.1) -> tuple[float, float]:

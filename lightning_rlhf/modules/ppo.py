@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from lightning_rlhf.algorithms import estimator_inputs
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, RolloutConfig
 from lightning_rlhf.module import RLHFModule
@@ -26,7 +27,7 @@ class PPOModule(RLHFModule):
         kwargs["rollout"] = kwargs.get("rollout") or RolloutConfig(n=1)
         if kwargs.get("critic") is None:
             raise ValueError("PPOModule needs a value model: pass critic=<path> (often the actor's own path).")
-        if kwargs["algorithm"].advantage != "gae":
+        if "values" not in estimator_inputs(kwargs["algorithm"].advantage):
             raise ValueError(
                 f"PPOModule uses GAE with the critic, but AlgorithmConfig.advantage={kwargs['algorithm'].advantage!r}. "
                 "HINT: pass AlgorithmConfig(advantage='gae', ...), or use GRPOModule for critic-free advantages."

@@ -10,7 +10,12 @@ import dataclasses
 import time
 from typing import Any
 
-from lightning_rlhf.algorithms import LagrangeMultiplier, lagrangian_advantages, scores_to_token_rewards
+from lightning_rlhf.algorithms import (
+    LagrangeMultiplier,
+    estimator_inputs,
+    lagrangian_advantages,
+    scores_to_token_rewards,
+)
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig, SafetyConfig
 from lightning_rlhf.module import RLHFModule
@@ -48,9 +53,9 @@ class SafeRLHFModule(RLHFModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(actor, **kwargs)
-        if self.algorithm.advantage == "remax":
+        if "baselines" in estimator_inputs(self.algorithm.advantage):
             raise ValueError(
-                "SafeRLHFModule: AlgorithmConfig.advantage='remax' has no baseline for the cost. "
+                f"SafeRLHFModule: AlgorithmConfig.advantage={self.algorithm.advantage!r} has no baseline for the cost. "
                 "HINT: use 'gae' (with critics), 'grpo', 'rloo' or 'reinforce_plus_plus'."
             )
         if isinstance(cost, str):
@@ -62,6 +67,7 @@ class SafeRLHFModule(RLHFModule):
             micro_batch_size=self.algorithm.micro_batch_size,
             key="costs",
             config=dataclasses.replace(self.reward_config, weights=None),
+            dtype=self.frozen_dtype,
         )
         self.cost_critic: CriticRole | None = None
         if self.critic is not None:

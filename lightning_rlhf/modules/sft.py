@@ -45,8 +45,6 @@ class SFTModule(RLHFModule):
         validate_before_train: compute ``val/loss`` once before the first step (the starting point).
     """
 
-    needs_rollout_engine = False
-
     def __init__(
         self,
         actor: str,
@@ -79,6 +77,7 @@ class SFTModule(RLHFModule):
             algorithm=self.algorithm,
             optim=optim or OptimConfig(lr=1e-5),
         )
+        self.actor.needs_rollout_engine = False  # supervised steps only: no generation
         self._step_logs: list[tuple[str, float, dict[str, Any]]] | None = None
 
     def setup(self, stage: str) -> None:

@@ -8,17 +8,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rlhf.algorithms import aggregate_loss, compute_policy_loss, kl_penalty
+from lightning_rlhf.algorithms import MicroBatchAggregation, compute_policy_loss, kl_penalty
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.rollout.reshard import weights_for
-from lightning_rlhf.engines.train import forward_response, move_optimizer_state
-from lightning_rlhf.models import resolve_model_path
-from lightning_rlhf.roles.base import Role, disable_dropout
-from lightning_rlhf.roles.training import MetricAccumulator, global_token_count, minibatches, world
-from lightning_rlhf.strategy.dispatch import Dispatch, role_method
+from lightning_rlhf.engines.train import MetricAccumulator, forward_response, global_token_count, world
+from lightning_rlhf.roles.base import Role, RolloutEngineRequest, load_model
 
 __all__ = ["ActorRole"]
 
@@ -47,21 +45,15 @@ class ActorRole(Role):
         algorithm: AlgorithmConfig,
         optim: OptimConfig,
     ) -> None:
-        super().__init__()
+        super().__init__(micro_batch_size=algorithm.micro_batch_size, optim=optim, setting="ActorRole(path=...)")
         self.path = path
         self.tokenizer = tokenizer
         self.rollout = rollout
         self.algorithm = algorithm
-        self.optim = optim
-        self._engine: RolloutEngine | None = None  # not an nn.Module attribute: stays out of checkpoints
+        self.needs_rollout_engine = True  # SFTModule turns it off: it never generates
+        self._rollout_engine: RolloutEngine | None = None  # not an nn.Module attribute: stays out of checkpoints
         self._weights_version = 0
         self._engine_version = 0
-        self.offload_optimizer = False
-        """Move the optimizer state to host memory while the engine generates (set by the strategy on GPUs)."""
-
-    @property
-    def trainable(self) -> bool:
-        return True
 
     @property
     def logprob_temperature(self) -> float:
@@ -70,25 +62,27 @@ class ActorRole(Role):
         return logprob_temperature(self.rollout.temperature)
 
     @property
-    def engine(self) -> RolloutEngine:
-        """The colocated rollout engine (set by the strategy at setup)."""
-        if self._engine is None:
+    def rollout_engine(self) -> RolloutEngine:
+        """The colocated rollout engine (attached by the strategy at set-up)."""
+        if self._rollout_engine is None:
             raise RuntimeError("ActorRole has no rollout engine yet: the strategy attaches one in setup().")
-        return self._engine
+        return self._rollout_engine
+
+    def rollout_engine_request(self) -> RolloutEngineRequest | None:
+        """The actor's model, path, tokenizer and sampling settings (None when ``needs_rollout_engine`` is off)."""
+        return RolloutEngineRequest(self.path, self.tokenizer, self.rollout) if self.needs_rollout_engine else None
 
     def attach_engine(self, engine: RolloutEngine) -> None:
-        """Attach the rollout engine. Runs on: every worker rank, at setup, before sharding."""
-        self._engine = engine
+        """Attach the rollout engine. Runs on: every worker rank, at set-up, before sharding."""
+        self._rollout_engine = engine
 
     def load(self) -> None:
-        """Load the causal LM with transformers (every rank, full weights, before sharding)."""
+        """Load the causal LM with transformers, in float32 (the master weights). Runs on: every process."""
         from transformers import AutoModelForCausalLM
 
         if self.model is None:
-            path = resolve_model_path(self.path, setting="ActorRole(path=...)")
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            disable_dropout(self.model)
-            self.model.train()  # from_pretrained returns eval mode; dropout is off anyway
+            model = load_model(AutoModelForCausalLM, self.path, setting="ActorRole(path=...)", dtype=self.dtype)
+            self.set_model(model.train())  # from_pretrained returns eval mode; dropout is off anyway
 
     # --------------------------------------------------------------------------------------- rollout
     @role_method(Dispatch.DP_SPLIT)
@@ -114,9 +108,9 @@ class ActorRole(Role):
         The engine wakes up (on a GPU: its weights return to device memory), receives the weights of the
         latest update if any, generates, and goes back to sleep while training runs.
         """
-        if self.offload_optimizer and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, "cpu")
-        self.engine.wake_up()
+        if self.rollout_engine.offload_optimizer:
+            self.train_engine.offload_optimizer()
+        self.rollout_engine.wake_up()
         sync_s, sync_bytes = self.sync_weights()
         cfg = self.rollout
         n = 1 if greedy else (n or cfg.n)
@@ -138,11 +132,10 @@ class ActorRole(Role):
         )
         prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
         t0 = time.perf_counter()
-        out = self.engine.generate(prompts, params)
+        out = self.rollout_engine.generate(prompts, params)
         gen_s = time.perf_counter() - t0
-        self.engine.sleep()
-        if self.offload_optimizer and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, next(self.model.parameters()).device)  # type: ignore[union-attr]
+        self.rollout_engine.sleep()
+        self.train_engine.onload_optimizer()
         width = max(1, max(len(r) for r in out.responses))
         responses = torch.full((len(out.responses), width), self.tokenizer.pad_token_id, dtype=torch.long)
         response_mask = torch.zeros((len(out.responses), width), dtype=torch.long)
@@ -174,13 +167,13 @@ class ActorRole(Role):
         Runs on: every worker rank (each ``full_tensor`` is an all-gather, in the same order everywhere).
         Returns ``(seconds, bytes this rank received from the other ranks)``.
         """
-        stale = getattr(self.engine, "weights_discarded", False)
-        if self._engine_version == self._weights_version and not stale:
+        engine = self.rollout_engine
+        if self._engine_version == self._weights_version and not engine.weights_discarded:
             return 0.0, 0
         assert self.model is not None
         t0 = time.perf_counter()
         received = [0]
-        self.engine.load_weights(weights_for(self.engine, self.model, received))
+        engine.load_weights(weights_for(engine, self.model, received))
         self._engine_version = self._weights_version
         return time.perf_counter() - t0, received[0]
 
@@ -191,13 +184,11 @@ class ActorRole(Role):
 
         Runs on: every worker rank (FSDP forward, micro-batched).
         """
-        assert self.model is not None
-        parts = []
-        with torch.no_grad():
-            for micro in batch.split(self.algorithm.micro_batch_size):
-                out = forward_response(self.model, micro, output="logprobs", temperature=self.logprob_temperature)
-                parts.append(out["logprobs"].cpu())
-        batch["old_logprobs"] = torch.cat(parts)
+        temperature = self.logprob_temperature
+        out = self.train_engine.infer(
+            batch, lambda model, micro: forward_response(model, micro, output="logprobs", temperature=temperature)
+        )
+        batch["old_logprobs"] = out["logprobs"]
         return batch
 
     @role_method(Dispatch.DP_SPLIT)
@@ -209,7 +200,6 @@ class ActorRole(Role):
         then the current one, and its log-probs are the detached ones of this very forward pass (exact, and
         it saves the separate ``log_prob`` pass). Returns the rank's metrics (the controller averages them over ranks).
         """
-        assert self.model is not None
         algo = self.algorithm
         use_kl_loss = algo.kl_coef > 0 and not algo.kl_in_reward
         if use_kl_loss and "ref_logprobs" not in batch:
@@ -220,43 +210,38 @@ class ActorRole(Role):
                 "ActorRole.update: `old_logprobs` missing and the update is off-policy (several epochs or "
                 "mini-batches). HINT: call actor.log_prob(rollout) before actor.update."
             )
-        acc, diffs = MetricAccumulator(), MetricAccumulator()
-        self.model.train()
-        for mini in minibatches(batch, mini_batch_size=mini_size, epochs=algo.ppo_epochs):
-            # FSDP averages gradients over ranks; scaling by the per-rank share of the global token count
-            # makes the sum over micro-batches and ranks an exact token-mean over the whole mini-batch.
-            num_tokens = global_token_count(_loss_mask(mini)) / world()[1]
-            for micro in mini.split(algo.micro_batch_size):
-                loss, metrics, logprobs = self._micro_loss(micro, num_tokens, len(micro) / len(mini), use_kl_loss)
-                loss.backward()
-                acc.add(metrics)
-                if "rollout_logprobs" in micro and "old_logprobs" not in micro:  # on-policy: same weights as rollout
-                    diffs.add(rollout_probs_diff(logprobs, micro["rollout_logprobs"], micro["response_mask"]))
-            grad_norm, stepped = self.step_optimizer()
-            acc.add({"grad_norm": grad_norm, "update_skipped": torch.tensor(float(not stepped))})
-        assert self.scheduler is not None
-        acc.add({"lr": torch.tensor(self.scheduler.get_last_lr()[0])})
-        self.scheduler.step()
+        diffs = MetricAccumulator()
+
+        def loss_fn(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
+            loss, metrics, logprobs = self._policy_loss(micro, agg, use_kl_loss)
+            if "rollout_logprobs" in micro and "old_logprobs" not in micro:  # on-policy: same weights as rollout
+                diffs.add(rollout_probs_diff(logprobs, micro["rollout_logprobs"], micro["response_mask"]))
+            return loss, metrics
+
+        acc = self.train_engine.train(
+            batch,
+            loss_fn,
+            aggregation=algo.loss_agg,
+            count_mask=_loss_mask,
+            mini_batch_size=mini_size,
+            epochs=algo.ppo_epochs,
+            max_len=self.rollout.max_new_tokens,  # the constant of seq-mean-token-sum-norm (Dr.GRPO)
+        )
+        acc.add({"lr": torch.tensor(self.train_engine.step_scheduler())})
         self.mark_weights_changed()
         return acc.result("actor") | diffs.result("training")
 
-    def _micro_loss(
-        self, micro: Batch, num_tokens: Tensor, share: float, use_kl_loss: bool
+    def _policy_loss(
+        self, micro: Batch, agg: MicroBatchAggregation, use_kl_loss: bool
     ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        """The policy loss of one micro-batch (+ KL loss, - entropy bonus), its metrics and its log-probs."""
         algo = self.algorithm
         assert self.model is not None
-        device = next(self.model.parameters()).device
+        device = self.train_engine.device
         out = forward_response(
             self.model, micro, output="logprobs", temperature=self.logprob_temperature, with_entropy=True
         )
         mask = _loss_mask(micro).to(device)
-        token_mean = algo.loss_agg == "token-mean"
-        agg: dict[str, Any] = {
-            "mode": algo.loss_agg,
-            "num_tokens": num_tokens if token_mean else None,
-            "max_len": self.rollout.max_new_tokens,  # the constant of seq-mean-token-sum-norm (Dr.GRPO)
-        }
-        scale = 1.0 if token_mean else share
         pg_loss, metrics = compute_policy_loss(
             algo.policy_loss,
             out["logprobs"],
@@ -266,22 +251,17 @@ class ActorRole(Role):
             clip_low=algo.clip_ratio_low,
             clip_high=algo.clip_ratio_high,
             clip_ratio_c=algo.clip_ratio_c,
-            agg=algo.loss_agg,
-            num_tokens=agg["num_tokens"],
-            max_len=agg["max_len"],
+            **agg.loss_kwargs,
         )
-        entropy = aggregate_loss(out["entropy"], mask, **agg)
+        entropy = agg.aggregate(out["entropy"], mask)
         loss = pg_loss - algo.entropy_coef * entropy
-        report = {"pg_loss": pg_loss, "entropy": entropy, **metrics}
+        report = {"pg_loss": agg.report(pg_loss, mask), "entropy": agg.report(entropy, mask), **metrics}
         if use_kl_loss:
             kl = kl_penalty(out["logprobs"], micro["ref_logprobs"].to(device), estimator=algo.kl_estimator)
-            kl_loss = aggregate_loss(kl, mask, **agg)
+            kl_loss = agg.aggregate(kl, mask)
             loss = loss + algo.kl_coef * kl_loss
-            report["kl_loss"] = kl_loss
-        # Reported values are per-micro-batch token means (comparable across batch sizes).
-        local = mask.sum().clamp(min=1) / num_tokens if token_mean else torch.tensor(1.0)
-        report = {k: v.detach() / local if k in ("pg_loss", "entropy", "kl_loss") else v for k, v in report.items()}
-        return loss * scale, report, out["logprobs"].detach()
+            report["kl_loss"] = agg.report(kl_loss, mask)
+        return loss, report, out["logprobs"].detach()
 
     # ------------------------------------------------------------------------------- supervised (SFT)
     @role_method(Dispatch.DP_SPLIT)
@@ -296,28 +276,27 @@ class ActorRole(Role):
         ``sft/loss``, ``sft/grad_norm``, ``sft/lr``, ``sft/tokens`` (loss tokens over all ranks) and
         ``sft/update_skipped``; averaged over ranks by the controller, ``sft/loss`` is the batch's token mean.
         """
-        assert self.model is not None and self.scheduler is not None
-        self.model.train()
-        total = global_token_count(batch["loss_mask"][:, 1:]).clamp(min=1)
-        # FSDP averages gradients over ranks; dividing by the per-rank share of the global count makes the sum
-        # over micro-batches and ranks an exact token mean over the whole batch.
-        per_rank = total / world()[1]
-        loss_sum = torch.zeros((), device=total.device)
-        for micro in batch.split(self.algorithm.micro_batch_size):
+        sums: list[Tensor] = []
+
+        def loss_fn(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
             token_loss, mask = self._sft_token_losses(micro)
-            summed = (token_loss * mask).sum()
-            (summed / per_rank).backward()
-            loss_sum += summed.detach()
-        grad_norm, stepped = self.step_optimizer()
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+            sums.append((token_loss * mask).sum().detach())
+            return agg.aggregate(token_loss, mask), {}
+
+        def loss_tokens(b: Batch) -> Tensor:
+            return b["loss_mask"][:, 1:]
+
+        acc = self.train_engine.train(batch, loss_fn, aggregation="token-mean", count_mask=loss_tokens)
+        metrics = acc.result("sft")
+        lr = self.train_engine.step_scheduler()
         self.mark_weights_changed()
+        total = global_token_count(loss_tokens(batch)).clamp(min=1)
         return {
-            "sft/loss": float(loss_sum / per_rank),
-            "sft/grad_norm": float(grad_norm),
-            "sft/lr": float(lr),
+            "sft/loss": float(torch.stack(sums).sum() / (total / world()[1])),
+            "sft/grad_norm": metrics["sft/grad_norm"],
+            "sft/lr": lr,
             "sft/tokens": float(total),
-            "sft/update_skipped": float(not stepped),
+            "sft/update_skipped": metrics["sft/update_skipped"],
         }
 
     @role_method(Dispatch.DP_SPLIT)
@@ -328,19 +307,18 @@ class ActorRole(Role):
 
         Runs on: every worker rank (FSDP forward, micro-batched).
         """
-        assert self.model is not None
-        loss_sum, tokens = torch.zeros(()), torch.zeros(())
-        with torch.no_grad():
-            for micro in batch.split(self.algorithm.micro_batch_size):
-                token_loss, mask = self._sft_token_losses(micro)
-                loss_sum += (token_loss * mask).sum().cpu()
-                tokens += mask.sum().cpu()
-        return {"loss_sum": float(loss_sum), "tokens": float(tokens)}
+
+        def sums(model: torch.nn.Module, micro: Batch) -> dict[str, Tensor]:
+            token_loss, mask = self._sft_token_losses(micro)
+            return {"loss_sum": (token_loss * mask).sum().reshape(1), "tokens": mask.sum().reshape(1)}
+
+        out = self.train_engine.infer(batch, sums)
+        return {"loss_sum": float(out["loss_sum"].sum()), "tokens": float(out["tokens"].sum())}
 
     def _sft_token_losses(self, micro: Batch) -> tuple[Tensor, Tensor]:
         """Per-token cross-entropy ``[B, T-1]`` of ``input_ids[:, 1:]`` and its loss mask, padding trimmed."""
         assert self.model is not None
-        device = next(self.model.parameters()).device
+        device = self.train_engine.device
         width = max(2, int(micro["attention_mask"].sum(-1).max()))
         ids = micro["input_ids"][:, :width].to(device)
         logits = self.model(input_ids=ids, attention_mask=micro["attention_mask"][:, :width].to(device)).logits

@@ -1,78 +1,163 @@
-"""What every role has: a name, a transformers model to load and shard, and (if trainable) an optimizer."""
+"""What every role has: a name, a transformers model run by a training engine, and what it needs from the strategy."""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_rlhf.config import OptimConfig
-from lightning_rlhf.engines.train import clip_grad_norm, shard_model
+from lightning_rlhf.config import OptimConfig, RolloutConfig
+from lightning_rlhf.engines.train import TrainEngine, make_optimizer
 
-__all__ = ["Role", "check_pretrained", "disable_dropout", "make_optimizer"]
+__all__ = ["Role", "RolloutEngineRequest", "check_pretrained", "disable_dropout", "load_model", "make_optimizer"]
+
+
+@dataclass(frozen=True)
+class RolloutEngineRequest:
+    """What a role that generates declares, for the strategy to build its rollout engine from."""
+
+    path: str
+    """The model's folder or hub id (vLLM loads its configuration and, unless told otherwise, its weights)."""
+    tokenizer: Any
+    """Its tokenizer (pad and EOS ids)."""
+    rollout: RolloutConfig
+    """The sampling settings."""
 
 
 class Role(nn.Module):
-    """Base of the four roles. A role is an ``nn.Module`` so its model's weights live in the LightningModule's
-    state (checkpoints) and its methods are declared with :func:`~lightning_rlhf.strategy.dispatch.role_method`.
+    """Base of the roles. A role is an ``nn.Module`` so its model's weights live in the LightningModule's state
+    (checkpoints); its methods are declared with :func:`~lightning_rlhf.dispatch.role_method`; its model runs in
+    a :class:`~lightning_rlhf.engines.train.TrainEngine` (sharding, loading, micro-batches, optimizer).
+
+    A role declares what it needs and the strategy provides it, without knowing the role by name:
+    ``needs_rollout_engine`` (the strategy attaches one), ``trainable``
+    (an optimizer, from ``configure_optimizers``) and ``dtype`` (how its weights are held: float32 master
+    weights for trainable roles; a frozen role may be held in bfloat16).
 
     Runs on: every process (each holds its shards of the role's model).
+
+    Args:
+        micro_batch_size: rows per forward on one rank.
+        optim: optimizer settings (trainable roles); None for a frozen role.
+        dtype: the dtype the weights are held in.
+        setting: how errors name this role's model (e.g. ``"ActorRole(path=...)"``).
     """
 
     name: str = "role"
     model: nn.Module | None
+    needs_rollout_engine: bool = False
+    """Whether the strategy must attach a rollout engine at set-up (built from :meth:`rollout_engine_request`)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int = 1,
+        optim: OptimConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        setting: str = "role",
+    ) -> None:
         super().__init__()
         self.model = None
-        self.optim: OptimConfig | None = None  # trainable roles set it
-        self.sharded = False
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.dtype = dtype
+        self.train_engine = TrainEngine(micro_batch_size=micro_batch_size, optim=optim, setting=setting)
 
+    # ------------------------------------------------------------------------------------------ model
     def load(self) -> None:
-        """Load the model (every rank, full weights, before sharding). Roles without a model do nothing."""
+        """Load the model (roles without a model do nothing). Inside the strategy's set-up the parameters stay on
+        the meta device until :meth:`materialize` reads this rank's shards; elsewhere the full weights load.
+
+        Runs on: every process.
+        """
+
+    def set_model(self, model: nn.Module | None) -> None:
+        """Install ``model`` as the role's model (a submodule, for checkpoints) and its engine's."""
+        self.model = model
+        self.train_engine.bind(model)
 
     def shard(self, mesh: DeviceMesh, *, param_dtype: torch.dtype | None) -> None:
-        """Shard the role's model with FSDP2 over ``mesh``. Runs on: every worker rank, at setup."""
-        if self.model is not None and not self.sharded:
-            shard_model(self.model, mesh, param_dtype=param_dtype)
-            self.sharded = True
+        """Shard the role's model with FSDP2 over ``mesh``. Runs on: every worker rank, at set-up."""
+        self.train_engine.shard(mesh, param_dtype=param_dtype)
+
+    def materialize(self, device: torch.device) -> None:
+        """Give the (sharded) model its weights on ``device``. Runs on: every worker rank, after :meth:`shard`."""
+        self.train_engine.materialize(device)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is already sharded (a second ``fit`` on the same module reuses the shards)."""
+        return self.train_engine.sharded
+
+    def rollout_engine_request(self) -> RolloutEngineRequest | None:
+        """What the strategy builds this role's rollout engine from, with the role's model (None: it needs none).
+
+        Runs on: every process, at set-up (before the models load, to check the settings, and after).
+        """
+        return None
+
+    def attach_engine(self, engine: Any) -> None:
+        """Receive the rollout engine built from :meth:`rollout_engine_request`. Runs on: every worker rank."""
+        raise TypeError(f"{type(self).__name__} has no use for a rollout engine.")
+
+    def close(self) -> None:
+        """Release what the role started (worker processes, engines). Runs on: every process, at teardown."""
+
+    # -------------------------------------------------------------------------------------- optimizer
+    @property
+    def optim(self) -> OptimConfig | None:
+        """The optimizer settings (None: frozen role)."""
+        return self.train_engine.optim
 
     @property
     def trainable(self) -> bool:
         """Whether the role owns an optimizer."""
-        return False
+        return self.train_engine.optim is not None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The role's optimizer over its shards (after ``configure_optimizers``)."""
+        return self.train_engine.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The role's learning-rate schedule (after ``configure_optimizers``)."""
+        return self.train_engine.scheduler
 
     def configure_optimizer(
         self, total_steps: int
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        """Create AdamW and its schedule over this rank's shards (trainable roles, which set ``self.optim``).
+        """Create AdamW and its schedule over this rank's shards (trainable roles).
 
         Runs on: every process, in ``configure_optimizers``, after sharding.
         """
-        if not self.trainable or self.optim is None or self.model is None:
+        if not self.trainable or self.model is None:
             raise TypeError(f"{type(self).__name__} is not trainable: it has no optimizer to configure.")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(params, self.optim, total_steps)
-        return self.optimizer, self.scheduler
+        return self.train_engine.configure_optimizer(total_steps)
 
     def step_optimizer(self) -> tuple[torch.Tensor, bool]:
         """Clip, step and zero the optimizer; skip the step when the norm is not finite.
 
         Runs on: every worker rank (the norm is a collective). Returns ``(grad_norm, stepped)``.
         """
-        assert self.optimizer is not None and self.model is not None and self.optim is not None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = clip_grad_norm(params, self.optim.grad_clip)
-        stepped = bool(torch.isfinite(norm))
-        if stepped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm.detach(), stepped
+        return self.train_engine.step()
+
+
+def load_model(auto_class: type, path: str, *, setting: str, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
+    """Load a transformers model for a role, with dropout off: its parameters on the meta device inside the
+    strategy's deferred loading (the shards are read at :meth:`Role.materialize`), else the full weights.
+
+    Runs on: every process. Fails before building when the checkpoint misses a tensor the model needs.
+    """
+    from lightning_rlhf.engines.train.loading import load_pretrained
+    from lightning_rlhf.models import resolve_model_path
+
+    model = load_pretrained(
+        auto_class, resolve_model_path(path, setting=setting), setting=setting, dtype=dtype, **kwargs
+    )
+    disable_dropout(model)
+    return model
 
 
 def check_pretrained(path: str, *, setting: str) -> str:
@@ -97,25 +182,3 @@ def disable_dropout(model: nn.Module) -> None:
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
         if config is not None and isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)
-
-
-def make_optimizer(
-    params: list[nn.Parameter], cfg: OptimConfig, total_steps: int
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW and a per-RL-step schedule (warm-up, then constant / linear / cosine decay).
-
-    Runs on: every process, in ``configure_optimizers`` (after sharding, so ``params`` are the shards).
-    """
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    total = max(total_steps, 1)
-
-    def factor(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        decay = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)

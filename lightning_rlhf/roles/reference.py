@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.train import forward_response
-from lightning_rlhf.models import resolve_model_path
-from lightning_rlhf.roles.base import Role, disable_dropout
-from lightning_rlhf.strategy.dispatch import Dispatch, role_method
+from lightning_rlhf.roles.base import Role, load_model
 
 __all__ = ["ReferenceRole"]
 
@@ -22,34 +21,32 @@ class ReferenceRole(Role):
         temperature: the rollout temperature: log-probs are taken at it, as the actor's are (at 1, the raw
             policy's, for greedy rollouts at temperature 0).
         micro_batch_size: samples per forward on one rank.
+        dtype: the dtype its weights are held and computed in (float32, or bfloat16 to halve its memory).
     """
 
     name = "reference"
 
-    def __init__(self, path: str, *, temperature: float, micro_batch_size: int) -> None:
-        super().__init__()
+    def __init__(
+        self, path: str, *, temperature: float, micro_batch_size: int, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__(micro_batch_size=micro_batch_size, dtype=dtype, setting="ReferenceRole(path=...)")
         self.path = path
         self.temperature = logprob_temperature(temperature)
-        self.micro_batch_size = micro_batch_size
 
     def load(self) -> None:
-        """Load the frozen model (every rank, full weights, before sharding)."""
+        """Load the frozen model in ``dtype``. Runs on: every process."""
         from transformers import AutoModelForCausalLM
 
         if self.model is None:
-            path = resolve_model_path(self.path, setting="ReferenceRole(path=...)")
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            disable_dropout(model)
-            self.model = model.eval().requires_grad_(False)
+            model = load_model(AutoModelForCausalLM, self.path, setting="ReferenceRole(path=...)", dtype=self.dtype)
+            self.set_model(model.eval().requires_grad_(False))
 
     @role_method(Dispatch.DP_SPLIT)
     def log_prob(self, batch: Batch) -> Batch:
         """Reference log-probs of the responses, as ``ref_logprobs`` ``[B, R]``. Runs on: every worker rank."""
-        assert self.model is not None
-        parts = []
-        with torch.no_grad():
-            for micro in batch.split(self.micro_batch_size):
-                out = forward_response(self.model, micro, output="logprobs", temperature=self.temperature)
-                parts.append(out["logprobs"].cpu())
-        batch["ref_logprobs"] = torch.cat(parts)
+        temperature = self.temperature
+        out = self.train_engine.infer(
+            batch, lambda model, micro: forward_response(model, micro, output="logprobs", temperature=temperature)
+        )
+        batch["ref_logprobs"] = out["logprobs"]
         return batch

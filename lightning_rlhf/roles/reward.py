@@ -8,6 +8,7 @@ import torch
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RewardConfig
+from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.rewards import (
     RewardComponent,
@@ -20,8 +21,7 @@ from lightning_rlhf.rewards import (
     weighted_sum,
 )
 from lightning_rlhf.rewards.runner import close_reward_pools, reward_workers
-from lightning_rlhf.roles.base import Role, disable_dropout
-from lightning_rlhf.strategy.dispatch import Dispatch, role_method
+from lightning_rlhf.roles.base import Role, load_model
 
 __all__ = ["RewardFn", "RewardFunctionError", "RewardRole"]
 
@@ -45,6 +45,7 @@ class RewardRole(Role):
         config: how functions are called (timeout, fallback, batches) and the weights. None: functions are
             called in-process, without a timeout (``RLHFModule`` passes its ``reward_config``, whose functions
             run in reward worker processes).
+        dtype: the dtype a reward model is held and computed in (float32, or bfloat16 to halve its memory).
     """
 
     name = "reward"
@@ -57,15 +58,15 @@ class RewardRole(Role):
         micro_batch_size: int,
         key: str = "scores",
         config: RewardConfig | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__()
+        super().__init__(micro_batch_size=micro_batch_size, dtype=dtype, setting="RewardRole(reward=...)")
         self.key = key
         self.config = config or RewardConfig(timeout_s=None)
         self.components: list[RewardComponent] = reward_components(reward, weights=self.config.weights)
         model = next((c for c in self.components if c.is_model), None)
         self.path: str | None = model.source if model is not None and isinstance(model.source, str) else None
         self.tokenizer = tokenizer
-        self.micro_batch_size = micro_batch_size
         self._model_tokenizer: Any = None
 
     def load(self) -> None:
@@ -83,14 +84,20 @@ class RewardRole(Role):
 
         if self.path is not None and self.model is None:
             path = resolve_model_path(self.path, setting="RewardRole(reward=...)")
-            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-            disable_dropout(model)
-            self.model = model.eval().requires_grad_(False)
+            model = load_model(
+                AutoModelForSequenceClassification,
+                path,
+                setting="RewardRole(reward=...)",
+                dtype=self.dtype,
+                num_labels=1,
+            )
+            self.set_model(model.eval().requires_grad_(False))
             self._model_tokenizer = AutoTokenizer.from_pretrained(path)
             self._model_tokenizer.padding_side = "right"
             ensure_pad_token(self._model_tokenizer, source=path)
-            if getattr(model.config, "pad_token_id", None) is None:
-                model.config.pad_token_id = self._model_tokenizer.pad_token_id
+            config: Any = model.config
+            if getattr(config, "pad_token_id", None) is None:
+                config.pad_token_id = self._model_tokenizer.pad_token_id
 
     @role_method(Dispatch.DP_SPLIT)
     def score(self, batch: Batch) -> Batch:
@@ -161,13 +168,10 @@ class RewardRole(Role):
         return out
 
     def _score_model(self, texts: list[str]) -> torch.Tensor:
-        assert self.model is not None
-        device = next(self.model.parameters()).device
-        scores = []
-        with torch.no_grad():
-            for start in range(0, len(texts), self.micro_batch_size):
-                enc = self._model_tokenizer(
-                    texts[start : start + self.micro_batch_size], return_tensors="pt", padding=True
-                ).to(device)
-                scores.append(self.model(**enc).logits[:, 0].float().cpu())
-        return torch.cat(scores)
+        device = self.train_engine.device
+
+        def forward(model: torch.nn.Module, micro: Batch) -> dict[str, torch.Tensor]:
+            enc = self._model_tokenizer(list(micro["text"]), return_tensors="pt", padding=True).to(device)
+            return {"scores": model(**enc).logits[:, 0].float()}
+
+        return self.train_engine.infer(Batch(columns={"text": texts}), forward)["scores"]

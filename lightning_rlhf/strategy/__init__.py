@@ -1,7 +1,7 @@
 """The single controller: strategy, transfer protocols, and the worker loop."""
 
+from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.strategy.controller import ControllerError, WorkerError
-from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 from lightning_rlhf.strategy.liveness import RankDiedError
 from lightning_rlhf.strategy.strategy import RLHFStrategy
 

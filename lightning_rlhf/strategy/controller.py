@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.strategy.dispatch import controller_active, dispatch_of, merge_results, split_args
+from lightning_rlhf.dispatch import controller_active, dispatch_of, merge_results, split_args
 from lightning_rlhf.strategy.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
 
 if TYPE_CHECKING:

@@ -5,9 +5,14 @@ polls, twice a second:
 
 - the error another rank posted (a role method raised while this rank may be stuck in a collective);
 - whether each other rank is still alive: a rank that is this process's child (Lightning's launcher makes ranks
-  1.. children of rank 0) by ``Popen.poll``, which gives its real exit status or signal; a rank on the same host
-  by its pid (gone, or a zombie); a rank on another host by its heartbeat key in the store; and, on a worker,
-  rank 0 by the store itself (it lives in rank 0's process).
+  1.. children of rank 0) by ``Popen.poll``, which gives its real exit status or signal; a rank on the same machine
+  by its pid (gone, or a zombie); a rank on another machine by its heartbeat key in the store; and, on a worker,
+  rank 0 by the store itself (it lives in rank 0's process, or in torchrun's agent on node 0).
+
+"The same machine" means the same host name, kernel boot and pid namespace (:func:`machine_id`), not the host name
+alone: two containers, or two nodes with the same host name, must not compare each other's pids. Several "nodes"
+on one machine (torchrun on loopback) do share pids, so there their ranks are checked by pid, but a rank is taken
+for this process's child only if it runs on this machine and its pid is one this process started.
 
 A dead rank is recorded once (``Death``) and posted to the store for the other ranks. The main thread, whose
 collective fails with gloo's "Connection closed by peer", asks :meth:`Liveness.wait_for_death` and raises
@@ -33,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Death", "Liveness", "RankDiedError", "Watchdog", "exit_expected", "expect_exit"]
+__all__ = ["Death", "Liveness", "RankDiedError", "Watchdog", "exit_expected", "expect_exit", "machine_id"]
 
 ERROR_KEY = "lightning_rlhf/error"
 DEAD_KEY = "lightning_rlhf/dead"
@@ -115,8 +120,25 @@ class RankDiedError(RuntimeError):
         )
 
 
+def machine_id() -> str:
+    """Identify where this process's pids mean something: ``host|boot id|pid namespace``.
+
+    Two processes with the same value see the same pids (``os.kill(pid, 0)`` and ``/proc/<pid>`` are about the
+    same process); any other pair must not compare pids. Parts that cannot be read (not Linux) are left empty.
+
+    Runs on: any process.
+    """
+    boot = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    namespace = ""
+    with contextlib.suppress(OSError):
+        namespace = os.readlink("/proc/self/ns/pid")
+    return f"{socket.gethostname()}|{boot}|{namespace}"
+
+
 def _is_alive_locally(pid: int) -> bool:
-    """A process on this host exists and is not a zombie (a zombie is dead, waiting to be reaped)."""
+    """A process on this machine exists and is not a zombie (a zombie is dead, waiting to be reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -132,14 +154,14 @@ def _is_alive_locally(pid: int) -> bool:
 
 
 class Liveness:
-    """Knows every rank's pid and host and tells whether one of them died.
+    """Knows every rank's pid, host and machine (:func:`machine_id`) and tells whether one of them died.
 
     Args:
         store: the rendezvous store (``torch.distributed`` ``Store``).
         rank: this process's rank.
         world_size: number of ranks.
         children: this process's child processes (``subprocess.Popen``), e.g. the ranks Lightning launched.
-        heartbeat_timeout_s: a rank on another host whose heartbeat has not moved for this long is dead.
+        heartbeat_timeout_s: a rank on another machine whose heartbeat has not moved for this long is dead.
     """
 
     def __init__(
@@ -157,7 +179,9 @@ class Liveness:
         self._children = {p.pid: p for p in children or []}
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self.host = socket.gethostname()
+        self.machine = machine_id()
         self.peers: dict[int, tuple[int, str]] = {}
+        self.machines: dict[int, str] = {}
         self._beats: dict[int, tuple[int, float]] = {}
         self._store_failures = 0
         self._lock = threading.Lock()
@@ -165,14 +189,22 @@ class Liveness:
         self.where: Callable[[], str | None] = lambda: None
 
     def publish(self) -> None:
-        """Publish this rank's pid and host, then read every other rank's (blocks until all have published).
+        """Publish this rank's pid, host and machine, then read every other rank's (blocks until all have
+        published).
 
         Runs on: every rank, at set-up (after the process group exists).
         """
-        self._store.set(_RANK_KEY.format(self.rank), json.dumps({"pid": os.getpid(), "host": self.host}))
+        info = {"pid": os.getpid(), "host": self.host, "machine": self.machine}
+        self._store.set(_RANK_KEY.format(self.rank), json.dumps(info))
         for r in range(self.world_size):
             info = json.loads(self._store.get(_RANK_KEY.format(r)))
             self.peers[r] = (int(info["pid"]), str(info["host"]))
+            self.machines[r] = str(info["machine"])
+
+    def is_child(self, r: int) -> bool:
+        """Whether rank ``r`` is this process's child: it runs on this machine and its pid is one this process
+        started (a pid alone could be another machine's process). Runs on: any rank."""
+        return self.machines.get(r) == self.machine and self.peers[r][0] in self._children
 
     def beat(self) -> None:
         """Advance this rank's heartbeat counter in the store. Runs on: every rank (watchdog thread)."""
@@ -206,7 +238,9 @@ class Liveness:
                 continue
             death = self._death_of(r, pid, host)
             if death is not None:
-                if self.rank == 0 or pid in self._children:  # the best-informed observer tells the others
+                # Rank 0 and first-hand observers (its parent, or any rank on its machine, which saw its pid go)
+                # tell the others: ranks on other machines would only notice its heartbeat stop, much later.
+                if self.rank == 0 or self.machines.get(r) == self.machine:
                     with contextlib.suppress(Exception):
                         self._store.compare_set(DEAD_KEY, "", pickle.dumps(death))
                 return death
@@ -225,7 +259,7 @@ class Liveness:
 
     def _death_of(self, r: int, pid: int, host: str) -> Death | None:
         where = self.where()
-        child = self._children.get(pid)
+        child = self._children.get(pid) if self.is_child(r) else None
         if child is not None:
             code = child.poll()
             if code is None or code == 0:  # 0: it finished its script, a rank that ended cleanly
@@ -233,7 +267,7 @@ class Liveness:
             if code < 0:
                 return Death(r, pid, host, signal=-code, where=where)
             return Death(r, pid, host, exit_code=code, where=where)
-        if host == self.host:
+        if self.machines.get(r) == self.machine:
             return None if _is_alive_locally(pid) else Death(r, pid, host, where=where)
         if r == 0 and self._store_failures >= 4:  # the store lives in rank 0's process
             return Death(r, pid, host, how=f"the rendezvous store on {host} stopped answering", where=where)

@@ -19,11 +19,12 @@ What it changes in Lightning's ``ModelParallelStrategy``:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,10 +36,21 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.compat import (
+    check_lightning_version,
+    count_optimizer_step,
+    request_stop,
+    run_validation_between_steps,
+    set_batches_that_stepped,
+    set_data_parallel_size,
+    set_launcher,
+)
 from lightning_rlhf.config import VLLMConfig, config_from_dict
-from lightning_rlhf.engines.rollout import HFRolloutEngine, RolloutEngine
+from lightning_rlhf.engines.rollout import make_rollout_engine
 from lightning_rlhf.engines.rollout.hf import check_hf_settings
-from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings, vllm_available
+from lightning_rlhf.engines.rollout.vllm import check_vllm_settings, vllm_available
+from lightning_rlhf.engines.train import check_compute_dtype, resolve_dtype
+from lightning_rlhf.engines.train.loading import deferred_loading
 from lightning_rlhf.strategy.checkpoint_io import publish, temporary_sibling
 from lightning_rlhf.strategy.controller import Controller
 from lightning_rlhf.strategy.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
@@ -62,6 +74,9 @@ class RLHFStrategy(ModelParallelStrategy):
         vllm: settings of the vLLM engine (a :class:`~lightning_rlhf.config.VLLMConfig` or a dict of its fields).
         param_dtype: compute dtype of the sharded models (e.g. ``torch.bfloat16`` on GPUs); None keeps
             float32. Gradients are reduced in float32 either way.
+        sharded_loading: build the roles' models with their parameters on the meta device, shard them, and read
+            only this rank's rows from the safetensors files (peak host memory about one shard per role instead of
+            the whole model). False loads every model whole on every rank first (the way before).
         worker_error_timeout_s: after any rank reports an error, how long another rank may stay blocked in a
             collective before it ends itself (prevents hangs when a rank dies mid-collective).
         timeout: process-group timeout for collectives.
@@ -81,7 +96,8 @@ class RLHFStrategy(ModelParallelStrategy):
         rollout: Literal["auto", "hf", "vllm"] = "auto",
         *,
         vllm: VLLMConfig | dict[str, Any] | None = None,
-        param_dtype: torch.dtype | None = None,
+        param_dtype: torch.dtype | str | None = None,
+        sharded_loading: bool = True,
         worker_error_timeout_s: float = 60.0,
         timeout: timedelta = timedelta(minutes=30),
         save_distributed_checkpoint: bool = True,
@@ -90,6 +106,7 @@ class RLHFStrategy(ModelParallelStrategy):
         preemption_signals: Sequence[int | str] = ("SIGTERM", "SIGUSR1"),
         preemption_path: str | os.PathLike[str] | None = None,
     ) -> None:
+        check_lightning_version()  # the internals this strategy uses (lightning_rlhf.compat) are checked per version
         if rollout not in ("auto", "hf", "vllm"):
             raise ValueError(f"RLHFStrategy(rollout={rollout!r}) is not available. Valid: 'auto', 'hf', 'vllm'.")
         if worker_error_timeout_s <= 0:
@@ -109,7 +126,8 @@ class RLHFStrategy(ModelParallelStrategy):
         )
         self.rollout: Literal["hf", "vllm"] = rollout
         self.vllm_config = vllm or VLLMConfig()
-        self.param_dtype = param_dtype
+        self.param_dtype = resolve_dtype(param_dtype, setting="RLHFStrategy.param_dtype")
+        self.sharded_loading = sharded_loading
         self.worker_error_timeout_s = worker_error_timeout_s
         self._controller: Controller | None = None
         self._max_model_len = 0
@@ -124,37 +142,42 @@ class RLHFStrategy(ModelParallelStrategy):
         """Lightning's launcher whose child observer defers to our watchdog; both check ``ckpt_path`` first."""
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
-            self._launcher = ExternalLauncher()
+            set_launcher(self, ExternalLauncher())
         else:
-            self._launcher = RLHFLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            set_launcher(self, RLHFLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
 
     @override
     def setup_environment(self) -> None:
         """Start the process group, a 1-D data-parallel mesh over all ranks, and the control plane."""
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        set_data_parallel_size(self, self.num_nodes * self.num_processes)
         self._preemption.rank = self.global_rank
         self._preemption.install()  # a signal during loading is acted on after the first step
         super().setup_environment()
         module = self._rlhf_module()
+        check_compute_dtype(self.param_dtype, self.root_device, setting="RLHFStrategy.param_dtype")
+        for role in module.roles().values():  # trainable roles hold float32 master weights
+            if not role.trainable:
+                check_compute_dtype(role.dtype, self.root_device, setting="RLHFModule.frozen_dtype")
         datamodule = getattr(module.trainer, "datamodule", None)
-        engine = module.needs_rollout_engine  # False for SFTModule: no engine, no generation settings to check
-        if engine and self.rollout == "hf":  # prompt + response must fit the positions, for either engine
-            check_hf_settings(
-                module.actor.path,
-                max_prompt_length=getattr(datamodule, "max_prompt_length", None),
-                max_new_tokens=module.rollout_config.max_new_tokens,
-            )
-        if engine and self.rollout == "vllm":  # fail on settings vLLM cannot serve before any model is loaded
-            self._max_model_len = check_vllm_settings(
-                module.actor.path,
-                self.vllm_config,
-                dtype=self.param_dtype or torch.float32,
-                device_type=self.root_device.type,
-                world_size=self.world_size,
-                max_prompt_length=getattr(datamodule, "max_prompt_length", None),
-                max_new_tokens=module.rollout_config.max_new_tokens,
-            )
-        launcher = self._launcher
+        max_prompt_length = getattr(datamodule, "max_prompt_length", None)
+        for role in module.roles().values():
+            request = role.rollout_engine_request()  # None: no engine, no generation settings to check (e.g. SFT)
+            if request is None:
+                continue
+            max_new_tokens = request.rollout.max_new_tokens
+            if self.rollout == "hf":  # prompt + response must fit the positions, for either engine
+                check_hf_settings(request.path, max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens)
+            else:  # fail on settings vLLM cannot serve before any model is loaded
+                self._max_model_len = check_vllm_settings(
+                    request.path,
+                    self.vllm_config,
+                    dtype=self.param_dtype or torch.float32,
+                    device_type=self.root_device.type,
+                    world_size=self.world_size,
+                    max_prompt_length=max_prompt_length,
+                    max_new_tokens=max_new_tokens,
+                )
+        launcher = self.launcher
         self._controller = Controller(
             module.get_role,
             rank=self.global_rank,
@@ -166,50 +189,48 @@ class RLHFStrategy(ModelParallelStrategy):
         watchdog_running(self.world_size > 1)
 
     @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Around ``configure_model``: with ``sharded_loading``, roles build their models with parameters on the
+        meta device; :meth:`setup` shards them and reads each rank's rows from the checkpoint files."""
+        with super().tensor_init_context(empty_init), deferred_loading(self.sharded_loading):
+            yield
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Attach the rollout engine, shard the roles with FSDP2, then let Lightning make the optimizers."""
+        """Give each role what it declares it needs (a rollout engine; float32 master weights computed in
+        ``param_dtype`` when trainable), shard its model with FSDP2 and load this rank's shards, then let
+        Lightning make the optimizers.
+
+        Runs on: every rank, after ``configure_model``.
+        """
         module = self._rlhf_module()
         # Frozen roles (reference, reward model) are in eval mode on purpose.
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
         # Every rank logs the controller's values (replayed), so epoch-level metrics need no sync_dist.
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True\)`")
         mesh = self.device_mesh["data_parallel"]
-        for name, role in module.roles().items():
+        for role in module.roles().values():
             if role.model is None or role.sharded:  # a second fit() on the same module reuses the shards
                 continue
-            role.model.to(self.root_device)
-            if name == "actor" and module.needs_rollout_engine:
-                module.actor.attach_engine(self._make_engine(module))
+            request = role.rollout_engine_request()
+            if request is not None:
+                role.attach_engine(
+                    make_rollout_engine(
+                        self.rollout,
+                        path=request.path,
+                        model=role.model,
+                        tokenizer=request.tokenizer,
+                        rollout=request.rollout,
+                        vllm=self.vllm_config,
+                        device=self.root_device,
+                        dtype=self.param_dtype,
+                        max_model_len=self._max_model_len,
+                    )
+                )
             role.shard(mesh, param_dtype=self.param_dtype)
+            role.materialize(self.root_device)
         super().setup(trainer)
-
-    def _make_engine(self, module: RLHFModule) -> RolloutEngine:
-        actor = module.actor.model
-        assert actor is not None
-        tok = module.tokenizer
-        if self.rollout == "vllm":
-            cfg = self.vllm_config
-            module.actor.offload_optimizer = cfg.offload_optimizer and self.root_device.type == "cuda"
-            return VLLMRolloutEngine(
-                module.actor.path,
-                param_names=[name for name, _ in actor.named_parameters()],
-                config=cfg,
-                dtype=self.param_dtype or torch.float32,
-                device=self.root_device,
-                max_model_len=self._max_model_len,
-                seed=module.rollout_config.seed,
-                tie_word_embeddings=bool(getattr(actor.config, "tie_word_embeddings", False)),
-                hf_config=actor.config,
-                eos_token_id=tok.eos_token_id,
-            )
-        return HFRolloutEngine(
-            actor,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            device=self.root_device,
-            generation_batch_size=module.rollout_config.generation_batch_size,
-            dtype=self.param_dtype,
-        )
 
     @property
     @override
@@ -232,21 +253,19 @@ class RLHFStrategy(ModelParallelStrategy):
         # Loggers place a step's metrics at `_batches_that_stepped`, which equals global_step here (one batch, one
         # step), except after resuming from a checkpoint saved after a validation ran on the last batch (a save
         # after fit): Lightning's restore then counts the skipped validation as one more batch.
-        trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+        set_batches_that_stepped(trainer, trainer.global_step)
         out = self._run_controlled(lambda: module.training_step(*args, **kwargs), track_stop=True)
         mark_consumed = getattr(trainer.train_dataloader, "mark_consumed", None)
         if isinstance(batch, Batch) and mark_consumed is not None:
             mark_consumed(batch)  # resumable data position = last batch trained on
         # global_step follows RL iterations, not optimizer steps (the roles step raw optimizers).
-        progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        progress.increment_ready()
-        progress.increment_completed()
+        count_optimizer_step(trainer)
         assert self._controller is not None
         if self._controller.stop_signum and not self._stopping:
             # Every rank got the same decision in the end-of-step message: Lightning's loops raise their
             # SIGTERMException at the end of this batch, after its callbacks; `on_exception` saves and sets the code.
             self._stopping = self._controller.stop_signum
-            trainer._signal_connector.received_sigterm = True
+            request_stop(trainer, True)
         return out
 
     @override
@@ -278,16 +297,9 @@ class RLHFStrategy(ModelParallelStrategy):
         module = self._rlhf_module()
         if not module.validation_config.before_train:
             return
-        trainer = module.trainer
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        val_loop.restarting = False  # a whole validation, not the rest of one a restored checkpoint had begun
-        # What Lightning's training epoch loop does around a validation it runs between two steps.
-        trainer.validating = True
-        first_loop_iter = trainer._logger_connector._first_loop_iter
-        val_loop.run()
-        trainer.training = True
-        trainer._logger_connector._first_loop_iter = first_loop_iter
-        if val_loop.skip:
+        # A whole validation (not the rest of one a restored checkpoint had begun), run the way Lightning's training
+        # epoch loop runs one between two steps.
+        if not run_validation_between_steps(module.trainer):
             rank_zero_warn(
                 "ValidationConfig.before_train=True, but there is nothing to validate on. HINT: give the datamodule "
                 "validation prompts (PromptDataModule(val=...) or val_size=...); check limit_val_batches."
@@ -299,11 +311,8 @@ class RLHFStrategy(ModelParallelStrategy):
         assert self._controller is not None
         module = self._rlhf_module()
         if self.global_rank == 0:
-            module._step_logs = []
-            try:
-                return self._controller.run_step(step_fn, module._step_logs, track_stop=track_stop)
-            finally:
-                module._step_logs = None
+            with module.recording_logs() as logs:
+                return self._controller.run_step(step_fn, logs, track_stop=track_stop)
         self._controller.serve(lambda name, value, kw: module.log(name, value, **kw))
         return None
 
@@ -313,14 +322,14 @@ class RLHFStrategy(ModelParallelStrategy):
         """A stop decided after a training step waits for the validation Lightning runs at that step's end."""
         super().on_validation_start()
         if self._stopping:
-            self._rlhf_module().trainer._signal_connector.received_sigterm = False
+            request_stop(self._rlhf_module().trainer, False)
 
     @override
     def on_validation_end(self) -> None:
         """Re-arm the stop (see ``on_validation_start``)."""
         super().on_validation_end()
         if self._stopping:
-            self._rlhf_module().trainer._signal_connector.received_sigterm = True
+            request_stop(self._rlhf_module().trainer, True)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -385,9 +394,7 @@ class RLHFStrategy(ModelParallelStrategy):
 
         if isinstance(self.lightning_module, RLHFModule):  # e.g. reward worker processes; a later fit restarts them
             for role in self.lightning_module.roles().values():
-                close = getattr(role, "close", None)
-                if callable(close):
-                    close()
+                role.close()
         if self._controller is not None:
             if self._controller.death is None:  # after a death the watchdog stays and still speaks for the run
                 watchdog_running(False)

@@ -32,8 +32,8 @@ from lightning_rlhf import (
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
 from lightning_rlhf.demo import addition_cost, addition_dataset, addition_reward
+from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.roles import ActorRole
-from lightning_rlhf.strategy.dispatch import Dispatch, role_method
 
 
 def _rank() -> int:

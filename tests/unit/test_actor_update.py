@@ -70,7 +70,7 @@ def test_weights_reach_the_engine_only_after_an_update(tiny_model: str) -> None:
     actor.update(rollout_batch())
     seconds, received = actor.sync_weights()
     assert received == 0 and seconds >= 0  # one unsharded process: nothing comes from other ranks
-    for (name, p), q in zip(actor.model.named_parameters(), actor.engine.model.parameters(), strict=True):
+    for (name, p), q in zip(actor.model.named_parameters(), actor.rollout_engine.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
     assert actor.sync_weights() == (0.0, 0)
 

@@ -93,8 +93,8 @@ def test_bad_values_are_one_line_errors(capsys: pytest.CaptureFixture[str], tiny
     assert message.startswith("error: AlgorithmConfig.advantage='nope' is invalid: expected one of [")
     message = parse_error(capsys, "--trainer.strategy.param_dtype", "bfloat1")
     assert message == (
-        "error: trainer.strategy.param_dtype: Not of type dtype: 'bfloat1' is not a torch dtype "
-        "(e.g. bfloat16, float16, float32)."
+        "error: RLHFStrategy.param_dtype='bfloat1' is not a dtype lightning_rlhf computes in. "
+        "HINT: 'float32' or 'bfloat16'."
     )
     message = parse_error(capsys, "--model.actor", tiny_model, "--trainer.strategy.vllm", "{tensor_parallel: 2}")
     assert message == "error: VLLMConfig has no setting 'tensor_parallel'. Did you mean 'tensor_parallel_size'?"

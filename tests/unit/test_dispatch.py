@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.strategy.dispatch import Dispatch, dispatch_of, merge_results, role_method, split_args
+from lightning_rlhf.dispatch import Dispatch, dispatch_of, merge_results, role_method, split_args
 
 
 def test_dp_split_gives_each_rank_an_equal_contiguous_part() -> None:

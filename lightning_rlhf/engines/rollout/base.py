@@ -11,28 +11,38 @@ shared rules live here, so that the transformers and the vLLM engine apply the s
 - :func:`processed_logprobs`: what an engine reports as the log-prob of a sampled token: the distribution it
   sampled from (temperature, then top-k, then top-p, renormalised), as vLLM's ``processed_logprobs``.
 - :func:`check_sequence_length`: prompt + response must fit the engine's positions.
+
+The weight hand-off is checked the same way in every engine: :class:`HandoffCheck` counts the names of one
+``load_weights`` call against :attr:`RolloutEngine.param_names`, and a hand-off that misses a parameter or names
+one the engine does not have raises :class:`WeightSyncError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lightning_rlhf.engines.rollout.reshard import Slicer
 
 __all__ = [
     "MAX_TEMPERATURE",
     "MIN_TEMPERATURE",
+    "HandoffCheck",
     "RolloutEngine",
     "RolloutOutput",
     "SamplingParams",
+    "WeightSyncError",
     "check_sampling",
     "check_sequence_length",
     "logprob_temperature",
     "processed_logprobs",
+    "tied_aliases",
 ]
 
 MIN_TEMPERATURE = 0.01
@@ -185,16 +195,173 @@ class RolloutOutput:
     logprobs: list[list[float]] | None = None
 
 
+class WeightSyncError(RuntimeError):
+    """A weight hand-off into a rollout engine was incomplete or named parameters the engine does not have.
+
+    The engine then holds a mix of old and new weights: it reports ``weights_discarded=True`` and refuses to
+    generate until a complete hand-off arrives.
+    """
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Names under which ``model`` registers a parameter a second time (tied weights), mapped to the first name
+    ``named_parameters()`` gives it, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``.
+
+    Runs on: any process (reads the module tree only; works on meta-device models).
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+_SHOWN = 10
+"""How many names a :class:`WeightSyncError` lists (the count gives the rest)."""
+
+
+def _listed(names: list[str]) -> str:
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return f"{names[:_SHOWN]}{more}"
+
+
+class HandoffCheck:
+    """Counts the names of one weight hand-off against the parameters a complete one must contain.
+
+    Runs on: every worker rank (inside an engine's ``load_weights``; every rank sees the same names in the same
+    order, so every rank raises at the same point of a collective stream).
+
+    A name counts as its parameter whatever the tensor holds (a tensor-parallel slice counts as the parameter).
+    A tied alias (``lm_head.weight`` of a model whose head is its embedding) counts as the parameter it aliases;
+    receiving a parameter under a second alias in the same hand-off is allowed and skipped, receiving the same
+    name twice is not.
+
+    Args:
+        engine: the engine's name for error messages, e.g. ``"HFRolloutEngine"``.
+        expected: every parameter name a complete hand-off contains (the engine's ``param_names``).
+        aliases: tied names mapped to names in ``expected`` (:func:`tied_aliases`).
+    """
+
+    def __init__(self, engine: str, expected: Iterable[str], aliases: Mapping[str, str] | None = None) -> None:
+        self.engine = engine
+        self.expected: list[str] = list(expected)
+        self._expected = set(self.expected)
+        self.aliases = {a: c for a, c in (aliases or {}).items() if a not in self._expected}
+        unknown = sorted(c for c in self.aliases.values() if c not in self._expected)
+        if unknown:
+            raise ValueError(f"{engine}: tied aliases point at names that are not parameters: {unknown}")
+        self._names: set[str] = set()
+        self._loaded: set[str] = set()
+
+    def begin(self) -> None:
+        """Start counting a new hand-off (forgets the previous one's names)."""
+        self._names.clear()
+        self._loaded.clear()
+
+    def take(self, name: str) -> str | None:
+        """Count ``name``; returns the parameter it loads, or None when an alias of it was already loaded in this
+        hand-off (the caller skips the tensor).
+
+        Raises:
+            WeightSyncError: ``name`` is not a parameter of the engine, or arrived twice.
+        """
+        canonical = self.aliases.get(name, name)
+        if canonical not in self._expected:
+            raise WeightSyncError(
+                f"{self.engine}.load_weights received {name!r}, which is not one of the engine's "
+                f"{len(self.expected)} parameters (e.g. {self.expected[:3]}). HINT: hand over the actor's own "
+                "transformers parameter names (`named_parameters()` of the model the engine was built from, as "
+                "`weights_for(engine, model)` streams them)."
+            )
+        if name in self._names:
+            raise WeightSyncError(
+                f"{self.engine}.load_weights received {name!r} twice in one hand-off. HINT: stream each parameter "
+                "once (`named_parameters()`, not a list that repeats names)."
+            )
+        self._names.add(name)
+        if canonical in self._loaded:
+            return None
+        self._loaded.add(canonical)
+        return canonical
+
+    def finish(self) -> None:
+        """End the hand-off.
+
+        Raises:
+            WeightSyncError: listing the parameters (the first ten and the count) this hand-off did not contain.
+        """
+        missing = [n for n in self.expected if n not in self._loaded]
+        if missing:
+            raise WeightSyncError(
+                f"{self.engine}.load_weights: the hand-off missed {len(missing)} of the engine's "
+                f"{len(self.expected)} parameters: {_listed(missing)}. The engine now holds a mix of old and new "
+                "weights and will not generate until a complete hand-off arrives. HINT: stream every name in "
+                "`engine.param_names` in one load_weights call (`weights_for(engine, model)` over the whole actor, "
+                "not a filtered or partial iterator)."
+            )
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the actor role needs from a generator. Runs on: every worker rank, each on its own prompts."""
+    """What the actor role, the resharding code (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`) and
+    the strategy need from a generator. Runs on: every worker rank, each on its own prompts.
+
+    Both engines (``HFRolloutEngine``, ``VLLMRolloutEngine``) implement every member; build them with
+    :func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine`.
+    """
+
+    @property
+    def weights_discarded(self) -> bool:
+        """True while the engine holds no valid weights and needs a complete hand-off before it generates: right
+        after construction without weights (vLLM ``load_format="dummy"``, a transformers engine built from a
+        meta-device model), after a hand-off failed part-way (:class:`WeightSyncError`), and after a vLLM
+        level-2 sleep. The actor hands its weights over when this is True even if they did not change."""
+        ...
+
+    @property
+    def param_names(self) -> list[str]:
+        """The transformers parameter names a complete hand-off contains, each once (tied aliases such as
+        ``lm_head.weight`` are accepted in place of the name they alias, and are not listed)."""
+        ...
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks per tensor-parallel engine (1: every rank runs a whole engine)."""
+        ...
+
+    @property
+    def slicer(self) -> Slicer | None:
+        """``(name, full shape, tp rank) -> TPSlice | None``: which region of each tensor a TP rank's engine
+        loads (``reshard.Slicer``), so that ``weights_for`` moves only those; None: hand over full tensors."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the engine's weights (hand-offs are cast to it; resharded slices travel in it)."""
+        ...
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """Whether the trainer should move its optimizer state off the device while the engine generates (the
+        engine's weights and KV cache then share the device's memory with the trainer's parameters only)."""
+        ...
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample ``params.n`` responses for each prompt (token ids without padding)."""
+        """Sample ``params.n`` responses for each prompt (token ids without padding).
+
+        Raises :class:`WeightSyncError` while ``weights_discarded`` is True.
+        """
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
-        """Take new weights (transformers parameter names, full tensors); returns the bytes received."""
+        """Take new weights: ``(transformers parameter name, full tensor or TP slice)`` for every name in
+        ``param_names``, each once; returns the bytes received. Clears ``weights_discarded``.
+
+        Raises :class:`WeightSyncError` (and leaves ``weights_discarded`` True) when a name is unknown or
+        repeated, or the hand-off did not contain every parameter.
+        """
         ...
 
     def sleep(self) -> None:

@@ -15,18 +15,24 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from lightning_rlhf.engines.rollout.base import (
+    HandoffCheck,
     RolloutOutput,
     SamplingParams,
+    WeightSyncError,
     check_sequence_length,
     processed_logprobs,
+    tied_aliases,
 )
+
+if TYPE_CHECKING:
+    from lightning_rlhf.engines.rollout.reshard import Slicer
 
 __all__ = ["HFRolloutEngine", "check_hf_settings", "model_max_length"]
 
@@ -65,8 +71,13 @@ class HFRolloutEngine:
 
     Runs on: every worker rank.
 
+    The engine deep-copies ``model``. When the model's parameters are on the meta device (a role built before
+    its weights exist), the copy gets empty storage on ``device`` and the engine reports
+    ``weights_discarded=True`` until the first complete hand-off; its non-persistent buffers (rotary
+    frequencies) are recomputed, and tied weights stay tied.
+
     Args:
-        model: the actor before sharding; the engine deep-copies it.
+        model: the actor before sharding (real or meta parameters); the engine deep-copies it.
         pad_token_id: padding id of the tokenizer.
         eos_token_id: end-of-sequence id of the tokenizer.
         device: where to generate.
@@ -74,6 +85,14 @@ class HFRolloutEngine:
         dtype: dtype of the engine's copy (the training compute dtype, e.g. bfloat16 on GPUs); None keeps the
             actor's.
     """
+
+    tp_size: int = 1
+    """Every rank runs a whole engine."""
+    slicer: Slicer | None = None
+    """Hand-offs carry full tensors."""
+    offload_optimizer: bool = False
+    """The optimizer state stays on the device while this engine generates (as before the protocol: only the vLLM
+    engine, which reserves a KV cache, asks for the offload)."""
 
     def __init__(
         self,
@@ -85,7 +104,11 @@ class HFRolloutEngine:
         generation_batch_size: int = 64,
         dtype: torch.dtype | None = None,
     ) -> None:
-        engine_model: Any = copy.deepcopy(model).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        on_meta = any(p.is_meta for p in model.parameters())
+        engine_model: Any = copy.deepcopy(model)
+        if on_meta:
+            _materialize(engine_model, device)
+        engine_model = engine_model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         # Only SamplingParams decide what is sampled (the model's generation_config.json would fill in the
         # settings left unset: repetition penalties, bad words, ...).
         engine_model.generation_config = GenerationConfig(
@@ -97,6 +120,14 @@ class HFRolloutEngine:
         self.max_length = model_max_length(self.model.config)
         """Longest prompt + response the model's positions cover (None: unknown, not checked)."""
         self._params = dict(self.model.named_parameters())
+        self._check = HandoffCheck(type(self).__name__, self._params, tied_aliases(self.model))
+        self.param_names: list[str] = list(self._params)
+        """What a complete hand-off contains: ``named_parameters()`` of the model (a tied head counts as its
+        embedding; ``lm_head.weight`` is accepted for it too)."""
+        self.dtype: torch.dtype = next(iter(self._params.values())).dtype
+        """The dtype of the engine's copy."""
+        self.weights_discarded = on_meta
+        """True while the copy holds no valid weights: built from meta parameters, or after a failed hand-off."""
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.device = device
@@ -109,6 +140,12 @@ class HFRolloutEngine:
         ``n`` times (transformers, like vLLM, decodes greedily only one sequence per prompt).
         """
         params.check()
+        if self.weights_discarded:
+            raise WeightSyncError(
+                "HFRolloutEngine.generate: the engine holds no valid weights (it was built from a meta-device "
+                "model, or the last hand-off failed). HINT: hand the actor's weights over first "
+                "(`engine.load_weights(weights_for(engine, model))`, which ActorRole.sync_weights does)."
+            )
         longest = max((len(p) for p in prompts), default=0)  # the longest prompt decides
         if self.max_length is not None:
             check_sequence_length(
@@ -165,15 +202,33 @@ class HFRolloutEngine:
         return ids.to(self.device), mask.to(self.device)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
-        """Copy new weights in by transformers name; unknown names raise. Runs on: worker."""
+        """Copy new weights in by transformers name, then check that the hand-off held every parameter; returns
+        the bytes received. Runs on: worker.
+
+        Raises:
+            WeightSyncError: an unknown or repeated name, a tensor of another shape than its parameter, or a
+                parameter missing at the end (``weights_discarded`` then stays True until a complete hand-off).
+        """
         received = 0
+        self.weights_discarded = True  # a hand-off that stops part-way leaves a mix of old and new weights
+        check = self._check
+        check.begin()
         with torch.no_grad():
             for name, tensor in weights:
-                param = self._params.get(name)
-                if param is None:
-                    raise KeyError(f"HFRolloutEngine.load_weights: the engine has no parameter {name!r}")
+                canonical = check.take(name)
+                if canonical is None:  # a tied alias of a parameter already loaded in this hand-off
+                    continue
+                param = self._params[canonical]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise WeightSyncError(
+                        f"HFRolloutEngine.load_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's "
+                        f"parameter {tuple(param.shape)}. HINT: hand over full (unsharded) tensors of the model the "
+                        "engine was built from (`weights_for(engine, model)` gathers FSDP shards)."
+                    )
                 param.copy_(tensor)
                 received += tensor.numel() * tensor.element_size()
+        check.finish()
+        self.weights_discarded = False
         return received
 
     def sleep(self) -> None:
@@ -185,6 +240,38 @@ class HFRolloutEngine:
         """Bring the weights back to the device. Runs on: worker."""
         if self.device.type != "cpu":
             self.model.to(self.device)
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Give a model whose parameters are on the meta device empty storage on ``device``, in place: parameters
+    hold garbage until the first hand-off; tied parameters are tied again (``to_empty`` makes one tensor per
+    registration); buffers that held values keep them, meta buffers are recomputed by the model's own
+    initialisation (transformers' ``_init_weights``: rotary frequencies).
+
+    Runs on: every worker rank (engine construction). Raises ``ValueError`` for a meta buffer nothing can
+    recompute.
+    """
+    aliases = tied_aliases(model)
+    kept = {name: buf for name, buf in model.named_buffers() if not buf.is_meta}
+    owners = {name.rpartition(".")[0] for name, buf in model.named_buffers() if buf.is_meta}
+    init = getattr(model, "_init_weights", None)
+    if owners and init is None:
+        meta = sorted(name for name, buf in model.named_buffers() if buf.is_meta)
+        raise ValueError(
+            f"HFRolloutEngine cannot build from this model: its buffers {meta} are on the meta device and "
+            f"{type(model).__name__} has no `_init_weights` to recompute them. HINT: build the model with only its "
+            "parameters on meta (buffers on a real device), or pass a model with real weights."
+        )
+    model.to_empty(device=device)
+    for alias, canonical in aliases.items():
+        owner, _, leaf = alias.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(canonical))
+    with torch.no_grad():
+        for name, value in kept.items():
+            model.get_buffer(name).copy_(value)
+        for owner in sorted(owners):
+            assert init is not None
+            init(model.get_submodule(owner))
 
 
 def _cut_at_stop(row: list[int], stops: set[int]) -> list[int]:

@@ -25,12 +25,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
+
+if TYPE_CHECKING:
+    from lightning_rlhf.engines.rollout.base import RolloutEngine
 
 __all__ = ["SliceHolder", "TPSlice", "exchange", "sliced_tensors", "tp_slice", "tp_slicer", "weights_for"]
 
@@ -236,12 +239,13 @@ def sliced_tensors(
         yield name, region if mine is None else SliceHolder(region, shape, mine)
 
 
-def weights_for(engine: Any, model: nn.Module, received: list[int] | None = None) -> Iterator[tuple[str, Tensor]]:
+def weights_for(
+    engine: RolloutEngine, model: nn.Module, received: list[int] | None = None
+) -> Iterator[tuple[str, Tensor]]:
     """The weight stream ``engine.load_weights`` should get from the FSDP2 ``model``: only this rank's TP slices
     when the engine has a ``slicer`` (vLLM at TP > 1), else full tensors. Runs on: every worker rank."""
     from lightning_rlhf.engines.train import full_tensors
 
-    slicer = getattr(engine, "slicer", None)
-    if slicer is None:
+    if engine.slicer is None:
         return full_tensors(model, received)
-    return sliced_tensors(model, slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)
+    return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)

@@ -29,8 +29,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rlhf.config import VLLMConfig
-from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams, check_sequence_length
-from lightning_rlhf.engines.rollout.reshard import SliceHolder, tp_slicer
+from lightning_rlhf.engines.rollout.base import (
+    HandoffCheck,
+    RolloutOutput,
+    SamplingParams,
+    WeightSyncError,
+    check_sequence_length,
+)
+from lightning_rlhf.engines.rollout.reshard import SliceHolder, Slicer, tp_slicer
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -258,6 +264,8 @@ class VLLMRolloutEngine:
         tie_word_embeddings: whether the model ties its output head to the embedding.
         hf_config: the actor's transformers config (picks the TP slicing rules of the hand-off).
         eos_token_id: the tokenizer's EOS, which always ends a response (vLLM runs without the tokenizer).
+        tied_names: tied aliases of the actor (``tied_aliases(model)``, e.g. ``{"lm_head.weight":
+            "model.embed_tokens.weight"}``): a hand-off may name either, vLLM receives the parameter once.
     """
 
     def __init__(
@@ -273,6 +281,7 @@ class VLLMRolloutEngine:
         tie_word_embeddings: bool = False,
         hf_config: Any = None,
         eos_token_id: int | None = None,
+        tied_names: dict[str, str] | None = None,
     ) -> None:
         _check_version()
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
@@ -289,20 +298,28 @@ class VLLMRolloutEngine:
         self.config = config
         self.eos_token_id = eos_token_id
         self.device = device
-        self.dtype = dtype
+        self.dtype: torch.dtype = dtype
         self.max_model_len = max_model_len
-        self.param_names = list(param_names)
+        tied = dict(tied_names or {})
+        self.param_names: list[str] = [n for n in param_names if n not in tied]
+        """What a complete hand-off contains (tied aliases are accepted in place of their parameter)."""
+        self._check = HandoffCheck(type(self).__name__, self.param_names, tied)
+        self.offload_optimizer = config.offload_optimizer and device.type == "cuda"
+        """Move the trainer's optimizer state to host memory while the engine generates (GPU only: on CPU both
+        share the same memory)."""
         self.bucket_bytes = int(config.weight_bucket_mb * (1 << 20))
         on_cpu = device.type == "cpu"
         self._refresh_head = on_cpu and tie_word_embeddings
         self._can_sleep = not on_cpu and config.sleep_level > 0
         self._sleeping = False
         self.weights_discarded = config.load_format == "dummy"
-        """True while the engine holds no valid weights (built with dummy weights, or asleep at level 2): the
-        actor then hands its weights over before the next rollout even if they did not change."""
-        self.tp_size = config.tensor_parallel_size
+        """True while the engine holds no valid weights (built with dummy weights, asleep at level 2, or after a
+        failed hand-off): the actor then hands its weights over before the next rollout even if they did not
+        change, and :meth:`generate` refuses to run."""
+        self.tp_size: int = config.tensor_parallel_size
+        """Ranks per engine (``VLLMConfig.tensor_parallel_size``)."""
         self._tp_group, self._tp_rank = self._make_tp_group(self.tp_size)
-        self.slicer = (
+        self.slicer: Slicer | None = (
             tp_slicer(hf_config, self.tp_size) if config.weight_transfer == "slices" and hf_config is not None else None
         )
         """Which slice of each tensor this engine's TP rank loads; None: hand over full tensors."""
@@ -371,6 +388,12 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         params.check()  # what vLLM would change (a temperature below its floor) is refused, as in the hf engine
+        if self.weights_discarded:
+            raise WeightSyncError(
+                "VLLMRolloutEngine.generate: the engine holds no valid weights (built with load_format='dummy', "
+                "asleep at level 2, or the last hand-off failed). HINT: hand the actor's weights over first "
+                "(`engine.load_weights(weights_for(engine, model))`, which ActorRole.sync_weights does)."
+            )
         longest = max((len(p) for p in prompts), default=0)  # the longest prompt decides
         check_sequence_length(
             prompt_length=longest,
@@ -420,13 +443,29 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------------------ weight hand-off
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
-        """Stream new weights into the engine in buckets of whole fusion groups; returns the bytes handed in.
+        """Stream new weights into the engine in buckets of whole fusion groups, then check that the hand-off held
+        every name in ``param_names``; returns the bytes handed in.
 
-        Runs on: worker (each rank loads its own engine; at TP > 1 vLLM's loaders keep the rank's slices).
+        Runs on: worker (each rank loads its own engine; at TP > 1 vLLM's loaders keep the rank's slices; every
+        rank streams the same names, so a bad hand-off raises on every rank at the same point).
+
+        Raises:
+            WeightSyncError: an unknown or repeated name, or a parameter missing at the end (``weights_discarded``
+                then stays True until a complete hand-off).
         """
         handed = 0
-        cast = ((name, t if isinstance(t, SliceHolder) else t.to(self.dtype)) for name, t in weights)
-        for bucket in weight_buckets(cast, self.param_names, self.bucket_bytes):
+        self.weights_discarded = True  # a hand-off that stops part-way leaves a mix of old and new weights
+        check = self._check
+        check.begin()
+
+        def counted() -> Iterator[tuple[str, Tensor]]:
+            for name, t in weights:
+                canonical = check.take(name)
+                if canonical is not None:  # None: a tied alias of a parameter already handed over
+                    yield canonical, t if isinstance(t, SliceHolder) else t.to(self.dtype)
+            check.finish()  # before weight_buckets reports the incomplete fusion groups a missing name leaves
+
+        for bucket in weight_buckets(counted(), self.param_names, self.bucket_bytes):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
             handed += sum(_nbytes(t) for _, t in bucket)
         if self._refresh_head:

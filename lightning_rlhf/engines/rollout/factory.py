@@ -1,0 +1,100 @@
+"""Build the rollout engine a strategy asked for, from the actor it generates for.
+
+One place decides how each engine is built from the actor, its tokenizer and the settings: which parameter names
+a complete weight hand-off contains (and their tied aliases), the engine's dtype, and, through the engine's
+``offload_optimizer``, whether the trainer moves its optimizer state off the device while the engine generates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_rlhf.config import RolloutConfig, VLLMConfig
+from lightning_rlhf.engines.rollout.base import RolloutEngine, tied_aliases
+from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
+
+__all__ = ["ENGINE_KINDS", "make_rollout_engine"]
+
+ENGINE_KINDS = ("hf", "vllm")
+"""The engines :func:`make_rollout_engine` builds."""
+
+
+def make_rollout_engine(
+    kind: Literal["hf", "vllm"],
+    *,
+    path: str,
+    model: nn.Module,
+    tokenizer: Any,
+    rollout: RolloutConfig,
+    vllm: VLLMConfig,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    max_model_len: int,
+) -> RolloutEngine:
+    """Build the colocated rollout engine of one rank.
+
+    Runs on: every worker rank, at set-up, before the actor is sharded (all ranks together: a vLLM engine joins
+    the process group). ``model`` may hold real weights or only meta-device parameters: the transformers engine
+    then waits for the first hand-off (``weights_discarded``); a vLLM engine built with ``load_format="dummy"``
+    always does.
+
+    Args:
+        kind: ``"hf"`` (transformers ``generate`` on a copy of the actor) or ``"vllm"`` (a colocated vLLM engine).
+        path: the actor's folder or hub id (vLLM reads its config, and its weights with ``load_format="auto"``).
+        model: the actor's causal LM, unsharded; its parameter names are the hand-off's.
+        tokenizer: the actor's tokenizer (padding and end-of-sequence ids).
+        rollout: sampling settings (the hf engine's ``generation_batch_size``, the vLLM engine's seed).
+        vllm: the vLLM engine's settings (unused for ``"hf"``), including ``offload_optimizer``.
+        device: this rank's device.
+        dtype: the training compute dtype; None keeps the actor's (hf) or float32 (vLLM).
+        max_model_len: the vLLM engine's length limit, from ``check_vllm_settings`` (unused for ``"hf"``).
+
+    Returns:
+        The engine; its ``offload_optimizer`` says whether the actor should move its optimizer state to host
+        memory while it generates (vLLM on a GPU with ``VLLMConfig.offload_optimizer``).
+
+    Raises:
+        ValueError: an unknown ``kind``, a tokenizer without padding or end-of-sequence id, or (vLLM) a
+            ``max_model_len`` below 2; before any engine is built.
+    """
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"make_rollout_engine(kind={kind!r}) is not an engine. HINT: one of {list(ENGINE_KINDS)}.")
+    for attr in ("pad_token_id", "eos_token_id") if kind == "hf" else ("eos_token_id",):
+        if getattr(tokenizer, attr, None) is None:
+            raise ValueError(
+                f"make_rollout_engine: the tokenizer of {path!r} has {attr}=None, which the {kind} engine needs. "
+                "HINT: set it on the tokenizer (e.g. `tokenizer.pad_token = tokenizer.eos_token`) before set-up."
+            )
+    config: Any = getattr(model, "config", None)
+    if kind == "vllm":
+        if max_model_len < 2:
+            raise ValueError(
+                f"make_rollout_engine(max_model_len={max_model_len}) is not a length the vLLM engine can serve. "
+                "HINT: pass the value check_vllm_settings returned."
+            )
+        from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(
+            path,
+            param_names=[name for name, _ in model.named_parameters()],
+            config=vllm,
+            dtype=dtype or torch.float32,
+            device=device,
+            max_model_len=max_model_len,
+            seed=rollout.seed,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            hf_config=config,
+            eos_token_id=tokenizer.eos_token_id,
+            tied_names=tied_aliases(model),
+        )
+    return HFRolloutEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        device=device,
+        generation_batch_size=rollout.generation_batch_size,
+        dtype=dtype,
+    )

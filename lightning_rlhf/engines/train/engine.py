@@ -1,0 +1,356 @@
+"""The training engine: how one role's model is sharded, loaded, looped over in micro-batches and stepped.
+
+Roles say *what* to compute (a forward that returns log-probs or values, a loss over one micro-batch); the
+engine says *how*: which rows go into which micro-batch, under which gradient mode, how each micro-batch's loss
+is scaled so that the summed gradients equal the whole mini-batch's (the aggregation rules live in the algorithm
+registry, :class:`~lightning_rlhf.algorithms.MicroBatchAggregation`), when the optimizer steps, where its state
+lives while a rollout engine generates, and how full weights stream out for the hand-off. Every role with a model
+has one engine; frozen roles (reference, reward model) use it without an optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_count
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import OptimConfig
+from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
+
+__all__ = [
+    "LossFn",
+    "MetricAccumulator",
+    "TrainEngine",
+    "check_compute_dtype",
+    "global_token_count",
+    "make_optimizer",
+    "minibatches",
+    "resolve_dtype",
+    "world",
+]
+
+LossFn = Callable[[Batch, MicroBatchAggregation], tuple[Tensor, dict[str, Tensor]]]
+"""A role's loss over one micro-batch: ``(loss, metrics)``; the loss is already aggregated with the given
+:class:`~lightning_rlhf.algorithms.MicroBatchAggregation` (the engine applies its ``scale`` and calls backward)."""
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the data-parallel group (``(0, 1)`` without torch.distributed).
+
+    Runs on: any process.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def global_token_count(mask: Tensor) -> Tensor:
+    """Number of masked-in tokens summed over all ranks. Runs on: every worker rank (an all-reduce)."""
+    count = mask.sum().float()
+    if world()[1] > 1:
+        count = count.to(_reduce_device())
+        dist.all_reduce(count)
+    return count.to(mask.device)
+
+
+def _reduce_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def minibatches(batch: Batch, *, mini_batch_size: int, epochs: int) -> Iterator[Batch]:
+    """This rank's mini-batches for all epochs. ``mini_batch_size`` counts samples over all ranks.
+
+    Runs on: every worker rank. Every rank yields the same number of mini-batches (the batch arithmetic was
+    checked before training), which keeps the FSDP collectives in step.
+    """
+    local = mini_batch_size // world()[1]
+    for _ in range(epochs):
+        yield from batch.split(local)
+
+
+def _reduce(key: str, values: Tensor) -> Tensor:
+    """Metrics named ``*_max`` / ``*_min`` keep their extreme; the others are averaged."""
+    if key.endswith("_max"):
+        return values.max()
+    if key.endswith("_min"):
+        return values.min()
+    return values.mean()
+
+
+class MetricAccumulator:
+    """Averages scalar metrics over micro-batches and mini-batches on one rank. Runs on: every worker rank."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[Tensor]] = defaultdict(list)
+
+    def add(self, metrics: dict[str, Tensor]) -> None:
+        """Record one value per metric (detached, as float)."""
+        for k, v in metrics.items():
+            self._values[k].append(v.detach().float().reshape(()))
+
+    def result(self, prefix: str) -> dict[str, float]:
+        """Means as Python floats named ``<prefix>/<metric>`` (one host sync per update, not per micro-batch)."""
+        if not self._values:
+            return {}
+        keys = list(self._values)
+        means = torch.stack([_reduce(k, torch.stack(self._values[k])) for k in keys]).cpu().tolist()
+        return {f"{prefix}/{k}": v for k, v in zip(keys, means, strict=True)}
+
+
+def make_optimizer(
+    params: list[nn.Parameter], cfg: OptimConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW and a per-RL-step schedule (warm-up, then constant / linear / cosine decay).
+
+    Runs on: every process, in ``configure_optimizers`` (after sharding, so ``params`` are the shards).
+    """
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    total = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        decay = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+class TrainEngine:
+    """One role model's engine: shard and materialise it, run it in micro-batches, step its optimizer.
+
+    Runs on: every worker rank (one engine per role model per process; all ranks call its methods together,
+    since the forwards are FSDP collectives).
+
+    Args:
+        micro_batch_size: rows per forward (and backward) on one rank.
+        optim: optimizer settings; None for a frozen model (no optimizer, no ``train``).
+        setting: how the user names this role's model in errors, e.g. ``"ActorRole(path=...)"``.
+    """
+
+    def __init__(self, *, micro_batch_size: int, optim: OptimConfig | None = None, setting: str = "role") -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"{setting}: micro_batch_size={micro_batch_size} must be >= 1.")
+        self.micro_batch_size = micro_batch_size
+        self.optim = optim
+        self.setting = setting
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.sharded = False
+        self._offloaded = False
+
+    # ------------------------------------------------------------------------------ model, shards, loading
+    def bind(self, model: nn.Module | None) -> None:
+        """Make ``model`` the engine's model (the role keeps it as a submodule, for checkpoints)."""
+        self.model = model
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's (local shards of) parameters live."""
+        assert self.model is not None
+        return next(self.model.parameters()).device
+
+    def shard(self, mesh: DeviceMesh, *, param_dtype: torch.dtype | None) -> None:
+        """Shard the model with FSDP2 over ``mesh`` (on the meta device when its loading was deferred).
+
+        Runs on: every worker rank, at set-up. Raises before any weight is read when the model has fewer rows in
+        its largest parameter than ``mesh`` has ranks (most ranks would then hold nothing of it).
+        """
+        if self.model is None or self.sharded:
+            return
+        ranks = mesh.size()
+        rows = max((p.shape[0] for p in self.model.parameters() if p.dim()), default=0)
+        if ranks > 1 and rows < ranks:
+            raise ValueError(
+                f"{self.setting}: the model's largest parameter has {rows} rows, fewer than the {ranks} ranks it is "
+                f"sharded over, so {ranks - rows} of them would hold none of it. HINT: run this role on at most "
+                f"{rows} processes, or use a larger model."
+            )
+        shard_model(self.model, mesh, param_dtype=param_dtype)
+        self.sharded = True
+
+    def materialize(self, device: torch.device) -> None:
+        """Give the model real storage on ``device``: read this rank's shard rows from the checkpoint when its
+        loading was deferred (parameters on the meta device), else move it there.
+
+        Runs on: every worker rank, at set-up, after :meth:`shard`.
+        """
+        if self.model is None:
+            return
+        from lightning_rlhf.engines.train.loading import materialize, needs_materialize
+
+        if needs_materialize(self.model):
+            materialize(self.model, device=device)
+        else:
+            self.model.to(device)
+
+    # ---------------------------------------------------------------------------------------- forwards
+    def infer(self, batch: Batch, forward: Callable[[nn.Module, Batch], dict[str, Tensor]]) -> dict[str, Tensor]:
+        """Run ``forward(model, micro_batch)`` over ``batch`` in micro-batches without gradients; each output
+        concatenated over micro-batches on the host.
+
+        Runs on: every worker rank (FSDP forwards).
+        """
+        assert self.model is not None, f"{self.setting}: no model loaded"
+        parts: dict[str, list[Tensor]] = defaultdict(list)
+        with torch.no_grad():
+            for micro in batch.split(self.micro_batch_size):
+                for key, value in forward(self.model, micro).items():
+                    parts[key].append(value.cpu())
+        return {key: torch.cat(values) for key, values in parts.items()}
+
+    def train(
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        *,
+        aggregation: str,
+        count_mask: Callable[[Batch], Tensor],
+        mini_batch_size: int | None = None,
+        epochs: int = 1,
+        max_len: int | None = None,
+    ) -> MetricAccumulator:
+        """Epochs x mini-batches x micro-batches of forward-backward, one clipped optimizer step per mini-batch.
+
+        Runs on: every worker rank. Each micro-batch's loss comes from ``loss_fn`` with a
+        :class:`~lightning_rlhf.algorithms.MicroBatchAggregation` for ``aggregation`` (the global token count of
+        the mini-batch, from ``count_mask``, when the mode needs it); its metrics, ``grad_norm`` and
+        ``update_skipped`` (1 when the norm was not finite and the step was skipped) are accumulated.
+
+        Args:
+            batch: this rank's rows.
+            loss_fn: the role's loss over one micro-batch.
+            aggregation: a ``LOSS_AGGREGATIONS`` name.
+            count_mask: the tokens that count in the loss of a batch (e.g. ``response_mask``).
+            mini_batch_size: rows per optimizer step over all ranks; None: the whole batch (one step per epoch).
+            epochs: passes over the batch.
+            max_len: the constant length of ``"seq-mean-token-sum-norm"``.
+        """
+        assert self.model is not None, f"{self.setting}: no model loaded"
+        mini_size = mini_batch_size or len(batch) * world()[1]
+        global_tokens = uses_global_token_count(aggregation)
+        acc = MetricAccumulator()
+        self.model.train()
+        for mini in minibatches(batch, mini_batch_size=mini_size, epochs=epochs):
+            num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
+            for micro in mini.split(self.micro_batch_size):
+                agg = MicroBatchAggregation(aggregation, num_tokens, len(micro) / len(mini), max_len)
+                loss, metrics = loss_fn(micro, agg)
+                (loss * agg.scale).backward()
+                acc.add(metrics)
+            grad_norm, stepped = self.step()
+            acc.add({"grad_norm": grad_norm, "update_skipped": torch.tensor(float(not stepped))})
+        return acc
+
+    # --------------------------------------------------------------------------------------- optimizer
+    def configure_optimizer(
+        self, total_steps: int
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """Create AdamW and its schedule over this rank's shards.
+
+        Runs on: every process, in ``configure_optimizers``, after sharding.
+        """
+        if self.optim is None or self.model is None:
+            raise TypeError(f"{self.setting} is not trainable: it has no optimizer to configure.")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = make_optimizer(params, self.optim, total_steps)
+        return self.optimizer, self.scheduler
+
+    def step(self) -> tuple[Tensor, bool]:
+        """Clip, step and zero the optimizer; skip the step when the gradient norm is not finite.
+
+        Runs on: every worker rank (the norm is a collective). Returns ``(grad_norm, stepped)``.
+        """
+        assert self.optimizer is not None and self.model is not None and self.optim is not None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = clip_grad_norm(params, self.optim.grad_clip)
+        stepped = bool(torch.isfinite(norm))
+        if stepped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.detach(), stepped
+
+    def step_scheduler(self) -> float:
+        """Advance the learning-rate schedule by one RL step; returns the rate the step just used."""
+        assert self.scheduler is not None
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        return lr
+
+    def offload_optimizer(self) -> None:
+        """Move the optimizer state to host memory (while a rollout engine needs the device's memory).
+
+        Runs on: every worker rank (local shards, no collective).
+        """
+        if self.optimizer is not None and not self._offloaded:
+            move_optimizer_state(self.optimizer, "cpu")
+            self._offloaded = True
+
+    def onload_optimizer(self) -> None:
+        """Bring the optimizer state back next to the parameters. Runs on: every worker rank."""
+        if self.optimizer is not None and self._offloaded:
+            move_optimizer_state(self.optimizer, self.device)
+            self._offloaded = False
+
+    # --------------------------------------------------------------------------------------- hand-off
+    def named_weights(self, received: list[int] | None = None) -> Iterator[tuple[str, Tensor]]:
+        """``(name, full tensor)`` per parameter, gathered one at a time from the shards.
+
+        Runs on: every worker rank, in the same order (each is an all-gather). ``received[0]`` grows by the bytes
+        this rank got from the others. TP-sliced hand-offs go through
+        :func:`lightning_rlhf.engines.rollout.reshard.weights_for`, which reads the shards directly.
+        """
+        assert self.model is not None
+        return full_tensors(self.model, received)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES |= {"float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(value: str | torch.dtype | None, *, setting: str) -> torch.dtype | None:
+    """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` (and float32, float16) as a ``torch.dtype``; None stays None.
+
+    Runs on: any process, when settings are made. Raises naming ``setting`` for anything else.
+    """
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and value not in _DTYPES.values():
+            raise ValueError(f"{setting}={value} is not supported. HINT: use torch.float32 or torch.bfloat16.")
+        return value
+    key = str(value).removeprefix("torch.").lower()
+    if key not in _DTYPES:
+        raise ValueError(
+            f"{setting}={value!r} is not a dtype lightning_rlhf computes in. HINT: 'float32' or 'bfloat16'."
+        )
+    return _DTYPES[key]
+
+
+def check_compute_dtype(dtype: torch.dtype | None, device: torch.device, *, setting: str) -> None:
+    """Refuse a dtype that ``device`` cannot compute the models in, before any model loads.
+
+    Runs on: every process, at set-up. float16 is refused on CPUs (several of the kernels the models need have no
+    float16 CPU version); bfloat16 on a GPU without it (before Ampere).
+    """
+    if dtype is None or dtype == torch.float32:
+        return
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError(
+            f"{setting}=float16 cannot run on CPU: PyTorch lacks float16 CPU kernels for parts of the models. "
+            "HINT: use bfloat16 (fast on CPUs with AVX512-BF16 or AMX) or float32."
+        )
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"{setting}=bfloat16, but {torch.cuda.get_device_name(device)} has no bfloat16 support. "
+            "HINT: use float16 or float32 on this GPU."
+        )
