@@ -176,6 +176,7 @@ class RLHFStrategy(ModelParallelStrategy):
                     world_size=self.world_size,
                     max_prompt_length=max_prompt_length,
                     max_new_tokens=max_new_tokens,
+                    processes_per_node=self.num_processes,
                 )
         launcher = self.launcher
         self._controller = Controller(

@@ -104,6 +104,8 @@ def test_good_settings_pass_and_give_the_max_model_len(tiny_model: str) -> None:
 def test_settings_vllm_cannot_serve_fail_naming_the_setting(tiny_model: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3\) does not divide the 2 processes"):
         _check(tiny_model, VLLMConfig(tensor_parallel_size=3))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\) does not divide the 1 processes per node: a "):
+        _check(tiny_model, VLLMConfig(tensor_parallel_size=2), processes_per_node=1)  # 2 nodes x 1 process
     with pytest.raises(ValueError, match=r"max_prompt_length=60 .* max_new_tokens=8 .* max_model_len=64"):
         _check(tiny_model, VLLMConfig(), max_prompt_length=60)
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1000\) cannot hold one sequence"):

@@ -107,11 +107,13 @@ def check_vllm_settings(
     world_size: int,
     max_prompt_length: int | None,
     max_new_tokens: int,
+    processes_per_node: int | None = None,
 ) -> int:
     """Check that vLLM can serve ``model_path`` with these settings, before any model is loaded.
 
     Runs on: every process, at set-up. Raises ``ValueError``/``ImportError`` naming the setting to change.
-    Returns the engine's max model length.
+    Returns the engine's max model length. ``processes_per_node``: a tensor-parallel group must sit inside one
+    node (its all-reduces run every decoding step), so the size must divide it too.
     """
     _check_version()
     from transformers import AutoConfig
@@ -123,6 +125,12 @@ def check_vllm_settings(
         raise ValueError(
             f"{where} does not divide the {world_size} processes. HINT: use a tensor_parallel_size that divides "
             "the number of devices (TP groups sit inside a node)."
+        )
+    if processes_per_node is not None and processes_per_node % tp:
+        raise ValueError(
+            f"{where} does not divide the {processes_per_node} processes per node: a tensor-parallel group would "
+            "span two nodes. HINT: use a tensor_parallel_size that divides the devices of one node "
+            "(Trainer(devices=...))."
         )
     archs = list(getattr(hf, "architectures", None) or [])
     from vllm import ModelRegistry
