@@ -45,6 +45,10 @@ class RolloutConfig:
     ``top_p``, the loss does not apply it."""
     max_new_tokens: int = 256
     """Longest response; responses cut here have no EOS and count in ``response_length/clip_ratio``."""
+    min_new_tokens: int = 0
+    """Shortest response: EOS and ``stop_token_ids`` cannot be sampled before it (vLLM's ``min_tokens``,
+    transformers' ``min_new_tokens``). ``min_new_tokens == max_new_tokens`` gives fixed-length responses (e.g. for
+    benchmarks that count exact tokens). The loss scores the policy's full distribution, as verl and TRL do."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end a response like EOS (EOS of the tokenizer always stops)."""
     seed: int = 0
@@ -67,6 +71,10 @@ class RolloutConfig:
             _fail(self, "max_probs_diff", self.max_probs_diff, "a probability gap in (0, 1], or None (no warning)")
         if self.max_new_tokens < 1:
             _fail(self, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            _fail(
+                self, "min_new_tokens", self.min_new_tokens, f"an integer in [0, max_new_tokens={self.max_new_tokens}]"
+            )
         if self.generation_batch_size < 1:
             _fail(self, "generation_batch_size", self.generation_batch_size, "an integer >= 1")
         self._warn_sampling()
@@ -199,6 +207,8 @@ class AlgorithmConfig:
     """GAE lambda."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's reward std (False gives Dr.GRPO's estimator)."""
+    adv_eps: float = 1e-6
+    """Added to the group's reward std before dividing (GRPO; TRL uses 1e-4)."""
     clip_ratio_low: float = 0.2
     """PPO clip: the ratio is kept above ``1 - clip_ratio_low``."""
     clip_ratio_high: float = 0.2
@@ -252,6 +262,8 @@ class AlgorithmConfig:
             name = getattr(self, field)
             if name not in registry:
                 _fail(self, field, name, f"one of {registry.names()}")
+        if not self.adv_eps > 0:
+            _fail(self, "adv_eps", self.adv_eps, "a small number > 0 (e.g. 1e-6; TRL uses 1e-4)")
         for field in ("clip_ratio_low", "clip_ratio_high", "value_clip", "kl_coef", "entropy_coef"):
             if getattr(self, field) < 0:
                 _fail(self, field, getattr(self, field), ">= 0")

@@ -324,6 +324,7 @@ class RLHFModule(L.LightningModule):
             gamma=algo.gamma,
             lam=algo.lam,
             norm_by_std=algo.norm_adv_by_std,
+            eps=algo.adv_eps,
         )
 
     def rollout_metrics(self, rollout: Batch, step_seconds: float | None = None) -> dict[str, float]:

@@ -122,6 +122,7 @@ class ActorRole(Role):
             top_p=cfg.top_p,
             top_k=cfg.top_k,
             max_new_tokens=cfg.max_new_tokens,
+            min_new_tokens=cfg.min_new_tokens,
             stop_token_ids=cfg.stop_token_ids,
             seed=cfg.seed * 1_000_003
             + step * 7919

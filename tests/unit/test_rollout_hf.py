@@ -51,6 +51,16 @@ def test_stop_tokens_and_max_new_tokens(demo_model: str) -> None:
     assert eos is not None
 
 
+def test_min_new_tokens_suppresses_the_stop_until_then(demo_model: str) -> None:
+    eng, tok, _ = engine_for(demo_model)
+    prompts = [tok("3+4=")["input_ids"], tok("1+1=")["input_ids"]]
+    free = eng.generate(prompts, SamplingParams(n=4, max_new_tokens=12, seed=0)).responses
+    assert min(len(r) for r in free) < 12  # the warm start answers in a few tokens and stops
+    fixed = eng.generate(prompts, SamplingParams(n=4, max_new_tokens=12, min_new_tokens=12, seed=0))
+    assert [len(r) for r in fixed.responses] == [12] * 8
+    assert all(tok.eos_token_id not in r for r in fixed.responses)
+
+
 def test_load_weights_changes_generation_and_rejects_unknown_names(demo_model: str, tiny_model: str) -> None:
     eng, tok, _ = engine_for(demo_model)
     prompt = [tok("3+4=")["input_ids"]]

@@ -160,6 +160,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 256
+    min_new_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     greedy: bool = False

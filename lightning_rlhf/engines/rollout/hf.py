@@ -164,6 +164,7 @@ class HFRolloutEngine:
             top_p=None if greedy else params.top_p,
             top_k=None if greedy else params.top_k,
             max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.min_new_tokens or None,
             num_return_sequences=1 if greedy else params.n,
             eos_token_id=sorted(stops),
             pad_token_id=self.pad_token_id,

@@ -429,6 +429,7 @@ class VLLMRolloutEngine:
                         top_p=1.0 if greedy else params.top_p,
                         top_k=0 if greedy else params.top_k,
                         max_tokens=params.max_new_tokens,
+                        min_tokens=params.min_new_tokens,
                         stop_token_ids=stops,
                         seed=(seed * 1_000_003 + i * params.n) % (1 << 62),  # children use seed + index
                         logprobs=0,
