@@ -19,6 +19,7 @@ What it changes in Lightning's ``ModelParallelStrategy``:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -63,6 +64,33 @@ if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
 
 __all__ = ["RLHFStrategy"]
+
+_EXIT_HOOK: list[bool] = []
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, while it is still whole.
+
+    Runs on: every rank, registered once per process at set-up. Gloo's worker threads can still hold work
+    objects with Python references at exit; finalising the interpreter under them aborts the process
+    ("terminate called without an active exception", exit -6) after a run that succeeded. Lightning leaves
+    the group alive (a later ``fit`` reuses it), so the last moment is ``atexit``.
+    """
+    if _EXIT_HOOK:
+        return
+    _EXIT_HOOK.append(True)
+
+    def destroy() -> None:
+        import gc
+
+        import torch.distributed as dist
+
+        gc.collect()  # drop finished work objects that still reference tensors
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 class RLHFStrategy(ModelParallelStrategy):
@@ -153,6 +181,7 @@ class RLHFStrategy(ModelParallelStrategy):
         self._preemption.rank = self.global_rank
         self._preemption.install()  # a signal during loading is acted on after the first step
         super().setup_environment()
+        _destroy_process_group_at_exit()
         module = self._rlhf_module()
         check_compute_dtype(self.param_dtype, self.root_device, setting="RLHFStrategy.param_dtype")
         for role in module.roles().values():  # trainable roles hold float32 master weights
