@@ -179,7 +179,7 @@ def _read_header(file: str, *, setting: str) -> dict[str, _Entry]:
         if dtype is None:
             raise ValueError(
                 f"{setting}: tensor {key!r} in {file} has dtype {info['dtype']}, which deferred loading does not "
-                f"read. HINT: load this model without deferred loading, or convert the checkpoint."
+                f"read. HINT: use RLHFStrategy(sharded_loading=False), or convert the checkpoint."
             )
         begin, end = (int(x) for x in info["data_offsets"])
         entry = _Entry(file, key, dtype, tuple(int(s) for s in info["shape"]), base + begin, base + end)
@@ -330,7 +330,8 @@ def _plan(
         raise ValueError(
             f"{setting}={path!r}: {'; '.join(parts)}. HINT: check that the folder holds the complete checkpoint of "
             f"this model (config.json and the safetensors files from the same save), or re-save it with "
-            "save_pretrained."
+            "save_pretrained. A model whose checkpoint transformers renames while loading (legacy names, fused "
+            "experts) loads with RLHFStrategy(sharded_loading=False)."
         )
     return matched, fresh
 
