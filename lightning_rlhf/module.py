@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_rlhf import perf
 from lightning_rlhf.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -327,8 +328,16 @@ class RLHFModule(L.LightningModule):
             eps=algo.adv_eps,
         )
 
-    def rollout_metrics(self, rollout: Batch, step_seconds: float | None = None) -> dict[str, float]:
-        """The standard per-step metrics of a scored rollout (names as in verl). Runs on: controller."""
+    def rollout_metrics(
+        self, rollout: Batch, step_seconds: float | None = None, *, timings: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
+        """The standard per-step metrics of a scored rollout (names as in verl). With ``timings`` (the step's
+        ``timing_s/*``, as :meth:`log_step` passes them) also the performance metrics of
+        :func:`lightning_rlhf.perf.step_perf_metrics`: ``timing_per_token_ms/*``, ``perf/mfu/actor`` (and
+        ``perf/mfu/critic``), ``perf/max_memory_allocated_gb`` (CUDA) and ``perf/cpu_memory_used_gb``.
+
+        Runs on: controller.
+        """
         mask = rollout["response_mask"].float()
         lengths = mask.sum(-1)
         scores = rollout["scores"].float()
@@ -358,6 +367,25 @@ class RLHFModule(L.LightningModule):
         if "rollout_logprobs" in rollout and "old_logprobs" in rollout:  # the on-policy update reports its own
             diff = rollout_probs_diff(rollout["old_logprobs"], rollout["rollout_logprobs"], rollout["response_mask"])
             out |= {f"training/{k}": float(v) for k, v in diff.items()}
+        if timings is not None:  # parameter counts: DTensor numel is the full tensor's, so no collective
+            trainer = attached_trainer(self)
+            strategy = getattr(trainer, "strategy", None)
+            critics = [r.model for r in self.roles().values() if isinstance(r, CriticRole) and r.trainable]
+            out |= perf.step_perf_metrics(
+                prompt_tokens=float(rollout["prompt_mask"].sum()),
+                response_tokens=float(mask.sum()),
+                timings=timings,
+                params={
+                    "actor": perf.trainable_parameters(self.actor.model) if "timing_s/update_actor" in timings else 0,
+                    "critic": sum(perf.trainable_parameters(m) for m in critics)
+                    if "timing_s/update_critic" in timings
+                    else 0,
+                },
+                epochs=self.algorithm.ppo_epochs,
+                device=getattr(strategy, "root_device", None) or torch.device("cpu"),
+                dtype=getattr(strategy, "param_dtype", None) or torch.float32,
+                world_size=trainer.world_size if trainer is not None else 1,
+            )
         return out
 
     _probs_diff_warned = False
@@ -427,11 +455,12 @@ class RLHFModule(L.LightningModule):
 
     def log_step(self, rollout: Batch, metrics: dict[str, float], *, started: float) -> None:
         """Log a step: ``metrics`` plus ``timing_s/step`` (since ``started``, a ``time.perf_counter()``) and
-        :meth:`rollout_metrics`; the mean reward, mean response length and seconds per step also go on the
+        :meth:`rollout_metrics` (given the step's timings, so with ``perf/mfu/*``, ``timing_per_token_ms/*`` and
+        the memory figures); the mean reward, mean response length and seconds per step also go on the
         progress bar. Keeps the step's prompts, completions and scores in ``last_rollout`` (for
         :class:`~lightning_rlhf.callbacks.RolloutSamples`). Runs on: controller."""
         metrics["timing_s/step"] = time.perf_counter() - started
-        metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"])
+        metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"], timings=metrics)
         self.check_rollout_probs_diff(metrics, step=int(rollout.meta.get("step", self.trainer.global_step)))
         self.log_dict({k: metrics.pop(k) for k in self.PROGRESS_BAR_METRICS if k in metrics}, prog_bar=True)
         self.log_dict(metrics)

@@ -29,6 +29,9 @@ REQUIRED_METRICS = [
     "timing_s/update_actor",
     "timing_s/step",
     "perf/throughput",
+    "perf/mfu/actor",
+    "perf/cpu_memory_used_gb",
+    "timing_per_token_ms/update_actor",
 ]
 
 

@@ -1,0 +1,413 @@
+"""The performance figures users compare across frameworks: model FLOPs utilisation (MFU) and the device peaks
+behind it, memory, and time per token.
+
+The peak a FLOP count is divided by is the device's dense peak for the compute dtype:
+
+- on a GPU, the published figure of its datasheet (:data:`GPU_PEAKS`, matched on ``torch.cuda.get_device_name``);
+- on a CPU, this machine's measured ``torch.mm`` rate (:func:`cpu_matmul_peak`), measured once per CPU model,
+  thread count and dtype and kept in ``~/.cache/lightning_rlhf/cpu_matmul_peak.json`` (or ``$LIGHTNING_RLHF_CACHE``);
+- anywhere, ``$LIGHTNING_RLHF_PEAK_TFLOPS`` (dense TFLOP/s of one device) when set, which overrides both.
+
+The model FLOPs of a training pass are ``6 * trainable parameters * tokens`` (a forward's multiply-adds are
+2 FLOPs per parameter and token, the backward's twice that; attention's ``seq^2`` term and recomputation are not
+counted, as usual for MFU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "GIB",
+    "GPU_PEAKS",
+    "PEAK_ENV",
+    "GPUPeak",
+    "cpu_matmul_peak",
+    "cpu_memory_used_gb",
+    "cpu_model_name",
+    "device_peak_flops",
+    "gpu_peak",
+    "gpu_peak_flops",
+    "measure_matmul_flops",
+    "mfu",
+    "per_token_ms",
+    "step_perf_metrics",
+    "tf32_enabled",
+    "trainable_parameters",
+    "training_flops",
+]
+
+GIB = 1024**3
+"""Bytes per GiB: the memory metrics are in GiB, as verl's ``perf/*_gb``."""
+PEAK_ENV = "LIGHTNING_RLHF_PEAK_TFLOPS"
+"""Environment variable: the dense peak of one device in TFLOP/s, used instead of the table or the measurement."""
+CPU_PEAK_FILE = "cpu_matmul_peak.json"
+"""File name of the CPU peak cache inside the cache folder."""
+
+
+# ------------------------------------------------------------------------------------------------ GPU peaks
+@dataclass(frozen=True)
+class GPUPeak:
+    """Published dense peaks of one GPU model, in TFLOP/s (sparsity figures halved). None: not supported.
+
+    Runs on: any process.
+    """
+
+    pattern: str
+    """Regular expression matched (case-insensitively) against ``torch.cuda.get_device_name()``."""
+    fp32: float | None
+    """float32 without tensor cores (what a float32 matmul gets with TF32 off, PyTorch's default)."""
+    tf32: float | None
+    """float32 matmuls on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32`` or
+    ``torch.set_float32_matmul_precision("high")``)."""
+    bf16: float | None
+    """bfloat16 tensor cores, float32 accumulation."""
+    fp16: float
+    """float16 tensor cores, float32 accumulation."""
+
+
+# Sources (dense figures; datasheets print the TF32/BF16/FP16 tensor-core figures with 2:4 sparsity, halved here):
+#   H100 SXM / H100 NVL / H100 PCIe: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100);
+#     H800 has the H100 SXM's compute figures.
+#   H200 SXM / H200 NVL: NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200).
+#   H20: NVIDIA H20 product brief (FP32 44, TF32 74, BF16/FP16 148 dense).
+#   B200: NVIDIA Blackwell datasheet / HGX B200 specifications (nvidia.com/en-us/data-center/hgx): per GPU FP16/BF16
+#     4.5 PFLOPS and TF32 2.2 PFLOPS sparse; no plain FP32 figure is published, so float32 without TF32 has none.
+#   A100 (SXM and PCIe, 40 and 80 GB; A800 the same): NVIDIA A100 datasheet.
+#   A10, L4, L40, L40S: their NVIDIA datasheets. V100 (SXM2 / PCIe), T4: their NVIDIA datasheets (no BF16/TF32).
+#   RTX 4090: NVIDIA Ada GPU architecture whitepaper (FP16/BF16 tensor with FP32 accumulate).
+#   RTX 3090: NVIDIA Ampere GA102 GPU architecture whitepaper (FP16/BF16 tensor with FP32 accumulate).
+#   MI300X: AMD Instinct MI300X datasheet (FP32 vector 163.4, TF32 653.7, BF16/FP16 1307.4 dense).
+# The more specific names come first: "H100 NVL" before "H100", "H200" before "H20", "L40S" before "L40" before "L4".
+GPU_PEAKS: tuple[GPUPeak, ...] = (
+    GPUPeak(r"\bH100\b.*\bNVL\b", fp32=60.0, tf32=417.5, bf16=835.5, fp16=835.5),
+    GPUPeak(r"\bH100\b.*\bPCIe\b", fp32=51.0, tf32=378.0, bf16=756.5, fp16=756.5),
+    GPUPeak(r"\bH100\b|\bH800\b", fp32=67.0, tf32=494.5, bf16=989.5, fp16=989.5),
+    GPUPeak(r"\bH200\b.*\bNVL\b", fp32=60.0, tf32=417.5, bf16=835.5, fp16=835.5),
+    GPUPeak(r"\bH200\b|\bGH200\b", fp32=67.0, tf32=494.5, bf16=989.5, fp16=989.5),
+    GPUPeak(r"\bH20\b", fp32=44.0, tf32=74.0, bf16=148.0, fp16=148.0),
+    GPUPeak(r"\bB200\b", fp32=None, tf32=1100.0, bf16=2250.0, fp16=2250.0),
+    GPUPeak(r"\bA100\b|\bA800\b", fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0),
+    GPUPeak(r"\bA10\b", fp32=31.2, tf32=62.5, bf16=125.0, fp16=125.0),
+    GPUPeak(r"\bL40S\b", fp32=91.6, tf32=183.0, bf16=362.05, fp16=362.05),
+    GPUPeak(r"\bL40\b", fp32=90.5, tf32=90.5, bf16=181.05, fp16=181.05),
+    GPUPeak(r"\bL4\b", fp32=30.3, tf32=60.0, bf16=121.0, fp16=121.0),
+    GPUPeak(r"\bV100\b.*\bPCIE\b", fp32=14.0, tf32=None, bf16=None, fp16=112.0),
+    GPUPeak(r"\bV100\b", fp32=15.7, tf32=None, bf16=None, fp16=125.0),
+    GPUPeak(r"\bT4\b", fp32=8.1, tf32=None, bf16=None, fp16=65.0),
+    GPUPeak(r"\bRTX 4090\b", fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2),
+    GPUPeak(r"\bRTX 3090\b", fp32=35.6, tf32=35.6, bf16=71.0, fp16=71.0),
+    GPUPeak(r"\bMI300X\b", fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4),
+)
+"""Dense peaks by GPU model, most specific names first (see the sources in the comment above)."""
+
+
+def gpu_peak(name: str) -> GPUPeak | None:
+    """The table row whose pattern matches the device name ``name`` (None: not in the table). Runs on: any process."""
+    for row in GPU_PEAKS:
+        if re.search(row.pattern, name, flags=re.IGNORECASE):
+            return row
+    return None
+
+
+def tf32_enabled() -> bool:
+    """Whether float32 matmuls on CUDA run on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``, or a
+    float32 matmul precision other than ``"highest"``, or ``torch.backends.cuda.matmul.fp32_precision="tf32"``).
+    Runs on: any process. Torch raises on reading one of these after the other was set; that reading counts as
+    no."""
+    checks = (
+        lambda: torch.get_float32_matmul_precision() != "highest",
+        lambda: getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee") == "tf32",
+        lambda: bool(torch.backends.cuda.matmul.allow_tf32),
+    )
+    for check in checks:
+        try:
+            if check():
+                return True
+        except RuntimeError:
+            continue
+    return False
+
+
+def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
+    """Published dense peak FLOP/s of the GPU called ``name`` (``torch.cuda.get_device_name``) computing in
+    ``dtype``; float32 counts TF32 tensor cores when :func:`tf32_enabled`. None when the GPU or the dtype is not
+    in :data:`GPU_PEAKS`. Runs on: any process."""
+    row = gpu_peak(name)
+    if row is None:
+        return None
+    if dtype == torch.bfloat16:
+        tflops = row.bf16
+    elif dtype == torch.float16:
+        tflops = row.fp16
+    elif dtype == torch.float32:
+        tflops = row.tf32 if tf32_enabled() and row.tf32 is not None else row.fp32
+    else:
+        tflops = None
+    return tflops * 1e12 if tflops is not None else None
+
+
+# ------------------------------------------------------------------------------------------------ CPU peak
+def cpu_model_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``, else ``platform.processor()``). Runs on: any
+    process."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def measure_matmul_flops(dtype: torch.dtype, *, budget_s: float = 1.0, max_size: int = 4096) -> float:
+    """This process's best ``torch.mm`` rate on the CPU in FLOP/s (``2 n^3`` per ``n x n`` product), with the
+    current ``torch.get_num_threads()``. Grows ``n`` from 256 by doubling until one product takes 50 ms (or
+    ``max_size``), then repeats that size while ``budget_s`` lasts (at most 8 times) and keeps the fastest.
+
+    Runs on: any process (it uses every thread torch has for about ``budget_s`` seconds).
+    """
+    deadline = time.perf_counter() + budget_s
+    gen = torch.Generator().manual_seed(0)
+    best, n = 0.0, 256
+    while True:
+        a = torch.randn(n, n, generator=gen).to(dtype)
+        b = torch.randn(n, n, generator=gen).to(dtype)
+        torch.mm(a, b)  # warm-up: the first call of a size/dtype pays for kernel selection and page faults
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        took = max(time.perf_counter() - t0, 1e-9)
+        best = max(best, 2.0 * n**3 / took)
+        if took >= 0.05 or n >= max_size or time.perf_counter() + 16 * took > deadline:
+            break
+        n *= 2
+    for _ in range(8):
+        if time.perf_counter() + took > deadline:
+            break
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        took = max(time.perf_counter() - t0, 1e-9)
+        best = max(best, 2.0 * n**3 / took)
+    return best
+
+
+_CPU_PEAKS: dict[str, float] = {}
+
+
+def _cpu_peak_key(dtype: torch.dtype, threads: int) -> str:
+    """The cache key: CPU model, thread count and dtype."""
+    return f"{cpu_model_name()} | threads={threads} | {str(dtype).removeprefix('torch.')}"
+
+
+def cpu_matmul_peak(dtype: torch.dtype, *, cache_dir: str | None = None) -> float:
+    """This machine's matmul peak in FLOP/s for ``dtype`` with the current thread count: measured once
+    (:func:`measure_matmul_flops`, about a second) and cached, in this process and on disk in
+    ``<cache_dir>/cpu_matmul_peak.json`` under the key "CPU model | threads=T | dtype", so later runs read it.
+
+    Runs on: any process (the controller, for ``perf/mfu/*``). ``cache_dir`` defaults to the embedded models'
+    cache folder (``$LIGHTNING_RLHF_CACHE`` or ``~/.cache/lightning_rlhf``). Delete the file to measure again
+    (e.g. after measuring on a loaded machine, which gives a low peak and a high MFU).
+    """
+    from lightning_rlhf.models import embedded_cache_dir
+
+    key = _cpu_peak_key(dtype, torch.get_num_threads())
+    folder = cache_dir or embedded_cache_dir()
+    path = os.path.join(folder, CPU_PEAK_FILE)
+    memo = f"{path}::{key}"
+    if memo in _CPU_PEAKS:
+        return _CPU_PEAKS[memo]
+    table = _read_json(path)
+    value = table.get(key)
+    if not isinstance(value, int | float) or value <= 0:
+        value = measure_matmul_flops(dtype)
+        table = _read_json(path)  # another process may have added a key meanwhile
+        table[key] = value
+        _write_json(path, table)
+    _CPU_PEAKS[memo] = float(value)
+    return float(value)
+
+
+def _read_json(path: str) -> dict[str, object]:
+    """The JSON object in ``path``, or {} when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: str, data: Mapping[str, object]) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it); a read-only folder is skipped."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cpu_peak.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(dict(data), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- the peak
+_warned: set[str] = set()
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Dense peak FLOP/s of one ``device`` computing in ``dtype``: ``$LIGHTNING_RLHF_PEAK_TFLOPS`` when set; on
+    CUDA the :data:`GPU_PEAKS` row of its name; on the CPU the measured (cached) matmul peak. None, with a
+    warning once, for a GPU or dtype the table lacks and for other devices.
+
+    Runs on: controller (any process may call it).
+    """
+    override = os.environ.get(PEAK_ENV)
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(
+                f"{PEAK_ENV}={override!r} is not a positive number. HINT: set it to the dense peak of one device in "
+                "TFLOP/s for the compute dtype (e.g. 989.5 for an H100 SXM in bfloat16), or unset it."
+            )
+        return value * 1e12
+    if device.type == "cpu":
+        return cpu_matmul_peak(dtype)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_flops(name, dtype)
+        if peak is not None:
+            return peak
+        reason = f"no published {dtype} peak for {name!r} in lightning_rlhf.perf.GPU_PEAKS"
+    else:
+        reason = f"no peak for device type {device.type!r}"
+    if reason not in _warned:
+        _warned.add(reason)
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"perf/mfu/* is not logged: {reason}. HINT: set {PEAK_ENV} to the device's dense peak in TFLOP/s.",
+            category=UserWarning,
+        )
+    return None
+
+
+# ------------------------------------------------------------------------------------------- the formulas
+def trainable_parameters(model: nn.Module | None) -> int:
+    """Number of trainable parameters of ``model`` (0 for None). On an FSDP2-sharded model each parameter is a
+    DTensor whose ``numel()`` is the full tensor's, so this is the whole model's count on any rank, without a
+    collective; parameters shared between modules (tied embeddings) count once. Runs on: any process."""
+    if model is None:
+        return 0
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def training_flops(params: int, tokens: float, *, epochs: int = 1) -> float:
+    """Model FLOPs of training on ``tokens`` tokens ``epochs`` times: ``6 * params * tokens * epochs`` (forward
+    2, backward 4 FLOPs per parameter and token). Runs on: any process."""
+    return 6.0 * params * tokens * epochs
+
+
+def mfu(flops: float, seconds: float, peak_flops: float, devices: int = 1) -> float:
+    """Model FLOPs utilisation: ``flops / seconds`` over the peak of ``devices`` devices of ``peak_flops`` each.
+
+    Runs on: any process.
+    """
+    if seconds <= 0 or peak_flops <= 0 or devices < 1:
+        raise ValueError(
+            f"mfu(seconds={seconds}, peak_flops={peak_flops}, devices={devices}): all must be positive. "
+            "HINT: pass the timed seconds of the phase, the per-device peak (device_peak_flops) and the world size."
+        )
+    return flops / seconds / (peak_flops * devices)
+
+
+def per_token_ms(seconds: float, tokens: float) -> float | None:
+    """Milliseconds per token (``seconds * 1000 / tokens``); None when there are no tokens. Runs on: any process."""
+    return seconds * 1000.0 / tokens if tokens > 0 else None
+
+
+def cpu_memory_used_gb() -> float:
+    """This process's resident memory (RSS) in GiB: ``/proc/self/statm`` on Linux, else the peak RSS of
+    ``resource.getrusage``. Runs on: any process (the controller logs its own)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / GIB
+    except (OSError, ValueError, IndexError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
+
+
+# ------------------------------------------------------------------------------------------- per step
+PER_TOKEN_STAGES: dict[str, str] = {
+    "gen": "response",
+    "old_log_prob": "all",
+    "ref": "all",
+    "values": "all",
+    "update_critic": "all",
+    "update_actor": "all",
+}
+"""The stages with a ``timing_per_token_ms/<stage>`` (verl's set and names) and the tokens each is divided by:
+the generated (response) tokens, or all tokens (prompt + response) of the step's rows."""
+MFU_STAGES: dict[str, str] = {"actor": "update_actor", "critic": "update_critic"}
+"""``perf/mfu/<role>`` and the timing (``timing_s/<stage>``) whose seconds it divides by."""
+
+
+def step_perf_metrics(
+    *,
+    prompt_tokens: float,
+    response_tokens: float,
+    timings: Mapping[str, float],
+    params: Mapping[str, int],
+    epochs: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    world_size: int,
+) -> dict[str, float]:
+    """One step's performance metrics from what the controller already holds (no collective):
+
+    - ``timing_per_token_ms/<stage>`` for each ``timing_s/<stage>`` of :data:`PER_TOKEN_STAGES` in ``timings``:
+      the stage's seconds * 1000 over the step's response tokens (``gen``) or prompt + response tokens (the rest),
+      all ranks' rows;
+    - ``perf/mfu/<role>`` for each role of ``params`` (trainable parameter counts, e.g. ``{"actor": N}``) whose
+      update was timed: ``6 * N * (prompt + response tokens) * epochs / seconds / (peak * world_size)``, the peak
+      of one device in ``dtype`` (:func:`device_peak_flops`; nothing when unknown);
+    - ``perf/max_memory_allocated_gb`` (CUDA: ``torch.cuda.max_memory_allocated`` of this process's device since it
+      started, GiB) and ``perf/cpu_memory_used_gb`` (this process's RSS, GiB).
+
+    Runs on: controller.
+    """
+    tokens = {"response": response_tokens, "all": prompt_tokens + response_tokens}
+    out: dict[str, float] = {}
+    for stage, counted in PER_TOKEN_STAGES.items():
+        seconds = timings.get(f"timing_s/{stage}")
+        value = per_token_ms(seconds, tokens[counted]) if seconds is not None else None
+        if value is not None:
+            out[f"timing_per_token_ms/{stage}"] = value
+    timed = {role: timings.get(f"timing_s/{stage}", 0.0) for role, stage in MFU_STAGES.items()}
+    if any(timed[role] > 0 and params.get(role, 0) > 0 for role in timed):
+        peak = device_peak_flops(device, dtype)
+        for role, seconds in timed.items():
+            if peak is not None and seconds > 0 and params.get(role, 0) > 0:
+                flops = training_flops(params[role], tokens["all"], epochs=epochs)
+                out[f"perf/mfu/{role}"] = mfu(flops, seconds, peak, max(1, world_size))
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GIB
+    out["perf/cpu_memory_used_gb"] = cpu_memory_used_gb()
+    return out
