@@ -19,6 +19,7 @@ from lightning_rlhf.algorithms.constrained import LagrangeMultiplier, informativ
 from lightning_rlhf.algorithms.evaluation import mean_at_n, pass_at_k
 from lightning_rlhf.algorithms.functional import (
     entropy_from_logits,
+    logprobs_and_entropy,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
@@ -86,6 +87,7 @@ __all__ = [
     "kl_k3",
     "kl_penalty",
     "lagrangian_advantages",
+    "logprobs_and_entropy",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

@@ -7,11 +7,16 @@ are excluded with ``torch.where`` so that ``nan``/``inf`` in padding never leaks
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import Tensor
 
 __all__ = [
+    "CHUNK_ELEMENTS",
     "entropy_from_logits",
+    "logprobs_and_entropy",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
@@ -109,18 +114,161 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return whitened
 
 
-def _per_row_float32(logits: Tensor) -> list[Tensor]:
-    """Splits ``[B, T, V]`` logits into float32 rows, so a low-precision input is upcast row by row."""
-    if logits.dtype == torch.float32:
-        return [logits]
-    return [row.unsqueeze(0).float() for row in logits]
+CHUNK_ELEMENTS = 1 << 20
+"""Logit elements (positions x vocabulary) that :func:`logprobs_and_entropy` works on at once: 4 MiB of float32
+per block whatever the vocabulary, so no temporary ever has the size of the whole ``[B, T, V]`` logits."""
+
+
+def _blocks(batch: int, length: int, vocab: int, chunk_elements: int) -> list[tuple[slice, slice]]:
+    """(batch rows, positions) blocks of at most ``chunk_elements`` logits (at least one position each)."""
+    tokens = max(1, chunk_elements // max(vocab, 1))
+    if length == 0 or batch == 0:
+        return []
+    if tokens >= length:
+        rows = tokens // length
+        return [(slice(b, min(b + rows, batch)), slice(0, length)) for b in range(0, batch, rows)]
+    return [
+        (slice(b, b + 1), slice(t, min(t + tokens, length))) for b in range(batch) for t in range(0, length, tokens)
+    ]
+
+
+def _tempered(block: Tensor, temperature: float) -> Tensor:
+    """``block / temperature`` in float32; the block itself (no copy) when it is float32 and the temperature 1."""
+    z = block.float()
+    if temperature != 1.0:
+        z = z.div_(temperature) if z is not block else z / temperature
+    return z
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Log-probabilities of labels (and entropies) of tempered logits, forward and backward block by block.
+
+    Saves only the input logits (no copy) and two ``[B, T]`` float32 statistics per row; the backward recomputes
+    ``softmax`` one block at a time and writes the gradient straight into one buffer shaped like the logits.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: Tensor,
+        labels: Tensor,
+        temperature: float,
+        with_entropy: bool,
+        entropy_grad: bool,
+        chunk_elements: int,
+    ) -> tuple[Tensor, Tensor]:
+        batch, length, vocab = logits.shape
+        float_kw: dict[str, Any] = {"dtype": torch.float32, "device": logits.device}
+        logp = torch.empty(batch, length, **float_kw)
+        lse = torch.empty(batch, length, 1, **float_kw)
+        entropy = torch.empty(batch, length, **float_kw) if with_entropy else torch.empty(0, **float_kw)
+        mean = torch.empty(batch, length, 1, **float_kw) if with_entropy else None
+        for rows, cols in _blocks(batch, length, vocab, chunk_elements):
+            z = _tempered(logits[rows, cols], temperature)
+            top = z.amax(dim=-1, keepdim=True)
+            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows of -inf stay -inf, not nan
+            exp = torch.sub(z, top).exp_()
+            total = exp.sum(dim=-1, keepdim=True)
+            block_lse = total.log().add_(top)
+            lse[rows, cols] = block_lse
+            logp[rows, cols] = (z.gather(-1, labels[rows, cols].long().unsqueeze(-1)) - block_lse).squeeze(-1)
+            if mean is not None:
+                block_mean = exp.mul_(z).sum(dim=-1, keepdim=True).div_(total)  # E_p[z]; H = lse - E_p[z]
+                mean[rows, cols] = block_mean
+                entropy[rows, cols] = (block_lse - block_mean).squeeze(-1)
+        differentiable_entropy = with_entropy and entropy_grad
+        if not differentiable_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
+        ctx.save_for_backward(logits, labels, lse, mean if differentiable_entropy else None)
+        return logp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        logits, labels, lse, mean = ctx.saved_tensors
+        nones = (None,) * 5
+        if mean is None:
+            grad_entropy = None
+        if grad_logp is None and grad_entropy is None:
+            return (None, *nones)
+        temperature: float = ctx.temperature
+        batch, length, vocab = logits.shape
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        # d logp_y / dz = onehot(y) - p;  d H / dz = -p * (z - E_p[z]);  dz / dlogits = 1 / temperature
+        g_lp = (grad_logp if grad_logp is not None else torch.zeros_like(lse.squeeze(-1))).unsqueeze(-1)
+        g_ent = grad_entropy.unsqueeze(-1) if grad_entropy is not None else None
+        for rows, cols in _blocks(batch, length, vocab, ctx.chunk_elements):
+            z = _tempered(logits[rows, cols], temperature)
+            out = grad[rows, cols]
+            work = out if out.dtype == torch.float32 else torch.empty_like(z)
+            torch.sub(z, lse[rows, cols], out=work).exp_()  # p
+            lp_blk = g_lp[rows, cols]
+            if g_ent is not None:
+                work.mul_(torch.sub(z, mean[rows, cols]).mul_(g_ent[rows, cols]).add_(lp_blk).neg_())
+            else:
+                work.mul_(lp_blk.neg())
+            work.scatter_add_(-1, labels[rows, cols].long().unsqueeze(-1), lp_blk)
+            if temperature != 1.0:
+                work.div_(temperature)
+            if work is not out:
+                out.copy_(work)
+        return (grad, *nones)
+
+
+def logprobs_and_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities of ``labels`` (and entropies) under ``softmax(logits / temperature)``, in float32.
+
+    Never materialises a second tensor of the size of ``logits``: ``log p(y) = z_y - logsumexp(z)`` and
+    ``H = logsumexp(z) - E_p[z]`` are computed block by block (``chunk_elements`` logits at a time, upcast to
+    float32 and divided by the temperature per block only; at temperature 1 a float32 block is used as is), and
+    the backward recomputes the softmax per block, writing into one gradient buffer shaped like ``logits``.
+
+    Runs on: controller or worker (pure function).
+
+    Args:
+        logits: ``[B, T, V]`` unnormalised scores (any floating dtype; not modified).
+        labels: ``[B, T]`` integer token ids in ``[0, V)``.
+        temperature: the logits are divided by it (> 0).
+        with_entropy: also return the per-position entropy.
+        entropy_grad: whether the entropy is differentiable; False computes it as a plain number (the backward
+            then needs no extra statistics and skips its term).
+        chunk_elements: logits per block (memory/speed trade-off; results do not depend on it).
+
+    Returns:
+        ``(logprobs, entropy)``: ``[B, T]`` float32 each (``entropy`` None unless ``with_entropy``);
+        ``logprobs`` is differentiable w.r.t. ``logits``.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"logprobs_and_entropy: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not fit. "
+            "HINT: pass logits [B, T, V] and labels [B, T]."
+        )
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(
+            f"logprobs_and_entropy: temperature={temperature} is not a positive number. "
+            "HINT: greedy decoding (temperature 0) scores with temperature 1."
+        )
+    if chunk_elements < 1:
+        raise ValueError(f"logprobs_and_entropy: chunk_elements={chunk_elements} must be >= 1.")
+    logp, entropy = _TokenLogprobs.apply(logits, labels, temperature, with_entropy, entropy_grad, chunk_elements)
+    return logp, (entropy if with_entropy else None)
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     """Log-probabilities of ``labels`` under ``softmax(logits)``, computed in float32.
 
-    Uses ``logit[label] - logsumexp(logits)`` instead of a full ``log_softmax`` so no extra ``[B, T, V]``
-    tensor is materialised; low-precision logits are upcast one batch row at a time.
+    Block-wise ``logit[label] - logsumexp(logits)`` (see :func:`logprobs_and_entropy`): no extra ``[B, T, V]``
+    tensor is materialised, forward or backward; low-precision logits are upcast one block at a time.
 
     Runs on: controller or worker (pure function).
 
@@ -131,21 +279,13 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     Returns:
         ``[B, T]`` float32 log-probabilities (differentiable w.r.t. ``logits``).
     """
-    out: list[Tensor] = []
-    start = 0
-    for chunk in _per_row_float32(logits):
-        n = chunk.shape[0]
-        lab = labels[start : start + n].long().unsqueeze(-1)
-        picked = chunk.gather(-1, lab).squeeze(-1)
-        out.append(picked - torch.logsumexp(chunk, dim=-1))
-        start += n
-    return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+    return logprobs_and_entropy(logits, labels)[0]
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of ``softmax(logits)`` along the vocabulary, computed stably in float32.
+    """Entropy of ``softmax(logits)`` along the vocabulary, computed stably in float32, block by block.
 
-    Uses ``H = logsumexp(l) - sum(softmax(l) * l)``.
+    Uses ``H = logsumexp(l) - E_p[l]`` (see :func:`logprobs_and_entropy`).
 
     Runs on: controller or worker (pure function).
 
@@ -155,11 +295,10 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     Returns:
         ``[B, T]`` float32 entropies (differentiable w.r.t. ``logits``).
     """
-    out: list[Tensor] = []
-    for chunk in _per_row_float32(logits):
-        probs = torch.softmax(chunk, dim=-1)
-        out.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(dim=-1))
-    return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    entropy = logprobs_and_entropy(logits, labels, with_entropy=True)[1]
+    assert entropy is not None
+    return entropy
 
 
 def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:

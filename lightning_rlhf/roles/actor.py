@@ -240,7 +240,12 @@ class ActorRole(Role):
         assert self.model is not None
         device = self.train_engine.device
         out = forward_response(
-            self.model, micro, output="logprobs", temperature=self.logprob_temperature, with_entropy=True
+            self.model,
+            micro,
+            output="logprobs",
+            temperature=self.logprob_temperature,
+            with_entropy=True,
+            entropy_grad=algo.entropy_coef != 0,  # at 0 the entropy is only reported: no backward through it
         )
         mask = _loss_mask(micro).to(device)
         pg_loss, metrics = compute_policy_loss(

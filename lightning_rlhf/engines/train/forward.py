@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_rlhf.algorithms import entropy_from_logits, logprobs_from_logits
+from lightning_rlhf.algorithms.functional import CHUNK_ELEMENTS, logprobs_and_entropy
 from lightning_rlhf.batch import Batch
 
 __all__ = ["forward_response", "sequence_inputs"]
@@ -37,10 +37,17 @@ def forward_response(
     output: Literal["logprobs", "values"],
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> dict[str, Tensor]:
     """Run ``model`` on the batch and return outputs aligned with ``responses`` (``[B, R]`` each).
 
     Runs on: worker (every rank of the role together: the model is FSDP-sharded).
+
+    The causal LM computes logits only at the ``R`` positions that predict response tokens (a tensor
+    ``logits_to_keep``, inside the model's own forward, so FSDP's hooks see one root call); log-probs and entropy
+    come from :func:`~lightning_rlhf.algorithms.functional.logprobs_and_entropy`, block by block in float32, so
+    no second ``[B, R, V]`` tensor is made (no upcast copy, no tempered copy, no ``log_softmax``).
 
     Args:
         model: a causal LM (``output="logprobs"``) or a token classifier with one label (``"values"``).
@@ -48,22 +55,41 @@ def forward_response(
         output: ``"logprobs"`` gives ``logprobs`` (and ``entropy`` if asked); ``"values"`` gives ``values``.
         temperature: logits are divided by it, matching how the rollout was sampled.
         with_entropy: also return the per-token entropy of the (tempered) distribution.
+        entropy_grad: whether that entropy is differentiable; pass False when the loss does not use it
+            (``entropy_coef == 0``): it is then a reported number and the backward skips its term.
+        chunk_elements: logits handled at once by the log-prob/entropy blocks (memory/speed only).
     """
     device = next(model.parameters()).device
     input_ids, attention_mask, position_ids = sequence_inputs(batch, device)
-    resp_len = batch["responses"].shape[1]
+    prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     if output == "values":
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         # The value of the state before response token t sits at the position that predicts t.
         return {"values": logits[:, -resp_len - 1 : -1, 0].float()}
+    if prompt_len == 0:
+        raise ValueError(
+            "forward_response: batch['prompts'] has 0 columns, so no position predicts the first response token. "
+            "HINT: every row needs at least one prompt token (e.g. BOS)."
+        )
+    # Position p predicts token p + 1: the response tokens are predicted by positions P - 1 .. P + R - 2.
+    keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=device)
     logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=resp_len + 1,
-    ).logits[:, :-1]
-    logits = logits.float() / temperature
-    out = {"logprobs": logprobs_from_logits(logits, input_ids[:, -resp_len:])}
-    if with_entropy:
-        out["entropy"] = entropy_from_logits(logits)
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep
+    ).logits
+    if logits.shape[:2] != (input_ids.shape[0], resp_len):
+        raise RuntimeError(
+            f"forward_response: {type(model).__name__} returned logits {tuple(logits.shape)} for {resp_len} kept "
+            "positions. HINT: the causal LM must accept transformers' `logits_to_keep` as a tensor of positions."
+        )
+    logprobs, entropy = logprobs_and_entropy(
+        logits,
+        input_ids[:, prompt_len:],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        chunk_elements=chunk_elements,
+    )
+    out = {"logprobs": logprobs}
+    if entropy is not None:
+        out["entropy"] = entropy
     return out
