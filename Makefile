@@ -36,6 +36,23 @@ $(STAMP): pyproject.toml
 demo: setup  ## Run the embedded default job (tiny model learns addition by GRPO, 2 CPU processes)
 	$(BIN)/python -m lightning_rlhf.demo
 
+.PHONY: bench-vs-trl
+TRL_VENV := .venv-trl
+BENCH_ARGS ?=
+bench-vs-trl: setup $(TRL_VENV)/.installed  ## Side-by-side GRPO benchmark vs TRL 1.16 (BENCH_ARGS="--quick" for a smoke run)
+	$(BIN)/python benchmarks/vs_trl/bench.py --trl-python $(TRL_VENV)/bin/python $(BENCH_ARGS)
+
+# TRL lives in a virtualenv of its own, never in the project's dependencies. The CPU wheel of torch goes in first
+# and is pinned again in the same command as TRL, so the resolver cannot swap in a CUDA build.
+$(TRL_VENV)/.installed:
+	@test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	@$(TRL_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
+	@$(TRL_VENV)/bin/python -m pip install -q "torch==2.13.0" 2>&1 | $(QUIET_PIP)
+	@$(TRL_VENV)/bin/python -m pip install -q "torch==2.13.0" "trl==1.16.0" transformers datasets accelerate \
+		2>&1 | $(QUIET_PIP)
+	@$(TRL_VENV)/bin/python -c "import torch, trl; print('TRL venv: trl', trl.__version__, 'torch', torch.__version__)"
+	@touch $@
+
 test: setup lint typecheck docs  ## Lint, type-check, build the docs (strict) and run the whole test suite
 	$(BIN)/python -m pytest -q tests --basetemp="$(CURDIR)/.pytest_tmp"
 

@@ -1,0 +1,554 @@
+"""Side-by-side GRPO benchmark: lightning_rlhf vs TRL 1.16's ``GRPOTrainer`` on the same workload (issue 11).
+
+    make bench-vs-trl                                   # builds .venv-trl (TRL) if missing, then runs this
+    python benchmarks/vs_trl/bench.py --trl-python .venv-trl/bin/python [--quick] [--models tiny,small]
+        [--precisions fp32,bf16] [--ref no,yes] [--configs hf1,vllm1,hf2,vllm2] [--repeats 2] [--steps 10]
+
+The workload is defined once, in ``workload.py``; models and tokenizer are built once with this (the project's)
+venv into a cache folder and both sides load that folder, after a check that both tokenizer loaders give the same
+ids on every prompt. Runs alternate (TRL, our configurations, TRL, our configurations, ...), each side
+``--repeats`` times, ``--steps`` steps each, and every figure is the median of the last 6 steps (glibc's mmap
+threshold needs ~5 steps to adapt); both sides get the same ``MALLOC_*`` and thread settings (printed). A sampler
+records per run the peak resident memory of the run's process tree and the CPU that other processes used
+meanwhile (busy CPU from /proc/stat minus the run's own); a run with more than 0.3 cores of background load is
+run again once. The machine's matmul peak (fp32, bf16) and memcpy bandwidth are measured in the same run.
+
+Our configurations: ``hf1`` / ``vllm1`` (1 process, transformers / vLLM rollouts), ``hf2`` / ``vllm2``
+(2 processes). Ratio = our best configuration's tokens/s (prompt + completion tokens per step over the step time)
+over TRL's. The last line printed is one JSON object with the ratios and the derived figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import workload as W  # noqa: E402  (the workload file sits next to this script)
+
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "33554432",
+    "MALLOC_TRIM_THRESHOLD_": "4294967296",
+    "MALLOC_TOP_PAD_": "1073741824",
+}
+"""glibc allocator settings given to both sides: large tensors stay on the heap instead of being mmap'ed and
+unmapped every step (without them the first ~5 steps of either side are slower)."""
+OUR_CONFIGS: dict[str, tuple[str, int]] = {
+    "hf1": ("hf", 1),
+    "vllm1": ("vllm", 1),
+    "hf2": ("hf", 2),
+    "vllm2": ("vllm", 2),
+}
+"""Our configurations: name -> (rollout engine, processes)."""
+BACKGROUND_LIMIT = 0.3
+"""Cores of background load above which a run is repeated once (the quieter of the two is kept)."""
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """``(ppid, cpu ticks incl. reaped children)`` of ``pid``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), sum(int(x) for x in fields[11:15])
+
+
+def _busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        values = [int(x) for x in f.readline().split()[1:]]
+    return sum(values) - values[3] - values[4]  # minus idle and iowait
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except OSError:
+        return 0
+
+
+class Sampler(threading.Thread):
+    """Samples, every ``interval`` s, the summed RSS of a process tree and the CPU used outside it.
+
+    Runs on: the driver (a thread next to the running benchmark process).
+    """
+
+    def __init__(self, root: int, interval: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.root, self.interval = root, interval
+        self.stop = threading.Event()
+        self.peak_rss = 0
+        self.background: list[float] = []  # cores used by other processes, one value per interval
+        self._ticks: dict[int, int] = {}
+
+    def _tree(self) -> dict[int, int]:
+        parents: dict[int, tuple[int, int]] = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                st = _proc_stat(int(name))
+                if st is not None:
+                    parents[int(name)] = st
+        members = {os.getpid(), self.root}
+        grew = True
+        while grew:
+            grew = False
+            for pid, (ppid, _) in parents.items():
+                if ppid in members and pid not in members:
+                    members.add(pid)
+                    grew = True
+        return {pid: parents[pid][1] for pid in members if pid in parents}
+
+    def run(self) -> None:
+        """Sample until :attr:`stop` is set. Runs on: the sampler thread."""
+        last_busy, last_t = _busy_ticks(), time.monotonic()
+        self._ticks = self._tree()
+        while not self.stop.wait(self.interval):
+            tree = self._tree()
+            ours = sum(ticks - self._ticks.get(pid, 0) for pid, ticks in tree.items())
+            self._ticks |= tree
+            busy, now = _busy_ticks(), time.monotonic()
+            elapsed = now - last_t
+            self.background.append(max(0.0, (busy - last_busy - ours) / CLK_TCK / elapsed))
+            last_busy, last_t = busy, now
+            self.peak_rss = max(self.peak_rss, sum(_rss(pid) for pid in tree if pid != os.getpid()))
+
+
+def background_now(seconds: float = 2.0) -> float:
+    """Cores busy over the next ``seconds`` outside this driver (run between benchmark runs, when the driver is
+    all there is of the benchmark). Runs on: the driver."""
+    me = _proc_stat(os.getpid())
+    busy0, t0 = _busy_ticks(), time.monotonic()
+    time.sleep(seconds)
+    me2 = _proc_stat(os.getpid())
+    own = (me2[1] - me[1]) if me and me2 else 0
+    return max(0.0, (_busy_ticks() - busy0 - own) / CLK_TCK / (time.monotonic() - t0))
+
+
+def wait_for_quiet(limit_s: float) -> float:
+    """Wait until the machine's background load drops to :data:`BACKGROUND_LIMIT` cores or ``limit_s`` seconds
+    pass; returns the last load seen. Runs on: the driver, before each run."""
+    deadline = time.monotonic() + limit_s
+    load = background_now()
+    while load > BACKGROUND_LIMIT and time.monotonic() < deadline:
+        load = background_now(5.0)
+    return load
+
+
+# ------------------------------------------------------------------------------------------------ runs
+@dataclasses.dataclass
+class Run:
+    """One benchmark run's outcome (per-step records and what the sampler saw). Runs on: the driver."""
+
+    model: str
+    precision: str
+    ref: bool
+    config: str  # "trl" or one of OUR_CONFIGS
+    steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    peak_rss: int = 0
+    background: float = 0.0
+    background_max: float = 0.0
+    seconds: float = 0.0
+    error: str | None = None
+
+    def median(self, key: str, window: int) -> float:
+        """Median of ``key`` over the last ``window`` steps. Runs on: the driver."""
+        values = [float(s[key]) for s in self.steps[-window:] if s.get(key) is not None]
+        return statistics.median(values) if values else float("nan")
+
+    def tokens_per_step(self, window: int) -> float:
+        """Median prompt + completion tokens per step over the last ``window`` steps (padding excluded)."""
+        return statistics.median(s["prompt_tokens"] + s["completion_tokens"] for s in self.steps[-window:])
+
+
+def run_env(threads: int) -> dict[str, str]:
+    """The environment of a benchmark process: the same for both sides but the thread count.
+
+    Runs on: the driver.
+    """
+    env = dict(os.environ)
+    env.update(MALLOC_ENV)
+    env |= {
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
+    env.pop("LIGHTNING_RLHF_RUN_VERSION", None)
+    return env
+
+
+def execute(cmd: list[str], *, threads: int, folder: str, timeout: float) -> tuple[int, Sampler, float, str]:
+    """Run one benchmark process with the sampler attached; returns (exit code, sampler, seconds, log tail).
+
+    Runs on: the driver.
+    """
+    os.makedirs(folder, exist_ok=True)
+    log_path = os.path.join(folder, "log.txt")
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=run_env(threads), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        sampler = Sampler(proc.pid)
+        sampler.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: its ranks and helpers go with it
+            code = proc.wait()
+        sampler.stop.set()
+        sampler.join()
+    with open(log_path) as f:
+        tail = "".join(f.readlines()[-15:])
+    return code, sampler, time.monotonic() - t0, tail
+
+
+def one_run(args: argparse.Namespace, model: str, precision: str, ref: bool, config: str, folder: str) -> Run:
+    """Run one side/configuration once (again once if the machine was busy) and read its records.
+
+    Runs on: the driver.
+    """
+    model_dir = os.path.join(args.cache, model)
+    beta = str(W.KL_BETA if ref else 0.0)
+    cores = os.cpu_count() or 1
+    if config == "trl":
+        cmd = [args.trl_python, os.path.join(HERE, "run_trl.py"), "--threads", str(cores)]
+        threads = cores
+    else:
+        rollout, devices = OUR_CONFIGS[config]
+        cmd = [sys.executable, os.path.join(HERE, "run_ours.py"), "--rollout", rollout, "--devices", str(devices)]
+        threads = max(1, cores // devices)
+    cmd += ["--model-dir", model_dir, "--steps", str(args.steps), "--beta", beta]
+    if precision == "bf16":
+        cmd.append("--bf16")
+    best: Run | None = None
+    for attempt in range(2):
+        wait_for_quiet(args.quiet_wait)
+        sub = os.path.join(folder, f"try{attempt}")
+        out = os.path.join(sub, "run.json")
+        code, sampler, seconds, tail = execute([*cmd, "--out", out], threads=threads, folder=sub, timeout=args.timeout)
+        run = Run(model, precision, ref, config, peak_rss=sampler.peak_rss, seconds=seconds)
+        bg = sampler.background or [0.0]
+        run.background = statistics.mean(bg)
+        run.background_max = max(statistics.mean(bg[i : i + 4]) for i in range(max(1, len(bg) - 3)))
+        if code != 0 or not os.path.exists(out):
+            run.error = f"exit {code}; log {os.path.join(sub, 'log.txt')}:\n{tail}"
+            return run
+        with open(out) as f:
+            run.steps = json.load(f)["steps"]
+        bad = [s["completion_tokens"] for s in run.steps if s["completion_tokens"] != W.NEW_TOKENS * samples()]
+        if bad:
+            run.error = f"completions are not exactly {W.NEW_TOKENS} tokens each: {bad[:3]} tokens per step"
+            return run
+        if best is None or run.background < best.background:
+            best = run
+        if run.background <= BACKGROUND_LIMIT:
+            break
+        print(f"    background load {run.background:.2f} cores > {BACKGROUND_LIMIT}: running it again", flush=True)
+    assert best is not None
+    return best
+
+
+def run_line(run: Run, window: int) -> str:
+    """One run's medians in a line of text. Runs on: the driver."""
+    return (
+        f"step {run.median('step', window):.3f} s, gen {run.median('gen', window):.3f} s, update "
+        f"{run.median('update', window):.3f} s, peak RSS {run.peak_rss / 2**30:.2f} GiB, background "
+        f"{run.background:.2f} cores ({run.seconds:.0f} s)"
+    )
+
+
+def samples() -> int:
+    """Sequences per step (P x G). Runs on: any process."""
+    return W.PROMPTS_PER_STEP * W.SAMPLES_PER_PROMPT
+
+
+# ------------------------------------------------------------------------------------------------ set-up
+def build_models(cache: str, models: list[str]) -> None:
+    """Build each model + the tokenizer into ``cache/<model>`` once (skipped when the folder matches the spec).
+
+    Runs on: the driver (project venv; the tokenizer is the project's ``build_tiny_tokenizer``, saved without
+    BOS and with room for prompt + 64 tokens).
+    """
+    from lightning_rlhf.demo.tiny import build_tiny_tokenizer
+
+    for name in models:
+        spec = W.MODELS[name]
+        folder = os.path.join(cache, name)
+        stamp = os.path.join(folder, "workload_spec.json")
+        want = json.dumps({"spec": dataclasses.asdict(spec), "seed": W.SEED, "positions": W.MAX_POSITIONS})
+        if os.path.exists(stamp):
+            with open(stamp) as f:
+                if f.read() == want:
+                    continue
+        os.makedirs(folder, exist_ok=True)
+        tok = build_tiny_tokenizer()
+        tok.add_bos_token = False  # type: ignore[misc]  # (a setter exists) no BOS: the prompt is the text's tokens only, on both sides
+        tok.model_max_length = W.MAX_POSITIONS
+        tok.save_pretrained(folder)
+        W.build_model(folder, spec, pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
+        with open(stamp, "w") as f:
+            f.write(want)
+
+
+def check_tokenizers(cache: str, models: list[str], trl_python: str, steps: int) -> None:
+    """Both virtualenvs' tokenizer loaders must give the same ids on every prompt, without BOS.
+
+    Runs on: the driver (one short process per venv and model).
+    """
+    for name in models:
+        digests = []
+        for py in (sys.executable, trl_python):
+            out = subprocess.run(
+                [py, os.path.join(HERE, "workload.py"), os.path.join(cache, name), str(steps)],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=run_env(1),
+            ).stdout.strip()
+            digests.append(json.loads(out.splitlines()[-1]))
+        if digests[0] != digests[1]:
+            raise RuntimeError(f"{name}: the two venvs tokenize the prompts differently: {digests[0]} vs {digests[1]}")
+        if digests[0]["starts_with_bos"]:
+            raise RuntimeError(f"{name}: prompts start with BOS; the workload has none")
+
+
+def machine_peaks() -> dict[str, float]:
+    """Matmul peak (fp32, bf16: best of several large ``torch.mm``) in GFLOP/s and memcpy bandwidth (GB/s of
+    bytes copied) with all cores. Runs on: the driver, between runs (nothing else of the benchmark running).
+    """
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    out: dict[str, float] = {}
+    n = 2048
+    for dtype, key in ((torch.float32, "matmul_gflops_fp32"), (torch.bfloat16, "matmul_gflops_bf16")):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        out[key] = 2 * n**3 / best / 1e9
+    src = torch.ones(64 * 1024 * 1024)  # 256 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    out["memcpy_gbs"] = src.numel() * 4 / best / 1e9
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ report
+def summarise(runs: list[Run], window: int) -> dict[tuple[str, str, bool, str], dict[str, Any]]:
+    """Per (model, precision, ref, config): the best run's medians (fastest step) and the range over runs.
+
+    Runs on: the driver.
+    """
+    groups: dict[tuple[str, str, bool, str], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.model, run.precision, run.ref, run.config), []).append(run)
+    table: dict[tuple[str, str, bool, str], dict[str, Any]] = {}
+    for key, group in groups.items():
+        ok = [r for r in group if r.error is None]
+        if not ok:
+            table[key] = {"error": group[-1].error, "runs": len(group)}
+            continue
+        best = min(ok, key=lambda r: r.median("step", window))
+        step = best.median("step", window)
+        table[key] = {
+            "step": step,
+            "steps_all": [r.median("step", window) for r in ok],
+            "gen": best.median("gen", window),
+            "update": best.median("update", window),
+            "wall": best.median("wall", window),
+            "tokens": best.tokens_per_step(window),
+            "tok_s": best.tokens_per_step(window) / step,
+            "rss_gib": max(r.peak_rss for r in ok) / 2**30,
+            "background": max(r.background for r in ok),
+            "runs": len(ok),
+            "failed": len(group) - len(ok),
+        }
+    return table
+
+
+def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[str, float]) -> dict[str, Any]:
+    """Print the table and return the final JSON object. Runs on: the driver."""
+    head = (
+        f"{'model':<6}{'prec':<5}{'ref':<4}{'side/config':<20}{'step s':>14}{'gen s':>7}{'upd s':>7}{'wall s':>7}"
+        f"{'RSS GiB':>8}{'tok/s':>8}{'vs TRL':>7}{'bg cores':>9}"
+    )
+    print(head)
+    print("-" * len(head))
+    result: dict[str, Any] = {}
+    combos = sorted({k[:3] for k in table}, key=lambda c: (list(W.MODELS).index(c[0]), c[1], c[2]))
+    names = {"trl": "TRL 1.16", **{c: f"ours {d}p {r}" for c, (r, d) in OUR_CONFIGS.items()}}
+    for model, precision, ref in combos:
+        trl = table.get((model, precision, ref, "trl"), {})
+        ours = {c: table[(model, precision, ref, c)] for c in OUR_CONFIGS if (model, precision, ref, c) in table}
+        for config in ["trl", *ours]:
+            row = table[(model, precision, ref, config)]
+            label = f"{model:<6}{precision:<5}{'yes' if ref else 'no':<4}{names[config]:<20}"
+            if "error" in row:
+                print(f"{label}failed: {row['error'].splitlines()[0]}")
+                continue
+            ratio = row["tok_s"] / trl["tok_s"] if "tok_s" in trl else float("nan")
+            spread = f"{row['step']:.3f}" + (f"/{max(row['steps_all']):.2f}" if len(row["steps_all"]) > 1 else "")
+            print(
+                f"{label}{spread:>14}{row['gen']:>7.3f}{row['update']:>7.3f}{row['wall']:>7.3f}{row['rss_gib']:>8.2f}"
+                f"{row['tok_s']:>8.0f}{ratio:>6.2f}x{row['background']:>9.2f}"
+            )
+        ok = {c: r for c, r in ours.items() if "tok_s" in r}
+        tag = f"{model}_{precision}" + ("_ref" if ref else "")
+        if ok and "tok_s" in trl:
+            best = max(ok, key=lambda c: ok[c]["tok_s"])
+            result[f"{tag}_ratio"] = round(ok[best]["tok_s"] / trl["tok_s"], 3)
+            result[f"{tag}_best"] = best
+            fastest_gen = min(ok, key=lambda c: ok[c]["gen"])
+            result[f"{tag}_generate_ratio"] = round(trl["gen"] / ok[fastest_gen]["gen"], 3)
+            flop = 6 * W.MODELS[model].num_params() * ok[best]["tokens"]  # forward + backward, per update
+            peak = peaks["matmul_gflops_bf16" if precision == "bf16" else "matmul_gflops_fp32"] * 1e9
+            result[f"{tag}_update_vs_matmul_peak"] = round(flop / ok[best]["update"] / peak, 4)
+            result[f"{tag}_trl_update_vs_matmul_peak"] = round(flop / trl["update"] / peak, 4)
+        else:
+            result[f"{tag}_ratio"] = None
+    # Headline figures: the small model in fp32 without reference when it ran, else the first combination.
+    for tag in ["small_fp32", *[k[: -len("_ratio")] for k in result if k.endswith("_ratio") and "generate" not in k]]:
+        if result.get(f"{tag}_ratio") is not None:
+            result["headline"] = tag
+            result["update_vs_matmul_peak"] = result[f"{tag}_update_vs_matmul_peak"]
+            result["generate_ratio"] = result[f"{tag}_generate_ratio"]
+            break
+    result |= {k: round(v, 1) for k, v in peaks.items()}
+    return result
+
+
+def main() -> None:
+    """Build, check, run alternately, print the table and the JSON line. Runs on: the driver (project venv)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"))
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny, fp32, no ref, hf1+vllm2, 6 steps, 1 repeat")
+    p.add_argument("--models", default="tiny,small", help="comma-separated, of: " + ",".join(W.MODELS))
+    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of: fp32,bf16")
+    p.add_argument("--ref", default="no,yes", help="without (no) and/or with (yes) the KL reference")
+    p.add_argument("--configs", default=",".join(OUR_CONFIGS), help="our configurations: " + ",".join(OUR_CONFIGS))
+    p.add_argument("--repeats", type=int, default=2, help="runs per side and configuration (alternated)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    p.add_argument(
+        "--quiet-wait", type=float, default=180.0, help="seconds to wait, before a run, for other load to stop"
+    )
+    p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "lightning_rlhf", "vs_trl"))
+    p.add_argument("--out-dir", default=None, help="folder of the runs' logs (default runs/bench_vs_trl/<time>)")
+    args = p.parse_args()
+    if args.quick:
+        args.models, args.precisions, args.ref, args.configs = "tiny", "fp32", "no", "hf1,vllm2"
+        args.steps, args.repeats = 6, 1
+    models = [m for m in args.models.split(",") if m]
+    precisions = [x for x in args.precisions.split(",") if x]
+    refs = [x for x in args.ref.split(",") if x]
+    configs = [c for c in args.configs.split(",") if c]
+    for setting, values, valid in (
+        ("--models", models, list(W.MODELS)),
+        ("--precisions", precisions, ["fp32", "bf16"]),
+        ("--ref", refs, ["no", "yes"]),
+        ("--configs", configs, list(OUR_CONFIGS)),
+    ):
+        wrong = [v for v in values if v not in valid]
+        if wrong or not values:
+            raise SystemExit(
+                f"{setting}={','.join(values)!r}: {wrong or 'empty'} not valid. HINT: use {','.join(valid)}"
+            )
+    if args.steps < 3 or args.repeats < 1:
+        raise SystemExit(f"--steps={args.steps} / --repeats={args.repeats}: need >= 3 steps and >= 1 repeat")
+    if not os.access(args.trl_python, os.X_OK):
+        raise SystemExit(
+            f"--trl-python={args.trl_python!r} is not an executable. HINT: `make bench-vs-trl` creates .venv-trl "
+            "with TRL 1.16 (outside the project's dependencies)."
+        )
+    from lightning_rlhf.engines.rollout.vllm import vllm_available
+
+    if not vllm_available() and any(OUR_CONFIGS[c][0] == "vllm" for c in configs):
+        print("vLLM is not installed in the project venv: the vLLM configurations are skipped.")
+        configs = [c for c in configs if OUR_CONFIGS[c][0] != "vllm"]
+    window = 6 if args.steps >= 10 else max(1, args.steps // 2)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = args.out_dir or os.path.join(ROOT, "runs", "bench_vs_trl", stamp)
+
+    build_models(args.cache, models)
+    check_tokenizers(args.cache, models, args.trl_python, args.steps)
+    wait_for_quiet(args.quiet_wait)
+    peaks = machine_peaks()  # measured again after the runs; the higher figure of the two counts
+    cores = os.cpu_count() or 1
+    print(
+        f"machine: {cores} CPU cores; matmul peak fp32 {peaks['matmul_gflops_fp32']:.1f} GFLOP/s, bf16 "
+        f"{peaks['matmul_gflops_bf16']:.1f} GFLOP/s; memcpy {peaks['memcpy_gbs']:.1f} GB/s"
+    )
+    print(
+        "environment of every run: "
+        + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
+        + f"; threads: TRL {cores}, ours {cores} (1 process) / {max(1, cores // 2)} per process (2 processes)"
+    )
+    print(
+        f"workload: P={W.PROMPTS_PER_STEP} x G={W.SAMPLES_PER_PROMPT}, {W.NEW_TOKENS} new tokens, micro-batch "
+        f"{W.MICRO_BATCH}; {args.steps} steps per run, median of the last {window}; {args.repeats} run(s) per "
+        f"side and configuration, alternated; logs in {out_dir}"
+    )
+    runs: list[Run] = []
+    for model in models:
+        for precision in precisions:
+            for ref in refs:
+                for repeat in range(args.repeats):
+                    for config in ["trl", *configs]:
+                        name = f"{model}-{precision}-{'ref' if ref == 'yes' else 'noref'}-{config}-{repeat}"
+                        run = one_run(args, model, precision, ref == "yes", config, os.path.join(out_dir, name))
+                        runs.append(run)
+                        if run.error:
+                            print(f"  {name}: FAILED ({run.seconds:.0f} s): {run.error}", flush=True)
+                        else:
+                            print(f"  {name}: {run_line(run, window)}", flush=True)
+    print()
+    print(
+        f"s/step = median of the last {window} steps of the fastest run (/slowest run's); upd = actor update "
+        "(TRL: step minus its generate-and-score phase); wall = end-to-end between steps; RSS = peak summed over "
+        "the run's processes; tok/s = (prompt + completion tokens) / s/step; bg = background cores, worst run"
+    )
+    wait_for_quiet(args.quiet_wait)
+    again = machine_peaks()
+    peaks = {k: max(v, again[k]) for k, v in peaks.items()}
+    print(
+        f"matmul peak (higher of the measurements before and after the runs): fp32 "
+        f"{peaks['matmul_gflops_fp32']:.1f} GFLOP/s, bf16 {peaks['matmul_gflops_bf16']:.1f} GFLOP/s; memcpy "
+        f"{peaks['memcpy_gbs']:.1f} GB/s"
+    )
+    result = report(summarise(runs, window), peaks)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""One lightning_rlhf run of the workload (``workload.py``); run by ``bench.py`` as a script of its own.
+
+    python benchmarks/vs_trl/run_ours.py --model-dir DIR --steps 10 --rollout hf --devices 1 --out run.json \
+        [--bf16] [--beta 0.04]
+
+``GRPOModule`` + ``PromptDataModule`` + ``Trainer(strategy=RLHFStrategy(rollout=...))``; with ``--devices 2``
+Lightning's launcher starts the second process by running this script again, which is why it is a script and
+not a function the driver calls. The reward is scored in the training process (``RewardConfig(timeout_s=None)``),
+as TRL does. Timings come from the run's ``metrics.csv``: ``timing_s/step``, ``timing_s/gen`` and
+``timing_s/update_actor``, tokens from ``response_length/mean`` (plus the prompt tokens of the step's rows), and a
+callback records the wall time between the ends of consecutive steps. Rank 0 writes one JSON object with a
+record per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import workload as W  # the workload file sits next to this script
+
+
+def read_metrics(path: str) -> dict[int, dict[str, float]]:
+    """The run's ``metrics.csv`` as ``{step: {metric: value}}`` (a step's rows merged, empty cells skipped).
+
+    Runs on: rank 0, after ``fit``.
+    """
+    steps: dict[int, dict[str, float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            step = int(row["step"])
+            for key, value in row.items():
+                if key != "step" and value not in ("", None):
+                    steps.setdefault(step, {})[key] = float(value)
+    return steps
+
+
+def main() -> None:
+    """Run lightning_rlhf's GRPO on the workload and write the per-step records. Runs on: every process."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rollout", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--bf16", action="store_true", help="RLHFStrategy(param_dtype='bfloat16')")
+    p.add_argument("--beta", type=float, default=0.0, help="k3 KL coefficient to the frozen reference (0: none)")
+    p.add_argument("--out", required=True, help="JSON file to write (rank 0)")
+    args = p.parse_args()
+    cores = os.cpu_count() or 1
+    W.set_threads(max(1, cores // args.devices))
+
+    import datasets
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_rlhf import AlgorithmConfig, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig
+    from lightning_rlhf.config import RewardConfig
+    from lightning_rlhf.modules import GRPOModule
+
+    samples = W.PROMPTS_PER_STEP * W.SAMPLES_PER_PROMPT
+    if samples % (W.MICRO_BATCH * args.devices):
+        raise ValueError(
+            f"--devices {args.devices}: {samples} samples per step do not split into micro-batches of "
+            f"workload.MICRO_BATCH={W.MICRO_BATCH} on every rank. HINT: use --devices 1 or 2."
+        )
+    L.seed_everything(W.SEED, verbose=False)
+    rows = W.prompt_rows(args.steps)
+    module = GRPOModule(
+        args.model_dir,
+        reward=W.reward,
+        reference=args.beta > 0,
+        rollout=RolloutConfig(
+            n=W.SAMPLES_PER_PROMPT,
+            temperature=W.TEMPERATURE,
+            max_new_tokens=W.NEW_TOKENS,
+            min_new_tokens=W.NEW_TOKENS,
+            seed=W.SEED,
+        ),
+        algorithm=AlgorithmConfig(
+            advantage="grpo",
+            kl_coef=args.beta,
+            kl_estimator="k3",
+            kl_in_reward=False,
+            clip_ratio_low=W.CLIP,
+            clip_ratio_high=W.CLIP,
+            loss_agg="token-mean",
+            micro_batch_size=W.MICRO_BATCH,
+            adv_eps=W.ADV_EPS,
+        ),
+        actor_optim=OptimConfig(lr=W.LR, warmup_steps=0, schedule="linear", grad_clip=W.GRAD_CLIP),
+        reward_config=RewardConfig(timeout_s=None),
+    )
+    data = PromptDataModule(
+        datasets.Dataset.from_list(rows), batch_size=W.PROMPTS_PER_STEP, max_prompt_length=64, shuffle=False
+    )
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    ends: list[float] = []
+
+    class StepEnds(L.Callback):
+        """Wall-clock time at the end of each RL step. Runs on: every process (rank 0's are used)."""
+
+        def on_train_batch_end(self, *a: Any, **kw: Any) -> None:
+            ends.append(time.perf_counter())
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=RLHFStrategy(args.rollout, param_dtype="bfloat16" if args.bf16 else None),
+        max_steps=args.steps,
+        logger=(logger := CSVLogger(out_dir, name="ours", version=0)),
+        callbacks=[StepEnds()],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+    if trainer.global_rank != 0:
+        return
+
+    import json
+
+    metrics = read_metrics(os.path.join(logger.log_dir, "metrics.csv"))
+    ids = W.prompt_ids(args.model_dir, args.steps)
+    records = []
+    for k, step in enumerate(sorted(metrics)[: args.steps]):
+        m = metrics[step]
+        if "timing_s/step" not in m:
+            continue
+        prompt_tokens = sum(len(x) for x in ids[k * W.PROMPTS_PER_STEP : (k + 1) * W.PROMPTS_PER_STEP])
+        records.append(
+            {
+                "step": m["timing_s/step"],
+                "gen": m["timing_s/gen"],
+                "update": m["timing_s/update_actor"],
+                "ref": m.get("timing_s/ref", 0.0),
+                "prompt_tokens": prompt_tokens * W.SAMPLES_PER_PROMPT,
+                "completion_tokens": m["response_length/mean"] * samples,
+                "completion_max": m.get("response_length/max", m["response_length/mean"]),
+                "throughput_logged": m.get("perf/throughput", 0.0) * args.devices,
+                "wall": None if k == 0 or k >= len(ends) else ends[k] - ends[k - 1],
+            }
+        )
+    if len(records) != args.steps:
+        raise RuntimeError(f"metrics.csv has {len(records)} steps with timings, expected {args.steps}")
+    with open(args.out, "w") as f:
+        json.dump(
+            {
+                "side": "ours",
+                "versions": {"lightning": L.__version__, "torch": torch.__version__},
+                "threads": torch.get_num_threads(),
+                "steps": records,
+            },
+            f,
+        )
+
+
+if __name__ == "__main__":
+    main()
