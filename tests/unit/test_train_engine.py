@@ -12,20 +12,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
 from lightning_rlhf.engines.train import TrainEngine, check_compute_dtype, forward_response, resolve_dtype
 from lightning_rlhf.roles import ReferenceRole
-
-
-def rollout(seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
-    return Batch(
-        {
-            "prompts": torch.randint(4, 18, (6, 3), generator=g),
-            "prompt_mask": torch.ones(6, 3, dtype=torch.long),
-            "responses": torch.randint(4, 18, (6, 4), generator=g) * mask,
-            "response_mask": mask,
-            "advantages": torch.randn(6, 1, generator=g).expand(6, 4) * mask,
-        }
-    )
+from tests.unit.test_actor_update import rollout_batch as rollout  # 6 rows of uneven response lengths
 
 
 def engine(path: str, micro: int) -> TrainEngine:
