@@ -15,7 +15,7 @@ from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.rollout.reshard import weights_for
-from lightning_rlhf.engines.train import MetricAccumulator, forward_response, global_token_count, world
+from lightning_rlhf.engines.train import MetricAccumulator, forward_response, world
 from lightning_rlhf.roles.base import Role, RolloutEngineRequest, load_model
 
 __all__ = ["ActorRole"]
@@ -284,9 +284,13 @@ class ActorRole(Role):
         """
         sums: list[Tensor] = []
 
+        per_rank: list[Tensor] = []  # the engine's per-rank share of the global loss-token count (one all-reduce)
+
         def loss_fn(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
             token_loss, mask = self._sft_token_losses(micro)
             sums.append((token_loss * mask).sum().detach())
+            assert agg.num_tokens is not None  # token-mean: the engine counted the tokens of all ranks
+            per_rank[:] = [agg.num_tokens]
             return agg.aggregate(token_loss, mask), {}
 
         def loss_tokens(b: Batch) -> Tensor:
@@ -296,7 +300,7 @@ class ActorRole(Role):
         metrics = acc.result("sft")
         lr = self.train_engine.step_scheduler()
         self.mark_weights_changed()
-        total = global_token_count(loss_tokens(batch)).clamp(min=1)
+        total = (per_rank[0] * world()[1]).clamp(min=1)
         return {
             "sft/loss": float(torch.stack(sums).sum() / (total / world()[1])),
             "sft/grad_norm": metrics["sft/grad_norm"],

@@ -136,13 +136,6 @@ class Role(nn.Module):
             raise TypeError(f"{type(self).__name__} is not trainable: it has no optimizer to configure.")
         return self.train_engine.configure_optimizer(total_steps)
 
-    def step_optimizer(self) -> tuple[torch.Tensor, bool]:
-        """Clip, step and zero the optimizer; skip the step when the norm is not finite.
-
-        Runs on: every worker rank (the norm is a collective). Returns ``(grad_norm, stepped)``.
-        """
-        return self.train_engine.step()
-
 
 def load_model(auto_class: type, path: str, *, setting: str, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
     """Load a transformers model for a role, with dropout off: its parameters on the meta device inside the
