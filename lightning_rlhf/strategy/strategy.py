@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import os
 import signal
+import sys
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -74,7 +75,9 @@ def _destroy_process_group_at_exit() -> None:
     Runs on: every rank, registered once per process at set-up. Gloo's worker threads can still hold work
     objects with Python references at exit; finalising the interpreter under them aborts the process
     ("terminate called without an active exception", exit -6) after a run that succeeded. Lightning leaves
-    the group alive (a later ``fit`` reuses it), so the last moment is ``atexit``.
+    the group alive (a later ``fit`` reuses it), so the last moment is ``atexit``. With a vLLM engine in the
+    process, vLLM's exit hook (which runs after this one) destroys its own groups and the default one; destroying
+    them here first would make it raise.
     """
     if _EXIT_HOOK:
         return
@@ -85,6 +88,9 @@ def _destroy_process_group_at_exit() -> None:
 
         import torch.distributed as dist
 
+        vllm_state = sys.modules.get("vllm.distributed.parallel_state")
+        if vllm_state is not None and vllm_state.model_parallel_is_initialized():
+            return  # a vLLM engine's own exit hook destroys its groups and then the default one
         gc.collect()  # drop finished work objects that still reference tensors
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):
