@@ -42,6 +42,10 @@ BENCH_ARGS ?=
 bench-vs-trl: setup $(TRL_VENV)/.installed  ## Side-by-side GRPO benchmark vs TRL 1.16 (BENCH_ARGS="--quick" for a smoke run)
 	$(BIN)/python benchmarks/vs_trl/bench.py --trl-python $(TRL_VENV)/bin/python $(BENCH_ARGS)
 
+.PHONY: bench-scaling
+bench-scaling: setup $(TRL_VENV)/.installed  ## How cost grows vs TRL: prompts 16-256, 4 model sizes (~30 min; BENCH_ARGS="--quick")
+	$(BIN)/python benchmarks/vs_trl/scaling.py --trl-python $(TRL_VENV)/bin/python $(BENCH_ARGS)
+
 # TRL lives in a virtualenv of its own, never in the project's dependencies. The CPU wheel of torch goes in first
 # and is pinned again in the same command as TRL, so the resolver cannot swap in a CUDA build.
 $(TRL_VENV)/.installed:
@@ -53,8 +57,11 @@ $(TRL_VENV)/.installed:
 	@$(TRL_VENV)/bin/python -c "import torch, trl; print('TRL venv: trl', trl.__version__, 'torch', torch.__version__)"
 	@touch $@
 
+# Two pytest workers: most of the suite's time is spent in multi-process runs that wait on each other (start-up,
+# collectives), so two at once on 2 cores finish in ~80% of the serial time. PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 2
 test: setup lint typecheck docs  ## Lint, type-check, build the docs (strict) and run the whole test suite
-	$(BIN)/python -m pytest -q tests --basetemp="$(CURDIR)/.pytest_tmp"
+	$(BIN)/python -m pytest -q tests -n $(PYTEST_WORKERS) --dist load --basetemp="$(CURDIR)/.pytest_tmp"
 
 unit: setup  ## Only the fast unit tests
 	$(BIN)/python -m pytest -q tests/unit --basetemp="$(CURDIR)/.pytest_tmp"

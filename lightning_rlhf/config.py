@@ -249,6 +249,14 @@ class AlgorithmConfig:
     """Samples per optimizer step across all ranks; None: the whole step's batch (one on-policy update)."""
     micro_batch_size: int = 8
     """Samples per forward/backward on one rank (gradient accumulation up to the mini-batch)."""
+    micro_batch_tokens: int | None = None
+    """Padded tokens per forward/backward on one rank at most; None: micro-batches of ``micro_batch_size``
+    consecutive samples, padded to the whole batch's widths. Set (e.g. 8192), every training forward (log-probs,
+    values, updates) packs samples of similar lengths, at most ``micro_batch_size`` of them and this many tokens
+    (samples x the widest prompt + the longest response among them), drops the columns that are padding in all of
+    them, and the samples are balanced over ranks by tokens. Gradients and losses are the same up to float rounding
+    (per-micro-batch metrics such as ``actor/pg_loss`` average different micro-batches, so they move a little).
+    A sample longer than the budget runs alone."""
 
     def __post_init__(self) -> None:
         from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
@@ -290,6 +298,9 @@ class AlgorithmConfig:
             _fail(self, "mini_batch_size", self.mini_batch_size, "None or an integer >= 1")
         if self.micro_batch_size < 1:
             _fail(self, "micro_batch_size", self.micro_batch_size, "an integer >= 1")
+        tokens = self.micro_batch_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            _fail(self, "micro_batch_tokens", tokens, "None or an integer >= 1 (padded tokens per forward, e.g. 8192)")
 
     @property
     def on_policy(self) -> bool:

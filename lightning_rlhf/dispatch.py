@@ -26,7 +26,24 @@ from lightning_rlhf.batch import Batch
 if TYPE_CHECKING:
     from lightning_rlhf.roles.base import Role
 
-__all__ = ["Dispatch", "current_controller", "merge_results", "role_method", "split_args"]
+__all__ = [
+    "BALANCE_KEY",
+    "ROWS_KEY",
+    "Dispatch",
+    "balanced_partition",
+    "current_controller",
+    "merge_results",
+    "role_method",
+    "split_args",
+]
+
+BALANCE_KEY = "dp_split_by_tokens"
+"""``Batch.meta`` flag set by :func:`role_method` on the batch of a ``DP_SPLIT`` call to a role whose
+``balances_ranks`` is true (a token budget for its micro-batches): :func:`split_args` then balances the rows over
+ranks by tokens instead of cutting contiguous chunks."""
+ROWS_KEY = "dp_split_rows"
+"""``Batch.meta`` entry of each rank's part of a balanced split: the part's row indices in the caller's batch, which
+:func:`merge_results` uses to put the results back in the caller's order."""
 
 
 class Dispatch(enum.Enum):
@@ -75,7 +92,8 @@ def role_method(dispatch: Dispatch) -> Callable[[F], F]:
     """Declare a role method's transfer protocol.
 
     Runs on: import time (decorator). The wrapped method runs on the controller (which distributes it) or
-    locally on a worker.
+    locally on a worker. On the controller, a ``DP_SPLIT`` call's batch is marked with :data:`BALANCE_KEY` when the
+    role's ``balances_ranks`` is true (the mark is on a shallow copy; the caller's batch is not changed).
 
     Args:
         dispatch: the protocol used when the controller calls this method.
@@ -87,6 +105,8 @@ def role_method(dispatch: Dispatch) -> Callable[[F], F]:
             controller = current_controller()
             if controller is None:
                 return fn(self, *args, **kwargs)
+            if dispatch is Dispatch.DP_SPLIT and args and isinstance(args[0], Batch):
+                args = (_mark_balance(args[0], bool(getattr(self, "balances_ranks", False))), *args[1:])
             return controller.call(self, fn.__name__, args, kwargs)
 
         wrapper.__rlhf_dispatch__ = dispatch  # type: ignore[attr-defined]
@@ -128,24 +148,103 @@ def split_args(
             "HINT: make the batch size (prompts per step, and prompts x samples per prompt) a multiple of the "
             "number of ranks."
         )
-    return [((part, *args[1:]), kwargs) for part in batch.chunk(world_size)]
+    return [((part, *args[1:]), kwargs) for part in _dp_parts(batch, world_size)]
+
+
+def _mark_balance(batch: Batch, balance: bool) -> Batch:
+    """``batch`` with ``meta[BALANCE_KEY] = balance`` (a shallow copy when that changes it)."""
+    if bool(batch.meta.get(BALANCE_KEY, False)) == balance:
+        return batch
+    return Batch(batch.tensors, batch.columns, {**batch.meta, BALANCE_KEY: balance})
+
+
+def _dp_parts(batch: Batch, world_size: int) -> list[Batch]:
+    """Each rank's part: contiguous equal chunks, or, for a rollout batch marked with :data:`BALANCE_KEY`, equal
+    row counts with balanced token sums (each part's rows in batch order, their indices in ``meta[ROWS_KEY]``)."""
+    masks = [batch.tensors.get(key) for key in ("prompt_mask", "response_mask")]
+    if world_size == 1 or not batch.meta.get(BALANCE_KEY) or any(m is None or m.dim() != 2 for m in masks):
+        return batch.chunk(world_size)
+    lengths = sum(m.long().sum(dim=1) for m in masks if m is not None)
+    assert isinstance(lengths, torch.Tensor)
+    parts = []
+    for rows in balanced_partition(lengths.tolist(), world_size):
+        part = batch.select(rows)
+        part.meta[ROWS_KEY] = rows
+        parts.append(part)
+    return parts
+
+
+def balanced_partition(lengths: Sequence[int] | Sequence[tuple[int, ...]], parts: int) -> list[list[int]]:
+    """Split rows into ``parts`` groups of equal size whose token sums are balanced.
+
+    Runs on: the controller (splitting a ``DP_SPLIT`` rollout batch over ranks) or any process; deterministic.
+    Rows go in descending order of their length (a tuple counts its sum; ties: lower index first) to the group
+    with the fewest tokens that still has room (ties: lower group): the longest-processing-time rule with a room
+    limit per group. Each group's indices come back ascending, so within a rank the rows keep the batch's order
+    (mini-batches still take rows in that order). Also exported by
+    :mod:`lightning_rlhf.engines.train.microbatch`, beside the micro-batch planner.
+
+    Args:
+        lengths: per row, its tokens (int) or its segments' tokens (tuple).
+        parts: number of groups; ``len(lengths)`` must be divisible by it.
+    """
+    totals = [int(x) if isinstance(x, int) else int(sum(x)) for x in lengths]
+    if parts < 1 or len(totals) % parts:
+        raise ValueError(
+            f"balanced_partition: {len(totals)} rows cannot be split into {parts} equal groups. "
+            "HINT: the batch size must be a multiple of the number of ranks."
+        )
+    size = len(totals) // parts
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(totals)), key=lambda i: (-totals[i], i)):
+        g = min((g for g in range(parts) if len(groups[g]) < size), key=lambda g: (load[g], g))
+        groups[g].append(i)
+        load[g] += totals[i]
+    return [sorted(g) for g in groups]
 
 
 def merge_results(dispatch: Dispatch, results: Sequence[Any]) -> Any:
     """Combine per-rank results into the controller's return value.
 
-    Runs on: controller. Batches are concatenated in rank order; dicts of numbers are averaged over ranks
-    (``*_max``/``*_min`` keys keep their extreme);
-    anything else comes from rank 0.
+    Runs on: controller. Batches are concatenated in rank order, then, when the split was balanced by tokens
+    (each part's ``meta[ROWS_KEY]``), put back in the caller's row order; dicts of numbers are averaged over ranks
+    (``*_max``/``*_min`` keys keep their extreme); anything else comes from rank 0.
     """
-    if dispatch is not Dispatch.DP_SPLIT or len(results) == 1:
+    if dispatch is not Dispatch.DP_SPLIT:
         return results[0]
     first = results[0]
     if isinstance(first, Batch):
-        return Batch.cat(list(results))
+        return _merge_batches(list(results))
+    if len(results) == 1:
+        return first
     if isinstance(first, dict):
         return {k: _reduce(k, [r[k] for r in results]) for k in first}
     return first
+
+
+def _merge_batches(results: list[Any]) -> Batch:
+    """Rank results concatenated, in the caller's row order when the split was balanced; the split's meta keys
+    are dropped (a later call decides its own split)."""
+    rows = [r.meta.get(ROWS_KEY) if isinstance(r, Batch) else None for r in results]
+    merged = results[0] if len(results) == 1 else Batch.cat(results)
+    if any(r is not None for r in rows):
+        bad = [
+            rank
+            for rank, (r, part) in enumerate(zip(rows, results, strict=True))
+            if r is None or not isinstance(part, Batch) or len(r) != len(part)
+        ]
+        if bad:
+            raise RuntimeError(
+                f"A DP_SPLIT call balanced by tokens cannot put rank {bad[0]}'s result back in order: it lost its "
+                f"`meta[{ROWS_KEY!r}]` or changed its row count. HINT: return the input batch (or `batch.select(...)` "
+                "of it) with new columns, one row per input row, or set AlgorithmConfig.micro_batch_tokens=None."
+            )
+        order = torch.tensor([i for r in rows for i in (r or [])])
+        merged = merged.select(torch.argsort(order))
+    merged.meta.pop(ROWS_KEY, None)
+    merged.meta.pop(BALANCE_KEY, None)
+    return merged
 
 
 def _reduce(key: str, values: list[Any]) -> Any:

@@ -69,6 +69,10 @@ class RLHFModule(L.LightningModule):
         frozen_dtype: the dtype the frozen models (reference, reward model) are held and computed in:
             ``"float32"`` or ``"bfloat16"`` (half their memory; the trainable roles keep float32 master weights
             and compute in ``RLHFStrategy(param_dtype=...)``).
+        attn_implementation: the attention kernel of every role's training forwards and of the transformers
+            rollout engine (transformers' ``attn_implementation``): None keeps the models' default (``"sdpa"``);
+            ``"flash_attention_2"`` on GPUs with flash-attn; ``"eager"`` is faster on CPUs for short sequences
+            (see docs/performance.md).
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class RLHFModule(L.LightningModule):
         reward_config: RewardConfig | None = None,
         validation: ValidationConfig | None = None,
         frozen_dtype: str | torch.dtype = "float32",
+        attn_implementation: str | None = None,
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -122,6 +127,12 @@ class RLHFModule(L.LightningModule):
         ensure_pad_token(self.tokenizer, source=tokenizer or actor)
         self.tokenizer.padding_side = "left"
 
+        if attn_implementation is not None and (not isinstance(attn_implementation, str) or not attn_implementation):
+            raise ValueError(
+                f"RLHFModule(attn_implementation={attn_implementation!r}) is invalid: expected None or a transformers "
+                "attention name. HINT: 'sdpa' (the default), 'eager' or 'flash_attention_2'."
+            )
+        self.attn_implementation = attn_implementation
         micro = self.algorithm.micro_batch_size
         frozen = resolve_dtype(frozen_dtype, setting="RLHFModule.frozen_dtype")
         assert frozen is not None
@@ -180,7 +191,12 @@ class RLHFModule(L.LightningModule):
         return self.roles()[name]
 
     def setup(self, stage: str) -> None:
-        """Check the batch arithmetic against the world size before any model loads. Runs on: every process."""
+        """Check the batch arithmetic against the world size before any model loads, and give every role's engine
+        ``AlgorithmConfig.micro_batch_tokens`` and ``attn_implementation`` (roles a subclass added included).
+        Runs on: every process."""
+        for role in self.roles().values():
+            role.train_engine.micro_batch_tokens = self.algorithm.micro_batch_tokens
+            role.train_engine.attn_implementation = getattr(self, "attn_implementation", None)
         batch_size = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
         if stage == "fit" and batch_size:
             self.algorithm.check_batch(prompts=batch_size, n=self.rollout_config.n, world_size=self.trainer.world_size)

@@ -160,6 +160,7 @@ class Run:
     precision: str
     ref: bool
     config: str  # "trl" or one of OUR_CONFIGS
+    prompts: int = W.PROMPTS_PER_STEP
     steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     peak_rss: int = 0
     background: float = 0.0
@@ -222,8 +223,18 @@ def execute(cmd: list[str], *, threads: int, folder: str, timeout: float) -> tup
     return code, sampler, time.monotonic() - t0, tail
 
 
-def one_run(args: argparse.Namespace, model: str, precision: str, ref: bool, config: str, folder: str) -> Run:
-    """Run one side/configuration once (again once if the machine was busy) and read its records.
+def one_run(
+    args: argparse.Namespace,
+    model: str,
+    precision: str,
+    ref: bool,
+    config: str,
+    folder: str,
+    prompts: int = W.PROMPTS_PER_STEP,
+) -> Run:
+    """Run one side/configuration once (again once if the machine was busy) and read its records. ``args`` needs
+    ``cache``, ``trl_python``, ``steps``, ``quiet_wait`` and ``timeout`` (bench.py's and scaling.py's flags);
+    ``prompts`` is P, the prompts per step.
 
     Runs on: the driver.
     """
@@ -237,16 +248,18 @@ def one_run(args: argparse.Namespace, model: str, precision: str, ref: bool, con
         rollout, devices = OUR_CONFIGS[config]
         cmd = [sys.executable, os.path.join(HERE, "run_ours.py"), "--rollout", rollout, "--devices", str(devices)]
         threads = max(1, cores // devices)
-    cmd += ["--model-dir", model_dir, "--steps", str(args.steps), "--beta", beta]
+    cmd += ["--model-dir", model_dir, "--steps", str(args.steps), "--prompts", str(prompts), "--beta", beta]
     if precision == "bf16":
         cmd.append("--bf16")
+    if getattr(args, "attn", None):
+        cmd += ["--attn", args.attn]
     best: Run | None = None
     for attempt in range(2):
         wait_for_quiet(args.quiet_wait)
         sub = os.path.join(folder, f"try{attempt}")
         out = os.path.join(sub, "run.json")
         code, sampler, seconds, tail = execute([*cmd, "--out", out], threads=threads, folder=sub, timeout=args.timeout)
-        run = Run(model, precision, ref, config, peak_rss=sampler.peak_rss, seconds=seconds)
+        run = Run(model, precision, ref, config, prompts=prompts, peak_rss=sampler.peak_rss, seconds=seconds)
         bg = sampler.background or [0.0]
         run.background = statistics.mean(bg)
         run.background_max = max(statistics.mean(bg[i : i + 4]) for i in range(max(1, len(bg) - 3)))
@@ -255,7 +268,7 @@ def one_run(args: argparse.Namespace, model: str, precision: str, ref: bool, con
             return run
         with open(out) as f:
             run.steps = json.load(f)["steps"]
-        bad = [s["completion_tokens"] for s in run.steps if s["completion_tokens"] != W.NEW_TOKENS * samples()]
+        bad = [s["completion_tokens"] for s in run.steps if s["completion_tokens"] != W.NEW_TOKENS * samples(prompts)]
         if bad:
             run.error = f"completions are not exactly {W.NEW_TOKENS} tokens each: {bad[:3]} tokens per step"
             return run
@@ -277,9 +290,9 @@ def run_line(run: Run, window: int) -> str:
     )
 
 
-def samples() -> int:
-    """Sequences per step (P x G). Runs on: any process."""
-    return W.PROMPTS_PER_STEP * W.SAMPLES_PER_PROMPT
+def samples(prompts: int = W.PROMPTS_PER_STEP) -> int:
+    """Sequences per step (P x G) for ``prompts`` = P. Runs on: any process."""
+    return prompts * W.SAMPLES_PER_PROMPT
 
 
 # ------------------------------------------------------------------------------------------------ set-up
@@ -310,8 +323,12 @@ def build_models(cache: str, models: list[str]) -> None:
             f.write(want)
 
 
-def check_tokenizers(cache: str, models: list[str], trl_python: str, steps: int) -> None:
-    """Both virtualenvs' tokenizer loaders must give the same ids on every prompt, without BOS.
+def check_tokenizers(
+    cache: str, models: list[str], trl_python: str, steps: int, prompts: int = W.PROMPTS_PER_STEP
+) -> None:
+    """Both virtualenvs' tokenizer loaders must give the same ids on every prompt of ``steps`` steps of ``prompts``
+    prompts, without BOS, and prompt + new tokens must fit the models' positions. (Rows are one stream, so the
+    check at the largest P of a sweep covers the smaller ones.)
 
     Runs on: the driver (one short process per venv and model).
     """
@@ -319,7 +336,7 @@ def check_tokenizers(cache: str, models: list[str], trl_python: str, steps: int)
         digests = []
         for py in (sys.executable, trl_python):
             out = subprocess.run(
-                [py, os.path.join(HERE, "workload.py"), os.path.join(cache, name), str(steps)],
+                [py, os.path.join(HERE, "workload.py"), os.path.join(cache, name), str(steps), str(prompts)],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -330,6 +347,11 @@ def check_tokenizers(cache: str, models: list[str], trl_python: str, steps: int)
             raise RuntimeError(f"{name}: the two venvs tokenize the prompts differently: {digests[0]} vs {digests[1]}")
         if digests[0]["starts_with_bos"]:
             raise RuntimeError(f"{name}: prompts start with BOS; the workload has none")
+        if not digests[0]["fits_positions"]:
+            raise RuntimeError(
+                f"{name}: the longest prompt + workload.NEW_TOKENS={W.NEW_TOKENS} exceeds workload.MAX_POSITIONS="
+                f"{W.MAX_POSITIONS}. HINT: raise MAX_POSITIONS (the cached models are rebuilt)."
+            )
 
 
 def machine_peaks() -> dict[str, float]:
@@ -455,6 +477,9 @@ def main() -> None:
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of: fp32,bf16")
     p.add_argument("--ref", default="no,yes", help="without (no) and/or with (yes) the KL reference")
     p.add_argument("--configs", default=",".join(OUR_CONFIGS), help="our configurations: " + ",".join(OUR_CONFIGS))
+    p.add_argument(
+        "--attn", default=None, help="attention kernel for both sides (transformers attn_implementation, e.g. eager)"
+    )
     p.add_argument("--repeats", type=int, default=2, help="runs per side and configuration (alternated)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
@@ -514,7 +539,8 @@ def main() -> None:
     )
     print(
         f"workload: P={W.PROMPTS_PER_STEP} x G={W.SAMPLES_PER_PROMPT}, {W.NEW_TOKENS} new tokens, micro-batch "
-        f"{W.MICRO_BATCH}; {args.steps} steps per run, median of the last {window}; {args.repeats} run(s) per "
+        f"{W.MICRO_BATCH}; attention {args.attn or 'the model default (sdpa)'} on both sides; {args.steps} steps "
+        f"per run, median of the last {window}; {args.repeats} run(s) per "
         f"side and configuration, alternated; logs in {out_dir}"
     )
     runs: list[Run] = []

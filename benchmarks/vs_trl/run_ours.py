@@ -1,15 +1,17 @@
 """One lightning_rlhf run of the workload (``workload.py``); run by ``bench.py`` as a script of its own.
 
     python benchmarks/vs_trl/run_ours.py --model-dir DIR --steps 10 --rollout hf --devices 1 --out run.json \
-        [--bf16] [--beta 0.04]
+        [--prompts 16] [--bf16] [--beta 0.04]
 
 ``GRPOModule`` + ``PromptDataModule`` + ``Trainer(strategy=RLHFStrategy(rollout=...))``; with ``--devices 2``
 Lightning's launcher starts the second process by running this script again, which is why it is a script and
-not a function the driver calls. The reward is scored in the training process (``RewardConfig(timeout_s=None)``),
-as TRL does. Timings come from the run's ``metrics.csv``: ``timing_s/step``, ``timing_s/gen`` and
-``timing_s/update_actor``, tokens from ``response_length/mean`` (plus the prompt tokens of the step's rows), and a
-callback records the wall time between the ends of consecutive steps. Rank 0 writes one JSON object with a
-record per step.
+not a function the driver calls. ``--prompts P`` sets the prompts per step (``PromptDataModule(batch_size=P)``,
+default 16); with the algorithm's ``mini_batch_size=None`` and ``ppo_epochs=1`` every step is one optimizer step
+over all P x G sequences, in micro-batches of ``workload.MICRO_BATCH`` per process. The reward is scored in the
+training process (``RewardConfig(timeout_s=None)``), as TRL does. Timings come from the run's ``metrics.csv``:
+``timing_s/step``, ``timing_s/gen`` and ``timing_s/update_actor``, tokens from ``response_length/mean`` (plus the
+prompt tokens of the step's rows), and a callback records the wall time between the ends of consecutive steps.
+Rank 0 writes one JSON object with a record per step.
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=W.PROMPTS_PER_STEP, help="prompts per step (P)")
     p.add_argument("--rollout", choices=["hf", "vllm"], default="hf")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--bf16", action="store_true", help="RLHFStrategy(param_dtype='bfloat16')")
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL coefficient to the frozen reference (0: none)")
+    p.add_argument("--attn", default=None, help="transformers attn_implementation (None: the model's default)")
     p.add_argument("--out", required=True, help="JSON file to write (rank 0)")
     args = p.parse_args()
     cores = os.cpu_count() or 1
@@ -64,14 +68,15 @@ def main() -> None:
     from lightning_rlhf.config import RewardConfig
     from lightning_rlhf.modules import GRPOModule
 
-    samples = W.PROMPTS_PER_STEP * W.SAMPLES_PER_PROMPT
+    prompts = W.check_prompts(args.prompts)
+    samples = prompts * W.SAMPLES_PER_PROMPT
     if samples % (W.MICRO_BATCH * args.devices):
         raise ValueError(
-            f"--devices {args.devices}: {samples} samples per step do not split into micro-batches of "
-            f"workload.MICRO_BATCH={W.MICRO_BATCH} on every rank. HINT: use --devices 1 or 2."
+            f"--devices {args.devices}: {samples} samples per step (--prompts {prompts}) do not split into "
+            f"micro-batches of workload.MICRO_BATCH={W.MICRO_BATCH} on every rank. HINT: use --devices 1 or 2."
         )
     L.seed_everything(W.SEED, verbose=False)
-    rows = W.prompt_rows(args.steps)
+    rows = W.prompt_rows(args.steps, prompts)
     module = GRPOModule(
         args.model_dir,
         reward=W.reward,
@@ -96,10 +101,9 @@ def main() -> None:
         ),
         actor_optim=OptimConfig(lr=W.LR, warmup_steps=0, schedule="linear", grad_clip=W.GRAD_CLIP),
         reward_config=RewardConfig(timeout_s=None),
+        attn_implementation=args.attn,
     )
-    data = PromptDataModule(
-        datasets.Dataset.from_list(rows), batch_size=W.PROMPTS_PER_STEP, max_prompt_length=64, shuffle=False
-    )
+    data = PromptDataModule(datasets.Dataset.from_list(rows), batch_size=prompts, max_prompt_length=64, shuffle=False)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     ends: list[float] = []
 
@@ -130,13 +134,13 @@ def main() -> None:
     import json
 
     metrics = read_metrics(os.path.join(logger.log_dir, "metrics.csv"))
-    ids = W.prompt_ids(args.model_dir, args.steps)
+    ids = W.prompt_ids(args.model_dir, args.steps, prompts)
     records = []
     for k, step in enumerate(sorted(metrics)[: args.steps]):
         m = metrics[step]
         if "timing_s/step" not in m:
             continue
-        prompt_tokens = sum(len(x) for x in ids[k * W.PROMPTS_PER_STEP : (k + 1) * W.PROMPTS_PER_STEP])
+        prompt_tokens = sum(len(x) for x in ids[k * prompts : (k + 1) * prompts])
         records.append(
             {
                 "step": m["timing_s/step"],
@@ -156,6 +160,7 @@ def main() -> None:
         json.dump(
             {
                 "side": "ours",
+                "prompts": prompts,
                 "versions": {"lightning": L.__version__, "torch": torch.__version__},
                 "threads": torch.get_num_threads(),
                 "steps": records,

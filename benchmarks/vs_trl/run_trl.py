@@ -1,10 +1,12 @@
 """One TRL 1.16 ``GRPOTrainer`` run of the workload (``workload.py``); run by ``bench.py`` with ``.venv-trl``'s python.
 
-    .venv-trl/bin/python benchmarks/vs_trl/run_trl.py --model-dir DIR --steps 10 --out run.json [--bf16] [--beta 0.04]
+    .venv-trl/bin/python benchmarks/vs_trl/run_trl.py --model-dir DIR --steps 10 --out run.json [--prompts 16] \
+        [--bf16] [--beta 0.04]
 
-Mapping of "P prompts x G samples, one generation and one optimizer step per step" onto ``GRPOConfig``:
-``num_generations=G``, ``generation_batch_size=P*G``, ``per_device_train_batch_size=M``,
-``gradient_accumulation_steps=P*G/M``, ``num_iterations=1``; fixed-length completions through
+Mapping of "P prompts (``--prompts``, default 16) x G samples, one generation and one optimizer step per step"
+onto ``GRPOConfig``: ``num_generations=G``, ``generation_batch_size=P*G``, ``per_device_train_batch_size=M``
+(``workload.MICRO_BATCH``), ``gradient_accumulation_steps=P*G/M``, ``num_iterations=1``, so the update covers all
+P*G sequences whatever P is; fixed-length completions through
 ``generation_kwargs={"min_new_tokens": 64}``. Timing: a ``TrainerCallback`` from ``on_step_begin`` to
 ``on_step_end`` (the step), the trainer's ``_generate`` wrapped (generate: tokenize, sample, decode; it also
 counts prompt and completion tokens) and ``_generate_and_score_completions`` wrapped (the rollout phase: generate,
@@ -32,14 +34,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=W.PROMPTS_PER_STEP, help="prompts per step (P)")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL coefficient to the frozen reference (0: none)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--attn", default=None, help="transformers attn_implementation (None: the model's default)")
     p.add_argument("--out", required=True, help="JSON file to write")
     args = p.parse_args()
-    samples = W.PROMPTS_PER_STEP * W.SAMPLES_PER_PROMPT
+    prompts = W.check_prompts(args.prompts)
+    samples = prompts * W.SAMPLES_PER_PROMPT
     if samples % W.MICRO_BATCH:
-        raise ValueError(f"workload.MICRO_BATCH={W.MICRO_BATCH} must divide {samples} samples per step")
+        raise ValueError(
+            f"--prompts {prompts}: workload.MICRO_BATCH={W.MICRO_BATCH} must divide the {samples} samples per step. "
+            "HINT: use a multiple of 8 prompts."
+        )
     W.set_threads(args.threads)
 
     import datasets
@@ -48,7 +56,7 @@ def main() -> None:
     from transformers import TrainerCallback
 
     torch.manual_seed(W.SEED)
-    rows = W.prompt_rows(args.steps)
+    rows = W.prompt_rows(args.steps, prompts)
     config = trl.GRPOConfig(
         output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl_out"),
         num_generations=W.SAMPLES_PER_PROMPT,
@@ -81,6 +89,7 @@ def main() -> None:
         seed=W.SEED,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        model_init_kwargs={"attn_implementation": args.attn} if args.attn else None,
     )
     trainer = trl.GRPOTrainer(
         model=args.model_dir,
@@ -147,6 +156,7 @@ def main() -> None:
         json.dump(
             {
                 "side": "trl",
+                "prompts": prompts,
                 "versions": {"trl": trl.__version__, "torch": torch.__version__},
                 "threads": torch.get_num_threads(),
                 "steps": records,

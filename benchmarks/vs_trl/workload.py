@@ -3,11 +3,12 @@
 Both virtualenvs import this file (the project's ``.venv`` and TRL's ``.venv-trl``), so it imports only the
 standard library, torch and transformers: never lightning_rlhf, never trl.
 
-The workload (issue 11): a Qwen2-shaped model built locally under a fixed seed (``tiny`` 0.19M or ``small`` 4.0M
-parameters, tied embeddings) with the project's byte-level BPE tokenizer, "Add a and b. Answer:" prompts in a fixed
-order (step k reads rows ``k*P .. k*P+P-1``), no chat template, no BOS; P=16 prompts x G=8 samples per step,
+The workload (issue 11): a Qwen2-shaped model built locally under a fixed seed (``tiny`` 0.19M, ``small`` 4.0M,
+``m30`` 30.3M or ``m100`` 100.7M parameters, tied embeddings) with the project's byte-level BPE tokenizer, "Add a and
+b. Answer:" prompts in a fixed order (step k reads rows ``k*P .. k*P+P-1``), no chat template, no BOS; P prompts
+(16 unless a run passes ``prompts``, as ``scaling.py`` does) x G=8 samples per step,
 exactly 64 new tokens (EOS suppressed), temperature 1, reward 1 / 0.1 / 0 (the correct sum / some other number /
-anything else), group-normalised advantages (epsilon 1e-4), one on-policy update per step over all 128 sequences,
+anything else), group-normalised advantages (epsilon 1e-4), one on-policy update per step over all P x G sequences,
 token-mean loss, clip 0.2, AdamW lr 1e-6 with linear decay and no warm-up, gradient clipping at 1, no KL or a k3
 KL to a frozen reference with beta 0.04.
 """
@@ -25,7 +26,7 @@ from typing import Any
 SEED = 0
 """Seed of the random model initialisation and of the prompt operands."""
 PROMPTS_PER_STEP = 16
-"""P: prompts per RL step."""
+"""P: prompts per RL step, the default of every function and script that takes ``prompts`` / ``--prompts``."""
 SAMPLES_PER_PROMPT = 8
 """G: samples per prompt (the group of group-normalised advantages)."""
 NEW_TOKENS = 64
@@ -45,7 +46,8 @@ KL_BETA = 0.04
 MICRO_BATCH = 32
 """Sequences per forward/backward on one process (both sides; 128 sequences = 4 micro-batches in 1 process)."""
 MAX_POSITIONS = 128
-"""``max_position_embeddings`` of the models: room for the longest prompt (about 12 tokens) + 64 new tokens."""
+"""``max_position_embeddings`` of the models: room for the longest prompt (at most 13 tokens: operands stay in
+0..99 whatever the prompt count) + 64 new tokens."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,23 +75,42 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=256, vocab=1024),
     "small": ModelSpec(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=4096),
+    "m30": ModelSpec(hidden=512, layers=10, heads=8, kv_heads=2, head_dim=64, intermediate=1408, vocab=4096),
+    "m100": ModelSpec(hidden=768, layers=16, heads=12, kv_heads=2, head_dim=64, intermediate=2048, vocab=4096),
 }
-"""The benchmark's models by name."""
+"""The benchmark's models by name: 188,992 / 4,002,048 / 30,296,064 / 100,705,024 parameters."""
 
 
-def prompt_rows(steps: int) -> list[dict[str, str]]:
-    """The prompts of ``steps`` RL steps, in order: step k reads rows ``k*P .. k*P+P-1``.
+def check_prompts(prompts: int) -> int:
+    """``prompts`` (P) if it is a positive multiple of 8, else a ValueError naming the setting.
+
+    P x G sequences must split into micro-batches of :data:`MICRO_BATCH` on each of 1 or 2 processes, hence the
+    multiple of 8 (8 x 8 = 64 = 2 x 32). Runs on: any process.
+    """
+    if prompts < 8 or prompts % 8:
+        raise ValueError(
+            f"prompts={prompts}: expected a positive multiple of 8 (P x {SAMPLES_PER_PROMPT} samples must split into "
+            f"micro-batches of MICRO_BATCH={MICRO_BATCH} on 1 or 2 processes). HINT: pass --prompts 16, 32, 64, ..."
+        )
+    return prompts
+
+
+def prompt_rows(steps: int, prompts: int = PROMPTS_PER_STEP) -> list[dict[str, str]]:
+    """The prompts of ``steps`` RL steps of ``prompts`` (P) prompts each, in order: step k reads rows
+    ``k*P .. k*P+P-1``.
 
     Each row is ``{"prompt": "Add 12 and 7. Answer:", "answer": "19"}``; operands are drawn in 0..99 with
-    :data:`SEED`, so the rows are the same on every machine and in both virtualenvs.
+    :data:`SEED`, so the rows are the same on every machine and in both virtualenvs (one stream: a run with a
+    smaller P reads a prefix of a larger P's rows).
 
     Runs on: any process (plain function).
     """
     if steps < 1:
         raise ValueError(f"prompt_rows(steps={steps}): expected at least 1 step. HINT: pass --steps >= 1.")
+    check_prompts(prompts)
     rng = random.Random(SEED)
     rows = []
-    for _ in range(steps * PROMPTS_PER_STEP):
+    for _ in range(steps * prompts):
         a, b = rng.randrange(100), rng.randrange(100)
         rows.append({"prompt": f"Add {a} and {b}. Answer:", "answer": str(a + b)})
     return rows
@@ -149,7 +170,7 @@ def build_model(model_dir: str, spec: ModelSpec, *, pad_id: int, bos_id: int, eo
     model.save_pretrained(model_dir, safe_serialization=True)
 
 
-def prompt_ids(model_dir: str, steps: int) -> list[list[int]]:
+def prompt_ids(model_dir: str, steps: int, prompts: int = PROMPTS_PER_STEP) -> list[list[int]]:
     """Token ids of every prompt as both frameworks encode them (``tokenizer(text)`` with the default
     ``add_special_tokens=True``), loaded with ``AutoTokenizer`` from ``model_dir``.
 
@@ -158,28 +179,28 @@ def prompt_ids(model_dir: str, steps: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    return [list(tok(row["prompt"])["input_ids"]) for row in prompt_rows(steps)]
+    return [list(tok(row["prompt"])["input_ids"]) for row in prompt_rows(steps, prompts)]
 
 
-def ids_digest(model_dir: str, steps: int) -> dict[str, Any]:
+def ids_digest(model_dir: str, steps: int, prompts: int = PROMPTS_PER_STEP) -> dict[str, Any]:
     """What the tokenizer check compares between the two virtualenvs: a hash of every prompt's ids, the prompt
-    token count per step, and whether any prompt starts with BOS.
+    token count per step (``prompts`` prompts x G samples), whether any prompt starts with BOS, and the longest
+    prompt plus :data:`NEW_TOKENS` against :data:`MAX_POSITIONS`.
 
     Runs on: any process.
     """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = prompt_ids(model_dir, steps)
-    per_step = [
-        sum(len(x) for x in ids[k * PROMPTS_PER_STEP : (k + 1) * PROMPTS_PER_STEP]) * SAMPLES_PER_PROMPT
-        for k in range(steps)
-    ]
+    ids = prompt_ids(model_dir, steps, prompts)
+    per_step = [sum(len(x) for x in ids[k * prompts : (k + 1) * prompts]) * SAMPLES_PER_PROMPT for k in range(steps)]
+    longest = max(len(x) for x in ids)
     return {
         "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
         "prompt_tokens_per_step": per_step,
         "starts_with_bos": any(x and x[0] == tok.bos_token_id for x in ids),
         "tokenizer_class": type(tok).__name__,
+        "fits_positions": longest + NEW_TOKENS <= MAX_POSITIONS,
     }
 
 
@@ -191,7 +212,8 @@ def set_threads(threads: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, threads)))
 
 
-if __name__ == "__main__":  # python workload.py MODEL_DIR STEPS: print the tokenizer digest (run in each venv)
+if __name__ == "__main__":  # python workload.py MODEL_DIR STEPS [PROMPTS]: the tokenizer digest (run in each venv)
     import sys
 
-    print(json.dumps(ids_digest(sys.argv[1], int(sys.argv[2]))))
+    count = int(sys.argv[3]) if len(sys.argv) > 3 else PROMPTS_PER_STEP
+    print(json.dumps(ids_digest(sys.argv[1], int(sys.argv[2]), count)))

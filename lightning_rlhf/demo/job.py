@@ -100,9 +100,16 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         reward=addition_reward,
         reference=False,
         rollout=RolloutConfig(n=args.n, temperature=1.0, max_new_tokens=6, seed=args.seed),
-        algorithm=AlgorithmConfig(advantage=advantage, kl_coef=0.0, micro_batch_size=args.micro_batch_size, **settings),
+        algorithm=AlgorithmConfig(
+            advantage=advantage,
+            kl_coef=0.0,
+            micro_batch_size=args.micro_batch_size,
+            micro_batch_tokens=args.micro_batch_tokens,
+            **settings,
+        ),
         actor_optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
         validation=ValidationConfig(before_train=True),  # greedy answers to the held-out prompts, before RL
+        attn_implementation=args.attn_implementation,
         **extra,
     )
     splits = addition_splits()  # the same 20 held-out prompts as the warm start left out
@@ -112,7 +119,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=RLHFStrategy(args.rollout),
+        strategy=RLHFStrategy(args.rollout, param_dtype=None if args.precision == "fp32" else args.precision),
         max_steps=args.steps,
         logger=CSVLogger(args.out, name="demo", version=claim_run_version(args.out, "demo")),
         callbacks=[RLHFProgressBar(), MetricPlots(), RolloutSamples(every_n_steps=25), ExportActor(), RunSummary()],
@@ -174,6 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--warmup", type=int, default=20, help="learning-rate warm-up steps")
     parser.add_argument("--micro-batch-size", type=int, default=128)
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, default=None, help="token budget per micro-batch (packs rows, no padding)"
+    )
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (fp32 master weights either way)"
+    )
+    parser.add_argument("--attn-implementation", default=None, help="transformers attention kernel, e.g. eager")
     parser.add_argument("--warm-start-steps", type=int, default=40, help="SFTModule steps of the warm start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs", help="parent folder of the run folder")

@@ -86,6 +86,13 @@ class Role(nn.Module):
         self.train_engine.materialize(device)
 
     @property
+    def balances_ranks(self) -> bool:
+        """Whether the controller splits this role's ``DP_SPLIT`` rollout batches over ranks by tokens instead of in
+        contiguous chunks (read by :func:`~lightning_rlhf.dispatch.role_method`): when its engine has a token budget
+        (``AlgorithmConfig.micro_batch_tokens``)."""
+        return self.train_engine.balances_ranks
+
+    @property
     def sharded(self) -> bool:
         """Whether the model is already sharded (a second ``fit`` on the same module reuses the shards)."""
         return self.train_engine.sharded

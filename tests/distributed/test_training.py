@@ -84,6 +84,8 @@ def test_grpo_two_ranks_logs_every_metric_and_counts_rl_steps(demo_model: str, t
 
 
 def test_ppo_with_critic_and_reference_two_ranks(demo_model: str, tmp_path: Path) -> None:
+    # With a token budget: every role's forwards go in packed, trimmed micro-batches, its rows balanced over the
+    # ranks by tokens (the actor, critic and reference DP_SPLIT calls, each merged back in the caller's order).
     proc = run_script(
         "train.py",
         "--model",
@@ -102,6 +104,8 @@ def test_ppo_with_critic_and_reference_two_ranks(demo_model: str, tmp_path: Path
         "8",
         "--kl-coef",
         "0.05",
+        "--micro-batch-tokens",
+        "24",
     )
     check_ok(proc)
     rows = read_metrics(tmp_path)

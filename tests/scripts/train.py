@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--mini-batch-size", type=int, default=None)
     p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="AlgorithmConfig.micro_batch_tokens")
     p.add_argument("--ppo-epochs", type=int, default=1)
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--save-ckpt", default=None, help="save a checkpoint here at the end")
@@ -155,6 +156,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     algo_kwargs = dict(
         micro_batch_size=args.micro_batch_size,
+        micro_batch_tokens=args.micro_batch_tokens,
         mini_batch_size=args.mini_batch_size,
         ppo_epochs=args.ppo_epochs,
         kl_coef=args.kl_coef,

@@ -47,3 +47,10 @@ def test_strategy_arguments() -> None:
         RLHFStrategy(rollout="sglang")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="worker_error_timeout_s"):
         RLHFStrategy(worker_error_timeout_s=0)
+
+
+def test_attn_implementation_must_be_a_name(tiny_model: str) -> None:
+    with pytest.raises(ValueError, match=r"RLHFModule\(attn_implementation=''\) is invalid.*HINT"):
+        GRPOModule(tiny_model, reward=addition_reward, attn_implementation="")
+    module = GRPOModule(tiny_model, reward=addition_reward, attn_implementation="eager")
+    assert module.attn_implementation == "eager"

@@ -130,3 +130,30 @@ def test_a_model_smaller_than_the_world_is_refused_before_sharding() -> None:
 def test_micro_batch_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match=r"ReferenceRole\(path=...\): micro_batch_size=0 must be >= 1"):
         TrainEngine(micro_batch_size=0, setting="ReferenceRole(path=...)")
+
+
+def test_attn_implementation_switches_the_kernel_and_keeps_the_log_probs(tiny_model: str) -> None:
+    sdpa, eager = engine(tiny_model, 6), engine(tiny_model, 6)
+    eager.attn_implementation = "eager"  # after bind: applied to the bound model at once
+    assert eager.model is not None and sdpa.model is not None
+    assert eager.model.config._attn_implementation == "eager"
+    assert sdpa.model.config._attn_implementation == "sdpa"
+
+    def logprobs(model: torch.nn.Module, micro: Batch) -> dict[str, torch.Tensor]:
+        return forward_response(model, micro, output="logprobs")
+
+    mask = rollout()["response_mask"].bool()
+    a, b = sdpa.infer(rollout(), logprobs)["logprobs"], eager.infer(rollout(), logprobs)["logprobs"]
+    torch.testing.assert_close(a[mask], b[mask], rtol=1e-5, atol=1e-5)
+    late = TrainEngine(micro_batch_size=2, setting="RLHFModule(attn_implementation=...)")
+    late.attn_implementation = "eager"  # before bind: applied when the model is bound
+    late.bind(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    assert late.model is not None and late.model.config._attn_implementation == "eager"
+
+
+def test_a_bad_attn_implementation_names_the_setting(tiny_model: str) -> None:
+    eng = engine(tiny_model, 2)
+    with pytest.raises(ValueError, match=r"test: attn_implementation='no_such_kernel'.*HINT"):
+        eng.attn_implementation = "no_such_kernel"
+    with pytest.raises(ValueError, match="attn_implementation=3"):
+        eng.attn_implementation = 3  # type: ignore[assignment]

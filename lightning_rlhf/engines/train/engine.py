@@ -23,6 +23,13 @@ from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_c
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
 from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
+from lightning_rlhf.engines.train.microbatch import (
+    has_rollout_layout,
+    plan_micro_batches,
+    row_spans,
+    split_to_count,
+    trim_padding,
+)
 
 __all__ = [
     "LossFn",
@@ -134,26 +141,114 @@ class TrainEngine:
 
     Args:
         micro_batch_size: rows per forward (and backward) on one rank.
+        micro_batch_tokens: None: micro-batches of ``micro_batch_size`` consecutive rows, padded to the batch's
+            widths. An integer: rollout batches are packed by :meth:`micro_batches` (rows sorted by length, at most
+            ``micro_batch_size`` rows and this many padded tokens each, padding trimmed), and the role's
+            ``DP_SPLIT`` calls balance rows over ranks by tokens (``AlgorithmConfig.micro_batch_tokens``).
         optim: optimizer settings; None for a frozen model (no optimizer, no ``train``).
         setting: how the user names this role's model in errors, e.g. ``"ActorRole(path=...)"``.
     """
 
-    def __init__(self, *, micro_batch_size: int, optim: OptimConfig | None = None, setting: str = "role") -> None:
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int,
+        micro_batch_tokens: int | None = None,
+        optim: OptimConfig | None = None,
+        setting: str = "role",
+    ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"{setting}: micro_batch_size={micro_batch_size} must be >= 1.")
         self.micro_batch_size = micro_batch_size
-        self.optim = optim
         self.setting = setting
+        self.micro_batch_tokens = micro_batch_tokens
+        self.optim = optim
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.sharded = False
         self._offloaded = False
+        self._attn_implementation: str | None = None
+
+    @property
+    def micro_batch_tokens(self) -> int | None:
+        """Padded tokens per micro-batch at most (None: fixed row micro-batches, untrimmed)."""
+        return self._micro_batch_tokens
+
+    @micro_batch_tokens.setter
+    def micro_batch_tokens(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"{self.setting}: micro_batch_tokens={value!r} is invalid: expected None or an integer >= 1. "
+                "HINT: AlgorithmConfig(micro_batch_tokens=...) caps the padded tokens of one forward on a rank, "
+                "e.g. 8192."
+            )
+        self._micro_batch_tokens = value
+
+    @property
+    def balances_ranks(self) -> bool:
+        """Whether the role's ``DP_SPLIT`` rollout batches are split over ranks by tokens (the token budget is on)."""
+        return self._micro_batch_tokens is not None
+
+    def micro_batches(self, batch: Batch, *, trim_responses: bool = True) -> list[tuple[list[int] | None, Batch]]:
+        """``(rows, micro-batch)`` pairs covering ``batch``.
+
+        Runs on: every worker rank, each on its own rows (with several ranks, one all-reduce of the plan's length).
+        Without a token budget (or for a batch without the rollout layout: SFT examples, reward-model texts) they
+        are ``micro_batch_size`` consecutive rows, untouched, with ``rows=None``. With ``micro_batch_tokens`` set,
+        the rows (indices into ``batch``) come from
+        :func:`~lightning_rlhf.engines.train.microbatch.plan_micro_batches` over each row's
+        ``(prompt, response)`` span, split further by
+        :func:`~lightning_rlhf.engines.train.microbatch.split_to_count` until every rank has as many micro-batches
+        as the rank with the most (each forward is an FSDP collective), and each micro-batch is
+        :func:`~lightning_rlhf.engines.train.microbatch.trim_padding`-ed (its response side too unless
+        ``trim_responses`` is False).
+        """
+        if self._micro_batch_tokens is None or not has_rollout_layout(batch):
+            return [(None, micro) for micro in batch.split(self.micro_batch_size)]
+        width_r = batch["response_mask"].shape[1]
+        lengths = [(max(1, p), max(1, r) if trim_responses else width_r) for p, r in row_spans(batch)]
+        plan = plan_micro_batches(lengths, max_rows=self.micro_batch_size, max_tokens=self._micro_batch_tokens)
+        if world()[1] > 1:
+            plan = split_to_count(plan, lengths, _max_over_ranks(len(plan)))
+        return [(rows, trim_padding(batch.select(rows), responses=trim_responses)) for rows in plan]
 
     # ------------------------------------------------------------------------------ model, shards, loading
     def bind(self, model: nn.Module | None) -> None:
-        """Make ``model`` the engine's model (the role keeps it as a submodule, for checkpoints)."""
+        """Make ``model`` the engine's model (the role keeps it as a submodule, for checkpoints), with the
+        engine's ``attn_implementation`` if one is set. Runs on: every process, when the role's model is built."""
         self.model = model
+        self._apply_attn_implementation()
+
+    @property
+    def attn_implementation(self) -> str | None:
+        """The attention kernel of the model's forwards (transformers' ``attn_implementation``: ``"sdpa"``,
+        ``"eager"``, ``"flash_attention_2"``, ...); None keeps the one the model was loaded with."""
+        return self._attn_implementation
+
+    @attn_implementation.setter
+    def attn_implementation(self, value: str | None) -> None:
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(
+                f"{self.setting}: attn_implementation={value!r} is invalid: expected None or a transformers "
+                "attention name. HINT: RLHFModule(attn_implementation='sdpa' | 'eager' | 'flash_attention_2')."
+            )
+        self._attn_implementation = value
+        self._apply_attn_implementation()
+
+    def _apply_attn_implementation(self) -> None:
+        """Switch the bound model to ``attn_implementation`` (transformers checks the name and the kernel)."""
+        name = self._attn_implementation
+        setter = getattr(self.model, "set_attn_implementation", None)
+        if name is None or setter is None:
+            return
+        try:
+            setter(name)
+        except (ValueError, ImportError) as err:
+            raise ValueError(
+                f"{self.setting}: attn_implementation={name!r} cannot be used by {type(self.model).__name__}: {err} "
+                "HINT: RLHFModule(attn_implementation=None) keeps the model's default ('sdpa' on most models)."
+            ) from err
 
     @property
     def device(self) -> torch.device:
@@ -198,17 +293,43 @@ class TrainEngine:
     # ---------------------------------------------------------------------------------------- forwards
     def infer(self, batch: Batch, forward: Callable[[nn.Module, Batch], dict[str, Tensor]]) -> dict[str, Tensor]:
         """Run ``forward(model, micro_batch)`` over ``batch`` in micro-batches without gradients; each output
-        concatenated over micro-batches on the host.
+        concatenated over micro-batches on the host, in the rows' order in ``batch``.
 
-        Runs on: every worker rank (FSDP forwards).
+        Runs on: every worker rank (FSDP forwards). With ``micro_batch_tokens`` set, a rollout batch goes in the
+        trimmed micro-batches of :meth:`micro_batches`: every output must then have one row per micro-batch row
+        (it is put back at its row's place), and an output whose dim 1 is the micro-batch's trimmed response width
+        is padded back to the batch's response width with 0 (positions past every row's response, which any
+        consumer masks out).
         """
         assert self.model is not None, f"{self.setting}: no model loaded"
         parts: dict[str, list[Tensor]] = defaultdict(list)
+        order: list[int] = []
+        full = batch["response_mask"].shape[1] if has_rollout_layout(batch) else 0
         with torch.no_grad():
-            for micro in batch.split(self.micro_batch_size):
-                for key, value in forward(self.model, micro).items():
-                    parts[key].append(value.cpu())
-        return {key: torch.cat(values) for key, values in parts.items()}
+            for rows, micro in self.micro_batches(batch):
+                outputs = forward(self.model, micro)
+                if rows is None:
+                    for key, value in outputs.items():
+                        parts[key].append(value.cpu())
+                    continue
+                width = micro["response_mask"].shape[1]
+                for key, value in outputs.items():
+                    if value.dim() == 0 or value.shape[0] != len(rows):
+                        raise ValueError(
+                            f"{self.setting}: the forward's output {key!r} has shape {tuple(value.shape)} for a "
+                            f"micro-batch of {len(rows)} rows; with micro_batch_tokens={self._micro_batch_tokens} "
+                            "the rows are reordered, so every output needs one row per input row. HINT: return "
+                            "per-row outputs, or set AlgorithmConfig.micro_batch_tokens=None."
+                        )
+                    parts[key].append(
+                        _pad_dim1(value.cpu(), full) if value.dim() >= 2 and value.shape[1] == width else value.cpu()
+                    )
+                order.extend(rows)
+        out = {key: torch.cat(values) for key, values in parts.items()}
+        if order:
+            restore = torch.argsort(torch.tensor(order))
+            out = {key: value[restore] for key, value in out.items()}
+        return out
 
     def train(
         self,
@@ -236,15 +357,24 @@ class TrainEngine:
             mini_batch_size: rows per optimizer step over all ranks; None: the whole batch (one step per epoch).
             epochs: passes over the batch.
             max_len: the constant length of ``"seq-mean-token-sum-norm"``.
+
+        With ``micro_batch_tokens`` set, each mini-batch goes in the trimmed micro-batches of :meth:`micro_batches`
+        (unequal row counts: each is weighted by its share of the mini-batch's rows, which keeps the per-sequence
+        aggregations exact, ``"seq-mean-token-mean"`` as long as every row has a loss token, as with fixed
+        micro-batches; ``"token-mean"`` divides by the mini-batch's token count whatever the micro-batches).
+        ``"seq-mean-token-sum-norm"`` without ``max_len`` divides by the response width, so there the response
+        columns are not trimmed (the prompts still are); with ``max_len`` the loss must pass it on (as
+        ``agg.loss_kwargs`` and ``agg.aggregate`` do).
         """
         assert self.model is not None, f"{self.setting}: no model loaded"
         mini_size = mini_batch_size or len(batch) * world()[1]
         global_tokens = uses_global_token_count(aggregation)
+        trim_responses = not (aggregation == "seq-mean-token-sum-norm" and max_len is None)
         acc = MetricAccumulator()
         self.model.train()
         for mini in minibatches(batch, mini_batch_size=mini_size, epochs=epochs):
             num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
-            for micro in mini.split(self.micro_batch_size):
+            for _, micro in self.micro_batches(mini, trim_responses=trim_responses):
                 agg = MicroBatchAggregation(aggregation, num_tokens, len(micro) / len(mini), max_len)
                 loss, metrics = loss_fn(micro, agg)
                 (loss * agg.scale).backward()
@@ -313,6 +443,21 @@ class TrainEngine:
         """
         assert self.model is not None
         return full_tensors(self.model, received)
+
+
+def _max_over_ranks(value: int) -> int:
+    """The largest ``value`` of all ranks (an all-reduce)."""
+    t = torch.tensor([value], dtype=torch.long, device=_reduce_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _pad_dim1(value: Tensor, width: int) -> Tensor:
+    """``value`` right-padded with 0 along dim 1 to ``width`` columns."""
+    missing = width - value.shape[1]
+    if missing <= 0:
+        return value
+    return torch.nn.functional.pad(value, [0, 0] * (value.dim() - 2) + [0, missing])
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -1,0 +1,219 @@
+"""Micro-batches without padding: trim the columns that are padding in every row, pack rows by a token budget,
+and balance rows over data-parallel ranks by their tokens.
+
+A rollout batch (see :mod:`lightning_rlhf.engines.train.forward`) pads every row to the widest prompt (on the left)
+and the longest response (on the right) of the *whole* batch. A training forward costs (rows x padded width)
+tokens, however many of them are real. These pure, deterministic functions remove that waste:
+
+- :func:`trim_padding` drops the leading prompt columns and the trailing response columns that are padding in
+  every row of a (micro-)batch. Position ids follow the attention mask, padded keys are masked out, and causal
+  attention never lets a real token see a later one, so the forward of the trimmed batch gives the same outputs at
+  every real token (up to float summation order).
+- :func:`plan_micro_batches` sorts rows by length and packs them greedily under a row cap and a padded-token budget,
+  so that rows of similar lengths share a micro-batch and trimming removes most of the padding.
+- :func:`split_to_count` splits a plan's costliest micro-batches until every rank runs as many forwards (FSDP's
+  collectives need that).
+- :func:`balanced_partition` splits rows into equal-size groups (one per rank) with balanced token sums, so no rank
+  waits for the one that got all the long responses. It lives in :mod:`lightning_rlhf.dispatch` (a leaf that may
+  import only :mod:`lightning_rlhf.batch`, and the controller's split uses it) and is re-exported here.
+
+Which columns are cut (the rule :func:`trim_padding` applies):
+
+- *prompt-aligned*: tensor columns whose name starts with ``"prompt"`` (``prompts``, ``prompt_mask``) and whose
+  dim 1 is the prompt width ``P``: their leading columns are cut;
+- *response-aligned*: every other tensor column with at least 2 dims whose dim 1 is the response width ``R``
+  (``responses``, ``response_mask``, ``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs``, ``values``,
+  ``cost_values``, ``token_rewards``, ``advantages``, ``returns``, ``cost_returns``, ``loss_mask``, ...): their
+  trailing columns are cut;
+- everything else (per-row tensors such as ``scores`` or ``uid``, list columns, ``meta``) is kept as it is.
+
+Prompt columns are recognised by name first, so a batch whose prompts and responses have the same width
+(``P == R``) is not misread. A column of some other meaning whose dim 1 happens to equal ``R`` would be cut too:
+name it ``prompt...`` or give it another width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.dispatch import balanced_partition
+
+__all__ = [
+    "balanced_partition",
+    "has_rollout_layout",
+    "plan_micro_batches",
+    "response_aligned",
+    "row_spans",
+    "split_to_count",
+    "trim_padding",
+]
+
+Lengths = Sequence[int] | Sequence[tuple[int, ...]]
+"""Per-row lengths: an int per row (one padded segment), or a tuple per row, one entry per segment that is padded
+on its own (prompt and response: ``(prompt_len, response_len)``)."""
+
+
+def has_rollout_layout(batch: Batch) -> bool:
+    """Whether ``batch`` has the rollout layout: 2-D ``prompts``/``prompt_mask`` ``[B, P]`` and
+    ``responses``/``response_mask`` ``[B, R]`` tensors.
+
+    Runs on: any process.
+    """
+    keys = ("prompts", "prompt_mask", "responses", "response_mask")
+    return all(key in batch.tensors and batch.tensors[key].dim() == 2 for key in keys)
+
+
+def _prompt_aligned(key: str, value: Tensor, prompt_width: int) -> bool:
+    return key.startswith("prompt") and value.dim() >= 2 and value.shape[1] == prompt_width
+
+
+def response_aligned(batch: Batch) -> list[str]:
+    """Names of the response-aligned tensor columns of a rollout batch (the rule in the module docstring).
+
+    Runs on: any process.
+    """
+    prompt_width = batch["prompt_mask"].shape[1]
+    width = batch["response_mask"].shape[1]
+    return [
+        key
+        for key, value in batch.tensors.items()
+        if value.dim() >= 2 and value.shape[1] == width and not _prompt_aligned(key, value, prompt_width)
+    ]
+
+
+def row_spans(batch: Batch) -> list[tuple[int, int]]:
+    """``(prompt span, response span)`` of each row of a rollout batch: the prompt columns from the row's first real
+    prompt token to the end, and the response columns up to and including its last real response token.
+
+    Runs on: any process. For the usual layout (left-padded prompts, right-padded responses) these are the numbers
+    of real tokens; a trimmed micro-batch is as wide as its widest spans.
+    """
+    prompt_mask = batch["prompt_mask"].bool()
+    response_mask = batch["response_mask"].bool()
+    width_p, width_r = prompt_mask.shape[1], response_mask.shape[1]
+    cols_p = torch.arange(width_p, device=prompt_mask.device)
+    cols_r = torch.arange(1, width_r + 1, device=response_mask.device)
+    first = torch.where(prompt_mask, cols_p, width_p).amin(dim=1) if width_p else torch.zeros(len(batch))
+    last = torch.where(response_mask, cols_r, 0).amax(dim=1) if width_r else torch.zeros(len(batch))
+    prompt_spans = (width_p - first).tolist()
+    return [(int(p), int(r)) for p, r in zip(prompt_spans, last.tolist(), strict=True)]
+
+
+def trim_padding(batch: Batch, *, responses: bool = True) -> Batch:
+    """``batch`` without the leading prompt columns and the trailing response columns that are padding in every row.
+
+    Runs on: any process (a worker, before each forward). At least one prompt and one response column stay (the
+    forward needs a position that predicts the first response token). Prompt-aligned columns lose their leading
+    columns, response-aligned ones their trailing columns (see the module docstring for the rule); other columns and
+    ``meta`` are kept. A batch without the rollout layout (an SFT batch, texts for a reward model) comes back as it
+    is.
+
+    Args:
+        batch: a rollout batch (or any batch).
+        responses: also cut the response columns; False cuts only the prompt side (for a loss whose result depends
+            on the response width, e.g. ``"seq-mean-token-sum-norm"`` without a fixed ``max_len``).
+    """
+    if not has_rollout_layout(batch) or not len(batch):
+        return batch
+    spans = row_spans(batch)
+    width_p, width_r = batch["prompt_mask"].shape[1], batch["response_mask"].shape[1]
+    keep_p = min(width_p, max(1, max(p for p, _ in spans)))
+    keep_r = min(width_r, max(1, max(r for _, r in spans))) if responses else width_r
+    if keep_p == width_p and keep_r == width_r:
+        return batch
+    resp_keys = set(response_aligned(batch)) if keep_r < width_r else set()
+    tensors: dict[str, Tensor] = {}
+    for key, value in batch.tensors.items():
+        if keep_p < width_p and _prompt_aligned(key, value, width_p):
+            value = value[:, width_p - keep_p :]
+        elif key in resp_keys:
+            value = value[:, :keep_r]
+        tensors[key] = value
+    return Batch(tensors, batch.columns, batch.meta)
+
+
+def _cost(rows: int, widths: list[int]) -> int:
+    return rows * sum(widths)
+
+
+def _as_tuples(lengths: Lengths) -> list[tuple[int, ...]]:
+    rows = [(x,) if isinstance(x, int) else tuple(x) for x in lengths]
+    for i, row in enumerate(rows):
+        if any(int(v) < 0 for v in row):
+            raise ValueError(f"lengths[{i}]={row} is negative. HINT: pass token counts (>= 0) per row.")
+    if len({len(r) for r in rows}) > 1:
+        raise ValueError("lengths mix rows of different segment counts. HINT: one int per row, or one tuple per row.")
+    return rows
+
+
+def plan_micro_batches(lengths: Lengths, *, max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Row indices of each micro-batch: rows sorted by length (stable: ties keep their order), packed greedily
+    into micro-batches of at most ``max_rows`` rows and at most ``max_tokens`` padded tokens.
+
+    Runs on: any process (every worker rank, on its own rows; deterministic). The padded tokens of a micro-batch are
+    its rows x its longest row; with tuple lengths (segments padded separately, e.g. ``(prompt, response)``) its
+    rows x the sum of each segment's longest, which is exactly what a forward of the trimmed micro-batch costs.
+    A row that alone costs more than ``max_tokens`` gets a micro-batch of its own. Every row is in exactly one
+    micro-batch; the indices in each are ascending by length.
+
+    Args:
+        lengths: per row, its length (int) or its segment lengths (tuple).
+        max_rows: rows per micro-batch at most (``AlgorithmConfig.micro_batch_size``).
+        max_tokens: padded tokens per micro-batch at most (``AlgorithmConfig.micro_batch_tokens``).
+    """
+    if max_rows < 1:
+        raise ValueError(f"plan_micro_batches: max_rows={max_rows} must be >= 1. HINT: micro_batch_size >= 1.")
+    if max_tokens < 1:
+        raise ValueError(f"plan_micro_batches: max_tokens={max_tokens} must be >= 1. HINT: micro_batch_tokens >= 1.")
+    rows = _as_tuples(lengths)
+    order = sorted(range(len(rows)), key=lambda i: sum(rows[i]))  # sorted() is stable
+    plan: list[list[int]] = []
+    current: list[int] = []
+    widths: list[int] = []
+    for i in order:
+        grown = [max(w, v) for w, v in zip(widths, rows[i], strict=True)] if current else list(rows[i])
+        if current and (len(current) + 1 > max_rows or _cost(len(current) + 1, grown) > max_tokens):
+            plan.append(current)
+            current, grown = [], list(rows[i])
+        current.append(i)
+        widths = grown
+    if current:
+        plan.append(current)
+    return plan
+
+
+def split_to_count(plan: list[list[int]], lengths: Lengths, count: int) -> list[list[int]]:
+    """``plan`` with its micro-batches split until there are ``count`` of them.
+
+    Runs on: every worker rank. FSDP makes every forward a collective, so all ranks must run the same number of
+    micro-batches; a rank whose plan is shorter than the longest one splits its costliest micro-batch (padded
+    tokens, see :func:`plan_micro_batches`; ties: the first) of two rows or more into halves (the first half gets
+    the extra row), until the counts agree. Splitting never raises a micro-batch's cost, so both caps still hold.
+    Deterministic.
+
+    Args:
+        plan: micro-batches of row indices (from :func:`plan_micro_batches`).
+        lengths: the lengths the plan was made from.
+        count: the number of micro-batches wanted (at least ``len(plan)``, at most the number of rows).
+    """
+    rows = _as_tuples(lengths)
+    total = sum(len(g) for g in plan)
+    if not len(plan) <= count <= total:
+        raise ValueError(
+            f"split_to_count: cannot turn {len(plan)} micro-batches of {total} rows into {count}. "
+            "HINT: every rank must hold the same number of rows (DP_SPLIT splits evenly)."
+        )
+    out = [list(g) for g in plan]
+
+    def cost(group: list[int]) -> int:
+        return _cost(len(group), [max(col) for col in zip(*(rows[i] for i in group), strict=True)])
+
+    while len(out) < count:
+        k = max((k for k in range(len(out)) if len(out[k]) > 1), key=lambda k: (cost(out[k]), -k))
+        half = (len(out[k]) + 1) // 2
+        out[k : k + 1] = [out[k][:half], out[k][half:]]
+    return out
