@@ -41,7 +41,7 @@ def moving_average(values: list[float], window: int) -> list[float]:
 def main() -> None:
     """Print the table and write the PNG. Runs on: the caller."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="LABEL=FOLDER")
+    p.add_argument("runs", nargs="+", help="LABEL=FOLDER (the last = splits)")
     p.add_argument("--png", default="docs/img/demo_curves.png")
     p.add_argument("--title", default="Demo task (GRPO, 2 processes): training reward")
     args = p.parse_args()
@@ -54,7 +54,7 @@ def main() -> None:
     print("| run | reward, first 10 steps | reward, last 10 steps | held-out score before -> after | step s (median) |")
     print("| --- | ---: | ---: | --- | ---: |")
     for spec in args.runs:
-        label, _, folder = spec.partition("=")
+        label, _, folder = spec.rpartition("=")
         s = read_run(folder)
         reward, val = s["critic/score/mean"], s.get("val/score/mean", [float("nan")])
         ax.plot(range(1, len(reward) + 1), moving_average(reward, 10), label=label)

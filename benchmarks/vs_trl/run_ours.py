@@ -116,7 +116,11 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=RLHFStrategy(args.rollout, param_dtype="bfloat16" if args.bf16 else None),
+        # 1 GiB of KV cache per vLLM engine: every sequence of a rank's batch fits at once up to P=256 on the small
+        # model (the 256 MiB default would generate the largest sweep points in waves); unused by the hf engine.
+        strategy=RLHFStrategy(
+            args.rollout, param_dtype="bfloat16" if args.bf16 else None, vllm={"kv_cache_memory_bytes": 1 << 30}
+        ),
         max_steps=args.steps,
         logger=(logger := CSVLogger(out_dir, name="ours", version=0)),
         callbacks=[StepEnds()],

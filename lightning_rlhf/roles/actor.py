@@ -331,7 +331,8 @@ class ActorRole(Role):
         device = self.train_engine.device
         width = max(2, int(micro["attention_mask"].sum(-1).max()))
         ids = micro["input_ids"][:, :width].to(device)
-        logits = self.model(input_ids=ids, attention_mask=micro["attention_mask"][:, :width].to(device)).logits
+        mask = micro["attention_mask"][:, :width].to(device)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         token_loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
         )

@@ -63,7 +63,9 @@ def forward_response(
     input_ids, attention_mask, position_ids = sequence_inputs(batch, device)
     prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     if output == "values":
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
         # The value of the state before response token t sits at the position that predicts t.
         return {"values": logits[:, -resp_len - 1 : -1, 0].float()}
     if prompt_len == 0:
@@ -73,8 +75,12 @@ def forward_response(
         )
     # Position p predicts token p + 1: the response tokens are predicted by positions P - 1 .. P + R - 2.
     keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=device)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep
+    logits = model(  # use_cache=False: a scoring forward must not build a KV cache (transformers' default does)
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=keep,
+        use_cache=False,
     ).logits
     if logits.shape[:2] != (input_ids.shape[0], resp_len):
         raise RuntimeError(
