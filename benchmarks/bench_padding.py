@@ -51,9 +51,7 @@ def build_model(root: str, name: str) -> str:
     ``tiny``: hidden 128, 2 layers, 4/2 heads, MLP 256 (the demo's shape); ``small``: hidden 256, 4 layers, 4/2 heads,
     head_dim 64, MLP 704. Vocabulary 512, room for 256 positions.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from lightning_rlhf.demo.tiny import build_tiny_tokenizer
+    from bench_models import save_qwen2  # benchmarks/bench_models.py
 
     shapes: dict[str, dict[str, Any]] = {
         "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "head_dim": 32},
@@ -61,23 +59,7 @@ def build_model(root: str, name: str) -> str:
     }
     if name not in shapes:
         raise SystemExit(f"--model={name!r} is unknown. HINT: choose tiny or small.")
-    path = os.path.join(root, name)
-    tok = build_tiny_tokenizer(path)
-    config = Qwen2Config(
-        vocab_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.04,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        **shapes[name],
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
-    return path
+    return save_qwen2(os.path.join(root, name), vocab_size=512, max_positions=256, **shapes[name])
 
 
 def ragged_rollout(rows: int, *, seed: int = 0) -> Batch:

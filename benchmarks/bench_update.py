@@ -52,9 +52,9 @@ CONFIGS = ("baseline", "entropy_nograd", "no_temp_copy", "chunked", "all")
 # ----------------------------------------------------------------------------------------------- models
 def build_models(root: str, names: list[str]) -> dict[str, str]:
     """Saves the requested models (and the tiny byte-level BPE tokenizer) under ``root``. Runs on: the parent."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from bench_models import save_qwen2  # benchmarks/bench_models.py
 
-    from lightning_rlhf.demo.tiny import build_tiny_tokenizer, save_tiny
+    from lightning_rlhf.demo.tiny import save_tiny
 
     paths: dict[str, str] = {}
     for name in names:
@@ -62,25 +62,15 @@ def build_models(root: str, names: list[str]) -> dict[str, str]:
         if name == "tiny":
             paths[name] = save_tiny(path, seed=0)
         elif name == "small":
-            tok = build_tiny_tokenizer(path)
-            config = Qwen2Config(
+            paths[name] = save_qwen2(
+                path,
                 vocab_size=4096,
+                max_positions=128,
                 hidden_size=256,
                 intermediate_size=704,
                 num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
                 head_dim=64,
-                max_position_embeddings=128,
-                tie_word_embeddings=True,
-                initializer_range=0.04,
-                pad_token_id=tok.pad_token_id,
-                bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id,
             )
-            torch.manual_seed(0)
-            Qwen2ForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
-            paths[name] = path
         else:
             raise SystemExit(f"--models: unknown model {name!r}. HINT: choose from tiny, small.")
     return paths
