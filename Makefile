@@ -12,7 +12,11 @@ QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-setup: $(STAMP)  ## Create .venv and install the project (CPU machines get the CPU build of torch)
+# Two commands started at once on a fresh machine (e.g. two `make demo`) must not install into .venv together:
+# the install runs under a lock, and the second command finds it done when it gets the lock.
+setup:  ## Create .venv and install the project (CPU machines get the CPU build of torch)
+	@if command -v flock >/dev/null 2>&1; then flock .setup.lock $(MAKE) --no-print-directory $(STAMP); \
+	else $(MAKE) --no-print-directory $(STAMP); fi
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
