@@ -1,4 +1,9 @@
-"""Rollouts with plain transformers ``generate``: the reference engine, and the one used where vLLM is absent.
+"""Rollouts on a transformers model: the reference engine, and the one used where vLLM is absent.
+
+Llama-family models (Qwen2, Qwen3, Llama, Mistral) are sampled with the engine's own loop
+(:mod:`~lightning_rlhf.engines.rollout.decode`: a preallocated key/value cache and an inverse-CDF sampler around
+the model's own modules, 2-3x faster than ``generate`` on small models); other architectures with transformers'
+``generate``. ``HFRolloutEngine(decode="generate")`` forces the latter.
 
 It keeps its own unsharded copy of the actor in inference layout, so each rank generates for its own prompts
 without any collective (ranks finish at different lengths without waiting for one another). After every
@@ -30,6 +35,7 @@ from lightning_rlhf.engines.rollout.base import (
     processed_logprobs,
     tied_aliases,
 )
+from lightning_rlhf.engines.rollout.decode import decode_loop_unsupported, sample_loop
 
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.reshard import Slicer
@@ -84,6 +90,9 @@ class HFRolloutEngine:
         generation_batch_size: prompts per ``generate`` call.
         dtype: dtype of the engine's copy (the training compute dtype, e.g. bfloat16 on GPUs); None keeps the
             actor's.
+        decode: ``"auto"`` samples with the engine's own loop (:mod:`~lightning_rlhf.engines.rollout.decode`)
+            where the model's architecture is one it knows, else with transformers' ``generate``; ``"generate"``
+            always uses ``generate``.
     """
 
     tp_size: int = 1
@@ -103,7 +112,10 @@ class HFRolloutEngine:
         device: torch.device,
         generation_batch_size: int = 64,
         dtype: torch.dtype | None = None,
+        decode: str = "auto",
     ) -> None:
+        if decode not in ("auto", "generate"):
+            raise ValueError(f"HFRolloutEngine(decode={decode!r}): expected 'auto' or 'generate'.")
         on_meta = any(p.is_meta for p in model.parameters())
         engine_model: Any = copy.deepcopy(model)
         if on_meta:
@@ -132,6 +144,16 @@ class HFRolloutEngine:
         self.eos_token_id = eos_token_id
         self.device = device
         self.generation_batch_size = generation_batch_size
+        self.decode = decode
+        """``"auto"`` or ``"generate"`` (see the class arguments)."""
+
+    def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
+        """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
+        ``generate``. Runs on: worker."""
+        if self.decode != "auto" or not prompts or any(not p for p in prompts):
+            return False
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        return decode_loop_unsupported(self.model, max_length=longest) is None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker.
@@ -172,21 +194,27 @@ class HFRolloutEngine:
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         devices = [self.device] if self.device.type == "cuda" else []
+        loop = self.decodes_with_loop(prompts, params)
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             torch.manual_seed(params.seed)
             for start in range(0, len(prompts), self.generation_batch_size):
                 chunk = prompts[start : start + self.generation_batch_size]
-                ids, mask = self._left_pad(chunk)
-                recorder = _TokenLogprobs(params)
-                out = self.model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    generation_config=config,
-                    logits_processor=LogitsProcessorList([recorder]),
-                )
-                generated = out[:, ids.shape[1] :]
-                token_lps = recorder.result(generated).tolist()
-                for row, lps in zip(generated.tolist(), token_lps, strict=True):
+                if loop:
+                    generated, token_lps = sample_loop(
+                        self.model, chunk, params, stops=stops, pad_token_id=self.pad_token_id, device=self.device
+                    )
+                else:
+                    ids, mask = self._left_pad(chunk)
+                    recorder = _TokenLogprobs(params)
+                    out = self.model.generate(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        generation_config=config,
+                        logits_processor=LogitsProcessorList([recorder]),
+                    )
+                    generated = out[:, ids.shape[1] :]
+                    token_lps = recorder.result(generated)
+                for row, lps in zip(generated.tolist(), token_lps.float().cpu().tolist(), strict=True):
                     response = _cut_at_stop(row, stops)
                     responses.extend(list(response) for _ in range(copies))
                     logprobs.extend(lps[: len(response)] for _ in range(copies))

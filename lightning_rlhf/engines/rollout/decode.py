@@ -1,0 +1,235 @@
+"""A lean sampling loop for Llama-family decoders: the transformers engine's fast path.
+
+transformers' ``generate`` spends most of a small model's decoding step outside the model's matmuls: a growing
+``DynamicCache`` concatenated at every step, grouped-query keys and values copied per head group (``repeat_kv``),
+a 4-D mask rebuilt per step, and ``torch.multinomial`` on CPU (an exponential draw per vocabulary entry, ~6 ms for
+64 x 4,096 logits). This loop runs the model's own modules (embedding, norms, projections, MLP, rotary embedding,
+head) and replaces only the attention's plumbing and the sampler:
+
+- one preallocated key/value buffer per layer, ``[sequences, kv_heads, prompt + new tokens, head_dim]``, written
+  in place, with an additive float mask that hides left padding and positions not written yet;
+- grouped-query attention as a batched matmul of ``[kv_heads, group, head_dim]`` queries against the shared keys
+  (no copies), softmax in float32 as transformers' eager attention does;
+- the prompt is run once per distinct prompt and its cache repeated for the ``n`` samples;
+- sampling by inverse CDF: one uniform draw per sequence and a ``searchsorted`` in the cumulative distribution.
+
+Models it serves (:func:`decode_loop_unsupported` says why not, and the engine falls back to ``generate``): causal
+LMs whose ``config.model_type`` is one of :data:`MODEL_TYPES` and whose layers have the standard structure, without
+a sliding window shorter than the sequence. What is sampled follows :class:`SamplingParams` exactly as the
+``generate`` path does: the same logits processing (stop tokens masked until ``min_new_tokens``, then
+:func:`processed_logprobs`), stop handling and greedy copies; only the random stream differs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
+
+__all__ = ["MODEL_TYPES", "decode_loop_unsupported", "sample_loop"]
+
+MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+"""``config.model_type`` values whose decoder layers the loop knows: pre-norm, rotary, grouped-query attention,
+gated MLP (Qwen3's per-head query/key norms included)."""
+
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+_BODY_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def decode_loop_unsupported(model: Any, *, max_length: int) -> str | None:
+    """Why :func:`sample_loop` cannot run ``model`` for sequences of up to ``max_length`` tokens; None when it can.
+
+    Runs on: worker (the transformers engine asks before every ``generate``; the answer is cheap).
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {sorted(MODEL_TYPES)}"
+    body = getattr(model, "model", None)
+    if body is None or getattr(model, "lm_head", None) is None or any(not hasattr(body, p) for p in _BODY_PARTS):
+        return "the model has no `model.{embed_tokens,layers,norm,rotary_emb}` and `lm_head`"
+    for layer in body.layers:
+        if any(not hasattr(layer, p) for p in _LAYER_PARTS):
+            return f"a decoder layer lacks one of {_LAYER_PARTS}"
+        attn = layer.self_attn
+        if any(not hasattr(attn, p) for p in (*_ATTENTION_PARTS, "head_dim", "scaling")):
+            return f"an attention module lacks one of {_ATTENTION_PARTS} / head_dim / scaling"
+        window = getattr(attn, "sliding_window", None)
+        if window is not None and window < max_length:
+            return f"sliding window {window} < sequence length {max_length}"
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        return "logit soft-capping"
+    return None
+
+
+def _left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = True
+    return ids.to(device), mask.to(device)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Cache:
+    """Keys and values of every layer, ``[rows, kv_heads, capacity, head_dim]``, and the additive attention mask
+    ``[rows, 1, 1, 1, capacity]`` (0 where a written, non-padding position is visible, -inf elsewhere)."""
+
+    def __init__(self, model: Any, rows: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        layers = model.model.layers
+        attn = layers[0].self_attn
+        kv_heads = model.config.num_key_value_heads
+        shape = (rows, kv_heads, capacity, attn.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        self.bias = torch.full((rows, 1, 1, 1, capacity), -math.inf, dtype=torch.float32, device=device)
+
+    def repeat(self, n: int) -> _Cache:
+        """Every row ``n`` times, consecutively (the samples of one prompt stay together)."""
+        if n == 1:
+            return self
+        out = object.__new__(_Cache)
+        out.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]
+        out.values = [v.repeat_interleave(n, dim=0) for v in self.values]
+        out.bias = self.bias.repeat_interleave(n, dim=0)
+        return out
+
+
+def _forward(model: Any, cache: _Cache, ids: Tensor, positions: Tensor, start: int, bias: Tensor) -> Tensor:
+    """Run ``ids`` ``[rows, q]`` (written at cache slots ``start .. start+q-1``) through the model; returns the last
+    position's logits ``[rows, vocab]``. ``bias`` ``[rows, 1, 1, q, capacity]`` is added to the attention scores
+    (0: visible, -inf: hidden)."""
+    body = model.model
+    rows, q = ids.shape
+    x = body.embed_tokens(ids)
+    cos, sin = body.rotary_emb(x, positions)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, q, head_dim]
+    for i, layer in enumerate(body.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        d = attn.head_dim
+        query = attn.q_proj(h).view(rows, q, -1, d)
+        key = attn.k_proj(h).view(rows, q, -1, d)
+        value = attn.v_proj(h).view(rows, q, -1, d)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMS norms before the rotation
+            query, key = attn.q_norm(query), attn.k_norm(key)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        keys, values = cache.keys[i], cache.values[i]
+        keys[:, :, start : start + q] = key
+        values[:, :, start : start + q] = value
+        kv_heads = keys.shape[1]
+        # The queries of a key/value head's group share its keys: one [group * q, d] x [d, capacity] product
+        # per (row, kv head), with no copy of the keys per query head.
+        grouped = query.reshape(rows, kv_heads, -1, d)  # [rows, kv_heads, group * q, d]
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * attn.scaling
+        scores = scores.view(rows, kv_heads, -1, q, scores.shape[-1]).float() + bias  # [.., group, q, capacity]
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(rows, kv_heads, -1, scores.shape[-1])
+        out = torch.matmul(probs, values)  # [rows, kv_heads, group * q, d]
+        out = out.view(rows, -1, q, d).transpose(1, 2).reshape(rows, q, -1)
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(body.norm(x[:, -1]))
+
+
+def _pick(scores: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+    """One token per row and its log-prob, both ``[rows]``, from ``scores`` ``[rows, vocab]`` (float32 logits, stop
+    tokens already masked while ``min_new_tokens`` holds them back).
+
+    The argmax when greedy; otherwise a draw by inverse CDF from :func:`processed_logprobs`' distribution: one
+    uniform per row and a ``searchsorted`` (``right=True`` never lands on a zero-probability token; a draw that float
+    rounding pushes past the last positive entry takes the argmax). Without top-k/top-p the distribution is the
+    softmax at the sampling temperature, computed in three passes over the logits instead of five.
+    """
+    if params.is_greedy:
+        lp = processed_logprobs(scores, temperature=params.sampling_temperature)
+        token = lp.argmax(dim=-1)
+        return token, lp.gather(1, token[:, None]).squeeze(1)
+    if params.top_k or params.top_p < 1:
+        lp = processed_logprobs(scores, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        cdf = lp.exp().cumsum(dim=-1)
+        norm: Tensor | float = 0.0  # lp is normalised already
+    else:
+        lp = scores / params.temperature if params.temperature != 1 else scores
+        peak = lp.amax(dim=-1, keepdim=True)
+        cdf = (lp - peak).exp_().cumsum_(dim=-1)
+        norm = peak + cdf[:, -1:].log()  # log-sum-exp: log-prob = logit - norm
+    u = torch.rand((cdf.shape[0], 1), device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    token = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
+    picked = lp.gather(1, token[:, None])
+    if bool((picked == -math.inf).any()):
+        token = torch.where((picked == -math.inf).squeeze(1), lp.argmax(dim=-1), token)
+        picked = lp.gather(1, token[:, None])
+    return token, (picked - norm).squeeze(1)
+
+
+@torch.inference_mode()
+def sample_loop(
+    model: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    stops: set[int],
+    pad_token_id: int,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """Sample one response per prompt (greedy) or ``params.n`` per prompt, consecutively.
+
+    Runs on: worker (inside :meth:`HFRolloutEngine.generate`, under its seeded RNG). Every prompt must hold at
+    least one token. Returns ``(tokens, logprobs)``, both ``[rows, steps]``: rows that stopped early continue with
+    junk after their stop token (callers cut at the first stop), ``steps <= params.max_new_tokens`` (the loop ends
+    when every row has stopped).
+    """
+    greedy = params.is_greedy
+    n = 1 if greedy else params.n
+    ids, mask = _left_pad(prompts, pad_token_id, device)
+    rows, width = ids.shape
+    capacity = width + params.max_new_tokens
+    dtype = next(model.parameters()).dtype
+    cache = _Cache(model, rows, capacity, dtype, device)
+    cache.bias[:, 0, 0, 0, :width].masked_fill_(mask, 0.0)
+    positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)  # as transformers' generate: padding takes no position
+    # The prompt pass: a query sees the prompt's tokens up to its own slot, and always itself (a padding query
+    # would otherwise see nothing, and the NaN of its softmax would reach the next layers' keys).
+    slots = torch.arange(capacity, device=device)
+    query_slots = slots[:width, None]
+    seen = (slots[None, :] <= query_slots) & torch.nn.functional.pad(mask, (0, capacity - width))[:, None, :]
+    seen |= slots[None, :] == query_slots
+    prompt_bias = torch.zeros(seen.shape, device=device).masked_fill_(~seen, -math.inf)[:, None, None]
+    logits = _forward(model, cache, ids, positions, 0, prompt_bias)
+    if n > 1:
+        cache = cache.repeat(n)
+        logits = logits.repeat_interleave(n, dim=0)
+        positions = positions.repeat_interleave(n, dim=0)
+    position = positions[:, -1:]
+    stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+    done = torch.zeros(rows * n, dtype=torch.bool, device=device)
+    tokens: list[Tensor] = []
+    logprobs: list[Tensor] = []
+    for step in range(params.max_new_tokens):
+        scores = logits.float()
+        if step < params.min_new_tokens:
+            scores[:, stop_ids] = -math.inf
+        token, logprob = _pick(scores, params)
+        tokens.append(token)
+        logprobs.append(logprob)
+        done |= torch.isin(token, stop_ids)
+        if step + 1 == params.max_new_tokens or bool(done.all()):
+            break
+        slot = width + step
+        cache.bias[:, :, :, :, slot] = 0.0
+        position = position + 1
+        logits = _forward(model, cache, token[:, None], position, slot, cache.bias)
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)

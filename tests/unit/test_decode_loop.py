@@ -1,0 +1,149 @@
+"""The transformers engine's own sampling loop (engines/rollout/decode.py): the same tokens as transformers'
+``generate`` where both are deterministic, the trainer's log-probs where they sample, the right distribution, and
+the fall-back to ``generate`` for architectures it does not know."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
+from lightning_rlhf.engines.rollout.base import processed_logprobs
+from lightning_rlhf.engines.rollout.decode import _pick, decode_loop_unsupported, sample_loop
+
+CPU = torch.device("cpu")
+SHAPE = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def llama_family() -> list[torch.nn.Module]:
+    """One random model of each architecture the loop serves (grouped-query attention, Qwen2's biases, Qwen3's
+    per-head norms, Llama's untied head)."""
+    models: list[torch.nn.Module] = []
+    for config_cls, model_cls in ((Qwen2Config, Qwen2ForCausalLM), (LlamaConfig, LlamaForCausalLM)):
+        torch.manual_seed(0)
+        models.append(model_cls(config_cls(**SHAPE, pad_token_id=0, eos_token_id=1)))
+    torch.manual_seed(0)
+    models.append(Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=8, pad_token_id=0, eos_token_id=1)))
+    return [m.eval() for m in models]
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18], [19]]  # left padding of 0 to 5 tokens
+
+
+@pytest.mark.parametrize("index", range(3), ids=["qwen2", "llama", "qwen3"])
+def test_greedy_tokens_are_transformers_greedy_for_padded_prompts(index: int) -> None:
+    model = llama_family()[index]
+    assert decode_loop_unsupported(model, max_length=30) is None
+    params = SamplingParams(n=1, max_new_tokens=12, min_new_tokens=12, greedy=True)
+    tokens, logprobs = sample_loop(model, PROMPTS, params, stops={1}, pad_token_id=0, device=CPU)
+    for row, prompt in enumerate(PROMPTS):  # each prompt alone: no padding on transformers' side
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+        assert tokens[row].tolist() == out[0, len(prompt) :].tolist()
+    assert bool((logprobs <= 0).all()) and bool(torch.isfinite(logprobs).all())
+
+
+@pytest.mark.parametrize("index", range(3), ids=["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("cut", [{}, {"top_k": 5}], ids=["full", "top_k"])
+def test_sampled_log_probs_are_those_of_a_full_forward(index: int, cut: dict[str, int]) -> None:
+    model = llama_family()[index]
+    params = SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=0, **cut)
+    torch.manual_seed(0)
+    tokens, logprobs = sample_loop(model, PROMPTS, params, stops={1}, pad_token_id=0, device=CPU)
+    assert tokens.shape == logprobs.shape == (len(PROMPTS) * 3, 10)
+    with torch.no_grad():
+        for row in range(tokens.shape[0]):
+            prompt = PROMPTS[row // 3]  # the samples of one prompt are consecutive
+            response = tokens[row].tolist()
+            if 1 in response:
+                response = response[: response.index(1) + 1]
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+            expected = processed_logprobs(logits, temperature=0.7, **cut).gather(1, torch.tensor(response)[:, None])
+            torch.testing.assert_close(logprobs[row, : len(response)], expected[:, 0], atol=2e-5, rtol=0)
+
+
+def test_samples_follow_the_distribution_and_never_draw_a_cut_token() -> None:
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    scores = probs.log().expand(40_000, -1).clone()  # 40,000 rows: one draw each
+    token, logprob = _pick(scores, SamplingParams(temperature=1.0))
+    freq = torch.bincount(token, minlength=5).float() / token.numel()
+    assert torch.allclose(freq, probs, atol=0.01)  # 4 sigma of a binomial at 40,000 draws is < 0.01
+    assert torch.allclose(logprob, probs.log()[token])
+    token, logprob = _pick(scores, SamplingParams(temperature=1.0, top_k=2))
+    freq = torch.bincount(token, minlength=5).float() / token.numel()
+    assert freq[2:].sum() == 0 and abs(float(freq[0]) - 0.5 / 0.8) < 0.01
+    assert torch.allclose(logprob, (probs[:2] / 0.8).log()[token])
+    token, _ = _pick(scores, SamplingParams(temperature=0.5))  # sharper: p^2 renormalised
+    sharp = probs**2 / (probs**2).sum()
+    assert torch.allclose(torch.bincount(token, minlength=5).float() / token.numel(), sharp, atol=0.01)
+
+
+def test_the_loop_stops_when_every_row_has_stopped() -> None:
+    model = llama_family()[0]
+    params = SamplingParams(n=1, max_new_tokens=12, greedy=True)
+    first, _ = sample_loop(model, PROMPTS[:1], params, stops=set(), pad_token_id=0, device=CPU)
+    stop = int(first[0, 2])  # the third greedy token: a stop token there ends the only row
+    tokens, _ = sample_loop(model, PROMPTS[:1], params, stops={stop}, pad_token_id=0, device=CPU)
+    cut = first[0].tolist().index(stop) + 1
+    assert tokens.shape[1] == cut and tokens[0].tolist() == first[0, :cut].tolist()
+
+
+def test_engine_samples_the_same_responses_with_either_loop_when_greedy(demo_model: str) -> None:
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    model = AutoModelForCausalLM.from_pretrained(demo_model)
+    kw = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "device": CPU}
+    loop, generate = HFRolloutEngine(model, **kw), HFRolloutEngine(model, decode="generate", **kw)
+    prompts = [tok(p)["input_ids"] for p in ("3+4=", "12+9=", "1+1=")]
+    params = SamplingParams(n=2, max_new_tokens=6, greedy=True)
+    assert loop.decodes_with_loop(prompts, params) and not generate.decodes_with_loop(prompts, params)
+    a, b = loop.generate(prompts, params), generate.generate(prompts, params)
+    assert a.responses == b.responses and len(a.responses) == 6
+    for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+        assert max(abs(u - v) for u, v in zip(x, y, strict=True)) < 1e-5
+    sampled = loop.generate(prompts, SamplingParams(n=4, max_new_tokens=6, seed=3))
+    assert sampled.responses == loop.generate(prompts, SamplingParams(n=4, max_new_tokens=6, seed=3)).responses
+
+
+def test_other_architectures_fall_back_to_generate() -> None:
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
+    assert "model_type 'gpt2'" in (decode_loop_unsupported(gpt2, max_length=20) or "")
+    engine = HFRolloutEngine(gpt2, pad_token_id=0, eos_token_id=1, device=CPU)
+    params = SamplingParams(n=2, max_new_tokens=5, min_new_tokens=5, seed=0)
+    assert not engine.decodes_with_loop(PROMPTS, params)
+    out = engine.generate(PROMPTS, params)
+    assert [len(r) for r in out.responses] == [5] * 8
+    assert all(math.isfinite(v) for lps in out.logprobs or [] for v in lps)
+    window = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    assert "sliding window" in (decode_loop_unsupported(window, max_length=20) or "")
+    with pytest.raises(ValueError, match="decode='fast'"):
+        HFRolloutEngine(gpt2, pad_token_id=0, eos_token_id=1, device=CPU, decode="fast")
