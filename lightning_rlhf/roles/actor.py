@@ -162,10 +162,10 @@ class ActorRole(Role):
 
     def sync_weights(self) -> tuple[float, int]:
         """Hand the latest actor weights to the engine (if they changed, or the engine lost its own), streamed
-        one parameter at a time out of the FSDP shards: full tensors, or, for a tensor-parallel vLLM engine,
-        only the slices this rank's engine loads.
+        one parameter at a time out of the FSDP shards: full tensors (gathered in buckets), or, for a
+        tensor-parallel vLLM engine, only the slices this rank's engine loads.
 
-        Runs on: every worker rank (each ``full_tensor`` is an all-gather, in the same order everywhere).
+        Runs on: every worker rank (the gathers are collectives, in the same order everywhere).
         Returns ``(seconds, bytes this rank received from the other ranks)``.
         """
         engine = self.rollout_engine

@@ -60,3 +60,16 @@ def test_exchange_moves_only_what_is_not_local() -> None:
     # bytes received per case (float32): all-gather, aligned rows, column blocks, straddling rows
     assert lines[0][1:] == ["0", str(3 * 6 * 4), "0", str(3 * 3 * 4), "0"]
     assert lines[1][1:] == ["1", str(4 * 6 * 4), "0", str(4 * 3 * 4), str(1 * 6 * 4)]
+
+
+def test_full_tensors_gathers_buckets_of_shards_exactly() -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*cmd, str(SCRIPTS / "gather_check.py")], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0, failure_text(proc)
+    lines = sorted(line.split() for line in proc.stdout.splitlines() if line.startswith("OK"))
+    assert [line[1] for line in lines] == ["0", "1"]
+    # each rank receives every element it does not hold: over both ranks, each element once (float32: 4 bytes)
+    received, numel = [int(line[2]) for line in lines], int(lines[0][3])
+    assert sum(received) == 4 * numel and min(received) > 0

@@ -247,5 +247,5 @@ def weights_for(
     from lightning_rlhf.engines.train import full_tensors
 
     if engine.slicer is None:
-        return full_tensors(model, received)
+        return full_tensors(model, received, dtype=engine.dtype)
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)

@@ -1,0 +1,58 @@
+"""Checks ``full_tensors`` (bucketed all-gathers of FSDP2 shards) under torchrun with 2 processes; the test
+launches it.
+
+A tiny Qwen2 model sharded as the trainer shards it, plus parameters whose rows split unevenly (5 rows: 3 + 2;
+1 row: 1 + 0): every bucket size must give exactly ``full_tensor()`` of each parameter, in ``named_parameters()``
+order, cast when asked, with the bytes received counted. Prints
+``OK <rank> <float32 bytes received> <elements in the model>`` at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lightning_rlhf.engines.train import full_tensors, shard_model
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=67, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    model.register_parameter("odd", nn.Parameter(torch.randn(5, 3)))
+    model.register_parameter("single", nn.Parameter(torch.randn(1, 4)))
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    shard_model(model, mesh)
+    got = []
+    for bucket_bytes in (1, 200, 64 << 20):  # one parameter per bucket, several, all in one
+        for dtype in (None, torch.bfloat16):
+            received = [0]
+            stream = list(full_tensors(model, received, dtype=dtype, bucket_bytes=bucket_bytes))
+            assert [n for n, _ in stream] == list(expected), [n for n, _ in stream]
+            for name, tensor in stream:
+                want = expected[name] if dtype is None else expected[name].to(dtype)
+                assert tensor.dtype == want.dtype and torch.equal(tensor, want), (name, bucket_bytes, dtype)
+            got.append(received[0])
+    assert len(set(got[0::2])) == 1 and len(set(got[1::2])) == 1 and got[0] == 2 * got[1], got
+    numel = sum(t.numel() for t in expected.values())
+    sys.stdout.write(f"OK {rank} {got[0]} {numel}\n")
+    sys.stdout.flush()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # as reshard_check.py: no interpreter finalisation under gloo's threads
+
+
+if __name__ == "__main__":
+    main()
