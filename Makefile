@@ -66,7 +66,7 @@ $(TRL_VENV)/.installed:
 # without an active exception") after a successful run: an exit-time race to fix before parallel runs are the default.
 PYTEST_WORKERS ?= 0
 test: setup lint typecheck docs  ## Lint, type-check, build the docs (strict) and run the whole test suite
-	$(BIN)/python -m pytest -q tests -n $(PYTEST_WORKERS) --dist load --basetemp="$(CURDIR)/.pytest_tmp"
+	$(BIN)/python -m pytest -q tests -n $(PYTEST_WORKERS) --dist load --durations=15 --basetemp="$(CURDIR)/.pytest_tmp"
 
 unit: setup  ## Only the fast unit tests
 	$(BIN)/python -m pytest -q tests/unit --basetemp="$(CURDIR)/.pytest_tmp"
