@@ -5,6 +5,7 @@
     lightning-rlhf fit --config recipes/demo.yaml --print_config              # every key, with its value
     lightning-rlhf export CKPT OUT [--dtype bfloat16] [--base MODEL]          # actor -> transformers folder
     lightning-rlhf sft --config recipes/sft_demo.yaml [--ckpt_path CKPT]      # supervised warm start (SFTModule)
+    lightning-rlhf plan --config recipes/ppo.yaml --devices 64 --device-type h100  # where each role should run
 
 ``python -m lightning_rlhf.cli`` is the same command. The strategy defaults to ``RLHFStrategy`` and metrics are
 logged every step; ``ExportActor`` writes the actor to ``<run folder>/actor`` when ``fit`` ends (settings under
@@ -347,6 +348,15 @@ def main(args: list[str] | None = None) -> None:
         parsed = export_parser().parse_args(argv[1:])
         out = export_checkpoint(parsed.checkpoint, parsed.out, dtype=parsed.dtype, base=parsed.base)
         print(f"exported: {os.path.abspath(out)}")
+        return
+    if argv[:1] == ["plan"]:
+        from lightning_rlhf.planner import InfeasiblePlacementError
+        from lightning_rlhf.planner import main as plan_main
+
+        try:
+            plan_main(argv[1:])
+        except InfeasiblePlacementError as err:
+            raise SystemExit(f"lightning-rlhf plan: {err}") from None
         return
     if argv[:1] == ["sft"]:
         SFTCLI(argv[1:])

@@ -1,0 +1,622 @@
+"""Auto-mapping: choose where each role runs from a cost model (HybridFlow's third idea, issue 12).
+
+A *placement* splits the roles of a dataflow into groups. The roles of a group are colocated: they time-share
+the same devices. Each group gets a pool of its own, and pools are disjoint. Roles on disjoint pools can run
+their calls of one stage at the same time. Roles that share a pool run them one after another. The planner
+enumerates:
+
+1. every set partition of the roles (which roles to colocate);
+2. for each, every split of the devices into pools (in units of a node, coarsened for large clusters);
+3. for each, the actor's rollout tensor-parallel size (its replicas fill the actor's pool).
+
+For each candidate it predicts the memory of every pool and the time of every stage of the dataflow, and it
+returns the fastest plan that fits. Training roles are FSDP-sharded over their whole pool.
+
+The cost model:
+
+- Compute: FLOPs / (devices x peak x efficiency).
+  - Training is 6 x parameters x tokens, plus causal attention.
+  - Forwards and prefill are 2 x parameters x tokens.
+  - Decoding is the larger of compute and reading the weights and the KV cache from memory, per decoding step.
+  - Tensor parallelism adds two all-reduces per layer per decoding step.
+- Communication: FSDP's all-gathers and reduce-scatter, overlapped with compute (the step takes the longer of
+  the two), over NVLink inside a node and over the network across nodes.
+- Memory, per device:
+  - a trainable role holds 16 bytes per parameter over its pool (float32 weights, gradients, two Adam moments);
+  - a frozen role holds 2 bytes per parameter (bfloat16);
+  - the rollout engine holds 2 bytes per parameter over its tensor-parallel group, plus the KV cache in
+    whatever memory is left; the KV cache bounds how many sequences decode at once (more waves when it is
+    small).
+
+The constants come from published datasheets for GPUs (:data:`HARDWARE`) or from this machine's measured
+matmul peak and memory bandwidth (:func:`cpu_hardware`).
+
+What is not modelled yet:
+
+- offloading (optimizer state moved to host memory while the engine generates);
+- pipeline parallelism;
+- asynchronous (off-policy) stages;
+- the calibration of the efficiency factors against measured runs. The GPU factors are the usual
+  large-model figures, and they are a planner's assumptions, not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DATAFLOWS",
+    "HARDWARE",
+    "KNOWN_SHAPES",
+    "MODELS",
+    "Hardware",
+    "InfeasiblePlacementError",
+    "ModelShape",
+    "Plan",
+    "Workload",
+    "cpu_hardware",
+    "dataflow_for",
+    "device_splits",
+    "plan",
+    "predict",
+    "recipe_inputs",
+    "set_partitions",
+    "shape_of",
+]
+
+GB = 1e9
+
+
+class InfeasiblePlacementError(ValueError):
+    """No placement fits in memory, or a given placement is invalid; the message names the setting to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device type, as the cost model sees it. Runs on: any process (plain data)."""
+
+    name: str
+    flops: float
+    """Dense bfloat16 peak, FLOP/s per device."""
+    memory: float
+    """Bytes per device."""
+    hbm_bw: float
+    """Device memory bandwidth, bytes/s."""
+    intra_bw: float
+    """Bytes/s per device to the other devices of its node (NVLink)."""
+    inter_bw: float
+    """Bytes/s per device across nodes (the network)."""
+    devices_per_node: int
+    train_eff: float = 0.45
+    """Fraction of the peak a training step reaches (MFU)."""
+    forward_eff: float = 0.55
+    """Fraction of the peak a no-grad forward or a prefill reaches."""
+    bw_eff: float = 0.7
+    """Fraction of the memory bandwidth decoding reaches."""
+    latency_s: float = 10e-6
+    """Latency of one collective."""
+    usable_memory: float = 0.9
+    """Fraction of the memory plans may use (allocator fragmentation, buffers)."""
+
+    def bandwidth(self, devices: int) -> float:
+        """Collective bandwidth per device of a group of ``devices``. Runs on: any process."""
+        return self.intra_bw if devices <= self.devices_per_node else self.inter_bw
+
+
+# Datasheet figures (dense bfloat16 tensor-core peak, memory, HBM bandwidth, NVLink per GPU per direction,
+# network per GPU). A100 80GB SXM: 312 TFLOP/s, 2.04 TB/s, NVLink 3 (300 GB/s), 200 Gb/s InfiniBand per GPU.
+# H100 SXM: 989.5 TFLOP/s, 3.35 TB/s, NVLink 4 (450 GB/s), 400 Gb/s per GPU. H200 SXM: H100's compute, 141 GB at
+# 4.8 TB/s.
+HARDWARE: dict[str, Hardware] = {
+    "a100": Hardware("a100", flops=312e12, memory=80 * GB, hbm_bw=2.04e12, intra_bw=300e9, inter_bw=25e9,
+                     devices_per_node=8),
+    "h100": Hardware("h100", flops=989.5e12, memory=80 * GB, hbm_bw=3.35e12, intra_bw=450e9, inter_bw=50e9,
+                     devices_per_node=8),
+    "h200": Hardware("h200", flops=989.5e12, memory=141 * GB, hbm_bw=4.8e12, intra_bw=450e9, inter_bw=50e9,
+                     devices_per_node=8),
+}  # fmt: skip
+"""Device types by name, from published specifications."""
+
+
+def cpu_hardware(
+    *, flops: float, memcpy_bw: float, memory: float, processes: int, collective_bw: float | None = None
+) -> Hardware:
+    """This machine as a pool of ``processes`` CPU workers, from measured figures: ``flops`` (one process's
+    matmul rate), ``memcpy_bw`` (bytes/s), ``memory`` (bytes per process).
+
+    Runs on: any process. ``collective_bw`` defaults to half the memcpy bandwidth (gloo copies through shared
+    memory twice). CPU kernels on small shapes reach less of the peak than GPUs do: training 0.7, forward 0.6.
+    """
+    bw = collective_bw if collective_bw is not None else memcpy_bw / 2
+    return Hardware(
+        "cpu", flops=flops, memory=memory, hbm_bw=memcpy_bw, intra_bw=bw, inter_bw=bw,
+        devices_per_node=processes, train_eff=0.7, forward_eff=0.6, bw_eff=1.0, latency_s=200e-6,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's shape (Llama family: gated MLP, grouped-query attention)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @property
+    def params(self) -> float:
+        """Parameter count (untied embedding and head). Runs on: any process."""
+        head_dim = self.hidden // self.heads
+        attn = self.hidden * head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp + 2 * self.hidden) + 2 * self.vocab * self.hidden + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> float:
+        """Bytes of keys and values one token keeps in the KV cache. Runs on: any process."""
+        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * dtype_bytes
+
+
+MODELS: dict[str, ModelShape] = {
+    "7b": ModelShape(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000),
+    "13b": ModelShape(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32000),
+    "34b": ModelShape(layers=48, hidden=8192, intermediate=22016, heads=64, kv_heads=8, vocab=32000),
+    "70b": ModelShape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=32000),
+}
+"""Llama 2 7B and 13B, Code Llama 34B and Llama 2 70B shapes (the model sizes HybridFlow's evaluation uses)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One RL step's work: ``prompts`` x ``n`` sequences of ``prompt_len`` + ``response_len`` tokens."""
+
+    prompts: int = 1024
+    n: int = 1
+    prompt_len: int = 1024
+    response_len: int = 1024
+    micro_tokens: int = 16384
+    """Tokens per training micro-batch and device (activation memory)."""
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per step. Runs on: any process."""
+        return self.prompts * self.n
+
+    @property
+    def tokens(self) -> int:
+        """Prompt + response tokens per step. Runs on: any process."""
+        return self.sequences * (self.prompt_len + self.response_len)
+
+
+Call = tuple[str, str]
+"""``(role, kind)``, kind one of ``generate``, ``forward``, ``train``."""
+TRAINABLE = frozenset({"actor", "critic"})
+ROLES = ("actor", "critic", "reference", "reward")
+
+
+def dataflow_for(roles: Sequence[str]) -> list[list[Call]]:
+    """The stages of a step with these model roles: the actor generates; the reference, reward model and critic
+    score the rollout (independent calls: one stage); the actor and the critic update (both read only the scored
+    batch: one stage). Runs on: any process. Raises :class:`InfeasiblePlacementError` without an actor or for an
+    unknown role."""
+    unknown = sorted(set(roles) - set(ROLES))
+    if "actor" not in roles or unknown:
+        raise InfeasiblePlacementError(
+            f"roles {list(roles)}: need 'actor' and only roles of {list(ROLES)} (unknown: {unknown})."
+        )
+    score = [(r, "forward") for r in ("reference", "reward", "critic") if r in roles]
+    train = [(r, "train") for r in ("actor", "critic") if r in roles]
+    return [stage for stage in ([("actor", "generate")], score, train) if stage]
+
+
+DATAFLOWS: dict[str, list[list[Call]]] = {
+    "ppo": dataflow_for(ROLES),
+    "grpo": dataflow_for(("actor", "reference")),
+}
+"""The two dataflows of the simulation tables: PPO with four model roles, GRPO with a reference and a reward
+function (a function is not a role: it takes no devices)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A placement, its parallel layout and what the cost model predicts for it."""
+
+    groups: tuple[tuple[str, ...], ...]
+    """Roles colocated on each pool."""
+    devices: tuple[int, ...]
+    """Devices of each pool, in the order of ``groups``; pool ``i`` holds ranks ``sum(devices[:i]) ..``."""
+    rollout_tp: int
+    stage_s: tuple[float, ...]
+    """Predicted seconds of each stage of the dataflow."""
+    memory: tuple[float, ...]
+    """Predicted peak bytes per device of each pool."""
+
+    @property
+    def step_s(self) -> float:
+        """Predicted seconds per RL step. Runs on: any process."""
+        return sum(self.stage_s)
+
+    def pool_of(self, role: str) -> int:
+        """Index of the pool that holds ``role``. Runs on: any process."""
+        return next(i for i, group in enumerate(self.groups) if role in group)
+
+    def to_json(self) -> dict[str, Any]:
+        """``placement`` (role -> ranks), ``parallel`` (role -> FSDP size, rollout TP and replicas) and
+        ``predicted_step_s``, as the ``plan`` command prints them. Runs on: any process."""
+        starts = list(itertools.accumulate((0, *self.devices)))
+        placement, parallel = {}, {}
+        for i, group in enumerate(self.groups):
+            for role in group:
+                placement[role] = list(range(starts[i], starts[i + 1]))
+                layout: dict[str, int] = {"fsdp": self.devices[i]}
+                if role == "actor":
+                    layout |= {"rollout_tp": self.rollout_tp, "rollout_replicas": self.devices[i] // self.rollout_tp}
+                parallel[role] = layout
+        return {
+            "placement": placement,
+            "parallel": parallel,
+            "predicted_step_s": round(self.step_s, 4),
+            "stage_s": [round(s, 4) for s in self.stage_s],
+        }
+
+
+def _flow(algorithm: str | list[list[Call]]) -> list[list[Call]]:
+    if not isinstance(algorithm, str):
+        return algorithm
+    if algorithm not in DATAFLOWS:
+        raise InfeasiblePlacementError(f"algorithm={algorithm!r}: expected one of {sorted(DATAFLOWS)}.")
+    return DATAFLOWS[algorithm]
+
+
+def set_partitions(items: Sequence[str]) -> Iterator[list[list[str]]]:
+    """Every way to split ``items`` into non-empty groups (Bell(n) of them; 15 for 4 roles), each group in the
+    items' order. Runs on: any process."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in set_partitions(rest):
+        yield [[first], *partition]
+        for i in range(len(partition)):
+            yield [*partition[:i], [first, *partition[i]], *partition[i + 1 :]]
+
+
+def device_splits(total: int, parts: int, unit: int, max_choices: int = 16) -> Iterator[tuple[int, ...]]:
+    """Ordered splits of ``total`` devices into ``parts`` pools, each a positive multiple of ``unit`` (a node);
+    with more than ``max_choices`` units the grid is coarsened to ``total / max_choices``. Runs on: any process."""
+    units = total // unit
+    step = max(1, units // max_choices)
+    if units % step:
+        step = 1
+    cells = units // step
+    for cut in itertools.combinations(range(1, cells), parts - 1):
+        bounds = (0, *cut, cells)
+        yield tuple((bounds[i + 1] - bounds[i]) * step * unit for i in range(parts))
+
+
+def _attention_flops(model: ModelShape, wl: Workload) -> float:
+    """Forward FLOPs of causal attention's two matmuls over one step's sequences."""
+    length = wl.prompt_len + wl.response_len
+    return 2.0 * model.layers * model.hidden * length * length * wl.sequences
+
+
+def _train_s(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
+    flops = 6.0 * model.params * wl.tokens + 3 * _attention_flops(model, wl)
+    compute = flops / (n * hw.flops * hw.train_eff)
+    comm = 0.0 if n == 1 else 3 * 2.0 * model.params * (n - 1) / n / hw.bandwidth(n) + 3 * model.layers * hw.latency_s
+    return max(compute, comm)
+
+
+def _forward_s(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
+    flops = 2.0 * model.params * wl.tokens + _attention_flops(model, wl)
+    compute = flops / (n * hw.flops * hw.forward_eff)
+    comm = 0.0 if n == 1 else 2.0 * model.params * (n - 1) / n / hw.bandwidth(n) + model.layers * hw.latency_s
+    return max(compute, comm)
+
+
+def _generate_s(model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, free_bytes: float) -> float:
+    """Prefill + decoding on ``n // tp`` replicas, in waves of as many sequences as the KV cache holds, plus
+    the weight hand-off from the FSDP shards."""
+    replicas = n // tp
+    seqs = math.ceil(wl.sequences / replicas)
+    per_seq = model.kv_bytes_per_token() * (wl.prompt_len + wl.response_len)
+    batch = max(1, min(seqs, int(free_bytes * tp // per_seq)))
+    waves = math.ceil(seqs / batch)
+    prefill = 2.0 * model.params * batch * wl.prompt_len / (tp * hw.flops * hw.forward_eff)
+    context = wl.prompt_len + wl.response_len / 2  # average context while decoding
+    read = (2.0 * model.params + batch * context * model.kv_bytes_per_token()) / tp / (hw.hbm_bw * hw.bw_eff)
+    compute = 2.0 * model.params * batch / (tp * hw.flops * hw.forward_eff)
+    allreduce = 0.0 if tp == 1 else 2 * model.layers * (hw.latency_s + batch * model.hidden * 2.0 / hw.intra_bw)
+    decode = wl.response_len * (max(read, compute) + allreduce)
+    handoff = 0.0 if n == 1 else 2.0 * model.params / tp / hw.bandwidth(n)
+    return waves * (prefill + decode) + handoff
+
+
+def _pool_memory(
+    roles: Sequence[str], model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int
+) -> tuple[float, float]:
+    """``(bytes per device that stay, bytes per device left for the KV cache)`` of a pool."""
+    states = sum((16.0 if role in TRAINABLE else 2.0) * model.params / n for role in roles)
+    training = any(role in TRAINABLE for role in roles)
+    activations = wl.micro_tokens * model.hidden * (2.0 * model.layers + 34.0) if training else 0.0
+    engine = 2.0 * model.params / tp if "actor" in roles else 0.0
+    budget = hw.memory * hw.usable_memory
+    fixed = states + max(activations, engine)  # the engine's weights and training's activations take turns
+    return fixed, budget - states - engine
+
+
+def predict(
+    groups: Sequence[Sequence[str]],
+    devices: Sequence[int],
+    rollout_tp: int,
+    *,
+    model: ModelShape,
+    hardware: Hardware,
+    workload: Workload,
+    algorithm: str | list[list[Call]] = "ppo",
+) -> Plan:
+    """The cost model's prediction for one placement (``algorithm``: a name in :data:`DATAFLOWS` or the stages
+    of :func:`dataflow_for`).
+
+    Runs on: any process (the controller, before any model loads). Raises :class:`InfeasiblePlacementError` for a
+    role of the dataflow in no pool or in two, a TP size that does not divide the actor's pool, or a pool whose
+    roles do not fit in its memory (the message names the pool and the bytes).
+    """
+    flow = _flow(algorithm)
+    needed = sorted({role for stage in flow for role, _ in stage})
+    placed = [role for group in groups for role in group]
+    if sorted(placed) != needed:
+        missing, extra = sorted(set(needed) - set(placed)), sorted({r for r in placed if placed.count(r) > 1})
+        raise InfeasiblePlacementError(
+            f"placement {[list(g) for g in groups]}: the dataflow needs each of {needed} in exactly one pool "
+            f"(missing {missing}, repeated {extra}). HINT: list every role once."
+        )
+    if len(devices) != len(groups) or any(d < 1 for d in devices):
+        raise InfeasiblePlacementError(f"devices {list(devices)}: one positive count per pool ({len(groups)}).")
+    actor_pool = next(i for i, g in enumerate(groups) if "actor" in g)
+    if devices[actor_pool] % rollout_tp:
+        raise InfeasiblePlacementError(
+            f"rollout_tp={rollout_tp} does not divide the actor's pool of {devices[actor_pool]} devices. HINT: pick "
+            "a TP size that divides it."
+        )
+    memory, free = [], []
+    for group, n in zip(groups, devices, strict=True):
+        fixed, left = _pool_memory(group, model, workload, hardware, n, rollout_tp)
+        budget = hardware.memory * hardware.usable_memory
+        kv_one = model.kv_bytes_per_token() * (workload.prompt_len + workload.response_len) / rollout_tp
+        if fixed > budget or ("actor" in group and left < kv_one):
+            raise InfeasiblePlacementError(
+                f"pool {list(group)} on {n} x {hardware.name}: needs {fixed / GB:.3g} GB per device (+ KV cache) of "
+                f"{budget / GB:.3g} GB usable. HINT: give the pool more devices, or colocate fewer roles on it."
+            )
+        memory.append(fixed)
+        free.append(left)
+    stage_s = []
+    for stage in flow:
+        per_pool: dict[int, float] = {}
+        for role, kind in stage:
+            i = next(j for j, g in enumerate(groups) if role in g)
+            n = devices[i]
+            if kind == "generate":
+                t = _generate_s(model, workload, hardware, n, rollout_tp, free[i])
+            elif kind == "train":
+                t = _train_s(model, workload, hardware, n)
+            else:
+                t = _forward_s(model, workload, hardware, n)
+            per_pool[i] = per_pool.get(i, 0.0) + t  # calls on one pool run one after another
+        stage_s.append(max(per_pool.values()))  # pools run their calls at the same time
+    return Plan(tuple(tuple(g) for g in groups), tuple(devices), rollout_tp, tuple(stage_s), tuple(memory))
+
+
+def plan(
+    *,
+    model: ModelShape,
+    hardware: Hardware,
+    devices: int,
+    workload: Workload,
+    algorithm: str | list[list[Call]] = "ppo",
+    tp_sizes: Sequence[int] = (1, 2, 4, 8),
+) -> Plan:
+    """The fastest placement that fits: every colocation choice x device split x rollout TP size.
+
+    Runs on: any process (the controller, before any model loads). Ties go to fewer pools, then to the order of
+    enumeration. Raises :class:`InfeasiblePlacementError` when nothing fits, with the smallest shortfall.
+    """
+    flow = _flow(algorithm)
+    roles = sorted({role for stage in flow for role, _ in stage})
+    unit = hardware.devices_per_node if devices >= hardware.devices_per_node else 1
+    if devices % unit:
+        raise InfeasiblePlacementError(
+            f"devices={devices}: not a whole number of {unit}-device nodes. HINT: plan for whole nodes."
+        )
+    best: Plan | None = None
+    last_error: InfeasiblePlacementError | None = None
+    for groups in set_partitions(roles):
+        for split in device_splits(devices, len(groups), unit):
+            for tp in tp_sizes:
+                actor_n = split[next(i for i, g in enumerate(groups) if "actor" in g)]
+                if actor_n % tp or tp > hardware.devices_per_node:
+                    continue
+                try:
+                    candidate = predict(
+                        groups, split, tp, model=model, hardware=hardware, workload=workload, algorithm=flow
+                    )
+                except InfeasiblePlacementError as err:
+                    last_error = err
+                    continue
+                key = (candidate.step_s, len(candidate.groups))
+                if best is None or key < (best.step_s, len(best.groups)):
+                    best = candidate
+    if best is None:
+        raise InfeasiblePlacementError(
+            f"no placement of {roles} fits on {devices} x {hardware.name} ({last_error}). HINT: more devices, or "
+            "a smaller model."
+        )
+    return best
+
+
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "Qwen/Qwen2.5-0.5B-Instruct": ModelShape(
+        layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936
+    ),
+    "Qwen/Qwen2.5-1.5B-Instruct": ModelShape(
+        layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, vocab=151936
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": ModelShape(
+        layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064
+    ),
+}
+"""Shapes of hub models the recipes name (their ``config.json``), for planning without downloading them."""
+
+
+def shape_of(model: str, *, override: str | None = None) -> ModelShape:
+    """The shape of the actor ``model`` of a recipe. Resolution order:
+
+    1. ``override``: a name in :data:`MODELS`;
+    2. a local folder, or an embedded model, with a ``config.json``;
+    3. :data:`KNOWN_SHAPES`.
+
+    Runs on: the ``plan`` command's process. Raises :class:`InfeasiblePlacementError` naming ``--model-shape`` when
+    none of them applies.
+    """
+    if override is not None:
+        if override not in MODELS:
+            raise InfeasiblePlacementError(f"--model-shape {override!r}: expected one of {sorted(MODELS)}.")
+        return MODELS[override]
+    from lightning_rlhf.models import EMBEDDED_PREFIX, resolve_model_path
+
+    path = resolve_model_path(model, setting="actor") if model.startswith(EMBEDDED_PREFIX) else model
+    if (Path(path) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(path)
+        return ModelShape(
+            layers=c.num_hidden_layers, hidden=c.hidden_size, intermediate=c.intermediate_size,
+            heads=c.num_attention_heads, kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            vocab=c.vocab_size,
+        )  # fmt: skip
+    if model in KNOWN_SHAPES:
+        return KNOWN_SHAPES[model]
+    raise InfeasiblePlacementError(
+        f"actor {model!r}: no local config.json and not a known hub model ({sorted(KNOWN_SHAPES)}). HINT: pass "
+        f"--model-shape with one of {sorted(MODELS)}."
+    )
+
+
+def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[list[Call]], ModelShape, Workload]:
+    """The dataflow, the actor's shape and one step's workload a recipe describes: its module's model roles
+    (a ``critic``; a ``reference``; a ``reward`` that is a model path rather than a function's import path), the
+    data module's ``batch_size`` and ``max_prompt_length``, and ``rollout.n`` and ``rollout.max_new_tokens`` (the
+    defaults of :class:`~lightning_rlhf.config.RolloutConfig` when the recipe leaves them out).
+
+    Runs on: the ``plan`` command's process, before any model loads.
+    """
+    import yaml
+
+    from lightning_rlhf.config import RolloutConfig
+
+    with open(recipe) as f:
+        config = yaml.safe_load(f) or {}
+    module = (config.get("model") or {}).get("init_args") or {}
+    data = (config.get("data") or {}).get("init_args") or {}
+    if "actor" not in module:
+        raise InfeasiblePlacementError(f"{recipe}: no model.init_args.actor. HINT: pass an RLHF recipe.")
+    roles = ["actor"]
+    if module.get("critic"):
+        roles.append("critic")
+    if module.get("reference"):
+        roles.append("reference")
+    reward = module.get("reward")
+    if isinstance(reward, str) and (Path(reward).is_dir() or reward.count("/") == 1):  # a folder or "org/name"
+        roles.append("reward")
+    rollout = module.get("rollout") or {}
+    defaults = RolloutConfig()
+    workload = Workload(
+        prompts=int(data.get("batch_size", 8)),
+        n=int(rollout.get("n", defaults.n)),
+        prompt_len=int(data.get("max_prompt_length") or 512),
+        response_len=int(rollout.get("max_new_tokens", defaults.max_new_tokens)),
+    )
+    return dataflow_for(roles), shape_of(str(module["actor"]), override=model_shape), workload
+
+
+def measure_memcpy_bw(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """This process's memory copy bandwidth, bytes/s (read + write of a ``nbytes`` buffer, best of ``repeats``).
+    Runs on: the ``plan`` command's process."""
+    import time
+
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """``lightning-rlhf plan --config RECIPE --devices N --device-type TYPE [--model-shape S]``: print the fastest
+    placement of the recipe's roles, the predicted time of each stage and, as the last line, one JSON object
+    (``placement``, ``parallel``, ``predicted_step_s``, ...). Returns that object.
+
+    Runs on: one process; loads no model. ``--device-type cpu`` calibrates on this machine: the matmul peak of one
+    process (its share of the cores) and the memory bandwidth, measured once.
+    """
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-rlhf plan", description=main.__doc__.splitlines()[0] if main.__doc__ else None
+    )
+    parser.add_argument("--config", required=True, help="an RLHF recipe (YAML)")
+    parser.add_argument("--devices", type=int, required=True, help="devices (GPUs, or CPU processes) to plan for")
+    parser.add_argument("--device-type", required=True, choices=[*HARDWARE, "cpu"])
+    parser.add_argument("--model-shape", choices=sorted(MODELS), help="plan for this shape instead of the actor's")
+    parser.add_argument("--tp-sizes", default="1,2,4,8", help="rollout tensor-parallel sizes to consider")
+    args = parser.parse_args(argv)
+    if args.devices < 1:
+        parser.error(f"--devices {args.devices}: expected at least 1")
+    flow, shape, workload = recipe_inputs(args.config, model_shape=args.model_shape)
+    if args.device_type == "cpu":
+        import os
+
+        import torch
+
+        from lightning_rlhf.perf import cpu_matmul_peak
+
+        cores = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // args.devices))
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        hardware = cpu_hardware(
+            flops=cpu_matmul_peak(torch.float32), memcpy_bw=measure_memcpy_bw(), memory=total / args.devices,
+            processes=args.devices,
+        )  # fmt: skip
+    else:
+        hardware = HARDWARE[args.device_type]
+    tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+    best = plan(
+        model=shape, hardware=hardware, devices=args.devices, workload=workload, algorithm=flow, tp_sizes=tp_sizes
+    )
+    tokens = f"{workload.prompt_len} + {workload.response_len} tokens"
+    print(
+        f"{args.config}: {shape.params / 1e9:.2f}B parameters, {workload.sequences} sequences of {tokens} per step, "
+        f"{args.devices} x {hardware.name}"
+    )
+    for i, (group, n) in enumerate(zip(best.groups, best.devices, strict=True)):
+        print(f"  pool {i}: {n} devices, {', '.join(group)} (peak {best.memory[i] / GB:.2f} GB per device)")
+    for stage, seconds in zip(flow, best.stage_s, strict=True):
+        print(f"  stage {' + '.join(f'{role}.{kind}' for role, kind in stage)}: {seconds:.3f} s")
+    out = best.to_json() | {"devices": args.devices, "device_type": hardware.name}
+    print(f"  predicted step: {best.step_s:.3f} s (rollout TP {best.rollout_tp})")
+    print(json.dumps(out))
+    return out
