@@ -43,6 +43,7 @@ What is not modelled yet:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -62,6 +63,8 @@ __all__ = [
     "cpu_hardware",
     "dataflow_for",
     "device_splits",
+    "measure_host_overheads",
+    "measure_memcpy_bw",
     "plan",
     "predict",
     "recipe_inputs",
@@ -100,6 +103,12 @@ class Hardware:
     """Fraction of the memory bandwidth decoding reaches."""
     latency_s: float = 10e-6
     """Latency of one collective."""
+    layer_step_s: float = 0.0
+    """Host time per decoder layer and decoding step that does not shrink with the work (Python, kernel
+    launches); 0 on GPUs, where the engines replay CUDA graphs."""
+    layer_micro_s: float = 0.0
+    """Host time per decoder layer and training micro-batch (forward and backward) that does not shrink with the
+    work; a no-grad forward takes a third of it."""
     usable_memory: float = 0.9
     """Fraction of the memory plans may use (allocator fragmentation, buffers)."""
 
@@ -124,7 +133,14 @@ HARDWARE: dict[str, Hardware] = {
 
 
 def cpu_hardware(
-    *, flops: float, memcpy_bw: float, memory: float, processes: int, collective_bw: float | None = None
+    *,
+    flops: float,
+    memcpy_bw: float,
+    memory: float,
+    processes: int,
+    collective_bw: float | None = None,
+    layer_step_s: float = 0.0,
+    layer_micro_s: float = 0.0,
 ) -> Hardware:
     """This machine as a pool of ``processes`` CPU workers, from measured figures: ``flops`` (one process's
     matmul rate), ``memcpy_bw`` (bytes/s), ``memory`` (bytes per process).
@@ -136,6 +152,7 @@ def cpu_hardware(
     return Hardware(
         "cpu", flops=flops, memory=memory, hbm_bw=memcpy_bw, intra_bw=bw, inter_bw=bw,
         devices_per_node=processes, train_eff=0.7, forward_eff=0.6, bw_eff=1.0, latency_s=200e-6,
+        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s,
     )  # fmt: skip
 
 
@@ -306,18 +323,25 @@ def _attention_flops(model: ModelShape, wl: Workload) -> float:
     return 2.0 * model.layers * model.hidden * length * length * wl.sequences
 
 
+def _micro_batches(wl: Workload, n: int) -> int:
+    """Training micro-batches per device and step."""
+    return math.ceil(wl.tokens / (n * wl.micro_tokens))
+
+
 def _train_s(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
     flops = 6.0 * model.params * wl.tokens + 3 * _attention_flops(model, wl)
     compute = flops / (n * hw.flops * hw.train_eff)
     comm = 0.0 if n == 1 else 3 * 2.0 * model.params * (n - 1) / n / hw.bandwidth(n) + 3 * model.layers * hw.latency_s
-    return max(compute, comm)
+    host = _micro_batches(wl, n) * model.layers * hw.layer_micro_s
+    return max(compute, comm) + host
 
 
 def _forward_s(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
     flops = 2.0 * model.params * wl.tokens + _attention_flops(model, wl)
     compute = flops / (n * hw.flops * hw.forward_eff)
     comm = 0.0 if n == 1 else 2.0 * model.params * (n - 1) / n / hw.bandwidth(n) + model.layers * hw.latency_s
-    return max(compute, comm)
+    host = _micro_batches(wl, n) * model.layers * hw.layer_micro_s / 3
+    return max(compute, comm) + host
 
 
 def _generate_s(model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, free_bytes: float) -> float:
@@ -333,7 +357,7 @@ def _generate_s(model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, 
     read = (2.0 * model.params + batch * context * model.kv_bytes_per_token()) / tp / (hw.hbm_bw * hw.bw_eff)
     compute = 2.0 * model.params * batch / (tp * hw.flops * hw.forward_eff)
     allreduce = 0.0 if tp == 1 else 2 * model.layers * (hw.latency_s + batch * model.hidden * 2.0 / hw.intra_bw)
-    decode = wl.response_len * (max(read, compute) + allreduce)
+    decode = wl.response_len * (max(read, compute) + allreduce + model.layers * hw.layer_step_s)
     handoff = 0.0 if n == 1 else 2.0 * model.params / tp / hw.bandwidth(n)
     return waves * (prefill + decode) + handoff
 
@@ -564,6 +588,55 @@ def measure_memcpy_bw(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / best
 
 
+def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
+    """``(layer_step_s, layer_micro_s)`` of this machine: the host time per decoder layer of one decoding step
+    (the transformers engine's own loop) and of one training micro-batch (forward and backward), from the
+    difference between a 1-layer and a 5-layer random Qwen2 of width 32, where the arithmetic is negligible.
+
+    Runs on: the calling process (about 2 s; its thread count is the one measured).
+    """
+    import time
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_rlhf.engines.rollout.base import SamplingParams
+    from lightning_rlhf.engines.rollout.decode import sample_loop
+
+    def timed(fn: Any) -> float:
+        fn()
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    steps, cost = 32, {}
+    params = SamplingParams(n=1, max_new_tokens=steps, min_new_tokens=steps)
+    prompts = [[3, 4, 5, 6]] * 8
+    ids = torch.randint(2, 64, (4, 16))
+    cpu = torch.device("cpu")
+
+    def decode(model: Any) -> None:
+        sample_loop(model.eval(), prompts, params, stops={1}, pad_token_id=0, device=cpu)
+
+    def train(model: Any) -> None:
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    for layers in (1, 5):
+        config = Qwen2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=64,
+        )  # fmt: skip
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+        cost[layers] = (timed(functools.partial(decode, model)) / steps, timed(functools.partial(train, model)))
+    return (cost[5][0] - cost[1][0]) / 4, (cost[5][1] - cost[1][1]) / 4
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``lightning-rlhf plan --config RECIPE --devices N --device-type TYPE [--model-shape S]``: print the fastest
     placement of the recipe's roles, the predicted time of each stage and, as the last line, one JSON object
@@ -597,9 +670,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // args.devices))
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        layer_step_s, layer_micro_s = measure_host_overheads()
         hardware = cpu_hardware(
             flops=cpu_matmul_peak(torch.float32), memcpy_bw=measure_memcpy_bw(), memory=total / args.devices,
-            processes=args.devices,
+            processes=args.devices, layer_step_s=layer_step_s, layer_micro_s=layer_micro_s,
         )  # fmt: skip
     else:
         hardware = HARDWARE[args.device_type]

@@ -19,6 +19,7 @@ from lightning_rlhf.planner import (
     Workload,
     dataflow_for,
     device_splits,
+    measure_host_overheads,
     plan,
     predict,
     recipe_inputs,
@@ -152,3 +153,19 @@ def test_recipe_inputs_and_the_plan_command(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit, match=r"lightning-rlhf plan: no placement of .* fits on 8 x a100"):
         cli_main(["plan", "--config", str(ROOT / "recipes" / "ppo.yaml"), "--devices", "8", "--device-type", "a100",
                   "--model-shape", "70b"])  # fmt: skip
+
+
+def test_host_overheads_add_per_layer_per_step_and_per_micro_batch() -> None:
+    wl = Workload(prompts=2, n=1, prompt_len=3, response_len=5, micro_tokens=4)  # 16 tokens: 4 micro-batches on 1
+    kw = {"model": SHAPE, "workload": wl, "algorithm": dataflow_for(["actor", "reference"])}
+    base = predict([["actor", "reference"]], [1], 1, hardware=UNIT, **kw).stage_s
+    slow = Hardware(**{**UNIT.__dict__, "layer_step_s": 1e-3, "layer_micro_s": 3e-3})
+    stages = predict([["actor", "reference"]], [1], 1, hardware=slow, **kw).stage_s
+    assert stages[0] - base[0] == pytest.approx(5 * 2 * 1e-3)  # 5 decoding steps x 2 layers
+    assert stages[1] - base[1] == pytest.approx(4 * 2 * 1e-3)  # a forward: a third of a micro-batch's cost
+    assert stages[2] - base[2] == pytest.approx(4 * 2 * 3e-3)
+
+
+def test_host_overheads_are_measured() -> None:
+    step_s, micro_s = measure_host_overheads(repeats=2)
+    assert 0 < step_s < 0.01 and 0 < micro_s < 0.1  # per layer: microseconds to milliseconds on any CPU
