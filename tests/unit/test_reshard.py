@@ -50,25 +50,23 @@ def test_slice_holder_answers_only_the_expected_narrow() -> None:
         holder.add(1)
 
 
-def test_exchange_moves_only_what_is_not_local() -> None:
+def ok_lines_of_two_ranks(script: str) -> list[list[str]]:
+    """Run ``tests/scripts/<script>`` under torchrun on 2 processes; its ``OK ...`` lines, split, by rank."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(SCRIPTS / "reshard_check.py")], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    proc = subprocess.run([*cmd, str(SCRIPTS / script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, failure_text(proc)
-    lines = sorted(line.split() for line in proc.stdout.splitlines() if line.startswith("OK"))
+    return sorted(line.split() for line in proc.stdout.splitlines() if line.startswith("OK"))
+
+
+def test_exchange_moves_only_what_is_not_local() -> None:
+    lines = ok_lines_of_two_ranks("reshard_check.py")
     # bytes received per case (float32): all-gather, aligned rows, column blocks, straddling rows
     assert lines[0][1:] == ["0", str(3 * 6 * 4), "0", str(3 * 3 * 4), "0"]
     assert lines[1][1:] == ["1", str(4 * 6 * 4), "0", str(4 * 3 * 4), str(1 * 6 * 4)]
 
 
 def test_full_tensors_gathers_buckets_of_shards_exactly() -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(SCRIPTS / "gather_check.py")], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    assert proc.returncode == 0, failure_text(proc)
-    lines = sorted(line.split() for line in proc.stdout.splitlines() if line.startswith("OK"))
+    lines = ok_lines_of_two_ranks("gather_check.py")
     assert [line[1] for line in lines] == ["0", "1"]
     # each rank receives every element it does not hold: over both ranks, each element once (float32: 4 bytes)
     received, numel = [int(line[2]) for line in lines], int(lines[0][3])
