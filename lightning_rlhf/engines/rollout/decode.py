@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
 
-__all__ = ["MODEL_TYPES", "decode_loop_unsupported", "sample_loop"]
+__all__ = ["MODEL_TYPES", "decode_loop_unsupported", "left_pad", "sample_loop"]
 
 MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 """``config.model_type`` values whose decoder layers the loop knows: pre-norm, rotary, grouped-query attention,
@@ -67,7 +67,9 @@ def decode_loop_unsupported(model: Any, *, max_length: int) -> str | None:
     return None
 
 
-def _left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(ids, mask)``, both ``[prompts, longest]``: each prompt right-aligned after ``pad`` ids, the boolean mask
+    True on its tokens. Runs on: worker (both of the transformers engine's sampling paths)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.bool)
@@ -194,7 +196,7 @@ def sample_loop(
     """
     greedy = params.is_greedy
     n = 1 if greedy else params.n
-    ids, mask = _left_pad(prompts, pad_token_id, device)
+    ids, mask = left_pad(prompts, pad_token_id, device)
     rows, width = ids.shape
     capacity = width + params.max_new_tokens
     dtype = next(model.parameters()).dtype

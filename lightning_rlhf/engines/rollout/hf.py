@@ -35,7 +35,7 @@ from lightning_rlhf.engines.rollout.base import (
     processed_logprobs,
     tied_aliases,
 )
-from lightning_rlhf.engines.rollout.decode import decode_loop_unsupported, sample_loop
+from lightning_rlhf.engines.rollout.decode import decode_loop_unsupported, left_pad, sample_loop
 
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.reshard import Slicer
@@ -204,11 +204,11 @@ class HFRolloutEngine:
                         self.model, chunk, params, stops=stops, pad_token_id=self.pad_token_id, device=self.device
                     )
                 else:
-                    ids, mask = self._left_pad(chunk)
+                    ids, mask = left_pad(chunk, self.pad_token_id, self.device)
                     recorder = _TokenLogprobs(params)
                     out = self.model.generate(
                         input_ids=ids,
-                        attention_mask=mask,
+                        attention_mask=mask.long(),
                         generation_config=config,
                         logits_processor=LogitsProcessorList([recorder]),
                     )
@@ -219,16 +219,6 @@ class HFRolloutEngine:
                     responses.extend(list(response) for _ in range(copies))
                     logprobs.extend(lps[: len(response)] for _ in range(copies))
         return RolloutOutput(responses=responses, logprobs=logprobs)
-
-    def _left_pad(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            if p:
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
-        return ids.to(self.device), mask.to(self.device)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Copy new weights in by transformers name, then check that the hand-off held every parameter; returns

@@ -111,7 +111,8 @@ def _row_sharded(data: DTensor) -> bool:
     """A 1-D mesh, ``Shard(0)``, and a local shard of exactly the rows ``torch.chunk`` gives this rank."""
     if data.device_mesh.ndim != 1 or tuple(data.placements) != (Shard(0),) or data.dim() == 0:
         return False
-    return data.to_local().shape[0] == _chunk_rows(data)[1] and data.to_local().is_contiguous()
+    local = data.to_local()
+    return local.shape[0] == _chunk_rows(data)[1] and local.is_contiguous()
 
 
 def _chunk_rows(data: DTensor) -> tuple[int, int]:
