@@ -10,13 +10,19 @@ On the controller, during a training step, calling ``self.actor.log_prob(batch)`
 worker rank, splits ``batch`` by data-parallel rank, runs the method on all ranks as one SPMD program and
 returns the concatenated result. Anywhere else (a single process, a worker executing the call, a unit test)
 the decorated method is a plain method call.
+
+Calls made inside ``with concurrently():`` return :class:`RoleFuture` objects and go out together when the block
+ends: calls to roles on disjoint rank pools run at the same time, calls to roles on the same pool one after
+another, in the order they were written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
@@ -30,7 +36,9 @@ __all__ = [
     "BALANCE_KEY",
     "ROWS_KEY",
     "Dispatch",
+    "RoleFuture",
     "balanced_partition",
+    "concurrently",
     "current_controller",
     "merge_results",
     "role_method",
@@ -61,6 +69,8 @@ class Dispatch(enum.Enum):
 class _Controller(Protocol):
     def call(self, role: Role, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
+    def call_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]: ...
+
 
 _ACTIVE: list[_Controller | None] = []
 F = TypeVar("F", bound=Callable[..., Any])
@@ -88,6 +98,102 @@ class controller_active:
         _ACTIVE.pop()
 
 
+class RoleFuture:
+    """The result of a role call made inside :func:`concurrently`; :meth:`result` gives it once the block has ended.
+
+    Runs on: the controller (or the single process of a run without workers).
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.seconds = 0.0
+        """How long the call ran on its slowest rank (set with the result)."""
+        self._done = False
+        self._value: Any = None
+
+    def set_result(self, value: Any) -> None:
+        """Resolve the future (the block's end does this). Runs on: the controller."""
+        self._value, self._done = value, True
+
+    def done(self) -> bool:
+        """Whether the call has run. Runs on: the controller."""
+        return self._done
+
+    def result(self) -> Any:
+        """The call's merged result. Runs on: the controller, after the ``concurrently()`` block."""
+        if not self._done:
+            raise RuntimeError(
+                f"The result of `{self.where}` is read inside the `with concurrently():` block that made the call; "
+                "the calls of a block run when it ends. HINT: read `.result()` after the block, and make calls that "
+                "need it after the block too."
+            )
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"RoleFuture({self.where}, done={self._done})"
+
+
+class _Recorder:
+    """The calls of one ``concurrently()`` block, made under ``controller`` (None: run each at once)."""
+
+    def __init__(self, controller: _Controller | None) -> None:
+        self.controller = controller
+        self.calls: list[tuple[Role, str, tuple[Any, ...], dict[str, Any]]] = []
+        self.futures: list[RoleFuture] = []
+
+    def add(self, role: Role, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> RoleFuture:
+        where = f"{role.name}.{fn.__name__}"
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, RoleFuture):
+                raise RuntimeError(
+                    f"`{where}` inside a `with concurrently():` block takes the result of `{value.where}` from the "
+                    "same block: calls of one block run together, so none can use another's result. HINT: make the "
+                    "dependent call after the block, with `.result()`."
+                )
+        future = RoleFuture(where)
+        if self.controller is None:  # no workers: the call runs here and now
+            started = time.perf_counter()
+            future.set_result(fn(role, *args, **kwargs))
+            future.seconds = time.perf_counter() - started
+            return future
+        self.calls.append((role, fn.__name__, args, kwargs))
+        self.futures.append(future)
+        return future
+
+
+_RECORDERS: list[_Recorder] = []
+
+
+@contextlib.contextmanager
+def concurrently() -> Iterator[None]:
+    """Run the role calls made inside the block together; each returns a :class:`RoleFuture`.
+
+    Runs on: the controller, inside a training or validation step (without workers the calls run one by one as they
+    are made). When the block ends, all its calls go to the workers in one exchange: calls to roles on disjoint rank
+    pools run at the same time, calls to roles on the same pool one after another in the order written. A call may
+    not take another call's future from the same block (the calls are independent by construction)::
+
+        with self.concurrently():
+            ref = self.reference.log_prob(rollout)   # pool {2, 3}
+            values = self.critic.values(rollout)     # pool {2, 3}: after ref, on the same ranks
+            old = self.actor.log_prob(rollout)       # pool {0, 1}: at the same time as the two above
+        rollout = rollout.update(ref.result()).update(values.result()).update(old.result())
+    """
+    recorder = _Recorder(current_controller())
+    _RECORDERS.append(recorder)
+    try:
+        yield
+    finally:
+        _RECORDERS.pop()
+    if recorder.calls:
+        assert recorder.controller is not None
+        results = recorder.controller.call_many(recorder.calls)
+        seconds = getattr(recorder.controller, "last_seconds", None) or [0.0] * len(results)
+        for future, value, took in zip(recorder.futures, results, seconds, strict=True):
+            future.set_result(value)
+            future.seconds = took
+
+
 def role_method(dispatch: Dispatch) -> Callable[[F], F]:
     """Declare a role method's transfer protocol.
 
@@ -103,10 +209,15 @@ def role_method(dispatch: Dispatch) -> Callable[[F], F]:
         @functools.wraps(fn)
         def wrapper(self: Role, *args: Any, **kwargs: Any) -> Any:
             controller = current_controller()
+            recorder = _RECORDERS[-1] if _RECORDERS else None
+            if recorder is not None and recorder.controller is not controller:
+                recorder = None  # a role method running on a worker: its calls are plain calls
             if controller is None:
-                return fn(self, *args, **kwargs)
+                return fn(self, *args, **kwargs) if recorder is None else recorder.add(self, fn, args, kwargs)
             if dispatch is Dispatch.DP_SPLIT and args and isinstance(args[0], Batch):
                 args = (_mark_balance(args[0], bool(getattr(self, "balances_ranks", False))), *args[1:])
+            if recorder is not None:
+                return recorder.add(self, fn, args, kwargs)
             return controller.call(self, fn.__name__, args, kwargs)
 
         wrapper.__rlhf_dispatch__ = dispatch  # type: ignore[attr-defined]

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_rlhf.compat import attached_trainer
+
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
 
@@ -63,6 +65,13 @@ def actor_files(module: RLHFModule) -> dict[str, bytes]:
 
     model = module.actor.model
     config = getattr(model, "config", None)
+    if config is None and not module.holds_role("actor"):  # placed on other ranks: read its configuration
+        from transformers import AutoConfig
+
+        from lightning_rlhf.models import resolve_model_path
+
+        path = resolve_model_path(module.actor.path, setting="ActorRole(path=...)")
+        config = AutoConfig.from_pretrained(path)
     if config is None:
         raise RuntimeError("actor_files: the actor's model is not loaded yet. HINT: call it after trainer setup.")
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,9 +86,10 @@ def actor_files(module: RLHFModule) -> dict[str, bytes]:
 def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None) -> str:
     """Write the live actor as a transformers folder at ``out``.
 
-    Runs on: every process when the actor is sharded (each parameter's ``full_tensor`` is an all-gather, taken
-    in the same order everywhere, one tensor at a time); only rank 0 keeps the gathered tensors and writes. All
-    ranks return when the folder is complete.
+    Runs on: every process when the actor is sharded (each parameter's ``full_tensor`` is an all-gather over the
+    actor's ranks, taken in the same order everywhere, one tensor at a time); only the lowest rank of the actor's
+    pool (rank 0 without a placement) keeps the gathered tensors and writes. All ranks return when the folder is
+    complete.
 
     Args:
         module: the trained module (its ``actor`` role).
@@ -89,27 +99,34 @@ def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torc
     Returns:
         ``out`` as a string.
     """
+    distributed = dist.is_available() and dist.is_initialized()
+    if not module.holds_role("actor"):  # placed on other ranks: they gather and write
+        if distributed:
+            dist.barrier()
+        return os.fspath(out)
     model = module.actor.model
     if model is None:
         raise RuntimeError("export_actor: the actor has no model (configure_model has not run).")
     target = resolve_dtype(dtype)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    pools = getattr(getattr(attached_trainer(module), "strategy", None), "pools", None) or {}
+    writer = min(pools["actor"]) if "actor" in pools else 0  # the lowest rank that holds the actor writes
+    rank = dist.get_rank() if distributed else 0
     state: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}  # tied weights are one parameter under two names: gather it once
     for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves, not copies
         key = id(tensor)
         if key not in gathered:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            gathered[key] = _cast(full.detach(), target).cpu() if rank == 0 else torch.empty(0)
+            gathered[key] = _cast(full.detach(), target).cpu() if rank == writer else torch.empty(0)
             del full
-        if rank == 0:
+        if rank == writer:
             state[name] = gathered[key]
-    if rank == 0:
+    if rank == writer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(module.tokenizer.name_or_path)
         _save_pretrained(state, model.config, getattr(model, "generation_config", None), tokenizer, out)
-    if dist.is_available() and dist.is_initialized():
+    if distributed:
         dist.barrier()
     return os.fspath(out)
 

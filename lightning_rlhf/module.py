@@ -33,6 +33,7 @@ from lightning_rlhf.algorithms import (
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat import attached_trainer
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
+from lightning_rlhf.dispatch import RoleFuture, concurrently
 from lightning_rlhf.engines.train import resolve_dtype
 from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.rewards import RewardSpec, reward_components
@@ -199,12 +200,24 @@ class RLHFModule(L.LightningModule):
             role.train_engine.attn_implementation = getattr(self, "attn_implementation", None)
         batch_size = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
         if stage == "fit" and batch_size:
-            self.algorithm.check_batch(prompts=batch_size, n=self.rollout_config.n, world_size=self.trainer.world_size)
+            # With rank pools (RLHFStrategy(placement=...)) each pool splits the batch by its own size.
+            pools = getattr(self.trainer.strategy, "pools", None) or {}
+            split = math.lcm(*{len(ranks) for ranks in pools.values()}) if pools else self.trainer.world_size
+            self.algorithm.check_batch(prompts=batch_size, n=self.rollout_config.n, world_size=split)
+
+    def holds_role(self, name: str) -> bool:
+        """Whether this rank holds role ``name`` (the strategy's placement; every role when it has none).
+
+        Runs on: any process, once attached to a trainer."""
+        holds = getattr(getattr(attached_trainer(self), "strategy", None), "holds", None)
+        return True if holds is None else bool(holds(name))
 
     def configure_model(self) -> None:
-        """Load every role's model (all ranks, full weights); the strategy shards them right after."""
-        for role in self.roles().values():
-            role.load()
+        """Load the model of every role this rank holds (every role, without a placement); the strategy shards
+        them right after. Runs on: every process."""
+        for name, role in self.roles().items():
+            if self.holds_role(name):
+                role.load()
 
     def configure_optimizers(self) -> Any:
         """One AdamW + schedule per trainable role, in role order (actor, then critic)."""
@@ -217,8 +230,49 @@ class RLHFModule(L.LightningModule):
                     "HINT: set Trainer(max_steps=...) or max_epochs, or schedule='constant'."
                 )
             total = 1
-        pairs = [role.configure_optimizer(int(total)) for role in self.roles().values() if role.trainable]
+        # A role placed on other ranks gets a stand-in over no weights here, so every rank lists the same optimizers
+        # in the same order (checkpoints address them by index).
+        pairs = [
+            role.configure_optimizer(int(total)) if self.holds_role(name) else role.placeholder_optimizer(int(total))
+            for name, role in self.roles().items()
+            if role.trainable
+        ]
         return [opt for opt, _ in pairs], [{"scheduler": sched, "interval": "step"} for _, sched in pairs]
+
+    @staticmethod
+    def concurrently() -> contextlib.AbstractContextManager[None]:
+        """Make the role calls inside the block together (:func:`lightning_rlhf.dispatch.concurrently`): each call
+        returns a :class:`~lightning_rlhf.dispatch.RoleFuture`, and calls to roles on disjoint rank pools run at the
+        same time. Runs on: the controller, inside ``training_step``."""
+        return concurrently()
+
+    @staticmethod
+    def collect(
+        rollout: Batch, futures: Mapping[str, Any], metrics: dict[str, float]
+    ) -> tuple[Batch, dict[str, float]]:
+        """The results of a ``concurrently()`` block: batches merged into ``rollout`` (their new columns), dicts of
+        metrics merged into one, and each call's time on its slowest rank logged as ``timing_s/<name>``.
+
+        Runs on: the controller, after the block. ``None`` entries (a call not made) are skipped. (Role methods are
+        typed by what they return outside a block; inside one they return :class:`RoleFuture`.)
+        """
+        merged: dict[str, float] = {}
+        for name, future in futures.items():
+            if future is None:
+                continue
+            if not isinstance(future, RoleFuture):
+                raise TypeError(
+                    f"RLHFModule.collect: {name!r} is a `{type(future).__name__}`, not the future of a call made "
+                    "inside `with self.concurrently():`. HINT: make the call inside the block, or merge its result "
+                    "yourself."
+                )
+            value = future.result()
+            if isinstance(value, Batch):
+                rollout = rollout.update(value)
+            elif isinstance(value, Mapping):
+                merged |= value
+            metrics[f"timing_s/{name}"] = future.seconds
+        return rollout, merged
 
     # ------------------------------------------------------------------------------ step helpers
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]

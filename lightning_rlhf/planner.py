@@ -446,15 +446,19 @@ def plan(
     workload: Workload,
     algorithm: str | list[list[Call]] = "ppo",
     tp_sizes: Sequence[int] = (1, 2, 4, 8),
+    unit: int | None = None,
 ) -> Plan:
     """The fastest placement that fits: every colocation choice x device split x rollout TP size.
 
     Runs on: any process (the controller, before any model loads). Ties go to fewer pools, then to the order of
     enumeration. Raises :class:`InfeasiblePlacementError` when nothing fits, with the smallest shortfall.
+    ``unit``: devices per pool step (None: a whole node once there is more than one; 1 splits single processes,
+    as ``RLHFStrategy(placement="auto")`` does for CPU processes).
     """
     flow = _flow(algorithm)
     roles = sorted({role for stage in flow for role, _ in stage})
-    unit = hardware.devices_per_node if devices >= hardware.devices_per_node else 1
+    if unit is None:
+        unit = hardware.devices_per_node if devices >= hardware.devices_per_node else 1
     if devices % unit:
         raise InfeasiblePlacementError(
             f"devices={devices}: not a whole number of {unit}-device nodes. HINT: plan for whole nodes."

@@ -12,6 +12,7 @@ at the end (with the held-out score before and after RL), and the last printed l
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -69,6 +70,31 @@ def claim_run_version(out: str, name: str) -> int:
     return version
 
 
+def demo_placement(choice: str, roles: list[str], devices: int) -> Any:
+    """``RLHFStrategy(placement=...)`` for the demo's ``--placement``: ``colocate`` (None: every role on every rank),
+    ``split`` (the actor and the reward on the first half of the ranks, the other roles on the second half; calls of
+    one stage then run at the same time), ``auto`` (the planner chooses), or a JSON mapping role -> ranks.
+
+    Runs on: every process.
+    """
+    if choice == "colocate":
+        return None
+    if choice == "auto":
+        return "auto"
+    if choice == "split":
+        if devices < 2:
+            raise SystemExit(f"--placement split needs --devices >= 2 (got {devices}).")
+        half = devices // 2
+        first, second = list(range(half)), list(range(half, devices))
+        return {role: first if role in ("actor", "reward") else second for role in roles}
+    try:
+        return json.loads(choice)
+    except json.JSONDecodeError as err:
+        raise SystemExit(
+            f"--placement {choice!r}: expected colocate, split, auto or a JSON mapping role -> ranks ({err})."
+        ) from None
+
+
 def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]:
     """Module, datamodule and trainer of the demo. Runs on: every process."""
     import lightning as L
@@ -119,7 +145,11 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=RLHFStrategy(args.rollout, param_dtype=None if args.precision == "fp32" else args.precision),
+        strategy=RLHFStrategy(
+            args.rollout,
+            param_dtype=None if args.precision == "fp32" else args.precision,
+            placement=demo_placement(args.placement, list(module.roles()), args.devices),
+        ),
         max_steps=args.steps,
         logger=CSVLogger(args.out, name="demo", version=claim_run_version(args.out, "demo")),
         callbacks=[RLHFProgressBar(), MetricPlots(), RolloutSamples(every_n_steps=25), ExportActor(), RunSummary()],
@@ -188,6 +218,12 @@ def main(argv: list[str] | None = None) -> None:
         "--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (fp32 master weights either way)"
     )
     parser.add_argument("--attn-implementation", default=None, help="transformers attention kernel, e.g. eager")
+    parser.add_argument(
+        "--placement",
+        default="colocate",
+        help="where roles run: colocate (all on every rank), split (actor+reward on the first half of the ranks, "
+        "the others on the second), auto (the planner chooses), or JSON role -> ranks",
+    )
     parser.add_argument("--warm-start-steps", type=int, default=40, help="SFTModule steps of the warm start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs", help="parent folder of the run folder")

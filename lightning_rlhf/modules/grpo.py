@@ -38,12 +38,16 @@ class GRPOModule(RLHFModule):
         if self.algorithm.dynamic_sampling:  # DAPO: only prompts whose samples disagree, more rounds if needed
             with self.timer("dynamic_sampling", metrics):
                 rollout = self.keep_informative_groups(batch, rollout, metrics)
-        if self.algorithm.needs_old_logprobs:  # else the update's own detached log-probs are the old ones
-            with self.timer("old_log_prob", metrics):
-                rollout = self.actor.log_prob(rollout)
-        if self.reference is not None and self.algorithm.kl_coef > 0:
-            with self.timer("ref", metrics):
-                rollout = self.reference.log_prob(rollout)
+        # Old log-probs (else the update's own detached log-probs are the old ones) and the reference's: one stage,
+        # at the same time where the actor and the reference are on disjoint rank pools.
+        with self.timer("stage_score", metrics), self.concurrently():
+            reads = {
+                "old_log_prob": self.actor.log_prob(rollout) if self.algorithm.needs_old_logprobs else None,
+                "ref": self.reference.log_prob(rollout)
+                if self.reference is not None and self.algorithm.kl_coef > 0
+                else None,
+            }
+        rollout, _ = self.collect(rollout, reads, metrics)
         rollout = self.compute_advantages(rollout, metrics)
         with self.timer("update_actor", metrics):
             metrics |= self.actor.update(rollout)

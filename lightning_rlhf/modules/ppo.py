@@ -35,22 +35,29 @@ class PPOModule(RLHFModule):
         super().__init__(actor, **kwargs)
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
-        """Generate, score, reference and old log-probs, values, GAE, then update critic and actor."""
+        """Generate; then score, reference and old log-probs and values (one stage: independent reads of the
+        rollout); GAE; then update critic and actor (one stage). Calls of one stage run at the same time where
+        their roles are on disjoint rank pools (``RLHFStrategy(placement=...)``), one after another otherwise.
+
+        Runs on: controller.
+        """
         assert self.critic is not None
         t0, metrics = time.perf_counter(), dict[str, float]()
         with self.timer("gen", metrics):
             rollout = self.actor.generate(batch)
-        rollout = self.reward.score(rollout)
-        with self.timer("old_log_prob", metrics):
-            rollout = self.actor.log_prob(rollout)
-        if self.reference is not None and self.algorithm.kl_coef > 0:
-            with self.timer("ref", metrics):
-                rollout = self.reference.log_prob(rollout)
-        with self.timer("values", metrics):
-            rollout = self.critic.values(rollout)
+        with self.timer("stage_score", metrics), self.concurrently():
+            reads = {
+                "reward": self.reward.score(rollout),
+                "old_log_prob": self.actor.log_prob(rollout),
+                "ref": self.reference.log_prob(rollout)
+                if self.reference is not None and self.algorithm.kl_coef > 0
+                else None,
+                "values": self.critic.values(rollout),
+            }
+        rollout, _ = self.collect(rollout, reads, metrics)
         rollout = self.compute_advantages(rollout, metrics)
-        with self.timer("update_critic", metrics):
-            metrics |= self.critic.update(rollout)
-        with self.timer("update_actor", metrics):
-            metrics |= self.actor.update(rollout)
+        with self.timer("stage_update", metrics), self.concurrently():
+            updates = {"update_critic": self.critic.update(rollout), "update_actor": self.actor.update(rollout)}
+        _, update_metrics = self.collect(rollout, updates, metrics)
+        metrics |= update_metrics
         self.log_step(rollout, metrics, started=t0)

@@ -143,6 +143,21 @@ class Role(nn.Module):
             raise TypeError(f"{type(self).__name__} is not trainable: it has no optimizer to configure.")
         return self.train_engine.configure_optimizer(total_steps)
 
+    def placeholder_optimizer(
+        self, total_steps: int
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """The stand-in a rank outside this role's pool lists in the role's place: the role's optimizer settings and
+        schedule over one empty tensor, so that every rank has the same optimizers in the same order (checkpoints
+        and Lightning address them by index). It is never stepped, and checkpoints skip it.
+
+        Runs on: every process that does not hold the role, in ``configure_optimizers``.
+        """
+        if self.optim is None:
+            raise TypeError(f"{type(self).__name__} is not trainable: it has no optimizer to stand in for.")
+        optimizer, scheduler = make_optimizer([nn.Parameter(torch.empty(0))], self.optim, total_steps)
+        optimizer.lightning_rlhf_placeholder = True  # type: ignore[attr-defined]
+        return optimizer, scheduler
+
 
 def load_model(auto_class: type, path: str, *, setting: str, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
     """Load a transformers model for a role, with dropout off: its parameters on the meta device inside the

@@ -1,9 +1,11 @@
 """The single controller and the worker loop that serves it.
 
 During one training step, rank 0 runs the module's ``training_step`` (the RL dataflow) as a plain sequential
-program. Each role call it makes is sent to every rank over a dedicated gloo group (the *control plane*):
-the ranks run the role method together (FSDP collectives inside it use the default group, the *data plane*)
-and send their results back. Ranks other than 0 sit in :meth:`Controller.serve` for the whole step.
+program. Each role call it makes is sent over a dedicated gloo group (the *control plane*) to the ranks of the
+role's pool (every rank unless ``RLHFStrategy(placement=...)`` says otherwise): they run the role method together
+(FSDP collectives inside it use the pool's group, the *data plane*) and send their results back. Ranks other than
+0 sit in :meth:`Controller.serve` for the whole step. Each exchange carries a list of calls per rank: the calls of
+a ``concurrently()`` block go out together, so calls to disjoint pools run at the same time.
 
 Failures: a role method that raises on any rank is caught there; its traceback travels back with the
 results and the controller raises :class:`WorkerError`. The failing rank also posts the error to the
@@ -24,14 +26,16 @@ import dataclasses
 import functools
 import pickle
 import subprocess
+import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.dispatch import controller_active, dispatch_of, merge_results, split_args
+from lightning_rlhf.engines.train.engine import data_parallel_group
 from lightning_rlhf.strategy.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
 
 if TYPE_CHECKING:
@@ -66,6 +70,7 @@ class _Call:
     method: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    index: int = 0  # position of the call in its exchange
 
 
 @dataclasses.dataclass
@@ -98,6 +103,8 @@ class Controller:
         children: this process's child processes that are ranks (Lightning's launcher makes ranks 1.. children
             of rank 0): their exit status names how they died.
         stop_requested: returns the signal number of a stop asked of this rank (0 if none).
+        pools: each role's ranks (a role not named is on every rank).
+        groups: each role's data-parallel process group on this rank (None or absent: all ranks).
     """
 
     def __init__(
@@ -109,8 +116,12 @@ class Controller:
         error_timeout_s: float = 60.0,
         children: list[subprocess.Popen[Any]] | None = None,
         stop_requested: Callable[[], int] = lambda: 0,
+        pools: Mapping[str, Sequence[int]] | None = None,
+        groups: Mapping[str, Any] | None = None,
     ) -> None:
         self._roles = roles
+        self._pools = {role: tuple(ranks) for role, ranks in (pools or {}).items()}
+        self._groups = dict(groups or {})
         self.rank = rank
         self.world_size = world_size
         self._group: Any = None
@@ -121,6 +132,7 @@ class Controller:
         self.where: str | None = None  # the role call in flight on this rank
         self._last_where: str | None = None
         self.stop_signum = 0  # set after each step: the stop every rank agreed on (0: go on)
+        self.last_seconds: list[float] = []  # each call of the last exchange: its time on its slowest rank
         if world_size > 1:
             # Control messages are pickled Python objects: keep them on a CPU (gloo) group whatever the
             # data-plane backend is, so NCCL never carries them and GPU tensors never enter them.
@@ -191,32 +203,67 @@ class Controller:
             return 0
         return 0
 
+    def pool(self, role: str) -> tuple[int, ...]:
+        """The ranks that hold ``role``. Runs on: any rank."""
+        return self._pools.get(role) or tuple(range(self.world_size))
+
     def call(self, role: Role, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Distribute one role call by its declared protocol and return the merged result.
+        """Distribute one role call by its declared protocol over the role's pool and return the merged result.
 
         Runs on: controller (rank 0), from inside a role method called in a training or validation step.
         """
-        where = f"{role.name}.{method}"
-        dispatch = dispatch_of(role, method)
-        per_rank = split_args(dispatch, args, kwargs, self.world_size, where=where)
-        messages = [None if a is None else _Call(role.name, method, a[0], a[1]) for a in per_rank]
+        return self.call_many([(role, method, args, kwargs)])[0]
+
+    def call_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """Run several role calls in one exchange and return their merged results, in order.
+
+        Runs on: controller (rank 0), at the end of a ``concurrently()`` block (or for one call). Each rank gets the
+        list of its parts of the calls whose role it holds and runs them in order: calls to disjoint pools run at
+        the same time, calls to one pool one after another. A failure on any rank raises :class:`WorkerError`
+        after every rank has answered. ``last_seconds`` then holds each call's time on its slowest rank.
+        """
+        messages: list[list[_Call]] = [[] for _ in range(self.world_size)]
+        plans: list[tuple[Any, list[int]]] = []  # per call: its protocol, the ranks that got a part (in pool order)
+        wheres = []
+        for index, (role, method, args, kwargs) in enumerate(calls):
+            where = f"{role.name}.{method}"
+            dispatch = dispatch_of(role, method)
+            pool = self.pool(role.name)
+            per_rank = split_args(dispatch, args, kwargs, len(pool), where=where)
+            ranks = [rank for rank, part in zip(pool, per_rank, strict=True) if part is not None]
+            for rank, part in zip(pool, per_rank, strict=True):
+                if part is not None:
+                    messages[rank].append(_Call(role.name, method, part[0], part[1], index))
+            plans.append((dispatch, ranks))
+            wheres.append(where)
 
         def exchange() -> list[Any]:
             mine = self._scatter(messages)
-            result = self._execute(mine) if mine is not None else None
-            return self._gather(result)
+            return self._gather(self._execute_all(mine))
 
+        where = " + ".join(wheres)
         self.where = where
         try:
             with self._busy():
-                results = self._communicate(exchange)
+                replies = self._communicate(exchange)
         finally:
             self.where, self._last_where = None, where
-        failures = [r for r in results if isinstance(r, _Failure)]
+        by_call: list[dict[int, Any]] = [{} for _ in calls]
+        self.last_seconds = [0.0] * len(calls)
+        failures = []
+        for rank, reply in enumerate(replies):
+            for index, result, seconds in reply or []:
+                if isinstance(result, _Failure):
+                    failures.append(result)
+                by_call[index][rank] = result
+                self.last_seconds[index] = max(self.last_seconds[index], seconds)
         if failures:
             first = self._first_posted_failure() or failures[0]
             raise WorkerError(first.rank, first.where, first.traceback)
-        return merge_results(dispatch, [r for r, a in zip(results, per_rank, strict=True) if a is not None])
+        return [
+            merge_results(dispatch, [by_call[index][rank] for rank in ranks])
+            for index, (dispatch, ranks) in enumerate(plans)
+        ]
 
     # ---------------------------------------------------------------------------------------- worker
     def serve(self, replay_log: Callable[[str, float, dict[str, Any]], None]) -> None:
@@ -238,19 +285,31 @@ class Controller:
                     f"rank {self.rank}: the controller's step failed ({msg.message}); it raises the error."
                 )
             with self._busy():
-                result = self._execute(msg) if msg is not None else None
+                result = self._execute_all(msg or [])
                 if self._watchdog is not None:
                     self._watchdog.post_stop()  # before the reply: rank 0 sees it at the end of this step
                 self._communicate(functools.partial(self._gather, result))
 
     # -------------------------------------------------------------------------------------- plumbing
+    def _execute_all(self, calls: list[_Call]) -> list[tuple[int, Any, float]]:
+        """Run this rank's parts of an exchange's calls in order; after a failure the rest are skipped (the other
+        ranks of that pool learn of it from the posted error)."""
+        results: list[tuple[int, Any, float]] = []
+        for call in calls:
+            started = time.perf_counter()
+            result = self._execute(call)
+            results.append((call.index, result, time.perf_counter() - started))
+            if isinstance(result, _Failure):
+                break
+        return results
+
     def _execute(self, call: _Call) -> Any:
         role = self._roles(call.role)
         fn = getattr(type(role), call.method).__wrapped__
         where = f"{call.role}.{call.method}"
         self.where = where
         try:
-            with controller_active(None):
+            with controller_active(None), data_parallel_group(self._groups.get(call.role)):
                 result = fn(role, *call.args, **call.kwargs)
         except Exception as err:
             died = self._dead_peer(err)

@@ -11,6 +11,9 @@ What it changes in Lightning's ``ModelParallelStrategy``:
   unchanged); with ``ValidationConfig.before_train`` one validation also runs before the first step.
 - **data**: every rank iterates the same loader (no distributed sampler); only the controller's copy of a
   batch is used, and the transfer protocols split it.
+- **placement**: roles may live on rank pools of their own (``placement=``, see ``placement.py``): each pool gets
+  its own FSDP mesh, a role's calls go to its pool's ranks only, ranks outside a pool never load that role's
+  weights, and checkpoints save each role from the ranks that hold it (``pooled_checkpoint.py``).
 - **faults**: a dead rank is named on the others (``liveness.py``); SIGTERM/SIGUSR1 on any rank stop every rank
   after the same step, save a checkpoint and exit with ``128 + signum`` (``preemption.py``); checkpoints are
   renamed into place only once complete, and a missing or incomplete ``ckpt_path`` is refused before anything
@@ -26,7 +29,7 @@ import signal
 import sys
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -57,6 +60,20 @@ from lightning_rlhf.strategy.checkpoint_io import publish, temporary_sibling
 from lightning_rlhf.strategy.controller import Controller
 from lightning_rlhf.strategy.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
 from lightning_rlhf.strategy.liveness import expect_exit
+from lightning_rlhf.strategy.placement import (
+    Pools,
+    check_divides,
+    check_memory,
+    check_placement_spec,
+    pool_groups,
+    resolve_placement,
+)
+from lightning_rlhf.strategy.pooled_checkpoint import (
+    load_pooled_checkpoint,
+    pooled_model_state,
+    pooled_optimizer_state,
+    schedules_from_holders,
+)
 from lightning_rlhf.strategy.preemption import PreemptionHandler, parse_signals
 
 if TYPE_CHECKING:
@@ -123,6 +140,11 @@ class RLHFStrategy(ModelParallelStrategy):
             Lightning. These replace Lightning's own SIGTERM handling (and its SLURM SIGUSR1 requeue handler).
         preemption_path: where that checkpoint goes. None: ``<ModelCheckpoint.dirpath>/preempted.ckpt`` when a
             ModelCheckpoint has one, else ``<trainer.log_dir or default_root_dir>/checkpoints/preempted.ckpt``.
+        placement: where each role runs. None: every role on every rank. A mapping role -> ranks places roles on
+            pools of their own (e.g. ``{"actor": [0, 1], "reward": [0, 1], "critic": [2, 3], "reference": [2, 3]}``):
+            roles with the same ranks are colocated, and calls to disjoint pools made inside
+            ``RLHFModule.concurrently()`` run at the same time. ``"auto"``: the planner's choice for this world
+            (``lightning_rlhf.planner``; CPU: calibrated on this machine, GPU: from the device's datasheet).
     """
 
     def __init__(
@@ -139,6 +161,7 @@ class RLHFStrategy(ModelParallelStrategy):
         preemption_checkpoint: bool = True,
         preemption_signals: Sequence[int | str] = ("SIGTERM", "SIGUSR1"),
         preemption_path: str | os.PathLike[str] | None = None,
+        placement: Mapping[str, Sequence[int]] | Literal["auto"] | None = None,
     ) -> None:
         check_lightning_version()  # the internals this strategy uses (lightning_rlhf.compat) are checked per version
         if rollout not in ("auto", "hf", "vllm"):
@@ -149,6 +172,13 @@ class RLHFStrategy(ModelParallelStrategy):
             vllm = config_from_dict(VLLMConfig, vllm)
         if vllm is not None and not isinstance(vllm, VLLMConfig):
             raise TypeError(f"RLHFStrategy(vllm=...) takes a VLLMConfig or a dict, got {type(vllm).__name__}.")
+        check_placement_spec(placement)
+        if placement is not None and not save_distributed_checkpoint:
+            raise ValueError(
+                "RLHFStrategy(placement=..., save_distributed_checkpoint=False): a single-file checkpoint is gathered "
+                "on rank 0, which does not hold the roles placed on other ranks. HINT: keep "
+                "save_distributed_checkpoint=True with a placement (`lightning-rlhf export` writes a single model)."
+            )
         if rollout == "auto":
             rollout = "vllm" if vllm_available() else "hf"
         super().__init__(
@@ -169,6 +199,9 @@ class RLHFStrategy(ModelParallelStrategy):
         self.preemption_path = None if preemption_path is None else os.fspath(preemption_path)
         self._preemption = PreemptionHandler(parse_signals(preemption_signals))
         self._stopping = 0  # the preemption signal every rank agreed to stop on (0: none)
+        self.placement = placement
+        self._pools: Pools = {}
+        self._meshes: dict[str, Any] = {}  # role -> the FSDP mesh of its pool (roles this rank holds)
 
     # ------------------------------------------------------------------------------------- set-up
     @override
@@ -195,10 +228,17 @@ class RLHFStrategy(ModelParallelStrategy):
                 check_compute_dtype(role.dtype, self.root_device, setting="RLHFModule.frozen_dtype")
         datamodule = getattr(module.trainer, "datamodule", None)
         max_prompt_length = getattr(datamodule, "max_prompt_length", None)
-        for role in module.roles().values():
+        self._place_roles(module)
+        for name, role in module.roles().items():
             request = role.rollout_engine_request()  # None: no engine, no generation settings to check (e.g. SFT)
             if request is None:
                 continue
+            if self.rollout == "vllm" and len(self._pools[name]) != self.world_size:
+                raise ValueError(
+                    f"RLHFStrategy(rollout='vllm', placement=...) places {name!r} on ranks {list(self._pools[name])} "
+                    f"of {self.world_size}: the colocated vLLM engine spans every rank (vLLM's external launcher). "
+                    f"HINT: rollout='hf' for a role on a pool of its own, or place {name!r} on every rank."
+                )
             max_new_tokens = request.rollout.max_new_tokens
             if self.rollout == "hf":  # prompt + response must fit the positions, for either engine
                 check_hf_settings(request.path, max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens)
@@ -221,8 +261,65 @@ class RLHFStrategy(ModelParallelStrategy):
             error_timeout_s=self.worker_error_timeout_s,
             children=list(launcher.procs) if isinstance(launcher, RLHFLauncher) else None,
             stop_requested=lambda: self._preemption.requested,
+            pools=self._pools,
+            groups={role: mesh.get_group() for role, mesh in self._meshes.items() if mesh.size() < self.world_size},
         )
         watchdog_running(self.world_size > 1)
+
+    @property
+    def pools(self) -> Pools:
+        """Each role's ranks (after set-up). Runs on: every process."""
+        return dict(self._pools)
+
+    def holds(self, role: str) -> bool:
+        """Whether this rank holds ``role`` (is in its pool). Runs on: every process, after set-up."""
+        return self.global_rank in self._pools.get(role, range(self.world_size))
+
+    @property
+    def _placed(self) -> bool:
+        """Whether some role is not on every rank (then checkpoints save each role from its own pool)."""
+        return any(len(ranks) < self.world_size for ranks in self._pools.values())
+
+    def _place_roles(self, module: RLHFModule) -> None:
+        """Resolve the placement (the planner's, for ``"auto"``), check it against the world and the memory, and
+        build each pool's mesh, before any model loads.
+
+        Runs on: every rank, in ``setup_environment`` (every rank builds the pools' groups in the same order).
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        roles = module.roles()
+        spec = self.placement
+        if spec == "auto":
+            from lightning_rlhf.strategy.auto import auto_placement
+
+            spec = self.broadcast(auto_placement(module, world_size=self.world_size) if self.global_rank == 0 else None)
+        self._pools = resolve_placement(spec, list(roles), self.world_size)  # type: ignore[arg-type]
+        if self._placed:
+            from lightning_rlhf.strategy.auto import rank_memory_bytes, role_state_bytes
+
+            for name, role in roles.items():
+                request = role.rollout_engine_request()
+                if request is not None and self.rollout == "vllm":
+                    check_divides(
+                        self._pools, role=name, size=self.vllm_config.tensor_parallel_size,
+                        setting="VLLMConfig.tensor_parallel_size",
+                    )  # fmt: skip
+            check_memory(
+                self._pools,
+                {name: role_state_bytes(role) for name, role in roles.items()},
+                budget=rank_memory_bytes(self.root_device, self.num_processes),
+                where="RLHFStrategy(placement=...)",
+            )
+        whole = self.device_mesh["data_parallel"]
+        meshes = {}
+        for pool in pool_groups(self._pools):
+            meshes[pool] = (
+                whole
+                if len(pool) == self.world_size
+                else DeviceMesh(self.root_device.type, torch.tensor(pool), mesh_dim_names=("data_parallel",))
+            )
+        self._meshes = {name: meshes[pool] for name, pool in self._pools.items() if self.global_rank in pool}
 
     @override
     @contextlib.contextmanager
@@ -245,9 +342,11 @@ class RLHFStrategy(ModelParallelStrategy):
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
         # Every rank logs the controller's values (replayed), so epoch-level metrics need no sync_dist.
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True\)`")
-        mesh = self.device_mesh["data_parallel"]
-        for role in module.roles().values():
+        for name, role in module.roles().items():
             if role.model is None or role.sharded:  # a second fit() on the same module reuses the shards
+                continue
+            if not self.holds(name):  # another pool holds it: no weights here (meta tensors, nothing read)
+                role.model.to("meta")
                 continue
             request = role.rollout_engine_request()
             if request is not None:
@@ -264,7 +363,7 @@ class RLHFStrategy(ModelParallelStrategy):
                         max_model_len=self._max_model_len,
                     )
                 )
-            role.shard(mesh, param_dtype=self.param_dtype)
+            role.shard(self._meshes[name], param_dtype=self.param_dtype)
             role.materialize(self.root_device)
         super().setup(trainer)
 
@@ -417,11 +516,44 @@ class RLHFStrategy(ModelParallelStrategy):
         """
         path = Path(self.broadcast(os.fspath(filepath)))
         tmp = temporary_sibling(path, self.broadcast(uuid.uuid4().hex[:12]))
+        if self._placed and "lr_schedulers" in checkpoint:  # rank 0 writes them: take each from its role's pool
+            module = self._rlhf_module()
+            owners = [name for name, role in module.roles().items() if role.trainable]
+            checkpoint["lr_schedulers"] = schedules_from_holders(checkpoint["lr_schedulers"], owners, self._pools)
         super().save_checkpoint(checkpoint, tmp, storage_options)
         self.barrier("lightning_rlhf.save_checkpoint.written")
         if self.global_rank == 0 and tmp.exists():
             publish(tmp, path)
         self.barrier("lightning_rlhf.save_checkpoint.published")
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state for a checkpoint; with a placement, only what this rank holds (``pooled_checkpoint``).
+
+        Runs on: every rank.
+        """
+        if not self._placed:
+            return super().lightning_module_state_dict()
+        return pooled_model_state(self._rlhf_module())
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """One optimizer's state for a checkpoint; with a placement, relative to its role's model (empty on a rank
+        outside the role's pool). Runs on: every rank."""
+        if not self._placed:
+            return super().optimizer_state(optimizer)
+        return pooled_optimizer_state(self._rlhf_module(), optimizer)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore a checkpoint; with a placement, each rank reads the part it holds. Runs on: every rank."""
+        if not self._placed:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        module = self._rlhf_module()
+        return load_pooled_checkpoint(
+            path, module, self.optimizers, strict=module.strict_loading, weights_only=weights_only
+        )
 
     @override
     def teardown(self) -> None:

@@ -146,6 +146,7 @@ def main() -> None:
     p.add_argument("--kill-during-save", type=int, default=None, help="this rank SIGKILLs itself while saving")
     p.add_argument("--preemption-path", default=None, help="RLHFStrategy(preemption_path=...)")
     p.add_argument("--no-preemption-checkpoint", action="store_true", help="RLHFStrategy(preemption_checkpoint=False)")
+    p.add_argument("--placement", default=None, help="RLHFStrategy(placement=...): JSON role -> ranks, or 'auto'")
     args = p.parse_args()
     if args.signal_at or args.kill_during_save is not None:
         print(f"[train.py] rank {os.environ.get('LOCAL_RANK', '0')} pid {os.getpid()}", flush=True)
@@ -249,6 +250,9 @@ def main() -> None:
             param_dtype=torch.bfloat16 if args.bf16 else None,
             preemption_checkpoint=not args.no_preemption_checkpoint,
             preemption_path=args.preemption_path,
+            placement=None
+            if args.placement is None
+            else ("auto" if args.placement == "auto" else json.loads(args.placement)),
         ),
         max_steps=args.steps,
         logger=loggers,
@@ -281,7 +285,7 @@ def main() -> None:
             info["progress_bar_items"] = sorted(trainer.progress_bar_callback.get_metrics(trainer, module))
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(info, f)
-    else:
+    elif getattr(trainer.strategy, "holds", lambda role: True)("actor"):
         next(module.actor.model.parameters()).full_tensor()  # the checksum's all-gather
 
 

@@ -10,9 +10,11 @@ has one engine; frozen roles (reference, reward model) use it without an optimiz
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,7 @@ __all__ = [
     "MetricAccumulator",
     "TrainEngine",
     "check_compute_dtype",
+    "data_parallel_group",
     "global_token_count",
     "make_optimizer",
     "minibatches",
@@ -48,22 +51,46 @@ LossFn = Callable[[Batch, MicroBatchAggregation], tuple[Tensor, dict[str, Tensor
 :class:`~lightning_rlhf.algorithms.MicroBatchAggregation` (the engine applies its ``scale`` and calls backward)."""
 
 
+_GROUPS: list[Any] = []
+
+
+@contextlib.contextmanager
+def data_parallel_group(group: Any) -> Iterator[None]:
+    """Make ``group`` (a process group; None: all ranks) the data-parallel group of the role call that runs inside.
+
+    Runs on: a worker rank, around one role method (the controller's worker loop enters it with the role's pool,
+    so :func:`world` and the engine's all-reduces count only the ranks that hold the role).
+    """
+    _GROUPS.append(group)
+    try:
+        yield
+    finally:
+        _GROUPS.pop()
+
+
+def current_group() -> Any:
+    """The data-parallel group of the role call running in this process (None: all ranks). Runs on: any process."""
+    return _GROUPS[-1] if _GROUPS else None
+
+
 def world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the data-parallel group (``(0, 1)`` without torch.distributed).
+    """``(rank, world_size)`` of the data-parallel group: the role's pool while a role call runs, else all ranks
+    (``(0, 1)`` without torch.distributed).
 
     Runs on: any process.
     """
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        group = current_group()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
 def global_token_count(mask: Tensor) -> Tensor:
-    """Number of masked-in tokens summed over all ranks. Runs on: every worker rank (an all-reduce)."""
+    """Number of masked-in tokens summed over the data-parallel group. Runs on: every worker rank (an all-reduce)."""
     count = mask.sum().float()
     if world()[1] > 1:
         count = count.to(_reduce_device())
-        dist.all_reduce(count)
+        dist.all_reduce(count, group=current_group())
     return count.to(mask.device)
 
 
@@ -446,9 +473,9 @@ class TrainEngine:
 
 
 def _max_over_ranks(value: int) -> int:
-    """The largest ``value`` of all ranks (an all-reduce)."""
+    """The largest ``value`` of the data-parallel group's ranks (an all-reduce)."""
     t = torch.tensor([value], dtype=torch.long, device=_reduce_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=current_group())
     return int(t.item())
 
 

@@ -1,0 +1,120 @@
+"""``RLHFStrategy(placement="auto")``: the planner's placement for this run, and the sizes the placement checks use.
+
+The planner (:mod:`lightning_rlhf.planner`) predicts the step time of every colocation choice and device split
+from a cost model. Here it gets this run's inputs: the module's model roles (the actor, and a critic, reference or
+reward that is a model), the actor's shape from its ``config.json``, one step's workload from the data module and
+the rollout settings, and the hardware. On a CPU machine the hardware is calibrated here (matmul peak of one
+process, memory bandwidth, host overheads per layer: a few seconds); on a GPU it comes from the datasheet of the
+device's model. Roles the planner does not model (a reward function, a role a subclass added) go with the actor.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_rlhf import planner
+
+if TYPE_CHECKING:
+    from lightning_rlhf.module import RLHFModule
+    from lightning_rlhf.roles.base import Role
+
+__all__ = ["auto_placement", "rank_memory_bytes", "role_params", "role_state_bytes"]
+
+
+def role_params(role: Role) -> float | None:
+    """The parameter count of the role's model from its ``config.json`` (None: no model, or a shape the planner
+    cannot read). Runs on: any process, before any model loads (reads the configuration only)."""
+    path = getattr(role, "path", None)
+    if not isinstance(path, str):
+        return None
+    try:
+        return planner.shape_of(path).params
+    except Exception:  # a configuration the planner's Llama-family shape does not describe
+        return None
+
+
+def role_state_bytes(role: Role) -> float:
+    """Bytes of the role's whole-model state: 16 per parameter for a trainable role (float32 weights, gradients and
+    two Adam moments), the held dtype's size for a frozen one; 0 when the size is unknown. Runs on: any process."""
+    params = role_params(role)
+    if params is None:
+        return 0.0
+    per = 16.0 if role.trainable else float(torch.finfo(role.dtype).bits // 8)
+    return per * params
+
+
+def rank_memory_bytes(device: torch.device, processes_per_node: int) -> float:
+    """The memory one rank may use: its GPU's, or this machine's RAM shared by the node's processes.
+
+    Runs on: every process, at set-up.
+    """
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float(total) / max(1, processes_per_node)
+
+
+def _hardware(world_size: int) -> planner.Hardware:
+    """The device type the run is on, as the planner sees it."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for key in planner.HARDWARE:
+            if key in name:
+                return planner.HARDWARE[key]
+        raise ValueError(
+            f"RLHFStrategy(placement='auto'): no specification for the GPU {name!r} (known: "
+            f"{sorted(planner.HARDWARE)}). HINT: give a placement mapping, or plan with `lightning-rlhf plan "
+            "--device-type ...` and copy its placement."
+        )
+    from lightning_rlhf.perf import cpu_matmul_peak
+
+    layer_step_s, layer_micro_s = planner.measure_host_overheads()
+    return planner.cpu_hardware(
+        flops=cpu_matmul_peak(torch.float32),
+        memcpy_bw=planner.measure_memcpy_bw(),
+        memory=rank_memory_bytes(torch.device("cpu"), world_size),
+        processes=world_size,
+        layer_step_s=layer_step_s,
+        layer_micro_s=layer_micro_s,
+    )
+
+
+def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int]]:
+    """The planner's fastest placement of ``module``'s roles on ``world_size`` ranks (role -> ranks).
+
+    Runs on: rank 0, in the strategy's ``setup_environment`` (the strategy broadcasts the answer), before any model
+    loads. Raises :class:`~lightning_rlhf.planner.InfeasiblePlacementError` when nothing fits in memory.
+    """
+    roles = module.roles()
+    actor = roles.get("actor")
+    path = getattr(actor, "path", None)
+    if not isinstance(path, str):
+        raise ValueError("RLHFStrategy(placement='auto') plans around the actor's model: the module has no actor path.")
+    planned = [name for name, role in roles.items() if name in planner.ROLES and role_params(role) is not None]
+    if "actor" not in planned:
+        raise ValueError(
+            f"RLHFStrategy(placement='auto'): the planner cannot read the shape of the actor {path!r} (a Llama-family "
+            "config.json is needed). HINT: give a placement mapping instead."
+        )
+    datamodule: Any = getattr(module.trainer, "datamodule", None)
+    rollout = module.rollout_config
+    workload = planner.Workload(
+        prompts=int(getattr(datamodule, "batch_size", 8) or 8),
+        n=rollout.n,
+        prompt_len=int(getattr(datamodule, "max_prompt_length", None) or 512),
+        response_len=rollout.max_new_tokens,
+    )
+    best = planner.plan(
+        model=planner.shape_of(path),
+        hardware=_hardware(world_size),
+        devices=world_size,
+        workload=workload,
+        algorithm=planner.dataflow_for(planned),
+        tp_sizes=(1,),
+        unit=1,
+    )
+    placement: dict[str, list[int]] = best.to_json()["placement"]
+    return {name: placement.get(name, placement["actor"]) for name in roles}

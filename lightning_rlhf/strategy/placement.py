@@ -1,0 +1,159 @@
+"""Where each role runs: rank pools (HybridFlow's placement), checked before any model loads.
+
+``RLHFStrategy(placement=...)`` takes:
+
+- ``None`` (the default): every role on every rank (colocated, time-sharing all devices);
+- a mapping ``role -> ranks``, e.g. on 4 processes ``{"actor": [0, 1], "reward": [0, 1], "critic": [2, 3],
+  "reference": [2, 3]}``. Roles with the same ranks are colocated; roles on disjoint ranks run their calls at the
+  same time inside :meth:`~lightning_rlhf.module.RLHFModule.concurrently`;
+- ``"auto"``: the planner (:mod:`lightning_rlhf.planner`) chooses the mapping from its cost model, calibrated on
+  this machine (CPU) or from the device's datasheet (GPU).
+
+A pool is a set of ranks. Two pools are either the same set or disjoint: a rank that served two different pools
+would run both pools' calls one after another and stall the other ranks of each, so a partial overlap is refused.
+Each role's FSDP mesh spans its pool, and a ``DP_SPLIT`` call splits its batch by the pool's size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["Pools", "check_placement_spec", "resolve_placement"]
+
+Pools = dict[str, tuple[int, ...]]
+"""Role name -> the global ranks that hold it, ascending."""
+
+
+def check_placement_spec(spec: Any) -> None:
+    """Fail on a placement that is malformed whatever the run (types, negative or repeated ranks, empty pools).
+
+    Runs on: every process, in ``RLHFStrategy.__init__`` (before any process group or model exists).
+    """
+    if spec is None or spec == "auto":
+        return
+    if isinstance(spec, str):
+        raise ValueError(
+            f"RLHFStrategy(placement={spec!r}) is not a placement. HINT: None (every role on every rank), 'auto' "
+            "(the planner chooses), or a mapping role -> ranks such as {'actor': [0, 1], 'critic': [2, 3]}."
+        )
+    if not isinstance(spec, Mapping) or not spec:
+        raise TypeError(
+            f"RLHFStrategy(placement=...) takes None, 'auto' or a non-empty mapping role -> ranks, got "
+            f"`{type(spec).__name__}` ({spec!r})."
+        )
+    for role, ranks in spec.items():
+        where = f"RLHFStrategy(placement={{{role!r}: {ranks!r}}})"
+        if not isinstance(role, str):
+            raise TypeError(f"{where}: role names are strings (the module's attribute names), got {role!r}.")
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence | range):
+            raise TypeError(f"{where}: give the role's ranks as a list of ints, e.g. [0, 1].")
+        if not ranks:
+            raise ValueError(f"{where}: the pool is empty. HINT: give the role at least one rank.")
+        if any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks):
+            raise ValueError(f"{where}: ranks are non-negative ints.")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"{where}: a rank is listed twice. HINT: list each rank of the pool once.")
+
+
+def resolve_placement(spec: Mapping[str, Sequence[int]] | None, roles: Sequence[str], world_size: int) -> Pools:
+    """Each role's pool, checked against the module's roles and the world.
+
+    Runs on: every process, in the strategy's ``setup_environment`` (before any model loads; every rank computes the
+    same answer from the same arguments). Raises ``ValueError`` naming the setting, its value and the fix for: a
+    role of the module with no pool, a pool naming a role the module lacks, a rank beyond the world (a pool larger
+    than the world), and two pools that overlap without being the same ranks.
+
+    Args:
+        spec: ``None`` (every role on every rank) or a mapping ``role -> ranks`` (already through
+            :func:`check_placement_spec`).
+        roles: the module's role names.
+        world_size: the number of processes.
+    """
+    everyone = tuple(range(world_size))
+    if spec is None:
+        return {role: everyone for role in roles}
+    check_placement_spec(spec)
+    unknown = sorted(set(spec) - set(roles))
+    if unknown:
+        raise ValueError(
+            f"RLHFStrategy(placement=...) names {unknown}, which the module does not have (its roles: "
+            f"{list(roles)}). HINT: use the module's role names."
+        )
+    missing = [role for role in roles if role not in spec]
+    if missing:
+        raise ValueError(
+            f"RLHFStrategy(placement=...) gives no ranks to {missing} (roles: {list(roles)}). HINT: add "
+            + ", ".join(f"{role!r}: [...]" for role in missing)
+            + " (the ranks of the role it should be colocated with, or ranks of its own)."
+        )
+    pools = {role: tuple(sorted(int(r) for r in spec[role])) for role in roles}
+    for role, ranks in pools.items():
+        if ranks[-1] >= world_size:
+            raise ValueError(
+                f"RLHFStrategy(placement={{{role!r}: {list(ranks)}}}) names rank {ranks[-1]}, but the run has "
+                f"{world_size} processes (ranks 0..{world_size - 1}). HINT: a pool cannot be larger than the world; "
+                "raise Trainer(devices=...)/num_nodes or give the role fewer ranks."
+            )
+    distinct = sorted(set(pools.values()))
+    for i, a in enumerate(distinct):
+        for b in distinct[i + 1 :]:
+            shared = sorted(set(a) & set(b))
+            if shared:
+                holders = {tuple(p): [r for r in roles if pools[r] == p] for p in (a, b)}
+                raise ValueError(
+                    f"RLHFStrategy(placement=...): the pools {list(a)} ({', '.join(holders[a])}) and {list(b)} "
+                    f"({', '.join(holders[b])}) overlap at ranks {shared}. Roles share ranks only as a whole pool: "
+                    "colocated roles list the same ranks, the others disjoint ones. HINT: give them the same ranks "
+                    "or ranks that do not overlap."
+                )
+    return pools
+
+
+def pool_groups(pools: Pools) -> list[tuple[int, ...]]:
+    """The distinct pools, in a fixed order (every rank builds their process groups in this order).
+
+    Runs on: every process, at set-up.
+    """
+    return sorted(set(pools.values()))
+
+
+def check_divides(pools: Pools, *, role: str, size: int, setting: str) -> None:
+    """Fail when ``size`` (e.g. a rollout TP size) does not divide the pool of ``role``.
+
+    Runs on: every process, at set-up, before any model loads.
+    """
+    n = len(pools[role])
+    if n % size:
+        fits = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(
+            f"{setting}={size} does not divide the {n} ranks of {role!r}'s pool {list(pools[role])}. "
+            f"HINT: pick one of {fits}, or give {role!r} a pool whose size {size} divides."
+        )
+
+
+def check_memory(pools: Pools, role_bytes: Mapping[str, float], *, budget: float, where: str) -> None:
+    """Fail when the roles placed on a rank need more memory than it has.
+
+    Runs on: every process, at set-up, before any model loads. ``role_bytes`` is each role's whole-model state
+    (weights, and for trainable roles gradients and two Adam moments), which FSDP spreads over the role's pool;
+    ``budget`` is the memory one rank may use.
+    """
+    for pool in pool_groups(pools):
+        held = [role for role, ranks in pools.items() if ranks == pool]
+        need = sum(role_bytes.get(role, 0.0) / len(pool) for role in held)
+        if need > budget:
+            raise ValueError(
+                f"{where}: the pool {list(pool)} ({', '.join(held)}) needs {need / 2**30:.3g} GiB per rank for its "
+                f"models' states, and a rank has {budget / 2**30:.3g} GiB. HINT: give the pool more ranks, place fewer "
+                "roles on it, or hold frozen roles in bfloat16 (RLHFModule(frozen_dtype='bfloat16'))."
+            )
+
+
+def lcm_of_pool_sizes(pools: Pools) -> int:
+    """The least common multiple of the pools' sizes: a batch that every pool splits evenly is a multiple of it.
+
+    Runs on: any process.
+    """
+    return math.lcm(*(len(p) for p in pool_groups(pools))) if pools else 1
