@@ -10,6 +10,7 @@ device's model. Roles the planner does not model (a reward function, a role a su
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -116,5 +117,19 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
         tp_sizes=(1,),
         unit=1,
     )
+    # The actor's pool first, so that it starts at rank 0, beside the controller (exports, sample logs).
+    order = sorted(range(len(best.groups)), key=lambda i: "actor" not in best.groups[i])
+    best = dataclasses.replace(
+        best,
+        groups=tuple(best.groups[i] for i in order),
+        devices=tuple(best.devices[i] for i in order),
+        memory=tuple(best.memory[i] for i in order),
+    )
     placement: dict[str, list[int]] = best.to_json()["placement"]
-    return {name: placement.get(name, placement["actor"]) for name in roles}
+    chosen = {name: placement.get(name, placement["actor"]) for name in roles}
+    print(
+        f"[lightning_rlhf] placement='auto': {chosen} (predicted {best.step_s:.3f} s per step; stages "
+        f"{[round(s, 3) for s in best.stage_s]} s)",
+        flush=True,
+    )
+    return chosen

@@ -1,4 +1,5 @@
-"""Each ready algorithm learns the synthetic task (2 processes): last 10% of steps >= first 10% + 0.2.
+"""Each ready algorithm learns the synthetic task (2 processes): last 10% of steps >= first 10% + 0.2. PPO also
+learns with a split placement (actor on rank 0, critic on rank 1).
 
 GRPO is covered by the demo test (250 steps, +0.3, vLLM rollouts when installed); these run 120 steps each.
 ReMax (with its extra greedy generate call) uses the vLLM engine when installed, the others the transformers
@@ -19,10 +20,14 @@ from tests.conftest import ROOT, failure_text
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("algo", ["rloo", "reinforce_pp", "remax", "ppo"])
-def test_algorithm_learns_addition(algo: str, demo_model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("algo", "placement"),
+    [("rloo", "colocate"), ("reinforce_pp", "colocate"), ("remax", "colocate"), ("ppo", "colocate"), ("ppo", "split")],
+)
+def test_algorithm_learns_addition(algo: str, placement: str, demo_model: str, tmp_path: Path) -> None:
+    """``split``: the actor and the reward on rank 0, the critic on rank 1, their updates at the same time."""
     cache = str(Path(demo_model).parent)  # reuse the session's warm-started model
-    cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--algo", algo, "--steps", "120"]
+    cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--algo", algo, "--steps", "120", "--placement", placement]
     cmd += ["--out", str(tmp_path), "--cache", cache, "--rollout", "auto" if algo == "remax" else "hf"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     assert proc.returncode == 0, failure_text(proc)
@@ -36,5 +41,11 @@ def test_algorithm_learns_addition(algo: str, demo_model: str, tmp_path: Path) -
     assert last >= first + 0.2, (algo, first, last)
     if algo == "ppo":
         assert all(float(r["critic/vf_loss"]) >= 0 for r in rows)
+    if placement == "split":  # the two updates overlap: the stage is shorter than their sum on most steps
+        overlapped = [
+            float(r["timing_s/stage_update"]) < float(r["timing_s/update_actor"]) + float(r["timing_s/update_critic"])
+            for r in rows
+        ]
+        assert sum(overlapped) > 0.8 * len(rows)
     if algo == "remax":
         assert "critic/baseline_score/mean" in rows[0]

@@ -1,0 +1,103 @@
+"""Roles on rank pools of their own (``RLHFStrategy(placement=...)``), 2 and 4 processes over gloo.
+
+Each test runs ``tests/scripts/train.py`` as a subprocess (Lightning's launcher starts the other ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import failure_text, run_script
+from tests.distributed.test_training import check_ok, read_metrics
+
+pytestmark = pytest.mark.slow
+
+SPLIT_2 = json.dumps({"actor": [0], "reward": [0], "critic": [1], "reference": [1]})
+
+
+def test_split_ppo_runs_stages_concurrently_and_resumes_exactly(demo_model: str, tmp_path: Path) -> None:
+    """Actor + reward on rank 0, critic + reference on rank 1: the two updates (and the two pools' scoring calls)
+    run at the same time, and a resumed run continues exactly like the uninterrupted one."""
+    straight, first, second, ckpt = (tmp_path / name for name in ("straight", "first", "second", "ckpt"))
+    common = ["--model", demo_model, "--algo", "ppo", "--kl-coef", "0.01", "--devices", "2", "--placement", SPLIT_2]
+    check_ok(run_script("train.py", *common, "--out", str(straight), "--steps", "5"))
+    rows = read_metrics(straight)[1:]  # the first step starts the reward workers
+    both = [float(r["timing_s/update_actor"]) + float(r["timing_s/update_critic"]) for r in rows]
+    stage = [float(r["timing_s/stage_update"]) for r in rows]
+    longer = [max(float(r["timing_s/update_actor"]), float(r["timing_s/update_critic"])) for r in rows]
+    # Disjoint pools: the stage takes about the longer call, not the sum (one process per core here).
+    assert statistics.median(stage) < 0.8 * statistics.median(both), (stage, both)
+    assert all(s >= 0.9 * m for s, m in zip(stage, longer, strict=True)), (stage, longer)
+    for row in rows:
+        assert float(row["critic/vf_loss"]) > 0 and float(row["actor/grad_norm"]) > 0
+
+    check_ok(run_script("train.py", *common, "--out", str(first), "--steps", "3", "--save-ckpt", str(ckpt)))
+    assert {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= {p.name for p in ckpt.iterdir()}  # one file per rank
+    check_ok(run_script("train.py", *common, "--out", str(second), "--steps", "5", "--resume", str(ckpt)))
+    full, resumed = read_metrics(straight), read_metrics(second)
+    assert [int(r["step"]) for r in resumed] == [3, 4]
+    for a, b in zip(full[3:], resumed, strict=True):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/values/mean"):
+            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-6), key
+    end_full = json.loads((straight / "result.json").read_text())["param_checksum"]
+    end_resumed = json.loads((second / "result.json").read_text())["param_checksum"]
+    assert end_full == pytest.approx(end_resumed, rel=1e-6)
+
+
+def test_four_ranks_two_pools(demo_model: str, tmp_path: Path) -> None:
+    """GRPO with a reference on 4 processes: actor + reward FSDP-sharded over ranks {0, 1}, the reference over
+    {2, 3}; every batch is split by its pool's size."""
+    placement = json.dumps({"actor": [0, 1], "reward": [0, 1], "reference": [2, 3]})
+    out = tmp_path / "run"
+    args = ["--model", demo_model, "--devices", "4", "--kl-coef", "0.05", "--steps", "3", "--placement", placement]
+    check_ok(run_script("train.py", *args, "--out", str(out), timeout=420))
+    rows = read_metrics(out)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert float(row["timing_s/ref"]) > 0 and float(row["actor/grad_norm"]) > 0
+        assert float(row["actor/kl_loss"]) >= 0
+    assert json.loads((out / "result.json").read_text())["global_step"] == 3
+
+
+@pytest.mark.parametrize(
+    ("placement", "words"),
+    [
+        ({"actor": [0], "reward": [0, 2]}, ["names rank 2", "2 processes"]),
+        ({"actor": [0]}, ["gives no ranks to ['reward']"]),
+    ],
+)
+def test_a_bad_placement_fails_before_any_model_loads(
+    demo_model: str, tmp_path: Path, placement: dict, words: list[str]
+) -> None:
+    proc = run_script(
+        "train.py",
+        "--model",
+        demo_model,
+        "--devices",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--placement",
+        json.dumps(placement),
+    )
+    assert proc.returncode != 0
+    text = failure_text(proc)
+    for word in words:
+        assert word in text, text
+    assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_auto_placement_chooses_and_trains(demo_model: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--model", demo_model, "--algo", "ppo", "--devices", "2", "--steps", "2", "--placement", "auto"]
+    proc = run_script("train.py", *args, "--out", str(out))
+    assert proc.returncode == 0, failure_text(proc)
+    line = next(x for x in proc.stdout.splitlines() if "placement='auto'" in x)
+    chosen = json.loads(line.split("placement='auto': ")[1].split(" (predicted")[0].replace("'", '"'))
+    assert set(chosen) == {"actor", "critic", "reference", "reward"}
+    assert all(set(ranks) <= {0, 1} for ranks in chosen.values()) and 0 in chosen["actor"]
+    assert len(read_metrics(out)) == 2
