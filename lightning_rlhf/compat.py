@@ -192,6 +192,17 @@ def set_launcher(strategy: Strategy, launcher: _Launcher | None) -> None:
     strategy._launcher = launcher
 
 
+def checkpoint_metadata_filename() -> str:
+    """The file of a sharded (folder) checkpoint that holds everything but the tensors (loops, callbacks,
+    schedules), which Lightning's FSDP2 strategy writes from rank 0 and reads back on resume.
+
+    Private name: ``lightning.fabric.utilities.load._METADATA_FILENAME``. Runs on: any process.
+    """
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    return str(_METADATA_FILENAME)
+
+
 # -------------------------------------------------------------------------------------------- the launcher
 class DeferringChildObserver(_ChildProcessObserver):
     """Lightning's child-process observer, standing aside while ``defer()`` is true.

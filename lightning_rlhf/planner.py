@@ -63,6 +63,7 @@ __all__ = [
     "cpu_hardware",
     "dataflow_for",
     "device_splits",
+    "measure_call_overhead",
     "measure_host_overheads",
     "measure_memcpy_bw",
     "plan",
@@ -111,6 +112,9 @@ class Hardware:
     work; a no-grad forward takes a third of it."""
     usable_memory: float = 0.9
     """Fraction of the memory plans may use (allocator fragmentation, buffers)."""
+    call_s: float = 0.0
+    """Host time of one role call that does not shrink with the work (the control plane's exchange of the batch,
+    its split and merge); 0 for the datasheet devices, where it is small against a step's compute."""
 
     def bandwidth(self, devices: int) -> float:
         """Collective bandwidth per device of a group of ``devices``. Runs on: any process."""
@@ -141,6 +145,7 @@ def cpu_hardware(
     collective_bw: float | None = None,
     layer_step_s: float = 0.0,
     layer_micro_s: float = 0.0,
+    call_s: float = 0.0,
 ) -> Hardware:
     """This machine as a pool of ``processes`` CPU workers, from measured figures: ``flops`` (one process's
     matmul rate), ``memcpy_bw`` (bytes/s), ``memory`` (bytes per process).
@@ -152,7 +157,7 @@ def cpu_hardware(
     return Hardware(
         "cpu", flops=flops, memory=memory, hbm_bw=memcpy_bw, intra_bw=bw, inter_bw=bw,
         devices_per_node=processes, train_eff=0.7, forward_eff=0.6, bw_eff=1.0, latency_s=200e-6,
-        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s,
+        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=call_s,
     )  # fmt: skip
 
 
@@ -217,17 +222,23 @@ TRAINABLE = frozenset({"actor", "critic"})
 ROLES = ("actor", "critic", "reference", "reward")
 
 
-def dataflow_for(roles: Sequence[str]) -> list[list[Call]]:
+def dataflow_for(roles: Sequence[str], *, old_logprobs: bool | None = None) -> list[list[Call]]:
     """The stages of a step with these model roles: the actor generates; the reference, reward model and critic
-    score the rollout (independent calls: one stage); the actor and the critic update (both read only the scored
-    batch: one stage). Runs on: any process. Raises :class:`InfeasiblePlacementError` without an actor or for an
-    unknown role."""
+    score the rollout, and the actor computes the old log-probs when the algorithm needs them (independent calls: one
+    stage); the actor and the critic update (both read only the scored batch: one stage). ``old_logprobs`` None:
+    when there is a critic (PPO; GRPO's single on-policy update reuses its own detached log-probs).
+
+    Runs on: any process. Raises :class:`InfeasiblePlacementError` without an actor or for an unknown role."""
     unknown = sorted(set(roles) - set(ROLES))
     if "actor" not in roles or unknown:
         raise InfeasiblePlacementError(
             f"roles {list(roles)}: need 'actor' and only roles of {list(ROLES)} (unknown: {unknown})."
         )
-    score = [(r, "forward") for r in ("reference", "reward", "critic") if r in roles]
+    if old_logprobs is None:
+        old_logprobs = "critic" in roles
+    score = [(r, "forward") for r in ("actor", "reference", "reward", "critic") if r in roles]
+    if not old_logprobs:
+        score = score[1:]
     train = [(r, "train") for r in ("actor", "critic") if r in roles]
     return [stage for stage in ([("actor", "generate")], score, train) if stage]
 
@@ -433,6 +444,7 @@ def predict(
                 t = _train_s(model, workload, hardware, n)
             else:
                 t = _forward_s(model, workload, hardware, n)
+            t += hardware.call_s
             per_pool[i] = per_pool.get(i, 0.0) + t  # calls on one pool run one after another
         stage_s.append(max(per_pool.values()))  # pools run their calls at the same time
     return Plan(tuple(tuple(g) for g in groups), tuple(devices), rollout_tp, tuple(stage_s), tuple(memory))
@@ -639,6 +651,49 @@ def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
         model = Qwen2ForCausalLM(config)
         cost[layers] = (timed(functools.partial(decode, model)) / steps, timed(functools.partial(train, model)))
     return (cost[5][0] - cost[1][0]) / 4, (cost[5][1] - cost[1][1]) / 4
+
+
+def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) -> float:
+    """Seconds of host work one role call costs besides its compute, on this machine: what the control plane does to
+    a rollout batch of ``rows`` x ``length`` tokens for 2 ranks (split it, pickle each part and unpickle it, as the
+    scatter does; pickle and unpickle the results, as the gather does; merge them), best of ``repeats``.
+
+    Runs on: the calling process (a fraction of a second). The transport itself (gloo over shared memory) is not in
+    it: the validation in ``benchmarks/placement_validation.py`` shows what that leaves out.
+    """
+    import pickle
+    import time
+
+    import torch
+
+    from lightning_rlhf.batch import Batch
+    from lightning_rlhf.dispatch import Dispatch, merge_results, split_args
+
+    def one_batch() -> Batch:
+        return Batch(
+            {
+                "input_ids": torch.randint(0, 4096, (rows, length)),
+                "attention_mask": torch.ones(rows, length, dtype=torch.long),
+                "prompt_mask": torch.ones(rows, length // 3, dtype=torch.bool),
+                "response_mask": torch.ones(rows, length - length // 3, dtype=torch.bool),
+                "logprobs": torch.randn(rows, length - length // 3),
+                "scores": torch.rand(rows),
+            },
+            {"prompt": [f"Add {i} and {i}. Answer:" for i in range(rows)], "answer": [str(i) for i in range(rows)]},
+        )
+
+    def call() -> None:
+        parts = split_args(Dispatch.DP_SPLIT, (one_batch(),), {}, 2, where="calibration")
+        results = [pickle.loads(pickle.dumps(part))[0][0] for part in parts if part is not None]
+        merge_results(Dispatch.DP_SPLIT, [pickle.loads(pickle.dumps(r)) for r in results])
+
+    call()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import linecache
 import logging
 import math
 import os
@@ -142,7 +143,7 @@ class RewardPool:
             ) from err
         self.name = name
         self.fn = fn  # held so that the registry's key (the function's id) stays unique
-        self._payload = pickle.dumps((list(sys.path), fn_bytes))
+        self._payload = pickle.dumps((list(sys.path), fn_bytes, _source_lines(fn)))
         self._workers: list[_Worker] = []
         self._size = 0  # workers kept started between calls (the largest num_workers asked for)
         self._owner = os.getpid()
@@ -418,6 +419,21 @@ if __name__ != "__main__":
     os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
+DYNAMIC_CODE = "<dynamic-code>"
+"""The file name cloudpickle (3.1.3 and later) gives the code of a function it pickles by value (a closure, a lambda,
+a function of ``__main__`` or of a test module): the worker's traceback can then not read the source lines."""
+
+
+def _source_lines(fn: Callable[..., Any]) -> list[str]:
+    """The lines of the file that defines ``fn`` (empty when there is none to read), for the worker's tracebacks.
+
+    Runs on: the process that makes the pool. A worker serves one function, so one file's lines suffice.
+    """
+    code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)
+    filename = getattr(code, "co_filename", "")
+    return linecache.getlines(filename) if filename and not filename.startswith("<") else []
+
+
 # ----------------------------------------------------------------------------------- the worker side
 def _worker_main(fd: int, parent: int) -> None:
     """Main program of a reward worker: load the function, then serve calls until the end of input.
@@ -431,8 +447,10 @@ def _worker_main(fd: int, parent: int) -> None:
     os.set_inheritable(fd, False)  # the function's own subprocesses do not hold the pool's socket open
     conn = Connection(fd)
     with contextlib.suppress(EOFError, OSError):  # the pool closed (or the trainer died): exit quietly
-        sys_path, fn_bytes = pickle.loads(conn.recv_bytes())
+        sys_path, fn_bytes, source = pickle.loads(conn.recv_bytes())
         sys.path[:] = sys_path
+        if source:  # tracebacks of a function pickled by value quote their lines (cloudpickle names its file so)
+            linecache.cache[DYNAMIC_CODE] = (sum(map(len, source)), None, source, DYNAMIC_CODE)
         try:
             fn = pickle.loads(fn_bytes)
         except Exception as err:

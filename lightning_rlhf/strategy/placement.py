@@ -3,9 +3,10 @@
 ``RLHFStrategy(placement=...)`` takes:
 
 - ``None`` (the default): every role on every rank (colocated, time-sharing all devices);
-- a mapping ``role -> ranks``, e.g. on 4 processes ``{"actor": [0, 1], "reward": [0, 1], "critic": [2, 3],
-  "reference": [2, 3]}``. Roles with the same ranks are colocated; roles on disjoint ranks run their calls at the
-  same time inside :meth:`~lightning_rlhf.module.RLHFModule.concurrently`;
+- a mapping from each role's name to its ranks (on 4 processes: the policy and its reward on ranks 0 and 1, the
+  critic and the reference on ranks 2 and 3; docs/placement.md has the code). Roles with the same ranks are
+  colocated; roles on disjoint ranks run their calls at the same time inside
+  :meth:`~lightning_rlhf.module.RLHFModule.concurrently`;
 - ``"auto"``: the planner (:mod:`lightning_rlhf.planner`) chooses the mapping from its cost model, calibrated on
   this machine (CPU) or from the device's datasheet (GPU).
 
@@ -36,7 +37,8 @@ def check_placement_spec(spec: Any) -> None:
     if isinstance(spec, str):
         raise ValueError(
             f"RLHFStrategy(placement={spec!r}) is not a placement. HINT: None (every role on every rank), 'auto' "
-            "(the planner chooses), or a mapping role -> ranks such as {'actor': [0, 1], 'critic': [2, 3]}."
+            "(the planner chooses), or a mapping from each role's name to a list of ranks, e.g. {<role>: [0, 1], "
+            "<another role>: [2, 3]}."
         )
     if not isinstance(spec, Mapping) or not spec:
         raise TypeError(

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lightning_rlhf.compat import checkpoint_metadata_filename
+
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
 
@@ -127,7 +129,6 @@ def load_pooled_checkpoint(
 
     Runs on: every rank (a collective read), in ``RLHFStrategy.load_checkpoint``.
     """
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -137,9 +138,10 @@ def load_pooled_checkpoint(
         set_optimizer_state_dict,
     )
 
-    if not (path / _METADATA_FILENAME).is_file():
+    metadata = path / checkpoint_metadata_filename()
+    if not metadata.is_file():
         raise FileNotFoundError(
-            f"{path} is not a sharded checkpoint of a run with a placement (no {_METADATA_FILENAME}). HINT: a run with "
+            f"{path} is not a sharded checkpoint of a run with a placement (no {metadata.name}). HINT: a run with "
             "RLHFStrategy(placement=...) resumes from the folders it saves."
         )
     prefixes = _role_prefixes(module)
@@ -167,4 +169,4 @@ def load_pooled_checkpoint(
     for index, model in owners.items():
         optimizer = getattr(optimizers[index], "_optimizer", optimizers[index])
         set_optimizer_state_dict(model, optimizer, optim_state_dict=to_load[f"optimizer_{index}"])
-    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+    return torch.load(metadata, weights_only=weights_only)

@@ -140,9 +140,9 @@ class RLHFStrategy(ModelParallelStrategy):
             Lightning. These replace Lightning's own SIGTERM handling (and its SLURM SIGUSR1 requeue handler).
         preemption_path: where that checkpoint goes. None: ``<ModelCheckpoint.dirpath>/preempted.ckpt`` when a
             ModelCheckpoint has one, else ``<trainer.log_dir or default_root_dir>/checkpoints/preempted.ckpt``.
-        placement: where each role runs. None: every role on every rank. A mapping role -> ranks places roles on
-            pools of their own (e.g. ``{"actor": [0, 1], "reward": [0, 1], "critic": [2, 3], "reference": [2, 3]}``):
-            roles with the same ranks are colocated, and calls to disjoint pools made inside
+        placement: where each role runs. None: every role on every rank. A mapping from role names to lists of
+            ranks places roles on pools of their own (docs/placement.md shows one): roles with the same ranks are
+            colocated, and calls to disjoint pools made inside
             ``RLHFModule.concurrently()`` run at the same time. ``"auto"``: the planner's choice for this world
             (``lightning_rlhf.planner``; CPU: calibrated on this machine, GPU: from the device's datasheet).
     """
@@ -291,12 +291,12 @@ class RLHFStrategy(ModelParallelStrategy):
         roles = module.roles()
         spec = self.placement
         if spec == "auto":
-            from lightning_rlhf.strategy.auto import auto_placement
+            from lightning_rlhf.auto_placement import auto_placement
 
             spec = self.broadcast(auto_placement(module, world_size=self.world_size) if self.global_rank == 0 else None)
         self._pools = resolve_placement(spec, list(roles), self.world_size)  # type: ignore[arg-type]
         if self._placed:
-            from lightning_rlhf.strategy.auto import rank_memory_bytes, role_state_bytes
+            from lightning_rlhf.auto_placement import rank_memory_bytes, role_state_bytes
 
             for name, role in roles.items():
                 request = role.rollout_engine_request()

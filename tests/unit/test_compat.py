@@ -276,6 +276,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def test_checkpoint_metadata_filename_is_the_file_a_sharded_save_writes(tmp_path: Path) -> None:
+    from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
+
+    from lightning_rlhf.compat import checkpoint_metadata_filename
+
+    name = checkpoint_metadata_filename()
+    assert name == "meta.pt"
+    (tmp_path / name).write_bytes(b"")
+    assert _is_sharded_checkpoint(tmp_path)  # Lightning recognises a folder by this file
+
+
 def test_set_data_parallel_size_shapes_the_device_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

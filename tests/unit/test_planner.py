@@ -73,13 +73,21 @@ def test_stage_times_by_hand_colocated_and_split() -> None:
     train = (6 * p * tokens + 3 * attention) / 1e12
     kw = {"model": SHAPE, "hardware": UNIT, "workload": wl, "algorithm": "ppo"}
     together = predict([["actor", "critic", "reference", "reward"]], [4], 1, **kw)
-    # one pool of 4: its three scoring forwards and its two updates run one after another
-    assert together.stage_s[1] == pytest.approx(3 * forward / 4)
+    # one pool of 4: its four scoring forwards (PPO's old log-probs among them) and two updates one after another
+    assert together.stage_s[1] == pytest.approx(4 * forward / 4)
     assert together.stage_s[2] == pytest.approx(2 * train / 4)
     split = predict([["actor", "reference"], ["critic", "reward"]], [2, 2], 1, **kw)
     # two pools of 2 at the same time: the longer pool's calls (2 forwards each; 1 update each)
     assert split.stage_s[1] == pytest.approx(2 * forward / 2)
     assert split.stage_s[2] == pytest.approx(train / 2)
+    # a host cost per role call adds to its pool: 4 scoring calls on the shared pool, 2 on each split one
+    slow = Hardware(**{**UNIT.__dict__, "call_s": 0.5})
+    assert predict([["actor", "critic", "reference", "reward"]], [4], 1, **{**kw, "hardware": slow}).stage_s[
+        1
+    ] == pytest.approx(4 * forward / 4 + 4 * 0.5)
+    assert predict([["actor", "reference"], ["critic", "reward"]], [2, 2], 1, **{**kw, "hardware": slow}).stage_s[
+        2
+    ] == pytest.approx(train / 2 + 0.5)
     # generation on 2 replicas of 1 device: 4 sequences each, all in one wave (memory is unlimited)
     prefill = 2 * p * 4 * 3 / 1e12
     decode = 5 * (2 * p * 4 / 1e12)  # compute-bound: reading memory is free on this device
@@ -138,7 +146,16 @@ def test_colocating_everything_wins_on_small_clusters_and_splitting_on_large_one
 
 def test_recipe_inputs_and_the_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     flow, shape, wl = recipe_inputs(str(ROOT / "recipes" / "ppo.yaml"))
-    assert [sorted(r for r, _ in stage) for stage in flow] == [["actor"], ["critic", "reference"], ["actor", "critic"]]
+    assert [sorted(r for r, _ in stage) for stage in flow] == [
+        ["actor"],
+        ["actor", "critic", "reference"],  # PPO's old log-probs beside the critic's values and the reference
+        ["actor", "critic"],
+    ]
+    assert dataflow_for(["actor", "reference"])[1] == [("reference", "forward")]  # GRPO on-policy: no old log-probs
+    assert dataflow_for(["actor", "reference"], old_logprobs=True)[1] == [
+        ("actor", "forward"),
+        ("reference", "forward"),
+    ]
     assert shape.layers == 24 and wl.sequences == 64 and wl.prompt_len == 512 and wl.response_len == 512
     cli_main(["plan", "--config", str(ROOT / "recipes" / "ppo.yaml"), "--devices", "16", "--device-type", "h100"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
