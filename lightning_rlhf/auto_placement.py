@@ -4,8 +4,9 @@ The planner (:mod:`lightning_rlhf.planner`) predicts the step time of every colo
 from a cost model. Here it gets this run's inputs: the module's model roles (the actor, and a critic, reference or
 reward that is a model), the actor's shape from its ``config.json``, one step's workload from the data module and
 the rollout settings, and the hardware. On a CPU machine the hardware is calibrated here (matmul peak of one
-process, memory bandwidth, host overheads per layer: a few seconds); on a GPU it comes from the datasheet of the
-device's model. Roles the planner does not model (a reward function, a role a subclass added) go with the actor.
+process, memory bandwidth, host time per layer and per role call, and what the actor's own shapes reach of the
+peak: a few seconds); on a GPU it comes from the datasheet of the device's model. Roles the planner does not
+model (a reward function, a role a subclass added) go with the actor.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def rank_memory_bytes(device: torch.device, processes_per_node: int) -> float:
     return float(total) / max(1, processes_per_node)
 
 
-def _hardware(world_size: int) -> planner.Hardware:
+def _hardware(world_size: int, shape: planner.ModelShape, workload: planner.Workload) -> planner.Hardware:
     """The device type the run is on, as the planner sees it."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name().lower()
@@ -73,14 +74,16 @@ def _hardware(world_size: int) -> planner.Hardware:
     from lightning_rlhf.perf import cpu_matmul_peak
 
     layer_step_s, layer_micro_s = planner.measure_host_overheads()
-    return planner.cpu_hardware(
+    hardware = planner.cpu_hardware(
         flops=cpu_matmul_peak(torch.float32),
         memcpy_bw=planner.measure_memcpy_bw(),
         memory=rank_memory_bytes(torch.device("cpu"), world_size),
         processes=world_size,
         layer_step_s=layer_step_s,
         layer_micro_s=layer_micro_s,
+        call_s=planner.measure_call_overhead(),
     )
+    return planner.calibrate_for_shape(hardware, shape, workload)
 
 
 def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int]]:
@@ -108,9 +111,10 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
         prompt_len=int(getattr(datamodule, "max_prompt_length", None) or 512),
         response_len=rollout.max_new_tokens,
     )
+    shape = planner.shape_of(path)
     best = planner.plan(
-        model=planner.shape_of(path),
-        hardware=_hardware(world_size),
+        model=shape,
+        hardware=_hardware(world_size, shape, workload),
         devices=world_size,
         workload=workload,
         algorithm=planner.dataflow_for(planned),

@@ -60,6 +60,7 @@ __all__ = [
     "ModelShape",
     "Plan",
     "Workload",
+    "calibrate_for_shape",
     "cpu_hardware",
     "dataflow_for",
     "device_splits",
@@ -100,6 +101,9 @@ class Hardware:
     """Fraction of the peak a training step reaches (MFU)."""
     forward_eff: float = 0.55
     """Fraction of the peak a no-grad forward or a prefill reaches."""
+    decode_eff: float | None = None
+    """Fraction of the peak a decoding step's compute reaches (None: ``forward_eff``). Decoding's matmuls are
+    ``[sequences, hidden]`` thin; on CPUs, where a step is compute-bound, they reach less than a forward's."""
     bw_eff: float = 0.7
     """Fraction of the memory bandwidth decoding reaches."""
     latency_s: float = 10e-6
@@ -366,7 +370,7 @@ def _generate_s(model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, 
     prefill = 2.0 * model.params * batch * wl.prompt_len / (tp * hw.flops * hw.forward_eff)
     context = wl.prompt_len + wl.response_len / 2  # average context while decoding
     read = (2.0 * model.params + batch * context * model.kv_bytes_per_token()) / tp / (hw.hbm_bw * hw.bw_eff)
-    compute = 2.0 * model.params * batch / (tp * hw.flops * hw.forward_eff)
+    compute = 2.0 * model.params * batch / (tp * hw.flops * (hw.decode_eff or hw.forward_eff))
     allreduce = 0.0 if tp == 1 else 2 * model.layers * (hw.latency_s + batch * model.hidden * 2.0 / hw.intra_bw)
     decode = wl.response_len * (max(read, compute) + allreduce + model.layers * hw.layer_step_s)
     handoff = 0.0 if n == 1 else 2.0 * model.params / tp / hw.bandwidth(n)
@@ -653,6 +657,81 @@ def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
     return (cost[5][0] - cost[1][0]) / 4, (cost[5][1] - cost[1][1]) / 4
 
 
+def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: int = 3) -> Hardware:
+    """``hw`` with its efficiency factors measured on this process for ``model``'s width: a training micro-batch,
+    a no-grad forward and a decoding step of a 2-layer random Qwen2 of the same hidden size, MLP, heads and
+    vocabulary, timed (best of ``repeats``), the per-layer host time subtracted, and divided by their FLOPs at
+    ``hw.flops``.
+
+    Runs on: the calling process, on CPUs (its thread count is the one measured; a second or two for models of a
+    few million parameters, growing with the width). The large-matmul peak overstates what a small model's shapes
+    reach, which is what these factors correct. Returns a new :class:`Hardware`; ``hw`` is unchanged.
+    """
+    import time
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_rlhf.engines.rollout.base import SamplingParams
+    from lightning_rlhf.engines.rollout.decode import sample_loop
+
+    layers = 2
+    shape = dataclasses.replace(model, layers=layers)
+    head_dim = model.hidden // model.heads
+    config = Qwen2Config(
+        vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=model.intermediate,
+        num_hidden_layers=layers, num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
+        max_position_embeddings=wl.prompt_len + wl.response_len + 1, tie_word_embeddings=False,
+    )  # fmt: skip
+    config.head_dim = head_dim
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    net = Qwen2ForCausalLM(config)
+    length = wl.prompt_len + wl.response_len
+    rows = max(1, wl.micro_tokens // length)
+    ids = torch.randint(0, model.vocab, (rows, length))
+    sub = Workload(prompts=rows, n=1, prompt_len=wl.prompt_len, response_len=wl.response_len)
+
+    def best(fn: Any) -> float:
+        fn()
+        out = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out = min(out, time.perf_counter() - t0)
+        return out
+
+    def train() -> None:
+        net.train()
+        net(input_ids=ids, labels=ids).loss.backward()
+        net.zero_grad(set_to_none=True)
+
+    def forward() -> None:
+        with torch.no_grad():
+            net.eval()(input_ids=ids)
+
+    batch = max(1, min(64, wl.sequences))
+    steps = min(16, wl.response_len)
+    params = SamplingParams(n=1, max_new_tokens=steps, min_new_tokens=steps)
+    prompts = [[int(t) for t in ids[0, : wl.prompt_len]]] * batch
+
+    def decode() -> None:
+        sample_loop(net.eval(), prompts, params, stops=set(), pad_token_id=0, device=torch.device("cpu"))
+
+    t_train = best(train) - layers * hw.layer_micro_s
+    t_forward = best(forward) - layers * hw.layer_micro_s / 3
+    t_step = best(decode) / steps - layers * hw.layer_step_s
+    train_flops = 6.0 * shape.params * sub.tokens + 3 * _attention_flops(shape, sub)
+    forward_flops = 2.0 * shape.params * sub.tokens + _attention_flops(shape, sub)
+    step_flops = 2.0 * shape.params * batch
+    return dataclasses.replace(
+        hw,
+        train_eff=min(1.0, train_flops / (max(t_train, 1e-9) * hw.flops)),
+        forward_eff=min(1.0, forward_flops / (max(t_forward, 1e-9) * hw.flops)),
+        decode_eff=min(1.0, step_flops / (max(t_step, 1e-9) * hw.flops)),
+    )
+
+
 def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) -> float:
     """Seconds of host work one role call costs besides its compute, on this machine: what the control plane does to
     a rollout batch of ``rows`` x ``length`` tokens for 2 ranks (split it, pickle each part and unpickle it, as the
@@ -702,7 +781,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (``placement``, ``parallel``, ``predicted_step_s``, ...). Returns that object.
 
     Runs on: one process; loads no model. ``--device-type cpu`` calibrates on this machine: the matmul peak of one
-    process (its share of the cores) and the memory bandwidth, measured once.
+    process (its share of the cores), the memory bandwidth, the host time per layer and per role call, and what the
+    actor's shapes reach of the peak (:func:`calibrate_for_shape`).
     """
     import argparse
     import json
@@ -733,7 +813,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hardware = cpu_hardware(
             flops=cpu_matmul_peak(torch.float32), memcpy_bw=measure_memcpy_bw(), memory=total / args.devices,
             processes=args.devices, layer_step_s=layer_step_s, layer_micro_s=layer_micro_s,
+            call_s=measure_call_overhead(),
         )  # fmt: skip
+        hardware = calibrate_for_shape(hardware, shape, workload)
     else:
         hardware = HARDWARE[args.device_type]
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]

@@ -17,6 +17,7 @@ from lightning_rlhf.planner import (
     InfeasiblePlacementError,
     ModelShape,
     Workload,
+    calibrate_for_shape,
     dataflow_for,
     device_splits,
     measure_host_overheads,
@@ -186,3 +187,20 @@ def test_host_overheads_add_per_layer_per_step_and_per_micro_batch() -> None:
 def test_host_overheads_are_measured() -> None:
     step_s, micro_s = measure_host_overheads(repeats=2)
     assert 0 < step_s < 0.01 and 0 < micro_s < 0.1  # per layer: microseconds to milliseconds on any CPU
+
+
+def test_calibration_measures_what_the_shape_reaches_of_the_peak() -> None:
+    wl = Workload(prompts=4, n=2, prompt_len=6, response_len=4, micro_tokens=40)
+    slow_peak = Hardware(**{**UNIT.__dict__, "flops": 1e6})  # a peak no CPU misses: efficiencies cap at 1
+    fast_peak = Hardware(**{**UNIT.__dict__, "flops": 1e18})  # a peak no CPU reaches: tiny efficiencies
+    capped = calibrate_for_shape(slow_peak, SHAPE, wl, repeats=1)
+    assert capped.train_eff == capped.forward_eff == capped.decode_eff == 1.0
+    tiny = calibrate_for_shape(fast_peak, SHAPE, wl, repeats=1)
+    assert all(0 < e < 1e-3 for e in (tiny.train_eff, tiny.forward_eff, tiny.decode_eff or 0))
+    assert UNIT.decode_eff is None  # the input is left as it was
+    # decoding's compute uses decode_eff: halving it doubles a compute-bound decode
+    kw = {"model": SHAPE, "workload": wl, "algorithm": dataflow_for(["actor"])}
+    half = Hardware(**{**UNIT.__dict__, "decode_eff": UNIT.forward_eff / 2})
+    base, slow = (predict([["actor"]], [1], 1, hardware=h, **kw).stage_s[0] for h in (UNIT, half))
+    prefill = 2 * SHAPE.params * 8 * 6 / (UNIT.flops * UNIT.forward_eff)
+    assert slow - prefill == pytest.approx(2 * (base - prefill))

@@ -1,0 +1,233 @@
+"""The planner's predicted step time against measured runs, for several placements on this machine (issue 12).
+
+    python benchmarks/placement_validation.py [--models tiny,small] [--steps 8] [--configs ppo-colocated,...]
+
+Each configuration is a real run (``PPOModule`` or ``GRPOModule`` with a reference, the transformers rollout
+engine, 2 processes over gloo, ``RLHFStrategy(placement=...)``) on the side-by-side benchmark's workload models
+(``benchmarks/vs_trl/workload.py``): 16 prompts x 4 samples per step, exactly 32 new tokens. The measured step is
+the median ``timing_s/step`` of the last half of the steps. The prediction is :func:`lightning_rlhf.planner.predict`
+for the same roles, pools and workload, on this machine as the planner calibrates it (``cpu_hardware``: one
+process's float32 matmul peak, memory bandwidth, host time per layer and per role call). Prints a markdown table and,
+as its last line, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "vs_trl"))
+sys.path.insert(0, os.path.dirname(HERE))
+
+PROMPTS, SAMPLES, NEW_TOKENS, MICRO_BATCH = 16, 4, 32, 32
+
+CONFIGS: dict[str, tuple[str, list[list[str]]]] = {
+    # name: (algorithm, pools of roles; pool i holds the ranks after pool i-1's, one rank each when split)
+    "ppo-colocated": ("ppo", [["actor", "reward", "critic", "reference"]]),
+    "ppo-split-critic+ref": ("ppo", [["actor", "reward"], ["critic", "reference"]]),
+    "ppo-split-critic": ("ppo", [["actor", "reward", "reference"], ["critic"]]),
+    "grpo-colocated": ("grpo", [["actor", "reward", "reference"]]),
+    "grpo-split-ref": ("grpo", [["actor", "reward"], ["reference"]]),
+}
+
+
+def placement_of(pools: list[list[str]], devices: int) -> dict[str, list[int]]:
+    """Role -> ranks: one pool holds every rank; several pools split the ranks evenly, in order."""
+    if len(pools) == 1:
+        return {role: list(range(devices)) for role in pools[0]}
+    per = devices // len(pools)
+    return {role: list(range(i * per, (i + 1) * per)) for i, pool in enumerate(pools) for role in pool}
+
+
+# ---------------------------------------------------------------------------------------------- worker
+def worker(args: argparse.Namespace) -> None:
+    """One run (every rank; Lightning's launcher starts rank 1 by running this script again)."""
+    import datasets
+    import lightning as L
+    import torch
+    import workload as W
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_rlhf import AlgorithmConfig, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig
+    from lightning_rlhf.config import RewardConfig
+    from lightning_rlhf.modules import GRPOModule, PPOModule
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    algo, pools = CONFIGS[args.config]
+    rollout = RolloutConfig(n=SAMPLES, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, seed=0)
+    common: dict[str, Any] = dict(
+        reward=W.reward,
+        reference=True,
+        rollout=rollout,
+        reward_config=RewardConfig(timeout_s=None),
+        actor_optim=OptimConfig(lr=1e-6),
+        attn_implementation="eager",
+    )
+    if algo == "ppo":
+        module: Any = PPOModule(
+            args.model_dir,
+            critic=args.model_dir,
+            critic_optim=OptimConfig(lr=1e-5),
+            algorithm=AlgorithmConfig(
+                advantage="gae", kl_in_reward=True, kl_estimator="k1", kl_coef=0.04, micro_batch_size=MICRO_BATCH
+            ),
+            **common,
+        )
+    else:
+        module = GRPOModule(
+            args.model_dir,
+            algorithm=AlgorithmConfig(advantage="grpo", kl_coef=0.04, kl_estimator="k3", micro_batch_size=MICRO_BATCH),
+            **common,
+        )
+    rows = W.prompt_rows(args.steps, PROMPTS)
+    data = PromptDataModule(datasets.Dataset.from_list(rows), batch_size=PROMPTS, max_prompt_length=64, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=RLHFStrategy("hf", placement=placement_of(pools, args.devices)),
+        max_steps=args.steps,
+        logger=CSVLogger(args.out, name="", version=""),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def measured(out: str, steps: int) -> dict[str, float]:
+    """Median of the last half of the steps: the step, and each stage and call timing."""
+    with open(os.path.join(out, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("timing_s/step")]
+    tail = rows[steps // 2 :]
+    keys = [k for k in rows[0] if k.startswith("timing_s/")]
+    return {k: statistics.median(float(r[k]) for r in tail if r.get(k)) for k in keys}
+
+
+def mean_prompt_tokens(model_dir: str, steps: int) -> float:
+    """Mean tokens of the run's prompts, as its tokenizer counts them."""
+    import workload as W
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = W.prompt_rows(steps, PROMPTS)
+    return statistics.mean(len(tok(r["prompt"])["input_ids"]) for r in rows)
+
+
+def predicted(model_dir: str, config: str, devices: int, prompt_len: float, hardware: Any) -> Any:
+    """The planner's prediction for ``config``."""
+    from lightning_rlhf import planner
+
+    algo, pools = CONFIGS[config]
+    roles = [role for pool in pools for role in pool if role != "reward"]  # a reward function takes no devices
+    groups = [[r for r in pool if r != "reward"] for pool in pools]
+    groups = [g for g in groups if g]
+    sizes = [devices] if len(pools) == 1 else [devices // len(pools)] * len(groups)
+    workload = planner.Workload(
+        prompts=PROMPTS, n=SAMPLES, prompt_len=round(prompt_len), response_len=NEW_TOKENS,
+        micro_tokens=MICRO_BATCH * (round(prompt_len) + NEW_TOKENS),
+    )  # fmt: skip
+    flow = planner.dataflow_for(roles, old_logprobs=algo == "ppo")
+    return planner.predict(
+        groups, sizes, 1, model=planner.shape_of(model_dir), hardware=hardware, workload=workload, algorithm=flow
+    )
+
+
+def main() -> None:
+    """Run every configuration, predict each, print the table. Runs on: the driver."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="tiny,small")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "lightning_rlhf_bench_models"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    import torch
+    from bench import build_models  # benchmarks/vs_trl/bench.py: the side-by-side benchmark's model builder
+
+    from lightning_rlhf import planner
+    from lightning_rlhf.auto_placement import rank_memory_bytes
+    from lightning_rlhf.perf import cpu_matmul_peak
+
+    models = args.models.split(",")
+    build_models(args.cache, models)
+    torch.set_num_threads(1)  # calibrate what one process of a 2-process run has: one core
+    layer_step_s, layer_micro_s = planner.measure_host_overheads()
+    hardware = planner.cpu_hardware(
+        flops=cpu_matmul_peak(torch.float32), memcpy_bw=planner.measure_memcpy_bw(),
+        memory=rank_memory_bytes(torch.device("cpu"), args.devices), processes=args.devices,
+        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=planner.measure_call_overhead(),
+    )  # fmt: skip
+    print(
+        f"calibration: matmul {hardware.flops / 1e9:.0f} GFLOP/s per process, memcpy {hardware.hbm_bw / 1e9:.1f} GB/s, "
+        f"layer x decoding step {layer_step_s * 1e6:.0f} us, layer x micro-batch {layer_micro_s * 1e6:.0f} us, "
+        f"role call {hardware.call_s * 1e3:.1f} ms",
+        flush=True,
+    )
+    calibrated = {}
+    for model in models:
+        model_dir = os.path.join(args.cache, model)
+        prompt_len = round(mean_prompt_tokens(model_dir, args.steps))
+        workload = planner.Workload(
+            prompts=PROMPTS, n=SAMPLES, prompt_len=prompt_len, response_len=NEW_TOKENS,
+            micro_tokens=MICRO_BATCH * (prompt_len + NEW_TOKENS),
+        )  # fmt: skip
+        calibrated[model] = planner.calibrate_for_shape(hardware, planner.shape_of(model_dir), workload)
+        h = calibrated[model]
+        print(f"{model}: train {h.train_eff:.2f}, forward {h.forward_eff:.2f}, decode {h.decode_eff:.2f} of the peak")
+    results = []
+    for model in models:
+        model_dir = os.path.join(args.cache, model)
+        for config in args.configs.split(","):
+            with tempfile.TemporaryDirectory() as out:
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config, "--model-dir"]
+                cmd += [model_dir, "--out", out, "--steps", str(args.steps), "--devices", str(args.devices)]
+                env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+                if proc.returncode != 0:
+                    print(proc.stdout[-3000:], proc.stderr[-3000:])
+                    raise SystemExit(f"{model} {config}: the run failed ({proc.returncode})")
+                got = measured(out, args.steps)
+            plan = predicted(
+                model_dir, config, args.devices, mean_prompt_tokens(model_dir, args.steps), calibrated[model]
+            )
+            error = plan.step_s / got["timing_s/step"] - 1
+            results.append(
+                {"model": model, "config": config, "measured_step_s": round(got["timing_s/step"], 4),
+                 "predicted_step_s": round(plan.step_s, 4), "error": round(error, 3),
+                 "predicted_stage_s": [round(s, 4) for s in plan.stage_s],
+                 "measured": {k.removeprefix("timing_s/"): round(v, 4) for k, v in got.items()}}
+            )  # fmt: skip
+            print(f"{model} {config}: measured {got['timing_s/step']:.3f} s, predicted {plan.step_s:.3f} s "
+                  f"({error:+.0%})", flush=True)  # fmt: skip
+    print("\n| model | placement (2 processes) | measured step s | predicted step s | error |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for r in results:
+        print(f"| {r['model']} | {r['config']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+              f"{r['error']:+.0%} |")  # fmt: skip
+    effs = {m: {"train": h.train_eff, "forward": h.forward_eff, "decode": h.decode_eff} for m, h in calibrated.items()}
+    print(json.dumps({"hardware": {"flops": hardware.flops, "call_s": hardware.call_s, "eff": effs}, "rows": results}))
+
+
+if __name__ == "__main__":
+    main()
