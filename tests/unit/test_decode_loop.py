@@ -147,3 +147,24 @@ def test_other_architectures_fall_back_to_generate() -> None:
     assert "sliding window" in (decode_loop_unsupported(window, max_length=20) or "")
     with pytest.raises(ValueError, match="decode='fast'"):
         HFRolloutEngine(gpt2, pad_token_id=0, eos_token_id=1, device=CPU, decode="fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_over_the_written_slots_equals_attention_over_the_whole_cache(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop reads only the written cache slots in float32 (the whole capacity in bfloat16 on CPU); the hidden
+    slots add nothing, so both spans sample the same tokens with the same log-probs up to float rounding."""
+    import lightning_rlhf.engines.rollout.decode as decode
+
+    assert decode._written_slots_only(decode._Cache(llama_family()[0], 1, 4, torch.float32, CPU))
+    assert not decode._written_slots_only(decode._Cache(llama_family()[0], 1, 4, torch.bfloat16, CPU))
+    model = llama_family()[2].to(dtype)  # Qwen3: grouped queries, per-head norms
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, min_new_tokens=8)
+    runs = []
+    for written in (True, False):
+        monkeypatch.setattr(decode, "_written_slots_only", lambda cache, on=written: on)
+        torch.manual_seed(0)
+        runs.append(sample_loop(model, PROMPTS, params, stops={1}, pad_token_id=0, device=CPU))
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)

@@ -108,12 +108,27 @@ class _Cache:
         return out
 
 
+def _written_slots_only(cache: _Cache) -> bool:
+    """Whether :func:`_forward`'s attention reads only the cache slots written so far (see there): float32, or any
+    dtype on a GPU."""
+    keys = cache.keys[0]
+    return keys.dtype == torch.float32 or keys.device.type != "cpu"
+
+
 def _forward(model: Any, cache: _Cache, ids: Tensor, positions: Tensor, start: int, bias: Tensor) -> Tensor:
     """Run ``ids`` ``[rows, q]`` (written at cache slots ``start .. start+q-1``) through the model; returns the last
     position's logits ``[rows, vocab]``. ``bias`` ``[rows, 1, 1, q, capacity]`` is added to the attention scores
-    (0: visible, -inf: hidden)."""
+    (0: visible, -inf: hidden).
+
+    In float32, and on GPUs, attention reads only the slots written so far (``start + q``; the others are hidden
+    from every query), not the whole capacity: on average half of the keys and values of a run of new tokens, and
+    the attention's products and softmax shrink alike (the hidden slots only add exact zeros to the softmax's
+    sums). Low-precision matmuls on CPU read the whole capacity: oneDNN copies a batch of bfloat16 matrices that
+    are not contiguous (the written slots of each row's buffer), which costs more than the slots it skips."""
     body = model.model
     rows, q = ids.shape
+    used = start + q if _written_slots_only(cache) else bias.shape[-1]
+    bias = bias[..., :used]
     x = body.embed_tokens(ids)
     cos, sin = body.rotary_emb(x, positions)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, q, head_dim]
@@ -132,12 +147,13 @@ def _forward(model: Any, cache: _Cache, ids: Tensor, positions: Tensor, start: i
         keys, values = cache.keys[i], cache.values[i]
         keys[:, :, start : start + q] = key
         values[:, :, start : start + q] = value
+        keys, values = keys[:, :, :used], values[:, :, :used]  # views: the written slots
         kv_heads = keys.shape[1]
-        # The queries of a key/value head's group share its keys: one [group * q, d] x [d, capacity] product
+        # The queries of a key/value head's group share its keys: one [group * q, d] x [d, used] product
         # per (row, kv head), with no copy of the keys per query head.
         grouped = query.reshape(rows, kv_heads, -1, d)  # [rows, kv_heads, group * q, d]
         scores = torch.matmul(grouped, keys.transpose(-1, -2)) * attn.scaling
-        scores = scores.view(rows, kv_heads, -1, q, scores.shape[-1]).float() + bias  # [.., group, q, capacity]
+        scores = scores.view(rows, kv_heads, -1, q, used).float() + bias  # [.., group, q, used]
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(rows, kv_heads, -1, scores.shape[-1])
         out = torch.matmul(probs, values)  # [rows, kv_heads, group * q, d]
         out = out.view(rows, -1, q, d).transpose(1, 2).reshape(rows, q, -1)

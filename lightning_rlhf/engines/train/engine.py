@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_count
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
+from lightning_rlhf.engines.kernels import fuse_rms_norms
 from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
 from lightning_rlhf.engines.train.microbatch import (
     has_rollout_layout,
@@ -174,6 +175,10 @@ class TrainEngine:
             ``DP_SPLIT`` calls balance rows over ranks by tokens (``AlgorithmConfig.micro_batch_tokens``).
         optim: optimizer settings; None for a frozen model (no optimizer, no ``train``).
         setting: how the user names this role's model in errors, e.g. ``"ActorRole(path=...)"``.
+        fused_norms: switch the bound model's Llama-family RMS norms to
+            :func:`~lightning_rlhf.engines.kernels.rms_norm` (the same forward, bitwise; a closed-form backward,
+            docs/performance.md, "Levers measured one by one on the small model's step"). Other architectures are
+            left as they are.
     """
 
     def __init__(
@@ -183,6 +188,7 @@ class TrainEngine:
         micro_batch_tokens: int | None = None,
         optim: OptimConfig | None = None,
         setting: str = "role",
+        fused_norms: bool = True,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"{setting}: micro_batch_size={micro_batch_size} must be >= 1.")
@@ -196,6 +202,7 @@ class TrainEngine:
         self.sharded = False
         self._offloaded = False
         self._attn_implementation: str | None = None
+        self.fused_norms = fused_norms
 
     @property
     def micro_batch_tokens(self) -> int | None:
@@ -243,9 +250,13 @@ class TrainEngine:
     # ------------------------------------------------------------------------------ model, shards, loading
     def bind(self, model: nn.Module | None) -> None:
         """Make ``model`` the engine's model (the role keeps it as a submodule, for checkpoints), with the
-        engine's ``attn_implementation`` if one is set. Runs on: every process, when the role's model is built."""
+        engine's ``attn_implementation`` if one is set and, with ``fused_norms``, its RMS norms switched to
+        :func:`~lightning_rlhf.engines.kernels.fuse_rms_norms`' kernel. Runs on: every process, when the role's
+        model is built (before sharding)."""
         self.model = model
         self._apply_attn_implementation()
+        if model is not None and self.fused_norms:
+            fuse_rms_norms(model)
 
     @property
     def attn_implementation(self) -> str | None:
