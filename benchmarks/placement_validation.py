@@ -6,9 +6,11 @@ Each configuration is a real run (``PPOModule`` or ``GRPOModule`` with a referen
 engine, 2 processes over gloo, ``RLHFStrategy(placement=...)``) on the side-by-side benchmark's workload models
 (``benchmarks/vs_trl/workload.py``): 16 prompts x 4 samples per step, exactly 32 new tokens. The measured step is
 the median ``timing_s/step`` of the last half of the steps. The prediction is :func:`lightning_rlhf.planner.predict`
-for the same roles, pools and workload, on this machine as the planner calibrates it (``cpu_hardware``: one
-process's float32 matmul peak, memory bandwidth, host time per layer and per role call). Prints a markdown table and,
-as its last line, one JSON object.
+for the same roles, pools and workload, on this machine as the planner calibrates it: ``cpu_hardware`` (one
+process's float32 matmul peak, memory bandwidth, host time per layer), ``calibrate_for_shape`` (what the model's
+own shapes reach of the peak), and ``fit_call_costs`` on the calibration run (:data:`CALIBRATION`: every role on
+both ranks), whose calls give the host cost per role call and per training call. The other placements are
+predictions. Prints a markdown table and, as its last line, one JSON object.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ sys.path.insert(0, os.path.join(HERE, "vs_trl"))
 sys.path.insert(0, os.path.dirname(HERE))
 
 PROMPTS, SAMPLES, NEW_TOKENS, MICRO_BATCH = 16, 4, 32, 32
+CALIBRATION = "ppo-colocated"
+"""The run whose calls fit the host cost per role call (``planner.fit_call_costs``); the others are predicted."""
 
 CONFIGS: dict[str, tuple[str, list[list[str]]]] = {
     # name: (algorithm, pools of roles; pool i holds the ranks after pool i-1's, one rank each when split)
@@ -184,36 +188,38 @@ def main() -> None:
         f"role call {hardware.call_s * 1e3:.1f} ms",
         flush=True,
     )
-    calibrated = {}
+    calibrated, workloads = {}, {}
     for model in models:
         model_dir = os.path.join(args.cache, model)
         prompt_len = round(mean_prompt_tokens(model_dir, args.steps))
-        workload = planner.Workload(
+        workloads[model] = planner.Workload(
             prompts=PROMPTS, n=SAMPLES, prompt_len=prompt_len, response_len=NEW_TOKENS,
             micro_tokens=MICRO_BATCH * (prompt_len + NEW_TOKENS),
         )  # fmt: skip
-        calibrated[model] = planner.calibrate_for_shape(hardware, planner.shape_of(model_dir), workload)
+        calibrated[model] = planner.calibrate_for_shape(hardware, planner.shape_of(model_dir), workloads[model])
         h = calibrated[model]
         print(f"{model}: train {h.train_eff:.2f}, forward {h.forward_eff:.2f}, decode {h.decode_eff:.2f} of the peak")
+    configs = args.configs.split(",")
+    if CALIBRATION in configs:  # measured first: its calls fit the host cost per call
+        configs = [CALIBRATION] + [c for c in configs if c != CALIBRATION]
     results = []
     for model in models:
         model_dir = os.path.join(args.cache, model)
-        for config in args.configs.split(","):
-            with tempfile.TemporaryDirectory() as out:
-                cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config, "--model-dir"]
-                cmd += [model_dir, "--out", out, "--steps", str(args.steps), "--devices", str(args.devices)]
-                env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-                if proc.returncode != 0:
-                    print(proc.stdout[-3000:], proc.stderr[-3000:])
-                    raise SystemExit(f"{model} {config}: the run failed ({proc.returncode})")
-                got = measured(out, args.steps)
-            plan = predicted(
-                model_dir, config, args.devices, mean_prompt_tokens(model_dir, args.steps), calibrated[model]
-            )
+        for config in configs:
+            got = run(model_dir, config, args)
+            if config == CALIBRATION:
+                calibrated[model] = planner.fit_call_costs(
+                    calibrated[model], planner.shape_of(model_dir), workloads[model], args.devices,
+                    forward_s=[got[f"timing_s/{k}"] for k in ("old_log_prob", "ref", "values")],
+                    train_s=[got[f"timing_s/{k}"] for k in ("update_actor", "update_critic")],
+                )  # fmt: skip
+                h = calibrated[model]
+                print(f"{model}: host cost {h.call_s * 1e3:.1f} ms per call, +{h.train_call_s * 1e3:.1f} ms per update")
+            plan = predicted(model_dir, config, args.devices, workloads[model].prompt_len, calibrated[model])
             error = plan.step_s / got["timing_s/step"] - 1
             results.append(
-                {"model": model, "config": config, "measured_step_s": round(got["timing_s/step"], 4),
+                {"model": model, "config": config, "calibration": config == CALIBRATION,
+                 "measured_step_s": round(got["timing_s/step"], 4),
                  "predicted_step_s": round(plan.step_s, 4), "error": round(error, 3),
                  "predicted_stage_s": [round(s, 4) for s in plan.stage_s],
                  "measured": {k.removeprefix("timing_s/"): round(v, 4) for k, v in got.items()}}
@@ -223,10 +229,28 @@ def main() -> None:
     print("\n| model | placement (2 processes) | measured step s | predicted step s | error |")
     print("| --- | --- | ---: | ---: | ---: |")
     for r in results:
-        print(f"| {r['model']} | {r['config']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+        name = f"{r['config']} (calibration)" if r["calibration"] else r["config"]
+        print(f"| {r['model']} | {name} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
               f"{r['error']:+.0%} |")  # fmt: skip
-    effs = {m: {"train": h.train_eff, "forward": h.forward_eff, "decode": h.decode_eff} for m, h in calibrated.items()}
-    print(json.dumps({"hardware": {"flops": hardware.flops, "call_s": hardware.call_s, "eff": effs}, "rows": results}))
+    constants = {
+        m: {"train_eff": h.train_eff, "forward_eff": h.forward_eff, "decode_eff": h.decode_eff, "call_s": h.call_s,
+            "train_call_s": h.train_call_s}
+        for m, h in calibrated.items()
+    }  # fmt: skip
+    print(json.dumps({"flops": hardware.flops, "constants": constants, "rows": results}))
+
+
+def run(model_dir: str, config: str, args: argparse.Namespace) -> dict[str, float]:
+    """One measured run of ``config`` (a subprocess; Lightning starts its other ranks)."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config, "--model-dir"]
+        cmd += [model_dir, "--out", out, "--steps", str(args.steps), "--devices", str(args.devices)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-3000:])
+            raise SystemExit(f"{os.path.basename(model_dir)} {config}: the run failed ({proc.returncode})")
+        return measured(out, args.steps)
 
 
 if __name__ == "__main__":

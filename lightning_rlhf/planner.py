@@ -64,6 +64,7 @@ __all__ = [
     "cpu_hardware",
     "dataflow_for",
     "device_splits",
+    "fit_call_costs",
     "measure_call_overhead",
     "measure_host_overheads",
     "measure_memcpy_bw",
@@ -119,6 +120,8 @@ class Hardware:
     call_s: float = 0.0
     """Host time of one role call that does not shrink with the work (the control plane's exchange of the batch,
     its split and merge); 0 for the datasheet devices, where it is small against a step's compute."""
+    train_call_s: float = 0.0
+    """Host time a training call adds to ``call_s`` (the optimizer step, gradient clipping, the update's metrics)."""
 
     def bandwidth(self, devices: int) -> float:
         """Collective bandwidth per device of a group of ``devices``. Runs on: any process."""
@@ -448,7 +451,7 @@ def predict(
                 t = _train_s(model, workload, hardware, n)
             else:
                 t = _forward_s(model, workload, hardware, n)
-            t += hardware.call_s
+            t += hardware.call_s + (hardware.train_call_s if kind == "train" else 0.0)
             per_pool[i] = per_pool.get(i, 0.0) + t  # calls on one pool run one after another
         stage_s.append(max(per_pool.values()))  # pools run their calls at the same time
     return Plan(tuple(tuple(g) for g in groups), tuple(devices), rollout_tp, tuple(stage_s), tuple(memory))
@@ -730,6 +733,32 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
         forward_eff=min(1.0, forward_flops / (max(t_forward, 1e-9) * hw.flops)),
         decode_eff=min(1.0, step_flops / (max(t_step, 1e-9) * hw.flops)),
     )
+
+
+def fit_call_costs(
+    hw: Hardware,
+    model: ModelShape,
+    wl: Workload,
+    devices: int,
+    *,
+    forward_s: Sequence[float],
+    train_s: Sequence[float],
+) -> Hardware:
+    """``hw`` with ``call_s`` and ``train_call_s`` fitted to a measured run: the median time each no-grad forward
+    call (``forward_s``) and each training call (``train_s``) took beyond what the cost model gives its compute,
+    all calls of the run on one pool of ``devices``.
+
+    Runs on: any process (arithmetic). The calibration step of ``benchmarks/placement_validation.py``: it fits on a
+    colocated run and predicts the other placements. Returns a new :class:`Hardware`.
+    """
+    import statistics
+
+    bare = dataclasses.replace(hw, call_s=0.0, train_call_s=0.0)
+    forward = _forward_s(model, wl, bare, devices)
+    train = _train_s(model, wl, bare, devices)
+    call_s = max(0.0, statistics.median(t - forward for t in forward_s)) if forward_s else hw.call_s
+    extra = max(0.0, statistics.median(t - train for t in train_s) - call_s) if train_s else hw.train_call_s
+    return dataclasses.replace(hw, call_s=call_s, train_call_s=extra)
 
 
 def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) -> float:

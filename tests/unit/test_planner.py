@@ -20,6 +20,7 @@ from lightning_rlhf.planner import (
     calibrate_for_shape,
     dataflow_for,
     device_splits,
+    fit_call_costs,
     measure_host_overheads,
     plan,
     predict,
@@ -204,3 +205,20 @@ def test_calibration_measures_what_the_shape_reaches_of_the_peak() -> None:
     base, slow = (predict([["actor"]], [1], 1, hardware=h, **kw).stage_s[0] for h in (UNIT, half))
     prefill = 2 * SHAPE.params * 8 * 6 / (UNIT.flops * UNIT.forward_eff)
     assert slow - prefill == pytest.approx(2 * (base - prefill))
+
+
+def test_call_costs_are_fitted_to_a_measured_run() -> None:
+    wl = Workload(prompts=4, n=2, prompt_len=3, response_len=5)
+    tokens, attention = 64, 2 * 2 * 64 * 8 * 8 * 8
+    forward = (2 * SHAPE.params * tokens + attention) / 1e12 / 2  # on 2 devices
+    train = (6 * SHAPE.params * tokens + 3 * attention) / 1e12 / 2
+    fitted = fit_call_costs(
+        UNIT, SHAPE, wl, 2, forward_s=[forward + 0.01, forward + 0.03, forward + 0.02], train_s=[train + 0.05]
+    )
+    assert fitted.call_s == pytest.approx(0.02) and fitted.train_call_s == pytest.approx(0.03)
+    kw = {"model": SHAPE, "workload": wl, "algorithm": "ppo"}
+    stages = predict([["actor", "critic", "reference", "reward"]], [2], 1, hardware=fitted, **kw).stage_s
+    bare = predict([["actor", "critic", "reference", "reward"]], [2], 1, hardware=UNIT, **kw).stage_s
+    assert stages[1] - bare[1] == pytest.approx(4 * 0.02)  # 4 scoring calls
+    assert stages[2] - bare[2] == pytest.approx(2 * (0.02 + 0.03))  # 2 updates
+    assert fit_call_costs(UNIT, SHAPE, wl, 2, forward_s=[0.0], train_s=[0.0]).call_s == 0.0  # never negative
