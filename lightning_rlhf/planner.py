@@ -14,7 +14,8 @@ returns the fastest plan that fits. Training roles are FSDP-sharded over their w
 
 The cost model:
 
-- Compute: FLOPs / (devices x peak x efficiency).
+- Compute: FLOPs / (devices x peak x efficiency), counting the parameters of the matmuls (all but the input
+  embedding, a lookup).
   - Training is 6 x parameters x tokens, plus causal attention.
   - Forwards and prefill are 2 x parameters x tokens.
   - Decoding is the larger of compute and reading the weights and the KV cache from memory, per decoding step.
@@ -187,6 +188,12 @@ class ModelShape:
         mlp = 3 * self.hidden * self.intermediate
         return self.layers * (attn + mlp + 2 * self.hidden) + 2 * self.vocab * self.hidden + self.hidden
 
+    @property
+    def matmul_params(self) -> float:
+        """Parameters that take part in a token's matmuls: all but the input embedding, which is a lookup (the
+        FLOP counts use it; memory and communication use :attr:`params`). Runs on: any process."""
+        return self.params - self.vocab * self.hidden
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> float:
         """Bytes of keys and values one token keeps in the KV cache. Runs on: any process."""
         return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * dtype_bytes
@@ -347,7 +354,7 @@ def _micro_batches(wl: Workload, n: int) -> int:
 
 
 def _train_s(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
-    flops = 6.0 * model.params * wl.tokens + 3 * _attention_flops(model, wl)
+    flops = 6.0 * model.matmul_params * wl.tokens + 3 * _attention_flops(model, wl)
     compute = flops / (n * hw.flops * hw.train_eff)
     comm = 0.0 if n == 1 else 3 * 2.0 * model.params * (n - 1) / n / hw.bandwidth(n) + 3 * model.layers * hw.latency_s
     host = _micro_batches(wl, n) * model.layers * hw.layer_micro_s
@@ -355,7 +362,7 @@ def _train_s(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
 
 
 def _forward_s(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
-    flops = 2.0 * model.params * wl.tokens + _attention_flops(model, wl)
+    flops = 2.0 * model.matmul_params * wl.tokens + _attention_flops(model, wl)
     compute = flops / (n * hw.flops * hw.forward_eff)
     comm = 0.0 if n == 1 else 2.0 * model.params * (n - 1) / n / hw.bandwidth(n) + model.layers * hw.latency_s
     host = _micro_batches(wl, n) * model.layers * hw.layer_micro_s / 3
@@ -370,10 +377,10 @@ def _generate_s(model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, 
     per_seq = model.kv_bytes_per_token() * (wl.prompt_len + wl.response_len)
     batch = max(1, min(seqs, int(free_bytes * tp // per_seq)))
     waves = math.ceil(seqs / batch)
-    prefill = 2.0 * model.params * batch * wl.prompt_len / (tp * hw.flops * hw.forward_eff)
+    prefill = 2.0 * model.matmul_params * batch * wl.prompt_len / (tp * hw.flops * hw.forward_eff)
     context = wl.prompt_len + wl.response_len / 2  # average context while decoding
     read = (2.0 * model.params + batch * context * model.kv_bytes_per_token()) / tp / (hw.hbm_bw * hw.bw_eff)
-    compute = 2.0 * model.params * batch / (tp * hw.flops * (hw.decode_eff or hw.forward_eff))
+    compute = 2.0 * model.matmul_params * batch / (tp * hw.flops * (hw.decode_eff or hw.forward_eff))
     allreduce = 0.0 if tp == 1 else 2 * model.layers * (hw.latency_s + batch * model.hidden * 2.0 / hw.intra_bw)
     decode = wl.response_len * (max(read, compute) + allreduce + model.layers * hw.layer_step_s)
     handoff = 0.0 if n == 1 else 2.0 * model.params / tp / hw.bandwidth(n)
@@ -660,7 +667,7 @@ def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
     return (cost[5][0] - cost[1][0]) / 4, (cost[5][1] - cost[1][1]) / 4
 
 
-def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: int = 3) -> Hardware:
+def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: int = 2) -> Hardware:
     """``hw`` with its efficiency factors measured on this process for ``model``'s width: a training micro-batch,
     a no-grad forward and a decoding step of a 2-layer random Qwen2 of the same hidden size, MLP, heads and
     vocabulary, timed (best of ``repeats``), the per-layer host time subtracted, and divided by their FLOPs at
@@ -679,10 +686,19 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     from lightning_rlhf.engines.rollout.decode import sample_loop
 
     layers = 2
-    shape = dataclasses.replace(model, layers=layers)
+    # Sized to take seconds whatever the model and workload: at most 512 positions, 1,024 tokens per micro-batch and
+    # a 32,768-entry vocabulary (the factors are rates; the attention's share at longer lengths, and the head's at
+    # larger vocabularies, are the cost model's own arithmetic).
+    shape = dataclasses.replace(model, layers=layers, vocab=min(model.vocab, 32768))
+    prompt_len = max(1, min(wl.prompt_len, 256))
+    response_len = max(1, min(wl.response_len, 512 - prompt_len))
+    wl = Workload(
+        prompts=wl.prompts, n=wl.n, prompt_len=prompt_len, response_len=response_len,
+        micro_tokens=min(wl.micro_tokens, 1024),
+    )  # fmt: skip
     head_dim = model.hidden // model.heads
     config = Qwen2Config(
-        vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=model.intermediate,
+        vocab_size=shape.vocab, hidden_size=model.hidden, intermediate_size=model.intermediate,
         num_hidden_layers=layers, num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
         max_position_embeddings=wl.prompt_len + wl.response_len + 1, tie_word_embeddings=False,
     )  # fmt: skip
@@ -692,7 +708,7 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     net = Qwen2ForCausalLM(config)
     length = wl.prompt_len + wl.response_len
     rows = max(1, wl.micro_tokens // length)
-    ids = torch.randint(0, model.vocab, (rows, length))
+    ids = torch.randint(0, shape.vocab, (rows, length))
     sub = Workload(prompts=rows, n=1, prompt_len=wl.prompt_len, response_len=wl.response_len)
 
     def best(fn: Any) -> float:
@@ -716,7 +732,7 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     batch = max(1, min(64, wl.sequences))
     steps = min(16, wl.response_len)
     params = SamplingParams(n=1, max_new_tokens=steps, min_new_tokens=steps)
-    prompts = [[int(t) for t in ids[0, : wl.prompt_len]]] * batch
+    prompts = [[int(t) for t in ids[0, : min(8, wl.prompt_len)]]] * batch  # a short context: the weights dominate
 
     def decode() -> None:
         sample_loop(net.eval(), prompts, params, stops=set(), pad_token_id=0, device=torch.device("cpu"))
@@ -724,9 +740,9 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     t_train = best(train) - layers * hw.layer_micro_s
     t_forward = best(forward) - layers * hw.layer_micro_s / 3
     t_step = best(decode) / steps - layers * hw.layer_step_s
-    train_flops = 6.0 * shape.params * sub.tokens + 3 * _attention_flops(shape, sub)
-    forward_flops = 2.0 * shape.params * sub.tokens + _attention_flops(shape, sub)
-    step_flops = 2.0 * shape.params * batch
+    train_flops = 6.0 * shape.matmul_params * sub.tokens + 3 * _attention_flops(shape, sub)
+    forward_flops = 2.0 * shape.matmul_params * sub.tokens + _attention_flops(shape, sub)
+    step_flops = 2.0 * shape.matmul_params * batch
     return dataclasses.replace(
         hw,
         train_eff=min(1.0, train_flops / (max(t_train, 1e-9) * hw.flops)),

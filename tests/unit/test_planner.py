@@ -62,6 +62,7 @@ def test_parameter_count_is_transformers_own() -> None:
     )  # fmt: skip
     model = LlamaForCausalLM(config)
     assert SHAPE.params == sum(p.numel() for p in model.parameters())
+    assert SHAPE.matmul_params == SHAPE.params - model.get_input_embeddings().weight.numel()
     assert MODELS["7b"].params == pytest.approx(6.74e9, rel=0.01)  # Llama 2 7B
     assert MODELS["70b"].params == pytest.approx(68.98e9, rel=0.01)  # Llama 2 70B
     assert SHAPE.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 2  # keys and values, layers, kv heads, head_dim, bf16
@@ -69,7 +70,7 @@ def test_parameter_count_is_transformers_own() -> None:
 
 def test_stage_times_by_hand_colocated_and_split() -> None:
     wl = Workload(prompts=4, n=2, prompt_len=3, response_len=5)  # 8 sequences of 8 tokens
-    p, tokens = SHAPE.params, 64
+    p, tokens = SHAPE.matmul_params, 64  # FLOPs count the matmuls' parameters (not the input embedding's)
     attention = 2 * 2 * 64 * 8 * 8 * 8  # 2 x layers x hidden x length^2 x sequences
     forward = (2 * p * tokens + attention) / 1e12
     train = (6 * p * tokens + 3 * attention) / 1e12
@@ -203,15 +204,15 @@ def test_calibration_measures_what_the_shape_reaches_of_the_peak() -> None:
     kw = {"model": SHAPE, "workload": wl, "algorithm": dataflow_for(["actor"])}
     half = Hardware(**{**UNIT.__dict__, "decode_eff": UNIT.forward_eff / 2})
     base, slow = (predict([["actor"]], [1], 1, hardware=h, **kw).stage_s[0] for h in (UNIT, half))
-    prefill = 2 * SHAPE.params * 8 * 6 / (UNIT.flops * UNIT.forward_eff)
+    prefill = 2 * SHAPE.matmul_params * 8 * 6 / (UNIT.flops * UNIT.forward_eff)
     assert slow - prefill == pytest.approx(2 * (base - prefill))
 
 
 def test_call_costs_are_fitted_to_a_measured_run() -> None:
     wl = Workload(prompts=4, n=2, prompt_len=3, response_len=5)
     tokens, attention = 64, 2 * 2 * 64 * 8 * 8 * 8
-    forward = (2 * SHAPE.params * tokens + attention) / 1e12 / 2  # on 2 devices
-    train = (6 * SHAPE.params * tokens + 3 * attention) / 1e12 / 2
+    forward = (2 * SHAPE.matmul_params * tokens + attention) / 1e12 / 2  # on 2 devices
+    train = (6 * SHAPE.matmul_params * tokens + 3 * attention) / 1e12 / 2
     fitted = fit_call_costs(
         UNIT, SHAPE, wl, 2, forward_s=[forward + 0.01, forward + 0.03, forward + 0.02], train_s=[train + 0.05]
     )
