@@ -214,7 +214,9 @@ def main() -> None:
                     train_s=[got[f"timing_s/{k}"] for k in ("update_actor", "update_critic")],
                 )  # fmt: skip
                 h = calibrated[model]
-                print(f"{model}: host cost {h.call_s * 1e3:.1f} ms per call, +{h.train_call_s * 1e3:.1f} ms per update")
+                saved = planner.save_call_costs(h, planner.shape_of(model_dir), args.devices)
+                print(f"{model}: host cost {h.call_s * 1e3:.1f} ms per call, +{h.train_call_s * 1e3:.1f} ms per update "
+                      f"(kept in {saved} for plan --device-type cpu and placement='auto')")  # fmt: skip
             plan = predicted(model_dir, config, args.devices, workloads[model].prompt_len, calibrated[model])
             error = plan.step_s / got["timing_s/step"] - 1
             results.append(

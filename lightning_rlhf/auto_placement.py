@@ -83,7 +83,8 @@ def _hardware(world_size: int, shape: planner.ModelShape, workload: planner.Work
         layer_micro_s=layer_micro_s,
         call_s=planner.measure_call_overhead(),
     )
-    return planner.calibrate_for_shape(hardware, shape, workload)
+    hardware = planner.calibrate_for_shape(hardware, shape, workload)
+    return planner.with_saved_call_costs(hardware, shape, world_size)  # a calibration run's, when one was made here
 
 
 def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int]]:

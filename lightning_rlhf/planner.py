@@ -72,8 +72,10 @@ __all__ = [
     "plan",
     "predict",
     "recipe_inputs",
+    "save_call_costs",
     "set_partitions",
     "shape_of",
+    "with_saved_call_costs",
 ]
 
 GB = 1e9
@@ -777,6 +779,52 @@ def fit_call_costs(
     return dataclasses.replace(hw, call_s=call_s, train_call_s=extra)
 
 
+CALL_COSTS_FILE = "placement_call_costs.json"
+"""The file, in the embedded models' cache folder, where a calibration run (``benchmarks/placement_validation.py``)
+leaves the call costs it fitted, for ``plan --device-type cpu`` and ``placement="auto"`` on the same machine."""
+
+
+def _call_costs_key(model: ModelShape, processes: int) -> str:
+    from lightning_rlhf.perf import cpu_model_name
+
+    return (
+        f"{cpu_model_name()} | processes={processes} | {model.layers}x{model.hidden}x{model.intermediate}x{model.vocab}"
+    )
+
+
+def save_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_dir: str | None = None) -> str:
+    """Keep ``hw``'s fitted ``call_s`` and ``train_call_s`` for ``model`` on this CPU with ``processes`` ranks; returns
+    the file. Runs on: the calibration run's driver."""
+    import os
+
+    from lightning_rlhf.models import embedded_cache_dir
+    from lightning_rlhf.perf import _read_json, _write_json
+
+    path = os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)
+    table = _read_json(path)
+    table[_call_costs_key(model, processes)] = {"call_s": hw.call_s, "train_call_s": hw.train_call_s}
+    _write_json(path, table)
+    return path
+
+
+def with_saved_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_dir: str | None = None) -> Hardware:
+    """``hw`` with the call costs a calibration run left for ``model`` on this CPU with ``processes`` ranks, if it
+    left any (else ``hw`` as it is). Runs on: the planning process (``plan --device-type cpu``, ``"auto"``)."""
+    import os
+
+    from lightning_rlhf.models import embedded_cache_dir
+    from lightning_rlhf.perf import _read_json
+
+    entry = _read_json(os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)).get(
+        _call_costs_key(model, processes)
+    )
+    if not isinstance(entry, dict):
+        return hw
+    return dataclasses.replace(
+        hw, call_s=float(entry.get("call_s", hw.call_s)), train_call_s=float(entry.get("train_call_s", 0.0))
+    )
+
+
 def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) -> float:
     """Seconds of host work one role call costs besides its compute, on this machine: what the control plane does to
     a rollout batch of ``rows`` x ``length`` tokens for 2 ranks (split it, pickle each part and unpickle it, as the
@@ -860,7 +908,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             processes=args.devices, layer_step_s=layer_step_s, layer_micro_s=layer_micro_s,
             call_s=measure_call_overhead(),
         )  # fmt: skip
-        hardware = calibrate_for_shape(hardware, shape, workload)
+        hardware = with_saved_call_costs(calibrate_for_shape(hardware, shape, workload), shape, args.devices)
     else:
         hardware = HARDWARE[args.device_type]
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]

@@ -25,7 +25,9 @@ from lightning_rlhf.planner import (
     plan,
     predict,
     recipe_inputs,
+    save_call_costs,
     set_partitions,
+    with_saved_call_costs,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,3 +225,14 @@ def test_call_costs_are_fitted_to_a_measured_run() -> None:
     assert stages[1] - bare[1] == pytest.approx(4 * 0.02)  # 4 scoring calls
     assert stages[2] - bare[2] == pytest.approx(2 * (0.02 + 0.03))  # 2 updates
     assert fit_call_costs(UNIT, SHAPE, wl, 2, forward_s=[0.0], train_s=[0.0]).call_s == 0.0  # never negative
+
+
+def test_fitted_call_costs_are_kept_for_later_plans(tmp_path: Path) -> None:
+    fitted = Hardware(**{**UNIT.__dict__, "call_s": 0.04, "train_call_s": 0.05})
+    assert with_saved_call_costs(UNIT, SHAPE, 2, cache_dir=str(tmp_path)) == UNIT  # nothing kept yet
+    save_call_costs(fitted, SHAPE, 2, cache_dir=str(tmp_path))
+    read = with_saved_call_costs(UNIT, SHAPE, 2, cache_dir=str(tmp_path))
+    assert (read.call_s, read.train_call_s) == (0.04, 0.05)
+    assert with_saved_call_costs(UNIT, SHAPE, 4, cache_dir=str(tmp_path)) == UNIT  # another world: not used
+    other = ModelShape(layers=3, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=100)
+    assert with_saved_call_costs(UNIT, other, 2, cache_dir=str(tmp_path)) == UNIT  # another model: not used
