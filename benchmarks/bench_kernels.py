@@ -160,6 +160,11 @@ def decodes(path: str, bf16: bool, repeats: int) -> dict[str, list[float]]:
     return times
 
 
+def spread(times: list[float]) -> dict[str, float]:
+    """Median, fastest and slowest of a configuration's runs."""
+    return {"s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
 def main() -> None:
     """Parses the arguments, runs both precisions, prints the table and the JSON line. Runs on: this process."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -180,20 +185,13 @@ def main() -> None:
                 alone = norm_alone(torch.bfloat16 if bf16 else torch.float32)
                 times = updates(path, bf16, args.repeats)
                 for config in CONFIGS:
-                    results[f"{args.model}_{precision}_update_{config}"] = {
-                        "s": statistics.median(times[config]),
-                        "min_s": min(times[config]),
-                        "max_s": max(times[config]),
-                        "norm_fwd_bwd_ms": alone[config],
+                    results[f"{args.model}_{precision}_update_{config}"] = spread(times[config]) | {
+                        "norm_fwd_bwd_ms": alone[config]
                     }
             if "decode" in parts:
                 times = decodes(path, bf16, args.repeats)
                 for span in DECODE_CONFIGS:
-                    results[f"{args.model}_{precision}_decode_{span}"] = {
-                        "s": statistics.median(times[span]),
-                        "min_s": min(times[span]),
-                        "max_s": max(times[span]),
-                    }
+                    results[f"{args.model}_{precision}_decode_{span}"] = spread(times[span])
     print(f"\none rank's share of the step, {args.threads} thread(s), median of {args.repeats} alternating runs\n")
     print("| model / precision | part | configuration | s (min-max) | one norm fwd + bwd ms |")
     print("| --- | --- | --- | ---: | ---: |")

@@ -602,22 +602,27 @@ def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[
     return dataflow_for(roles), shape_of(str(module["actor"]), override=model_shape), workload
 
 
+def _best_of(fn: Any, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn``, after one untimed warm-up call."""
+    import time
+
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_memcpy_bw(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """This process's memory copy bandwidth, bytes/s (read + write of a ``nbytes`` buffer, best of ``repeats``).
     Runs on: the ``plan`` command's process."""
-    import time
-
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
+    return 2 * nbytes / _best_of(lambda: dst.copy_(src), repeats)
 
 
 def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
@@ -627,22 +632,12 @@ def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
 
     Runs on: the calling process (about 2 s; its thread count is the one measured).
     """
-    import time
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lightning_rlhf.engines.rollout.base import SamplingParams
     from lightning_rlhf.engines.rollout.decode import sample_loop
-
-    def timed(fn: Any) -> float:
-        fn()
-        best = math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        return best
 
     steps, cost = 32, {}
     params = SamplingParams(n=1, max_new_tokens=steps, min_new_tokens=steps)
@@ -665,7 +660,10 @@ def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
         config._attn_implementation = "eager"
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config)
-        cost[layers] = (timed(functools.partial(decode, model)) / steps, timed(functools.partial(train, model)))
+        cost[layers] = (
+            _best_of(functools.partial(decode, model), repeats) / steps,
+            _best_of(functools.partial(train, model), repeats),
+        )
     return (cost[5][0] - cost[1][0]) / 4, (cost[5][1] - cost[1][1]) / 4
 
 
@@ -679,7 +677,6 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     few million parameters, growing with the width). The large-matmul peak overstates what a small model's shapes
     reach, which is what these factors correct. Returns a new :class:`Hardware`; ``hw`` is unchanged.
     """
-    import time
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -713,15 +710,6 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     ids = torch.randint(0, shape.vocab, (rows, length))
     sub = Workload(prompts=rows, n=1, prompt_len=wl.prompt_len, response_len=wl.response_len)
 
-    def best(fn: Any) -> float:
-        fn()
-        out = math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            out = min(out, time.perf_counter() - t0)
-        return out
-
     def train() -> None:
         net.train()
         net(input_ids=ids, labels=ids).loss.backward()
@@ -739,9 +727,9 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     def decode() -> None:
         sample_loop(net.eval(), prompts, params, stops=set(), pad_token_id=0, device=torch.device("cpu"))
 
-    t_train = best(train) - layers * hw.layer_micro_s
-    t_forward = best(forward) - layers * hw.layer_micro_s / 3
-    t_step = best(decode) / steps - layers * hw.layer_step_s
+    t_train = _best_of(train, repeats) - layers * hw.layer_micro_s
+    t_forward = _best_of(forward, repeats) - layers * hw.layer_micro_s / 3
+    t_step = _best_of(decode, repeats) / steps - layers * hw.layer_step_s
     train_flops = 6.0 * shape.matmul_params * sub.tokens + 3 * _attention_flops(shape, sub)
     forward_flops = 2.0 * shape.matmul_params * sub.tokens + _attention_flops(shape, sub)
     step_flops = 2.0 * shape.matmul_params * batch
@@ -834,7 +822,6 @@ def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) ->
     it: the validation in ``benchmarks/placement_validation.py`` shows what that leaves out.
     """
     import pickle
-    import time
 
     import torch
 
@@ -859,13 +846,7 @@ def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) ->
         results = [pickle.loads(pickle.dumps(part))[0][0] for part in parts if part is not None]
         merge_results(Dispatch.DP_SPLIT, [pickle.loads(pickle.dumps(r)) for r in results])
 
-    call()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return _best_of(call, repeats)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
