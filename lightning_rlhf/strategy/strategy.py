@@ -345,8 +345,8 @@ class RLHFStrategy(ModelParallelStrategy):
         for name, role in module.roles().items():
             if role.model is None or role.sharded:  # a second fit() on the same module reuses the shards
                 continue
-            if not self.holds(name):  # another pool holds it: no weights here (meta tensors, nothing read)
-                role.model.to("meta")
+            if not self.holds(name):  # built anyway (e.g. in a role's __init__): another pool holds it, drop it here
+                role.set_model(None)
                 continue
             request = role.rollout_engine_request()
             if request is not None:
