@@ -17,11 +17,10 @@ Each role's FSDP mesh spans its pool, and a ``DP_SPLIT`` call splits its batch b
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["Pools", "check_placement_spec", "resolve_placement"]
+__all__ = ["Pools", "check_divides", "check_memory", "check_placement_spec", "pool_groups", "resolve_placement"]
 
 Pools = dict[str, tuple[int, ...]]
 """Role name -> the global ranks that hold it, ascending."""
@@ -151,11 +150,3 @@ def check_memory(pools: Pools, role_bytes: Mapping[str, float], *, budget: float
                 f"models' states, and a rank has {budget / 2**30:.3g} GiB. HINT: give the pool more ranks, place fewer "
                 "roles on it, or hold frozen roles in bfloat16 (RLHFModule(frozen_dtype='bfloat16'))."
             )
-
-
-def lcm_of_pool_sizes(pools: Pools) -> int:
-    """The least common multiple of the pools' sizes: a batch that every pool splits evenly is a multiple of it.
-
-    Runs on: any process.
-    """
-    return math.lcm(*(len(p) for p in pool_groups(pools))) if pools else 1
