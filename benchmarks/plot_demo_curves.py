@@ -5,9 +5,14 @@
     python benchmarks/plot_demo_curves.py fp32=/tmp/fp32 bf16=/tmp/bf16 --png docs/img/demo_precision.png
 
 Each ``LABEL=FOLDER`` names a demo run's ``--out`` folder (its newest ``demo/version_*/metrics.csv`` is read). The
-plot shows the training reward (``critic/score/mean``, a 10-step moving average) per step; the table printed
-gives, per run, the mean reward of the first and last 10 steps, the held-out score before and after, and the
-median step time.
+plot shows the training reward (``critic/score/mean``, a 10-step moving average) per step, or with ``--x wall`` over
+the training's wall time (the sum of ``timing_s/step`` up to each step: synchronous against asynchronous rollouts);
+the table printed gives, per run, the mean reward of the first and last 10 steps, the held-out score before and
+after, the median step time and the total training time.
+
+    python -m lightning_rlhf.demo --placement rollout --steps 120 --out /tmp/sync
+    python -m lightning_rlhf.demo --placement rollout --max-staleness 1 --steps 120 --out /tmp/async
+    python benchmarks/plot_demo_curves.py sync=/tmp/sync async=/tmp/async --x wall --png docs/img/async_rollouts.png
 """
 
 from __future__ import annotations
@@ -20,13 +25,18 @@ import statistics
 
 
 def read_run(folder: str) -> dict[str, list[float]]:
-    """Per metric, its values in step order, from the newest run under ``folder``. Runs on: the caller."""
+    """Per metric, its values in step order, from the newest run under ``folder``; ``wall_s``: the training time
+    (sum of ``timing_s/step``) at each step that logged a reward. Runs on: the caller."""
     files = sorted(glob.glob(os.path.join(folder, "demo", "version_*", "metrics.csv")), key=os.path.getmtime)
     if not files:
         raise FileNotFoundError(f"{folder}: no demo/version_*/metrics.csv. HINT: pass a demo run's --out folder.")
     series: dict[str, list[float]] = {}
+    clock = 0.0
     with open(files[-1]) as f:
         for row in csv.DictReader(f):
+            clock += float(row.get("timing_s/step") or 0.0)
+            if row.get("critic/score/mean"):
+                series.setdefault("wall_s", []).append(clock)
             for key, value in row.items():
                 if value not in ("", None) and key != "step":
                     series.setdefault(key, []).append(float(value))
@@ -44,6 +54,7 @@ def main() -> None:
     p.add_argument("runs", nargs="+", help="LABEL=FOLDER (the last = splits)")
     p.add_argument("--png", default="docs/img/demo_curves.png")
     p.add_argument("--title", default="Demo task (GRPO, 2 processes): training reward")
+    p.add_argument("--x", choices=["step", "wall"], default="step", help="x axis: RL step or training wall time")
     args = p.parse_args()
     import matplotlib
 
@@ -51,18 +62,23 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    print("| run | reward, first 10 steps | reward, last 10 steps | held-out score before -> after | step s (median) |")
-    print("| --- | ---: | ---: | --- | ---: |")
+    print(
+        "| run | reward, first 10 steps | reward, last 10 steps | held-out score before -> after | step s (median) "
+        "| training s |"
+    )
+    print("| --- | ---: | ---: | --- | ---: | ---: |")
     for spec in args.runs:
         label, _, folder = spec.rpartition("=")
         s = read_run(folder)
         reward, val = s["critic/score/mean"], s.get("val/score/mean", [float("nan")])
-        ax.plot(range(1, len(reward) + 1), moving_average(reward, 10), label=label)
+        xs = s["wall_s"] if args.x == "wall" else list(range(1, len(reward) + 1))
+        ax.plot(xs, moving_average(reward, 10), label=label)
         print(
             f"| {label} | {statistics.mean(reward[:10]):.3f} | {statistics.mean(reward[-10:]):.3f} | "
-            f"{val[0]:.2f} -> {val[-1]:.2f} | {statistics.median(s['timing_s/step']):.3f} |"
+            f"{val[0]:.2f} -> {val[-1]:.2f} | {statistics.median(s['timing_s/step']):.3f} | "
+            f"{sum(s['timing_s/step']):.1f} |"
         )
-    ax.set_xlabel("RL step")
+    ax.set_xlabel("training wall time, s" if args.x == "wall" else "RL step")
     ax.set_ylabel("reward (10-step moving average)")
     ax.set_title(args.title)
     ax.grid(alpha=0.3)

@@ -257,6 +257,19 @@ class AlgorithmConfig:
     them, and the samples are balanced over ranks by tokens. Gradients and losses are the same up to float rounding
     (per-micro-batch metrics such as ``actor/pg_loss`` average different micro-batches, so they move a little).
     A sample longer than the budget runs alone."""
+    max_staleness: int = 0
+    """Asynchronous rollouts (HybridFlow's one-step off-policy pipeline, verl's ``one_step_off_policy``): with a
+    ``rollout`` pool in ``RLHFStrategy(placement=...)``, >= 1 makes that pool generate the step's batch while the
+    actor's pool trains on the previous step's, so every sample is trained on one update after the weights that
+    generated it. Larger values also skip weight hand-offs while every sample stays within this many updates of the
+    weights being trained. 0: synchronous (each step trains on its own batch, generated with the current weights)."""
+    rollout_is: Literal["auto", "token", "sequence", "none"] = "auto"
+    """Importance-sampling correction for the gap between the weights that generated a sample and the ones whose
+    log-probs the loss uses (truncated IS, Yao et al., 2025): each token's advantage is scaled by
+    ``min(pi_old / pi_rollout, rollout_is_cap)`` per token (``"token"``) or by the sequence's product (``"sequence"``).
+    ``"auto"``: ``"token"`` when ``max_staleness >= 1``, else none."""
+    rollout_is_cap: float = 2.0
+    """The truncation ``C`` of ``rollout_is`` weights (> 1)."""
 
     def __post_init__(self) -> None:
         from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
@@ -298,6 +311,19 @@ class AlgorithmConfig:
             _fail(self, "mini_batch_size", self.mini_batch_size, "None or an integer >= 1")
         if self.micro_batch_size < 1:
             _fail(self, "micro_batch_size", self.micro_batch_size, "an integer >= 1")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            _fail(self, "max_staleness", self.max_staleness, "an integer >= 0 (1: one-step off-policy rollouts)")
+        if self.max_staleness and self.dynamic_sampling:
+            _fail(
+                self,
+                "max_staleness",
+                self.max_staleness,
+                "0 with dynamic_sampling=True (its extra sampling rounds need the current weights)",
+            )
+        if self.rollout_is not in ("auto", "token", "sequence", "none"):
+            _fail(self, "rollout_is", self.rollout_is, "one of 'auto', 'token', 'sequence', 'none'")
+        if not self.rollout_is_cap > 1:
+            _fail(self, "rollout_is_cap", self.rollout_is_cap, "a truncation > 1 (2.0 is usual)")
         tokens = self.micro_batch_tokens
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
             _fail(self, "micro_batch_tokens", tokens, "None or an integer >= 1 (padded tokens per forward, e.g. 8192)")
@@ -306,6 +332,13 @@ class AlgorithmConfig:
     def on_policy(self) -> bool:
         """One update per step over the whole batch: the rollout policy is the policy being updated."""
         return self.ppo_epochs == 1 and self.mini_batch_size is None
+
+    @property
+    def rollout_is_level(self) -> str:
+        """The importance-sampling correction in force: ``"token"``, ``"sequence"`` or ``"none"``."""
+        if self.rollout_is == "auto":
+            return "token" if self.max_staleness else "none"
+        return self.rollout_is
 
     @property
     def needs_old_logprobs(self) -> bool:

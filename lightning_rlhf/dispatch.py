@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
@@ -40,6 +41,7 @@ __all__ = [
     "balanced_partition",
     "concurrently",
     "current_controller",
+    "in_background",
     "merge_results",
     "role_method",
     "split_args",
@@ -72,7 +74,22 @@ class _Controller(Protocol):
     def call_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]: ...
 
 
-_ACTIVE: list[_Controller | None] = []
+class _Background(Protocol):
+    def start_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]: ...
+
+    def join(self, handle: Any) -> tuple[Any, float]: ...
+
+
+class _Stacks(threading.local):
+    """Per thread: the controllers routing role calls and the open ``concurrently()`` blocks (a role call that runs
+    in the background on a worker runs in a thread of its own, with its own stacks)."""
+
+    def __init__(self) -> None:
+        self.active: list[_Controller | None] = []
+        self.recorders: list[_Recorder] = []
+
+
+_STACKS = _Stacks()
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -81,7 +98,8 @@ def current_controller() -> _Controller | None:
 
     Runs on: any process. Only rank 0 has one, and only inside the strategy's training or validation step.
     """
-    return _ACTIVE[-1] if _ACTIVE else None
+    active = _STACKS.active
+    return active[-1] if active else None
 
 
 class controller_active:
@@ -92,10 +110,10 @@ class controller_active:
         self._controller = controller
 
     def __enter__(self) -> None:
-        _ACTIVE.append(self._controller)
+        _STACKS.active.append(self._controller)
 
     def __exit__(self, *exc: object) -> None:
-        _ACTIVE.pop()
+        _STACKS.active.pop()
 
 
 class RoleFuture:
@@ -110,17 +128,26 @@ class RoleFuture:
         """How long the call ran on its slowest rank (set with the result)."""
         self._done = False
         self._value: Any = None
+        self._join: tuple[_Background, Any] | None = None  # a call running in the background: how to wait for it
 
     def set_result(self, value: Any) -> None:
         """Resolve the future (the block's end does this). Runs on: the controller."""
         self._value, self._done = value, True
 
     def done(self) -> bool:
-        """Whether the call has run. Runs on: the controller."""
+        """Whether the result is here (a background call counts once :meth:`result` has waited for it).
+        Runs on: the controller."""
         return self._done
 
     def result(self) -> Any:
-        """The call's merged result. Runs on: the controller, after the ``concurrently()`` block."""
+        """The call's merged result. Runs on: the controller, after the ``concurrently()`` block; for a call made in
+        :func:`in_background`, any time after its block: the first call waits until the call has finished on every
+        rank of its pool."""
+        if not self._done and self._join is not None:
+            controller, handle = self._join
+            self._join = None
+            value, self.seconds = controller.join(handle)
+            self.set_result(value)
         if not self._done:
             raise RuntimeError(
                 f"The result of `{self.where}` is read inside the `with concurrently():` block that made the call; "
@@ -134,7 +161,8 @@ class RoleFuture:
 
 
 class _Recorder:
-    """The calls of one ``concurrently()`` block, made under ``controller`` (None: run each at once)."""
+    """The calls of one ``concurrently()`` or ``in_background()`` block, made under ``controller`` (None: run each
+    at once)."""
 
     def __init__(self, controller: _Controller | None) -> None:
         self.controller = controller
@@ -161,9 +189,6 @@ class _Recorder:
         return future
 
 
-_RECORDERS: list[_Recorder] = []
-
-
 @contextlib.contextmanager
 def concurrently() -> Iterator[None]:
     """Run the role calls made inside the block together; each returns a :class:`RoleFuture`.
@@ -180,11 +205,11 @@ def concurrently() -> Iterator[None]:
         rollout = rollout.update(ref.result()).update(values.result()).update(old.result())
     """
     recorder = _Recorder(current_controller())
-    _RECORDERS.append(recorder)
+    _STACKS.recorders.append(recorder)
     try:
         yield
     finally:
-        _RECORDERS.pop()
+        _STACKS.recorders.pop()
     if recorder.calls:
         assert recorder.controller is not None
         results = recorder.controller.call_many(recorder.calls)
@@ -192,6 +217,34 @@ def concurrently() -> Iterator[None]:
         for future, value, took in zip(recorder.futures, results, seconds, strict=True):
             future.set_result(value)
             future.seconds = took
+
+
+@contextlib.contextmanager
+def in_background() -> Iterator[None]:
+    """Start the role calls made inside the block and go on without waiting for them; each returns a
+    :class:`RoleFuture` whose :meth:`~RoleFuture.result` waits for it.
+
+    Runs on: the controller, inside a training or validation step (without workers the calls run at once, one by
+    one). When the block ends, its calls go to their pools in one exchange and each rank starts its parts in a thread
+    of its own; the controller then goes on with the step. Calls to roles on other pools run meanwhile; a call to a
+    rank that is still busy with a background call is refused (read the result first), and every background call
+    must be read before the step ends. HybridFlow's asynchronous rollouts are one such call::
+
+        with self.in_background():
+            next_rollout = self.rollout.generate(batch)   # the rollout pool samples the next batch ...
+        metrics = self.actor.update(rollout)              # ... while the actor's pool trains on this one
+        rollout = next_rollout.result()
+    """
+    recorder = _Recorder(current_controller())
+    _STACKS.recorders.append(recorder)
+    try:
+        yield
+    finally:
+        _STACKS.recorders.pop()
+    if recorder.calls:
+        controller = cast(_Background, recorder.controller)
+        for future, handle in zip(recorder.futures, controller.start_many(recorder.calls), strict=True):
+            future._join = (controller, handle)
 
 
 def role_method(dispatch: Dispatch) -> Callable[[F], F]:
@@ -209,7 +262,7 @@ def role_method(dispatch: Dispatch) -> Callable[[F], F]:
         @functools.wraps(fn)
         def wrapper(self: Role, *args: Any, **kwargs: Any) -> Any:
             controller = current_controller()
-            recorder = _RECORDERS[-1] if _RECORDERS else None
+            recorder = _STACKS.recorders[-1] if _STACKS.recorders else None
             if recorder is not None and recorder.controller is not controller:
                 recorder = None  # a role method running on a worker: its calls are plain calls
             if controller is None:

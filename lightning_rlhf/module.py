@@ -33,11 +33,11 @@ from lightning_rlhf.algorithms import (
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat import attached_trainer
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
-from lightning_rlhf.dispatch import RoleFuture, concurrently
+from lightning_rlhf.dispatch import RoleFuture, concurrently, in_background
 from lightning_rlhf.engines.train import resolve_dtype
 from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.rewards import RewardSpec, reward_components
-from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role
+from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role, RolloutRole
 from lightning_rlhf.roles.actor import rollout_probs_diff
 from lightning_rlhf.roles.base import check_pretrained
 
@@ -191,6 +191,31 @@ class RLHFModule(L.LightningModule):
         """The role called ``name`` (the controller's messages name roles)."""
         return self.roles()[name]
 
+    ASYNC_ROLLOUTS = False
+    """Whether ``training_step`` runs :meth:`rollouts`, so that ``AlgorithmConfig.max_staleness >= 1`` makes it
+    asynchronous (``GRPOModule`` and ``PPOModule`` do)."""
+
+    def prepare_roles(self, placed: list[str]) -> None:
+        """Add the roles a placement asks for by name: ``rollout`` gets a generation-only
+        :class:`~lightning_rlhf.roles.RolloutRole` (the actor then builds no engine of its own).
+
+        Runs on: every process, in the strategy's set-up, before the placement is resolved.
+        """
+        if "rollout" in placed and self.rollout_role is None and self.actor.needs_rollout_engine:
+            self.rollout = RolloutRole(self.actor.path, tokenizer=self.tokenizer, rollout=self.rollout_config)
+            self.actor.needs_rollout_engine = False
+
+    @property
+    def rollout_role(self) -> RolloutRole | None:
+        """The generation-only role, when the placement gave generation a pool of its own."""
+        role = self._modules.get("rollout")
+        return role if isinstance(role, RolloutRole) else None
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether steps generate the next batch while training on the previous one (``max_staleness >= 1``)."""
+        return self.algorithm.max_staleness > 0 and self.rollout_role is not None
+
     def setup(self, stage: str) -> None:
         """Check the batch arithmetic against the world size before any model loads, and give every role's engine
         ``AlgorithmConfig.micro_batch_tokens`` and ``attn_implementation`` (roles a subclass added included).
@@ -198,6 +223,21 @@ class RLHFModule(L.LightningModule):
         for role in self.roles().values():
             role.train_engine.micro_batch_tokens = self.algorithm.micro_batch_tokens
             role.train_engine.attn_implementation = getattr(self, "attn_implementation", None)
+        if self.algorithm.max_staleness and stage == "fit":
+            if self.rollout_role is None:
+                raise ValueError(
+                    f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness} generates on a rollout pool while "
+                    "the actor trains, but the placement gives generation no pool of its own. HINT: "
+                    "RLHFStrategy(rollout='hf', placement={'actor': [0], ..., 'rollout': [1]}), or max_staleness=0."
+                )
+            if not type(self).ASYNC_ROLLOUTS:
+                raise ValueError(
+                    f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness}: "
+                    f"{type(self).__name__}.training_step does not run `self.rollouts(batch, metrics)`, so it cannot "
+                    "overlap generation with training. "
+                    "HINT: max_staleness=0, GRPOModule or PPOModule, or write the step with `rollouts` and set "
+                    "ASYNC_ROLLOUTS = True."
+                )
         batch_size = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
         if stage == "fit" and batch_size:
             # With rank pools (RLHFStrategy(placement=...)) each pool splits the batch by its own size.
@@ -274,6 +314,81 @@ class RLHFModule(L.LightningModule):
             metrics[f"timing_s/{name}"] = future.seconds
         return rollout, merged
 
+    # ------------------------------------------------------------------------------ generation
+    def sync_rollout_weights(self, *, lag: int = 0, max_staleness: int = 0) -> dict[str, float]:
+        """Hand the actor's weights to the rollout pool (when there is one and the staleness bound asks for it):
+        ``actor.send_weights`` and ``rollout.receive_weights`` in one exchange. Samples generated next are trained
+        on ``lag`` updates later and may then be ``max_staleness`` updates old at most.
+
+        Runs on: the controller. Returns the hand-off's timings and bytes (nothing without a rollout pool).
+        """
+        rollout = self.rollout_role
+        if rollout is None:
+            return {}
+        with self.concurrently():
+            calls = {
+                "update_weights": self.actor.send_weights(lag=lag, max_staleness=max_staleness),
+                "receive_weights": rollout.receive_weights(),
+            }
+        _, merged = self.collect(Batch(), calls, {})
+        return merged
+
+    def generate_rollout(self, batch: Batch, **kwargs: Any) -> Batch:
+        """Sample ``batch`` with the current weights: on the actor's colocated engine, or on the rollout pool after
+        a weight hand-off. Takes :meth:`ActorRole.generate`'s arguments.
+
+        Runs on: the controller.
+        """
+        rollout = self.rollout_role
+        if rollout is None:
+            return self.actor.generate(batch, **kwargs)
+        handoff = self.sync_rollout_weights()
+        out = rollout.generate(batch, **kwargs)
+        out.meta["timing_s/update_weights"] = handoff["timing_s/update_weights"]
+        out.meta["perf/weight_sync_bytes"] = handoff["perf/weight_sync_bytes"]
+        return out
+
+    _pending_rollout: Batch | None = None
+    """Asynchronous mode: the rollout generated during the last step, trained on in the next (in checkpoints)."""
+
+    @contextlib.contextmanager
+    def rollouts(self, batch: Batch, metrics: dict[str, float]) -> Iterator[Batch | None]:
+        """The rollout this step trains on, as the block's value; the generation's time goes to ``timing_s/gen``.
+
+        Runs on: the controller, around the training part of ``training_step``::
+
+            with self.rollouts(batch, metrics) as rollout:
+                if rollout is not None:  # None: the first asynchronous step has nothing to train on yet
+                    ...  # score, advantages, updates
+            self.log_step(rollout, metrics, started=t0)
+
+        Synchronous (the default): ``batch`` generated now, with the current weights. Asynchronous
+        (``AlgorithmConfig.max_staleness >= 1`` and a rollout pool): the weights go to the rollout pool, which
+        starts generating ``batch`` in the background; the block trains on the rollout generated during the previous
+        step (None at the first step); at the block's end the controller waits for ``batch``'s rollout (its time in
+        ``timing_s/wait_rollout``) and keeps it for the next step. Samples are thus trained on one update after the
+        weights that generated them (``training/staleness_max``), and the loss corrects for it
+        (``AlgorithmConfig.rollout_is``). The last step's rollout is generated and not trained on.
+        """
+        if not self.asynchronous:
+            with self.timer("gen", metrics):
+                rollout = self.generate_rollout(batch)
+            yield rollout
+            return
+        rollout_role = self.rollout_role
+        assert rollout_role is not None
+        handoff = self.sync_rollout_weights(lag=1, max_staleness=self.algorithm.max_staleness)
+        metrics |= {k: v for k, v in handoff.items() if k.startswith("perf/")}
+        metrics["timing_s/update_weights"] = handoff["timing_s/update_weights"]
+        metrics["rollout/weight_version"] = handoff["rollout/weight_version"]
+        with in_background():
+            future = rollout_role.generate(batch)
+        pending, self._pending_rollout = self._pending_rollout, None
+        yield pending
+        with self.timer("wait_rollout", metrics):
+            self._pending_rollout = cast(RoleFuture, future).result()
+        metrics["timing_s/gen"] = cast(RoleFuture, future).seconds
+
     # ------------------------------------------------------------------------------ step helpers
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
         """The RL dataflow of one step. Runs on: the controller (rank 0). Override it (see ``GRPOModule``)."""
@@ -317,7 +432,7 @@ class RLHFModule(L.LightningModule):
                 break
             more = self._extra_prompts(want, key=int(batch.meta.get("step", 0)) * 1_000 + rounds)
             more.meta = {**batch.meta, "sampling_round": rounds}
-            rollout = self.reward.score(self.actor.generate(more))
+            rollout = self.reward.score(self.generate_rollout(more))
         filled = max(0, want - num_kept)
         out = Batch.cat(kept).select(slice(0, (want - filled) * n))  # the first `want` informative groups
         if filled:  # still short: the first dropped groups make up the batch
@@ -471,6 +586,8 @@ class RLHFModule(L.LightningModule):
         value = metrics.get("training/rollout_probs_diff_max")
         if bound is None or value is None or self._probs_diff_warned or not value > bound:
             return
+        if metrics.get("training/staleness_max", 0.0) > 0:  # asynchronous: older weights sampled, by design
+            return
         self._probs_diff_warned = True
         cfg = self.rollout_config
         causes = []
@@ -502,16 +619,27 @@ class RLHFModule(L.LightningModule):
         )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Save the controller-side state (the KL coefficient). Runs on: every process."""
-        checkpoint["lightning_rlhf"] = {"kl_controller": self.kl_controller.state_dict()}
+        """Save the controller-side state (the KL coefficient; in asynchronous mode the rollout generated for the next
+        step). Runs on: every process."""
+        state: dict[str, Any] = {"kl_controller": self.kl_controller.state_dict()}
+        pending = self._pending_rollout
+        if pending is not None:  # asynchronous mode: the next step trains on it (only the controller holds it)
+            state["pending_rollout"] = {"tensors": pending.tensors, "columns": pending.columns, "meta": pending.meta}
+        checkpoint["lightning_rlhf"] = state
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the KL coefficient; and since the restored actor weights differ from what the rollout engine
-        holds, hand them over before the next generation. Runs on: every process."""
+        """Restore the KL coefficient and the pending asynchronous rollout; and since the restored actor weights
+        differ from what the rollout engine holds, hand them over before the next generation. Runs on: every
+        process."""
         state = checkpoint.get("lightning_rlhf", {})
         if "kl_controller" in state:
             self.kl_controller.load_state_dict(state["kl_controller"])
+        pending = state.get("pending_rollout")
+        self._pending_rollout = (
+            None if pending is None else Batch(pending["tensors"], pending["columns"], pending["meta"])
+        )
         self.actor.mark_weights_changed()
+        self.actor.forget_handoffs()
 
     @property
     def needs_rollout_engine(self) -> bool:
@@ -523,17 +651,21 @@ class RLHFModule(L.LightningModule):
     last_rollout: Batch | None = None
     """The last logged step's ``prompt``, ``completion`` and ``scores`` (set on the controller; None before)."""
 
-    def log_step(self, rollout: Batch, metrics: dict[str, float], *, started: float) -> None:
+    def log_step(self, rollout: Batch | None, metrics: dict[str, float], *, started: float) -> None:
         """Log a step: ``metrics`` plus ``timing_s/step`` (since ``started``, a ``time.perf_counter()``) and
         :meth:`rollout_metrics` (given the step's timings, so with ``perf/mfu/*``, ``timing_per_token_ms/*`` and
         the memory figures); the mean reward, mean response length and seconds per step also go on the
         progress bar. Keeps the step's prompts, completions and scores in ``last_rollout`` (for
-        :class:`~lightning_rlhf.callbacks.RolloutSamples`). Runs on: controller."""
+        :class:`~lightning_rlhf.callbacks.RolloutSamples`). ``rollout=None`` (an asynchronous run's first step,
+        which trains on nothing) logs the timings only. Runs on: controller."""
         metrics["timing_s/step"] = time.perf_counter() - started
-        metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"], timings=metrics)
-        self.check_rollout_probs_diff(metrics, step=int(rollout.meta.get("step", self.trainer.global_step)))
+        if rollout is not None:  # None: the first asynchronous step, which only generated
+            metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"], timings=metrics)
+            self.check_rollout_probs_diff(metrics, step=int(rollout.meta.get("step", self.trainer.global_step)))
         self.log_dict({k: metrics.pop(k) for k in self.PROGRESS_BAR_METRICS if k in metrics}, prog_bar=True)
         self.log_dict(metrics)
+        if rollout is None:
+            return
         self.last_rollout = Batch(
             {"scores": rollout["scores"].detach().float().cpu()},
             {k: rollout[k] for k in ("prompt", "completion") if k in rollout},
@@ -566,7 +698,7 @@ class RLHFModule(L.LightningModule):
         pad = -size % self.trainer.world_size
         if pad:
             batch = batch.select(torch.cat([torch.arange(size), torch.zeros(pad, dtype=torch.long)]))
-        rollout = self.actor.generate(  # temperature 0: greedy, the same path as RolloutConfig.temperature=0
+        rollout = self.generate_rollout(  # temperature 0: greedy, the same path as RolloutConfig.temperature=0
             batch,
             n=cfg.n,
             temperature=cfg.temperature,

@@ -73,12 +73,19 @@ def claim_run_version(out: str, name: str) -> int:
 def demo_placement(choice: str, roles: list[str], devices: int) -> Any:
     """``RLHFStrategy(placement=...)`` for the demo's ``--placement``: ``colocate`` (None: every role on every rank),
     ``split`` (the actor and the reward on the first half of the ranks, the other roles on the second half; calls of
-    one stage then run at the same time), ``auto`` (the planner chooses), or a JSON mapping role -> ranks.
+    one stage then run at the same time), ``rollout`` (generation on the last half of the ranks, a pool of its own fed
+    the actor's weights over collectives; every other role on the first half), ``auto`` (the planner chooses), or a
+    JSON mapping role -> ranks.
 
     Runs on: every process.
     """
     if choice == "colocate":
         return None
+    if choice == "rollout":
+        if devices < 2:
+            raise SystemExit(f"--placement rollout needs --devices >= 2 (got {devices}).")
+        half = devices // 2
+        return {role: list(range(half)) for role in roles} | {"rollout": list(range(half, devices))}
     if choice == "auto":
         return "auto"
     if choice == "split":
@@ -131,6 +138,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
             kl_coef=0.0,
             micro_batch_size=args.micro_batch_size,
             micro_batch_tokens=args.micro_batch_tokens,
+            max_staleness=args.max_staleness,
             **settings,
         ),
         actor_optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
@@ -146,7 +154,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         accelerator="cpu",
         devices=args.devices,
         strategy=RLHFStrategy(
-            args.rollout,
+            "hf" if args.placement == "rollout" and args.rollout == "auto" else args.rollout,  # vLLM spans every rank
             param_dtype=None if args.precision == "fp32" else args.precision,
             placement=demo_placement(args.placement, list(module.roles()), args.devices),
         ),
@@ -222,7 +230,15 @@ def main(argv: list[str] | None = None) -> None:
         "--placement",
         default="colocate",
         help="where roles run: colocate (all on every rank), split (actor+reward on the first half of the ranks, "
-        "the others on the second), auto (the planner chooses), or JSON role -> ranks",
+        "the others on the second), rollout (generation alone on the second half), auto (the planner chooses), or "
+        "JSON role -> ranks",
+    )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="AlgorithmConfig.max_staleness: 1 generates the next batch on the rollout pool while the actor trains "
+        "(asynchronous; needs --placement rollout --rollout hf)",
     )
     parser.add_argument("--warm-start-steps", type=int, default=40, help="SFTModule steps of the warm start")
     parser.add_argument("--seed", type=int, default=0)

@@ -25,15 +25,24 @@ class GRPOModule(RLHFModule):
         )
         super().__init__(actor, **kwargs)
 
+    ASYNC_ROLLOUTS = True
+
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
         """Generate n samples per prompt, score (with dynamic sampling: keep only prompts whose samples
-        disagree), normalise within each group, update the actor.
+        disagree), normalise within each group, update the actor. With ``AlgorithmConfig.max_staleness >= 1`` and a
+        rollout pool, the step trains on the previous step's rollout while the rollout pool generates this one.
 
         Runs on: controller.
         """
         t0, metrics = time.perf_counter(), dict[str, float]()
-        with self.timer("gen", metrics):
-            rollout = self.actor.generate(batch)
+        with self.rollouts(batch, metrics) as rollout:
+            if rollout is not None:
+                rollout = self.train_on(batch, rollout, metrics)
+        self.log_step(rollout, metrics, started=t0)
+
+    def train_on(self, batch: Batch, rollout: Batch, metrics: dict[str, float]) -> Batch:
+        """Score ``rollout`` (generated from ``batch``), compute group advantages, update the actor; returns the
+        scored rollout. Runs on: controller."""
         rollout = self.reward.score(rollout)
         if self.algorithm.dynamic_sampling:  # DAPO: only prompts whose samples disagree, more rounds if needed
             with self.timer("dynamic_sampling", metrics):
@@ -51,4 +60,4 @@ class GRPOModule(RLHFModule):
         rollout = self.compute_advantages(rollout, metrics)
         with self.timer("update_actor", metrics):
             metrics |= self.actor.update(rollout)
-        self.log_step(rollout, metrics, started=t0)
+        return rollout

@@ -34,17 +34,26 @@ class PPOModule(RLHFModule):
             )
         super().__init__(actor, **kwargs)
 
+    ASYNC_ROLLOUTS = True
+
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
         """Generate; then score, reference and old log-probs and values (one stage: independent reads of the
         rollout); GAE; then update critic and actor (one stage). Calls of one stage run at the same time where
-        their roles are on disjoint rank pools (``RLHFStrategy(placement=...)``), one after another otherwise.
+        their roles are on disjoint rank pools (``RLHFStrategy(placement=...)``), one after another otherwise. With
+        ``AlgorithmConfig.max_staleness >= 1`` and a rollout pool, the step trains on the previous step's rollout
+        while the rollout pool generates this one.
 
         Runs on: controller.
         """
-        assert self.critic is not None
         t0, metrics = time.perf_counter(), dict[str, float]()
-        with self.timer("gen", metrics):
-            rollout = self.actor.generate(batch)
+        with self.rollouts(batch, metrics) as rollout:
+            if rollout is not None:
+                rollout = self.train_on(rollout, metrics)
+        self.log_step(rollout, metrics, started=t0)
+
+    def train_on(self, rollout: Batch, metrics: dict[str, float]) -> Batch:
+        """Score, GAE and the two updates on ``rollout``; returns it scored. Runs on: controller."""
+        assert self.critic is not None
         with self.timer("stage_score", metrics), self.concurrently():
             reads = {
                 "reward": self.reward.score(rollout),
@@ -60,4 +69,4 @@ class PPOModule(RLHFModule):
             updates = {"update_critic": self.critic.update(rollout), "update_actor": self.actor.update(rollout)}
         _, update_metrics = self.collect(rollout, updates, metrics)
         metrics |= update_metrics
-        self.log_step(rollout, metrics, started=t0)
+        return rollout

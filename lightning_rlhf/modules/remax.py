@@ -29,9 +29,9 @@ class ReMaxModule(RLHFModule):
         """
         t0, metrics = time.perf_counter(), dict[str, float]()
         with self.timer("gen", metrics):
-            rollout = self.actor.generate(batch)
+            rollout = self.generate_rollout(batch)
         with self.timer("gen_baseline", metrics):
-            greedy = self.reward.score(self.actor.generate(batch, greedy=True))
+            greedy = self.reward.score(self.generate_rollout(batch, greedy=True))
         rollout = self.reward.score(rollout)
         rollout["baselines"] = greedy["scores"][rollout["uid"]]  # uid = the prompt's row in `batch`
         metrics["critic/baseline_score/mean"] = float(greedy["scores"].mean())

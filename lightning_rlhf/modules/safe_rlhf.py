@@ -88,7 +88,7 @@ class SafeRLHFModule(RLHFModule):
         """
         t0, metrics = time.perf_counter(), dict[str, float]()
         with self.timer("gen", metrics):
-            rollout = self.actor.generate(batch)
+            rollout = self.generate_rollout(batch)
         rollout = self.cost.score(self.reward.score(rollout))
         if self.algorithm.needs_old_logprobs:
             rollout = self.actor.log_prob(rollout)

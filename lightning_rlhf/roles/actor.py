@@ -14,11 +14,12 @@ from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import logprob_temperature
+from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
 from lightning_rlhf.engines.rollout.reshard import weights_for
-from lightning_rlhf.engines.train import MetricAccumulator, forward_response, world
+from lightning_rlhf.engines.train import MetricAccumulator, forward_response, full_tensors, world
 from lightning_rlhf.roles.base import Role, RolloutEngineRequest, load_model
 
-__all__ = ["ActorRole"]
+__all__ = ["ActorRole", "rollout_is_weights", "sample_rollout"]
 
 
 class ActorRole(Role):
@@ -54,6 +55,9 @@ class ActorRole(Role):
         self._rollout_engine: RolloutEngine | None = None  # not an nn.Module attribute: stays out of checkpoints
         self._weights_version = 0
         self._engine_version = 0
+        self.weight_bridge: WeightBridge | None = None
+        """Set by the strategy when a generation-only pool takes this role's weights (``send_weights``)."""
+        self._sent_version: int | None = None  # the version the generation-only pool holds (None: nothing valid)
 
     @property
     def logprob_temperature(self) -> float:
@@ -112,53 +116,29 @@ class ActorRole(Role):
             self.train_engine.offload_optimizer()
         self.rollout_engine.wake_up()
         sync_s, sync_bytes = self.sync_weights()
-        cfg = self.rollout
-        n = 1 if greedy else (n or cfg.n)
-        rank, _ = world()
-        step = int(batch.meta.get("step", 0))
-        params = SamplingParams(
+        rollout = sample_rollout(
+            self.rollout_engine,
+            batch,
+            self.rollout,
+            self.tokenizer,
             n=n,
-            temperature=cfg.temperature if temperature is None else temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            max_new_tokens=cfg.max_new_tokens,
-            min_new_tokens=cfg.min_new_tokens,
-            stop_token_ids=cfg.stop_token_ids,
-            seed=cfg.seed * 1_000_003
-            + step * 7919
-            + rank
-            + int(batch.meta.get("sampling_round", 0)) * 104_729
-            + seed_offset,
             greedy=greedy,
+            temperature=temperature,
+            seed_offset=seed_offset,
         )
-        prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
-        t0 = time.perf_counter()
-        out = self.rollout_engine.generate(prompts, params)
-        gen_s = time.perf_counter() - t0
         self.rollout_engine.sleep()
         self.train_engine.onload_optimizer()
-        width = max(1, max(len(r) for r in out.responses))
-        responses = torch.full((len(out.responses), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros((len(out.responses), width), dtype=torch.long)
-        for i, r in enumerate(out.responses):
-            responses[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            response_mask[i, : len(r)] = 1
-        stops = {self.tokenizer.eos_token_id, *cfg.stop_token_ids}
-        rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
-        rollout["responses"] = responses
-        rollout["response_mask"] = response_mask
-        rollout["response_truncated"] = torch.tensor([not r or r[-1] not in stops for r in out.responses])
-        if out.logprobs is not None:
-            lp = torch.zeros((len(out.responses), width))
-            for i, row in enumerate(out.logprobs):
-                lp[i, : len(row)] = torch.tensor(row)
-            rollout["rollout_logprobs"] = lp
-        rollout.meta.update({"timing_s/update_weights": sync_s, "perf/weight_sync_bytes": sync_bytes, "gen_s": gen_s})
+        rollout.meta.update({"timing_s/update_weights": sync_s, "perf/weight_sync_bytes": sync_bytes})
         return rollout
 
     def mark_weights_changed(self) -> None:
         """Make the next ``generate`` hand the weights to the engine first (after an update or a restore)."""
         self._weights_version += 1
+
+    def forget_handoffs(self) -> None:
+        """Make the next ``send_weights`` send whatever the staleness bound (after a restore: the rollout pool holds
+        weights of another run). Runs on: every process."""
+        self._sent_version = None
 
     def sync_weights(self) -> tuple[float, int]:
         """Hand the latest actor weights to the engine (if they changed, or the engine lost its own), streamed
@@ -177,6 +157,57 @@ class ActorRole(Role):
         engine.load_weights(weights_for(engine, self.model, received))
         self._engine_version = self._weights_version
         return time.perf_counter() - t0, received[0]
+
+    @property
+    def policy_version(self) -> int:
+        """The number of updates behind the current weights (the schedule's step count: restored on resume).
+
+        Runs on: a rank that holds the actor (0 elsewhere)."""
+        scheduler = self.train_engine.scheduler
+        return int(scheduler.last_epoch) if scheduler is not None and self.model is not None else 0
+
+    @role_method(Dispatch.ONE_TO_ALL)
+    def send_weights(self, *, lag: int = 0, max_staleness: int = 0) -> dict[str, float]:
+        """Hand the weights to the generation-only pool (:mod:`~lightning_rlhf.engines.rollout.bridge`), unless the
+        staleness bound allows to keep the ones it has: samples it generates now are trained on ``lag`` updates
+        later, and must then be at most ``max_staleness`` updates old.
+
+        Runs on: every rank of the actor's pool (the FSDP gathers); the pool's first rank broadcasts. Its receiving
+        half is the rollout role's ``receive_weights``, in the same ``concurrently()`` block. Returns
+        ``timing_s/update_weights``, ``perf/weight_sync_bytes`` and ``rollout/weight_version`` (what the pool holds
+        after the call); every rank of the pool decides the same way, from the same counters.
+        """
+        from torch import distributed as dist
+
+        bridge = self.weight_bridge
+        if bridge is None:
+            raise RuntimeError(
+                "ActorRole.send_weights: no generation-only pool takes this actor's weights. HINT: it is called by "
+                "RLHFModule.sync_rollout_weights when the placement has a 'rollout' pool."
+            )
+        assert self.model is not None
+        version = self.policy_version
+        held = self._sent_version
+        send = held is None or version + lag - held > max_staleness
+        t0 = time.perf_counter()
+        received = [0]
+        dtype = self.train_engine.param_dtype or torch.float32
+        tensors = full_tensors(self.model, received, dtype=dtype) if send else iter(())
+        if dist.get_rank() == bridge.src:
+            specs = tuple((name, tuple(p.shape)) for name, p in self.model.named_parameters()) if send else ()
+            header = WeightHeader(send=send, version=version, specs=specs, dtype=str(dtype).removeprefix("torch."))
+            sent = send_weights(bridge, header, tensors)
+        else:
+            sent = 0
+            for _ in tensors:  # the gathers are collectives over the actor's pool: every rank takes part
+                pass
+        if send:
+            self._sent_version = version
+        return {
+            "timing_s/update_weights": time.perf_counter() - t0,
+            "perf/weight_sync_bytes": float(sent + received[0]),
+            "rollout/weight_version": float(self._sent_version if self._sent_version is not None else -1),
+        }
 
     # ------------------------------------------------------------------------------------- training
     @role_method(Dispatch.DP_SPLIT)
@@ -212,10 +243,12 @@ class ActorRole(Role):
                 "mini-batches). HINT: call actor.log_prob(rollout) before actor.update."
             )
         diffs = MetricAccumulator()
+        staleness = self._staleness(batch)
+        fresh = staleness is None or staleness["staleness_max"] == 0  # sampled with the weights being updated
 
         def loss_fn(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
             loss, metrics, logprobs = self._policy_loss(micro, agg, use_kl_loss)
-            if "rollout_logprobs" in micro and "old_logprobs" not in micro:  # on-policy: same weights as rollout
+            if fresh and "rollout_logprobs" in micro and "old_logprobs" not in micro:  # on-policy: rollout's weights
                 diffs.add(rollout_probs_diff(logprobs, micro["rollout_logprobs"], micro["response_mask"]))
             return loss, metrics
 
@@ -230,7 +263,23 @@ class ActorRole(Role):
         )
         acc.add({"lr": torch.tensor(self.train_engine.step_scheduler())})
         self.mark_weights_changed()
-        return acc.result("actor") | diffs.result("training")
+        extra = {f"training/{k}": v for k, v in (staleness or {}).items()}
+        return acc.result("actor") | diffs.result("training") | extra
+
+    def _staleness(self, batch: Batch) -> dict[str, float] | None:
+        """How many updates old this rank's samples are (``weight_version`` from a generation-only pool), checked
+        against ``AlgorithmConfig.max_staleness``; None when the samples carry no version (the colocated engine)."""
+        if "weight_version" not in batch:
+            return None
+        lag = (self.policy_version - batch["weight_version"]).float()
+        worst = float(lag.max()) if lag.numel() else 0.0
+        if worst > self.algorithm.max_staleness:
+            raise RuntimeError(
+                f"ActorRole.update: samples are {worst:.0f} updates older than the weights being trained, more than "
+                f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness}. HINT: hand the weights over "
+                "(RLHFModule.sync_rollout_weights) before generating, or raise max_staleness."
+            )
+        return {"staleness_max": worst, "staleness_mean": float(lag.mean()) if lag.numel() else 0.0}
 
     def _policy_loss(
         self, micro: Batch, agg: MicroBatchAggregation, use_kl_loss: bool
@@ -248,11 +297,19 @@ class ActorRole(Role):
             entropy_grad=algo.entropy_coef != 0,  # at 0 the entropy is only reported: no backward through it
         )
         mask = _loss_mask(micro).to(device)
+        old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else out["logprobs"].detach()
+        advantages = micro["advantages"].to(device)
+        is_metrics: dict[str, Tensor] = {}
+        if algo.rollout_is_level != "none" and "rollout_logprobs" in micro:
+            weights, is_metrics = rollout_is_weights(
+                old, micro["rollout_logprobs"].to(device), mask, level=algo.rollout_is_level, cap=algo.rollout_is_cap
+            )
+            advantages = advantages * weights  # weights > 0 commute with the clipped losses' max/min
         pg_loss, metrics = compute_policy_loss(
             algo.policy_loss,
             out["logprobs"],
-            micro["old_logprobs"].to(device) if "old_logprobs" in micro else out["logprobs"].detach(),
-            micro["advantages"].to(device),
+            old,
+            advantages,
             mask,
             clip_low=algo.clip_ratio_low,
             clip_high=algo.clip_ratio_high,
@@ -261,7 +318,12 @@ class ActorRole(Role):
         )
         entropy = agg.aggregate(out["entropy"], mask)
         loss = pg_loss - algo.entropy_coef * entropy
-        report = {"pg_loss": agg.report(pg_loss, mask), "entropy": agg.report(entropy, mask), **metrics}
+        report = {
+            "pg_loss": agg.report(pg_loss, mask),
+            "entropy": agg.report(entropy, mask),
+            **metrics,
+            **is_metrics,
+        }
         if use_kl_loss:
             kl = kl_penalty(out["logprobs"], micro["ref_logprobs"].to(device), estimator=algo.kl_estimator)
             kl_loss = agg.aggregate(kl, mask)
@@ -337,6 +399,94 @@ class ActorRole(Role):
             logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
         )
         return token_loss, micro["loss_mask"][:, 1:width].to(device).float()
+
+
+def sample_rollout(
+    engine: RolloutEngine,
+    batch: Batch,
+    cfg: RolloutConfig,
+    tokenizer: Any,
+    *,
+    n: int | None = None,
+    greedy: bool = False,
+    temperature: float | None = None,
+    seed_offset: int = 0,
+) -> Batch:
+    """Sample with ``engine`` for this rank's prompts: one row per sample with ``responses``, ``response_mask``,
+    ``response_truncated``, ``rollout_logprobs`` (when the engine reports them) and the input columns repeated; the
+    generation's seconds in ``meta["gen_s"]``. The arguments are :meth:`ActorRole.generate`'s.
+
+    Runs on: a worker rank holding a rollout engine (the actor's colocated one, or a rollout pool's). The seeds
+    depend on the step, the rank in the calling role's pool, the sampling round and ``seed_offset`` only.
+    """
+    n = 1 if greedy else (n or cfg.n)
+    rank, _ = world()
+    step = int(batch.meta.get("step", 0))
+    params = SamplingParams(
+        n=n,
+        temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens,
+        stop_token_ids=cfg.stop_token_ids,
+        seed=cfg.seed * 1_000_003
+        + step * 7919
+        + rank
+        + int(batch.meta.get("sampling_round", 0)) * 104_729
+        + seed_offset,
+        greedy=greedy,
+    )
+    prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    gen_s = time.perf_counter() - t0
+    width = max(1, max(len(r) for r in out.responses))
+    responses = torch.full((len(out.responses), width), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(out.responses), width), dtype=torch.long)
+    for i, r in enumerate(out.responses):
+        responses[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        response_mask[i, : len(r)] = 1
+    stops = {tokenizer.eos_token_id, *cfg.stop_token_ids}
+    rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
+    rollout["responses"] = responses
+    rollout["response_mask"] = response_mask
+    rollout["response_truncated"] = torch.tensor([not r or r[-1] not in stops for r in out.responses])
+    if out.logprobs is not None:
+        lp = torch.zeros((len(out.responses), width))
+        for i, row in enumerate(out.logprobs):
+            lp[i, : len(row)] = torch.tensor(row)
+        rollout["rollout_logprobs"] = lp
+    rollout.meta["gen_s"] = gen_s
+    return rollout
+
+
+def rollout_is_weights(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, level: str, cap: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance weights ``min(pi_old / pi_rollout, cap)`` ``[B, T]`` (detached) for samples generated
+    with other weights than the ones ``old_logprobs`` come from: per token, or per sequence (the product over its
+    tokens, the same weight on each of them); and their metrics ``rollout_is_mean`` and ``rollout_is_clipfrac``
+    (share of tokens truncated) over ``mask``.
+
+    Runs on: a worker, inside the actor's loss (pure function).
+    """
+    width = min(old_logprobs.shape[1], rollout_logprobs.shape[1])
+    log_ratio = torch.zeros_like(old_logprobs, dtype=torch.float32)
+    log_ratio[:, :width] = old_logprobs[:, :width].detach().float() - rollout_logprobs[:, :width].float()
+    log_ratio = log_ratio * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    elif level != "token":
+        raise ValueError(f"AlgorithmConfig.rollout_is={level!r}: expected 'token' or 'sequence'.")
+    raw = torch.exp(log_ratio.clamp(max=20.0))
+    weights = raw.clamp(max=cap)
+    m = mask.bool()
+    metrics = {
+        "rollout_is_mean": weights[m].mean() if m.any() else weights.new_zeros(()),
+        "rollout_is_clipfrac": (raw[m] > cap).float().mean() if m.any() else weights.new_zeros(()),
+    }
+    return weights, metrics
 
 
 def rollout_probs_diff(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, Tensor]:

@@ -7,6 +7,10 @@ role's pool (every rank unless ``RLHFStrategy(placement=...)`` says otherwise): 
 0 sit in :meth:`Controller.serve` for the whole step. Each exchange carries a list of calls per rank: the calls of
 a ``concurrently()`` block go out together, so calls to disjoint pools run at the same time.
 
+Background calls (``in_background()``, e.g. HybridFlow's asynchronous rollouts): each rank starts its part in a
+thread and replies at once; the controller goes on with other pools and later sends a join, which the ranks answer
+with the part's result once the thread has finished. Until then no other call may go to those ranks.
+
 Failures: a role method that raises on any rank is caught there; its traceback travels back with the
 results and the controller raises :class:`WorkerError`. The failing rank also posts the error to the
 rendezvous store, so if the other ranks are stuck in a collective that the failed rank will never join, a
@@ -26,6 +30,7 @@ import dataclasses
 import functools
 import pickle
 import subprocess
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -71,6 +76,16 @@ class _Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     index: int = 0  # position of the call in its exchange
+    token: int | None = None  # set: start the call in a thread and reply at once (a background call)
+
+
+@dataclasses.dataclass
+class _Join:
+    token: int  # the background call to wait for
+    index: int = 0
+
+
+_STARTED = "started"
 
 
 @dataclasses.dataclass
@@ -133,6 +148,10 @@ class Controller:
         self._last_where: str | None = None
         self.stop_signum = 0  # set after each step: the stop every rank agreed on (0: go on)
         self.last_seconds: list[float] = []  # each call of the last exchange: its time on its slowest rank
+        # controller: each background call -> where, protocol, ranks
+        self._in_flight: dict[int, tuple[str, Any, list[int]]] = {}
+        self._next_token = 0
+        self._threads: dict[int, tuple[threading.Thread, list[Any]]] = {}  # this rank's background parts
         if world_size > 1:
             # Control messages are pickled Python objects: keep them on a CPU (gloo) group whatever the
             # data-plane backend is, so NCCL never carries them and GPU tensors never enter them.
@@ -174,7 +193,9 @@ class Controller:
         try:
             with controller_active(self):
                 out = step_fn()
+            self._check_background_read()
         except BaseException as err:
+            self._in_flight.clear()
             if isinstance(err, RankDiedError):  # the control plane is broken: no abort can reach every rank
                 raise
             if self.world_size > 1 and not isinstance(err, WorkerError):
@@ -222,48 +243,113 @@ class Controller:
         the same time, calls to one pool one after another. A failure on any rank raises :class:`WorkerError`
         after every rank has answered. ``last_seconds`` then holds each call's time on its slowest rank.
         """
-        messages: list[list[_Call]] = [[] for _ in range(self.world_size)]
+        messages, plans, where = self._plan(calls, background=False)
+        by_call, self.last_seconds = self._exchange(messages, len(calls), where)
+        return [
+            merge_results(dispatch, [by_call[index][rank] for rank in ranks])
+            for index, (dispatch, ranks) in enumerate(plans)
+        ]
+
+    def start_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[int]:
+        """Start role calls in the background (``in_background()``): each rank starts its parts in threads and
+        replies at once. Returns one handle per call for :meth:`join`.
+
+        Runs on: controller (rank 0). The ranks of a started call take no other call until it is joined.
+        """
+        messages, plans, where = self._plan(calls, background=True)
+        self._exchange(messages, len(calls), where)
+        tokens = []
+        for index, (dispatch, ranks) in enumerate(plans):
+            token = self._next_token + index
+            self._in_flight[token] = (f"{calls[index][0].name}.{calls[index][1]}", dispatch, ranks)
+            tokens.append(token)
+        self._next_token += len(calls)
+        return tokens
+
+    def join(self, token: int) -> tuple[Any, float]:
+        """Wait for a background call on every rank of its pool; its merged result and its time on the slowest rank.
+
+        Runs on: controller (rank 0), from :meth:`~lightning_rlhf.dispatch.RoleFuture.result`.
+        """
+        where, dispatch, ranks = self._in_flight.pop(token)
+        messages: list[list[Any]] = [[] for _ in range(self.world_size)]
+        for rank in ranks:
+            messages[rank].append(_Join(token))
+        by_call, seconds = self._exchange(messages, 1, f"{where} (waiting for it)")
+        return merge_results(dispatch, [by_call[0][rank] for rank in ranks]), seconds[0]
+
+    def _plan(
+        self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]], *, background: bool
+    ) -> tuple[list[list[Any]], list[tuple[Any, list[int]]], str]:
+        """Each rank's parts of ``calls``, each call's protocol and ranks, and how the exchange is named."""
+        busy = {rank: where for where, _, ranks in self._in_flight.values() for rank in ranks}
+        messages: list[list[Any]] = [[] for _ in range(self.world_size)]
         plans: list[tuple[Any, list[int]]] = []  # per call: its protocol, the ranks that got a part (in pool order)
         wheres = []
         for index, (role, method, args, kwargs) in enumerate(calls):
             where = f"{role.name}.{method}"
             dispatch = dispatch_of(role, method)
             pool = self.pool(role.name)
+            taken = [rank for rank in pool if rank in busy]
+            if taken:
+                raise RuntimeError(
+                    f"`{where}` goes to ranks {list(pool)}, but rank {taken[0]} is still running `{busy[taken[0]]}`, "
+                    "started in the background. HINT: read that call's `.result()` first, or place the two roles on "
+                    "disjoint ranks."
+                )
             per_rank = split_args(dispatch, args, kwargs, len(pool), where=where)
             ranks = [rank for rank, part in zip(pool, per_rank, strict=True) if part is not None]
+            token = self._next_token + index if background else None
+            if background:  # one background call per rank at a time
+                busy |= {rank: where for rank in ranks}
             for rank, part in zip(pool, per_rank, strict=True):
                 if part is not None:
-                    messages[rank].append(_Call(role.name, method, part[0], part[1], index))
+                    messages[rank].append(_Call(role.name, method, part[0], part[1], index, token))
             plans.append((dispatch, ranks))
             wheres.append(where)
+        return messages, plans, " + ".join(wheres)
+
+    def _exchange(self, messages: list[list[Any]], count: int, where: str) -> tuple[list[dict[int, Any]], list[float]]:
+        """Send each rank its list, run rank 0's own part, gather the replies: per call, each rank's result; per
+        call, its time on its slowest rank. Raises :class:`WorkerError` when any rank failed."""
 
         def exchange() -> list[Any]:
             mine = self._scatter(messages)
             return self._gather(self._execute_all(mine))
 
-        where = " + ".join(wheres)
         self.where = where
         try:
             with self._busy():
                 replies = self._communicate(exchange)
         finally:
             self.where, self._last_where = None, where
-        by_call: list[dict[int, Any]] = [{} for _ in calls]
-        self.last_seconds = [0.0] * len(calls)
+        by_call: list[dict[int, Any]] = [{} for _ in range(count)]
+        seconds = [0.0] * count
         failures = []
         for rank, reply in enumerate(replies):
-            for index, result, seconds in reply or []:
+            for index, result, took in reply or []:
                 if isinstance(result, _Failure):
                     failures.append(result)
                 by_call[index][rank] = result
-                self.last_seconds[index] = max(self.last_seconds[index], seconds)
+                seconds[index] = max(seconds[index], took)
         if failures:
             first = self._first_posted_failure() or failures[0]
             raise WorkerError(first.rank, first.where, first.traceback)
-        return [
-            merge_results(dispatch, [by_call[index][rank] for rank in ranks])
-            for index, (dispatch, ranks) in enumerate(plans)
-        ]
+        return by_call, seconds
+
+    def _check_background_read(self) -> None:
+        """At the end of a step: every background call must have been read. Waits for the ones that were not (so
+        that every rank is free again) and raises naming them."""
+        if not self._in_flight:
+            return
+        unread = [where for where, _, _ in self._in_flight.values()]
+        for token in list(self._in_flight):
+            self.join(token)
+        raise RuntimeError(
+            f"The step ended with {unread} still running in the background: its result was never read, so the work "
+            "would be lost. HINT: call `.result()` on every future an `in_background()` block returned before the "
+            "step ends."
+        )
 
     # ---------------------------------------------------------------------------------------- worker
     def serve(self, replay_log: Callable[[str, float, dict[str, Any]], None]) -> None:
@@ -291,23 +377,52 @@ class Controller:
                 self._communicate(functools.partial(self._gather, result))
 
     # -------------------------------------------------------------------------------------- plumbing
-    def _execute_all(self, calls: list[_Call]) -> list[tuple[int, Any, float]]:
-        """Run this rank's parts of an exchange's calls in order; after a failure the rest are skipped (the other
-        ranks of that pool learn of it from the posted error)."""
+    def _execute_all(self, calls: list[Any]) -> list[tuple[int, Any, float]]:
+        """Run this rank's parts of an exchange's calls in order (a background part starts in a thread; a join waits
+        for one); after a failure the rest are skipped (the other ranks of that pool learn of it from the posted
+        error)."""
         results: list[tuple[int, Any, float]] = []
         for call in calls:
-            started = time.perf_counter()
-            result = self._execute(call)
-            results.append((call.index, result, time.perf_counter() - started))
+            if isinstance(call, _Join):
+                thread, box = self._threads.pop(call.token)
+                thread.join()
+                result, took = box[0]
+                results.append((call.index, result, took))
+            elif call.token is not None:
+                self._start_thread(call)
+                results.append((call.index, _STARTED, 0.0))
+                continue
+            else:
+                started = time.perf_counter()
+                result = self._execute(call)
+                results.append((call.index, result, time.perf_counter() - started))
             if isinstance(result, _Failure):
                 break
         return results
 
-    def _execute(self, call: _Call) -> Any:
+    def _start_thread(self, call: _Call) -> None:
+        """Run a background part in a thread of this process; its result waits in a box for the join."""
+        box: list[tuple[Any, float]] = []
+
+        def run() -> None:
+            started = time.perf_counter()
+            try:
+                result = self._execute(call, background=True)
+            except BaseException as err:  # e.g. a dead peer: the join reports it like a failed call
+                where = f"{call.role}.{call.method}"
+                result = _Failure(self.rank, where, "".join(traceback.format_exception(err)))
+            box.append((result, time.perf_counter() - started))
+
+        thread = threading.Thread(target=run, name=f"lightning_rlhf {call.role}.{call.method}", daemon=True)
+        self._threads[call.token or 0] = (thread, box)
+        thread.start()
+
+    def _execute(self, call: _Call, *, background: bool = False) -> Any:
         role = self._roles(call.role)
         fn = getattr(type(role), call.method).__wrapped__
         where = f"{call.role}.{call.method}"
-        self.where = where
+        if not background:
+            self.where = where
         try:
             with controller_active(None), data_parallel_group(self._groups.get(call.role)):
                 result = fn(role, *call.args, **call.kwargs)
@@ -319,7 +434,8 @@ class Controller:
             self._post_error(f"rank {self.rank} failed in `{where}`:\n{tb}", _Failure(self.rank, where, tb))
             return _Failure(self.rank, where, tb)
         finally:
-            self.where, self._last_where = None, where
+            if not background:
+                self.where, self._last_where = None, where
         return result.to("cpu") if isinstance(result, Batch) and self.world_size > 1 else result
 
     def _communicate(self, fn: Callable[[], Any]) -> Any:

@@ -288,8 +288,10 @@ class RLHFStrategy(ModelParallelStrategy):
         """
         from torch.distributed.device_mesh import DeviceMesh
 
-        roles = module.roles()
         spec = self.placement
+        if isinstance(spec, Mapping):
+            module.prepare_roles(list(spec))  # e.g. a generation-only role the placement gives a pool of its own
+        roles = module.roles()
         if spec == "auto":
             from lightning_rlhf.auto_placement import auto_placement
 
@@ -311,6 +313,7 @@ class RLHFStrategy(ModelParallelStrategy):
                 budget=rank_memory_bytes(self.root_device, self.num_processes),
                 where="RLHFStrategy(placement=...)",
             )
+        self._bridge_pools(module)
         whole = self.device_mesh["data_parallel"]
         meshes = {}
         for pool in pool_groups(self._pools):
@@ -320,6 +323,37 @@ class RLHFStrategy(ModelParallelStrategy):
                 else DeviceMesh(self.root_device.type, torch.tensor(pool), mesh_dim_names=("data_parallel",))
             )
         self._meshes = {name: meshes[pool] for name, pool in self._pools.items() if self.global_rank in pool}
+
+    def _bridge_pools(self, module: RLHFModule) -> None:
+        """Join each role that takes another role's weights (its ``weights_from``) to that role's pool: one process
+        group, the source pool's first rank and the receiving pool's ranks (:class:`WeightBridge`).
+
+        Runs on: every rank, at set-up (``new_group`` is collective over the world: every rank makes every group, in
+        role order, member or not).
+        """
+        import torch.distributed as dist
+
+        from lightning_rlhf.engines.rollout.bridge import WeightBridge
+
+        for name, role in module.roles().items():
+            source = getattr(role, "weights_from", None)
+            if source is None:
+                continue
+            senders, receivers = self._pools[source], self._pools[name]
+            if set(senders) & set(receivers):
+                raise ValueError(
+                    f"RLHFStrategy(placement=...) puts {name!r} on ranks {list(receivers)}, which overlap {source!r}'s "
+                    f"{list(senders)}: {name!r} is the generation-only pool that {source!r} feeds over collectives, "
+                    f"so it needs ranks of its own. HINT: give {name!r} ranks {source!r} does not use, or leave "
+                    f"{name!r} out of the placement (then {source!r} generates with its colocated engine)."
+                )
+            members = sorted({senders[0], *receivers})
+            group = dist.new_group(members, backend="gloo" if self.root_device.type == "cpu" else None)
+            bridge = WeightBridge(group=group, src=senders[0], receivers=receivers)
+            if self.global_rank in receivers:
+                role.weight_bridge = bridge  # type: ignore[assignment]
+            if self.global_rank in senders:
+                module.get_role(source).weight_bridge = bridge  # type: ignore[assignment]
 
     @override
     @contextlib.contextmanager

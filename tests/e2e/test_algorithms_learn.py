@@ -1,5 +1,6 @@
 """Each ready algorithm learns the synthetic task (2 processes): last 10% of steps >= first 10% + 0.2. PPO also
-learns with a split placement (actor on rank 0, critic on rank 1).
+learns with a split placement (actor on rank 0, critic on rank 1), GRPO with asynchronous rollouts (generation on
+rank 1, one step ahead).
 
 GRPO is covered by the demo test (250 steps, +0.3, vLLM rollouts when installed); these run 120 steps each.
 ReMax (with its extra greedy generate call) uses the vLLM engine when installed, the others the transformers
@@ -22,12 +23,21 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize(
     ("algo", "placement"),
-    [("rloo", "colocate"), ("reinforce_pp", "colocate"), ("remax", "colocate"), ("ppo", "colocate"), ("ppo", "split")],
+    [
+        ("rloo", "colocate"),
+        ("reinforce_pp", "colocate"),
+        ("remax", "colocate"),
+        ("ppo", "colocate"),
+        ("ppo", "split"),
+        ("grpo", "async"),
+    ],
 )
 def test_algorithm_learns_addition(algo: str, placement: str, demo_model: str, tmp_path: Path) -> None:
-    """``split``: the actor and the reward on rank 0, the critic on rank 1, their updates at the same time."""
+    """``split``: the actor and the reward on rank 0, the critic on rank 1, their updates at the same time.
+    ``async``: generation alone on rank 1, one step ahead of the actor's updates on rank 0 (``max_staleness=1``)."""
     cache = str(Path(demo_model).parent)  # reuse the session's warm-started model
-    cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--algo", algo, "--steps", "120", "--placement", placement]
+    where = ["--placement", "rollout", "--max-staleness", "1"] if placement == "async" else ["--placement", placement]
+    cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--algo", algo, "--steps", "120", *where]
     cmd += ["--out", str(tmp_path), "--cache", cache, "--rollout", "auto" if algo == "remax" else "hf"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     assert proc.returncode == 0, failure_text(proc)
@@ -35,7 +45,7 @@ def test_algorithm_learns_addition(algo: str, placement: str, demo_model: str, t
     with open(run / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("critic/score/mean")]
     scores = [float(r["critic/score/mean"]) for r in rows]
-    assert len(scores) == 120
+    assert len(scores) == (119 if placement == "async" else 120)  # the first asynchronous step only generates
     k = len(scores) // 10
     first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
     assert last >= first + 0.2, (algo, first, last)
@@ -47,5 +57,9 @@ def test_algorithm_learns_addition(algo: str, placement: str, demo_model: str, t
             for r in rows
         ]
         assert sum(overlapped) > 0.8 * len(rows)
+    if placement == "async":  # trained one update after the weights that sampled them, with IS weights
+        assert all(float(r["training/staleness_max"]) <= 1 for r in rows)
+        assert sum(float(r["training/staleness_max"]) == 1 for r in rows) >= len(rows) - 1
+        assert all(0 < float(r["actor/rollout_is_mean"]) <= 2.0 for r in rows)
     if algo == "remax":
         assert "critic/baseline_score/mean" in rows[0]

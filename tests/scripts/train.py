@@ -127,6 +127,7 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="AlgorithmConfig.micro_batch_tokens")
     p.add_argument("--ppo-epochs", type=int, default=1)
     p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--max-staleness", type=int, default=0, help="AlgorithmConfig.max_staleness (async rollouts)")
     p.add_argument("--save-ckpt", default=None, help="save a checkpoint here at the end")
     p.add_argument("--resume", default=None, help="resume from this checkpoint")
     p.add_argument("--wandb", action="store_true")
@@ -161,6 +162,7 @@ def main() -> None:
         mini_batch_size=args.mini_batch_size,
         ppo_epochs=args.ppo_epochs,
         kl_coef=args.kl_coef,
+        max_staleness=args.max_staleness,
     )
     reward = failing_reward if args.fault == "reward" else addition_reward
     common = dict(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,7 +53,14 @@ LossFn = Callable[[Batch, MicroBatchAggregation], tuple[Tensor, dict[str, Tensor
 :class:`~lightning_rlhf.algorithms.MicroBatchAggregation` (the engine applies its ``scale`` and calls backward)."""
 
 
-_GROUPS: list[Any] = []
+class _GroupStack(threading.local):
+    groups: list[Any]
+
+    def __init__(self) -> None:
+        self.groups = []
+
+
+_GROUPS = _GroupStack()  # per thread: a role call running in the background has its own
 
 
 @contextlib.contextmanager
@@ -62,16 +70,16 @@ def data_parallel_group(group: Any) -> Iterator[None]:
     Runs on: a worker rank, around one role method (the controller's worker loop enters it with the role's pool,
     so :func:`world` and the engine's all-reduces count only the ranks that hold the role).
     """
-    _GROUPS.append(group)
+    _GROUPS.groups.append(group)
     try:
         yield
     finally:
-        _GROUPS.pop()
+        _GROUPS.groups.pop()
 
 
 def current_group() -> Any:
     """The data-parallel group of the role call running in this process (None: all ranks). Runs on: any process."""
-    return _GROUPS[-1] if _GROUPS else None
+    return _GROUPS.groups[-1] if _GROUPS.groups else None
 
 
 def world() -> tuple[int, int]:
@@ -200,6 +208,8 @@ class TrainEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.sharded = False
+        self.param_dtype: torch.dtype | None = None
+        """The compute dtype the model was sharded with (None: its own)."""
         self._offloaded = False
         self._attn_implementation: str | None = None
         self.fused_norms = fused_norms
@@ -312,6 +322,7 @@ class TrainEngine:
             )
         shard_model(self.model, mesh, param_dtype=param_dtype)
         self.sharded = True
+        self.param_dtype = param_dtype
 
     def materialize(self, device: torch.device) -> None:
         """Give the model real storage on ``device``: read this rank's shard rows from the checkpoint when its

@@ -1,0 +1,100 @@
+"""Generation on a pool of its own, fed the actor's weights over collectives, synchronous and asynchronous (one step
+off-policy), 2 and 4 processes over gloo. Each test runs ``tests/scripts/train.py`` as a subprocess."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import failure_text, run_script
+from tests.distributed.test_training import check_ok, read_metrics
+
+pytestmark = pytest.mark.slow
+
+ROLLOUT_POOL = json.dumps({"actor": [0], "reward": [0], "rollout": [1]})
+
+
+def test_a_generation_only_pool_samples_with_the_actors_exact_weights(demo_model: str, tmp_path: Path) -> None:
+    """Synchronous: every step hands the updated weights to rank 1 (which holds no shard of the actor) before it
+    generates, so the engine's token probabilities equal the trainer's."""
+    out = tmp_path / "sync"
+    args = ["--model", demo_model, "--devices", "2", "--rollout", "hf", "--steps", "3", "--placement", ROLLOUT_POOL]
+    check_ok(run_script("train.py", *args, "--out", str(out)))
+    rows = read_metrics(out)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert float(row["training/staleness_max"]) == 0
+        assert float(row["training/rollout_probs_diff_max"]) < 1e-5  # the same weights on both pools
+        assert float(row["perf/weight_sync_bytes"]) > 0  # a hand-off before every generation
+        assert float(row["actor/grad_norm"]) > 0
+
+
+def test_asynchronous_rollouts_are_one_step_off_policy_and_resume_exactly(demo_model: str, tmp_path: Path) -> None:
+    """max_staleness=1: step k trains on the rollout generated during step k-1 (step 0 only generates), samples
+    are one update old from step 2 on and carry their weight version; the pending rollout is in the checkpoint, so a
+    resumed run continues exactly like the uninterrupted one."""
+    straight, first, second, ckpt = (tmp_path / name for name in ("straight", "first", "second", "ckpt"))
+    common = ["--model", demo_model, "--devices", "2", "--rollout", "hf", "--max-staleness", "1"]
+    common += ["--placement", ROLLOUT_POOL]
+    check_ok(run_script("train.py", *common, "--out", str(straight), "--steps", "5"))
+    rows = read_metrics(straight)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[0].get("critic/score/mean", "") == "" and float(rows[0]["timing_s/gen"]) > 0  # generation only
+    assert [float(r["training/staleness_max"]) for r in rows[1:]] == [0, 1, 1, 1]
+    assert [float(r["rollout/weight_version"]) for r in rows] == [0, 0, 1, 2, 3]
+    for row in rows[2:]:  # truncated importance weights correct the one-update gap
+        assert 0 < float(row["actor/rollout_is_mean"]) <= 2.0
+        assert float(row["actor/grad_norm"]) > 0
+
+    check_ok(run_script("train.py", *common, "--out", str(first), "--steps", "3", "--save-ckpt", str(ckpt)))
+    check_ok(run_script("train.py", *common, "--out", str(second), "--steps", "5", "--resume", str(ckpt)))
+    resumed = read_metrics(second)
+    assert [int(r["step"]) for r in resumed] == [3, 4]
+    for a, b in zip(rows[3:], resumed, strict=True):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/rollout_is_mean"):
+            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-6), key
+    end_full = json.loads((straight / "result.json").read_text())["param_checksum"]
+    end_resumed = json.loads((second / "result.json").read_text())["param_checksum"]
+    assert end_full == pytest.approx(end_resumed, rel=1e-6)
+
+
+def test_four_ranks_sharded_actor_feeds_a_two_rank_rollout_pool(demo_model: str, tmp_path: Path) -> None:
+    """The actor FSDP-sharded over ranks {0, 1} gathers its weights and rank 0 broadcasts them to ranks {2, 3},
+    which split the prompts; asynchronous PPO-free GRPO with validation (which hands the current weights over)."""
+    placement = json.dumps({"actor": [0, 1], "reward": [0, 1], "rollout": [2, 3]})
+    out = tmp_path / "run"
+    args = ["--model", demo_model, "--devices", "4", "--rollout", "hf", "--steps", "4", "--max-staleness", "1"]
+    args += ["--val-every", "2", "--placement", placement]
+    check_ok(run_script("train.py", *args, "--out", str(out), timeout=420))
+    rows = [r for r in read_metrics(out) if r.get("actor/grad_norm")]
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    assert all(float(r["training/staleness_max"]) <= 1 for r in rows)
+    assert json.loads((out / "result.json").read_text())["global_step"] == 4
+
+
+@pytest.mark.parametrize(
+    ("placement", "extra", "words"),
+    [
+        (
+            {"actor": [0, 1], "reward": [0, 1], "rollout": [0, 1]},
+            [],
+            ["'rollout' on ranks [0, 1], which overlap 'actor'", "needs ranks of its own"],
+        ),
+        (
+            {"actor": [0], "reward": [1]},
+            ["--max-staleness", "1"],
+            ["max_staleness=1 generates on a rollout pool", "no pool of its own"],
+        ),
+    ],
+)
+def test_bad_asynchronous_settings_fail_before_training(
+    demo_model: str, tmp_path: Path, placement: dict, extra: list[str], words: list[str]
+) -> None:
+    args = ["--model", demo_model, "--devices", "2", "--rollout", "hf", "--placement", json.dumps(placement), *extra]
+    proc = run_script("train.py", *args, "--out", str(tmp_path / "bad"), timeout=240)
+    assert proc.returncode != 0
+    for word in words:
+        assert word in proc.stderr, failure_text(proc)
+    assert "Training" not in proc.stdout

@@ -1,0 +1,177 @@
+"""Asynchronous rollouts, in one process: background role calls (threads under the controller), the truncated
+importance weights, the weight bridge's bucket plan and the settings' checks. The multi-process runs (a rollout pool
+fed over gloo, one-step off-policy training, resume) are in tests/distributed/test_async_rollouts.py."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from lightning_rlhf import AlgorithmConfig
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.dispatch import Dispatch, RoleFuture, controller_active, in_background, role_method
+from lightning_rlhf.engines.rollout.bridge import _bucket_plan
+from lightning_rlhf.roles.actor import rollout_is_weights
+from lightning_rlhf.strategy.controller import Controller, WorkerError
+
+
+class Slow:
+    """A role whose ``work`` takes a while and records the thread it ran on."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+        self.release = threading.Event()
+
+    @role_method(Dispatch.DP_SPLIT)
+    def work(self, batch: Batch) -> Batch:
+        self.threads.append(threading.current_thread().name)
+        assert self.release.wait(10), "the controller never let the background call finish"
+        batch["y"] = batch["x"] * 2
+        return batch
+
+    @role_method(Dispatch.ONE_TO_ALL)
+    def ping(self) -> str:
+        return "pong"
+
+    @role_method(Dispatch.ONE_TO_ALL)
+    def fail(self) -> None:
+        raise ValueError("broken on purpose")
+
+
+class Other(Slow):
+    name = "other"
+
+
+def _controller(roles: dict[str, object]) -> Controller:
+    pools = {"slow": (0,), "other": (0,)}
+    return Controller(roles.__getitem__, rank=0, world_size=1, pools=pools)  # type: ignore[arg-type]
+
+
+def test_background_call_runs_in_a_thread_while_the_controller_goes_on() -> None:
+    slow = Slow()
+    controller = _controller({"slow": slow})
+    batch = Batch({"x": torch.arange(4)})
+    with controller_active(controller):
+        with in_background():
+            future = slow.work(batch)
+        assert isinstance(future, RoleFuture) and not future.done()
+        # The call is still running (it waits for `release`): the controller is free meanwhile.
+        assert slow.threads and slow.threads[0] != threading.current_thread().name
+        slow.release.set()
+        result = future.result()
+    assert result["y"].tolist() == [0, 2, 4, 6]
+    assert future.done() and future.seconds >= 0
+
+
+def test_a_busy_rank_refuses_other_calls_and_unread_calls_fail_the_step() -> None:
+    slow, other = Slow(), Other()
+    controller = _controller({"slow": slow, "other": other})
+
+    def step() -> None:
+        with in_background():
+            slow.work(Batch({"x": torch.arange(2)}))
+        with pytest.raises(RuntimeError, match=r"rank 0 is still running `slow.work`, started in the background"):
+            other.ping()
+        slow.release.set()  # ... and the step ends without reading the future
+
+    with pytest.raises(RuntimeError, match=r"\['slow.work'\] still running in the background"):
+        controller.run_step(step, [])
+    assert not controller._in_flight and not controller._threads  # joined: the rank is free for the next step
+
+
+def test_a_failing_background_call_raises_on_read() -> None:
+    slow = Slow()
+    controller = _controller({"slow": slow})
+    with controller_active(controller):
+        with in_background():
+            future = slow.fail()
+        with pytest.raises(WorkerError, match="broken on purpose"):
+            future.result()
+
+
+def test_without_a_controller_background_calls_run_at_once() -> None:
+    slow = Slow()
+    slow.release.set()
+    with in_background():
+        future = slow.work(Batch({"x": torch.arange(3)}))
+    assert future.done() and future.result()["y"].tolist() == [0, 2, 4]
+
+
+def test_truncated_importance_weights_per_token_and_per_sequence() -> None:
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.2], [0.3, 0.3, 0.3]]))
+    behaviour = torch.log(torch.tensor([[0.25, 0.9, 0.4], [0.3, 0.1, 0.3]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    weights, metrics = rollout_is_weights(old, behaviour, mask, level="token", cap=2.5)
+    # ratios 2, 1, 0.5 | 1, 3 -> 2.5 (truncated); the padded token gets weight exp(0) = 1 and counts nowhere
+    expected = torch.tensor([[2.0, 1.0, 0.5], [1.0, 2.5, 1.0]])
+    assert torch.allclose(weights, expected, atol=1e-5)
+    assert float(metrics["rollout_is_mean"]) == pytest.approx((2 + 1 + 0.5 + 1 + 2.5) / 5, abs=1e-5)
+    assert float(metrics["rollout_is_clipfrac"]) == pytest.approx(1 / 5)
+    weights, _ = rollout_is_weights(old, behaviour, mask, level="sequence", cap=2.5)
+    # sequence products: 2 * 1 * 0.5 = 1 | 1 * 3 = 3 -> 2.5, on every token of the sequence
+    assert torch.allclose(weights, torch.tensor([[1.0] * 3, [2.5] * 3]), atol=1e-5)
+    assert not weights.requires_grad
+
+
+def test_importance_weights_scale_the_clipped_loss_like_the_advantages() -> None:
+    """Scaling the advantages by positive weights equals weighting the per-token clipped loss."""
+    from lightning_rlhf.algorithms import compute_policy_loss
+
+    logprobs = torch.log(torch.tensor([[0.6, 0.2, 0.5]]))
+    old = torch.log(torch.tensor([[0.5, 0.25, 0.5]]))
+    adv = torch.tensor([[1.0, -1.0, 0.5]])
+    w = torch.tensor([[2.0, 0.5, 1.5]])
+    mask = torch.ones(1, 3)
+    weighted, _ = compute_policy_loss("vanilla", logprobs, old, adv * w, mask)
+    ratio = torch.exp(logprobs - old)
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    assert float(weighted) == pytest.approx(float((w * per_token).mean()), rel=1e-6)
+
+
+def test_bucket_plan_keeps_order_and_sends_a_large_tensor_alone() -> None:
+    specs = [("a", (4,)), ("b", (4,)), ("big", (100,)), ("c", (2,)), ("d", (2,))]
+    assert _bucket_plan(specs, 4, bucket_bytes=40) == [[0, 1], [2], [3, 4]]
+    assert _bucket_plan(specs, 4, bucket_bytes=10**6) == [[0, 1, 2, 3, 4]]
+    assert _bucket_plan([], 4, bucket_bytes=40) == []
+
+
+def test_settings_of_asynchronous_rollouts() -> None:
+    assert AlgorithmConfig().rollout_is_level == "none"
+    assert AlgorithmConfig(max_staleness=1).rollout_is_level == "token"
+    assert AlgorithmConfig(max_staleness=1, rollout_is="none").rollout_is_level == "none"
+    with pytest.raises(ValueError, match=r"max_staleness=-1 is invalid: expected an integer >= 0"):
+        AlgorithmConfig(max_staleness=-1)
+    with pytest.raises(ValueError, match=r"max_staleness=1 is invalid: expected 0 with dynamic_sampling=True"):
+        AlgorithmConfig(max_staleness=1, dynamic_sampling=True)
+    with pytest.raises(ValueError, match=r"rollout_is='tokens' is invalid"):
+        AlgorithmConfig(rollout_is="tokens")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"rollout_is_cap=1.0 is invalid: expected a truncation > 1"):
+        AlgorithmConfig(rollout_is_cap=1.0)
+    assert math.isclose(AlgorithmConfig().rollout_is_cap, 2.0)
+
+
+def test_a_background_call_overlaps_the_controllers_own_work() -> None:
+    """Half a second in a background call and half a second on the controller take about half a second."""
+
+    class Sleeper(Slow):
+        @role_method(Dispatch.DP_SPLIT)
+        def work(self, batch: Batch) -> Batch:
+            time.sleep(0.5)
+            return batch
+
+    sleeper = Sleeper()
+    controller = _controller({"slow": sleeper})
+    started = time.perf_counter()
+    with controller_active(controller):
+        with in_background():
+            future = sleeper.work(Batch({"x": torch.arange(2)}))
+        time.sleep(0.5)  # the controller's own work (e.g. another pool's update)
+        future.result()
+    assert time.perf_counter() - started < 0.9
+    assert future.seconds >= 0.45
