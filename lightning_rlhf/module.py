@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pickle
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
@@ -193,7 +194,8 @@ class RLHFModule(L.LightningModule):
 
     ASYNC_ROLLOUTS = False
     """Whether ``training_step`` runs :meth:`rollouts`, so that ``AlgorithmConfig.max_staleness >= 1`` makes it
-    asynchronous (``GRPOModule`` and ``PPOModule`` do)."""
+    asynchronous (``GRPOModule`` and ``PPOModule`` do). Read from the class that defines ``training_step``: a
+    subclass that writes its own step sets it again."""
 
     def prepare_roles(self, placed: list[str]) -> None:
         """Add the roles a placement asks for by name: ``rollout`` gets a generation-only
@@ -204,16 +206,20 @@ class RLHFModule(L.LightningModule):
         if "rollout" in placed and self.rollout_role is None and self.actor.needs_rollout_engine:
             self.rollout = RolloutRole(self.actor.path, tokenizer=self.tokenizer, rollout=self.rollout_config)
             self.actor.needs_rollout_engine = False
+        elif "rollout" not in placed and self.rollout_role is not None:  # a later fit() without the pool
+            del self._modules["rollout"]
+            self.actor.needs_rollout_engine = True
 
     @property
     def rollout_role(self) -> RolloutRole | None:
-        """The generation-only role, when the placement gave generation a pool of its own."""
+        """The generation-only role, when the placement gave generation a pool of its own. Runs on: any process."""
         role = self._modules.get("rollout")
         return role if isinstance(role, RolloutRole) else None
 
     @property
     def asynchronous(self) -> bool:
-        """Whether steps generate the next batch while training on the previous one (``max_staleness >= 1``)."""
+        """Whether steps generate the next batch while training on the previous one (``max_staleness >= 1`` and a
+        rollout pool). Runs on: any process, after the strategy's set-up."""
         return self.algorithm.max_staleness > 0 and self.rollout_role is not None
 
     def setup(self, stage: str) -> None:
@@ -230,7 +236,8 @@ class RLHFModule(L.LightningModule):
                     "the actor trains, but the placement gives generation no pool of its own. HINT: "
                     "RLHFStrategy(rollout='hf', placement={'actor': [0], ..., 'rollout': [1]}), or max_staleness=0."
                 )
-            if not type(self).ASYNC_ROLLOUTS:
+            owner = next(k for k in type(self).__mro__ if "training_step" in vars(k))
+            if not vars(owner).get("ASYNC_ROLLOUTS", False):
                 raise ValueError(
                     f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness}: "
                     f"{type(self).__name__}.training_step does not run `self.rollouts(batch, metrics)`, so it cannot "
@@ -285,6 +292,13 @@ class RLHFModule(L.LightningModule):
         returns a :class:`~lightning_rlhf.dispatch.RoleFuture`, and calls to roles on disjoint rank pools run at the
         same time. Runs on: the controller, inside ``training_step``."""
         return concurrently()
+
+    @staticmethod
+    def in_background() -> contextlib.AbstractContextManager[None]:
+        """Start the role calls inside the block and go on (:func:`lightning_rlhf.dispatch.in_background`): each
+        returns a :class:`~lightning_rlhf.dispatch.RoleFuture` whose ``result()`` waits for it, later in the same
+        step. Runs on: the controller, inside ``training_step``."""
+        return in_background()
 
     @staticmethod
     def collect(
@@ -383,8 +397,7 @@ class RLHFModule(L.LightningModule):
         metrics["rollout/weight_version"] = handoff["rollout/weight_version"]
         with in_background():
             future = rollout_role.generate(batch)
-        pending, self._pending_rollout = self._pending_rollout, None
-        yield pending
+        yield self._pending_rollout  # kept until trained on: a step that fails here leaves it for a checkpoint
         with self.timer("wait_rollout", metrics):
             self._pending_rollout = cast(RoleFuture, future).result()
         metrics["timing_s/gen"] = cast(RoleFuture, future).seconds
@@ -624,7 +637,10 @@ class RLHFModule(L.LightningModule):
         state: dict[str, Any] = {"kl_controller": self.kl_controller.state_dict()}
         pending = self._pending_rollout
         if pending is not None:  # asynchronous mode: the next step trains on it (only the controller holds it)
-            state["pending_rollout"] = {"tensors": pending.tensors, "columns": pending.columns, "meta": pending.meta}
+            # Dataset columns may hold any picklable value; checkpoints are read with weights_only=True, which
+            # takes tensors: the columns and meta travel pickled in a byte tensor.
+            rest = bytearray(pickle.dumps((pending.columns, pending.meta)))
+            state["pending_rollout"] = {"tensors": pending.tensors, "rest": torch.frombuffer(rest, dtype=torch.uint8)}
         checkpoint["lightning_rlhf"] = state
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -635,9 +651,15 @@ class RLHFModule(L.LightningModule):
         if "kl_controller" in state:
             self.kl_controller.load_state_dict(state["kl_controller"])
         pending = state.get("pending_rollout")
-        self._pending_rollout = (
-            None if pending is None else Batch(pending["tensors"], pending["columns"], pending["meta"])
-        )
+        self._pending_rollout = None
+        if pending is not None and self.asynchronous:
+            columns, meta = pickle.loads(pending["rest"].numpy().tobytes())
+            self._pending_rollout = Batch(pending["tensors"], columns, meta)
+        elif pending is not None:
+            rank_zero_warn(
+                "The checkpoint holds a rollout generated for its next step (an asynchronous run), and this run is "
+                "synchronous: that rollout is dropped and each step generates its own batch."
+            )
         self.actor.mark_weights_changed()
         self.actor.forget_handoffs()
 

@@ -41,8 +41,9 @@ class GRPOModule(RLHFModule):
         self.log_step(rollout, metrics, started=t0)
 
     def train_on(self, batch: Batch, rollout: Batch, metrics: dict[str, float]) -> Batch:
-        """Score ``rollout`` (generated from ``batch``), compute group advantages, update the actor; returns the
-        scored rollout. Runs on: controller."""
+        """Score ``rollout``, compute group advantages, update the actor; returns the scored rollout. ``batch`` is
+        the step's prompts: dynamic sampling draws its extra rounds after it (synchronous runs only; asynchronous,
+        ``rollout`` came from the previous step's batch). Runs on: controller."""
         rollout = self.reward.score(rollout)
         if self.algorithm.dynamic_sampling:  # DAPO: only prompts whose samples disagree, more rounds if needed
             with self.timer("dynamic_sampling", metrics):

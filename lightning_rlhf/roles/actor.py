@@ -68,6 +68,12 @@ class ActorRole(Role):
     @property
     def rollout_engine(self) -> RolloutEngine:
         """The colocated rollout engine (attached by the strategy at set-up)."""
+        if self._rollout_engine is None and not self.needs_rollout_engine:
+            raise RuntimeError(
+                "ActorRole has no rollout engine: generation runs on the placement's 'rollout' pool (or this module "
+                "never generates). HINT: call `self.generate_rollout(batch, ...)` in the dataflow, not "
+                "`self.actor.generate`."
+            )
         if self._rollout_engine is None:
             raise RuntimeError("ActorRole has no rollout engine yet: the strategy attaches one in setup().")
         return self._rollout_engine

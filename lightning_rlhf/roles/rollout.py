@@ -62,7 +62,7 @@ class RolloutRole(Role):
             self.model = model  # held until the engine copies it (not via set_model: no training engine here)
 
     def rollout_engine_request(self) -> RolloutEngineRequest:
-        """The actor's path, tokenizer and sampling settings."""
+        """The actor's path, tokenizer and sampling settings. Runs on: every process, at set-up."""
         return RolloutEngineRequest(self.path, self.tokenizer, self.rollout)
 
     def attach_engine(self, engine: RolloutEngine) -> None:
@@ -72,14 +72,14 @@ class RolloutRole(Role):
         self.model = None
 
     def shard(self, mesh: DeviceMesh, *, param_dtype: torch.dtype | None) -> None:
-        """Nothing to shard: each rank holds a whole engine."""
+        """Nothing to shard: each rank holds a whole engine. Runs on: the ranks of the pool, at set-up."""
 
     def materialize(self, device: torch.device) -> None:
-        """Nothing to load: the weights come from the actor."""
+        """Nothing to load: the weights come from the actor. Runs on: the ranks of the pool, at set-up."""
 
     @property
     def engine(self) -> RolloutEngine:
-        """The rollout engine (after set-up)."""
+        """The rollout engine (after set-up). Runs on: the ranks of the pool."""
         if self._engine is None:
             raise RuntimeError("RolloutRole has no engine yet: the strategy attaches one in setup().")
         return self._engine
@@ -101,7 +101,7 @@ class RolloutRole(Role):
 
     @property
     def engine_device(self) -> torch.device:
-        """Where the engine computes."""
+        """Where the engine computes. Runs on: the ranks of the pool."""
         return torch.device(getattr(self.engine, "device", "cpu"))
 
     @role_method(Dispatch.DP_SPLIT)

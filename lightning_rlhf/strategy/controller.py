@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_rlhf.batch import Batch
@@ -196,6 +197,7 @@ class Controller:
             self._check_background_read()
         except BaseException as err:
             self._in_flight.clear()
+            self._drop_background()
             if isinstance(err, RankDiedError):  # the control plane is broken: no abort can reach every rank
                 raise
             if self.world_size > 1 and not isinstance(err, WorkerError):
@@ -367,6 +369,7 @@ class Controller:
                     replay_log(name, value, kw)
                 return
             if isinstance(msg, _Abort):
+                self._drop_background()
                 raise ControllerError(
                     f"rank {self.rank}: the controller's step failed ({msg.message}); it raises the error."
                 )
@@ -387,6 +390,8 @@ class Controller:
                 thread, box = self._threads.pop(call.token)
                 thread.join()
                 result, took = box[0]
+                if isinstance(result, _Failure):  # posted now, not when it failed: until the join nobody waits on it
+                    self._post_error(f"rank {self.rank} failed in `{result.where}`:\n{result.traceback}", result)
                 results.append((call.index, result, took))
             elif call.token is not None:
                 self._start_thread(call)
@@ -400,14 +405,27 @@ class Controller:
                 break
         return results
 
+    def _drop_background(self, wait_s: float = 30.0) -> None:
+        """After a failed step: wait (a bounded time) for this rank's background parts and forget them, so that a
+        later step does not find a thread still using a role. Runs on: any rank."""
+        deadline = time.monotonic() + wait_s
+        for thread, _ in self._threads.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads.clear()
+
     def _start_thread(self, call: _Call) -> None:
         """Run a background part in a thread of this process; its result waits in a box for the join."""
         box: list[tuple[Any, float]] = []
+        grad = torch.is_grad_enabled()  # per thread in torch, as the current CUDA device is: carry both over
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
         def run() -> None:
             started = time.perf_counter()
+            if device is not None:
+                torch.cuda.set_device(device)
             try:
-                result = self._execute(call, background=True)
+                with torch.set_grad_enabled(grad):
+                    result = self._execute(call, background=True)
             except BaseException as err:  # e.g. a dead peer: the join reports it like a failed call
                 where = f"{call.role}.{call.method}"
                 result = _Failure(self.rank, where, "".join(traceback.format_exception(err)))
@@ -431,7 +449,8 @@ class Controller:
             if died is not None:  # a collective failed because a peer died: not this role's fault
                 raise died from err
             tb = traceback.format_exc()
-            self._post_error(f"rank {self.rank} failed in `{where}`:\n{tb}", _Failure(self.rank, where, tb))
+            if not background:  # a background call's failure is posted when it is joined (see `_execute_all`)
+                self._post_error(f"rank {self.rank} failed in `{where}`:\n{tb}", _Failure(self.rank, where, tb))
             return _Failure(self.rank, where, tb)
         finally:
             if not background:

@@ -289,8 +289,7 @@ class RLHFStrategy(ModelParallelStrategy):
         from torch.distributed.device_mesh import DeviceMesh
 
         spec = self.placement
-        if isinstance(spec, Mapping):
-            module.prepare_roles(list(spec))  # e.g. a generation-only role the placement gives a pool of its own
+        module.prepare_roles(list(spec) if isinstance(spec, Mapping) else [])  # e.g. a generation-only pool's role
         roles = module.roles()
         if spec == "auto":
             from lightning_rlhf.auto_placement import auto_placement

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +176,41 @@ def test_a_background_call_overlaps_the_controllers_own_work() -> None:
         future.result()
     assert time.perf_counter() - started < 0.9
     assert future.seconds >= 0.45
+
+
+def test_the_pending_rollout_survives_a_weights_only_checkpoint(demo_model: str, tmp_path: Path) -> None:
+    """The rollout an asynchronous run generated for its next step goes into the checkpoint, dataset columns of any
+    picklable type included (the metadata file is read with ``weights_only=True``)."""
+    import numpy as np
+
+    from lightning_rlhf import GRPOModule
+    from lightning_rlhf.demo.task import addition_reward
+
+    def module() -> GRPOModule:
+        m = GRPOModule(demo_model, reward=addition_reward, algorithm=AlgorithmConfig(kl_coef=0.0, max_staleness=1))
+        m.prepare_roles(["actor", "reward", "rollout"])
+        return m
+
+    saved = module()
+    assert saved.asynchronous and saved.rollout_role is not None and not saved.actor.needs_rollout_engine
+    saved._pending_rollout = Batch(
+        {"responses": torch.arange(6).view(2, 3), "weight_version": torch.tensor([4, 4])},
+        {"answer": [np.int64(3), np.str_("7")], "prompt": ["1+2=", "3+4="]},
+        {"step": 5},
+    )
+    checkpoint: dict = {}
+    saved.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "meta.pt")
+    restored = module()
+    restored.on_load_checkpoint(torch.load(tmp_path / "meta.pt", weights_only=True))
+    pending = restored._pending_rollout
+    assert pending is not None
+    assert pending["responses"].tolist() == [[0, 1, 2], [3, 4, 5]] and pending["weight_version"].tolist() == [4, 4]
+    assert pending["answer"] == [3, "7"] and pending["prompt"] == ["1+2=", "3+4="] and pending.meta == {"step": 5}
+
+    synchronous = GRPOModule(demo_model, reward=addition_reward, algorithm=AlgorithmConfig(kl_coef=0.0))
+    with pytest.warns(UserWarning, match="this run is synchronous: that rollout is dropped"):
+        synchronous.on_load_checkpoint(torch.load(tmp_path / "meta.pt", weights_only=True))
+    assert synchronous._pending_rollout is None
+    saved.prepare_roles(["actor", "reward"])  # a later fit without the pool: the actor generates again
+    assert saved.rollout_role is None and saved.actor.needs_rollout_engine

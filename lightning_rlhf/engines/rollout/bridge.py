@@ -73,6 +73,7 @@ def _bucket_plan(specs: Iterable[tuple[str, tuple[int, ...]]], itemsize: int, bu
 
 
 def _broadcast_header(bridge: WeightBridge, header: WeightHeader | None) -> WeightHeader:
+    """The source's header on every member of the bridge (``header`` is the source's; None elsewhere)."""
     box = [header]
     dist.broadcast_object_list(box, src=bridge.src, group=bridge.group)
     assert isinstance(box[0], WeightHeader)
