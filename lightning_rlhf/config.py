@@ -270,6 +270,10 @@ class AlgorithmConfig:
     ``"auto"``: ``"token"`` when ``max_staleness >= 1``, else none."""
     rollout_is_cap: float = 2.0
     """The truncation ``C`` of ``rollout_is`` weights (> 1)."""
+    shared_prefix: bool = True
+    """The actor's and the reference's forwards compute each group's prompt once for its ``n`` samples
+    (Llama-family models; rows that are not in whole groups fall back to one row at a time): the same log-probs up to
+    float rounding, less work the longer the prompts. False: every row runs its own prompt."""
 
     def __post_init__(self) -> None:
         from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES

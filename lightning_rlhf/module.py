@@ -152,7 +152,13 @@ class RLHFModule(L.LightningModule):
             else None
         )
         self.reference: ReferenceRole | None = (
-            ReferenceRole(ref_path, temperature=self.rollout_config.temperature, micro_batch_size=micro, dtype=frozen)
+            ReferenceRole(
+                ref_path,
+                temperature=self.rollout_config.temperature,
+                micro_batch_size=micro,
+                dtype=frozen,
+                shared_prefix=self.algorithm.shared_prefix,
+            )
             if ref_path
             else None
         )

@@ -51,8 +51,12 @@ OUR_CONFIGS: dict[str, tuple[str, int]] = {
     "vllm1": ("vllm", 1),
     "hf2": ("hf", 2),
     "vllm2": ("vllm", 2),
+    "hf2np": ("hf", 2),
 }
 """Our configurations: name -> (rollout engine, processes)."""
+OUR_EXTRA_ARGS: dict[str, list[str]] = {"hf2np": ["--no-shared-prefix"]}
+"""Configurations that differ by a setting: ``hf2np`` is ``hf2`` with every row computing its own prompt (the A/B of
+the shared-prefix forward)."""
 BACKGROUND_LIMIT = 0.3
 """Cores of background load above which a run is repeated once (the quieter of the two is kept)."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -247,6 +251,7 @@ def one_run(
     else:
         rollout, devices = OUR_CONFIGS[config]
         cmd = [sys.executable, os.path.join(HERE, "run_ours.py"), "--rollout", rollout, "--devices", str(devices)]
+        cmd += OUR_EXTRA_ARGS.get(config, [])
         threads = max(1, cores // devices)
     cmd += ["--model-dir", model_dir, "--steps", str(args.steps), "--prompts", str(prompts), "--beta", beta]
     if precision == "bf16":
@@ -428,6 +433,7 @@ def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[
     result: dict[str, Any] = {}
     combos = sorted({k[:3] for k in table}, key=lambda c: (list(W.MODELS).index(c[0]), c[1], c[2]))
     names = {"trl": "TRL 1.16", **{c: f"ours {d}p {r}" for c, (r, d) in OUR_CONFIGS.items()}}
+    names["hf2np"] += " (no shared prefix)"
     for model, precision, ref in combos:
         trl = table.get((model, precision, ref, "trl"), {})
         ours = {c: table[(model, precision, ref, c)] for c in OUR_CONFIGS if (model, precision, ref, c) in table}
@@ -476,7 +482,7 @@ def main() -> None:
     p.add_argument("--models", default="tiny,small", help="comma-separated, of: " + ",".join(W.MODELS))
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of: fp32,bf16")
     p.add_argument("--ref", default="no,yes", help="without (no) and/or with (yes) the KL reference")
-    p.add_argument("--configs", default=",".join(OUR_CONFIGS), help="our configurations: " + ",".join(OUR_CONFIGS))
+    p.add_argument("--configs", default="hf1,vllm1,hf2,vllm2", help="our configurations: " + ",".join(OUR_CONFIGS))
     p.add_argument(
         "--attn", default=None, help="attention kernel for both sides (transformers attn_implementation, e.g. eager)"
     )

@@ -69,6 +69,9 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL coefficient to the frozen reference (0: none)")
     p.add_argument("--attn", default=None, help="transformers attn_implementation (None: the model's default)")
     p.add_argument("--out", required=True, help="JSON file to write (rank 0)")
+    p.add_argument(
+        "--no-shared-prefix", action="store_true", help="AlgorithmConfig(shared_prefix=False): every row its own prompt"
+    )
     args = p.parse_args()
     cores = os.cpu_count() or 1
     W.set_threads(max(1, cores // args.devices))
@@ -112,6 +115,7 @@ def main() -> None:
             loss_agg="token-mean",
             micro_batch_size=W.MICRO_BATCH,
             adv_eps=W.ADV_EPS,
+            shared_prefix=not args.no_shared_prefix,
         ),
         actor_optim=OptimConfig(lr=W.LR, warmup_steps=0, schedule="linear", grad_clip=W.GRAD_CLIP),
         reward_config=RewardConfig(timeout_s=None),

@@ -223,8 +223,12 @@ class ActorRole(Role):
         Runs on: every worker rank (FSDP forward, micro-batched).
         """
         temperature = self.logprob_temperature
+        group = self._group_size(batch)
         out = self.train_engine.infer(
-            batch, lambda model, micro: forward_response(model, micro, output="logprobs", temperature=temperature)
+            batch,
+            lambda model, micro: forward_response(
+                model, micro, output="logprobs", temperature=temperature, group_size=group
+            ),
         )
         batch["old_logprobs"] = out["logprobs"]
         return batch
@@ -272,6 +276,10 @@ class ActorRole(Role):
         extra = {f"training/{k}": v for k, v in (staleness or {}).items()}
         return acc.result("actor") | diffs.result("training") | extra
 
+    def _group_size(self, batch: Batch) -> int:
+        """Samples per prompt in ``batch`` for the shared-prefix forward (1: off, or not a grouped rollout)."""
+        return int(batch.meta.get("group_size", 1)) if self.algorithm.shared_prefix else 1
+
     def _staleness(self, batch: Batch) -> dict[str, float] | None:
         """How many updates old this rank's samples are (``weight_version`` from a generation-only pool), checked
         against ``AlgorithmConfig.max_staleness``; None when the samples carry no version (the colocated engine)."""
@@ -301,6 +309,7 @@ class ActorRole(Role):
             temperature=self.logprob_temperature,
             with_entropy=True,
             entropy_grad=algo.entropy_coef != 0,  # at 0 the entropy is only reported: no backward through it
+            group_size=self._group_size(micro),
         )
         mask = _loss_mask(micro).to(device)
         old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else out["logprobs"].detach()
@@ -464,6 +473,7 @@ def sample_rollout(
             lp[i, : len(row)] = torch.tensor(row)
         rollout["rollout_logprobs"] = lp
     rollout.meta["gen_s"] = gen_s
+    rollout.meta["group_size"] = n  # consecutive rows share a prompt: training forwards may compute it once
     return rollout
 
 

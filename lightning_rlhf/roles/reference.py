@@ -22,16 +22,24 @@ class ReferenceRole(Role):
             policy's, for greedy rollouts at temperature 0).
         micro_batch_size: samples per forward on one rank.
         dtype: the dtype its weights are held and computed in (float32, or bfloat16 to halve its memory).
+        shared_prefix: compute each group's prompt once (``AlgorithmConfig.shared_prefix``).
     """
 
     name = "reference"
 
     def __init__(
-        self, path: str, *, temperature: float, micro_batch_size: int, dtype: torch.dtype = torch.float32
+        self,
+        path: str,
+        *,
+        temperature: float,
+        micro_batch_size: int,
+        dtype: torch.dtype = torch.float32,
+        shared_prefix: bool = True,
     ) -> None:
         super().__init__(micro_batch_size=micro_batch_size, dtype=dtype, setting="ReferenceRole(path=...)")
         self.path = path
         self.temperature = logprob_temperature(temperature)
+        self.shared_prefix = shared_prefix
 
     def load(self) -> None:
         """Load the frozen model in ``dtype``. Runs on: every process."""
@@ -45,8 +53,12 @@ class ReferenceRole(Role):
     def log_prob(self, batch: Batch) -> Batch:
         """Reference log-probs of the responses, as ``ref_logprobs`` ``[B, R]``. Runs on: every worker rank."""
         temperature = self.temperature
+        group = int(batch.meta.get("group_size", 1)) if self.shared_prefix else 1
         out = self.train_engine.infer(
-            batch, lambda model, micro: forward_response(model, micro, output="logprobs", temperature=temperature)
+            batch,
+            lambda model, micro: forward_response(
+                model, micro, output="logprobs", temperature=temperature, group_size=group
+            ),
         )
         batch["ref_logprobs"] = out["logprobs"]
         return batch

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from lightning_rlhf.algorithms.functional import CHUNK_ELEMENTS, logprobs_and_entropy
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.engines.train.prefix import packed_response_logits, shares_prompts
 
 __all__ = ["forward_response", "sequence_inputs"]
 
@@ -39,6 +40,7 @@ def forward_response(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_elements: int = CHUNK_ELEMENTS,
+    group_size: int = 1,
 ) -> dict[str, Tensor]:
     """Run ``model`` on the batch and return outputs aligned with ``responses`` (``[B, R]`` each).
 
@@ -58,6 +60,9 @@ def forward_response(
         entropy_grad: whether that entropy is differentiable; pass False when the loss does not use it
             (``entropy_coef == 0``): it is then a reported number and the backward skips its term.
         chunk_elements: logits handled at once by the log-prob/entropy blocks (memory/speed only).
+        group_size: rows come in consecutive groups of this many samples of one prompt (a rollout's ``n``): when
+            they do (checked) and the model is Llama-family, each group's prompt is computed once
+            (:mod:`~lightning_rlhf.engines.train.prefix`; the same log-probs up to float rounding). 1: per row.
     """
     device = next(model.parameters()).device
     input_ids, attention_mask, position_ids = sequence_inputs(batch, device)
@@ -73,15 +78,18 @@ def forward_response(
             "forward_response: batch['prompts'] has 0 columns, so no position predicts the first response token. "
             "HINT: every row needs at least one prompt token (e.g. BOS)."
         )
-    # Position p predicts token p + 1: the response tokens are predicted by positions P - 1 .. P + R - 2.
-    keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=device)
-    logits = model(  # use_cache=False: a scoring forward must not build a KV cache (transformers' default does)
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=keep,
-        use_cache=False,
-    ).logits
+    if shares_prompts(model, batch, group_size):
+        logits = packed_response_logits(model, batch, group_size, device)
+    else:
+        # Position p predicts token p + 1: the response tokens are predicted by positions P - 1 .. P + R - 2.
+        keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=device)
+        logits = model(  # use_cache=False: a scoring forward must not build a KV cache (transformers' default does)
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=keep,
+            use_cache=False,
+        ).logits
     if logits.shape[:2] != (input_ids.shape[0], resp_len):
         raise RuntimeError(
             f"forward_response: {type(model).__name__} returned logits {tuple(logits.shape)} for {resp_len} kept "
