@@ -53,7 +53,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="the model's dtype: float32 or bfloat16")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=args.attn, dtype=getattr(torch, args.dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, attn_implementation=args.attn, dtype=getattr(torch, args.dtype)
+    )
     batch = make_batch(model.config.vocab_size, args.groups, args.n, args.prompt_len, args.response_len)
     mask = batch["response_mask"].bool()
 
