@@ -190,6 +190,17 @@ class _Recorder:
 
 
 @contextlib.contextmanager
+def _recording() -> Iterator[_Recorder]:
+    """Collect the role calls made inside the block (on this thread) in a :class:`_Recorder`."""
+    recorder = _Recorder(current_controller())
+    _STACKS.recorders.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _STACKS.recorders.pop()
+
+
+@contextlib.contextmanager
 def concurrently() -> Iterator[None]:
     """Run the role calls made inside the block together; each returns a :class:`RoleFuture`.
 
@@ -204,12 +215,8 @@ def concurrently() -> Iterator[None]:
             old = self.actor.log_prob(rollout)       # pool {0, 1}: at the same time as the two above
         rollout = rollout.update(ref.result()).update(values.result()).update(old.result())
     """
-    recorder = _Recorder(current_controller())
-    _STACKS.recorders.append(recorder)
-    try:
+    with _recording() as recorder:
         yield
-    finally:
-        _STACKS.recorders.pop()
     if recorder.calls:
         assert recorder.controller is not None
         results = recorder.controller.call_many(recorder.calls)
@@ -235,12 +242,8 @@ def in_background() -> Iterator[None]:
         metrics = self.actor.update(rollout)              # ... while the actor's pool trains on this one
         rollout = next_rollout.result()
     """
-    recorder = _Recorder(current_controller())
-    _STACKS.recorders.append(recorder)
-    try:
+    with _recording() as recorder:
         yield
-    finally:
-        _STACKS.recorders.pop()
     if recorder.calls:
         controller = cast(_Background, recorder.controller)
         for future, handle in zip(recorder.futures, controller.start_many(recorder.calls), strict=True):
