@@ -346,12 +346,9 @@ class RLHFModule(L.LightningModule):
         if rollout is None:
             return {}
         with self.concurrently():
-            calls = {
-                "update_weights": self.actor.send_weights(lag=lag, max_staleness=max_staleness),
-                "receive_weights": rollout.receive_weights(),
-            }
-        _, merged = self.collect(Batch(), calls, {})
-        return merged
+            sent = cast(RoleFuture, self.actor.send_weights(lag=lag, max_staleness=max_staleness))
+            received = cast(RoleFuture, rollout.receive_weights())
+        return sent.result() | received.result()
 
     def generate_rollout(self, batch: Batch, **kwargs: Any) -> Batch:
         """Sample ``batch`` with the current weights: on the actor's colocated engine, or on the rollout pool after
@@ -397,10 +394,7 @@ class RLHFModule(L.LightningModule):
             return
         rollout_role = self.rollout_role
         assert rollout_role is not None
-        handoff = self.sync_rollout_weights(lag=1, max_staleness=self.algorithm.max_staleness)
-        metrics |= {k: v for k, v in handoff.items() if k.startswith("perf/")}
-        metrics["timing_s/update_weights"] = handoff["timing_s/update_weights"]
-        metrics["rollout/weight_version"] = handoff["rollout/weight_version"]
+        metrics |= self.sync_rollout_weights(lag=1, max_staleness=self.algorithm.max_staleness)
         with in_background():
             future = rollout_role.generate(batch)
         yield self._pending_rollout  # kept until trained on: a step that fails here leaves it for a checkpoint

@@ -348,7 +348,7 @@ class RLHFStrategy(ModelParallelStrategy):
                 )
             members = sorted({senders[0], *receivers})
             group = dist.new_group(members, backend="gloo" if self.root_device.type == "cpu" else None)
-            bridge = WeightBridge(group=group, src=senders[0], receivers=receivers)
+            bridge = WeightBridge(group=group, src=senders[0])
             if self.global_rank in receivers:
                 role.weight_bridge = bridge  # type: ignore[assignment]
             if self.global_rank in senders:

@@ -40,7 +40,6 @@ class WeightBridge:
 
     group: Any
     src: int
-    receivers: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
