@@ -275,6 +275,13 @@ class AlgorithmConfig:
     (Llama-family models; rows that are not in whole groups fall back to one row at a time): the same log-probs up to
     float rounding, less work the longer the prompts. False: every row runs its own prompt."""
 
+    skip_zero_advantage: bool = True
+    """The actor's update leaves out the samples whose advantages are all 0 (a GRPO group whose samples all got
+    the same score), when nothing else in the loss depends on them: a built-in policy loss, ``entropy_coef=0`` and
+    no KL in the loss. Their gradient is exactly 0, and they still count in the loss's normalisation, so the update
+    is the same up to float rounding, with less work. Per-token metrics (``actor/pg_clipfrac``, ...) then average
+    over the trained samples only; ``actor/skipped_rows`` is the fraction left out. False: every sample is trained."""
+
     def __post_init__(self) -> None:
         from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 

@@ -51,6 +51,10 @@ BALANCE_KEY = "dp_split_by_tokens"
 """``Batch.meta`` flag set by :func:`role_method` on the batch of a ``DP_SPLIT`` call to a role whose
 ``balances_ranks`` is true (a token budget for its micro-batches): :func:`split_args` then balances the rows over
 ranks by tokens instead of cutting contiguous chunks."""
+COSTS_KEY = "dp_split_costs"
+"""``Batch.meta`` entry set by :func:`role_method` on the batch of a ``DP_SPLIT`` call when the role's
+``split_costs(method, batch)`` gives one cost per row: :func:`split_args` then balances the rows over ranks by those
+costs (whole groups of ``meta["group_size"]`` rows at a time when they divide evenly), before any token balance."""
 ROWS_KEY = "dp_split_rows"
 """``Batch.meta`` entry of each rank's part of a balanced split: the part's row indices in the caller's batch, which
 :func:`merge_results` uses to put the results back in the caller's order."""
@@ -271,7 +275,15 @@ def role_method(dispatch: Dispatch) -> Callable[[F], F]:
             if controller is None:
                 return fn(self, *args, **kwargs) if recorder is None else recorder.add(self, fn, args, kwargs)
             if dispatch is Dispatch.DP_SPLIT and args and isinstance(args[0], Batch):
-                args = (_mark_balance(args[0], bool(getattr(self, "balances_ranks", False))), *args[1:])
+                costs = getattr(self, "split_costs", None)
+                args = (
+                    _mark_balance(
+                        args[0],
+                        bool(getattr(self, "balances_ranks", False)),
+                        costs(fn.__name__, args[0]) if costs is not None else None,
+                    ),
+                    *args[1:],
+                )
             if recorder is not None:
                 return recorder.add(self, fn, args, kwargs)
             return controller.call(self, fn.__name__, args, kwargs)
@@ -318,27 +330,52 @@ def split_args(
     return [((part, *args[1:]), kwargs) for part in _dp_parts(batch, world_size)]
 
 
-def _mark_balance(batch: Batch, balance: bool) -> Batch:
-    """``batch`` with ``meta[BALANCE_KEY] = balance`` (a shallow copy when that changes it)."""
-    if bool(batch.meta.get(BALANCE_KEY, False)) == balance:
+def _mark_balance(batch: Batch, balance: bool, costs: list[int] | None = None) -> Batch:
+    """``batch`` with ``meta[BALANCE_KEY] = balance`` and ``meta[COSTS_KEY] = costs`` (a shallow copy when that
+    changes it)."""
+    if bool(batch.meta.get(BALANCE_KEY, False)) == balance and batch.meta.get(COSTS_KEY) == costs:
         return batch
-    return Batch(batch.tensors, batch.columns, {**batch.meta, BALANCE_KEY: balance})
+    meta = {**batch.meta, BALANCE_KEY: balance}
+    if costs is None:
+        meta.pop(COSTS_KEY, None)
+    else:
+        meta[COSTS_KEY] = costs
+    return Batch(batch.tensors, batch.columns, meta)
 
 
 def _dp_parts(batch: Batch, world_size: int) -> list[Batch]:
-    """Each rank's part: contiguous equal chunks, or, for a rollout batch marked with :data:`BALANCE_KEY`, equal
-    row counts with balanced token sums (each part's rows in batch order, their indices in ``meta[ROWS_KEY]``)."""
+    """Each rank's part: contiguous equal chunks; or equal row counts balanced by the per-row costs of
+    ``meta[COSTS_KEY]`` (whole groups of ``meta["group_size"]`` rows when the groups split evenly over the ranks);
+    or, for a rollout batch marked with :data:`BALANCE_KEY`, balanced by tokens. A balanced part's rows are in batch
+    order, their indices in ``meta[ROWS_KEY]``."""
     masks = [batch.tensors.get(key) for key in ("prompt_mask", "response_mask")]
-    if world_size == 1 or not batch.meta.get(BALANCE_KEY) or any(m is None or m.dim() != 2 for m in masks):
+    costs = batch.meta.get(COSTS_KEY)
+    if world_size == 1:
         return batch.chunk(world_size)
-    lengths = sum(m.long().sum(dim=1) for m in masks if m is not None)
-    assert isinstance(lengths, torch.Tensor)
+    if costs is not None:
+        plan = _grouped_partition(list(costs), int(batch.meta.get("group_size", 1)), world_size)
+    elif batch.meta.get(BALANCE_KEY) and not any(m is None or m.dim() != 2 for m in masks):
+        lengths = sum(m.long().sum(dim=1) for m in masks if m is not None)
+        assert isinstance(lengths, torch.Tensor)
+        plan = balanced_partition(lengths.tolist(), world_size)
+    else:
+        return batch.chunk(world_size)
     parts = []
-    for rows in balanced_partition(lengths.tolist(), world_size):
+    for rows in plan:
         part = batch.select(rows)
         part.meta[ROWS_KEY] = rows
+        part.meta.pop(COSTS_KEY, None)
         parts.append(part)
     return parts
+
+
+def _grouped_partition(costs: list[int], group: int, parts: int) -> list[list[int]]:
+    """:func:`balanced_partition` of consecutive groups of ``group`` rows (one unit each, its rows' costs summed),
+    or of single rows when the groups do not split evenly over ``parts``."""
+    if group < 1 or len(costs) % (group * parts):
+        group = 1
+    units = [sum(costs[u : u + group]) for u in range(0, len(costs), group)]
+    return [[u * group + k for u in plan for k in range(group)] for plan in balanced_partition(units, parts)]
 
 
 def balanced_partition(lengths: Sequence[int] | Sequence[tuple[int, ...]], parts: int) -> list[list[int]]:

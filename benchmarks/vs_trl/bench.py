@@ -52,11 +52,13 @@ OUR_CONFIGS: dict[str, tuple[str, int]] = {
     "hf2": ("hf", 2),
     "vllm2": ("vllm", 2),
     "hf2np": ("hf", 2),
+    "hf2ns": ("hf", 2),
 }
 """Our configurations: name -> (rollout engine, processes)."""
-OUR_EXTRA_ARGS: dict[str, list[str]] = {"hf2np": ["--no-shared-prefix"]}
+OUR_EXTRA_ARGS: dict[str, list[str]] = {"hf2np": ["--no-shared-prefix"], "hf2ns": ["--no-skip-zero-advantage"]}
 """Configurations that differ by a setting: ``hf2np`` is ``hf2`` with every row computing its own prompt (the A/B of
-the shared-prefix forward)."""
+the shared-prefix forward); ``hf2ns`` is ``hf2`` training every sample, zero advantages included (the A/B of
+``AlgorithmConfig.skip_zero_advantage``)."""
 BACKGROUND_LIMIT = 0.3
 """Cores of background load above which a run is repeated once (the quieter of the two is kept)."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -434,6 +436,7 @@ def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[
     combos = sorted({k[:3] for k in table}, key=lambda c: (list(W.MODELS).index(c[0]), c[1], c[2]))
     names = {"trl": "TRL 1.16", **{c: f"ours {d}p {r}" for c, (r, d) in OUR_CONFIGS.items()}}
     names["hf2np"] += " (no shared prefix)"
+    names["hf2ns"] += " (no zero-adv skip)"
     for model, precision, ref in combos:
         trl = table.get((model, precision, ref, "trl"), {})
         ours = {c: table[(model, precision, ref, c)] for c in OUR_CONFIGS if (model, precision, ref, c) in table}

@@ -72,6 +72,11 @@ def main() -> None:
     p.add_argument(
         "--no-shared-prefix", action="store_true", help="AlgorithmConfig(shared_prefix=False): every row its own prompt"
     )
+    p.add_argument(
+        "--no-skip-zero-advantage",
+        action="store_true",
+        help="AlgorithmConfig(skip_zero_advantage=False): the update trains every sample, zero advantages included",
+    )
     args = p.parse_args()
     cores = os.cpu_count() or 1
     W.set_threads(max(1, cores // args.devices))
@@ -116,6 +121,7 @@ def main() -> None:
             micro_batch_size=W.MICRO_BATCH,
             adv_eps=W.ADV_EPS,
             shared_prefix=not args.no_shared_prefix,
+            skip_zero_advantage=not args.no_skip_zero_advantage,
         ),
         actor_optim=OptimConfig(lr=W.LR, warmup_steps=0, schedule="linear", grad_clip=W.GRAD_CLIP),
         reward_config=RewardConfig(timeout_s=None),

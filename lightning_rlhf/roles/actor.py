@@ -270,11 +270,43 @@ class ActorRole(Role):
             mini_batch_size=mini_size,
             epochs=algo.ppo_epochs,
             max_len=self.rollout.max_new_tokens,  # the constant of seq-mean-token-sum-norm (Dr.GRPO)
+            trainable=_advantage_rows if self._skips_zero_advantage(use_kl_loss) else None,
         )
         acc.add({"lr": torch.tensor(self.train_engine.step_scheduler())})
         self.mark_weights_changed()
         extra = {f"training/{k}": v for k, v in (staleness or {}).items()}
         return acc.result("actor") | diffs.result("training") | extra
+
+    def split_costs(self, method: str, batch: Batch) -> list[int] | None:
+        """Per-row costs by which the controller balances a ``DP_SPLIT`` call's rows over ranks (read by
+        :func:`~lightning_rlhf.dispatch.role_method`), or None for the usual split.
+
+        Runs on: the controller. For :meth:`update` when it skips zero-advantage samples and is one mini-batch: a
+        row's tokens if it trains, else 0. Every rank then trains about as many tokens (each rank still gets as
+        many rows, GRPO's groups kept whole), instead of one rank waiting for another that drew fewer zero groups.
+        """
+        algo = self.algorithm
+        one_mini_batch = algo.mini_batch_size is None or algo.mini_batch_size >= len(batch)
+        if method != "update" or "advantages" not in batch or not one_mini_batch:
+            return None
+        if not self._skips_zero_advantage(algo.kl_coef > 0 and not algo.kl_in_reward):
+            return None
+        tokens = batch["response_mask"].long().sum(dim=1)
+        if "prompt_mask" in batch:
+            tokens = tokens + batch["prompt_mask"].long().sum(dim=1)
+        return (tokens * _advantage_rows(batch)).tolist()
+
+    def _skips_zero_advantage(self, use_kl_loss: bool) -> bool:
+        """Whether a sample whose advantages are all 0 has a zero gradient (``AlgorithmConfig.skip_zero_advantage``):
+        the built-in policy losses are ``-A * (clipped ratio)`` per token, so with no entropy bonus and no KL in the
+        loss such a sample's loss is the constant 0."""
+        algo = self.algorithm
+        return (
+            algo.skip_zero_advantage
+            and algo.policy_loss in ZERO_AT_ZERO_ADVANTAGE
+            and algo.entropy_coef == 0
+            and not use_kl_loss
+        )
 
     def _group_size(self, batch: Batch) -> int:
         """Samples per prompt in ``batch`` for the shared-prefix forward (1: off, or not a grouped rollout)."""
@@ -515,6 +547,15 @@ def rollout_probs_diff(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor)
     if picked.numel() == 0:
         return {}
     return {"rollout_probs_diff_max": picked.max(), "rollout_probs_diff_mean": picked.mean()}
+
+
+ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "dual_clip", "gspo"})
+"""Registered policy losses whose loss, and so gradient, is 0 for a sample whose advantages are all 0."""
+
+
+def _advantage_rows(batch: Batch) -> Tensor:
+    """``[B]`` bool: rows with a nonzero advantage on a token that counts in the loss."""
+    return ((batch["advantages"] != 0) & _loss_mask(batch).bool()).any(dim=1)
 
 
 def _loss_mask(batch: Batch) -> Tensor:

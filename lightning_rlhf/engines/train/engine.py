@@ -234,7 +234,9 @@ class TrainEngine:
         """Whether the role's ``DP_SPLIT`` rollout batches are split over ranks by tokens (the token budget is on)."""
         return self._micro_batch_tokens is not None
 
-    def micro_batches(self, batch: Batch, *, trim_responses: bool = True) -> list[tuple[list[int] | None, Batch]]:
+    def micro_batches(
+        self, batch: Batch, *, trim_responses: bool = True, equalize: bool = True
+    ) -> list[tuple[list[int] | None, Batch]]:
         """``(rows, micro-batch)`` pairs covering ``batch``.
 
         Runs on: every worker rank, each on its own rows (with several ranks, one all-reduce of the plan's length).
@@ -246,14 +248,15 @@ class TrainEngine:
         :func:`~lightning_rlhf.engines.train.microbatch.split_to_count` until every rank has as many micro-batches
         as the rank with the most (each forward is an FSDP collective), and each micro-batch is
         :func:`~lightning_rlhf.engines.train.microbatch.trim_padding`-ed (its response side too unless
-        ``trim_responses`` is False).
+        ``trim_responses`` is False). ``equalize=False`` leaves the plan as this rank's rows give it (no collective:
+        the caller evens the counts out).
         """
         if self._micro_batch_tokens is None or not has_rollout_layout(batch):
             return [(None, micro) for micro in batch.split(self.micro_batch_size)]
         width_r = batch["response_mask"].shape[1]
         lengths = [(max(1, p), max(1, r) if trim_responses else width_r) for p, r in row_spans(batch)]
         plan = plan_micro_batches(lengths, max_rows=self.micro_batch_size, max_tokens=self._micro_batch_tokens)
-        if world()[1] > 1:
+        if world()[1] > 1 and equalize:
             plan = split_to_count(plan, lengths, _max_over_ranks(len(plan)))
         return [(rows, trim_padding(batch.select(rows), responses=trim_responses)) for rows in plan]
 
@@ -390,6 +393,7 @@ class TrainEngine:
         mini_batch_size: int | None = None,
         epochs: int = 1,
         max_len: int | None = None,
+        trainable: Callable[[Batch], Tensor] | None = None,
     ) -> MetricAccumulator:
         """Epochs x mini-batches x micro-batches of forward-backward, one clipped optimizer step per mini-batch.
 
@@ -406,6 +410,12 @@ class TrainEngine:
             mini_batch_size: rows per optimizer step over all ranks; None: the whole batch (one step per epoch).
             epochs: passes over the batch.
             max_len: the constant length of ``"seq-mean-token-sum-norm"``.
+            trainable: per row of a mini-batch, whether its loss can have a nonzero gradient (``[B]`` bool). Rows
+                it rules out are left out of the forwards and backwards but still count in the aggregation (the
+                global token count, each micro-batch's share of the mini-batch's rows), so the gradient is the one
+                of the whole mini-batch up to float rounding. The caller must know the loss of such a row is
+                constant (e.g. a policy loss whose advantages are all 0, with no KL or entropy term). Reported as
+                ``skipped_rows`` (the fraction of this rank's rows left out).
 
         With ``micro_batch_tokens`` set, each mini-batch goes in the trimmed micro-batches of :meth:`micro_batches`
         (unequal row counts: each is weighted by its share of the mini-batch's rows, which keeps the per-sequence
@@ -423,14 +433,45 @@ class TrainEngine:
         self.model.train()
         for mini in minibatches(batch, mini_batch_size=mini_size, epochs=epochs):
             num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
-            for _, micro in self.micro_batches(mini, trim_responses=trim_responses):
+            plan, skipped = self._training_micro_batches(mini, trainable, trim_responses)
+            for micro, real in plan:
                 agg = MicroBatchAggregation(aggregation, num_tokens, len(micro) / len(mini), max_len)
                 loss, metrics = loss_fn(micro, agg)
-                (loss * agg.scale).backward()
-                acc.add(metrics)
+                # A stand-in micro-batch (see _training_micro_batches) only keeps the FSDP collectives in step.
+                (loss * (agg.scale if real else 0.0)).backward()
+                if real:
+                    acc.add(metrics)
+            if not plan:  # no rank had a row to train: the optimizer still steps, on zero gradients
+                for p in self.model.parameters():
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
+            if trainable is not None:
+                acc.add({"skipped_rows": torch.tensor(skipped / max(len(mini), 1))})
             grad_norm, stepped = self.step()
             acc.add({"grad_norm": grad_norm, "update_skipped": torch.tensor(float(not stepped))})
         return acc
+
+    def _training_micro_batches(
+        self, mini: Batch, trainable: Callable[[Batch], Tensor] | None, trim_responses: bool
+    ) -> tuple[list[tuple[Batch, bool]], int]:
+        """``([(micro-batch, real)], rows left out)`` for one mini-batch of :meth:`train`.
+
+        Runs on: every worker rank (with several ranks, one all-reduce of a count). Without ``trainable``:
+        :meth:`micro_batches` of the whole mini-batch, all real. With it, the micro-batches of the rows it keeps.
+        Every rank must run as many forwards and backwards as the others (each is an FSDP collective), so a rank
+        with fewer micro-batches than the longest plan repeats its mini-batch's first row as a stand-in
+        (``real=False``: its loss is multiplied by 0). When no rank keeps a row, the plan is empty on every rank.
+        """
+        if trainable is None:
+            return [(micro, True) for _, micro in self.micro_batches(mini, trim_responses=trim_responses)], 0
+        keep = trainable(mini).reshape(-1).nonzero().flatten().tolist()
+        rows = mini if len(keep) == len(mini) else mini.select(keep)
+        plan = []
+        if keep:
+            plan = [(m, True) for _, m in self.micro_batches(rows, trim_responses=trim_responses, equalize=False)]
+        count = _max_over_ranks(len(plan)) if world()[1] > 1 else len(plan)
+        plan += [(mini.select([0]), False)] * (count - len(plan))
+        return plan, len(mini) - len(keep)
 
     # --------------------------------------------------------------------------------------- optimizer
     def configure_optimizer(

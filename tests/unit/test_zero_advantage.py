@@ -1,0 +1,239 @@
+"""``AlgorithmConfig.skip_zero_advantage``: the actor's update leaves out samples whose advantages are all 0, and
+takes the same gradients as the update that trains every sample (one process, and two FSDP ranks over gloo)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+
+GROUP = 4
+
+
+def grouped_batch(groups: int, zero_groups: set[int], *, seed: int, vocab: int = 200) -> Batch:
+    """``groups`` x :data:`GROUP` samples (each group one prompt); the groups in ``zero_groups`` get advantage 0,
+    the others nonzero advantages that sum to 0 within the group (as GRPO's). Ragged responses."""
+    g = torch.Generator().manual_seed(seed)
+    rows = groups * GROUP
+    prompts = torch.randint(4, vocab, (groups, 5), generator=g).repeat_interleave(GROUP, 0)
+    resp_len = torch.randint(2, 9, (rows,), generator=g)
+    response_mask = (torch.arange(8)[None, :] < resp_len[:, None]).long()
+    scores = torch.randn(groups, GROUP, generator=g)
+    adv = scores - scores.mean(1, keepdim=True)
+    for k in zero_groups:
+        adv[k] = 0.0
+    batch = Batch(
+        {
+            "prompts": prompts,
+            "prompt_mask": torch.ones(rows, 5, dtype=torch.long),
+            "responses": torch.randint(4, vocab, (rows, 8), generator=g) * response_mask,
+            "response_mask": response_mask,
+            "advantages": adv.reshape(rows, 1) * response_mask,
+        }
+    )
+    batch.meta["group_size"] = GROUP
+    return batch
+
+
+def make_actor(path: str, *, skip: bool, micro_batch_tokens: int | None = None, **algo: Any) -> Any:
+    """An ActorRole on the tiny model with an optimizer whose step moves the weights visibly (weight decay too, so a
+    step on zero gradients is not a no-op). Runs on: this process (sharded when a process group is up)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoTokenizer
+
+    from lightning_rlhf.roles import ActorRole
+
+    actor = ActorRole(
+        path,
+        tokenizer=AutoTokenizer.from_pretrained(path),
+        rollout=RolloutConfig(n=GROUP, max_new_tokens=8),
+        algorithm=AlgorithmConfig(
+            micro_batch_size=3, micro_batch_tokens=micro_batch_tokens, skip_zero_advantage=skip, **algo
+        ),
+        optim=OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.0),
+    )
+    actor.load()
+    if dist.is_initialized():
+        actor.train_engine.shard(init_device_mesh("cpu", (dist.get_world_size(),)), param_dtype=None)
+        actor.train_engine.materialize(torch.device("cpu"))
+    actor.configure_optimizer(total_steps=10)
+    return actor
+
+
+def record_gradients(actor: Any) -> list[dict[str, Tensor]]:
+    """Make the actor's engine keep the full gradients of each optimizer step (gathered when sharded: a
+    collective), taken before the step; returns the list they are appended to."""
+    engine, steps = actor.train_engine, []
+    step = engine.step
+
+    def recording() -> Any:
+        grads = {}
+        for name, p in engine.model.named_parameters():
+            g = p.grad
+            grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        steps.append(grads)
+        return step()
+
+    engine.step = recording
+    return steps
+
+
+def assert_same_gradients(got: list[dict[str, Tensor]], ref: list[dict[str, Tensor]]) -> None:
+    """Gradients agree up to float rounding (Adam would turn rounding noise in near-zero gradients into weight
+    differences of about lr, so the weights are not the thing to compare)."""
+    assert len(got) == len(ref) == 1
+    largest = max(float(g.abs().max()) for g in ref[0].values())
+    assert largest > 1e-4  # a real gradient, so agreement means something
+    for k, g in ref[0].items():
+        torch.testing.assert_close(got[0][k], g, rtol=1e-5, atol=1e-6 * largest)
+
+
+def weights(actor: Any) -> dict[str, Tensor]:
+    """Full parameters (gathered when sharded: a collective)."""
+    out = {}
+    for name, p in actor.model.named_parameters():
+        data = p.data
+        out[name] = (data.full_tensor() if hasattr(data, "full_tensor") else data).detach().clone()
+    return out
+
+
+def assert_same_weights(got: dict[str, Tensor], ref: dict[str, Tensor], before: dict[str, Tensor]) -> None:
+    moved = max(float((ref[k] - before[k]).abs().max()) for k in ref)
+    assert moved > 1e-5  # the update changed the weights, so agreement means something
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [None, 30])
+def test_the_update_skips_zero_advantage_samples_and_takes_the_same_gradients(
+    tiny_model: str, micro_batch_tokens: int | None
+) -> None:
+    batch = grouped_batch(4, {1, 2}, seed=0)
+    calls: dict[bool, list[int]] = {}
+    results = {}
+    for skip in (False, True):
+        actor = make_actor(tiny_model, skip=skip, micro_batch_tokens=micro_batch_tokens)
+        seen: list[int] = []
+        forward = actor._policy_loss
+
+        def counting(micro: Batch, *args: Any, _seen: list[int] = seen, _f: Any = forward) -> Any:
+            _seen.append(len(micro))
+            return _f(micro, *args)
+
+        actor._policy_loss = counting
+        grads = record_gradients(actor)
+        metrics = actor.update(batch)
+        calls[skip] = seen
+        results[skip] = (grads, metrics)
+    assert sum(calls[False]) == 16 and sum(calls[True]) == 8  # two of four groups carry no gradient
+    assert results[True][1]["actor/skipped_rows"] == pytest.approx(0.5)
+    assert "actor/skipped_rows" not in results[False][1]
+    assert_same_gradients(results[True][0], results[False][0])
+
+
+def test_a_batch_with_no_gradient_still_takes_the_optimizer_step(tiny_model: str) -> None:
+    """Every sample skipped: AdamW still steps on zero gradients (weight decay moves the weights), as without."""
+    batch = grouped_batch(2, {0, 1}, seed=1)
+    out = {}
+    for skip in (False, True):
+        actor = make_actor(tiny_model, skip=skip)
+        before = weights(actor)
+        metrics = actor.update(batch)
+        out[skip] = weights(actor)
+    assert metrics["actor/skipped_rows"] == 1.0 and metrics["actor/grad_norm"] == 0.0
+    assert_same_weights(out[True], out[False], before)
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [{"entropy_coef": 0.01}, {"kl_coef": 0.1, "kl_in_reward": False}, {"skip_zero_advantage": False}],
+    ids=["entropy", "kl-loss", "off"],
+)
+def test_nothing_is_skipped_when_a_zero_advantage_sample_still_has_a_gradient(
+    tiny_model: str, algo: dict[str, Any]
+) -> None:
+    batch = grouped_batch(2, {0}, seed=2)
+    if "kl_coef" in algo:
+        batch["ref_logprobs"] = torch.full(batch["response_mask"].shape, -5.0)
+    skip = algo.pop("skip_zero_advantage", True)
+    actor = make_actor(tiny_model, skip=skip, **algo)
+    metrics = actor.update(batch)
+    assert "actor/skipped_rows" not in metrics
+
+
+def _two_ranks(rank: int, world: int, init: str, path: str, out: str, zero: list[list[int]]) -> None:
+    """One rank: the update with and without skipping on this rank's batch; rank 0 saves the weights."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        batch = grouped_batch(3, set(zero[rank]), seed=10 + rank)
+        saved: dict[str, Any] = {}
+        for skip in (False, True):
+            actor = make_actor(path, skip=skip)
+            saved["before"] = weights(actor)
+            grads = record_gradients(actor)
+            metrics = actor.update(batch)
+            saved[str(skip)] = weights(actor)
+            saved[f"grads{skip}"] = grads
+            saved[f"metrics{skip}"] = metrics
+        torch.save(saved, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [[[0, 1, 2], [1]], [[0, 1, 2], [0, 1, 2]], [[], [2]]],
+    ids=["one-rank-trains-nothing", "no-rank-trains", "uneven"],
+)
+def test_two_fsdp_ranks_skip_apart_and_end_with_the_same_weights(
+    tiny_model: str, tmp_path: Any, zero: list[list[int]]
+) -> None:
+    """FSDP forwards are collectives: a rank with fewer rows to train (or none) runs stand-ins, not fewer forwards;
+    the gradients (and the weights, when no rank trains) equal those of the update that trains every sample."""
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path}/store"
+    mp.start_processes(_two_ranks, args=(2, init, tiny_model, str(tmp_path), zero), nprocs=2, start_method="spawn")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["metricsTrue"]["actor/skipped_rows"] == pytest.approx(len(zero[0]) / 3)
+    assert r1["metricsTrue"]["actor/skipped_rows"] == pytest.approx(len(zero[1]) / 3)
+    if len(zero[0]) + len(zero[1]) == 6:  # no gradient anywhere: the step on zeros (weight decay) is exact
+        assert_same_weights(r0["True"], r0["False"], r0["before"])
+    else:
+        assert_same_gradients(r0["gradsTrue"], r0["gradsFalse"])
+    for k in r0["True"]:
+        assert torch.equal(r0["True"][k], r1["True"][k])
+
+
+def test_the_controller_balances_the_rows_that_train_over_ranks_in_whole_groups(tiny_model: str) -> None:
+    """``ActorRole.split_costs`` gives a row's tokens if it trains, else 0; the DP split then gives every rank as
+    many groups and about as many trained tokens, each group whole and in batch order."""
+    from lightning_rlhf.dispatch import COSTS_KEY, ROWS_KEY, Dispatch, _mark_balance, split_args
+
+    actor = make_actor(tiny_model, skip=True)
+    batch = grouped_batch(4, {0, 1}, seed=3)  # contiguous halves would give rank 0 nothing to train
+    costs = actor.split_costs("update", batch)
+    tokens = (batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)).tolist()
+    assert costs == [0] * 8 + tokens[8:]
+    assert actor.split_costs("log_prob", batch) is None
+    parts = split_args(Dispatch.DP_SPLIT, (_mark_balance(batch, False, costs),), {}, 2, where="update")
+    rows = [part[0][0].meta[ROWS_KEY] for part in parts if part is not None]
+    assert sorted(r for rs in rows for r in rs) == list(range(16))
+    for rs in rows:
+        assert len(rs) == 8 and rs == sorted(rs)
+        assert all(rs[k : k + GROUP] == list(range(rs[k], rs[k] + GROUP)) for k in range(0, 8, GROUP))
+        assert sum(costs[r] for r in rs) > 0  # each rank trains one of the two groups with a gradient
+    assert all(COSTS_KEY not in part[0][0].meta for part in parts if part is not None)
+
+    mini = make_actor(tiny_model, skip=True, mini_batch_size=8)  # two optimizer steps: rows keep their order
+    assert mini.split_costs("update", batch) is None
+    assert make_actor(tiny_model, skip=False).split_costs("update", batch) is None
