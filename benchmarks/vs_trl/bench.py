@@ -53,12 +53,18 @@ OUR_CONFIGS: dict[str, tuple[str, int]] = {
     "vllm2": ("vllm", 2),
     "hf2np": ("hf", 2),
     "hf2ns": ("hf", 2),
+    "hf2rs": ("hf", 2),
 }
 """Our configurations: name -> (rollout engine, processes)."""
-OUR_EXTRA_ARGS: dict[str, list[str]] = {"hf2np": ["--no-shared-prefix"], "hf2ns": ["--no-skip-zero-advantage"]}
+OUR_EXTRA_ARGS: dict[str, list[str]] = {
+    "hf2np": ["--no-shared-prefix"],
+    "hf2ns": ["--no-skip-zero-advantage"],
+    "hf2rs": ["--reshard-in-update"],
+}
 """Configurations that differ by a setting: ``hf2np`` is ``hf2`` with every row computing its own prompt (the A/B of
 the shared-prefix forward); ``hf2ns`` is ``hf2`` training every sample, zero advantages included (the A/B of
-``AlgorithmConfig.skip_zero_advantage``)."""
+``AlgorithmConfig.skip_zero_advantage``); ``hf2rs`` is ``hf2`` with FSDP2's default resharding in the update
+(``RLHFStrategy(reshard_in_update=True)``; every configuration of ours runs with False otherwise)."""
 BACKGROUND_LIMIT = 0.3
 """Cores of background load above which a run is repeated once (the quieter of the two is kept)."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -427,7 +433,7 @@ def summarise(runs: list[Run], window: int) -> dict[tuple[str, str, bool, str], 
 def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[str, float]) -> dict[str, Any]:
     """Print the table and return the final JSON object. Runs on: the driver."""
     head = (
-        f"{'model':<6}{'prec':<5}{'ref':<4}{'side/config':<20}{'step s':>14}{'gen s':>7}{'upd s':>7}{'wall s':>7}"
+        f"{'model':<6}{'prec':<5}{'ref':<4}{'side/config':<32}{'step s':>14}{'gen s':>7}{'upd s':>7}{'wall s':>7}"
         f"{'RSS GiB':>8}{'tok/s':>8}{'vs TRL':>7}{'bg cores':>9}"
     )
     print(head)
@@ -437,12 +443,13 @@ def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[
     names = {"trl": "TRL 1.16", **{c: f"ours {d}p {r}" for c, (r, d) in OUR_CONFIGS.items()}}
     names["hf2np"] += " (no shared prefix)"
     names["hf2ns"] += " (no zero-adv skip)"
+    names["hf2rs"] += " (reshard in update)"
     for model, precision, ref in combos:
         trl = table.get((model, precision, ref, "trl"), {})
         ours = {c: table[(model, precision, ref, c)] for c in OUR_CONFIGS if (model, precision, ref, c) in table}
         for config in ["trl", *ours]:
             row = table[(model, precision, ref, config)]
-            label = f"{model:<6}{precision:<5}{'yes' if ref else 'no':<4}{names[config]:<20}"
+            label = f"{model:<6}{precision:<5}{'yes' if ref else 'no':<4}{names[config]:<32}"
             if "error" in row:
                 print(f"{label}failed: {row['error'].splitlines()[0]}")
                 continue

@@ -77,6 +77,12 @@ def main() -> None:
         action="store_true",
         help="AlgorithmConfig(skip_zero_advantage=False): the update trains every sample, zero advantages included",
     )
+    p.add_argument(
+        "--reshard-in-update",
+        action="store_true",
+        help="RLHFStrategy(reshard_in_update=True), FSDP2's default: gather and free each layer in every forward "
+        "and backward of the update (default here: False, the small workload's models fit whole on every rank)",
+    )
     args = p.parse_args()
     cores = os.cpu_count() or 1
     W.set_threads(max(1, cores // args.devices))
@@ -143,6 +149,7 @@ def main() -> None:
         strategy=RLHFStrategy(
             args.rollout,
             param_dtype="bfloat16" if args.bf16 else None,
+            reshard_in_update=args.reshard_in_update,
             vllm={"kv_cache_memory_bytes": kv_cache_bytes(args.model_dir, samples // args.devices, args.bf16)},
         ),
         max_steps=args.steps,

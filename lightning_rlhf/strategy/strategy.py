@@ -125,6 +125,13 @@ class RLHFStrategy(ModelParallelStrategy):
         vllm: settings of the vLLM engine (a :class:`~lightning_rlhf.config.VLLMConfig` or a dict of its fields).
         param_dtype: compute dtype of the sharded models (e.g. ``torch.bfloat16`` on GPUs); None keeps
             float32. Gradients are reduced in float32 either way.
+        reshard_in_update: True (FSDP2's default, ZeRO-3): every forward and backward of an update gathers each
+            layer's parameters and frees them after, and every micro-batch's backward reduce-scatters its
+            gradients. False: an update gathers each layer once, keeps the full parameters and the accumulated full
+            gradients on every rank until its optimizer step, and reduce-scatters once (outside updates the
+            parameters stay sharded, and the optimizer state always is). Fewer collectives (on 2 CPU processes the
+            small model's update took 11-15% less), for the memory of one whole model's parameters and gradients per
+            rank during the update: for models that fit that way.
         sharded_loading: build the roles' models with their parameters on the meta device, shard them, and read
             only this rank's rows from the safetensors files (peak host memory about one shard per role instead of
             the whole model). False loads every model whole on every rank first (the way before).
@@ -153,6 +160,7 @@ class RLHFStrategy(ModelParallelStrategy):
         *,
         vllm: VLLMConfig | dict[str, Any] | None = None,
         param_dtype: torch.dtype | str | None = None,
+        reshard_in_update: bool = True,
         sharded_loading: bool = True,
         worker_error_timeout_s: float = 60.0,
         timeout: timedelta = timedelta(minutes=30),
@@ -192,6 +200,7 @@ class RLHFStrategy(ModelParallelStrategy):
         self.vllm_config = vllm or VLLMConfig()
         self.param_dtype = resolve_dtype(param_dtype, setting="RLHFStrategy.param_dtype")
         self.sharded_loading = sharded_loading
+        self.reshard_in_update = reshard_in_update
         self.worker_error_timeout_s = worker_error_timeout_s
         self._controller: Controller | None = None
         self._max_model_len = 0
@@ -397,6 +406,7 @@ class RLHFStrategy(ModelParallelStrategy):
                     )
                 )
             role.shard(self._meshes[name], param_dtype=self.param_dtype)
+            role.train_engine.reshard_in_update = self.reshard_in_update
             role.materialize(self.root_device)
         super().setup(trainer)
 

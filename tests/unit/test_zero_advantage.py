@@ -40,7 +40,9 @@ def grouped_batch(groups: int, zero_groups: set[int], *, seed: int, vocab: int =
     return batch
 
 
-def make_actor(path: str, *, skip: bool, micro_batch_tokens: int | None = None, **algo: Any) -> Any:
+def make_actor(
+    path: str, *, skip: bool, micro_batch_tokens: int | None = None, param_dtype: str | None = None, **algo: Any
+) -> Any:
     """An ActorRole on the tiny model with an optimizer whose step moves the weights visibly (weight decay too, so a
     step on zero gradients is not a no-op). Runs on: this process (sharded when a process group is up)."""
     import torch.distributed as dist
@@ -60,7 +62,8 @@ def make_actor(path: str, *, skip: bool, micro_batch_tokens: int | None = None, 
     )
     actor.load()
     if dist.is_initialized():
-        actor.train_engine.shard(init_device_mesh("cpu", (dist.get_world_size(),)), param_dtype=None)
+        dtype = getattr(torch, param_dtype) if param_dtype else None
+        actor.train_engine.shard(init_device_mesh("cpu", (dist.get_world_size(),)), param_dtype=dtype)
         actor.train_engine.materialize(torch.device("cpu"))
     actor.configure_optimizer(total_steps=10)
     return actor

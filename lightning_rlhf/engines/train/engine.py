@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_count
 from lightning_rlhf.batch import Batch
@@ -213,6 +214,9 @@ class TrainEngine:
         self._offloaded = False
         self._attn_implementation: str | None = None
         self.fused_norms = fused_norms
+        self.reshard_in_update = True
+        """False: an update gathers each FSDP unit's parameters once and keeps them, and the gradients, whole until
+        its optimizer step (see ``RLHFStrategy(reshard_in_update=...)``)."""
 
     @property
     def micro_batch_tokens(self) -> int | None:
@@ -431,25 +435,54 @@ class TrainEngine:
         trim_responses = not (aggregation == "seq-mean-token-sum-norm" and max_len is None)
         acc = MetricAccumulator()
         self.model.train()
-        for mini in minibatches(batch, mini_batch_size=mini_size, epochs=epochs):
-            num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
-            plan, skipped = self._training_micro_batches(mini, trainable, trim_responses)
-            for micro, real in plan:
-                agg = MicroBatchAggregation(aggregation, num_tokens, len(micro) / len(mini), max_len)
-                loss, metrics = loss_fn(micro, agg)
-                # A stand-in micro-batch (see _training_micro_batches) only keeps the FSDP collectives in step.
-                (loss * (agg.scale if real else 0.0)).backward()
-                if real:
-                    acc.add(metrics)
-            if not plan:  # no rank had a row to train: the optimizer still steps, on zero gradients
-                for p in self.model.parameters():
-                    if p.requires_grad and p.grad is None:
-                        p.grad = torch.zeros_like(p)
-            if trainable is not None:
-                acc.add({"skipped_rows": torch.tensor(skipped / max(len(mini), 1))})
-            grad_norm, stepped = self.step()
-            acc.add({"grad_norm": grad_norm, "update_skipped": torch.tensor(float(not stepped))})
+        with self._update_sharding() as units:
+            for mini in minibatches(batch, mini_batch_size=mini_size, epochs=epochs):
+                num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
+                plan, skipped = self._training_micro_batches(mini, trainable, trim_responses)
+                for k, (micro, real) in enumerate(plan):
+                    for unit in units:  # kept whole through the update: gradients reduced with the last one only
+                        unit.set_requires_gradient_sync(k == len(plan) - 1, recurse=False)
+                    agg = MicroBatchAggregation(aggregation, num_tokens, len(micro) / len(mini), max_len)
+                    loss, metrics = loss_fn(micro, agg)
+                    # A stand-in micro-batch (see _training_micro_batches) only keeps the FSDP collectives in step.
+                    (loss * (agg.scale if real else 0.0)).backward()
+                    if real:
+                        acc.add(metrics)
+                if not plan:  # no rank had a row to train: the optimizer still steps, on zero gradients
+                    for p in self.model.parameters():
+                        if p.requires_grad and p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                if trainable is not None:
+                    acc.add({"skipped_rows": torch.tensor(skipped / max(len(mini), 1))})
+                for unit in units:  # the step updates the shards, which the next gather reads
+                    unit.reshard()
+                grad_norm, stepped = self.step()
+                acc.add({"grad_norm": grad_norm, "update_skipped": torch.tensor(float(not stepped))})
         return acc
+
+    @contextlib.contextmanager
+    def _update_sharding(self) -> Iterator[list[FSDPModule]]:
+        """With ``reshard_in_update`` off, the FSDP modules of the model set to stay unsharded after forward and
+        backward for the update's duration (and back to resharding afterwards, with their gradients synchronised
+        again); else no modules. Runs on: every worker rank."""
+        assert self.model is not None
+        units: list[FSDPModule] = []
+        if not self.reshard_in_update:
+            units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        inner = [unit for unit in units if unit is not self.model]  # the root does not reshard after forward anyway
+        for unit in inner:
+            unit.set_reshard_after_forward(False, recurse=False)
+        for unit in units:
+            unit.set_reshard_after_backward(False, recurse=False)
+        try:
+            yield units
+        finally:
+            for unit in inner:
+                unit.set_reshard_after_forward(True, recurse=False)
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_backward(True, recurse=False)
+                unit.set_requires_gradient_sync(True, recurse=False)
 
     def _training_micro_batches(
         self, mini: Batch, trainable: Callable[[Batch], Tensor] | None, trim_responses: bool
