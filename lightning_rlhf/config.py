@@ -280,7 +280,8 @@ class AlgorithmConfig:
     the same score), when nothing else in the loss depends on them: a built-in policy loss, ``entropy_coef=0`` and
     no KL in the loss. Their gradient is exactly 0, and they still count in the loss's normalisation, so the update
     is the same up to float rounding, with less work. Per-token metrics (``actor/pg_clipfrac``, ...) then average
-    over the trained samples only; ``actor/skipped_rows`` is the fraction left out. False: every sample is trained."""
+    over the trained samples only; ``actor/skipped_rows`` is the fraction left out. A step in which no sample has a
+    nonzero advantage is trained whole, so its metrics are still measured. False: every sample is trained."""
 
     def __post_init__(self) -> None:
         from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES

@@ -413,7 +413,8 @@ def merge_results(dispatch: Dispatch, results: Sequence[Any]) -> Any:
 
     Runs on: controller. Batches are concatenated in rank order, then, when the split was balanced by tokens
     (each part's ``meta[ROWS_KEY]``), put back in the caller's row order; dicts of numbers are averaged over ranks
-    (``*_max``/``*_min`` keys keep their extreme); anything else comes from rank 0.
+    (``*_max``/``*_min`` keys keep their extreme; a key is averaged over the ranks that report it); anything else
+    comes from rank 0.
     """
     if dispatch is not Dispatch.DP_SPLIT:
         return results[0]
@@ -422,8 +423,9 @@ def merge_results(dispatch: Dispatch, results: Sequence[Any]) -> Any:
         return _merge_batches(list(results))
     if len(results) == 1:
         return first
-    if isinstance(first, dict):
-        return {k: _reduce(k, [r[k] for r in results]) for k in first}
+    if isinstance(first, dict):  # a key some ranks lack (e.g. one that trained no sample) comes from the others
+        keys = dict.fromkeys(k for r in results if isinstance(r, dict) for k in r)
+        return {k: _reduce(k, [r[k] for r in results if isinstance(r, dict) and k in r]) for k in keys}
     return first
 
 

@@ -15,7 +15,11 @@ run again once. The machine's matmul peak (fp32, bf16) and memcpy bandwidth are 
 
 Our configurations: ``hf1`` / ``vllm1`` (1 process, transformers / vLLM rollouts), ``hf2`` / ``vllm2``
 (2 processes). Ratio = our best configuration's tokens/s (prompt + completion tokens per step over the step time)
-over TRL's. The last line printed is one JSON object with the ratios and the derived figures.
+over TRL's. The last line printed is one JSON object with the ratios and the derived figures. Our configurations
+run with ``RLHFStrategy(reshard_in_update=False)`` (the workload's models fit whole on every rank; ``hf2rs`` keeps
+FSDP2's default) and ``AlgorithmConfig.skip_zero_advantage`` (the default; ``hf2ns`` trains every sample). The update's
+share of the matmul peak counts the model FLOPs of every sample (``*_update_vs_matmul_peak``, the MFU convention) and,
+when samples were left out, of the trained ones only (``*_update_vs_matmul_peak_trained``).
 """
 
 from __future__ import annotations
@@ -419,6 +423,7 @@ def summarise(runs: list[Run], window: int) -> dict[tuple[str, str, bool, str], 
             "steps_all": [r.median("step", window) for r in ok],
             "gen": best.median("gen", window),
             "update": best.median("update", window),
+            "skipped": best.median("skipped", window),
             "wall": best.median("wall", window),
             "tokens": best.tokens_per_step(window),
             "tok_s": best.tokens_per_step(window) / step,
@@ -471,6 +476,11 @@ def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[
             peak = peaks["matmul_gflops_bf16" if precision == "bf16" else "matmul_gflops_fp32"] * 1e9
             result[f"{tag}_update_vs_matmul_peak"] = round(flop / ok[best]["update"] / peak, 4)
             result[f"{tag}_trl_update_vs_matmul_peak"] = round(flop / trl["update"] / peak, 4)
+            skipped = ok[best].get("skipped", float("nan"))
+            if skipped == skipped and skipped > 0:  # samples left out of the update (zero advantages): work not done
+                result[f"{tag}_skipped_rows"] = round(skipped, 4)
+                trained = flop * (1 - skipped) / ok[best]["update"] / peak
+                result[f"{tag}_update_vs_matmul_peak_trained"] = round(trained, 4)
         else:
             result[f"{tag}_ratio"] = None
     # Headline figures: the small model in fp32 without reference when it ran, else the first combination.

@@ -140,8 +140,9 @@ def test_the_update_skips_zero_advantage_samples_and_takes_the_same_gradients(
     assert_same_gradients(results[True][0], results[False][0])
 
 
-def test_a_batch_with_no_gradient_still_takes_the_optimizer_step(tiny_model: str) -> None:
-    """Every sample skipped: AdamW still steps on zero gradients (weight decay moves the weights), as without."""
+def test_a_batch_with_no_gradient_anywhere_is_trained_whole(tiny_model: str) -> None:
+    """No sample to train on any rank: nothing is skipped (the step's metrics, such as the entropy, are still
+    measured), and AdamW steps on the zero gradients (weight decay moves the weights) exactly as without skipping."""
     batch = grouped_batch(2, {0, 1}, seed=1)
     out = {}
     for skip in (False, True):
@@ -149,7 +150,7 @@ def test_a_batch_with_no_gradient_still_takes_the_optimizer_step(tiny_model: str
         before = weights(actor)
         metrics = actor.update(batch)
         out[skip] = weights(actor)
-    assert metrics["actor/skipped_rows"] == 1.0 and metrics["actor/grad_norm"] == 0.0
+    assert metrics["actor/skipped_rows"] == 0.0 and metrics["actor/grad_norm"] == 0.0 and "actor/entropy" in metrics
     assert_same_weights(out[True], out[False], before)
 
 
@@ -207,9 +208,10 @@ def test_two_fsdp_ranks_skip_apart_and_end_with_the_same_weights(
     init = f"file://{tmp_path}/store"
     mp.start_processes(_two_ranks, args=(2, init, tiny_model, str(tmp_path), zero), nprocs=2, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
-    assert r0["metricsTrue"]["actor/skipped_rows"] == pytest.approx(len(zero[0]) / 3)
-    assert r1["metricsTrue"]["actor/skipped_rows"] == pytest.approx(len(zero[1]) / 3)
-    if len(zero[0]) + len(zero[1]) == 6:  # no gradient anywhere: the step on zeros (weight decay) is exact
+    nothing = len(zero[0]) + len(zero[1]) == 6  # no gradient anywhere: trained whole
+    assert r0["metricsTrue"]["actor/skipped_rows"] == pytest.approx(0 if nothing else len(zero[0]) / 3)
+    assert r1["metricsTrue"]["actor/skipped_rows"] == pytest.approx(0 if nothing else len(zero[1]) / 3)
+    if nothing:  # the step on zero gradients (weight decay) is exact
         assert_same_weights(r0["True"], r0["False"], r0["before"])
     else:
         assert_same_gradients(r0["gradsTrue"], r0["gradsFalse"])
@@ -240,3 +242,13 @@ def test_the_controller_balances_the_rows_that_train_over_ranks_in_whole_groups(
     mini = make_actor(tiny_model, skip=True, mini_batch_size=8)  # two optimizer steps: rows keep their order
     assert mini.split_costs("update", batch) is None
     assert make_actor(tiny_model, skip=False).split_costs("update", batch) is None
+
+
+def test_metrics_a_rank_lacks_are_averaged_over_the_ranks_that_report_them() -> None:
+    """A rank whose samples all had zero advantages trains nothing and reports no loss metrics."""
+    from lightning_rlhf.dispatch import Dispatch, merge_results
+
+    merged = merge_results(
+        Dispatch.DP_SPLIT, [{"actor/grad_norm": 1.0}, {"actor/pg_loss": 4.0, "actor/grad_norm": 3.0}]
+    )
+    assert merged == {"actor/grad_norm": 2.0, "actor/pg_loss": 4.0}
