@@ -155,8 +155,8 @@ def make_optimizer(
 
     Runs on: every process, in ``configure_optimizers`` (after sharding, so ``params`` are the shards). On CPUs and
     CUDA GPUs AdamW runs fused (one kernel per parameter instead of a dozen element-wise passes; the same update up to
-    float rounding): on the vs-TRL small model's 2-rank CPU update, 4.5x faster than the per-tensor loop that is
-    PyTorch's CPU default.
+    float rounding). On the vs-TRL small model's 2-rank CPU update the optimizer step (with the clip and zero_grad)
+    took 9.4 ms against 23.8 ms with the per-tensor loop that is PyTorch's CPU default.
     """
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     opt = torch.optim.AdamW(
