@@ -19,7 +19,8 @@ over TRL's. The last line printed is one JSON object with the ratios and the der
 run with ``RLHFStrategy(reshard_in_update=False)`` (the workload's models fit whole on every rank; ``hf2rs`` keeps
 FSDP2's default) and ``AlgorithmConfig.skip_zero_advantage`` (the default; ``hf2ns`` trains every sample). The update's
 share of the matmul peak counts the model FLOPs of every sample (``*_update_vs_matmul_peak``, the MFU convention) and,
-when samples were left out, of the trained ones only (``*_update_vs_matmul_peak_trained``).
+when samples were left out, approximately those of the trained ones only (``*_update_vs_matmul_peak_trained``: scaled
+by the share of rows trained; the stand-in rows a rank may run are not counted).
 """
 
 from __future__ import annotations

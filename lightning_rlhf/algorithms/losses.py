@@ -204,7 +204,8 @@ class MicroBatchAggregation:
     - ``"token-mean"``: each micro-batch divides its token sum by ``num_tokens``, the per-rank share of the
       mini-batch's global token count (FSDP averages over ranks); the losses are then summed unscaled.
     - per-sequence modes: each micro-batch's loss is a mean over its rows, scaled by ``share`` (its rows over
-      the mini-batch's rows on this rank).
+      the mini-batch's rows on this rank; for ``"seq-mean-token-mean"``, which averages over the rows with a loss
+      token, its rows with one over the mini-batch's rows with one).
 
     Runs on: every worker rank (the training engine makes one per micro-batch; the role's loss uses it).
     """
@@ -213,9 +214,13 @@ class MicroBatchAggregation:
     num_tokens: Tensor | None
     """Per-rank share of the mini-batch's global token count (``"token-mean"``), else None."""
     share: float
-    """Rows of this micro-batch over rows of its mini-batch on this rank."""
+    """Rows of this micro-batch over rows of its mini-batch on this rank (rows with a loss token, for
+    ``"seq-mean-token-mean"``)."""
     max_len: int | None = None
     """The constant length of ``"seq-mean-token-sum-norm"`` (e.g. the rollout's ``max_new_tokens``)."""
+    counts: bool = True
+    """False for a stand-in micro-batch that only keeps a rank's FSDP collectives in step with the others (its loss
+    is multiplied by 0): the loss should not report metrics from it."""
 
     def aggregate(self, loss: Tensor, mask: Tensor) -> Tensor:
         """``loss`` ``[B, T]`` reduced to this micro-batch's part of the mini-batch loss (before ``scale``)."""

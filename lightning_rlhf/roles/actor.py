@@ -258,7 +258,7 @@ class ActorRole(Role):
 
         def loss_fn(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
             loss, metrics, logprobs = self._policy_loss(micro, agg, use_kl_loss)
-            if fresh and "rollout_logprobs" in micro and "old_logprobs" not in micro:  # on-policy: rollout's weights
+            if agg.counts and fresh and "rollout_logprobs" in micro and "old_logprobs" not in micro:  # on-policy
                 diffs.add(rollout_probs_diff(logprobs, micro["rollout_logprobs"], micro["response_mask"]))
             return loss, metrics
 
@@ -299,10 +299,12 @@ class ActorRole(Role):
     def _skips_zero_advantage(self, use_kl_loss: bool) -> bool:
         """Whether a sample whose advantages are all 0 has a zero gradient (``AlgorithmConfig.skip_zero_advantage``):
         the built-in policy losses are ``-A * (clipped ratio)`` per token, so with no entropy bonus and no KL in the
-        loss such a sample's loss is the constant 0."""
+        loss such a sample's loss is the constant 0. Never for a subclass with a loss of its own (``_policy_loss``
+        overridden): it may add a term that does not vanish."""
         algo = self.algorithm
         return (
             algo.skip_zero_advantage
+            and type(self)._policy_loss is ActorRole._policy_loss  # a subclass's loss may add a term
             and algo.policy_loss in ZERO_AT_ZERO_ADVANTAGE
             and algo.entropy_coef == 0
             and not use_kl_loss

@@ -140,6 +140,23 @@ def test_the_update_skips_zero_advantage_samples_and_takes_the_same_gradients(
     assert_same_gradients(results[True][0], results[False][0])
 
 
+def test_seq_mean_token_mean_stays_exact_with_rows_that_have_no_loss_token(tiny_model: str) -> None:
+    """``seq-mean-token-mean`` averages over the rows with a loss token (DAPO's overlong filtering empties a
+    truncated row's ``loss_mask``): skipped or not, and in micro-batches or not, the gradient is the one-pass one."""
+    batch = grouped_batch(3, {1}, seed=4)
+    loss_mask = batch["response_mask"].clone()
+    loss_mask[[0, 9]] = 0  # a truncated row in a trained group and one in another group
+    batch["loss_mask"] = loss_mask
+    got = {}
+    for skip, micro in ((False, 100), (False, 3), (True, 3)):
+        actor = make_actor(tiny_model, skip=skip, loss_agg="seq-mean-token-mean")
+        actor.train_engine.micro_batch_size = micro
+        got[(skip, micro)] = record_gradients(actor)
+        actor.update(batch)
+    assert_same_gradients(got[(False, 3)], got[(False, 100)])
+    assert_same_gradients(got[(True, 3)], got[(False, 100)])
+
+
 def test_a_batch_with_no_gradient_anywhere_is_trained_whole(tiny_model: str) -> None:
     """No sample to train on any rank: nothing is skipped (the step's metrics, such as the entropy, are still
     measured), and AdamW steps on the zero gradients (weight decay moves the weights) exactly as without skipping."""
@@ -171,8 +188,12 @@ def test_nothing_is_skipped_when_a_zero_advantage_sample_still_has_a_gradient(
     assert "actor/skipped_rows" not in metrics
 
 
-def _two_ranks(rank: int, world: int, init: str, path: str, out: str, zero: list[list[int]]) -> None:
-    """One rank: the update with and without skipping on this rank's batch; rank 0 saves the weights."""
+def _two_ranks(
+    rank: int, world: int, init: str, path: str, out: str, zero: list[list[int]], whole: bool = False
+) -> None:
+    """One rank: the update with and without skipping on this rank's batch; rank 0 saves the weights. ``whole``:
+    with ``reshard_in_update=False`` and a token budget (trimmed micro-batches, stand-ins under deferred gradient
+    reduction)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -181,7 +202,8 @@ def _two_ranks(rank: int, world: int, init: str, path: str, out: str, zero: list
         batch = grouped_batch(3, set(zero[rank]), seed=10 + rank)
         saved: dict[str, Any] = {}
         for skip in (False, True):
-            actor = make_actor(path, skip=skip)
+            actor = make_actor(path, skip=skip, micro_batch_tokens=30 if whole else None)
+            actor.train_engine.reshard_in_update = not whole
             saved["before"] = weights(actor)
             grads = record_gradients(actor)
             metrics = actor.update(batch)
@@ -194,19 +216,21 @@ def _two_ranks(rank: int, world: int, init: str, path: str, out: str, zero: list
 
 
 @pytest.mark.parametrize(
-    "zero",
-    [[[0, 1, 2], [1]], [[0, 1, 2], [0, 1, 2]], [[], [2]]],
-    ids=["one-rank-trains-nothing", "no-rank-trains", "uneven"],
+    ("zero", "whole"),
+    [([[0, 1, 2], [1]], False), ([[0, 1, 2], [0, 1, 2]], False), ([[], [2]], False), ([[0, 1, 2], [1]], True)],
+    ids=["one-rank-trains-nothing", "no-rank-trains", "uneven", "one-rank-trains-nothing-whole-params-token-budget"],
 )
 def test_two_fsdp_ranks_skip_apart_and_end_with_the_same_weights(
-    tiny_model: str, tmp_path: Any, zero: list[list[int]]
+    tiny_model: str, tmp_path: Any, zero: list[list[int]], whole: bool
 ) -> None:
     """FSDP forwards are collectives: a rank with fewer rows to train (or none) runs stand-ins, not fewer forwards;
     the gradients (and the weights, when no rank trains) equal those of the update that trains every sample."""
     import torch.multiprocessing as mp
 
     init = f"file://{tmp_path}/store"
-    mp.start_processes(_two_ranks, args=(2, init, tiny_model, str(tmp_path), zero), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _two_ranks, args=(2, init, tiny_model, str(tmp_path), zero, whole), nprocs=2, start_method="spawn"
+    )
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     nothing = len(zero[0]) + len(zero[1]) == 6  # no gradient anywhere: trained whole
     assert r0["metricsTrue"]["actor/skipped_rows"] == pytest.approx(0 if nothing else len(zero[0]) / 3)

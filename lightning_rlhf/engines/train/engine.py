@@ -445,11 +445,12 @@ class TrainEngine:
         with self._update_sharding() as units:
             for mini in minibatches(batch, mini_batch_size=mini_size, epochs=epochs):
                 num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
+                share = _share_of(mini, aggregation, count_mask)
                 plan, skipped = self._training_micro_batches(mini, trainable, trim_responses)
                 for k, (micro, real) in enumerate(plan):
                     for unit in units:  # kept whole through the update: gradients reduced with the last one only
                         unit.set_requires_gradient_sync(k == len(plan) - 1, recurse=False)
-                    agg = MicroBatchAggregation(aggregation, num_tokens, len(micro) / len(mini), max_len)
+                    agg = MicroBatchAggregation(aggregation, num_tokens, share(micro), max_len, counts=real)
                     loss, metrics = loss_fn(micro, agg)
                     # A stand-in micro-batch (see _training_micro_batches) only keeps the FSDP collectives in step.
                     (loss * (agg.scale if real else 0.0)).backward()
@@ -510,7 +511,9 @@ class TrainEngine:
         count = _max_over_ranks(len(plan)) if world()[1] > 1 else len(plan)
         if count == 0:
             return [(micro, True) for _, micro in self.micro_batches(mini, trim_responses=trim_responses)], 0
-        plan += [(mini.select([0]), False)] * (count - len(plan))
+        if len(plan) < count:  # one row, trimmed like any micro-batch of the token budget
+            stand_in = self.micro_batches(mini.select([0]), trim_responses=trim_responses, equalize=False)[0][1]
+            plan += [(stand_in, False)] * (count - len(plan))
         return plan, len(mini) - len(keep)
 
     # --------------------------------------------------------------------------------------- optimizer
@@ -573,6 +576,17 @@ class TrainEngine:
         """
         assert self.model is not None
         return full_tensors(self.model, received)
+
+
+def _share_of(mini: Batch, aggregation: str, count_mask: Callable[[Batch], Tensor]) -> Callable[[Batch], float]:
+    """A micro-batch's share of ``mini`` for :class:`MicroBatchAggregation`: its rows over the mini-batch's, or, for
+    ``"seq-mean-token-mean"`` (a mean over the rows that have a loss token), its rows with a loss token over the
+    mini-batch's. Then the micro-batch losses sum to the mini-batch's loss whichever rows each one holds (rows left
+    out by ``trainable``, or truncated rows with an empty ``loss_mask``)."""
+    if aggregation != "seq-mean-token-mean":
+        return lambda micro: len(micro) / len(mini)
+    total = max(int(count_mask(mini).bool().any(dim=-1).sum()), 1)
+    return lambda micro: int(count_mask(micro).bool().any(dim=-1).sum()) / total
 
 
 def _max_over_ranks(value: int) -> int:
