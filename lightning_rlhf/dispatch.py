@@ -351,7 +351,9 @@ def _dp_parts(batch: Batch, world_size: int) -> list[Batch]:
     masks = [batch.tensors.get(key) for key in ("prompt_mask", "response_mask")]
     costs = batch.meta.get(COSTS_KEY)
     if world_size == 1:
-        return [_mark_balance(batch, bool(batch.meta.get(BALANCE_KEY, False)))]  # without the costs
+        (part,) = batch.chunk(1)  # a batch of its own: a method may return it with new columns
+        part.meta.pop(COSTS_KEY, None)
+        return [part]
     if costs is not None:
         plan = _grouped_partition(list(costs), int(batch.meta.get("group_size", 1)), world_size)
     elif batch.meta.get(BALANCE_KEY) and not any(m is None or m.dim() != 2 for m in masks):
