@@ -276,3 +276,19 @@ def test_metrics_a_rank_lacks_are_averaged_over_the_ranks_that_report_them() -> 
         Dispatch.DP_SPLIT, [{"actor/grad_norm": 1.0}, {"actor/pg_loss": 4.0, "actor/grad_norm": 3.0}]
     )
     assert merged == {"actor/grad_norm": 2.0, "actor/pg_loss": 4.0}
+
+
+def test_a_one_rank_split_gives_a_batch_of_its_own_without_the_costs() -> None:
+    """The worker's part may come back with new columns that the caller merges into its batch: it must not share
+    the caller's column dict."""
+    from lightning_rlhf.dispatch import COSTS_KEY, Dispatch, _mark_balance, split_args
+
+    batch = grouped_batch(1, set(), seed=5)
+    marked = _mark_balance(batch, False, [1] * len(batch))
+    parts = split_args(Dispatch.DP_SPLIT, (marked,), {}, 1, where="update")
+    assert parts[0] is not None
+    part = parts[0][0][0]
+    assert part.tensors is not marked.tensors and COSTS_KEY not in part.meta
+    part["logprobs"] = torch.zeros(len(part), 8)
+    marked.update(part)  # what the controller does with a worker's returned batch
+    assert "logprobs" in marked
