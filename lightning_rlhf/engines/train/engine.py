@@ -501,20 +501,19 @@ class TrainEngine:
         without ``trainable``: its gradient is 0 either way, and its metrics (e.g. the log-prob agreement with the
         rollout engine) are still measured.
         """
-        if trainable is None:
-            return [(micro, True) for _, micro in self.micro_batches(mini, trim_responses=trim_responses)], 0
-        keep = trainable(mini).reshape(-1).nonzero().flatten().tolist()
-        rows = mini if len(keep) == len(mini) else mini.select(keep)
-        plan = []
-        if keep:
-            plan = [(m, True) for _, m in self.micro_batches(rows, trim_responses=trim_responses, equalize=False)]
-        count = _max_over_ranks(len(plan)) if world()[1] > 1 else len(plan)
-        if count == 0:
-            return [(micro, True) for _, micro in self.micro_batches(mini, trim_responses=trim_responses)], 0
-        if len(plan) < count:  # one row, trimmed like any micro-batch of the token budget
-            stand_in = self.micro_batches(mini.select([0]), trim_responses=trim_responses, equalize=False)[0][1]
-            plan += [(stand_in, False)] * (count - len(plan))
-        return plan, len(mini) - len(keep)
+        if trainable is not None:
+            keep = trainable(mini).reshape(-1).nonzero().flatten().tolist()
+            plan: list[tuple[Batch, bool]] = []
+            if keep:
+                rows = mini if len(keep) == len(mini) else mini.select(keep)
+                plan = [(m, True) for _, m in self.micro_batches(rows, trim_responses=trim_responses, equalize=False)]
+            count = _max_over_ranks(len(plan)) if world()[1] > 1 else len(plan)
+            if count:
+                if len(plan) < count:  # one row, trimmed like any micro-batch of the token budget
+                    one = self.micro_batches(mini.select([0]), trim_responses=trim_responses, equalize=False)[0][1]
+                    plan += [(one, False)] * (count - len(plan))
+                return plan, len(mini) - len(keep)
+        return [(micro, True) for _, micro in self.micro_batches(mini, trim_responses=trim_responses)], 0
 
     # --------------------------------------------------------------------------------------- optimizer
     def configure_optimizer(
