@@ -168,3 +168,48 @@ def test_attention_over_the_written_slots_equals_attention_over_the_whole_cache(
         runs.append(sample_loop(model, PROMPTS, params, stops={1}, pad_token_id=0, device=CPU))
     assert torch.equal(runs[0][0], runs[1][0])
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prepacked_projections_sample_what_plain_ones_do(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the loop's projections run with weights reordered for oneDNN; the plain ``F.linear`` path samples the
+    same tokens with the same log-probs up to float rounding, and the model's parameters are left as they were."""
+    import lightning_rlhf.engines.rollout.decode as decode
+
+    model = llama_family()[0].to(dtype)  # Qwen2: biases on the fused query/key/value projection
+    assert decode._packs(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, min_new_tokens=8)
+    runs = []
+    for packs in (True, False):
+        monkeypatch.setattr(decode, "_packs", lambda model, on=packs: on)
+        torch.manual_seed(0)
+        runs.append(sample_loop(model, PROMPTS, params, stops={1}, pad_token_id=0, device=CPU))
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+    for name, p in model.named_parameters():
+        assert type(p) is torch.nn.Parameter and torch.equal(p, before[name]), name
+
+
+def test_a_hand_off_after_the_projections_were_fused_reaches_the_next_call(demo_model: str) -> None:
+    """The first call lays the query/key/value and gate/up parameters out as one tensor each; weights copied into
+    the engine afterwards (a hand-off) are what the next call samples with."""
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    model = AutoModelForCausalLM.from_pretrained(demo_model)
+    engine = HFRolloutEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=CPU)
+    prompts = [tok(p)["input_ids"] for p in ("3+4=", "12+9=")]
+    params = SamplingParams(n=1, max_new_tokens=6, min_new_tokens=6, greedy=True)
+    original = engine.generate(prompts, params)
+    q, k = engine.model.model.layers[0].self_attn.q_proj.weight, engine.model.model.layers[0].self_attn.k_proj.weight
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()  # one tensor now
+    torch.manual_seed(1)
+    other = AutoModelForCausalLM.from_pretrained(demo_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.load_weights(other.named_parameters())
+    fresh = HFRolloutEngine(other, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=CPU)
+    a, b = engine.generate(prompts, params), fresh.generate(prompts, params)
+    assert a.responses == b.responses and a.responses != original.responses
+    for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+        assert max(abs(u - v) for u, v in zip(x, y, strict=True)) < 1e-5
