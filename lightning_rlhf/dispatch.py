@@ -23,7 +23,7 @@ import enum
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
@@ -39,12 +39,15 @@ __all__ = [
     "Dispatch",
     "RoleFuture",
     "balanced_partition",
+    "columns_of",
     "concurrently",
     "current_controller",
     "in_background",
     "merge_results",
+    "only_written",
     "role_method",
     "split_args",
+    "with_written",
 ]
 
 BALANCE_KEY = "dp_split_by_tokens"
@@ -254,8 +257,14 @@ def in_background() -> Iterator[None]:
             future._join = (controller, handle)
 
 
-def role_method(dispatch: Dispatch) -> Callable[[F], F]:
-    """Declare a role method's transfer protocol.
+def role_method(
+    dispatch: Dispatch,
+    *,
+    reads: Sequence[str] | None = None,
+    writes: Sequence[str] | Callable[[Any], Sequence[str]] | None = None,
+) -> Callable[[F], F]:
+    """Declare a role method's transfer protocol, and for a ``DP_SPLIT`` method over a :class:`Batch` which of its
+    columns travel.
 
     Runs on: import time (decorator). The wrapped method runs on the controller (which distributes it) or
     locally on a worker. On the controller, a ``DP_SPLIT`` call's batch is marked with :data:`BALANCE_KEY` when the
@@ -263,7 +272,20 @@ def role_method(dispatch: Dispatch) -> Callable[[F], F]:
 
     Args:
         dispatch: the protocol used when the controller calls this method.
+        reads: the columns the method reads (those the batch lacks are skipped): only they go to the workers, with
+            the batch's ``meta``. None: every column.
+        writes: the columns the method adds (or the role's own, from a function of the role, e.g. a name with the
+            role's prefix): only they come back, and the controller returns the caller's batch (a shallow copy, its
+            columns shared) with them set. The method must return its input batch, one row per input row, with
+            these columns set and no other column changed or added (checked on the worker where it can be: a
+            column added but not declared, or a row count changed, is an error). None: the whole batch comes
+            back.
     """
+    if (reads is not None or writes is not None) and dispatch is not Dispatch.DP_SPLIT:
+        raise ValueError(
+            f"role_method({dispatch}, reads=..., writes=...): column declarations apply to Dispatch.DP_SPLIT methods "
+            "(a Batch split over ranks) only."
+        )
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
@@ -289,6 +311,7 @@ def role_method(dispatch: Dispatch) -> Callable[[F], F]:
             return controller.call(self, fn.__name__, args, kwargs)
 
         wrapper.__rlhf_dispatch__ = dispatch  # type: ignore[attr-defined]
+        wrapper.__rlhf_columns__ = (None if reads is None else tuple(reads), writes)  # type: ignore[attr-defined]
         return cast(F, wrapper)
 
     return decorate
@@ -306,10 +329,67 @@ def dispatch_of(role: Role, method: str) -> Dispatch:
     return cast(Dispatch, proto)
 
 
+def columns_of(role: Role, method: str) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+    """The columns ``role.method`` declares it reads and writes (:func:`role_method`; None: all).
+
+    Runs on: controller and workers."""
+    reads, writes = getattr(getattr(type(role), method, None), "__rlhf_columns__", (None, None))
+    if callable(writes):
+        writes = writes(role)
+    return reads, None if writes is None else tuple(writes)
+
+
+def only_written(where: str, inputs: Mapping[str, Any], result: Any, writes: Sequence[str]) -> Batch:
+    """What a worker sends back of a ``DP_SPLIT`` call that declares ``writes``: those columns of ``result`` (and its
+    meta). ``inputs`` are the columns of the batch the method was given, as they were before the call. Raises when
+    ``result`` does not have one row per input row, or adds or replaces a column it does not declare (it would be
+    lost on the way back; a tensor changed in place cannot be seen).
+
+    Runs on: worker."""
+    rows = len(next(iter(inputs.values()))) if inputs else 0
+    if not isinstance(result, Batch) or len(result) != rows:
+        got = f"{len(result)} rows" if isinstance(result, Batch) else type(result).__name__
+        raise RuntimeError(
+            f"`{where}` declares writes={list(writes)}, so it must return its input batch (one row per input row, "
+            f"{rows} here) with those columns set; it returned {got}. HINT: set the columns on the batch it "
+            "was given and return it, or declare no `writes` to send the whole result back."
+        )
+    missing = [k for k in writes if k not in result]
+    changed = [k for k in [*result.tensors, *result.columns] if k not in inputs or result[k] is not inputs[k]]
+    undeclared = [k for k in changed if k not in writes]
+    if missing or undeclared:
+        raise RuntimeError(
+            f"`{where}` declares writes={list(writes)}, but its result "
+            + (f"lacks {missing}" if missing else f"adds or replaces the undeclared columns {undeclared}")
+            + ". HINT: declare every column the method adds in `@role_method(..., writes=...)`."
+        )
+    return Batch(
+        {k: result.tensors[k] for k in writes if k in result.tensors},
+        {k: result.columns[k] for k in writes if k in result.columns},
+        result.meta,
+    )
+
+
+def with_written(caller: Batch, merged: Batch, writes: Sequence[str]) -> Batch:
+    """The controller's result of a call that declares ``writes``: the caller's batch (shallow copy) with the
+    written columns of the merged results set, and their meta. Runs on: controller."""
+    out = Batch(caller.tensors, caller.columns, merged.meta)
+    for key in writes:
+        out[key] = merged[key]
+    return out
+
+
 def split_args(
-    dispatch: Dispatch, args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int, *, where: str
+    dispatch: Dispatch,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    world_size: int,
+    *,
+    where: str,
+    reads: Sequence[str] | None = None,
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]] | None]:
-    """Arguments for each rank (``None``: the rank skips the call).
+    """Arguments for each rank (``None``: the rank skips the call); a ``DP_SPLIT`` batch holds only the columns in
+    ``reads`` (None: all).
 
     Runs on: controller.
     """
@@ -321,6 +401,13 @@ def split_args(
         got = type(args[0]).__name__ if args else "no positional argument"
         raise TypeError(f"{where} is DP_SPLIT: pass the Batch as its first positional argument (got {got}).")
     batch = args[0]
+    if reads is not None:  # only what the method reads travels
+        kept = set(reads)
+        batch = Batch(
+            {k: v for k, v in batch.tensors.items() if k in kept},
+            {k: v for k, v in batch.columns.items() if k in kept},
+            batch.meta,
+        )
     if len(batch) % world_size:
         raise ValueError(
             f"{where}: a batch of {len(batch)} rows cannot be split evenly over {world_size} ranks. "

@@ -16,7 +16,7 @@ from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
 from lightning_rlhf.engines.rollout.reshard import weights_for
-from lightning_rlhf.engines.train import MetricAccumulator, forward_response, full_tensors, world
+from lightning_rlhf.engines.train import RESPONSE_INPUTS, MetricAccumulator, forward_response, full_tensors, world
 from lightning_rlhf.roles.base import Role, RolloutEngineRequest, load_model
 
 __all__ = ["ActorRole", "rollout_is_weights", "sample_rollout"]
@@ -216,7 +216,7 @@ class ActorRole(Role):
         }
 
     # ------------------------------------------------------------------------------------- training
-    @role_method(Dispatch.DP_SPLIT)
+    @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("old_logprobs",))
     def log_prob(self, batch: Batch) -> Batch:
         """Log-probs of the sampled responses under the current weights, as ``old_logprobs`` ``[B, R]``.
 

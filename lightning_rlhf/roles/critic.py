@@ -8,7 +8,7 @@ from lightning_rlhf.algorithms import MicroBatchAggregation, value_loss_clipped
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig
 from lightning_rlhf.dispatch import Dispatch, role_method
-from lightning_rlhf.engines.train import forward_response
+from lightning_rlhf.engines.train import RESPONSE_INPUTS, forward_response
 from lightning_rlhf.roles.base import Role, load_model
 
 __all__ = ["CriticRole"]
@@ -50,7 +50,7 @@ class CriticRole(Role):
             )
             self.set_model(model.train())  # from_pretrained returns eval mode; dropout is off anyway
 
-    @role_method(Dispatch.DP_SPLIT)
+    @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=lambda role: (f"{role.prefix}values",))
     def values(self, batch: Batch) -> Batch:
         """Per-token values of the responses, as ``<prefix>values`` ``[B, R]``. Runs on: every worker rank."""
         out = self.train_engine.infer(batch, lambda model, micro: forward_response(model, micro, output="values"))

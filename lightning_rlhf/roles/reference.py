@@ -7,7 +7,7 @@ import torch
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout.base import logprob_temperature
-from lightning_rlhf.engines.train import forward_response
+from lightning_rlhf.engines.train import RESPONSE_INPUTS, forward_response
 from lightning_rlhf.roles.base import Role, load_model
 
 __all__ = ["ReferenceRole"]
@@ -49,7 +49,7 @@ class ReferenceRole(Role):
             model = load_model(AutoModelForCausalLM, self.path, setting="ReferenceRole(path=...)", dtype=self.dtype)
             self.set_model(model.eval().requires_grad_(False))
 
-    @role_method(Dispatch.DP_SPLIT)
+    @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("ref_logprobs",))
     def log_prob(self, batch: Batch) -> Batch:
         """Reference log-probs of the responses, as ``ref_logprobs`` ``[B, R]``. Runs on: every worker rank."""
         temperature = self.temperature

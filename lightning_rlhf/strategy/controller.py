@@ -40,7 +40,16 @@ import torch
 import torch.distributed as dist
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.dispatch import controller_active, dispatch_of, merge_results, split_args
+from lightning_rlhf.dispatch import (
+    Dispatch,
+    columns_of,
+    controller_active,
+    dispatch_of,
+    merge_results,
+    only_written,
+    split_args,
+    with_written,
+)
 from lightning_rlhf.engines.train.engine import data_parallel_group
 from lightning_rlhf.strategy.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
 
@@ -78,6 +87,24 @@ class _Call:
     kwargs: dict[str, Any]
     index: int = 0  # position of the call in its exchange
     token: int | None = None  # set: start the call in a thread and reply at once (a background call)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """How one call of an exchange went out: its protocol, the ranks that got a part (in pool order), and for a call
+    that declares ``writes`` the caller's batch and those columns (its result is that batch with them set)."""
+
+    dispatch: Dispatch
+    ranks: list[int]
+    caller: Batch | None = None
+    writes: tuple[str, ...] | None = None
+
+    def merge(self, results: Sequence[Any]) -> Any:
+        """The controller's result from the ranks' results, in :attr:`ranks` order."""
+        merged = merge_results(self.dispatch, results)
+        if self.writes is None or self.caller is None:
+            return merged
+        return with_written(self.caller, merged, self.writes)
 
 
 @dataclasses.dataclass
@@ -149,8 +176,8 @@ class Controller:
         self._last_where: str | None = None
         self.stop_signum = 0  # set after each step: the stop every rank agreed on (0: go on)
         self.last_seconds: list[float] = []  # each call of the last exchange: its time on its slowest rank
-        # controller: each background call -> where, protocol, ranks
-        self._in_flight: dict[int, tuple[str, Any, list[int]]] = {}
+        # controller: each background call -> where, its plan
+        self._in_flight: dict[int, tuple[str, _Plan]] = {}
         self._next_token = 0
         self._threads: dict[int, tuple[threading.Thread, list[Any]]] = {}  # this rank's background parts
         if world_size > 1:
@@ -247,10 +274,7 @@ class Controller:
         """
         messages, plans, where = self._plan(calls, background=False)
         by_call, self.last_seconds = self._exchange(messages, len(calls), where)
-        return [
-            merge_results(dispatch, [by_call[index][rank] for rank in ranks])
-            for index, (dispatch, ranks) in enumerate(plans)
-        ]
+        return [plan.merge([by_call[index][rank] for rank in plan.ranks]) for index, plan in enumerate(plans)]
 
     def start_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[int]:
         """Start role calls in the background (``in_background()``): each rank starts its parts in threads and
@@ -261,9 +285,9 @@ class Controller:
         messages, plans, where = self._plan(calls, background=True)
         self._exchange(messages, len(calls), where)
         tokens = []
-        for index, (dispatch, ranks) in enumerate(plans):
+        for index, plan in enumerate(plans):
             token = self._next_token + index
-            self._in_flight[token] = (f"{calls[index][0].name}.{calls[index][1]}", dispatch, ranks)
+            self._in_flight[token] = (f"{calls[index][0].name}.{calls[index][1]}", plan)
             tokens.append(token)
         self._next_token += len(calls)
         return tokens
@@ -273,20 +297,20 @@ class Controller:
 
         Runs on: controller (rank 0), from :meth:`~lightning_rlhf.dispatch.RoleFuture.result`.
         """
-        where, dispatch, ranks = self._in_flight.pop(token)
+        where, plan = self._in_flight.pop(token)
         messages: list[list[Any]] = [[] for _ in range(self.world_size)]
-        for rank in ranks:
+        for rank in plan.ranks:
             messages[rank].append(_Join(token))
         by_call, seconds = self._exchange(messages, 1, f"{where} (waiting for it)")
-        return merge_results(dispatch, [by_call[0][rank] for rank in ranks]), seconds[0]
+        return plan.merge([by_call[0][rank] for rank in plan.ranks]), seconds[0]
 
     def _plan(
         self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]], *, background: bool
-    ) -> tuple[list[list[Any]], list[tuple[Any, list[int]]], str]:
-        """Each rank's parts of ``calls``, each call's protocol and ranks, and how the exchange is named."""
-        busy = {rank: where for where, _, ranks in self._in_flight.values() for rank in ranks}
+    ) -> tuple[list[list[Any]], list[_Plan], str]:
+        """Each rank's parts of ``calls``, each call's :class:`_Plan`, and how the exchange is named."""
+        busy = {rank: where for where, plan in self._in_flight.values() for rank in plan.ranks}
         messages: list[list[Any]] = [[] for _ in range(self.world_size)]
-        plans: list[tuple[Any, list[int]]] = []  # per call: its protocol, the ranks that got a part (in pool order)
+        plans: list[_Plan] = []
         wheres = []
         for index, (role, method, args, kwargs) in enumerate(calls):
             where = f"{role.name}.{method}"
@@ -299,7 +323,8 @@ class Controller:
                     "started in the background. HINT: read that call's `.result()` first, or place the two roles on "
                     "disjoint ranks."
                 )
-            per_rank = split_args(dispatch, args, kwargs, len(pool), where=where)
+            reads, writes = columns_of(role, method) if dispatch is Dispatch.DP_SPLIT else (None, None)
+            per_rank = split_args(dispatch, args, kwargs, len(pool), where=where, reads=reads)
             ranks = [rank for rank, part in zip(pool, per_rank, strict=True) if part is not None]
             token = self._next_token + index if background else None
             if background:  # one background call per rank at a time
@@ -307,7 +332,8 @@ class Controller:
             for rank, part in zip(pool, per_rank, strict=True):
                 if part is not None:
                     messages[rank].append(_Call(role.name, method, part[0], part[1], index, token))
-            plans.append((dispatch, ranks))
+            caller = args[0] if writes is not None and args and isinstance(args[0], Batch) else None
+            plans.append(_Plan(dispatch, ranks, caller, writes))
             wheres.append(where)
         return messages, plans, " + ".join(wheres)
 
@@ -344,7 +370,7 @@ class Controller:
         that every rank is free again) and raises naming them."""
         if not self._in_flight:
             return
-        unread = [where for where, _, _ in self._in_flight.values()]
+        unread = [where for where, _ in self._in_flight.values()]
         for token in list(self._in_flight):
             self.join(token)
         raise RuntimeError(
@@ -442,8 +468,13 @@ class Controller:
         if not background:
             self.where = where
         try:
+            _, writes = columns_of(role, call.method)
+            part = call.args[0] if writes is not None and call.args and isinstance(call.args[0], Batch) else None
+            inputs = {**part.tensors, **part.columns} if part is not None else {}  # the columns before the call
             with controller_active(None), data_parallel_group(self._groups.get(call.role)):
                 result = fn(role, *call.args, **call.kwargs)
+            if writes is not None and part is not None:  # only what the method wrote goes back
+                result = only_written(where, inputs, result, writes)
         except Exception as err:
             died = self._dead_peer(err)
             if died is not None:  # a collective failed because a peer died: not this role's fault

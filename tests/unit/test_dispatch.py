@@ -46,3 +46,60 @@ def test_declared_protocol_and_local_calls() -> None:
     assert dispatch_of(R(), "ping") is Dispatch.ONE_TO_ALL  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"`R.plain` has no transfer protocol"):
         dispatch_of(R(), "plain")  # type: ignore[arg-type]
+
+
+class Scorer:
+    """A role whose methods declare the columns they read and write (what a scoring forward does)."""
+
+    name = "scorer"
+    prefix = "cost_"
+    seen: list[list[str]]
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    @role_method(Dispatch.DP_SPLIT, reads=("x", "absent"), writes=("y",))
+    def score(self, batch: Batch) -> Batch:
+        self.seen.append(batch.keys())
+        batch["y"] = batch["x"] * 2
+        return batch
+
+    @role_method(Dispatch.DP_SPLIT, reads=("x",), writes=lambda role: (f"{role.prefix}y",))
+    def prefixed(self, batch: Batch) -> Batch:
+        batch[f"{self.prefix}y"] = batch["x"] + 1
+        return batch
+
+    @role_method(Dispatch.DP_SPLIT, reads=("x",), writes=("y",))
+    def sneaky(self, batch: Batch) -> Batch:
+        batch["y"] = batch["x"]
+        batch["x"] = batch["x"] + 1  # replaces a column it does not declare: it would be lost on the way back
+        return batch
+
+    @role_method(Dispatch.DP_SPLIT, reads=("x",), writes=("y",))
+    def drops_rows(self, batch: Batch) -> Batch:
+        out = batch.select(slice(0, 1))
+        out["y"] = out["x"]
+        return out
+
+
+def test_declared_columns_travel_alone_and_the_caller_gets_its_batch_back_with_the_written_ones() -> None:
+    from lightning_rlhf.dispatch import controller_active
+    from lightning_rlhf.strategy.controller import Controller, WorkerError
+
+    scorer = Scorer()
+    controller = Controller({"scorer": scorer}.__getitem__, rank=0, world_size=1)  # type: ignore[arg-type]
+    batch = Batch({"x": torch.arange(4), "big": torch.zeros(4, 100)}, {"text": list("abcd")}, {"step": 3})
+    with controller_active(controller):
+        out = scorer.score(batch)
+        assert scorer.seen == [["x"]]  # only the declared column that exists went to the worker
+        assert out["y"].tolist() == [0, 2, 4, 6] and out.meta["step"] == 3
+        assert out["big"] is batch["big"] and out["text"] == list("abcd")  # the caller's columns, not copies
+        assert "y" not in batch  # the caller's batch itself is not changed
+        assert scorer.prefixed(batch)["cost_y"].tolist() == [1, 2, 3, 4]  # writes named from the role
+        with pytest.raises(WorkerError, match=r"adds or replaces the undeclared columns \['x'\]"):
+            scorer.sneaky(batch)
+        with pytest.raises(WorkerError, match=r"must return its input batch \(one row per input row, 4 here\)"):
+            scorer.drops_rows(batch)
+    assert Scorer().score(batch).keys() == ["x", "big", "y", "text"]  # no controller: a plain call, nothing trimmed
+    with pytest.raises(ValueError, match=r"column declarations apply to Dispatch\.DP_SPLIT methods"):
+        role_method(Dispatch.ONE_TO_ALL, reads=("x",))

@@ -12,11 +12,12 @@ from lightning_rlhf.engines.train.engine import (
     resolve_dtype,
     world,
 )
-from lightning_rlhf.engines.train.forward import forward_response, sequence_inputs
+from lightning_rlhf.engines.train.forward import RESPONSE_INPUTS, forward_response, sequence_inputs
 from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
 from lightning_rlhf.engines.train.loading import LoadReport, deferred_loading, load_pretrained, materialize
 
 __all__ = [
+    "RESPONSE_INPUTS",
     "LoadReport",
     "LossFn",
     "MetricAccumulator",

@@ -17,7 +17,11 @@ from lightning_rlhf.algorithms.functional import CHUNK_ELEMENTS, logprobs_and_en
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.engines.train.prefix import packed_response_logits, shares_prompts
 
-__all__ = ["forward_response", "sequence_inputs"]
+__all__ = ["RESPONSE_INPUTS", "forward_response", "sequence_inputs"]
+
+RESPONSE_INPUTS = ("prompts", "prompt_mask", "responses", "response_mask")
+"""The columns :func:`forward_response` reads (with the batch's ``meta``): what a scoring role method declares in
+``@role_method(..., reads=RESPONSE_INPUTS)``, so the control plane sends workers nothing else."""
 
 
 def sequence_inputs(batch: Batch, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
