@@ -178,6 +178,11 @@ def test_prepacked_projections_sample_what_plain_ones_do(dtype: torch.dtype, mon
 
     model = llama_family()[0].to(dtype)  # Qwen2: biases on the fused query/key/value projection
     assert decode._packs(model)
+    _, head = decode._layers(model, 8)
+    assert head.packed == (dtype == torch.bfloat16)  # float32 packs only weights of 65,536 elements and more
+    monkeypatch.setattr(decode, "_PACK_MIN_FLOAT32", 0)  # this model's float32 weights are below the size packed
+    layers, head = decode._layers(model, 8)
+    assert head.packed and all(linear.packed for layer in layers for linear in layer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, min_new_tokens=8)
     runs = []
