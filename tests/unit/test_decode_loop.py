@@ -160,10 +160,19 @@ def test_attention_over_the_written_slots_equals_attention_over_the_whole_cache(
     assert decode._written_slots_only(decode._Cache(llama_family()[0], 1, 4, torch.float32, CPU))
     assert not decode._written_slots_only(decode._Cache(llama_family()[0], 1, 4, torch.bfloat16, CPU))
     model = llama_family()[2].to(dtype)  # Qwen3: grouped queries, per-head norms
+    assert_same_samples_either_way(model, monkeypatch, "_written_slots_only")
+
+
+def assert_same_samples_either_way(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
+    """Sample with the decode module's predicate ``switch`` forced on, then off: the same tokens, and log-probs equal
+    up to float rounding."""
+    import lightning_rlhf.engines.rollout.decode as decode
+
+    dtype = next(model.parameters()).dtype
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, min_new_tokens=8)
     runs = []
-    for written in (True, False):
-        monkeypatch.setattr(decode, "_written_slots_only", lambda cache, on=written: on)
+    for on in (True, False):
+        monkeypatch.setattr(decode, switch, lambda *args, on=on: on)
         torch.manual_seed(0)
         runs.append(sample_loop(model, PROMPTS, params, stops={1}, pad_token_id=0, device=CPU))
     assert torch.equal(runs[0][0], runs[1][0])
@@ -184,14 +193,7 @@ def test_prepacked_projections_sample_what_plain_ones_do(dtype: torch.dtype, mon
     layers, head = decode._layers(model, 8)
     assert head.packed and all(linear.packed for layer in layers for linear in layer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, min_new_tokens=8)
-    runs = []
-    for packs in (True, False):
-        monkeypatch.setattr(decode, "_packs", lambda model, on=packs: on)
-        torch.manual_seed(0)
-        runs.append(sample_loop(model, PROMPTS, params, stops={1}, pad_token_id=0, device=CPU))
-    assert torch.equal(runs[0][0], runs[1][0])
-    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+    assert_same_samples_either_way(model, monkeypatch, "_packs")
     for name, p in model.named_parameters():
         assert type(p) is torch.nn.Parameter and torch.equal(p, before[name]), name
 
