@@ -403,11 +403,17 @@ def split_args(
     batch = args[0]
     if reads is not None:  # only what the method reads travels
         kept = set(reads)
-        batch = Batch(
+        trimmed = Batch(
             {k: v for k, v in batch.tensors.items() if k in kept},
             {k: v for k, v in batch.columns.items() if k in kept},
             batch.meta,
         )
+        if len(batch) and not trimmed.keys():
+            raise KeyError(
+                f"{where} reads {sorted(kept)}, and the batch has none of them (its columns: {sorted(batch.keys())}). "
+                "HINT: pass the batch the method expects (e.g. a rollout with prompts and responses)."
+            )
+        batch = trimmed
     if len(batch) % world_size:
         raise ValueError(
             f"{where}: a batch of {len(batch)} rows cannot be split evenly over {world_size} ranks. "

@@ -333,6 +333,8 @@ class Controller:
                 if part is not None:
                     messages[rank].append(_Call(role.name, method, part[0], part[1], index, token))
             caller = args[0] if writes is not None and args and isinstance(args[0], Batch) else None
+            if caller is not None:  # as it is now: columns set on it before a background call is read stay out
+                caller = Batch(caller.tensors, caller.columns, caller.meta)
             plans.append(_Plan(dispatch, ranks, caller, writes))
             wheres.append(where)
         return messages, plans, " + ".join(wheres)

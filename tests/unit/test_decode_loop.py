@@ -186,12 +186,14 @@ def test_prepacked_projections_sample_what_plain_ones_do(dtype: torch.dtype, mon
     import lightning_rlhf.engines.rollout.decode as decode
 
     model = llama_family()[0].to(dtype)  # Qwen2: biases on the fused query/key/value projection
-    assert decode._packs(model)
+    supported = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert decode._packs(model) == supported  # bfloat16 only where oneDNN has the CPU's bfloat16 path
     _, head = decode._layers(model, 8)
-    assert head.packed == (dtype == torch.bfloat16)  # float32 packs only weights of 65,536 elements and more
+    assert head.packed == (dtype == torch.bfloat16 and supported)  # float32 packs weights of 65,536 elements and up
     monkeypatch.setattr(decode, "_PACK_MIN_FLOAT32", 0)  # this model's float32 weights are below the size packed
-    layers, head = decode._layers(model, 8)
-    assert head.packed and all(linear.packed for layer in layers for linear in layer)
+    monkeypatch.setattr(decode, "_packs", lambda model: True)
+    layers, head = decode._layers(model, 8)  # where oneDNN cannot reorder, every projection stays plain
+    assert all(linear.packed == supported for linear in [head, *(lin for layer in layers for lin in layer)])
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     assert_same_samples_either_way(model, monkeypatch, "_packs")
     for name, p in model.named_parameters():
@@ -220,3 +222,35 @@ def test_a_hand_off_after_the_projections_were_fused_reaches_the_next_call(demo_
     assert a.responses == b.responses and a.responses != original.responses
     for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
         assert max(abs(u - v) for u, v in zip(x, y, strict=True)) < 1e-5
+
+
+def test_a_cpu_without_onednn_bfloat16_decodes_bfloat16_unpacked() -> None:
+    """On a CPU whose oneDNN has no bfloat16 path (AVX2 only: many AMD and client CPUs, emulated here with
+    ``ONEDNN_MAX_CPU_ISA``, which must be set before oneDNN starts), the loop does not pack bfloat16 weights and
+    still samples; float32 still packs."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+import lightning_rlhf.engines.rollout.decode as decode
+from lightning_rlhf.engines.rollout import SamplingParams
+assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+torch.manual_seed(0)
+shape = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1)
+model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
+assert decode._packs(model)
+model = model.to(torch.bfloat16)
+assert not decode._packs(model)
+params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, min_new_tokens=6, seed=0)
+tokens, logprobs = decode.sample_loop(model, [[5, 6, 7], [8]], params, stops={1}, pad_token_id=0,
+                                      device=torch.device("cpu"))
+assert tokens.shape == (4, 6) and bool(torch.isfinite(logprobs).all())
+print("ok")
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

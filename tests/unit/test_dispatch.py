@@ -103,3 +103,63 @@ def test_declared_columns_travel_alone_and_the_caller_gets_its_batch_back_with_t
     assert Scorer().score(batch).keys() == ["x", "big", "y", "text"]  # no controller: a plain call, nothing trimmed
     with pytest.raises(ValueError, match=r"column declarations apply to Dispatch\.DP_SPLIT methods"):
         role_method(Dispatch.ONE_TO_ALL, reads=("x",))
+
+
+def test_written_columns_of_a_token_balanced_split_come_back_in_the_callers_row_order() -> None:
+    """Two ranks, simulated with the controller's own functions: a split balanced by tokens hands each rank rows out
+    of order; the written column returns to the caller's rows, the split's meta keys do not leak, and the caller's
+    batch is not changed."""
+    import pickle
+
+    from lightning_rlhf.dispatch import BALANCE_KEY, ROWS_KEY, only_written, with_written
+
+    lengths = [1, 8, 2, 7, 3, 6, 4, 5]
+    batch = Batch(
+        {
+            "prompts": torch.ones(8, 2, dtype=torch.long),
+            "prompt_mask": torch.ones(8, 2, dtype=torch.long),
+            "responses": torch.arange(8)[:, None].repeat(1, 8),
+            "response_mask": torch.tensor([[1] * n + [0] * (8 - n) for n in lengths]),
+            "advantages": torch.randn(8, 8),
+        },
+        {"text": list("abcdefgh")},
+        {"step": 5, BALANCE_KEY: True},
+    )
+    per_rank = split_args(
+        Dispatch.DP_SPLIT, (batch,), {}, 2, where="r.m", reads=("prompts", "prompt_mask", "responses", "response_mask")
+    )
+    replies = []
+    for args in per_rank:
+        assert args is not None
+        part = pickle.loads(pickle.dumps(args[0][0]))  # what a worker receives
+        assert sorted(part.keys()) == ["prompt_mask", "prompts", "response_mask", "responses"]
+        inputs = {**part.tensors, **part.columns}
+        part["score"] = part["responses"][:, 0].float() * 10  # a per-row result the caller can check
+        replies.append(pickle.loads(pickle.dumps(only_written("r.m", inputs, part, ("score",)))))
+    assert [r.meta[ROWS_KEY] for r in replies] != [[0, 1, 2, 3], [4, 5, 6, 7]]  # the split did reorder rows
+    out = with_written(batch, merge_results(Dispatch.DP_SPLIT, replies), ("score",))
+    assert out["score"].tolist() == [10.0 * i for i in range(8)]
+    assert out["advantages"] is batch["advantages"] and out["text"] == list("abcdefgh")
+    assert ROWS_KEY not in out.meta and BALANCE_KEY not in out.meta and out.meta["step"] == 5
+    assert "score" not in batch
+
+
+def test_a_batch_without_any_column_a_method_reads_fails_on_the_controller() -> None:
+    batch = Batch({"x": torch.arange(4)})
+    with pytest.raises(KeyError, match=r"r\.m reads \['prompts', 'responses'\], and the batch has none of them"):
+        split_args(Dispatch.DP_SPLIT, (batch,), {}, 2, where="r.m", reads=("responses", "prompts"))
+
+
+def test_a_background_call_returns_the_callers_batch_as_it_was_when_the_call_was_made() -> None:
+    from lightning_rlhf.dispatch import controller_active, in_background
+    from lightning_rlhf.strategy.controller import Controller
+
+    scorer = Scorer()
+    controller = Controller({"scorer": scorer}.__getitem__, rank=0, world_size=1)  # type: ignore[arg-type]
+    batch = Batch({"x": torch.arange(4)})
+    with controller_active(controller):
+        with in_background():
+            future = scorer.score(batch)
+        batch["later"] = torch.zeros(4)  # set after the call was made: not part of its result
+        out = future.result()
+    assert out["y"].tolist() == [0, 2, 4, 6] and "later" not in out

@@ -155,13 +155,20 @@ class _Linear:
     """One projection of the loop: ``y = x @ weight.T + bias`` through ``F.linear``, or through oneDNN with the weight
     reordered into its blocked layout (:func:`_packs`).
 
-    The packed copy lives as long as the :func:`sample_loop` call that made it; the model's parameters are never
-    replaced, so a hand-off that ``copy_``-s into them is seen by the next call."""
+    The packed copy lives as long as the :func:`sample_loop` call that made it (one more copy of the engine's
+    projection and head weights while it generates); the model's parameters are never replaced, so a hand-off that
+    ``copy_``-s into them is seen by the next call."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int | None) -> None:
         self.bias = bias
-        self.packed = rows is not None and (weight.dtype != torch.float32 or weight.numel() >= _PACK_MIN_FLOAT32)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.packed else weight
+        self.weight = weight
+        self.packed = False
+        if rows is not None and (weight.dtype != torch.float32 or weight.numel() >= _PACK_MIN_FLOAT32):
+            try:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+                self.packed = True
+            except RuntimeError:  # a build or CPU whose oneDNN lacks this path: the plain product is as exact
+                self.weight = weight
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed:
@@ -182,13 +189,17 @@ def _packs(model: Any) -> bool:
     float32 against MKL's 62-66, and 160-180 against 115-140 in bfloat16. Reordering a weight costs one pass over it
     (~7 ms for that model, once per call)."""
     weight = model.lm_head.weight
-    return (
-        weight.dtype in (torch.float32, torch.bfloat16)
-        and weight.device.type == "cpu"
+    ops = torch.ops.mkldnn
+    if not (
+        weight.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    ):
+        return False
+    if weight.dtype == torch.bfloat16:  # oneDNN's bfloat16 path needs AVX-512 (BW/VL/DQ), AVX-NE-CONVERT or Arm's BF16
+        return bool(hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 class _Layer(NamedTuple):
