@@ -107,6 +107,11 @@ class _Plan:
         return with_written(self.caller, merged, self.writes)
 
 
+def _batch_argument(args: tuple[Any, ...]) -> Batch | None:
+    """The batch a ``DP_SPLIT`` call splits (its first positional argument), or None."""
+    return args[0] if args and isinstance(args[0], Batch) else None
+
+
 @dataclasses.dataclass
 class _Join:
     token: int  # the background call to wait for
@@ -323,7 +328,7 @@ class Controller:
                     "started in the background. HINT: read that call's `.result()` first, or place the two roles on "
                     "disjoint ranks."
                 )
-            reads, writes = columns_of(role, method) if dispatch is Dispatch.DP_SPLIT else (None, None)
+            reads, writes = columns_of(role, method)  # declared on DP_SPLIT methods only (role_method checks)
             per_rank = split_args(dispatch, args, kwargs, len(pool), where=where, reads=reads)
             ranks = [rank for rank, part in zip(pool, per_rank, strict=True) if part is not None]
             token = self._next_token + index if background else None
@@ -332,7 +337,7 @@ class Controller:
             for rank, part in zip(pool, per_rank, strict=True):
                 if part is not None:
                     messages[rank].append(_Call(role.name, method, part[0], part[1], index, token))
-            caller = args[0] if writes is not None and args and isinstance(args[0], Batch) else None
+            caller = _batch_argument(args) if writes is not None else None
             if caller is not None:  # as it is now: columns set on it before a background call is read stay out
                 caller = Batch(caller.tensors, caller.columns, caller.meta)
             plans.append(_Plan(dispatch, ranks, caller, writes))
@@ -471,7 +476,7 @@ class Controller:
             self.where = where
         try:
             _, writes = columns_of(role, call.method)
-            part = call.args[0] if writes is not None and call.args and isinstance(call.args[0], Batch) else None
+            part = _batch_argument(call.args) if writes is not None else None
             inputs = {**part.tensors, **part.columns} if part is not None else {}  # the columns before the call
             with controller_active(None), data_parallel_group(self._groups.get(call.role)):
                 result = fn(role, *call.args, **call.kwargs)

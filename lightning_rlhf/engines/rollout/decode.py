@@ -168,7 +168,7 @@ class _Linear:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
                 self.packed = True
             except RuntimeError:  # a build or CPU whose oneDNN lacks this path: the plain product is as exact
-                self.weight = weight
+                pass
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed:
