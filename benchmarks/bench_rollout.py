@@ -7,11 +7,13 @@ Rollout: one process, the same tiny Qwen2 and workload for both engines (64 prom
 tokens, temperature 1, EOS disabled by a stop id that never occurs so every response has the full length);
 response tokens per second over 3 timed rounds after a warm-up round.
 
-Hand-off: two processes (torchrun), the actor sharded with FSDP2 over both, a colocated vLLM engine with
-TP=1 (an engine per rank) and TP=2 (one engine over both ranks, full tensors as the peers do, or only each
-rank's TP slices); time of ``load_weights(weights_for(...))`` (exchange + hand-off + vLLM's re-processing),
-bytes each rank received from the other and bytes it handed to its engine, for three model sizes. The
-machine's memcpy bandwidth is printed for scale.
+Hand-off: two processes (torchrun), the actor sharded with FSDP2 over both, a colocated engine per rank
+(transformers, or vLLM with TP=1) with full tensors moved by gloo's all-gather ("collective") or through the
+host's shared memory ("shared"), and a vLLM engine with TP=2 (one engine over both ranks, full tensors as the
+peers do, or only each rank's TP slices); median time of ``load_weights(weights_for(...))`` (exchange +
+hand-off + the engine's own loading), bytes each rank received from the other and bytes it handed to its
+engine, for three model sizes. The physical scale beside each: both ranks copying the bytes their engine
+takes at the same time (one flat tensor copy each), and the time as a multiple of it.
 """
 
 from __future__ import annotations
@@ -92,61 +94,93 @@ def bench_rollout(folder: str, size: str) -> None:
         print(f"rollout  {size:<5} {name:<13} {statistics.median(rates):>9.0f} response tokens/s", flush=True)
 
 
-def sync_worker(path: str, tp: int, transfer: str, out: str) -> None:
+def sync_worker(path: str, engine_kind: str, tp: int, transfer: str, transport: str, out: str) -> None:
     """One rank of the hand-off benchmark (under torchrun)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from lightning_rlhf.config import VLLMConfig
+    from lightning_rlhf.engines.rollout import HFRolloutEngine
     from lightning_rlhf.engines.rollout.reshard import weights_for
-    from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
     from lightning_rlhf.engines.train import shard_model
 
     dist.init_process_group("gloo")
+    torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    engine = VLLMRolloutEngine(
-        path,
-        param_names=[n for n, _ in model.named_parameters()],
-        config=VLLMConfig(tensor_parallel_size=tp, kv_cache_memory_bytes=64 << 20, weight_transfer=transfer),
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        max_model_len=64,
-        tie_word_embeddings=True,
-        hf_config=model.config,
-    )
+    if engine_kind == "hf":
+        engine = HFRolloutEngine(model, pad_token_id=0, eos_token_id=23, device=torch.device("cpu"))
+    else:
+        from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
+
+        engine = VLLMRolloutEngine(
+            path,
+            param_names=[n for n, _ in model.named_parameters()],
+            config=VLLMConfig(tensor_parallel_size=tp, kv_cache_memory_bytes=64 << 20, weight_transfer=transfer),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            max_model_len=64,
+            tie_word_embeddings=True,
+            hf_config=model.config,
+        )
     shard_model(model, dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),)))
     times, received, handed = [], 0, 0
-    for _ in range(4):
+    for _ in range(12):
         dist.barrier()
         box = [0]
         t0 = time.perf_counter()
-        handed = engine.load_weights(weights_for(engine, model, box))
+        handed = engine.load_weights(weights_for(engine, model, box, transport=transport))
         times.append(time.perf_counter() - t0)
         received = box[0]
+    # the physical scale: every rank copies the bytes its engine takes at the same time (one flat copy each)
+    src = torch.ones(max(handed, 4) // 4)
+    dst = torch.empty_like(src)
+    copies = []
+    for _ in range(12):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t0)
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in model.parameters())
+        result = {"params": params, "s": statistics.median(times[2:]), "received": received, "handed": handed}
         with open(out, "w") as f:
-            json.dump({"params": params, "s": statistics.median(times[1:]), "received": received, "handed": handed}, f)
+            json.dump({**result, "memcpy_s": statistics.median(copies[2:])}, f)
     dist.barrier()
+
+
+CASES = (  # engine, TP, transfer, transport
+    ("hf", 1, "full", "collective"),
+    ("hf", 1, "full", "shared"),
+    ("vllm", 1, "full", "collective"),
+    ("vllm", 1, "full", "shared"),
+    ("vllm", 2, "full", "auto"),
+    ("vllm", 2, "slices", "auto"),
+)
 
 
 def bench_sync(folder: str) -> None:
     print(f"memcpy   {memcpy_gbps():.1f} GB/s (one 256 MB host copy)")
-    print("hand-off  size   TP transfer  params   time ms   received/rank MB   handed/rank MB")
+    print(
+        "hand-off  size   engine TP transfer transport   params   time ms   received/rank MB   handed/rank MB"
+        "   memcpy ms   x memcpy"
+    )
     for size in SIZES:
         path = _model(folder, size)
-        for tp, transfer in ((1, "full"), (2, "full"), (2, "slices")):
-            out = os.path.join(folder, f"sync-{size}-{tp}-{transfer}.json")
+        for engine, tp, transfer, transport in CASES:
+            out = os.path.join(folder, f"sync-{size}-{engine}-{tp}-{transfer}-{transport}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
-            cmd += ["--worker", path, "--tp", str(tp), "--transfer", transfer, "--out", out]
+            cmd += ["--worker", path, "--engine", engine, "--tp", str(tp), "--transfer", transfer]
+            cmd += ["--transport", transport, "--out", out]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
-                sys.exit(f"sync worker failed ({size}, TP={tp}, {transfer}):\n{proc.stderr[-3000:]}")
+                sys.exit(f"sync worker failed ({size}, {engine}, TP={tp}, {transfer}):\n{proc.stderr[-3000:]}")
             with open(out) as f:
                 r = json.load(f)
             print(
-                f"          {size:<6} {tp:>2} {transfer:<8} {r['params'] / 1e6:>7.1f}M {r['s'] * 1e3:>9.1f} "
-                f"{r['received'] / 2**20:>18.2f} {r['handed'] / 2**20:>16.2f}"
+                f"          {size:<6} {engine:<6} {tp:>2} {transfer:<8} {transport:<10} {r['params'] / 1e6:>6.1f}M "
+                f"{r['s'] * 1e3:>9.2f} {r['received'] / 2**20:>18.2f} {r['handed'] / 2**20:>16.2f} "
+                f"{r['memcpy_s'] * 1e3:>11.2f} {r['s'] / r['memcpy_s']:>10.1f}",
+                flush=True,
             )
 
 
@@ -157,12 +191,14 @@ def main() -> None:
     p.add_argument("--rollout-size", help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--transfer", default="full", help=argparse.SUPPRESS)
+    p.add_argument("--engine", default="vllm", help=argparse.SUPPRESS)
+    p.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     folder = os.path.join(tempfile.gettempdir(), "lightning_rlhf_bench_models")
     if args.worker:
-        sync_worker(args.worker, args.tp, args.transfer, args.out)
+        sync_worker(args.worker, args.engine, args.tp, args.transfer, args.transport, args.out)
         return
     if args.rollout_size:
         bench_rollout(folder, args.rollout_size)

@@ -1,10 +1,11 @@
-"""Checks ``full_tensors`` (bucketed all-gathers of FSDP2 shards) under torchrun with 2 processes; the test
-launches it.
+"""Checks ``full_tensors`` (bucketed exchanges of FSDP2 shards: gloo's all-gather, or the host's shared memory)
+under torchrun with 2 processes; the test launches it.
 
 A tiny Qwen2 model sharded as the trainer shards it, plus parameters whose rows split unevenly (5 rows: 3 + 2;
-1 row: 1 + 0): every bucket size must give exactly ``full_tensor()`` of each parameter, in ``named_parameters()``
-order, cast when asked, with the bytes received counted. Prints
-``OK <rank> <float32 bytes received> <elements in the model>`` at the end.
+1 row: 1 + 0): every bucket size and both transports must give exactly ``full_tensor()`` of each parameter, in
+``named_parameters()`` order, cast when asked, with the bytes received counted; views of the shared buffer stay
+right over several hand-offs; a group whose ranks cannot all map the buffer falls back on every rank. Prints
+``FALLBACK <rank>`` and ``OK <rank> <float32 bytes received> <elements in the model>``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_rlhf.engines.train import full_tensors, shard_model
+from lightning_rlhf.engines.train import full_tensors, host_share, shard_model
 
 
 def main() -> None:
@@ -36,16 +37,39 @@ def main() -> None:
     expected = {name: p.detach().clone() for name, p in model.named_parameters()}
     shard_model(model, mesh)
     got = []
-    for bucket_bytes in (1, 200, 64 << 20):  # one parameter per bucket, several, all in one
-        for dtype in (None, torch.bfloat16):
-            received = [0]
-            stream = list(full_tensors(model, received, dtype=dtype, bucket_bytes=bucket_bytes))
-            assert [n for n, _ in stream] == list(expected), [n for n, _ in stream]
-            for name, tensor in stream:
-                want = expected[name] if dtype is None else expected[name].to(dtype)
-                assert tensor.dtype == want.dtype and torch.equal(tensor, want), (name, bucket_bytes, dtype)
-            got.append(received[0])
+    for transport in ("collective", "shared"):
+        for bucket_bytes in (1, 200, 64 << 20):  # one parameter per bucket, several, all in one
+            for dtype in (None, torch.bfloat16):
+                received = [0]
+                stream = list(
+                    full_tensors(model, received, dtype=dtype, bucket_bytes=bucket_bytes, transport=transport)
+                )
+                assert [n for n, _ in stream] == list(expected), [n for n, _ in stream]
+                for name, tensor in stream:
+                    want = expected[name] if dtype is None else expected[name].to(dtype)
+                    assert tensor.dtype == want.dtype and torch.equal(tensor, want), (transport, name, bucket_bytes)
+                got.append(received[0])
     assert len(set(got[0::2])) == 1 and len(set(got[1::2])) == 1 and got[0] == 2 * got[1], got
+    # views of the shared buffer, consumed as an engine does (each copied before the next is taken), over several
+    # hand-offs whose buckets take the buffer's halves in turn; the weights change between hand-offs
+    for handoff in range(3):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1.0)
+        now = {name: p.full_tensor() for name, p in model.named_parameters()}
+        engine = {}
+        for name, tensor in full_tensors(model, bucket_bytes=200, transport="shared", views=True):
+            engine[name] = tensor.clone()
+        for name, want in now.items():
+            assert torch.equal(engine[name], want) and not torch.equal(want, expected[name]), (handoff, name)
+    # a process group whose ranks cannot all map the file (here rank 1 is refused, as on another host): every rank
+    # falls back to the collective, and transport="shared" says why
+    refuse = host_share._map if rank == 0 else lambda path, nbytes: None
+    host_share._map = refuse  # type: ignore[assignment]
+    other = dist.new_group([0, 1])
+    assert host_share.host_buffer(other, 1024) is None
+    assert not any(n.startswith("lightning_rlhf-") for n in os.listdir(host_share.SHM_DIR) if str(os.getpid()) in n)
+    sys.stdout.write(f"FALLBACK {rank}\n")
     numel = sum(t.numel() for t in expected.values())
     sys.stdout.write(f"OK {rank} {got[0]} {numel}\n")
     sys.stdout.flush()

@@ -50,12 +50,13 @@ def test_slice_holder_answers_only_the_expected_narrow() -> None:
         holder.add(1)
 
 
-def ok_lines_of_two_ranks(script: str) -> list[list[str]]:
-    """Run ``tests/scripts/<script>`` under torchrun on 2 processes; its ``OK ...`` lines, split, by rank."""
+def ok_lines_of_two_ranks(script: str, also: str = "OK") -> list[list[str]]:
+    """Run ``tests/scripts/<script>`` under torchrun on 2 processes; its ``OK ...`` (and ``also ...``) lines, split,
+    sorted."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.run([*cmd, str(SCRIPTS / script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, failure_text(proc)
-    return sorted(line.split() for line in proc.stdout.splitlines() if line.startswith("OK"))
+    return sorted(line.split() for line in proc.stdout.splitlines() if line.startswith(("OK", also)))
 
 
 def test_exchange_moves_only_what_is_not_local() -> None:
@@ -66,7 +67,9 @@ def test_exchange_moves_only_what_is_not_local() -> None:
 
 
 def test_full_tensors_gathers_buckets_of_shards_exactly() -> None:
-    lines = ok_lines_of_two_ranks("gather_check.py")
+    lines = ok_lines_of_two_ranks("gather_check.py", also="FALLBACK")
+    assert lines[:2] == [["FALLBACK", "0"], ["FALLBACK", "1"]]
+    lines = lines[2:]
     assert [line[1] for line in lines] == ["0", "1"]
     # each rank receives every element it does not hold: over both ranks, each element once (float32: 4 bytes)
     received, numel = [int(line[2]) for line in lines], int(lines[0][3])

@@ -311,6 +311,9 @@ class RolloutEngine(Protocol):
 
     Both engines (``HFRolloutEngine``, ``VLLMRolloutEngine``) implement every member; build them with
     :func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine`.
+
+    Optional: ``copies_each_weight = True`` says that ``load_weights`` copies each tensor before it takes the next
+    one from the stream; ``weights_for`` may then hand it views of a reused buffer (``HFRolloutEngine`` does).
     """
 
     @property

@@ -99,6 +99,9 @@ class HFRolloutEngine:
     """Every rank runs a whole engine."""
     slicer: Slicer | None = None
     """Hand-offs carry full tensors."""
+    copies_each_weight: bool = True
+    """``load_weights`` copies each tensor into its parameter before it takes the next one from the stream, so a
+    hand-off may lend it views of a buffer it reuses (the host's shared buffer: no copy out of it)."""
     offload_optimizer: bool = False
     """The optimizer state stays on the device while this engine generates (as before the protocol: only the vLLM
     engine, which reserves a KV cache, asks for the offload)."""

@@ -240,12 +240,15 @@ def sliced_tensors(
 
 
 def weights_for(
-    engine: RolloutEngine, model: nn.Module, received: list[int] | None = None
+    engine: RolloutEngine, model: nn.Module, received: list[int] | None = None, *, transport: str = "auto"
 ) -> Iterator[tuple[str, Tensor]]:
     """The weight stream ``engine.load_weights`` should get from the FSDP2 ``model``: only this rank's TP slices
-    when the engine has a ``slicer`` (vLLM at TP > 1), else full tensors. Runs on: every worker rank."""
+    when the engine has a ``slicer`` (vLLM at TP > 1), else full tensors (views of the host's shared buffer when
+    the engine says ``copies_each_weight``: it copies each tensor before it takes the next). Runs on: every
+    worker rank. ``transport``: how full tensors move (``full_tensors``: ``"auto"``, ``"shared"``, ``"collective"``)."""
     from lightning_rlhf.engines.train import full_tensors
 
     if engine.slicer is None:
-        return full_tensors(model, received, dtype=engine.dtype)
+        views = bool(getattr(engine, "copies_each_weight", False))
+        return full_tensors(model, received, dtype=engine.dtype, transport=transport, views=views)
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)

@@ -7,6 +7,7 @@ final norm, head; tied embeddings stay one parameter).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -16,6 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+
+from lightning_rlhf.engines.train.host_share import HostBuffer, host_buffer
 
 __all__ = ["clip_grad_norm", "full_tensors", "move_optimizer_state", "shard_model"]
 
@@ -73,95 +76,197 @@ def full_tensors(
     *,
     dtype: torch.dtype | None = None,
     bucket_bytes: int = GATHER_BUCKET_BYTES,
+    transport: str = "auto",
+    views: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` per parameter, in ``named_parameters()`` order; the whole model is never
     assembled at once.
 
     Runs on: every worker rank, in the same order (the gathers are collectives). Row-sharded parameters (FSDP2's
-    ``Shard(0)``) are gathered a bucket at a time: the local shards of consecutive parameters, up to
-    ``bucket_bytes``, go in one ``all_gather_into_tensor`` (one collective per bucket instead of one per
-    parameter: on gloo that is most of a small model's hand-off). Other DTensors are gathered one by one
-    (``full_tensor``). With ``dtype`` the shards are cast before they are sent (e.g. to a bfloat16 engine: half
-    the bytes). When ``received`` is given, ``received[0]`` grows by the bytes this rank gets from the others.
+    ``Shard(0)``) go a bucket at a time: the local shards of consecutive parameters, up to ``bucket_bytes``, in
+    one exchange (one per bucket instead of one per parameter: on gloo that is most of a small model's hand-off).
+    Other DTensors are gathered one by one (``full_tensor``). With ``dtype`` the shards are cast before they are
+    sent (e.g. to a bfloat16 engine: half the bytes). When ``received`` is given, ``received[0]`` grows by the
+    bytes this rank gets from the others.
+
+    Args:
+        transport: how a bucket moves. ``"collective"``: one ``all_gather_into_tensor``. ``"shared"``: through
+            one host's shared memory (:mod:`~lightning_rlhf.engines.train.host_share`: each rank writes its rows
+            into place in the full tensors, one barrier); raises when the ranks cannot map it. ``"auto"``: shared
+            for CPU tensors whose ranks share a host, else collective.
+        views: the consumer copies each tensor before it takes the next one (an engine's ``load_weights``), so the
+            shared transport may yield views of its buffer instead of copies (valid until the next bucket).
     """
-    bucket: list[tuple[str, DTensor]] = []
+    if transport not in ("auto", "shared", "collective"):
+        raise ValueError(f"full_tensors: transport={transport!r}; use 'auto', 'shared' or 'collective'")
+    with torch.no_grad():  # the plan reads local shards: no autograd records (and it is 2x faster)
+        plan = list(_plan(model, dtype, bucket_bytes))
+    buckets = [item for item in plan if isinstance(item, list)]
+    buffer = _shared_buffer(buckets, dtype, transport)
+    for item in plan:
+        if isinstance(item, list):
+            if buffer is not None:
+                yield from _share_bucket(item, received, dtype, buffer, views)
+            else:
+                yield from _gather_bucket(item, received, dtype)
+            continue
+        name, data = item
+        if isinstance(data, DTensor):
+            local = data.to_local()
+            data = data.full_tensor()
+            if received is not None:
+                received[0] += (data.numel() - local.numel()) * data.element_size()
+        yield name, data if dtype is None else data.to(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowShard:
+    """A parameter sharded by rows the way FSDP2 does it (``Shard(0)`` on a 1-D mesh, ``torch.chunk`` rows), with
+    what its hand-off needs worked out once."""
+
+    name: str
+    shape: torch.Size
+    local: torch.Tensor
+    group: dist.ProcessGroup
+    world: int
+    rank: int
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per rank (the last ranks may hold fewer, or none)."""
+        return -(-self.shape[0] // self.world)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    def rows_of(self, rank: int) -> int:
+        """Rows that ``rank`` holds."""
+        return max(0, min(self.shape[0], (rank + 1) * self.chunk_rows) - rank * self.chunk_rows)
+
+
+_Item = tuple[str, torch.Tensor] | list[_RowShard]
+
+
+def _plan(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> Iterator[_Item]:
+    """The hand-off's steps in parameter order: a bucket of row-sharded parameters (a list), or one other
+    parameter ``(name, tensor)``."""
+    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}  # per mesh: (group, size, rank); asking is slow
+    bucket: list[_RowShard] = []
     size = 0
     for name, param in model.named_parameters():
-        data = param.data
-        if not isinstance(data, DTensor) or not _row_sharded(data):
-            yield from _gather_bucket(bucket, received, dtype)
+        shard = _row_shard(name, param, positions)
+        if shard is None:
+            if bucket:
+                yield bucket
             bucket, size = [], 0
-            if isinstance(data, DTensor):
-                local = data.to_local()
-                data = data.full_tensor()
-                if received is not None:
-                    received[0] += (data.numel() - local.numel()) * data.element_size()
-            yield name, data if dtype is None else data.to(dtype)
+            yield name, param.data
             continue
-        nbytes = _chunk_rows(data)[0] * _row_numel(data) * (dtype or data.dtype).itemsize
-        if bucket and (size + nbytes > bucket_bytes or (dtype is None and bucket[0][1].dtype != data.dtype)):
-            yield from _gather_bucket(bucket, received, dtype)
+        nbytes = shard.chunk_rows * shard.row_numel * (dtype or shard.local.dtype).itemsize
+        if bucket and (
+            size + nbytes > bucket_bytes
+            or (dtype is None and bucket[0].local.dtype != shard.local.dtype)
+            or bucket[0].group is not shard.group
+        ):
+            yield bucket
             bucket, size = [], 0
-        bucket.append((name, data))
+        bucket.append(shard)
         size += nbytes
-    yield from _gather_bucket(bucket, received, dtype)
+    if bucket:
+        yield bucket
 
 
-def _row_sharded(data: DTensor) -> bool:
-    """A 1-D mesh, ``Shard(0)``, and a local shard of exactly the rows ``torch.chunk`` gives this rank."""
-    if data.device_mesh.ndim != 1 or tuple(data.placements) != (Shard(0),) or data.dim() == 0:
-        return False
-    local = data.to_local()
-    return local.shape[0] == _chunk_rows(data)[1] and local.is_contiguous()
+def _row_shard(
+    name: str, data: torch.Tensor, positions: dict[int, tuple[dist.ProcessGroup, int, int]]
+) -> _RowShard | None:
+    """``data`` as a :class:`_RowShard`, or None unless it is a DTensor on a 1-D mesh, ``Shard(0)``, whose local
+    shard holds exactly the rows ``torch.chunk`` gives this rank, contiguously."""
+    if not isinstance(data, DTensor) or data.dim() == 0:
+        return None
+    mesh = data.device_mesh
+    if mesh.ndim != 1 or tuple(data.placements) != (Shard(0),):
+        return None
+    if id(mesh) not in positions:
+        positions[id(mesh)] = (mesh.get_group(), mesh.size(), mesh.get_local_rank())
+    group, world, rank = positions[id(mesh)]
+    shard = _RowShard(name, data.shape, data.to_local(), group, world, rank)
+    ok = shard.local.shape[0] == shard.rows_of(rank) and shard.local.is_contiguous()
+    return shard if ok else None
 
 
-def _chunk_rows(data: DTensor) -> tuple[int, int]:
-    """``(rows per chunk, rows on this rank)`` of FSDP2's ``torch.chunk`` split of dim 0."""
-    world = data.device_mesh.size()
-    rank = data.device_mesh.get_local_rank()
-    chunk = -(-data.shape[0] // world)
-    return chunk, max(0, min(data.shape[0], (rank + 1) * chunk) - rank * chunk)
+def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, transport: str) -> HostBuffer | None:
+    """The host buffer the buckets go through, or None for the collective (see ``full_tensors``' transport)."""
+    if transport == "collective" or not buckets:
+        return None
+    first = buckets[0][0]
+    if first.local.device.type != "cpu":
+        if transport == "shared":
+            raise ValueError("full_tensors: transport='shared' needs CPU tensors. HINT: transport='auto'.")
+        return None
+    if any(bucket[0].group is not first.group for bucket in buckets):
+        return None  # parameters on several meshes: not a case the trainer makes
+    need = max(sum(s.shape.numel() * (dtype or s.local.dtype).itemsize for s in bucket) for bucket in buckets)
+    buffer = host_buffer(first.group, need)
+    if buffer is None and transport == "shared":
+        raise RuntimeError(
+            "full_tensors: transport='shared' but the ranks cannot map one shared-memory file (other hosts, or no "
+            "room in /dev/shm). HINT: transport='auto' falls back to the collective."
+        )
+    return buffer
 
 
-def _row_numel(data: DTensor) -> int:
-    return math.prod(data.shape[1:])
+def _share_bucket(
+    bucket: list[_RowShard], received: list[int] | None, dtype: torch.dtype | None, buffer: HostBuffer, views: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each rank writes its rows of the bucket's parameters into place in the full tensors laid end to end in
+    the buffer's next half (cast on the way), one barrier, then each full tensor is read where it lies."""
+    out_dtype = dtype or bucket[0].local.dtype
+    numels = [s.shape.numel() for s in bucket]
+    flat = buffer.next_half(sum(numels) * out_dtype.itemsize).view(out_dtype)
+    offset = 0
+    for shard, numel in zip(bucket, numels, strict=True):
+        local = shard.local
+        if local.numel():
+            start = offset + shard.rank * shard.chunk_rows * shard.row_numel
+            flat[start : start + local.numel()].view(local.shape).copy_(local)
+        offset += numel
+    buffer.barrier()
+    offset = 0
+    for shard, numel in zip(bucket, numels, strict=True):
+        full = flat[offset : offset + numel].view(shard.shape)
+        if received is not None:
+            received[0] += (numel - shard.local.numel()) * full.element_size()
+        offset += numel
+        yield shard.name, full if views else full.clone()
 
 
 def _gather_bucket(
-    bucket: list[tuple[str, DTensor]], received: list[int] | None, dtype: torch.dtype | None
+    bucket: list[_RowShard], received: list[int] | None, dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One ``all_gather_into_tensor`` of the bucket's local shards (each padded to its chunk), then each full
     tensor cut out of the rank-major result."""
-    if not bucket:
-        return
-    first = bucket[0][1]
-    mesh = first.device_mesh
-    world = mesh.size()
-    out_dtype = dtype or first.dtype
-    sizes = [_chunk_rows(d)[0] * _row_numel(d) for _, d in bucket]
+    first = bucket[0]
+    world = first.world
+    out_dtype = dtype or first.local.dtype
+    sizes = [s.chunk_rows * s.row_numel for s in bucket]
     total = sum(sizes)
-    flat = torch.zeros(total, dtype=out_dtype, device=first.to_local().device)
+    flat = torch.zeros(total, dtype=out_dtype, device=first.local.device)
     offset = 0
-    for (_, data), chunk in zip(bucket, sizes, strict=True):
-        local = data.to_local().reshape(-1)
+    for shard, chunk in zip(bucket, sizes, strict=True):
+        local = shard.local.reshape(-1)
         flat[offset : offset + local.numel()].copy_(local)
         offset += chunk
     gathered = torch.empty(world * total, dtype=out_dtype, device=flat.device)
-    dist.all_gather_into_tensor(gathered, flat, group=mesh.get_group())
+    dist.all_gather_into_tensor(gathered, flat, group=first.group)
     by_rank = gathered.view(world, total)
     offset = 0
-    for (name, data), chunk in zip(bucket, sizes, strict=True):
-        rows, row_numel = data.shape[0], _row_numel(data)
-        per_rank = -(-rows // world)
-        pieces = [
-            by_rank[r, offset : offset + max(0, min(rows, (r + 1) * per_rank) - r * per_rank) * row_numel]
-            for r in range(world)
-        ]
-        full = torch.cat(pieces).view(data.shape)
+    for shard, chunk in zip(bucket, sizes, strict=True):
+        pieces = [by_rank[r, offset : offset + shard.rows_of(r) * shard.row_numel] for r in range(world)]
+        full = torch.cat(pieces).view(shard.shape)
         if received is not None:
-            received[0] += (full.numel() - data.to_local().numel()) * full.element_size()
+            received[0] += (full.numel() - shard.local.numel()) * full.element_size()
         offset += chunk
-        yield name, full
+        yield shard.name, full
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

@@ -1,0 +1,127 @@
+"""One host's shared memory as the transport of a weight hand-off between colocated ranks.
+
+Why: a hand-off gives every rank's engine the full tensors behind the FSDP2 shards. Over gloo (CPU) the
+all-gather moves under 1 GB/s between two processes on one host, 10-20x below a memcpy, and then each full
+tensor is cut out of the rank-major result with one more copy. When every rank of the group maps the same
+shared memory, each rank instead writes its own rows straight into place in the full tensors (one copy of
+its shard), one barrier says every rank has written, and the engines read the full tensors where they lie.
+
+The buffer is a file in ``/dev/shm``, reserved in full when created (``posix_fallocate``: a container's small
+``/dev/shm`` gives a clean fallback instead of a SIGBUS on first touch), mapped by every rank and unlinked as
+soon as they all have it (nothing is left behind when a process dies). It has two halves used in turn: a rank
+writes bucket ``k + 1`` into the other half while a slower rank may still read bucket ``k``, and it can only
+come back to bucket ``k``'s half after bucket ``k + 1``'s barrier, which every rank passes only once it is done
+with bucket ``k``. So one barrier per bucket is enough, and the halves' turn goes on across hand-offs.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["HostBuffer", "host_buffer"]
+
+SHM_DIR = "/dev/shm"
+_ALIGN = 64
+
+
+class HostBuffer:
+    """A shared-memory file mapped by every rank of ``group``, in two halves of ``half_bytes`` used in turn.
+
+    Build it with :func:`host_buffer` (collective); runs on: every rank of the group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, memory: torch.Tensor, half_bytes: int) -> None:
+        self.group = group
+        self.half_bytes = half_bytes
+        self._memory = memory
+        self._turn = 0
+
+    def next_half(self, nbytes: int) -> torch.Tensor:
+        """The next half's first ``nbytes`` bytes (uint8). Runs on: every rank, for the same bucket."""
+        if nbytes > self.half_bytes:
+            raise ValueError(f"HostBuffer: {nbytes} bytes asked of halves of {self.half_bytes}")
+        start = self._turn * self.half_bytes
+        self._turn ^= 1
+        return self._memory[start : start + nbytes]
+
+    def barrier(self) -> None:
+        """Every rank has written its part of the current half. Runs on: every rank (a collective)."""
+        dist.barrier(group=self.group)
+
+
+_BUFFERS: dict[str, HostBuffer | None] = {}
+"""Per process group (by name): its buffer, or None once the ranks were found not to share a host."""
+
+
+def host_buffer(group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
+    """The group's shared buffer with halves of at least ``half_bytes``, or None when its ranks cannot map one
+    (other hosts, no ``/dev/shm``, not enough room there).
+
+    Runs on: every rank of ``group``, at the same point with the same ``half_bytes`` (collective the first time
+    and whenever the buffer must grow; the answer is the same on every rank).
+    """
+    key = group.group_name
+    if key in _BUFFERS:
+        buffer = _BUFFERS[key]
+        if buffer is None or buffer.half_bytes >= half_bytes:
+            return buffer
+    half = -(-max(half_bytes, 1) // _ALIGN) * _ALIGN
+    _BUFFERS[key] = buffer = _open_shared(group, half)
+    return buffer
+
+
+def _open_shared(group: dist.ProcessGroup, half: int) -> HostBuffer | None:
+    """Group rank 0 creates and reserves the file, every rank maps it, all agree it worked, rank 0 unlinks it."""
+    first = dist.get_global_rank(group, 0)
+    path: str | None = None
+    if dist.get_rank() == first:
+        path = _create(2 * half)
+    box = [path]
+    dist.broadcast_object_list(box, src=first, group=group)
+    path = box[0]
+    memory = _map(path, 2 * half) if path is not None else None
+    ok = torch.tensor([int(memory is not None)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank has mapped it (or failed) past this point
+    if dist.get_rank() == first and path is not None:
+        os.unlink(path)
+    if not int(ok):
+        return None
+    assert memory is not None
+    return HostBuffer(group, memory, half)
+
+
+def _create(nbytes: int) -> str | None:
+    """A new file of ``nbytes`` reserved bytes in ``/dev/shm`` (its path), or None where that is impossible."""
+    path = os.path.join(SHM_DIR, f"lightning_rlhf-{os.getpid()}-{uuid.uuid4().hex}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        return None
+    os.close(fd)
+    return path
+
+
+def _map(path: str, nbytes: int) -> torch.Tensor | None:
+    """``path`` mapped shared, as a uint8 tensor; None when this rank cannot see the file (another host)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            return None
+        region = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(region, dtype=torch.uint8)
