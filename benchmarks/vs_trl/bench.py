@@ -425,6 +425,7 @@ def summarise(runs: list[Run], window: int) -> dict[tuple[str, str, bool, str], 
             "gen": best.median("gen", window),
             "update": best.median("update", window),
             "skipped": best.median("skipped", window),
+            "sync": best.median("sync", window),
             "wall": best.median("wall", window),
             "tokens": best.tokens_per_step(window),
             "tok_s": best.tokens_per_step(window) / step,
@@ -477,6 +478,12 @@ def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[
             peak = peaks["matmul_gflops_bf16" if precision == "bf16" else "matmul_gflops_fp32"] * 1e9
             result[f"{tag}_update_vs_matmul_peak"] = round(flop / ok[best]["update"] / peak, 4)
             result[f"{tag}_trl_update_vs_matmul_peak"] = round(flop / trl["update"] / peak, 4)
+            handoffs = {c: r["sync"] for c, r in ok.items() if OUR_CONFIGS[c][1] > 1 and r.get("sync", 0) > 0}
+            if handoffs:  # colocated engines take the full weights every step: against a memcpy of those bytes
+                config = min(handoffs, key=lambda c: handoffs[c])
+                nbytes = W.MODELS[model].num_params() * (2 if precision == "bf16" else 4)
+                result[f"{tag}_handoff_ms"] = round(handoffs[config] * 1e3, 2)
+                result[f"{tag}_handoff_vs_memcpy"] = round(handoffs[config] / (nbytes / (peaks["memcpy_gbs"] * 1e9)), 2)
             skipped = ok[best].get("skipped", float("nan"))
             if skipped == skipped and skipped > 0:  # samples left out of the update (zero advantages): work not done
                 result[f"{tag}_skipped_rows"] = round(skipped, 4)

@@ -180,6 +180,7 @@ def main() -> None:
                 "gen": m["timing_s/gen"],
                 "update": m["timing_s/update_actor"],
                 "ref": m.get("timing_s/ref", 0.0),
+                "sync": m.get("timing_s/update_weights"),
                 "skipped": m.get("actor/skipped_rows", 0.0),
                 "prompt_tokens": prompt_tokens * W.SAMPLES_PER_PROMPT,
                 "completion_tokens": m["response_length/mean"] * samples,

@@ -157,8 +157,9 @@ def test_attention_over_the_written_slots_equals_attention_over_the_whole_cache(
     slots add nothing, so both spans sample the same tokens with the same log-probs up to float rounding."""
     import lightning_rlhf.engines.rollout.decode as decode
 
-    assert decode._written_slots_only(decode._Cache(llama_family()[0], 1, 4, torch.float32, CPU))
-    assert not decode._written_slots_only(decode._Cache(llama_family()[0], 1, 4, torch.bfloat16, CPU))
+    mask = torch.ones((1, 3), dtype=torch.bool)
+    assert decode._written_slots_only(decode._Cache(llama_family()[0], mask, 2, 4, torch.float32, CPU))
+    assert not decode._written_slots_only(decode._Cache(llama_family()[0], mask, 2, 4, torch.bfloat16, CPU))
     model = llama_family()[2].to(dtype)  # Qwen3: grouped queries, per-head norms
     assert_same_samples_either_way(model, monkeypatch, "_written_slots_only")
 

@@ -6,15 +6,18 @@ a 4-D mask rebuilt per step, and ``torch.multinomial`` on CPU (an exponential dr
 64 x 4,096 logits). This loop runs the model's own modules (embedding, norms, activation, rotary embedding) and
 the model's own weights, and replaces the attention's plumbing, the projections' calls and the sampler:
 
-- one preallocated key/value buffer per layer, ``[sequences, kv_heads, prompt + new tokens, head_dim]``, written
-  in place, with an additive float mask that hides left padding and positions not written yet;
+- preallocated key/value buffers per layer, written in place (the prompts' ``[prompts, kv_heads, width,
+  head_dim]``, the generated tokens' ``[sequences, kv_heads, new tokens, head_dim]``), with additive float masks
+  that hide left padding and positions not written yet;
 - grouped-query attention as a batched matmul of ``[kv_heads, group, head_dim]`` queries against the shared keys
   (no copies), softmax in float32 as transformers' eager attention does;
-- the prompt is run once per distinct prompt and its cache repeated for the ``n`` samples;
+- the prompt is run once per distinct prompt, and its keys and values are kept once for the ``n`` samples: a
+  decoding step attends to them with one product per prompt for all its samples, then to its own generated ones;
 - the projections that read the same input are one matmul (queries, keys and values; gate and up): their
   parameters are laid out once as consecutive row blocks of one tensor, in place (names, shapes and values
   unchanged); on CPU each call reorders the weights into oneDNN's blocked layout for its duration (:func:`_packs`);
-- sampling by inverse CDF: one uniform draw per sequence and a ``searchsorted`` in the cumulative distribution.
+- sampling by inverse CDF: one uniform draw per sequence and a ``searchsorted`` in the cumulative distribution
+  (two levels: blocks of the vocabulary, then entries of one block).
 
 Models it serves (:func:`decode_loop_unsupported` says why not, and the engine falls back to ``generate``): causal
 LMs whose ``config.model_type`` is one of :data:`MODEL_TYPES` and whose layers have the standard structure, without
@@ -84,32 +87,33 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
 
 
 class _Cache:
-    """Keys and values of every layer, ``[rows, kv_heads, capacity, head_dim]``, and the additive attention mask
-    ``[rows, 1, 1, 1, capacity]`` (0 where a written, non-padding position is visible, -inf elsewhere)."""
+    """Keys and values of every layer: the prompts' own once per prompt, shared by its ``n`` samples
+    (``prefix_keys``/``prefix_values`` ``[prompts, kv_heads, width, head_dim]``, and ``prefix_bias``
+    ``[prompts, 1, 1, width]``: 0 on a prompt's tokens, -inf on its left padding), and the generated tokens' per
+    sequence (``keys``/``values`` ``[prompts * n, kv_heads, new tokens, head_dim]``, the samples of one prompt
+    consecutive, and ``bias`` ``[prompts * n, 1, 1, new tokens]``: 0 where written, -inf elsewhere)."""
 
-    def __init__(self, model: Any, rows: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: Any, mask: Tensor, n: int, new_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         layers = model.model.layers
-        attn = layers[0].self_attn
+        head_dim = layers[0].self_attn.head_dim
         kv_heads = model.config.num_key_value_heads
-        shape = (rows, kv_heads, capacity, attn.head_dim)
+        prompts, width = mask.shape
+        self.n = n
+        prefix = (prompts, kv_heads, width, head_dim)
+        self.prefix_keys = [torch.zeros(prefix, dtype=dtype, device=device) for _ in layers]
+        self.prefix_values = [torch.zeros(prefix, dtype=dtype, device=device) for _ in layers]
+        self.prefix_bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, -math.inf)[:, None, None]
+        shape = (prompts * n, kv_heads, new_tokens, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
-        self.bias = torch.full((rows, 1, 1, 1, capacity), -math.inf, dtype=torch.float32, device=device)
-
-    def repeat(self, n: int) -> _Cache:
-        """Every row ``n`` times, consecutively (the samples of one prompt stay together)."""
-        if n == 1:
-            return self
-        out = object.__new__(_Cache)
-        out.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]
-        out.values = [v.repeat_interleave(n, dim=0) for v in self.values]
-        out.bias = self.bias.repeat_interleave(n, dim=0)
-        return out
+        self.bias = torch.full((prompts * n, 1, 1, new_tokens), -math.inf, dtype=torch.float32, device=device)
 
 
 def _written_slots_only(cache: _Cache) -> bool:
-    """Whether :func:`_forward`'s attention reads only the cache slots written so far (see there): float32, or any
-    dtype on a GPU."""
+    """Whether a decoding step's attention reads only the generated slots written so far (see :func:`_forward`):
+    float32, or any dtype on a GPU."""
     keys = cache.keys[0]
     return keys.dtype == torch.float32 or keys.device.type != "cpu"
 
@@ -235,22 +239,21 @@ def _forward(
     cache: _Cache,
     ids: Tensor,
     positions: Tensor,
-    start: int,
-    bias: Tensor,
+    step: int | None,
+    prompt_bias: Tensor | None = None,
 ) -> Tensor:
-    """Run ``ids`` ``[rows, q]`` (written at cache slots ``start .. start+q-1``) through the model; returns the last
-    position's logits ``[rows, vocab]``. ``bias`` ``[rows, 1, 1, q, capacity]`` is added to the attention scores
-    (0: visible, -inf: hidden).
+    """Run ``ids`` through the model; returns the last position's logits ``[rows, vocab]``. ``step`` None: the
+    prompt pass (``ids`` ``[prompts, width]``, left-padded, with :func:`_prompt_attention`'s ``prompt_bias``; writes
+    the prefix cache); else decoding step ``step`` (``ids`` ``[prompts * n, 1]``; writes generated slot ``step``).
 
-    In float32, and on GPUs, attention reads only the slots written so far (``start + q``; the others are hidden
-    from every query), not the whole capacity: on average half of the keys and values of a run of new tokens, and
-    the attention's products and softmax shrink alike (the hidden slots only add exact zeros to the softmax's
-    sums). Low-precision matmuls on CPU read the whole capacity: oneDNN copies a batch of bfloat16 matrices that
-    are not contiguous (the written slots of each row's buffer), which costs more than the slots it skips."""
+    A decoding step attends to its prompt's keys and values, held once for the ``n`` samples (one product per
+    prompt and key/value head for all of them), and to its own generated ones. In float32, and on GPUs, it reads
+    only the generated slots written so far (``step + 1``), not the whole capacity (the hidden slots would only add
+    exact zeros to the softmax's sums). Low-precision matmuls on CPU read the whole capacity: oneDNN copies a batch of
+    bfloat16 matrices that are not contiguous (the written slots of each row's buffer), which costs more than the
+    slots it skips."""
     body = model.model
     rows, q = ids.shape
-    used = start + q if _written_slots_only(cache) else bias.shape[-1]
-    bias = bias[..., :used]
     x = body.embed_tokens(ids)
     cos, sin = body.rotary_emb(x, positions)
     half = cos.shape[-1] // 2
@@ -260,24 +263,26 @@ def _forward(
     for i, (layer, weights) in enumerate(zip(body.layers, layers, strict=True)):
         attn = layer.self_attn
         d = attn.head_dim
-        keys, values = cache.keys[i], cache.values[i]
-        kv_heads = keys.shape[1]
+        kv_heads = cache.keys[i].shape[1]
         qkv = weights.qkv(layer.input_layernorm(x)).view(rows, q, -1, d)  # [rows, q, heads + 2 kv, d]
         heads = qkv.shape[2] - 2 * kv_heads
         qk = qkv[:, :, : heads + kv_heads]
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMS norms before the rotation
             qk = torch.cat((attn.q_norm(qk[:, :, :heads]), attn.k_norm(qk[:, :, heads:])), dim=2)
         qk = qk * cos + qk.roll(half, dims=-1) * sin
-        keys[:, :, start : start + q] = qk[:, :, heads:].transpose(1, 2)
-        values[:, :, start : start + q] = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        keys, values = keys[:, :, :used], values[:, :, :used]  # views: the written slots
-        # The queries of a key/value head's group share its keys: one [group * q, d] x [d, used] product
-        # per (row, kv head), with no copy of the keys per query head.
+        key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        # The queries of a key/value head's group share its keys: [group * q, d] x [d, keys] products per (row,
+        # kv head), with no copy of the keys per query head.
         query = qk[:, :, :heads].transpose(1, 2).reshape(rows, kv_heads, -1, d)  # [rows, kv_heads, group * q, d]
-        scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(attn.scaling)
-        scores = scores.view(rows, kv_heads, -1, q, used).float().add_(bias)  # [.., group, q, used]
-        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(rows, kv_heads, -1, used)
-        out = torch.matmul(probs, values)  # [rows, kv_heads, group * q, d]
+        if step is None:
+            cache.prefix_keys[i].copy_(key)
+            cache.prefix_values[i].copy_(value)
+            assert prompt_bias is not None
+            out = _prompt_attention(query, cache.prefix_keys[i], cache.prefix_values[i], prompt_bias, attn.scaling)
+        else:
+            cache.keys[i][:, :, step] = key[:, :, 0]
+            cache.values[i][:, :, step] = value[:, :, 0]
+            out = _step_attention(query, i, step, cache, attn.scaling)
         out = out.view(rows, -1, q, d).transpose(1, 2).reshape(rows, q, -1)
         x = x + weights.o(out)
         mlp = layer.mlp
@@ -286,14 +291,55 @@ def _forward(
     return head(body.norm(x[:, -1]))
 
 
+def _prompt_attention(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scaling: float) -> Tensor:
+    """The prompt pass's attention, ``[prompts, kv_heads, group * width, d]`` from queries of the same shape; ``bias``
+    ``[prompts, 1, 1, width, width]`` is added to the scores (0: visible, -inf: hidden); softmax in float32 as
+    transformers' eager attention does."""
+    prompts, kv_heads, _, _ = query.shape
+    width = keys.shape[2]
+    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling)
+    scores = scores.view(prompts, kv_heads, -1, width, width).float().add_(bias)  # [.., group, q, keys]
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(prompts, kv_heads, -1, width)
+    return torch.matmul(probs, values)
+
+
+def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling: float) -> Tensor:
+    """A decoding step's attention, ``[rows, kv_heads, group, d]`` from queries of the same shape: over the prompt's
+    keys (one ``[n * group, d] x [d, width]`` product per prompt and key/value head, for its ``n`` samples at once)
+    and the row's own generated ones, with one softmax over both (in float32)."""
+    rows, kv_heads, group, _ = query.shape
+    n = cache.n
+    prompts = rows // n
+    prefix_keys, prefix_values = cache.prefix_keys[layer], cache.prefix_values[layer]
+    width = prefix_keys.shape[2]
+    keys, values = cache.keys[layer], cache.values[layer]
+    span = step + 1 if _written_slots_only(cache) else keys.shape[2]
+    keys, values = keys[:, :, :span], values[:, :, :span]  # views: the written slots
+    query = query * scaling
+
+    def by_prompt(t: Tensor) -> Tensor:  # [rows, kv, group, k] -> [prompts, kv, n * group, k]
+        return t.reshape(prompts, n, kv_heads, group, -1).transpose(1, 2).reshape(prompts, kv_heads, n * group, -1)
+
+    def by_row(t: Tensor) -> Tensor:  # the inverse
+        return t.view(prompts, kv_heads, n, group, -1).transpose(1, 2).reshape(rows, kv_heads, group, -1)
+
+    on_prompt = torch.matmul(by_prompt(query), prefix_keys.transpose(-1, -2)).float().add_(cache.prefix_bias)
+    on_own = torch.matmul(query, keys.transpose(-1, -2)).float()
+    if span > step + 1:
+        on_own.add_(cache.bias[..., :span])
+    probs = torch.softmax(torch.cat((by_row(on_prompt), on_own), dim=-1), dim=-1).to(values.dtype)
+    out = by_row(torch.matmul(by_prompt(probs[..., :width]), prefix_values))
+    return out.add_(torch.matmul(probs[..., width:], values))
+
+
 def _pick(scores: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
     """One token per row and its log-prob, both ``[rows]``, from ``scores`` ``[rows, vocab]`` (float32 logits, stop
     tokens already masked while ``min_new_tokens`` holds them back).
 
-    The argmax when greedy; otherwise a draw by inverse CDF from :func:`processed_logprobs`' distribution: one
-    uniform per row and a ``searchsorted`` (``right=True`` never lands on a zero-probability token; a draw that float
-    rounding pushes past the last positive entry takes the argmax). Without top-k/top-p the distribution is the
-    softmax at the sampling temperature, computed in three passes over the logits instead of five.
+    The argmax when greedy; otherwise a draw by inverse CDF (:func:`_draw`) from :func:`processed_logprobs`'
+    distribution. Without top-k/top-p the distribution is the softmax at the sampling temperature: one fused
+    ``softmax`` (its vectorised exp is faster than ``exp`` alone), and the log-prob of the picked token is the log of
+    its probability (exact to float32 rounding; a token of probability 0 is never drawn).
     """
     if params.is_greedy:
         lp = processed_logprobs(scores, temperature=params.sampling_temperature)
@@ -301,20 +347,46 @@ def _pick(scores: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
         return token, lp.gather(1, token[:, None]).squeeze(1)
     if params.top_k or params.top_p < 1:
         lp = processed_logprobs(scores, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        cdf = lp.exp().cumsum(dim=-1)
-        norm: Tensor | float = 0.0  # lp is normalised already
+        probs = lp.exp()
     else:
-        lp = scores / params.temperature if params.temperature != 1 else scores
-        peak = lp.amax(dim=-1, keepdim=True)
-        cdf = (lp - peak).exp_().cumsum_(dim=-1)
-        norm = peak + cdf[:, -1:].log()  # log-sum-exp: log-prob = logit - norm
-    u = torch.rand((cdf.shape[0], 1), device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-    token = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
-    picked = lp.gather(1, token[:, None])
-    if bool((picked == -math.inf).any()):
-        token = torch.where((picked == -math.inf).squeeze(1), lp.argmax(dim=-1), token)
-        picked = lp.gather(1, token[:, None])
-    return token, (picked - norm).squeeze(1)
+        probs = torch.softmax(scores / params.temperature if params.temperature != 1 else scores, dim=-1)
+        lp = probs  # log taken of the picked entries only
+    token = _draw(probs)
+    picked = probs.gather(1, token[:, None])
+    if bool((picked == 0).any()):  # float rounding at the very end of a cumulative sum: take the likeliest token
+        token = torch.where((picked == 0).squeeze(1), probs.argmax(dim=-1), token)
+        picked = probs.gather(1, token[:, None])
+    out = lp.gather(1, token[:, None]) if lp is not probs else picked.log()
+    return token, out.squeeze(1)
+
+
+_BLOCK = 64
+"""Vocabulary entries per block of :func:`_draw`'s two-level search."""
+
+
+def _draw(probs: Tensor) -> Tensor:
+    """One index per row of ``probs`` ``[rows, vocab]`` (non-negative, any positive sum), drawn with probability
+    proportional to its entry: one uniform per row, located in the cumulative sums (``right=True``: an entry of
+    probability 0 is never the answer, up to float rounding at the very end).
+
+    A cumulative sum over the whole vocabulary is serial per row (~1 ns an entry); where the vocabulary splits into
+    blocks of :data:`_BLOCK`, the draw first finds the block in the cumulative sums of the blocks' totals (a
+    vectorised sum), then the entry in that block's own cumulative sum: ``vocab / BLOCK + BLOCK`` serial steps
+    instead of ``vocab``.
+    """
+    rows, vocab = probs.shape
+    u = torch.rand((rows, 1), device=probs.device, dtype=probs.dtype)
+    if vocab % _BLOCK or vocab < 4 * _BLOCK:
+        cdf = probs.cumsum(dim=-1)
+        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=vocab - 1)
+    blocks = probs.view(rows, -1, _BLOCK)
+    outer = blocks.sum(dim=-1).cumsum_(dim=-1)  # [rows, blocks]
+    u = u * outer[:, -1:]
+    block = torch.searchsorted(outer, u, right=True).clamp_(max=outer.shape[1] - 1)  # [rows, 1]
+    before = outer.gather(1, (block - 1).clamp(min=0)).masked_fill_(block == 0, 0.0)
+    inner = blocks.gather(1, block[:, :, None].expand(-1, -1, _BLOCK)).squeeze(1).cumsum_(dim=-1)  # [rows, BLOCK]
+    entry = torch.searchsorted(inner, u - before, right=True).clamp_(max=_BLOCK - 1)
+    return (block * _BLOCK + entry).squeeze(1)
 
 
 @torch.inference_mode()
@@ -338,22 +410,18 @@ def sample_loop(
     n = 1 if greedy else params.n
     ids, mask = left_pad(prompts, pad_token_id, device)
     rows, width = ids.shape
-    capacity = width + params.max_new_tokens
     dtype = next(model.parameters()).dtype
-    cache = _Cache(model, rows, capacity, dtype, device)
-    cache.bias[:, 0, 0, 0, :width].masked_fill_(mask, 0.0)
+    cache = _Cache(model, mask, n, params.max_new_tokens, dtype, device)
     positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)  # as transformers' generate: padding takes no position
     # The prompt pass: a query sees the prompt's tokens up to its own slot, and always itself (a padding query
     # would otherwise see nothing, and the NaN of its softmax would reach the next layers' keys).
-    slots = torch.arange(capacity, device=device)
-    query_slots = slots[:width, None]
-    seen = (slots[None, :] <= query_slots) & torch.nn.functional.pad(mask, (0, capacity - width))[:, None, :]
-    seen |= slots[None, :] == query_slots
+    slots = torch.arange(width, device=device)
+    query_slots = slots[:, None]
+    seen = ((slots[None, :] <= query_slots) & mask[:, None, :]) | (slots[None, :] == query_slots)
     prompt_bias = torch.zeros(seen.shape, device=device).masked_fill_(~seen, -math.inf)[:, None, None]
     linears = _layers(model, rows * n)
-    logits = _forward(model, linears, cache, ids, positions, 0, prompt_bias)
+    logits = _forward(model, linears, cache, ids, positions, None, prompt_bias)
     if n > 1:
-        cache = cache.repeat(n)
         logits = logits.repeat_interleave(n, dim=0)
         positions = positions.repeat_interleave(n, dim=0)
     position = positions[:, -1:]
@@ -371,8 +439,7 @@ def sample_loop(
         done |= torch.isin(token, stop_ids)
         if step + 1 == params.max_new_tokens or bool(done.all()):
             break
-        slot = width + step
-        cache.bias[:, :, :, :, slot] = 0.0
+        cache.bias[..., step] = 0.0
         position = position + 1
-        logits = _forward(model, linears, cache, token[:, None], position, slot, cache.bias)
+        logits = _forward(model, linears, cache, token[:, None], position, step)
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
