@@ -107,6 +107,29 @@ def test_samples_follow_the_distribution_and_never_draw_a_cut_token() -> None:
     assert torch.allclose(torch.bincount(token, minlength=5).float() / token.numel(), sharp, atol=0.01)
 
 
+def test_two_level_draw_follows_the_distribution_and_matches_one_cumulative_sum() -> None:
+    import lightning_rlhf.engines.rollout.decode as decode
+
+    # 512 entries = 8 blocks of 64: mass in blocks 0, 2 and 7 only, a zero entry inside a block with mass
+    probs = torch.zeros(512)
+    probs[[3, 70, 130, 131, 140, 511]] = torch.tensor([0.2, 0.0, 0.25, 0.05, 0.1, 0.4])
+    torch.manual_seed(0)
+    scores = probs.log().expand(40_000, -1).clone()
+    token, logprob = _pick(scores, SamplingParams(temperature=1.0))
+    freq = torch.bincount(token, minlength=512).float() / token.numel()
+    assert torch.allclose(freq, probs, atol=0.01) and freq[probs == 0].sum() == 0
+    torch.testing.assert_close(logprob, probs.log()[token])
+    # the same uniforms give the same entries as one cumulative sum over the whole row
+    dense = torch.softmax(torch.randn(64, 4096) * 3, dim=-1)
+    torch.manual_seed(1)
+    two_level = decode._draw(dense)
+    torch.manual_seed(1)
+    u = torch.rand((64, 1))
+    cdf = dense.cumsum(dim=-1)
+    one_level = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    assert (two_level == one_level).float().mean() > 0.95  # rounding may move a draw that falls on a boundary
+
+
 def test_the_loop_stops_when_every_row_has_stopped() -> None:
     model = llama_family()[0]
     params = SamplingParams(n=1, max_new_tokens=12, greedy=True)
