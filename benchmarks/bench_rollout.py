@@ -128,7 +128,7 @@ def sync_worker(path: str, engine_kind: str, tp: int, transfer: str, transport: 
         dist.barrier()
         box = [0]
         t0 = time.perf_counter()
-        handed = engine.load_weights(weights_for(engine, model, box, transport=transport))
+        handed = engine.load_weights(weights_for(engine, model, box, transport=transport, into_engine=True))
         times.append(time.perf_counter() - t0)
         received = box[0]
     # the physical scale: every rank copies the bytes its engine takes at the same time (one flat copy each)

@@ -160,7 +160,7 @@ class ActorRole(Role):
         assert self.model is not None
         t0 = time.perf_counter()
         received = [0]
-        engine.load_weights(weights_for(engine, self.model, received))
+        engine.load_weights(weights_for(engine, self.model, received, into_engine=True))
         self._engine_version = self._weights_version
         return time.perf_counter() - t0, received[0]
 

@@ -55,6 +55,7 @@ from lightning_rlhf.engines.rollout import make_rollout_engine
 from lightning_rlhf.engines.rollout.hf import check_hf_settings
 from lightning_rlhf.engines.rollout.vllm import check_vllm_settings, vllm_available
 from lightning_rlhf.engines.train import check_compute_dtype, resolve_dtype
+from lightning_rlhf.engines.train.host_share import release_host_buffers
 from lightning_rlhf.engines.train.loading import deferred_loading
 from lightning_rlhf.strategy.checkpoint_io import publish, temporary_sibling
 from lightning_rlhf.strategy.controller import Controller
@@ -610,6 +611,7 @@ class RLHFStrategy(ModelParallelStrategy):
             if self._controller.death is None:  # after a death the watchdog stays and still speaks for the run
                 watchdog_running(False)
             self._controller.close()
+        release_host_buffers()
         super().teardown()
 
     def _rlhf_module(self) -> RLHFModule:

@@ -62,6 +62,20 @@ def main() -> None:
             engine[name] = tensor.clone()
         for name, want in now.items():
             assert torch.equal(engine[name], want) and not torch.equal(want, expected[name]), (handoff, name)
+    # no room for a larger buffer (here /dev/shm refuses the file): this request falls back, the buffer the group
+    # has stays for the requests it fits, and the refused size is not asked of the ranks again
+    group = dist.group.WORLD
+    have = host_share.host_buffer(group, 1)
+    assert have is not None
+    create = host_share._create
+    host_share._create = lambda nbytes: None  # type: ignore[assignment]
+    assert host_share.host_buffer(group, have.half_bytes * 4) is None
+    host_share._create = create  # type: ignore[assignment]
+    assert host_share.host_buffer(group, have.half_bytes) is have
+    assert host_share.host_buffer(group, have.half_bytes * 8) is None  # no collective: a rank asking alone returns
+    single = dist.new_group([0])
+    if rank == 0:
+        assert host_share.host_buffer(single, 64) is None  # one rank: nothing to exchange
     # a process group whose ranks cannot all map the file (here rank 1 is refused, as on another host): every rank
     # falls back to the collective, and transport="shared" says why
     refuse = host_share._map if rank == 0 else lambda path, nbytes: None

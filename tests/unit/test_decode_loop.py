@@ -127,7 +127,7 @@ def test_two_level_draw_follows_the_distribution_and_matches_one_cumulative_sum(
     u = torch.rand((64, 1))
     cdf = dense.cumsum(dim=-1)
     one_level = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-    assert (two_level == one_level).float().mean() > 0.95  # rounding may move a draw that falls on a boundary
+    assert int((two_level != one_level).sum()) <= 1  # only rounding could move a draw that falls on a boundary
 
 
 def test_the_loop_stops_when_every_row_has_stopped() -> None:

@@ -315,7 +315,6 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
     keys, values = cache.keys[layer], cache.values[layer]
     span = step + 1 if _written_slots_only(cache) else keys.shape[2]
     keys, values = keys[:, :, :span], values[:, :, :span]  # views: the written slots
-    query = query * scaling
 
     def by_prompt(t: Tensor) -> Tensor:  # [rows, kv, group, k] -> [prompts, kv, n * group, k]
         return t.reshape(prompts, n, kv_heads, group, -1).transpose(1, 2).reshape(prompts, kv_heads, n * group, -1)
@@ -323,8 +322,9 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
     def by_row(t: Tensor) -> Tensor:  # the inverse
         return t.view(prompts, kv_heads, n, group, -1).transpose(1, 2).reshape(rows, kv_heads, group, -1)
 
-    on_prompt = torch.matmul(by_prompt(query), prefix_keys.transpose(-1, -2)).float().add_(cache.prefix_bias)
-    on_own = torch.matmul(query, keys.transpose(-1, -2)).float()
+    on_prompt = torch.matmul(by_prompt(query), prefix_keys.transpose(-1, -2)).mul_(scaling)
+    on_prompt = on_prompt.float().add_(cache.prefix_bias)
+    on_own = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling).float()
     if span > step + 1:
         on_own.add_(cache.bias[..., :span])
     probs = torch.softmax(torch.cat((by_row(on_prompt), on_own), dim=-1), dim=-1).to(values.dtype)

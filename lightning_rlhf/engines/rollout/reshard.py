@@ -240,15 +240,24 @@ def sliced_tensors(
 
 
 def weights_for(
-    engine: RolloutEngine, model: nn.Module, received: list[int] | None = None, *, transport: str = "auto"
+    engine: RolloutEngine,
+    model: nn.Module,
+    received: list[int] | None = None,
+    *,
+    transport: str = "auto",
+    into_engine: bool = False,
 ) -> Iterator[tuple[str, Tensor]]:
     """The weight stream ``engine.load_weights`` should get from the FSDP2 ``model``: only this rank's TP slices
-    when the engine has a ``slicer`` (vLLM at TP > 1), else full tensors (views of the host's shared buffer when
-    the engine says ``copies_each_weight``: it copies each tensor before it takes the next). Runs on: every
-    worker rank. ``transport``: how full tensors move (``full_tensors``: ``"auto"``, ``"shared"``, ``"collective"``)."""
+    when the engine has a ``slicer`` (vLLM at TP > 1), else full tensors. Runs on: every worker rank.
+
+    ``transport``: how full tensors move (``full_tensors``: ``"auto"``, ``"shared"``, ``"collective"``).
+    ``into_engine=True`` says the stream goes straight into ``engine.load_weights`` (``load_weights(weights_for(...,
+    into_engine=True))``): an engine that copies each tensor before it takes the next (``copies_each_weight``) then
+    gets views of the host's shared buffer, which later buckets overwrite; any other use gets tensors of its own.
+    """
     from lightning_rlhf.engines.train import full_tensors
 
     if engine.slicer is None:
-        views = bool(getattr(engine, "copies_each_weight", False))
+        views = into_engine and bool(getattr(engine, "copies_each_weight", False))
         return full_tensors(model, received, dtype=engine.dtype, transport=transport, views=views)
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)

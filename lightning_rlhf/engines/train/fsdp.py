@@ -97,8 +97,19 @@ def full_tensors(
         views: the consumer copies each tensor before it takes the next one (an engine's ``load_weights``), so the
             shared transport may yield views of its buffer instead of copies (valid until the next bucket).
     """
-    if transport not in ("auto", "shared", "collective"):
+    if transport not in ("auto", "shared", "collective"):  # checked at the call, before any rank starts exchanging
         raise ValueError(f"full_tensors: transport={transport!r}; use 'auto', 'shared' or 'collective'")
+    return _full_tensors(model, received, dtype, bucket_bytes, transport, views)
+
+
+def _full_tensors(
+    model: nn.Module,
+    received: list[int] | None,
+    dtype: torch.dtype | None,
+    bucket_bytes: int,
+    transport: str,
+    views: bool,
+) -> Iterator[tuple[str, torch.Tensor]]:
     with torch.no_grad():  # the plan reads local shards: no autograd records (and it is 2x faster)
         plan = list(_plan(model, dtype, bucket_bytes))
     buckets = [item for item in plan if isinstance(item, list)]
@@ -203,8 +214,10 @@ def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, tr
         if transport == "shared":
             raise ValueError("full_tensors: transport='shared' needs CPU tensors. HINT: transport='auto'.")
         return None
-    if any(bucket[0].group is not first.group for bucket in buckets):
-        return None  # parameters on several meshes: not a case the trainer makes
+    if any(bucket[0].group is not first.group for bucket in buckets):  # several meshes: not what the trainer makes
+        if transport == "shared":
+            raise ValueError("full_tensors: transport='shared' needs every parameter on one mesh. HINT: 'auto'.")
+        return None
     need = max(sum(s.shape.numel() * (dtype or s.local.dtype).itemsize for s in bucket) for bucket in buckets)
     buffer = host_buffer(first.group, need)
     if buffer is None and transport == "shared":

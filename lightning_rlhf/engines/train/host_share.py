@@ -8,7 +8,10 @@ its shard), one barrier says every rank has written, and the engines read the fu
 
 The buffer is a file in ``/dev/shm``, reserved in full when created (``posix_fallocate``: a container's small
 ``/dev/shm`` gives a clean fallback instead of a SIGBUS on first touch), mapped by every rank and unlinked as
-soon as they all have it (nothing is left behind when a process dies). It has two halves used in turn: a rank
+soon as they all have it, or as soon as mapping it failed (only a process killed within those few milliseconds
+leaves a file behind). Its memory (two halves as large as the largest bucket of full tensors: up to twice the
+ranks x 64 MB) counts against the host's (and a container's) memory until the run ends
+(:func:`release_host_buffers`). It has two halves used in turn: a rank
 writes bucket ``k + 1`` into the other half while a slower rank may still read bucket ``k``, and it can only
 come back to bucket ``k``'s half after bucket ``k + 1``'s barrier, which every rank passes only once it is done
 with bucket ``k``. So one barrier per bucket is enough, and the halves' turn goes on across hand-offs.
@@ -16,6 +19,7 @@ with bucket ``k``. So one barrier per bucket is enough, and the halves' turn goe
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import uuid
@@ -23,7 +27,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-__all__ = ["HostBuffer", "host_buffer"]
+__all__ = ["HostBuffer", "host_buffer", "release_host_buffers"]
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
@@ -54,41 +58,61 @@ class HostBuffer:
         dist.barrier(group=self.group)
 
 
-_BUFFERS: dict[str, HostBuffer | None] = {}
-"""Per process group (by name): its buffer, or None once the ranks were found not to share a host."""
+_BUFFERS: dict[str, HostBuffer] = {}
+"""Per process group (by name): its buffer."""
+_REFUSED: dict[str, int] = {}
+"""Per process group: the smallest half size its ranks could not map (another host, no room in ``/dev/shm``); a
+request as large gets None without asking the ranks again."""
 
 
 def host_buffer(group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
     """The group's shared buffer with halves of at least ``half_bytes``, or None when its ranks cannot map one
-    (other hosts, no ``/dev/shm``, not enough room there).
+    (other hosts, no ``/dev/shm``, not enough room there) or the group has one rank (nothing to exchange).
 
     Runs on: every rank of ``group``, at the same point with the same ``half_bytes`` (collective the first time
-    and whenever the buffer must grow; the answer is the same on every rank).
+    and whenever the buffer must grow; the answer is the same on every rank). A buffer that cannot grow stays for
+    the requests it fits.
     """
+    if dist.get_world_size(group) < 2:
+        return None
     key = group.group_name
-    if key in _BUFFERS:
-        buffer = _BUFFERS[key]
-        if buffer is None or buffer.half_bytes >= half_bytes:
-            return buffer
+    buffer = _BUFFERS.get(key)
+    if buffer is not None and buffer.half_bytes >= half_bytes:
+        return buffer
+    if half_bytes >= _REFUSED.get(key, math.inf):
+        return None
     half = -(-max(half_bytes, 1) // _ALIGN) * _ALIGN
-    _BUFFERS[key] = buffer = _open_shared(group, half)
-    return buffer
+    grown = _open_shared(group, half)
+    if grown is None:
+        _REFUSED[key] = min(half_bytes, _REFUSED.get(key, half_bytes))
+        return None
+    _BUFFERS[key] = grown
+    return grown
+
+
+def release_host_buffers() -> None:
+    """Unmap every group's buffer (its memory returns once no tensor views it). Runs on: every process, at the end
+    of a run (``RLHFStrategy.teardown``)."""
+    _BUFFERS.clear()
+    _REFUSED.clear()
 
 
 def _open_shared(group: dist.ProcessGroup, half: int) -> HostBuffer | None:
-    """Group rank 0 creates and reserves the file, every rank maps it, all agree it worked, rank 0 unlinks it."""
+    """Group rank 0 creates and reserves the file, every rank maps it, all agree it worked, rank 0 unlinks it
+    (whatever happens once it exists: a rank that raises leaves no file behind)."""
     first = dist.get_global_rank(group, 0)
     path: str | None = None
     if dist.get_rank() == first:
         path = _create(2 * half)
-    box = [path]
-    dist.broadcast_object_list(box, src=first, group=group)
-    path = box[0]
-    memory = _map(path, 2 * half) if path is not None else None
-    ok = torch.tensor([int(memory is not None)])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank has mapped it (or failed) past this point
-    if dist.get_rank() == first and path is not None:
-        os.unlink(path)
+    try:
+        box = [path]
+        dist.broadcast_object_list(box, src=first, group=group)
+        memory = _map(box[0], 2 * half) if box[0] is not None else None
+        ok = torch.tensor([int(memory is not None)])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank has mapped it (or failed) past here
+    finally:
+        if path is not None:
+            os.unlink(path)
     if not int(ok):
         return None
     assert memory is not None
@@ -113,7 +137,8 @@ def _create(nbytes: int) -> str | None:
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor | None:
-    """``path`` mapped shared, as a uint8 tensor; None when this rank cannot see the file (another host)."""
+    """``path`` mapped shared, as a uint8 tensor; None when this rank cannot see or map the file (another host, no
+    address space or memory left)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:
@@ -122,6 +147,8 @@ def _map(path: str, nbytes: int) -> torch.Tensor | None:
         if os.fstat(fd).st_size != nbytes:
             return None
         region = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):
+        return None
     finally:
         os.close(fd)
     return torch.frombuffer(region, dtype=torch.uint8)
