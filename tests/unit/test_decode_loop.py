@@ -73,15 +73,18 @@ def test_greedy_tokens_are_transformers_greedy_for_padded_prompts(index: int) ->
 
 @pytest.mark.parametrize("index", range(3), ids=["qwen2", "llama", "qwen3"])
 @pytest.mark.parametrize("cut", [{}, {"top_k": 5}], ids=["full", "top_k"])
-def test_sampled_log_probs_are_those_of_a_full_forward(index: int, cut: dict[str, int]) -> None:
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["padded", "one_prompt"])
+def test_sampled_log_probs_are_those_of_a_full_forward(
+    index: int, cut: dict[str, int], prompts: list[list[int]]
+) -> None:
     model = llama_family()[index]
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=0, **cut)
     torch.manual_seed(0)
-    tokens, logprobs = sample_loop(model, PROMPTS, params, stops={1}, pad_token_id=0, device=CPU)
-    assert tokens.shape == logprobs.shape == (len(PROMPTS) * 3, 10)
+    tokens, logprobs = sample_loop(model, prompts, params, stops={1}, pad_token_id=0, device=CPU)
+    assert tokens.shape == logprobs.shape == (len(prompts) * 3, 10)
     with torch.no_grad():
         for row in range(tokens.shape[0]):
-            prompt = PROMPTS[row // 3]  # the samples of one prompt are consecutive
+            prompt = prompts[row // 3]  # the samples of one prompt are consecutive
             response = tokens[row].tolist()
             if 1 in response:
                 response = response[: response.index(1) + 1]

@@ -328,8 +328,8 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
     if span > step + 1:
         on_own.add_(cache.bias[..., :span])
     probs = torch.softmax(torch.cat((by_row(on_prompt), on_own), dim=-1), dim=-1).to(values.dtype)
-    out = by_row(torch.matmul(by_prompt(probs[..., :width]), prefix_values))
-    return out.add_(torch.matmul(probs[..., width:], values))
+    out = torch.matmul(probs[..., width:], values)  # contiguous: by_row's result may be a view of any strides
+    return out.add_(by_row(torch.matmul(by_prompt(probs[..., :width]), prefix_values)))
 
 
 def _pick(scores: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
