@@ -345,18 +345,18 @@ def _pick(scores: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
         lp = processed_logprobs(scores, temperature=params.sampling_temperature)
         token = lp.argmax(dim=-1)
         return token, lp.gather(1, token[:, None]).squeeze(1)
+    cut: Tensor | None = None  # top-k/top-p log-probs; without them the log is taken of the picked entries only
     if params.top_k or params.top_p < 1:
-        lp = processed_logprobs(scores, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        probs = lp.exp()
+        cut = processed_logprobs(scores, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        probs = cut.exp()
     else:
         probs = torch.softmax(scores / params.temperature if params.temperature != 1 else scores, dim=-1)
-        lp = probs  # log taken of the picked entries only
     token = _draw(probs)
     picked = probs.gather(1, token[:, None])
     if bool((picked == 0).any()):  # float rounding at the very end of a cumulative sum: take the likeliest token
         token = torch.where((picked == 0).squeeze(1), probs.argmax(dim=-1), token)
         picked = probs.gather(1, token[:, None])
-    out = lp.gather(1, token[:, None]) if lp is not probs else picked.log()
+    out = picked.log() if cut is None else cut.gather(1, token[:, None])
     return token, out.squeeze(1)
 
 

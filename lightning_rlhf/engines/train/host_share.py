@@ -11,10 +11,12 @@ The buffer is a file in ``/dev/shm``, reserved in full when created (``posix_fal
 soon as they all have it, or as soon as mapping it failed (only a process killed within those few milliseconds
 leaves a file behind). Its memory (two halves as large as the largest bucket of full tensors: up to twice the
 ranks x 64 MB) counts against the host's (and a container's) memory until the run ends
-(:func:`release_host_buffers`). It has two halves used in turn: a rank
-writes bucket ``k + 1`` into the other half while a slower rank may still read bucket ``k``, and it can only
-come back to bucket ``k``'s half after bucket ``k + 1``'s barrier, which every rank passes only once it is done
-with bucket ``k``. So one barrier per bucket is enough, and the halves' turn goes on across hand-offs.
+(:func:`release_host_buffers`).
+
+The two halves are used in turn: a rank writes bucket ``k + 1`` into the other half while a slower rank may still
+read bucket ``k``, and it can only come back to bucket ``k``'s half after bucket ``k + 1``'s barrier, which every
+rank passes only once it is done with bucket ``k``. So one barrier per bucket is enough, and the halves' turn goes
+on across hand-offs.
 """
 
 from __future__ import annotations
