@@ -2,6 +2,7 @@
 
     python benchmarks/bench_rollout.py                # everything (a few minutes on 2 CPU cores)
     python benchmarks/bench_rollout.py --part rollout # or: --part sync
+    python benchmarks/bench_rollout.py --part sync --engines hf
 
 Rollout: one process, the same tiny Qwen2 and workload for both engines (64 prompts x 4 samples, 32 new
 tokens, temperature 1, EOS disabled by a stop id that never occurs so every response has the full length);
@@ -9,7 +10,9 @@ response tokens per second over 3 timed rounds after a warm-up round.
 
 Hand-off: two processes (torchrun), the actor sharded with FSDP2 over both, a colocated engine per rank
 (transformers, or vLLM with TP=1) with full tensors moved by gloo's all-gather ("collective") or through the
-host's shared memory ("shared"), and a vLLM engine with TP=2 (one engine over both ranks, full tensors as the
+host's shared memory ("shared"), or with the transformers engines reading one shared copy of the weights
+that each rank writes its rows into ("store": ``SharedWeights``, timed from before its entry barrier), and a
+vLLM engine with TP=2 (one engine over both ranks, full tensors as the
 peers do, or only each rank's TP slices); median time of ``load_weights(weights_for(...))`` (exchange +
 hand-off + the engine's own loading), bytes each rank received from the other and bytes it handed to its
 engine, for three model sizes. The physical scale beside each: both ranks copying the bytes their engine
@@ -123,12 +126,22 @@ def sync_worker(path: str, engine_kind: str, tp: int, transfer: str, transport: 
             hf_config=model.config,
         )
     shard_model(model, dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),)))
+    store = None
+    if transport == "store":  # the engines read one shared copy: each rank writes its rows (two barriers)
+        from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
+
+        store = SharedWeights.attempt(engine, model)
+        assert store is not None, "no shared store on this host"
     times, received, handed = [], 0, 0
     for _ in range(12):
         dist.barrier()
         box = [0]
         t0 = time.perf_counter()
-        handed = engine.load_weights(weights_for(engine, model, box, transport=transport, into_engine=True))
+        if store is not None:
+            store.hand_off(box)
+            handed = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        else:
+            handed = engine.load_weights(weights_for(engine, model, box, transport=transport, into_engine=True))
         times.append(time.perf_counter() - t0)
         received = box[0]
     # the physical scale: every rank copies the bytes its engine takes at the same time (one flat copy each)
@@ -151,6 +164,7 @@ def sync_worker(path: str, engine_kind: str, tp: int, transfer: str, transport: 
 CASES = (  # engine, TP, transfer, transport
     ("hf", 1, "full", "collective"),
     ("hf", 1, "full", "shared"),
+    ("hf", 1, "full", "store"),
     ("vllm", 1, "full", "collective"),
     ("vllm", 1, "full", "shared"),
     ("vllm", 2, "full", "auto"),
@@ -158,7 +172,7 @@ CASES = (  # engine, TP, transfer, transport
 )
 
 
-def bench_sync(folder: str) -> None:
+def bench_sync(folder: str, engines: tuple[str, ...] = ("hf", "vllm")) -> None:
     print(f"memcpy   {memcpy_gbps():.1f} GB/s (one 256 MB host copy)")
     print(
         "hand-off  size   engine TP transfer transport   params   time ms   received/rank MB   handed/rank MB"
@@ -166,7 +180,7 @@ def bench_sync(folder: str) -> None:
     )
     for size in SIZES:
         path = _model(folder, size)
-        for engine, tp, transfer, transport in CASES:
+        for engine, tp, transfer, transport in (case for case in CASES if case[0] in engines):
             out = os.path.join(folder, f"sync-{size}-{engine}-{tp}-{transfer}-{transport}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
             cmd += ["--worker", path, "--engine", engine, "--tp", str(tp), "--transfer", transfer]
@@ -193,6 +207,7 @@ def main() -> None:
     p.add_argument("--transfer", default="full", help=argparse.SUPPRESS)
     p.add_argument("--engine", default="vllm", help=argparse.SUPPRESS)
     p.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--engines", default="hf,vllm", help="hand-off cases of these engines (comma-separated)")
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -211,7 +226,7 @@ def main() -> None:
                 sys.exit(f"rollout benchmark failed ({size}):\n{proc.stderr[-3000:]}")
             print("".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith("rollout")), end="")
     if args.part in ("all", "sync"):
-        bench_sync(folder)
+        bench_sync(folder, tuple(args.engines.split(",")))
 
 
 if __name__ == "__main__":

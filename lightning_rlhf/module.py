@@ -559,7 +559,7 @@ class RLHFModule(L.LightningModule):
         if step_seconds:
             tokens = float(rollout["prompt_mask"].sum() + mask.sum())
             out["perf/throughput"] = tokens / step_seconds / max(1, self.trainer.world_size)
-        for key in ("timing_s/update_weights", "perf/weight_sync_bytes"):
+        for key in ("timing_s/update_weights", "timing_s/update_weights_wait", "perf/weight_sync_bytes"):
             if key in rollout.meta:
                 out[key] = float(rollout.meta[key])
         if "rollout_logprobs" in rollout and "old_logprobs" in rollout:  # the on-policy update reports its own

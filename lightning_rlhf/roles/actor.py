@@ -16,6 +16,7 @@ from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
 from lightning_rlhf.engines.rollout.reshard import weights_for
+from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, MetricAccumulator, forward_response, full_tensors, world
 from lightning_rlhf.roles.base import Role, RolloutEngineRequest, load_model
 
@@ -58,6 +59,10 @@ class ActorRole(Role):
         self.weight_bridge: WeightBridge | None = None
         """Set by the strategy when a generation-only pool takes this role's weights (``send_weights``)."""
         self._sent_version: int | None = None  # the version the generation-only pool holds (None: nothing valid)
+        self.handoff_wait_s = 0.0
+        """Seconds the last hand-off waited for the other ranks to arrive (the shared store's entry barrier)."""
+        self._shared: tuple[Any, Any, SharedWeights | None] | None = None
+        """``(engine, model, store)`` once decided for this engine and model (store None: the hand-off streams)."""
 
     @property
     def logprob_temperature(self) -> float:
@@ -134,7 +139,13 @@ class ActorRole(Role):
         )
         self.rollout_engine.sleep()
         self.train_engine.onload_optimizer()
-        rollout.meta.update({"timing_s/update_weights": sync_s, "perf/weight_sync_bytes": sync_bytes})
+        rollout.meta.update(
+            {
+                "timing_s/update_weights": sync_s,
+                "timing_s/update_weights_wait": self.handoff_wait_s,
+                "perf/weight_sync_bytes": sync_bytes,
+            }
+        )
         return rollout
 
     def mark_weights_changed(self) -> None:
@@ -151,18 +162,30 @@ class ActorRole(Role):
         one parameter at a time out of the FSDP shards: full tensors (gathered in buckets), or, for a
         tensor-parallel vLLM engine, only the slices this rank's engine loads.
 
+        Where the engines of one host can read one copy of the weights in shared memory
+        (:class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`: transformers engines on CPU), each
+        rank writes only its own rows there instead.
+
         Runs on: every worker rank (the gathers are collectives, in the same order everywhere).
-        Returns ``(seconds, bytes this rank received from the other ranks)``.
+        Returns ``(seconds, bytes this rank received from the other ranks)``; with the shared store the seconds
+        leave out the wait for the other ranks to arrive (:attr:`handoff_wait_s`).
         """
         engine = self.rollout_engine
+        self.handoff_wait_s = 0.0
         if self._engine_version == self._weights_version and not engine.weights_discarded:
             return 0.0, 0
         assert self.model is not None
         t0 = time.perf_counter()
         received = [0]
-        engine.load_weights(weights_for(engine, self.model, received, into_engine=True))
+        if self._shared is None or self._shared[0] is not engine or self._shared[1] is not self.model:
+            self._shared = (engine, self.model, SharedWeights.attempt(engine, self.model))
+        store = self._shared[2]
+        if store is not None:
+            self.handoff_wait_s = store.hand_off(received)
+        else:
+            engine.load_weights(weights_for(engine, self.model, received, into_engine=True))
         self._engine_version = self._weights_version
-        return time.perf_counter() - t0, received[0]
+        return time.perf_counter() - t0 - self.handoff_wait_s, received[0]
 
     @property
     def policy_version(self) -> int:

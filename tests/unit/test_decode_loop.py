@@ -5,6 +5,7 @@ the fall-back to ``generate`` for architectures it does not know."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,14 +180,15 @@ def test_other_architectures_fall_back_to_generate() -> None:
 def test_attention_over_the_written_slots_equals_attention_over_the_whole_cache(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The loop reads only the written cache slots in float32 (the whole capacity in bfloat16 on CPU); the hidden
-    slots add nothing, so both spans sample the same tokens with the same log-probs up to float rounding."""
+    """The eager attention reads only the written cache slots in float32 (the whole capacity in bfloat16 on CPU); the
+    hidden slots add nothing, so both spans sample the same tokens with the same log-probs up to float rounding."""
     import lightning_rlhf.engines.rollout.decode as decode
 
     mask = torch.ones((1, 3), dtype=torch.bool)
     assert decode._written_slots_only(decode._Cache(llama_family()[0], mask, 2, 4, torch.float32, CPU))
     assert not decode._written_slots_only(decode._Cache(llama_family()[0], mask, 2, 4, torch.bfloat16, CPU))
     model = llama_family()[2].to(dtype)  # Qwen3: grouped queries, per-head norms
+    monkeypatch.setattr(decode, "_fused_attention", lambda cache: False)  # the eager ops (the kernel reads the span)
     assert_same_samples_either_way(model, monkeypatch, "_written_slots_only")
 
 
@@ -281,3 +283,101 @@ print("ok")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def eager_step_attention(
+    query: torch.Tensor,
+    prefix_keys: torch.Tensor,
+    prefix_values: torch.Tensor,
+    bias: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n: int,
+    span: int,
+    scaling: float,
+) -> torch.Tensor:
+    """The step's attention in float64, written out plainly: per row, its prompt's keys (with the padding bias) and
+    its own first ``span`` keys, one softmax."""
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for r in range(query.shape[0]):
+        p = r // n
+        k = torch.cat((prefix_keys[p], keys[r, :, :span]), dim=1).double()  # [kv, width + span, d]
+        v = torch.cat((prefix_values[p], values[r, :, :span]), dim=1).double()
+        add = torch.cat((bias.reshape(-1, prefix_keys.shape[2])[p].double(), torch.zeros(span, dtype=torch.float64)))
+        scores = query[r].double() @ k.transpose(-1, -2) * scaling + add  # [kv, group, keys]
+        out[r] = torch.softmax(scores, dim=-1) @ v
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "d", "n", "threads"),
+    [(2, 2, 64, 3, 1), (1, 3, 32, 2, 1), (2, 1, 128, 1, 1), (2, 2, 128, 8, 2), (3, 2, 24, 4, 1)],
+    ids=["gqa-64", "group3-32", "mha-128", "gqa-128-2threads", "generic-24"],
+)
+def test_fused_step_attention_is_the_softmax_attention(
+    dtype: torch.dtype, kv_heads: int, group: int, d: int, n: int, threads: int
+) -> None:
+    """The compiled kernel against the attention in float64, for head sizes it specialises (32, 64, 128) and one it
+    does not (24), grouped and plain queries, padded prompts, the first and the last step, one thread and two (the
+    kernel starts a second one for calls of 2 x 2^18 multiply-adds and more: 24 rows x 4 heads x 47 keys x 128)."""
+    from lightning_rlhf.engines.rollout import native
+
+    if not native.native_attention_available():
+        pytest.fail("the decoding attention kernel did not build on a machine with a C compiler (see the log)")
+    torch.manual_seed(0)
+    prompts, width, cap = 3, 7, 40
+    rows = prompts * n
+    mask = torch.ones(prompts, width, dtype=torch.bool)
+    mask[0, :4] = False  # left padding
+    mask[2, :1] = False
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, -math.inf)[:, None, None]
+    query = torch.randn(rows, kv_heads, group, d).to(dtype)
+    prefix_keys, prefix_values = (torch.randn(prompts, kv_heads, width, d).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(rows, kv_heads, cap, d).to(dtype) for _ in range(2))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for span in (1, 5, cap):
+            out = native.decode_attention(
+                query, prefix_keys, prefix_values, bias, keys, values, n=n, span=span, scaling=d**-0.5
+            )
+            assert out is not None and out.dtype == dtype and out.shape == query.shape
+            expected = eager_step_attention(query, prefix_keys, prefix_values, bias, keys, values, n, span, d**-0.5)
+            atol = 2e-6 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the output (|out| < 4)
+            torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def test_the_loop_samples_the_same_with_the_fused_or_the_eager_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole loop, float32: the compiled attention and the eager ops give the same tokens and log-probs (to
+    float rounding), for grouped queries with Qwen3's per-head norms and padded prompts."""
+    from lightning_rlhf.engines.rollout import native
+
+    assert native.native_attention_available()
+    assert_same_samples_either_way(llama_family()[2], monkeypatch, "_fused_attention")
+
+
+def test_without_a_compiler_the_loop_keeps_its_eager_attention(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A compiler that fails (or none, or LIGHTNING_RLHF_NATIVE=0) leaves the kernel off with a warning, and the
+    loop still samples, through the eager ops."""
+    from lightning_rlhf.engines.rollout import native
+
+    monkeypatch.setenv("LIGHTNING_RLHF_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "false")  # runs, and fails
+    native._kernel.cache_clear()
+    try:
+        assert not native.native_attention_available()
+        q = torch.zeros(2, 1, 1, 8)
+        assert native.decode_attention(q, q[:1], q[:1], torch.zeros(1, 1), q, q, n=2, span=1, scaling=1.0) is None
+        params = SamplingParams(n=2, max_new_tokens=4, min_new_tokens=4, seed=0)
+        tokens, logprobs = sample_loop(llama_family()[0], PROMPTS, params, stops={1}, pad_token_id=0, device=CPU)
+        assert tokens.shape == (8, 4) and bool(torch.isfinite(logprobs).all())
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv("LIGHTNING_RLHF_NATIVE", "0")
+        native._kernel.cache_clear()
+        assert not native.native_attention_available()
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        native._kernel.cache_clear()  # the next test builds (or finds) the real kernel again

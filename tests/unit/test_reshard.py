@@ -74,3 +74,12 @@ def test_full_tensors_gathers_buckets_of_shards_exactly() -> None:
     # each rank receives every element it does not hold: over both ranks, each element once (float32: 4 bytes)
     received, numel = [int(line[2]) for line in lines], int(lines[0][3])
     assert sum(received) == 4 * numel and min(received) > 0
+
+
+def test_colocated_engines_read_one_shared_copy_of_the_weights() -> None:
+    lines = ok_lines_of_two_ranks("shared_weights_check.py")
+    assert [line[:3] for line in lines] == [["OK", "0", "bfloat16"], ["OK", "0", "float32"],
+                                            ["OK", "1", "bfloat16"], ["OK", "1", "float32"]]  # fmt: skip
+    # each rank's engine reads the rows the other rank wrote: over both ranks, each element once
+    by_dtype = {dtype: sum(int(line[3]) for line in lines if line[2] == dtype) for dtype in ("float32", "bfloat16")}
+    assert by_dtype["float32"] == 2 * by_dtype["bfloat16"] > 0

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_rlhf.engines.rollout import native
 from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
 
 __all__ = ["MODEL_TYPES", "decode_loop_unsupported", "left_pad", "sample_loop"]
@@ -116,6 +117,13 @@ def _written_slots_only(cache: _Cache) -> bool:
     float32, or any dtype on a GPU."""
     keys = cache.keys[0]
     return keys.dtype == torch.float32 or keys.device.type != "cpu"
+
+
+def _fused_attention(cache: _Cache) -> bool:
+    """Whether a decoding step's attention goes through the compiled kernel
+    (:func:`~lightning_rlhf.engines.rollout.native.decode_attention`, which falls back to the eager ops where it
+    cannot run): on CPU."""
+    return cache.keys[0].device.type == "cpu"
 
 
 def _fused_rows(parts: list[Tensor]) -> Tensor | None:
@@ -216,6 +224,23 @@ class _Layer(NamedTuple):
     down: _Linear
 
 
+def fused_groups(model: Any) -> list[tuple[str, ...]]:
+    """The parameter names whose tensors the loop fuses into one (:func:`_fuse`), per group in row order: each
+    layer's query/key/value weights (and biases), and its gate/up weights. Laid out consecutively in one storage in
+    that order (:meth:`HFRolloutEngine.weight_layout`), they are fused as they lie, with no copy. Empty for a model
+    the loop does not serve. Runs on: worker."""
+    if decode_loop_unsupported(model, max_length=0) is not None:
+        return []
+    groups: list[tuple[str, ...]] = []
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        for attr in ("weight", "bias"):
+            if getattr(layer.self_attn.q_proj, attr, None) is not None:
+                groups.append(tuple(f"{prefix}.self_attn.{m}_proj.{attr}" for m in "qkv"))
+        groups.append((f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight"))
+    return groups
+
+
 def _layers(model: Any, rows: int) -> tuple[list[_Layer], _Linear]:
     """:class:`_Layer` of every decoder layer of ``model`` (fusing its parameters where they are not yet), and the
     head; packed for ``rows`` rows per product where :func:`_packs` says so."""
@@ -311,6 +336,13 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
     n = cache.n
     prompts = rows // n
     prefix_keys, prefix_values = cache.prefix_keys[layer], cache.prefix_values[layer]
+    if _fused_attention(cache):
+        keys, values = cache.keys[layer], cache.values[layer]
+        out = native.decode_attention(
+            query, prefix_keys, prefix_values, cache.prefix_bias, keys, values, n=n, span=step + 1, scaling=scaling
+        )
+        if out is not None:
+            return out
     width = prefix_keys.shape[2]
     keys, values = cache.keys[layer], cache.values[layer]
     span = step + 1 if _written_slots_only(cache) else keys.shape[2]

@@ -35,7 +35,7 @@ from lightning_rlhf.engines.rollout.base import (
     processed_logprobs,
     tied_aliases,
 )
-from lightning_rlhf.engines.rollout.decode import decode_loop_unsupported, left_pad, sample_loop
+from lightning_rlhf.engines.rollout.decode import decode_loop_unsupported, fused_groups, left_pad, sample_loop
 
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.reshard import Slicer
@@ -149,6 +149,8 @@ class HFRolloutEngine:
         self.generation_batch_size = generation_batch_size
         self.decode = decode
         """``"auto"`` or ``"generate"`` (see the class arguments)."""
+        self._bound: dict[str, Tensor] | None = None
+        """The tensors the parameters are bound to by :meth:`bind_weights` (None: the engine's own storage)."""
 
     def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
         """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
@@ -223,6 +225,59 @@ class HFRolloutEngine:
                     logprobs.extend(lps[: len(response)] for _ in range(copies))
         return RolloutOutput(responses=responses, logprobs=logprobs)
 
+    @property
+    def binds_shared_weights(self) -> bool:
+        """Whether :meth:`bind_weights` may give this engine's parameters memory it shares with the host's other
+        engines (:class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`): on CPU."""
+        return self.device.type == "cpu"
+
+    def weight_layout(self) -> list[list[tuple[str, torch.Size]]]:
+        """Every parameter ``(name, shape)`` (``param_names``, dtype :attr:`dtype`), in groups that a shared store
+        lays out end to end, each group's tensors back to back: the decoding loop's fused projections (a layer's
+        query/key/value weights, their biases, its gate/up weights) are groups, so the loop finds them fused as they
+        lie; every other parameter is a group of one. Runs on: worker."""
+        groups: list[list[tuple[str, torch.Size]]] = []
+        placed: set[str] = set()
+        grouped = {name: group for group in fused_groups(self.model) for name in group}
+        for name in self.param_names:
+            if name in placed:
+                continue
+            group = grouped.get(name, (name,))
+            if not all(member in self._params and member not in placed for member in group):
+                group = (name,)
+            groups.append([(member, self._params[member].shape) for member in group])
+            placed.update(group)
+        return groups
+
+    def bind_weights(self, tensors: dict[str, Tensor]) -> None:
+        """Make every parameter's data ``tensors[name]`` (full tensors of its shape and the engine's dtype, e.g. views
+        of a store every engine of the host reads), so that the engine generates with whatever they hold from now on.
+
+        Runs on: worker, after the tensors were written. Parameters already bound to them are left as they are.
+        Raises ``WeightSyncError`` for a missing name or a tensor of another shape or dtype.
+        """
+        for name, param in self._params.items():
+            tensor = tensors.get(name)
+            if tensor is None or tensor.shape != param.shape or tensor.dtype != param.dtype:
+                got = "nothing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
+                raise WeightSyncError(
+                    f"HFRolloutEngine.bind_weights: {name!r} got {got}, the parameter is {tuple(param.shape)} "
+                    f"{param.dtype}. HINT: lay the tensors out by `engine.weight_layout()` in `engine.dtype`."
+                )
+            if param.data_ptr() != tensor.data_ptr() or param.stride() != tensor.stride():
+                param.data = tensor
+        self._bound = tensors
+        self.weights_discarded = False
+
+    def _unbind(self) -> None:
+        """Give bound parameters storage of their own again (a copy of what they hold), before writing into them."""
+        if self._bound is None:
+            return
+        with torch.no_grad():
+            for param in self._params.values():
+                param.data = param.data.clone()
+        self._bound = None
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Copy new weights in by transformers name, then check that the hand-off held every parameter; returns
         the bytes received. Runs on: worker.
@@ -232,6 +287,7 @@ class HFRolloutEngine:
                 parameter missing at the end (``weights_discarded`` then stays True until a complete hand-off).
         """
         received = 0
+        self._unbind()  # shared with the host's other engines: this hand-off is this engine's own
         self.weights_discarded = True  # a hand-off that stops part-way leaves a mix of old and new weights
         check = self._check
         check.begin()

@@ -13,7 +13,13 @@ from lightning_rlhf.engines.train.engine import (
     world,
 )
 from lightning_rlhf.engines.train.forward import RESPONSE_INPUTS, forward_response, sequence_inputs
-from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
+from lightning_rlhf.engines.train.fsdp import (
+    clip_grad_norm,
+    full_tensors,
+    move_optimizer_state,
+    shard_model,
+    write_shards,
+)
 from lightning_rlhf.engines.train.loading import LoadReport, deferred_loading, load_pretrained, materialize
 
 __all__ = [
@@ -38,4 +44,5 @@ __all__ = [
     "sequence_inputs",
     "shard_model",
     "world",
+    "write_shards",
 ]

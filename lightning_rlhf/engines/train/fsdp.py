@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_rlhf.engines.train.host_share import HostBuffer, host_buffer
 
-__all__ = ["clip_grad_norm", "full_tensors", "move_optimizer_state", "shard_model"]
+__all__ = ["clip_grad_norm", "full_tensors", "move_optimizer_state", "shard_model", "write_shards"]
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -200,9 +200,16 @@ def _row_shard(
     if id(mesh) not in positions:
         positions[id(mesh)] = (mesh.get_group(), mesh.size(), mesh.get_local_rank())
     group, world, rank = positions[id(mesh)]
-    shard = _RowShard(name, data.shape, data.to_local(), group, world, rank)
+    shard = _RowShard(name, data.shape, _local(data), group, world, rank)
     ok = shard.local.shape[0] == shard.rows_of(rank) and shard.local.is_contiguous()
     return shard if ok else None
+
+
+def _local(data: DTensor) -> torch.Tensor:
+    """The DTensor's local shard. ``to_local()`` is an autograd function (~15 us a call, most of a small model's
+    hand-off plan); read without gradients, the DTensor's own ``_local_tensor`` is the same tensor."""
+    local = getattr(data, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else data.to_local()
 
 
 def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, transport: str) -> HostBuffer | None:
@@ -280,6 +287,44 @@ def _gather_bucket(
             received[0] += (full.numel() - shard.local.numel()) * full.element_size()
         offset += chunk
         yield shard.name, full
+
+
+def write_shards(
+    model: nn.Module, targets: dict[str, torch.Tensor], *, writes_whole: bool, received: list[int] | None = None
+) -> None:
+    """Write this rank's part of every parameter of ``model`` into ``targets[name]`` (the full tensor's place, e.g.
+    in memory every rank of the host maps: :class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`),
+    cast to the target's dtype on the way. Row-sharded parameters (FSDP2's ``Shard(0)``): each rank writes its own
+    rows. Any other parameter is made whole (``full_tensor()``, a collective for a DTensor) and written by the rank
+    with ``writes_whole=True`` only.
+
+    Runs on: every worker rank of the model's mesh, in the same order; the caller orders the writes against the
+    readers (a barrier before and after). ``received[0]`` grows by the bytes of each full tensor this rank did
+    not write itself (what its engine then reads of the other ranks' work).
+    """
+    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            target = targets[name]
+            if target.shape != param.shape:
+                shapes = f"{tuple(param.shape)}, its place {tuple(target.shape)}"
+                raise ValueError(f"write_shards: {name!r} has shape {shapes}")
+            shard = _row_shard(name, param, positions)
+            if shard is not None:
+                local = shard.local
+                if local.numel():
+                    start = shard.rank * shard.chunk_rows
+                    target[start : start + local.shape[0]].copy_(local)
+                written = local.numel()
+            else:
+                data = param.data
+                if isinstance(data, DTensor):
+                    data = data.full_tensor()
+                if writes_whole:
+                    target.copy_(data)
+                written = target.numel() if writes_whole else 0
+            if received is not None:
+                received[0] += (target.numel() - written) * target.element_size()
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

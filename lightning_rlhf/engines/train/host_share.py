@@ -29,7 +29,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-__all__ = ["HostBuffer", "host_buffer", "release_host_buffers"]
+__all__ = ["HostBuffer", "host_buffer", "host_store", "release_host_buffers"]
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
@@ -84,41 +84,67 @@ def host_buffer(group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
     if half_bytes >= _REFUSED.get(key, math.inf):
         return None
     half = -(-max(half_bytes, 1) // _ALIGN) * _ALIGN
-    grown = _open_shared(group, half)
-    if grown is None:
+    memory = _open_shared(group, 2 * half)
+    if memory is None:
         _REFUSED[key] = min(half_bytes, _REFUSED.get(key, half_bytes))
         return None
+    grown = HostBuffer(group, memory, half)
     _BUFFERS[key] = grown
     return grown
 
 
+_STORES: dict[tuple[str, str], torch.Tensor] = {}
+"""Per (process group, purpose): its store's memory."""
+
+
+def host_store(group: dist.ProcessGroup, nbytes: int, purpose: str) -> torch.Tensor | None:
+    """``nbytes`` of shared memory (uint8) that every rank of ``group`` maps, kept for ``purpose`` (one store per
+    group and purpose; a larger request maps a new one, the old one lives on while tensors view it), or None where
+    the ranks cannot all map one (other hosts, no room in ``/dev/shm``) or the group has one rank.
+
+    Runs on: every rank of ``group``, at the same point with the same arguments (collective when a store is made).
+    Unlike :func:`host_buffer` there are no halves: what is kept there, and when a rank may write it, is the
+    caller's protocol (:class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`).
+    """
+    if dist.get_world_size(group) < 2:
+        return None
+    key = (group.group_name, purpose)
+    memory = _STORES.get(key)
+    if memory is not None and memory.numel() >= nbytes:
+        return memory[:nbytes]
+    memory = _open_shared(group, -(-max(nbytes, 1) // _ALIGN) * _ALIGN)
+    if memory is None:
+        return None
+    _STORES[key] = memory
+    return memory[:nbytes]
+
+
 def release_host_buffers() -> None:
-    """Unmap every group's buffer (its memory returns once no tensor views it). Runs on: every process, at the end
-    of a run (``RLHFStrategy.teardown``)."""
+    """Unmap every group's buffer and store (their memory returns once no tensor views it). Runs on: every process,
+    at the end of a run (``RLHFStrategy.teardown``)."""
     _BUFFERS.clear()
     _REFUSED.clear()
+    _STORES.clear()
 
 
-def _open_shared(group: dist.ProcessGroup, half: int) -> HostBuffer | None:
-    """Group rank 0 creates and reserves the file, every rank maps it, all agree it worked, rank 0 unlinks it
-    (whatever happens once it exists: a rank that raises leaves no file behind)."""
+def _open_shared(group: dist.ProcessGroup, nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of memory every rank of ``group`` maps (uint8), or None. Group rank 0 creates and reserves the
+    file, every rank maps it, all agree it worked, rank 0 unlinks it (whatever happens once it exists: a rank that
+    raises leaves no file behind)."""
     first = dist.get_global_rank(group, 0)
     path: str | None = None
     if dist.get_rank() == first:
-        path = _create(2 * half)
+        path = _create(nbytes)
     try:
         box = [path]
         dist.broadcast_object_list(box, src=first, group=group)
-        memory = _map(box[0], 2 * half) if box[0] is not None else None
+        memory = _map(box[0], nbytes) if box[0] is not None else None
         ok = torch.tensor([int(memory is not None)])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank has mapped it (or failed) past here
     finally:
         if path is not None:
             os.unlink(path)
-    if not int(ok):
-        return None
-    assert memory is not None
-    return HostBuffer(group, memory, half)
+    return memory if int(ok) else None
 
 
 def _create(nbytes: int) -> str | None:

@@ -1,0 +1,97 @@
+"""The transformers engine's decoding loop, one rank's share of the vs-TRL step, A/B on one switch.
+
+    python benchmarks/bench_decode.py                      # small model, fp32 and bf16, 1 thread
+    python benchmarks/bench_decode.py --models small,tiny --repeats 8
+
+One rank's share of the benchmark's step (8 prompts x 8 samples x 64 new tokens, EOS held back) on the workload's
+randomly initialised Qwen2 model (``vs_trl/workload.py``'s shapes), prompts of 9-13 random tokens. The variants
+alternate in one process (``A B A B ...``) so that a slow moment of the machine hits both; the median of each is
+printed, and the last line is one JSON object. Variant ``fused``: the decoding step's attention through the compiled
+kernel (``engines/rollout/native.py``); ``eager``: the same step as PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "vs_trl"))
+
+from workload import MODELS
+
+from lightning_rlhf.engines.rollout import SamplingParams, native
+from lightning_rlhf.engines.rollout import decode as decode_module
+
+
+def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The workload's model shape, random weights (seed 0), in ``dtype``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    spec = MODELS[name]
+    config = Qwen2Config(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).to(dtype).eval()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="small")
+    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--repeats", type=int, default=6, help="calls per variant (alternated)")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if not native.native_attention_available():
+        raise SystemExit("the decoding attention kernel is not available here (no C compiler?)")
+    generator = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(2, 200, (int(torch.randint(9, 14, (1,), generator=generator)),), generator=generator).tolist()
+        for _ in range(8)
+    ]
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=64, min_new_tokens=64, seed=0)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    summary: dict[str, float] = {}
+    for name in args.models.split(","):
+        for precision in args.precisions.split(","):
+            model = build(name, dtypes[precision])
+            times: dict[str, list[float]] = {"fused": [], "eager": []}
+            for i in range(2 * args.repeats + 2):  # the first pair warms up
+                variant = "fused" if i % 2 == 0 else "eager"
+                decode_module._fused_attention = lambda cache, on=(variant == "fused"): (
+                    on
+                    and (  # type: ignore[misc]
+                        cache.keys[0].device.type == "cpu"
+                    )
+                )
+                torch.manual_seed(0)
+                start = time.perf_counter()
+                decode_module.sample_loop(model, prompts, params, stops={1}, pad_token_id=0, device=torch.device("cpu"))
+                if i >= 2:
+                    times[variant].append(time.perf_counter() - start)
+            fused, eager = statistics.median(times["fused"]), statistics.median(times["eager"])
+            print(f"{name} {precision}: eager {eager:.3f} s, fused attention {fused:.3f} s ({fused / eager - 1:+.1%})")
+            summary[f"{name}_{precision}_eager_s"] = round(eager, 4)
+            summary[f"{name}_{precision}_fused_s"] = round(fused, 4)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

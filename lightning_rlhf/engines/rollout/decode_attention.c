@@ -1,0 +1,260 @@
+/* One decoding step's attention for the transformers engine's own loop (decode.py, `_step_attention`), fused.
+ *
+ * Per row r (sample r % n of prompt p = r / n) and key/value head h, for each of the head's `group` queries:
+ * scores over the prompt's keys (held once for its n samples, with the prompt's padding bias) and over the row's
+ * own first `span` generated keys, scaled; one softmax over both in float32; the weighted sum of the values, in
+ * float32, rounded once to the output's dtype. Eager PyTorch runs this as ~10 small batched products and
+ * element-wise passes per layer and step, each a dispatch over tiny matrices; here it is one pass that reads each
+ * key and value row once for the head's whole group.
+ *
+ * Layouts (all contiguous): q, out [rows, kv, group, d]; prefix_keys, prefix_values [prompts, kv, width, d];
+ * prefix_bias [prompts, width] (float32: 0 visible, -inf padding); keys, values [rows, kv, cap, d].
+ * dtype 0: float32 tensors; 1: bfloat16 (stored as uint16_t; widened on load, rounded to nearest even on store).
+ * d must be a multiple of 8 (the vectors' width). The (row, head) pairs are split over up to `threads` POSIX threads
+ * (fewer when the call is small).
+ *
+ * Written with GCC/Clang vector extensions (8 floats): the compiler maps them to AVX2 or AVX-512 registers, or
+ * to pairs of SSE registers, for the CPU it compiles on (-march=native).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+#define INLINE static inline __attribute__((always_inline))
+#define MAX_LANES 32 /* head sizes up to 256 */
+
+typedef struct {
+    const void *q, *prefix_keys, *prefix_values, *keys, *values;
+    const float *prefix_bias;
+    void *out;
+    long n, kv, group, d, width, cap, span;
+    float scale;
+    int dtype;
+    long begin, end; /* the (row, head) pairs of this job: [begin, end) */
+    int failed;
+} Job;
+
+INLINE v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* Lane by lane: where `mask` (all ones or all zeros per lane, as comparisons give) a, else b. */
+INLINE v8f pick(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
+/* Eight consecutive values of a float32 (dtype 0) or bfloat16 (dtype 1) tensor, as float32. */
+INLINE v8f load8(const void *base, int dtype, long index) {
+    v8f out;
+    if (dtype == 0) {
+        memcpy(&out, (const float *)base + index, sizeof out);
+    } else {
+        v8h half;
+        memcpy(&half, (const uint16_t *)base + index, sizeof half);
+        v8u wide = __builtin_convertvector(half, v8u) << 16;
+        memcpy(&out, &wide, sizeof out);
+    }
+    return out;
+}
+
+INLINE float hsum(v8f x) {
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* exp(x) for x <= 0 (a softmax's shifted scores), eight at a time: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by
+ * its degree-6 Taylor polynomial (relative error < 2.5e-7, about one float32 rounding), times 2^n built in the
+ * exponent bits; below -87.3 (and for -inf) exactly 0. Rounding to the nearest integer adds and subtracts
+ * 1.5 * 2^23 (exact in float32 for |x| < 2^22, under the default rounding mode). */
+INLINE v8f exp_nonpositive(v8f x) {
+    const v8i under = x < splat(-87.3f);
+    const v8f clamped = pick(under, splat(-87.3f), x);
+    const v8f n = (clamped * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
+    const v8f r = (clamped - n * splat(0.693145751953125f)) - n * splat(1.428606765330187e-06f);
+    v8f p = splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return pick(under, splat(0.0f), p * scale);
+}
+
+/* The eight sums of x[0..7] (one vector per key) in one vector: three rounds of pairwise shuffles and adds. */
+INLINE v8f hsum8(const v8f *x) {
+    v8f pairs[4], quads[2];
+    for (int i = 0; i < 4; ++i)
+        pairs[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                   __builtin_shufflevector(x[2 * i], x[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; ++i)
+        quads[i] = __builtin_shufflevector(pairs[2 * i], pairs[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                   __builtin_shufflevector(pairs[2 * i], pairs[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* scores[j] = (query . key j) * scale (+ bias[j]) for the `count` keys from row `first` of `keys`; the query is
+ * `lanes` vectors (a local copy: in registers when `lanes` is a constant). */
+INLINE void scores_of(const void *keys, long first, long count, const v8f *query, const long lanes, const long d,
+                      int dtype, float scale, const float *bias, float *scores) {
+    v8f q[MAX_LANES];
+    for (long c = 0; c < lanes; ++c) q[c] = query[c];
+    long j = 0;
+    for (; j + 8 <= count; j += 8) {
+        v8f sums[8];
+        const long start = (first + j) * d;
+        for (int k = 0; k < 8; ++k) sums[k] = q[0] * load8(keys, dtype, start + k * d);
+        for (long c = 1; c < lanes; ++c)  /* the eight keys' sums are independent chains */
+            for (int k = 0; k < 8; ++k) sums[k] += q[c] * load8(keys, dtype, start + k * d + c * 8);
+        v8f block = hsum8(sums) * splat(scale);
+        if (bias) block += load8(bias, 0, j);
+        memcpy(scores + j, &block, sizeof block);
+    }
+    for (; j < count; ++j) {
+        const long start = (first + j) * d;
+        v8f sum = q[0] * load8(keys, dtype, start);
+        for (long c = 1; c < lanes; ++c) sum += q[c] * load8(keys, dtype, start + c * 8);
+        scores[j] = hsum(sum) * scale + (bias ? bias[j] : 0.0f);
+    }
+}
+
+/* The softmax of scores[0..total) in place, in float32; the slots up to `total` rounded up to 8 are scratch. */
+INLINE void softmax(float *s, long total) {
+    const long blocks = (total + 7) / 8;
+    for (long j = total; j < blocks * 8; ++j) s[j] = -INFINITY; /* the last block's tail: exp gives 0 */
+    v8f top = splat(-INFINITY), block;
+    for (long b = 0; b < blocks; ++b) {
+        memcpy(&block, s + b * 8, sizeof block);
+        top = pick(block > top, block, top);
+    }
+    const v8f peak = splat(fmaxf(fmaxf(fmaxf(top[0], top[1]), fmaxf(top[2], top[3])),
+                                 fmaxf(fmaxf(top[4], top[5]), fmaxf(top[6], top[7]))));
+    v8f sum = splat(0.0f);
+    for (long b = 0; b < blocks; ++b) {
+        memcpy(&block, s + b * 8, sizeof block);
+        block = exp_nonpositive(block - peak);
+        sum += block;
+        memcpy(s + b * 8, &block, sizeof block);
+    }
+    const v8f inv = splat(1.0f / hsum(sum));
+    for (long b = 0; b < blocks; ++b) {
+        memcpy(&block, s + b * 8, sizeof block);
+        block *= inv;
+        memcpy(s + b * 8, &block, sizeof block);
+    }
+}
+
+/* acc += sum over j of weights[j] * value row (first + j), the sums in registers when `lanes` is a constant; weights
+ * of exactly 0 (the prompt's padding) are skipped. */
+INLINE void weigh(const void *values, long first, long count, const float *weights, const long lanes, const long d,
+                  int dtype, v8f *acc) {
+    v8f a[MAX_LANES];
+    for (long c = 0; c < lanes; ++c) a[c] = acc[c];
+    for (long j = 0; j < count; ++j) {
+        const float w = weights[j];
+        if (w == 0.0f) continue;
+        const long start = (first + j) * d;
+        for (long c = 0; c < lanes; ++c) a[c] += splat(w) * load8(values, dtype, start + c * 8);
+    }
+    for (long c = 0; c < lanes; ++c) acc[c] = a[c];
+}
+
+/* One (row, key/value head) pair. `d` (a multiple of 8) is a constant where the caller dispatches on common head
+ * sizes: the loops over a row's vectors then unroll, with the query and the sums in registers. `scores` holds
+ * stride floats, stride >= width + span rounded up to 8; `vectors` holds 2 x d / 8. */
+INLINE void attend(const Job *job, long pair, const long d, float *scores, v8f *vectors) {
+    const long group = job->group, width = job->width, span = job->span, lanes = d / 8;
+    const long r = pair / job->kv, h = pair % job->kv, p = r / job->n;
+    const int dtype = job->dtype;
+    const float *bias = job->prefix_bias + p * width;
+    const long prompt_rows = (p * job->kv + h) * width, own_rows = (r * job->kv + h) * job->cap;
+    v8f *query = vectors, *acc = vectors + lanes;
+    for (long g = 0; g < group; ++g) {
+        const long first = (pair * group + g) * d;
+        for (long c = 0; c < lanes; ++c) query[c] = load8(job->q, dtype, first + c * 8);
+        /* The prompt's keys, then the row's own, in blocks of eight keys (one vector of eight scores). */
+        scores_of(job->prefix_keys, prompt_rows, width, query, lanes, d, dtype, job->scale, bias, scores);
+        scores_of(job->keys, own_rows, span, query, lanes, d, dtype, job->scale, NULL, scores + width);
+        softmax(scores, width + span);
+        for (long c = 0; c < lanes; ++c) acc[c] = splat(0.0f);
+        weigh(job->prefix_values, prompt_rows, width, scores, lanes, d, dtype, acc);
+        weigh(job->values, own_rows, span, scores + width, lanes, d, dtype, acc);
+        if (dtype == 0) {
+            memcpy((float *)job->out + first, acc, sizeof(float) * (size_t)d);
+        } else {
+            const float *sums = (const float *)acc;
+            uint16_t *dst = (uint16_t *)job->out + first;
+            for (long i = 0; i < d; ++i) dst[i] = f32_to_bf16(sums[i]);
+        }
+    }
+}
+
+static void *run(void *arg) {
+    Job *job = (Job *)arg;
+    const long d = job->d, stride = (job->width + job->span + 7) / 8 * 8;
+    v8f *vectors = aligned_alloc(32, sizeof(v8f) * (size_t)(2 * d / 8));
+    float *scores = aligned_alloc(32, sizeof(float) * (size_t)stride);
+    if (!vectors || !scores) {
+        job->failed = 1;
+    } else {
+        for (long pair = job->begin; pair < job->end; ++pair) {
+            if (d == 64)
+                attend(job, pair, 64, scores, vectors);
+            else if (d == 128)
+                attend(job, pair, 128, scores, vectors);
+            else if (d == 32)
+                attend(job, pair, 32, scores, vectors);
+            else
+                attend(job, pair, d, scores, vectors);
+        }
+    }
+    free(vectors), free(scores);
+    return NULL;
+}
+
+/* Returns 0 on success, 1 when scratch memory could not be had, 2 for a head size that is not a multiple of 8 up
+ * to 256. */
+int decode_attention(const void *q, const void *prefix_keys, const void *prefix_values, const float *prefix_bias,
+                     const void *keys, const void *values, void *out, long rows, long n, long kv, long group, long d,
+                     long width, long cap, long span, float scale, int dtype, int threads) {
+    if (d % 8 || d > 8 * MAX_LANES) return 2;
+    const long pairs = rows * kv;
+    /* A thread is started per call: each gets at least ~2^18 multiply-adds (tens of microseconds), so that its
+     * start (~15 us) stays small against its share. */
+    const long most = pairs * group * (width + span) * d / (1L << 18);
+    if (threads > most) threads = (int)most;
+    if (threads < 1) threads = 1;
+    Job jobs[threads];
+    pthread_t ids[threads];
+    int started[threads];
+    for (int t = 0; t < threads; ++t) {
+        jobs[t] = (Job){q, prefix_keys, prefix_values, keys, values, prefix_bias, out, n, kv, group, d, width, cap,
+                        span, scale, dtype, pairs * t / threads, pairs * (t + 1) / threads, 0};
+        started[t] = 0;
+    }
+    for (int t = 1; t < threads; ++t) started[t] = pthread_create(&ids[t], NULL, run, &jobs[t]) == 0;
+    run(&jobs[0]);
+    int failed = jobs[0].failed;
+    for (int t = 1; t < threads; ++t) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            run(&jobs[t]); /* no thread to be had: this one does the job itself */
+        failed |= jobs[t].failed;
+    }
+    return failed;
+}

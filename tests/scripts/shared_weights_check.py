@@ -1,0 +1,95 @@
+"""Checks the colocated engines' shared weight store (``engines/rollout/shared_weights.py``) under torchrun with 2
+processes; the test launches it.
+
+A tiny Qwen2 model (query/key/value biases, tied head, a parameter whose rows split unevenly) sharded as the trainer
+shards it, and one transformers engine per rank built from the unsharded model: after each hand-off the engine's
+parameters are exactly the full weights (cast to a bfloat16 engine's dtype too), its fused projections lie as one
+tensor in the store (no copy when the loop fuses them), the weights change between hand-offs and the engine follows,
+both ranks sample what an engine built from the full weights samples, and ``load_weights`` takes a private copy
+first (the store keeps what the hand-off wrote). Prints ``OK <rank> <dtype> <bytes received>`` per engine dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
+from lightning_rlhf.engines.rollout.decode import _fused_rows
+from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
+from lightning_rlhf.engines.train import shard_model
+
+CPU = torch.device("cpu")
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=67, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    model.model.layers[0].mlp.register_parameter("odd", nn.Parameter(torch.randn(5, 3)))  # 3 + 2 rows
+    unsharded = copy.deepcopy(model)
+    engines = {dtype: HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=dtype)
+               for dtype in (torch.float32, torch.bfloat16)}  # fmt: skip
+    shard_model(model, mesh)
+    prompts = [[5, 6, 7], [8, 9]]
+    params = SamplingParams(n=2, max_new_tokens=5, min_new_tokens=5, seed=3)
+    for dtype, engine in engines.items():
+        store = SharedWeights.attempt(engine, model)
+        assert store is not None, "two ranks of one host must get a store"
+        received_total = 0
+        for handoff in range(3):
+            with torch.no_grad():  # the update: every rank changes its own shard
+                for param in model.parameters():
+                    param.to_local().mul_(0.9).add_(0.01 * (handoff + 1))
+            full = {name: p.full_tensor() for name, p in model.named_parameters()}
+            received = [0]
+            store.hand_off(received)
+            received_total = received[0]
+            for name, param in engine.model.named_parameters():
+                assert torch.equal(param, full[name].to(dtype)), (dtype, handoff, name)
+                view = store.views[name]
+                assert param.data_ptr() == view.data_ptr(), f"{name} is not bound to the store"
+            attn = engine.model.model.layers[1].self_attn
+            assert _fused_rows([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
+            assert _fused_rows([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) is not None
+            mlp = engine.model.model.layers[1].mlp
+            assert _fused_rows([mlp.gate_proj.weight, mlp.up_proj.weight]) is not None
+            # what this rank's engine samples is what an engine built from the full weights samples
+            with torch.no_grad():
+                for name, p in unsharded.named_parameters():
+                    p.copy_(full[name])
+            fresh = HFRolloutEngine(unsharded, pad_token_id=0, eos_token_id=1, device=CPU, dtype=dtype)
+            got, want = engine.generate(prompts, params), fresh.generate(prompts, params)
+            assert got.responses == want.responses, (dtype, handoff, got.responses, want.responses)
+            assert got.logprobs == want.logprobs
+            if engine.model.model.embed_tokens.weight.data_ptr() != engine.model.lm_head.weight.data_ptr():
+                raise AssertionError("the tied head came apart from the embedding")
+        # an engine that takes weights any other way first takes a copy of its own: the store stays as written
+        before = {name: view.clone() for name, view in store.views.items()}
+        dist.barrier()
+        engine.load_weights((name, torch.zeros_like(p)) for name, p in unsharded.named_parameters())
+        assert all(float(p.abs().sum()) == 0 for p in engine.model.parameters())
+        dist.barrier()  # both ranks loaded zeros: the store still holds the last hand-off
+        assert all(torch.equal(view, before[name]) for name, view in store.views.items())
+        store.hand_off([0])  # and the next hand-off binds the engine again
+        assert all(p.data_ptr() == store.views[n].data_ptr() for n, p in engine.model.named_parameters())
+        # one write per line: torchrun's children write unbuffered, and print() writes the text and the newline apart
+        sys.stdout.write(f"OK {rank} {str(dtype).removeprefix('torch.')} {received_total}\n")
+        sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
