@@ -6,8 +6,9 @@
 One rank's share of the benchmark's step (8 prompts x 8 samples x 64 new tokens, EOS held back) on the workload's
 randomly initialised Qwen2 model (``vs_trl/workload.py``'s shapes), prompts of 9-13 random tokens. The variants
 alternate in one process (``A B A B ...``) so that a slow moment of the machine hits both; the median of each is
-printed, and the last line is one JSON object. Variant ``fused``: the decoding step's attention through the compiled
-kernel (``engines/rollout/native.py``); ``eager``: the same step as PyTorch ops.
+printed, and the last line is one JSON object. Variants (:data:`VARIANTS`): ``eager`` (PyTorch ops only),
+``attention`` (the decoding step's attention through the compiled kernel of ``engines/rollout/native.py``),
+``kernels`` (the attention, the RMS norms and the SiLU-gated products compiled).
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
     return Qwen2ForCausalLM(config).to(dtype).eval()
 
 
+VARIANTS = ("eager", "attention", "kernels")
+"""Eager ops only; the compiled attention step only; every compiled kernel (attention, RMS norms, SiLU products)."""
+_RMS_NORM, _SILU_MUL = native.rms_norm, native.silu_mul
+
+
+def use(variant: str) -> None:
+    """Switch the decoding loop to one of :data:`VARIANTS`."""
+    decode_module._native_kernels = lambda cache: variant != "eager" and cache.keys[0].device.type == "cpu"  # type: ignore[attr-defined]
+    native.rms_norm = _RMS_NORM if variant == "kernels" else (lambda *args, **kwargs: None)  # type: ignore[assignment]
+    native.silu_mul = _SILU_MUL if variant == "kernels" else (lambda *args, **kwargs: None)  # type: ignore[assignment]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="small")
@@ -72,24 +85,21 @@ def main() -> None:
     for name in args.models.split(","):
         for precision in args.precisions.split(","):
             model = build(name, dtypes[precision])
-            times: dict[str, list[float]] = {"fused": [], "eager": []}
-            for i in range(2 * args.repeats + 2):  # the first pair warms up
-                variant = "fused" if i % 2 == 0 else "eager"
-                decode_module._fused_attention = lambda cache, on=(variant == "fused"): (
-                    on
-                    and (  # type: ignore[misc]
-                        cache.keys[0].device.type == "cpu"
-                    )
-                )
+            times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            for i in range(len(VARIANTS) * (args.repeats + 1)):  # the first round warms up
+                variant = VARIANTS[i % len(VARIANTS)]
+                use(variant)
                 torch.manual_seed(0)
                 start = time.perf_counter()
                 decode_module.sample_loop(model, prompts, params, stops={1}, pad_token_id=0, device=torch.device("cpu"))
-                if i >= 2:
+                if i >= len(VARIANTS):
                     times[variant].append(time.perf_counter() - start)
-            fused, eager = statistics.median(times["fused"]), statistics.median(times["eager"])
-            print(f"{name} {precision}: eager {eager:.3f} s, fused attention {fused:.3f} s ({fused / eager - 1:+.1%})")
-            summary[f"{name}_{precision}_eager_s"] = round(eager, 4)
-            summary[f"{name}_{precision}_fused_s"] = round(fused, 4)
+            use("kernels")
+            medians = {variant: statistics.median(values) for variant, values in times.items()}
+            eager = medians["eager"]
+            cells = ", ".join(f"{v} {medians[v]:.3f} s ({medians[v] / eager - 1:+.1%})" for v in VARIANTS[1:])
+            print(f"{name} {precision}: eager {eager:.3f} s, {cells}")
+            summary |= {f"{name}_{precision}_{variant}_s": round(medians[variant], 4) for variant in VARIANTS}
     print(json.dumps(summary))
 
 

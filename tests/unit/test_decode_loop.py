@@ -188,7 +188,7 @@ def test_attention_over_the_written_slots_equals_attention_over_the_whole_cache(
     assert decode._written_slots_only(decode._Cache(llama_family()[0], mask, 2, 4, torch.float32, CPU))
     assert not decode._written_slots_only(decode._Cache(llama_family()[0], mask, 2, 4, torch.bfloat16, CPU))
     model = llama_family()[2].to(dtype)  # Qwen3: grouped queries, per-head norms
-    monkeypatch.setattr(decode, "_fused_attention", lambda cache: False)  # the eager ops (the kernel reads the span)
+    monkeypatch.setattr(decode, "_native_kernels", lambda cache: False)  # the eager ops (the kernel reads the span)
     assert_same_samples_either_way(model, monkeypatch, "_written_slots_only")
 
 
@@ -356,7 +356,7 @@ def test_the_loop_samples_the_same_with_the_fused_or_the_eager_attention(monkeyp
     from lightning_rlhf.engines.rollout import native
 
     assert native.native_attention_available()
-    assert_same_samples_either_way(llama_family()[2], monkeypatch, "_fused_attention")
+    assert_same_samples_either_way(llama_family()[2], monkeypatch, "_native_kernels")
 
 
 def test_without_a_compiler_the_loop_keeps_its_eager_attention(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -366,7 +366,7 @@ def test_without_a_compiler_the_loop_keeps_its_eager_attention(monkeypatch: pyte
 
     monkeypatch.setenv("LIGHTNING_RLHF_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "false")  # runs, and fails
-    native._kernel.cache_clear()
+    native._library.cache_clear()
     try:
         assert not native.native_attention_available()
         q = torch.zeros(2, 1, 1, 8)
@@ -376,8 +376,39 @@ def test_without_a_compiler_the_loop_keeps_its_eager_attention(monkeypatch: pyte
         assert tokens.shape == (8, 4) and bool(torch.isfinite(logprobs).all())
         monkeypatch.delenv("CC")
         monkeypatch.setenv("LIGHTNING_RLHF_NATIVE", "0")
-        native._kernel.cache_clear()
+        native._library.cache_clear()
         assert not native.native_attention_available()
         assert not list(tmp_path.rglob("*.so"))
     finally:
-        native._kernel.cache_clear()  # the next test builds (or finds) the real kernel again
+        native._library.cache_clear()  # the next test builds (or finds) the real kernel again
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [64, 36], ids=["vectors", "tail"])
+def test_compiled_norm_and_gated_product_are_transformers_own(dtype: torch.dtype, width: int) -> None:
+    """The compiled RMS norm and SiLU-gated product against transformers' Qwen2 norm and MLP activation on the same
+    inputs (widths that are and are not multiples of 8): equal up to float32 rounding, and to one bfloat16 rounding
+    where the summation order can move a value across a rounding boundary; large and very negative gates too."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from lightning_rlhf.engines.rollout import native
+
+    assert native.native_attention_available()
+    torch.manual_seed(0)
+    norm = Qwen2RMSNorm(width, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(width) + 0.5)
+    norm = norm.to(dtype)
+    x = (torch.randn(5, 3, width) * 3).to(dtype)
+    out = native.rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert out is not None and out.dtype == dtype
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 2**-7}
+    torch.testing.assert_close(out, norm(x), **tol)
+    gate_up = (torch.randn(7, 2 * width) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-120.0, -90.0, 95.0, 0.0])  # exp(-g) over- and underflows
+    gated = native.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert gated is not None and gated.shape == (7, width)
+    torch.testing.assert_close(gated, torch.nn.functional.silu(gate) * up, **tol)
+    assert native.rms_norm(x.transpose(0, 1), norm.weight, 1e-6) is None  # not contiguous: the caller's eager ops
+    assert native.silu_mul(gate_up.to(torch.float16)) is None  # a dtype the kernels do not take

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_rlhf.engines.kernels import RMS_NORM_CLASSES
 from lightning_rlhf.engines.rollout import native
 from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
 
@@ -119,11 +120,20 @@ def _written_slots_only(cache: _Cache) -> bool:
     return keys.dtype == torch.float32 or keys.device.type != "cpu"
 
 
-def _fused_attention(cache: _Cache) -> bool:
-    """Whether a decoding step's attention goes through the compiled kernel
-    (:func:`~lightning_rlhf.engines.rollout.native.decode_attention`, which falls back to the eager ops where it
-    cannot run): on CPU."""
+def _native_kernels(cache: _Cache) -> bool:
+    """Whether the loop runs its attention step, RMS norms and SiLU-gated products through the compiled kernels
+    (:mod:`~lightning_rlhf.engines.rollout.native`; each falls back to the eager ops where it cannot run): on CPU."""
     return cache.keys[0].device.type == "cpu"
+
+
+def _norm(module: Any, x: Tensor, native_ok: bool) -> Tensor:
+    """``module(x)`` for a decoder's RMS norm, through the compiled kernel where it is one of transformers'
+    Llama-family norms (:data:`~lightning_rlhf.engines.kernels.RMS_NORM_CLASSES`: the same formula)."""
+    if native_ok and type(module).__name__ in RMS_NORM_CLASSES:
+        out = native.rms_norm(x, module.weight, module.variance_epsilon)
+        if out is not None:
+            return out
+    return module(x)
 
 
 def _fused_rows(parts: list[Tensor]) -> Tensor | None:
@@ -285,11 +295,13 @@ def _forward(
     # Rotation by rotate-half: x * cos + cat(-x2, x1) * sin == x * cos + roll(x, half) * cat(-sin1, sin2).
     cos, sin = cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
     layers, head = linears
+    native_ok = _native_kernels(cache)
+    silu = native_ok and getattr(model.config, "hidden_act", None) == "silu"
     for i, (layer, weights) in enumerate(zip(body.layers, layers, strict=True)):
         attn = layer.self_attn
         d = attn.head_dim
         kv_heads = cache.keys[i].shape[1]
-        qkv = weights.qkv(layer.input_layernorm(x)).view(rows, q, -1, d)  # [rows, q, heads + 2 kv, d]
+        qkv = weights.qkv(_norm(layer.input_layernorm, x, native_ok)).view(rows, q, -1, d)  # [rows, q, heads + 2 kv, d]
         heads = qkv.shape[2] - 2 * kv_heads
         qk = qkv[:, :, : heads + kv_heads]
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMS norms before the rotation
@@ -310,10 +322,13 @@ def _forward(
             out = _step_attention(query, i, step, cache, attn.scaling)
         out = out.view(rows, -1, q, d).transpose(1, 2).reshape(rows, q, -1)
         x = x + weights.o(out)
-        mlp = layer.mlp
-        gate, up = weights.gate_up(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
-        x = x + weights.down(mlp.act_fn(gate) * up)
-    return head(body.norm(x[:, -1]))
+        gate_up = weights.gate_up(_norm(layer.post_attention_layernorm, x, native_ok))
+        gated = native.silu_mul(gate_up) if silu else None
+        if gated is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            gated = layer.mlp.act_fn(gate) * up
+        x = x + weights.down(gated)
+    return head(_norm(body.norm, x[:, -1], native_ok))
 
 
 def _prompt_attention(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scaling: float) -> Tensor:
@@ -336,7 +351,7 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
     n = cache.n
     prompts = rows // n
     prefix_keys, prefix_values = cache.prefix_keys[layer], cache.prefix_values[layer]
-    if _fused_attention(cache):
+    if _native_kernels(cache):
         keys, values = cache.keys[layer], cache.values[layer]
         out = native.decode_attention(
             query, prefix_keys, prefix_values, cache.prefix_bias, keys, values, n=n, span=step + 1, scaling=scaling

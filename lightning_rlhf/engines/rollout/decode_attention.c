@@ -72,11 +72,11 @@ INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-/* exp(x) for x <= 0 (a softmax's shifted scores), eight at a time: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by
- * its degree-6 Taylor polynomial (relative error < 2.5e-7, about one float32 rounding), times 2^n built in the
- * exponent bits; below -87.3 (and for -inf) exactly 0. Rounding to the nearest integer adds and subtracts
- * 1.5 * 2^23 (exact in float32 for |x| < 2^22, under the default rounding mode). */
-INLINE v8f exp_nonpositive(v8f x) {
+/* exp(x) for x <= 88.3 (the caller clamps larger x), eight at a time: x = n ln2 + r with |r| <= ln2 / 2, exp(r)
+ * by its degree-6 Taylor polynomial (relative error < 2.5e-7, about one float32 rounding), times 2^n built in the
+ * exponent bits (n <= 127); below -87.3 (and for -inf) exactly 0. Rounding to the nearest integer adds and
+ * subtracts 1.5 * 2^23 (exact in float32 for |x| < 2^22, under the default rounding mode). */
+INLINE v8f exp8(v8f x) {
     const v8i under = x < splat(-87.3f);
     const v8f clamped = pick(under, splat(-87.3f), x);
     const v8f n = (clamped * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
@@ -92,6 +92,24 @@ INLINE v8f exp_nonpositive(v8f x) {
     v8f scale;
     memcpy(&scale, &bits, sizeof scale);
     return pick(under, splat(0.0f), p * scale);
+}
+
+/* Eight float32 values rounded to bfloat16 (to nearest even; NaN stays NaN), as the high halves of 32-bit words. */
+INLINE v8u bf16_bits8(v8f x) {
+    v8u bits;
+    memcpy(&bits, &x, sizeof bits);
+    const v8u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const v8i nan = x != x;
+    return (v8u)pick(nan, (v8f)(bits | 0x00400000u), (v8f)rounded);
+}
+
+INLINE void store8(void *base, int dtype, long index, v8f value) {
+    if (dtype == 0) {
+        memcpy((float *)base + index, &value, sizeof value);
+    } else {
+        const v8h half = __builtin_convertvector(bf16_bits8(value) >> 16, v8h);
+        memcpy((uint16_t *)base + index, &half, sizeof half);
+    }
 }
 
 /* The eight sums of x[0..7] (one vector per key) in one vector: three rounds of pairwise shuffles and adds. */
@@ -146,7 +164,7 @@ INLINE void softmax(float *s, long total) {
     v8f sum = splat(0.0f);
     for (long b = 0; b < blocks; ++b) {
         memcpy(&block, s + b * 8, sizeof block);
-        block = exp_nonpositive(block - peak);
+        block = exp8(block - peak);
         sum += block;
         memcpy(s + b * 8, &block, sizeof block);
     }
@@ -193,13 +211,7 @@ INLINE void attend(const Job *job, long pair, const long d, float *scores, v8f *
         for (long c = 0; c < lanes; ++c) acc[c] = splat(0.0f);
         weigh(job->prefix_values, prompt_rows, width, scores, lanes, d, dtype, acc);
         weigh(job->values, own_rows, span, scores + width, lanes, d, dtype, acc);
-        if (dtype == 0) {
-            memcpy((float *)job->out + first, acc, sizeof(float) * (size_t)d);
-        } else {
-            const float *sums = (const float *)acc;
-            uint16_t *dst = (uint16_t *)job->out + first;
-            for (long i = 0; i < d; ++i) dst[i] = f32_to_bf16(sums[i]);
-        }
+        for (long c = 0; c < lanes; ++c) store8(job->out, dtype, first + c * 8, acc[c]);
     }
 }
 
@@ -257,4 +269,83 @@ int decode_attention(const void *q, const void *prefix_keys, const void *prefix_
         failed |= jobs[t].failed;
     }
     return failed;
+}
+
+/* ---- The element-wise steps around the decoding loop's projections (decode.py, `_forward`) ---- */
+
+/* exp(x) for any x: +inf above 88.3 (as float32's own exp overflows just above 88.72). */
+INLINE v8f exp_any(v8f x) {
+    const v8i over = x > splat(88.3f);
+    return pick(over, splat(INFINITY), exp8(pick(over, splat(0.0f), x)));
+}
+
+INLINE float load1(const void *base, int dtype, long index) {
+    if (dtype == 0) return ((const float *)base)[index];
+    uint32_t bits = (uint32_t)((const uint16_t *)base)[index] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+INLINE void store1(void *base, int dtype, long index, float value) {
+    if (dtype == 0)
+        ((float *)base)[index] = value;
+    else
+        ((uint16_t *)base)[index] = f32_to_bf16(value);
+}
+
+/* x rounded to the tensor's dtype and widened back (bfloat16 rounds to nearest even; float32 is itself). */
+INLINE float round1(float x, int dtype) {
+    if (dtype == 0) return x;
+    uint32_t bits = (uint32_t)f32_to_bf16(x) << 16;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+INLINE v8f round8(v8f x, int dtype) {
+    if (dtype == 0) return x;
+    const v8u bits = bf16_bits8(x);
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* Llama-family RMS norm, row by row, as transformers computes it: h = float32(x), h * rsqrt(mean(h^2) + eps)
+ * rounded to x's dtype, times the weight (same dtype), rounded. x, out [rows, width]; weight [width]. */
+void rms_norm(const void *x, const void *weight, void *out, long rows, long width, float eps, int dtype) {
+    const long body = width / 8 * 8;
+    for (long r = 0; r < rows; ++r) {
+        const long first = r * width;
+        v8f squares = splat(0.0f);
+        for (long i = 0; i < body; i += 8) {
+            const v8f h = load8(x, dtype, first + i);
+            squares += h * h;
+        }
+        float sum = hsum(squares);
+        for (long i = body; i < width; ++i) sum += load1(x, dtype, first + i) * load1(x, dtype, first + i);
+        const float inv = 1.0f / sqrtf(sum / (float)width + eps);
+        for (long i = 0; i < body; i += 8)
+            store8(out, dtype, first + i,
+                   load8(weight, dtype, i) * round8(load8(x, dtype, first + i) * splat(inv), dtype));
+        for (long i = body; i < width; ++i)
+            store1(out, dtype, first + i, load1(weight, dtype, i) * round1(load1(x, dtype, first + i) * inv, dtype));
+    }
+}
+
+/* SiLU-gated product of a fused gate/up projection's output, as transformers computes it: gate = in[r, :inter],
+ * up = in[r, inter:]; out[r, i] = round(silu(gate)) * up, rounded (silu(g) = g / (1 + exp(-g)) in float32).
+ * in [rows, 2 * inter]; out [rows, inter]. */
+void silu_mul(const void *in, void *out, long rows, long inter, int dtype) {
+    const long body = inter / 8 * 8;
+    for (long r = 0; r < rows; ++r) {
+        const long gate = r * 2 * inter, up = gate + inter, dst = r * inter;
+        for (long i = 0; i < body; i += 8) {
+            const v8f g = load8(in, dtype, gate + i);
+            const v8f s = round8(g / (splat(1.0f) + exp_any(-g)), dtype);
+            store8(out, dtype, dst + i, s * load8(in, dtype, up + i));
+        }
+        for (long i = body; i < inter; ++i) {
+            const float g = load1(in, dtype, gate + i);
+            store1(out, dtype, dst + i, round1(g / (1.0f + expf(-g)), dtype) * load1(in, dtype, up + i));
+        }
+    }
 }

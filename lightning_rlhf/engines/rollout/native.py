@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["decode_attention", "native_attention_available"]
+__all__ = ["decode_attention", "native_attention_available", "rms_norm", "silu_mul"]
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,9 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The compiled ``decode_attention`` function, or None (turned off, no compiler, failed build: logged once)."""
+def _library() -> ctypes.CDLL | None:
+    """The compiled library with its functions' signatures set, or None (turned off, no compiler, failed build:
+    logged once)."""
     if os.environ.get("LIGHTNING_RLHF_NATIVE", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -100,15 +101,20 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         detail = getattr(err, "stderr", "") or err
         log.warning("The decoding attention kernel did not build (%s): eager PyTorch ops instead.", detail)
         return None
-    fn = library.decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    return fn
+    pointer, size = ctypes.c_void_p, ctypes.c_long
+    library.decode_attention.restype = ctypes.c_int
+    library.decode_attention.argtypes = [pointer] * 7 + [size] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    library.rms_norm.restype = None
+    library.rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, ctypes.c_int]
+    library.silu_mul.restype = None
+    library.silu_mul.argtypes = [pointer] * 2 + [size] * 2 + [ctypes.c_int]
+    return library
 
 
 def native_attention_available() -> bool:
-    """Whether :func:`decode_attention` can run here (compiles the kernel on the first call). Runs on: worker."""
-    return _kernel() is not None
+    """Whether :func:`decode_attention` (and the other kernels) can run here (compiles them on the first call). Runs
+    on: worker."""
+    return _library() is not None
 
 
 def decode_attention(
@@ -136,14 +142,14 @@ def decode_attention(
         return None
     if prefix_bias.dtype != torch.float32 or not 0 < span <= keys.shape[2]:
         return None
-    kernel = _kernel()
-    if kernel is None:
+    library = _library()
+    if library is None:
         return None
     rows, kv_heads, group, d = query.shape
     query, bias = query.contiguous(), prefix_bias.contiguous()
     prefix_keys, prefix_values, keys, values = (t.contiguous() for t in tensors[1:])
     out = torch.empty_like(query)
-    failed = kernel(
+    failed = library.decode_attention(
         query.data_ptr(),
         prefix_keys.data_ptr(),
         prefix_values.data_ptr(),
@@ -165,4 +171,41 @@ def decode_attention(
     )
     if failed:
         raise MemoryError("decode_attention: the kernel could not allocate its scratch memory")
+    return out
+
+
+def _cpu_code(*tensors: Tensor) -> int | None:
+    """The kernels' dtype code for contiguous CPU tensors of one dtype they take, else None."""
+    code = _DTYPES.get(tensors[0].dtype)
+    if code is None or any(
+        t.device.type != "cpu" or t.dtype != tensors[0].dtype or not t.is_contiguous() for t in tensors
+    ):
+        return None
+    return code
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """transformers' Llama-family RMS norm of ``x`` ``[..., width]`` (float32 statistics; the normalised value rounded
+    to ``x``'s dtype, times ``weight``, rounded), or None where the kernel cannot take these tensors (see
+    :func:`decode_attention`). Runs on: worker (the decoding loop)."""
+    code = _cpu_code(x, weight)
+    library = _library() if code is not None else None
+    if library is None or code is None:
+        return None
+    out = torch.empty_like(x)
+    library.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, code)
+    return out
+
+
+def silu_mul(gate_up: Tensor) -> Tensor | None:
+    """``silu(gate) * up`` for a fused gate/up projection's output ``[..., 2 * inter]`` (gate first), as transformers'
+    Llama-family MLP computes it (the SiLU rounded to the dtype, then the product), or None where the kernel cannot
+    take it. Runs on: worker (the decoding loop)."""
+    code = _cpu_code(gate_up)
+    library = _library() if code is not None else None
+    if library is None or code is None:
+        return None
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+    library.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter, code)
     return out
