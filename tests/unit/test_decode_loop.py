@@ -350,18 +350,46 @@ def test_fused_step_attention_is_the_softmax_attention(
         torch.set_num_threads(threads_before)
 
 
-def test_the_loop_samples_the_same_with_the_fused_or_the_eager_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole loop, float32: the compiled attention and the eager ops give the same tokens and log-probs (to
-    float rounding), for grouped queries with Qwen3's per-head norms and padded prompts."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_loop_samples_the_same_with_the_compiled_kernels_or_the_eager_ops(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole loop: the compiled kernels (attention, norms, SiLU products) and the eager ops give the same tokens
+    and log-probs (to float rounding), for grouped queries with Qwen3's per-head norms and padded prompts."""
     from lightning_rlhf.engines.rollout import native
 
     assert native.native_attention_available()
-    assert_same_samples_either_way(llama_family()[2], monkeypatch, "_native_kernels")
+    assert_same_samples_either_way(llama_family()[2].to(dtype), monkeypatch, "_native_kernels")
+
+
+def test_a_head_size_the_kernel_does_not_take_samples_through_the_eager_ops() -> None:
+    """Head size 4 (not a multiple of the kernel's 8-float vectors): the attention step falls back to the eager ops,
+    and the loop still gives transformers' greedy tokens."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "hidden_size": 16}, pad_token_id=0, eos_token_id=1)).eval()
+    assert model.model.layers[0].self_attn.head_dim == 4
+    q = torch.zeros(2, 1, 1, 4)
+    from lightning_rlhf.engines.rollout import native
+
+    assert native.decode_attention(q, q[:1], q[:1], torch.zeros(1, 1), q, q, n=2, span=1, scaling=1.0) is None
+    params = SamplingParams(n=1, max_new_tokens=6, min_new_tokens=6, greedy=True)
+    tokens, _ = sample_loop(model, PROMPTS[:1], params, stops={1}, pad_token_id=0, device=CPU)
+    out = model.generate(torch.tensor(PROMPTS[:1]), do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                         pad_token_id=0, eos_token_id=1)  # fmt: skip
+    assert tokens[0].tolist() == out[0, len(PROMPTS[0]) :].tolist()
+
+
+def test_the_kernel_refuses_shapes_that_do_not_agree() -> None:
+    from lightning_rlhf.engines.rollout import native
+
+    q = torch.zeros(4, 1, 1, 8)
+    with pytest.raises(ValueError, match=r"decode_attention: shapes do not agree.*HINT"):
+        native.decode_attention(q, q[:2], q[:2], torch.zeros(2, 1), q, q, n=3, span=1, scaling=1.0)  # 4 rows, n=3
 
 
 def test_without_a_compiler_the_loop_keeps_its_eager_attention(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A compiler that fails (or none, or LIGHTNING_RLHF_NATIVE=0) leaves the kernel off with a warning, and the
-    loop still samples, through the eager ops."""
+    """A compiler that fails, a compiler that is not there, or LIGHTNING_RLHF_NATIVE=0 leaves the kernel off with a
+    warning, and the loop still samples, through the eager ops."""
     from lightning_rlhf.engines.rollout import native
 
     monkeypatch.setenv("LIGHTNING_RLHF_CACHE", str(tmp_path))  # nothing built there yet
@@ -374,6 +402,9 @@ def test_without_a_compiler_the_loop_keeps_its_eager_attention(monkeypatch: pyte
         params = SamplingParams(n=2, max_new_tokens=4, min_new_tokens=4, seed=0)
         tokens, logprobs = sample_loop(llama_family()[0], PROMPTS, params, stops={1}, pad_token_id=0, device=CPU)
         assert tokens.shape == (8, 4) and bool(torch.isfinite(logprobs).all())
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        native._library.cache_clear()
+        assert not native.native_attention_available()
         monkeypatch.delenv("CC")
         monkeypatch.setenv("LIGHTNING_RLHF_NATIVE", "0")
         native._library.cache_clear()

@@ -114,8 +114,8 @@ class _Cache:
 
 
 def _written_slots_only(cache: _Cache) -> bool:
-    """Whether a decoding step's attention reads only the generated slots written so far (see :func:`_forward`):
-    float32, or any dtype on a GPU."""
+    """Whether the eager ops' attention step reads only the generated slots written so far (see :func:`_forward`):
+    float32, or any dtype on a GPU. (The compiled kernel always does.)"""
     keys = cache.keys[0]
     return keys.dtype == torch.float32 or keys.device.type != "cpu"
 
@@ -178,8 +178,9 @@ class _Linear:
     reordered into its blocked layout (:func:`_packs`).
 
     The packed copy lives as long as the :func:`sample_loop` call that made it (one more copy of the engine's
-    projection and head weights while it generates); the model's parameters are never replaced, so a hand-off that
-    ``copy_``-s into them is seen by the next call."""
+    projection and head weights while it generates); it is made again from the parameters at every call, so a
+    hand-off that ``copy_``-s into them, or rebinds them (:meth:`HFRolloutEngine.bind_weights`), is seen by the next
+    call."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int | None) -> None:
         self.bias = bias
@@ -282,11 +283,12 @@ def _forward(
     the prefix cache); else decoding step ``step`` (``ids`` ``[prompts * n, 1]``; writes generated slot ``step``).
 
     A decoding step attends to its prompt's keys and values, held once for the ``n`` samples (one product per
-    prompt and key/value head for all of them), and to its own generated ones. In float32, and on GPUs, it reads
-    only the generated slots written so far (``step + 1``), not the whole capacity (the hidden slots would only add
-    exact zeros to the softmax's sums). Low-precision matmuls on CPU read the whole capacity: oneDNN copies a batch of
-    bfloat16 matrices that are not contiguous (the written slots of each row's buffer), which costs more than the
-    slots it skips."""
+    prompt and key/value head for all of them), and to its own generated ones. On CPU the attention step, the RMS
+    norms and the SiLU-gated products run as compiled kernels (:func:`_native_kernels`), the attention reading only
+    the generated slots written so far (``step + 1``). The eager ops' attention (GPUs, or no kernel) reads only the
+    written slots in float32 and on GPUs (the hidden slots would only add exact zeros to the softmax's sums), the
+    whole capacity in low precision on CPU: oneDNN copies a batch of bfloat16 matrices that are not contiguous (the
+    written slots of each row's buffer), which costs more than the slots it skips."""
     body = model.model
     rows, q = ids.shape
     x = body.embed_tokens(ids)

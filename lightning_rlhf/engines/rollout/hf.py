@@ -256,7 +256,7 @@ class HFRolloutEngine:
         Runs on: worker, after the tensors were written. Parameters already bound to them are left as they are.
         Raises ``WeightSyncError`` for a missing name or a tensor of another shape or dtype.
         """
-        for name, param in self._params.items():
+        for name, param in self._params.items():  # every tensor checked before any parameter is bound
             tensor = tensors.get(name)
             if tensor is None or tensor.shape != param.shape or tensor.dtype != param.dtype:
                 got = "nothing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
@@ -264,6 +264,8 @@ class HFRolloutEngine:
                     f"HFRolloutEngine.bind_weights: {name!r} got {got}, the parameter is {tuple(param.shape)} "
                     f"{param.dtype}. HINT: lay the tensors out by `engine.weight_layout()` in `engine.dtype`."
                 )
+        for name, param in self._params.items():
+            tensor = tensors[name]
             if param.data_ptr() != tensor.data_ptr() or param.stride() != tensor.stride():
                 param.data = tensor
         self._bound = tensors

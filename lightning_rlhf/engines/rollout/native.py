@@ -23,6 +23,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -58,26 +59,27 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str) -> Path:
-    """Compile the kernel (or find it built) and return the shared library's path. Raises on a failed build."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
+def _build(compiler: list[str]) -> Path:
+    """Compile the kernels (or find them built) and return the shared library's path: in the cache folder, or, where
+    that cannot be written, in a new private temporary folder. Raises on a failed build."""
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=20, check=True).stdout
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
-    target = _cache_dir() / f"decode_attention-{digest.hexdigest()[:20]}.so"
+    name = f"decode_attention-{digest.hexdigest()[:20]}.so"
+    target = _cache_dir() / name
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    except OSError:  # a read-only home or cache folder: a folder of this process's own (mode 0700)
+        target = Path(tempfile.mkdtemp(prefix="lightning_rlhf_kernels_")) / name
+        fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        subprocess.run(
-            [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        )
+        command = [*compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"]
+        subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
         os.replace(partial, target)  # atomic: a rank that builds at the same moment replaces a whole file
     finally:
         if os.path.exists(partial):
@@ -91,12 +93,12 @@ def _library() -> ctypes.CDLL | None:
     logged once)."""
     if os.environ.get("LIGHTNING_RLHF_NATIVE", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if found is None:
         log.warning("No C compiler (cc, gcc or $CC): the decoding loop's attention runs as eager PyTorch ops.")
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        library = ctypes.CDLL(str(_build(shlex.split(found))))  # $CC may carry arguments ("ccache gcc")
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         log.warning("The decoding attention kernel did not build (%s): eager PyTorch ops instead.", detail)
@@ -130,7 +132,8 @@ def decode_attention(
     scaling: float,
 ) -> Tensor | None:
     """A decoding step's attention, ``[rows, kv_heads, group, d]`` like ``query``, or None where the kernel cannot
-    take these tensors (not CPU, a dtype other than float32/bfloat16, mixed dtypes, no kernel).
+    take these tensors (not CPU, a dtype other than float32/bfloat16, mixed dtypes, a head size ``d`` that is not a
+    multiple of 8 up to 256, no kernel); raises ``ValueError`` for shapes that do not agree.
 
     Runs on: worker (the decoding loop). ``prefix_keys``/``prefix_values`` ``[prompts, kv_heads, width, d]`` (the
     prompt's, once for its ``n`` consecutive rows), ``prefix_bias`` float32 with ``prompts x width`` elements (0 or
@@ -140,12 +143,27 @@ def decode_attention(
     tensors = (query, prefix_keys, prefix_values, keys, values)
     if code is None or any(t.device.type != "cpu" or t.dtype != query.dtype for t in tensors):
         return None
-    if prefix_bias.dtype != torch.float32 or not 0 < span <= keys.shape[2]:
+    rows, kv_heads, group, d = query.shape
+    if prefix_bias.dtype != torch.float32 or d % 8 or d > 256:  # the kernel's vectors: 8 floats, up to 32 a row
         return None
+    prompts, width = rows // n, prefix_keys.shape[2]
+    shapes_agree = (
+        rows == prompts * n
+        and prefix_keys.shape == prefix_values.shape == (prompts, kv_heads, width, d)
+        and keys.shape == values.shape == (rows, kv_heads, keys.shape[2], d)
+        and prefix_bias.numel() == prompts * width
+        and 0 < span <= keys.shape[2]
+    )
+    if not shapes_agree:
+        raise ValueError(
+            f"decode_attention: shapes do not agree: query {tuple(query.shape)} (n={n}), prompt keys/values "
+            f"{tuple(prefix_keys.shape)}/{tuple(prefix_values.shape)}, bias {tuple(prefix_bias.shape)}, keys/values "
+            f"{tuple(keys.shape)}/{tuple(values.shape)}, span {span}. HINT: [rows, kv, group, d], [rows / n, kv, "
+            "width, d], rows / n x width, [rows, kv, capacity, d], 0 < span <= capacity."
+        )
     library = _library()
     if library is None:
         return None
-    rows, kv_heads, group, d = query.shape
     query, bias = query.contiguous(), prefix_bias.contiguous()
     prefix_keys, prefix_values, keys, values = (t.contiguous() for t in tensors[1:])
     out = torch.empty_like(query)
@@ -169,9 +187,9 @@ def decode_attention(
         code,
         torch.get_num_threads(),
     )
-    if failed:
+    if failed == 1:
         raise MemoryError("decode_attention: the kernel could not allocate its scratch memory")
-    return out
+    return out if failed == 0 else None
 
 
 def _cpu_code(*tensors: Tensor) -> int | None:

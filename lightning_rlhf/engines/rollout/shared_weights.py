@@ -21,6 +21,11 @@ query/key/value and gate/up weights consecutive), so the decoding loop finds its
 An engine that receives weights any other way (``load_weights``) first takes a private copy, so that it never writes
 into the other engines' weights. Where the ranks cannot map one store (other hosts, no room in ``/dev/shm``), the
 engine cannot bind shared memory (a GPU), or the model is not row-sharded on one mesh, the hand-off streams.
+
+The entry barrier orders a hand-off after every generation that every rank started before it. A generation that
+ran on while the hand-off writes (an engine called from a background thread that outlives its step) would read torn
+weights: colocated engines are called from the step's own thread (the generation-only pool, which runs in the
+background, has engines of its own that never bind the store).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.engines.train.fsdp import write_shards
-from lightning_rlhf.engines.train.host_share import host_store
+from lightning_rlhf.engines.train.host_share import host_memory
 
 __all__ = ["SharedWeights"]
 
@@ -56,7 +61,8 @@ class SharedWeights:
         self.model = model
         self.group = group
         self.views = views
-        self.nbytes = memory.numel()
+        self.memory = memory
+        """The store (uint8): every rank's mapping of the same shared memory, released with this object."""
         self._first = dist.get_rank(group) == 0
 
     @classmethod
@@ -84,7 +90,7 @@ class SharedWeights:
                 offsets.append(total)
                 total += math.prod(shape) * dtype.itemsize
         group = mesh.get_group()
-        memory = host_store(group, total, f"engine {id(engine)}")  # one store per engine (a key local to the rank)
+        memory = host_memory(group, total)  # a collective on every rank: each store is new, owned by this object
         if memory is None:
             return None
         views = {
@@ -101,6 +107,7 @@ class SharedWeights:
         start = time.perf_counter()
         dist.barrier(group=self.group)
         waited = time.perf_counter() - start
+        self.engine.weights_discarded = True  # until bound: a hand-off that stops part-way is not taken for whole
         write_shards(self.model, self.views, writes_whole=self._first, received=received)
         dist.barrier(group=self.group)
         self.engine.bind_weights(self.views)

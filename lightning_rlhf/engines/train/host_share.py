@@ -29,7 +29,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-__all__ = ["HostBuffer", "host_buffer", "host_store", "release_host_buffers"]
+__all__ = ["HostBuffer", "host_buffer", "host_memory", "release_host_buffers"]
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
@@ -93,38 +93,25 @@ def host_buffer(group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
     return grown
 
 
-_STORES: dict[tuple[str, str], torch.Tensor] = {}
-"""Per (process group, purpose): its store's memory."""
+def host_memory(group: dist.ProcessGroup, nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of new shared memory (uint8) that every rank of ``group`` maps, or None where the ranks cannot all
+    map it (other hosts, no room in ``/dev/shm``) or the group has one rank. Not kept here: it lives as long as a
+    tensor views it, and what is kept there, and when a rank may write it, is the caller's protocol
+    (:class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`).
 
-
-def host_store(group: dist.ProcessGroup, nbytes: int, purpose: str) -> torch.Tensor | None:
-    """``nbytes`` of shared memory (uint8) that every rank of ``group`` maps, kept for ``purpose`` (one store per
-    group and purpose; a larger request maps a new one, the old one lives on while tensors view it), or None where
-    the ranks cannot all map one (other hosts, no room in ``/dev/shm``) or the group has one rank.
-
-    Runs on: every rank of ``group``, at the same point with the same arguments (collective when a store is made).
-    Unlike :func:`host_buffer` there are no halves: what is kept there, and when a rank may write it, is the
-    caller's protocol (:class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`).
+    Runs on: every rank of ``group``, at the same point with the same ``nbytes`` (always a collective).
     """
     if dist.get_world_size(group) < 2:
         return None
-    key = (group.group_name, purpose)
-    memory = _STORES.get(key)
-    if memory is not None and memory.numel() >= nbytes:
-        return memory[:nbytes]
     memory = _open_shared(group, -(-max(nbytes, 1) // _ALIGN) * _ALIGN)
-    if memory is None:
-        return None
-    _STORES[key] = memory
-    return memory[:nbytes]
+    return None if memory is None else memory[:nbytes]
 
 
 def release_host_buffers() -> None:
-    """Unmap every group's buffer and store (their memory returns once no tensor views it). Runs on: every process,
-    at the end of a run (``RLHFStrategy.teardown``)."""
+    """Unmap every group's buffer (its memory returns once no tensor views it). Runs on: every process, at the end
+    of a run (``RLHFStrategy.teardown``)."""
     _BUFFERS.clear()
     _REFUSED.clear()
-    _STORES.clear()
 
 
 def _open_shared(group: dist.ProcessGroup, nbytes: int) -> torch.Tensor | None:
