@@ -24,32 +24,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "vs_trl"))
 
-from workload import MODELS
+from workload import MODELS, random_model
 
 from lightning_rlhf.engines.rollout import SamplingParams, native
 from lightning_rlhf.engines.rollout import decode as decode_module
 
 
 def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The workload's model shape, random weights (seed 0), in ``dtype``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    spec = MODELS[name]
-    config = Qwen2Config(
-        vocab_size=spec.vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).to(dtype).eval()
+    """The workload's model of that name (its random weights), in ``dtype``."""
+    return random_model(MODELS[name], pad_id=0, bos_id=2, eos_id=1).to(dtype).eval()
 
 
 VARIANTS = ("eager", "attention", "kernels")

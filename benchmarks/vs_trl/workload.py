@@ -133,12 +133,8 @@ def reward(prompts: list[Any], completions: list[Any], answer: list[str], **kwar
     return scores
 
 
-def build_model(model_dir: str, spec: ModelSpec, *, pad_id: int, bos_id: int, eos_id: int) -> None:
-    """Build the random-init Qwen2 causal LM of ``spec`` (seed :data:`SEED`, float32) and save it into
-    ``model_dir`` (safetensors), next to the tokenizer already saved there.
-
-    Runs on: the benchmark's driver, once per model (project venv); both sides load the folder.
-    """
+def random_model(spec: ModelSpec, *, pad_id: int, bos_id: int, eos_id: int) -> Any:
+    """The random-init Qwen2 causal LM of ``spec`` (seed :data:`SEED`, float32), in memory. Runs on: any process."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -161,7 +157,16 @@ def build_model(model_dir: str, spec: ModelSpec, *, pad_id: int, bos_id: int, eo
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def build_model(model_dir: str, spec: ModelSpec, *, pad_id: int, bos_id: int, eos_id: int) -> None:
+    """Build the random-init Qwen2 causal LM of ``spec`` (seed :data:`SEED`, float32) and save it into
+    ``model_dir`` (safetensors), next to the tokenizer already saved there.
+
+    Runs on: the benchmark's driver, once per model (project venv); both sides load the folder.
+    """
+    model = random_model(spec, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
     got = sum(p.numel() for p in model.parameters())
     if got != spec.num_params():
         raise RuntimeError(f"model of {spec} has {got} parameters, expected {spec.num_params()}")
