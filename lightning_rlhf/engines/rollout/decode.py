@@ -353,15 +353,14 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
     n = cache.n
     prompts = rows // n
     prefix_keys, prefix_values = cache.prefix_keys[layer], cache.prefix_values[layer]
+    keys, values = cache.keys[layer], cache.values[layer]
     if _native_kernels(cache):
-        keys, values = cache.keys[layer], cache.values[layer]
         out = native.decode_attention(
             query, prefix_keys, prefix_values, cache.prefix_bias, keys, values, n=n, span=step + 1, scaling=scaling
         )
         if out is not None:
             return out
     width = prefix_keys.shape[2]
-    keys, values = cache.keys[layer], cache.values[layer]
     span = step + 1 if _written_slots_only(cache) else keys.shape[2]
     keys, values = keys[:, :, :span], values[:, :, :span]  # views: the written slots
 

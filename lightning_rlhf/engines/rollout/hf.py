@@ -149,8 +149,8 @@ class HFRolloutEngine:
         self.generation_batch_size = generation_batch_size
         self.decode = decode
         """``"auto"`` or ``"generate"`` (see the class arguments)."""
-        self._bound: dict[str, Tensor] | None = None
-        """The tensors the parameters are bound to by :meth:`bind_weights` (None: the engine's own storage)."""
+        self._bound = False
+        """Whether the parameters are views of tensors given to :meth:`bind_weights` (not the engine's own storage)."""
 
     def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
         """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
@@ -268,17 +268,17 @@ class HFRolloutEngine:
             tensor = tensors[name]
             if param.data_ptr() != tensor.data_ptr() or param.stride() != tensor.stride():
                 param.data = tensor
-        self._bound = tensors
+        self._bound = True
         self.weights_discarded = False
 
     def _unbind(self) -> None:
         """Give bound parameters storage of their own again (a copy of what they hold), before writing into them."""
-        if self._bound is None:
+        if not self._bound:
             return
         with torch.no_grad():
             for param in self._params.values():
                 param.data = param.data.clone()
-        self._bound = None
+        self._bound = False
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Copy new weights in by transformers name, then check that the hand-off held every parameter; returns

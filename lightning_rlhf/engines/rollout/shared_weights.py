@@ -79,12 +79,13 @@ class SharedWeights:
         (mesh,) = meshes.values()
         if mesh.ndim != 1 or mesh.size() < 2:
             return None
-        layout = [item for group in engine.weight_layout() for item in group]
+        groups = engine.weight_layout()
+        layout = [item for group in groups for item in group]
         if {name for name, _ in layout} != set(params) or any(params[n].shape != s for n, s in layout):
             return None  # not the model the engine was built from: streaming reports what differs
         dtype: torch.dtype = engine.dtype
         offsets, total = [], 0
-        for group in engine.weight_layout():  # each group aligned, its tensors back to back
+        for group in groups:  # each group aligned, its tensors back to back
             total = -(-total // _ALIGN) * _ALIGN
             for _, shape in group:
                 offsets.append(total)
