@@ -7,6 +7,11 @@ parameters are exactly the full weights (cast to a bfloat16 engine's dtype too),
 tensor in the store (no copy when the loop fuses them), the weights change between hand-offs and the engine follows,
 both ranks sample what an engine built from the full weights samples, and ``load_weights`` takes a private copy
 first (the store keeps what the hand-off wrote). Prints ``OK <rank> <dtype> <bytes received>`` per engine dtype.
+
+Then the shards placed in the store (a model whose rows all split evenly, float32): after the first hand-off every
+FSDP2 shard of the rank is a view of its rows in the store (FSDP2's own flat buffer included); real training steps
+(FSDP forward and backward, AdamW) then update the engine's weights in place, later hand-offs write nothing, and the
+engine still samples what an engine built from the full weights samples. Prints ``PLACED <rank> <writes>``.
 """
 
 from __future__ import annotations
@@ -22,34 +27,102 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.decode import _fused_rows
+from lightning_rlhf.engines.rollout import shared_weights
 from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
-from lightning_rlhf.engines.train import shard_model
+from lightning_rlhf.engines.train import shard_model, shards_in_place
 
 CPU = torch.device("cpu")
+
+
+def samples_like_full_weights(engine: HFRolloutEngine, unsharded: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """What ``engine`` samples is what an engine built from the ``full`` weights samples."""
+    with torch.no_grad():
+        for name, p in unsharded.named_parameters():
+            p.copy_(full[name])
+    fresh = HFRolloutEngine(unsharded, pad_token_id=0, eos_token_id=1, device=CPU, dtype=engine.dtype)
+    params = SamplingParams(n=2, max_new_tokens=5, min_new_tokens=5, seed=3)
+    got, want = engine.generate(PROMPTS, params), fresh.generate(PROMPTS, params)
+    assert got.responses == want.responses, (engine.dtype, got.responses, want.responses)
+    assert got.logprobs == want.logprobs
+
+
+PROMPTS = [[5, 6, 7], [8, 9]]
+
+
+def qwen2(vocab_size: int) -> Qwen2Config:
+    """The tiny model's configuration (query/key/value biases, tied head)."""
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+
+
+def placed_shards(rank: int, mesh: object, config: Qwen2Config) -> None:
+    """Training steps with every shard placed in the store: the hand-off writes once, then only agrees."""
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config).train()
+    unsharded = copy.deepcopy(model)
+    engine = HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=torch.float32)
+    shard_model(model, mesh)  # type: ignore[arg-type]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    store = SharedWeights.attempt(engine, model)
+    assert store is not None
+    writes = [0]
+    write = shared_weights.write_shards
+
+    def counting(*args: object, **kwargs: object) -> None:
+        writes[0] += 1
+        write(*args, **kwargs)  # type: ignore[arg-type]
+
+    shared_weights.write_shards = counting  # type: ignore[assignment]
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        ids = torch.randint(2, 67, (2, 6), generator=generator)  # each rank its own data
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        store.hand_off([0])
+        assert shards_in_place(model, store.views), step
+        full = {name: p.full_tensor() for name, p in model.named_parameters()}
+        for name, param in engine.model.named_parameters():
+            assert torch.equal(param, full[name]), (step, name)
+            assert param.data_ptr() == store.views[name].data_ptr()
+        for name, param in model.named_parameters():  # FSDP2's flat buffer reads the same rows
+            local = param.to_local()
+            rows = store.views[name][rank * local.shape[0] : (rank + 1) * local.shape[0]]
+            assert local.data_ptr() == rows.data_ptr(), name
+        for module in model.modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            group = state()._fsdp_param_group if state is not None else None
+            for unit in group.fsdp_params if group is not None else ():
+                assert unit._sharded_param_data.data_ptr() == unit.sharded_param.to_local().data_ptr()
+        samples_like_full_weights(engine, unsharded, full)
+    shared_weights.write_shards = write
+    sys.stdout.write(f"PLACED {rank} {writes[0]}\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
+    placed_shards(rank, mesh, qwen2(vocab_size=68))  # every row count even: every shard can be placed
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=67, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
-    )  # fmt: skip
+    config = qwen2(vocab_size=67)  # the embedding's rows split 34 + 33: FSDP2 pads rank 1's shard
     model = Qwen2ForCausalLM(config).eval()
     model.model.layers[0].mlp.register_parameter("odd", nn.Parameter(torch.randn(5, 3)))  # 3 + 2 rows
     unsharded = copy.deepcopy(model)
     engines = {dtype: HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=dtype)
                for dtype in (torch.float32, torch.bfloat16)}  # fmt: skip
     shard_model(model, mesh)
-    prompts = [[5, 6, 7], [8, 9]]
-    params = SamplingParams(n=2, max_new_tokens=5, min_new_tokens=5, seed=3)
     for dtype, engine in engines.items():
         store = SharedWeights.attempt(engine, model)
         assert store is not None, "two ranks of one host must get a store"
         received_total = 0
         for handoff in range(3):
+            # An update starts with a collective (FSDP2's all-gather): no rank writes its shard (which may lie in the
+            # store) while another rank's engine still generates.
+            dist.barrier()
             with torch.no_grad():  # the update: every rank changes its own shard
                 for param in model.parameters():
                     param.to_local().mul_(0.9).add_(0.01 * (handoff + 1))
@@ -66,14 +139,7 @@ def main() -> None:
             assert _fused_rows([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) is not None
             mlp = engine.model.model.layers[1].mlp
             assert _fused_rows([mlp.gate_proj.weight, mlp.up_proj.weight]) is not None
-            # what this rank's engine samples is what an engine built from the full weights samples
-            with torch.no_grad():
-                for name, p in unsharded.named_parameters():
-                    p.copy_(full[name])
-            fresh = HFRolloutEngine(unsharded, pad_token_id=0, eos_token_id=1, device=CPU, dtype=dtype)
-            got, want = engine.generate(prompts, params), fresh.generate(prompts, params)
-            assert got.responses == want.responses, (dtype, handoff, got.responses, want.responses)
-            assert got.logprobs == want.logprobs
+            samples_like_full_weights(engine, unsharded, full)
             if engine.model.model.embed_tokens.weight.data_ptr() != engine.model.lm_head.weight.data_ptr():
                 raise AssertionError("the tied head came apart from the embedding")
         # an engine that takes weights any other way first takes a copy of its own: the store stays as written

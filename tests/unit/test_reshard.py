@@ -77,7 +77,10 @@ def test_full_tensors_gathers_buckets_of_shards_exactly() -> None:
 
 
 def test_colocated_engines_read_one_shared_copy_of_the_weights() -> None:
-    lines = ok_lines_of_two_ranks("shared_weights_check.py")
+    lines = ok_lines_of_two_ranks("shared_weights_check.py", also="PLACED")
+    # the shards placed in the store: three training steps and hand-offs, one write (the first hand-off's) per rank
+    assert [line for line in lines if line[0] == "PLACED"] == [["PLACED", "0", "1"], ["PLACED", "1", "1"]]
+    lines = [line for line in lines if line[0] == "OK"]
     assert [line[:3] for line in lines] == [["OK", "0", "bfloat16"], ["OK", "0", "float32"],
                                             ["OK", "1", "bfloat16"], ["OK", "1", "float32"]]  # fmt: skip
     # each rank's engine reads the rows the other rank wrote: over both ranks, each element once

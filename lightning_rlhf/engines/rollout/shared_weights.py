@@ -1,20 +1,24 @@
-"""One copy per host of the colocated engines' weights: the hand-off writes each rank's FSDP rows into it.
+"""One copy per host of the colocated engines' weights, which the actor's FSDP shards themselves live in.
 
 Why: the streaming hand-off (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`) gives every rank's engine
 a private copy of the full weights: through the host's shared memory each rank writes its rows into a bucket, then
 its engine copies every full tensor out: 1.5x the engine's bytes per rank plus a barrier per bucket (3.3x a memcpy
 of the engine's bytes at 9.6M parameters). When the engines of one host read their weights from the same shared
-memory instead, a hand-off is only each rank writing its own rows there (half a memcpy of the engine's bytes at two
-ranks) between two barriers, and the host holds one copy of the engine's weights instead of one per rank.
+memory instead, and each rank's FSDP shard is a view of its own rows there (:func:`~lightning_rlhf.engines.train.
+place_shards`), the optimizer's step writes the engines' weights as it updates the shards: a hand-off is one
+all-reduce (every rank done with its step), and the host holds the weights once, for training and generation.
 
 The protocol (every rank of the actor's mesh, inside ``ActorRole.sync_weights``):
 
-1. barrier: every engine of the host is done generating with the weights it has (the colocated engines generate
-   between hand-offs, never during one);
-2. each rank writes its rows of every parameter into place (cast to the engine's dtype); parameters that are not
-   row-sharded are written whole by the group's first rank (:func:`~lightning_rlhf.engines.train.write_shards`);
-3. barrier: every part is written;
-4. each engine binds its parameters to the store (once; later hand-offs find them bound).
+1. all-reduce: every rank is past its optimizer step and every engine of the host is done generating with the
+   weights it has (the colocated engines generate between hand-offs, never during one); the ranks agree whether
+   every shard already lies in the store (:func:`~lightning_rlhf.engines.train.shards_in_place`);
+2. if one does not (the first hand-off; a bfloat16 engine fed by float32 master weights; FSDP2 padding uneven rows;
+   a checkpoint loaded into new storage): each rank writes its rows of every parameter into place (cast to the
+   engine's dtype; parameters that are not row-sharded are written whole by the group's first rank:
+   :func:`~lightning_rlhf.engines.train.write_shards`), a barrier (every part written), and each rank places the
+   shards it can (same dtype, unpadded) in its rows, so that the next hand-off finds them there;
+3. each engine binds its parameters to the store (once; later hand-offs find them bound).
 
 The store lays the parameters out in the engine's order (:meth:`HFRolloutEngine.weight_layout`: each layer's
 query/key/value and gate/up weights consecutive), so the decoding loop finds its fused projections as they lie.
@@ -22,10 +26,11 @@ An engine that receives weights any other way (``load_weights``) first takes a p
 into the other engines' weights. Where the ranks cannot map one store (other hosts, no room in ``/dev/shm``), the
 engine cannot bind shared memory (a GPU), or the model is not row-sharded on one mesh, the hand-off streams.
 
-The entry barrier orders a hand-off after every generation that every rank started before it. A generation that
-ran on while the hand-off writes (an engine called from a background thread that outlives its step) would read torn
-weights: colocated engines are called from the step's own thread (the generation-only pool, which runs in the
-background, has engines of its own that never bind the store).
+The entry all-reduce orders a hand-off after every generation that every rank started before it, and every
+update after the generations before it (an update's first FSDP all-gather waits for every rank). Bound engines read
+the shards as they are: a generation that ran while the actor updates (a colocated engine called from a background
+thread during an update of the same actor) would read torn weights. Colocated engines are called from the step's own
+thread; the generation-only pool, which runs in the background, has engines of its own that never bind the store.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_rlhf.engines.train.fsdp import write_shards
+from lightning_rlhf.engines.train.fsdp import _local, place_shards, shards_in_place, write_shards
 from lightning_rlhf.engines.train.host_share import host_memory
 
 __all__ = ["SharedWeights"]
@@ -64,6 +69,10 @@ class SharedWeights:
         self.memory = memory
         """The store (uint8): every rank's mapping of the same shared memory, released with this object."""
         self._first = dist.get_rank(group) == 0
+        self._received = 0
+        """Bytes of the full weights that the other ranks write (what :meth:`hand_off` reports as received)."""
+        self._placed: list[tuple[nn.Parameter, int]] | None = None
+        """Every parameter with the address of its shard in the store, once all are placed there (else None)."""
 
     @classmethod
     def attempt(cls, engine: Any, model: nn.Module) -> SharedWeights | None:
@@ -101,15 +110,37 @@ class SharedWeights:
         return cls(engine, model, group, views, memory)
 
     def hand_off(self, received: list[int] | None = None) -> float:
-        """Write this rank's part of the actor's weights into the store and bind the engine to it (the protocol in
-        the module docstring). Runs on: every worker rank of the mesh (two barriers). ``received[0]`` grows by the
-        bytes of the full weights this rank did not write. Returns the seconds this rank waited at the entry
-        barrier for the others to arrive (their previous work ended later: not the hand-off's own cost)."""
+        """Bring the store up to the actor's weights and bind the engine to it (the protocol in the module docstring).
+        Runs on: every worker rank of the mesh (one all-reduce; a barrier more when a rank writes). ``received[0]``
+        grows by the bytes of the full weights this rank did not write. Returns the seconds this rank waited at the
+        entry for the others to arrive (their previous work ended later: not the hand-off's own cost)."""
+        in_place = torch.tensor([int(self._in_place())])
         start = time.perf_counter()
-        dist.barrier(group=self.group)
+        dist.all_reduce(in_place, op=dist.ReduceOp.MIN, group=self.group)  # the entry barrier, and the ranks agree
         waited = time.perf_counter() - start
-        self.engine.weights_discarded = True  # until bound: a hand-off that stops part-way is not taken for whole
-        write_shards(self.model, self.views, writes_whole=self._first, received=received)
-        dist.barrier(group=self.group)
+        if int(in_place):  # every rank's shards are the store's rows: the optimizer has written them there
+            if received is not None:
+                received[0] += self._received
+        else:
+            self.engine.weights_discarded = True  # until bound: a hand-off that stops part-way is not taken for whole
+            counted = [0]
+            write_shards(self.model, self.views, writes_whole=self._first, received=counted)
+            self._received = counted[0]
+            if received is not None:
+                received[0] += counted[0]
+            dist.barrier(group=self.group)
+            place_shards(self.model, self.views)  # this rank's rows only, values unchanged: no reader can tell
+            placed = shards_in_place(self.model, self.views)
+            self._placed = [(p, _local(p).data_ptr()) for p in self.model.parameters()] if placed else None
         self.engine.bind_weights(self.views)
         return waited
+
+    def _in_place(self) -> bool:
+        """Whether every shard of this rank still lies where :func:`place_shards` put it: the same parameter objects (a
+        checkpoint loaded with ``assign=True`` replaces them) with the same storage. ~1 us a parameter."""
+        if self._placed is None:
+            return False
+        params = list(self.model.parameters())
+        if len(params) != len(self._placed):
+            return False
+        return all(p is q and _local(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self._placed, strict=True))

@@ -17,7 +17,9 @@ from lightning_rlhf.engines.train.fsdp import (
     clip_grad_norm,
     full_tensors,
     move_optimizer_state,
+    place_shards,
     shard_model,
+    shards_in_place,
     write_shards,
 )
 from lightning_rlhf.engines.train.loading import LoadReport, deferred_loading, load_pretrained, materialize
@@ -40,9 +42,11 @@ __all__ = [
     "materialize",
     "minibatches",
     "move_optimizer_state",
+    "place_shards",
     "resolve_dtype",
     "sequence_inputs",
     "shard_model",
+    "shards_in_place",
     "world",
     "write_shards",
 ]

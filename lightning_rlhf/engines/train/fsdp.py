@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,15 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_rlhf.engines.train.host_share import HostBuffer, host_buffer
 
-__all__ = ["clip_grad_norm", "full_tensors", "move_optimizer_state", "shard_model", "write_shards"]
+__all__ = [
+    "clip_grad_norm",
+    "full_tensors",
+    "move_optimizer_state",
+    "place_shards",
+    "shard_model",
+    "shards_in_place",
+    "write_shards",
+]
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -205,11 +214,14 @@ def _row_shard(
     return shard if ok else None
 
 
-def _local(data: DTensor) -> torch.Tensor:
-    """The DTensor's local shard. ``to_local()`` is an autograd function (~15 us a call, most of a small model's
-    hand-off plan); read without gradients, the DTensor's own ``_local_tensor`` is the same tensor."""
+def _local(data: torch.Tensor) -> torch.Tensor:
+    """The DTensor's local shard (any other tensor: itself). ``to_local()`` is an autograd function (~15 us a call,
+    most of a small model's hand-off plan); read without gradients, the DTensor's own ``_local_tensor`` is the same
+    tensor."""
     local = getattr(data, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else data.to_local()
+    if isinstance(local, torch.Tensor):
+        return local
+    return data.to_local() if isinstance(data, DTensor) else data
 
 
 def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, transport: str) -> HostBuffer | None:
@@ -295,8 +307,8 @@ def write_shards(
     """Write this rank's part of every parameter of ``model`` into ``targets[name]`` (the full tensor's place, e.g.
     in memory every rank of the host maps: :class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`),
     cast to the target's dtype on the way. Row-sharded parameters (FSDP2's ``Shard(0)``): each rank writes its own
-    rows. Any other parameter is made whole (``full_tensor()``, a collective for a DTensor) and written by the rank
-    with ``writes_whole=True`` only.
+    rows, unless they already lie there (:func:`place_shards`). Any other parameter is made whole
+    (``full_tensor()``, a collective for a DTensor) and written by the rank with ``writes_whole=True`` only.
 
     Runs on: every worker rank of the model's mesh, in the same order; the caller orders the writes against the
     readers (a barrier before and after). ``received[0]`` grows by the bytes of each full tensor this rank did
@@ -314,7 +326,9 @@ def write_shards(
                 local = shard.local
                 if local.numel():
                     start = shard.rank * shard.chunk_rows
-                    target[start : start + local.shape[0]].copy_(local)
+                    place = target[start : start + local.shape[0]]
+                    if place.data_ptr() != local.data_ptr() or place.dtype != local.dtype:
+                        place.copy_(local)
                 written = local.numel()
             else:
                 data = param.data
@@ -325,6 +339,65 @@ def write_shards(
                 written = target.numel() if writes_whole else 0
             if received is not None:
                 received[0] += (target.numel() - written) * target.element_size()
+
+
+def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
+    """Make the FSDP2 shards of ``model`` live in ``targets``: each row-sharded parameter's local shard becomes a view
+    of its own rows in ``targets[name]``, where those rows already hold the shard's values (written by
+    :func:`write_shards`), the dtypes agree and FSDP2 keeps the shard unpadded. From then on the optimizer's step
+    writes the weights there itself, and :func:`write_shards` finds them in place. Returns the number of
+    parameters placed (0 where none can be: e.g. float32 master weights for a bfloat16 engine).
+
+    Runs on: every worker rank of the model's mesh (no collective). FSDP2 reads a shard through its parameter's
+    ``_local_tensor`` and its own flat view of it (``FSDPParam._sharded_param_data``); both are pointed at the new
+    place (``FSDPParam.reset_sharded_param``, what FSDP2 itself calls when a module's parameters are replaced).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_params: dict[int, Any] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for unit in group.fsdp_params if group is not None else ():
+                fsdp_params[id(unit.sharded_param)] = unit
+    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
+    placed = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shard = _row_shard(name, param, positions)
+            fsdp_param = fsdp_params.get(id(param))
+            target = targets.get(name)
+            if shard is None or fsdp_param is None or target is None or target.dtype != shard.local.dtype:
+                continue
+            local, start = shard.local, shard.rank * shard.chunk_rows
+            padded = getattr(fsdp_param, "padded_sharded_param_size", None)
+            if local.numel() == 0 or padded != local.shape or target.shape != param.shape:
+                continue  # FSDP2 pads this shard (uneven rows): its flat buffer cannot be a view of the rows
+            place = target[start : start + local.shape[0]]
+            if place.data_ptr() == local.data_ptr():
+                placed += 1
+                continue
+            if not torch.equal(place, local):
+                continue  # not written yet: placing it would change the weights
+            param._local_tensor = place  # type: ignore[attr-defined]
+            fsdp_param.reset_sharded_param()
+            placed += 1
+    return placed
+
+
+def shards_in_place(model: nn.Module, targets: dict[str, torch.Tensor]) -> bool:
+    """Whether every parameter's shard of this rank lies in its rows of ``targets`` (:func:`place_shards`), so that a
+    hand-off has nothing to write. False as soon as one does not: e.g. a checkpoint loaded with ``assign=True`` gave
+    a parameter new storage. Runs on: every worker rank (no collective; ~1 us a parameter)."""
+    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
+    for name, param in model.named_parameters():
+        shard = _row_shard(name, param, positions)
+        target = targets.get(name)
+        if shard is None or target is None or target.dtype != shard.local.dtype or target.shape != param.shape:
+            return False
+        if shard.local.numel() and target[shard.rank * shard.chunk_rows].data_ptr() != shard.local.data_ptr():
+            return False
+    return True
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
