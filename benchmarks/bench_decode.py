@@ -8,7 +8,8 @@ randomly initialised Qwen2 model (``vs_trl/workload.py``'s shapes), prompts of 9
 alternate in one process (``A B A B ...``) so that a slow moment of the machine hits both; the median of each is
 printed, and the last line is one JSON object. Variants (:data:`VARIANTS`): ``eager`` (PyTorch ops only),
 ``attention`` (the decoding step's attention through the compiled kernel of ``engines/rollout/native.py``),
-``kernels`` (the attention, the RMS norms and the SiLU-gated products compiled).
+``kernels`` (the attention, the RMS norms and the SiLU-gated products compiled), ``step`` (as ``kernels``, with the
+rotary embedding, the cache writes and the attention of a decoding step as one compiled call: ``DecodeStep``).
 """
 
 from __future__ import annotations
@@ -35,16 +36,19 @@ def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
     return random_model(MODELS[name], pad_id=0, bos_id=2, eos_id=1).to(dtype).eval()
 
 
-VARIANTS = ("eager", "attention", "kernels")
-"""Eager ops only; the compiled attention step only; every compiled kernel (attention, RMS norms, SiLU products)."""
-_RMS_NORM, _SILU_MUL = native.rms_norm, native.silu_mul
+VARIANTS = ("eager", "attention", "kernels", "step")
+"""Eager ops only; the compiled attention step only; the compiled attention, RMS norms and SiLU products; those and
+the whole decoding step's attention (rotation, cache writes, attention) as one compiled call."""
+_RMS_NORM, _SILU_MUL, _STEP = native.rms_norm, native.silu_mul, native.DecodeStep.make
 
 
 def use(variant: str) -> None:
     """Switch the decoding loop to one of :data:`VARIANTS`."""
     decode_module._native_kernels = lambda cache: variant != "eager" and cache.keys[0].device.type == "cpu"  # type: ignore[attr-defined]
-    native.rms_norm = _RMS_NORM if variant == "kernels" else (lambda *args, **kwargs: None)  # type: ignore[assignment]
-    native.silu_mul = _SILU_MUL if variant == "kernels" else (lambda *args, **kwargs: None)  # type: ignore[assignment]
+    off = lambda *args, **kwargs: None  # noqa: E731
+    native.rms_norm = _RMS_NORM if variant in ("kernels", "step") else off  # type: ignore[assignment]
+    native.silu_mul = _SILU_MUL if variant in ("kernels", "step") else off  # type: ignore[assignment]
+    native.DecodeStep.make = _STEP if variant == "step" else off  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -77,7 +81,7 @@ def main() -> None:
                 decode_module.sample_loop(model, prompts, params, stops={1}, pad_token_id=0, device=torch.device("cpu"))
                 if i >= len(VARIANTS):
                     times[variant].append(time.perf_counter() - start)
-            use("kernels")
+            use("step")
             medians = {variant: statistics.median(values) for variant, values in times.items()}
             eager = medians["eager"]
             cells = ", ".join(f"{v} {medians[v]:.3f} s ({medians[v] / eager - 1:+.1%})" for v in VARIANTS[1:])

@@ -25,9 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
+from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams, shared_weights
 from lightning_rlhf.engines.rollout.decode import _fused_rows
-from lightning_rlhf.engines.rollout import shared_weights
 from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
 from lightning_rlhf.engines.train import shard_model, shards_in_place
 

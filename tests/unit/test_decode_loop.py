@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -350,16 +351,91 @@ def test_fused_step_attention_is_the_softmax_attention(
         torch.set_num_threads(threads_before)
 
 
+def qwen2_with_head_size(d: int, kv_heads: int = 2, group: int = 2) -> Qwen2ForCausalLM:
+    """A random Qwen2 model (query/key/value biases) whose head size the compiled decoding step takes."""
+    torch.manual_seed(0)
+    heads = kv_heads * group
+    shape = {**SHAPE, "hidden_size": heads * d, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    return Qwen2ForCausalLM(Qwen2Config(**shape, head_dim=d, pad_token_id=0, eos_token_id=1)).eval()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_kind", ["qwen3", "qwen2-16"])
 def test_the_loop_samples_the_same_with_the_compiled_kernels_or_the_eager_ops(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, model_kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The whole loop: the compiled kernels (attention, norms, SiLU products) and the eager ops give the same tokens
-    and log-probs (to float rounding), for grouped queries with Qwen3's per-head norms and padded prompts."""
+    """The whole loop: the compiled kernels and the eager ops give the same tokens and log-probs (to float rounding),
+    for grouped queries and padded prompts: with Qwen3's per-head norms (the attention step, norms and SiLU products
+    compiled; the rotation eager), and with Qwen2's head size 16 (the whole decoding step compiled, as one call)."""
     from lightning_rlhf.engines.rollout import native
 
     assert native.native_attention_available()
-    assert_same_samples_either_way(llama_family()[2].to(dtype), monkeypatch, "_native_kernels")
+    model = llama_family()[2] if model_kind == "qwen3" else qwen2_with_head_size(16)
+    calls = [0]
+    step = native.DecodeStep.__call__
+
+    def counted(self: native.DecodeStep, *args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(native.DecodeStep, "__call__", counted)
+    assert_same_samples_either_way(model.to(dtype), monkeypatch, "_native_kernels")
+    # 7 decoding steps x 2 layers, in the run with the kernels only
+    assert calls[0] == (0 if model_kind == "qwen3" else 14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("kv_heads", "group", "d", "n"), [(2, 2, 64, 3), (1, 3, 32, 2), (2, 1, 16, 1)])
+def test_the_compiled_decoding_step_is_the_eager_one(
+    dtype: torch.dtype, kv_heads: int, group: int, d: int, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One call of the compiled step (rotary embedding of the queries and keys, cache writes, attention) against the
+    eager ops of the same layer on the same fused projection: the same output and cache contents up to float
+    rounding (bfloat16: each product and sum of the rotation rounded as the eager ops round them)."""
+    import lightning_rlhf.engines.rollout.decode as decode
+
+    model = qwen2_with_head_size(d, kv_heads, group).to(dtype)
+    mask = torch.ones((3, 5), dtype=torch.bool)
+    mask[0, :2] = False  # a padded prompt
+    caches = [decode._Cache(model, mask, n, 6, dtype, CPU) for _ in range(2)]
+    fused, eager = caches[0].steps[0], caches[1]
+    assert fused is not None
+    torch.manual_seed(1)
+    for name in ("prefix_keys", "prefix_values"):
+        for a, b in zip(getattr(caches[0], name), getattr(caches[1], name), strict=True):
+            a.copy_(torch.randn(a.shape))
+            b.copy_(a)
+    rows, heads = 3 * n, kv_heads * group
+    attn = model.model.layers[0].self_attn
+    monkeypatch.setattr(decode, "_native_kernels", lambda cache: False)  # the eager ops for the reference
+    tol = {"atol": 2e-6, "rtol": 0} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}
+    for step in range(4):
+        qkv = torch.randn(rows, 1, (heads + 2 * kv_heads) * d).to(dtype)
+        cos, sin = model.model.rotary_emb(qkv, torch.full((rows, 1), 5 + step))
+        got = fused(qkv, cos, sin, step).clone()
+        eager.bias[..., step] = 0.0
+        want = decode._attention(attn, qkv, decode._rotation(cos, sin), 0, eager, step, None)
+        torch.testing.assert_close(got, want, **tol)
+        torch.testing.assert_close(caches[0].keys[0], eager.keys[0], **tol)
+        assert torch.equal(caches[0].values[0], eager.values[0])
+
+
+def test_the_compiled_decoding_step_refuses_what_it_cannot_take() -> None:
+    """Head size 24 (not a multiple of 16): no compiled step (the loop runs the layer's attention as before); inputs
+    of another shape or dtype than the plan's raise, naming what was expected."""
+    import lightning_rlhf.engines.rollout.decode as decode
+
+    mask = torch.ones((2, 3), dtype=torch.bool)
+    assert decode._Cache(qwen2_with_head_size(24), mask, 2, 4, torch.float32, CPU).steps == [None, None]
+    step = decode._Cache(qwen2_with_head_size(16), mask, 2, 4, torch.float32, CPU).steps[0]
+    assert step is not None
+    cos = torch.zeros(4, 1, 16)
+    with pytest.raises(ValueError, match=r"expected \[4, 1, 128\] and \[4, 1, 16\] contiguous torch.float32"):
+        step(torch.zeros(4, 1, 96), cos, cos, 0)
+    with pytest.raises(ValueError, match=r"0 <= step < 4"):
+        step(torch.zeros(4, 1, 128), cos, cos, 4)
+    with pytest.raises(ValueError, match="expected"):
+        step(torch.zeros(4, 1, 128, dtype=torch.bfloat16), cos, cos, 0)
 
 
 def test_a_head_size_the_kernel_does_not_take_samples_through_the_eager_ops() -> None:

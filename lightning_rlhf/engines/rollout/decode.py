@@ -111,6 +111,17 @@ class _Cache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.bias = torch.full((prompts * n, 1, 1, new_tokens), -math.inf, dtype=torch.float32, device=device)
+        self.steps: list[native.DecodeStep | None] = [None] * len(layers)
+        """Per layer, its decoding steps as one compiled call each (rotary embedding, cache writes, attention), where
+        the kernels run (:func:`_native_kernels`) and the layer has no per-head query/key norms (Qwen3)."""
+        if _native_kernels(self):
+            group = model.config.num_attention_heads // kv_heads
+            for i, layer in enumerate(layers):
+                if not hasattr(layer.self_attn, "q_norm"):
+                    self.steps[i] = native.DecodeStep.make(
+                        self.prefix_keys[i], self.prefix_values[i], self.prefix_bias, self.keys[i], self.values[i],
+                        n=n, group=group, scaling=layer.self_attn.scaling,
+                    )  # fmt: skip
 
 
 def _written_slots_only(cache: _Cache) -> bool:
@@ -290,39 +301,21 @@ def _forward(
     whole capacity in low precision on CPU: oneDNN copies a batch of bfloat16 matrices that are not contiguous (the
     written slots of each row's buffer), which costs more than the slots it skips."""
     body = model.model
-    rows, q = ids.shape
     x = body.embed_tokens(ids)
-    cos, sin = body.rotary_emb(x, positions)
-    half = cos.shape[-1] // 2
-    # Rotation by rotate-half: x * cos + cat(-x2, x1) * sin == x * cos + roll(x, half) * cat(-sin1, sin2).
-    cos, sin = cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+    cos, sin = body.rotary_emb(x, positions)  # [rows, q, d]
+    rotation: tuple[Tensor, Tensor] | None = None  # the eager ops' form, made when a layer needs it
     layers, head = linears
     native_ok = _native_kernels(cache)
     silu = native_ok and getattr(model.config, "hidden_act", None) == "silu"
     for i, (layer, weights) in enumerate(zip(body.layers, layers, strict=True)):
-        attn = layer.self_attn
-        d = attn.head_dim
-        kv_heads = cache.keys[i].shape[1]
-        qkv = weights.qkv(_norm(layer.input_layernorm, x, native_ok)).view(rows, q, -1, d)  # [rows, q, heads + 2 kv, d]
-        heads = qkv.shape[2] - 2 * kv_heads
-        qk = qkv[:, :, : heads + kv_heads]
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMS norms before the rotation
-            qk = torch.cat((attn.q_norm(qk[:, :, :heads]), attn.k_norm(qk[:, :, heads:])), dim=2)
-        qk = qk * cos + qk.roll(half, dims=-1) * sin
-        key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        # The queries of a key/value head's group share its keys: [group * q, d] x [d, keys] products per (row,
-        # kv head), with no copy of the keys per query head.
-        query = qk[:, :, :heads].transpose(1, 2).reshape(rows, kv_heads, -1, d)  # [rows, kv_heads, group * q, d]
-        if step is None:
-            cache.prefix_keys[i].copy_(key)
-            cache.prefix_values[i].copy_(value)
-            assert prompt_bias is not None
-            out = _prompt_attention(query, cache.prefix_keys[i], cache.prefix_values[i], prompt_bias, attn.scaling)
+        qkv = weights.qkv(_norm(layer.input_layernorm, x, native_ok))  # [rows, q, (heads + 2 kv) * d]
+        fused = cache.steps[i] if step is not None else None
+        if fused is not None:
+            out = fused(qkv, cos, sin, step)  # type: ignore[arg-type]
         else:
-            cache.keys[i][:, :, step] = key[:, :, 0]
-            cache.values[i][:, :, step] = value[:, :, 0]
-            out = _step_attention(query, i, step, cache, attn.scaling)
-        out = out.view(rows, -1, q, d).transpose(1, 2).reshape(rows, q, -1)
+            if rotation is None:
+                rotation = _rotation(cos, sin)
+            out = _attention(layer.self_attn, qkv, rotation, i, cache, step, prompt_bias)
         x = x + weights.o(out)
         gate_up = weights.gate_up(_norm(layer.post_attention_layernorm, x, native_ok))
         gated = native.silu_mul(gate_up) if silu else None
@@ -331,6 +324,51 @@ def _forward(
             gated = layer.mlp.act_fn(gate) * up
         x = x + weights.down(gated)
     return head(_norm(body.norm, x[:, -1], native_ok))
+
+
+def _rotation(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The rotary embedding's ``cos``/``sin`` ``[rows, q, d]`` as the eager ops apply them: rotate-half,
+    ``x * cos + cat(-x2, x1) * sin``, is ``x * cos + roll(x, half) * cat(-sin1, sin2)``; both ``[rows, q, 1, d]``."""
+    half = cos.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+
+
+def _attention(
+    attn: Any,
+    qkv: Tensor,
+    rotation: tuple[Tensor, Tensor],
+    i: int,
+    cache: _Cache,
+    step: int | None,
+    prompt_bias: Tensor | None,
+) -> Tensor:
+    """Layer ``i``'s attention as eager ops (and the compiled attention step where it runs): the rotary embedding
+    of the fused projection's queries and keys, their writes into the cache, the attention; ``[rows, q, heads * d]``
+    from ``qkv`` ``[rows, q, (heads + 2 kv) * d]``. See :func:`_forward` for ``step`` and ``prompt_bias``."""
+    rows, q = qkv.shape[:2]
+    d = attn.head_dim
+    kv_heads = cache.keys[i].shape[1]
+    qkv = qkv.view(rows, q, -1, d)  # [rows, q, heads + 2 kv, d]
+    heads = qkv.shape[2] - 2 * kv_heads
+    qk = qkv[:, :, : heads + kv_heads]
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMS norms before the rotation
+        qk = torch.cat((attn.q_norm(qk[:, :, :heads]), attn.k_norm(qk[:, :, heads:])), dim=2)
+    cos, sin = rotation
+    qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+    key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)
+    # The queries of a key/value head's group share its keys: [group * q, d] x [d, keys] products per (row,
+    # kv head), with no copy of the keys per query head.
+    query = qk[:, :, :heads].transpose(1, 2).reshape(rows, kv_heads, -1, d)  # [rows, kv_heads, group * q, d]
+    if step is None:
+        cache.prefix_keys[i].copy_(key)
+        cache.prefix_values[i].copy_(value)
+        assert prompt_bias is not None
+        out = _prompt_attention(query, cache.prefix_keys[i], cache.prefix_values[i], prompt_bias, attn.scaling)
+    else:
+        cache.keys[i][:, :, step] = key[:, :, 0]
+        cache.values[i][:, :, step] = value[:, :, 0]
+        out = _step_attention(query, i, step, cache, attn.scaling)
+    return out.view(rows, -1, q, d).transpose(1, 2).reshape(rows, q, -1)
 
 
 def _prompt_attention(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scaling: float) -> Tensor:

@@ -349,3 +349,60 @@ void silu_mul(const void *in, void *out, long rows, long inter, int dtype) {
         }
     }
 }
+
+/* ---- A whole decoding step's attention from the fused query/key/value projection (decode.py, `_forward`) ---- */
+
+/* What stays the same for a layer over a sampling call (set once by native.py's DecodeStep): the caches, the
+ * scratch rows of the rotated queries, the output rows, the shapes. Layouts as in decode_attention, with query and
+ * out [rows, kv * group * d]. */
+typedef struct {
+    void *query, *out, *keys, *values;
+    const void *prefix_keys, *prefix_values;
+    const float *prefix_bias;
+    long rows, n, kv, group, d, width, cap;
+    float scale;
+    int dtype, threads;
+} StepPlan;
+
+/* transformers' rotary embedding, x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1), of `heads`
+ * vectors of d values from src + a into dst + b (element offsets); cos, sin: d values from index c. In bfloat16
+ * each product and the sum are rounded, as the eager ops round them. d is a multiple of 16. */
+INLINE void rotate(const void *src, long a, void *dst, long b, const void *cos, const void *sin, long c, long heads,
+                   long d, int dtype) {
+    const long half = d / 2;
+    for (long j = 0; j < heads; ++j, a += d, b += d) {
+        for (long i = 0; i < half; i += 8) {
+            const v8f x1 = load8(src, dtype, a + i), x2 = load8(src, dtype, a + half + i);
+            const v8f lo = round8(x1 * load8(cos, dtype, c + i), dtype) - round8(x2 * load8(sin, dtype, c + i), dtype);
+            const v8f hi =
+                round8(x2 * load8(cos, dtype, c + half + i), dtype) + round8(x1 * load8(sin, dtype, c + half + i), dtype);
+            store8(dst, dtype, b + i, lo);
+            store8(dst, dtype, b + half + i, hi);
+        }
+    }
+}
+
+/* Decoding step `step` of one layer: `qkv` [rows, (kv * group + 2 * kv) * d] is the fused projection's output
+ * (queries, then keys, then values, by head); cos, sin [rows, d] the rotary embedding at each row's position. The
+ * queries are rotated into plan->query, the keys rotated and the values copied into generated slot `step` of the
+ * caches, and the attention over the prompt's keys and slots 0..step goes to plan->out. Returns as
+ * decode_attention, or 2 for a head size that is not a multiple of 16. */
+int decode_step(const StepPlan *plan, const void *qkv, const void *cos, const void *sin, long step) {
+    const long d = plan->d, kv = plan->kv, heads = kv * plan->group, stride = (heads + 2 * kv) * d;
+    const int dtype = plan->dtype;
+    const size_t size = dtype == 0 ? sizeof(float) : sizeof(uint16_t);
+    if (d % 16 || d > 8 * MAX_LANES) return 2;
+    for (long r = 0; r < plan->rows; ++r) {
+        const long row = r * stride;
+        rotate(qkv, row, plan->query, r * heads * d, cos, sin, r * d, heads, d, dtype);
+        for (long h = 0; h < kv; ++h) {
+            const long slot = ((r * kv + h) * plan->cap + step) * d;
+            rotate(qkv, row + (heads + h) * d, plan->keys, slot, cos, sin, r * d, 1, d, dtype);
+            memcpy((char *)plan->values + slot * size, (const char *)qkv + (row + (heads + kv + h) * d) * size,
+                   (size_t)d * size);
+        }
+    }
+    return decode_attention(plan->query, plan->prefix_keys, plan->prefix_values, plan->prefix_bias, plan->keys,
+                            plan->values, plan->out, plan->rows, plan->n, kv, plan->group, d, plan->width, plan->cap,
+                            step + 1, plan->scale, dtype, plan->threads);
+}

@@ -28,11 +28,12 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["decode_attention", "native_attention_available", "rms_norm", "silu_mul"]
+__all__ = ["DecodeStep", "decode_attention", "native_attention_available", "rms_norm", "silu_mul"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,19 @@ def _build(compiler: list[str]) -> Path:
     return target
 
 
+class _StepPlan(ctypes.Structure):
+    """``StepPlan`` of ``decode_attention.c``: what a layer's decoding steps share over a sampling call."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("query", "out", "keys", "values", "prefix_keys", "prefix_values")),
+        ("prefix_bias", ctypes.c_void_p),
+        *((name, ctypes.c_long) for name in ("rows", "n", "kv", "group", "d", "width", "cap")),
+        ("scale", ctypes.c_float),
+        ("dtype", ctypes.c_int),
+        ("threads", ctypes.c_int),
+    ]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled library with its functions' signatures set, or None (turned off, no compiler, failed build:
@@ -110,6 +124,8 @@ def _library() -> ctypes.CDLL | None:
     library.rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, ctypes.c_int]
     library.silu_mul.restype = None
     library.silu_mul.argtypes = [pointer] * 2 + [size] * 2 + [ctypes.c_int]
+    library.decode_step.restype = ctypes.c_int
+    library.decode_step.argtypes = [ctypes.POINTER(_StepPlan)] + [pointer] * 3 + [size]
     return library
 
 
@@ -227,3 +243,90 @@ def silu_mul(gate_up: Tensor) -> Tensor | None:
     out = gate_up.new_empty((*gate_up.shape[:-1], inter))
     library.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter, code)
     return out
+
+
+class DecodeStep:
+    """One layer's decoding steps from its fused query/key/value projection, as one compiled call a step: the rotary
+    embedding of the queries and keys, the keys and values written into generated slot ``step`` of the caches, and
+    :func:`decode_attention` over the prompt's keys and slots ``0..step``. Build it with :meth:`make` once per
+    sampling call and layer: the shapes are checked and the caches' addresses set there, so a step costs one
+    ``ctypes`` call with five arguments (the eager ops took ~15 dispatches and ~85 us a layer-step on the benchmark's
+    small model).
+
+    Runs on: worker (the decoding loop). The result is a buffer of this object, overwritten by the next step: the
+    caller consumes it (the output projection) before the next call.
+    """
+
+    def __init__(
+        self, function: Any, plan: _StepPlan, query: Tensor, out: Tensor, keep: tuple[Tensor, ...], width: int
+    ) -> None:
+        self._function, self._plan, self._pointer = function, plan, ctypes.pointer(plan)
+        self._query, self._out, self._keep = query, out, keep  # the addresses in the plan stay valid
+        self._width = width  # of a row of the fused projection's output
+
+    @classmethod
+    def make(
+        cls,
+        prefix_keys: Tensor,
+        prefix_values: Tensor,
+        prefix_bias: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        *,
+        n: int,
+        group: int,
+        scaling: float,
+    ) -> DecodeStep | None:
+        """The steps of one layer over these caches (shapes as :func:`decode_attention`'s, ``group`` queries per
+        key/value head), or None where the kernel cannot take them (not CPU, another dtype, a head size that is not a
+        multiple of 16 up to 256, no kernel). Runs on: worker, once per sampling call and layer."""
+        code = _cpu_code(prefix_keys, prefix_values, keys, values)
+        rows, kv, cap, d = keys.shape
+        if code is None or d % 16 or d > 256 or prefix_bias.dtype != torch.float32 or not prefix_bias.is_contiguous():
+            return None
+        prompts, width = rows // n, prefix_keys.shape[2]
+        if rows != prompts * n or prefix_keys.shape != (prompts, kv, width, d) or values.shape != keys.shape:
+            raise ValueError(
+                f"DecodeStep: shapes do not agree: prompt keys/values {tuple(prefix_keys.shape)}/"
+                f"{tuple(prefix_values.shape)}, keys/values {tuple(keys.shape)}/{tuple(values.shape)}, n={n}. HINT: "
+                "[rows / n, kv, width, d] and [rows, kv, capacity, d]."
+            )
+        library = _library()
+        if library is None:
+            return None
+        heads = kv * group
+        query = keys.new_empty((rows, 1, heads * d))
+        out = keys.new_empty((rows, 1, heads * d))
+        plan = _StepPlan(
+            query.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), prefix_keys.data_ptr(),
+            prefix_values.data_ptr(), prefix_bias.data_ptr(), rows, n, kv, group, d, width, cap, scaling, code,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        keep = (prefix_keys, prefix_values, prefix_bias, keys, values)
+        return cls(library.decode_step, plan, query, out, keep, (heads + 2 * kv) * d)
+
+    def __call__(self, qkv: Tensor, cos: Tensor, sin: Tensor, step: int) -> Tensor:
+        """Decoding step ``step`` (< the caches' capacity): ``qkv`` ``[rows, 1, (heads + 2 kv) * d]`` (contiguous, the
+        caches' dtype), ``cos``/``sin`` ``[rows, 1, d]`` (the rotary embedding's, same dtype); returns the attention's
+        output ``[rows, 1, heads * d]``. Runs on: worker."""
+        plan = self._plan
+        rows, d = plan.rows, plan.d
+        if (
+            qkv.shape != (rows, 1, self._width)
+            or cos.shape != (rows, 1, d)
+            or sin.shape != cos.shape
+            or not (qkv.dtype == cos.dtype == sin.dtype == self._out.dtype)
+            or not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+            or not 0 <= step < plan.cap
+        ):
+            raise ValueError(
+                f"DecodeStep: qkv {tuple(qkv.shape)} {qkv.dtype}, cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} "
+                f"{cos.dtype}, step {step}; expected [{rows}, 1, {self._width}] and [{rows}, 1, {d}] contiguous "
+                f"{self._out.dtype}, 0 <= step < {plan.cap}."
+            )
+        failed = self._function(self._pointer, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), step)
+        if failed == 1:
+            raise MemoryError("DecodeStep: the kernel could not allocate its scratch memory")
+        if failed:
+            raise RuntimeError(f"DecodeStep: the kernel refused head size {d}")
+        return self._out
