@@ -73,6 +73,9 @@ class SharedWeights:
         """Bytes of the full weights that the other ranks write (what :meth:`hand_off` reports as received)."""
         self._placed: list[tuple[nn.Parameter, int]] | None = None
         """Every parameter with the address of its shard in the store, once all are placed there (else None)."""
+        self._placeable = True
+        """False once :func:`place_shards` found no shard it could place (it then never will: dtypes and padding
+        do not change)."""
 
     @classmethod
     def attempt(cls, engine: Any, model: nn.Module) -> SharedWeights | None:
@@ -129,9 +132,12 @@ class SharedWeights:
             if received is not None:
                 received[0] += counted[0]
             dist.barrier(group=self.group)
-            place_shards(self.model, self.views)  # this rank's rows only, values unchanged: no reader can tell
-            placed = shards_in_place(self.model, self.views)
-            self._placed = [(p, _local(p).data_ptr()) for p in self.model.parameters()] if placed else None
+            if self._placeable:  # this rank's rows only, values unchanged: no reader can tell
+                placed = place_shards(self.model, self.views)
+                self._placeable = placed > 0  # none (e.g. a bfloat16 engine of float32 shards): none ever will be
+                params = list(self.model.parameters())
+                whole = placed == len(params) and shards_in_place(self.model, self.views)
+                self._placed = [(p, _local(p).data_ptr()) for p in params] if whole else None
         self.engine.bind_weights(self.views)
         return waited
 
