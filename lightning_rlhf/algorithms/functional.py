@@ -157,6 +157,17 @@ class _TokenLogprobs(torch.autograd.Function):
         entropy_grad: bool,
         chunk_elements: int,
     ) -> tuple[Tensor, Tensor]:
+        differentiable_entropy = with_entropy and entropy_grad
+        ctx.set_materialize_grads(False)
+        ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
+        compiled = _compiled_logprobs(logits, labels, temperature, with_entropy)
+        if compiled is not None:  # CPU: one pass per position (the same formulas)
+            logp, lse, entropy_or_none, mean = compiled
+            entropy = entropy_or_none if entropy_or_none is not None else torch.empty(0, dtype=torch.float32)
+            if not differentiable_entropy:
+                ctx.mark_non_differentiable(entropy)
+            ctx.save_for_backward(logits, labels, lse, mean if differentiable_entropy else None)
+            return logp, entropy
         batch, length, vocab = logits.shape
         float_kw: dict[str, Any] = {"dtype": torch.float32, "device": logits.device}
         logp = torch.empty(batch, length, **float_kw)
@@ -176,11 +187,8 @@ class _TokenLogprobs(torch.autograd.Function):
                 block_mean = exp.mul_(z).sum(dim=-1, keepdim=True).div_(total)  # E_p[z]; H = lse - E_p[z]
                 mean[rows, cols] = block_mean
                 entropy[rows, cols] = (block_lse - block_mean).squeeze(-1)
-        differentiable_entropy = with_entropy and entropy_grad
         if not differentiable_entropy:
             ctx.mark_non_differentiable(entropy)
-        ctx.set_materialize_grads(False)
-        ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
         ctx.save_for_backward(logits, labels, lse, mean if differentiable_entropy else None)
         return logp, entropy
 
@@ -194,6 +202,13 @@ class _TokenLogprobs(torch.autograd.Function):
         if grad_logp is None and grad_entropy is None:
             return (None, *nones)
         temperature: float = ctx.temperature
+        if _compiled_available(logits):
+            from lightning_rlhf import native
+
+            g_lp = grad_logp if grad_logp is not None else torch.zeros(lse.shape[:-1], dtype=torch.float32)
+            compiled = native.token_logprobs_backward(logits, labels, lse, mean, g_lp, grad_entropy, temperature)
+            if compiled is not None:
+                return (compiled, *nones)
         batch, length, vocab = logits.shape
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         # d logp_y / dz = onehot(y) - p;  d H / dz = -p * (z - E_p[z]);  dz / dlogits = 1 / temperature
@@ -215,6 +230,23 @@ class _TokenLogprobs(torch.autograd.Function):
             if work is not out:
                 out.copy_(work)
         return (grad, *nones)
+
+
+def _compiled_available(logits: Tensor) -> bool:
+    """Whether the compiled token kernels may take ``logits``: contiguous float32/bfloat16 on CPU (the kernels
+    themselves say whether they built)."""
+    return logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.is_contiguous()
+
+
+def _compiled_logprobs(
+    logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None:
+    """``(logp, lse, entropy, mean)`` through the compiled kernel, or None where it does not run."""
+    if not _compiled_available(logits):
+        return None
+    from lightning_rlhf import native  # the kernels' library (built on first use)
+
+    return native.token_logprobs(logits, labels, temperature, with_entropy)
 
 
 def logprobs_and_entropy(

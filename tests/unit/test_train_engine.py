@@ -47,10 +47,11 @@ def test_micro_batch_size_changes_no_update(tiny_model: str, aggregation: str) -
     for norm_b, params_b in others:
         # The norm of the summed gradient (before clipping) catches any wrong micro-batch scale; Adam's first step
         # is scale-free, so the parameters only show that the direction agrees (Adam amplifies float noise in
-        # near-zero gradients to ~1e-5 here; a wrong direction moves them by ~lr = 1e-2).
+        # near-zero gradients to ~1e-5, and up to ~1e-4 for a gradient within float noise of 0; a wrong direction
+        # moves them by ~lr = 1e-2).
         assert norm_b == pytest.approx(norm_a, rel=1e-5)
         for pa, pb in zip(params_a, params_b, strict=True):
-            torch.testing.assert_close(pa, pb, rtol=0, atol=1e-4)
+            torch.testing.assert_close(pa, pb, rtol=0, atol=1e-3)
 
 
 def test_infer_concatenates_micro_batches_like_one_forward(tiny_model: str) -> None:

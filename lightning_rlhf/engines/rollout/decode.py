@@ -35,8 +35,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_rlhf import native
 from lightning_rlhf.engines.kernels import RMS_NORM_CLASSES
-from lightning_rlhf.engines.rollout import native
 from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
 
 __all__ = ["MODEL_TYPES", "decode_loop_unsupported", "left_pad", "sample_loop"]
@@ -133,7 +133,7 @@ def _written_slots_only(cache: _Cache) -> bool:
 
 def _native_kernels(cache: _Cache) -> bool:
     """Whether the loop runs its attention step, RMS norms and SiLU-gated products through the compiled kernels
-    (:mod:`~lightning_rlhf.engines.rollout.native`; each falls back to the eager ops where it cannot run): on CPU."""
+    (:mod:`~lightning_rlhf.native`; each falls back to the eager ops where it cannot run): on CPU."""
     return cache.keys[0].device.type == "cpu"
 
 

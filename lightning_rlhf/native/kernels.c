@@ -73,15 +73,16 @@ INLINE uint16_t f32_to_bf16(float f) {
 }
 
 /* exp(x) for x <= 88.3 (the caller clamps larger x), eight at a time: x = n ln2 + r with |r| <= ln2 / 2, exp(r)
- * by its degree-6 Taylor polynomial (relative error < 2.5e-7, about one float32 rounding), times 2^n built in the
- * exponent bits (n <= 127); below -87.3 (and for -inf) exactly 0. Rounding to the nearest integer adds and
+ * by its degree-7 Taylor polynomial (measured relative error < 7.2e-8 over [-87, 0]: 1.2 float32 roundings),
+ * times 2^n built in the exponent bits (n <= 127); below -87.3 (and for -inf) exactly 0. Rounding to the nearest integer adds and
  * subtracts 1.5 * 2^23 (exact in float32 for |x| < 2^22, under the default rounding mode). */
 INLINE v8f exp8(v8f x) {
     const v8i under = x < splat(-87.3f);
     const v8f clamped = pick(under, splat(-87.3f), x);
     const v8f n = (clamped * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
     const v8f r = (clamped - n * splat(0.693145751953125f)) - n * splat(1.428606765330187e-06f);
-    v8f p = splat(1.0f / 720.0f);
+    v8f p = splat(1.0f / 5040.0f);
+    p = p * r + splat(1.0f / 720.0f);
     p = p * r + splat(1.0f / 120.0f);
     p = p * r + splat(1.0f / 24.0f);
     p = p * r + splat(1.0f / 6.0f);
@@ -405,4 +406,104 @@ int decode_step(const StepPlan *plan, const void *qkv, const void *cos, const vo
     return decode_attention(plan->query, plan->prefix_keys, plan->prefix_values, plan->prefix_bias, plan->keys,
                             plan->values, plan->out, plan->rows, plan->n, kv, plan->group, d, plan->width, plan->cap,
                             step + 1, plan->scale, dtype, plan->threads);
+}
+
+/* ---- Log-probabilities and entropies of the training forward's tokens (algorithms/functional.py) ---- */
+
+/* z = x / temperature, as the eager ops divide (exactly x at temperature 1). */
+INLINE v8f tempered8(const void *x, int dtype, long index, float temperature) {
+    const v8f v = load8(x, dtype, index);
+    return temperature == 1.0f ? v : v / splat(temperature);
+}
+
+INLINE float tempered1(const void *x, int dtype, long index, float temperature) {
+    const float v = load1(x, dtype, index);
+    return temperature == 1.0f ? v : v / temperature;
+}
+
+/* Per row r of logits [rows, vocab] (float32 or bfloat16): with z = logits / temperature, lse[r] = logsumexp(z),
+ * logp[r] = z[labels[r]] - lse[r] and, where entropy is not NULL, mean[r] = E_p[z] and entropy[r] = lse[r] - mean[r]
+ * (p = softmax(z); both taken relative to max z, which keeps the entropy's absolute error at float32 rounding of
+ * log-sum, not of max z), all in float32. A row of -inf gives lse -inf (as the eager ops). Returns the number of labels
+ * outside [0, vocab) (then nothing is read through them). */
+long token_logprobs(const void *logits, const int64_t *labels, long rows, long vocab, float temperature, int dtype,
+                    float *logp, float *lse, float *entropy, float *mean) {
+    const long body = vocab / 8 * 8;
+    long bad = 0;
+    for (long r = 0; r < rows; ++r) {
+        const long base = r * vocab;
+        v8f top = splat(-INFINITY);
+        for (long i = 0; i < body; i += 8) {
+            const v8f z = tempered8(logits, dtype, base + i, temperature);
+            top = pick(z > top, z, top);
+        }
+        float peak = -INFINITY;
+        for (int k = 0; k < 8; ++k) peak = fmaxf(peak, top[k]);
+        for (long i = body; i < vocab; ++i) peak = fmaxf(peak, tempered1(logits, dtype, base + i, temperature));
+        if (!isfinite(peak)) peak = 0.0f;
+        /* Sums of 64 entries in float32 lanes, added up in double: a float32 running sum over thousands of
+         * entries would drift by ~1e-6 relative. */
+        double total = 0.0, moment = 0.0;
+        for (long start = 0; start < body; start += 64) {
+            v8f sums = splat(0.0f), weighted = splat(0.0f);
+            for (long i = start; i < body && i < start + 64; i += 8) {
+                const v8f z = tempered8(logits, dtype, base + i, temperature);
+                const v8f e = exp8(z - splat(peak));
+                sums += e;
+                if (entropy) weighted += e * (z - splat(peak));
+            }
+            total += hsum(sums);
+            moment += hsum(weighted);
+        }
+        for (long i = body; i < vocab; ++i) {
+            const float z = tempered1(logits, dtype, base + i, temperature), e = expf(z - peak);
+            total += e;
+            moment += e * (z - peak);
+        }
+        const float l = (float)(log(total) + peak);
+        lse[r] = l;
+        const int64_t label = labels[r];
+        if (label < 0 || label >= vocab) {
+            ++bad;
+            logp[r] = NAN;
+        } else {
+            logp[r] = tempered1(logits, dtype, base + label, temperature) - l;
+        }
+        if (entropy) { /* relative to the peak: no cancellation between two large numbers */
+            mean[r] = (float)(peak + moment / total);
+            entropy[r] = (float)(log(total) - moment / total);
+        }
+    }
+    return bad;
+}
+
+/* The gradient of sum(g_lp * logp + g_ent * entropy) with respect to the logits, into grad [rows, vocab] (the
+ * logits' dtype, rounded once): (onehot(label) * g_lp - p * (g_lp + g_ent * (z - mean))) / temperature, with
+ * p = exp(z - lse). g_ent and mean may be NULL (no entropy term). Labels are in range (token_logprobs checked). */
+void token_logprobs_backward(const void *logits, const int64_t *labels, const float *lse, const float *mean,
+                             const float *g_lp, const float *g_ent, long rows, long vocab, float temperature,
+                             int dtype, void *grad) {
+    const long body = vocab / 8 * 8;
+    for (long r = 0; r < rows; ++r) {
+        const long base = r * vocab;
+        const float l = lse[r], glp = g_lp[r], gent = g_ent ? g_ent[r] : 0.0f, m = g_ent ? mean[r] : 0.0f;
+        for (long i = 0; i < body; i += 8) {
+            const v8f z = tempered8(logits, dtype, base + i, temperature);
+            const v8f p = exp8(z - splat(l));
+            v8f w = g_ent ? p * -((z - splat(m)) * splat(gent) + splat(glp)) : p * splat(-glp);
+            if (temperature != 1.0f) w = w / splat(temperature);
+            store8(grad, dtype, base + i, w);
+        }
+        for (long i = body; i < vocab; ++i) {
+            const float z = tempered1(logits, dtype, base + i, temperature), p = expf(z - l);
+            float w = g_ent ? p * -((z - m) * gent + glp) : p * -glp;
+            if (temperature != 1.0f) w = w / temperature;
+            store1(grad, dtype, base + i, w);
+        }
+        const long label = (long)labels[r]; /* the label's entry: the one-hot term added before the division */
+        const float z = tempered1(logits, dtype, base + label, temperature), p = expf(z - l);
+        float w = (g_ent ? p * -((z - m) * gent + glp) : p * -glp) + glp;
+        if (temperature != 1.0f) w = w / temperature;
+        store1(grad, dtype, base + label, w);
+    }
 }

@@ -1,19 +1,26 @@
-"""The decoding loop's fused attention step: a small C kernel compiled on first use, called through ``ctypes``.
+"""The CPU kernels of the decoding loop and of the training forward's token log-probs: one C file compiled on first
+use, called through ``ctypes``.
 
-Why: on CPU a decoding step's attention over a few dozen keys is ~10 eager PyTorch ops per layer (batched products
-of ``[group, d] x [d, keys]`` matrices, a concatenation, a softmax, two more products), each a dispatch over tiny
-matrices; on the benchmark's small model they took 0.15 s of a 0.67 s generation call. The kernel
-(``decode_attention.c``) does the same arithmetic in one pass per (row, key/value head), reading each key and
-value row once for the head's whole query group; the softmax and the sums run in float32 (as the eager path's
-softmax does), and bfloat16 inputs are rounded once, on the output.
+Why: on CPU a small model's decoding step spends most of its time outside the matmuls, in dozens of eager PyTorch
+ops per layer, each a dispatch over tiny tensors; and the token log-probs of a training forward make about six
+passes over the ``[tokens, vocab]`` logits. The kernels (``kernels.c``) do the same arithmetic in one pass:
+
+- the decoding loop (``engines/rollout/decode.py``): a layer's decoding step from its fused query/key/value
+  projection (:class:`DecodeStep`: rotary embedding, cache writes, attention), the attention step alone
+  (:func:`decode_attention`), the RMS norms (:func:`rms_norm`) and the SiLU-gated products (:func:`silu_mul`);
+  softmax and sums in float32 as the eager ops, bfloat16 rounded where the eager ops round;
+- the training forward (``algorithms/functional.py``, ``logprobs_and_entropy``): log-probs, entropies and their
+  gradient per position (:func:`token_logprobs`, :func:`token_logprobs_backward`), sums of 64 entries added up in
+  double.
 
 How: the source ships with the package; the first call in a process compiles it with the host's C compiler
 (``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``) into a cache directory (``$LIGHTNING_RLHF_CACHE``, else
 ``~/.cache/lightning_rlhf``), named by a digest of the source, the flags, the compiler's version and the CPU's
 feature flags (a shared home directory over different CPUs gets one build per CPU kind), and written atomically
 (ranks that compile at once each write a whole file). No torch headers are involved: a build takes about a
-second. Where no compiler exists, or the build fails, the loop keeps its eager path and says so once in the log;
-``LIGHTNING_RLHF_NATIVE=0`` turns the kernel off.
+second. Where no compiler exists, or the build fails, the callers keep their eager ops and the log says so once;
+``LIGHTNING_RLHF_NATIVE=0`` turns the kernels off. The package imports nothing of the project but its cache folder's
+name, so every layer may use it.
 """
 
 from __future__ import annotations
@@ -33,11 +40,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DecodeStep", "decode_attention", "native_attention_available", "rms_norm", "silu_mul"]
+__all__ = [
+    "DecodeStep",
+    "decode_attention",
+    "native_attention_available",
+    "rms_norm",
+    "silu_mul",
+    "token_logprobs",
+    "token_logprobs_backward",
+]
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread", "-std=gnu11")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -67,7 +82,7 @@ def _build(compiler: list[str]) -> Path:
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
-    name = f"decode_attention-{digest.hexdigest()[:20]}.so"
+    name = f"kernels-{digest.hexdigest()[:20]}.so"
     target = _cache_dir() / name
     if target.exists():
         return target
@@ -89,7 +104,7 @@ def _build(compiler: list[str]) -> Path:
 
 
 class _StepPlan(ctypes.Structure):
-    """``StepPlan`` of ``decode_attention.c``: what a layer's decoding steps share over a sampling call."""
+    """``StepPlan`` of ``kernels.c``: what a layer's decoding steps share over a sampling call."""
 
     _fields_ = [
         *((name, ctypes.c_void_p) for name in ("query", "out", "keys", "values", "prefix_keys", "prefix_values")),
@@ -124,6 +139,10 @@ def _library() -> ctypes.CDLL | None:
     library.rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, ctypes.c_int]
     library.silu_mul.restype = None
     library.silu_mul.argtypes = [pointer] * 2 + [size] * 2 + [ctypes.c_int]
+    library.token_logprobs.restype = ctypes.c_long
+    library.token_logprobs.argtypes = [pointer] * 2 + [size] * 2 + [ctypes.c_float] + [ctypes.c_int] + [pointer] * 4
+    library.token_logprobs_backward.restype = None
+    library.token_logprobs_backward.argtypes = [pointer] * 6 + [size] * 2 + [ctypes.c_float, ctypes.c_int, pointer]
     library.decode_step.restype = ctypes.c_int
     library.decode_step.argtypes = [ctypes.POINTER(_StepPlan)] + [pointer] * 3 + [size]
     return library
@@ -330,3 +349,70 @@ class DecodeStep:
         if failed:
             raise RuntimeError(f"DecodeStep: the kernel refused head size {d}")
         return self._out
+
+
+def _token_inputs(logits: Tensor, labels: Tensor) -> tuple[ctypes.CDLL, int, Tensor] | None:
+    """The library, the logits' dtype code and the labels as contiguous int64, where the token kernels take these
+    tensors (CPU, float32/bfloat16 logits ``[..., vocab]`` contiguous); else None."""
+    code = _cpu_code(logits)
+    library = _library() if code is not None else None
+    if library is None or code is None or labels.device.type != "cpu" or labels.shape != logits.shape[:-1]:
+        return None
+    return library, code, labels.contiguous().long()
+
+
+def token_logprobs(
+    logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None:
+    """``(logp, lse, entropy, mean)`` of each position of ``logits`` ``[B, T, V]`` at ``temperature`` (float32:
+    ``logp`` and ``entropy`` ``[B, T]``, ``lse`` and ``mean`` ``[B, T, 1]``; the last two None without
+    ``with_entropy``), or None where the kernel cannot take the tensors. One compiled pass per position, reading its
+    ``V`` logits twice while they are in the L1 cache (the eager block-wise ops make about six passes). Raises
+    ``IndexError`` for a label outside ``[0, V)``.
+
+    Runs on: worker or controller (:func:`~lightning_rlhf.algorithms.functional.logprobs_and_entropy`)."""
+    found = _token_inputs(logits, labels)
+    if found is None:
+        return None
+    library, code, labels = found
+    batch, length, vocab = logits.shape
+    logp = torch.empty((batch, length), dtype=torch.float32)
+    lse = torch.empty((batch, length, 1), dtype=torch.float32)
+    entropy = torch.empty((batch, length), dtype=torch.float32) if with_entropy else None
+    mean = torch.empty((batch, length, 1), dtype=torch.float32) if with_entropy else None
+    bad = library.token_logprobs(
+        logits.data_ptr(), labels.data_ptr(), batch * length, vocab, temperature, code, logp.data_ptr(),
+        lse.data_ptr(), entropy.data_ptr() if entropy is not None else None,
+        mean.data_ptr() if mean is not None else None,
+    )  # fmt: skip
+    if bad:
+        raise IndexError(f"token_logprobs: {bad} label(s) outside [0, {vocab}) (the logits' vocabulary)")
+    return logp, lse, entropy, mean
+
+
+def token_logprobs_backward(
+    logits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    mean: Tensor | None,
+    grad_logp: Tensor,
+    grad_entropy: Tensor | None,
+    temperature: float,
+) -> Tensor | None:
+    """The gradient with respect to ``logits`` of ``sum(grad_logp * logp + grad_entropy * entropy)`` (the outputs
+    of :func:`token_logprobs`; ``grad_entropy`` and ``mean`` None without an entropy term), in the logits' dtype
+    (rounded once), or None where the kernel cannot take the tensors. One compiled pass per position.
+
+    Runs on: worker or controller (the backward of ``logprobs_and_entropy``)."""
+    found = _token_inputs(logits, labels)
+    if found is None:
+        return None
+    library, code, labels = found
+    batch, length, vocab = logits.shape
+    grad = torch.empty_like(logits)
+    stats = [None if t is None else t.contiguous().float() for t in (lse, mean, grad_logp, grad_entropy)]
+    library.token_logprobs_backward(
+        logits.data_ptr(), labels.data_ptr(), *(None if t is None else t.data_ptr() for t in stats), batch * length,
+        vocab, temperature, code, grad.data_ptr(),
+    )  # fmt: skip
+    return grad
