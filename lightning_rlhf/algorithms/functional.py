@@ -263,7 +263,9 @@ def logprobs_and_entropy(
     Never materialises a second tensor of the size of ``logits``: ``log p(y) = z_y - logsumexp(z)`` and
     ``H = logsumexp(z) - E_p[z]`` are computed block by block (``chunk_elements`` logits at a time, upcast to
     float32 and divided by the temperature per block only; at temperature 1 a float32 block is used as is), and
-    the backward recomputes the softmax per block, writing into one gradient buffer shaped like ``logits``.
+    the backward recomputes the softmax per block, writing into one gradient buffer shaped like ``logits``. On CPU
+    (contiguous float32/bfloat16 logits) both run as compiled kernels instead, one pass per position
+    (:func:`lightning_rlhf.native.token_logprobs`; the same formulas, sums in double; ``chunk_elements`` unused).
 
     Runs on: controller or worker (pure function).
 

@@ -124,13 +124,13 @@ def _library() -> ctypes.CDLL | None:
         return None
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if found is None:
-        log.warning("No C compiler (cc, gcc or $CC): the decoding loop's attention runs as eager PyTorch ops.")
+        log.warning("No C compiler (cc, gcc or $CC): the CPU kernels (lightning_rlhf.native) run as eager PyTorch ops.")
         return None
     try:
         library = ctypes.CDLL(str(_build(shlex.split(found))))  # $CC may carry arguments ("ccache gcc")
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
-        log.warning("The decoding attention kernel did not build (%s): eager PyTorch ops instead.", detail)
+        log.warning("The CPU kernels (lightning_rlhf.native) did not build (%s): eager PyTorch ops instead.", detail)
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_long
     library.decode_attention.restype = ctypes.c_int
@@ -140,9 +140,11 @@ def _library() -> ctypes.CDLL | None:
     library.silu_mul.restype = None
     library.silu_mul.argtypes = [pointer] * 2 + [size] * 2 + [ctypes.c_int]
     library.token_logprobs.restype = ctypes.c_long
-    library.token_logprobs.argtypes = [pointer] * 2 + [size] * 2 + [ctypes.c_float] + [ctypes.c_int] + [pointer] * 4
-    library.token_logprobs_backward.restype = None
+    library.token_logprobs.argtypes = [pointer] * 2 + [size] * 2 + [ctypes.c_float] + [ctypes.c_int]
+    library.token_logprobs.argtypes += [pointer] * 4 + [ctypes.c_int]
+    library.token_logprobs_backward.restype = ctypes.c_long
     library.token_logprobs_backward.argtypes = [pointer] * 6 + [size] * 2 + [ctypes.c_float, ctypes.c_int, pointer]
+    library.token_logprobs_backward.argtypes += [ctypes.c_int]
     library.decode_step.restype = ctypes.c_int
     library.decode_step.argtypes = [ctypes.POINTER(_StepPlan)] + [pointer] * 3 + [size]
     return library
@@ -304,11 +306,18 @@ class DecodeStep:
         if code is None or d % 16 or d > 256 or prefix_bias.dtype != torch.float32 or not prefix_bias.is_contiguous():
             return None
         prompts, width = rows // n, prefix_keys.shape[2]
-        if rows != prompts * n or prefix_keys.shape != (prompts, kv, width, d) or values.shape != keys.shape:
+        shapes_agree = (
+            rows == prompts * n
+            and prefix_keys.shape == prefix_values.shape == (prompts, kv, width, d)
+            and values.shape == keys.shape
+            and prefix_bias.numel() == prompts * width
+        )
+        if not shapes_agree:
             raise ValueError(
                 f"DecodeStep: shapes do not agree: prompt keys/values {tuple(prefix_keys.shape)}/"
-                f"{tuple(prefix_values.shape)}, keys/values {tuple(keys.shape)}/{tuple(values.shape)}, n={n}. HINT: "
-                "[rows / n, kv, width, d] and [rows, kv, capacity, d]."
+                f"{tuple(prefix_values.shape)}, bias {tuple(prefix_bias.shape)}, keys/values {tuple(keys.shape)}/"
+                f"{tuple(values.shape)}, n={n}. HINT: [rows / n, kv, width, d], rows / n x width and [rows, kv, "
+                "capacity, d]."
             )
         library = _library()
         if library is None:
@@ -336,12 +345,13 @@ class DecodeStep:
             or sin.shape != cos.shape
             or not (qkv.dtype == cos.dtype == sin.dtype == self._out.dtype)
             or not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+            or not (qkv.device.type == cos.device.type == sin.device.type == "cpu")
             or not 0 <= step < plan.cap
         ):
             raise ValueError(
                 f"DecodeStep: qkv {tuple(qkv.shape)} {qkv.dtype}, cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} "
                 f"{cos.dtype}, step {step}; expected [{rows}, 1, {self._width}] and [{rows}, 1, {d}] contiguous "
-                f"{self._out.dtype}, 0 <= step < {plan.cap}."
+                f"{self._out.dtype} CPU tensors, 0 <= step < {plan.cap}."
             )
         failed = self._function(self._pointer, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), step)
         if failed == 1:
@@ -367,8 +377,9 @@ def token_logprobs(
     """``(logp, lse, entropy, mean)`` of each position of ``logits`` ``[B, T, V]`` at ``temperature`` (float32:
     ``logp`` and ``entropy`` ``[B, T]``, ``lse`` and ``mean`` ``[B, T, 1]``; the last two None without
     ``with_entropy``), or None where the kernel cannot take the tensors. One compiled pass per position, reading its
-    ``V`` logits twice while they are in the L1 cache (the eager block-wise ops make about six passes). Raises
-    ``IndexError`` for a label outside ``[0, V)``.
+    ``V`` logits twice while they are in the core's cache (the eager block-wise ops make about six passes over
+    blocks of 4 MB); positions split over ``torch.get_num_threads()`` threads. Raises ``IndexError`` for a label
+    outside ``[0, V)``.
 
     Runs on: worker or controller (:func:`~lightning_rlhf.algorithms.functional.logprobs_and_entropy`)."""
     found = _token_inputs(logits, labels)
@@ -383,7 +394,7 @@ def token_logprobs(
     bad = library.token_logprobs(
         logits.data_ptr(), labels.data_ptr(), batch * length, vocab, temperature, code, logp.data_ptr(),
         lse.data_ptr(), entropy.data_ptr() if entropy is not None else None,
-        mean.data_ptr() if mean is not None else None,
+        mean.data_ptr() if mean is not None else None, torch.get_num_threads(),
     )  # fmt: skip
     if bad:
         raise IndexError(f"token_logprobs: {bad} label(s) outside [0, {vocab}) (the logits' vocabulary)")
@@ -401,7 +412,8 @@ def token_logprobs_backward(
 ) -> Tensor | None:
     """The gradient with respect to ``logits`` of ``sum(grad_logp * logp + grad_entropy * entropy)`` (the outputs
     of :func:`token_logprobs`; ``grad_entropy`` and ``mean`` None without an entropy term), in the logits' dtype
-    (rounded once), or None where the kernel cannot take the tensors. One compiled pass per position.
+    (rounded once), or None where the kernel cannot take the tensors. One compiled pass per position, split over
+    ``torch.get_num_threads()`` threads. Raises ``IndexError`` for a label outside ``[0, V)``.
 
     Runs on: worker or controller (the backward of ``logprobs_and_entropy``)."""
     found = _token_inputs(logits, labels)
@@ -411,8 +423,10 @@ def token_logprobs_backward(
     batch, length, vocab = logits.shape
     grad = torch.empty_like(logits)
     stats = [None if t is None else t.contiguous().float() for t in (lse, mean, grad_logp, grad_entropy)]
-    library.token_logprobs_backward(
+    bad = library.token_logprobs_backward(
         logits.data_ptr(), labels.data_ptr(), *(None if t is None else t.data_ptr() for t in stats), batch * length,
-        vocab, temperature, code, grad.data_ptr(),
+        vocab, temperature, code, grad.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if bad:
+        raise IndexError(f"token_logprobs_backward: {bad} label(s) outside [0, {vocab}) (the logits' vocabulary)")
     return grad

@@ -421,16 +421,26 @@ INLINE float tempered1(const void *x, int dtype, long index, float temperature) 
     return temperature == 1.0f ? v : v / temperature;
 }
 
-/* Per row r of logits [rows, vocab] (float32 or bfloat16): with z = logits / temperature, lse[r] = logsumexp(z),
- * logp[r] = z[labels[r]] - lse[r] and, where entropy is not NULL, mean[r] = E_p[z] and entropy[r] = lse[r] - mean[r]
- * (p = softmax(z); both taken relative to max z, which keeps the entropy's absolute error at float32 rounding of
- * log-sum, not of max z), all in float32. A row of -inf gives lse -inf (as the eager ops). Returns the number of labels
- * outside [0, vocab) (then nothing is read through them). */
-long token_logprobs(const void *logits, const int64_t *labels, long rows, long vocab, float temperature, int dtype,
-                    float *logp, float *lse, float *entropy, float *mean) {
-    const long body = vocab / 8 * 8;
-    long bad = 0;
-    for (long r = 0; r < rows; ++r) {
+/* The rows [begin, end) of token_logprobs (forward) or token_logprobs_backward, below. */
+typedef struct {
+    const void *logits;
+    const int64_t *labels;
+    const float *lse_in, *mean_in, *g_lp, *g_ent; /* the backward's inputs */
+    float *logp, *lse, *entropy, *mean;           /* the forward's outputs */
+    void *grad;
+    long vocab;
+    float temperature;
+    int dtype;
+    long begin, end, bad; /* rows [begin, end); labels outside [0, vocab) met */
+} TokenJob;
+
+static void token_forward_rows(TokenJob *job) {
+    const void *logits = job->logits;
+    const long vocab = job->vocab, body = vocab / 8 * 8;
+    const float temperature = job->temperature;
+    const int dtype = job->dtype;
+    float *entropy = job->entropy;
+    for (long r = job->begin; r < job->end; ++r) {
         const long base = r * vocab;
         v8f top = splat(-INFINITY);
         for (long i = 0; i < body; i += 8) {
@@ -461,32 +471,37 @@ long token_logprobs(const void *logits, const int64_t *labels, long rows, long v
             moment += e * (z - peak);
         }
         const float l = (float)(log(total) + peak);
-        lse[r] = l;
-        const int64_t label = labels[r];
+        job->lse[r] = l;
+        const int64_t label = job->labels[r];
         if (label < 0 || label >= vocab) {
-            ++bad;
-            logp[r] = NAN;
+            ++job->bad;
+            job->logp[r] = NAN;
         } else {
-            logp[r] = tempered1(logits, dtype, base + label, temperature) - l;
+            job->logp[r] = tempered1(logits, dtype, base + label, temperature) - l;
         }
         if (entropy) { /* relative to the peak: no cancellation between two large numbers */
-            mean[r] = (float)(peak + moment / total);
+            job->mean[r] = (float)(peak + moment / total);
             entropy[r] = (float)(log(total) - moment / total);
         }
     }
-    return bad;
 }
 
-/* The gradient of sum(g_lp * logp + g_ent * entropy) with respect to the logits, into grad [rows, vocab] (the
- * logits' dtype, rounded once): (onehot(label) * g_lp - p * (g_lp + g_ent * (z - mean))) / temperature, with
- * p = exp(z - lse). g_ent and mean may be NULL (no entropy term). Labels are in range (token_logprobs checked). */
-void token_logprobs_backward(const void *logits, const int64_t *labels, const float *lse, const float *mean,
-                             const float *g_lp, const float *g_ent, long rows, long vocab, float temperature,
-                             int dtype, void *grad) {
-    const long body = vocab / 8 * 8;
-    for (long r = 0; r < rows; ++r) {
+static void token_backward_rows(TokenJob *job) {
+    const void *logits = job->logits;
+    void *grad = job->grad;
+    const float *g_ent = job->g_ent;
+    const long vocab = job->vocab, body = vocab / 8 * 8;
+    const float temperature = job->temperature;
+    const int dtype = job->dtype;
+    for (long r = job->begin; r < job->end; ++r) {
         const long base = r * vocab;
-        const float l = lse[r], glp = g_lp[r], gent = g_ent ? g_ent[r] : 0.0f, m = g_ent ? mean[r] : 0.0f;
+        const int64_t label = job->labels[r];
+        if (label < 0 || label >= vocab) { /* nothing written through it; the caller raises */
+            ++job->bad;
+            continue;
+        }
+        const float l = job->lse_in[r], glp = job->g_lp[r];
+        const float gent = g_ent ? g_ent[r] : 0.0f, m = g_ent ? job->mean_in[r] : 0.0f;
         for (long i = 0; i < body; i += 8) {
             const v8f z = tempered8(logits, dtype, base + i, temperature);
             const v8f p = exp8(z - splat(l));
@@ -500,10 +515,70 @@ void token_logprobs_backward(const void *logits, const int64_t *labels, const fl
             if (temperature != 1.0f) w = w / temperature;
             store1(grad, dtype, base + i, w);
         }
-        const long label = (long)labels[r]; /* the label's entry: the one-hot term added before the division */
+        /* the label's entry: the one-hot term added before the division */
         const float z = tempered1(logits, dtype, base + label, temperature), p = expf(z - l);
         float w = (g_ent ? p * -((z - m) * gent + glp) : p * -glp) + glp;
         if (temperature != 1.0f) w = w / temperature;
         store1(grad, dtype, base + label, w);
     }
+}
+
+static void *token_forward_job(void *arg) {
+    token_forward_rows((TokenJob *)arg);
+    return NULL;
+}
+
+static void *token_backward_job(void *arg) {
+    token_backward_rows((TokenJob *)arg);
+    return NULL;
+}
+
+/* Runs `job`'s rows split over up to `threads` POSIX threads (each at least 64 rows); returns the labels outside
+ * [0, vocab) met. */
+static long token_rows(TokenJob job, long rows, int threads, void *(*work)(void *)) {
+    if (threads > rows / 64) threads = (int)(rows / 64);
+    if (threads < 1) threads = 1;
+    TokenJob jobs[threads];
+    pthread_t ids[threads];
+    int started[threads];
+    for (int t = 0; t < threads; ++t) {
+        jobs[t] = job;
+        jobs[t].begin = rows * t / threads, jobs[t].end = rows * (t + 1) / threads, jobs[t].bad = 0;
+        started[t] = 0;
+    }
+    for (int t = 1; t < threads; ++t) started[t] = pthread_create(&ids[t], NULL, work, &jobs[t]) == 0;
+    work(&jobs[0]);
+    long bad = jobs[0].bad;
+    for (int t = 1; t < threads; ++t) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            work(&jobs[t]); /* no thread to be had: this one does the rows itself */
+        bad += jobs[t].bad;
+    }
+    return bad;
+}
+
+/* Per row r of logits [rows, vocab] (float32 or bfloat16): with z = logits / temperature, lse[r] = logsumexp(z),
+ * logp[r] = z[labels[r]] - lse[r] and, where entropy is not NULL, mean[r] = E_p[z] and entropy[r] = lse[r] - mean[r]
+ * (p = softmax(z); both taken relative to max z, which keeps the entropy's absolute error at float32 rounding of
+ * log-sum, not of max z), all in float32. A row of -inf gives lse -inf (as the eager ops). Returns the number of
+ * labels outside [0, vocab) (nothing is read through them). Rows split over up to `threads` threads. */
+long token_logprobs(const void *logits, const int64_t *labels, long rows, long vocab, float temperature, int dtype,
+                    float *logp, float *lse, float *entropy, float *mean, int threads) {
+    const TokenJob job = {.logits = logits, .labels = labels, .logp = logp, .lse = lse, .entropy = entropy,
+                          .mean = mean, .vocab = vocab, .temperature = temperature, .dtype = dtype};
+    return token_rows(job, rows, threads, token_forward_job);
+}
+
+/* The gradient of sum(g_lp * logp + g_ent * entropy) with respect to the logits, into grad [rows, vocab] (the
+ * logits' dtype, rounded once): (onehot(label) * g_lp - p * (g_lp + g_ent * (z - mean))) / temperature, with
+ * p = exp(z - lse). g_ent and mean may be NULL (no entropy term). Returns the number of labels outside [0, vocab)
+ * (their rows are not written). Rows split over up to `threads` threads. */
+long token_logprobs_backward(const void *logits, const int64_t *labels, const float *lse, const float *mean,
+                             const float *g_lp, const float *g_ent, long rows, long vocab, float temperature,
+                             int dtype, void *grad, int threads) {
+    const TokenJob job = {.logits = logits, .labels = labels, .lse_in = lse, .mean_in = mean, .g_lp = g_lp,
+                          .g_ent = g_ent, .grad = grad, .vocab = vocab, .temperature = temperature, .dtype = dtype};
+    return token_rows(job, rows, threads, token_backward_job);
 }

@@ -264,3 +264,29 @@ def test_compiled_token_kernel_refuses_a_label_outside_the_vocabulary() -> None:
 
     with pytest.raises(IndexError, match=r"1 label\(s\) outside \[0, 5\)"):
         native.token_logprobs(torch.randn(1, 2, 5), torch.tensor([[0, 5]]), 1.0, False)
+    stats = torch.zeros(1, 2, 1)
+    with pytest.raises(IndexError, match=r"token_logprobs_backward: 1 label\(s\) outside \[0, 5\)"):
+        native.token_logprobs_backward(torch.randn(1, 2, 5), torch.tensor([[-100, 1]]), stats, None, stats, None, 1.0)
+
+
+def test_compiled_token_kernels_split_positions_over_threads() -> None:
+    """Positions split over two threads (at least 64 each): the same values and gradient as one thread."""
+    from lightning_rlhf import native
+
+    g = torch.Generator().manual_seed(1)
+    logits, labels = torch.randn(4, 64, 301, generator=g), torch.randint(0, 301, (4, 64), generator=g)
+    g_lp, g_ent = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = native.token_logprobs(logits, labels, 0.9, True)
+            assert out is not None
+            logp, lse, ent, mean = out
+            grad = native.token_logprobs_backward(logits, labels, lse, mean, g_lp, g_ent, 0.9)
+            runs.append((logp, lse, ent, mean, grad))
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(*runs, strict=True):
+        assert one is not None and two is not None and torch.equal(one, two)

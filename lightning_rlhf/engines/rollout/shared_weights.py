@@ -56,6 +56,11 @@ _ALIGN = 64
 class SharedWeights:
     """The host's store of one colocated engine per rank, and its hand-off. Build it with :meth:`attempt`.
 
+    Once the shards are placed in the store, the engines read the live shards: every in-place write to a shard of
+    the actor (the optimizer's step, a checkpoint restored in place, a manual edit) must come after a collective that
+    every rank joins once its engine is done generating. The trainer's updates do (their first FSDP2 all-gather); a
+    change made on one rank by hand, right after a hand-off, would race with the other ranks' engines.
+
     Runs on: every worker rank of the actor's mesh.
     """
 
@@ -73,9 +78,11 @@ class SharedWeights:
         """Bytes of the full weights that the other ranks write (what :meth:`hand_off` reports as received)."""
         self._placed: list[tuple[nn.Parameter, int]] | None = None
         """Every parameter with the address of its shard in the store, once all are placed there (else None)."""
-        self._placeable = True
-        """False once :func:`place_shards` found no shard it could place (it then never will: dtypes and padding
-        do not change)."""
+        self._placeable = any(
+            isinstance(p, DTensor) and _local(p).dtype == views[name].dtype for name, p in model.named_parameters()
+        )
+        """Whether any shard has the store's dtype (a bfloat16 engine of float32 master weights: none, and
+        :func:`place_shards` is not tried)."""
 
     @classmethod
     def attempt(cls, engine: Any, model: nn.Module) -> SharedWeights | None:
@@ -134,7 +141,6 @@ class SharedWeights:
             dist.barrier(group=self.group)
             if self._placeable:  # this rank's rows only, values unchanged: no reader can tell
                 placed = place_shards(self.model, self.views)
-                self._placeable = placed > 0  # none (e.g. a bfloat16 engine of float32 shards): none ever will be
                 params = list(self.model.parameters())
                 whole = placed == len(params) and shards_in_place(self.model, self.views)
                 self._placed = [(p, _local(p).data_ptr()) for p in params] if whole else None

@@ -350,16 +350,26 @@ def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
 
     Runs on: every worker rank of the model's mesh (no collective). FSDP2 reads a shard through its parameter's
     ``_local_tensor`` and its own flat view of it (``FSDPParam._sharded_param_data``); both are pointed at the new
-    place (``FSDPParam.reset_sharded_param``, what FSDP2 itself calls when a module's parameters are replaced).
+    place (``FSDPParam.reset_sharded_param``, what FSDP2 itself calls when a module's parameters are replaced), and
+    a parameter whose flat view FSDP2 did not move there is put back as it was.
+
+    Whoever reads ``targets`` (the colocated engines) then reads the live shards: every in-place write to a shard
+    (the optimizer's step, a checkpoint restored in place) must come after a collective that every reader's rank
+    joins once done reading (in the trainer: an update's first FSDP2 all-gather, dispatched after every rank has
+    returned its rollout).
     """
     from torch.distributed.fsdp import FSDPModule
 
     fsdp_params: dict[int, Any] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            for unit in group.fsdp_params if group is not None else ():
-                fsdp_params[id(unit.sharded_param)] = unit
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch releases with one group per module
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+            for group in groups:
+                for unit in group.fsdp_params:
+                    fsdp_params[id(unit.sharded_param)] = unit
     positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
     placed = 0
     with torch.no_grad():
@@ -381,6 +391,10 @@ def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
                 continue  # not written yet: placing it would change the weights
             param._local_tensor = place  # type: ignore[attr-defined]
             fsdp_param.reset_sharded_param()
+            if fsdp_param._sharded_param_data.data_ptr() != place.data_ptr():  # FSDP2 kept (or copied) other memory
+                param._local_tensor = local  # type: ignore[attr-defined]
+                fsdp_param.reset_sharded_param()
+                continue
             placed += 1
     return placed
 
