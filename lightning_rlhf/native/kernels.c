@@ -239,6 +239,21 @@ static void *run(void *arg) {
     return NULL;
 }
 
+/* Runs work(job) for `count` jobs laid out `size` bytes apart: the first on the calling thread, the others on POSIX
+ * threads of their own (a job whose thread could not be started runs on the calling thread after the first). */
+static void run_jobs(void *jobs, size_t size, int count, void *(*work)(void *)) {
+    pthread_t ids[count];
+    int started[count];
+    for (int t = 1; t < count; ++t) started[t] = pthread_create(&ids[t], NULL, work, (char *)jobs + t * size) == 0;
+    work(jobs);
+    for (int t = 1; t < count; ++t) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            work((char *)jobs + t * size);
+    }
+}
+
 /* Returns 0 on success, 1 when scratch memory could not be had, 2 for a head size that is not a multiple of 8 up
  * to 256. */
 int decode_attention(const void *q, const void *prefix_keys, const void *prefix_values, const float *prefix_bias,
@@ -252,23 +267,12 @@ int decode_attention(const void *q, const void *prefix_keys, const void *prefix_
     if (threads > most) threads = (int)most;
     if (threads < 1) threads = 1;
     Job jobs[threads];
-    pthread_t ids[threads];
-    int started[threads];
-    for (int t = 0; t < threads; ++t) {
+    for (int t = 0; t < threads; ++t)
         jobs[t] = (Job){q, prefix_keys, prefix_values, keys, values, prefix_bias, out, n, kv, group, d, width, cap,
                         span, scale, dtype, pairs * t / threads, pairs * (t + 1) / threads, 0};
-        started[t] = 0;
-    }
-    for (int t = 1; t < threads; ++t) started[t] = pthread_create(&ids[t], NULL, run, &jobs[t]) == 0;
-    run(&jobs[0]);
-    int failed = jobs[0].failed;
-    for (int t = 1; t < threads; ++t) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            run(&jobs[t]); /* no thread to be had: this one does the job itself */
-        failed |= jobs[t].failed;
-    }
+    run_jobs(jobs, sizeof jobs[0], threads, run);
+    int failed = 0;
+    for (int t = 0; t < threads; ++t) failed |= jobs[t].failed;
     return failed;
 }
 
@@ -539,23 +543,13 @@ static long token_rows(TokenJob job, long rows, int threads, void *(*work)(void 
     if (threads > rows / 64) threads = (int)(rows / 64);
     if (threads < 1) threads = 1;
     TokenJob jobs[threads];
-    pthread_t ids[threads];
-    int started[threads];
     for (int t = 0; t < threads; ++t) {
         jobs[t] = job;
         jobs[t].begin = rows * t / threads, jobs[t].end = rows * (t + 1) / threads, jobs[t].bad = 0;
-        started[t] = 0;
     }
-    for (int t = 1; t < threads; ++t) started[t] = pthread_create(&ids[t], NULL, work, &jobs[t]) == 0;
-    work(&jobs[0]);
-    long bad = jobs[0].bad;
-    for (int t = 1; t < threads; ++t) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            work(&jobs[t]); /* no thread to be had: this one does the rows itself */
-        bad += jobs[t].bad;
-    }
+    run_jobs(jobs, sizeof jobs[0], threads, work);
+    long bad = 0;
+    for (int t = 0; t < threads; ++t) bad += jobs[t].bad;
     return bad;
 }
 
