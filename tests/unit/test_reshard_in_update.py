@@ -1,9 +1,11 @@
 """``RLHFStrategy(reshard_in_update=False)``: an update keeps every FSDP unit whole from its first forward to its
-optimizer step and reduce-scatters the gradients once. Two gloo ranks: the same gradients as FSDP2's default, the
-shards stepped (a later forward sees the new weights), and the model sharded again after the update."""
+optimizer step and reduce-scatters the gradients once; a scoring call gathers each unit once for all its
+micro-batches. Two gloo ranks: the same gradients and log-probs as FSDP2's default, the shards stepped (a later
+forward sees the new weights), and the model sharded again after the update and after the scoring call."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,9 +40,35 @@ def _rank(rank: int, world: int, init: str, path: str, out: str, dtype: str | No
             saved[f"grads{reshard}"] = grads
             saved[f"before{reshard}"] = before
             saved[f"after{reshard}"] = scores(actor, batch)
+            stop = count_gathers(dist)
+            inferred = actor.train_engine.infer(batch, lambda m, micro: forward_response(m, micro, output="logprobs"))
+            saved[f"gathers{reshard}"] = stop()
+            saved[f"inferred{reshard}"] = inferred["logprobs"] * batch["response_mask"]
+            saved[f"resharded{reshard}"] = all(
+                type(p.data).__name__ == "DTensor" and p.data.to_local().shape[0] < p.shape[0]
+                for p in actor.model.parameters()
+                if p.dim() and p.shape[0] >= world
+            )
         torch.save(saved, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def count_gathers(dist: Any) -> Callable[[], int]:
+    """Count the all-gathers FSDP2 issues from now on; the returned call stops counting and gives the count."""
+    original = dist.all_gather_single
+    calls = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    def stop() -> int:
+        dist.all_gather_single = original
+        return calls[0]
+
+    dist.all_gather_single = counted
+    return stop
 
 
 def scores(actor: Any, batch: Batch) -> Tensor:
@@ -67,3 +95,9 @@ def test_an_update_without_resharding_takes_the_same_gradients_and_steps_the_sha
     assert moved > 1e-3  # the step changed what the model computes ...
     assert float((r0["afterFalse"] - r0["afterTrue"]).abs().max()) < moved / 20  # ... in both settings alike
     assert r0["shardedTrue"] and r0["shardedFalse"]  # sharded again after the update
+    # A scoring call over 4 micro-batches: each unit gathered once without resharding, once per micro-batch with;
+    # the same log-probs, and every unit sharded again after it (FSDP2's default leaves the root unit whole after a
+    # no-grad forward, so only the setting's own path is checked for that).
+    assert r0["gathersTrue"] == 4 * r0["gathersFalse"] > 0
+    torch.testing.assert_close(r0["inferredFalse"], r0["inferredTrue"], rtol=0, atol=5e-3 if dtype else 1e-5)
+    assert r0["reshardedFalse"]

@@ -367,7 +367,7 @@ class TrainEngine:
         parts: dict[str, list[Tensor]] = defaultdict(list)
         order: list[int] = []
         full = batch["response_mask"].shape[1] if has_rollout_layout(batch) else 0
-        with torch.no_grad():
+        with torch.no_grad(), self._update_sharding(backward=False):
             for rows, micro in self.micro_batches(batch):
                 outputs = forward(self.model, micro)
                 if rows is None:
@@ -465,10 +465,10 @@ class TrainEngine:
         return acc
 
     @contextlib.contextmanager
-    def _update_sharding(self) -> Iterator[list[FSDPModule]]:
-        """With ``reshard_in_update`` off, the FSDP modules of the model set to stay unsharded after forward and
-        backward for the update's duration (and back to resharding afterwards, with their gradients synchronised
-        again); else no modules. Runs on: every worker rank."""
+    def _update_sharding(self, backward: bool = True) -> Iterator[list[FSDPModule]]:
+        """With ``reshard_in_update`` off, the FSDP modules of the model set to stay unsharded after forward (and
+        backward) for an update's or a scoring call's duration (and resharded afterwards, with their gradients
+        synchronised again); else no modules. Runs on: every worker rank."""
         assert self.model is not None
         units: list[FSDPModule] = []
         if not self.reshard_in_update:
@@ -476,7 +476,7 @@ class TrainEngine:
         inner = [unit for unit in units if unit is not self.model]  # the root does not reshard after forward anyway
         for unit in inner:
             unit.set_reshard_after_forward(False, recurse=False)
-        for unit in units:
+        for unit in units if backward else []:
             unit.set_reshard_after_backward(False, recurse=False)
         try:
             yield units
@@ -485,8 +485,9 @@ class TrainEngine:
                 unit.set_reshard_after_forward(True, recurse=False)
             for unit in units:
                 unit.reshard()
-                unit.set_reshard_after_backward(True, recurse=False)
-                unit.set_requires_gradient_sync(True, recurse=False)
+                if backward:
+                    unit.set_reshard_after_backward(True, recurse=False)
+                    unit.set_requires_gradient_sync(True, recurse=False)
 
     def _training_micro_batches(
         self, mini: Batch, trainable: Callable[[Batch], Tensor] | None, trim_responses: bool
