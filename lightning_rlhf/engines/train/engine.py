@@ -367,7 +367,7 @@ class TrainEngine:
         parts: dict[str, list[Tensor]] = defaultdict(list)
         order: list[int] = []
         full = batch["response_mask"].shape[1] if has_rollout_layout(batch) else 0
-        with torch.no_grad(), self._update_sharding(backward=False):
+        with torch.no_grad(), self._kept_whole(backward=False):
             for rows, micro in self.micro_batches(batch):
                 outputs = forward(self.model, micro)
                 if rows is None:
@@ -442,7 +442,7 @@ class TrainEngine:
         trim_responses = not (aggregation == "seq-mean-token-sum-norm" and max_len is None)
         acc = MetricAccumulator()
         self.model.train()
-        with self._update_sharding() as units:
+        with self._kept_whole(backward=True) as units:
             for mini in minibatches(batch, mini_batch_size=mini_size, epochs=epochs):
                 num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
                 share = _share_of(mini, aggregation, count_mask)
@@ -465,10 +465,10 @@ class TrainEngine:
         return acc
 
     @contextlib.contextmanager
-    def _update_sharding(self, backward: bool = True) -> Iterator[list[FSDPModule]]:
-        """With ``reshard_in_update`` off, the FSDP modules of the model set to stay unsharded after forward (and
-        backward) for an update's or a scoring call's duration (and resharded afterwards, with their gradients
-        synchronised again); else no modules. Runs on: every worker rank."""
+    def _kept_whole(self, *, backward: bool) -> Iterator[list[FSDPModule]]:
+        """With ``reshard_in_update`` off, the FSDP modules of the model set to stay unsharded after forward (and,
+        for an update, after backward) for the call's duration, and resharded afterwards (an update's with their
+        gradients synchronised again); else no modules. Runs on: every worker rank."""
         assert self.model is not None
         units: list[FSDPModule] = []
         if not self.reshard_in_update:
@@ -476,8 +476,9 @@ class TrainEngine:
         inner = [unit for unit in units if unit is not self.model]  # the root does not reshard after forward anyway
         for unit in inner:
             unit.set_reshard_after_forward(False, recurse=False)
-        for unit in units if backward else []:
-            unit.set_reshard_after_backward(False, recurse=False)
+        if backward:
+            for unit in units:
+                unit.set_reshard_after_backward(False, recurse=False)
         try:
             yield units
         finally:

@@ -49,7 +49,8 @@ def _attention(
         raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside a packed forward (packed_response_logits).")
     groups, n, lp, lr = layout["groups"], layout["n"], layout["lp"], layout["lr"]
     heads = query.shape[1]
-    if key.shape[1] != heads and query.dtype != torch.float32:  # the eager path takes every head's keys
+    # _attend's eager path (below float32) takes as many key/value heads as query heads; SDPA takes them as they are.
+    if key.shape[1] != heads and query.dtype != torch.float32:
         key = key.repeat_interleave(heads // key.shape[1], dim=1)
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     cut = groups * lp
