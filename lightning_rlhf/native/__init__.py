@@ -9,6 +9,8 @@ passes over the ``[tokens, vocab]`` logits. The kernels (``kernels.c``) do the s
   projection (:class:`DecodeStep`: rotary embedding, cache writes, attention), the attention step alone
   (:func:`decode_attention`), the RMS norms (:func:`rms_norm`) and the SiLU-gated products (:func:`silu_mul`);
   softmax and sums in float32 as the eager ops, bfloat16 rounded where the eager ops round;
+- the weight hand-off into a bfloat16 engine's store (``engines/rollout/shared_weights.py``): float32 shards cast
+  to bfloat16 in one call (:class:`CastPlan`), rounded to nearest even as ``Tensor.copy_``;
 - the training forward (``algorithms/functional.py``, ``logprobs_and_entropy``): log-probs, entropies and their
   gradient per position (:func:`token_logprobs`, :func:`token_logprobs_backward`), sums of 64 entries added up in
   double.
@@ -41,6 +43,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "CastPlan",
     "DecodeStep",
     "decode_attention",
     "native_attention_available",
@@ -145,6 +148,8 @@ def _library() -> ctypes.CDLL | None:
     library.token_logprobs_backward.restype = ctypes.c_long
     library.token_logprobs_backward.argtypes = [pointer] * 6 + [size] * 2 + [ctypes.c_float, ctypes.c_int, pointer]
     library.token_logprobs_backward.argtypes += [ctypes.c_int]
+    library.cast_bf16.restype = None
+    library.cast_bf16.argtypes = [pointer] * 3 + [size]
     library.decode_step.restype = ctypes.c_int
     library.decode_step.argtypes = [ctypes.POINTER(_StepPlan)] + [pointer] * 3 + [size]
     return library
@@ -430,3 +435,39 @@ def token_logprobs_backward(
     if bad:
         raise IndexError(f"token_logprobs_backward: {bad} label(s) outside [0, {vocab}) (the logits' vocabulary)")
     return grad
+
+
+class CastPlan:
+    """Fixed pairs of contiguous CPU tensors, float32 sources into bfloat16 destinations of the same sizes, cast in
+    one call (:meth:`__call__`: ``dst.copy_(src)`` for each pair, the same values; NaN stays NaN, its bits may differ).
+    Build it with :meth:`make`; it keeps the tensors alive and their addresses fixed.
+
+    Runs on: worker (a colocated engine's weight hand-off, each rank its own rows).
+    """
+
+    def __init__(self, function: Any, arrays: tuple[Any, Any, Any], count: int, keep: list[Tensor]) -> None:
+        self._function, self._arrays, self._count, self._keep = function, arrays, count, keep
+
+    @classmethod
+    def make(cls, dsts: list[Tensor], srcs: list[Tensor]) -> CastPlan | None:
+        """The plan for these pairs, or None where the kernel cannot take them (not float32 into bfloat16 on CPU,
+        not contiguous, sizes that differ, no kernel)."""
+        fits = all(
+            d.dtype == torch.bfloat16 and s.dtype == torch.float32 and d.numel() == s.numel()
+            and d.device.type == s.device.type == "cpu" and d.is_contiguous() and s.is_contiguous()
+            for d, s in zip(dsts, srcs, strict=True)
+        )  # fmt: skip
+        library = _library() if fits and dsts else None
+        if library is None:
+            return None
+        count = len(dsts)
+        arrays = (
+            (ctypes.c_void_p * count)(*(s.data_ptr() for s in srcs)),
+            (ctypes.c_void_p * count)(*(d.data_ptr() for d in dsts)),
+            (ctypes.c_long * count)(*(d.numel() for d in dsts)),
+        )
+        return cls(library.cast_bf16, arrays, count, [*dsts, *srcs])
+
+    def __call__(self) -> None:
+        """Cast every source into its destination."""
+        self._function(*self._arrays, self._count)

@@ -21,11 +21,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
 
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_LANES 32 /* head sizes up to 256 */
@@ -575,4 +579,41 @@ long token_logprobs_backward(const void *logits, const int64_t *labels, const fl
     const TokenJob job = {.logits = logits, .labels = labels, .lse_in = lse, .mean_in = mean, .g_lp = g_lp,
                           .g_ent = g_ent, .grad = grad, .vocab = vocab, .temperature = temperature, .dtype = dtype};
     return token_rows(job, rows, threads, token_backward_job);
+}
+
+/* ---- float32 -> bfloat16 casts of many tensors (a weight hand-off into a bfloat16 engine's store) ---- */
+
+/* Sixteen float32 values rounded to bfloat16 (to nearest even; NaN stays NaN), as one 32-byte vector. */
+INLINE v16h bf16_16(const float *src) {
+    v8f lo, hi;
+    memcpy(&lo, src, sizeof lo);
+    memcpy(&hi, src + 8, sizeof hi);
+    const v8h a = __builtin_convertvector(bf16_bits8(lo) >> 16, v8h);
+    const v8h b = __builtin_convertvector(bf16_bits8(hi) >> 16, v8h);
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* dst[k][i] = bfloat16(src[k][i]) for i < n[k], k < count. The stores bypass the caches where the CPU has AVX
+ * (streaming stores of 32 aligned bytes): the destination is read later by another process, and a cached store would
+ * first read each line it writes (a third more memory traffic for this cast). */
+void cast_bf16(const float *const *src, uint16_t *const *dst, const long *n, long count) {
+    for (long k = 0; k < count; ++k) {
+        const float *from = src[k];
+        uint16_t *to = dst[k];
+        const long size = n[k];
+        long i = 0;
+        for (; i < size && ((uintptr_t)(to + i) & 31u); ++i) to[i] = f32_to_bf16(from[i]);
+        for (; i + 16 <= size; i += 16) {
+            const v16h out = bf16_16(from + i);
+#ifdef __AVX__
+            _mm256_stream_si256((__m256i *)(to + i), (__m256i)out);
+#else
+            memcpy(to + i, &out, sizeof out);
+#endif
+        }
+        for (; i < size; ++i) to[i] = f32_to_bf16(from[i]);
+    }
+#ifdef __AVX__
+    _mm_sfence(); /* the streaming stores are visible before whatever the caller does next (a barrier) */
+#endif
 }

@@ -6,7 +6,9 @@ shards it, and one transformers engine per rank built from the unsharded model: 
 parameters are exactly the full weights (cast to a bfloat16 engine's dtype too), its fused projections lie as one
 tensor in the store (no copy when the loop fuses them), the weights change between hand-offs and the engine follows,
 both ranks sample what an engine built from the full weights samples, and ``load_weights`` takes a private copy
-first (the store keeps what the hand-off wrote). Prints ``OK <rank> <dtype> <bytes received>`` per engine dtype.
+first (the store keeps what the hand-off wrote), and only the first hand-off walks the parameters (the later ones make
+the listed copies: cast rows, rows FSDP2 pads). Prints ``OK <rank> <dtype> <bytes received> <walks>`` per engine
+dtype.
 
 Then the shards placed in the store (a model whose rows all split evenly, float32): after the first hand-off every
 FSDP2 shard of the rank is a view of its rows in the store (FSDP2's own flat buffer included); real training steps
@@ -56,6 +58,22 @@ def qwen2(vocab_size: int) -> Qwen2Config:
     )  # fmt: skip
 
 
+WRITE_SHARDS = shared_weights.write_shards
+
+
+def counting_writes() -> list[int]:
+    """Count the hand-offs' calls of ``write_shards`` (each rank's rows of every parameter, after which the store
+    lists the copies that keep them up to date); put it back with ``shared_weights.write_shards = WRITE_SHARDS``."""
+    writes = [0]
+
+    def counting(*args: object, **kwargs: object) -> None:
+        writes[0] += 1
+        WRITE_SHARDS(*args, **kwargs)  # type: ignore[arg-type]
+
+    shared_weights.write_shards = counting  # type: ignore[assignment]
+    return writes
+
+
 def placed_shards(rank: int, mesh: object, config: Qwen2Config) -> None:
     """Training steps with every shard placed in the store: the hand-off writes once, then only agrees."""
     torch.manual_seed(1)
@@ -66,14 +84,7 @@ def placed_shards(rank: int, mesh: object, config: Qwen2Config) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     store = SharedWeights.attempt(engine, model)
     assert store is not None
-    writes = [0]
-    write = shared_weights.write_shards
-
-    def counting(*args: object, **kwargs: object) -> None:
-        writes[0] += 1
-        write(*args, **kwargs)  # type: ignore[arg-type]
-
-    shared_weights.write_shards = counting  # type: ignore[assignment]
+    writes = counting_writes()
     generator = torch.Generator().manual_seed(rank)
     for step in range(3):
         ids = torch.randint(2, 67, (2, 6), generator=generator)  # each rank its own data
@@ -96,7 +107,7 @@ def placed_shards(rank: int, mesh: object, config: Qwen2Config) -> None:
             for unit in group.fsdp_params if group is not None else ():
                 assert unit._sharded_param_data.data_ptr() == unit.sharded_param.to_local().data_ptr()
         samples_like_full_weights(engine, unsharded, full)
-    shared_weights.write_shards = write
+    shared_weights.write_shards = WRITE_SHARDS
     sys.stdout.write(f"PLACED {rank} {writes[0]}\n")
     sys.stdout.flush()
 
@@ -118,6 +129,7 @@ def main() -> None:
         store = SharedWeights.attempt(engine, model)
         assert store is not None, "two ranks of one host must get a store"
         received_total = 0
+        writes = counting_writes()
         for handoff in range(3):
             # An update starts with a collective (FSDP2's all-gather): no rank writes its shard (which may lie in the
             # store) while another rank's engine still generates.
@@ -150,8 +162,9 @@ def main() -> None:
         assert all(torch.equal(view, before[name]) for name, view in store.views.items())
         store.hand_off([0])  # and the next hand-off binds the engine again
         assert all(p.data_ptr() == store.views[n].data_ptr() for n, p in engine.model.named_parameters())
+        shared_weights.write_shards = WRITE_SHARDS
         # one write per line: torchrun's children write unbuffered, and print() writes the text and the newline apart
-        sys.stdout.write(f"OK {rank} {str(dtype).removeprefix('torch.')} {received_total}\n")
+        sys.stdout.write(f"OK {rank} {str(dtype).removeprefix('torch.')} {received_total} {writes[0]}\n")
         sys.stdout.flush()
     dist.destroy_process_group()
 

@@ -86,3 +86,5 @@ def test_colocated_engines_read_one_shared_copy_of_the_weights() -> None:
     # each rank's engine reads the rows the other rank wrote: over both ranks, each element once
     by_dtype = {dtype: sum(int(line[3]) for line in lines if line[2] == dtype) for dtype in ("float32", "bfloat16")}
     assert by_dtype["float32"] == 2 * by_dtype["bfloat16"] > 0
+    # four hand-offs per engine: the first walks the parameters, the others make the copies it listed
+    assert [line[4] for line in lines] == ["1"] * 4

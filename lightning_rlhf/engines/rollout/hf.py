@@ -150,6 +150,8 @@ class HFRolloutEngine:
         self.decode = decode
         """``"auto"`` or ``"generate"`` (see the class arguments)."""
         self._bound = False
+        self._bound_to: dict[str, Tensor] | None = None
+        """The tensors the parameters were last bound to (a bind to the same ones again checks nothing)."""
         """Whether the parameters are views of tensors given to :meth:`bind_weights` (not the engine's own storage)."""
 
     def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
@@ -253,9 +255,13 @@ class HFRolloutEngine:
         """Make every parameter's data ``tensors[name]`` (full tensors of its shape and the engine's dtype, e.g. views
         of a store every engine of the host reads), so that the engine generates with whatever they hold from now on.
 
-        Runs on: worker, after the tensors were written. Parameters already bound to them are left as they are.
-        Raises ``WeightSyncError`` for a missing name or a tensor of another shape or dtype.
+        Runs on: worker, after the tensors were written. Parameters already bound to them are left as they are; the
+        same dict as the last bind's (a hand-off through the same store) is taken as it is (0.1 ms a check of the
+        small vs-TRL model). Raises ``WeightSyncError`` for a missing name or a tensor of another shape or dtype.
         """
+        if self._bound and tensors is self._bound_to:
+            self.weights_discarded = False
+            return
         for name, param in self._params.items():  # every tensor checked before any parameter is bound
             tensor = tensors.get(name)
             if tensor is None or tensor.shape != param.shape or tensor.dtype != param.dtype:
@@ -269,6 +275,7 @@ class HFRolloutEngine:
             if param.data_ptr() != tensor.data_ptr() or param.stride() != tensor.stride():
                 param.data = tensor
         self._bound = True
+        self._bound_to = tensors
         self.weights_discarded = False
 
     def _unbind(self) -> None:
@@ -279,6 +286,7 @@ class HFRolloutEngine:
             for param in self._params.values():
                 param.data = param.data.clone()
         self._bound = False
+        self._bound_to = None
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Copy new weights in by transformers name, then check that the hand-off held every parameter; returns

@@ -10,15 +10,21 @@ all-reduce (every rank done with its step), and the host holds the weights once,
 
 The protocol (every rank of the actor's mesh, inside ``ActorRole.sync_weights``):
 
-1. all-reduce: every rank is past its optimizer step and every engine of the host is done generating with the
-   weights it has (the colocated engines generate between hand-offs, never during one); the ranks agree whether
-   every shard already lies in the store (:func:`~lightning_rlhf.engines.train.shards_in_place`);
-2. if one does not (the first hand-off; a bfloat16 engine fed by float32 master weights; FSDP2 padding uneven rows;
-   a checkpoint loaded into new storage): each rank writes its rows of every parameter into place (cast to the
-   engine's dtype; parameters that are not row-sharded are written whole by the group's first rank:
-   :func:`~lightning_rlhf.engines.train.write_shards`), a barrier (every part written), and each rank places the
-   shards it can (same dtype, unpadded) in its rows, so that the next hand-off finds them there;
+1. each rank whose rows are known to lie in the store, or to be written there by a fixed list of copies (a
+   bfloat16 engine fed by float32 master weights: each shard cast into its rows), makes those copies; then an
+   all-reduce: every rank is past its optimizer step, has written its rows, and every engine of the host is done
+   generating with the weights it has (the colocated engines generate between hand-offs, never during one);
+2. if a rank's rows are not known (the first hand-off; a parameter that is not row-sharded; a checkpoint loaded into
+   new storage): each rank writes its rows of every parameter into place (cast to the engine's dtype; parameters
+   that are not row-sharded are written whole by the group's first rank:
+   :func:`~lightning_rlhf.engines.train.write_shards`), a barrier (every part written), each rank places the shards
+   it can (same dtype, unpadded) in its rows, so that the next hand-off finds them there, and lists the copies the
+   others need;
 3. each engine binds its parameters to the store (once; later hand-offs find them bound).
+
+A rank may write its rows in step 1 before the all-reduce because its update already waited for every rank: an
+update's first FSDP2 all-gather is joined by every rank only once its engine is done generating. Where no update
+came between two hand-offs the rows are written again with the values they hold.
 
 The store lays the parameters out in the engine's order (:meth:`HFRolloutEngine.weight_layout`: each layer's
 query/key/value and gate/up weights consecutive), so the decoding loop finds its fused projections as they lie.
@@ -44,8 +50,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_rlhf.engines.train.fsdp import _local, place_shards, shards_in_place, write_shards
+from lightning_rlhf.engines.train.fsdp import _local, _row_shard, place_shards, write_shards
 from lightning_rlhf.engines.train.host_share import host_memory
+from lightning_rlhf.native import CastPlan
 
 __all__ = ["SharedWeights"]
 
@@ -76,8 +83,9 @@ class SharedWeights:
         self._first = dist.get_rank(group) == 0
         self._received = 0
         """Bytes of the full weights that the other ranks write (what :meth:`hand_off` reports as received)."""
-        self._placed: list[tuple[nn.Parameter, int]] | None = None
-        """Every parameter with the address of its shard in the store, once all are placed there (else None)."""
+        self._rows: _Rows | None = None
+        """How this rank's rows reach the store once every parameter is row-sharded (else None): the copies to make
+        (none once every shard is placed there), and the shards they read, to check they are still the same."""
         self._placeable = any(
             isinstance(p, DTensor) and _local(p).dtype == views[name].dtype for name, p in model.named_parameters()
         )
@@ -121,38 +129,81 @@ class SharedWeights:
 
     def hand_off(self, received: list[int] | None = None) -> float:
         """Bring the store up to the actor's weights and bind the engine to it (the protocol in the module docstring).
-        Runs on: every worker rank of the mesh (one all-reduce; a barrier more when a rank writes). ``received[0]``
-        grows by the bytes of the full weights this rank did not write. Returns the seconds this rank waited at the
-        entry for the others to arrive (their previous work ended later: not the hand-off's own cost)."""
-        in_place = torch.tensor([int(self._in_place())])
+        Runs on: every worker rank of the mesh (one all-reduce; a barrier more when a rank's rows are not known).
+        ``received[0]`` grows by the bytes of the full weights this rank did not write. Returns the seconds this rank
+        waited at the all-reduce for the others to arrive (their previous work ended later: not the hand-off's own
+        cost)."""
+        known = self._rows is not None and self._rows.write()
         start = time.perf_counter()
-        dist.all_reduce(in_place, op=dist.ReduceOp.MIN, group=self.group)  # the entry barrier, and the ranks agree
+        everyone = torch.tensor([int(known)])
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)  # every rank's rows written past here
         waited = time.perf_counter() - start
-        if int(in_place):  # every rank's shards are the store's rows: the optimizer has written them there
-            if received is not None:
-                received[0] += self._received
-        else:
+        if not int(everyone):
             self.engine.weights_discarded = True  # until bound: a hand-off that stops part-way is not taken for whole
             counted = [0]
             write_shards(self.model, self.views, writes_whole=self._first, received=counted)
             self._received = counted[0]
-            if received is not None:
-                received[0] += counted[0]
             dist.barrier(group=self.group)
             if self._placeable:  # this rank's rows only, values unchanged: no reader can tell
-                placed = place_shards(self.model, self.views)
-                params = list(self.model.parameters())
-                whole = placed == len(params) and shards_in_place(self.model, self.views)
-                self._placed = [(p, _local(p).data_ptr()) for p in params] if whole else None
+                place_shards(self.model, self.views)
+            self._rows = _Rows.of(self.model, self.views)
+        if received is not None:
+            received[0] += self._received
         self.engine.bind_weights(self.views)
         return waited
 
-    def _in_place(self) -> bool:
-        """Whether every shard of this rank still lies where :func:`place_shards` put it: the same parameter objects (a
-        checkpoint loaded with ``assign=True`` replaces them) with the same storage. ~1 us a parameter."""
-        if self._placed is None:
-            return False
+
+class _Rows:
+    """This rank's rows of every parameter in the store: the copies that write them there (a shard placed in its
+    rows needs none; a float32 shard of a bfloat16 store is cast on the way, in one native call where the kernels
+    exist), and each parameter's shard as it was when they were listed. Build it with :meth:`of`. Runs on: every
+    worker rank (no collective)."""
+
+    def __init__(
+        self, model: nn.Module, shards: list[tuple[nn.Parameter, int]], places: list[Tensor], locals_: list[Tensor]
+    ) -> None:
+        self.model = model
+        self.shards = shards
+        cast = [k for k, (p, x) in enumerate(zip(places, locals_, strict=True)) if p.dtype != x.dtype]
+        self.cast = CastPlan.make([places[k] for k in cast], [locals_[k] for k in cast]) if cast else None
+        rest = [k for k in range(len(places)) if self.cast is None or k not in cast]
+        self.places = [places[k] for k in rest]
+        self.locals = [locals_[k] for k in rest]
+
+    @classmethod
+    def of(cls, model: nn.Module, views: dict[str, Tensor]) -> _Rows | None:
+        """The copies for ``model``'s shards, or None where a parameter is not row-sharded (the first rank writes it
+        whole: :func:`write_shards` does it every hand-off)."""
+        shards: list[tuple[nn.Parameter, int]] = []
+        places: list[Tensor] = []
+        locals_: list[Tensor] = []
+        positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
+        for name, param in model.named_parameters():
+            shard = _row_shard(name, param, positions)
+            if shard is None:
+                return None
+            shards.append((param, shard.local.data_ptr()))
+            if not shard.local.numel():
+                continue
+            start = shard.rank * shard.chunk_rows
+            place = views[name][start : start + shard.local.shape[0]]
+            if place.data_ptr() != shard.local.data_ptr() or place.dtype != shard.local.dtype:
+                places.append(place)
+                locals_.append(shard.local)
+        return cls(model, shards, places, locals_)
+
+    def write(self) -> bool:
+        """Write this rank's rows (cast to the store's dtype) where they are still the shards listed; False, writing
+        nothing, where they are not (the same parameter objects, a checkpoint loaded with ``assign=True`` replaces
+        them, with the same storage; ~1 us a parameter)."""
         params = list(self.model.parameters())
-        if len(params) != len(self._placed):
+        if len(params) != len(self.shards):
             return False
-        return all(p is q and _local(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self._placed, strict=True))
+        if not all(p is q and _local(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self.shards, strict=True)):
+            return False
+        if self.cast is not None:
+            self.cast()
+        if self.places:
+            with torch.no_grad():
+                torch._foreach_copy_(self.places, self.locals)
+        return True
