@@ -209,12 +209,33 @@ class RLHFModule(L.LightningModule):
 
         Runs on: every process, in the strategy's set-up, before the placement is resolved.
         """
-        if "rollout" in placed and self.rollout_role is None and self.actor.needs_rollout_engine:
+        change = self._rollout_pool_change(placed)
+        if change == "add":
             self.rollout = RolloutRole(self.actor.path, tokenizer=self.tokenizer, rollout=self.rollout_config)
             self.actor.needs_rollout_engine = False
-        elif "rollout" not in placed and self.rollout_role is not None:  # a later fit() without the pool
+        elif change == "remove":  # a later fit() without the pool
             del self._modules["rollout"]
             self.actor.needs_rollout_engine = True
+
+    def placed_role_names(self, placed: list[str]) -> list[str]:
+        """The role names :meth:`prepare_roles` leaves for a placement naming ``placed``, without changing the module
+        (the launcher checks a placement with them before it starts any process). Runs on: the launching process."""
+        names = list(self.roles())
+        change = self._rollout_pool_change(placed)
+        if change == "add":
+            names.append("rollout")
+        elif change == "remove":
+            names.remove("rollout")
+        return names
+
+    def _rollout_pool_change(self, placed: list[str]) -> str | None:
+        """``"add"`` when a placement naming ``placed`` gives generation a pool the module has no role for yet,
+        ``"remove"`` when the module has that role and the placement no longer names it, else None."""
+        if "rollout" in placed and self.rollout_role is None and self.actor.needs_rollout_engine:
+            return "add"
+        if "rollout" not in placed and self.rollout_role is not None:
+            return "remove"
+        return None
 
     @property
     def rollout_role(self) -> RolloutRole | None:

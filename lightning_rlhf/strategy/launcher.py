@@ -35,11 +35,17 @@ def check_ckpt_argument(function: Callable[..., Any], args: tuple[Any, ...], kwa
 
     Runs on: the launching process (rank 0, or every rank when processes are created externally).
     """
+    check_resume_path(_bound_argument(function, args, kwargs, "ckpt_path"))
+
+
+def _bound_argument(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The argument ``name`` of the call ``function(*args, **kwargs)`` that the launcher is about to make (None when
+    not given or when the call does not bind)."""
     try:
         bound = inspect.signature(function).bind_partial(*args, **kwargs)
     except TypeError:
-        return
-    check_resume_path(bound.arguments.get("ckpt_path"))
+        return None
+    return bound.arguments.get(name)
 
 
 def _observer_defers() -> bool:
@@ -53,9 +59,17 @@ class RLHFLauncher(SubprocessScriptLauncher):
     Runs on: rank 0 (it starts ranks 1.. as its children).
     """
 
+    def __init__(self, *args: Any, check_module: Callable[[Any], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.check_module = check_module
+        """Called with the module that ``trainer.fit``/``validate`` passed on, before any rank starts (the strategy's
+        checks that need the world size and the module, e.g. an explicit placement)."""
+
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         check_ckpt_argument(function, args, kwargs)
+        if self.check_module is not None:
+            self.check_module(_bound_argument(function, args, kwargs, "model"))
         start_subprocess_ranks(self, defer_observer=_observer_defers)
         return function(*args, **kwargs)
 

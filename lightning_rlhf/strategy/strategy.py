@@ -222,7 +222,23 @@ class RLHFStrategy(ModelParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             set_launcher(self, ExternalLauncher())
         else:
-            set_launcher(self, RLHFLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
+            launcher = RLHFLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, check_module=self._check_before_launch
+            )
+            set_launcher(self, launcher)
+
+    def _check_before_launch(self, module: Any) -> None:
+        """An explicit placement checked against ``module``'s roles and the world before any rank starts (every rank
+        checks it again in :meth:`_place_roles`): a wrong one fails in the launching process, in seconds.
+
+        Runs on: the launching process (rank 0, before it starts ranks 1..).
+        """
+        from lightning_rlhf.module import RLHFModule  # the module imports this one
+
+        spec = self.placement
+        if isinstance(module, RLHFModule) and isinstance(spec, Mapping):
+            roles = module.placed_role_names(list(spec))
+            resolve_placement(spec, roles, self.num_processes * self.num_nodes)
 
     @override
     def setup_environment(self) -> None:

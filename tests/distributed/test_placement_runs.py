@@ -89,6 +89,9 @@ def test_a_bad_placement_fails_before_any_model_loads(
     for word in words:
         assert word in text, text
     assert not (tmp_path / "metrics.csv").exists()
+    # raised in the launching process, before it started rank 1 or any process group (Lightning logs each rank's
+    # "Initializing distributed: GLOBAL_RANK: ..." when it joins one)
+    assert "Initializing distributed" not in text, text
 
 
 def test_auto_placement_chooses_and_trains(demo_model: str, tmp_path: Path) -> None:
