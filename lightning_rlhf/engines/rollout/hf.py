@@ -149,10 +149,9 @@ class HFRolloutEngine:
         self.generation_batch_size = generation_batch_size
         self.decode = decode
         """``"auto"`` or ``"generate"`` (see the class arguments)."""
-        self._bound = False
         self._bound_to: dict[str, Tensor] | None = None
-        """The tensors the parameters were last bound to (a bind to the same ones again checks nothing)."""
-        """Whether the parameters are views of tensors given to :meth:`bind_weights` (not the engine's own storage)."""
+        """The tensors given to :meth:`bind_weights` whose views the parameters are (None: the engine's own storage);
+        a bind to the same dict again checks nothing."""
 
     def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
         """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
@@ -259,7 +258,7 @@ class HFRolloutEngine:
         same dict as the last bind's (a hand-off through the same store) is taken as it is (0.1 ms a check of the
         small vs-TRL model). Raises ``WeightSyncError`` for a missing name or a tensor of another shape or dtype.
         """
-        if self._bound and tensors is self._bound_to:
+        if tensors is self._bound_to:
             self.weights_discarded = False
             return
         for name, param in self._params.items():  # every tensor checked before any parameter is bound
@@ -274,18 +273,16 @@ class HFRolloutEngine:
             tensor = tensors[name]
             if param.data_ptr() != tensor.data_ptr() or param.stride() != tensor.stride():
                 param.data = tensor
-        self._bound = True
         self._bound_to = tensors
         self.weights_discarded = False
 
     def _unbind(self) -> None:
         """Give bound parameters storage of their own again (a copy of what they hold), before writing into them."""
-        if not self._bound:
+        if self._bound_to is None:
             return
         with torch.no_grad():
             for param in self._params.values():
                 param.data = param.data.clone()
-        self._bound = False
         self._bound_to = None
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:

@@ -164,11 +164,12 @@ class _Rows:
     ) -> None:
         self.model = model
         self.shards = shards
-        cast = [k for k, (p, x) in enumerate(zip(places, locals_, strict=True)) if p.dtype != x.dtype]
-        self.cast = CastPlan.make([places[k] for k in cast], [locals_[k] for k in cast]) if cast else None
-        rest = [k for k in range(len(places)) if self.cast is None or k not in cast]
-        self.places = [places[k] for k in rest]
-        self.locals = [locals_[k] for k in rest]
+        pairs = list(zip(places, locals_, strict=True))
+        casts = [(place, local) for place, local in pairs if place.dtype != local.dtype]
+        self.cast = CastPlan.make([place for place, _ in casts], [local for _, local in casts]) if casts else None
+        copies = [(place, local) for place, local in pairs if self.cast is None or place.dtype == local.dtype]
+        self.places = [place for place, _ in copies]
+        self.locals = [local for _, local in copies]
 
     @classmethod
     def of(cls, model: nn.Module, views: dict[str, Tensor]) -> _Rows | None:
