@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import signal
@@ -267,6 +268,7 @@ def one_run(
         cmd += OUR_EXTRA_ARGS.get(config, [])
         threads = max(1, cores // devices)
     cmd += ["--model-dir", model_dir, "--steps", str(args.steps), "--prompts", str(prompts), "--beta", beta]
+    cmd += ["--accelerator", getattr(args, "accelerator", "cpu")]
     if precision == "bf16":
         cmd.append("--bf16")
     if getattr(args, "attn", None):
@@ -372,33 +374,36 @@ def check_tokenizers(
             )
 
 
-def machine_peaks() -> dict[str, float]:
+def machine_peaks(accelerator: str = "cpu") -> dict[str, float]:
     """Matmul peak (fp32, bf16: best of several large ``torch.mm``) in GFLOP/s and memcpy bandwidth (GB/s of
-    bytes copied) with all cores. Runs on: the driver, between runs (nothing else of the benchmark running).
+    bytes copied) with all cores, or on the GPU (``accelerator="gpu"``: float32 at PyTorch's default precision,
+    no TF32, as both sides train). Runs on: the driver, between runs (nothing else of the benchmark running).
     """
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    out: dict[str, float] = {}
-    n = 2048
-    for dtype, key in ((torch.float32, "matmul_gflops_fp32"), (torch.bfloat16, "matmul_gflops_bf16")):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        torch.mm(a, b)
+    device = torch.device("cuda" if accelerator == "gpu" else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def best_of(fn: Any, times: int = 5) -> float:
+        fn()
+        sync()
         best = float("inf")
-        for _ in range(5):
+        for _ in range(times):
             t0 = time.perf_counter()
-            torch.mm(a, b)
+            fn()
+            sync()
             best = min(best, time.perf_counter() - t0)
-        out[key] = 2 * n**3 / best / 1e9
-    src = torch.ones(64 * 1024 * 1024)  # 256 MiB
+        return best
+
+    out: dict[str, float] = {}
+    n = 8192 if device.type == "cuda" else 2048
+    for dtype, key in ((torch.float32, "matmul_gflops_fp32"), (torch.bfloat16, "matmul_gflops_bf16")):
+        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+        out[key] = 2 * n**3 / best_of(functools.partial(torch.mm, a, b)) / 1e9
+    src = torch.ones(64 * 1024 * 1024, device=device)  # 256 MiB
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    out["memcpy_gbs"] = src.numel() * 4 / best / 1e9
+    out["memcpy_gbs"] = src.numel() * 4 / best_of(lambda: dst.copy_(src)) / 1e9
     return out
 
 
@@ -522,6 +527,12 @@ def main() -> None:
     )
     p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "lightning_rlhf", "vs_trl"))
     p.add_argument("--out-dir", default=None, help="folder of the runs' logs (default runs/bench_vs_trl/<time>)")
+    p.add_argument(
+        "--accelerator",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="where both sides run (gpu: one CUDA device, our one-process transformers configurations only)",
+    )
     args = p.parse_args()
     if args.quick:
         args.models, args.precisions, args.ref, args.configs = "tiny", "fp32", "no", "hf1,vllm2"
@@ -548,6 +559,13 @@ def main() -> None:
             f"--trl-python={args.trl_python!r} is not an executable. HINT: `make bench-vs-trl` creates .venv-trl "
             "with TRL 1.16 (outside the project's dependencies)."
         )
+    if args.accelerator == "gpu":
+        wrong = [c for c in configs if OUR_CONFIGS[c] != ("hf", 1)]
+        if wrong:
+            raise SystemExit(
+                f"--accelerator=gpu with --configs={','.join(configs)}: {wrong} need vLLM or two processes. HINT: "
+                "use --configs hf1 (one GPU, transformers rollouts)."
+            )
     from lightning_rlhf.engines.rollout.vllm import vllm_available
 
     if not vllm_available() and any(OUR_CONFIGS[c][0] == "vllm" for c in configs):
@@ -560,8 +578,12 @@ def main() -> None:
     build_models(args.cache, models)
     check_tokenizers(args.cache, models, args.trl_python, args.steps)
     wait_for_quiet(args.quiet_wait)
-    peaks = machine_peaks()  # measured again after the runs; the higher figure of the two counts
+    peaks = machine_peaks(args.accelerator)  # measured again after the runs; the higher figure of the two counts
     cores = os.cpu_count() or 1
+    if args.accelerator == "gpu":
+        import torch
+
+        print(f"device: {torch.cuda.get_device_name()} (torch {torch.__version__}); peaks below are the GPU's")
     print(
         f"machine: {cores} CPU cores; matmul peak fp32 {peaks['matmul_gflops_fp32']:.1f} GFLOP/s, bf16 "
         f"{peaks['matmul_gflops_bf16']:.1f} GFLOP/s; memcpy {peaks['memcpy_gbs']:.1f} GB/s"
@@ -597,7 +619,7 @@ def main() -> None:
         "the run's processes; tok/s = (prompt + completion tokens) / s/step; bg = background cores, worst run"
     )
     wait_for_quiet(args.quiet_wait)
-    again = machine_peaks()
+    again = machine_peaks(args.accelerator)
     peaks = {k: max(v, again[k]) for k, v in peaks.items()}
     print(
         f"matmul peak (higher of the measurements before and after the runs): fp32 "

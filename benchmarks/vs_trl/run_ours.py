@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=W.PROMPTS_PER_STEP, help="prompts per step (P)")
     p.add_argument("--rollout", choices=["hf", "vllm"], default="hf")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--bf16", action="store_true", help="RLHFStrategy(param_dtype='bfloat16')")
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL coefficient to the frozen reference (0: none)")
     p.add_argument("--attn", default=None, help="transformers attn_implementation (None: the model's default)")
@@ -144,7 +145,7 @@ def main() -> None:
             ends.append(time.perf_counter())
 
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=RLHFStrategy(
             args.rollout,

@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL coefficient to the frozen reference (0: none)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--attn", default=None, help="transformers attn_implementation (None: the model's default)")
     p.add_argument("--out", required=True, help="JSON file to write")
     args = p.parse_args()
@@ -78,7 +79,7 @@ def main() -> None:
         beta=args.beta,
         loss_type="dapo",  # token-mean over the step's batch
         scale_rewards="group",
-        use_cpu=True,
+        use_cpu=args.accelerator == "cpu",
         bf16=args.bf16,
         use_vllm=False,
         shuffle_dataset=False,

@@ -434,6 +434,17 @@ class RLHFStrategy(ModelParallelStrategy):
         """Every rank reads the whole batch: the controller splits it by each call's protocol."""
         return {"num_replicas": 1, "rank": 0}
 
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Leave the batch in host memory: it is the controller's data, not a model input. Role calls send each
+        worker the columns it reads and the worker moves them to its own device; the rollout engines' outputs
+        come back to host memory, and mixing the two (prompts on the GPU, responses on the host) would fail in the
+        first scoring call.
+
+        Runs on: every rank (Lightning's loops, before ``training_step``/``validation_step``).
+        """
+        return batch
+
     # -------------------------------------------------------------------------------------- a step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
