@@ -228,6 +228,13 @@ class RLHFModule(L.LightningModule):
             names.remove("rollout")
         return names
 
+    def weight_sources(self, names: list[str]) -> dict[str, str]:
+        """Which of the roles ``names`` (:meth:`placed_role_names`) take their weights from another role over
+        collectives: receiver -> source (a generation-only pool's ``weights_from``). Runs on: any process."""
+        roles = self.roles()
+        found = ((name, getattr(roles.get(name, RolloutRole), "weights_from", None)) for name in names)
+        return {name: source for name, source in found if source is not None}
+
     def _rollout_pool_change(self, placed: list[str]) -> str | None:
         """``"add"`` when a placement naming ``placed`` gives generation a pool the module has no role for yet,
         ``"remove"`` when the module has that role and the placement no longer names it, else None."""
@@ -256,28 +263,38 @@ class RLHFModule(L.LightningModule):
         for role in self.roles().values():
             role.train_engine.micro_batch_tokens = self.algorithm.micro_batch_tokens
             role.train_engine.attn_implementation = getattr(self, "attn_implementation", None)
-        if self.algorithm.max_staleness and stage == "fit":
-            if self.rollout_role is None:
-                raise ValueError(
-                    f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness} generates on a rollout pool while "
-                    "the actor trains, but the placement gives generation no pool of its own. HINT: "
-                    "RLHFStrategy(rollout='hf', placement={'actor': [0], ..., 'rollout': [1]}), or max_staleness=0."
-                )
-            owner = next(k for k in type(self).__mro__ if "training_step" in vars(k))
-            if not vars(owner).get("ASYNC_ROLLOUTS", False):
-                raise ValueError(
-                    f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness}: "
-                    f"{type(self).__name__}.training_step does not run `self.rollouts(batch, metrics)`, so it cannot "
-                    "overlap generation with training. "
-                    "HINT: max_staleness=0, GRPOModule or PPOModule, or write the step with `rollouts` and set "
-                    "ASYNC_ROLLOUTS = True."
-                )
+        if stage == "fit":
+            self.check_asynchronous(rollout_pool=self.rollout_role is not None)
         batch_size = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
         if stage == "fit" and batch_size:
             # With rank pools (RLHFStrategy(placement=...)) each pool splits the batch by its own size.
             pools = getattr(self.trainer.strategy, "pools", None) or {}
             split = math.lcm(*{len(ranks) for ranks in pools.values()}) if pools else self.trainer.world_size
             self.algorithm.check_batch(prompts=batch_size, n=self.rollout_config.n, world_size=split)
+
+    def check_asynchronous(self, *, rollout_pool: bool) -> None:
+        """Refuse ``AlgorithmConfig.max_staleness >= 1`` without a rollout pool (``rollout_pool``: whether the
+        placement gives generation ranks of its own) or with a ``training_step`` that does not run :meth:`rollouts`.
+
+        Runs on: the launching process (before any rank starts) and every process at set-up, for a fit.
+        """
+        if not self.algorithm.max_staleness:
+            return
+        if not rollout_pool:
+            raise ValueError(
+                f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness} generates on a rollout pool while "
+                "the actor trains, but the placement gives generation no pool of its own. HINT: "
+                "RLHFStrategy(rollout='hf', placement={'actor': [0], ..., 'rollout': [1]}), or max_staleness=0."
+            )
+        owner = next(k for k in type(self).__mro__ if "training_step" in vars(k))
+        if not vars(owner).get("ASYNC_ROLLOUTS", False):
+            raise ValueError(
+                f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness}: "
+                f"{type(self).__name__}.training_step does not run `self.rollouts(batch, metrics)`, so it cannot "
+                "overlap generation with training. "
+                "HINT: max_staleness=0, GRPOModule or PPOModule, or write the step with `rollouts` and set "
+                "ASYNC_ROLLOUTS = True."
+            )
 
     def holds_role(self, name: str) -> bool:
         """Whether this rank holds role ``name`` (the strategy's placement; every role when it has none).

@@ -59,17 +59,19 @@ class RLHFLauncher(SubprocessScriptLauncher):
     Runs on: rank 0 (it starts ranks 1.. as its children).
     """
 
-    def __init__(self, *args: Any, check_module: Callable[[Any], None] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, check_module: Callable[[Any, bool], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.check_module = check_module
-        """Called with the module that ``trainer.fit``/``validate`` passed on, before any rank starts (the strategy's
-        checks that need the world size and the module, e.g. an explicit placement)."""
+        """Called with the module that ``trainer.fit``/``validate`` passed on and whether the call is a fit, before
+        any rank starts (the strategy's checks that need the world size and the module, e.g. an explicit
+        placement)."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         check_ckpt_argument(function, args, kwargs)
         if self.check_module is not None:
-            self.check_module(_bound_argument(function, args, kwargs, "model"))
+            fitting = getattr(function, "__name__", "") == "_fit_impl"
+            self.check_module(_bound_argument(function, args, kwargs, "model"), fitting)
         start_subprocess_ranks(self, defer_observer=_observer_defers)
         return function(*args, **kwargs)
 

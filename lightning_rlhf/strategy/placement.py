@@ -112,6 +112,23 @@ def resolve_placement(spec: Mapping[str, Sequence[int]] | None, roles: Sequence[
     return pools
 
 
+def check_weight_sources(pools: Pools, sources: Mapping[str, str]) -> None:
+    """Refuse a role that takes another role's weights over collectives (``sources``: receiver -> source, a
+    generation-only pool's ``weights_from``) on ranks of the source's pool.
+
+    Runs on: the launching process (before any rank starts) and every rank at set-up.
+    """
+    for name, source in sources.items():
+        senders, receivers = pools[source], pools[name]
+        if set(senders) & set(receivers):
+            raise ValueError(
+                f"RLHFStrategy(placement=...) puts {name!r} on ranks {list(receivers)}, which overlap {source!r}'s "
+                f"{list(senders)}: {name!r} is the generation-only pool that {source!r} feeds over collectives, "
+                f"so it needs ranks of its own. HINT: give {name!r} ranks {source!r} does not use, or leave "
+                f"{name!r} out of the placement (then {source!r} generates with its colocated engine)."
+            )
+
+
 def pool_groups(pools: Pools) -> list[tuple[int, ...]]:
     """The distinct pools, in a fixed order (every rank builds their process groups in this order).
 

@@ -66,6 +66,7 @@ from lightning_rlhf.strategy.placement import (
     check_divides,
     check_memory,
     check_placement_spec,
+    check_weight_sources,
     pool_groups,
     resolve_placement,
 )
@@ -227,18 +228,25 @@ class RLHFStrategy(ModelParallelStrategy):
             )
             set_launcher(self, launcher)
 
-    def _check_before_launch(self, module: Any) -> None:
-        """An explicit placement checked against ``module``'s roles and the world before any rank starts (every rank
-        checks it again in :meth:`_place_roles`): a wrong one fails in the launching process, in seconds.
+    def _check_before_launch(self, module: Any, fitting: bool) -> None:
+        """What the ranks would refuse at set-up, checked before any rank starts (every rank checks it again): an
+        explicit placement against ``module``'s roles and the world, a generation-only pool on the ranks of the role
+        that feeds it, and (for a fit) ``AlgorithmConfig.max_staleness`` without a rollout pool or a step that can
+        overlap. A wrong setting fails in the launching process, in seconds, with no process group.
 
         Runs on: the launching process (rank 0, before it starts ranks 1..).
         """
         from lightning_rlhf.module import RLHFModule  # the module imports this one
 
+        if not isinstance(module, RLHFModule):
+            return
         spec = self.placement
-        if isinstance(module, RLHFModule) and isinstance(spec, Mapping):
-            roles = module.placed_role_names(list(spec))
-            resolve_placement(spec, roles, self.num_processes * self.num_nodes)
+        roles = module.placed_role_names(list(spec) if isinstance(spec, Mapping) else [])
+        if isinstance(spec, Mapping):
+            pools = resolve_placement(spec, roles, self.num_processes * self.num_nodes)
+            check_weight_sources(pools, module.weight_sources(roles))
+        if fitting:
+            module.check_asynchronous(rollout_pool="rollout" in roles)
 
     @override
     def setup_environment(self) -> None:
@@ -361,18 +369,11 @@ class RLHFStrategy(ModelParallelStrategy):
 
         from lightning_rlhf.engines.rollout.bridge import WeightBridge
 
-        for name, role in module.roles().items():
-            source = getattr(role, "weights_from", None)
-            if source is None:
-                continue
+        sources = module.weight_sources(list(module.roles()))
+        check_weight_sources(self._pools, sources)
+        for name, source in sources.items():
+            role = module.get_role(name)
             senders, receivers = self._pools[source], self._pools[name]
-            if set(senders) & set(receivers):
-                raise ValueError(
-                    f"RLHFStrategy(placement=...) puts {name!r} on ranks {list(receivers)}, which overlap {source!r}'s "
-                    f"{list(senders)}: {name!r} is the generation-only pool that {source!r} feeds over collectives, "
-                    f"so it needs ranks of its own. HINT: give {name!r} ranks {source!r} does not use, or leave "
-                    f"{name!r} out of the placement (then {source!r} generates with its colocated engine)."
-                )
             members = sorted({senders[0], *receivers})
             group = dist.new_group(members, backend="gloo" if self.root_device.type == "cpu" else None)
             bridge = WeightBridge(group=group, src=senders[0])

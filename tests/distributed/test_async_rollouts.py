@@ -89,7 +89,7 @@ def test_four_ranks_sharded_actor_feeds_a_two_rank_rollout_pool(demo_model: str,
         ),
     ],
 )
-def test_bad_asynchronous_settings_fail_before_training(
+def test_bad_asynchronous_settings_fail_before_any_rank_starts(
     demo_model: str, tmp_path: Path, placement: dict, extra: list[str], words: list[str]
 ) -> None:
     args = ["--model", demo_model, "--devices", "2", "--rollout", "hf", "--placement", json.dumps(placement), *extra]
@@ -98,3 +98,5 @@ def test_bad_asynchronous_settings_fail_before_training(
     for word in words:
         assert word in proc.stderr, failure_text(proc)
     assert "Training" not in proc.stdout
+    # refused in the launching process, before it started rank 1 or any process group
+    assert "Initializing distributed" not in proc.stderr, failure_text(proc)
