@@ -437,14 +437,14 @@ class RLHFStrategy(ModelParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Leave the batch in host memory: it is the controller's data, not a model input. Role calls send each
+        """Keep the batch in host memory: it is the controller's data, not a model input. Role calls send each
         worker the columns it reads and the worker moves them to its own device; the rollout engines' outputs
         come back to host memory, and mixing the two (prompts on the GPU, responses on the host) would fail in the
-        first scoring call.
+        first scoring call. The module's batch-transfer hooks still run, with the host as the target device.
 
         Runs on: every rank (Lightning's loops, before ``training_step``/``validation_step``).
         """
-        return batch
+        return super().batch_to_device(batch, torch.device("cpu"), dataloader_idx)
 
     # -------------------------------------------------------------------------------------- a step
     @override
