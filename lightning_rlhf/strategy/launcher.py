@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_rlhf.compat import Launcher, SubprocessScriptLauncher, start_subprocess_ranks
@@ -70,7 +71,7 @@ class RLHFLauncher(SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         check_ckpt_argument(function, args, kwargs)
         if self.check_module is not None:
-            fitting = getattr(function, "__name__", "") == "_fit_impl"
+            fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
             self.check_module(_bound_argument(function, args, kwargs, "model"), fitting)
         start_subprocess_ranks(self, defer_observer=_observer_defers)
         return function(*args, **kwargs)
