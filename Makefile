@@ -46,6 +46,12 @@ BENCH_ARGS ?=
 bench-vs-trl: setup $(TRL_VENV)/.installed  ## Side-by-side GRPO benchmark vs TRL 1.16 (BENCH_ARGS="--quick" for a smoke run)
 	$(BIN)/python benchmarks/vs_trl/bench.py --trl-python $(TRL_VENV)/bin/python $(BENCH_ARGS)
 
+.PHONY: gpu-wheels
+gpu-wheels:  ## Wheels a lent GPU machine lacks (datasets, TRL) into .whl/ for benchmarks/gpu_check.sh
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 trl==1.16.0
+
 .PHONY: bench-scaling
 bench-scaling: setup $(TRL_VENV)/.installed  ## How cost grows vs TRL: prompts 16-256, 4 model sizes (~30 min; BENCH_ARGS="--quick")
 	$(BIN)/python benchmarks/vs_trl/scaling.py --trl-python $(TRL_VENV)/bin/python $(BENCH_ARGS)

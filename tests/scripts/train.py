@@ -108,6 +108,31 @@ def kill_during_save(rank: int) -> None:
     model_parallel._distributed_checkpoint_save = save_then_die
 
 
+class ProfileStep(L.Callback):
+    """torch.profiler around one training step; each rank writes ``profile_rank<r>.txt`` (ops by self time, CUDA
+    included on a GPU) into the run folder. Runs on: every rank."""
+
+    def __init__(self, step: int, out: str) -> None:
+        self.step, self.out, self.prof = step, out, None
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            self.prof = profile(activities=[ProfilerActivity.CPU, *cuda])
+            self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = self.prof.key_averages().table(sort_by=key, row_limit=40)
+            with open(os.path.join(self.out, f"profile_rank{trainer.global_rank}.txt"), "w") as f:
+                f.write(table)
+            self.prof = None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -136,6 +161,7 @@ def main() -> None:
     p.add_argument("--samples-every", type=int, default=2, help="RolloutSamples(every_n_steps=...)")
     p.add_argument("--fault", choices=["none", "reward", "actor_update"], default="none")
     p.add_argument("--error-timeout", type=float, default=10.0)
+    p.add_argument("--profile-step", type=int, default=-1, help="torch.profiler op table of this step, every rank")
     p.add_argument("--val-every", type=int, default=0, help="validate every N steps on a separate set (0: none)")
     p.add_argument("--val-before-train", action="store_true", help="ValidationConfig(before_train=True)")
     p.add_argument("--val-prompts", type=int, default=6, help="prompts in the validation set")
@@ -225,7 +251,7 @@ def main() -> None:
     loggers: list = [CSVLogger(args.out, name="", version="")]
     if args.wandb:
         loggers.append(WandbLogger(project="lightning_rlhf-test", save_dir=args.out, offline=True))
-    callbacks = []
+    callbacks: list = [ProfileStep(args.profile_step, args.out)] if args.profile_step >= 0 else []
     if args.checkpoint_callback:
         callbacks.append(
             ModelCheckpoint(

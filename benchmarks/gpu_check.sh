@@ -1,0 +1,35 @@
+#!/bin/bash
+# The GPU checks, in one call of a lent GPU machine (about 7 minutes; the machine has torch, Lightning and
+# transformers but no datasets or TRL, and no network). Here, first: `make gpu-wheels` (fills .whl/, ignored by
+# git); then run this script there from the repository root with `.whl` carried. What it does:
+#   1. installs the carried wheels (datasets, TRL 1.16 and their missing dependencies) into /tmp/site;
+#   2. tests/gpu (FSDP2 + transformers rollouts in bfloat16, GRPO and PPO);
+#   3. PPO on the demo model with the third step profiled (profile_rank0.txt: ops by CUDA time);
+#   4. bench.py --accelerator gpu: ours (one process, transformers rollouts) against TRL on the small model
+#      (bf16, fp32) and the 100M model (bf16).
+# Every part has its own time limit; logs and tables go to $OUT (the device tool's folder), or ./gpu_out.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, lightning, datasets, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'trl', trl.__version__)"
+step() {  # step NAME SECONDS COMMAND...: run, print the exit code and the time, keep the log
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  echo "$name: exit $? in $(( $(date +%s) - t0 )) s"
+}
+step gpu_tests 170 python3 -m pytest -q tests/gpu -p no:cacheprovider
+tail -3 "$OUT/gpu_tests.txt"
+MODEL=$(python3 -c "from lightning_rlhf.demo import prepare_demo_model; print(prepare_demo_model('/tmp/cache'))" 2>/dev/null | tail -1)
+step ppo_profile 90 python3 tests/scripts/train.py --model "$MODEL" --out /tmp/ppo --accelerator gpu --devices 1 \
+  --bf16 --algo ppo --n 1 --steps 4 --kl-coef 0.01 --profile-step 2
+cp /tmp/ppo/profile_rank0.txt /tmp/ppo/metrics.csv "$OUT/" 2>/dev/null
+head -25 "$OUT/profile_rank0.txt" 2>/dev/null
+BENCH=(python3 benchmarks/vs_trl/bench.py --accelerator gpu --trl-python "$(command -v python3)" --configs hf1
+  --ref no --repeats 1 --steps 8 --quiet-wait 3 --timeout 80)
+step bench_small 200 "${BENCH[@]}" --models small --precisions bf16,fp32 --out-dir /tmp/b1
+step bench_m100 130 "${BENCH[@]}" --models m100 --precisions bf16 --out-dir /tmp/b2
+tail -c 1500 "$OUT/bench_small.txt"; tail -c 800 "$OUT/bench_m100.txt"
