@@ -69,7 +69,8 @@ $(TRL_VENV)/.installed:
 
 # Serial by default. PYTEST_WORKERS=2 runs two test files' processes at once (~18 instead of ~21 min of pytest on
 # 2 cores), but one of three such runs ended with a gloo abort at a training process's exit (-6, "terminate called
-# without an active exception") after a successful run: an exit-time race to fix before parallel runs are the default.
+# without an active exception") after a successful run: an exit-time race (docs/faults.md), now narrowed by a grace
+# period at exit but not closed, so parallel runs stay opt-in.
 PYTEST_WORKERS ?= 0
 test: setup lint typecheck docs  ## Lint, type-check, build the docs (strict) and run the whole test suite
 	$(BIN)/python -m pytest -q tests -n $(PYTEST_WORKERS) --dist load --durations=15 --basetemp="$(CURDIR)/.pytest_tmp"

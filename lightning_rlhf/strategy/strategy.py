@@ -27,6 +27,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -88,32 +89,47 @@ __all__ = ["RLHFStrategy"]
 _EXIT_HOOK: list[bool] = []
 
 
-def _destroy_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, while it is still whole.
+def shutdown_process_groups(grace_s: float = 0.2) -> None:
+    """Destroy every process group, then leave gloo's worker threads ``grace_s`` seconds, with the GIL free, to
+    drop the work objects they still hold, before the interpreter finalises.
 
-    Runs on: every rank, registered once per process at set-up. Gloo's worker threads can still hold work
-    objects with Python references at exit; finalising the interpreter under them aborts the process
-    ("terminate called without an active exception", exit -6) after a run that succeeded. Lightning leaves
-    the group alive (a later ``fit`` reuses it), so the last moment is ``atexit``. With a vLLM engine in the
-    process, vLLM's exit hook (which runs after this one) destroys its own groups and the default one; destroying
-    them here first would make it raise.
+    Runs on: every rank, last thing before it exits (the strategy's exit hook; scripts that start their own group).
+    A gloo worker thread releases a finished collective's work object after it has woken the caller; the work's
+    tensors have Python objects, so that release takes the GIL. If the interpreter is already finalising, CPython
+    ends the thread with ``pthread_exit``, whose unwinding through the work's ``noexcept`` destructor aborts the
+    process ("terminate called without an active exception", exit -6) after a run that succeeded: a core dump of
+    such an exit shows exactly that stack (``ProcessGroupGloo::AsyncWork::~AsyncWork`` -> ``decref_pyobject`` ->
+    ``take_gil`` -> ``PyThread_exit_thread``): here, one of 18 consecutive runs of a two-rank test script.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()  # drop finished work objects that still reference tensors
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    gc.collect()
+    time.sleep(grace_s)
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the process groups when the interpreter exits, while it is still whole
+    (:func:`shutdown_process_groups`).
+
+    Runs on: every rank, registered once per process at set-up. Lightning leaves the group alive (a later ``fit``
+    reuses it), so the last moment is ``atexit``. With a vLLM engine in the process, vLLM's exit hook (which runs
+    after this one) destroys its own groups and the default one; destroying them here first would make it raise.
     """
     if _EXIT_HOOK:
         return
     _EXIT_HOOK.append(True)
 
     def destroy() -> None:
-        import gc
-
-        import torch.distributed as dist
-
         vllm_state = sys.modules.get("vllm.distributed.parallel_state")
         if vllm_state is not None and vllm_state.model_parallel_is_initialized():
             return  # a vLLM engine's own exit hook destroys its groups and then the default one
-        gc.collect()  # drop finished work objects that still reference tensors
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        shutdown_process_groups()
 
     atexit.register(destroy)
 

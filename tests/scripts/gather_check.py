@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_rlhf.engines.train import full_tensors, host_share, shard_model
+from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
 
 def main() -> None:
@@ -88,7 +89,7 @@ def main() -> None:
     sys.stdout.write(f"OK {rank} {got[0]} {numel}\n")
     sys.stdout.flush()
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown_process_groups()  # not a bare destroy: see its docstring (an exit-time abort)
     os._exit(0)  # as reshard_check.py: no interpreter finalisation under gloo's threads
 
 

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_rlhf.engines.rollout.reshard import TPSlice, exchange
+from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
 
 def main() -> None:
@@ -46,7 +47,7 @@ def main() -> None:
     # abort the process now and then ("terminate called without an active exception", a known torch issue),
     # after every check above has passed and been written.
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown_process_groups()  # not a bare destroy: see its docstring (an exit-time abort)
     os._exit(0)
 
 

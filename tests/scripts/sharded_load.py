@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from lightning_rlhf.engines.train.fsdp import shard_model
 from lightning_rlhf.engines.train.loading import load_pretrained, materialize
+from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
 CLASSES = {
     "causal": (AutoModelForCausalLM, {}),
@@ -89,7 +90,7 @@ def main() -> None:
         sys.stdout.write(line + "\n")
     sys.stdout.flush()
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown_process_groups()  # not a bare destroy: see its docstring (an exit-time abort)
 
 
 if __name__ == "__main__":

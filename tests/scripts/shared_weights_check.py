@@ -31,6 +31,7 @@ from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams, shar
 from lightning_rlhf.engines.rollout.decode import _fused_rows
 from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
 from lightning_rlhf.engines.train import shard_model, shards_in_place
+from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
 CPU = torch.device("cpu")
 
@@ -166,7 +167,7 @@ def main() -> None:
         # one write per line: torchrun's children write unbuffered, and print() writes the text and the newline apart
         sys.stdout.write(f"OK {rank} {str(dtype).removeprefix('torch.')} {received_total} {writes[0]}\n")
         sys.stdout.flush()
-    dist.destroy_process_group()
+    shutdown_process_groups()  # not a bare destroy: see its docstring (an exit-time abort)
 
 
 if __name__ == "__main__":
