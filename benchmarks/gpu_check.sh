@@ -4,7 +4,7 @@
 # git); then run this script there from the repository root with `.whl` carried. What it does:
 #   1. installs the carried wheels (datasets, TRL 1.16 and their missing dependencies) into /tmp/site;
 #   2. tests/gpu (FSDP2 + transformers rollouts in bfloat16, GRPO and PPO);
-#   3. PPO on the demo model with the third step profiled (profile_rank0.txt: ops by CUDA time);
+#   3. PPO on the demo model with the third step profiled (profile_rank0.txt: ops by host, then by GPU time);
 #   4. bench.py --accelerator gpu: ours (one process, transformers rollouts) against TRL on the small model
 #      (bf16, fp32) and the 100M model (bf16).
 # Every part has its own time limit; logs and tables go to $OUT (the device tool's folder), or ./gpu_out.
@@ -27,7 +27,7 @@ MODEL=$(python3 -c "from lightning_rlhf.demo import prepare_demo_model; print(pr
 step ppo_profile 90 python3 tests/scripts/train.py --model "$MODEL" --out /tmp/ppo --accelerator gpu --devices 1 \
   --bf16 --algo ppo --n 1 --steps 4 --kl-coef 0.01 --profile-step 2
 cp /tmp/ppo/profile_rank0.txt /tmp/ppo/metrics.csv "$OUT/" 2>/dev/null
-head -25 "$OUT/profile_rank0.txt" 2>/dev/null
+head -20 "$OUT/profile_rank0.txt" 2>/dev/null
 BENCH=(python3 benchmarks/vs_trl/bench.py --accelerator gpu --trl-python "$(command -v python3)" --configs hf1
   --ref no --repeats 1 --steps 8 --quiet-wait 3 --timeout 80)
 step bench_small 200 "${BENCH[@]}" --models small --precisions bf16,fp32 --out-dir /tmp/b1

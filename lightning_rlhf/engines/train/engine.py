@@ -145,8 +145,8 @@ class MetricAccumulator:
             return {}
         keys = list(self._values)
         # Most values live on the compute device, a few on the host (the learning rate): gather them where most are.
-        values = [v for vs in self._values.values() for v in vs]
-        device = next((v.device for v in values if v.device.type != "cpu"), torch.device("cpu"))
+        every = (v.device for values in self._values.values() for v in values)
+        device = next((d for d in every if d.type != "cpu"), torch.device("cpu"))
         stacked = [torch.stack([v.to(device) for v in self._values[k]]) for k in keys]
         means = torch.stack([_reduce(k, v) for k, v in zip(keys, stacked, strict=True)]).cpu().tolist()
         return {f"{prefix}/{k}": v for k, v in zip(keys, means, strict=True)}
