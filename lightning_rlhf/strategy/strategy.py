@@ -388,13 +388,12 @@ class RLHFStrategy(ModelParallelStrategy):
         sources = module.weight_sources(list(module.roles()))
         check_weight_sources(self._pools, sources)
         for name, source in sources.items():
-            role = module.get_role(name)
             senders, receivers = self._pools[source], self._pools[name]
             members = sorted({senders[0], *receivers})
             group = dist.new_group(members, backend="gloo" if self.root_device.type == "cpu" else None)
             bridge = WeightBridge(group=group, src=senders[0])
             if self.global_rank in receivers:
-                role.weight_bridge = bridge  # type: ignore[assignment]
+                module.get_role(name).weight_bridge = bridge  # type: ignore[assignment]
             if self.global_rank in senders:
                 module.get_role(source).weight_bridge = bridge  # type: ignore[assignment]
 
