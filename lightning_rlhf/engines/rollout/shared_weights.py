@@ -167,7 +167,8 @@ class _Rows:
         pairs = list(zip(places, locals_, strict=True))
         casts = [(place, local) for place, local in pairs if place.dtype != local.dtype]
         self.cast = CastPlan.make([place for place, _ in casts], [local for _, local in casts]) if casts else None
-        copies = [(place, local) for place, local in pairs if place.dtype == local.dtype]
+        # without the kernel (none built, LIGHTNING_RLHF_NATIVE=0) the casts are plain copies too (copy_ casts)
+        copies = [(place, local) for place, local in pairs if self.cast is None or place.dtype == local.dtype]
         self.places = [place for place, _ in copies]
         self.locals = [local for _, local in copies]
 
