@@ -593,27 +593,108 @@ INLINE v16h bf16_16(const float *src) {
     return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
+/* dst[i] = bfloat16(src[i]) for i < size (the streaming stores of cast_bf16, without its fence). */
+static void cast_bf16_run(const float *from, uint16_t *to, long size) {
+    long i = 0;
+    for (; i < size && ((uintptr_t)(to + i) & 31u); ++i) to[i] = f32_to_bf16(from[i]);
+    for (; i + 16 <= size; i += 16) {
+        const v16h out = bf16_16(from + i);
+#ifdef __AVX__
+        _mm256_stream_si256((__m256i *)(to + i), (__m256i)out);
+#else
+        memcpy(to + i, &out, sizeof out);
+#endif
+    }
+    for (; i < size; ++i) to[i] = f32_to_bf16(from[i]);
+}
+
 /* dst[k][i] = bfloat16(src[k][i]) for i < n[k], k < count. The stores bypass the caches where the CPU has AVX
  * (streaming stores of 32 aligned bytes): the destination is read later by another process, and a cached store would
  * first read each line it writes (a third more memory traffic for this cast). */
 void cast_bf16(const float *const *src, uint16_t *const *dst, const long *n, long count) {
-    for (long k = 0; k < count; ++k) {
-        const float *from = src[k];
-        uint16_t *to = dst[k];
-        const long size = n[k];
-        long i = 0;
-        for (; i < size && ((uintptr_t)(to + i) & 31u); ++i) to[i] = f32_to_bf16(from[i]);
-        for (; i + 16 <= size; i += 16) {
-            const v16h out = bf16_16(from + i);
-#ifdef __AVX__
-            _mm256_stream_si256((__m256i *)(to + i), (__m256i)out);
-#else
-            memcpy(to + i, &out, sizeof out);
-#endif
-        }
-        for (; i < size; ++i) to[i] = f32_to_bf16(from[i]);
-    }
+    for (long k = 0; k < count; ++k) cast_bf16_run(src[k], dst[k], n[k]);
 #ifdef __AVX__
     _mm_sfence(); /* the streaming stores are visible before whatever the caller does next (a barrier) */
+#endif
+}
+
+/* One AdamW step over `count` float32 tensors (param, grad, exp_avg, exp_avg_sq: n[k] values each), with the updated
+ * parameter also written, rounded to bfloat16 as `cast_bf16` rounds, to mirror[k] where it is not NULL: the
+ * optimizer's pass and the hand-off's cast in one read of the rows (each block cast while it is in the L1 cache).
+ * The arithmetic is PyTorch's fused CPU AdamW's (torch.optim.AdamW(fused=True)), operation for operation: its vector
+ * body for the first n - n % 16 values (the lerp as one fused multiply-add, the second moment's product and sum
+ * fused as PyTorch's build fuses them: the same bits on an AVX-512 build, tests/unit/test_native_adamw.py), its scalar
+ * tail's operations for the rest (PyTorch's compiler vectorises that tail its own way: equal there up to a
+ * rounding). Nothing else is contracted (the pragma below). c: {1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
+ * lr / bias_correction1, sqrt(bias_correction2), eps}, each rounded to float32 as PyTorch rounds them. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off", "no-math-errno")
+INLINE v8f sqrt8(v8f x) {
+#ifdef __AVX__
+    return (v8f)_mm256_sqrt_ps((__m256)x);
+#else
+    v8f r;
+    for (int j = 0; j < 8; ++j) r[j] = sqrtf(x[j]);
+    return r;
+#endif
+}
+
+INLINE v8f fma8(v8f a, v8f b, v8f c) {
+#ifdef __FMA__
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    v8f r;
+    for (int j = 0; j < 8; ++j) r[j] = fmaf(a[j], b[j], c[j]);
+    return r;
+#endif
+}
+
+/* PyTorch's vector body over [0, size), size a multiple of 8. */
+static void adamw_body(float *p, const float *g, float *m, float *v, long size, const float *c) {
+    const int small = fabsf(c[1]) < 0.5f;
+    const v8f decay = splat(c[0]), w = splat(small ? c[1] : c[1] - 1.0f), beta2 = splat(c[2]), w2 = splat(c[3]);
+    const v8f step = splat(-c[4]), bc2 = splat(c[5]), eps = splat(c[6]);
+    for (long i = 0; i < size; i += 8) {
+        v8f pi, gi, mi, vi;
+        memcpy(&pi, p + i, sizeof pi);
+        memcpy(&gi, g + i, sizeof gi);
+        memcpy(&mi, m + i, sizeof mi);
+        memcpy(&vi, v + i, sizeof vi);
+        mi = fma8(w, gi - mi, small ? mi : gi);
+        vi = fma8(w2 * gi, gi, vi * beta2);
+        pi = pi * decay + step * mi / (sqrt8(vi) / bc2 + eps);
+        memcpy(p + i, &pi, sizeof pi);
+        memcpy(m + i, &mi, sizeof mi);
+        memcpy(v + i, &vi, sizeof vi);
+    }
+}
+
+/* PyTorch's scalar tail's operations (the last size % 16 values of a tensor). */
+static void adamw_tail(float *p, const float *g, float *m, float *v, long size, const float *c) {
+    const float decay = c[0], w = c[1], beta2 = c[2], w2 = c[3], step = c[4], bc2 = c[5], eps = c[6];
+    for (long i = 0; i < size; ++i) {
+        p[i] = p[i] * decay;
+        m[i] = fabsf(w) < 0.5f ? m[i] + w * (g[i] - m[i]) : g[i] - (g[i] - m[i]) * (1.0f - w);
+        v[i] = v[i] * beta2 + w2 * g[i] * g[i];
+        p[i] = p[i] - step * m[i] / (sqrtf(v[i]) / bc2 + eps);
+    }
+}
+#pragma GCC pop_options
+
+void adamw_bf16(float *const *param, const float *const *grad, float *const *exp_avg, float *const *exp_avg_sq,
+                uint16_t *const *mirror, const long *n, long count, const float *c) {
+    enum { BLOCK = 2048 }; /* values updated, then cast while they are in the L1 cache */
+    for (long k = 0; k < count; ++k) {
+        const long size = n[k], body = size - size % 16;
+        for (long i = 0; i < body; i += BLOCK) {
+            const long len = body - i < BLOCK ? body - i : BLOCK;
+            adamw_body(param[k] + i, grad[k] + i, exp_avg[k] + i, exp_avg_sq[k] + i, len, c);
+            if (mirror[k]) cast_bf16_run(param[k] + i, mirror[k] + i, len);
+        }
+        adamw_tail(param[k] + body, grad[k] + body, exp_avg[k] + body, exp_avg_sq[k] + body, size - body, c);
+        if (mirror[k]) cast_bf16_run(param[k] + body, mirror[k] + body, size - body);
+    }
+#ifdef __AVX__
+    _mm_sfence();
 #endif
 }

@@ -178,7 +178,7 @@ class ActorRole(Role):
         t0 = time.perf_counter()
         received = [0]
         if self._shared is None or self._shared[0] is not engine or self._shared[1] is not self.model:
-            self._shared = (engine, self.model, SharedWeights.attempt(engine, self.model))
+            self._shared = (engine, self.model, SharedWeights.attempt(engine, self.model, self.train_engine.optimizer))
         store = self._shared[2]
         if store is not None:
             self.handoff_wait_s = store.hand_off(received)

@@ -14,6 +14,11 @@ Then the shards placed in the store (a model whose rows all split evenly, float3
 FSDP2 shard of the rank is a view of its rows in the store (FSDP2's own flat buffer included); real training steps
 (FSDP forward and backward, AdamW) then update the engine's weights in place, later hand-offs write nothing, and the
 engine still samples what an engine built from the full weights samples. Prints ``PLACED <rank> <writes>``.
+
+Then a bfloat16 engine fed by float32 shards stepped by ``MirroredAdamW``: the optimizer's step writes the engine's
+rows, so the hand-offs after the first cast nothing until a shard is changed by hand; the weights stay PyTorch's
+AdamW's (a second model stepped by ``torch.optim.AdamW``) and the engine's are exactly them in bfloat16. Prints
+``MIRRORED <rank> <casts>``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams, shared_weights
 from lightning_rlhf.engines.rollout.decode import _fused_rows
 from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
-from lightning_rlhf.engines.train import shard_model, shards_in_place
+from lightning_rlhf.engines.train import MirroredAdamW, shard_model, shards_in_place
+from lightning_rlhf.native import CastPlan
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
 CPU = torch.device("cpu")
@@ -113,11 +119,54 @@ def placed_shards(rank: int, mesh: object, config: Qwen2Config) -> None:
     sys.stdout.flush()
 
 
+def mirrored_steps(rank: int, mesh: object, config: Qwen2Config) -> None:
+    """Training steps of float32 shards for a bfloat16 engine: the optimizer writes the engine's rows."""
+    torch.manual_seed(2)
+    model = Qwen2ForCausalLM(config).train()
+    unsharded, reference = copy.deepcopy(model), copy.deepcopy(model)
+    engine = HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=torch.bfloat16)
+    shard_model(model, mesh)  # type: ignore[arg-type]
+    shard_model(reference, mesh)  # type: ignore[arg-type]
+    optimizer = MirroredAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    store = SharedWeights.attempt(engine, model, optimizer)
+    assert store is not None
+    casts, cast = [0], CastPlan.__call__
+
+    def counting(plan: CastPlan) -> None:
+        casts[0] += 1
+        cast(plan)
+
+    CastPlan.__call__ = counting  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        ids = torch.randint(2, 67, (2, 6), generator=generator)
+        for net, opt in ((model, optimizer), (reference, plain)):
+            net(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if step == 3:  # an edit by hand after the step: the hand-off must cast again
+            with torch.no_grad():
+                for net in (model, reference):
+                    next(net.parameters()).to_local().add_(0.5)
+        store.hand_off([0])
+        full = {name: p.full_tensor() for name, p in model.named_parameters()}
+        for name, p in reference.named_parameters():  # PyTorch's AdamW: its last numel % 16 values a rounding apart,
+            torch.testing.assert_close(full[name], p.full_tensor(), rtol=1e-4, atol=1e-6)  # then carried by training
+        for name, param in engine.model.named_parameters():
+            assert torch.equal(param, full[name].to(torch.bfloat16)), (step, name)
+        samples_like_full_weights(engine, unsharded, full)
+    CastPlan.__call__ = cast  # type: ignore[method-assign]
+    sys.stdout.write(f"MIRRORED {rank} {casts[0]}\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
     placed_shards(rank, mesh, qwen2(vocab_size=68))  # every row count even: every shard can be placed
+    mirrored_steps(rank, mesh, qwen2(vocab_size=68))
     torch.manual_seed(0)
     config = qwen2(vocab_size=67)  # the embedding's rows split 34 + 33: FSDP2 pads rank 1's shard
     model = Qwen2ForCausalLM(config).eval()

@@ -51,7 +51,7 @@ def test_slice_holder_answers_only_the_expected_narrow() -> None:
         holder.add(1)
 
 
-def ok_lines_of_two_ranks(script: str, also: str = "OK", env: dict[str, str] | None = None) -> list[list[str]]:
+def ok_lines_of_two_ranks(script: str, *also: str, env: dict[str, str] | None = None) -> list[list[str]]:
     """Run ``tests/scripts/<script>`` under torchrun on 2 processes (``env`` added to the environment); its ``OK ...``
     (and ``also ...``) lines, split, sorted."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -60,7 +60,7 @@ def ok_lines_of_two_ranks(script: str, also: str = "OK", env: dict[str, str] | N
         [*cmd, str(SCRIPTS / script)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=environment
     )
     assert proc.returncode == 0, failure_text(proc)
-    return sorted(line.split() for line in proc.stdout.splitlines() if line.startswith(("OK", also)))
+    return sorted(line.split() for line in proc.stdout.splitlines() if line.startswith(("OK", *also)))
 
 
 def test_exchange_moves_only_what_is_not_local() -> None:
@@ -71,7 +71,7 @@ def test_exchange_moves_only_what_is_not_local() -> None:
 
 
 def test_full_tensors_gathers_buckets_of_shards_exactly() -> None:
-    lines = ok_lines_of_two_ranks("gather_check.py", also="FALLBACK")
+    lines = ok_lines_of_two_ranks("gather_check.py", "FALLBACK")
     assert lines[:2] == [["FALLBACK", "0"], ["FALLBACK", "1"]]
     lines = lines[2:]
     assert [line[1] for line in lines] == ["0", "1"]
@@ -83,9 +83,15 @@ def test_full_tensors_gathers_buckets_of_shards_exactly() -> None:
 @pytest.mark.parametrize("native", ["1", "0"], ids=["kernels", "eager"])
 def test_colocated_engines_read_one_shared_copy_of_the_weights(native: str) -> None:
     # eager: without the CPU kernels a bfloat16 engine's rows are cast by copy_ at each hand-off (they once were not)
-    lines = ok_lines_of_two_ranks("shared_weights_check.py", also="PLACED", env={"LIGHTNING_RLHF_NATIVE": native})
+    lines = ok_lines_of_two_ranks(
+        "shared_weights_check.py", "PLACED", "MIRRORED", env={"LIGHTNING_RLHF_NATIVE": native}
+    )
     # the shards placed in the store: three training steps and hand-offs, one write (the first hand-off's) per rank
     assert [line for line in lines if line[0] == "PLACED"] == [["PLACED", "0", "1"], ["PLACED", "1", "1"]]
+    # a bfloat16 engine of float32 shards: the optimizer casts the rows (one cast at the hand-off after an edit by
+    # hand); without the kernels every hand-off casts, by copy_
+    casts = "1" if native == "1" else "0"
+    assert [line for line in lines if line[0] == "MIRRORED"] == [["MIRRORED", "0", casts], ["MIRRORED", "1", casts]]
     lines = [line for line in lines if line[0] == "OK"]
     assert [line[:3] for line in lines] == [["OK", "0", "bfloat16"], ["OK", "0", "float32"],
                                             ["OK", "1", "bfloat16"], ["OK", "1", "float32"]]  # fmt: skip

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.engines.train.fsdp import _local, _row_shard, place_shards, write_shards
 from lightning_rlhf.engines.train.host_share import host_memory
+from lightning_rlhf.engines.train.optim import MirroredAdamW
 from lightning_rlhf.native import CastPlan
 
 __all__ = ["SharedWeights"]
@@ -72,10 +73,18 @@ class SharedWeights:
     """
 
     def __init__(
-        self, engine: Any, model: nn.Module, group: dist.ProcessGroup, views: dict[str, Tensor], memory: Tensor
+        self,
+        engine: Any,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        views: dict[str, Tensor],
+        memory: Tensor,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
+        self.optimizer = optimizer
+        """The model's optimizer: a :class:`MirroredAdamW` writes the bfloat16 rows during its step."""
         self.group = group
         self.views = views
         self.memory = memory
@@ -93,10 +102,12 @@ class SharedWeights:
         :func:`place_shards` is not tried)."""
 
     @classmethod
-    def attempt(cls, engine: Any, model: nn.Module) -> SharedWeights | None:
-        """The store for ``engine`` fed from the FSDP2 ``model``, or None where the hand-off must stream (see the
-        module docstring). Runs on: every worker rank of the model's mesh, at the same point (collective when the
-        store is made: the ranks agree on the answer)."""
+    def attempt(
+        cls, engine: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> SharedWeights | None:
+        """The store for ``engine`` fed from the FSDP2 ``model`` (stepped by ``optimizer``, where one is given), or
+        None where the hand-off must stream (see the module docstring). Runs on: every worker rank of the model's
+        mesh, at the same point (collective when the store is made: the ranks agree on the answer)."""
         if not getattr(engine, "binds_shared_weights", False) or getattr(engine, "slicer", None) is not None:
             return None
         params = dict(model.named_parameters())
@@ -125,7 +136,7 @@ class SharedWeights:
             name: memory[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
             for (name, shape), start in zip(layout, offsets, strict=True)
         }
-        return cls(engine, model, group, views, memory)
+        return cls(engine, model, group, views, memory, optimizer)
 
     def hand_off(self, received: list[int] | None = None) -> float:
         """Bring the store up to the actor's weights and bind the engine to it (the protocol in the module docstring).
@@ -146,7 +157,7 @@ class SharedWeights:
             dist.barrier(group=self.group)
             if self._placeable:  # this rank's rows only, values unchanged: no reader can tell
                 place_shards(self.model, self.views)
-            self._rows = _Rows.of(self.model, self.views)
+            self._rows = _Rows.of(self.model, self.views, self.optimizer)
         if received is not None:
             received[0] += self._received
         self.engine.bind_weights(self.views)
@@ -160,22 +171,34 @@ class _Rows:
     worker rank (no collective)."""
 
     def __init__(
-        self, model: nn.Module, shards: list[tuple[nn.Parameter, int]], places: list[Tensor], locals_: list[Tensor]
+        self,
+        model: nn.Module,
+        shards: list[tuple[nn.Parameter, int]],
+        places: list[Tensor],
+        locals_: list[Tensor],
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.model = model
         self.shards = shards
         pairs = list(zip(places, locals_, strict=True))
         casts = [(place, local) for place, local in pairs if place.dtype != local.dtype]
         self.cast = CastPlan.make([place for place, _ in casts], [local for _, local in casts]) if casts else None
+        self.mirrored = optimizer if isinstance(optimizer, MirroredAdamW) and self.cast is not None else None
+        """The optimizer that casts the rows during its step (the cast is then made here only where it did not)."""
+        if self.mirrored is not None:
+            self.mirrored.set_mirrors([(local, place) for place, local in casts])
         # without the kernel (none built, LIGHTNING_RLHF_NATIVE=0) the casts are plain copies too (copy_ casts)
         copies = [(place, local) for place, local in pairs if self.cast is None or place.dtype == local.dtype]
         self.places = [place for place, _ in copies]
         self.locals = [local for _, local in copies]
 
     @classmethod
-    def of(cls, model: nn.Module, views: dict[str, Tensor]) -> _Rows | None:
+    def of(
+        cls, model: nn.Module, views: dict[str, Tensor], optimizer: torch.optim.Optimizer | None = None
+    ) -> _Rows | None:
         """The copies for ``model``'s shards, or None where a parameter is not row-sharded (the first rank writes it
-        whole: :func:`write_shards` does it every hand-off)."""
+        whole: :func:`write_shards` does it every hand-off). A :class:`MirroredAdamW` ``optimizer`` is given the
+        casts to make during its steps."""
         shards: list[tuple[nn.Parameter, int]] = []
         places: list[Tensor] = []
         locals_: list[Tensor] = []
@@ -192,7 +215,7 @@ class _Rows:
             if place.data_ptr() != shard.local.data_ptr() or place.dtype != shard.local.dtype:
                 places.append(place)
                 locals_.append(shard.local)
-        return cls(model, shards, places, locals_)
+        return cls(model, shards, places, locals_, optimizer)
 
     def write(self) -> bool:
         """Write this rank's rows (cast to the store's dtype) where they are still the shards listed; False, writing
@@ -203,7 +226,7 @@ class _Rows:
             return False
         if not all(p is q and _local(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self.shards, strict=True)):
             return False
-        if self.cast is not None:
+        if self.cast is not None and (self.mirrored is None or not self.mirrored.mirrors_current()):
             self.cast()
         if self.places:
             with torch.no_grad():

@@ -23,12 +23,14 @@ from lightning_rlhf.engines.train.fsdp import (
     write_shards,
 )
 from lightning_rlhf.engines.train.loading import LoadReport, deferred_loading, load_pretrained, materialize
+from lightning_rlhf.engines.train.optim import MirroredAdamW
 
 __all__ = [
     "RESPONSE_INPUTS",
     "LoadReport",
     "LossFn",
     "MetricAccumulator",
+    "MirroredAdamW",
     "TrainEngine",
     "check_compute_dtype",
     "clip_grad_norm",
