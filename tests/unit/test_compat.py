@@ -411,14 +411,15 @@ def test_start_subprocess_ranks_starts_the_other_ranks(tmp_path: Path) -> None:
 @functools.cache
 def lightning_private_names() -> frozenset[str]:
     """Every private name Lightning's own source defines: attributes it assigns on ``self``, its functions, classes,
-    module-level names (not the private names of other libraries that it reads, such as ``torch._C``)."""
+    module-level names (not the private names of other libraries that it reads, such as ``torch._C``, nor those a
+    torch tensor has: ``tensor._version`` is the tensor's version counter, whatever Lightning's loggers call theirs)."""
     names: set[str] = set()
     for path in Path(lightning.__file__).resolve().parent.rglob("*.py"):
         text = path.read_text(errors="ignore")
         names.update(re.findall(r"self\.(_[A-Za-z]\w*)\s*(?::[^=\n]+)?=(?!=)", text))
         names.update(re.findall(r"^\s*(?:def|class)\s+(_[A-Za-z]\w*)", text, re.MULTILINE))
         names.update(re.findall(r"^(_[A-Za-z]\w*)\s*[:=]", text, re.MULTILINE))
-    return frozenset(n for n in names if not n.startswith("__"))
+    return frozenset(n for n in names if not n.startswith("__") and not hasattr(torch.Tensor, n))
 
 
 LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
@@ -456,6 +457,7 @@ def test_no_module_but_compat_touches_lightning_private_names() -> None:
     lightnings = lightning_private_names()
     assert {"_batches_that_stepped", "_signal_connector", "_first_loop_iter", "_launcher"} <= lightnings
     assert "_C" not in lightnings and "_parameters" not in lightnings  # torch's, which Lightning only reads
+    assert "_version" not in lightnings  # a tensor's (Lightning's loggers have a `self._version` of their own)
     assert private_lightning_uses(PACKAGE / "compat.py")  # and would see compat's uses, were they elsewhere
     offenders = [use for path in package_files() for use in private_lightning_uses(path)]
     assert offenders == [], (

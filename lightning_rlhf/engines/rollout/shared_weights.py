@@ -11,9 +11,11 @@ all-reduce (every rank done with its step), and the host holds the weights once,
 The protocol (every rank of the actor's mesh, inside ``ActorRole.sync_weights``):
 
 1. each rank whose rows are known to lie in the store, or to be written there by a fixed list of copies (a
-   bfloat16 engine fed by float32 master weights: each shard cast into its rows), makes those copies; then an
-   all-reduce: every rank is past its optimizer step, has written its rows, and every engine of the host is done
-   generating with the weights it has (the colocated engines generate between hand-offs, never during one);
+   bfloat16 engine fed by float32 master weights: each shard cast into its rows), makes those copies (none where
+   the actor's :class:`~lightning_rlhf.engines.train.MirroredAdamW` already cast them in its step, rows in cache,
+   and nothing wrote to the shards since); then an all-reduce: every rank is past its optimizer step, has written
+   its rows, and every engine of the host is done generating with the weights it has (the colocated engines
+   generate between hand-offs, never during one);
 2. if a rank's rows are not known (the first hand-off; a parameter that is not row-sharded; a checkpoint loaded into
    new storage): each rank writes its rows of every parameter into place (cast to the engine's dtype; parameters
    that are not row-sharded are written whole by the group's first rank:
