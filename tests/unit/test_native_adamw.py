@@ -129,3 +129,20 @@ def test_the_trainer_s_optimizer_is_the_mirrored_one_and_unchanged_without_mirro
             opt.step()
             opt.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("mirrored", [False, True], ids=["pytorchs-step", "native-step"])
+def test_step_hooks_run_once_whichever_step_runs(mirrored: bool) -> None:
+    torch.optim.AdamW([nn.Parameter(torch.zeros(4))])  # a plain AdamW in the process: its class's step is hooked
+    param = nn.Parameter(torch.randn(16))
+    optimizer = MirroredAdamW([param], lr=1e-2, fused=True)
+    calls: list[str] = []
+    optimizer.register_step_pre_hook(lambda *_: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+    if mirrored:
+        optimizer.set_mirrors([(param, torch.zeros(16, dtype=torch.bfloat16))])
+    for _ in range(2):  # the first step is PyTorch's (it makes the state); the second native where mirrored
+        param.grad = torch.ones(16)
+        optimizer.step()
+    assert calls == ["pre", "post"] * 2
+    assert optimizer.mirrors_current() == mirrored

@@ -68,7 +68,7 @@ class MirroredAdamW(torch.optim.AdamW):
         step, the mirrors left to the hand-off). Runs on: every worker rank."""
         if not self._mirrors or closure is not None or not self._native_step():
             self._written = None
-            return super().step(closure)
+            return _adamw_step(self, closure)
         return None
 
     def _native_step(self) -> bool:
@@ -76,6 +76,8 @@ class MirroredAdamW(torch.optim.AdamW):
         steps = []
         for index, group in enumerate(self.param_groups):
             if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
+                return False
+            if not group.get("decoupled_weight_decay", True):  # Adam's coupled decay: not AdamW's arithmetic
                 return False
             params = [p for p in group["params"] if p.grad is not None]
             states = [self.state.get(p) for p in params]
@@ -118,6 +120,16 @@ class MirroredAdamW(torch.optim.AdamW):
             plan = _GroupPlan(params, locals_, exp_avgs, exp_avg_sqs, mirrors, run)
             self._plans[index] = plan
         return plan
+
+
+def _adamw_step(optimizer: torch.optim.AdamW, closure: Callable[[], float] | None) -> float | None:
+    """PyTorch's AdamW step without its step hooks. ``Optimizer`` wraps each class's ``step`` with the hooks'
+    caller once an instance exists (``step.hooked``); :meth:`MirroredAdamW.step` is wrapped already, so calling
+    ``super().step()`` would run the hooks twice whenever a plain AdamW was made in the same process."""
+    step = torch.optim.AdamW.step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__  # type: ignore[attr-defined]
+    return step(optimizer, closure)  # type: ignore[no-any-return]
 
 
 class _GroupPlan:
