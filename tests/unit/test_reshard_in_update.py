@@ -55,19 +55,26 @@ def _rank(rank: int, world: int, init: str, path: str, out: str, dtype: str | No
 
 
 def count_gathers(dist: Any) -> Callable[[], int]:
-    """Count the all-gathers FSDP2 issues from now on; the returned call stops counting and gives the count."""
-    original = dist.all_gather_single
+    """Count the all-gathers FSDP2 issues from now on (on CPU through the host's shared memory, else gloo's); the
+    returned call stops counting and gives the count."""
+    from lightning_rlhf.engines.train.host_collectives import HostAllGather
+
+    originals = (dist.all_gather_single, HostAllGather.__call__)
     calls = [0]
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(*args, **kwargs)
+    def counting(function: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return function(*args, **kwargs)
+
+        return counted
 
     def stop() -> int:
-        dist.all_gather_single = original
+        dist.all_gather_single, HostAllGather.__call__ = originals
         return calls[0]
 
-    dist.all_gather_single = counted
+    dist.all_gather_single = counting(originals[0])
+    HostAllGather.__call__ = counting(originals[1])  # type: ignore[method-assign]
     return stop
 
 

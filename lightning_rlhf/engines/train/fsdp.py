@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_rlhf.engines.train.host_collectives import use_host_collectives
 from lightning_rlhf.engines.train.host_share import HostBuffer, host_buffer
 
 __all__ = [
@@ -52,11 +53,16 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
         mesh: the 1-D data-parallel device mesh.
         param_dtype: compute dtype for forward/backward (e.g. ``torch.bfloat16``); gradients are reduced in
             float32. None keeps the model's dtype.
+
+    On CPU the units' all-gathers and reduce-scatters go through the host's shared memory where the ranks share
+    one (:mod:`~lightning_rlhf.engines.train.host_collectives`; gloo's collectives elsewhere).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for layer in _decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if mesh.device_type == "cpu":
+        use_host_collectives(model)
     return model
 
 
