@@ -7,7 +7,7 @@ with 2 processes; the test launches it.
   model sharded with gloo's collectives give the same loss and the same sharded gradients, bitwise, over two
   micro-batches (the gradients reduced with the second) and two steps.
 
-Prints ``OK <rank> <shared-memory calls> <gloo calls>`` (the calls counted in the first part).
+Rank 0 prints ``OK <rank> <shared-memory calls> <gloo calls>`` for each rank (the calls counted in the first part).
 """
 
 from __future__ import annotations
@@ -126,7 +126,10 @@ def main() -> None:
     rank = dist.get_rank()
     calls, gloo = collectives(rank)
     training(rank)
-    print(f"OK {rank} {calls} {gloo}", flush=True)
+    results: list[tuple[int, int, int]] = [(0, 0, 0)] * 2
+    dist.all_gather_object(results, (rank, calls, gloo))
+    if rank == 0:  # one writer: both ranks' lines
+        print("\n".join(f"OK {r} {c} {g}" for r, c, g in results), flush=True)
     shutdown_process_groups()
 
 
