@@ -66,15 +66,21 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _half(group: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor | None:
-    """The next half of the group's buffer, sized for the ranks' copies of ``t``, or None (gloo instead)."""
-    need = group.size() * t.numel() * t.element_size()
+def _posted(group: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor | None:
+    """Every rank's ``t`` in the next half of the group's buffer (rank-major bytes), once all have written theirs
+    (one barrier); None where the shared path cannot serve ``t`` (the caller takes gloo's collective)."""
+    nbytes = t.numel() * t.element_size()
+    need = group.size() * nbytes
     if t.device.type != "cpu" or need > MAX_HALF_BYTES:
         return None
     buffer = host_buffer(group, need)
     if buffer is None:
         return None
-    return buffer.next_half(need)
+    half = buffer.next_half(need)
+    rank = group.rank()
+    half[rank * nbytes : (rank + 1) * nbytes].copy_(_bytes(t))
+    dist.barrier(group=group)
+    return half
 
 
 class _Allocate:
@@ -93,13 +99,9 @@ class HostAllGather(_Allocate):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
         """Gather every rank's ``input_tensor`` into ``output_tensor`` (rank-major); done when it returns."""
-        half = _half(group, input_tensor)
+        half = _posted(group, input_tensor)
         if half is None:
             return gloo_all_gather(output_tensor, input_tensor, group, async_op)
-        nbytes = input_tensor.numel() * input_tensor.element_size()
-        rank = group.rank()
-        half[rank * nbytes : (rank + 1) * nbytes].copy_(_bytes(input_tensor))
-        dist.barrier(group=group)
         _bytes(output_tensor).copy_(half)
         return None
 
@@ -118,13 +120,10 @@ class HostReduceScatter(_Allocate):
     ) -> dist.Work | None:
         """Sum (or average) the ranks' ``input_tensor`` and keep this rank's slice in ``output_tensor``."""
         average = op == dist.ReduceOp.AVG
-        half = _half(group, input_tensor) if average or op == dist.ReduceOp.SUM else None
+        half = _posted(group, input_tensor) if average or op == dist.ReduceOp.SUM else None
         if half is None:
             return gloo_reduce_scatter(output_tensor, input_tensor, group, op, async_op)
         world, rank = group.size(), group.rank()
-        nbytes = input_tensor.numel() * input_tensor.element_size()
-        half[rank * nbytes : (rank + 1) * nbytes].copy_(_bytes(input_tensor))
-        dist.barrier(group=group)
         slices = half.view(input_tensor.dtype).view(world, world, -1)[:, rank]
         out = output_tensor.view(-1)
         out.copy_(slices[0])
