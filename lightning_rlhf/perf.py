@@ -4,8 +4,9 @@ behind it, memory, and time per token.
 The peak a FLOP count is divided by is the device's dense peak for the compute dtype:
 
 - on a GPU, the published figure of its datasheet (:data:`GPU_PEAKS`, matched on ``torch.cuda.get_device_name``);
-- on a CPU, this machine's measured ``torch.mm`` rate (:func:`cpu_matmul_peak`), measured once per CPU model,
-  thread count and dtype and kept in ``~/.cache/lightning_rlhf/cpu_matmul_peak.json`` (or ``$LIGHTNING_RLHF_CACHE``);
+- on a CPU, this machine's measured matmul rate (:func:`cpu_matmul_peak`: the faster of ``torch.mm`` and, in
+  float32, oneDNN's product, which the training engine's layers use), measured once per CPU model, thread count and
+  dtype and kept in ``~/.cache/lightning_rlhf/cpu_matmul_peak.json`` (or ``$LIGHTNING_RLHF_CACHE``);
 - anywhere, ``$LIGHTNING_RLHF_PEAK_TFLOPS`` (dense TFLOP/s of one device) when set, which overrides both.
 
 The model FLOPs of a training pass are ``6 * trainable parameters * tokens`` (a forward's multiply-adds are
@@ -20,11 +21,11 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = [
     "GIB",
@@ -172,22 +173,41 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def _cpu_products(dtype: torch.dtype) -> list[Callable[[Tensor, Tensor], Tensor]]:
+    """The CPU matmuls a model's layers may use for ``dtype``: ``torch.mm`` and, in float32 where oneDNN is
+    available, oneDNN's (:func:`~lightning_rlhf.engines.onednn.matmul_nt`, which the training engine's linear
+    layers use: on AMD CPUs MKL's float32 ``sgemm`` runs below half of what the cores do)."""
+    from lightning_rlhf.engines.onednn import matmul_nt, onednn_available
+
+    products: list[Callable[[Tensor, Tensor], Tensor]] = [torch.mm]
+    if dtype == torch.float32 and onednn_available():
+        products.append(lambda a, b: matmul_nt(a, b.t()))
+    return products
+
+
 def measure_matmul_flops(dtype: torch.dtype, *, budget_s: float = 1.0, max_size: int = 4096) -> float:
-    """This process's best ``torch.mm`` rate on the CPU in FLOP/s (``2 n^3`` per ``n x n`` product), with the
-    current ``torch.get_num_threads()``. Grows ``n`` from 256 by doubling until one product takes 50 ms (or
-    ``max_size``), then repeats that size while ``budget_s`` lasts (at most 8 times) and keeps the fastest.
+    """This process's best CPU matmul rate in FLOP/s (``2 n^3`` per ``n x n`` product), with the current
+    ``torch.get_num_threads()``: the faster of ``torch.mm`` and, in float32, oneDNN's product (``_cpu_products``).
+    For each, grows ``n`` from 256 by doubling until one product takes 50 ms (or ``max_size``), then repeats that
+    size while its share of ``budget_s`` lasts (at most 8 times) and keeps the fastest.
 
     Runs on: any process (it uses every thread torch has for about ``budget_s`` seconds).
     """
+    products = _cpu_products(dtype)
+    return max(_best_rate(mm, dtype, budget_s / len(products), max_size) for mm in products)
+
+
+def _best_rate(mm: Callable[[Tensor, Tensor], Tensor], dtype: torch.dtype, budget_s: float, max_size: int) -> float:
+    """The fastest ``mm(a, b)`` of ``n x n`` matrices in FLOP/s (see :func:`measure_matmul_flops`)."""
     deadline = time.perf_counter() + budget_s
     gen = torch.Generator().manual_seed(0)
     best, n = 0.0, 256
     while True:
         a = torch.randn(n, n, generator=gen).to(dtype)
         b = torch.randn(n, n, generator=gen).to(dtype)
-        torch.mm(a, b)  # warm-up: the first call of a size/dtype pays for kernel selection and page faults
+        mm(a, b)  # warm-up: the first call of a size/dtype pays for kernel selection and page faults
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        mm(a, b)
         took = max(time.perf_counter() - t0, 1e-9)
         best = max(best, 2.0 * n**3 / took)
         if took >= 0.05 or n >= max_size or time.perf_counter() + 16 * took > deadline:
@@ -197,24 +217,27 @@ def measure_matmul_flops(dtype: torch.dtype, *, budget_s: float = 1.0, max_size:
         if time.perf_counter() + took > deadline:
             break
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        mm(a, b)
         took = max(time.perf_counter() - t0, 1e-9)
         best = max(best, 2.0 * n**3 / took)
     return best
 
 
 _CPU_PEAKS: dict[str, float] = {}
+_PEAK_METHOD = "best of mm, onednn"
+"""Part of the cache key: how the peak was measured (peaks cached before oneDNN's product was measured too are
+measured again)."""
 
 
 def _cpu_peak_key(dtype: torch.dtype, threads: int) -> str:
     """The cache key: CPU model, thread count and dtype."""
-    return f"{cpu_model_name()} | threads={threads} | {str(dtype).removeprefix('torch.')}"
+    return f"{cpu_model_name()} | threads={threads} | {str(dtype).removeprefix('torch.')} | {_PEAK_METHOD}"
 
 
 def cpu_matmul_peak(dtype: torch.dtype, *, cache_dir: str | None = None) -> float:
     """This machine's matmul peak in FLOP/s for ``dtype`` with the current thread count: measured once
     (:func:`measure_matmul_flops`, about a second) and cached, in this process and on disk in
-    ``<cache_dir>/cpu_matmul_peak.json`` under the key "CPU model | threads=T | dtype", so later runs read it.
+    ``<cache_dir>/cpu_matmul_peak.json`` under the key "CPU model | threads=T | dtype | method", so later runs read it.
 
     Runs on: any process (the controller, for ``perf/mfu/*``). ``cache_dir`` defaults to the embedded models'
     cache folder (``$LIGHTNING_RLHF_CACHE`` or ``~/.cache/lightning_rlhf``). Delete the file to measure again

@@ -60,17 +60,21 @@ OUR_CONFIGS: dict[str, tuple[str, int]] = {
     "hf2np": ("hf", 2),
     "hf2ns": ("hf", 2),
     "hf2rs": ("hf", 2),
+    "hf2mkl": ("hf", 2),
 }
 """Our configurations: name -> (rollout engine, processes)."""
 OUR_EXTRA_ARGS: dict[str, list[str]] = {
     "hf2np": ["--no-shared-prefix"],
     "hf2ns": ["--no-skip-zero-advantage"],
     "hf2rs": ["--reshard-in-update"],
+    "hf2mkl": ["--no-onednn"],
 }
 """Configurations that differ by a setting: ``hf2np`` is ``hf2`` with every row computing its own prompt (the A/B of
 the shared-prefix forward); ``hf2ns`` is ``hf2`` training every sample, zero advantages included (the A/B of
 ``AlgorithmConfig.skip_zero_advantage``); ``hf2rs`` is ``hf2`` with FSDP2's default resharding in the update
-(``RLHFStrategy(reshard_in_update=True)``; every configuration of ours runs with False otherwise)."""
+(``RLHFStrategy(reshard_in_update=True)``; every configuration of ours runs with False otherwise); ``hf2mkl`` is
+``hf2`` with PyTorch's own float32 matmuls (MKL; ``LIGHTNING_RLHF_ONEDNN=0``), the matmuls TRL's side runs, instead of
+oneDNN's in the training engine's linear layers."""
 BACKGROUND_LIMIT = 0.3
 """Cores of background load above which a run is repeated once (the quieter of the two is kept)."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -375,11 +379,14 @@ def check_tokenizers(
 
 
 def machine_peaks(accelerator: str = "cpu") -> dict[str, float]:
-    """Matmul peak (fp32, bf16: best of several large ``torch.mm``) in GFLOP/s and memcpy bandwidth (GB/s of
+    """Matmul peak (fp32, bf16: best of several large ``torch.mm``; in fp32 on CPU, the faster of that and oneDNN's
+    product, with ``torch.mm``'s own kept as ``matmul_gflops_fp32_torch_mm``) in GFLOP/s and memcpy bandwidth (GB/s of
     bytes copied) with all cores, or on the GPU (``accelerator="gpu"``: float32 at PyTorch's default precision,
     no TF32, as both sides train). Runs on: the driver, between runs (nothing else of the benchmark running).
     """
     import torch
+
+    from lightning_rlhf.engines.onednn import matmul_nt, onednn_available
 
     torch.set_num_threads(os.cpu_count() or 1)
     device = torch.device("cuda" if accelerator == "gpu" else "cpu")
@@ -401,10 +408,21 @@ def machine_peaks(accelerator: str = "cpu") -> dict[str, float]:
     for dtype, key in ((torch.float32, "matmul_gflops_fp32"), (torch.bfloat16, "matmul_gflops_bf16")):
         a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
         out[key] = 2 * n**3 / best_of(functools.partial(torch.mm, a, b)) / 1e9
+        if device.type == "cpu" and dtype == torch.float32 and onednn_available():
+            # torch.mm's float32 product is MKL's, below half of the cores' rate on AMD CPUs; oneDNN's (which our
+            # linear layers use) is the machine's limit there: the peak is the faster of the two.
+            out["matmul_gflops_fp32_torch_mm"] = out[key]
+            out[key] = max(out[key], 2 * n**3 / best_of(functools.partial(matmul_nt, a, b.t())) / 1e9)
     src = torch.ones(64 * 1024 * 1024, device=device)  # 256 MiB
     dst = torch.empty_like(src)
     out["memcpy_gbs"] = src.numel() * 4 / best_of(lambda: dst.copy_(src)) / 1e9
     return out
+
+
+def mm_note(peaks: dict[str, float]) -> str:
+    """`` (torch.mm: X)`` where the float32 peak came from oneDNN's product and ``torch.mm``'s was measured too."""
+    mm = peaks.get("matmul_gflops_fp32_torch_mm")
+    return "" if mm is None else f" (torch.mm's own: {mm:.1f})"
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -456,6 +474,7 @@ def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[
     names["hf2np"] += " (no shared prefix)"
     names["hf2ns"] += " (no zero-adv skip)"
     names["hf2rs"] += " (reshard in update)"
+    names["hf2mkl"] += " (MKL matmuls)"
     for model, precision, ref in combos:
         trl = table.get((model, precision, ref, "trl"), {})
         ours = {c: table[(model, precision, ref, c)] for c in OUR_CONFIGS if (model, precision, ref, c) in table}
@@ -585,7 +604,7 @@ def main() -> None:
 
         print(f"device: {torch.cuda.get_device_name()} (torch {torch.__version__}); peaks below are the GPU's")
     print(
-        f"machine: {cores} CPU cores; matmul peak fp32 {peaks['matmul_gflops_fp32']:.1f} GFLOP/s, bf16 "
+        f"machine: {cores} CPU cores; matmul peak fp32 {peaks['matmul_gflops_fp32']:.1f} GFLOP/s{mm_note(peaks)}, bf16 "
         f"{peaks['matmul_gflops_bf16']:.1f} GFLOP/s; memcpy {peaks['memcpy_gbs']:.1f} GB/s"
     )
     print(
@@ -623,8 +642,8 @@ def main() -> None:
     peaks = {k: max(v, again[k]) for k, v in peaks.items()}
     print(
         f"matmul peak (higher of the measurements before and after the runs): fp32 "
-        f"{peaks['matmul_gflops_fp32']:.1f} GFLOP/s, bf16 {peaks['matmul_gflops_bf16']:.1f} GFLOP/s; memcpy "
-        f"{peaks['memcpy_gbs']:.1f} GB/s"
+        f"{peaks['matmul_gflops_fp32']:.1f} GFLOP/s{mm_note(peaks)}, bf16 {peaks['matmul_gflops_bf16']:.1f} GFLOP/s; "
+        f"memcpy {peaks['memcpy_gbs']:.1f} GB/s"
     )
     result = report(summarise(runs, window), peaks)
     with open(os.path.join(out_dir, "result.json"), "w") as f:

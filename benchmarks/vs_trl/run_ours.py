@@ -84,7 +84,14 @@ def main() -> None:
         help="RLHFStrategy(reshard_in_update=True), FSDP2's default: gather and free each layer in every forward "
         "and backward of the update (default here: False, the small workload's models fit whole on every rank)",
     )
+    p.add_argument(
+        "--no-onednn",
+        action="store_true",
+        help="LIGHTNING_RLHF_ONEDNN=0: PyTorch's own float32 matmuls (MKL) in the linear layers, as TRL's side runs",
+    )
     args = p.parse_args()
+    if args.no_onednn:
+        os.environ["LIGHTNING_RLHF_ONEDNN"] = "0"  # before lightning_rlhf is imported; the launcher's rank inherits it
     cores = os.cpu_count() or 1
     W.set_threads(max(1, cores // args.devices))
 

@@ -23,12 +23,21 @@ left alone).
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RMS_NORM_CLASSES", "RMSNormFunction", "fuse_rms_norms", "rms_norm", "unfuse_rms_norms"]
+__all__ = [
+    "RMS_NORM_CLASSES",
+    "RMSNormFunction",
+    "fuse_rms_norms",
+    "restore_forwards",
+    "rms_norm",
+    "switch_forwards",
+    "unfuse_rms_norms",
+]
 
 RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
 """transformers' norm classes whose forward is ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``."""
@@ -90,15 +99,30 @@ def fuse_rms_norms(model: nn.Module) -> int:
     sharding, which leaves the norms' forwards alone). In place and idempotent: the instance's ``forward`` is
     replaced; parameters, buffers, names and the state dict do not change. :func:`unfuse_rms_norms` undoes it.
     """
+    return switch_forwards(model, _fused_forward, _is_llama_norm)
+
+
+def _is_llama_norm(module: nn.Module) -> bool:
+    """A norm of :data:`RMS_NORM_CLASSES` with the attributes its forward reads."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ in RMS_NORM_CLASSES
+        and isinstance(weight, torch.Tensor)
+        and hasattr(module, "variance_epsilon")
+    )
+
+
+def switch_forwards(model: nn.Module, forward: Callable[..., Any], wanted: Callable[[nn.Module], bool]) -> int:
+    """Give every module of ``model`` for which ``wanted(module)`` holds ``forward`` bound to it as its instance
+    ``forward``; returns how many. :func:`restore_forwards` undoes it.
+
+    Runs on: any process. In place and idempotent; parameters, names and the state dict do not change.
+    """
     count = 0
     for module in model.modules():
-        if type(module).__name__ not in RMS_NORM_CLASSES:
-            continue
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or not hasattr(module, "variance_epsilon"):
-            continue
-        module.forward = types.MethodType(_fused_forward, module)  # type: ignore[method-assign]
-        count += 1
+        if wanted(module):
+            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+            count += 1
     return count
 
 
@@ -107,10 +131,19 @@ def unfuse_rms_norms(model: nn.Module) -> int:
 
     Runs on: any process (tests, A/B benchmarks).
     """
+    return restore_forwards(model, _fused_forward)
+
+
+def restore_forwards(model: nn.Module, forward: Callable[..., Any]) -> int:
+    """Remove every instance ``forward`` of ``model``'s modules that is ``forward`` bound to the module (what a
+    switch such as :func:`fuse_rms_norms` set), so the class's own runs again; returns how many.
+
+    Runs on: any process.
+    """
     count = 0
     for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, types.MethodType) and forward.__func__ is _fused_forward:
+        bound = module.__dict__.get("forward")
+        if isinstance(bound, types.MethodType) and bound.__func__ is forward:
             del module.forward
             count += 1
     return count

@@ -80,21 +80,23 @@ def tiny_qwen2() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def logits_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model's logits on ``ids`` and every parameter's gradient of ``sum(logsumexp(logits))``."""
+    model.zero_grad()
+    logits = model(input_ids=ids).logits
+    logits.float().logsumexp(-1).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def test_fuse_switches_every_norm_and_keeps_outputs_gradients_and_state() -> None:
     model = tiny_qwen2()
     ids = torch.randint(0, 64, (3, 9))
     keys = list(model.state_dict())
 
-    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        model.zero_grad()
-        logits = model(input_ids=ids).logits
-        logits.float().logsumexp(-1).sum().backward()
-        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    logits_ref, grads_ref = run()
+    logits_ref, grads_ref = logits_and_grads(model, ids)
     assert fuse_rms_norms(model) == 2 * 2 + 1  # two per layer and the final norm
     assert fuse_rms_norms(model) == 5  # idempotent
-    logits, grads = run()
+    logits, grads = logits_and_grads(model, ids)
     assert torch.equal(logits, logits_ref)
     assert grads.keys() == grads_ref.keys()
     for name, g in grads.items():

@@ -81,7 +81,8 @@ def test_cpu_peak_is_measured_once_then_read_from_disk(tmp_path: Path, monkeypat
     peak = perf.cpu_matmul_peak(torch.float32, cache_dir=str(tmp_path))
     assert time.perf_counter() - t0 < 2.0
     assert 1e9 < peak < 1e14  # between 1 GFLOP/s and 100 TFLOP/s: a CPU
-    key = f"{perf.cpu_model_name()} | threads={torch.get_num_threads()} | float32"
+    key = perf._cpu_peak_key(torch.float32, torch.get_num_threads())
+    assert key.startswith(f"{perf.cpu_model_name()} | threads={torch.get_num_threads()} | float32 | ")
     cache = tmp_path / perf.CPU_PEAK_FILE
     assert json.loads(cache.read_text()) == {key: peak}
 
@@ -93,7 +94,7 @@ def test_cpu_peak_is_measured_once_then_read_from_disk(tmp_path: Path, monkeypat
     perf._CPU_PEAKS.clear()  # a new process: only the file is left
     assert perf.cpu_matmul_peak(torch.float32, cache_dir=str(tmp_path)) == peak
     # Another dtype is another key; a value already in the file is taken as is.
-    bf16_key = key.replace("float32", "bfloat16")
+    bf16_key = perf._cpu_peak_key(torch.bfloat16, torch.get_num_threads())
     cache.write_text(json.dumps({key: peak, bf16_key: 5e10}))
     assert perf.cpu_matmul_peak(torch.bfloat16, cache_dir=str(tmp_path)) == 5e10
     perf._CPU_PEAKS.clear()
@@ -202,9 +203,7 @@ def test_one_process_grpo_run_logs_the_perf_metrics(tiny_model: str, tmp_path: P
     # The run measured this machine's float32 peak once, with the controller's threads (Lightning sets cores /
     # processes), and cached it.
     peaks = json.loads((cache / perf.CPU_PEAK_FILE).read_text())
-    threads = [
-        t for t in range(1, (os.cpu_count() or 1) + 1) if f"{perf.cpu_model_name()} | threads={t} | float32" in peaks
-    ]
+    threads = [t for t in range(1, (os.cpu_count() or 1) + 1) if perf._cpu_peak_key(torch.float32, t) in peaks]
     assert len(peaks) == 1 and len(threads) == 1, peaks
     peak = next(iter(peaks.values()))
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,131 @@
+"""Float32 linear layers on CPU through oneDNN's matmul instead of MKL's ``sgemm``.
+
+PyTorch's float32 ``F.linear`` / ``torch.mm`` on CPU calls MKL, which picks its code path by CPU vendor: on an AMD
+CPU it skips its AVX-512 kernels. On this project's machines (AMD EPYC, Zen 5: full-width AVX-512) MKL's ``sgemm``
+runs at 100-110 GFLOP/s on one thread while oneDNN (also inside PyTorch, ``torch.ops.mkldnn._linear_pointwise``),
+which picks its kernels by instruction set, reaches 230-250 on a large square product and 170-260 on the small
+model's training shapes (``[2092, 256] x [256, 704]`` and the like, forward and both backward products): 2-2.4x. Both
+compute in float32 with float32 accumulation; only the order of the sums differs (errors against float64 of the
+same size, 3-6e-6 relative). docs/performance.md, "Float32 matmuls through oneDNN", has the figures.
+
+:class:`OneDNNLinearFunction` is ``F.linear`` with its forward and both backward products through oneDNN; the
+weight's gradient is computed as whichever of ``grad.T @ x`` or ``(x.T @ grad).T`` has the smaller output rows
+(oneDNN is 1.3-2x faster that way round on these shapes). :func:`onednn_linears` switches a model's ``nn.Linear``
+layers to it; the training engine does that when it binds a role's model (``TrainEngine(onednn_linears=True)``),
+so the actor's update, the reference's and critic's forwards all use it. Only float32 on CPU with plain tensors
+takes this path: other dtypes (bfloat16 already goes to oneDNN inside PyTorch), devices and tensor subclasses
+(DTensor) call ``F.linear`` as before. ``LIGHTNING_RLHF_ONEDNN=0`` keeps PyTorch's own float32 matmuls.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_rlhf.engines.kernels import restore_forwards, switch_forwards
+
+__all__ = [
+    "ONEDNN_ENV",
+    "OneDNNLinearFunction",
+    "linear",
+    "matmul_nt",
+    "onednn_available",
+    "onednn_linears",
+    "plain_linears",
+]
+
+ONEDNN_ENV = "LIGHTNING_RLHF_ONEDNN"
+"""Environment variable: ``0`` keeps PyTorch's float32 matmuls (MKL) in the layers :func:`onednn_linears` switches."""
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether float32 products can go through oneDNN here: PyTorch built with it, its ``_linear_pointwise``
+    operator present, and ``LIGHTNING_RLHF_ONEDNN`` not ``0``. Runs on: any process (read once)."""
+    if os.environ.get(ONEDNN_ENV, "1") == "0":
+        return False
+    return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def matmul_nt(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``a @ b.T (+ bias)`` through oneDNN, with no autograd: ``a`` ``[..., k]``, ``b`` ``[n, k]``, either of any
+    strides (a transposed view is read as it lies). Float32 CPU tensors only. Runs on: any process."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+
+
+class OneDNNLinearFunction(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` with the forward and both backward products through oneDNN
+    (:func:`matmul_nt`). Saves the same tensors as ``F.linear``'s autograd (the input and the weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return matmul_nt(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = matmul_nt(grad, weight.t())
+        rows = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            inputs = x.reshape(-1, x.shape[-1])
+            out_features, in_features = weight.shape
+            if out_features <= in_features:
+                grad_weight = matmul_nt(rows.t(), inputs.t())
+            else:  # the transposed product has fewer output rows: faster in oneDNN; one copy back to [out, in]
+                grad_weight = matmul_nt(inputs.t(), rows.t()).t().contiguous()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def _plain(t: Tensor | None) -> bool:
+    """A float32 CPU tensor of no subclass but ``nn.Parameter`` (FSDP2's unsharded parameters are those)."""
+    return t is None or (type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``; float32 CPU tensors go through oneDNN (:class:`OneDNNLinearFunction`, or
+    :func:`matmul_nt` directly where no gradient is recorded); empty tensors and any other dtype, device or tensor
+    subclass take ``F.linear``. Runs on: any process (inside a model's forward)."""
+    if not (_plain(x) and _plain(weight) and _plain(bias) and x.numel() and weight.numel() and onednn_available()):
+        return F.linear(x, weight, bias)  # oneDNN has no primitive for an empty product
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return OneDNNLinearFunction.apply(x, weight, bias)
+    return matmul_nt(x, weight, bias)
+
+
+def _onednn_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    """The ``forward`` a switched ``nn.Linear`` gets (bound to the instance)."""
+    return linear(x, self.weight, self.bias)
+
+
+def onednn_linears(model: nn.Module) -> int:
+    """Switch every ``nn.Linear`` of ``model`` (the class itself: subclasses such as adapters keep their forward) to
+    :func:`linear`; returns how many were switched (0 where oneDNN is not available or turned off).
+
+    Runs on: every process that binds the model (the training engine; before FSDP sharding, which leaves the
+    layers' forwards alone). In place and idempotent: the instance's ``forward`` is replaced; parameters, names and
+    the state dict do not change. Layers whose tensors are not float32 CPU tensors at call time use ``F.linear``.
+    :func:`plain_linears` undoes it.
+    """
+    if not onednn_available():
+        return 0
+    return switch_forwards(model, _onednn_forward, lambda module: type(module) is nn.Linear)
+
+
+def plain_linears(model: nn.Module) -> int:
+    """Give the layers :func:`onednn_linears` switched ``nn.Linear``'s own ``forward`` back; returns how many.
+
+    Runs on: any process (tests, A/B benchmarks).
+    """
+    return restore_forwards(model, _onednn_forward)
