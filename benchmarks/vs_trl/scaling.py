@@ -1,7 +1,7 @@
 """How cost grows: our GRPO step vs TRL 1.16's as the prompts per step and the model grow (issue 11, deliverable 4).
 
     make bench-scaling                                  # this script with the defaults below
-    python benchmarks/vs_trl/scaling.py --trl-python .venv-trl/bin/python [--config vllm2] [--steps 4]
+    python benchmarks/vs_trl/scaling.py --trl-python .venv-trl/bin/python [--config hf2] [--steps 4]
         [--png docs/img/scaling_vs_trl.png] [--quick]
 
 Two sweeps of the workload of ``workload.py`` (float32, no KL reference), each point run once per side, TRL then
@@ -13,7 +13,8 @@ background-load sampler and re-run of a disturbed run):
 - (b) the models ``tiny``, ``small``, ``m30``, ``m100`` (0.19M to 101M parameters) at 16 prompts per step.
 
 ``small`` at 16 prompts belongs to both sweeps and runs once. Our side is one configuration of ``bench.py``'s
-(``--config``, default ``vllm2``: 2 processes, vLLM rollouts, the fastest in ``make bench-vs-trl``).
+(``--config``, default ``hf2``: 2 processes, transformers rollouts, the fastest in ``make bench-vs-trl`` since the
+float32 linears moved to oneDNN; ``vllm2`` was before).
 
 Steps: ``--steps 4``, every figure the median of the last ``--window 2`` (that is, the mean of steps 3 and 4).
 Step 1 pays the one-off costs (vLLM's and transformers' first calls, AdamW allocating its state) and step 2 can
@@ -257,7 +258,7 @@ def main() -> None:
     """
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"))
-    p.add_argument("--config", default="vllm2", choices=list(B.OUR_CONFIGS), help="our configuration")
+    p.add_argument("--config", default="hf2", choices=list(B.OUR_CONFIGS), help="our configuration")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny only, prompts 16 and 32, 3 steps")
     p.add_argument("--prompts", default=",".join(map(str, PROMPT_SWEEP)), help="sweep (a): prompts per step")
     p.add_argument("--sweep-model", default=SWEEP_MODEL, help="sweep (a): the model")
