@@ -95,9 +95,13 @@ def _plain(t: Tensor | None) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``; float32 CPU tensors go through oneDNN (:class:`OneDNNLinearFunction`, or
-    :func:`matmul_nt` directly where no gradient is recorded); empty tensors and any other dtype, device or tensor
-    subclass take ``F.linear``. Runs on: any process (inside a model's forward)."""
-    if not (_plain(x) and _plain(weight) and _plain(bias) and x.numel() and weight.numel() and onednn_available()):
+    :func:`matmul_nt` directly where no gradient is recorded); empty tensors, any other dtype, device or tensor
+    subclass, and calls inside ``torch.backends.mkldnn.flags(enabled=False)`` take ``F.linear``.
+
+    Runs on: any process (inside a model's forward).
+    """
+    usable = onednn_available() and torch.backends.mkldnn.enabled  # `mkldnn.flags(enabled=False)` is honoured
+    if not (usable and _plain(x) and _plain(weight) and _plain(bias) and x.numel() and weight.numel()):
         return F.linear(x, weight, bias)  # oneDNN has no primitive for an empty product
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return OneDNNLinearFunction.apply(x, weight, bias)

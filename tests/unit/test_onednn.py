@@ -85,6 +85,14 @@ def test_other_dtypes_and_subclasses_take_f_linear() -> None:
     assert type(linear(x32, marked).grad_fn).__name__ != "OneDNNLinearFunctionBackward"
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")  # flags() also sets oneDNN's TF32 switch, for Intel GPUs
+def test_pytorch_s_mkldnn_switch_is_honoured() -> None:
+    x, weight = torch.randn(3, 8, requires_grad=True), torch.randn(4, 8)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert type(linear(x, weight).grad_fn).__name__ != "OneDNNLinearFunctionBackward"
+    assert type(linear(x, weight).grad_fn).__name__ == "OneDNNLinearFunctionBackward"
+
+
 def test_switches_plain_linears_of_a_model_with_the_same_outputs_and_gradients() -> None:
     model = tiny_qwen2()
     ids = torch.randint(0, 64, (3, 9))
