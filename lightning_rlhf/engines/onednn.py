@@ -3,7 +3,7 @@
 PyTorch's float32 ``F.linear`` / ``torch.mm`` on CPU calls MKL, which picks its code path by CPU vendor: on an AMD
 CPU it skips its AVX-512 kernels. On this project's machines (AMD EPYC, Zen 5: full-width AVX-512) MKL's ``sgemm``
 runs at 100-110 GFLOP/s on one thread while oneDNN (also inside PyTorch, ``torch.ops.mkldnn._linear_pointwise``),
-which picks its kernels by instruction set, reaches 230-250 on a large square product and 170-260 on the small
+which picks its kernels by instruction set, reaches 230-250 on a large square product and 140-260 on the small
 model's training shapes (``[2092, 256] x [256, 704]`` and the like, forward and both backward products): 2-2.4x. Both
 compute in float32 with float32 accumulation; only the order of the sums differs (errors against float64 of the
 same size, 3-6e-6 relative). docs/performance.md, "Float32 matmuls through oneDNN", has the figures.
