@@ -54,8 +54,14 @@ def onednn_available() -> bool:
 
 def matmul_nt(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """``a @ b.T (+ bias)`` through oneDNN, with no autograd: ``a`` ``[..., k]``, ``b`` ``[n, k]``, either of any
-    strides (a transposed view is read as it lies). Float32 CPU tensors only. Runs on: any process."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+    strides (a transposed view is read as it lies). Float32 CPU tensors only. Runs on: any process.
+
+    The result is a tensor of its own, never a view: oneDNN hands a 3-D (or higher) ``a``'s product back as a view
+    of the product it made, which FSDP2 warns about when a model returns it (an lm_head's logits: "returned a view
+    tensor ... will silently drop the pre-backward hook"). Like ``aten::matmul`` it is re-labelled without a copy
+    (``_unsafe_view``; safe here: nothing else holds that product)."""
+    out = torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+    return out if out._base is None else torch.ops.aten._unsafe_view.default(out, out.shape)
 
 
 class OneDNNLinearFunction(torch.autograd.Function):

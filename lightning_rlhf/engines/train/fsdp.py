@@ -55,15 +55,51 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
             float32. None keeps the model's dtype.
 
     On CPU the units' all-gathers and reduce-scatters go through the host's shared memory where the ranks share
-    one (:mod:`~lightning_rlhf.engines.train.host_collectives`; gloo's collectives elsewhere).
+    one (:mod:`~lightning_rlhf.engines.train.host_collectives`; gloo's collectives elsewhere). Each unit returns no
+    view that requires a gradient (:func:`_clone_view_outputs`), so its pre-backward hook cannot be detached.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for unit in [*_decoder_layers(model), model]:
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+        unit.register_forward_hook(_clone_view_outputs, prepend=True)  # before FSDP2's own: see its docstring
     if mesh.device_type == "cpu":
         use_host_collectives(model)
     return model
+
+
+def _clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook of every FSDP unit, run just before FSDP2's post-forward hook (which registers the unit's
+    pre-backward hook, the one that gathers its parameters again for backward, on each output that requires a
+    gradient): such an output that is a view of another tensor is replaced by a copy; the others are left alone.
+
+    Runs on: worker (inside the unit's forward, with gradients enabled; otherwise it does nothing). An in-place op
+    on a returned view would detach FSDP2's hook from the graph, and FSDP2 warns about every such output ("returned
+    a view tensor ... will silently drop the pre-backward hook"). Our forwards modify no output in place, so no hook
+    was ever dropped (``tests/unit/test_fsdp_backward_hooks.py``); the copy keeps it so for any other code, and
+    FSDP2 has nothing left to warn about. On the default path nothing is copied: oneDNN's linear layers
+    return no views (:func:`~lightning_rlhf.engines.onednn.matmul_nt`); ``F.linear`` with a bias on a 3-D input
+    does (a critic's ``[B, T, 1]`` value head in bfloat16 or with ``LIGHTNING_RLHF_ONEDNN=0``: a small copy).
+    """
+    if not torch.is_grad_enabled():
+        return None
+    return _cloned_views(output)
+
+
+def _cloned_views(value: Any) -> Any:
+    """``value`` with every gradient-requiring view tensor in it cloned: tensors, dicts (transformers' ``ModelOutput``
+    is one, updated in place), lists and tuples; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.requires_grad and value._base is not None else value
+    if isinstance(value, dict):
+        for key, item in list(value.items()):
+            new = _cloned_views(item)
+            if new is not item:
+                value[key] = new
+        return value
+    if type(value) in (list, tuple):
+        items = [_cloned_views(item) for item in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
+    return value
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
