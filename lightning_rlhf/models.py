@@ -9,7 +9,8 @@ Every model setting (``actor``, ``critic``, ``reference``, a reward model, a tok
 - a local folder must hold ``config.json`` (a tokenizer folder: a tokenizer file);
 - a name under the reserved prefix ``lightning-rlhf/`` is an embedded model (never looked up on the hub),
   built locally on first use and cached (:data:`EMBEDDED_MODELS`): ``lightning-rlhf/tiny-addition`` is the
-  demo's warm-started tiny model, ``lightning-rlhf/tiny-random`` the same model untrained;
+  demo's warm-started tiny model, ``lightning-rlhf/tiny-random`` the same model untrained (both with a chat
+  template and 256 positions, see :mod:`lightning_rlhf.demo.tiny`);
 - anything else is a hub id: one already in the local hub cache is used as is; otherwise the hub is asked,
   unless ``HF_HUB_OFFLINE`` is set or the hub does not answer within a few seconds, in which case the error
   comes at once instead of after transformers' retries.
@@ -92,7 +93,9 @@ EMBEDDED_MODELS: dict[str, tuple[Callable[[str], str], str]] = {
     ),
 }
 """Embedded models by name: ``(build(cache_dir) -> folder, description)``. Built on first use (about a second,
-on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy."""
+on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy. Each folder's
+name carries :data:`~lightning_rlhf.demo.warmstart.CACHE_VERSION`, so a copy cached by an older version (without
+the chat template, with 64 positions) is never reused: the new one is built beside it."""
 
 
 @functools.lru_cache(maxsize=4)

@@ -8,7 +8,9 @@ The tokenizer reads any text (every byte has a token, so nothing maps to ``<unk>
 its own (Qwen2's split regex cuts ``\\p{N}`` one character at a time, which the addition task relies on), and is
 a ``Qwen2Tokenizer``: transformers loads any ``model_type=qwen2`` folder's tokenizer through that class, which
 rebuilds Qwen2's normalizer and pre-tokenizer, so building it as one means the tokenizer saved with a model
-gives the same ids once ``AutoTokenizer.from_pretrained`` (or vLLM) reloads it.
+gives the same ids once ``AutoTokenizer.from_pretrained`` (or vLLM) reloads it. It carries a chat template
+(:data:`CHAT_TEMPLATE`), and the models have :data:`MAX_POSITIONS` positions, so a chat task runs on them as
+shipped.
 """
 
 from __future__ import annotations
@@ -41,6 +43,24 @@ INIT_STD = 0.04
 """Standard deviation of the random initial weights (``initializer_range``; Qwen2's is 0.02). With a vocabulary
 of about 400 tokens, the demo's warm start (40 SFT steps) reaches a sampled addition accuracy of about 0.14 from
 0.02 and about 0.4 from 0.04: the partly-right policy RL needs, where the 18-token character vocabulary put it."""
+MAX_POSITIONS = 256
+"""``max_position_embeddings`` of the tiny models (and the tokenizer's ``model_max_length``): room for chat prompts
+of a system and a user turn and their answer. Qwen2's positions are rotary, so no weight depends on it: a model
+built with another value has the same weights."""
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The tiny tokenizer's chat template (Zephyr's layout): ``<s>``, then each turn as ``<|role|>`` and a newline,
+its content, ``</s>`` and a newline; with ``add_generation_prompt=True`` it ends with ``<|assistant|>`` and a
+newline, so the model's answer comes next and ends with ``</s>``, the EOS that stops generation. A system and
+a user turn render as ``<s><|system|>\\nBe brief.</s>\\n<|user|>\\n3+4=</s>\\n<|assistant|>\\n``. The role markers
+are plain text (no new tokens: the vocabulary and so the weights stay as they were), and any role name renders
+the same way. Rendering the turns before an assistant turn with the generation prompt gives a prefix of the
+rendering with that turn (what SFT on chats needs)."""
 VOCAB_SIZE = 512
 """Target vocabulary of the BPE training: 4 special tokens, the 256 byte tokens, and merges up to 512 (fewer
 when the corpus runs out of pairs seen twice)."""
@@ -116,7 +136,10 @@ def build_tiny_tokenizer(save_dir: str | os.PathLike[str] | None = None) -> Qwen
     and it reads any text: letters, punctuation, any script, emoji. Each digit is a token of its own. The
     tokenizer is a ``Qwen2Tokenizer`` with ``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<unk>`` = 3 (never
     produced). Encoding with ``add_special_tokens=True`` prepends ``<s>`` (no ``</s>`` is appended);
-    ``decode(ids, skip_special_tokens=True)`` gives back the text. Padding is on the left. No chat template.
+    ``decode(ids, skip_special_tokens=True)`` gives back the text. Padding is on the left. ``model_max_length``
+    is :data:`MAX_POSITIONS`. The chat template is :data:`CHAT_TEMPLATE` (``apply_chat_template`` renders system,
+    user and assistant turns, and ``add_generation_prompt=True`` opens the assistant's turn); ``save_pretrained``
+    writes it beside the tokenizer config, where ``AutoTokenizer`` and vLLM read it.
 
     Runs on: any process (plain function; the training takes a few milliseconds and is cached per process).
 
@@ -140,8 +163,9 @@ def build_tiny_tokenizer(save_dir: str | os.PathLike[str] | None = None) -> Qwen
         add_eos_token=False,
         padding_side="left",
         clean_up_tokenization_spaces=False,
-        model_max_length=64,
+        model_max_length=MAX_POSITIONS,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
     if save_dir is not None:
         tokenizer.save_pretrained(os.fspath(save_dir))
     return tokenizer
@@ -156,6 +180,7 @@ def _model_config(
     num_kv_heads: int,
     intermediate_size: int,
     model_type: str,
+    max_positions: int,
     **extra: Any,
 ) -> PretrainedConfig:
     if hidden_size % num_heads:
@@ -172,7 +197,7 @@ def _model_config(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         attention_dropout=0.0,
         initializer_range=INIT_STD,
@@ -202,12 +227,14 @@ def build_tiny_model(
     intermediate_size: int = 256,
     seed: int = 0,
     model_type: str = "qwen2",
+    max_positions: int = MAX_POSITIONS,
 ) -> PreTrainedModel:
     """Builds a randomly initialised tiny causal LM (default: ``Qwen2ForCausalLM``, ~345k parameters).
 
     Tied input/output embeddings, ``head_dim = hidden_size // num_heads`` (32 by default), no dropout,
-    ``max_position_embeddings=64``, vocabulary ``len(tokenizer)`` rounded up to a multiple of 8, and
-    pad/bos/eos ids taken from ``tokenizer`` (also in the generation config). Float32, eval mode.
+    ``max_position_embeddings=max_positions`` (:data:`MAX_POSITIONS` by default), vocabulary ``len(tokenizer)``
+    rounded up to a multiple of 8, and pad/bos/eos ids taken from ``tokenizer`` (also in the generation config).
+    Float32, eval mode.
 
     Runs on: any process (plain function).
 
@@ -220,6 +247,8 @@ def build_tiny_model(
         intermediate_size: MLP width.
         seed: Seed of the random initialisation (the global RNG state is left untouched).
         model_type: A transformers ``model_type`` with a causal-LM class (``"qwen2"``, ``"llama"``, ...).
+        max_positions: ``max_position_embeddings``: the longest prompt + response the model takes. The weights
+            do not depend on it (rotary positions), so a shorter one is a cheap way to test length checks.
 
     Returns:
         The model.
@@ -232,6 +261,7 @@ def build_tiny_model(
         num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size,
         model_type=model_type,
+        max_positions=max_positions,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -249,6 +279,7 @@ def build_tiny_classifier(
     intermediate_size: int = 256,
     seed: int = 0,
     model_type: str = "qwen2",
+    max_positions: int = MAX_POSITIONS,
 ) -> PreTrainedModel:
     """Builds a randomly initialised tiny sequence classifier with one output (a reward/value model).
 
@@ -266,6 +297,7 @@ def build_tiny_classifier(
         intermediate_size: MLP width.
         seed: Seed of the random initialisation (the global RNG state is left untouched).
         model_type: A transformers ``model_type`` with a sequence-classification class.
+        max_positions: ``max_position_embeddings`` (as for :func:`build_tiny_model`).
 
     Returns:
         The model.
@@ -278,6 +310,7 @@ def build_tiny_classifier(
         num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size,
         model_type=model_type,
+        max_positions=max_positions,
         num_labels=1,
     )
     with torch.random.fork_rng(devices=[]):
@@ -300,7 +333,7 @@ def save_tiny(model_dir: str | os.PathLike[str], *, seed: int = 0, classifier: b
         classifier: Save a :func:`build_tiny_classifier` (one-output sequence classifier) instead of a
             causal LM.
         **kw: Further keyword arguments of :func:`build_tiny_model` / :func:`build_tiny_classifier`
-            (``hidden_size``, ``num_layers``, ...).
+            (``hidden_size``, ``num_layers``, ``max_positions``, ...).
 
     Returns:
         ``model_dir`` as a string.

@@ -34,8 +34,9 @@ from lightning_rlhf.demo.tiny import save_tiny
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = "v3"
-"""Bumped whenever the tiny model, tokenizer or warm start change, so stale caches are not reused."""
+CACHE_VERSION = "v4"
+"""Bumped whenever the tiny model, tokenizer or warm start change, so stale caches are not reused (v4: the chat
+template and 256 positions; the weights are those of v3)."""
 
 
 def _load(model_dir: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -23,7 +23,58 @@ from lightning_rlhf.rewards import (
 from lightning_rlhf.rewards.runner import close_reward_pools, reward_workers
 from lightning_rlhf.roles.base import Role, load_model
 
-__all__ = ["RewardFn", "RewardFunctionError", "RewardRole"]
+__all__ = ["RewardFn", "RewardFunctionError", "RewardRole", "check_reward_model"]
+
+
+_REWARD_MODEL_SHAPE = (
+    "A reward model must be a sequence classifier (AutoModelForSequenceClassification) with exactly one output "
+    "(num_labels=1): its one logit for prompt + completion is the score"
+)
+_REWARD_MODEL_HOWTO = (
+    "add the one-output head with AutoModelForSequenceClassification.from_pretrained(<base or checkpoint>, "
+    "num_labels=1, ignore_mismatched_sizes=True) (the new head starts random), train it on scored or preferred "
+    "completions (e.g. TRL's RewardTrainer), and save_pretrained the result with its tokenizer; or score with a "
+    "reward function instead"
+)
+
+
+def check_reward_model(path: str, *, setting: str) -> None:
+    """Refuse a reward-model checkpoint that is not a sequence classifier with one output, before any weight loads.
+
+    Reads the checkpoint's ``config.json`` only, as transformers does (``AutoConfig``): its architecture must be a
+    ``...ForSequenceClassification`` class when it names one (a causal LM's checkpoint would get a new, random
+    score head: every reward would be noise), and ``num_labels`` must be 1 (transformers saves no labels for its
+    default of 2, and reads a config without them as 2). A config that cannot be read is left to the loader, which
+    reports it.
+
+    Runs on: every process, when the reward role is built (in the module's ``__init__``).
+
+    Args:
+        path: The reward model's folder, hub id or embedded name.
+        setting: The setting that named it, for the message.
+
+    Raises:
+        ValueError: The checkpoint is not a sequence classifier, or has another number of outputs than one.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(path, setting=setting))
+    except (OSError, ValueError):
+        return  # not readable as a config (custom code, say): the loader says why, naming the setting
+    architectures = [str(a) for a in getattr(config, "architectures", None) or []]
+    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(
+            f"{setting}={path!r} is a {'/'.join(architectures)} checkpoint, not a sequence classifier: loaded as a "
+            f"reward model it would get a new, random score head, so every reward would be noise. "
+            f"{_REWARD_MODEL_SHAPE}. HINT: make one from this checkpoint: {_REWARD_MODEL_HOWTO}."
+        )
+    if config.num_labels != 1:
+        raise ValueError(
+            f"{setting}={path!r} is a sequence classifier with {config.num_labels} outputs (num_labels="
+            f"{config.num_labels}, as transformers reads its config.json). {_REWARD_MODEL_SHAPE}. "
+            f"HINT: {_REWARD_MODEL_HOWTO}."
+        )
 
 
 class RewardRole(Role):
@@ -66,6 +117,8 @@ class RewardRole(Role):
         self.components: list[RewardComponent] = reward_components(reward, weights=self.config.weights)
         model = next((c for c in self.components if c.is_model), None)
         self.path: str | None = model.source if model is not None and isinstance(model.source, str) else None
+        if self.path is not None:
+            check_reward_model(self.path, setting="RewardRole(reward=...)")
         self.tokenizer = tokenizer
         self._model_tokenizer: Any = None
 

@@ -44,8 +44,8 @@ def substitutes(recipe: str, model: str, tmp_path: Path) -> list[str]:
     small = [
         "--trainer.accelerator", "cpu", "--trainer.devices", "1",
         "--trainer.strategy.rollout", "hf", "--trainer.strategy.param_dtype", "null",
-        "--data.train", gsm8k_like(tmp_path), "--data.chat_template", "false",  # the tiny tokenizer has no template
-        "--data.batch_size", "4", "--data.max_prompt_length", "32",  # the tiny model has 64 positions
+        "--data.train", gsm8k_like(tmp_path), "--data.chat_template", "false",  # plain prompts, as in the warm start
+        "--data.batch_size", "4", "--data.max_prompt_length", "32",  # short prompts keep the test fast
         "--model.rollout.max_new_tokens", "6", "--model.algorithm.micro_batch_size", "4",
     ]  # fmt: skip
     if recipe == "ppo":  # 4 prompts x 1 sample: two optimizer steps of 2 samples

@@ -150,9 +150,11 @@ def test_chat_column_in_the_wrong_shape_names_the_row(chat_tokenizer: str, value
 
 def test_chat_without_a_template_or_that_the_template_rejects(tiny_model: str, tmp_path: Path) -> None:
     ds = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "1+1"}]]})
-    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
-        dm(ds, tiny_model, batch_size=1, messages_column="messages")
     tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = None  # a base model's tokenizer (the tiny one has a template)
+    tok.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        dm(ds, str(tmp_path / "plain"), batch_size=1, messages_column="messages")
     tok.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
     tok.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"chat template failed on row 0 .*roles must alternate"):

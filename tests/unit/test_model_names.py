@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -42,11 +41,25 @@ def cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return tmp_path / "lr-cache"
 
 
-def test_unknown_hub_id_fails_at_once_when_the_hub_cannot_be_reached(no_hub: Path) -> None:
-    start = time.perf_counter()
+def test_unknown_hub_id_fails_at_once_when_the_hub_cannot_be_reached(
+    no_hub: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request to the hub, then the error: no retries (transformers' own took about 30 s here). Counted, not
+    timed, so that a busy machine cannot fail it."""
+    from huggingface_hub.utils import get_session
+
+    client = type(get_session())  # every request of huggingface_hub's HTTP client goes through its send()
+    sent: list[str] = []
+    real_send = client.send
+
+    def counting_send(self: object, request: object, *args: object, **kwargs: object) -> object:
+        sent.append(f"{request.method} {request.url}")  # type: ignore[attr-defined]
+        return real_send(self, request, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client, "send", counting_send)
     with pytest.raises(FileNotFoundError) as err:
         resolve_model_path("someone/made-up-model", setting="RLHFModule(actor=...)")
-    assert time.perf_counter() - start < 10  # transformers' own retries take about 30 s here
+    assert sent == [f"HEAD {CLOSED}"], sent
     message = str(err.value)
     assert message.startswith("RLHFModule(actor=...)='someone/made-up-model': not a local folder, not in the hub cache")
     assert f"the hub ({CLOSED}) did not answer" in message and "HINT:" in message
@@ -126,3 +139,22 @@ def test_command_line_fails_fast_on_an_unreachable_hub_id(tmp_path: Path, monkey
     assert proc.returncode != 0, failure_text(proc)
     assert "RLHFModule(actor=...)='someone/made-up-model'" in proc.stderr and "did not answer" in proc.stderr
     assert "Retrying" not in proc.stderr
+
+
+def test_embedded_models_cached_by_an_older_version_are_not_reused(cache_dir: Path, tiny_model: str) -> None:
+    """A cache written before the chat template and the 256 positions (issue 31) is not what the names resolve
+    to: the folder names carry the cache version, so the new models are built beside the old ones."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lightning_rlhf.demo.warmstart import CACHE_VERSION
+
+    old = cache_dir / "tiny-random-v3-seed0"  # what the previous version cached: 64 positions, no template
+    shutil.copytree(tiny_model, old)
+    config = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    (old / "chat_template.jinja").unlink()
+    assert CACHE_VERSION != "v3"
+    folder = resolve_model_path("lightning-rlhf/tiny-random", setting="s")
+    assert os.path.basename(folder) == f"tiny-random-{CACHE_VERSION}-seed0"
+    assert AutoConfig.from_pretrained(folder).max_position_embeddings == 256
+    assert AutoTokenizer.from_pretrained(folder).chat_template is not None

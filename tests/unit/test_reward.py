@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from lightning_rlhf import GRPOModule
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.demo import addition_reward
 from lightning_rlhf.roles import RewardFunctionError, RewardRole
 
 
@@ -66,3 +69,77 @@ def test_reward_model_scores_each_text_batched(tiny_model: str, tiny_classifier:
     assert scores.shape == (4,) and torch.isfinite(scores).all()
     assert scores[0] == pytest.approx(scores[2].item(), abs=1e-5)  # same text, same score, any batch position
     assert scores[0] != pytest.approx(scores[1].item(), abs=1e-6)
+
+
+def test_reward_model_scores_prompt_plus_completion_as_documented(tiny_model: str, tiny_classifier: str) -> None:
+    """docs/rewards.md, "What a reward model scores": the text is ``prompt + completion`` (the completion decoded
+    without special tokens, so without its EOS), tokenized by the reward model's own tokenizer with its special
+    tokens (this one prepends ``<s>``) and no chat template, padded on the right, not truncated; the score is the
+    one logit at the last non-pad token."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rm_tok = AutoTokenizer.from_pretrained(tiny_classifier)
+    role = RewardRole(tiny_classifier, tokenizer=tok, micro_batch_size=4)
+    role.load()
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hook = role.model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append((kw["input_ids"].clone(), kw["attention_mask"].clone())), with_kwargs=True
+    )
+    completions = ["7", " twelve, or 7?"]  # two lengths: the shorter one is padded
+    batch = rollout(tok, completions)
+    assert all(
+        row[m.bool()][-1] == tok.eos_token_id for row, m in zip(batch["responses"], batch["response_mask"], strict=True)
+    )
+    scores = role.score(batch)["scores"]
+    hook.remove()
+    ((ids, mask),) = seen  # one forward: both texts in one micro-batch
+    for i, completion in enumerate(completions):
+        documented = [rm_tok.bos_token_id, *rm_tok("3+4=" + completion, add_special_tokens=False)["input_ids"]]
+        n = len(documented)
+        assert ids[i, :n].tolist() == documented, completion
+        assert (ids[i, n:] == rm_tok.pad_token_id).all() and mask[i].tolist() == [1] * n + [0] * (ids.shape[1] - n)
+        with torch.no_grad():
+            alone = role.model(torch.tensor([documented])).logits[0, 0]
+            last = role.model.score(role.model.model(torch.tensor([documented])).last_hidden_state[0, -1])[0]
+        assert scores[i].item() == pytest.approx(alone.item(), abs=1e-5)  # padding changes nothing
+        assert scores[i].item() == pytest.approx(last.item(), abs=1e-5)  # the last token's logit
+    assert not (ids == rm_tok.eos_token_id).any()  # no EOS: the response's was dropped, none appended
+
+
+def _classifier(source: str, folder: Path, **kwargs: object) -> str:
+    """``source`` loaded as a sequence classifier with ``kwargs`` and saved with its tokenizer into ``folder``."""
+    model = AutoModelForSequenceClassification.from_pretrained(source, **kwargs)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return str(folder)
+
+
+def test_reward_model_with_two_outputs_is_refused_saying_what_a_reward_model_is(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """The user's reward model with the wrong head (``num_labels=2``) is refused when the module is built,
+    before any weight loads; the message says what a reward model must be and how to get one (not "re-save the
+    checkpoint"), and following its hint gives a model the role loads and scores with."""
+    two = _classifier(tiny_model, tmp_path / "rm2", num_labels=2)
+    with pytest.raises(ValueError) as err:
+        GRPOModule(tiny_model, reward=two)
+    message = str(err.value)
+    assert message.startswith(f"RewardRole(reward=...)={two!r} is a sequence classifier with 2 outputs"), message
+    assert "must be a sequence classifier (AutoModelForSequenceClassification) with exactly one output " in message
+    assert "(num_labels=1)" in message and "re-save" not in message
+    assert "HINT: add the one-output head with AutoModelForSequenceClassification.from_pretrained(" in message
+    assert "num_labels=1, ignore_mismatched_sizes=True" in message
+
+    fixed = _classifier(two, tmp_path / "rm1", num_labels=1, ignore_mismatched_sizes=True)  # the hint, followed
+    module = GRPOModule(tiny_model, reward=fixed)
+    module.reward.load()
+    tok = module.tokenizer
+    assert torch.isfinite(module.reward.score(rollout(tok, ["7", "8"]))["scores"]).all()
+
+
+def test_causal_lm_as_reward_model_is_refused(tiny_model: str) -> None:
+    """A causal LM's checkpoint would get a new, random score head: every reward would be noise."""
+    with pytest.raises(ValueError) as err:
+        GRPOModule(tiny_model, reward={"rm": tiny_model, "sum": addition_reward})
+    message = str(err.value)
+    assert "is a Qwen2ForCausalLM checkpoint, not a sequence classifier" in message and "random" in message
+    assert "with exactly one output (num_labels=1)" in message and "HINT: make one from this checkpoint" in message

@@ -178,24 +178,24 @@ def test_model_generation_config_does_not_change_sampling(demo_model: str) -> No
 
 # ------------------------------------------------------------------------------------ length check
 def test_prompt_plus_response_must_fit_the_positions(demo_model: str) -> None:
-    assert check_hf_settings(demo_model, max_prompt_length=16, max_new_tokens=8) == 64
-    assert check_hf_settings(demo_model, max_prompt_length=None, max_new_tokens=8) == 64
+    assert check_hf_settings(demo_model, max_prompt_length=16, max_new_tokens=8) == 256
+    assert check_hf_settings(demo_model, max_prompt_length=None, max_new_tokens=8) == 256
     with pytest.raises(
-        ValueError, match=r"max_prompt_length=60 tokens plus max_new_tokens=8 exceed the model's max_position_emb"
+        ValueError, match=r"max_prompt_length=250 tokens plus max_new_tokens=8 exceed the model's max_position_emb"
     ):
-        check_hf_settings(demo_model, max_prompt_length=60, max_new_tokens=8)
+        check_hf_settings(demo_model, max_prompt_length=250, max_new_tokens=8)
     eng, _, _ = _engine(demo_model)
-    with pytest.raises(ValueError, match=r"Prompts of 60 tokens plus max_new_tokens=8 exceed .*=64. HINT"):
-        eng.generate([[5] * 60], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match=r"Prompts of 250 tokens plus max_new_tokens=8 exceed .*=256. HINT"):
+        eng.generate([[5] * 250], SamplingParams(max_new_tokens=8))
 
 
 def test_hf_run_refuses_an_overlong_setting_before_any_model_loads(demo_model: str, tmp_path: Path) -> None:
     proc = run_script(
         "sampling_run.py", "--model", demo_model, "--out", str(tmp_path),
-        "--max-prompt-length", "60", "--max-new-tokens", "8",
+        "--max-prompt-length", "250", "--max-new-tokens", "8",
     )  # fmt: skip
     assert proc.returncode == 3, failure_text(proc)
-    assert "max_prompt_length=60 tokens plus max_new_tokens=8 exceed the model's max_position_embeddings=64" in (
+    assert "max_prompt_length=250 tokens plus max_new_tokens=8 exceed the model's max_position_embeddings=256" in (
         proc.stderr
     )
     assert not (tmp_path / "loaded.txt").exists()

@@ -1,4 +1,5 @@
-"""The tiny models' byte-level BPE tokenizer reads any text, and reads it the same once saved and reloaded."""
+"""The tiny models' byte-level BPE tokenizer reads any text, reads it the same once saved and reloaded, and renders
+chats with its template."""
 
 from __future__ import annotations
 
@@ -80,3 +81,54 @@ def test_vllm_reads_the_same_ids(saved: str) -> None:
     for text in MORE:
         assert vllm_tok.encode(text) == tok(text)["input_ids"], text
         assert vllm_tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+    assert vllm_tok.chat_template == tok.chat_template  # and the same chat template
+
+
+# ------------------------------------------------------------------------------------- chat template
+CHAT = [
+    {"role": "system", "content": "You are a careful calculator. Answer inside <answer></answer>."},
+    {"role": "user", "content": "Which is larger, 41 or 19? Think, then answer: ü 日本 🙂"},
+]
+
+
+@pytest.fixture(scope="module")
+def embedded(demo_model: str) -> dict[str, str]:
+    """The folders ``lightning-rlhf/tiny-addition`` and ``lightning-rlhf/tiny-random`` resolve to (in the cache
+    the session's demo model was built in, so tiny-addition is that model and tiny-random is built beside it)."""
+    from lightning_rlhf.models import CACHE_ENV, resolve_model_path
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(Path(demo_model).parent))
+        names = ("lightning-rlhf/tiny-addition", "lightning-rlhf/tiny-random")
+        folders = {name: resolve_model_path(name, setting="test") for name in names}
+    assert folders["lightning-rlhf/tiny-addition"] == demo_model
+    return folders
+
+
+@pytest.mark.parametrize("name", ["lightning-rlhf/tiny-addition", "lightning-rlhf/tiny-random"])
+def test_embedded_models_take_a_chat_as_shipped(embedded: dict[str, str], name: str) -> None:
+    """The user's chat task (a system and a user turn) on the embedded model as it is, with no copy and no
+    template of their own: the tokenizer folder has a chat template, the rendering round-trips through
+    encode/decode, and the model has room for it (at least 256 positions)."""
+    from transformers import AutoConfig
+
+    folder = embedded[name]
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert isinstance(tok.chat_template, str) and tok.chat_template  # saved with the folder, read by AutoTokenizer
+    text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        f"<s><|system|>\n{CHAT[0]['content']}</s>\n<|user|>\n{CHAT[1]['content']}</s>\n<|assistant|>\n"
+    )  # the layout docs/your-own-task.md shows
+    ids = tok(text, add_special_tokens=False)["input_ids"]  # as PromptDataModule tokenizes a rendered chat
+    assert tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)["input_ids"] == ids
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # one <s>, from the template
+    assert ids.count(tok.eos_token_id) == 2 and tok.unk_token_id not in ids  # each turn ends with </s>
+    assert tok.decode(ids) == text  # nothing dropped or added
+    plain = tok.decode(ids, skip_special_tokens=True)
+    assert CHAT[0]["content"] in plain and CHAT[1]["content"] in plain
+    # An answer continues the generation prompt: rendering the chat with it extends the prompt's text.
+    answered = tok.apply_chat_template([*CHAT, {"role": "assistant", "content": "41"}], tokenize=False)
+    assert answered == text + "41</s>\n"
+    assert AutoConfig.from_pretrained(folder).max_position_embeddings >= 256
+    assert tok.model_max_length >= 256
+    assert len(ids) + 64 <= AutoConfig.from_pretrained(folder).max_position_embeddings  # room to answer

@@ -97,7 +97,7 @@ def _check(model: str, config: VLLMConfig, **kw: object) -> int:
 
 
 def test_good_settings_pass_and_give_the_max_model_len(tiny_model: str) -> None:
-    assert _check(tiny_model, VLLMConfig()) == 64  # the tiny model's max_position_embeddings
+    assert _check(tiny_model, VLLMConfig()) == 256  # the tiny model's max_position_embeddings
     assert _check(tiny_model, VLLMConfig(tensor_parallel_size=2, max_model_len=32)) == 32
 
 
@@ -106,12 +106,12 @@ def test_settings_vllm_cannot_serve_fail_naming_the_setting(tiny_model: str, tmp
         _check(tiny_model, VLLMConfig(tensor_parallel_size=3))
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2\) does not divide the 1 processes per node: a "):
         _check(tiny_model, VLLMConfig(tensor_parallel_size=2), processes_per_node=1)  # 2 nodes x 1 process
-    with pytest.raises(ValueError, match=r"max_prompt_length=60 .* max_new_tokens=8 .* max_model_len=64"):
-        _check(tiny_model, VLLMConfig(), max_prompt_length=60)
+    with pytest.raises(ValueError, match=r"max_prompt_length=250 .* max_new_tokens=8 .* max_model_len=256"):
+        _check(tiny_model, VLLMConfig(), max_prompt_length=250)
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1000\) cannot hold one sequence"):
         _check(tiny_model, VLLMConfig(kv_cache_memory_bytes=1000))
-    with pytest.raises(ValueError, match=r"max_model_len=128\) exceeds the model's max_position_embeddings=64"):
-        _check(tiny_model, VLLMConfig(max_model_len=128))
+    with pytest.raises(ValueError, match=r"max_model_len=512\) exceeds the model's max_position_embeddings=256"):
+        _check(tiny_model, VLLMConfig(max_model_len=512))
     from lightning_rlhf.demo import save_tiny
 
     odd_heads = save_tiny(tmp_path / "hd16", hidden_size=64, num_heads=4, num_kv_heads=2)  # head_dim 16
