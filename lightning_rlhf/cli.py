@@ -3,7 +3,7 @@
     lightning-rlhf fit --config recipes/grpo_gsm8k.yaml                       # a recipe
     lightning-rlhf fit --config recipes/grpo_gsm8k.yaml --trainer.max_steps 10 --model.rollout.n 4
     lightning-rlhf fit --config recipes/demo.yaml --print_config              # every key, with its value
-    lightning-rlhf export CKPT OUT [--dtype bfloat16] [--base MODEL]          # actor -> transformers folder
+    lightning-rlhf export CKPT OUT [--dtype bfloat16] [--base MODEL] [--best true]  # actor -> transformers folder
     lightning-rlhf sft --config recipes/sft_demo.yaml [--ckpt_path CKPT]      # supervised warm start (SFTModule)
     lightning-rlhf plan --config recipes/ppo.yaml --devices 64 --device-type h100  # where each role should run
 
@@ -28,12 +28,15 @@ from typing import Any, NoReturn
 import torch
 from jsonargparse import ArgumentParser, Namespace
 from jsonargparse.typing import get_registered_type, register_type
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_rlhf.callbacks.export import ExportActor
+from lightning_rlhf.callbacks.progress import RLHFProgressBar
 from lightning_rlhf.data import PromptDataModule, SFTDataModule
-from lightning_rlhf.export import export_checkpoint
+from lightning_rlhf.export import best_checkpoint, export_checkpoint
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.modules.sft import SFTModule
 from lightning_rlhf.strategy.checkpoint_io import check_resume_path
@@ -221,6 +224,19 @@ class RLHFCLI(LightningCLI):
             self.parser.error(reason)
 
     @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The Trainer, with :class:`~lightning_rlhf.callbacks.RLHFProgressBar` (steps out of the run's steps)
+        unless the config lists a progress bar or sets ``enable_progress_bar: false``: Lightning's default bars
+        count epochs, which read ``Epoch 37/-2`` in a ``max_steps`` run."""
+        config = self.config_init.get(str(self.subcommand), self.config_init).get("trainer") or {}
+        listed = config.get("callbacks") or []
+        listed = listed if isinstance(listed, list) else [listed]
+        wants_bar = config.get("enable_progress_bar") is not False
+        if wants_bar and "callbacks" not in kwargs and not any(isinstance(c, ProgressBar) for c in listed):
+            kwargs["callbacks"] = [*listed, RLHFProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
+    @override
     def before_instantiate_classes(self) -> None:
         """Fail on a reward given as an import path that does not import, or a ``ckpt_path`` that is missing or
         incomplete, before anything loads."""
@@ -346,7 +362,12 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["export"]:
         parsed = export_parser().parse_args(argv[1:])
-        out = export_checkpoint(parsed.checkpoint, parsed.out, dtype=parsed.dtype, base=parsed.base)
+        checkpoint = parsed.checkpoint
+        if parsed.best:  # ModelCheckpoint's best, named by the checkpoint given: say which one
+            found = best_checkpoint(checkpoint)
+            print(f"best checkpoint: {found.describe()}")
+            checkpoint = found.path
+        out = export_checkpoint(checkpoint, parsed.out, dtype=parsed.dtype, base=parsed.base)
         print(f"exported: {os.path.abspath(out)}")
         return
     if argv[:1] == ["plan"]:

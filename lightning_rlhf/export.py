@@ -1,6 +1,7 @@
 """Export the trained actor as a transformers model folder (safetensors, config, generation config, tokenizer).
 
     lightning-rlhf export runs/grpo_gsm8k/version_0/checkpoints/step=200.ckpt out/actor --dtype bfloat16
+    lightning-rlhf export runs/sft/checkpoints/last.ckpt out/actor --best true   # ModelCheckpoint's best instead
 
 Two sources: a live module at the end of training (:func:`export_actor`; FSDP2 shards are gathered to rank 0 one
 tensor at a time) and a checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy``
@@ -15,9 +16,11 @@ from).
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -30,7 +33,15 @@ from lightning_rlhf.compat import attached_trainer
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
 
-__all__ = ["CHECKPOINT_KEY", "actor_files", "export_actor", "export_checkpoint", "resolve_dtype"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "BestCheckpoint",
+    "actor_files",
+    "best_checkpoint",
+    "export_actor",
+    "export_checkpoint",
+    "resolve_dtype",
+]
 
 CHECKPOINT_KEY = "lightning_rlhf_actor_files"
 """Top-level checkpoint entry with the actor's config/tokenizer files (``{file name: bytes}``)."""
@@ -131,12 +142,83 @@ def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torc
     return os.fspath(out)
 
 
+@dataclass(frozen=True)
+class BestCheckpoint:
+    """The best checkpoint a monitoring ``ModelCheckpoint`` recorded (:func:`best_checkpoint`)."""
+
+    path: str
+    """The checkpoint (file or sharded folder) to export."""
+    monitor: str
+    """The metric that chose it."""
+    mode: str
+    """``"min"`` or ``"max"``."""
+    score: float | None
+    """Its ``monitor`` value."""
+    step: int | None
+    """The ``global_step`` it was saved at."""
+
+    def describe(self) -> str:
+        """One line for logs: which checkpoint, which step, and why. Runs on: any process."""
+        score = "?" if self.score is None else f"{self.score:.4f}"
+        return f"{self.path} (step {self.step}: the best {self.monitor}={score}, mode {self.mode})"
+
+
+def best_checkpoint(checkpoint: str) -> BestCheckpoint:
+    """The best checkpoint by the metric a ``ModelCheckpoint(monitor=...)`` watched, as recorded in ``checkpoint``.
+
+    Runs on: one process, on CPU (reads the non-tensor part of two checkpoints). ``ModelCheckpoint`` stores its
+    ``best_model_path`` in every checkpoint it writes, so any checkpoint of the run (``last.ckpt``, the latest one)
+    names the best of those saved up to it. A path that moved with its run folder is found beside ``checkpoint``.
+
+    Raises:
+        ValueError: no monitoring ``ModelCheckpoint`` saved ``checkpoint``, or several did (with the paths).
+        FileNotFoundError: the best checkpoint is gone.
+    """
+    meta = _checkpoint_meta(checkpoint)
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
+    for key, state in (meta.get("callbacks") or {}).items():
+        if str(key).startswith("ModelCheckpoint") and state.get("monitor") and state.get("best_model_path"):
+            found[state["best_model_path"]] = (str(key), state)
+    if not found:
+        raise ValueError(
+            f"best_checkpoint({checkpoint!r}): no ModelCheckpoint with a monitor saved this checkpoint, so it names "
+            "no best one. HINT: train with ModelCheckpoint(monitor='val/loss', mode='min') (val/score/mean, mode max "
+            "for RL), or ExportActor(monitor=..., mode=...), which exports the best weights itself."
+        )
+    if len(found) > 1:
+        listed = "; ".join(f"{s['monitor']}: {p}" for p, (_, s) in found.items())
+        raise ValueError(
+            f"best_checkpoint({checkpoint!r}): several ModelCheckpoints monitor a metric ({listed}). HINT: export "
+            "the one you want by its path, without best."
+        )
+    ((recorded, (key, state)),) = found.items()
+    path = Path(recorded)
+    if not path.exists() and (Path(checkpoint).parent / path.name).exists():
+        path = Path(checkpoint).parent / path.name  # the run folder moved
+    if not path.exists():
+        raise FileNotFoundError(
+            f"best_checkpoint({checkpoint!r}): the best checkpoint by {state['monitor']}, {recorded!r}, is gone. "
+            "HINT: ModelCheckpoint(save_top_k=...) deletes all but the best k; export one that exists by its path."
+        )
+    mode = re.search(r"'mode': '(\w+)'", key)
+    score = state.get("best_model_score")
+    step = _checkpoint_meta(str(path)).get("global_step")
+    return BestCheckpoint(
+        path=str(path),
+        monitor=str(state["monitor"]),
+        mode=mode.group(1) if mode else "min",
+        score=None if score is None else float(score),
+        step=None if step is None else int(step),
+    )
+
+
 def export_checkpoint(
     checkpoint: str,
     out: str,
     *,
     dtype: Literal["bfloat16", "float16", "float32"] | None = None,
     base: str | None = None,
+    best: bool = False,
 ) -> str:
     """Write the actor of a Lightning checkpoint as a transformers model folder.
 
@@ -151,6 +233,8 @@ def export_checkpoint(
         dtype: weight dtype of the folder: ``bfloat16``, ``float16`` or ``float32``; None keeps the saved dtype.
         base: folder or hub id of the model the run started from, for the config and tokenizer; needed only when
             the checkpoint was saved without the ``ExportActor`` callback (which stores them).
+        best: export the best checkpoint by the metric a ``ModelCheckpoint(monitor=...)`` watched, which
+            ``checkpoint`` (any checkpoint of the run, e.g. ``last.ckpt``) names (:func:`best_checkpoint`).
 
     Returns:
         ``out``.
@@ -159,6 +243,8 @@ def export_checkpoint(
 
     from lightning_rlhf.models import resolve_model_path
 
+    if best:
+        checkpoint = best_checkpoint(checkpoint).path
     path = Path(checkpoint)
     target = resolve_dtype(dtype)
     if path.is_dir():
@@ -203,6 +289,21 @@ def export_checkpoint(
 
 
 # --------------------------------------------------------------------------------------------- helpers
+def _checkpoint_meta(checkpoint: str) -> dict[str, Any]:
+    """The non-tensor part of a checkpoint (a sharded folder's ``meta.pt``; a file, memory-mapped)."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        if not (path / _METADATA).is_file():
+            raise FileNotFoundError(
+                f"{checkpoint!r}: the folder has no {_METADATA}, so it is not a sharded Lightning checkpoint. HINT: "
+                "pass the folder that trainer.save_checkpoint(path) wrote, or a .ckpt file."
+            )
+        return dict(torch.load(path / _METADATA, map_location="cpu", weights_only=True))
+    if path.is_file():
+        return dict(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+    raise FileNotFoundError(f"{checkpoint!r}: no such checkpoint file or folder.")
+
+
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 

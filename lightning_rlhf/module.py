@@ -32,7 +32,7 @@ from lightning_rlhf.algorithms import (
     scores_to_token_rewards,
 )
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.compat import attached_trainer
+from lightning_rlhf.compat import attached_trainer, batches_that_stepped, set_batches_that_stepped
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
 from lightning_rlhf.dispatch import RoleFuture, concurrently, in_background
 from lightning_rlhf.engines.train import resolve_dtype
@@ -733,10 +733,35 @@ class RLHFModule(L.LightningModule):
         )
 
     # -------------------------------------------------------------------------------- validation
+    _logger_step: int | None = None
+    """The loggers' step counter while a validation runs (:meth:`on_validation_start` moves it)."""
+
+    def on_validation_start(self) -> None:
+        """Make the loggers place this validation's metrics at ``global_step``, the step of the weights it
+        measures (0 before training, N after N RL steps); :meth:`on_validation_end` puts the counter back.
+
+        Lightning logs an epoch's metrics at its batch counter, which between two steps is one behind
+        ``global_step``. Logging a metric named ``step`` would move them too, but it would also reach
+        ``trainer.callback_metrics``, where ``ModelCheckpoint`` takes it for the step in its file names (a
+        checkpoint saved after step 150 named ``step=100`` after the validation at 100). A subclass that
+        overrides this hook calls ``super().on_validation_start()``.
+
+        Runs on: every process.
+        """
+        trainer = self.trainer
+        self._logger_step = batches_that_stepped(trainer)
+        set_batches_that_stepped(trainer, trainer.global_step)
+
+    def on_validation_end(self) -> None:
+        """Give the loggers back the step counter :meth:`on_validation_start` moved. Runs on: every process."""
+        if self._logger_step is not None:
+            set_batches_that_stepped(self.trainer, self._logger_step)
+            self._logger_step = None
+
     def validation_step(self, batch: Batch, batch_idx: int = 0) -> None:  # type: ignore[override]
         """Generate for a batch of validation prompts with ``validation_config``'s settings, score the samples and
-        log :meth:`validation_metrics` (Lightning averages them over the validation set, weighted by prompts),
-        plus ``step`` = ``global_step``, so that loggers place them at the step of the weights they measured.
+        log :meth:`validation_metrics`: Lightning averages them over the validation set, weighted by prompts, and
+        sums the ``.../failed`` counts; loggers place them at ``global_step`` (see :meth:`on_validation_start`).
 
         Runs on: controller (the strategy routes it like ``training_step``); its role calls run on every rank.
         It counts no step, draws its own sampling seeds and leaves the weights and the training loader alone.
@@ -744,8 +769,8 @@ class RLHFModule(L.LightningModule):
         metrics = self.validation_metrics(self.validation_rollout(batch, batch_idx))
         for name, value in metrics.items():
             bar = name == "val/score/mean"
-            self.log(name, value, batch_size=len(batch), on_step=False, on_epoch=True, prog_bar=bar)
-        self.log("step", float(self.trainer.global_step), on_step=False, on_epoch=True, reduce_fx="max")
+            reduce = "sum" if name.endswith("/failed") else "mean"
+            self.log(name, value, batch_size=len(batch), on_step=False, on_epoch=True, prog_bar=bar, reduce_fx=reduce)
 
     def validation_rollout(self, batch: Batch, batch_idx: int = 0) -> Batch:
         """The validation prompts generated (``ValidationConfig.n`` samples each, or one greedy answer) and
@@ -770,7 +795,9 @@ class RLHFModule(L.LightningModule):
     def validation_metrics(self, rollout: Batch) -> dict[str, float]:
         """``val/score/mean`` (over samples), ``val/mean@N`` (mean over prompts of each prompt's mean score over
         its N samples), ``val/pass@k`` for each k (unbiased estimator; a sample passes when its score is above
-        ``ValidationConfig.pass_threshold``) and ``val/response_length/mean``, of one validation rollout.
+        ``ValidationConfig.pass_threshold``) and ``val/response_length/mean``, of one validation rollout; and,
+        as training logs them, each reward component's ``val/reward/<name>/mean`` (before its weight, so a
+        weight-0 component is measured too) and ``val/reward/<name>/failed``.
 
         Runs on: controller. ``rollout`` holds N = ``ValidationConfig.n`` consecutive samples per prompt.
         """
@@ -780,6 +807,9 @@ class RLHFModule(L.LightningModule):
         passed = scores > cfg.pass_threshold
         out |= {f"val/pass@{k}": float(pass_at_k(passed, k=k).mean()) for k in cfg.ks}
         out["val/response_length/mean"] = float(rollout["response_mask"].float().sum(-1).mean())
+        for role in self.roles().values():  # the components of the roles that scored it (the columns present)
+            if isinstance(role, RewardRole):
+                out |= {f"val/{k}": v for k, v in role.metrics(rollout).items()}
         return out
 
     # ----------------------------------------------------------------------------------- logging

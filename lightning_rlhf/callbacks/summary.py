@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_rlhf.callbacks.history import MetricHistory, first_last, run_folder
 
-__all__ = ["REWARD_KEYS", "SUMMARY_KEYS", "VALIDATION_KEYS", "RunSummary"]
+__all__ = ["REWARD_KEYS", "SUMMARY_KEYS", "VALIDATION_KEYS", "RunSummary", "checkpoint_line"]
 
 #: where the learning curve is, in order of preference: DAPO's score before its selection, else the mean score
 REWARD_KEYS = ("dynamic_sampling/raw_score/mean", "critic/score/mean")
@@ -20,6 +20,28 @@ REWARD_KEYS = ("dynamic_sampling/raw_score/mean", "critic/score/mean")
 SUMMARY_KEYS = (*REWARD_KEYS, "sft/loss")
 #: validation metrics the summary reports, first and last validation (the first found is shown)
 VALIDATION_KEYS = ("val/score/mean", "val/loss")
+
+
+def checkpoint_line(ckpt: Any) -> str | None:
+    """``checkpoints: <folder> (best (<monitor>=<value>): <path>, last: <path>)``, or None when ``ckpt`` is not a
+    ``ModelCheckpoint`` or saved nothing.
+
+    "best" only names a checkpoint that a monitored metric chose (``ModelCheckpoint(monitor=...)``). Without a
+    monitor, Lightning's ``best_model_path`` is merely the newest checkpoint kept, named "latest" here. "last"
+    is ``save_last``'s ``last.ckpt``. Runs on: rank 0.
+    """
+    if not isinstance(ckpt, ModelCheckpoint) or not (ckpt.best_model_path or ckpt.last_model_path):
+        return None
+    parts = []
+    if ckpt.best_model_path:
+        label = "latest"
+        if ckpt.monitor is not None:
+            score = ckpt.best_model_score
+            label = f"best ({ckpt.monitor}={float(score):.4g})" if score is not None else f"best ({ckpt.monitor})"
+        parts.append(f"{label}: {ckpt.best_model_path}")
+    if ckpt.last_model_path:
+        parts.append(f"last: {ckpt.last_model_path}")
+    return f"  checkpoints: {ckpt.dirpath} ({', '.join(parts)})"
 
 
 class RunSummary(MetricHistory):
@@ -31,14 +53,15 @@ class RunSummary(MetricHistory):
           steps: 250 in 312s (1.23 s/step)
           throughput: 1,204 tokens/s per rank, 2,408 tokens/s over 2 ranks (perf/throughput, mean)
           run folder: /abs/runs/demo/version_0
-          checkpoints: /abs/runs/ckpt (best: ..., last: ...)
+          checkpoints: /abs/runs/ckpt (best (val/score/mean=0.87): ..., last: ...)
           exported model: /abs/runs/hf
 
     Runs on: every rank; rank 0 records and prints (to stdout), in the ``teardown`` hook of ``fit``: after every
     callback's ``on_fit_end``, whatever the order of the callbacks, and only when ``fit`` ended without an
     error. The validation line appears when validation ran (``val/score/mean``, else ``val/loss``): its first and
     last value, each at the step of the weights it measured (step 0 with ``ValidationConfig(before_train=True)``
-    is "before training"). The checkpoint line appears when a ``ModelCheckpoint`` saved something, the export line
+    is "before training"). The checkpoint line appears when a ``ModelCheckpoint`` saved something (see
+    :func:`checkpoint_line`: "best" only with a ``monitor``, else "latest"), the export line
     when a callback has a non-empty ``last_export`` attribute (``ExportActor``).
 
     Args:
@@ -139,13 +162,12 @@ class RunSummary(MetricHistory):
                 f"rank{'s' if world > 1 else ''} (perf/throughput, mean)"
             )
         lines.append(f"  run folder: {run_folder(trainer)}")
-        ckpt = trainer.checkpoint_callback
-        if isinstance(ckpt, ModelCheckpoint) and (ckpt.best_model_path or ckpt.last_model_path):
-            saved = {"best": ckpt.best_model_path, "last": ckpt.last_model_path}
-            parts = ", ".join(f"{name}: {path}" for name, path in saved.items() if path)
-            lines.append(f"  checkpoints: {ckpt.dirpath} ({parts})")
+        checkpoints = checkpoint_line(trainer.checkpoint_callback)
+        if checkpoints:
+            lines.append(checkpoints)
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             exported: Any = getattr(callback, "last_export", None)
             if exported:
-                lines.append(f"  exported model: {exported}")
+                reason = getattr(callback, "export_reason", None)
+                lines.append(f"  exported model: {exported}" + (f" ({reason})" if reason else ""))
         return "\n".join(lines)

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.data.chat import check_messages
 from lightning_rlhf.data.prompts import PromptDataModule
+from lightning_rlhf.engines.rollout.base import check_sequence_length
 
 __all__ = ["SFT_COLUMNS", "SFTDataModule", "collate_sft", "encode_chat", "encode_prompt_answer"]
 
@@ -147,7 +148,9 @@ class SFTDataModule(PromptDataModule):
             trained on its assistant turns; ``prompt_column`` and ``answer_column`` are then unused. Needs a
             tokenizer with a chat template.
         max_length: longest example (prompt + answer) in tokens; longer ones are dropped (``overlong="filter"``,
-            logged with a count) or rejected (``overlong="error"``).
+            logged with a count) or rejected (``overlong="error"``). None: the model's positions
+            (``max_position_embeddings``). A value above them is refused in ``setup``, before any data or model
+            loads (a model does not train past its positions).
         overlong: what to do with examples over ``max_length``.
         tokenizer: tokenizer path; None takes the LightningModule's tokenizer.
         chat_template: render each prompt/answer pair as a user and an assistant message with the tokenizer's
@@ -170,7 +173,7 @@ class SFTDataModule(PromptDataModule):
         prompt_column: str = "prompt",
         answer_column: str = "answer",
         messages_column: str | None = None,
-        max_length: int = 1024,
+        max_length: int | None = None,
         overlong: str = "filter",
         tokenizer: str | None = None,
         chat_template: bool = False,
@@ -180,6 +183,11 @@ class SFTDataModule(PromptDataModule):
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
+        if max_length is not None and max_length < 1:
+            raise ValueError(
+                f"SFTDataModule(max_length={max_length}) must be >= 1 (tokens of the longest example). HINT: leave "
+                "it None to take the model's positions."
+            )
         super().__init__(
             train,
             val=val,
@@ -188,7 +196,7 @@ class SFTDataModule(PromptDataModule):
             val_batch_size=val_batch_size,
             prompt_column=prompt_column,
             messages_column=messages_column,
-            max_prompt_length=max_length,
+            max_prompt_length=max_length or 0,  # unused by SFT (no prompts are generated from); see max_length
             overlong=overlong,
             tokenizer=tokenizer,
             chat_template=chat_template,
@@ -200,6 +208,45 @@ class SFTDataModule(PromptDataModule):
         )
         self.answer_column = answer_column
         self.max_length = max_length
+        self._length_limit: int | None = max_length  # max_length, or the model's positions once set up
+
+    def setup(self, stage: str) -> None:
+        """Check ``max_length`` against the model's positions, then load, check and tokenize the examples.
+
+        Runs on: every process, before any model loads (Lightning calls it before ``configure_model``); the length
+        check reads only the model's config and comes before the data is read.
+
+        Raises:
+            ValueError: ``max_length`` exceeds the model's ``max_position_embeddings`` (the same check as an RL
+                prompt length plus ``max_new_tokens``: :func:`~lightning_rlhf.engines.rollout.base.
+                check_sequence_length`).
+        """
+        if self._rows is None:
+            self._check_model_positions()
+        super().setup(stage)
+
+    def _check_model_positions(self) -> None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        positions = getattr(module, "max_sequence_length", None)  # SFTModule: the actor's positions
+        if not isinstance(positions, int):  # used on its own, or a model that states no limit: max_length as given
+            return
+        if self.max_length is None:
+            self._length_limit = positions
+            return
+        model = getattr(getattr(module, "actor", None), "path", "the actor")
+        check_sequence_length(
+            prompt_length=self.max_length,
+            max_new_tokens=0,
+            limit=positions,
+            engine="the model's max_position_embeddings",
+            prompt_setting=f"up to SFTDataModule(max_length={self.max_length})",
+            subject="Examples",
+            hint=(
+                f"set SFTDataModule(max_length=) to at most {positions} (`--data.max_length {positions}`), or leave it "
+                f"None to take the model's positions; longer examples are dropped (overlong='filter') or refused "
+                f"(overlong='error'). The model: {model!r}."
+            ),
+        )
 
     def _prepare(self, dataset: Any, which: str, *, min_rows: int) -> list[dict[str, Any]]:
         """Check ``dataset``'s columns and rows, tokenize each example with its loss mask, drop (or reject)
@@ -222,23 +269,24 @@ class SFTDataModule(PromptDataModule):
                 "rename them (datasets.Dataset.rename_column); SFTDataModule tokenizes the text itself."
             )
         rows, too_long = [], 0
+        limit = self._length_limit
+        setting = f"max_length={limit}" if self.max_length is not None else f"the model's {limit} positions"
         for i, row in enumerate(dataset):
             ids, mask = self._encode_row(row, row_index=i, which=which)
             if not any(mask):
                 raise ValueError(f"SFTDataModule: row {i} of the {which} data has no token to train on.")
-            if len(ids) > self.max_length:
+            if limit is not None and len(ids) > limit:
                 if self.overlong == "error":
                     raise ValueError(
-                        f"SFTDataModule: row {i} has {len(ids)} tokens > max_length={self.max_length} ({which} "
-                        "data). HINT: raise max_length or use overlong='filter'."
+                        f"SFTDataModule: row {i} has {len(ids)} tokens > {setting} ({which} data). HINT: raise "
+                        "max_length (up to the model's positions) or use overlong='filter'."
                     )
                 too_long += 1
                 continue
             rows.append({**row, "input_ids": ids, "loss_mask": mask})
         if too_long:
             rank_zero_info(
-                f"SFTDataModule: dropped {too_long} of {len(dataset)} {which} examples longer than "
-                f"max_length={self.max_length} tokens."
+                f"SFTDataModule: dropped {too_long} of {len(dataset)} {which} examples longer than {setting} tokens."
             )
         if len(rows) < min_rows:
             least = f"batch_size={self.batch_size}" if which == "training" else "1"

@@ -79,6 +79,22 @@ class SFTModule(RLHFModule):
         )
         self.actor.needs_rollout_engine = False  # supervised steps only: no generation
         self._step_logs: list[tuple[str, float, dict[str, Any]]] | None = None
+        self._max_sequence_length: int | None = None
+
+    @property
+    def max_sequence_length(self) -> int | None:
+        """The longest example the actor's positions cover (``max_position_embeddings``; None: its config states
+        none). :class:`~lightning_rlhf.data.SFTDataModule` checks its ``max_length`` against it in ``setup``.
+
+        Runs on: every process (reads the model's ``config.json`` once; no weights).
+        """
+        if self._max_sequence_length is None:
+            from transformers import AutoConfig
+
+            from lightning_rlhf.engines.rollout.hf import model_max_length
+
+            self._max_sequence_length = model_max_length(AutoConfig.from_pretrained(self.actor.path))
+        return self._max_sequence_length
 
     def setup(self, stage: str) -> None:
         """Check that a batch splits evenly over the ranks, before any model loads. Runs on: every process."""
@@ -102,7 +118,7 @@ class SFTModule(RLHFModule):
 
     def validation_step(self, batch: Batch, batch_idx: int = 0) -> None:  # type: ignore[override]
         """Log ``val/loss`` of a validation batch, weighted by its loss tokens (Lightning's epoch mean is then
-        the token mean of the whole validation set), and ``step`` = ``global_step``.
+        the token mean of the whole validation set), at ``global_step`` (``RLHFModule.on_validation_start``).
 
         Runs on: the controller (rank 0); the forward passes run on every rank. A batch that does not split
         evenly over the ranks is padded with rows that count no token.
@@ -116,7 +132,6 @@ class SFTModule(RLHFModule):
         tokens = out["tokens"] * world
         loss = out["loss_sum"] / max(out["tokens"], 1e-9)
         self.log("val/loss", loss, batch_size=max(1, round(tokens)), on_step=False, on_epoch=True, prog_bar=True)
-        self.log("step", float(self.trainer.global_step), on_step=False, on_epoch=True, reduce_fx="max")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Nothing beyond Lightning's state (weights, optimizer, schedule, data position). Runs on: every process."""

@@ -1,5 +1,6 @@
-"""SFTModule over 2 processes (gloo, launched as a subprocess): the loss falls, validation and export work, and a
-run resumed from a checkpoint logs the same metrics as an uninterrupted one."""
+"""SFTModule over 2 processes (gloo, launched as a subprocess): the loss falls, validation and export work (also the
+export of the best validation, a collective on every rank), and a run resumed from a checkpoint logs the same metrics
+as an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def raw_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_two_process_sft_resumes_like_the_uninterrupted_run(raw_model: str, tmp_path: Path) -> None:
     straight, first, second, ckpt = tmp_path / "straight", tmp_path / "first", tmp_path / "second", tmp_path / "ckpt"
     common = ["--model", raw_model, "--devices", "2"]
-    proc = run_script("sft_train.py", *common, "--out", str(straight), "--steps", "4")
+    proc = run_script("sft_train.py", *common, "--out", str(straight), "--steps", "4", "--monitor", "val/loss")
     assert proc.returncode == 0, failure_text(proc)
+    assert "(step 4, the best val/loss (min) of 2 validations" in proc.stdout + proc.stderr, failure_text(proc)
     proc = run_script("sft_train.py", *common, "--out", str(first), "--steps", "2", "--save-ckpt", str(ckpt))
     assert proc.returncode == 0, failure_text(proc)
     proc = run_script("sft_train.py", *common, "--out", str(second), "--steps", "4", "--resume", str(ckpt))
@@ -52,3 +54,6 @@ def test_two_process_sft_resumes_like_the_uninterrupted_run(raw_model: str, tmp_
     assert end_full == pytest.approx(end_resumed, rel=1e-6)
     model = AutoModelForCausalLM.from_pretrained(straight / "actor")  # ExportActor wrote a loadable folder
     assert model.config.vocab_size > 0
+    # The best validation (step 4, the last) was exported on both ranks: its weights are the final ones.
+    exported = float(next(model.parameters()).detach().double().sum())
+    assert exported == pytest.approx(end_full, rel=1e-9)

@@ -1,6 +1,7 @@
 """SFT run the distributed tests launch as a subprocess (Lightning starts the other ranks from it).
 
 Usage: python tests/scripts/sft_train.py --model DIR --out DIR [--devices N] [--steps N] [--save-ckpt P] [--resume P]
+       [--monitor val/loss]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--save-ckpt", default=None, help="save a checkpoint here at the end")
     p.add_argument("--resume", default=None, help="resume from this checkpoint")
+    p.add_argument("--monitor", default=None, help="ExportActor(monitor=..., mode='min'): export the best validation")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -44,7 +46,7 @@ def main() -> None:
         strategy=RLHFStrategy("hf"),
         max_steps=args.steps,
         logger=CSVLogger(args.out, name="", version=""),
-        callbacks=[ExportActor(os.path.join(args.out, "actor"))],
+        callbacks=[ExportActor(os.path.join(args.out, "actor"), monitor=args.monitor, mode="min")],
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -1,4 +1,5 @@
-"""The run-summary, plot and sample callbacks on recorded values (no training: a Trainer that never fits)."""
+"""The run-summary, plot and sample callbacks on recorded values (a Trainer that never fits); the progress bar over
+a few steps of a plain module, and the command line's default bar."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.callbacks import MetricPlots, RunSummary, run_folder
+from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RunSummary, run_folder
 from lightning_rlhf.callbacks.history import first_last
 from lightning_rlhf.callbacks.samples import sample_rows
+from lightning_rlhf.callbacks.summary import checkpoint_line
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def trainer_in(tmp_path: Path, callbacks: list[L.Callback]) -> L.Trainer:
@@ -94,3 +99,106 @@ def test_bad_settings_name_the_fix() -> None:
         MetricPlots(every_n_steps=0)
     with pytest.raises(ValueError, match=r"fraction=0\.9"):
         RunSummary(fraction=0.9)
+
+
+def test_summary_calls_a_checkpoint_best_only_when_a_monitor_chose_it(tmp_path: Path) -> None:
+    plain = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=50)  # the recipes' checkpoints: no monitor
+    assert checkpoint_line(plain) is None  # nothing saved yet
+    plain.best_model_path = str(tmp_path / "ckpt" / "epoch=16-step=150.ckpt")  # Lightning's newest, unmonitored
+    assert checkpoint_line(plain) == f"  checkpoints: {tmp_path / 'ckpt'} (latest: {plain.best_model_path})"
+
+    monitored = ModelCheckpoint(tmp_path / "ckpt", monitor="val/score/mean", mode="max", save_last=True)
+    monitored.best_model_path = str(tmp_path / "ckpt" / "epoch=5-step=50.ckpt")
+    monitored.best_model_score = torch.tensor(0.875)
+    monitored.last_model_path = str(tmp_path / "ckpt" / "last.ckpt")
+    assert checkpoint_line(monitored) == (
+        f"  checkpoints: {tmp_path / 'ckpt'} (best (val/score/mean=0.875): {monitored.best_model_path}, "
+        f"last: {monitored.last_model_path})"
+    )
+    summary = RunSummary()
+    trainer = trainer_in(tmp_path, [summary, monitored])
+    assert checkpoint_line(monitored) in summary.summarize(trainer, seconds=None)
+    assert checkpoint_line(object()) is None  # not a ModelCheckpoint
+
+
+class Steps(L.LightningModule):
+    """One optimizer step per batch, 3 batches an epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.ones(3, 1), batch_size=1)
+
+
+class BarText(L.Callback):
+    """The training bar's description and count after each step (listed after the bar, so it runs after it)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int | None]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
+        bar = trainer.progress_bar_callback.train_progress_bar  # type: ignore[union-attr]
+        self.seen.append((str(bar.desc).removesuffix(": "), bar.n, bar.total))
+
+
+@pytest.mark.parametrize(
+    ("limits", "total"),
+    [({"max_steps": 7}, 7), ({"max_epochs": 2}, 6), ({"max_steps": 4, "max_epochs": 5}, 4)],
+    ids=["max_steps", "max_epochs", "both"],
+)
+def test_progress_bar_counts_steps_over_epochs(tmp_path: Path, limits: dict[str, int], total: int) -> None:
+    """A max_steps run read `Epoch 37/-2` (Lightning's rich bar: max_epochs is -1) or `Epoch 2` with a bar that
+    restarts each epoch (its tqdm bar); the RL bar is one bar of steps for the run, over epochs of 3 steps."""
+    text = BarText()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, callbacks=[RLHFProgressBar(), text], enable_checkpointing=False,
+        enable_model_summary=False, **limits,
+    )  # fmt: skip
+    trainer.fit(Steps())
+    assert text.seen == [(f"step {n}/{total}", n, total) for n in range(1, total + 1)]
+    assert not any("Epoch" in desc or "-" in desc for desc, _, _ in text.seen)
+
+
+@pytest.mark.parametrize(
+    ("extra", "bar"),
+    [
+        ([], "RLHFProgressBar"),  # no bar listed: the step bar, not Lightning's epoch bar
+        (["--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar"], "RichProgressBar"),  # the user's
+        (["--trainer.enable_progress_bar", "false"], None),
+        (["--config", str(ROOT / "recipes" / "demo.yaml")], "RLHFProgressBar"),  # listed in the recipe: once
+    ],
+    ids=["default", "listed", "off", "recipe"],
+)
+def test_cli_uses_the_step_bar_unless_the_config_chooses(tiny_model: str, extra: list[str], bar: str | None) -> None:
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from lightning_rlhf.cli import RLHFCLI
+
+    data = ["--data.train", str(ROOT / "recipes" / "data" / "addition.jsonl")]
+    model = ["--model", "lightning_rlhf.GRPOModule", "--model.reward", "lightning_rlhf.demo.addition_reward"]
+    cli = RLHFCLI([*extra, *data, *model, "--model.actor", tiny_model], run=False)
+    bars = [type(c).__name__ for c in cli.trainer.callbacks if isinstance(c, ProgressBar)]
+    assert bars == ([bar] if bar else [])
+
+
+def test_progress_bar_of_a_resumed_run_starts_where_it_stopped(tmp_path: Path) -> None:
+    def trainer(steps: int, text: BarText) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu", devices=1, logger=False, callbacks=[RLHFProgressBar(), text],
+            enable_checkpointing=False, enable_model_summary=False, max_steps=steps,
+        )  # fmt: skip
+
+    first = trainer(4, BarText())
+    first.fit(Steps())
+    first.save_checkpoint(tmp_path / "4.ckpt")
+    text = BarText()
+    trainer(7, text).fit(Steps(), ckpt_path=tmp_path / "4.ckpt")
+    assert text.seen == [("step 5/7", 5, 7), ("step 6/7", 6, 7), ("step 7/7", 7, 7)]

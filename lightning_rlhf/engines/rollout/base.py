@@ -122,29 +122,36 @@ def processed_logprobs(logits: Tensor, *, temperature: float, top_k: int = 0, to
 
 
 def check_sequence_length(
-    *, prompt_length: int, max_new_tokens: int, limit: int, engine: str, prompt_setting: str
+    *,
+    prompt_length: int,
+    max_new_tokens: int,
+    limit: int,
+    engine: str,
+    prompt_setting: str,
+    subject: str = "Prompts",
+    hint: str = "lower PromptDataModule(max_prompt_length=) or RolloutConfig(max_new_tokens=).",
 ) -> None:
-    """Refuse a prompt length plus ``max_new_tokens`` above the positions an engine serves.
+    """Refuse a prompt length plus ``max_new_tokens`` above the positions an engine (or a model) serves.
 
     Runs on: any process (at set-up with ``max_prompt_length``, before any model loads; in ``generate`` with
-    each prompt's length). Both engines call it.
+    each prompt's length). Both engines call it, and ``SFTDataModule`` (whole examples, ``max_new_tokens=0``).
 
     Args:
         prompt_length: tokens of the (longest) prompt.
-        max_new_tokens: ``RolloutConfig.max_new_tokens``.
+        max_new_tokens: ``RolloutConfig.max_new_tokens`` (0: nothing is generated, not named in the message).
         limit: the longest sequence the engine serves (vLLM's ``max_model_len``, the model's
             ``max_position_embeddings`` for transformers).
         engine: words for the limit, e.g. ``"the vLLM engine's max_model_len"``.
         prompt_setting: words for the prompt length, e.g. ``"max_prompt_length=60"``.
+        subject: what the sequences are, e.g. ``"Examples"`` for SFT.
+        hint: the fix.
 
     Raises:
-        ValueError: naming both settings and the fix.
+        ValueError: naming the settings and the fix.
     """
     if prompt_length + max_new_tokens > limit:
-        raise ValueError(
-            f"Prompts of {prompt_setting} tokens plus max_new_tokens={max_new_tokens} exceed {engine}={limit}. "
-            "HINT: lower PromptDataModule(max_prompt_length=) or RolloutConfig(max_new_tokens=)."
-        )
+        added = f" plus max_new_tokens={max_new_tokens}" if max_new_tokens else ""
+        raise ValueError(f"{subject} of {prompt_setting} tokens{added} exceed {engine}={limit}. HINT: {hint}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
