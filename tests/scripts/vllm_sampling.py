@@ -4,7 +4,8 @@ Usage: python tests/scripts/vllm_sampling.py --model DIR --out DIR
 
 Writes ``sampling.json``: greedy responses (temperature 0, n=3) of vLLM and of transformers' greedy decoding,
 the largest gap between vLLM's log-probs and the trainer's (``forward_response``) for greedy (temperature 1)
-and sampled (temperature 0.7) rollouts, and the error a temperature below vLLM's floor raises.
+and sampled (temperature 0.7) rollouts, the error a temperature below vLLM's floor raises, the tokenizer's EOS id
+and greedy responses with ``min_new_tokens=5``.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def main() -> None:
         "sampled_gap": _gap(model, prompts, sampled, 4, 0.7),
         "sampled_distinct": len({tuple(r) for r in sampled.responses}),
         "refused": refused,
+        "eos": tok.eos_token_id,
+        # the EOS reaches vLLM as a stop token id (it runs without a tokenizer): held back until min_tokens
+        "min_tokens": engine.generate(
+            prompts, SamplingParams(n=1, max_new_tokens=8, min_new_tokens=5, greedy=True)
+        ).responses,
     }
     with open(os.path.join(args.out, "sampling.json"), "w") as f:
         json.dump(report, f)

@@ -28,6 +28,11 @@ def test_vllm_greedy_and_log_probs_match_transformers_and_the_trainer(demo_model
     assert report["greedy_gap"] < 1e-5  # greedy log-probs: the raw policy's, as the trainer scores them
     assert report["sampled_gap"] < 1e-5  # sampled at 0.7, scored at 0.7
     assert report["sampled_distinct"] > 4  # really sampled
+    eos = report["eos"]  # the engine runs without a tokenizer: the EOS reaches vLLM as a stop token id
+    for response in report["vllm_greedy"]:  # the demo model answers, then ends: every response stops at EOS
+        assert len(response) < 6 and response.index(eos) == len(response) - 1, response
+    for response in report["min_tokens"]:  # held back until min_new_tokens, as vLLM holds its own EOS back
+        assert len(response) >= 5 and eos not in response[:5], response
     assert "SamplingParams.temperature=0.001 is below 0.01" in report["refused"]
     assert "HINT: 0 for greedy decoding, or >= 0.01" in report["refused"]
 

@@ -238,15 +238,35 @@ def weight_buckets(
 
 # ------------------------------------------------------------------------------------------- engine
 class _DropExpectedWarnings(logging.Filter):
-    """Warnings vLLM prints that are expected here: the engine runs without a tokenizer (token ids in and out),
-    so the chat-template warm-up fails by design; and every hand-off reports that the rotary embedding (no
-    weights) and a tied ``lm_head`` (re-packed by :func:`_refresh_tied_head`) received none."""
+    """Warnings vLLM prints about settings this engine makes on purpose (docs/hybrid-engine.md, "Layout"):
+
+    - it runs without a tokenizer (token ids in and out), so the chat-template warm-up fails, and vLLM reports
+      that it knows no BOS/EOS id: the EOS reaches every request as a stop token id instead, which vLLM stops at
+      and holds back until ``min_tokens`` exactly as it does its own EOS;
+    - on CPU chunked prefill is off (every prompt is prefilled in one step), which vLLM calls not "officially
+      supported" for any decoder model: vLLM's CPU platform itself turns it off for some models, and the vLLM
+      tests check greedy outputs and log-probs against transformers with it off;
+    - every hand-off reports that the rotary embedding (no weights) and a tied ``lm_head`` (re-packed by
+      :func:`_refresh_tied_head`) received none.
+    """
+
+    _STARTS = (
+        "RotaryEmbedding: Failed to load",
+        "ParallelLMHead: Failed to load",
+        "Using None for EOS token id because tokenizer is not initialized",
+        "Using None for BOS token id because tokenizer is not initialized",
+        "This model does not officially support disabling chunked prefill",
+        "Chat template warmup failed",
+    )
+    LOGGERS = (
+        "vllm.renderers.base",
+        "vllm.model_executor.model_loader.reload.layerwise",
+        "vllm.engine.arg_utils",
+    )
+    """The vLLM loggers the filter is attached to."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "Chat template warmup failed" in message:
-            return False
-        return not message.startswith(("RotaryEmbedding: Failed to load", "ParallelLMHead: Failed to load"))
+        return not record.getMessage().startswith(self._STARTS)
 
 
 def _refresh_tied_head(worker: Any) -> None:
@@ -300,8 +320,10 @@ class VLLMRolloutEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
-        for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise"):
-            logging.getLogger(name).addFilter(_DropExpectedWarnings())
+        for name in _DropExpectedWarnings.LOGGERS:
+            vllm_logger = logging.getLogger(name)
+            if not any(isinstance(f, _DropExpectedWarnings) for f in vllm_logger.filters):
+                vllm_logger.addFilter(_DropExpectedWarnings())
 
         self.config = config
         self.eos_token_id = eos_token_id
@@ -354,6 +376,14 @@ class VLLMRolloutEngine:
             os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.accelerator.device_count())))
         if on_cpu:
             kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES
+            # Every prompt is prefilled in one scheduler step. With chunked prefill a prompt that does not fit the
+            # step's token budget (4096 tokens per TP rank on CPU) is split, and vLLM rewinds the request's seeded
+            # generator past the token it samples and discards after a partial prefill (`set_offset`), which only
+            # CUDA's Philox generators have: on CPU the first such batch fails with "CPU Generator does not use
+            # offset". Without it, a prompt that does not fit waits for the next step, so any prompt the
+            # max_model_len allows runs, each request's generator draws exactly once per token, and a seed gives
+            # the same tokens whatever the batch around it (see docs/hybrid-engine.md).
+            kwargs["enable_chunked_prefill"] = False
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = config.sleep_level > 0
