@@ -13,7 +13,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
-from lightning_rlhf.engines.rollout.base import logprob_temperature
+from lightning_rlhf.engines.rollout.base import generation_eos_ids, logprob_temperature
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
 from lightning_rlhf.engines.rollout.reshard import weights_for
 from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
@@ -136,6 +136,7 @@ class ActorRole(Role):
             greedy=greedy,
             temperature=temperature,
             seed_offset=seed_offset,
+            model_path=self.path,
         )
         self.rollout_engine.sleep()
         self.train_engine.onload_optimizer()
@@ -483,15 +484,20 @@ def sample_rollout(
     greedy: bool = False,
     temperature: float | None = None,
     seed_offset: int = 0,
+    model_path: str | None = None,
 ) -> Batch:
     """Sample with ``engine`` for this rank's prompts: one row per sample with ``responses``, ``response_mask``,
     ``response_truncated``, ``rollout_logprobs`` (when the engine reports them) and the input columns repeated; the
-    generation's seconds in ``meta["gen_s"]``. The arguments are :meth:`ActorRole.generate`'s.
+    generation's seconds in ``meta["gen_s"]``. The arguments are :meth:`ActorRole.generate`'s; ``model_path``
+    (the policy's checkpoint) adds its ``generation_config.json``'s EOS ids to the ids that end a response, as
+    transformers' ``generate`` and vLLM do (the tokenizer's EOS and ``RolloutConfig.stop_token_ids`` always end one).
 
     Runs on: a worker rank holding a rollout engine (the actor's colocated one, or a rollout pool's). The seeds
     depend on the step, the rank in the calling role's pool, the sampling round and ``seed_offset`` only.
     """
     n = 1 if greedy else (n or cfg.n)
+    stops = {tokenizer.eos_token_id, *cfg.stop_token_ids, *(generation_eos_ids(model_path) if model_path else ())}
+    stops.discard(None)
     rank, _ = world()
     step = int(batch.meta.get("step", 0))
     params = SamplingParams(
@@ -501,7 +507,7 @@ def sample_rollout(
         top_k=cfg.top_k,
         max_new_tokens=cfg.max_new_tokens,
         min_new_tokens=cfg.min_new_tokens,
-        stop_token_ids=cfg.stop_token_ids,
+        stop_token_ids=tuple(sorted(stops)),
         seed=cfg.seed * 1_000_003
         + step * 7919
         + rank
@@ -519,7 +525,6 @@ def sample_rollout(
     for i, r in enumerate(out.responses):
         responses[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         response_mask[i, : len(r)] = 1
-    stops = {tokenizer.eos_token_id, *cfg.stop_token_ids}
     rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
     rollout["responses"] = responses
     rollout["response_mask"] = response_mask

@@ -134,6 +134,7 @@ class RolloutRole(Role):
             greedy=greedy,
             temperature=temperature,
             seed_offset=seed_offset,
+            model_path=self.path,
         )
         rollout["weight_version"] = torch.full((len(rollout),), self.weight_version, dtype=torch.long)
         return rollout

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,3 +81,34 @@ def test_load_weights_changes_generation_and_rejects_unknown_names(demo_model: s
         assert "not.a.param" in str(err)
     else:
         raise AssertionError("unknown parameter name was accepted")
+
+
+def test_generation_config_eos_ids_end_a_response(demo_model: str, tmp_path: Path) -> None:
+    """A checkpoint whose ``generation_config.json`` lists more EOS ids than its tokenizer's (Qwen2.5-Instruct:
+    ``<|im_end|>`` and ``<|endoftext|>``) ends responses at each of them, as transformers' ``generate`` and vLLM
+    do, and such a response does not count as truncated."""
+    from transformers import GenerationConfig
+
+    from lightning_rlhf.batch import Batch
+    from lightning_rlhf.config import RolloutConfig
+    from lightning_rlhf.engines.rollout.base import generation_eos_ids
+    from lightning_rlhf.roles.actor import sample_rollout
+
+    eng, tok, _ = engine_for(demo_model)
+    ids = torch.tensor([tok("3+4=")["input_ids"]])
+    batch = Batch({"prompts": ids, "prompt_mask": torch.ones_like(ids)})
+    cfg = RolloutConfig(n=1, max_new_tokens=6, temperature=1.0)
+    plain = sample_rollout(eng, batch, cfg, tok, greedy=True, model_path=demo_model)
+    answer = plain["responses"][0][plain["response_mask"][0].bool()].tolist()
+    assert len(answer) >= 2 and answer[-1] == tok.eos_token_id  # a digit, then EOS
+
+    model = tmp_path / "two_eos"
+    shutil.copytree(demo_model, model)
+    gen = GenerationConfig.from_pretrained(model)
+    gen.eos_token_id = [tok.eos_token_id, answer[0]]  # the answer's first token ends a response too
+    gen.save_pretrained(model)
+    assert generation_eos_ids(str(model)) == tuple(sorted({tok.eos_token_id, answer[0]}))
+    cut = sample_rollout(eng, batch, cfg, tok, greedy=True, model_path=str(model))
+    assert cut["responses"][0][cut["response_mask"][0].bool()].tolist() == [answer[0]]
+    assert not bool(cut["response_truncated"][0])
+    assert generation_eos_ids(str(tmp_path / "no_such_model")) == ()

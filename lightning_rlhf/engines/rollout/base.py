@@ -20,6 +20,7 @@ one the engine does not have raises :class:`WeightSyncError`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -209,6 +210,26 @@ class WeightSyncError(RuntimeError):
     The engine then holds a mix of old and new weights: it reports ``weights_discarded=True`` and refuses to
     generate until a complete hand-off arrives.
     """
+
+
+@functools.lru_cache(maxsize=16)
+def generation_eos_ids(model_path: str) -> tuple[int, ...]:
+    """The end-of-sequence ids of a checkpoint's ``generation_config.json`` (``eos_token_id``, one id or a list),
+    or ``()`` when it has none. Instruct models often list more than their tokenizer's EOS (Qwen2.5-Instruct:
+    ``<|im_end|>`` and ``<|endoftext|>``): transformers' ``generate`` and vLLM stop at each of them, so both rollout
+    engines do (:func:`~lightning_rlhf.roles.actor.sample_rollout` adds them to the stop ids).
+
+    Runs on: every worker rank holding a rollout engine (read once per path and process).
+    """
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS alone
+        return ()
+    if eos is None:
+        return ()
+    return tuple(sorted({int(i) for i in ([eos] if isinstance(eos, int) else eos)}))
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
