@@ -11,6 +11,16 @@ process's float32 matmul peak, memory bandwidth, host time per layer), ``calibra
 own shapes reach of the peak), and ``fit_call_costs`` on the calibration run (:data:`CALIBRATION`: every role on
 both ranks), whose calls give the host cost per role call and per training call. The other placements are
 predictions. Prints a markdown table and, as its last line, one JSON object.
+
+    python benchmarks/placement_validation.py --task demo [--steps 8] [--devices 4] [--rounds 2]
+
+The oversubscribed case (issue 31): PPO on the demo task (``python -m lightning_rlhf.demo --algo ppo``: the demo
+model as actor and critic, a reward function, 32 prompts x 8 samples, at most 6 new tokens) on 4 processes of one
+thread each, on however many cores this machine gives them (2 here), colocated and split (the actor and the reward
+on the first half of the ranks, the critic on the second), each ``--rounds`` times in turn (the median). The
+prediction counts the cores
+(``cpu_hardware(cores=..., threads=...)``, ``planner.core_share``); the table also says which placement
+``planner.plan`` chooses, against the faster measured one.
 """
 
 from __future__ import annotations
@@ -41,6 +51,17 @@ CONFIGS: dict[str, tuple[str, list[list[str]]]] = {
     "grpo-colocated": ("grpo", [["actor", "reward", "reference"]]),
     "grpo-split-ref": ("grpo", [["actor", "reward"], ["reference"]]),
 }
+
+
+DEMO_PROMPTS, DEMO_SAMPLES, DEMO_NEW_TOKENS, DEMO_MICRO_BATCH = 32, 8, 6, 128
+"""``python -m lightning_rlhf.demo``'s defaults."""
+DEMO_CONFIGS: dict[str, tuple[str, list[list[str]]]] = {
+    "demo-ppo-colocated": ("ppo", [["actor", "reward", "critic"]]),
+    "demo-ppo-split": ("ppo", [["actor", "reward"], ["critic"]]),  # the demo's --placement split
+}
+DEMO_CALIBRATION = "demo-ppo-colocated"
+DEMO_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "lightning_rlhf")
+"""The demo's own model cache (its warm-started model is built there once)."""
 
 
 def placement_of(pools: list[list[str]], devices: int) -> dict[str, list[int]]:
@@ -152,42 +173,34 @@ def predicted(model_dir: str, config: str, devices: int, prompt_len: float, hard
 def main() -> None:
     """Run every configuration, predict each, print the table. Runs on: the driver."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=["vs_trl", "demo"], default="vs_trl", help="demo: the oversubscribed PPO case")
     p.add_argument("--models", default="tiny,small")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="--task demo: runs of each placement, in turn (median)")
+    p.add_argument("--devices", type=int, default=None, help="processes (default: 2; 4 with --task demo)")
     p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "lightning_rlhf_bench_models"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.devices is None:
+        args.devices = 4 if args.task == "demo" else 2
     if args.worker:
         worker(args)
         return
+    if args.task == "demo":
+        demo_main(args)
+        return
 
-    import torch
     from bench import build_models  # benchmarks/vs_trl/bench.py: the side-by-side benchmark's model builder
 
     from lightning_rlhf import planner
-    from lightning_rlhf.auto_placement import rank_memory_bytes
-    from lightning_rlhf.perf import cpu_matmul_peak
 
     models = args.models.split(",")
     build_models(args.cache, models)
-    torch.set_num_threads(1)  # calibrate what one process of a 2-process run has: one core
-    layer_step_s, layer_micro_s = planner.measure_host_overheads()
-    hardware = planner.cpu_hardware(
-        flops=cpu_matmul_peak(torch.float32), memcpy_bw=planner.measure_memcpy_bw(),
-        memory=rank_memory_bytes(torch.device("cpu"), args.devices), processes=args.devices,
-        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=planner.measure_call_overhead(),
-    )  # fmt: skip
-    print(
-        f"calibration: matmul {hardware.flops / 1e9:.0f} GFLOP/s per process, memcpy {hardware.hbm_bw / 1e9:.1f} GB/s, "
-        f"layer x decoding step {layer_step_s * 1e6:.0f} us, layer x micro-batch {layer_micro_s * 1e6:.0f} us, "
-        f"role call {hardware.call_s * 1e3:.1f} ms",
-        flush=True,
-    )
+    hardware = cpu_calibration(args.devices)
     calibrated, workloads = {}, {}
     for model in models:
         model_dir = os.path.join(args.cache, model)
@@ -240,6 +253,134 @@ def main() -> None:
         for m, h in calibrated.items()
     }  # fmt: skip
     print(json.dumps({"flops": hardware.flops, "constants": constants, "rows": results}))
+
+
+def cpu_calibration(devices: int) -> Any:
+    """This machine as the planner calibrates it for ``devices`` processes: one process's float32 matmul peak with
+    the threads Lightning gives each, memory bandwidth, host time per layer and per call, and the cores they share."""
+    import torch
+
+    from lightning_rlhf import planner
+    from lightning_rlhf.auto_placement import rank_memory_bytes
+    from lightning_rlhf.perf import available_cores, cpu_matmul_peak, threads_per_process
+
+    cores, threads = available_cores(), threads_per_process(devices)
+    torch.set_num_threads(threads)  # calibrate what one process of the run has
+    layer_step_s, layer_micro_s = planner.measure_host_overheads()
+    hardware = planner.cpu_hardware(
+        flops=cpu_matmul_peak(torch.float32), memcpy_bw=planner.measure_memcpy_bw(),
+        memory=rank_memory_bytes(torch.device("cpu"), devices), processes=devices,
+        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=planner.measure_call_overhead(),
+        cores=cores, threads=threads,
+    )  # fmt: skip
+    share = planner.core_share(cores=cores, processes=devices, threads=threads)
+    print(
+        f"calibration: matmul {hardware.flops / 1e9:.0f} GFLOP/s per process, memcpy {hardware.hbm_bw / 1e9:.1f} GB/s, "
+        f"layer x decoding step {layer_step_s * 1e6:.0f} us, layer x micro-batch {layer_micro_s * 1e6:.0f} us, "
+        f"role call {hardware.call_s * 1e3:.1f} ms; {cores:g} cores for {devices} processes of {threads} thread(s) "
+        f"(share {share:.2f} when all are busy)",
+        flush=True,
+    )
+    return hardware
+
+
+def demo_main(args: argparse.Namespace) -> None:
+    """The oversubscribed case: PPO on the demo task, colocated and split, measured and predicted, with the cores
+    counted and (for comparison) not; and the placement ``planner.plan`` chooses. Runs on: the driver."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from lightning_rlhf import planner
+    from lightning_rlhf.demo.task import addition_splits
+    from lightning_rlhf.demo.warmstart import prepare_demo_model
+
+    model_dir = prepare_demo_model(DEMO_CACHE)
+    shape = planner.shape_of(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt_len = round(statistics.mean(len(tok(r)["input_ids"]) for r in addition_splits()["train"]["prompt"]))
+    wl = planner.Workload(
+        prompts=DEMO_PROMPTS, n=DEMO_SAMPLES, prompt_len=prompt_len, response_len=DEMO_NEW_TOKENS,
+        micro_tokens=DEMO_MICRO_BATCH * (prompt_len + DEMO_NEW_TOKENS),
+    )  # fmt: skip
+    counted = planner.calibrate_for_shape(cpu_calibration(args.devices), shape, wl)
+    variants = {"cores counted": counted, "cores not counted": dataclasses.replace(counted, cores=None)}
+    flow = planner.dataflow_for(["actor", "critic"])  # PPO: the actor's old log-probs beside the critic's values
+    chosen = {
+        f"{name}, as `plan` calibrates": choice(planner, shape, wl, h, args.devices) for name, h in variants.items()
+    }
+    configs = [DEMO_CALIBRATION] + [c for c in DEMO_CONFIGS if c != DEMO_CALIBRATION]
+    runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+    for _ in range(args.rounds):  # the placements in turn: a change in the machine's load falls on each
+        for config in configs:
+            runs[config].append(demo_run(config, args))
+            print(f"{config}: step {runs[config][-1]['timing_s/step']:.3f} s", flush=True)
+    rows = []
+    for config in configs:
+        got = {k: statistics.median(r[k] for r in runs[config] if k in r) for k in runs[config][0]}
+        if config == DEMO_CALIBRATION:
+            variants = {
+                name: planner.fit_call_costs(
+                    h,
+                    shape,
+                    wl,
+                    args.devices,
+                    forward_s=[got[f"timing_s/{k}"] for k in ("old_log_prob", "values")],
+                    train_s=[got[f"timing_s/{k}"] for k in ("update_actor", "update_critic")],
+                )
+                for name, h in variants.items()
+            }
+        pools = [[r for r in pool if r != "reward"] for pool in DEMO_CONFIGS[config][1]]
+        sizes = [args.devices // len(pools)] * len(pools)
+        pred = {
+            name: planner.predict(pools, sizes, 1, model=shape, hardware=h, workload=wl, algorithm=flow).step_s
+            for name, h in variants.items()
+        }
+        rows.append({"config": config, "measured_step_s": round(got["timing_s/step"], 4),
+                     "rounds_step_s": [round(r["timing_s/step"], 4) for r in runs[config]],
+                     "predicted_step_s": {k: round(v, 4) for k, v in pred.items()},
+                     "measured": {k.removeprefix("timing_s/"): round(v, 4) for k, v in got.items()}})  # fmt: skip
+    fastest = min(rows, key=lambda r: r["measured_step_s"])["config"]
+    for name, h in variants.items():
+        chosen[f"{name}, call costs fitted"] = choice(planner, shape, wl, h, args.devices)
+    print(f"\n| placement ({args.devices} processes) | measured step s (rounds) | predicted, cores counted | error | "
+          "predicted, cores not counted | error |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        name = f"{r['config']} (calibration)" if r["config"] == DEMO_CALIBRATION else r["config"]
+        cells = [f"{r['predicted_step_s'][v]:.3f} | {r['predicted_step_s'][v] / r['measured_step_s'] - 1:+.0%}"
+                 for v in ("cores counted", "cores not counted")]  # fmt: skip
+        each = ", ".join(f"{t:.3f}" for t in r["rounds_step_s"])
+        print(f"| {name} | {r['measured_step_s']:.3f} ({each}) | {' | '.join(cells)} |")
+    for name, c in chosen.items():
+        print(f"planner's choice, {name}: {c['groups']} on {c['devices']} (predicted {c['predicted_step_s']:.3f} s); "
+              f"measured fastest: {fastest}")  # fmt: skip
+    print(json.dumps({"rows": rows, "chosen": chosen, "measured_fastest": fastest}))
+
+
+def choice(planner: Any, shape: Any, wl: Any, hardware: Any, devices: int) -> dict[str, Any]:
+    """The placement ``planner.plan`` picks for the demo's PPO roles (single-process pool steps, rollout TP 1)."""
+    flow = planner.dataflow_for(["actor", "critic"])
+    best = planner.plan(model=shape, hardware=hardware, devices=devices, workload=wl, algorithm=flow, tp_sizes=(1,),
+                        unit=1)  # fmt: skip
+    return {"groups": [list(g) for g in best.groups], "devices": list(best.devices),
+            "predicted_step_s": round(best.step_s, 4)}  # fmt: skip
+
+
+def demo_run(config: str, args: argparse.Namespace) -> dict[str, float]:
+    """One measured run of the demo (``python -m lightning_rlhf.demo --algo ppo``), colocated or split."""
+    placement = "colocate" if config == DEMO_CALIBRATION else "split"
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--algo", "ppo", "--devices", str(args.devices)]
+        cmd += ["--placement", placement, "--rollout", "hf", "--steps", str(args.steps), "--out", out]
+        cmd += ["--cache", DEMO_CACHE, "--prompts", str(DEMO_PROMPTS), "--n", str(DEMO_SAMPLES)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=os.path.dirname(HERE))
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-3000:])
+            raise SystemExit(f"demo {config}: the run failed ({proc.returncode})")
+        folder = proc.stdout.strip().splitlines()[-1].removeprefix("run folder: ")
+        return measured(folder, args.steps)
 
 
 def run(model_dir: str, config: str, args: argparse.Namespace) -> dict[str, float]:

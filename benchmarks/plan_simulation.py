@@ -20,7 +20,7 @@ from lightning_rlhf.planner import HARDWARE, MODELS, InfeasiblePlacementError, W
 def main() -> None:
     """Print the table. Runs on: the calling process."""
     p = argparse.ArgumentParser()
-    p.add_argument("--device-type", default="a100", choices=sorted(HARDWARE))
+    p.add_argument("--device-type", default="a100", type=str.lower, choices=sorted(HARDWARE), help="any case")
     p.add_argument("--prompts", type=int, default=1024)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=1024)

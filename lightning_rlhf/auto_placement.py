@@ -1,12 +1,12 @@
 """``RLHFStrategy(placement="auto")``: the planner's placement for this run, and the sizes the placement checks use.
 
-The planner (:mod:`lightning_rlhf.planner`) predicts the step time of every colocation choice and device split
-from a cost model. Here it gets this run's inputs: the module's model roles (the actor, and a critic, reference or
-reward that is a model), the actor's shape from its ``config.json``, one step's workload from the data module and
-the rollout settings, and the hardware. On a CPU machine the hardware is calibrated here (matmul peak of one
-process, memory bandwidth, host time per layer and per role call, and what the actor's own shapes reach of the
-peak: a few seconds); on a GPU it comes from the datasheet of the device's model. Roles the planner does not
-model (a reward function, a role a subclass added) go with the actor.
+The planner (:mod:`lightning_rlhf.planner`) predicts the step time of every colocation choice and device split from
+a cost model. Here it gets this run's inputs: the module's model roles (the actor, and a critic, reference or reward
+that is a model), the actor's shape from its ``config.json``, one step's workload from the data module and the
+rollout settings, and the hardware. On a CPU machine the hardware is calibrated here (matmul peak of one process,
+memory bandwidth, host time per layer and per role call, what the actor's own shapes reach of the peak, and the
+cores the ranks share: a few seconds); on a GPU it comes from the datasheet of the device's model. Roles the planner
+does not model (a reward function, a role a subclass added) go with the actor.
 """
 
 from __future__ import annotations
@@ -71,17 +71,19 @@ def _hardware(world_size: int, shape: planner.ModelShape, workload: planner.Work
             f"{sorted(planner.HARDWARE)}). HINT: give a placement mapping, or plan with `lightning-rlhf plan "
             "--device-type ...` and copy its placement."
         )
-    from lightning_rlhf.perf import cpu_matmul_peak
+    from lightning_rlhf.perf import available_cores, cpu_matmul_peak
 
     layer_step_s, layer_micro_s = planner.measure_host_overheads()
     hardware = planner.cpu_hardware(
-        flops=cpu_matmul_peak(torch.float32),
+        flops=cpu_matmul_peak(torch.float32),  # with the threads Lightning gave this rank, as every rank has
         memcpy_bw=planner.measure_memcpy_bw(),
         memory=rank_memory_bytes(torch.device("cpu"), world_size),
         processes=world_size,
         layer_step_s=layer_step_s,
         layer_micro_s=layer_micro_s,
         call_s=planner.measure_call_overhead(),
+        cores=available_cores(),  # oversubscribed ranks time-share them (planner.core_share)
+        threads=torch.get_num_threads(),
     )
     hardware = planner.calibrate_for_shape(hardware, shape, workload)
     return planner.with_saved_call_costs(hardware, shape, world_size)  # a calibration run's, when one was made here

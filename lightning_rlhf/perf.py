@@ -32,6 +32,7 @@ __all__ = [
     "GPU_PEAKS",
     "PEAK_ENV",
     "GPUPeak",
+    "available_cores",
     "cpu_matmul_peak",
     "cpu_memory_used_gb",
     "cpu_model_name",
@@ -43,6 +44,7 @@ __all__ = [
     "per_token_ms",
     "step_perf_metrics",
     "tf32_enabled",
+    "threads_per_process",
     "trainable_parameters",
     "training_flops",
 ]
@@ -171,6 +173,60 @@ def cpu_model_name() -> str:
     import platform
 
     return platform.processor() or platform.machine() or "unknown"
+
+
+def _affinity_cores() -> int:
+    """Cores this process may run on (``os.sched_getaffinity``; ``os.cpu_count`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _cgroup_cpu_limit(root: str) -> float | None:
+    """The CPU quota of this process's cgroup in cores (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``); None when there is none or it cannot be read."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota_us = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def available_cores(*, cgroup_root: str = "/sys/fs/cgroup") -> float:
+    """The cores this process and the processes it starts share: the CPUs of its affinity mask
+    (``os.sched_getaffinity``: what ``taskset`` or a container's cpuset allows), or fewer when its cgroup has a
+    CPU quota (``docker --cpus``, Kubernetes limits; may be fractional).
+
+    Runs on: any process (the planning process: ``plan --device-type cpu`` and ``placement="auto"``).
+    """
+    cores = float(_affinity_cores())
+    quota = _cgroup_cpu_limit(cgroup_root)
+    return min(cores, quota) if quota is not None and quota > 0 else cores
+
+
+def threads_per_process(processes: int) -> int:
+    """The torch threads each of ``processes`` CPU processes on this machine computes with, as Lightning sets them
+    when it starts the ranks: ``$OMP_NUM_THREADS`` when set, else the affinity's cores divided among the processes
+    (at least 1).
+
+    Runs on: any process (the planning process, for the run it plans).
+    """
+    if processes < 1:
+        raise ValueError(f"threads_per_process(processes={processes}): expected at least 1 process.")
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, _affinity_cores() // processes)
 
 
 def _cpu_products(dtype: torch.dtype) -> list[Callable[[Tensor, Tensor], Tensor]]:

@@ -29,6 +29,9 @@ The cost model:
     whatever memory is left; the KV cache bounds how many sequences decode at once (more waves when it is
     small).
 
+- CPU processes that need more cores than the machine gives them (:attr:`Hardware.cores`) time-share them: in each
+  stage, every call of a busy pool takes ``1 / core_share`` as long (:func:`core_share`).
+
 The constants come from published datasheets for GPUs (:data:`HARDWARE`) or from this machine's measured
 matmul peak and memory bandwidth (:func:`cpu_hardware`).
 
@@ -44,10 +47,10 @@ What is not modelled yet:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +65,12 @@ __all__ = [
     "Plan",
     "Workload",
     "calibrate_for_shape",
+    "core_share",
     "cpu_hardware",
     "dataflow_for",
     "device_splits",
     "fit_call_costs",
+    "hardware_for",
     "measure_call_overhead",
     "measure_host_overheads",
     "measure_memcpy_bw",
@@ -125,6 +130,12 @@ class Hardware:
     its split and merge); 0 for the datasheet devices, where it is small against a step's compute."""
     train_call_s: float = 0.0
     """Host time a training call adds to ``call_s`` (the optimizer step, gradient clipping, the update's metrics)."""
+    cores: float | None = None
+    """CPU cores the run's processes share (:func:`lightning_rlhf.perf.available_cores`); None for devices that do
+    not share their compute (GPUs). The figures above are one process's with ``threads`` cores to itself."""
+    threads: int = 1
+    """Compute threads of each process (torch's intra-op threads); with ``cores``, how many processes fit on the
+    cores before they time-share them (:func:`core_share`)."""
 
     def bandwidth(self, devices: int) -> float:
         """Collective bandwidth per device of a group of ``devices``. Runs on: any process."""
@@ -146,6 +157,38 @@ HARDWARE: dict[str, Hardware] = {
 """Device types by name, from published specifications."""
 
 
+def hardware_for(device_type: str) -> Hardware:
+    """The datasheet :class:`Hardware` of ``device_type``, a key of :data:`HARDWARE` in any case (``"H100"``,
+    ``"h100"``). Runs on: any process. Raises :class:`InfeasiblePlacementError` naming the known types."""
+    key = device_type.strip().lower()
+    if key not in HARDWARE:
+        raise InfeasiblePlacementError(
+            f"device type {device_type!r}: no specification. HINT: use one of {sorted(HARDWARE)} (any case), or "
+            "'cpu' with `lightning-rlhf plan` to calibrate on this machine."
+        )
+    return HARDWARE[key]
+
+
+def core_share(*, cores: float | None, processes: int, threads: int) -> float:
+    """The fraction of its own compute one CPU process gets while ``processes`` processes of ``threads`` threads
+    each run at once on ``cores`` cores: ``min(1, cores / (processes x threads))`` (1 when ``cores`` is None:
+    devices that do not share compute).
+
+    Runs on: any process (arithmetic). The operating system time-slices oversubscribed cores, so each process runs
+    every part of its work (matmuls, Python, copies) ``1 / share`` times as long as it would with its ``threads``
+    cores to itself: 4 single-threaded processes on 2 cores get 0.5 each; 2 of them get 1.
+    """
+    if cores is None:
+        return 1.0
+    if cores <= 0 or processes < 1 or threads < 1:
+        raise ValueError(
+            f"core_share(cores={cores}, processes={processes}, threads={threads}): expected cores > 0, processes "
+            ">= 1 and threads >= 1. HINT: pass lightning_rlhf.perf.available_cores() and the run's process and thread "
+            "counts."
+        )
+    return min(1.0, cores / (processes * threads))
+
+
 def cpu_hardware(
     *,
     flops: float,
@@ -156,18 +199,23 @@ def cpu_hardware(
     layer_step_s: float = 0.0,
     layer_micro_s: float = 0.0,
     call_s: float = 0.0,
+    cores: float | None = None,
+    threads: int = 1,
 ) -> Hardware:
     """This machine as a pool of ``processes`` CPU workers, from measured figures: ``flops`` (one process's
-    matmul rate), ``memcpy_bw`` (bytes/s), ``memory`` (bytes per process).
+    matmul rate with ``threads`` threads), ``memcpy_bw`` (bytes/s), ``memory`` (bytes per process), and the
+    ``cores`` the processes share (:func:`lightning_rlhf.perf.available_cores`; None: as if each had ``threads``
+    cores of its own).
 
     Runs on: any process. ``collective_bw`` defaults to half the memcpy bandwidth (gloo copies through shared
     memory twice). CPU kernels on small shapes reach less of the peak than GPUs do: training 0.7, forward 0.6.
+    A stage whose busy processes need more cores than there are runs each call ``1 / core_share`` times as long.
     """
     bw = collective_bw if collective_bw is not None else memcpy_bw / 2
     return Hardware(
         "cpu", flops=flops, memory=memory, hbm_bw=memcpy_bw, intra_bw=bw, inter_bw=bw,
         devices_per_node=processes, train_eff=0.7, forward_eff=0.6, bw_eff=1.0, latency_s=200e-6,
-        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=call_s,
+        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=call_s, cores=cores, threads=threads,
     )  # fmt: skip
 
 
@@ -408,17 +456,18 @@ def predict(
     rollout_tp: int,
     *,
     model: ModelShape,
-    hardware: Hardware,
+    hardware: Hardware | str,
     workload: Workload,
     algorithm: str | list[list[Call]] = "ppo",
 ) -> Plan:
     """The cost model's prediction for one placement (``algorithm``: a name in :data:`DATAFLOWS` or the stages
-    of :func:`dataflow_for`).
+    of :func:`dataflow_for`; ``hardware``: a :class:`Hardware` or a device type of :data:`HARDWARE`, any case).
 
     Runs on: any process (the controller, before any model loads). Raises :class:`InfeasiblePlacementError` for a
     role of the dataflow in no pool or in two, a TP size that does not divide the actor's pool, or a pool whose
     roles do not fit in its memory (the message names the pool and the bytes).
     """
+    hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
     flow = _flow(algorithm)
     needed = sorted({role for stage in flow for role, _ in stage})
     placed = [role for group in groups for role in group]
@@ -450,6 +499,9 @@ def predict(
         free.append(left)
     stage_s = []
     for stage in flow:
+        busy = sorted({next(j for j, g in enumerate(groups) if role in g) for role, _ in stage})
+        # CPU processes of the pools busy in this stage time-share the cores when they need more than there are.
+        share = core_share(cores=hardware.cores, processes=sum(devices[j] for j in busy), threads=hardware.threads)
         per_pool: dict[int, float] = {}
         for role, kind in stage:
             i = next(j for j, g in enumerate(groups) if role in g)
@@ -461,7 +513,7 @@ def predict(
             else:
                 t = _forward_s(model, workload, hardware, n)
             t += hardware.call_s + (hardware.train_call_s if kind == "train" else 0.0)
-            per_pool[i] = per_pool.get(i, 0.0) + t  # calls on one pool run one after another
+            per_pool[i] = per_pool.get(i, 0.0) + t / share  # calls on one pool run one after another
         stage_s.append(max(per_pool.values()))  # pools run their calls at the same time
     return Plan(tuple(tuple(g) for g in groups), tuple(devices), rollout_tp, tuple(stage_s), tuple(memory))
 
@@ -469,7 +521,7 @@ def predict(
 def plan(
     *,
     model: ModelShape,
-    hardware: Hardware,
+    hardware: Hardware | str,
     devices: int,
     workload: Workload,
     algorithm: str | list[list[Call]] = "ppo",
@@ -480,9 +532,11 @@ def plan(
 
     Runs on: any process (the controller, before any model loads). Ties go to fewer pools, then to the order of
     enumeration. Raises :class:`InfeasiblePlacementError` when nothing fits, with the smallest shortfall.
+    ``hardware``: a :class:`Hardware` or a device type of :data:`HARDWARE` (any case: ``"H100"``).
     ``unit``: devices per pool step (None: a whole node once there is more than one; 1 splits single processes,
     as ``RLHFStrategy(placement="auto")`` does for CPU processes).
     """
+    hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
     flow = _flow(algorithm)
     roles = sorted({role for stage in flow for role, _ in stage})
     if unit is None:
@@ -602,16 +656,14 @@ def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[
     return dataflow_for(roles), shape_of(str(module["actor"]), override=model_shape), workload
 
 
-def _best_of(fn: Any, repeats: int) -> float:
+def _best_of(fn: Any, repeats: int, timer: Callable[[], float] = time.perf_counter) -> float:
     """Seconds of the fastest of ``repeats`` calls of ``fn``, after one untimed warm-up call."""
-    import time
-
     fn()
     best = math.inf
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = timer()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, timer() - t0)
     return best
 
 
@@ -625,21 +677,29 @@ def measure_memcpy_bw(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / _best_of(lambda: dst.copy_(src), repeats)
 
 
-def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
+def measure_host_overheads(repeats: int = 5, *, timer: Callable[[], float] = time.thread_time) -> tuple[float, float]:
     """``(layer_step_s, layer_micro_s)`` of this machine: the host time per decoder layer of one decoding step
     (the transformers engine's own loop) and of one training micro-batch (forward and backward), from the
     difference between a 1-layer and a 5-layer random Qwen2 of width 32, where the arithmetic is negligible.
 
-    Runs on: the calling process (about 2 s; its thread count is the one measured).
+    Runs on: the calling process (about 2 s). The default clock is the calling thread's CPU time
+    (``time.thread_time``: a width-32 model's operations, backward included, run on the calling thread), so the
+    time other jobs take the cores away is not counted: the figures are those of a process with a core to itself,
+    as the cost model wants them (:func:`core_share` accounts for the run's own processes sharing cores). Each size
+    is timed ``repeats`` times, the two sizes in turn (a burst of load falls on both alike), and each keeps its
+    fastest time (load only ever adds time). A cost is never negative: should the 5-layer model still come out
+    faster, that cost is taken as 0 with a warning. ``timer``: the clock in seconds (a parameter, so that tests can
+    give the timings).
     """
-
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lightning_rlhf.engines.rollout.base import SamplingParams
     from lightning_rlhf.engines.rollout.decode import sample_loop
 
-    steps, cost = 32, {}
+    if repeats < 1:
+        raise ValueError(f"measure_host_overheads(repeats={repeats}): expected at least 1.")
+    steps = 32
     params = SamplingParams(n=1, max_new_tokens=steps, min_new_tokens=steps)
     prompts = [[3, 4, 5, 6]] * 8
     ids = torch.randint(2, 64, (4, 16))
@@ -652,6 +712,7 @@ def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
         model.train()
         model(input_ids=ids, labels=ids).loss.backward()
 
+    models = {}
     for layers in (1, 5):
         config = Qwen2Config(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
@@ -659,12 +720,35 @@ def measure_host_overheads(repeats: int = 3) -> tuple[float, float]:
         )  # fmt: skip
         config._attn_implementation = "eager"
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
-        cost[layers] = (
-            _best_of(functools.partial(decode, model), repeats) / steps,
-            _best_of(functools.partial(train, model), repeats),
-        )
-    return (cost[5][0] - cost[1][0]) / 4, (cost[5][1] - cost[1][1]) / 4
+        models[layers] = Qwen2ForCausalLM(config)
+        decode(models[layers])  # warm-up, untimed
+        train(models[layers])
+    best = {(layers, kind): math.inf for layers in models for kind in ("decode", "train")}
+    for _ in range(repeats):
+        for layers, model in models.items():
+            for kind, fn in (("decode", decode), ("train", train)):
+                t0 = timer()
+                fn(model)
+                best[layers, kind] = min(best[layers, kind], timer() - t0)
+    step_s = (best[5, "decode"] - best[1, "decode"]) / 4 / steps
+    micro_s = (best[5, "train"] - best[1, "train"]) / 4
+    return _not_negative("layer_step_s", step_s), _not_negative("layer_micro_s", micro_s)
+
+
+def _not_negative(name: str, value: float) -> float:
+    """``value``, or 0 with a warning when it is negative: a measured cost below 0 would predict faster steps for
+    more work."""
+    if value >= 0:
+        return value
+    import warnings
+
+    warnings.warn(
+        f"measure_host_overheads: {name} came out {value:.3g} s (the 5-layer model timed faster than the 1-layer "
+        "one: the machine was busy while it measured); taken as 0. HINT: plan on an idle machine for this figure.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return 0.0
 
 
 def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: int = 2) -> Hardware:
@@ -675,7 +759,9 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
 
     Runs on: the calling process, on CPUs (its thread count is the one measured; a second or two for models of a
     few million parameters, growing with the width). The large-matmul peak overstates what a small model's shapes
-    reach, which is what these factors correct. Returns a new :class:`Hardware`; ``hw`` is unchanged.
+    reach, which is what these factors correct. With one torch thread the timings are the thread's CPU time (other
+    jobs on the machine do not lower the factors); with more, wall time. Returns a new :class:`Hardware`; ``hw`` is
+    unchanged.
     """
 
     import torch
@@ -727,9 +813,12 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     def decode() -> None:
         sample_loop(net.eval(), prompts, params, stops=set(), pad_token_id=0, device=torch.device("cpu"))
 
-    t_train = _best_of(train, repeats) - layers * hw.layer_micro_s
-    t_forward = _best_of(forward, repeats) - layers * hw.layer_micro_s / 3
-    t_step = _best_of(decode, repeats) / steps - layers * hw.layer_step_s
+    # One thread: its CPU time is what the work takes with a core to itself, whatever else runs on the machine.
+    # Several: wall time (CPU time would count every thread's share, and their waits).
+    timer = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    t_train = _best_of(train, repeats, timer) - layers * hw.layer_micro_s
+    t_forward = _best_of(forward, repeats, timer) - layers * hw.layer_micro_s / 3
+    t_step = _best_of(decode, repeats, timer) / steps - layers * hw.layer_step_s
     train_flops = 6.0 * shape.matmul_params * sub.tokens + 3 * _attention_flops(shape, sub)
     forward_flops = 2.0 * shape.matmul_params * sub.tokens + _attention_flops(shape, sub)
     step_flops = 2.0 * shape.matmul_params * batch
@@ -755,15 +844,18 @@ def fit_call_costs(
     all calls of the run on one pool of ``devices``.
 
     Runs on: any process (arithmetic). The calibration step of ``benchmarks/placement_validation.py``: it fits on a
-    colocated run and predicts the other placements. Returns a new :class:`Hardware`.
+    colocated run and predicts the other placements. On oversubscribed CPU cores (:func:`core_share` of the
+    ``devices`` busy processes below 1) the measured times are scaled back to a process with its cores to itself,
+    as :func:`predict` scales them up. Returns a new :class:`Hardware`; the costs are never negative.
     """
     import statistics
 
     bare = dataclasses.replace(hw, call_s=0.0, train_call_s=0.0)
     forward = _forward_s(model, wl, bare, devices)
     train = _train_s(model, wl, bare, devices)
-    call_s = max(0.0, statistics.median(t - forward for t in forward_s)) if forward_s else hw.call_s
-    extra = max(0.0, statistics.median(t - train for t in train_s) - call_s) if train_s else hw.train_call_s
+    share = core_share(cores=hw.cores, processes=devices, threads=hw.threads)
+    call_s = max(0.0, statistics.median(t * share - forward for t in forward_s)) if forward_s else hw.call_s
+    extra = max(0.0, statistics.median(t * share - train for t in train_s) - call_s) if train_s else hw.train_call_s
     return dataclasses.replace(hw, call_s=call_s, train_call_s=extra)
 
 
@@ -818,8 +910,9 @@ def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) ->
     a rollout batch of ``rows`` x ``length`` tokens for 2 ranks (split it, pickle each part and unpickle it, as the
     scatter does; pickle and unpickle the results, as the gather does; merge them), best of ``repeats``.
 
-    Runs on: the calling process (a fraction of a second). The transport itself (gloo over shared memory) is not in
-    it: the validation in ``benchmarks/placement_validation.py`` shows what that leaves out.
+    Runs on: the calling process (a fraction of a second). Timed in the calling thread's CPU time (the work is
+    Python on one thread), so other jobs on the machine do not inflate it. The transport itself (gloo over shared
+    memory) is not in it: the validation in ``benchmarks/placement_validation.py`` shows what that leaves out.
     """
     import pickle
 
@@ -846,7 +939,7 @@ def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) ->
         results = [pickle.loads(pickle.dumps(part))[0][0] for part in parts if part is not None]
         merge_results(Dispatch.DP_SPLIT, [pickle.loads(pickle.dumps(r)) for r in results])
 
-    return _best_of(call, repeats)
+    return _best_of(call, repeats, timer=time.thread_time)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -854,9 +947,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     placement of the recipe's roles, the predicted time of each stage and, as the last line, one JSON object
     (``placement``, ``parallel``, ``predicted_step_s``, ...). Returns that object.
 
-    Runs on: one process; loads no model. ``--device-type cpu`` calibrates on this machine: the matmul peak of one
-    process (its share of the cores), the memory bandwidth, the host time per layer and per role call, and what the
-    actor's shapes reach of the peak (:func:`calibrate_for_shape`).
+    Runs on: one process; loads no model. ``--device-type`` takes any case (``H100``). ``--device-type cpu``
+    calibrates on this machine: the matmul peak of one process with the threads Lightning gives each of
+    ``--devices`` processes, the memory bandwidth, the host time per layer and per role call, what the actor's
+    shapes reach of the peak (:func:`calibrate_for_shape`), and the cores the processes share
+    (:func:`~lightning_rlhf.perf.available_cores`): a stage whose busy processes need more cores than there are
+    runs proportionally slower (:func:`core_share`).
     """
     import argparse
     import json
@@ -866,7 +962,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--config", required=True, help="an RLHF recipe (YAML)")
     parser.add_argument("--devices", type=int, required=True, help="devices (GPUs, or CPU processes) to plan for")
-    parser.add_argument("--device-type", required=True, choices=[*HARDWARE, "cpu"])
+    parser.add_argument(
+        "--device-type", required=True, type=str.lower, choices=[*HARDWARE, "cpu"], help="any case (H100 or h100)"
+    )
     parser.add_argument("--model-shape", choices=sorted(MODELS), help="plan for this shape instead of the actor's")
     parser.add_argument("--tp-sizes", default="1,2,4,8", help="rollout tensor-parallel sizes to consider")
     args = parser.parse_args(argv)
@@ -878,24 +976,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         import torch
 
-        from lightning_rlhf.perf import cpu_matmul_peak
+        from lightning_rlhf.perf import available_cores, cpu_matmul_peak, threads_per_process
 
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // args.devices))
+        cores = available_cores()
+        threads = threads_per_process(args.devices)  # what Lightning gives each process of the run
+        torch.set_num_threads(threads)
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         layer_step_s, layer_micro_s = measure_host_overheads()
         hardware = cpu_hardware(
             flops=cpu_matmul_peak(torch.float32), memcpy_bw=measure_memcpy_bw(), memory=total / args.devices,
             processes=args.devices, layer_step_s=layer_step_s, layer_micro_s=layer_micro_s,
-            call_s=measure_call_overhead(),
+            call_s=measure_call_overhead(), cores=cores, threads=threads,
         )  # fmt: skip
         hardware = with_saved_call_costs(calibrate_for_shape(hardware, shape, workload), shape, args.devices)
+        share = core_share(cores=cores, processes=args.devices, threads=threads)
+        print(
+            f"cpu: {cores:g} cores for {args.devices} processes of {threads} thread(s): each gets {share:.2f} of its "
+            "compute while every process is busy"
+        )
     else:
-        hardware = HARDWARE[args.device_type]
+        hardware = hardware_for(args.device_type)
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+    # CPU processes are split one by one, as placement="auto" does: the machine is one "node" of all of them, and
+    # whole-node pools would leave colocation as the only choice.
+    unit = 1 if args.device_type == "cpu" else None
     best = plan(
-        model=shape, hardware=hardware, devices=args.devices, workload=workload, algorithm=flow, tp_sizes=tp_sizes
-    )
+        model=shape, hardware=hardware, devices=args.devices, workload=workload, algorithm=flow, tp_sizes=tp_sizes,
+        unit=unit,
+    )  # fmt: skip
     tokens = f"{workload.prompt_len} + {workload.response_len} tokens"
     print(
         f"{args.config}: {shape.params / 1e9:.2f}B parameters, {workload.sequences} sequences of {tokens} per step, "

@@ -30,11 +30,12 @@ def pids(proc) -> dict[int, int]:
     return {int(r): int(p) for r, p in re.findall(r"\[train\.py\] rank (\d+) pid (\d+)", proc.stdout)}
 
 
-def signal_sent_at(proc) -> float:
-    return float(re.search(r"sends itself .* at ([0-9.]+)", proc.stdout).group(1))
+HANG_GUARD_S = 120
+"""How long a process may take to go away before the test calls it left over: a guard against a hang, far above
+what exiting takes on a busy machine, not a claim about speed."""
 
 
-def wait_gone(pid: int, within_s: float) -> bool:
+def wait_gone(pid: int, within_s: float = HANG_GUARD_S) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
@@ -55,22 +56,20 @@ def train(demo_model: str, out: Path, *args: str):
 
 
 def test_sigkill_of_a_worker_is_named_on_rank_0(demo_model: str, tmp_path: Path) -> None:
-    proc = train(demo_model, tmp_path, "--steps", "3", "--signal-at", "1:SIGKILL:2")
-    ended = time.time()
+    proc = train(demo_model, tmp_path, "--steps", "3", "--signal-at", "1:SIGKILL:2")  # TIMEOUT: the hang guard
     ranks = pids(proc)
     assert proc.returncode == 1, failure_text(proc)  # the error's exit status, not a SIGKILL from an observer
     expected = f"RankDiedError: rank 1 (pid {ranks[1]}) died with SIGKILL during actor.update"
     assert expected in proc.stderr, failure_text(proc)
     assert "Connection closed by peer" not in proc.stderr.split("RankDiedError")[-1]  # gloo's words are not the error
-    assert ended - signal_sent_at(proc) < 60
-    assert wait_gone(ranks[1], 5)
+    assert wait_gone(ranks[1])
 
 
 def test_sigkill_of_rank_0_is_named_on_the_worker(demo_model: str, tmp_path: Path) -> None:
     proc = train(demo_model, tmp_path, "--steps", "3", "--signal-at", "0:SIGKILL:2")
     ranks = pids(proc)
     assert proc.returncode == -9, failure_text(proc)
-    assert wait_gone(ranks[1], 60), "rank 1 outlived rank 0 by more than 60 s"
+    assert wait_gone(ranks[1]), f"rank 1 outlived rank 0 by more than {HANG_GUARD_S} s"
     # rank 1 shares rank 0's stderr pipe; it raised (exit status 1) naming rank 0 and the call it served.
     assert re.search(rf"RankDiedError: rank 0 \(pid {ranks[0]}\) died .* during actor\.update", proc.stderr), (
         failure_text(proc)
@@ -105,7 +104,7 @@ def test_sigusr1_on_a_worker_stops_every_rank_at_the_same_step(demo_model: str, 
     assert f"stopped by SIGUSR1 after step 1: checkpoint saved to {ckpt}" in proc.stdout
     assert (ckpt / "meta.pt").is_file()
     assert [int(r["step"]) for r in read_metrics(tmp_path)] == [0]
-    assert wait_gone(pids(proc)[1], 30)
+    assert wait_gone(pids(proc)[1])
 
 
 def test_a_save_killed_half_way_leaves_nothing_resume_accepts(demo_model: str, tmp_path: Path) -> None:
@@ -113,13 +112,12 @@ def test_a_save_killed_half_way_leaves_nothing_resume_accepts(demo_model: str, t
     proc = train(demo_model, tmp_path / "run", "--steps", "1", "--save-ckpt", str(ckpt), "--kill-during-save", "0")
     assert proc.returncode == -9, failure_text(proc)
     assert not ckpt.exists() and list(tmp_path.glob("final.ckpt.tmp-*")), "the shards were written, not published"
-    assert wait_gone(pids(proc)[1], 60)
-    t0 = time.monotonic()
+    assert wait_gone(pids(proc)[1])
     again = train(demo_model, tmp_path / "again", "--steps", "2", "--resume", str(ckpt))
     assert again.returncode != 0
     assert "FileNotFoundError" in again.stderr and "a save that did not finish" in again.stderr, failure_text(again)
-    assert "configure_model" not in again.stderr  # refused before any model loaded (no rank 1 started either)
-    assert time.monotonic() - t0 < 60
+    assert "configure_model" not in again.stderr  # refused before any model loaded
+    assert not pids(again).get(1), "rank 1 was started: the check came after the launch"
 
 
 def test_resume_check_refuses_missing_and_incomplete_checkpoints(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -158,24 +157,31 @@ def test_settings_of_asynchronous_rollouts() -> None:
 
 
 def test_a_background_call_overlaps_the_controllers_own_work() -> None:
-    """Half a second in a background call and half a second on the controller take about half a second."""
+    """The background call and the controller's own work run at the same time, shown by the order of events rather
+    than by a clock: the call starts, waits until the controller has done its own work, then finishes. Run one
+    after the other, neither could finish (each waits for the other; the waits' generous limit only stops a hang)."""
+    events: list[str] = []
+    started, controller_done = threading.Event(), threading.Event()
 
-    class Sleeper(Slow):
+    class Waiter(Slow):
         @role_method(Dispatch.DP_SPLIT)
         def work(self, batch: Batch) -> Batch:
-            time.sleep(0.5)
+            events.append("call started")
+            started.set()
+            events.append("call saw the controller's work" if controller_done.wait(60) else "call timed out")
             return batch
 
-    sleeper = Sleeper()
-    controller = _controller({"slow": sleeper})
-    started = time.perf_counter()
+    waiter = Waiter()
+    controller = _controller({"slow": waiter})
     with controller_active(controller):
         with in_background():
-            future = sleeper.work(Batch({"x": torch.arange(2)}))
-        time.sleep(0.5)  # the controller's own work (e.g. another pool's update)
+            future = waiter.work(Batch({"x": torch.arange(2)}))
+        assert started.wait(60), "the background call never started"
+        events.append("controller's own work")  # e.g. another pool's update
+        controller_done.set()
         future.result()
-    assert time.perf_counter() - started < 0.9
-    assert future.seconds >= 0.45
+    assert events == ["call started", "controller's own work", "call saw the controller's work"]
+    assert future.done() and future.seconds > 0  # the call's own time, from its rank
 
 
 def test_the_pending_rollout_survives_a_weights_only_checkpoint(demo_model: str, tmp_path: Path) -> None:

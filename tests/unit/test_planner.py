@@ -3,12 +3,17 @@ placement rules, the errors, and the ``plan`` command."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lightning_rlhf import perf
 from lightning_rlhf.cli import main as cli_main
 from lightning_rlhf.planner import (
     HARDWARE,
@@ -18,9 +23,11 @@ from lightning_rlhf.planner import (
     ModelShape,
     Workload,
     calibrate_for_shape,
+    core_share,
     dataflow_for,
     device_splits,
     fit_call_costs,
+    hardware_for,
     measure_host_overheads,
     plan,
     predict,
@@ -189,8 +196,41 @@ def test_host_overheads_add_per_layer_per_step_and_per_micro_batch() -> None:
 
 
 def test_host_overheads_are_measured() -> None:
-    step_s, micro_s = measure_host_overheads(repeats=2)
-    assert 0 < step_s < 0.01 and 0 < micro_s < 0.1  # per layer: microseconds to milliseconds on any CPU
+    """On this machine, whatever its load: two finite costs, never negative (the arithmetic is tested below)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a busy machine may make a cost 0, with a warning
+        step_s, micro_s = measure_host_overheads(repeats=2)
+    assert math.isfinite(step_s) and math.isfinite(micro_s)
+    assert step_s >= 0 and micro_s >= 0
+
+
+def scripted_timer(durations: list[float]) -> Callable[[], float]:
+    """A clock whose consecutive timed calls take ``durations`` seconds (two readings per call)."""
+    readings = iter(itertools.chain.from_iterable((0.0, d) for d in durations))
+    return lambda: next(readings)
+
+
+def test_host_overheads_are_the_fastest_times_difference_and_never_negative() -> None:
+    """The timer is scripted, so the figures do not depend on the machine's load. Order of the timed calls per
+    repeat: 1 layer (decode, train), then 5 layers (decode, train). A decode is 32 steps."""
+    # A burst of load on the first 5-layer decode: each size keeps its fastest time.
+    timer = scripted_timer([0.32, 1.0, 9.0, 2.0, 0.32, 1.0, 0.64, 2.0])
+    step_s, micro_s = measure_host_overheads(repeats=2, timer=timer)
+    assert step_s == pytest.approx((0.64 - 0.32) / 4 / 32)  # per layer and decoding step
+    assert micro_s == pytest.approx((2.0 - 1.0) / 4)  # per layer and micro-batch
+    # The user's case: the machine busy throughout the 1-layer timings, so the 5-layer model times faster. The
+    # difference is negative; the cost is 0, with a warning, never a negative time.
+    timer = scripted_timer([0.64, 3.0, 0.32, 1.0, 0.64, 3.0, 0.32, 1.0])
+    with pytest.warns(RuntimeWarning) as caught:
+        step_s, micro_s = measure_host_overheads(repeats=2, timer=timer)
+    assert (step_s, micro_s) == (0.0, 0.0)
+    assert [str(w.message).split(" (")[0] for w in caught] == [
+        "measure_host_overheads: layer_step_s came out -0.0025 s",
+        "measure_host_overheads: layer_micro_s came out -0.5 s",
+    ]
+    assert all("taken as 0. HINT: plan on an idle machine" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match=r"repeats=0"):
+        measure_host_overheads(repeats=0)
 
 
 def test_calibration_measures_what_the_shape_reaches_of_the_peak() -> None:
@@ -236,3 +276,170 @@ def test_fitted_call_costs_are_kept_for_later_plans(tmp_path: Path) -> None:
     assert with_saved_call_costs(UNIT, SHAPE, 4, cache_dir=str(tmp_path)) == UNIT  # another world: not used
     other = ModelShape(layers=3, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=100)
     assert with_saved_call_costs(UNIT, other, 2, cache_dir=str(tmp_path)) == UNIT  # another model: not used
+
+
+def test_device_types_are_taken_in_any_case(capsys: pytest.CaptureFixture[str]) -> None:
+    """The user's command: ``lightning-rlhf plan --device-type H100`` (upper case, as NVIDIA writes it)."""
+    recipe = str(ROOT / "recipes" / "ppo.yaml")
+    cli_main(["plan", "--config", recipe, "--devices", "16", "--device-type", "H100"])
+    upper = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cli_main(["plan", "--config", recipe, "--devices", "16", "--device-type", "h100"])
+    lower = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert upper == lower and upper["device_type"] == "h100"
+    # The planner's API takes a device type in any case too.
+    assert hardware_for("A100") is hardware_for(" a100 ") is HARDWARE["a100"]
+    wl = Workload(prompts=64, n=1, prompt_len=128, response_len=128)
+    by_name = plan(model=MODELS["7b"], hardware="H200", devices=8, workload=wl)
+    assert by_name == plan(model=MODELS["7b"], hardware=HARDWARE["h200"], devices=8, workload=wl)
+    groups = [["actor", "critic", "reference", "reward"]]
+    assert predict(groups, [8], 1, model=MODELS["7b"], hardware="A100", workload=wl).step_s > 0
+    with pytest.raises(InfeasiblePlacementError, match=r"device type 'V100': no specification\. HINT: use one of"):
+        hardware_for("V100")
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--config", recipe, "--devices", "8", "--device-type", "V100"])
+    assert "--device-type: invalid choice: 'v100'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ CPU cores shared by processes
+def test_core_share_is_the_cores_over_the_threads_that_want_them() -> None:
+    assert core_share(cores=2, processes=4, threads=1) == 0.5  # the user's case: 4 processes on 2 cores
+    assert core_share(cores=2, processes=2, threads=1) == 1.0
+    assert core_share(cores=2, processes=1, threads=1) == 1.0  # an idle core does not speed a process up
+    assert core_share(cores=16, processes=4, threads=4) == 1.0
+    assert core_share(cores=16, processes=8, threads=4) == 0.5
+    assert core_share(cores=1.5, processes=3, threads=1) == 0.5  # a fractional cgroup quota
+    assert core_share(cores=None, processes=64, threads=8) == 1.0  # GPUs do not share compute
+    with pytest.raises(ValueError, match=r"core_share\(cores=0, processes=4, threads=1\).*HINT"):
+        core_share(cores=0, processes=4, threads=1)
+
+
+def test_available_cores_and_threads_per_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(perf.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    none = tmp_path / "none"
+    none.mkdir()
+    assert perf.available_cores(cgroup_root=str(none)) == 4.0  # the affinity mask (taskset, cpusets)
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")  # docker --cpus 1.5
+    assert perf.available_cores(cgroup_root=str(v2)) == 1.5
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert perf.available_cores(cgroup_root=str(v2)) == 4.0
+    (v2 / "cpu.max").write_text("800000 100000\n")  # a quota above the mask: the mask bounds it
+    assert perf.available_cores(cgroup_root=str(v2)) == 4.0
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert perf.available_cores(cgroup_root=str(v1)) == 2.0
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert perf.available_cores(cgroup_root=str(v1)) == 4.0
+    # Lightning's rule for the ranks it starts: the mask's cores divided among the processes, or OMP_NUM_THREADS.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [perf.threads_per_process(p) for p in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert perf.threads_per_process(2) == 3
+    with pytest.raises(ValueError, match=r"processes=0"):
+        perf.threads_per_process(0)
+
+
+def test_oversubscribed_cpu_processes_compute_proportionally_slower() -> None:
+    """4 single-threaded processes on 2 cores: a stage whose pools keep all 4 busy takes twice as long; a stage
+    with only 2 busy (the split placement's generation, the critic's pool idle) takes what it takes alone."""
+    wl = Workload(prompts=4, n=2, prompt_len=3, response_len=5)
+    flow = dataflow_for(["actor", "critic"])
+    kw = {"model": SHAPE, "workload": wl, "algorithm": flow}
+    own = Hardware(**{**UNIT.__dict__, "layer_step_s": 1e-3, "layer_micro_s": 3e-3, "call_s": 0.01})
+    shared = Hardware(**{**own.__dict__, "cores": 2.0, "threads": 1})
+    colocated = [["actor", "critic"]], [4]
+    split = [["actor"], ["critic"]], [2, 2]
+    alone = predict(*colocated, 1, hardware=own, **kw).stage_s
+    assert predict(*colocated, 1, hardware=shared, **kw).stage_s == pytest.approx([2 * t for t in alone])
+    alone = predict(*split, 1, hardware=own, **kw).stage_s
+    got = predict(*split, 1, hardware=shared, **kw).stage_s
+    assert got == pytest.approx([alone[0], 2 * alone[1], 2 * alone[2]])
+    # Enough cores for every thread: nothing changes.
+    roomy = Hardware(**{**own.__dict__, "cores": 8.0, "threads": 2})
+    assert predict(*colocated, 1, hardware=roomy, **kw).stage_s == predict(*colocated, 1, hardware=own, **kw).stage_s
+    # The call costs fitted on an oversubscribed run are a process's own (scaled back), so predict gives the run.
+    forward = predict(*colocated, 1, hardware=Hardware(**{**shared.__dict__, "call_s": 0.0}), **kw).stage_s[1] / 2
+    fitted = fit_call_costs(
+        Hardware(**{**shared.__dict__, "call_s": 0.0}), SHAPE, wl, 4, forward_s=[forward + 0.02] * 2, train_s=[]
+    )
+    assert fitted.call_s == pytest.approx(0.01)  # 0.02 s measured at half speed
+
+
+def test_the_planner_counts_the_cores_in_the_users_oversubscribed_case() -> None:
+    """PPO on the demo task (the demo model as actor and critic, 32 prompts x 8, 6 new tokens) on 4 processes of 1
+    thread, with host costs of this machine's order (0.15 ms per layer and decoding step, 0.85 ms per layer and
+    micro-batch, 2 ms per call): with 4 cores the planner colocates, predicting about what the user was told (0.177
+    s). On the user's 2 cores a colocated stage keeps all 4 processes busy, each at half speed; the split placement's
+    generation keeps 2 processes on 2 cores, and its pools run the other stages' calls at the same time: the planner
+    now picks the split, as the user measured (0.272 s split, 0.467 s colocated)."""
+    demo = ModelShape(layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=384)
+    wl = Workload(prompts=32, n=8, prompt_len=5, response_len=6, micro_tokens=128 * 11)
+    cpu = Hardware(
+        "cpu", flops=100e9, memory=4e9, hbm_bw=10e9, intra_bw=5e9, inter_bw=5e9, devices_per_node=4, train_eff=0.3,
+        forward_eff=0.3, bw_eff=1.0, latency_s=200e-6, layer_step_s=0.15e-3, layer_micro_s=0.85e-3, call_s=2e-3,
+        train_call_s=4e-3, threads=1,
+    )  # fmt: skip
+    kw = {"model": demo, "workload": wl, "algorithm": dataflow_for(["actor", "critic"])}
+    four_cores = plan(hardware=Hardware(**{**cpu.__dict__, "cores": 4.0}), devices=4, tp_sizes=(1,), unit=1, **kw)
+    assert four_cores.groups == (("actor", "critic"),) and four_cores.step_s == pytest.approx(0.171, abs=0.001)
+    two = Hardware(**{**cpu.__dict__, "cores": 2.0})
+    two_cores = plan(hardware=two, devices=4, tp_sizes=(1,), unit=1, **kw)
+    assert two_cores.groups == (("actor",), ("critic",)) and two_cores.devices == (2, 2)
+    colocated = predict([["actor", "critic"]], [4], 1, hardware=two, **kw)
+    assert colocated.step_s == pytest.approx(2 * four_cores.step_s)  # every stage at half speed
+    assert two_cores.step_s < colocated.step_s
+
+
+PPO_DEMO_RECIPE = """
+model:
+  class_path: lightning_rlhf.PPOModule
+  init_args:
+    actor: lightning-rlhf/tiny-addition
+    critic: lightning-rlhf/tiny-addition
+    reward: lightning_rlhf.demo.addition_reward
+    rollout: {n: 8, max_new_tokens: 6}
+data:
+  class_path: lightning_rlhf.PromptDataModule
+  init_args: {train: recipes/data/addition.jsonl, batch_size: 32, max_prompt_length: 16}
+"""
+
+
+def test_plan_on_cpu_splits_single_processes_and_counts_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The user's command, ``lightning-rlhf plan --devices 4 --device-type cpu`` for PPO on the demo task: it had
+    only whole-machine pools to choose from (the CPU "node" is every process) and did not count the cores. The
+    machine's timings are given (the choice must not depend on this machine's load); the cores are the variable."""
+    import torch
+
+    from lightning_rlhf import planner as planner_module
+
+    recipe = tmp_path / "ppo_demo.yaml"
+    recipe.write_text(PPO_DEMO_RECIPE)
+    monkeypatch.setattr(planner_module, "measure_host_overheads", lambda: (0.15e-3, 0.85e-3))
+    monkeypatch.setattr(planner_module, "measure_memcpy_bw", lambda: 10e9)
+    monkeypatch.setattr(planner_module, "measure_call_overhead", lambda: 2e-3)
+    monkeypatch.setattr(planner_module, "with_saved_call_costs", lambda hw, shape, processes: hw)
+    monkeypatch.setattr(
+        planner_module,
+        "calibrate_for_shape",
+        lambda hw, shape, wl: Hardware(**{**hw.__dict__, "train_eff": 0.3, "forward_eff": 0.3, "decode_eff": 0.1}),
+    )
+    monkeypatch.setattr(perf, "cpu_matmul_peak", lambda dtype: 100e9)
+    monkeypatch.setattr(perf, "threads_per_process", lambda processes: 1)
+    threads = torch.get_num_threads()
+    chosen = {}
+    try:
+        for cores in (4.0, 2.0):
+            monkeypatch.setattr(perf, "available_cores", lambda c=cores: c)
+            cli_main(["plan", "--config", str(recipe), "--devices", "4", "--device-type", "cpu"])
+            out = capsys.readouterr().out
+            chosen[cores] = json.loads(out.strip().splitlines()[-1])["placement"]
+            assert f"{cores:g} cores for 4 processes of 1 thread(s)" in out
+    finally:
+        torch.set_num_threads(threads)
+    assert chosen[4.0] == {"actor": [0, 1, 2, 3], "critic": [0, 1, 2, 3]}  # enough cores: colocated
+    assert chosen[2.0] == {"actor": [0, 1], "critic": [2, 3]}  # the user's 2 cores: the split they measured faster

@@ -46,7 +46,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def gone(pids: list[int], within: float = 5.0) -> bool:
+def gone(pids: list[int], within: float = 60.0) -> bool:  # a hang guard (a busy machine reaps slowly)
     deadline = time.monotonic() + within
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
