@@ -14,9 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["ALGORITHMS_NAMES", "build_job", "main", "plot_reward"]
+from lightning_rlhf.models import embedded_cache_dir
+
+__all__ = [
+    "ALGORITHMS_NAMES",
+    "build_job",
+    "build_parser",
+    "demo_placement",
+    "demo_rollout",
+    "generation_ranks",
+    "main",
+    "plot_reward",
+]
 
 
 def _algorithms() -> dict[str, tuple[Any, str]]:
@@ -102,6 +113,48 @@ def demo_placement(choice: str, roles: list[str], devices: int) -> Any:
         ) from None
 
 
+def generation_ranks(placement: Any, devices: int) -> list[int] | None:
+    """The ranks that generate under the demo's ``placement`` (what :func:`demo_placement` returns): the ``rollout``
+    pool when it has one, else the actor's; None when that is not known before the run (``"auto"``: the planner
+    chooses at set-up).
+
+    Runs on: every process.
+    """
+    if placement is None:
+        return list(range(devices))
+    if not isinstance(placement, dict):
+        return None
+    ranks = placement.get("rollout", placement.get("actor"))
+    return None if ranks is None else sorted(ranks)
+
+
+def demo_rollout(choice: str, placement: Any, devices: int) -> Literal["auto", "hf", "vllm"]:
+    """``RLHFStrategy(rollout=...)`` for the demo's ``--rollout``, given its placement.
+
+    The colocated vLLM engine spans every rank (vLLM's external launcher builds its process groups over the whole
+    world), so it serves only a placement that generates on every rank. ``auto`` is vLLM when it is installed and
+    the placement generates on every rank (``colocate``), else transformers generation (``split``, ``rollout``, a
+    mapping that gives the actor part of the ranks): the printed commands run whether vLLM is installed or not.
+    ``vllm`` with such a placement is refused here, before any model loads.
+
+    Runs on: every process.
+    """
+    ranks = generation_ranks(placement, devices)
+    on_part = ranks is not None and len(ranks) < devices
+    if choice == "hf" or (choice == "auto" and on_part):
+        return "hf"
+    if choice == "auto":
+        return "auto"  # RLHFStrategy picks vLLM when it is installed
+    if choice != "vllm":
+        raise SystemExit(f"--rollout {choice!r}: expected auto, vllm or hf.")
+    if on_part:
+        raise SystemExit(
+            f"--rollout vllm: this --placement generates on ranks {ranks} of {devices}, and the colocated vLLM engine "
+            "spans every rank. HINT: --rollout hf (or auto) for this placement, or --placement colocate for vLLM."
+        )
+    return "vllm"
+
+
 def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]:
     """Module, datamodule and trainer of the demo. Runs on: every process."""
     import lightning as L
@@ -150,13 +203,14 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     data = PromptDataModule(
         splits["train"], val=splits["test"], batch_size=args.prompts, max_prompt_length=16, seed=args.seed
     )
+    placement = demo_placement(args.placement, list(module.roles()), args.devices)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=RLHFStrategy(
-            "hf" if args.placement == "rollout" and args.rollout == "auto" else args.rollout,  # vLLM spans every rank
+            demo_rollout(args.rollout, placement, args.devices),  # vLLM only where generation spans every rank
             param_dtype=None if args.precision == "fp32" else args.precision,
-            placement=demo_placement(args.placement, list(module.roles()), args.devices),
+            placement=placement,
         ),
         max_steps=args.steps,
         logger=CSVLogger(args.out, name="demo", version=claim_run_version(args.out, "demo")),
@@ -205,13 +259,17 @@ def plot_reward(
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the demo job. Runs on: every process (Lightning relaunches this module as the other ranks)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line (``python -m lightning_rlhf.demo --help``). Runs on: every process."""
     parser = argparse.ArgumentParser(prog="python -m lightning_rlhf.demo", description=__doc__)
     parser.add_argument("--algo", choices=ALGORITHMS_NAMES, default="grpo", help="ready module to train with")
     parser.add_argument("--devices", type=int, default=2, help="worker processes (CPU)")
     parser.add_argument(
-        "--rollout", choices=["auto", "vllm", "hf"], default="auto", help="rollout engine (auto: vLLM if installed)"
+        "--rollout",
+        choices=["auto", "vllm", "hf"],
+        default="auto",
+        help="rollout engine. auto: vLLM if installed and generation runs on every rank (--placement colocate); "
+        "transformers generation with split and rollout placements (the colocated vLLM engine spans every rank)",
     )
     parser.add_argument("--steps", type=int, default=250, help="RL steps")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
@@ -230,21 +288,31 @@ def main(argv: list[str] | None = None) -> None:
         "--placement",
         default="colocate",
         help="where roles run: colocate (all on every rank), split (actor+reward on the first half of the ranks, "
-        "the others on the second), rollout (generation alone on the second half), auto (the planner chooses), or "
-        "JSON role -> ranks",
+        "the others on the second: with --algo ppo the critic's update overlaps the actor's; transformers "
+        "generation), rollout (generation alone on the second half; transformers generation), auto (the planner "
+        "chooses), or JSON role -> ranks",
     )
     parser.add_argument(
         "--max-staleness",
         type=int,
         default=0,
         help="AlgorithmConfig.max_staleness: 1 generates the next batch on the rollout pool while the actor trains "
-        "(asynchronous; needs --placement rollout --rollout hf)",
+        "(asynchronous; needs --placement rollout)",
     )
     parser.add_argument("--warm-start-steps", type=int, default=40, help="SFTModule steps of the warm start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs", help="parent folder of the run folder")
-    parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "lightning_rlhf"))
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--cache",
+        default=embedded_cache_dir(),
+        help="where the warm-started model is cached ($LIGHTNING_RLHF_CACHE, else ~/.cache/lightning_rlhf)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the demo job. Runs on: every process (Lightning relaunches this module as the other ranks)."""
+    args = build_parser().parse_args(argv)
 
     import lightning as L
     import torch

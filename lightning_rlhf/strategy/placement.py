@@ -20,7 +20,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["Pools", "check_divides", "check_memory", "check_placement_spec", "pool_groups", "resolve_placement"]
+__all__ = [
+    "Pools",
+    "check_divides",
+    "check_memory",
+    "check_placement_spec",
+    "check_vllm_pools",
+    "pool_groups",
+    "resolve_placement",
+]
 
 Pools = dict[str, tuple[int, ...]]
 """Role name -> the global ranks that hold it, ascending."""
@@ -127,6 +135,39 @@ def check_weight_sources(pools: Pools, sources: Mapping[str, str]) -> None:
                 f"so it needs ranks of its own. HINT: give {name!r} ranks {source!r} does not use, or leave "
                 f"{name!r} out of the placement (then {source!r} generates with its colocated engine)."
             )
+
+
+def check_vllm_pools(pools: Pools, generating: Sequence[str], world_size: int, *, rollout: str) -> None:
+    """Refuse a colocated vLLM engine for a role placed on part of the ranks.
+
+    vLLM's external launcher builds its process groups over the whole world, so each rank holds one engine, and a
+    role that generates with it must be on every rank. Runs on: the launching process (before any rank starts) and
+    every rank at set-up, before any model loads.
+
+    Args:
+        pools: each role's ranks (:func:`resolve_placement`).
+        generating: the roles that build a rollout engine (the actor, or the generation-only ``rollout`` pool).
+        world_size: the number of processes.
+        rollout: ``RLHFStrategy(rollout=...)`` as the user gave it (``"auto"`` or ``"vllm"``), for the message.
+    """
+    everyone = list(range(world_size))
+    for name in generating:
+        ranks = list(pools[name])
+        if len(ranks) == world_size:
+            continue
+        picked = " (what 'auto' picks when vLLM is installed)" if rollout == "auto" else ""
+        with_vllm = (
+            f"leave {name!r} out of the placement to generate with vLLM on the actor's ranks, all of them"
+            if name == "rollout"  # a generation-only pool never spans every rank: the actor feeds it from others
+            else f"give {name!r} every rank {everyone} to generate with vLLM (and with it every role: pools are the "
+            "same ranks or disjoint)"
+        )
+        raise ValueError(
+            f"RLHFStrategy(rollout={rollout!r}, placement=...) places {name!r} on ranks {ranks} of {world_size}: the "
+            f"colocated vLLM engine{picked} spans every rank (vLLM's external launcher builds its process groups "
+            f"over the whole world). HINT: RLHFStrategy(rollout='hf') generates with transformers on a pool of any "
+            f"size; or {with_vllm}."
+        )
 
 
 def pool_groups(pools: Pools) -> list[tuple[int, ...]]:

@@ -67,6 +67,7 @@ from lightning_rlhf.strategy.placement import (
     check_divides,
     check_memory,
     check_placement_spec,
+    check_vllm_pools,
     check_weight_sources,
     pool_groups,
     resolve_placement,
@@ -206,6 +207,7 @@ class RLHFStrategy(ModelParallelStrategy):
                 "on rank 0, which does not hold the roles placed on other ranks. HINT: keep "
                 "save_distributed_checkpoint=True with a placement (`lightning-rlhf export` writes a single model)."
             )
+        self._rollout_choice = rollout  # as given ("auto" or an engine), for the messages
         if rollout == "auto":
             rollout = "vllm" if vllm_available() else "hf"
         super().__init__(
@@ -247,8 +249,9 @@ class RLHFStrategy(ModelParallelStrategy):
     def _check_before_launch(self, module: Any, fitting: bool) -> None:
         """What the ranks would refuse at set-up, checked before any rank starts (every rank checks it again): an
         explicit placement against ``module``'s roles and the world, a generation-only pool on the ranks of the role
-        that feeds it, and (for a fit) ``AlgorithmConfig.max_staleness`` without a rollout pool or a step that can
-        overlap. A wrong setting fails in the launching process, in seconds, with no process group.
+        that feeds it, a colocated vLLM engine for a role on part of the ranks, and (for a fit)
+        ``AlgorithmConfig.max_staleness`` without a rollout pool or a step that can overlap. A wrong setting fails in
+        the launching process, in seconds, with no process group.
 
         Runs on: the launching process (rank 0, before it starts ranks 1..).
         """
@@ -259,8 +262,17 @@ class RLHFStrategy(ModelParallelStrategy):
         spec = self.placement
         roles = module.placed_role_names(list(spec) if isinstance(spec, Mapping) else [])
         if isinstance(spec, Mapping):
-            pools = resolve_placement(spec, roles, self.num_processes * self.num_nodes)
+            world_size = self.num_processes * self.num_nodes
+            pools = resolve_placement(spec, roles, world_size)
             check_weight_sources(pools, module.weight_sources(roles))
+            if self.rollout == "vllm":  # a generation-only pool builds the engine in the actor's stead
+                held = module.roles()
+                generating = (
+                    ["rollout"]
+                    if "rollout" in roles
+                    else [n for n in roles if held[n].needs_rollout_engine or (n == "actor" and "rollout" in held)]
+                )  # a pool the placement drops gives generation back to the actor
+                check_vllm_pools(pools, generating, world_size, rollout=self._rollout_choice)
         if fitting:
             module.check_asynchronous(rollout_pool="rollout" in roles)
 
@@ -280,16 +292,10 @@ class RLHFStrategy(ModelParallelStrategy):
         datamodule = getattr(module.trainer, "datamodule", None)
         max_prompt_length = getattr(datamodule, "max_prompt_length", None)
         self._place_roles(module)
-        for name, role in module.roles().items():
+        for role in module.roles().values():
             request = role.rollout_engine_request()  # None: no engine, no generation settings to check (e.g. SFT)
             if request is None:
                 continue
-            if self.rollout == "vllm" and len(self._pools[name]) != self.world_size:
-                raise ValueError(
-                    f"RLHFStrategy(rollout='vllm', placement=...) places {name!r} on ranks {list(self._pools[name])} "
-                    f"of {self.world_size}: the colocated vLLM engine spans every rank (vLLM's external launcher). "
-                    f"HINT: rollout='hf' for a role on a pool of its own, or place {name!r} on every rank."
-                )
             max_new_tokens = request.rollout.max_new_tokens
             if self.rollout == "hf":  # prompt + response must fit the positions, for either engine
                 check_hf_settings(request.path, max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens)
@@ -347,6 +353,9 @@ class RLHFStrategy(ModelParallelStrategy):
 
             spec = self.broadcast(auto_placement(module, world_size=self.world_size) if self.global_rank == 0 else None)
         self._pools = resolve_placement(spec, list(roles), self.world_size)  # type: ignore[arg-type]
+        if self.rollout == "vllm":
+            generating = [name for name, role in roles.items() if role.rollout_engine_request() is not None]
+            check_vllm_pools(self._pools, generating, self.world_size, rollout=self._rollout_choice)
         if self._placed:
             from lightning_rlhf.auto_placement import rank_memory_bytes, role_state_bytes
 

@@ -17,7 +17,7 @@ may stand between; several comments may stack) changes what happens to the block
     function, say). It spans lines: everything between ``setup`` and ``-->``.
 ``<!-- docs-test: replace OLD => NEW -->``
     Run the block with the text ``OLD`` replaced by ``NEW`` (``OLD`` must occur): for the values a script's
-    prose tells a reader to change to try it on the demo model (its 64 positions need short prompts and
+    prose tells a reader to change to try it on the demo model (its 256 positions need short prompts and
     responses), never to hide a broken line.
 ``<!-- docs-test: run -->``
     The block is a script: besides running for its definitions, it runs as ``__main__`` in a fresh
