@@ -335,7 +335,10 @@ class PromptDataModule(L.LightningDataModule):
             prompts[i, width - n :] = torch.tensor(r["prompt_ids"])
             mask[i, width - n :] = 1
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
-        return Batch({"prompts": prompts, "prompt_mask": mask, "uid": torch.arange(len(rows))}, columns)
+        meta = {}
+        if self.messages_column is not None or self.chat_template:  # a reward model renders the chat (RewardRole)
+            meta = {"chat_prompt": True, "messages_column": self.messages_column}
+        return Batch({"prompts": prompts, "prompt_mask": mask, "uid": torch.arange(len(rows))}, columns, meta)
 
     def train_dataloader(self) -> PromptLoader:
         """The resumable prompt loader. Runs on: every process."""

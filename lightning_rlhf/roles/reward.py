@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RewardConfig
@@ -172,7 +173,7 @@ class RewardRole(Role):
         for c in self.components:
             failed = torch.zeros(len(batch), dtype=torch.bool)
             if isinstance(c.source, str):
-                scores[c.name] = self._score_model([p + t for p, t in zip(prompts, completions, strict=True)])
+                scores[c.name] = self._score_model(self._model_texts(batch, prompts, completions))
             else:
                 out = call_reward_fn(
                     c.source,
@@ -220,11 +221,45 @@ class RewardRole(Role):
                 out[f"{column}/failed"] = float(batch[f"{column}/failed"].sum())
         return out
 
-    def _score_model(self, texts: list[str]) -> torch.Tensor:
+    _no_template_warned = False
+
+    def _model_texts(self, batch: Batch, prompts: list[str], completions: list[str]) -> tuple[list[str], bool]:
+        """The texts the reward model scores and whether its tokenizer adds its special tokens to them.
+
+        Runs on: every worker rank. Chat prompts (``PromptDataModule(messages_column=...)`` or
+        ``chat_template=True``, marked in ``batch.meta``) are rendered as the conversation with the completion as
+        the assistant's turn, by the reward model's own chat template, whose special tokens the text then holds
+        (as TRL and verl score them); text prompts, and chats when the reward tokenizer has no template, are scored
+        as ``prompt + completion`` with the tokenizer's special tokens."""
+        tok = self._model_tokenizer
+        if not batch.meta.get("chat_prompt"):
+            return [p + c for p, c in zip(prompts, completions, strict=True)], True
+        if getattr(tok, "chat_template", None) is None:
+            if not RewardRole._no_template_warned:
+                RewardRole._no_template_warned = True
+                rank_zero_warn(
+                    f"RewardRole: the prompts are chats but the reward model's tokenizer ({self.path}) has no chat "
+                    "template, so it scores `prompt + completion` (the last user message's text and the response). "
+                    "HINT: save the reward model with the chat template it was trained with (docs/rewards.md).",
+                    category=UserWarning,
+                )
+            return [p + c for p, c in zip(prompts, completions, strict=True)], True
+        column = batch.meta.get("messages_column")
+        chats = [list(m) for m in batch[column]] if column else [[{"role": "user", "content": p}] for p in prompts]
+        texts = [
+            tok.apply_chat_template([*chat, {"role": "assistant", "content": c}], tokenize=False)
+            for chat, c in zip(chats, completions, strict=True)
+        ]
+        return texts, False
+
+    def _score_model(self, texts_and_specials: tuple[list[str], bool]) -> torch.Tensor:
         device = self.train_engine.device
+        texts, add_special_tokens = texts_and_specials
 
         def forward(model: torch.nn.Module, micro: Batch) -> dict[str, torch.Tensor]:
-            enc = self._model_tokenizer(list(micro["text"]), return_tensors="pt", padding=True).to(device)
+            enc = self._model_tokenizer(
+                list(micro["text"]), return_tensors="pt", padding=True, add_special_tokens=add_special_tokens
+            ).to(device)
             return {"scores": model(**enc).logits[:, 0].float()}
 
         return self.train_engine.infer(Batch(columns={"text": texts}), forward)["scores"]

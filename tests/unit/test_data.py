@@ -122,9 +122,12 @@ def test_chat_column_rendered_with_the_template_and_last_user_message_as_prompt(
         assert row[mask.bool()].tolist() == tok(rendered, add_special_tokens=False)["input_ids"]  # no <s> added
     assert batch["prompt"] == ["2+3", "9"]  # reward functions get the last user message's text
     assert batch["messages"] == chats and batch["answer"] == ["5", "9"]  # and the chat itself, by its name
+    assert batch.meta["chat_prompt"] and batch.meta["messages_column"] == "messages"  # a reward model renders it
     # The same rendering as a text prompt with chat_template=True (one user message).
     text = dm(datasets.Dataset.from_dict({"prompt": ["2+3"] * 2}), chat_tokenizer, batch_size=2, chat_template=True)
     assert text._rows[0]["prompt_ids"] == tok("2+3=", add_special_tokens=False)["input_ids"]
+    meta = next(iter(text.train_dataloader())).meta
+    assert meta["chat_prompt"] and meta["messages_column"] is None
 
 
 @pytest.mark.parametrize(

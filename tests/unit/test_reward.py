@@ -143,3 +143,60 @@ def test_causal_lm_as_reward_model_is_refused(tiny_model: str) -> None:
     message = str(err.value)
     assert "is a Qwen2ForCausalLM checkpoint, not a sequence classifier" in message and "random" in message
     assert "with exactly one output (num_labels=1)" in message and "HINT: make one from this checkpoint" in message
+
+
+def test_reward_model_scores_chat_prompts_with_its_own_chat_template(
+    tiny_model: str, tiny_classifier: str, tmp_path: Path
+) -> None:
+    """docs/rewards.md: with chat prompts (``messages_column`` or ``chat_template=True``, which the data module marks
+    in ``batch.meta``) the reward model scores the whole conversation, the completion as the assistant's turn,
+    rendered by its own chat template (as TRL and verl do), with no special tokens added beyond the template's. A
+    reward tokenizer without a template scores ``prompt + completion`` and says so once."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rm_tok = AutoTokenizer.from_pretrained(tiny_classifier)
+    assert rm_tok.chat_template is not None
+    role = RewardRole(tiny_classifier, tokenizer=tok, micro_batch_size=4)
+    role.load()
+    seen: list[torch.Tensor] = []
+    hook = role.model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True
+    )
+    chats = [
+        [{"role": "system", "content": "Add."}, {"role": "user", "content": "3+4="}],
+        [
+            {"role": "user", "content": "1+1="},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "3+4="},
+        ],
+    ]
+    batch = rollout(tok, ["7", "7"])
+    batch.columns["messages"] = chats
+    batch.meta.update(chat_prompt=True, messages_column="messages")
+    scores = role.score(batch)["scores"]
+    as_user = rollout(tok, ["7"])  # chat_template=True: the text prompt is the one user message
+    as_user.meta.update(chat_prompt=True, messages_column=None)
+    user_score = role.score(as_user)["scores"]
+    hook.remove()
+    rendered = [
+        rm_tok.apply_chat_template([*chat, {"role": "assistant", "content": "7"}], tokenize=False) for chat in chats
+    ]
+    assert rendered[0] == "<s><|system|>\nAdd.</s>\n<|user|>\n3+4=</s>\n<|assistant|>\n7</s>\n"
+    for i, text in enumerate(rendered):
+        ids = rm_tok(text, add_special_tokens=False)["input_ids"]
+        assert seen[0][i, : len(ids)].tolist() == ids  # one <s>: the template's, none added
+    assert scores[0] != pytest.approx(scores[1].item(), abs=1e-6)  # the earlier turns are scored too
+    user = rm_tok.apply_chat_template([{"role": "user", "content": "3+4="}, {"role": "assistant", "content": "7"}])
+    assert seen[1][0].tolist() == list(user if isinstance(user, list) else user["input_ids"])
+    assert torch.isfinite(user_score).all()
+
+    plain = tmp_path / "no_template"
+    AutoModelForSequenceClassification.from_pretrained(tiny_classifier).save_pretrained(plain)
+    rm_tok.chat_template = None
+    rm_tok.save_pretrained(plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    role = RewardRole(str(plain), tokenizer=tok, micro_batch_size=4)
+    role.load()
+    RewardRole._no_template_warned = False
+    with pytest.warns(UserWarning, match=r"has no chat template, so it scores `prompt \+ completion`"):
+        fallback = role.score(batch)["scores"]
+    assert fallback[0] == pytest.approx(fallback[1].item(), abs=1e-5)  # both are "3+4=" + "7"
