@@ -123,6 +123,8 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
         algorithm=planner.dataflow_for(planned),
         tp_sizes=(1,),
         unit=1,
+        # A colocated vLLM engine spans every rank (its process groups are the world's): the actor stays on all.
+        actor_devices=world_size if getattr(module.trainer.strategy, "rollout", None) == "vllm" else None,
     )
     # The actor's pool first, so that it starts at rank 0, beside the controller (exports, sample logs).
     order = sorted(range(len(best.groups)), key=lambda i: "actor" not in best.groups[i])

@@ -527,6 +527,7 @@ def plan(
     algorithm: str | list[list[Call]] = "ppo",
     tp_sizes: Sequence[int] = (1, 2, 4, 8),
     unit: int | None = None,
+    actor_devices: int | None = None,
 ) -> Plan:
     """The fastest placement that fits: every colocation choice x device split x rollout TP size.
 
@@ -534,7 +535,8 @@ def plan(
     enumeration. Raises :class:`InfeasiblePlacementError` when nothing fits, with the smallest shortfall.
     ``hardware``: a :class:`Hardware` or a device type of :data:`HARDWARE` (any case: ``"H100"``).
     ``unit``: devices per pool step (None: a whole node once there is more than one; 1 splits single processes,
-    as ``RLHFStrategy(placement="auto")`` does for CPU processes).
+    as ``RLHFStrategy(placement="auto")`` does for CPU processes). ``actor_devices``: only placements whose actor
+    pool has this many devices (a colocated vLLM engine spans every rank: ``devices``).
     """
     hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
     flow = _flow(algorithm)
@@ -552,6 +554,8 @@ def plan(
             for tp in tp_sizes:
                 actor_n = split[next(i for i, g in enumerate(groups) if "actor" in g)]
                 if actor_n % tp or tp > hardware.devices_per_node:
+                    continue
+                if actor_devices is not None and actor_n != actor_devices:
                     continue
                 try:
                     candidate = predict(
