@@ -235,6 +235,17 @@ class RLHFModule(L.LightningModule):
         found = ((name, getattr(roles.get(name, RolloutRole), "weights_from", None)) for name in names)
         return {name: source for name, source in found if source is not None}
 
+    def engine_roles(self, names: list[str]) -> list[str]:
+        """Which of the roles ``names`` (:meth:`placed_role_names`) build a colocated rollout engine: the
+        generation-only pool when the placement has one, else the roles that need an engine (the actor; also when
+        the placement drops a pool the module had, as generation then goes back to it). Runs on: any process."""
+        if "rollout" in names:
+            return ["rollout"]
+        roles = self.roles()
+        return [
+            n for n in names if n in roles and (roles[n].needs_rollout_engine or (n == "actor" and "rollout" in roles))
+        ]
+
     def _rollout_pool_change(self, placed: list[str]) -> str | None:
         """``"add"`` when a placement naming ``placed`` gives generation a pool the module has no role for yet,
         ``"remove"`` when the module has that role and the placement no longer names it, else None."""

@@ -5,12 +5,34 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+#: What Lightning writes into ``os.environ`` when it starts a process group in this process.
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind() -> Iterator[None]:
+    """A test that runs ``trainer.fit`` in the pytest process (one rank) leaves Lightning's process group, whose
+    store listens on ``MASTER_PORT``, and ``MASTER_PORT`` in ``os.environ``: every script a later test starts
+    inherits that port and fails with EADDRINUSE. Each test gets the environment it started with and no group."""
+    before = {key: os.environ.get(key) for key in _DIST_ENV}
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

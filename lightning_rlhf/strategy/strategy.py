@@ -265,14 +265,8 @@ class RLHFStrategy(ModelParallelStrategy):
             world_size = self.num_processes * self.num_nodes
             pools = resolve_placement(spec, roles, world_size)
             check_weight_sources(pools, module.weight_sources(roles))
-            if self.rollout == "vllm":  # a generation-only pool builds the engine in the actor's stead
-                held = module.roles()
-                generating = (
-                    ["rollout"]
-                    if "rollout" in roles
-                    else [n for n in roles if held[n].needs_rollout_engine or (n == "actor" and "rollout" in held)]
-                )  # a pool the placement drops gives generation back to the actor
-                check_vllm_pools(pools, generating, world_size, rollout=self._rollout_choice)
+            if self.rollout == "vllm":
+                check_vllm_pools(pools, module.engine_roles(roles), world_size, rollout=self._rollout_choice)
         if fitting:
             module.check_asynchronous(rollout_pool="rollout" in roles)
 
