@@ -4,6 +4,7 @@ and clear errors for incomplete checkpoints."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -191,6 +192,46 @@ def test_missing_files_and_wrong_shapes(tiny_model: str, tmp_path: Path) -> None
         load_pretrained(AutoModelForCausalLM, tiny_model, setting="actor", deferred=True, intermediate_size=320)
     entries = safetensors_index(tiny_model)
     assert entries["model.embed_tokens.weight"].shape == (384, 128)
+
+
+def test_corrupt_files_and_unreadable_dtypes_are_clear_errors(tiny_model: str, tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_model, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=r"critic=.*not a readable safetensors file.*HINT"):
+        load_pretrained(AutoModelForCausalLM, str(truncated), setting="critic", deferred=True)
+    # a tensor in a dtype deferred loading does not read (U16) is named, with the way out
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_model, odd)
+    tensors = load_file(str(odd / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.zeros(tensors["model.norm.weight"].shape, dtype=torch.uint16)
+    save_file(tensors, str(odd / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight'.*dtype U16.*HINT: use RLHFStrategy\(sharded_loading"):
+        load_pretrained(AutoModelForCausalLM, str(odd), setting="actor", deferred=True)
+    # a sharded checkpoint with a file of its index missing
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    lost = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / "sharded" / lost).unlink()
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(lost) + r" \(listed in model\.safetensors\.index\.json\) is missing.*HINT"
+    ):
+        load_pretrained(AutoModelForCausalLM, str(tmp_path / "sharded"), setting="actor", deferred=True)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_no_checkpoint_file_stays_mapped(tiny_model: str, tmp_path: Path) -> None:
+    """The files are read through memory maps, whose pages count in the resident size: each is dropped after its
+    tensor, so none is left once materialize returns (and at most one tensor's rows are mapped at a time)."""
+    copy = tmp_path / "mapped"
+    shutil.copytree(tiny_model, copy)
+    model = load_pretrained(AutoModelForCausalLM, str(copy), setting="actor", deferred=True)
+    report = materialize(model, device="cpu")
+    assert report.bytes_read == report.checkpoint_bytes > 0
+    maps = Path("/proc/self/maps").read_text()
+    assert str(copy / "model.safetensors") not in maps
 
 
 def test_two_ranks_each_read_their_rows(tiny_model: str, tiny_classifier: str) -> None:

@@ -11,10 +11,16 @@ for real (e.g. Qwen2's rotary ``inv_freq``, a non-persistent buffer computed in 
 
 Why not ``from_pretrained`` then shard: every rank then holds the whole model in float32 at once (4 bytes per
 parameter, times the number of ranks on a node) before FSDP2 frees all but its shard. Here a rank's peak is its
-shard plus one tensor's rows in flight. The files are read with plain ``readinto`` at the rank's byte ranges (no
-mmap, whose mapped pages would count in the resident size): a safetensors file is an 8-byte little-endian header
-length, a JSON header (per tensor: dtype, shape, data_offsets) and the row-major data, so a row range of a tensor
-is one contiguous byte range.
+shard plus one tensor's rows in flight. The files are read with the safetensors library: ``safe_open`` parses
+and validates the headers, and ``get_slice(key)[first:last]`` gives this rank's rows as a view of the file's
+memory map (only those pages are read), copied, and cast if need be, straight into the rank's storage. The pages
+of a memory map count in the resident size until it is unmapped, so every tensor is read through its own
+``safe_open`` and the map is dropped before the next one: at most one tensor's rows are mapped at a time.
+
+Why not torch's ``HuggingFaceStorageReader`` (``torch.distributed.checkpoint``): it opens each file once for all
+the tensors read from it (so a rank's rows of a whole multi-GB file stay mapped, and count, until the file is
+done), needs a state dict keyed by checkpoint names and a load plan (a collective, where ``materialize`` has
+none), while the name matching (base-model prefix, tied weights, new heads) would still be ours.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import json
 import math
 import os
 import re
-import struct
 import time
 import zlib
 from collections.abc import Iterator
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -53,7 +59,7 @@ _FRESH_SEED = 20240611
 _MODEL_KWARGS = frozenset({"attn_implementation", "trust_remote_code", "experts_implementation"})
 """``from_pretrained`` keyword arguments that go to ``from_config`` (all others update the config)."""
 
-_DTYPES: dict[str, torch.dtype] = {
+_DTYPES: dict[str, torch.dtype] = {  # safetensors dtype codes (``get_slice(key).get_dtype()``) read here
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -71,19 +77,27 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class _Entry:
-    """Where one tensor lies in a safetensors file: absolute byte range ``[start, end)`` of its row-major data."""
+    """One tensor of a safetensors checkpoint: the file holding it, its key there, its dtype and shape."""
 
     file: str
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    start: int
-    end: int
+
+    @property
+    def rows(self) -> int:
+        """Rows (dimension 0); a 0-dim tensor is one row."""
+        return self.shape[0] if self.shape else 1
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row (dimension 0); a 0-dim tensor is one row."""
-        return (math.prod(self.shape[1:]) if self.shape else 1) * _itemsize(self.dtype)
+        """Bytes of one row in the file."""
+        return (math.prod(self.shape[1:]) if self.shape else 1) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor in the file."""
+        return self.rows * self.row_bytes
 
 
 @dataclass(frozen=True)
@@ -148,44 +162,36 @@ def needs_materialize(model: nn.Module) -> bool:
     return getattr(model, _SOURCE_ATTR, None) is not None and any(p.is_meta for p in model.parameters())
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Checkpoint files and headers
 
 
+def _open(file: str, *, setting: str) -> safe_open:
+    """``safe_open(file, framework="pt")`` (memory-maps the file, reads and validates its header), with the
+    library's error for a file that is not a complete safetensors file turned into one naming the setting."""
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as err:
+        raise ValueError(
+            f"{setting}: {file} is not a readable safetensors file ({err}). HINT: the file is truncated or "
+            "corrupt; download the checkpoint again, or re-save it with save_pretrained(..., safe_serialization=True)."
+        ) from None
+
+
 def _read_header(file: str, *, setting: str) -> dict[str, _Entry]:
-    """Parses one safetensors file's header (reads only the header bytes)."""
-    size = os.path.getsize(file)
-    with open(file, "rb", buffering=0) as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{setting}: {file} is not a safetensors file (shorter than 8 bytes).")
-        (length,) = struct.unpack("<Q", raw)
-        if length > size - 8:
-            raise ValueError(f"{setting}: {file} is not a safetensors file (header length {length} > file size).")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as err:
-            raise ValueError(f"{setting}: {file} has a corrupt safetensors header ({err}).") from None
-    base = 8 + length
+    """Every tensor of one safetensors file: key -> dtype and shape (reads only the header)."""
     entries: dict[str, _Entry] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(
-                f"{setting}: tensor {key!r} in {file} has dtype {info['dtype']}, which deferred loading does not "
-                f"read. HINT: use RLHFStrategy(sharded_loading=False), or convert the checkpoint."
-            )
-        begin, end = (int(x) for x in info["data_offsets"])
-        entry = _Entry(file, key, dtype, tuple(int(s) for s in info["shape"]), base + begin, base + end)
-        if end - begin != math.prod(entry.shape) * _itemsize(dtype) or base + end > size:
-            raise ValueError(f"{setting}: tensor {key!r} in {file} has a byte range that does not fit its shape.")
-        entries[key] = entry
+    with _open(file, setting=setting) as f:
+        for key in f.keys():  # noqa: SIM118 - a safe_open is not iterable
+            view = f.get_slice(key)
+            code = view.get_dtype()
+            dtype = _DTYPES.get(code)
+            if dtype is None:
+                raise ValueError(
+                    f"{setting}: tensor {key!r} in {file} has dtype {code}, which deferred loading does not read. "
+                    "HINT: use RLHFStrategy(sharded_loading=False), or convert the checkpoint."
+                )
+            entries[key] = _Entry(file, key, dtype, tuple(int(s) for s in view.get_shape()))
     return entries
 
 
@@ -204,9 +210,10 @@ def _locate(path: str, name: str) -> str | None:
 
 def safetensors_index(path: str, *, setting: str = "model") -> dict[str, _Entry]:
     """Every tensor of the checkpoint at ``path`` (sharded via ``model.safetensors.index.json``, or one file):
-    key -> file, dtype, shape and byte range. Reads only the headers.
+    key -> file, dtype and shape. Reads only the headers (through ``safetensors.safe_open``).
 
-    Runs on: any process. Raises FileNotFoundError (naming ``setting``) when there are no safetensors files.
+    Runs on: any process. Raises FileNotFoundError (naming ``setting``) when there are no safetensors files, and
+    ValueError when a file is not a complete safetensors file or holds a dtype not read here.
     """
     index = _locate(path, "model.safetensors.index.json")
     if index is not None:
@@ -413,16 +420,6 @@ def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return local, (int(offset[0]) if full else 0), count
 
 
-def _read_exact(f: Any, view: memoryview, offset: int) -> None:
-    f.seek(offset)
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise OSError(f"unexpected end of file in {f.name} at byte {offset + done}")
-        done += n
-
-
 def _fresh_full(model: nn.Module, name: str, param: torch.Tensor, std: float) -> torch.Tensor:
     """The full initial value of a parameter the checkpoint lacks: same on every rank (seeded by its name).
     Biases zeros; norm weights ones; other weights normal(0, std)."""
@@ -436,40 +433,30 @@ def _fresh_full(model: nn.Module, name: str, param: torch.Tensor, std: float) ->
     return torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(param.dtype)
 
 
-class _Reader:
-    """Reads row ranges of checkpoint tensors into destinations; one open file each, one staging buffer."""
+def _read_rows(entry: _Entry, first: int, count: int, dest: torch.Tensor, *, setting: str) -> int:
+    """Fill ``dest`` (``count`` rows, any dtype and device) with rows ``[first, first+count)`` of ``entry``;
+    returns the bytes read from the file.
 
-    def __init__(self) -> None:
-        self.files: dict[str, Any] = {}
-        self.staging = torch.empty(0, dtype=torch.uint8)
-        self.bytes_read = 0
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-        self.files.clear()
-
-    def read_rows(self, entry: _Entry, first: int, count: int, dest: torch.Tensor) -> None:
-        """Fill ``dest`` (``count`` rows) with rows ``[first, first+count)`` of ``entry``."""
-        nbytes = count * entry.row_bytes
-        if nbytes == 0:
-            return
-        f = self.files.get(entry.file)
-        if f is None:
-            f = self.files[entry.file] = open(entry.file, "rb", buffering=0)  # noqa: SIM115 - closed in close()
-        offset = entry.start + first * entry.row_bytes
-        direct = dest.dtype == entry.dtype and dest.device.type == "cpu" and dest.is_contiguous()
-        if direct:
-            target = dest.detach().reshape(-1).view(torch.uint8)
-        else:
-            if self.staging.numel() < nbytes:
-                self.staging = torch.empty(nbytes, dtype=torch.uint8)
-            target = self.staging[:nbytes]
-        _read_exact(f, memoryview(target.numpy()).cast("B"), offset)  # type: ignore[arg-type]
-        self.bytes_read += nbytes
-        if not direct:
-            rows = target.view(entry.dtype).view(count, *entry.shape[1:]) if entry.shape else target.view(entry.dtype)
-            dest.detach().copy_(rows.view(dest.shape))
+    The rows come from ``safe_open(...).get_slice(key)[first:first+count]``: a view of the file's memory map, so
+    only those pages are read, and ``copy_`` casts them to ``dest``'s dtype. The file is opened for this one
+    tensor and the view dropped before it closes, which unmaps it: mapped pages count in the resident size, and
+    this way no more than one tensor's rows are ever mapped.
+    """
+    nbytes = count * entry.row_bytes
+    if nbytes == 0:
+        return 0
+    with _open(entry.file, setting=setting) as f:
+        try:
+            view = f.get_slice(entry.key)
+        except SafetensorError as err:
+            raise ValueError(
+                f"{setting}: {entry.file} no longer holds tensor {entry.key!r} ({err}). HINT: the checkpoint "
+                "changed after load_pretrained read it; load the model again."
+            ) from None
+        rows = view[first : first + count] if entry.shape else view[...]
+        dest.detach().copy_(rows.view(dest.shape))
+        del rows, view  # the map stays alive while a view of it does
+    return nbytes
 
 
 def _allocate(model: nn.Module, device: torch.device) -> None:
@@ -513,16 +500,17 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> LoadReport:
 
     Call after ``fully_shard`` (:func:`~lightning_rlhf.engines.train.fsdp.shard_model`) and before the first
     forward, or on an unsharded model (whole tensors). A DTensor parameter (FSDP2 ``Shard(0)``) gets rows
-    ``[r*ceil(n/w), min((r+1)*ceil(n/w), n))``, read straight from the file into the shard when the dtypes match
-    (else through one staging buffer and a cast, as ``from_pretrained(dtype=...)`` casts). Parameters the
-    checkpoint lacks (a new head) get a deterministic full initial value, the same on every rank (weights
-    normal(0, ``config.initializer_range``), biases zeros, norm weights ones), then this rank's rows. Buffers keep
-    the values they were built with (persistent ones in the checkpoint are read whole).
+    ``[r*ceil(n/w), min((r+1)*ceil(n/w), n))``, copied from the file's memory map (``safetensors.safe_open``,
+    ``get_slice``) into the shard and cast on the way when the dtypes differ (as ``from_pretrained(dtype=...)``
+    casts). Parameters the checkpoint lacks (a new head) get a deterministic full initial value, the same on
+    every rank (weights normal(0, ``config.initializer_range``), biases zeros, norm weights ones), then this
+    rank's rows. Buffers keep the values they were built with (persistent ones in the checkpoint are read whole).
 
-    Runs on: every worker rank (no collective; every rank reads its own byte ranges).
+    Runs on: every worker rank (no collective; every rank reads its own rows).
 
     Raises:
-        ValueError: ``model`` did not come from a deferred :func:`load_pretrained`.
+        ValueError: ``model`` did not come from a deferred :func:`load_pretrained`, or a checkpoint file changed
+            since (no longer a safetensors file, or without a tensor it had).
     """
     began = time.perf_counter()
     source: _Source | None = getattr(model, _SOURCE_ATTR, None)
@@ -532,32 +520,26 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> LoadReport:
             "HINT: load it with load_pretrained inside deferred_loading(), or do not call materialize on it."
         )
     _allocate(model, torch.device(device))
-    report = LoadReport(
-        fresh=list(source.fresh), checkpoint_bytes=sum(e.end - e.start for e in source.entries.values())
-    )
-    reader = _Reader()
-    try:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                local, first, count = _local_rows(param)
-                report.local_bytes += local.numel() * local.element_size()
-                report.largest_tensor_bytes = max(report.largest_tensor_bytes, param.numel() * param.element_size())
-                entry = source.entries.get(name)
-                if entry is not None:
-                    reader.read_rows(entry, first, count, local)
-                    report.tensors += 1
-                elif name in source.fresh:
-                    full = _fresh_full(model, name, param, source.init_std)
-                    local.copy_(full.narrow(0, first, count) if full.dim() else full)
-                else:  # cannot happen: load_pretrained checked every parameter
-                    raise RuntimeError(f"{source.setting}: no source for parameter {name}")
-            buffers = dict(model.named_buffers())
-            for name, entry in source.entries.items():
-                if name in buffers:
-                    reader.read_rows(entry, 0, entry.shape[0] if entry.shape else 1, buffers[name])
-                    report.tensors += 1
-    finally:
-        reader.close()
-    report.bytes_read = reader.bytes_read
+    report = LoadReport(fresh=list(source.fresh), checkpoint_bytes=sum(e.nbytes for e in source.entries.values()))
+    setting = f"{source.setting}={source.path!r}"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local, first, count = _local_rows(param)
+            report.local_bytes += local.numel() * local.element_size()
+            report.largest_tensor_bytes = max(report.largest_tensor_bytes, param.numel() * param.element_size())
+            entry = source.entries.get(name)
+            if entry is not None:
+                report.bytes_read += _read_rows(entry, first, count, local, setting=setting)
+                report.tensors += 1
+            elif name in source.fresh:
+                full = _fresh_full(model, name, param, source.init_std)
+                local.copy_(full.narrow(0, first, count) if full.dim() else full)
+            else:  # cannot happen: load_pretrained checked every parameter
+                raise RuntimeError(f"{source.setting}: no source for parameter {name}")
+        buffers = dict(model.named_buffers())
+        for name, entry in source.entries.items():
+            if name in buffers:
+                report.bytes_read += _read_rows(entry, 0, entry.rows, buffers[name], setting=setting)
+                report.tensors += 1
     report.seconds = time.perf_counter() - began
     return report
