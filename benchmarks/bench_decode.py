@@ -7,7 +7,7 @@ One rank's share of the benchmark's step (8 prompts x 8 samples x 64 new tokens,
 randomly initialised Qwen2 model (``vs_trl/workload.py``'s shapes), prompts of 9-13 random tokens. The variants
 alternate in one process (``A B A B ...``) so that a slow moment of the machine hits both; the median of each is
 printed, and the last line is one JSON object. Variants (:data:`VARIANTS`): ``eager`` (PyTorch ops only),
-``attention`` (the decoding step's attention through the compiled kernel of ``lightning_rlhf/native``),
+``attention`` (the decoding step's attention through the compiled kernel of ``lightning_rlhf/cpu/native``),
 ``kernels`` (the attention, the RMS norms and the SiLU-gated products compiled), ``step`` (as ``kernels``, with the
 rotary embedding, the cache writes and the attention of a decoding step as one compiled call: ``DecodeStep``).
 """
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "vs_trl"))
 
 from workload import MODELS, random_model
 
-from lightning_rlhf import native
+from lightning_rlhf.cpu import native
 from lightning_rlhf.engines.rollout import SamplingParams
 from lightning_rlhf.engines.rollout import decode as decode_module
 

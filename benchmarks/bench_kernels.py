@@ -1,5 +1,5 @@
 """Two levers of one rank's share of the vs-TRL step, each A/B in one process: the fused RMS norms of the update
-(``lightning_rlhf/engines/kernels.py``) and the decoding loop's attention over the written cache slots only
+(``lightning_rlhf/cpu/kernels.py``) and the decoding loop's attention over the written cache slots only
 (``lightning_rlhf/engines/rollout/decode.py``).
 
     python benchmarks/bench_kernels.py                         # small model, bf16 and fp32, 8 repeats each
@@ -67,7 +67,7 @@ def norm_alone(dtype: torch.dtype, repeats: int = 40) -> dict[str, float]:
     """Median ms of forward + backward of one norm on ``[32, 75, 256]``, module vs fused. Runs on: this process."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    from lightning_rlhf.engines.kernels import rms_norm
+    from lightning_rlhf.cpu.kernels import rms_norm
 
     norm = Qwen2RMSNorm(256).to(dtype)
     x0, grad = torch.randn(32, 75, 256, dtype=dtype), torch.randn(32, 75, 256, dtype=dtype)
@@ -92,7 +92,7 @@ def updates(path: str, bf16: bool, repeats: int) -> dict[str, list[float]]:
     from transformers import AutoTokenizer
 
     from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
-    from lightning_rlhf.engines.kernels import fuse_rms_norms, unfuse_rms_norms
+    from lightning_rlhf.cpu.kernels import fuse_rms_norms, unfuse_rms_norms
     from lightning_rlhf.roles import ActorRole
 
     if not dist.is_initialized():

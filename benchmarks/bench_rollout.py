@@ -128,7 +128,7 @@ def sync_worker(path: str, engine_kind: str, tp: int, transfer: str, transport: 
     shard_model(model, dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),)))
     store = None
     if transport == "store":  # the engines read one shared copy: each rank writes its rows (two barriers)
-        from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
+        from lightning_rlhf.cpu.shared_weights import SharedWeights
 
         store = SharedWeights.attempt(engine, model)
         assert store is not None, "no shared store on this host"

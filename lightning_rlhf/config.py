@@ -55,6 +55,13 @@ class RolloutConfig:
     """Base seed; each step and rank derive their own, so a resumed run samples what the original did."""
     generation_batch_size: int = 64
     """Prompts generated at once per rank by the transformers engine (bounds its memory)."""
+    decode: Literal["auto", "loop", "generate"] = "auto"
+    """How the transformers engine (``rollout="hf"``) samples: ``"auto"``: its own decoding loop (a preallocated
+    key/value cache, the prompt's keys shared by its samples, on CPU compiled kernels; several times faster than
+    ``generate`` on CPU) where the device is a CPU and the loop supports the model (Llama, Qwen2, Qwen3, Mistral),
+    else transformers' ``generate`` (on a GPU always: its kernels are tuned there). ``"loop"``: the loop on any
+    device (an error names the setting when the model is one it does not support). ``"generate"``: always
+    transformers' ``generate``. Unused by the vLLM engine."""
     max_probs_diff: float | None = 0.05
     """Bound on ``training/rollout_probs_diff_max`` (the largest gap between the engine's and the trainer's
     probability of a sampled token): the first step above it warns with the likely causes. Measured on the demo
@@ -77,6 +84,12 @@ class RolloutConfig:
             )
         if self.generation_batch_size < 1:
             _fail(self, "generation_batch_size", self.generation_batch_size, "an integer >= 1")
+        if self.decode not in ("auto", "loop", "generate"):
+            raise ValueError(
+                f"RolloutConfig.decode={self.decode!r} is invalid: expected 'auto', 'loop' or 'generate'. HINT: "
+                "'auto' uses the transformers engine's own decoding loop on CPU and transformers' generate on a GPU; "
+                "'loop' or 'generate' forces one of them."
+            )
         self._warn_sampling()
 
     def _warn_sampling(self) -> None:

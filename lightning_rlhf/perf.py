@@ -231,13 +231,14 @@ def threads_per_process(processes: int) -> int:
 
 def _cpu_products(dtype: torch.dtype) -> list[Callable[[Tensor, Tensor], Tensor]]:
     """The CPU matmuls a model's layers may use for ``dtype``: ``torch.mm`` and, in float32 where oneDNN is
-    available, oneDNN's (:func:`~lightning_rlhf.engines.onednn.matmul_nt`, which the training engine's linear
-    layers use: on AMD CPUs MKL's float32 ``sgemm`` runs below half of what the cores do)."""
-    from lightning_rlhf.engines.onednn import matmul_nt, onednn_available
+    available, oneDNN's (:func:`lightning_rlhf.cpu.matmul_product`, which the training engine's linear layers use
+    where the CPU speed layer is on: on AMD CPUs MKL's float32 ``sgemm`` runs below half of what the cores do)."""
+    from lightning_rlhf import cpu
 
     products: list[Callable[[Tensor, Tensor], Tensor]] = [torch.mm]
-    if dtype == torch.float32 and onednn_available():
-        products.append(lambda a, b: matmul_nt(a, b.t()))
+    onednn = cpu.matmul_product(dtype)
+    if onednn is not None:
+        products.append(onednn)
     return products
 
 

@@ -203,10 +203,10 @@ class _TokenLogprobs(torch.autograd.Function):
             return (None, *nones)
         temperature: float = ctx.temperature
         if _compiled_available(logits):
-            from lightning_rlhf import native
+            from lightning_rlhf import cpu
 
             g_lp = grad_logp if grad_logp is not None else torch.zeros(lse.shape[:-1], dtype=torch.float32)
-            compiled = native.token_logprobs_backward(logits, labels, lse, mean, g_lp, grad_entropy, temperature)
+            compiled = cpu.token_logprobs_backward(logits, labels, lse, mean, g_lp, grad_entropy, temperature)
             if compiled is not None:
                 return (compiled, *nones)
         batch, length, vocab = logits.shape
@@ -244,9 +244,9 @@ def _compiled_logprobs(
     """``(logp, lse, entropy, mean)`` through the compiled kernel, or None where it does not run."""
     if not _compiled_available(logits):
         return None
-    from lightning_rlhf import native  # the kernels' library (built on first use)
+    from lightning_rlhf import cpu  # the CPU layer's kernels (built on first use; None where it is off)
 
-    return native.token_logprobs(logits, labels, temperature, with_entropy)
+    return cpu.token_logprobs(logits, labels, temperature, with_entropy)
 
 
 def logprobs_and_entropy(
@@ -265,7 +265,8 @@ def logprobs_and_entropy(
     float32 and divided by the temperature per block only; at temperature 1 a float32 block is used as is), and
     the backward recomputes the softmax per block, writing into one gradient buffer shaped like ``logits``. On CPU
     (contiguous float32/bfloat16 logits) both run as compiled kernels instead, one pass per position
-    (:func:`lightning_rlhf.native.token_logprobs`; the same formulas, sums in double; ``chunk_elements`` unused).
+    (:func:`lightning_rlhf.cpu.token_logprobs`, where the CPU speed layer is on; the same formulas, sums in double;
+    ``chunk_elements`` unused).
 
     Runs on: controller or worker (pure function).
 

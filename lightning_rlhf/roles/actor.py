@@ -7,16 +7,17 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
+from lightning_rlhf import cpu
 from lightning_rlhf.algorithms import MicroBatchAggregation, compute_policy_loss, kl_penalty
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
-from lightning_rlhf.engines.rollout.base import generation_eos_ids, logprob_temperature
+from lightning_rlhf.engines.rollout.base import KV_CACHE, WEIGHTS, generation_eos_ids, logprob_temperature
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
 from lightning_rlhf.engines.rollout.reshard import weights_for
-from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, MetricAccumulator, forward_response, full_tensors, world
 from lightning_rlhf.roles.base import Role, RolloutEngineRequest, load_model
 
@@ -61,7 +62,7 @@ class ActorRole(Role):
         self._sent_version: int | None = None  # the version the generation-only pool holds (None: nothing valid)
         self.handoff_wait_s = 0.0
         """Seconds the last hand-off waited for the other ranks to arrive (the shared store's entry barrier)."""
-        self._shared: tuple[Any, Any, SharedWeights | None] | None = None
+        self._shared: tuple[Any, Any, cpu.WeightStore | None] | None = None
         """``(engine, model, store)`` once decided for this engine and model (store None: the hand-off streams)."""
 
     @property
@@ -120,15 +121,24 @@ class ActorRole(Role):
         Runs on: every worker rank, each on its share of the prompts. Input: ``prompts``/``prompt_mask``
         (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask``,
         ``response_truncated`` (no stop token within ``max_new_tokens``) and the input columns repeated.
-        The engine wakes up (on a GPU: its weights return to device memory), receives the weights of the
-        latest update if any, generates, and goes back to sleep while training runs.
+
+        The engine goes through its memory phases in the order that never holds two full copies of the weights
+        beside the trainer's shards (docs/hybrid-engine.md, "Memory phases"): the optimizer state moves to host
+        memory if the engine asks for it, the trainer releases what it holds (:meth:`release_device_memory`),
+        the engine's weights wake (``wake_up(tags=["weights"])``), the weights of the latest update are handed
+        over if any (:meth:`sync_weights`), the trainer releases the hand-off's buffers, the KV cache wakes
+        (``wake_up(tags=["kv_cache"])``), the engine generates, and it goes back to sleep while training runs.
         """
-        if self.rollout_engine.offload_optimizer:
+        engine = self.rollout_engine
+        if engine.offload_optimizer:
             self.train_engine.offload_optimizer()
-        self.rollout_engine.wake_up()
+        self.release_device_memory()  # the offloaded state and the update's leftovers, before the weights wake
+        engine.wake_up(tags=[WEIGHTS])
         sync_s, sync_bytes = self.sync_weights()
+        self.release_device_memory()  # the hand-off's gathered tensors, before the KV cache takes its memory
+        engine.wake_up(tags=[KV_CACHE])
         rollout = sample_rollout(
-            self.rollout_engine,
+            engine,
             batch,
             self.rollout,
             self.tokenizer,
@@ -138,7 +148,7 @@ class ActorRole(Role):
             seed_offset=seed_offset,
             model_path=self.path,
         )
-        self.rollout_engine.sleep()
+        engine.sleep()
         self.train_engine.onload_optimizer()
         rollout.meta.update(
             {
@@ -148,6 +158,26 @@ class ActorRole(Role):
             }
         )
         return rollout
+
+    def release_device_memory(self) -> None:
+        """Give the device memory the trainer does not need while the engine generates back to the device, for the
+        engine's next phase: FSDP units left unsharded are resharded (FSDP2 keeps the root's parameters -- the
+        embedding, the head, the final norm -- unsharded after a forward without backward, e.g. ``log_prob``), and
+        on a GPU ``torch.cuda.empty_cache()`` returns PyTorch's cached blocks (the hand-off's gathered buckets, an
+        offloaded optimizer state, the last update's activations), which vLLM's sleep-mode allocator, outside
+        PyTorch's cache, could not otherwise use. Nothing of the hand-off is kept alive: its stream is consumed
+        and dropped inside :meth:`sync_weights` (the transformers engines' shared store on CPU is the engines'
+        weights themselves, not a buffer).
+
+        Runs on: every worker rank (no collective: resharding frees the local copy only).
+        """
+        if self.model is None:
+            return
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        if self.train_engine.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def mark_weights_changed(self) -> None:
         """Make the next ``generate`` hand the weights to the engine first (after an update or a restore)."""
@@ -164,7 +194,7 @@ class ActorRole(Role):
         tensor-parallel vLLM engine, only the slices this rank's engine loads.
 
         Where the engines of one host can read one copy of the weights in shared memory
-        (:class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`: transformers engines on CPU), each
+        (:func:`lightning_rlhf.cpu.weight_store`: transformers engines on CPU, with the CPU speed layer on), each
         rank writes only its own rows there instead.
 
         Runs on: every worker rank (the gathers are collectives, in the same order everywhere).
@@ -179,7 +209,7 @@ class ActorRole(Role):
         t0 = time.perf_counter()
         received = [0]
         if self._shared is None or self._shared[0] is not engine or self._shared[1] is not self.model:
-            self._shared = (engine, self.model, SharedWeights.attempt(engine, self.model, self.train_engine.optimizer))
+            self._shared = (engine, self.model, cpu.weight_store(engine, self.model, self.train_engine.optimizer))
         store = self._shared[2]
         if store is not None:
             self.handoff_wait_s = store.hand_off(received)

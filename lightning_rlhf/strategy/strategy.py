@@ -41,6 +41,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_rlhf import cpu
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat import (
     check_lightning_version,
@@ -56,7 +57,6 @@ from lightning_rlhf.engines.rollout import make_rollout_engine
 from lightning_rlhf.engines.rollout.hf import check_hf_settings
 from lightning_rlhf.engines.rollout.vllm import check_vllm_settings, vllm_available
 from lightning_rlhf.engines.train import check_compute_dtype, resolve_dtype
-from lightning_rlhf.engines.train.host_share import release_host_buffers
 from lightning_rlhf.engines.train.loading import deferred_loading
 from lightning_rlhf.strategy.checkpoint_io import publish, temporary_sibling
 from lightning_rlhf.strategy.controller import Controller
@@ -172,6 +172,11 @@ class RLHFStrategy(ModelParallelStrategy):
             colocated, and calls to disjoint pools made inside
             ``RLHFModule.concurrently()`` run at the same time. ``"auto"``: the planner's choice for this world
             (``lightning_rlhf.planner``; CPU: calibrated on this machine, GPU: from the device's datasheet).
+        cpu_kernels: the CPU speed layer (:mod:`lightning_rlhf.cpu`: compiled kernels, oneDNN linears, fused RMS
+            norms, shared-memory collectives and weight store). None: the environment variable
+            ``LIGHTNING_RLHF_CPU_KERNELS`` (``1``/``0``) where set, else on only when the run's device is a CPU.
+            False turns all of it off (PyTorch's own ops everywhere: the same results up to float rounding); True
+            forces it on (on a GPU its pieces still only take CPU tensors).
     """
 
     def __init__(
@@ -190,6 +195,7 @@ class RLHFStrategy(ModelParallelStrategy):
         preemption_signals: Sequence[int | str] = ("SIGTERM", "SIGUSR1"),
         preemption_path: str | os.PathLike[str] | None = None,
         placement: Mapping[str, Sequence[int]] | Literal["auto"] | None = None,
+        cpu_kernels: bool | None = None,
     ) -> None:
         check_lightning_version()  # the internals this strategy uses (lightning_rlhf.compat) are checked per version
         if rollout not in ("auto", "hf", "vllm"):
@@ -201,6 +207,7 @@ class RLHFStrategy(ModelParallelStrategy):
         if vllm is not None and not isinstance(vllm, VLLMConfig):
             raise TypeError(f"RLHFStrategy(vllm=...) takes a VLLMConfig or a dict, got {type(vllm).__name__}.")
         check_placement_spec(placement)
+        cpu.configure(cpu_kernels, None)  # checks the value; the device is known at set-up
         if placement is not None and not save_distributed_checkpoint:
             raise ValueError(
                 "RLHFStrategy(placement=..., save_distributed_checkpoint=False): a single-file checkpoint is gathered "
@@ -230,6 +237,7 @@ class RLHFStrategy(ModelParallelStrategy):
         self._preemption = PreemptionHandler(parse_signals(preemption_signals))
         self._stopping = 0  # the preemption signal every rank agreed to stop on (0: none)
         self.placement = placement
+        self.cpu_kernels = cpu_kernels
         self._pools: Pools = {}
         self._meshes: dict[str, Any] = {}  # role -> the FSDP mesh of its pool (roles this rank holds)
 
@@ -278,6 +286,7 @@ class RLHFStrategy(ModelParallelStrategy):
         self._preemption.install()  # a signal during loading is acted on after the first step
         super().setup_environment()
         _destroy_process_group_at_exit()
+        cpu.configure(self.cpu_kernels, self.root_device)  # before any model is built
         module = self._rlhf_module()
         check_compute_dtype(self.param_dtype, self.root_device, setting="RLHFStrategy.param_dtype")
         for role in module.roles().values():  # trainable roles hold float32 master weights
@@ -658,7 +667,7 @@ class RLHFStrategy(ModelParallelStrategy):
             if self._controller.death is None:  # after a death the watchdog stays and still speaks for the run
                 watchdog_running(False)
             self._controller.close()
-        release_host_buffers()
+        cpu.host_memory_release()
         super().teardown()
 
     def _rlhf_module(self) -> RLHFModule:

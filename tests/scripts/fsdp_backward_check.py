@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 import lightning_rlhf.engines.train.fsdp as fsdp  # the module: its view-copying hook is counted
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
-from lightning_rlhf.engines.onednn import plain_linears
+from lightning_rlhf.cpu.onednn import plain_linears
 from lightning_rlhf.engines.train import forward_response, sequence_inputs
 from lightning_rlhf.roles import ActorRole, CriticRole
 from lightning_rlhf.roles.base import Role

@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_rlhf.engines.train import full_tensors, host_share, shard_model
+from lightning_rlhf.cpu import host_share
+from lightning_rlhf.engines.train import full_tensors, shard_model
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
 

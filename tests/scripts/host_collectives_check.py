@@ -1,4 +1,4 @@
-"""Checks FSDP2's collectives through the host's shared memory (``engines/train/host_collectives.py``) under torchrun
+"""Checks FSDP2's collectives through the host's shared memory (``cpu/host_collectives.py``) under torchrun
 with 2 processes; the test launches it.
 
 - All-gathers and reduce-scatters (sum and average) of several sizes in a row (the buffer's halves alternate, the
@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_rlhf.engines.train import host_collectives, shard_model
+from lightning_rlhf.cpu import host_collectives
+from lightning_rlhf.engines.train import shard_model
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
 

@@ -1,4 +1,4 @@
-"""Checks the colocated engines' shared weight store (``engines/rollout/shared_weights.py``) under torchrun with 2
+"""Checks the colocated engines' shared weight store (``cpu/shared_weights.py``) under torchrun with 2
 processes; the test launches it.
 
 A tiny Qwen2 model (query/key/value biases, tied head, a parameter whose rows split unevenly) sharded as the trainer
@@ -32,11 +32,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams, shared_weights
+from lightning_rlhf.cpu import shared_weights
+from lightning_rlhf.cpu.native import CastPlan
+from lightning_rlhf.cpu.optim import MirroredAdamW
+from lightning_rlhf.cpu.shared_weights import SharedWeights, shards_in_place
+from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.decode import _fused_rows
-from lightning_rlhf.engines.rollout.shared_weights import SharedWeights
-from lightning_rlhf.engines.train import MirroredAdamW, shard_model, shards_in_place
-from lightning_rlhf.native import CastPlan
+from lightning_rlhf.engines.train import shard_model
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
 CPU = torch.device("cpu")

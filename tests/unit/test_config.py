@@ -14,6 +14,7 @@ from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, c
         (RolloutConfig, {"temperature": 1e-3}, r"RolloutConfig.temperature=0.001 is below 0.01"),
         (RolloutConfig, {"top_p": 1.5}, r"top_p=1.5"),
         (RolloutConfig, {"max_new_tokens": 8, "min_new_tokens": 9}, r"min_new_tokens=9 is invalid: .*\[0, max_new_"),
+        (RolloutConfig, {"decode": "fast"}, r"RolloutConfig.decode='fast' is invalid: .*HINT: 'auto' uses"),
         (AlgorithmConfig, {"adv_eps": 0.0}, r"AlgorithmConfig.adv_eps=0.0 is invalid"),
         (OptimConfig, {"lr": 0}, r"OptimConfig.lr=0"),
         (OptimConfig, {"schedule": "step"}, r"schedule='step'"),

@@ -220,7 +220,9 @@ def test_prepacked_projections_sample_what_plain_ones_do(dtype: torch.dtype, mon
     assert decode._packs(model) == supported  # bfloat16 only where oneDNN has the CPU's bfloat16 path
     _, head = decode._layers(model, 8)
     assert head.packed == (dtype == torch.bfloat16 and supported)  # float32 packs weights of 65,536 elements and up
-    monkeypatch.setattr(decode, "_PACK_MIN_FLOAT32", 0)  # this model's float32 weights are below the size packed
+    from lightning_rlhf.cpu import onednn
+
+    monkeypatch.setattr(onednn, "PACK_MIN_FLOAT32", 0)  # this model's float32 weights are below the size packed
     monkeypatch.setattr(decode, "_packs", lambda model: True)
     layers, head = decode._layers(model, 8)  # where oneDNN cannot reorder, every projection stays plain
     assert all(linear.packed == supported for linear in [head, *(lin for layer in layers for lin in layer)])
@@ -322,7 +324,7 @@ def test_fused_step_attention_is_the_softmax_attention(
     """The compiled kernel against the attention in float64, for head sizes it specialises (32, 64, 128) and one it
     does not (24), grouped and plain queries, padded prompts, the first and the last step, one thread and two (the
     kernel starts a second one for calls of 2 x 2^18 multiply-adds and more: 24 rows x 4 heads x 47 keys x 128)."""
-    from lightning_rlhf import native
+    from lightning_rlhf.cpu import native
 
     if not native.native_attention_available():
         pytest.fail("the decoding attention kernel did not build on a machine with a C compiler (see the log)")
@@ -367,7 +369,7 @@ def test_the_loop_samples_the_same_with_the_compiled_kernels_or_the_eager_ops(
     """The whole loop: the compiled kernels and the eager ops give the same tokens and log-probs (to float rounding),
     for grouped queries and padded prompts: with Qwen3's per-head norms (the attention step, norms and SiLU products
     compiled; the rotation eager), and with Qwen2's head size 16 (the whole decoding step compiled, as one call)."""
-    from lightning_rlhf import native
+    from lightning_rlhf.cpu import native
 
     assert native.native_attention_available()
     model = llama_family()[2] if model_kind == "qwen3" else qwen2_with_head_size(16)
@@ -445,7 +447,7 @@ def test_a_head_size_the_kernel_does_not_take_samples_through_the_eager_ops() ->
     model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "hidden_size": 16}, pad_token_id=0, eos_token_id=1)).eval()
     assert model.model.layers[0].self_attn.head_dim == 4
     q = torch.zeros(2, 1, 1, 4)
-    from lightning_rlhf import native
+    from lightning_rlhf.cpu import native
 
     assert native.decode_attention(q, q[:1], q[:1], torch.zeros(1, 1), q, q, n=2, span=1, scaling=1.0) is None
     params = SamplingParams(n=1, max_new_tokens=6, min_new_tokens=6, greedy=True)
@@ -456,7 +458,7 @@ def test_a_head_size_the_kernel_does_not_take_samples_through_the_eager_ops() ->
 
 
 def test_the_kernel_refuses_shapes_that_do_not_agree() -> None:
-    from lightning_rlhf import native
+    from lightning_rlhf.cpu import native
 
     q = torch.zeros(4, 1, 1, 8)
     with pytest.raises(ValueError, match=r"decode_attention: shapes do not agree.*HINT"):
@@ -466,7 +468,7 @@ def test_the_kernel_refuses_shapes_that_do_not_agree() -> None:
 def test_without_a_compiler_the_loop_keeps_its_eager_attention(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A compiler that fails, a compiler that is not there, or LIGHTNING_RLHF_NATIVE=0 leaves the kernel off with a
     warning, and the loop still samples, through the eager ops."""
-    from lightning_rlhf import native
+    from lightning_rlhf.cpu import native
 
     monkeypatch.setenv("LIGHTNING_RLHF_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "false")  # runs, and fails
@@ -498,7 +500,7 @@ def test_compiled_norm_and_gated_product_are_transformers_own(dtype: torch.dtype
     where the summation order can move a value across a rounding boundary; large and very negative gates too."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    from lightning_rlhf import native
+    from lightning_rlhf.cpu import native
 
     assert native.native_attention_available()
     torch.manual_seed(0)

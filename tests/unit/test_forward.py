@@ -221,8 +221,8 @@ def test_compiled_token_kernels_give_the_values_and_gradients(
     """On CPU the log-probs, entropies and their gradient run as compiled kernels (one pass per position): against
     float64 they are within float32 rounding, as close as the block-wise eager ops or closer (a vocabulary with a tail
     of 3 past the kernel's 8-wide vectors, a row of very peaked logits, differentiable entropy)."""
-    from lightning_rlhf import native
     from lightning_rlhf.algorithms import functional
+    from lightning_rlhf.cpu import native
 
     assert native.native_attention_available()
     g = torch.Generator().manual_seed(0)
@@ -260,7 +260,7 @@ def test_compiled_token_kernels_give_the_values_and_gradients(
 
 
 def test_compiled_token_kernel_refuses_a_label_outside_the_vocabulary() -> None:
-    from lightning_rlhf import native
+    from lightning_rlhf.cpu import native
 
     with pytest.raises(IndexError, match=r"1 label\(s\) outside \[0, 5\)"):
         native.token_logprobs(torch.randn(1, 2, 5), torch.tensor([[0, 5]]), 1.0, False)
@@ -271,7 +271,7 @@ def test_compiled_token_kernel_refuses_a_label_outside_the_vocabulary() -> None:
 
 def test_compiled_token_kernels_split_positions_over_threads() -> None:
     """Positions split over two threads (at least 64 each): the same values and gradient as one thread."""
-    from lightning_rlhf import native
+    from lightning_rlhf.cpu import native
 
     g = torch.Generator().manual_seed(1)
     logits, labels = torch.randn(4, 64, 301, generator=g), torch.randint(0, 301, (4, 64), generator=g)

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from lightning_rlhf.engines.onednn import linear, onednn_available
+from lightning_rlhf.cpu.onednn import linear, onednn_available
 from tests.conftest import ROOT, SCRIPTS, failure_text
 
 

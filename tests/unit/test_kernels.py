@@ -12,7 +12,7 @@ from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from lightning_rlhf.engines.kernels import RMS_NORM_CLASSES, fuse_rms_norms, rms_norm, unfuse_rms_norms
+from lightning_rlhf.cpu.kernels import RMS_NORM_CLASSES, fuse_rms_norms, rms_norm, unfuse_rms_norms
 from lightning_rlhf.engines.train import TrainEngine
 
 NORMS = [Qwen2RMSNorm, LlamaRMSNorm, Qwen3RMSNorm, MistralRMSNorm]

@@ -12,11 +12,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_rlhf"
 
-ONLY: dict[str, set[str]] = {"batch": set(), "dispatch": {"batch"}, "compat": set(), "native": {"models"}}
+ONLY: dict[str, set[str]] = {"batch": set(), "dispatch": {"batch"}, "compat": set()}
 """Leaf parts -> the only parts they may import."""
 FORBIDDEN: dict[str, set[str]] = {
     "algorithms": {"engines", "roles", "module", "modules", "strategy", "cli", "callbacks", "data", "demo"},
     "engines": {"roles", "module", "modules", "strategy", "cli", "callbacks", "data", "demo"},
+    "cpu": {"roles", "module", "modules", "strategy", "cli", "callbacks", "data", "demo"},
     "roles": {"strategy", "module", "modules", "cli", "callbacks", "demo"},
     "module": {"strategy", "modules", "cli", "demo"},
     "modules": {"strategy", "cli"},
@@ -84,3 +85,53 @@ def test_the_strategy_knows_roles_only_by_what_they_declare() -> None:
         if role_names.search(line.split("#")[0])
     ]
     assert not hits, "the strategy names a role:\n" + "\n".join(hits)
+
+
+CPU = PACKAGE / "cpu"
+
+
+def _cpu_internals(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``path`` of a module inside ``lightning_rlhf.cpu`` (its submodules, or a
+    submodule named in ``from lightning_rlhf.cpu import ...``), type-only imports included."""
+    inside = {p.stem for p in CPU.glob("*.py") if p.stem != "__init__"} | {p.name for p in CPU.iterdir() if p.is_dir()}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "lightning_rlhf.cpu":
+                names = [f"lightning_rlhf.cpu.{a.name}" for a in node.names if a.name in inside]
+            elif node.module.startswith("lightning_rlhf.cpu."):
+                names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("lightning_rlhf.cpu.")]
+        found += [(node.lineno, name) for name in names]
+    return found
+
+
+def test_only_the_cpu_layer_imports_its_internals() -> None:
+    """The CPU speed layer (``lightning_rlhf/cpu``) is reached through its package's interface only
+    (``from lightning_rlhf import cpu``): nothing else in the package imports a module inside it."""
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if CPU not in path.parents
+        for line, name in _cpu_internals(path)
+    ]
+    assert not bad, (
+        "only lightning_rlhf/cpu may import its modules; use `from lightning_rlhf import cpu`:\n" + "\n".join(bad)
+    )
+
+
+def test_the_cpu_rule_sees_internal_imports(tmp_path: Path) -> None:
+    """The rule above would pass vacuously if the reader missed the forms such an import takes."""
+    source = tmp_path / "x.py"
+    source.write_text(
+        "from lightning_rlhf.cpu import native, enabled\nfrom lightning_rlhf.cpu.onednn import linear\n"
+        "import lightning_rlhf.cpu.kernels\nfrom lightning_rlhf import cpu\n"
+    )
+    assert [name for _, name in _cpu_internals(source)] == [
+        "lightning_rlhf.cpu.native",
+        "lightning_rlhf.cpu.onednn",
+        "lightning_rlhf.cpu.kernels",
+    ]
+    assert any(imported == "cpu" for path in _files("engines") for _, imported in _imports(path))

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from lightning_rlhf.config import OptimConfig
-from lightning_rlhf.engines.train import MirroredAdamW, make_optimizer
-from lightning_rlhf.native import AdamWPlan, native_attention_available
+from lightning_rlhf.cpu.native import AdamWPlan, native_attention_available
+from lightning_rlhf.cpu.optim import MirroredAdamW
+from lightning_rlhf.engines.train import make_optimizer
 
 pytestmark = pytest.mark.skipif(not native_attention_available(), reason="needs the CPU kernels (a C compiler)")
 

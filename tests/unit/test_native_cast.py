@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_rlhf import native
+from lightning_rlhf.cpu import native
 
 
 def test_cast_plan_rounds_as_copy_does_at_any_size_and_offset() -> None:

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_rlhf.engines import onednn
-from lightning_rlhf.engines.onednn import OneDNNLinearFunction, linear, onednn_linears, plain_linears
+from lightning_rlhf.cpu import onednn
+from lightning_rlhf.cpu.onednn import OneDNNLinearFunction, linear, onednn_linears, plain_linears
 from lightning_rlhf.engines.train import TrainEngine
 from tests.unit.test_kernels import logits_and_grads, tiny_qwen2
 
@@ -141,7 +141,7 @@ def test_train_engine_binds_with_onednn_linears_unless_turned_off() -> None:
 
 def test_environment_variable_turns_it_off() -> None:
     code = (
-        "from lightning_rlhf.engines.onednn import onednn_linears; import torch; "
+        "from lightning_rlhf.cpu.onednn import onednn_linears; import torch; "
         "print(onednn_linears(torch.nn.Sequential(torch.nn.Linear(2, 2))))"
     )
     env = {**os.environ, onednn.ONEDNN_ENV: "0"}

@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, init: str, path: str, out: str, dtype: str | No
 def count_gathers(dist: Any) -> Callable[[], int]:
     """Count the all-gathers FSDP2 issues from now on (on CPU through the host's shared memory, else gloo's); the
     returned call stops counting and gives the count."""
-    from lightning_rlhf.engines.train.host_collectives import HostAllGather
+    from lightning_rlhf.cpu.host_collectives import HostAllGather
 
     originals = (dist.all_gather_single, HostAllGather.__call__)
     calls = [0]

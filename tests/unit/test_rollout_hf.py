@@ -5,11 +5,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from lightning_rlhf.config import RolloutConfig, VLLMConfig
 from lightning_rlhf.demo import addition_dataset
-from lightning_rlhf.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams, WeightSyncError
+from lightning_rlhf.engines.rollout import (
+    HFRolloutEngine,
+    RolloutEngine,
+    SamplingParams,
+    WeightSyncError,
+    make_rollout_engine,
+)
 
 
 def engine_for(path: str) -> tuple[HFRolloutEngine, object, torch.nn.Module]:
@@ -112,3 +120,37 @@ def test_generation_config_eos_ids_end_a_response(demo_model: str, tmp_path: Pat
     assert cut["responses"][0][cut["response_mask"][0].bool()].tolist() == [answer[0]]
     assert not bool(cut["response_truncated"][0])
     assert generation_eos_ids(str(tmp_path / "no_such_model")) == ()
+
+
+def test_decode_setting_picks_the_loop_or_generate(demo_model: str) -> None:
+    """``RolloutConfig.decode`` reaches the engine: "auto" runs the own loop on a CPU only (a GPU engine takes
+    ``generate``), "loop" forces the loop, "generate" never uses it; both paths sample valid responses."""
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    model = AutoModelForCausalLM.from_pretrained(demo_model)
+    prompts = [tok(p)["input_ids"] for p in ("3+4=", "12+9=")]
+    params = SamplingParams(n=2, max_new_tokens=4, min_new_tokens=4, seed=0)
+    engines = {}
+    for decode in ("auto", "loop", "generate"):
+        engine = make_rollout_engine(
+            "hf", path=demo_model, model=model, tokenizer=tok, rollout=RolloutConfig(decode=decode),
+            vllm=VLLMConfig(), device=torch.device("cpu"), dtype=None, max_model_len=0,
+        )  # fmt: skip
+        assert isinstance(engine, HFRolloutEngine) and engine.decode == decode
+        engines[decode] = engine
+    assert engines["auto"].decodes_with_loop(prompts, params) and engines["loop"].decodes_with_loop(prompts, params)
+    assert not engines["generate"].decodes_with_loop(prompts, params)
+    for decode, engine in engines.items():
+        out = engine.generate(prompts, params)
+        assert [len(r) for r in out.responses] == [4] * 4, decode
+    # what the engine decides on a GPU (only the device's type is read): "auto" takes generate, "loop" stays
+    engines["auto"].device = engines["loop"].device = torch.device("cuda")
+    assert not engines["auto"].decodes_with_loop(prompts, params)
+    assert engines["loop"].decodes_with_loop(prompts, params)
+
+
+def test_decode_loop_refuses_a_model_it_does_not_support() -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=4, n_positions=64)).eval()
+    with pytest.raises(ValueError, match=r"RolloutConfig.decode='loop' .*model_type 'gpt2'.*HINT: "):
+        HFRolloutEngine(gpt2, pad_token_id=0, eos_token_id=1, device=torch.device("cpu"), decode="loop")
+    engine = HFRolloutEngine(gpt2, pad_token_id=0, eos_token_id=1, device=torch.device("cpu"))  # auto: generate
+    assert not engine.decodes_with_loop([[5, 6]], SamplingParams(n=1, max_new_tokens=2))

@@ -12,6 +12,10 @@ shared rules live here, so that the transformers and the vLLM engine apply the s
   sampled from (temperature, then top-k, then top-p, renormalised), as vLLM's ``processed_logprobs``.
 - :func:`check_sequence_length`: prompt + response must fit the engine's positions.
 
+Memory phases (:data:`MEMORY_TAGS`): an engine's device memory is its ``"weights"`` and its ``"kv_cache"``.
+``RolloutEngine.wake_up(tags)`` wakes only the named ones, so that the actor can receive the new weights before
+the KV cache takes its memory (docs/hybrid-engine.md, "Memory phases"); :func:`wake_tags` checks the names.
+
 The weight hand-off is checked the same way in every engine: :class:`HandoffCheck` counts the names of one
 ``load_weights`` call against :attr:`RolloutEngine.param_names`, and a hand-off that misses a parameter or names
 one the engine does not have raises :class:`WeightSyncError`.
@@ -22,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -32,18 +36,23 @@ if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.reshard import Slicer
 
 __all__ = [
+    "KV_CACHE",
     "MAX_TEMPERATURE",
+    "MEMORY_TAGS",
     "MIN_TEMPERATURE",
+    "WEIGHTS",
     "HandoffCheck",
     "RolloutEngine",
     "RolloutOutput",
     "SamplingParams",
     "WeightSyncError",
+    "check_prompt_tokens",
     "check_sampling",
     "check_sequence_length",
     "logprob_temperature",
     "processed_logprobs",
     "tied_aliases",
+    "wake_tags",
 ]
 
 MIN_TEMPERATURE = 0.01
@@ -52,6 +61,42 @@ MIN_TEMPERATURE = 0.01
 trainer scores at."""
 MAX_TEMPERATURE = 2.0
 """Largest temperature vLLM accepts (it raises at generation time above it)."""
+
+
+WEIGHTS = "weights"
+"""The memory tag of an engine's weights (vLLM's own name for it in ``LLM.wake_up(tags=...)``)."""
+KV_CACHE = "kv_cache"
+"""The memory tag of an engine's key/value cache (vLLM's own name for it)."""
+MEMORY_TAGS: tuple[str, ...] = (WEIGHTS, KV_CACHE)
+"""Every tag :meth:`RolloutEngine.wake_up` takes, in the order the actor wakes them."""
+
+
+def wake_tags(tags: Sequence[str] | None, *, owner: str) -> tuple[str, ...]:
+    """The memory tags a ``wake_up(tags)`` call names, checked: ``None`` is every tag (:data:`MEMORY_TAGS`).
+
+    Runs on: worker (each engine's ``wake_up``).
+
+    Args:
+        tags: ``None``, or names out of :data:`MEMORY_TAGS` (a list or a tuple; a single string is refused, it
+            would read as its letters).
+        owner: the engine, e.g. ``"VLLMRolloutEngine"``; errors read ``f"{owner}.wake_up(tags=...)"``.
+
+    Raises:
+        ValueError: naming the unknown tags and the ones allowed.
+    """
+    if tags is None:
+        return MEMORY_TAGS
+    if isinstance(tags, str):
+        raise ValueError(
+            f"{owner}.wake_up(tags={tags!r}): expected a list of tags, got one string. HINT: wake_up(tags=[{tags!r}])."
+        )
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(
+            f"{owner}.wake_up(tags={list(tags)!r}): unknown memory tags {unknown}. HINT: tags out of "
+            f"{list(MEMORY_TAGS)}, or None to wake everything."
+        )
+    return tuple(t for t in MEMORY_TAGS if t in tags)
 
 
 def check_sampling(*, temperature: float, top_p: float, top_k: int, owner: str) -> None:
@@ -153,6 +198,42 @@ def check_sequence_length(
     if prompt_length + max_new_tokens > limit:
         added = f" plus max_new_tokens={max_new_tokens}" if max_new_tokens else ""
         raise ValueError(f"{subject} of {prompt_setting} tokens{added} exceed {engine}={limit}. HINT: {hint}")
+
+
+def check_prompt_tokens(prompts: list[list[int]], *, vocab_size: int | None, engine: str) -> None:
+    """Refuse prompts an engine would fail on only inside its generation loop: an empty prompt (vLLM: "The decoder
+    prompt cannot be empty"), or a token id outside the model's vocabulary. vLLM runs without a tokenizer, so it
+    checks no prompt id: one past the embedding's rows reaches the lookup (on a GPU a device-side assert that ends
+    the process, on a CPU an index error), at whichever step first draws such a prompt.
+
+    Runs on: worker (an engine's ``generate``, before any request reaches it; one pass over the ids).
+
+    Args:
+        prompts: this call's prompts (token ids).
+        vocab_size: rows of the model's embedding (its config's ``vocab_size``); None checks only for empty prompts.
+        engine: words for the engine in the message, e.g. ``"VLLMRolloutEngine"``.
+
+    Raises:
+        ValueError: naming the prompt, the id and the fix.
+    """
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(
+                f"{engine}.generate: prompt {i} of {len(prompts)} has no tokens; vLLM refuses an empty prompt. "
+                "HINT: every prompt needs at least one token (a row whose prompt_mask is all 0 reached generation: "
+                "check the dataflow that built the batch, or give the prompt a BOS/template token)."
+            )
+        if vocab_size is None:
+            continue
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"{engine}.generate: prompt {i} holds token id {bad}, outside the model's vocabulary of {vocab_size} "
+                "ids (the engine's embedding lookup would fail inside generation). HINT: tokenize with the "
+                "tokenizer the model was saved with, or resize the model to the tokenizer "
+                "(`model.resize_token_embeddings(len(tokenizer))`, then save it) before training."
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -342,6 +423,23 @@ class RolloutEngine(Protocol):
 
     Optional: ``copies_each_weight = True`` says that ``load_weights`` copies each tensor before it takes the next
     one from the stream; ``weights_for`` may then hand it views of a reused buffer (``HFRolloutEngine`` does).
+
+    Memory phases. :meth:`ActorRole.generate <lightning_rlhf.roles.actor.ActorRole.generate>` drives an engine
+    in this order, so that a device never holds two full copies of the weights beside the trainer's shards:
+
+    1. ``wake_up(tags=["weights"])``: only the weights return to the device (a level-2 vLLM sleep gets empty
+       storage, filled by the hand-off);
+    2. ``load_weights(...)``: the hand-off, when the weights changed or the engine lost its own;
+    3. the trainer releases what the hand-off gathered (references dropped, ``torch.cuda.empty_cache()`` on a
+       GPU, the FSDP units resharded), so that the next phase can use that memory;
+    4. ``wake_up(tags=["kv_cache"])``, then ``generate(...)``;
+    5. ``sleep()``: everything the engine frees while training runs (its settings decide what, e.g.
+       ``VLLMConfig.sleep_level``).
+
+    ``wake_up(tags=None)`` wakes everything at once. Tags are :data:`MEMORY_TAGS` (checked by :func:`wake_tags`);
+    an engine that cannot free a kind of memory (vLLM on CPU, the transformers engine's KV cache, which lives
+    only inside ``generate``) accepts its tag and does nothing for it. Waking a tag that is awake does nothing;
+    ``generate`` may assume both tags were woken.
     """
 
     @property
@@ -397,9 +495,14 @@ class RolloutEngine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Free accelerator memory while training runs (a no-op where that is not possible)."""
+        """Free accelerator memory while training runs (a no-op where that is not possible): whatever is awake,
+        after a partial wake too."""
         ...
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep` before generating."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo :meth:`sleep` for the memory named by ``tags`` (out of :data:`MEMORY_TAGS`; None: all of it)
+        before generating; see the class docstring for the order the actor uses.
+
+        Raises ``ValueError`` for a tag not in :data:`MEMORY_TAGS`.
+        """
         ...

@@ -15,7 +15,8 @@ the model's own weights, and replaces the attention's plumbing, the projections'
   decoding step attends to them with one product per prompt for all its samples, then to its own generated ones;
 - the projections that read the same input are one matmul (queries, keys and values; gate and up): their
   parameters are laid out once as consecutive row blocks of one tensor, in place (names, shapes and values
-  unchanged); on CPU each call reorders the weights into oneDNN's blocked layout for its duration (:func:`_packs`);
+  unchanged); on CPU each call reorders the weights into oneDNN's blocked layout for its duration (:func:`_packs`,
+  the CPU layer's);
 - sampling by inverse CDF: one uniform draw per sequence and a ``searchsorted`` in the cumulative distribution
   (two levels: blocks of the vocabulary, then entries of one block).
 
@@ -29,14 +30,14 @@ a sliding window shorter than the sequence. What is sampled follows :class:`Samp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_rlhf import native
-from lightning_rlhf.engines.kernels import RMS_NORM_CLASSES
+from lightning_rlhf import cpu
 from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
 
 __all__ = ["MODEL_TYPES", "decode_loop_unsupported", "left_pad", "sample_loop"]
@@ -111,14 +112,14 @@ class _Cache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.bias = torch.full((prompts * n, 1, 1, new_tokens), -math.inf, dtype=torch.float32, device=device)
-        self.steps: list[native.DecodeStep | None] = [None] * len(layers)
+        self.steps: list[Callable[[Tensor, Tensor, Tensor, int], Tensor] | None] = [None] * len(layers)
         """Per layer, its decoding steps as one compiled call each (rotary embedding, cache writes, attention), where
         the kernels run (:func:`_native_kernels`) and the layer has no per-head query/key norms (Qwen3)."""
         if _native_kernels(self):
             group = model.config.num_attention_heads // kv_heads
             for i, layer in enumerate(layers):
                 if not hasattr(layer.self_attn, "q_norm"):
-                    self.steps[i] = native.DecodeStep.make(
+                    self.steps[i] = cpu.decode_step(
                         self.prefix_keys[i], self.prefix_values[i], self.prefix_bias, self.keys[i], self.values[i],
                         n=n, group=group, scaling=layer.self_attn.scaling,
                     )  # fmt: skip
@@ -133,15 +134,16 @@ def _written_slots_only(cache: _Cache) -> bool:
 
 def _native_kernels(cache: _Cache) -> bool:
     """Whether the loop runs its attention step, RMS norms and SiLU-gated products through the compiled kernels
-    (:mod:`~lightning_rlhf.native`; each falls back to the eager ops where it cannot run): on CPU."""
-    return cache.keys[0].device.type == "cpu"
+    (the CPU layer's, :mod:`lightning_rlhf.cpu`; each falls back to the eager ops where it cannot run): on CPU, with
+    the layer's piece ``native`` on."""
+    return cache.keys[0].device.type == "cpu" and cpu.enabled("native")
 
 
 def _norm(module: Any, x: Tensor, native_ok: bool) -> Tensor:
     """``module(x)`` for a decoder's RMS norm, through the compiled kernel where it is one of transformers'
-    Llama-family norms (:data:`~lightning_rlhf.engines.kernels.RMS_NORM_CLASSES`: the same formula)."""
-    if native_ok and type(module).__name__ in RMS_NORM_CLASSES:
-        out = native.rms_norm(x, module.weight, module.variance_epsilon)
+    Llama-family norms (:func:`lightning_rlhf.cpu.norm`: the same formula)."""
+    if native_ok:
+        out = cpu.norm(module, x)
         if out is not None:
             return out
     return module(x)
@@ -186,7 +188,8 @@ def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
 
 class _Linear:
     """One projection of the loop: ``y = x @ weight.T + bias`` through ``F.linear``, or through oneDNN with the weight
-    reordered into its blocked layout (:func:`_packs`).
+    reordered into its blocked layout (the CPU layer's :func:`~lightning_rlhf.cpu.packed_linear`, where
+    :func:`_packs`).
 
     The packed copy lives as long as the :func:`sample_loop` call that made it (one more copy of the engine's
     projection and head weights while it generates); it is made again from the parameters at every call, so a
@@ -196,44 +199,19 @@ class _Linear:
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int | None) -> None:
         self.bias = bias
         self.weight = weight
-        self.packed = False
-        if rows is not None and (weight.dtype != torch.float32 or weight.numel() >= _PACK_MIN_FLOAT32):
-            try:
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-                self.packed = True
-            except RuntimeError:  # a build or CPU whose oneDNN lacks this path: the plain product is as exact
-                pass
+        self._packed = cpu.packed_linear(weight, bias, rows) if rows is not None else None
+        self.packed = self._packed is not None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self._packed is not None:
+            return self._packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
-_PACK_MIN_FLOAT32 = 65_536
-"""Smallest float32 weight (elements) the loop packs: below it oneDNN's call costs more than its kernel saves
-(``[64, 64] x [64, 128]``: 14 us through MKL, 25 us packed; ``[64, 256] x [256, 256]``: 91 against 90 us; 1 thread,
-hot caches). In bfloat16 the packed call is faster at every size measured (from ``[64, 64] x [64, 128]`` up)."""
-
-
 def _packs(model: Any) -> bool:
-    """Whether the loop's projections go through oneDNN with prepacked weights: float32 or bfloat16 on a CPU with
-    oneDNN. The loop multiplies tens of rows by each weight per step; for the 4M-parameter benchmark model's
-    products (``[64, 256] x [256, 1408]`` and the like, one thread) oneDNN's blocked kernels reach ~88 GFLOP/s in
-    float32 against MKL's 62-66, and 160-180 against 115-140 in bfloat16. Reordering a weight costs one pass over it
-    (~7 ms for that model, once per call)."""
-    weight = model.lm_head.weight
-    ops = torch.ops.mkldnn
-    if not (
-        weight.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    ):
-        return False
-    if weight.dtype == torch.bfloat16:  # oneDNN's bfloat16 path needs AVX-512 (BW/VL/DQ), AVX-NE-CONVERT or Arm's BF16
-        return bool(hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported())
-    return weight.dtype == torch.float32
+    """Whether the loop's projections go through oneDNN with prepacked weights (:func:`lightning_rlhf.cpu.packs`:
+    float32 or bfloat16 on a CPU with oneDNN, the CPU layer on)."""
+    return cpu.packs(model.lm_head.weight)
 
 
 class _Layer(NamedTuple):
@@ -318,7 +296,7 @@ def _forward(
             out = _attention(layer.self_attn, qkv, rotation, i, cache, step, prompt_bias)
         x = x + weights.o(out)
         gate_up = weights.gate_up(_norm(layer.post_attention_layernorm, x, native_ok))
-        gated = native.silu_mul(gate_up) if silu else None
+        gated = cpu.silu_mul(gate_up) if silu else None
         if gated is None:
             gate, up = gate_up.chunk(2, dim=-1)
             gated = layer.mlp.act_fn(gate) * up
@@ -393,7 +371,7 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
     prefix_keys, prefix_values = cache.prefix_keys[layer], cache.prefix_values[layer]
     keys, values = cache.keys[layer], cache.values[layer]
     if _native_kernels(cache):
-        out = native.decode_attention(
+        out = cpu.decode_attention(
             query, prefix_keys, prefix_values, cache.prefix_bias, keys, values, n=n, span=step + 1, scaling=scaling
         )
         if out is not None:

@@ -46,7 +46,7 @@ def make_rollout_engine(
         path: the actor's folder or hub id (vLLM reads its config, and its weights with ``load_format="auto"``).
         model: the actor's causal LM, unsharded; its parameter names are the hand-off's.
         tokenizer: the actor's tokenizer (padding and end-of-sequence ids).
-        rollout: sampling settings (the hf engine's ``generation_batch_size``, the vLLM engine's seed).
+        rollout: sampling settings (the hf engine's ``generation_batch_size`` and ``decode``, the vLLM engine's seed).
         vllm: the vLLM engine's settings (unused for ``"hf"``), including ``offload_optimizer``.
         device: this rank's device.
         dtype: the training compute dtype; None keeps the actor's (hf) or float32 (vLLM).
@@ -97,4 +97,5 @@ def make_rollout_engine(
         device=device,
         generation_batch_size=rollout.generation_batch_size,
         dtype=dtype,
+        decode=rollout.decode,
     )

@@ -1,9 +1,10 @@
 """Rollouts on a transformers model: the reference engine, and the one used where vLLM is absent.
 
-Llama-family models (Qwen2, Qwen3, Llama, Mistral) are sampled with the engine's own loop
+On a CPU, Llama-family models (Qwen2, Qwen3, Llama, Mistral) are sampled with the engine's own loop
 (:mod:`~lightning_rlhf.engines.rollout.decode`: a preallocated key/value cache and an inverse-CDF sampler around
-the model's own modules, 2-3x faster than ``generate`` on small models); other architectures with transformers'
-``generate``. ``HFRolloutEngine(decode="generate")`` forces the latter.
+the model's own modules, 2-3x faster than ``generate`` on small models); other architectures, and every model on a
+GPU, with transformers' ``generate``. ``HFRolloutEngine(decode="loop" | "generate")`` (``RolloutConfig.decode``)
+forces one or the other.
 
 It keeps its own unsharded copy of the actor in inference layout, so each rank generates for its own prompts
 without any collective (ranks finish at different lengths without waiting for one another). After every
@@ -19,7 +20,7 @@ trainer's back, as it does not in vLLM. Like vLLM, the engine reports the log-pr
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from lightning_rlhf.engines.rollout.base import (
+    WEIGHTS,
     HandoffCheck,
     RolloutOutput,
     SamplingParams,
@@ -34,13 +36,17 @@ from lightning_rlhf.engines.rollout.base import (
     check_sequence_length,
     processed_logprobs,
     tied_aliases,
+    wake_tags,
 )
 from lightning_rlhf.engines.rollout.decode import decode_loop_unsupported, fused_groups, left_pad, sample_loop
 
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.reshard import Slicer
 
-__all__ = ["HFRolloutEngine", "check_hf_settings", "model_max_length"]
+__all__ = ["DECODE_CHOICES", "HFRolloutEngine", "check_hf_settings", "model_max_length"]
+
+DECODE_CHOICES = ("auto", "loop", "generate")
+"""How the engine samples (``HFRolloutEngine(decode=...)``, ``RolloutConfig.decode``)."""
 
 
 def model_max_length(config: Any) -> int | None:
@@ -91,8 +97,9 @@ class HFRolloutEngine:
         dtype: dtype of the engine's copy (the training compute dtype, e.g. bfloat16 on GPUs); None keeps the
             actor's.
         decode: ``"auto"`` samples with the engine's own loop (:mod:`~lightning_rlhf.engines.rollout.decode`)
-            where the model's architecture is one it knows, else with transformers' ``generate``; ``"generate"``
-            always uses ``generate``.
+            on a CPU where the model's architecture is one it knows, else (and on any GPU) with transformers'
+            ``generate``; ``"loop"`` always uses the loop (a ``ValueError`` for a model it does not know);
+            ``"generate"`` always uses ``generate`` (``RolloutConfig.decode``).
     """
 
     tp_size: int = 1
@@ -117,8 +124,18 @@ class HFRolloutEngine:
         dtype: torch.dtype | None = None,
         decode: str = "auto",
     ) -> None:
-        if decode not in ("auto", "generate"):
-            raise ValueError(f"HFRolloutEngine(decode={decode!r}): expected 'auto' or 'generate'.")
+        if decode not in DECODE_CHOICES:
+            raise ValueError(
+                f"HFRolloutEngine(decode={decode!r}) is invalid: expected one of {list(DECODE_CHOICES)}. HINT: set "
+                "RolloutConfig.decode to 'auto' (the own loop on CPU, generate on a GPU), 'loop' or 'generate'."
+            )
+        if decode == "loop":
+            why = decode_loop_unsupported(model, max_length=0)
+            if why is not None:
+                raise ValueError(
+                    f"RolloutConfig.decode='loop' but the transformers engine's decoding loop cannot run this model: "
+                    f"{why}. HINT: RolloutConfig.decode='auto' (or 'generate') samples it with transformers' generate."
+                )
         on_meta = any(p.is_meta for p in model.parameters())
         engine_model: Any = copy.deepcopy(model)
         if on_meta:
@@ -148,18 +165,27 @@ class HFRolloutEngine:
         self.device = device
         self.generation_batch_size = generation_batch_size
         self.decode = decode
-        """``"auto"`` or ``"generate"`` (see the class arguments)."""
+        """``"auto"``, ``"loop"`` or ``"generate"`` (see the class arguments)."""
         self._bound_to: dict[str, Tensor] | None = None
         """The tensors given to :meth:`bind_weights` whose views the parameters are (None: the engine's own storage);
         a bind to the same dict again checks nothing."""
 
     def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
         """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
-        ``generate``. Runs on: worker."""
-        if self.decode != "auto" or not prompts or any(not p for p in prompts):
+        ``generate``: ``decode="auto"`` on a CPU, or ``"loop"``, where the loop supports the model (``"loop"`` raises
+        where it does not); never with ``"generate"``, or for an empty prompt. Runs on: worker."""
+        if self.decode == "generate" or (self.decode == "auto" and self.device.type != "cpu"):
+            return False
+        if not prompts or any(not p for p in prompts):
             return False
         longest = max(len(p) for p in prompts) + params.max_new_tokens
-        return decode_loop_unsupported(self.model, max_length=longest) is None
+        why = decode_loop_unsupported(self.model, max_length=longest)
+        if why is not None and self.decode == "loop":
+            raise ValueError(
+                f"RolloutConfig.decode='loop' but the decoding loop cannot sample these prompts: {why}. HINT: "
+                "RolloutConfig.decode='auto' falls back to transformers' generate."
+            )
+        return why is None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker.
@@ -229,7 +255,7 @@ class HFRolloutEngine:
     @property
     def binds_shared_weights(self) -> bool:
         """Whether :meth:`bind_weights` may give this engine's parameters memory it shares with the host's other
-        engines (:class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`): on CPU."""
+        engines (:func:`lightning_rlhf.cpu.weight_store`): on CPU."""
         return self.device.type == "cpu"
 
     def weight_layout(self) -> list[list[tuple[str, torch.Size]]]:
@@ -321,9 +347,15 @@ class HFRolloutEngine:
         if self.device.type != "cpu":
             self.model.to("cpu")
 
-    def wake_up(self) -> None:
-        """Bring the weights back to the device. Runs on: worker."""
-        if self.device.type != "cpu":
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring the weights back to the device when ``tags`` names ``"weights"`` (or is None). The engine keeps
+        no KV cache between calls (each ``generate`` allocates its own), so ``"kv_cache"`` is accepted and wakes
+        nothing; on CPU nothing ever sleeps. Runs on: worker.
+
+        Raises:
+            ValueError: a tag not in :data:`~lightning_rlhf.engines.rollout.base.MEMORY_TAGS`.
+        """
+        if WEIGHTS in wake_tags(tags, owner=type(self).__name__) and self.device.type != "cpu":
             self.model.to(self.device)
 
 

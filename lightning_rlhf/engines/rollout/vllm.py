@@ -21,7 +21,7 @@ import importlib.metadata
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -30,11 +30,14 @@ from torch import Tensor
 
 from lightning_rlhf.config import VLLMConfig
 from lightning_rlhf.engines.rollout.base import (
+    MEMORY_TAGS,
     HandoffCheck,
     RolloutOutput,
     SamplingParams,
     WeightSyncError,
+    check_prompt_tokens,
     check_sequence_length,
+    wake_tags,
 )
 from lightning_rlhf.engines.rollout.reshard import SliceHolder, Slicer, tp_slicer
 
@@ -341,7 +344,8 @@ class VLLMRolloutEngine:
         on_cpu = device.type == "cpu"
         self._refresh_head = on_cpu and tie_word_embeddings
         self._can_sleep = not on_cpu and config.sleep_level > 0
-        self._sleeping = False
+        self._asleep: set[str] = set()
+        """Memory tags vLLM holds asleep (empty: fully awake, or an engine that cannot sleep)."""
         self.weights_discarded = config.load_format == "dummy"
         """True while the engine holds no valid weights (built with dummy weights, asleep at level 2, or after a
         failed hand-off): the actor then hands its weights over before the next rollout even if they did not
@@ -432,14 +436,12 @@ class VLLMRolloutEngine:
                 "asleep at level 2, or the last hand-off failed). HINT: hand the actor's weights over first "
                 "(`engine.load_weights(weights_for(engine, model))`, which ActorRole.sync_weights does)."
             )
-        longest = max((len(p) for p in prompts), default=0)  # the longest prompt decides
-        check_sequence_length(
-            prompt_length=longest,
-            max_new_tokens=params.max_new_tokens,
-            limit=self.max_model_len,
-            engine="the vLLM engine's max_model_len",
-            prompt_setting=f"{longest}",
-        )
+        if self._asleep:  # vLLM would queue the requests and never schedule them
+            raise RuntimeError(
+                f"VLLMRolloutEngine.generate: the engine's {sorted(self._asleep)} memory is asleep, so vLLM would "
+                "queue the requests without ever running them. HINT: wake_up() first (ActorRole.generate wakes "
+                "tags=['weights'], hands the weights over, then wakes tags=['kv_cache'])."
+            )
         greedy = params.is_greedy
         copies = params.n if greedy else 1
         parts: list[tuple[int, list[list[int]]]] = [(params.seed, prompts)]
@@ -447,6 +449,19 @@ class VLLMRolloutEngine:
             gathered: list[Any] = [None] * self.tp_size
             dist.all_gather_object(gathered, parts[0], group=self._tp_group)
             parts = gathered
+        # after the gather: every rank of a TP group checks the same prompts and raises with the others (a rank
+        # raising alone would leave the others waiting in the next gather)
+        every_prompt = [p for _, group in parts for p in group]
+        longest = max((len(p) for p in every_prompt), default=0)  # the longest prompt decides
+        check_sequence_length(
+            prompt_length=longest,
+            max_new_tokens=params.max_new_tokens,
+            limit=self.max_model_len,
+            engine="the vLLM engine's max_model_len",
+            prompt_setting=f"{longest}",
+        )
+        vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        check_prompt_tokens(every_prompt, vocab_size=vocab, engine=type(self).__name__)
         requests, sampling = [], []
         stops = sorted({*params.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
         for seed, group_prompts in parts:
@@ -515,14 +530,30 @@ class VLLMRolloutEngine:
 
     # -------------------------------------------------------------------------------- memory phases
     def sleep(self) -> None:
-        """GPU: free the KV cache (level 1) and the weights (level 2) while training runs. Runs on: worker."""
-        if self._can_sleep and not self._sleeping:
-            self.llm.sleep(level=self.config.sleep_level)
-            self._sleeping = True
-            self.weights_discarded |= self.config.sleep_level == 2
+        """GPU: free the KV cache (level 1: the weights go to host memory) or the KV cache and the weights (level 2:
+        they come back with the next hand-off) while training runs; CPU, or ``sleep_level=0``: nothing.
 
-    def wake_up(self) -> None:
-        """GPU: bring the weights and KV cache back before generating. Runs on: worker."""
-        if self._sleeping:
-            self.llm.wake_up()
-            self._sleeping = False
+        Runs on: worker. vLLM sleeps from fully awake only: an engine woken in part (a rollout that stopped between
+        its phases) wakes the rest first.
+        """
+        if not self._can_sleep or self._asleep == set(MEMORY_TAGS):
+            return
+        if self._asleep:
+            self.wake_up()
+        self.llm.sleep(level=self.config.sleep_level)
+        self._asleep = set(MEMORY_TAGS)
+        self.weights_discarded |= self.config.sleep_level == 2
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """GPU: bring back the memory ``tags`` names (``"weights"``, ``"kv_cache"``; None: both) before generating,
+        with ``LLM.wake_up(tags=...)``. Only tags that are asleep are passed on (vLLM ignores a whole call naming one
+        that is awake); vLLM resumes scheduling once both are awake. CPU, or ``sleep_level=0``: the tags are checked
+        and nothing happens. Runs on: worker.
+
+        Raises:
+            ValueError: a tag not in :data:`~lightning_rlhf.engines.rollout.base.MEMORY_TAGS`.
+        """
+        asleep = [tag for tag in wake_tags(tags, owner=type(self).__name__) if tag in self._asleep]
+        if asleep:
+            self.llm.wake_up(tags=asleep)
+            self._asleep.difference_update(asleep)

@@ -17,20 +17,15 @@ from lightning_rlhf.engines.train.fsdp import (
     clip_grad_norm,
     full_tensors,
     move_optimizer_state,
-    place_shards,
     shard_model,
-    shards_in_place,
-    write_shards,
 )
 from lightning_rlhf.engines.train.loading import LoadReport, deferred_loading, load_pretrained, materialize
-from lightning_rlhf.engines.train.optim import MirroredAdamW
 
 __all__ = [
     "RESPONSE_INPUTS",
     "LoadReport",
     "LossFn",
     "MetricAccumulator",
-    "MirroredAdamW",
     "TrainEngine",
     "check_compute_dtype",
     "clip_grad_norm",
@@ -44,11 +39,8 @@ __all__ = [
     "materialize",
     "minibatches",
     "move_optimizer_state",
-    "place_shards",
     "resolve_dtype",
     "sequence_inputs",
     "shard_model",
-    "shards_in_place",
     "world",
-    "write_shards",
 ]

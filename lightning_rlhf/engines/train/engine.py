@@ -23,11 +23,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_rlhf import cpu
 from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_count
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
-from lightning_rlhf.engines.kernels import fuse_rms_norms
-from lightning_rlhf.engines.onednn import onednn_linears
 from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
 from lightning_rlhf.engines.train.microbatch import (
     has_rollout_layout,
@@ -36,7 +35,6 @@ from lightning_rlhf.engines.train.microbatch import (
     split_to_count,
     trim_padding,
 )
-from lightning_rlhf.engines.train.optim import MirroredAdamW
 
 __all__ = [
     "LossFn",
@@ -162,10 +160,12 @@ def make_optimizer(
     Runs on: every process, in ``configure_optimizers`` (after sharding, so ``params`` are the shards). On CPUs and
     CUDA GPUs AdamW runs fused (one kernel per parameter instead of a dozen element-wise passes; the same update up to
     float rounding). On the vs-TRL small model's 2-rank CPU update the optimizer step (with the clip and zero_grad)
-    took 9.4 ms against 23.8 ms with the per-tensor loop that is PyTorch's CPU default.
+    took 9.4 ms against 23.8 ms with the per-tensor loop that is PyTorch's CPU default. Where the CPU speed layer is
+    on, the AdamW is :func:`lightning_rlhf.cpu.adamw`'s (the same state and checkpoints; it can also write a
+    bfloat16 engine's copy of the weights in its step).
     """
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    opt = MirroredAdamW(
+    opt = cpu.adamw(
         params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True if fused else None
     )
     total = max(total_steps, 1)
@@ -196,13 +196,13 @@ class TrainEngine:
             ``DP_SPLIT`` calls balance rows over ranks by tokens (``AlgorithmConfig.micro_batch_tokens``).
         optim: optimizer settings; None for a frozen model (no optimizer, no ``train``).
         setting: how the user names this role's model in errors, e.g. ``"ActorRole(path=...)"``.
-        fused_norms: switch the bound model's Llama-family RMS norms to
-            :func:`~lightning_rlhf.engines.kernels.rms_norm` (the same forward, bitwise; a closed-form backward,
+        fused_norms: switch the bound model's Llama-family RMS norms to the CPU layer's fused RMS norm
+            (:func:`lightning_rlhf.cpu.speed_up_model`; the same forward, bitwise; a closed-form backward,
             docs/performance.md, "Levers measured one by one on the small model's step"). Other architectures are
             left as they are.
         onednn_linears: switch the bound model's ``nn.Linear`` layers to
-            :func:`~lightning_rlhf.engines.onednn.linear`: float32 products on CPU through oneDNN instead of MKL
-            (2-2.4x faster on AMD CPUs with AVX-512; ``LIGHTNING_RLHF_ONEDNN=0`` turns it off everywhere).
+            oneDNN's float32 products on CPU instead of MKL's (2-2.4x faster on AMD CPUs with AVX-512). Both only
+            where the CPU speed layer (:mod:`lightning_rlhf.cpu`) and its piece are on.
     """
 
     def __init__(
@@ -285,15 +285,13 @@ class TrainEngine:
     def bind(self, model: nn.Module | None) -> None:
         """Make ``model`` the engine's model (the role keeps it as a submodule, for checkpoints), with the
         engine's ``attn_implementation`` if one is set and, with ``fused_norms``, its RMS norms switched to
-        :func:`~lightning_rlhf.engines.kernels.fuse_rms_norms`' kernel and, with ``onednn_linears``, its linear
-        layers to :func:`~lightning_rlhf.engines.onednn.onednn_linears`' products. Runs on: every process, when the
+        the CPU layer's kernel and, with ``onednn_linears``, its linear layers to oneDNN's products
+        (:func:`lightning_rlhf.cpu.speed_up_model`: where the layer is on). Runs on: every process, when the
         role's model is built (before sharding)."""
         self.model = model
         self._apply_attn_implementation()
-        if model is not None and self.fused_norms:
-            fuse_rms_norms(model)
-        if model is not None and self.onednn_linears:
-            onednn_linears(model)
+        if model is not None:
+            cpu.speed_up_model(model, norms=self.fused_norms, linears=self.onednn_linears)
 
     @property
     def attn_implementation(self) -> str | None:

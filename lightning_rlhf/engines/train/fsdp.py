@@ -19,17 +19,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_rlhf.engines.train.host_collectives import use_host_collectives
-from lightning_rlhf.engines.train.host_share import HostBuffer, host_buffer
+from lightning_rlhf import cpu
 
 __all__ = [
     "clip_grad_norm",
     "full_tensors",
     "move_optimizer_state",
-    "place_shards",
     "shard_model",
-    "shards_in_place",
-    "write_shards",
 ]
 
 
@@ -55,15 +51,16 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
             float32. None keeps the model's dtype.
 
     On CPU the units' all-gathers and reduce-scatters go through the host's shared memory where the ranks share
-    one (:mod:`~lightning_rlhf.engines.train.host_collectives`; gloo's collectives elsewhere). Each unit returns no
-    view that requires a gradient (:func:`_clone_view_outputs`), so its pre-backward hook cannot be detached.
+    one (piece ``collectives`` of :mod:`lightning_rlhf.cpu`, where it is on; gloo's collectives elsewhere). Each
+    unit returns no view that requires a gradient (:func:`_clone_view_outputs`), so its pre-backward hook cannot be
+    detached.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for unit in [*_decoder_layers(model), model]:
         fully_shard(unit, mesh=mesh, mp_policy=mp)
         unit.register_forward_hook(_clone_view_outputs, prepend=True)  # before FSDP2's own: see its docstring
     if mesh.device_type == "cpu":
-        use_host_collectives(model)
+        cpu.collectives(model)
     return model
 
 
@@ -77,7 +74,7 @@ def _clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     a view tensor ... will silently drop the pre-backward hook"). Our forwards modify no output in place, so no hook
     was ever dropped (``tests/unit/test_fsdp_backward_hooks.py``); the copy keeps it so for any other code, and
     FSDP2 has nothing left to warn about. On the default path nothing is copied: oneDNN's linear layers
-    return no views (:func:`~lightning_rlhf.engines.onednn.matmul_nt`); ``F.linear`` with a bias on a 3-D input
+    return no views (``lightning_rlhf/cpu/onednn.py``, ``matmul_nt``); ``F.linear`` with a bias on a 3-D input
     does (a critic's ``[B, T, 1]`` value head in bfloat16 or with ``LIGHTNING_RLHF_ONEDNN=0``: a small copy).
     """
     if not torch.is_grad_enabled():
@@ -142,7 +139,7 @@ def full_tensors(
 
     Args:
         transport: how a bucket moves. ``"collective"``: one ``all_gather_into_tensor``. ``"shared"``: through
-            one host's shared memory (:mod:`~lightning_rlhf.engines.train.host_share`: each rank writes its rows
+            one host's shared memory (piece ``hand_off`` of :mod:`lightning_rlhf.cpu`: each rank writes its rows
             into place in the full tensors, one barrier); raises when the ranks cannot map it. ``"auto"``: shared
             for CPU tensors whose ranks share a host, else collective.
         views: the consumer copies each tensor before it takes the next one (an engine's ``load_weights``), so the
@@ -266,7 +263,7 @@ def _local(data: torch.Tensor) -> torch.Tensor:
     return data.to_local() if isinstance(data, DTensor) else data
 
 
-def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, transport: str) -> HostBuffer | None:
+def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, transport: str) -> cpu.HostBuffer | None:
     """The host buffer the buckets go through, or None for the collective (see ``full_tensors``' transport)."""
     if transport == "collective" or not buckets:
         return None
@@ -279,8 +276,14 @@ def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, tr
         if transport == "shared":
             raise ValueError("full_tensors: transport='shared' needs every parameter on one mesh. HINT: 'auto'.")
         return None
+    if transport == "shared" and not cpu.enabled("hand_off"):
+        raise ValueError(
+            "full_tensors: transport='shared' but the CPU speed layer's shared-memory hand-off is off "
+            "(RLHFStrategy(cpu_kernels=False), LIGHTNING_RLHF_CPU_KERNELS=0 or LIGHTNING_RLHF_CPU_OFF=hand_off). "
+            "HINT: transport='auto' (the collective when it is off), or turn the layer on."
+        )
     need = max(sum(s.shape.numel() * (dtype or s.local.dtype).itemsize for s in bucket) for bucket in buckets)
-    buffer = host_buffer(first.group, need)
+    buffer = cpu.host_buffer(first.group, need)
     if buffer is None and transport == "shared":
         raise RuntimeError(
             "full_tensors: transport='shared' but the ranks cannot map one shared-memory file (other hosts, or no "
@@ -290,7 +293,7 @@ def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, tr
 
 
 def _share_bucket(
-    bucket: list[_RowShard], received: list[int] | None, dtype: torch.dtype | None, buffer: HostBuffer, views: bool
+    bucket: list[_RowShard], received: list[int] | None, dtype: torch.dtype | None, buffer: cpu.HostBuffer, views: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each rank writes its rows of the bucket's parameters into place in the full tensors laid end to end in
     the buffer's next half (cast on the way), one barrier, then each full tensor is read where it lies."""
@@ -341,119 +344,6 @@ def _gather_bucket(
             received[0] += (full.numel() - shard.local.numel()) * full.element_size()
         offset += chunk
         yield shard.name, full
-
-
-def write_shards(
-    model: nn.Module, targets: dict[str, torch.Tensor], *, writes_whole: bool, received: list[int] | None = None
-) -> None:
-    """Write this rank's part of every parameter of ``model`` into ``targets[name]`` (the full tensor's place, e.g.
-    in memory every rank of the host maps: :class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`),
-    cast to the target's dtype on the way. Row-sharded parameters (FSDP2's ``Shard(0)``): each rank writes its own
-    rows, unless they already lie there (:func:`place_shards`). Any other parameter is made whole
-    (``full_tensor()``, a collective for a DTensor) and written by the rank with ``writes_whole=True`` only.
-
-    Runs on: every worker rank of the model's mesh, in the same order; the caller orders the writes against the
-    readers (a barrier before and after). ``received[0]`` grows by the bytes of each full tensor this rank did
-    not write itself (what its engine then reads of the other ranks' work).
-    """
-    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            target = targets[name]
-            if target.shape != param.shape:
-                shapes = f"{tuple(param.shape)}, its place {tuple(target.shape)}"
-                raise ValueError(f"write_shards: {name!r} has shape {shapes}")
-            shard = _row_shard(name, param, positions)
-            if shard is not None:
-                local = shard.local
-                if local.numel():
-                    start = shard.rank * shard.chunk_rows
-                    place = target[start : start + local.shape[0]]
-                    if place.data_ptr() != local.data_ptr() or place.dtype != local.dtype:
-                        place.copy_(local)
-                written = local.numel()
-            else:
-                data = param.data
-                if isinstance(data, DTensor):
-                    data = data.full_tensor()
-                if writes_whole:
-                    target.copy_(data)
-                written = target.numel() if writes_whole else 0
-            if received is not None:
-                received[0] += (target.numel() - written) * target.element_size()
-
-
-def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
-    """Make the FSDP2 shards of ``model`` live in ``targets``: each row-sharded parameter's local shard becomes a view
-    of its own rows in ``targets[name]``, where those rows already hold the shard's values (written by
-    :func:`write_shards`), the dtypes agree and FSDP2 keeps the shard unpadded. From then on the optimizer's step
-    writes the weights there itself, and :func:`write_shards` finds them in place. Returns the number of
-    parameters placed (0 where none can be: e.g. float32 master weights for a bfloat16 engine).
-
-    Runs on: every worker rank of the model's mesh (no collective). FSDP2 reads a shard through its parameter's
-    ``_local_tensor`` and its own flat view of it (``FSDPParam._sharded_param_data``); both are pointed at the new
-    place (``FSDPParam.reset_sharded_param``, what FSDP2 itself calls when a module's parameters are replaced), and
-    a parameter whose flat view FSDP2 did not move there is put back as it was.
-
-    Whoever reads ``targets`` (the colocated engines) then reads the live shards: every in-place write to a shard
-    (the optimizer's step, a checkpoint restored in place) must come after a collective that every reader's rank
-    joins once done reading (in the trainer: an update's first FSDP2 all-gather, dispatched after every rank has
-    returned its rollout).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp_params: dict[int, Any] = {}
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:  # torch releases with one group per module
-                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-            for group in groups:
-                for unit in group.fsdp_params:
-                    fsdp_params[id(unit.sharded_param)] = unit
-    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
-    placed = 0
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            shard = _row_shard(name, param, positions)
-            fsdp_param = fsdp_params.get(id(param))
-            target = targets.get(name)
-            if shard is None or fsdp_param is None or target is None or target.dtype != shard.local.dtype:
-                continue
-            local, start = shard.local, shard.rank * shard.chunk_rows
-            padded = getattr(fsdp_param, "padded_sharded_param_size", None)
-            if local.numel() == 0 or padded != local.shape or target.shape != param.shape:
-                continue  # FSDP2 pads this shard (uneven rows): its flat buffer cannot be a view of the rows
-            place = target[start : start + local.shape[0]]
-            if place.data_ptr() == local.data_ptr():
-                placed += 1
-                continue
-            if not torch.equal(place, local):
-                continue  # not written yet: placing it would change the weights
-            param._local_tensor = place  # type: ignore[attr-defined]
-            fsdp_param.reset_sharded_param()
-            if fsdp_param._sharded_param_data.data_ptr() != place.data_ptr():  # FSDP2 kept (or copied) other memory
-                param._local_tensor = local  # type: ignore[attr-defined]
-                fsdp_param.reset_sharded_param()
-                continue
-            placed += 1
-    return placed
-
-
-def shards_in_place(model: nn.Module, targets: dict[str, torch.Tensor]) -> bool:
-    """Whether every parameter's shard of this rank lies in its rows of ``targets`` (:func:`place_shards`), so that a
-    hand-off has nothing to write. False as soon as one does not: e.g. a checkpoint loaded with ``assign=True`` gave
-    a parameter new storage. Runs on: every worker rank (no collective; ~1 us a parameter)."""
-    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
-    for name, param in model.named_parameters():
-        shard = _row_shard(name, param, positions)
-        target = targets.get(name)
-        if shard is None or target is None or target.dtype != shard.local.dtype or target.shape != param.shape:
-            return False
-        if shard.local.numel() and target[shard.rank * shard.chunk_rows].data_ptr() != shard.local.data_ptr():
-            return False
-    return True
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

@@ -4,7 +4,7 @@ Why: FSDP2 gathers each unit's parameters before its forward and reduce-scatters
 Over gloo on CPU these collectives move data between the processes of one host at under 1 GB/s and make the ranks
 wait on each other: on the vs-TRL small model (2 ranks, 5 units) a KL step's first forwards and last backward took
 ~90 ms (of ~2 s) more than the same micro-batches without collectives. Through the host buffer of
-:mod:`~lightning_rlhf.engines.train.host_share`, an all-gather is a copy of the rank's input into its slot, one
+:mod:`~lightning_rlhf.cpu.host_share`, an all-gather is a copy of the rank's input into its slot, one
 barrier and a copy of the whole output; a reduce-scatter is a copy of the rank's whole input into its slot, one
 barrier and a sum, in rank order, of the ranks' slices of this rank's shard: ~1 ms a call there (docs/performance.md).
 
@@ -13,7 +13,7 @@ other half while a slower rank may still read call ``k``, and it can come back t
 ``k + 1``'s barrier, which every rank passes only once it is done reading call ``k``.
 
 Used where every rank of the group maps one shared-memory file
-(:func:`~lightning_rlhf.engines.train.host_share.host_buffer`: the answer is the same on every rank) and a half of
+(:func:`~lightning_rlhf.cpu.host_share.host_buffer`: the answer is the same on every rank) and a half of
 the buffer stays within :data:`MAX_HALF_BYTES`; anything else (other hosts, a GPU, a larger unit, a reduction other
 than sum or average) takes the process group's own collective.
 """
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_rlhf.engines.train.host_share import host_buffer
+from lightning_rlhf.cpu.host_share import host_buffer
 
 __all__ = [
     "MAX_HALF_BYTES",

@@ -4,22 +4,22 @@ Why: the streaming hand-off (:func:`~lightning_rlhf.engines.rollout.reshard.weig
 a private copy of the full weights: through the host's shared memory each rank writes its rows into a bucket, then
 its engine copies every full tensor out: 1.5x the engine's bytes per rank plus a barrier per bucket (3.3x a memcpy
 of the engine's bytes at 9.6M parameters). When the engines of one host read their weights from the same shared
-memory instead, and each rank's FSDP shard is a view of its own rows there (:func:`~lightning_rlhf.engines.train.
-place_shards`), the optimizer's step writes the engines' weights as it updates the shards: a hand-off is one
-all-reduce (every rank done with its step), and the host holds the weights once, for training and generation.
+memory instead, and each rank's FSDP shard is a view of its own rows there (:func:`place_shards`), the optimizer's
+step writes the engines' weights as it updates the shards: a hand-off is one all-reduce (every rank done with its
+step), and the host holds the weights once, for training and generation.
 
 The protocol (every rank of the actor's mesh, inside ``ActorRole.sync_weights``):
 
 1. each rank whose rows are known to lie in the store, or to be written there by a fixed list of copies (a
    bfloat16 engine fed by float32 master weights: each shard cast into its rows), makes those copies (none where
-   the actor's :class:`~lightning_rlhf.engines.train.MirroredAdamW` already cast them in its step, rows in cache,
+   the actor's :class:`~lightning_rlhf.cpu.optim.MirroredAdamW` already cast them in its step, rows in cache,
    and nothing wrote to the shards since); then an all-reduce: every rank is past its optimizer step, has written
    its rows, and every engine of the host is done generating with the weights it has (the colocated engines
    generate between hand-offs, never during one);
 2. if a rank's rows are not known (the first hand-off; a parameter that is not row-sharded; a checkpoint loaded into
    new storage): each rank writes its rows of every parameter into place (cast to the engine's dtype; parameters
    that are not row-sharded are written whole by the group's first rank:
-   :func:`~lightning_rlhf.engines.train.write_shards`), a barrier (every part written), each rank places the shards
+   :func:`write_shards`), a barrier (every part written), each rank places the shards
    it can (same dtype, unpadded) in its rows, so that the next hand-off finds them there, and lists the copies the
    others need;
 3. each engine binds its parameters to the store (once; later hand-offs find them bound).
@@ -52,12 +52,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_rlhf.engines.train.fsdp import _local, _row_shard, place_shards, write_shards
-from lightning_rlhf.engines.train.host_share import host_memory
-from lightning_rlhf.engines.train.optim import MirroredAdamW
-from lightning_rlhf.native import CastPlan
+from lightning_rlhf.cpu import enabled
+from lightning_rlhf.cpu.host_share import host_memory
+from lightning_rlhf.cpu.native import CastPlan
+from lightning_rlhf.cpu.optim import MirroredAdamW
+from lightning_rlhf.engines.train.fsdp import _local, _row_shard
 
-__all__ = ["SharedWeights"]
+__all__ = ["SharedWeights", "place_shards", "shards_in_place", "write_shards"]
 
 _ALIGN = 64
 """Byte alignment of each group of tensors in the store (a cache line)."""
@@ -184,12 +185,13 @@ class _Rows:
         self.shards = shards
         pairs = list(zip(places, locals_, strict=True))
         casts = [(place, local) for place, local in pairs if place.dtype != local.dtype]
-        self.cast = CastPlan.make([place for place, _ in casts], [local for _, local in casts]) if casts else None
+        kernel = bool(casts) and enabled("native")  # the compiled cast, where the layer's kernels are on
+        self.cast = CastPlan.make([place for place, _ in casts], [local for _, local in casts]) if kernel else None
         self.mirrored = optimizer if isinstance(optimizer, MirroredAdamW) and self.cast is not None else None
         """The optimizer that casts the rows during its step (the cast is then made here only where it did not)."""
         if self.mirrored is not None:
             self.mirrored.set_mirrors([(local, place) for place, local in casts])
-        # without the kernel (none built, LIGHTNING_RLHF_NATIVE=0) the casts are plain copies too (copy_ casts)
+        # without the kernel (none built, piece `native` off) the casts are plain copies too (copy_ casts)
         copies = [(place, local) for place, local in pairs if self.cast is None or place.dtype == local.dtype]
         self.places = [place for place, _ in copies]
         self.locals = [local for _, local in copies]
@@ -234,3 +236,116 @@ class _Rows:
             with torch.no_grad():
                 torch._foreach_copy_(self.places, self.locals)
         return True
+
+
+def write_shards(
+    model: nn.Module, targets: dict[str, torch.Tensor], *, writes_whole: bool, received: list[int] | None = None
+) -> None:
+    """Write this rank's part of every parameter of ``model`` into ``targets[name]`` (the full tensor's place, e.g.
+    in memory every rank of the host maps: :class:`SharedWeights`),
+    cast to the target's dtype on the way. Row-sharded parameters (FSDP2's ``Shard(0)``): each rank writes its own
+    rows, unless they already lie there (:func:`place_shards`). Any other parameter is made whole
+    (``full_tensor()``, a collective for a DTensor) and written by the rank with ``writes_whole=True`` only.
+
+    Runs on: every worker rank of the model's mesh, in the same order; the caller orders the writes against the
+    readers (a barrier before and after). ``received[0]`` grows by the bytes of each full tensor this rank did
+    not write itself (what its engine then reads of the other ranks' work).
+    """
+    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            target = targets[name]
+            if target.shape != param.shape:
+                shapes = f"{tuple(param.shape)}, its place {tuple(target.shape)}"
+                raise ValueError(f"write_shards: {name!r} has shape {shapes}")
+            shard = _row_shard(name, param, positions)
+            if shard is not None:
+                local = shard.local
+                if local.numel():
+                    start = shard.rank * shard.chunk_rows
+                    place = target[start : start + local.shape[0]]
+                    if place.data_ptr() != local.data_ptr() or place.dtype != local.dtype:
+                        place.copy_(local)
+                written = local.numel()
+            else:
+                data = param.data
+                if isinstance(data, DTensor):
+                    data = data.full_tensor()
+                if writes_whole:
+                    target.copy_(data)
+                written = target.numel() if writes_whole else 0
+            if received is not None:
+                received[0] += (target.numel() - written) * target.element_size()
+
+
+def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
+    """Make the FSDP2 shards of ``model`` live in ``targets``: each row-sharded parameter's local shard becomes a view
+    of its own rows in ``targets[name]``, where those rows already hold the shard's values (written by
+    :func:`write_shards`), the dtypes agree and FSDP2 keeps the shard unpadded. From then on the optimizer's step
+    writes the weights there itself, and :func:`write_shards` finds them in place. Returns the number of
+    parameters placed (0 where none can be: e.g. float32 master weights for a bfloat16 engine).
+
+    Runs on: every worker rank of the model's mesh (no collective). FSDP2 reads a shard through its parameter's
+    ``_local_tensor`` and its own flat view of it (``FSDPParam._sharded_param_data``); both are pointed at the new
+    place (``FSDPParam.reset_sharded_param``, what FSDP2 itself calls when a module's parameters are replaced), and
+    a parameter whose flat view FSDP2 did not move there is put back as it was.
+
+    Whoever reads ``targets`` (the colocated engines) then reads the live shards: every in-place write to a shard
+    (the optimizer's step, a checkpoint restored in place) must come after a collective that every reader's rank
+    joins once done reading (in the trainer: an update's first FSDP2 all-gather, dispatched after every rank has
+    returned its rollout).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_params: dict[int, Any] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch releases with one group per module
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+            for group in groups:
+                for unit in group.fsdp_params:
+                    fsdp_params[id(unit.sharded_param)] = unit
+    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
+    placed = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shard = _row_shard(name, param, positions)
+            fsdp_param = fsdp_params.get(id(param))
+            target = targets.get(name)
+            if shard is None or fsdp_param is None or target is None or target.dtype != shard.local.dtype:
+                continue
+            local, start = shard.local, shard.rank * shard.chunk_rows
+            padded = getattr(fsdp_param, "padded_sharded_param_size", None)
+            if local.numel() == 0 or padded != local.shape or target.shape != param.shape:
+                continue  # FSDP2 pads this shard (uneven rows): its flat buffer cannot be a view of the rows
+            place = target[start : start + local.shape[0]]
+            if place.data_ptr() == local.data_ptr():
+                placed += 1
+                continue
+            if not torch.equal(place, local):
+                continue  # not written yet: placing it would change the weights
+            param._local_tensor = place  # type: ignore[attr-defined]
+            fsdp_param.reset_sharded_param()
+            if fsdp_param._sharded_param_data.data_ptr() != place.data_ptr():  # FSDP2 kept (or copied) other memory
+                param._local_tensor = local  # type: ignore[attr-defined]
+                fsdp_param.reset_sharded_param()
+                continue
+            placed += 1
+    return placed
+
+
+def shards_in_place(model: nn.Module, targets: dict[str, torch.Tensor]) -> bool:
+    """Whether every parameter's shard of this rank lies in its rows of ``targets`` (:func:`place_shards`), so that a
+    hand-off has nothing to write. False as soon as one does not: e.g. a checkpoint loaded with ``assign=True`` gave
+    a parameter new storage. Runs on: every worker rank (no collective; ~1 us a parameter)."""
+    positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
+    for name, param in model.named_parameters():
+        shard = _row_shard(name, param, positions)
+        target = targets.get(name)
+        if shard is None or target is None or target.dtype != shard.local.dtype or target.shape != param.shape:
+            return False
+        if shard.local.numel() and target[shard.rank * shard.chunk_rows].data_ptr() != shard.local.data_ptr():
+            return False
+    return True

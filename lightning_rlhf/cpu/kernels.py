@@ -85,7 +85,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _fused_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
-    """The ``forward`` a switched norm module gets (bound to the instance)."""
+    """The ``forward`` a switched norm module gets (bound to the instance): the fused norm for CPU tensors, the
+    class's own forward for any other device (the CPU layer never runs on a GPU's tensors)."""
+    if hidden_states.device.type != "cpu":
+        return type(self).forward(self, hidden_states)  # type: ignore[no-any-return]
     weight: Any = self.weight
     eps: Any = self.variance_epsilon
     return rms_norm(hidden_states, weight, float(eps))

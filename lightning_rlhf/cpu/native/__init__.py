@@ -9,9 +9,9 @@ passes over the ``[tokens, vocab]`` logits. The kernels (``kernels.c``) do the s
   projection (:class:`DecodeStep`: rotary embedding, cache writes, attention), the attention step alone
   (:func:`decode_attention`), the RMS norms (:func:`rms_norm`) and the SiLU-gated products (:func:`silu_mul`);
   softmax and sums in float32 as the eager ops, bfloat16 rounded where the eager ops round;
-- the weight hand-off into a bfloat16 engine's store (``engines/rollout/shared_weights.py``): float32 shards cast
+- the weight hand-off into a bfloat16 engine's store (``cpu/shared_weights.py``): float32 shards cast
   to bfloat16 in one call (:class:`CastPlan`), rounded to nearest even as ``Tensor.copy_``;
-- the optimizer step of a float32 model whose engines read bfloat16 rows (``engines/train/optim.py``): PyTorch's
+- the optimizer step of a float32 model whose engines read bfloat16 rows (``cpu/optim.py``): PyTorch's
   fused AdamW arithmetic with each updated row also written to the engine's bfloat16 copy (:class:`AdamWPlan`);
 - the training forward (``algorithms/functional.py``, ``logprobs_and_entropy``): log-probs, entropies and their
   gradient per position (:func:`token_logprobs`, :func:`token_logprobs_backward`), sums of 64 entries added up in
@@ -23,7 +23,8 @@ How: the source ships with the package; the first call in a process compiles it 
 feature flags (a shared home directory over different CPUs gets one build per CPU kind), and written atomically
 (ranks that compile at once each write a whole file). No torch headers are involved: a build takes about a
 second. Where no compiler exists, or the build fails, the callers keep their eager ops and the log says so once;
-``LIGHTNING_RLHF_NATIVE=0`` turns the kernels off. The package imports nothing of the project but its cache folder's
+``LIGHTNING_RLHF_NATIVE=0`` turns the kernels off (so does the CPU layer's switch, :mod:`lightning_rlhf.cpu`, whose
+functions call these). The package imports nothing of the project but its cache folder's
 name, so every layer may use it.
 """
 
@@ -131,13 +132,17 @@ def _library() -> ctypes.CDLL | None:
         return None
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if found is None:
-        log.warning("No C compiler (cc, gcc or $CC): the CPU kernels (lightning_rlhf.native) run as eager PyTorch ops.")
+        log.warning(
+            "No C compiler (cc, gcc or $CC): the CPU kernels (lightning_rlhf.cpu.native) run as eager PyTorch ops."
+        )
         return None
     try:
         library = ctypes.CDLL(str(_build(shlex.split(found))))  # $CC may carry arguments ("ccache gcc")
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
-        log.warning("The CPU kernels (lightning_rlhf.native) did not build (%s): eager PyTorch ops instead.", detail)
+        log.warning(
+            "The CPU kernels (lightning_rlhf.cpu.native) did not build (%s): eager PyTorch ops instead.", detail
+        )
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_long
     library.decode_attention.restype = ctypes.c_int

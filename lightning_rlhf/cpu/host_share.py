@@ -97,7 +97,7 @@ def host_memory(group: dist.ProcessGroup, nbytes: int) -> torch.Tensor | None:
     """``nbytes`` of new shared memory (uint8) that every rank of ``group`` maps, or None where the ranks cannot all
     map it (other hosts, no room in ``/dev/shm``) or the group has one rank. Not kept here: it lives as long as a
     tensor views it, and what is kept there, and when a rank may write it, is the caller's protocol
-    (:class:`~lightning_rlhf.engines.rollout.shared_weights.SharedWeights`).
+    (:class:`~lightning_rlhf.cpu.shared_weights.SharedWeights`).
 
     Runs on: every rank of ``group``, at the same point with the same ``nbytes`` (always a collective).
     """

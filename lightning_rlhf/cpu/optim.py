@@ -1,14 +1,14 @@
 """AdamW that can also write the colocated engines' bfloat16 copy of the weights while it steps.
 
 Why: a bfloat16 rollout engine fed by float32 master weights reads its own bfloat16 rows in the host's store
-(:mod:`~lightning_rlhf.engines.rollout.shared_weights`). Made at the hand-off, that cast reads every float32 row back
+(:mod:`~lightning_rlhf.cpu.shared_weights`). Made at the hand-off, that cast reads every float32 row back
 from DRAM after the optimizer has left it there (0.8-0.9 ms a step on the vs-TRL small model, 2.6-3.0x a memcpy of
 the engine's bytes). Made inside the optimizer's pass, each row is cast while it is in the cache: the hand-off is
 then one all-reduce.
 
 How: :class:`MirroredAdamW` is ``torch.optim.AdamW`` (the same state, checkpoints and options). The hand-off gives it
 its bfloat16 destinations (:meth:`MirroredAdamW.set_mirrors`); a step whose parameters and state the native kernel
-can take (:class:`lightning_rlhf.native.AdamWPlan`: float32 CPU tensors, plain AdamW options, every parameter at the
+can take (:class:`lightning_rlhf.cpu.native.AdamWPlan`: float32 CPU tensors, plain AdamW options, every parameter at the
 same step count) updates them with PyTorch's fused CPU arithmetic and writes the destinations in the same pass. Any
 other step is PyTorch's own, and leaves the copy to the hand-off. The optimizer remembers each shard's version
 counter after writing its copy: :meth:`MirroredAdamW.mirrors_current` is False once anything else wrote to a shard
@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_rlhf.cpu import enabled
+from lightning_rlhf.cpu.native import AdamWPlan
 from lightning_rlhf.engines.train.fsdp import _local
-from lightning_rlhf.native import AdamWPlan
 
 __all__ = ["MirroredAdamW"]
 
@@ -114,6 +115,8 @@ class MirroredAdamW(torch.optim.AdamW):
             locals_ = [_local(p) for p in params]
             exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
             mirrors = [self._mirrors.get(t.data_ptr()) for t in locals_]
+            if not enabled("native"):  # the layer's compiled kernels turned off: PyTorch's step
+                return None
             run = AdamWPlan.make(locals_, [_local(t) for t in exp_avgs], [_local(t) for t in exp_avg_sqs], mirrors)
             if run is None:
                 return None

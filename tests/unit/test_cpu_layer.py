@@ -1,0 +1,161 @@
+"""The CPU speed layer's one switch (``lightning_rlhf.cpu``): the strategy's ``cpu_kernels`` over the environment
+variable over the device; with the layer off every piece stands aside and the callers run PyTorch's own ops."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lightning_rlhf import cpu
+from lightning_rlhf.engines.rollout import SamplingParams
+from lightning_rlhf.engines.rollout.decode import sample_loop
+from lightning_rlhf.engines.train import TrainEngine
+
+SHAPE = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def fresh_switch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts with no strategy setting and no environment variable, and leaves the process as it was."""
+    saved = dict(cpu._STATE)
+    monkeypatch.delenv(cpu.ENV, raising=False)
+    monkeypatch.delenv(cpu.OFF_ENV, raising=False)
+    cpu._STATE.update(setting=cpu._UNSET, device=None)
+    yield
+    cpu._STATE.clear()
+    cpu._STATE.update(saved)
+
+
+def tiny() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**SHAPE)).eval()
+
+
+def test_the_strategy_wins_over_the_environment_which_wins_over_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu.setting() is None and cpu.enabled() == (not torch.cuda.is_available())
+    cpu.configure(None, "cpu")
+    assert cpu.enabled() and all(cpu.enabled(piece) for piece in cpu.PIECES)
+    cpu.configure(None, "cuda")  # a GPU run: off unless forced
+    assert not cpu.enabled() and not cpu.enabled("native")
+    monkeypatch.setenv(cpu.ENV, "1")
+    assert cpu.enabled("onednn")  # forced by the environment
+    cpu.configure(False, "cpu")  # the strategy's argument wins
+    assert not cpu.enabled()
+    cpu.configure(True, "cuda")
+    monkeypatch.setenv(cpu.ENV, "0")
+    assert cpu.enabled()
+    cpu.configure(None, "cpu")
+    assert not cpu.enabled()  # the environment over the device
+
+
+def test_bad_values_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu.ENV, "maybe")
+    with pytest.raises(ValueError, match=r"LIGHTNING_RLHF_CPU_KERNELS='maybe' is invalid.*HINT"):
+        cpu.enabled()
+    with pytest.raises(ValueError, match=r"RLHFStrategy\(cpu_kernels='yes'\) is invalid.*HINT"):
+        cpu.configure("yes", None)  # type: ignore[arg-type]
+    monkeypatch.delenv(cpu.ENV)
+    monkeypatch.setenv(cpu.OFF_ENV, "onednn,turbo")
+    with pytest.raises(ValueError, match=r"names no piece \['turbo'\]. HINT"):
+        cpu.enabled("native")
+    with pytest.raises(ValueError, match="no piece 'turbo'"):
+        cpu.enabled("turbo")
+
+
+def test_a_strategy_checks_its_argument() -> None:
+    from lightning_rlhf import RLHFStrategy
+
+    with pytest.raises(ValueError, match=r"cpu_kernels=1\) is invalid"):
+        RLHFStrategy(rollout="hf", cpu_kernels=1)  # type: ignore[arg-type]
+
+
+def test_pieces_turn_off_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu.configure(None, "cpu")
+    with cpu.pieces_off("onednn", "rms_norm"):
+        assert not cpu.enabled("onednn") and not cpu.enabled("rms_norm") and cpu.enabled("native")
+        assert cpu.speed_up_model(tiny()) == 0
+    assert cpu.enabled("onednn")
+    monkeypatch.setenv(cpu.OFF_ENV, "mirrored_adamw")
+    assert type(cpu.adamw([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is torch.optim.AdamW
+    monkeypatch.delenv(cpu.OFF_ENV)
+    assert type(cpu.adamw([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is not torch.optim.AdamW
+
+
+def test_off_every_piece_stands_aside() -> None:
+    cpu.configure(False, "cpu")
+    model = tiny()
+    TrainEngine(micro_batch_size=1).bind(model)
+    assert not any("forward" in module.__dict__ for module in model.modules())  # nothing switched
+    assert type(cpu.adamw([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is torch.optim.AdamW
+    logits, labels = torch.randn(1, 3, 96), torch.zeros(1, 3, dtype=torch.long)
+    assert cpu.token_logprobs(logits, labels, 1.0, True) is None
+    assert cpu.silu_mul(torch.randn(2, 8)) is None and cpu.norm(model.model.norm, torch.randn(2, 64)) is None
+    assert not cpu.packs(model.lm_head.weight) and not cpu.kernels_available()
+    assert cpu.host_buffer(None, 64) is None  # type: ignore[arg-type]  # off: not even a group is needed
+    assert cpu.weight_store(object(), model) is None and cpu.collectives(model) == 0
+
+
+def test_on_the_training_engine_switches_the_norms_and_linears() -> None:
+    cpu.configure(None, "cpu")
+    model = tiny()
+    TrainEngine(micro_batch_size=1).bind(model)
+    switched = sum("forward" in module.__dict__ for module in model.modules())
+    assert switched == 2 * 2 + 1 + (2 * 7 + 1 if cpu.enabled("onednn") and cpu.matmul_product(torch.float32) else 0)
+    assert cpu.restore_model(model) == switched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_decoding_loop_samples_the_same_with_the_layer_on_or_off(dtype: torch.dtype) -> None:
+    model = tiny().to(dtype)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, min_new_tokens=8)
+    runs = []
+    for on in (True, False):
+        cpu.configure(on, "cpu")
+        torch.manual_seed(0)
+        runs.append(
+            sample_loop(model, [[5, 6, 7], [8, 9]], params, stops={1}, pad_token_id=0, device=torch.device("cpu"))
+        )
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
+def test_the_kernels_piece_off_leaves_the_optimizer_step_to_pytorch() -> None:
+    """With piece ``native`` off the mirrored AdamW takes PyTorch's step: its bfloat16 copy is left to the
+    hand-off (not written, not reported current); on, the step writes it."""
+    from lightning_rlhf.cpu.optim import MirroredAdamW
+
+    cpu.configure(None, "cpu")
+    if not cpu.kernels_available():
+        pytest.skip("needs the CPU kernels (a C compiler)")
+    for off in (True, False):
+        param = torch.nn.Parameter(torch.randn(64))
+        mirror = torch.zeros(64, dtype=torch.bfloat16)
+        optimizer = cpu.adamw([param], lr=1e-2, fused=True)
+        assert isinstance(optimizer, MirroredAdamW)
+        optimizer.set_mirrors([(param.data, mirror)])
+        with cpu.pieces_off("native") if off else contextlib.nullcontext():
+            for _ in range(2):  # the first step makes the state (PyTorch's either way)
+                param.grad = torch.randn(64)
+                optimizer.step()
+        assert optimizer.mirrors_current() == (not off)
+        assert torch.equal(mirror, param.detach().to(torch.bfloat16)) == (not off)
+
+
+def test_switched_norms_leave_tensors_of_other_devices_to_their_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced on for a GPU run, the layer still never runs on a GPU's tensors: a switched norm given a tensor of
+    another device (here the meta device, standing in for CUDA) runs its class's own forward."""
+    from lightning_rlhf.cpu import kernels
+
+    cpu.configure(True, "cuda")
+    norm = tiny().model.norm
+    assert cpu.speed_up_model(norm, linears=False) == 1
+    monkeypatch.setattr(kernels, "rms_norm", lambda *args: pytest.fail("the fused norm ran on a non-CPU tensor"))
+    out = norm.to("meta")(torch.empty(2, 64, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 64)
