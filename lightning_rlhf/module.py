@@ -295,7 +295,7 @@ class RLHFModule(L.LightningModule):
             raise ValueError(
                 f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness} generates on a rollout pool while "
                 "the actor trains, but the placement gives generation no pool of its own. HINT: "
-                "RLHFStrategy(rollout='hf', placement={'actor': [0], ..., 'rollout': [1]}), or max_staleness=0."
+                "RLHFStrategy(placement={'actor': [0], ..., 'rollout': [1]}), or max_staleness=0."
             )
         owner = next(k for k in type(self).__mro__ if "training_step" in vars(k))
         if not vars(owner).get("ASYNC_ROLLOUTS", False):

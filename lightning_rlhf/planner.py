@@ -536,7 +536,7 @@ def plan(
     ``hardware``: a :class:`Hardware` or a device type of :data:`HARDWARE` (any case: ``"H100"``).
     ``unit``: devices per pool step (None: a whole node once there is more than one; 1 splits single processes,
     as ``RLHFStrategy(placement="auto")`` does for CPU processes). ``actor_devices``: only placements whose actor
-    pool has this many devices (a colocated vLLM engine spans every rank: ``devices``).
+    pool has this many devices (``devices`` keeps a vLLM actor on every rank, with its colocated engine).
     """
     hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
     flow = _flow(algorithm)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any, Literal
+from typing import Any
 
 from lightning_rlhf.models import embedded_cache_dir
 
@@ -23,8 +23,6 @@ __all__ = [
     "build_job",
     "build_parser",
     "demo_placement",
-    "demo_rollout",
-    "generation_ranks",
     "main",
     "plot_reward",
 ]
@@ -113,48 +111,6 @@ def demo_placement(choice: str, roles: list[str], devices: int) -> Any:
         ) from None
 
 
-def generation_ranks(placement: Any, devices: int) -> list[int] | None:
-    """The ranks that generate under the demo's ``placement`` (what :func:`demo_placement` returns): the ``rollout``
-    pool when it has one, else the actor's; None when that is not known before the run (``"auto"``: the planner
-    chooses at set-up).
-
-    Runs on: every process.
-    """
-    if placement is None:
-        return list(range(devices))
-    if not isinstance(placement, dict):
-        return None
-    ranks = placement.get("rollout", placement.get("actor"))
-    return None if ranks is None else sorted(ranks)
-
-
-def demo_rollout(choice: str, placement: Any, devices: int) -> Literal["auto", "hf", "vllm"]:
-    """``RLHFStrategy(rollout=...)`` for the demo's ``--rollout``, given its placement.
-
-    The colocated vLLM engine spans every rank (vLLM's external launcher builds its process groups over the whole
-    world), so it serves only a placement that generates on every rank. ``auto`` is vLLM when it is installed and
-    the placement generates on every rank (``colocate``), else transformers generation (``split``, ``rollout``, a
-    mapping that gives the actor part of the ranks): the printed commands run whether vLLM is installed or not.
-    ``vllm`` with such a placement is refused here, before any model loads.
-
-    Runs on: every process.
-    """
-    ranks = generation_ranks(placement, devices)
-    on_part = ranks is not None and len(ranks) < devices
-    if choice == "hf" or (choice == "auto" and on_part):
-        return "hf"
-    if choice == "auto":
-        return "auto"  # RLHFStrategy picks vLLM when it is installed
-    if choice != "vllm":
-        raise SystemExit(f"--rollout {choice!r}: expected auto, vllm or hf.")
-    if on_part:
-        raise SystemExit(
-            f"--rollout vllm: this --placement generates on ranks {ranks} of {devices}, and the colocated vLLM engine "
-            "spans every rank. HINT: --rollout hf (or auto) for this placement, or --placement colocate for vLLM."
-        )
-    return "vllm"
-
-
 def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]:
     """Module, datamodule and trainer of the demo. Runs on: every process."""
     import lightning as L
@@ -208,7 +164,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         accelerator="cpu",
         devices=args.devices,
         strategy=RLHFStrategy(
-            demo_rollout(args.rollout, placement, args.devices),  # vLLM only where generation spans every rank
+            args.rollout,  # auto: vLLM when installed, on every placement
             param_dtype=None if args.precision == "fp32" else args.precision,
             placement=placement,
         ),
@@ -268,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rollout",
         choices=["auto", "vllm", "hf"],
         default="auto",
-        help="rollout engine. auto: vLLM if installed and generation runs on every rank (--placement colocate); "
-        "transformers generation with split and rollout placements (the colocated vLLM engine spans every rank)",
+        help="rollout engine. auto: vLLM if installed (colocated in the training processes when generation runs on "
+        "every rank; one engine server per rank for a pool of part of the ranks), else transformers generation",
     )
     parser.add_argument("--steps", type=int, default=250, help="RL steps")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
@@ -289,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="colocate",
         help="where roles run: colocate (all on every rank), split (actor+reward on the first half of the ranks, "
         "the others on the second: with --algo ppo the critic's update overlaps the actor's; transformers "
-        "generation), rollout (generation alone on the second half; transformers generation), auto (the planner "
+        "generation), rollout (generation alone on the second half), auto (the planner "
         "chooses), or JSON role -> ranks",
     )
     parser.add_argument(

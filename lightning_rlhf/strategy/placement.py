@@ -137,37 +137,37 @@ def check_weight_sources(pools: Pools, sources: Mapping[str, str]) -> None:
             )
 
 
-def check_vllm_pools(pools: Pools, generating: Sequence[str], world_size: int, *, rollout: str) -> None:
-    """Refuse a colocated vLLM engine for a role placed on part of the ranks.
+def check_vllm_pools(
+    pools: Pools, generating: Sequence[str], world_size: int, *, tp_size: int, processes_per_node: int
+) -> None:
+    """Refuse a vLLM engine whose tensor-parallel groups a pool cannot form.
 
-    vLLM's external launcher builds its process groups over the whole world, so each rank holds one engine, and a
-    role that generates with it must be on every rank. Runs on: the launching process (before any rank starts) and
-    every rank at set-up, before any model loads.
+    A role on every rank gets the colocated engine (in the training process); a role on part of the ranks gets one
+    engine server per rank, and the servers of a tensor-parallel group (consecutive ranks of the pool) meet on
+    their host: the group must divide the pool and sit on one node. Runs on: the launching process (before any
+    rank starts) and every rank at set-up, before any model loads.
 
     Args:
         pools: each role's ranks (:func:`resolve_placement`).
         generating: the roles that build a rollout engine (the actor, or the generation-only ``rollout`` pool).
         world_size: the number of processes.
-        rollout: ``RLHFStrategy(rollout=...)`` as the user gave it (``"auto"`` or ``"vllm"``), for the message.
+        tp_size: ``VLLMConfig.tensor_parallel_size``.
+        processes_per_node: ranks per node (a node holds ranks ``[k * n, (k + 1) * n)``).
     """
-    everyone = list(range(world_size))
     for name in generating:
         ranks = list(pools[name])
-        if len(ranks) == world_size:
+        if len(ranks) == world_size or tp_size == 1:
             continue
-        picked = " (what 'auto' picks when vLLM is installed)" if rollout == "auto" else ""
-        with_vllm = (
-            f"leave {name!r} out of the placement to generate with vLLM on the actor's ranks, all of them"
-            if name == "rollout"  # a generation-only pool never spans every rank: the actor feeds it from others
-            else f"give {name!r} every rank {everyone} to generate with vLLM (and with it every role: pools are the "
-            "same ranks or disjoint)"
-        )
-        raise ValueError(
-            f"RLHFStrategy(rollout={rollout!r}, placement=...) places {name!r} on ranks {ranks} of {world_size}: the "
-            f"colocated vLLM engine{picked} spans every rank (vLLM's external launcher builds its process groups "
-            f"over the whole world). HINT: RLHFStrategy(rollout='hf') generates with transformers on a pool of any "
-            f"size; or {with_vllm}."
-        )
+        check_divides(pools, role=name, size=tp_size, setting="VLLMConfig.tensor_parallel_size")
+        for start in range(0, len(ranks), tp_size):
+            group = ranks[start : start + tp_size]
+            if len({r // processes_per_node for r in group}) > 1:
+                raise ValueError(
+                    f"VLLMConfig(tensor_parallel_size={tp_size}) groups ranks {group} of the pool of {name!r} {ranks}, "
+                    f"which sit on different nodes ({processes_per_node} processes per node): the engine servers of "
+                    "a tensor-parallel group meet on one host. HINT: place the pool on whole nodes, or lower "
+                    "tensor_parallel_size."
+                )
 
 
 def pool_groups(pools: Pools) -> list[tuple[int, ...]]:

@@ -64,7 +64,6 @@ from lightning_rlhf.strategy.launcher import ExternalLauncher, RLHFLauncher, wat
 from lightning_rlhf.strategy.liveness import expect_exit
 from lightning_rlhf.strategy.placement import (
     Pools,
-    check_divides,
     check_memory,
     check_placement_spec,
     check_vllm_pools,
@@ -274,9 +273,12 @@ class RLHFStrategy(ModelParallelStrategy):
             pools = resolve_placement(spec, roles, world_size)
             check_weight_sources(pools, module.weight_sources(roles))
             if self.rollout == "vllm":
-                check_vllm_pools(pools, module.engine_roles(roles), world_size, rollout=self._rollout_choice)
-        if fitting:
-            module.check_asynchronous(rollout_pool="rollout" in roles)
+                check_vllm_pools(
+                    pools, module.engine_roles(roles), world_size,
+                    tp_size=self.vllm_config.tensor_parallel_size, processes_per_node=self.num_processes,
+                )  # fmt: skip
+        if fitting:  # a generation-only pool is a role that takes another's weights
+            module.check_asynchronous(rollout_pool=bool(module.weight_sources(roles)))
 
     @override
     def setup_environment(self) -> None:
@@ -295,7 +297,7 @@ class RLHFStrategy(ModelParallelStrategy):
         datamodule = getattr(module.trainer, "datamodule", None)
         max_prompt_length = getattr(datamodule, "max_prompt_length", None)
         self._place_roles(module)
-        for role in module.roles().values():
+        for name, role in module.roles().items():
             request = role.rollout_engine_request()  # None: no engine, no generation settings to check (e.g. SFT)
             if request is None:
                 continue
@@ -308,7 +310,7 @@ class RLHFStrategy(ModelParallelStrategy):
                     self.vllm_config,
                     dtype=self.param_dtype or torch.float32,
                     device_type=self.root_device.type,
-                    world_size=self.world_size,
+                    world_size=len(self._pools.get(name, range(self.world_size))),  # the engine's ranks
                     max_prompt_length=max_prompt_length,
                     max_new_tokens=max_new_tokens,
                     processes_per_node=self.num_processes,
@@ -358,17 +360,13 @@ class RLHFStrategy(ModelParallelStrategy):
         self._pools = resolve_placement(spec, list(roles), self.world_size)  # type: ignore[arg-type]
         if self.rollout == "vllm":
             generating = [name for name, role in roles.items() if role.rollout_engine_request() is not None]
-            check_vllm_pools(self._pools, generating, self.world_size, rollout=self._rollout_choice)
+            check_vllm_pools(
+                self._pools, generating, self.world_size,
+                tp_size=self.vllm_config.tensor_parallel_size, processes_per_node=self.num_processes,
+            )  # fmt: skip
         if self._placed:
             from lightning_rlhf.auto_placement import rank_memory_bytes, role_state_bytes
 
-            for name, role in roles.items():
-                request = role.rollout_engine_request()
-                if request is not None and self.rollout == "vllm":
-                    check_divides(
-                        self._pools, role=name, size=self.vllm_config.tensor_parallel_size,
-                        setting="VLLMConfig.tensor_parallel_size",
-                    )  # fmt: skip
             check_memory(
                 self._pools,
                 {name: role_state_bytes(role) for name, role in roles.items()},
@@ -449,6 +447,10 @@ class RLHFStrategy(ModelParallelStrategy):
                         device=self.root_device,
                         dtype=self.param_dtype,
                         max_model_len=self._max_model_len,
+                        pool=self._pools.get(name),
+                        rank=self.global_rank,
+                        world_size=self.world_size,
+                        pool_group=self._meshes[name].get_group(),
                     )
                 )
             role.shard(self._meshes[name], param_dtype=self.param_dtype)

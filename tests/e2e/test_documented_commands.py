@@ -24,7 +24,6 @@ with the page, the line and the rule.
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 import shlex
@@ -334,66 +333,19 @@ def test_documented_commands_run_as_printed(demo_model: str, tmp_path: Path) -> 
     assert not failures, "\n\n".join(failures)
 
 
-# ------------------------------------------------------------------------- the engine of a placed demo (issue 31)
-@pytest.mark.parametrize(
-    ("choice", "placement", "engine"),
-    [
-        ("auto", "colocate", "auto"),  # the strategy picks vLLM when it is installed
-        ("auto", "split", "hf"),  # the actor on rank 0 of 2: the colocated vLLM engine cannot serve it
-        ("auto", "rollout", "hf"),
-        ("auto", '{"actor": [0, 1], "critic": [0, 1], "reward": [0, 1]}', "auto"),
-        ("hf", "split", "hf"),
-        ("vllm", "colocate", "vllm"),
-    ],
-)
-def test_demo_picks_an_engine_its_placement_can_run(choice: str, placement: str, engine: str) -> None:
-    from lightning_rlhf.demo.job import demo_placement, demo_rollout
-
-    spec = demo_placement(placement, ["actor", "critic", "reward"], 2)
-    assert demo_rollout(choice, spec, 2) == engine
-
-
-def test_demo_refuses_vllm_on_part_of_the_ranks() -> None:
-    from lightning_rlhf.demo.job import demo_placement, demo_rollout
-
-    with pytest.raises(SystemExit, match=r"--rollout vllm: .* ranks \[0\] of 2, .*HINT: --rollout hf"):
-        demo_rollout("vllm", demo_placement("split", ["actor", "critic", "reward"], 2), 2)
-
-
-@pytest.mark.parametrize("rollout", ["auto", "vllm"])
-def test_vllm_pool_check_names_the_setting_and_the_fix(rollout: str) -> None:
+# ---------------------------------------------------------------- vLLM on part of the ranks (issues 31, 32)
+def test_vllm_pool_check_names_the_setting_and_the_fix() -> None:
+    """A role on part of the ranks gets one engine server per rank: any pool serves TP 1; a tensor-parallel group
+    must divide the pool and sit on one node (its servers meet on their host)."""
     from lightning_rlhf.strategy.placement import check_vllm_pools
 
-    pools = {"actor": (0,), "reward": (0,), "critic": (1,)}
-    check_vllm_pools({"actor": (0, 1), "critic": (0, 1)}, ["actor"], 2, rollout=rollout)  # every rank: fine
+    pools = {"actor": (0,), "reward": (0,), "rollout": (1, 2, 3, 4)}
+    check_vllm_pools(pools, ["rollout"], 5, tp_size=1, processes_per_node=1)  # servers of their own: fine
+    check_vllm_pools(pools, ["rollout"], 5, tp_size=2, processes_per_node=5)  # groups (1, 2), (3, 4) on one node
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the 4 ranks of 'rollout'"):
+        check_vllm_pools(pools, ["rollout"], 5, tp_size=3, processes_per_node=5)
     with pytest.raises(ValueError) as err:
-        check_vllm_pools(pools, ["actor"], 2, rollout=rollout)
-    text = str(err.value)
-    assert f"RLHFStrategy(rollout={rollout!r}, placement=...) places 'actor' on ranks [0] of 2" in text
-    assert ("what 'auto' picks when vLLM is installed" in text) == (rollout == "auto")
-    assert "HINT: RLHFStrategy(rollout='hf')" in text and "give 'actor' every rank [0, 1]" in text
-    with pytest.raises(ValueError, match=r"HINT: .* or leave 'rollout' out of the placement"):
-        check_vllm_pools({"actor": (0,), "rollout": (1,)}, ["rollout"], 2, rollout=rollout)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("algo", "placement", "role"),
-    [
-        ("ppo", {"actor": [0], "reward": [0], "critic": [1], "reference": [1]}, "actor"),
-        ("grpo", {"actor": [0], "reward": [0], "rollout": [1]}, "rollout"),
-    ],
-)
-def test_vllm_on_part_of_the_ranks_fails_before_any_rank_starts(
-    demo_model: str, tmp_path: Path, algo: str, placement: dict, role: str
-) -> None:
-    """``RLHFStrategy(rollout="vllm")`` with a placement that generates on part of the ranks is refused in the
-    launching process, in seconds, whether or not vLLM is installed (no engine is built)."""
-    from tests.conftest import run_script
-
-    args = ["--model", demo_model, "--algo", algo, "--devices", "2", "--rollout", "vllm"]
-    proc = run_script("train.py", *args, "--placement", json.dumps(placement), "--out", str(tmp_path), timeout=240)
-    assert proc.returncode != 0
-    assert f"places {role!r} on ranks {placement[role]} of 2" in proc.stderr, failure_text(proc)
-    assert "HINT: RLHFStrategy(rollout='hf')" in proc.stderr
-    assert "Initializing distributed" not in proc.stderr, failure_text(proc)  # no rank started, no process group
+        check_vllm_pools(pools, ["rollout"], 5, tp_size=2, processes_per_node=2)  # nodes (0, 1), (2, 3), (4,)
+    assert "groups ranks [1, 2] of the pool of 'rollout' [1, 2, 3, 4], which sit on different nodes" in str(err.value)
+    assert "HINT: place the pool on whole nodes" in str(err.value)
+    check_vllm_pools({"actor": (0, 1)}, ["actor"], 2, tp_size=2, processes_per_node=1)  # every rank: colocated

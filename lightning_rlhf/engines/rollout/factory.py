@@ -7,6 +7,8 @@ a complete weight hand-off contains (and their tied aliases), the engine's dtype
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -33,8 +35,12 @@ def make_rollout_engine(
     device: torch.device,
     dtype: torch.dtype | None,
     max_model_len: int,
+    pool: Sequence[int] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    pool_group: Any = None,
 ) -> RolloutEngine:
-    """Build the colocated rollout engine of one rank.
+    """Build the rollout engine of one rank.
 
     Runs on: every worker rank, at set-up, before the actor is sharded (all ranks together: a vLLM engine joins
     the process group). ``model`` may hold real weights or only meta-device parameters: the transformers engine
@@ -51,6 +57,12 @@ def make_rollout_engine(
         device: this rank's device.
         dtype: the training compute dtype; None keeps the actor's (hf) or float32 (vLLM).
         max_model_len: the vLLM engine's length limit, from ``check_vllm_settings`` (unused for ``"hf"``).
+        pool: the global ranks of the role that generates (None: every rank). A vLLM engine for a pool of part of
+            the world runs in a server process of its own
+            (:class:`~lightning_rlhf.engines.rollout.vllm_server.VLLMServerEngine`); on every rank, in the training
+            process (vLLM's external launcher spans the whole world).
+        rank: this process's global rank; world_size: the number of processes.
+        pool_group: the pool's process group (the servers of a tensor-parallel group meet over it).
 
     Returns:
         The engine; its ``offload_optimizer`` says whether the actor should move its optimizer state to host
@@ -75,21 +87,29 @@ def make_rollout_engine(
                 f"make_rollout_engine(max_model_len={max_model_len}) is not a length the vLLM engine can serve. "
                 "HINT: pass the value check_vllm_settings returned."
             )
+        engine_kwargs: dict[str, Any] = {
+            "param_names": [name for name, _ in model.named_parameters()],
+            "config": vllm,
+            "dtype": dtype or torch.float32,
+            "device": device,
+            "max_model_len": max_model_len,
+            "seed": rollout.seed,
+            "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+            "hf_config": config,
+            "eos_token_id": tokenizer.eos_token_id,
+            "tied_names": tied_aliases(model),
+        }
+        if pool is not None and len(pool) < world_size:
+            from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
+
+            # the server's engine sends no TP slices: each server's vLLM loaders keep their own
+            engine_kwargs["config"] = dataclasses.replace(vllm, weight_transfer="full")
+            return VLLMServerEngine(
+                path, engine_kwargs=engine_kwargs, pool_group=pool_group, pool_rank=list(pool).index(rank)
+            )
         from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(
-            path,
-            param_names=[name for name, _ in model.named_parameters()],
-            config=vllm,
-            dtype=dtype or torch.float32,
-            device=device,
-            max_model_len=max_model_len,
-            seed=rollout.seed,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            hf_config=config,
-            eos_token_id=tokenizer.eos_token_id,
-            tied_names=tied_aliases(model),
-        )
+        return VLLMRolloutEngine(path, **engine_kwargs)
     return HFRolloutEngine(
         model,
         pad_token_id=tokenizer.pad_token_id,
