@@ -115,5 +115,5 @@ def test_an_actor_placed_apart_generates_with_its_own_engine_server(demo_model: 
     check_ok(run_script("train.py", *args, "--steps", "2", "--kl-coef", "0.05", "--out", str(tmp_path), timeout=600))
     for row in read_metrics(tmp_path):
         assert float(row["training/rollout_probs_diff_max"]) < 1e-5  # the weights handed over every step
-        assert float(row["perf/weight_sync_bytes"]) > 0
+        assert float(row["timing_s/update_weights"]) > 0  # (one rank: nothing to gather, no bytes received)
         assert float(row["critic/vf_loss"]) > 0 and float(row["actor/grad_norm"]) > 0
