@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import lightning_rlhf.planner as planner
+from lightning_rlhf import planner
 
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule

@@ -52,12 +52,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_rlhf.cpu import enabled
 from lightning_rlhf.cpu.host_share import host_memory
 from lightning_rlhf.cpu.native import CastPlan
 from lightning_rlhf.cpu.optim import MirroredAdamW
-from lightning_rlhf.cpu.switches import enabled
-from lightning_rlhf.sharding import row_shard
-from lightning_rlhf.torch_compat import local_tensor
+from lightning_rlhf.engines.train.fsdp import _local, _row_shard
 
 __all__ = ["SharedWeights", "place_shards", "shards_in_place", "write_shards"]
 
@@ -100,8 +99,7 @@ class SharedWeights:
         """How this rank's rows reach the store once every parameter is row-sharded (else None): the copies to make
         (none once every shard is placed there), and the shards they read, to check they are still the same."""
         self._placeable = any(
-            isinstance(p, DTensor) and local_tensor(p).dtype == views[name].dtype
-            for name, p in model.named_parameters()
+            isinstance(p, DTensor) and _local(p).dtype == views[name].dtype for name, p in model.named_parameters()
         )
         """Whether any shard has the store's dtype (a bfloat16 engine of float32 master weights: none, and
         :func:`place_shards` is not tried)."""
@@ -210,7 +208,7 @@ class _Rows:
         locals_: list[Tensor] = []
         positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
         for name, param in model.named_parameters():
-            shard = row_shard(name, param, positions)
+            shard = _row_shard(name, param, positions)
             if shard is None:
                 return None
             shards.append((param, shard.local.data_ptr()))
@@ -230,9 +228,7 @@ class _Rows:
         params = list(self.model.parameters())
         if len(params) != len(self.shards):
             return False
-        if not all(
-            p is q and local_tensor(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self.shards, strict=True)
-        ):
+        if not all(p is q and _local(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self.shards, strict=True)):
             return False
         if self.cast is not None and (self.mirrored is None or not self.mirrored.mirrors_current()):
             self.cast()
@@ -262,7 +258,7 @@ def write_shards(
             if target.shape != param.shape:
                 shapes = f"{tuple(param.shape)}, its place {tuple(target.shape)}"
                 raise ValueError(f"write_shards: {name!r} has shape {shapes}")
-            shard = row_shard(name, param, positions)
+            shard = _row_shard(name, param, positions)
             if shard is not None:
                 local = shard.local
                 if local.numel():
@@ -315,7 +311,7 @@ def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
     placed = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            shard = row_shard(name, param, positions)
+            shard = _row_shard(name, param, positions)
             fsdp_param = fsdp_params.get(id(param))
             target = targets.get(name)
             if shard is None or fsdp_param is None or target is None or target.dtype != shard.local.dtype:
@@ -346,7 +342,7 @@ def shards_in_place(model: nn.Module, targets: dict[str, torch.Tensor]) -> bool:
     a parameter new storage. Runs on: every worker rank (no collective; ~1 us a parameter)."""
     positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
     for name, param in model.named_parameters():
-        shard = row_shard(name, param, positions)
+        shard = _row_shard(name, param, positions)
         target = targets.get(name)
         if shard is None or target is None or target.dtype != shard.local.dtype or target.shape != param.shape:
             return False

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-import lightning_rlhf.cpu as cpu
+from lightning_rlhf import cpu
 from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_count
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
