@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_rlhf import planner
+import lightning_rlhf.planner as planner
 
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule

@@ -8,17 +8,102 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Any, Literal
 
 __all__ = [
+    "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
     "AlgorithmConfig",
     "OptimConfig",
     "RewardConfig",
     "RolloutConfig",
     "VLLMConfig",
     "ValidationConfig",
+    "check_sampling",
+    "check_sequence_length",
     "config_from_dict",
 ]
+
+
+MIN_TEMPERATURE = 0.01
+"""Smallest sampling temperature > 0 that every engine serves as given: vLLM raises anything below to this
+(``vllm.sampling_params._MAX_TEMP``), which would make the engine sample at another temperature than the one the
+trainer scores at."""
+MAX_TEMPERATURE = 2.0
+"""Largest temperature vLLM accepts (it raises at generation time above it)."""
+
+
+def check_sampling(*, temperature: float, top_p: float, top_k: int, owner: str) -> None:
+    """Refuse sampling settings that an engine would change or refuse, naming ``owner``'s field and the fix.
+
+    Runs on: any process (the configs call it when they are made, both engines before every generation).
+
+    Args:
+        temperature: 0 for greedy decoding, else in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``.
+        top_p: nucleus mass in ``(0, 1]``.
+        top_k: 0 (off) or the number of tokens kept.
+        owner: what holds the settings, e.g. ``"RolloutConfig"``; errors read ``f"{owner}.temperature=..."``.
+
+    Raises:
+        ValueError: naming the setting, its value, and the fix.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not math.isfinite(temperature):
+        raise ValueError(
+            f"{owner}.temperature={temperature!r} is invalid: expected a finite number. "
+            f"HINT: 0 for greedy decoding, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]."
+        )
+    if temperature < 0 or temperature > MAX_TEMPERATURE:
+        raise ValueError(
+            f"{owner}.temperature={temperature!r} is invalid: vLLM serves temperatures in [0, {MAX_TEMPERATURE}]. "
+            f"HINT: 0 for greedy decoding, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (1.0 samples the "
+            "policy as it is)."
+        )
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"{owner}.temperature={temperature!r} is below {MIN_TEMPERATURE}, which vLLM silently raises to "
+            f"{MIN_TEMPERATURE}: the engine would sample at another temperature than the trainer scores at. "
+            f"HINT: 0 for greedy decoding, or >= {MIN_TEMPERATURE}."
+        )
+    if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+        raise ValueError(
+            f"{owner}.top_p={top_p!r} is invalid: expected a value in (0, 1]. HINT: 1.0 keeps the full distribution."
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"{owner}.top_k={top_k!r} is invalid: expected an integer >= 0. HINT: 0 disables top-k.")
+
+
+def check_sequence_length(
+    *,
+    prompt_length: int,
+    max_new_tokens: int,
+    limit: int,
+    engine: str,
+    prompt_setting: str,
+    subject: str = "Prompts",
+    hint: str = "lower PromptDataModule(max_prompt_length=) or RolloutConfig(max_new_tokens=).",
+) -> None:
+    """Refuse a prompt length plus ``max_new_tokens`` above the positions an engine (or a model) serves.
+
+    Runs on: any process (at set-up with ``max_prompt_length``, before any model loads; in ``generate`` with
+    each prompt's length). Both engines call it, and ``SFTDataModule`` (whole examples, ``max_new_tokens=0``).
+
+    Args:
+        prompt_length: tokens of the (longest) prompt.
+        max_new_tokens: ``RolloutConfig.max_new_tokens`` (0: nothing is generated, not named in the message).
+        limit: the longest sequence the engine serves (vLLM's ``max_model_len``, the model's
+            ``max_position_embeddings`` for transformers).
+        engine: words for the limit, e.g. ``"the vLLM engine's max_model_len"``.
+        prompt_setting: words for the prompt length, e.g. ``"max_prompt_length=60"``.
+        subject: what the sequences are, e.g. ``"Examples"`` for SFT.
+        hint: the fix.
+
+    Raises:
+        ValueError: naming the settings and the fix.
+    """
+    if prompt_length + max_new_tokens > limit:
+        added = f" plus max_new_tokens={max_new_tokens}" if max_new_tokens else ""
+        raise ValueError(f"{subject} of {prompt_setting} tokens{added} exceed {engine}={limit}. HINT: {hint}")
 
 
 def _fail(obj: object, field: str, value: object, expected: str) -> None:
@@ -69,8 +154,6 @@ class RolloutConfig:
     models in bfloat16 drift further (raise the bound there). None: never warn."""
 
     def __post_init__(self) -> None:
-        from lightning_rlhf.engines.rollout.base import check_sampling
-
         if self.n < 1:
             _fail(self, "n", self.n, "an integer >= 1")
         check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, owner=type(self).__name__)
@@ -455,8 +538,6 @@ class RewardConfig:
     """Weight of each named reward in the combined score (``reward={"name": fn, ...}``); unnamed ones weigh 1.0."""
 
     def __post_init__(self) -> None:
-        import math
-
         if self.timeout_s is not None and not self.timeout_s > 0:
             _fail(self, "timeout_s", self.timeout_s, "seconds > 0, or None to call reward functions in-process")
         if not isinstance(self.fallback_score, int | float) or not math.isfinite(self.fallback_score):
@@ -497,10 +578,6 @@ class ValidationConfig:
     verl's ``trainer.val_before_train``. Unlike Lightning's sanity check, its metrics are logged."""
 
     def __post_init__(self) -> None:
-        import math
-
-        from lightning_rlhf.engines.rollout.base import check_sampling
-
         if self.n < 1:
             _fail(self, "n", self.n, "an integer >= 1")
         check_sampling(temperature=self.temperature, top_p=1.0, top_k=0, owner=type(self).__name__)

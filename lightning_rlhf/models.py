@@ -8,9 +8,9 @@ Every model setting (``actor``, ``critic``, ``reference``, a reward model, a tok
 
 - a local folder must hold ``config.json`` (a tokenizer folder: a tokenizer file);
 - a name under the reserved prefix ``lightning-rlhf/`` is an embedded model (never looked up on the hub),
-  built locally on first use and cached (:data:`EMBEDDED_MODELS`): ``lightning-rlhf/tiny-addition`` is the
-  demo's warm-started tiny model, ``lightning-rlhf/tiny-random`` the same model untrained (both with a chat
-  template and 256 positions, see :mod:`lightning_rlhf.demo.tiny`);
+  built locally on first use and cached (:data:`EMBEDDED_MODELS`, filled by the package's ``__init__``):
+  ``lightning-rlhf/tiny-addition`` is the demo's warm-started tiny model, ``lightning-rlhf/tiny-random`` the same
+  model untrained (both with a chat template and 256 positions, see :mod:`lightning_rlhf.demo.tiny`);
 - anything else is a hub id: one already in the local hub cache is used as is; otherwise the hub is asked,
   unless ``HF_HUB_OFFLINE`` is set or the hub does not answer within a few seconds, in which case the error
   comes at once instead of after transformers' retries.
@@ -22,8 +22,6 @@ import difflib
 import functools
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +32,7 @@ __all__ = [
     "embedded_cache_dir",
     "ensure_pad_token",
     "hub_reachable",
+    "register_embedded_model",
     "resolve_model_path",
 ]
 
@@ -53,49 +52,29 @@ def embedded_cache_dir() -> str:
     return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "lightning_rlhf")
 
 
-def _tiny_addition(cache_dir: str) -> str:
-    from lightning_rlhf.demo.warmstart import prepare_demo_model
-
-    return prepare_demo_model(cache_dir, seed=0)
-
-
-def _tiny_random(cache_dir: str) -> str:
-    from lightning_rlhf.demo.tiny import save_tiny
-    from lightning_rlhf.demo.warmstart import CACHE_VERSION
-
-    final = os.path.join(cache_dir, f"tiny-random-{CACHE_VERSION}-seed0")
-    if os.path.isfile(os.path.join(final, "config.json")):
-        return final
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-random-tmp-", dir=cache_dir)
-    try:
-        built = save_tiny(os.path.join(tmp, "model"), seed=0)
-        if os.path.isdir(final) and not os.path.isfile(os.path.join(final, "config.json")):
-            shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover
-        try:
-            os.replace(built, final)
-        except OSError:  # another process renamed its (complete) copy into place first
-            if not os.path.isfile(os.path.join(final, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-EMBEDDED_MODELS: dict[str, tuple[Callable[[str], str], str]] = {
-    "lightning-rlhf/tiny-addition": (
-        _tiny_addition,
-        "the demo's tiny Qwen2 model (byte-level BPE tokenizer), warm-started on single-digit addition",
-    ),
-    "lightning-rlhf/tiny-random": (
-        _tiny_random,
-        "the same tiny Qwen2 model and tokenizer, randomly initialised (warm-start it on your own task first)",
-    ),
-}
+EMBEDDED_MODELS: dict[str, tuple[Callable[[str], str], str]] = {}
 """Embedded models by name: ``(build(cache_dir) -> folder, description)``. Built on first use (about a second,
-on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy. Each folder's
-name carries :data:`~lightning_rlhf.demo.warmstart.CACHE_VERSION`, so a copy cached by an older version (without
-the chat template, with 64 positions) is never reused: the new one is built beside it."""
+on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy. The demo's two
+models (``lightning-rlhf/tiny-addition``, ``lightning-rlhf/tiny-random``:
+:data:`lightning_rlhf.demo.warmstart.DEMO_MODELS`) are registered by the package's ``__init__``
+(:func:`register_embedded_model`), so they are here whenever ``lightning_rlhf`` is imported: this module is a
+leaf layer and never imports the demo that builds them."""
+
+
+def register_embedded_model(name: str, build: Callable[[str], str], description: str) -> None:
+    """Serve ``name`` (under :data:`EMBEDDED_PREFIX`) as an embedded model that ``build(cache_dir)`` makes.
+
+    Runs on: any process (at import, by ``lightning_rlhf/__init__.py``).
+
+    Raises:
+        ValueError: when ``name`` does not start with :data:`EMBEDDED_PREFIX`.
+    """
+    if not name.startswith(EMBEDDED_PREFIX):
+        raise ValueError(
+            f"register_embedded_model(name={name!r}): an embedded model's name must start with {EMBEDDED_PREFIX!r}. "
+            f"HINT: name={EMBEDDED_PREFIX + name.rsplit('/', 1)[-1]!r}."
+        )
+    EMBEDDED_MODELS[name] = (build, description)
 
 
 @functools.lru_cache(maxsize=4)

@@ -17,7 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_rlhf import perf
+import lightning_rlhf.perf as perf
 from lightning_rlhf.algorithms import (
     AdaptiveKLController,
     FixedKLController,

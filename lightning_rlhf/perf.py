@@ -42,11 +42,13 @@ __all__ = [
     "measure_matmul_flops",
     "mfu",
     "per_token_ms",
+    "read_json",
     "step_perf_metrics",
     "tf32_enabled",
     "threads_per_process",
     "trainable_parameters",
     "training_flops",
+    "write_json",
 ]
 
 GIB = 1024**3
@@ -233,7 +235,7 @@ def _cpu_products(dtype: torch.dtype) -> list[Callable[[Tensor, Tensor], Tensor]
     """The CPU matmuls a model's layers may use for ``dtype``: ``torch.mm`` and, in float32 where oneDNN is
     available, oneDNN's (:func:`lightning_rlhf.cpu.matmul_product`, which the training engine's linear layers use
     where the CPU speed layer is on: on AMD CPUs MKL's float32 ``sgemm`` runs below half of what the cores do)."""
-    from lightning_rlhf import cpu
+    import lightning_rlhf.cpu as cpu
 
     products: list[Callable[[Tensor, Tensor], Tensor]] = [torch.mm]
     onednn = cpu.matmul_product(dtype)
@@ -308,19 +310,20 @@ def cpu_matmul_peak(dtype: torch.dtype, *, cache_dir: str | None = None) -> floa
     memo = f"{path}::{key}"
     if memo in _CPU_PEAKS:
         return _CPU_PEAKS[memo]
-    table = _read_json(path)
+    table = read_json(path)
     value = table.get(key)
     if not isinstance(value, int | float) or value <= 0:
         value = measure_matmul_flops(dtype)
-        table = _read_json(path)  # another process may have added a key meanwhile
+        table = read_json(path)  # another process may have added a key meanwhile
         table[key] = value
-        _write_json(path, table)
+        write_json(path, table)
     _CPU_PEAKS[memo] = float(value)
     return float(value)
 
 
-def _read_json(path: str) -> dict[str, object]:
-    """The JSON object in ``path``, or {} when it is missing or unreadable."""
+def read_json(path: str) -> dict[str, object]:
+    """The JSON object in ``path``, or {} when it is missing or unreadable (the measurement caches' reader: this
+    module's and the planner's). Runs on: any process."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -329,8 +332,9 @@ def _read_json(path: str) -> dict[str, object]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_json(path: str, data: Mapping[str, object]) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary file renamed over it); a read-only folder is skipped."""
+def write_json(path: str, data: Mapping[str, object]) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it); a read-only folder is skipped.
+    Runs on: any process."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cpu_peak.", suffix=".tmp")

@@ -882,12 +882,12 @@ def save_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_di
     import os
 
     from lightning_rlhf.models import embedded_cache_dir
-    from lightning_rlhf.perf import _read_json, _write_json
+    from lightning_rlhf.perf import read_json, write_json
 
     path = os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)
-    table = _read_json(path)
+    table = read_json(path)
     table[_call_costs_key(model, processes)] = {"call_s": hw.call_s, "train_call_s": hw.train_call_s}
-    _write_json(path, table)
+    write_json(path, table)
     return path
 
 
@@ -897,9 +897,9 @@ def with_saved_call_costs(hw: Hardware, model: ModelShape, processes: int, *, ca
     import os
 
     from lightning_rlhf.models import embedded_cache_dir
-    from lightning_rlhf.perf import _read_json
+    from lightning_rlhf.perf import read_json
 
-    entry = _read_json(os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)).get(
+    entry = read_json(os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)).get(
         _call_costs_key(model, processes)
     )
     if not isinstance(entry, dict):

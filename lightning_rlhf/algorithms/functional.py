@@ -203,7 +203,7 @@ class _TokenLogprobs(torch.autograd.Function):
             return (None, *nones)
         temperature: float = ctx.temperature
         if _compiled_available(logits):
-            from lightning_rlhf import cpu
+            import lightning_rlhf.cpu as cpu
 
             g_lp = grad_logp if grad_logp is not None else torch.zeros(lse.shape[:-1], dtype=torch.float32)
             compiled = cpu.token_logprobs_backward(logits, labels, lse, mean, g_lp, grad_entropy, temperature)
@@ -244,7 +244,7 @@ def _compiled_logprobs(
     """``(logp, lse, entropy, mean)`` through the compiled kernel, or None where it does not run."""
     if not _compiled_available(logits):
         return None
-    from lightning_rlhf import cpu  # the CPU layer's kernels (built on first use; None where it is off)
+    import lightning_rlhf.cpu as cpu  # the CPU layer's kernels (built on first use; None where it is off)
 
     return cpu.token_logprobs(logits, labels, temperature, with_entropy)
 

@@ -26,13 +26,12 @@ turn off ``native`` and ``onednn``.
 The interface: the rest of the package imports only ``lightning_rlhf.cpu`` (``tests/unit/test_layers.py`` checks
 it), never a module inside it, and calls the functions below; each returns None (or does nothing) where its piece is
 off or cannot serve the tensors given, and the caller goes on with PyTorch's own ops.
+(The switch itself is :mod:`lightning_rlhf.cpu.switches`, a leaf that the pieces import.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -40,6 +39,24 @@ from torch import Tensor, nn
 
 from lightning_rlhf.cpu import native
 from lightning_rlhf.cpu.host_share import HostBuffer
+from lightning_rlhf.cpu.switches import (
+    _OFF_HERE as _OFF_HERE,  # the switch's state, kept reachable here (tests reset it)
+)
+from lightning_rlhf.cpu.switches import (
+    _STATE as _STATE,
+)
+from lightning_rlhf.cpu.switches import (
+    _UNSET as _UNSET,
+)
+from lightning_rlhf.cpu.switches import (
+    ENV,
+    OFF_ENV,
+    PIECES,
+    configure,
+    enabled,
+    pieces_off,
+    setting,
+)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -72,85 +89,6 @@ __all__ = [
     "token_logprobs_backward",
     "weight_store",
 ]
-
-ENV = "LIGHTNING_RLHF_CPU_KERNELS"
-"""Environment variable: ``1`` turns the layer on, ``0`` off (the strategy's ``cpu_kernels`` wins where given)."""
-OFF_ENV = "LIGHTNING_RLHF_CPU_OFF"
-"""Environment variable: comma-separated :data:`PIECES` to turn off (the others stay as the switch says)."""
-PIECES = ("native", "rms_norm", "onednn", "collectives", "hand_off", "shared_weights", "mirrored_adamw")
-"""The layer's pieces (module docstring)."""
-
-_UNSET = object()
-_STATE: dict[str, Any] = {"setting": _UNSET, "device": None}
-"""What :func:`configure` set for this process: the strategy's ``cpu_kernels`` and its device type."""
-_OFF_HERE: set[str] = set()
-"""Pieces turned off in this process by :func:`pieces_off`."""
-
-
-def configure(cpu_kernels: bool | None, device: torch.device | str | None) -> None:
-    """Set this process's switch: ``cpu_kernels`` (None: the environment variable, else on only when ``device`` is a
-    CPU) for a run on ``device``. Runs on: every process, at the strategy's set-up (before any model is built)."""
-    if cpu_kernels is not None and not isinstance(cpu_kernels, bool):
-        raise ValueError(
-            f"RLHFStrategy(cpu_kernels={cpu_kernels!r}) is invalid: expected True, False or None. HINT: None turns "
-            "the CPU speed layer on only when the run's device is a CPU."
-        )
-    _STATE["setting"] = cpu_kernels
-    _STATE["device"] = None if device is None else torch.device(device).type
-
-
-def setting() -> bool | None:
-    """The switch as set: the strategy's ``cpu_kernels`` where it gave one, else ``LIGHTNING_RLHF_CPU_KERNELS``
-    (``1``/``0``), else None (decided by the device). Runs on: any process."""
-    given = _STATE["setting"]
-    if given is not _UNSET and given is not None:
-        return bool(given)
-    value = os.environ.get(ENV, "").strip().lower()
-    if not value:
-        return None
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{ENV}={value!r} is invalid. HINT: {ENV}=1 turns the CPU speed layer on, 0 off; unset: on CPU.")
-
-
-def enabled(piece: str | None = None) -> bool:
-    """Whether the layer (or its ``piece``, one of :data:`PIECES`) is on in this process: the switch
-    (:func:`setting`; None: on where the run's device is a CPU, that is the strategy's device or, before any
-    strategy, where no CUDA device is visible), minus the pieces turned off. Runs on: any process."""
-    if piece is not None and piece not in PIECES:
-        raise ValueError(f"lightning_rlhf.cpu: no piece {piece!r}. HINT: one of {list(PIECES)}.")
-    on = setting()
-    if on is None:
-        device = _STATE["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
-        on = device == "cpu"
-    if not on or piece is None:
-        return on
-    return piece not in _OFF_HERE and piece not in _pieces_off_by_env()
-
-
-def _pieces_off_by_env() -> set[str]:
-    names = {name.strip() for name in os.environ.get(OFF_ENV, "").split(",") if name.strip()}
-    unknown = names - set(PIECES)
-    if unknown:
-        raise ValueError(f"{OFF_ENV}={os.environ[OFF_ENV]!r} names no piece {sorted(unknown)}. HINT: {list(PIECES)}.")
-    return names
-
-
-@contextlib.contextmanager
-def pieces_off(*pieces: str) -> Iterator[None]:
-    """Turn ``pieces`` off in this process inside the ``with`` block (A/B benchmarks, tests). Runs on: any process.
-    A model already sped up keeps its switched forwards: build or :func:`restore_model` it inside the block."""
-    for piece in pieces:
-        enabled(piece)  # checks the name
-    before = set(_OFF_HERE)
-    _OFF_HERE.update(pieces)
-    try:
-        yield
-    finally:
-        _OFF_HERE.clear()
-        _OFF_HERE.update(before)
 
 
 def kernels_available() -> bool:

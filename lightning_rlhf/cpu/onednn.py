@@ -6,7 +6,7 @@ runs at 100-110 GFLOP/s on one thread while oneDNN (also inside PyTorch, ``torch
 which picks its kernels by instruction set, reaches 230-250 on a large square product and 140-260 on the small
 model's training shapes (``[2092, 256] x [256, 704]`` and the like, forward and both backward products): 2-2.4x. Both
 compute in float32 with float32 accumulation; only the order of the sums differs (errors against float64 of the
-same size, 3-6e-6 relative). docs/performance.md, "Float32 matmuls through oneDNN", has the figures.
+same size, 3-6e-6 relative). docs/performance-log.md, "Float32 matmuls through oneDNN", has the figures.
 
 :class:`OneDNNLinearFunction` is ``F.linear`` with its forward and both backward products through oneDNN; the
 weight's gradient is computed as whichever of ``grad.T @ x`` or ``(x.T @ grad).T`` has the smaller output rows
@@ -36,13 +36,17 @@ from lightning_rlhf.cpu.kernels import restore_forwards, switch_forwards
 __all__ = [
     "ONEDNN_ENV",
     "OneDNNLinearFunction",
+    "bf16_supported",
     "linear",
+    "linear_pointwise",
     "matmul_nt",
     "onednn_available",
     "onednn_linears",
     "packed_linear",
     "packs",
     "plain_linears",
+    "reorder_linear_weight",
+    "unsafe_view",
 ]
 
 ONEDNN_ENV = "LIGHTNING_RLHF_ONEDNN"
@@ -58,6 +62,41 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def linear_pointwise(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight.T (+ bias)`` by oneDNN, no autograd; ``weight`` plain or packed by :func:`reorder_linear_weight`.
+
+    Relies on: PyTorch's private operator ``torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")`` (the one
+    ``torch.compile``'s CPU backend emits for linear layers). Runs on: any process."""
+    out: Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out
+
+
+def reorder_linear_weight(weight: Tensor, rows: int) -> Tensor:
+    """``weight`` copied into oneDNN's blocked layout for products of ``rows`` rows (for :func:`linear_pointwise`).
+
+    Relies on: PyTorch's private operator ``torch.ops.mkldnn._reorder_linear_weight(weight, rows)``. Runs on: worker.
+    """
+    packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    return packed
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU's oneDNN has a bfloat16 path (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or Arm's BF16); False where
+    PyTorch lacks the probe.
+
+    Relies on: PyTorch's private operator ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``. Runs on: any process."""
+    ops = torch.ops.mkldnn
+    return bool(hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported())
+
+
+def unsafe_view(out: Tensor) -> Tensor:
+    """``out`` re-labelled as a tensor of its own (not a view of its base) without a copy, as ``aten::matmul`` does.
+
+    Relies on: PyTorch's private operator ``torch.ops.aten._unsafe_view``. Runs on: any process."""
+    viewed: Tensor = torch.ops.aten._unsafe_view.default(out, out.shape)
+    return viewed
+
+
 def matmul_nt(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """``a @ b.T (+ bias)`` through oneDNN, with no autograd: ``a`` ``[..., k]``, ``b`` ``[n, k]``, either of any
     strides (a transposed view is read as it lies). Float32 CPU tensors only. Runs on: any process.
@@ -66,8 +105,8 @@ def matmul_nt(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     of the product it made, which FSDP2 warns about when a model returns it (an lm_head's logits: "returned a view
     tensor ... will silently drop the pre-backward hook"). Like ``aten::matmul`` it is re-labelled without a copy
     (``_unsafe_view``; safe here: nothing else holds that product)."""
-    out = torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
-    return out if out._base is None else torch.ops.aten._unsafe_view.default(out, out.shape)
+    out = linear_pointwise(a, b, bias)
+    return out if out._base is None else unsafe_view(out)
 
 
 class OneDNNLinearFunction(torch.autograd.Function):
@@ -168,7 +207,7 @@ def packs(weight: Tensor) -> bool:
     ):
         return False
     if weight.dtype == torch.bfloat16:  # oneDNN's bfloat16 path needs AVX-512 (BW/VL/DQ), AVX-NE-CONVERT or Arm's BF16
-        return bool(hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported())
+        return bf16_supported()
     return weight.dtype == torch.float32
 
 
@@ -180,11 +219,11 @@ def packed_linear(weight: Tensor, bias: Tensor | None, rows: int) -> Callable[[T
     if not packs(weight) or (weight.dtype == torch.float32 and weight.numel() < PACK_MIN_FLOAT32):
         return None
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        packed = reorder_linear_weight(weight, rows)
     except RuntimeError:  # a build or CPU whose oneDNN lacks this path: the plain product is as exact
         return None
 
     def product(x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return linear_pointwise(x, packed, bias)
 
     return product

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rlhf.cpu import enabled
 from lightning_rlhf.cpu.native import AdamWPlan
-from lightning_rlhf.engines.train.fsdp import _local
+from lightning_rlhf.cpu.switches import enabled
+from lightning_rlhf.torch_compat import local_tensor
 
 __all__ = ["MirroredAdamW"]
 
@@ -91,7 +91,7 @@ class MirroredAdamW(torch.optim.AdamW):
             plan = self._plan_for(index, params, states)  # type: ignore[arg-type]
             if plan is None:
                 return False
-            grads = [_local(p.grad) for p in params]  # type: ignore[arg-type]
+            grads = [local_tensor(p.grad) for p in params]  # type: ignore[arg-type]
             steps.append((plan, grads, group, counters, int(high) + 1))
         written: list[tuple[Tensor, int]] = []
         for plan, grads, group, counters, count in steps:
@@ -112,12 +112,14 @@ class MirroredAdamW(torch.optim.AdamW):
         (a checkpoint loaded with ``assign=True``, an optimizer state restored, new mirrors)."""
         plan = self._plans.get(index)
         if plan is None or not plan.serves(params, states):
-            locals_ = [_local(p) for p in params]
+            locals_ = [local_tensor(p) for p in params]
             exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
             mirrors = [self._mirrors.get(t.data_ptr()) for t in locals_]
             if not enabled("native"):  # the layer's compiled kernels turned off: PyTorch's step
                 return None
-            run = AdamWPlan.make(locals_, [_local(t) for t in exp_avgs], [_local(t) for t in exp_avg_sqs], mirrors)
+            run = AdamWPlan.make(
+                locals_, [local_tensor(t) for t in exp_avgs], [local_tensor(t) for t in exp_avg_sqs], mirrors
+            )
             if run is None:
                 return None
             plan = _GroupPlan(params, locals_, exp_avgs, exp_avg_sqs, mirrors, run)
@@ -158,6 +160,6 @@ class _GroupPlan:
             return False
         planned = zip(self.params, self.exp_avgs, self.exp_avg_sqs, self.pointers, strict=True)
         return all(
-            p is q and s["exp_avg"] is m and s["exp_avg_sq"] is v and _local(p).data_ptr() == ptr
+            p is q and s["exp_avg"] is m and s["exp_avg_sq"] is v and local_tensor(p).data_ptr() == ptr
             for p, s, (q, m, v, ptr) in zip(params, states, planned, strict=True)
         )

@@ -52,11 +52,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_rlhf.cpu import enabled
 from lightning_rlhf.cpu.host_share import host_memory
 from lightning_rlhf.cpu.native import CastPlan
 from lightning_rlhf.cpu.optim import MirroredAdamW
-from lightning_rlhf.engines.train.fsdp import _local, _row_shard
+from lightning_rlhf.cpu.switches import enabled
+from lightning_rlhf.sharding import row_shard
+from lightning_rlhf.torch_compat import fsdp_params, local_tensor, set_local_tensor, sharded_param_data
 
 __all__ = ["SharedWeights", "place_shards", "shards_in_place", "write_shards"]
 
@@ -99,7 +100,8 @@ class SharedWeights:
         """How this rank's rows reach the store once every parameter is row-sharded (else None): the copies to make
         (none once every shard is placed there), and the shards they read, to check they are still the same."""
         self._placeable = any(
-            isinstance(p, DTensor) and _local(p).dtype == views[name].dtype for name, p in model.named_parameters()
+            isinstance(p, DTensor) and local_tensor(p).dtype == views[name].dtype
+            for name, p in model.named_parameters()
         )
         """Whether any shard has the store's dtype (a bfloat16 engine of float32 master weights: none, and
         :func:`place_shards` is not tried)."""
@@ -208,7 +210,7 @@ class _Rows:
         locals_: list[Tensor] = []
         positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
         for name, param in model.named_parameters():
-            shard = _row_shard(name, param, positions)
+            shard = row_shard(name, param, positions)
             if shard is None:
                 return None
             shards.append((param, shard.local.data_ptr()))
@@ -228,7 +230,9 @@ class _Rows:
         params = list(self.model.parameters())
         if len(params) != len(self.shards):
             return False
-        if not all(p is q and _local(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self.shards, strict=True)):
+        if not all(
+            p is q and local_tensor(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self.shards, strict=True)
+        ):
             return False
         if self.cast is not None and (self.mirrored is None or not self.mirrored.mirrors_current()):
             self.cast()
@@ -258,7 +262,7 @@ def write_shards(
             if target.shape != param.shape:
                 shapes = f"{tuple(param.shape)}, its place {tuple(target.shape)}"
                 raise ValueError(f"write_shards: {name!r} has shape {shapes}")
-            shard = _row_shard(name, param, positions)
+            shard = row_shard(name, param, positions)
             if shard is not None:
                 local = shard.local
                 if local.numel():
@@ -297,22 +301,17 @@ def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    fsdp_params: dict[int, Any] = {}
+    units: dict[int, Any] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:  # torch releases with one group per module
-                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-            for group in groups:
-                for unit in group.fsdp_params:
-                    fsdp_params[id(unit.sharded_param)] = unit
+            for unit in fsdp_params(module):
+                units[id(unit.sharded_param)] = unit
     positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
     placed = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            shard = _row_shard(name, param, positions)
-            fsdp_param = fsdp_params.get(id(param))
+            shard = row_shard(name, param, positions)
+            fsdp_param = units.get(id(param))
             target = targets.get(name)
             if shard is None or fsdp_param is None or target is None or target.dtype != shard.local.dtype:
                 continue
@@ -326,10 +325,10 @@ def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
                 continue
             if not torch.equal(place, local):
                 continue  # not written yet: placing it would change the weights
-            param._local_tensor = place  # type: ignore[attr-defined]
+            set_local_tensor(param, place)
             fsdp_param.reset_sharded_param()
-            if fsdp_param._sharded_param_data.data_ptr() != place.data_ptr():  # FSDP2 kept (or copied) other memory
-                param._local_tensor = local  # type: ignore[attr-defined]
+            if sharded_param_data(fsdp_param).data_ptr() != place.data_ptr():  # FSDP2 kept (or copied) other memory
+                set_local_tensor(param, local)
                 fsdp_param.reset_sharded_param()
                 continue
             placed += 1
@@ -342,7 +341,7 @@ def shards_in_place(model: nn.Module, targets: dict[str, torch.Tensor]) -> bool:
     a parameter new storage. Runs on: every worker rank (no collective; ~1 us a parameter)."""
     positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
     for name, param in model.named_parameters():
-        shard = _row_shard(name, param, positions)
+        shard = row_shard(name, param, positions)
         target = targets.get(name)
         if shard is None or target is None or target.dtype != shard.local.dtype or target.shape != param.shape:
             return False

@@ -17,9 +17,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import check_sequence_length
 from lightning_rlhf.data.chat import check_messages
 from lightning_rlhf.data.prompts import PromptDataModule
-from lightning_rlhf.engines.rollout.base import check_sequence_length
 
 __all__ = ["SFT_COLUMNS", "SFTDataModule", "collate_sft", "encode_chat", "encode_prompt_answer"]
 
@@ -218,7 +218,7 @@ class SFTDataModule(PromptDataModule):
 
         Raises:
             ValueError: ``max_length`` exceeds the model's ``max_position_embeddings`` (the same check as an RL
-                prompt length plus ``max_new_tokens``: :func:`~lightning_rlhf.engines.rollout.base.
+                prompt length plus ``max_new_tokens``: :func:`~lightning_rlhf.config.
                 check_sequence_length`).
         """
         if self._rows is None:

@@ -116,17 +116,11 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_rlhf import (
-        AlgorithmConfig,
-        OptimConfig,
-        PromptDataModule,
-        RLHFStrategy,
-        RolloutConfig,
-        SafetyConfig,
-        ValidationConfig,
-    )
     from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
+    from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, SafetyConfig, ValidationConfig
+    from lightning_rlhf.data import PromptDataModule
     from lightning_rlhf.demo.task import addition_cost, addition_reward, addition_splits
+    from lightning_rlhf.strategy import RLHFStrategy
 
     module_cls, advantage = _algorithms()[args.algo]
     extra: dict[str, Any] = {}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
+if TYPE_CHECKING:
+    import datasets
 
 
 def addition_dataset(*, num_prompts: int = 100, seed: int = 0, digits: int = 1) -> datasets.Dataset:
@@ -35,6 +36,8 @@ def addition_dataset(*, num_prompts: int = 100, seed: int = 0, digits: int = 1) 
     else:
         codes = sorted(random.Random(seed).sample(range(total), num_prompts))
     pairs = [divmod(code, top) for code in codes]
+    import datasets  # on use: `import lightning_rlhf` registers the demo's models without loading `datasets`
+
     return datasets.Dataset.from_dict(
         {"prompt": [f"{a}+{b}=" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]}
     )
@@ -66,6 +69,8 @@ def addition_splits(*, held_out: int = HELD_OUT_PROMPTS, seed: int = 0, digits: 
         raise ValueError(f"addition_splits(held_out={held_out}): expected 1..{len(data) - 1}.")
     test = set(random.Random(seed).sample(range(len(data)), held_out))
     train = [i for i in range(len(data)) if i not in test]
+    import datasets
+
     return datasets.DatasetDict({"train": data.select(train), "test": data.select(sorted(test))})
 
 

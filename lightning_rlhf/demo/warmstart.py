@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,9 +129,12 @@ def _warm_start_here(
     """The SFT run :func:`warm_start` launches; returns the first and last ``sft/loss``. Runs on: one process."""
     import lightning as L
 
-    from lightning_rlhf import OptimConfig, RLHFStrategy, SFTDataModule, SFTModule
     from lightning_rlhf.callbacks import ExportActor
     from lightning_rlhf.callbacks.history import MetricHistory
+    from lightning_rlhf.config import OptimConfig
+    from lightning_rlhf.data import SFTDataModule
+    from lightning_rlhf.modules import SFTModule
+    from lightning_rlhf.strategy import RLHFStrategy
 
     L.seed_everything(seed, verbose=False)
     module = SFTModule(model_dir, optim=OptimConfig(lr=lr), micro_batch_size=batch_size)
@@ -194,6 +198,53 @@ def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
 
 
 @torch.no_grad()
+def tiny_addition_model(cache_dir: str) -> str:
+    """The embedded model ``lightning-rlhf/tiny-addition``: :func:`prepare_demo_model` with seed 0.
+
+    Runs on: any process (plain function; what :func:`lightning_rlhf.models.resolve_model_path` calls)."""
+    return prepare_demo_model(cache_dir, seed=0)
+
+
+def tiny_random_model(cache_dir: str) -> str:
+    """The embedded model ``lightning-rlhf/tiny-random``: the demo's tiny model untrained (:func:`save_tiny`, seed
+    0), cached in ``cache_dir/tiny-random-{CACHE_VERSION}-seed0``; concurrent callers share one copy.
+
+    Runs on: any process (plain function; what :func:`lightning_rlhf.models.resolve_model_path` calls)."""
+    final = os.path.join(cache_dir, f"tiny-random-{CACHE_VERSION}-seed0")
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-random-tmp-", dir=cache_dir)
+    try:
+        built = save_tiny(os.path.join(tmp, "model"), seed=0)
+        if os.path.isdir(final) and not os.path.isfile(os.path.join(final, "config.json")):
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover
+        try:
+            os.replace(built, final)
+        except OSError:  # another process renamed its (complete) copy into place first
+            if not os.path.isfile(os.path.join(final, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+DEMO_MODELS: dict[str, tuple[Callable[[str], str], str]] = {
+    "lightning-rlhf/tiny-addition": (
+        tiny_addition_model,
+        "the demo's tiny Qwen2 model (byte-level BPE tokenizer), warm-started on single-digit addition",
+    ),
+    "lightning-rlhf/tiny-random": (
+        tiny_random_model,
+        "the same tiny Qwen2 model and tokenizer, randomly initialised (warm-start it on your own task first)",
+    ),
+}
+"""The embedded models the demo builds, by name: ``(build(cache_dir) -> folder, description)``; the package's
+``__init__`` registers them in :data:`lightning_rlhf.models.EMBEDDED_MODELS`. Each folder's name carries
+:data:`CACHE_VERSION`, so a copy cached by an older version (without the chat template, with 64 positions) is
+never reused: the new one is built beside it."""
+
+
 def _generate_completions(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_rlhf import cpu
+import lightning_rlhf.cpu as cpu
 from lightning_rlhf.algorithms import MicroBatchAggregation, compute_policy_loss, kl_penalty
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig

@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_rlhf import cpu
+import lightning_rlhf.cpu as cpu
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat import (
     check_lightning_version,

@@ -1,10 +1,12 @@
-"""Dependencies point one way (docs/architecture.md, "Layers"): user module -> ready modules -> RLHFModule ->
-roles -> engines -> algorithms / batch, with the strategy wiring them and knowing roles only by what they
-declare. These tests read the package's imports (outside ``if TYPE_CHECKING:``) so a new upward import fails here."""
+"""Dependencies point one way (docs/architecture.md, "Layers"): every module of the package sits in one layer and
+imports only modules of lower layers (or of its own part), and no set of modules imports itself round (no cycle,
+function-level imports included). These tests read the package's imports (outside ``if TYPE_CHECKING:``) so that a
+new upward import or a new cycle fails here, and a new module without a layer too."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -12,26 +14,48 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_rlhf"
 
-ONLY: dict[str, set[str]] = {"batch": set(), "dispatch": {"batch"}, "compat": set()}
-"""Leaf parts -> the only parts they may import."""
-FORBIDDEN: dict[str, set[str]] = {
-    "algorithms": {"engines", "roles", "module", "modules", "strategy", "cli", "callbacks", "data", "demo"},
-    "engines": {"roles", "module", "modules", "strategy", "cli", "callbacks", "data", "demo"},
-    "cpu": {"roles", "module", "modules", "strategy", "cli", "callbacks", "data", "demo"},
-    "roles": {"strategy", "module", "modules", "cli", "callbacks", "demo"},
-    "module": {"strategy", "modules", "cli", "demo"},
-    "modules": {"strategy", "cli"},
-}
-"""Top-level part of the package -> the parts it must not import."""
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaves", ("batch", "compat", "models", "torch_compat")),
+    ("plumbing", ("dispatch", "sharding")),
+    ("CPU speed layer", ("cpu",)),
+    ("maths and measurements", ("algorithms", "perf")),
+    ("settings and rewards", ("config", "rewards")),
+    ("data", ("data",)),
+    ("training engine", ("engines.train",)),
+    ("rollout engines", ("engines.rollout", "engines")),
+    ("roles", ("roles",)),
+    ("RLHFModule and planner", ("module", "planner")),
+    ("ready modules, placement, export", ("auto_placement", "export", "modules")),
+    ("strategy and callbacks", ("callbacks", "strategy")),
+    ("entry points", ("cli", "demo")),
+    ("package root", ("",)),
+]
+"""Bottom to top: the parts (module paths inside ``lightning_rlhf``, a part holding its submodules) of each layer. A
+module may import a module of a lower layer or of its own part (its own part's order is left to the cycle check);
+never one of a higher layer, nor one of a sibling part in its own layer. ``""`` is the package's ``__init__``, which
+re-exports the public names (and registers the demo's embedded models)."""
 
 
-def _part(path: Path) -> str:
-    rel = path.relative_to(PACKAGE)
-    return rel.parts[0].removesuffix(".py")
+def _module(path: Path, package: Path = PACKAGE) -> str:
+    """``lightning_rlhf.x.y`` of a file in the package (``lightning_rlhf.x`` for ``x/__init__.py``)."""
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """``(line, imported part)`` of every runtime import of ``lightning_rlhf.<part>`` in the file."""
+@functools.cache
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
+    return {_module(path, package): path for path in sorted(package.rglob("*.py"))}
+
+
+@functools.cache
+def _imports(path: Path, package: Path = PACKAGE) -> list[tuple[int, str]]:
+    """``(line, module)`` of every runtime import of a module of the package in the file: module-level and
+    function-level, relative ones resolved; ``from a import b`` is ``a.b`` where that is a module, else ``a``.
+    Imports under ``if TYPE_CHECKING:`` are left out (they never run)."""
+    known = _modules(package)
+    here = _module(path, package)
     tree = ast.parse(path.read_text())
     type_only: set[int] = set()
     for node in ast.walk(tree):
@@ -42,45 +66,161 @@ def _imports(path: Path) -> list[tuple[int, str]]:
         if id(node) in type_only:
             continue
         names: list[str] = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".") if path.name == "__init__.py" else here.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         for name in names:
             bits = name.split(".")
-            if bits[0] == "lightning_rlhf" and len(bits) > 1:
-                found.append((node.lineno, bits[1]))
+            while bits and ".".join(bits) not in known:
+                bits.pop()
+            if bits and bits[0] == PACKAGE.name and ".".join(bits) != here:
+                found.append((node.lineno, ".".join(bits)))
+    return sorted(set(found))
+
+
+def _place(module: str) -> tuple[int, str]:
+    """``(layer index, part)`` of a module: the longest part of :data:`LAYERS` that holds it."""
+    inside = module.removeprefix(PACKAGE.name).removeprefix(".")
+    best: tuple[int, str] | None = None
+    for index, (_, parts) in enumerate(LAYERS):
+        for part in parts:
+            holds = inside == part or inside.startswith(part + ".") if part else inside == ""
+            if holds and (best is None or len(part) > len(best[1])):
+                best = (index, part)
+    if best is None:
+        raise KeyError(module)
+    return best
+
+
+def _upward_in(module: str, package: Path = PACKAGE) -> list[str]:
+    """The imports of ``module`` that break the layer order, as ``file:line: a (layer) imports b (layer)``."""
+    path = _modules(package)[module]
+    layer, part = _place(module)
+    bad = []
+    for line, imported in _imports(path, package):
+        to_layer, to_part = _place(imported)
+        if to_part != part and to_layer >= layer:
+            bad.append(
+                f"{path.relative_to(package.parent)}:{line}: {module} ({LAYERS[layer][0]}) imports {imported} "
+                f"({LAYERS[to_layer][0]})"
+            )
+    return bad
+
+
+def _upward(package: Path = PACKAGE) -> list[str]:
+    """Every import in the package that breaks the layer order."""
+    return [line for module in _modules(package) for line in _upward_in(module, package)]
+
+
+def _cycles(package: Path = PACKAGE) -> list[list[str]]:
+    """The import cycles: strongly connected components of more than one module (Tarjan's algorithm)."""
+    edges = {module: {m for _, m in _imports(path, package)} for module, path in _modules(package).items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
     return found
 
 
-def _files(part: str) -> list[Path]:
-    folder = PACKAGE / part
-    return sorted(folder.rglob("*.py")) if folder.is_dir() else [PACKAGE / f"{part}.py"]
+def test_every_module_has_a_layer() -> None:
+    """A new module (or top-level part) must be placed in :data:`LAYERS` before the order below can hold."""
+    unplaced = []
+    for module in _modules():
+        try:
+            _place(module)
+        except KeyError:
+            unplaced.append(module)
+    assert not unplaced, f"modules in no layer of LAYERS (add their part to the layer they belong in): {unplaced}"
+    listed = {part for _, parts in LAYERS for part in parts}
+    dead = {part for part in listed if not any(_place(m)[1] == part for m in _modules())}
+    assert not dead, f"LAYERS names parts that hold no module: {sorted(dead)}"
 
 
-@pytest.mark.parametrize("part", sorted(FORBIDDEN | ONLY))
-def test_layers_import_one_way(part: str) -> None:
-    bad = []
-    for path in _files(part):
-        for line, imported in _imports(path):
-            wrong = imported not in ONLY[part] if part in ONLY else imported in FORBIDDEN[part]
-            if imported != part and wrong:
-                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports lightning_rlhf.{imported}")
-    rule = f"may import only {sorted(ONLY[part])}" if part in ONLY else f"must not import {sorted(FORBIDDEN[part])}"
-    assert not bad, f"`lightning_rlhf.{part}` {rule}:\n" + "\n".join(bad)
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_layers_import_one_way(module: str) -> None:
+    layer, part = _place(module)
+    bad = _upward_in(module)
+    allowed = [name for _, parts in LAYERS[:layer] for name in parts]
+    assert not bad, (
+        f"`{module}` ({LAYERS[layer][0]}) may import only its own part ({part or 'the root'}) and {allowed}:\n"
+        + "\n".join(bad)
+        + "\nHINT: move what it needs down to the layer where it belongs (or pass it in); an import hidden in a "
+        "function counts too."
+    )
 
 
-def test_the_import_reader_sees_imports() -> None:
-    """The check above would pass vacuously if the reader found nothing: it must see the roles' imports."""
-    parts = {imported for path in _files("roles") for _, imported in _imports(path)}
-    assert {"engines", "dispatch", "batch"} <= parts
+def test_no_import_cycles() -> None:
+    cycles = _cycles()
+    assert not cycles, "import cycles (function-level imports included):\n" + "\n".join(
+        f"{len(c)} modules: {c}" for c in cycles
+    )
+
+
+def test_the_import_reader_sees_every_form(tmp_path: Path) -> None:
+    """The checks above would pass vacuously if the reader missed an import's form: module- and function-level,
+    relative, ``from package import submodule``; and they must skip ``if TYPE_CHECKING:`` blocks."""
+    package = tmp_path / "lightning_rlhf"
+    (package / "roles").mkdir(parents=True)
+    for name in ("__init__.py", "module.py", "roles/__init__.py", "roles/actor.py"):
+        (package / name).write_text("")
+    (package / "roles" / "base.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from lightning_rlhf import batch\n"
+        "from . import actor\n"
+        "if TYPE_CHECKING:\n    from lightning_rlhf import module\n"
+        "def f():\n    from ..module import thing\n"
+    )
+    (package / "batch.py").write_text("import lightning_rlhf.roles.base\n")
+    assert _imports(package / "roles" / "base.py", package) == [
+        (2, "lightning_rlhf.batch"),
+        (3, "lightning_rlhf.roles.actor"),
+        (7, "lightning_rlhf.module"),
+    ]
+    assert _cycles(package) == [["lightning_rlhf.batch", "lightning_rlhf.roles.base"]]
+    assert _upward(package) == [
+        "lightning_rlhf/batch.py:1: lightning_rlhf.batch (leaves) imports lightning_rlhf.roles.base (roles)",
+        "lightning_rlhf/roles/base.py:7: lightning_rlhf.roles.base (roles) imports lightning_rlhf.module "
+        "(RLHFModule and planner)",
+    ]
 
 
 def test_the_strategy_knows_roles_only_by_what_they_declare() -> None:
     role_names = re.compile(r"""\.(actor|critic|reference|reward)\b|["'](actor|critic|reference|reward)["']""")
     hits = [
         f"{path.name}:{n}: {line.strip()}"
-        for path in _files("strategy")
+        for path in sorted((PACKAGE / "strategy").rglob("*.py"))
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if role_names.search(line.split("#")[0])
     ]
@@ -110,7 +250,7 @@ def _cpu_internals(path: Path) -> list[tuple[int, str]]:
 
 def test_only_the_cpu_layer_imports_its_internals() -> None:
     """The CPU speed layer (``lightning_rlhf/cpu``) is reached through its package's interface only
-    (``from lightning_rlhf import cpu``): nothing else in the package imports a module inside it."""
+    (``import lightning_rlhf.cpu as cpu``): nothing else in the package imports a module inside it."""
     bad = [
         f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
         for path in sorted(PACKAGE.rglob("*.py"))
@@ -118,7 +258,7 @@ def test_only_the_cpu_layer_imports_its_internals() -> None:
         for line, name in _cpu_internals(path)
     ]
     assert not bad, (
-        "only lightning_rlhf/cpu may import its modules; use `from lightning_rlhf import cpu`:\n" + "\n".join(bad)
+        "only lightning_rlhf/cpu may import its modules; use `import lightning_rlhf.cpu as cpu`:\n" + "\n".join(bad)
     )
 
 
@@ -127,11 +267,12 @@ def test_the_cpu_rule_sees_internal_imports(tmp_path: Path) -> None:
     source = tmp_path / "x.py"
     source.write_text(
         "from lightning_rlhf.cpu import native, enabled\nfrom lightning_rlhf.cpu.onednn import linear\n"
-        "import lightning_rlhf.cpu.kernels\nfrom lightning_rlhf import cpu\n"
+        "import lightning_rlhf.cpu.kernels\nimport lightning_rlhf.cpu as cpu\n"
     )
     assert [name for _, name in _cpu_internals(source)] == [
         "lightning_rlhf.cpu.native",
         "lightning_rlhf.cpu.onednn",
         "lightning_rlhf.cpu.kernels",
     ]
-    assert any(imported == "cpu" for path in _files("engines") for _, imported in _imports(path))
+    engine = PACKAGE / "engines" / "train" / "engine.py"
+    assert "lightning_rlhf.cpu" in {imported for _, imported in _imports(engine)}

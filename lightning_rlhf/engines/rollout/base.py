@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from lightning_rlhf.config import MAX_TEMPERATURE, MIN_TEMPERATURE, check_sampling, check_sequence_length
+
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.reshard import Slicer
 
@@ -54,13 +56,6 @@ __all__ = [
     "tied_aliases",
     "wake_tags",
 ]
-
-MIN_TEMPERATURE = 0.01
-"""Smallest sampling temperature > 0 that every engine serves as given: vLLM raises anything below to this
-(``vllm.sampling_params._MAX_TEMP``), which would make the engine sample at another temperature than the one the
-trainer scores at."""
-MAX_TEMPERATURE = 2.0
-"""Largest temperature vLLM accepts (it raises at generation time above it)."""
 
 
 WEIGHTS = "weights"
@@ -99,45 +94,6 @@ def wake_tags(tags: Sequence[str] | None, *, owner: str) -> tuple[str, ...]:
     return tuple(t for t in MEMORY_TAGS if t in tags)
 
 
-def check_sampling(*, temperature: float, top_p: float, top_k: int, owner: str) -> None:
-    """Refuse sampling settings that an engine would change or refuse, naming ``owner``'s field and the fix.
-
-    Runs on: any process (the configs call it when they are made, both engines before every generation).
-
-    Args:
-        temperature: 0 for greedy decoding, else in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``.
-        top_p: nucleus mass in ``(0, 1]``.
-        top_k: 0 (off) or the number of tokens kept.
-        owner: what holds the settings, e.g. ``"RolloutConfig"``; errors read ``f"{owner}.temperature=..."``.
-
-    Raises:
-        ValueError: naming the setting, its value, and the fix.
-    """
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not math.isfinite(temperature):
-        raise ValueError(
-            f"{owner}.temperature={temperature!r} is invalid: expected a finite number. "
-            f"HINT: 0 for greedy decoding, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]."
-        )
-    if temperature < 0 or temperature > MAX_TEMPERATURE:
-        raise ValueError(
-            f"{owner}.temperature={temperature!r} is invalid: vLLM serves temperatures in [0, {MAX_TEMPERATURE}]. "
-            f"HINT: 0 for greedy decoding, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (1.0 samples the "
-            "policy as it is)."
-        )
-    if 0 < temperature < MIN_TEMPERATURE:
-        raise ValueError(
-            f"{owner}.temperature={temperature!r} is below {MIN_TEMPERATURE}, which vLLM silently raises to "
-            f"{MIN_TEMPERATURE}: the engine would sample at another temperature than the trainer scores at. "
-            f"HINT: 0 for greedy decoding, or >= {MIN_TEMPERATURE}."
-        )
-    if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
-        raise ValueError(
-            f"{owner}.top_p={top_p!r} is invalid: expected a value in (0, 1]. HINT: 1.0 keeps the full distribution."
-        )
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"{owner}.top_k={top_k!r} is invalid: expected an integer >= 0. HINT: 0 disables top-k.")
-
-
 def logprob_temperature(temperature: float) -> float:
     """The temperature log-probs are computed at for a rollout sampled at ``temperature``: the same one, except
     for greedy decoding (0), whose log-probs are those of the raw policy (temperature 1).
@@ -165,39 +121,6 @@ def processed_logprobs(logits: Tensor, *, temperature: float, top_k: int = 0, to
         remove[..., -1] = False  # the most likely token always stays
         logits = logits.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), -math.inf)
     return torch.log_softmax(logits, dim=-1)
-
-
-def check_sequence_length(
-    *,
-    prompt_length: int,
-    max_new_tokens: int,
-    limit: int,
-    engine: str,
-    prompt_setting: str,
-    subject: str = "Prompts",
-    hint: str = "lower PromptDataModule(max_prompt_length=) or RolloutConfig(max_new_tokens=).",
-) -> None:
-    """Refuse a prompt length plus ``max_new_tokens`` above the positions an engine (or a model) serves.
-
-    Runs on: any process (at set-up with ``max_prompt_length``, before any model loads; in ``generate`` with
-    each prompt's length). Both engines call it, and ``SFTDataModule`` (whole examples, ``max_new_tokens=0``).
-
-    Args:
-        prompt_length: tokens of the (longest) prompt.
-        max_new_tokens: ``RolloutConfig.max_new_tokens`` (0: nothing is generated, not named in the message).
-        limit: the longest sequence the engine serves (vLLM's ``max_model_len``, the model's
-            ``max_position_embeddings`` for transformers).
-        engine: words for the limit, e.g. ``"the vLLM engine's max_model_len"``.
-        prompt_setting: words for the prompt length, e.g. ``"max_prompt_length=60"``.
-        subject: what the sequences are, e.g. ``"Examples"`` for SFT.
-        hint: the fix.
-
-    Raises:
-        ValueError: naming the settings and the fix.
-    """
-    if prompt_length + max_new_tokens > limit:
-        added = f" plus max_new_tokens={max_new_tokens}" if max_new_tokens else ""
-        raise ValueError(f"{subject} of {prompt_setting} tokens{added} exceed {engine}={limit}. HINT: {hint}")
 
 
 def check_prompt_tokens(prompts: list[list[int]], *, vocab_size: int | None, engine: str) -> None:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_rlhf import cpu
+import lightning_rlhf.cpu as cpu
 from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
 
 __all__ = ["MODEL_TYPES", "decode_loop_unsupported", "left_pad", "sample_loop"]

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_rlhf import cpu
+import lightning_rlhf.cpu as cpu
 from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_count
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
@@ -198,7 +198,7 @@ class TrainEngine:
         setting: how the user names this role's model in errors, e.g. ``"ActorRole(path=...)"``.
         fused_norms: switch the bound model's Llama-family RMS norms to the CPU layer's fused RMS norm
             (:func:`lightning_rlhf.cpu.speed_up_model`; the same forward, bitwise; a closed-form backward,
-            docs/performance.md, "Levers measured one by one on the small model's step"). Other architectures are
+            docs/performance-log.md, "Levers measured one by one on the small model's step"). Other architectures are
             left as they are.
         onednn_linears: switch the bound model's ``nn.Linear`` layers to
             oneDNN's float32 products on CPU instead of MKL's (2-2.4x faster on AMD CPUs with AVX-512). Both only

@@ -7,8 +7,6 @@ final norm, head; tied embeddings stay one parameter).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,9 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from lightning_rlhf import cpu
+import lightning_rlhf.cpu as cpu
+from lightning_rlhf.sharding import RowShard, row_shard
 
 __all__ = [
     "clip_grad_norm",
@@ -178,43 +177,17 @@ def _full_tensors(
         yield name, data if dtype is None else data.to(dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class _RowShard:
-    """A parameter sharded by rows the way FSDP2 does it (``Shard(0)`` on a 1-D mesh, ``torch.chunk`` rows), with
-    what its hand-off needs worked out once."""
-
-    name: str
-    shape: torch.Size
-    local: torch.Tensor
-    group: dist.ProcessGroup
-    world: int
-    rank: int
-
-    @property
-    def chunk_rows(self) -> int:
-        """Rows per rank (the last ranks may hold fewer, or none)."""
-        return -(-self.shape[0] // self.world)
-
-    @property
-    def row_numel(self) -> int:
-        return math.prod(self.shape[1:])
-
-    def rows_of(self, rank: int) -> int:
-        """Rows that ``rank`` holds."""
-        return max(0, min(self.shape[0], (rank + 1) * self.chunk_rows) - rank * self.chunk_rows)
-
-
-_Item = tuple[str, torch.Tensor] | list[_RowShard]
+_Item = tuple[str, torch.Tensor] | list[RowShard]
 
 
 def _plan(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> Iterator[_Item]:
     """The hand-off's steps in parameter order: a bucket of row-sharded parameters (a list), or one other
     parameter ``(name, tensor)``."""
     positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}  # per mesh: (group, size, rank); asking is slow
-    bucket: list[_RowShard] = []
+    bucket: list[RowShard] = []
     size = 0
     for name, param in model.named_parameters():
-        shard = _row_shard(name, param, positions)
+        shard = row_shard(name, param, positions)
         if shard is None:
             if bucket:
                 yield bucket
@@ -235,35 +208,7 @@ def _plan(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> Ite
         yield bucket
 
 
-def _row_shard(
-    name: str, data: torch.Tensor, positions: dict[int, tuple[dist.ProcessGroup, int, int]]
-) -> _RowShard | None:
-    """``data`` as a :class:`_RowShard`, or None unless it is a DTensor on a 1-D mesh, ``Shard(0)``, whose local
-    shard holds exactly the rows ``torch.chunk`` gives this rank, contiguously."""
-    if not isinstance(data, DTensor) or data.dim() == 0:
-        return None
-    mesh = data.device_mesh
-    if mesh.ndim != 1 or tuple(data.placements) != (Shard(0),):
-        return None
-    if id(mesh) not in positions:
-        positions[id(mesh)] = (mesh.get_group(), mesh.size(), mesh.get_local_rank())
-    group, world, rank = positions[id(mesh)]
-    shard = _RowShard(name, data.shape, _local(data), group, world, rank)
-    ok = shard.local.shape[0] == shard.rows_of(rank) and shard.local.is_contiguous()
-    return shard if ok else None
-
-
-def _local(data: torch.Tensor) -> torch.Tensor:
-    """The DTensor's local shard (any other tensor: itself). ``to_local()`` is an autograd function (~15 us a call,
-    most of a small model's hand-off plan); read without gradients, the DTensor's own ``_local_tensor`` is the same
-    tensor."""
-    local = getattr(data, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        return local
-    return data.to_local() if isinstance(data, DTensor) else data
-
-
-def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, transport: str) -> cpu.HostBuffer | None:
+def _shared_buffer(buckets: list[list[RowShard]], dtype: torch.dtype | None, transport: str) -> cpu.HostBuffer | None:
     """The host buffer the buckets go through, or None for the collective (see ``full_tensors``' transport)."""
     if transport == "collective" or not buckets:
         return None
@@ -293,7 +238,7 @@ def _shared_buffer(buckets: list[list[_RowShard]], dtype: torch.dtype | None, tr
 
 
 def _share_bucket(
-    bucket: list[_RowShard], received: list[int] | None, dtype: torch.dtype | None, buffer: cpu.HostBuffer, views: bool
+    bucket: list[RowShard], received: list[int] | None, dtype: torch.dtype | None, buffer: cpu.HostBuffer, views: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each rank writes its rows of the bucket's parameters into place in the full tensors laid end to end in
     the buffer's next half (cast on the way), one barrier, then each full tensor is read where it lies."""
@@ -318,7 +263,7 @@ def _share_bucket(
 
 
 def _gather_bucket(
-    bucket: list[_RowShard], received: list[int] | None, dtype: torch.dtype | None
+    bucket: list[RowShard], received: list[int] | None, dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One ``all_gather_into_tensor`` of the bucket's local shards (each padded to its chunk), then each full
     tensor cut out of the rank-major result."""

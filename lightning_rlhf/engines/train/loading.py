@@ -42,6 +42,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_rlhf.torch_compat import local_shape_and_offset, put_buffer, put_parameter
+
 __all__ = [
     "LoadReport",
     "deferred_loading",
@@ -257,7 +259,7 @@ def _parameters_on_meta() -> Iterator[None]:
         original(module, name, param)
         if param is not None and not param.is_meta:
             kind = type(param)
-            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+            put_parameter(module, name, kind(param.to("meta"), requires_grad=param.requires_grad))
 
     nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
@@ -406,10 +408,8 @@ def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``(local tensor, first row, row count)`` of this rank: FSDP2 ``Shard(0)`` rows, or the whole tensor."""
     if not isinstance(param, DTensor):
         return param, 0, (param.shape[0] if param.dim() else 1)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     local = param.to_local()
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = local_shape_and_offset(param)
     full = tuple(param.shape)
     if tuple(shape) != tuple(local.shape) or tuple(shape[1:]) != full[1:] or any(offset[1:]):
         raise NotImplementedError(
@@ -470,29 +470,29 @@ def _allocate(model: nn.Module, device: torch.device) -> None:
         kept = [
             (module, name, buf)
             for module in model.modules()
-            for name, buf in module._buffers.items()
-            if buf is not None and not buf.is_meta
+            for name, buf in module.named_buffers(recurse=False, remove_duplicate=False)
+            if not buf.is_meta
         ]
         model.to_empty(device=device)
         for module, name, buf in kept:
-            module._buffers[name] = buf.to(device)
+            put_buffer(module, name, buf.to(device))
     else:  # nn.Module.to_empty would give each holder of a tied parameter its own copy
         new: dict[int, nn.Parameter] = {}
         old: list[nn.Parameter] = []  # alive until the end, so no id is reused
         for module in model.modules():
-            for name, param in module._parameters.items():
-                if param is None or not param.is_meta:
+            for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+                if not param.is_meta:
                     continue
                 if id(param) not in new:
                     old.append(param)
                     new[id(param)] = type(param)(
                         torch.empty_like(param, device=device), requires_grad=param.requires_grad
                     )
-                module._parameters[name] = new[id(param)]
+                put_parameter(module, name, new[id(param)])
         for module in model.modules():
-            for name, maybe in module._buffers.items():
-                if maybe is not None and maybe.device != device:
-                    module._buffers[name] = maybe.to(device)
+            for name, maybe in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                if maybe.device != device:
+                    put_buffer(module, name, maybe.to(device))
 
 
 def materialize(model: nn.Module, *, device: torch.device | str) -> LoadReport:
