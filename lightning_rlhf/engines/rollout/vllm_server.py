@@ -401,8 +401,6 @@ class _Server:
                     self.reply("ok", self.engine.generate(*message[1:]))
                 elif op == "load_begin":
                     self.load()
-                elif op == "map":
-                    self.map(message)
                 elif op in ("sleep", "wake_up"):
                     args, kwargs = message[1:]
                     self.reply("ok", getattr(self.engine, op)(*args, **kwargs))
@@ -415,7 +413,7 @@ class _Server:
 
 
 def _nbytes(dtype: str, shape: Sequence[int]) -> int:
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return int(torch.Size(shape).numel()) * getattr(torch, dtype).itemsize
 
 
 def main() -> None:
