@@ -123,9 +123,8 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
         algorithm=planner.dataflow_for(planned),
         tp_sizes=(1,),
         unit=1,
-        # With vLLM the actor stays on every rank, with the colocated engine: the cost model has no figures for an
-        # engine server's extra process and host-memory hand-off (a placement may still give the actor part of them).
-        actor_devices=world_size if getattr(module.trainer.strategy, "rollout", None) == "vllm" else None,
+        # vLLM on part of the ranks runs engine servers: their hand-off copies and memory are part of the cost.
+        engine_servers=getattr(module.trainer.strategy, "rollout", None) == "vllm",
     )
     # The actor's pool first, so that it starts at rank 0, beside the controller (exports, sample logs).
     order = sorted(range(len(best.groups)), key=lambda i: "actor" not in best.groups[i])

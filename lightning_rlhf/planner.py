@@ -136,6 +136,12 @@ class Hardware:
     threads: int = 1
     """Compute threads of each process (torch's intra-op threads); with ``cores``, how many processes fit on the
     cores before they time-share them (:func:`core_share`)."""
+    server_copy_bw: float = 25e9
+    """Bytes/s of an engine server's hand-off copies: a vLLM actor on part of the ranks generates in a server
+    process per rank, whose weights travel through a shared-memory file (written by the trainer, cloned by the
+    server). GPUs: host copies over PCIe; CPUs: the measured memcpy bandwidth."""
+    server_call_s: float = 1e-3
+    """Host time one engine-server request adds (pickling the prompts and the results over a Unix socket)."""
 
     def bandwidth(self, devices: int) -> float:
         """Collective bandwidth per device of a group of ``devices``. Runs on: any process."""
@@ -216,6 +222,7 @@ def cpu_hardware(
         "cpu", flops=flops, memory=memory, hbm_bw=memcpy_bw, intra_bw=bw, inter_bw=bw,
         devices_per_node=processes, train_eff=0.7, forward_eff=0.6, bw_eff=1.0, latency_s=200e-6,
         layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=call_s, cores=cores, threads=threads,
+        server_copy_bw=memcpy_bw,
     )  # fmt: skip
 
 
@@ -419,9 +426,12 @@ def _forward_s(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
     return max(compute, comm) + host
 
 
-def _generate_s(model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, free_bytes: float) -> float:
+def _generate_s(
+    model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, free_bytes: float, *, server: bool = False
+) -> float:
     """Prefill + decoding on ``n // tp`` replicas, in waves of as many sequences as the KV cache holds, plus
-    the weight hand-off from the FSDP shards."""
+    the weight hand-off from the FSDP shards (``server``: through an engine server's shared-memory file, two
+    more copies of each rank's weights, and one request per call)."""
     replicas = n // tp
     seqs = math.ceil(wl.sequences / replicas)
     per_seq = model.kv_bytes_per_token() * (wl.prompt_len + wl.response_len)
@@ -434,19 +444,23 @@ def _generate_s(model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, 
     allreduce = 0.0 if tp == 1 else 2 * model.layers * (hw.latency_s + batch * model.hidden * 2.0 / hw.intra_bw)
     decode = wl.response_len * (max(read, compute) + allreduce + model.layers * hw.layer_step_s)
     handoff = 0.0 if n == 1 else 2.0 * model.params / tp / hw.bandwidth(n)
+    if server:
+        handoff += 2 * 2.0 * model.params / tp / hw.server_copy_bw + hw.server_call_s
     return waves * (prefill + decode) + handoff
 
 
 def _pool_memory(
-    roles: Sequence[str], model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int
+    roles: Sequence[str], model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, *, server: bool = False
 ) -> tuple[float, float]:
-    """``(bytes per device that stay, bytes per device left for the KV cache)`` of a pool."""
+    """``(bytes per device that stay, bytes per device left for the KV cache)`` of a pool (``server``: the
+    engine lives in its own process and keeps its weights while training runs)."""
     states = sum((16.0 if role in TRAINABLE else 2.0) * model.params / n for role in roles)
     training = any(role in TRAINABLE for role in roles)
     activations = wl.micro_tokens * model.hidden * (2.0 * model.layers + 34.0) if training else 0.0
     engine = 2.0 * model.params / tp if "actor" in roles else 0.0
     budget = hw.memory * hw.usable_memory
-    fixed = states + max(activations, engine)  # the engine's weights and training's activations take turns
+    # A colocated engine's weights and training's activations take turns; an engine server's stay.
+    fixed = states + (activations + engine if server else max(activations, engine))
     return fixed, budget - states - engine
 
 
@@ -459,9 +473,12 @@ def predict(
     hardware: Hardware | str,
     workload: Workload,
     algorithm: str | list[list[Call]] = "ppo",
+    engine_servers: bool = False,
 ) -> Plan:
     """The cost model's prediction for one placement (``algorithm``: a name in :data:`DATAFLOWS` or the stages
-    of :func:`dataflow_for`; ``hardware``: a :class:`Hardware` or a device type of :data:`HARDWARE`, any case).
+    of :func:`dataflow_for`; ``hardware``: a :class:`Hardware` or a device type of :data:`HARDWARE`, any case;
+    ``engine_servers``: the rollout engine is vLLM, which serves an actor on part of the devices from one engine
+    server process per device, :mod:`lightning_rlhf.engines.rollout.vllm_server`).
 
     Runs on: any process (the controller, before any model loads). Raises :class:`InfeasiblePlacementError` for a
     role of the dataflow in no pool or in two, a TP size that does not divide the actor's pool, or a pool whose
@@ -485,9 +502,10 @@ def predict(
             f"rollout_tp={rollout_tp} does not divide the actor's pool of {devices[actor_pool]} devices. HINT: pick "
             "a TP size that divides it."
         )
+    served = engine_servers and devices[actor_pool] < sum(devices)
     memory, free = [], []
     for group, n in zip(groups, devices, strict=True):
-        fixed, left = _pool_memory(group, model, workload, hardware, n, rollout_tp)
+        fixed, left = _pool_memory(group, model, workload, hardware, n, rollout_tp, server=served and "actor" in group)
         budget = hardware.memory * hardware.usable_memory
         kv_one = model.kv_bytes_per_token() * (workload.prompt_len + workload.response_len) / rollout_tp
         if fixed > budget or ("actor" in group and left < kv_one):
@@ -507,7 +525,7 @@ def predict(
             i = next(j for j, g in enumerate(groups) if role in g)
             n = devices[i]
             if kind == "generate":
-                t = _generate_s(model, workload, hardware, n, rollout_tp, free[i])
+                t = _generate_s(model, workload, hardware, n, rollout_tp, free[i], server=served)
             elif kind == "train":
                 t = _train_s(model, workload, hardware, n)
             else:
@@ -528,6 +546,7 @@ def plan(
     tp_sizes: Sequence[int] = (1, 2, 4, 8),
     unit: int | None = None,
     actor_devices: int | None = None,
+    engine_servers: bool = False,
 ) -> Plan:
     """The fastest placement that fits: every colocation choice x device split x rollout TP size.
 
@@ -536,7 +555,8 @@ def plan(
     ``hardware``: a :class:`Hardware` or a device type of :data:`HARDWARE` (any case: ``"H100"``).
     ``unit``: devices per pool step (None: a whole node once there is more than one; 1 splits single processes,
     as ``RLHFStrategy(placement="auto")`` does for CPU processes). ``actor_devices``: only placements whose actor
-    pool has this many devices (``devices`` keeps a vLLM actor on every rank, with its colocated engine).
+    pool has this many devices. ``engine_servers``: the rollout engine is vLLM (an actor pool smaller than
+    ``devices`` pays its engine servers' hand-off copies, requests and memory; see :func:`predict`).
     """
     hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
     flow = _flow(algorithm)
@@ -559,8 +579,9 @@ def plan(
                     continue
                 try:
                     candidate = predict(
-                        groups, split, tp, model=model, hardware=hardware, workload=workload, algorithm=flow
-                    )
+                        groups, split, tp, model=model, hardware=hardware, workload=workload, algorithm=flow,
+                        engine_servers=engine_servers,
+                    )  # fmt: skip
                 except InfeasiblePlacementError as err:
                     last_error = err
                     continue
@@ -947,9 +968,9 @@ def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) ->
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """``lightning-rlhf plan --config RECIPE --devices N --device-type TYPE [--model-shape S]``: print the fastest
-    placement of the recipe's roles, the predicted time of each stage and, as the last line, one JSON object
-    (``placement``, ``parallel``, ``predicted_step_s``, ...). Returns that object.
+    """``lightning-rlhf plan --config RECIPE --devices N --device-type TYPE [--model-shape S] [--rollout E]``: print
+    the fastest placement of the recipe's roles, the predicted time of each stage and, as the last line, one JSON
+    object (``placement``, ``parallel``, ``predicted_step_s``, ...). Returns that object.
 
     Runs on: one process; loads no model. ``--device-type`` takes any case (``H100``). ``--device-type cpu``
     calibrates on this machine: the matmul peak of one process with the threads Lightning gives each of
@@ -971,6 +992,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--model-shape", choices=sorted(MODELS), help="plan for this shape instead of the actor's")
     parser.add_argument("--tp-sizes", default="1,2,4,8", help="rollout tensor-parallel sizes to consider")
+    parser.add_argument(
+        "--rollout",
+        choices=["vllm", "hf"],
+        default="vllm",
+        help="the rollout engine: vllm (an actor on part of the devices pays its engine servers' hand-off copies "
+        "and memory) or hf",
+    )
     args = parser.parse_args(argv)
     if args.devices < 1:
         parser.error(f"--devices {args.devices}: expected at least 1")
@@ -1006,7 +1034,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unit = 1 if args.device_type == "cpu" else None
     best = plan(
         model=shape, hardware=hardware, devices=args.devices, workload=workload, algorithm=flow, tp_sizes=tp_sizes,
-        unit=unit,
+        unit=unit, engine_servers=args.rollout == "vllm",
     )  # fmt: skip
     tokens = f"{workload.prompt_len} + {workload.response_len} tokens"
     print(

@@ -453,3 +453,35 @@ def test_plan_on_cpu_splits_single_processes_and_counts_the_cores(
         torch.set_num_threads(threads)
     assert chosen[4.0] == {"actor": [0, 1, 2, 3], "critic": [0, 1, 2, 3]}  # enough cores: colocated
     assert chosen[2.0] == {"actor": [0, 1], "critic": [2, 3]}  # the user's 2 cores: the split they measured faster
+
+
+def test_engine_servers_cost_their_copies_requests_and_memory() -> None:
+    """A vLLM actor on part of the devices generates in engine servers (one process per device): the planner adds
+    two host copies of each device's weights and one request to its generation, and keeps the engine's weights
+    beside training's activations. A colocated actor (every device) pays nothing of it."""
+    wl = Workload()
+    hw = HARDWARE["h100"]
+    kw = {"model": MODELS["7b"], "hardware": hw, "workload": wl, "algorithm": "ppo"}
+    groups, devices = [["actor", "reference"], ["critic", "reward"]], [8, 8]
+    plain = predict(groups, devices, 2, **kw)
+    served = predict(groups, devices, 2, engine_servers=True, **kw)
+    copies = 2 * 2.0 * MODELS["7b"].params / 2 / hw.server_copy_bw + hw.server_call_s
+    assert served.stage_s[0] == pytest.approx(plain.stage_s[0] + copies)  # the generation stage
+    assert served.stage_s[1:] == pytest.approx(plain.stage_s[1:])
+    assert served.memory[0] > plain.memory[0] and served.memory[1] == plain.memory[1]
+    everywhere = [["actor", "critic", "reference", "reward"]]
+    assert predict(everywhere, [16], 2, engine_servers=True, **kw) == predict(everywhere, [16], 2, **kw)
+
+
+def test_the_plan_command_names_the_rollout_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rollout hf`` plans without engine servers. 70B PPO on 64 H100s: the transformers engine splits the critic
+    off; vLLM's engine servers would keep the engine's weights beside training's activations on the actor's pool,
+    which then no longer fits, so the vLLM plan colocates and predicts a longer step."""
+    args = ["plan", "--config", str(ROOT / "recipes" / "ppo.yaml"), "--devices", "64", "--device-type", "h100"]
+    args += ["--model-shape", "70b"]
+    steps = {}
+    for engine in ("vllm", "hf"):
+        cli_main([*args, "--rollout", engine])
+        steps[engine] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(steps["vllm"]["placement"]["actor"]) == 64 and len(steps["hf"]["placement"]["actor"]) < 64
+    assert steps["vllm"]["predicted_step_s"] > steps["hf"]["predicted_step_s"]
