@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "sampled_mask"]
 
 
 class Batch:
@@ -150,3 +150,14 @@ def _pad_to_common_shape(parts: list[Tensor]) -> list[Tensor]:
             pad += [0, target[d - 1] - p.shape[d]]
         out.append(torch.nn.functional.pad(p, pad))
     return out
+
+
+def sampled_mask(batch: Batch) -> Tensor:
+    """``[B, R]``: the response tokens the policy sampled. A multi-turn episode (:mod:`lightning_rlhf.agents`) sets
+    ``sampled_mask`` (its observations, tool results and environment turns, are context the model attends to but
+    did not sample); any other rollout: every response token (``response_mask``). Rewards land on, advantages,
+    values and probability checks run over, and the loss counts only these tokens.
+
+    Runs on: any process (pure function).
+    """
+    return batch["sampled_mask"] if "sampled_mask" in batch else batch["response_mask"]

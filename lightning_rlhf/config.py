@@ -152,10 +152,39 @@ class RolloutConfig:
     probability of a sampled token): the first step above it warns with the likely causes. Measured on the demo
     model: float32 about 1e-6 with either engine, a bfloat16 engine against a float32 trainer 0.006; deeper
     models in bfloat16 drift further (raise the bound there). None: never warn."""
+    max_turns: int = 4
+    """Episodes (a module with an ``environment``): the most assistant turns of one episode; an episode still
+    calling tools at its last turn ends there, flagged as truncated. ``max_new_tokens`` bounds each turn."""
+    max_episode_tokens: int | None = None
+    """Episodes: the most tokens after the prompt (sampled turns and observations); None: ``max_new_tokens x
+    max_turns``. An observation that would not fit, with one more sampled token, ends the episode (truncated)."""
+    tool_parser: str = "hermes"
+    """Episodes: the format of the model's tool calls (``<tool_call>{...}</tool_call>``, as Qwen's templates write
+    them); another format is registered with ``lightning_rlhf.agents.register_tool_parser``."""
+    tool_timeout_s: float = 10.0
+    """Episodes: seconds one tool call may run in its worker process; a call that runs longer is killed and the
+    model gets an error observation."""
+    tool_workers: int = 4
+    """Episodes: tool worker processes per rank (calls of different episodes run at once)."""
+    max_tool_response_chars: int = 2000
+    """Episodes: a tool result longer than this is cut (the observation says how much was cut)."""
+    async_episodes: bool = True
+    """Episodes: each engine call takes every episode whose observation is ready, while other episodes' tools still
+    run (one slow tool does not hold the batch). False: lock-step turns, each waiting for every episode's tools."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
             _fail(self, "n", self.n, "an integer >= 1")
+        if self.max_turns < 1:
+            _fail(self, "max_turns", self.max_turns, "an integer >= 1")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
+            _fail(self, "max_episode_tokens", self.max_episode_tokens, "an integer >= 2, or None")
+        if not self.tool_timeout_s > 0:
+            _fail(self, "tool_timeout_s", self.tool_timeout_s, "seconds > 0")
+        if self.tool_workers < 1:
+            _fail(self, "tool_workers", self.tool_workers, "an integer >= 1")
+        if self.max_tool_response_chars < 1:
+            _fail(self, "max_tool_response_chars", self.max_tool_response_chars, "an integer >= 1")
         check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, owner=type(self).__name__)
         if self.max_probs_diff is not None and not 0 < self.max_probs_diff <= 1:
             _fail(self, "max_probs_diff", self.max_probs_diff, "a probability gap in (0, 1], or None (no warning)")

@@ -18,6 +18,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 import lightning_rlhf.perf as perf
+from lightning_rlhf.agents.env import environment_factory, resolve_environment, with_environment_reward
+from lightning_rlhf.agents.rollout import episode_metrics
 from lightning_rlhf.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -31,7 +33,7 @@ from lightning_rlhf.algorithms import (
     pass_at_k,
     scores_to_token_rewards,
 )
-from lightning_rlhf.batch import Batch
+from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.compat import attached_trainer, batches_that_stepped, set_batches_that_stepped
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
 from lightning_rlhf.dispatch import RoleFuture, concurrently, in_background
@@ -75,13 +77,18 @@ class RLHFModule(L.LightningModule):
             rollout engine (transformers' ``attn_implementation``): None keeps the models' default (``"sdpa"``);
             ``"flash_attention_2"`` on GPUs with flash-attn; ``"eager"`` is faster on CPUs for short sequences
             (see docs/performance.md).
+        environment: multi-turn episodes instead of one response per prompt (docs/agents.md): an
+            :class:`~lightning_rlhf.agents.Environment` class (one instance per episode), a factory, a
+            ``ToolEnvironment(tools=[...])``, a TRL-style ``environment_factory`` class, or its import path
+            (``"my_module.MyEnv"``, for recipes). When it scores episodes (``reward(episode)``), its score is the
+            reward component ``environment``, beside ``reward`` if given (``reward`` may then be None).
     """
 
     def __init__(
         self,
         actor: str,
         *,
-        reward: RewardSpec,
+        reward: RewardSpec | None = None,
         critic: str | None = None,
         reference: str | bool | None = None,
         tokenizer: str | None = None,
@@ -93,6 +100,7 @@ class RLHFModule(L.LightningModule):
         validation: ValidationConfig | None = None,
         frozen_dtype: str | torch.dtype = "float32",
         attn_implementation: str | None = None,
+        environment: Any = None,
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -103,6 +111,8 @@ class RLHFModule(L.LightningModule):
         self.validation_config = validation or ValidationConfig()
         actor = check_pretrained(actor, setting="RLHFModule(actor=...)")  # a folder or hub id from here on
         self.reward_config = reward_config or RewardConfig()
+        self.environment = resolve_environment(environment)
+        reward = with_environment_reward(reward, self.environment)
         for part in reward_components(reward, weights=self.reward_config.weights, setting="RLHFModule(reward=...)"):
             if isinstance(part.source, str):
                 check_pretrained(part.source, setting="RLHFModule(reward=...)")
@@ -146,6 +156,7 @@ class RLHFModule(L.LightningModule):
             algorithm=self.algorithm,
             optim=actor_optim or OptimConfig(),
         )
+        self.actor.environment = environment_factory(self.environment) if self.environment is not None else None
         self.critic: CriticRole | None = (
             CriticRole(critic, algorithm=self.algorithm, optim=critic_optim or OptimConfig(lr=1e-5))
             if critic is not None
@@ -212,6 +223,7 @@ class RLHFModule(L.LightningModule):
         change = self._rollout_pool_change(placed)
         if change == "add":
             self.rollout = RolloutRole(self.actor.path, tokenizer=self.tokenizer, rollout=self.rollout_config)
+            self.rollout.environment = self.actor.environment
             self.actor.needs_rollout_engine = False
         elif change == "remove":  # a later fit() without the pool
             del self._modules["rollout"]
@@ -526,7 +538,7 @@ class RLHFModule(L.LightningModule):
         """
         algo = self.algorithm
         metrics = {} if metrics is None else metrics
-        mask = rollout["response_mask"]
+        mask = sampled_mask(rollout)
         scores = rollout["scores"].float()
         if algo.overlong_buffer:
             penalty = overlong_reward_penalty(
@@ -547,25 +559,35 @@ class RLHFModule(L.LightningModule):
             self.kl_controller.update(current_kl, n_steps=len(rollout))
         if algo.mask_truncated:
             rollout["loss_mask"] = mask * (~rollout["response_truncated"]).to(mask.dtype)[:, None]
-        advantages, returns = self.estimate_advantages(rollout, token_rewards)
+        advantages, returns = self.estimate_advantages(rollout, token_rewards, mask=mask)
         rollout["token_rewards"] = token_rewards
         rollout["advantages"] = advantages
         rollout["returns"] = returns
         return rollout
 
     def estimate_advantages(
-        self, rollout: Batch, token_rewards: torch.Tensor, *, values: str = "values", baselines: str = "baselines"
+        self,
+        rollout: Batch,
+        token_rewards: torch.Tensor,
+        *,
+        values: str = "values",
+        baselines: str = "baselines",
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(advantages, returns)`` ``[B, R]`` of ``token_rewards`` with the configured estimator, reading the
-        critic's values and the baselines from the named columns if present.
+        critic's values and the baselines from the named columns if present. ``mask``: the tokens the estimator
+        runs over (default: the sampled ones, :func:`~lightning_rlhf.batch.sampled_mask`); GAE passes over the
+        others (an episode's observations) as if they were not there.
 
         Runs on: controller.
         """
         algo = self.algorithm
+        if mask is None:
+            mask = sampled_mask(rollout)
         return compute_advantages(
             algo.advantage,
             token_rewards=token_rewards,
-            response_mask=rollout["response_mask"],
+            response_mask=mask,
             values=rollout.tensors.get(values),
             group_ids=rollout["uid"],
             baselines=rollout.tensors.get(baselines),
@@ -612,8 +634,9 @@ class RLHFModule(L.LightningModule):
             if key in rollout.meta:
                 out[key] = float(rollout.meta[key])
         if "rollout_logprobs" in rollout and "old_logprobs" in rollout:  # the on-policy update reports its own
-            diff = rollout_probs_diff(rollout["old_logprobs"], rollout["rollout_logprobs"], rollout["response_mask"])
+            diff = rollout_probs_diff(rollout["old_logprobs"], rollout["rollout_logprobs"], sampled_mask(rollout))
             out |= {f"training/{k}": float(v) for k, v in diff.items()}
+        out |= episode_metrics(rollout)
         if timings is not None:  # parameter counts: DTensor numel is the full tensor's, so no collective
             trainer = attached_trainer(self)
             strategy = getattr(trainer, "strategy", None)

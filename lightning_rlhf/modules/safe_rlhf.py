@@ -16,7 +16,7 @@ from lightning_rlhf.algorithms import (
     lagrangian_advantages,
     scores_to_token_rewards,
 )
-from lightning_rlhf.batch import Batch
+from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.config import OptimConfig, SafetyConfig
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.roles import CriticRole, RewardFn, RewardRole
@@ -98,7 +98,7 @@ class SafeRLHFModule(RLHFModule):
             with self.timer("values", metrics):
                 rollout = self.cost_critic.values(self.critic.values(rollout))
         rollout = self.compute_advantages(rollout, metrics)  # the reward's, with the KL penalty if configured
-        cost_rewards = scores_to_token_rewards(rollout["costs"].float(), rollout["response_mask"])
+        cost_rewards = scores_to_token_rewards(rollout["costs"].float(), sampled_mask(rollout))
         cost_advantages, rollout["cost_returns"] = self.estimate_advantages(
             rollout, cost_rewards, values="cost_values", baselines="cost_baselines"
         )

@@ -1,4 +1,5 @@
 """Long-lived reward worker processes: a pool per reward function, each worker a freshly spawned interpreter.
+Tool workers (:mod:`lightning_rlhf.agents.executor`) are the same program, serving tool calls.
 
 The trainer process runs vLLM, gloo, OpenMP and watchdog threads, so it is never forked: a worker is a new
 ``python -P .../pool.py FD PARENT_PID`` (``subprocess`` forks and execs at once, which is safe with threads).
@@ -35,7 +36,17 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["WORKER_ENV", "RewardPool", "ScoresError", "as_scores", "close_reward_pools", "reward_pool"]
+__all__ = [
+    "WORKER_ENV",
+    "RewardPool",
+    "ScoresError",
+    "as_scores",
+    "close_reward_pools",
+    "reward_pool",
+    "spawn_worker",
+    "tool_result_text",
+    "worker_payload",
+]
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +154,7 @@ class RewardPool:
             ) from err
         self.name = name
         self.fn = fn  # held so that the registry's key (the function's id) stays unique
-        self._payload = pickle.dumps((list(sys.path), fn_bytes, _source_lines(fn)))
+        self._payload = worker_payload("reward", fn_bytes, fn)
         self._workers: list[_Worker] = []
         self._size = 0  # workers kept started between calls (the largest num_workers asked for)
         self._owner = os.getpid()
@@ -222,22 +233,9 @@ class RewardPool:
             )
 
     def _spawn(self) -> _Worker:
-        ours, theirs = socket.socketpair()
-        with ours, theirs:
-            env = {**os.environ, **WORKER_ENV}
-            proc = subprocess.Popen(
-                [sys.executable, "-P", os.path.abspath(__file__), str(theirs.fileno()), str(os.getpid())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                env=env,
-                process_group=0,  # its own group: a kill reaches what the function started; Ctrl-C does not
-            )
-            conn = Connection(os.dup(ours.fileno()))
+        proc, conn = spawn_worker(self._payload)
         self.started += 1
-        worker = _Worker(proc, conn, started=time.monotonic())
-        with contextlib.suppress(OSError):  # it died at once: seen as a crash at its first read
-            conn.send_bytes(self._payload)  # into the socket buffer; the worker reads it once it runs
-        return worker
+        return _Worker(proc, conn, started=time.monotonic())
 
     def _top_up(self) -> None:
         while len(self._workers) < self._size:
@@ -247,11 +245,7 @@ class RewardPool:
         """Kill ``w``'s process group (SIGTERM first if ``term``), reap it; returns how it ended."""
         self._workers.remove(w)
         w.conn.close()
-        if term:
-            with contextlib.suppress(OSError):
-                os.killpg(w.proc.pid, signal.SIGTERM)
-        _wait_exit(w.proc.pid, _TERM_GRACE_S)
-        return _reap(w.proc)
+        return kill_worker(w.proc, term=term)
 
     def _run(self, calls: list[Call], *, timeout_s: float, num_workers: int) -> list[Result]:
         results: list[Result | None] = [None] * len(calls)
@@ -331,6 +325,44 @@ class RewardPool:
             assert w.call is not None
             results[w.call] = msg
             w.call, w.deadline = None, math.inf
+
+
+def worker_payload(kind: str, fn_bytes: bytes, fn: Any) -> bytes:
+    """What a new worker reads first: what it serves (``"reward"``: a reward function; ``"tool"``: a mapping of
+    tool names to functions), the trainer's ``sys.path``, the cloudpickled object and, for tracebacks, the lines of
+    the file that defines ``fn``. Runs on: the process that starts workers."""
+    return pickle.dumps((kind, list(sys.path), fn_bytes, _source_lines(fn)))
+
+
+def spawn_worker(payload: bytes) -> tuple[subprocess.Popen[bytes], Connection]:
+    """Start one worker process (a new interpreter running this file, never a fork) and send it ``payload``
+    (:func:`worker_payload`); returns the process and the connection to it. The worker says ``("ready",)`` once
+    loaded. Runs on: the process that owns the worker (safe from any thread: ``subprocess`` forks and execs at
+    once)."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        env = {**os.environ, **WORKER_ENV}
+        proc = subprocess.Popen(
+            [sys.executable, "-P", os.path.abspath(__file__), str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=env,
+            process_group=0,  # its own group: a kill reaches what the function started; Ctrl-C does not
+        )
+        conn = Connection(os.dup(ours.fileno()))
+    with contextlib.suppress(OSError):  # it died at once: seen as a crash at its first read
+        conn.send_bytes(payload)  # into the socket buffer; the worker reads it once it runs
+    return proc, conn
+
+
+def kill_worker(proc: subprocess.Popen[bytes], *, term: bool) -> str:
+    """End a worker and what it started (its process group; SIGTERM first if ``term``), reap it; returns how it
+    ended. Runs on: the process that owns the worker."""
+    if term:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    _wait_exit(proc.pid, _TERM_GRACE_S)
+    return _reap(proc)
 
 
 def _fail_pending(pending: Any, results: list[Result | None], calls: list[Call], result: Result) -> None:
@@ -447,7 +479,7 @@ def _worker_main(fd: int, parent: int) -> None:
     os.set_inheritable(fd, False)  # the function's own subprocesses do not hold the pool's socket open
     conn = Connection(fd)
     with contextlib.suppress(EOFError, OSError):  # the pool closed (or the trainer died): exit quietly
-        sys_path, fn_bytes, source = pickle.loads(conn.recv_bytes())
+        kind, sys_path, fn_bytes, source = pickle.loads(conn.recv_bytes())
         sys.path[:] = sys_path
         if source:  # tracebacks of a function pickled by value quote their lines (cloudpickle names its file so)
             linecache.cache[DYNAMIC_CODE] = (sum(map(len, source)), None, source, DYNAMIC_CODE)
@@ -458,8 +490,8 @@ def _worker_main(fd: int, parent: int) -> None:
             return
         conn.send_bytes(pickle.dumps(("ready",)))
         while True:
-            name, prompts, completions, columns = pickle.loads(conn.recv_bytes())
-            result = _call(fn, name, prompts, completions, columns)
+            request = pickle.loads(conn.recv_bytes())
+            result = _call(fn, *request) if kind == "reward" else _call_tool(fn, *request)
             with contextlib.suppress(Exception):  # before sending: the pool may kill this process once it has it
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -486,6 +518,45 @@ def _call(
     except Exception as err:  # a sequence-like object whose len() or tolist() fails
         message = f"reward function `{name}` returned a {type(values).__name__} that cannot be read: {err!r}"
         return ("invalid", None, message, traceback.format_exc())
+
+
+def tool_result_text(value: Any, *, max_chars: int) -> str:
+    """A tool's return value as the text of a ``tool`` message: a string as it is, JSON for numbers, booleans,
+    None, lists and dicts, cut to ``max_chars`` characters. Runs on: the tool worker (or the rollout's process for
+    an environment's in-process tools).
+
+    Raises TypeError for anything else (an object with no text form the model could read).
+    """
+    import json
+
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"it returned a {type(value).__name__}, which cannot be written into a message ({err}); a tool "
+                "returns a string, a number, a boolean, None, or a list/dict of those"
+            ) from err
+    if len(text) > max_chars:
+        text = text[:max_chars] + f"... [{len(text) - max_chars} characters cut]"
+    return text
+
+
+def _call_tool(
+    functions: Mapping[str, Callable[..., Any]], name: str, arguments: dict[str, Any], max_chars: int
+) -> Result:
+    """One tool call in a tool worker: ``("ok", text)``, or ``raised`` (the tool raised; the message is what the
+    model sees) or ``invalid`` (its value has no text form)."""
+    try:
+        value = functions[name](**arguments)
+    except Exception as err:
+        return ("raised", None, f"{type(err).__name__}: {err}", traceback.format_exc())
+    try:
+        return ("ok", [], tool_result_text(value, max_chars=max_chars), "")
+    except TypeError as err:
+        return ("invalid", None, str(err), "")
 
 
 def _die_with_parent(parent: int) -> None:

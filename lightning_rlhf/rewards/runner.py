@@ -24,6 +24,7 @@ import torch
 from lightning_rlhf.rewards.pool import RewardPool, ScoresError, as_scores, close_reward_pools, reward_pool
 
 __all__ = [
+    "IN_PROCESS",
     "RewardFn",
     "RewardFunctionError",
     "RewardOutcome",
@@ -36,6 +37,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+IN_PROCESS = "__lightning_rlhf_in_process__"
+"""An attribute that, set true on a reward function, has it called in the scoring process whatever
+``RewardConfig.timeout_s`` says: for the framework's own functions that only read a column (the environment's
+reward), which a worker process would only slow down."""
 
 RewardFn = Callable[..., Sequence[float]]
 """``fn(prompts: list[str], completions: list[str], **dataset_columns) -> list[float]`` (TRL's convention)."""
@@ -135,7 +141,7 @@ def call_reward_fn(
     calls = [
         (list(prompts[a:b]), list(completions[a:b]), {k: list(v[a:b]) for k, v in columns.items()}) for a, b in spans
     ]
-    if timeout_s is None:
+    if timeout_s is None or getattr(fn, IN_PROCESS, False):
         results = [_call_here(fn, name, *call) for call in calls]
     else:
         pool = reward_workers(fn, name=name)

@@ -10,8 +10,9 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 import lightning_rlhf.cpu as cpu
+from lightning_rlhf.agents.rollout import EpisodeRunner, sample_episodes
 from lightning_rlhf.algorithms import MicroBatchAggregation, compute_policy_loss, kl_penalty
-from lightning_rlhf.batch import Batch
+from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
@@ -19,12 +20,12 @@ from lightning_rlhf.engines.rollout.base import KV_CACHE, WEIGHTS, generation_eo
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
 from lightning_rlhf.engines.rollout.reshard import weights_for
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, MetricAccumulator, forward_response, full_tensors, world
-from lightning_rlhf.roles.base import Role, RolloutEngineRequest, load_model
+from lightning_rlhf.roles.base import EpisodesMixin, Role, RolloutEngineRequest, load_model
 
 __all__ = ["ActorRole", "rollout_is_weights", "sample_rollout"]
 
 
-class ActorRole(Role):
+class ActorRole(EpisodesMixin, Role):
     """Trainable causal LM. ``generate`` samples rollouts, ``log_prob`` scores them, ``update`` trains on them.
 
     Runs on: every process; its methods are called by the controller and run on all ranks.
@@ -147,6 +148,7 @@ class ActorRole(Role):
             temperature=temperature,
             seed_offset=seed_offset,
             model_path=self.path,
+            episodes=self.episode_runner,
         )
         engine.sleep()
         self.train_engine.onload_optimizer()
@@ -313,7 +315,7 @@ class ActorRole(Role):
         def loss_fn(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
             loss, metrics, logprobs = self._policy_loss(micro, agg, use_kl_loss)
             if agg.counts and fresh and "rollout_logprobs" in micro and "old_logprobs" not in micro:  # on-policy
-                diffs.add(rollout_probs_diff(logprobs, micro["rollout_logprobs"], micro["response_mask"]))
+                diffs.add(rollout_probs_diff(logprobs, micro["rollout_logprobs"], sampled_mask(micro)))
             return loss, metrics
 
         acc = self.train_engine.train(
@@ -515,12 +517,15 @@ def sample_rollout(
     temperature: float | None = None,
     seed_offset: int = 0,
     model_path: str | None = None,
+    episodes: EpisodeRunner | None = None,
 ) -> Batch:
     """Sample with ``engine`` for this rank's prompts: one row per sample with ``responses``, ``response_mask``,
     ``response_truncated``, ``rollout_logprobs`` (when the engine reports them) and the input columns repeated; the
     generation's seconds in ``meta["gen_s"]``. The arguments are :meth:`ActorRole.generate`'s; ``model_path``
     (the policy's checkpoint) adds its ``generation_config.json``'s EOS ids to the ids that end a response, as
     transformers' ``generate`` and vLLM do (the tokenizer's EOS and ``RolloutConfig.stop_token_ids`` always end one).
+    ``episodes``: run multi-turn episodes with the module's environment instead
+    (:func:`~lightning_rlhf.agents.rollout.sample_episodes`).
 
     Runs on: a worker rank holding a rollout engine (the actor's colocated one, or a rollout pool's). The seeds
     depend on the step, the rank in the calling role's pool, the sampling round and ``seed_offset`` only.
@@ -545,6 +550,8 @@ def sample_rollout(
         + seed_offset,
         greedy=greedy,
     )
+    if episodes is not None:  # multi-turn episodes with the module's environment (lightning_rlhf.agents)
+        return sample_episodes(engine, batch, episodes, params, n=n, pad_id=tokenizer.pad_token_id)
     prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
     t0 = time.perf_counter()
     out = engine.generate(prompts, params)
@@ -620,5 +627,5 @@ def _advantage_rows(batch: Batch) -> Tensor:
 
 def _loss_mask(batch: Batch) -> Tensor:
     """Tokens that count in the loss: ``loss_mask`` when the dataflow set one (e.g. DAPO's overlong
-    filtering), else every response token."""
-    return batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"]
+    filtering), else the sampled response tokens (:func:`~lightning_rlhf.batch.sampled_mask`)."""
+    return batch["loss_mask"] if "loss_mask" in batch else sampled_mask(batch)

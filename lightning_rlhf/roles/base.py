@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_rlhf.agents.rollout import EpisodeRunner
 from lightning_rlhf.config import OptimConfig, RolloutConfig
 from lightning_rlhf.engines.train import TrainEngine, make_optimizer
 
@@ -25,6 +26,34 @@ class RolloutEngineRequest:
     """Its tokenizer (pad and EOS ids)."""
     rollout: RolloutConfig
     """The sampling settings."""
+
+
+class EpisodesMixin:
+    """A generating role's episodes: with an ``environment`` (set by the module), ``generate`` runs multi-turn
+    episodes (:mod:`lightning_rlhf.agents`) through the role's :attr:`episode_runner`."""
+
+    environment: Any = None
+    """A zero-argument callable making one environment per episode (None: single-turn rollouts)."""
+    _episodes: EpisodeRunner | None = None
+    path: str
+    tokenizer: Any
+    rollout: RolloutConfig
+
+    @property
+    def episode_runner(self) -> EpisodeRunner | None:
+        """The runner of the environment's episodes, made on first use and kept with its tool workers; None without
+        an environment. Runs on: the worker ranks that generate."""
+        if self.environment is None:
+            return None
+        if self._episodes is None:
+            self._episodes = EpisodeRunner(self.environment, self.tokenizer, self.rollout, model_path=self.path)
+        return self._episodes
+
+    def close_episodes(self) -> None:
+        """End the environment's tool workers. Idempotent. Runs on: every rank, at teardown."""
+        if self._episodes is not None:
+            self._episodes.close()
+            self._episodes = None
 
 
 class Role(nn.Module):

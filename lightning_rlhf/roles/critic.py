@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_rlhf.algorithms import MicroBatchAggregation, value_loss_clipped
-from lightning_rlhf.batch import Batch
+from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig
 from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, forward_response
@@ -67,7 +67,7 @@ class CriticRole(Role):
         def loss_fn(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
             device = self.train_engine.device
             values = forward_response(self.train_engine.model, micro, output="values")["values"]  # type: ignore[arg-type]
-            mask = micro["response_mask"].to(device)
+            mask = sampled_mask(micro).to(device)
             loss, metrics = value_loss_clipped(
                 values,
                 micro[f"{prefix}values"].to(device),
@@ -80,7 +80,7 @@ class CriticRole(Role):
             return loss, {"vf_loss": agg.report(loss, mask), **metrics}
 
         def response_tokens(b: Batch) -> Tensor:
-            return b["response_mask"]
+            return sampled_mask(b)
 
         acc = self.train_engine.train(
             batch,

@@ -14,12 +14,12 @@ from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout import RolloutEngine
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, receive_weights
 from lightning_rlhf.roles.actor import sample_rollout
-from lightning_rlhf.roles.base import Role, RolloutEngineRequest, load_model
+from lightning_rlhf.roles.base import EpisodesMixin, Role, RolloutEngineRequest, load_model
 
 __all__ = ["RolloutRole"]
 
 
-class RolloutRole(Role):
+class RolloutRole(EpisodesMixin, Role):
     """Samples rollouts on ranks that hold no training state: HybridFlow's split of generation from training, and
     the ground of asynchronous rollouts (``AlgorithmConfig.max_staleness``).
 
@@ -135,6 +135,7 @@ class RolloutRole(Role):
             temperature=temperature,
             seed_offset=seed_offset,
             model_path=self.path,
+            episodes=self.episode_runner,
         )
         rollout["weight_version"] = torch.full((len(rollout),), self.weight_version, dtype=torch.long)
         return rollout

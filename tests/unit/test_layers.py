@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("data",)),
     ("training engine", ("engines.train",)),
     ("rollout engines", ("engines.rollout", "engines")),
+    ("agents (multi-turn episodes, tools)", ("agents",)),
     ("roles", ("roles",)),
     ("RLHFModule and planner", ("module", "planner")),
     ("ready modules, placement, export", ("auto_placement", "export", "modules")),

@@ -1,0 +1,247 @@
+"""Environments: where an episode starts, what answers the model's turns, and what the episode is worth.
+
+An environment is a small class; the rollout makes one instance per episode (``environment=MyEnv``: the class, or
+any callable returning an instance)::
+
+    class Arithmetic(ToolEnvironment):
+        tools = [calculator]
+
+        def reward(self, episode: Episode) -> float:
+            return float(episode.row["answer"] in episode.messages[-1]["content"])
+
+- ``reset(row) -> messages``: the episode's first turns, from a dataset row (default: the row's chat messages,
+  or its prompt text as one user turn).
+- ``step(message) -> (observation messages, done)``: the answer to an assistant turn. The default
+  (:class:`ToolEnvironment`) runs the turn's tool calls in tool workers and is done when the model answers
+  without one; an override may answer with ``user`` turns (a game, a simulated user), or return ``None`` to have
+  the turn's tool calls run as by default.
+- ``reward(episode) -> float | None``: the episode's score (None: the module's reward functions score it; they
+  get the whole conversation as the completion and the messages in the ``episode`` column).
+
+A class in TRL's ``environment_factory`` style (``reset(**row)`` returning text to add to the prompt, public methods
+as tools, ``get_reward()``) works too: :func:`as_environment` wraps it. Its tools are bound methods that keep the
+instance's state, so they run in the rollout's process (in a thread, with the timeout, but a call that hangs
+cannot be killed there); plain-function tools run in worker processes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_rlhf.rewards.runner import IN_PROCESS
+
+__all__ = [
+    "Environment",
+    "Episode",
+    "ToolEnvironment",
+    "as_environment",
+    "environment_factory",
+    "environment_reward",
+    "resolve_environment",
+    "scores_episodes",
+    "with_environment_reward",
+]
+
+Message = dict[str, Any]
+
+
+@dataclass
+class Episode:
+    """One episode as the reward sees it: the dataset ``row``, the whole conversation (``messages``, the first
+    turns and every assistant and observation turn) and how it ended."""
+
+    row: Mapping[str, Any]
+    messages: list[Message] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated: bool = False
+
+
+class Environment:
+    """The base class: override :meth:`reset`, :meth:`step` and :meth:`reward` as the task needs.
+
+    Runs on: the process that runs the rollout (a worker rank), one instance per episode. ``tools`` (plain
+    functions with type hints and Google-style docstrings) are rendered into the prompt by the chat template.
+    """
+
+    tools: Sequence[Callable[..., Any]] = ()
+    system_prompt: str | None = None
+
+    def reset(self, row: Mapping[str, Any]) -> list[Message]:
+        """The episode's first messages, from the dataset row: its chat messages (the column
+        ``PromptDataModule(messages_column=...)`` reads), else its ``prompt`` text as one user turn; with
+        ``system_prompt``, a system turn first. Runs on: the rollout's process."""
+        messages: list[Message]
+        for value in row.values():  # the chat column (PromptDataModule's messages_column), whatever its name
+            if isinstance(value, list) and value and all(isinstance(m, Mapping) and "role" in m for m in value):
+                messages = [dict(m) for m in value]
+                break
+        else:
+            text = row.get("prompt")
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{type(self).__name__}.reset: the row has no chat messages and no prompt text (columns: "
+                    f"{sorted(row)}). HINT: override reset(row) to build the first messages from your columns."
+                )
+            messages = [{"role": "user", "content": text}]
+        if self.system_prompt and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def step(self, message: Message) -> tuple[list[Message], bool] | None:
+        """The observation after an assistant turn and whether the episode is done; None: run the turn's tool
+        calls (done when it makes none). Runs on: the rollout's process."""
+        return None
+
+    def reward(self, episode: Episode) -> float | None:
+        """The episode's score; None: the module's reward functions score it. Runs on: the rollout's process."""
+        return None
+
+
+class ToolEnvironment(Environment):
+    """The common case: the model calls ``tools`` until it answers without a call.
+
+    ``ToolEnvironment(tools=[calculator], system_prompt=...)`` or a subclass with ``tools = [...]``.
+    """
+
+    def __init__(self, tools: Sequence[Callable[..., Any]] | None = None, system_prompt: str | None = None) -> None:
+        if tools is not None:
+            self.tools = list(tools)
+        if system_prompt is not None:
+            self.system_prompt = system_prompt
+
+
+class _TRLStyle(Environment):
+    """A TRL ``environment_factory`` instance as an :class:`Environment`: its ``reset(**row)`` text joins the last
+    user turn, its public methods are tools, ``get_reward()`` is the reward."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.tools = [
+            getattr(inner, name)
+            for name, _ in inspect.getmembers(type(inner), inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")
+        ]
+        self.in_process = True
+
+    def reset(self, row: Mapping[str, Any]) -> list[Message]:
+        messages = super().reset(row)
+        extra = self.inner.reset(**row)
+        if extra:
+            if not isinstance(extra, str):
+                raise ValueError(
+                    f"{type(self.inner).__name__}.reset(**row) returned a {type(extra).__name__}; a TRL-style "
+                    "environment returns None or text to append to the last user message."
+                )
+            last = next(m for m in reversed(messages) if m.get("role") == "user")
+            last["content"] = f"{last['content']}{extra}"
+        return messages
+
+    def reward(self, episode: Episode) -> float | None:
+        get_reward = getattr(self.inner, "get_reward", None)
+        return None if get_reward is None else float(get_reward())
+
+
+def as_environment(obj: Any) -> Environment:
+    """``obj`` as an :class:`Environment`: itself, or a TRL-style instance wrapped. Runs on: the rollout's process.
+    Raises ValueError for an object that is neither."""
+    if isinstance(obj, Environment):
+        return obj
+    if callable(getattr(obj, "reset", None)):
+        return _TRLStyle(obj)
+    raise ValueError(
+        f"environment: {type(obj).__name__} has no reset(). HINT: subclass lightning_rlhf.agents.Environment "
+        "(reset, step, reward), use ToolEnvironment(tools=[...]), or give a TRL-style class with reset(**row)."
+    )
+
+
+def environment_factory(environment: Any) -> Callable[[], Environment]:
+    """A zero-argument callable making one :class:`Environment` per episode from what the user gave: a class, a
+    factory function, or an instance (a :class:`ToolEnvironment` holds no episode state, so one instance may serve
+    every episode: it is copied). Runs on: any process (the controller checks it before training)."""
+    if isinstance(environment, Environment):
+        import copy
+
+        return lambda: copy.copy(environment)
+    if callable(environment):
+        return lambda: as_environment(environment())
+    raise ValueError(
+        f"environment={environment!r}: expected an Environment subclass, a factory, or an instance. HINT: "
+        "environment=ToolEnvironment(tools=[my_tool])."
+    )
+
+
+def scores_episodes(environment: Any) -> bool:
+    """Whether ``environment`` (a class, an instance or a factory) scores its episodes itself: an
+    :class:`Environment` that overrides ``reward``, or a TRL-style class with ``get_reward``. A factory function is
+    called once to see. Runs on: every process, when the module is built."""
+    if not isinstance(environment, type) and not isinstance(environment, Environment) and callable(environment):
+        environment = environment()
+    cls = environment if isinstance(environment, type) else type(environment)
+    if issubclass(cls, Environment):
+        return cls.reward is not Environment.reward
+    return callable(getattr(cls, "get_reward", None))
+
+
+def environment_reward(prompts: list[str], completions: list[str], env_reward: list[float], **_: Any) -> list[float]:
+    """The environment's score of each episode (the ``env_reward`` column the rollout wrote), as a reward function:
+    ``RLHFModule(environment=...)`` adds it as the reward component ``environment``. Runs on: the scoring worker,
+    in its own process (it only reads a column)."""
+    bad = [i for i, r in enumerate(env_reward) if r is None or r != r]
+    if bad:
+        raise ValueError(
+            f"the environment's reward(episode) returned None for {len(bad)} of {len(env_reward)} episodes (first: "
+            f"{completions[bad[0]][:200]!r}). HINT: return a float for every episode, or leave reward() to the "
+            "module's reward functions."
+        )
+    return [float(r) for r in env_reward]
+
+
+setattr(environment_reward, IN_PROCESS, True)
+
+
+def resolve_environment(environment: Any) -> Any:
+    """``environment`` as given to the module, an import path (``"package.module.Name"``, as recipes write it)
+    imported. Runs on: every process, when the module is built. Raises ValueError for a path that does not import.
+    """
+    if not isinstance(environment, str):
+        return environment
+    import importlib
+
+    module_name, _, name = environment.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(
+            f"RLHFModule(environment={environment!r}) does not import ({type(err).__name__}: {err}). HINT: give "
+            "the dotted path of an Environment class in an importable module, e.g. 'my_task.CalculatorEnv'."
+        ) from err
+
+
+def with_environment_reward(reward: Any, environment: Any) -> Any:
+    """The module's reward with the environment's as the component ``environment`` when the environment scores
+    its episodes (:func:`scores_episodes`). Runs on: every process, when the module is built. Raises ValueError
+    when neither gives a reward."""
+    if environment is None or not scores_episodes(environment):
+        if reward is None:
+            hint = " or an environment whose reward(episode) scores it" if environment is not None else ""
+            raise ValueError(f"RLHFModule(reward=None): the module has no reward. HINT: pass reward=fn{hint}.")
+        return reward
+    if reward is None:
+        return {"environment": environment_reward}
+    if isinstance(reward, Mapping):
+        named = dict(reward)
+    elif isinstance(reward, str):
+        named = {"model": reward}
+    else:
+        named = {getattr(reward, "__name__", "reward"): reward}
+    if "environment" in named:
+        raise ValueError(
+            "RLHFModule(reward={'environment': ...}): the name 'environment' is the environment's own reward. "
+            "HINT: name that component otherwise."
+        )
+    return {**named, "environment": environment_reward}

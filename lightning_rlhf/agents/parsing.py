@@ -1,0 +1,115 @@
+"""Tool calls in a model's text: the formats chat templates write them in, and a registry for more.
+
+A parser turns one assistant turn's text into its prose and its calls. A malformed call (text between the tags
+that is not JSON, a call without a ``name``, arguments that are not an object) is kept as a :class:`ToolCall` with
+its ``error`` set, so that the environment can answer it with an observation that says what was wrong instead of
+ignoring it or crashing.
+
+The default format is Hermes' (Qwen2/2.5/3, NousResearch, and the demo's tool template)::
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "37 * 41"}}
+    </tool_call>
+
+Another format is a function registered under a name (:func:`register_tool_parser`) and chosen with
+``RolloutConfig(tool_parser=NAME)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ParsedTurn", "ToolCall", "get_tool_parser", "parse_hermes", "register_tool_parser", "tool_parsers"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model wrote: the tool's ``name``, its ``arguments`` and the ``raw`` text it came from.
+    ``error`` is set (and ``name``/``arguments`` may be empty) when the call could not be read."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    raw: str = ""
+    error: str | None = None
+
+    def as_message_call(self) -> dict[str, Any]:
+        """The call as a chat message's ``tool_calls`` entry (the shape transformers' chat templates render).
+        Runs on: any process."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """An assistant turn's ``content`` (its text without the calls) and its ``calls`` in order."""
+
+    content: str
+    calls: tuple[ToolCall, ...] = ()
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def _read_call(raw: str) -> ToolCall:
+    """One call's JSON object, or a call with the ``error`` that says what is wrong with it."""
+    body = raw.strip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as err:
+        return ToolCall("", raw=raw, error=f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return ToolCall("", raw=raw, error='the tool call needs a "name" (a string) and "arguments" (an object)')
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API does
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        return ToolCall(obj["name"], raw=raw, error=f'the "arguments" of {obj["name"]!r} must be a JSON object')
+    return ToolCall(obj["name"], arguments, raw=raw)
+
+
+def parse_hermes(text: str) -> ParsedTurn:
+    """Hermes-style calls: each ``<tool_call>`` JSON ``</tool_call>`` block (an unclosed last block, cut by the
+    token budget, counts as a malformed call). Runs on: the process that runs the rollout (a worker)."""
+    calls = tuple(_read_call(m[1]) for m in _HERMES.finditer(text))
+    content = _HERMES.sub("", text).strip()
+    unclosed = text.rfind("<tool_call>") > text.rfind("</tool_call>")
+    if unclosed and calls:  # the regex took the rest of the text as the last call's body
+        last = calls[-1]
+        if last.error is None:
+            calls = (*calls[:-1], ToolCall(last.name, last.arguments, last.raw, "the tool call has no </tool_call>"))
+    return ParsedTurn(content, calls)
+
+
+ToolParser = Callable[[str], ParsedTurn]
+_PARSERS: dict[str, ToolParser] = {"hermes": parse_hermes}
+
+
+def register_tool_parser(name: str, parser: ToolParser) -> None:
+    """Make ``parser`` (text -> :class:`ParsedTurn`) available as ``RolloutConfig(tool_parser=name)``.
+
+    Runs on: every process that builds the rollout (register at import time of the user's module, as a recipe's
+    reward functions are). Re-registering a name replaces it.
+    """
+    if not name or not callable(parser):
+        raise ValueError(f"register_tool_parser({name!r}, {parser!r}): needs a name and a callable text -> ParsedTurn")
+    _PARSERS[name] = parser
+
+
+def tool_parsers() -> list[str]:
+    """The registered format names. Runs on: any process."""
+    return sorted(_PARSERS)
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser registered as ``name``. Runs on: any process. Raises ValueError naming the known formats."""
+    if name not in _PARSERS:
+        raise ValueError(
+            f"RolloutConfig(tool_parser={name!r}) is not a registered format (known: {tool_parsers()}). HINT: "
+            "register yours with lightning_rlhf.agents.register_tool_parser(name, parser)."
+        )
+    return _PARSERS[name]

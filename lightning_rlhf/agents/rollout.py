@@ -1,0 +1,398 @@
+"""Multi-turn episodes: each turn, the live episodes generate in one engine call; their tool calls run in tool
+workers; an episode goes on as soon as its observation is ready.
+
+Token in, token out: an episode's ids are its prompt's (the first messages rendered once by the chat template, with
+the tools' schemas), then each turn's ids exactly as the engine sampled them, then each observation's ids
+(:class:`~lightning_rlhf.agents.tokens.ChatDelta`). The conversation is never tokenized again from text.
+``sampled_mask`` is 1 on sampled tokens only (the loss counts them, :func:`~lightning_rlhf.batch.sampled_mask`);
+``response_mask`` is 1 on every token of the episode after the prompt
+(the model attends to the observations); ``rollout_logprobs`` is the engine's on sampled tokens, 0 elsewhere.
+
+An episode ends when the model answers without a tool call (or the environment says done), or, flagged as
+truncated, when a turn hits its token limit, ``RolloutConfig.max_turns`` turns have called tools, or the next
+observation would not fit the episode's budget (``max_episode_tokens``) or the model's context. An episode never
+ends on an observation: the reward's last token is a sampled one.
+
+Scheduling (``RolloutConfig.async_episodes``): asynchronous (default), each engine call takes every episode whose
+observation is ready, while the other episodes' tools keep running; lock-step, each turn waits for every
+episode's tools. With one engine call per ready set, any engine works (vLLM, the transformers engine, an engine
+server).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lightning_rlhf.agents.env import Environment, Episode, Message
+from lightning_rlhf.agents.executor import ToolExecutor, ToolResult
+from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser
+from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template
+from lightning_rlhf.agents.tools import ToolSet
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import RolloutConfig
+from lightning_rlhf.engines.rollout.base import RolloutEngine, SamplingParams
+
+__all__ = ["EPISODE_COLUMNS", "EpisodeRunner", "episode_metrics", "sample_episodes"]
+
+EPISODE_COLUMNS = ("episode", "env_reward")
+"""Columns an episode batch adds: the conversation's messages, the environment's reward (NaN: none)."""
+
+_TURN_SEED = 15_485_863  # a prime: the seeds of successive engine calls never meet
+
+
+@dataclasses.dataclass
+class _Live:
+    """One episode while it runs."""
+
+    env: Environment
+    info: Episode
+    tools: ToolSet
+    delta: ChatDelta
+    prompt: list[int]
+    ids: list[int] = dataclasses.field(default_factory=list)  # after the prompt
+    sampled: list[int] = dataclasses.field(default_factory=list)  # 1: sampled, 0: observation
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    # per call: a future, an error text, or the environment's own message
+    pending: list[tuple[ToolCall, Any]] = dataclasses.field(default_factory=list)
+    last_id: int | None = None
+    done: bool = False
+    tool_s: float = 0.0
+    observation_tokens: int = 0
+
+
+class EpisodeRunner:
+    """What one rank needs to run episodes for an environment: the tool executor, the chat delta, the parser.
+    Made once per role and kept across steps (its tool workers live as long as it does).
+
+    Runs on: the process that runs the rollout (a worker rank with a rollout engine).
+    """
+
+    def __init__(
+        self, make_env: Callable[[], Environment], tokenizer: Any, cfg: RolloutConfig, *, model_path: str | None = None
+    ) -> None:
+        self.make_env = make_env
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.context = _model_context(model_path)
+        """The model's context bound (its positions), None when its config states none."""
+        self.parse = get_tool_parser(cfg.tool_parser)
+        self._toolsets: dict[tuple[int, ...], tuple[ToolSet, ChatDelta, ToolExecutor | None]] = {}
+        self._threads = cf.ThreadPoolExecutor(max(1, cfg.tool_workers), thread_name_prefix="lightning-rlhf-env")
+
+    def close(self) -> None:
+        """End the tool workers and threads. Idempotent. Runs on: the rollout's process, at teardown."""
+        for _, _, executor in self._toolsets.values():
+            if executor is not None:
+                executor.close()
+        self._toolsets.clear()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _tools_of(self, env: Environment) -> tuple[ToolSet, ChatDelta, ToolExecutor | None]:
+        """The environment's tools, its chat delta (with the tools' schemas) and executor, made once per set of
+        tool functions (an environment class's instances share theirs)."""
+        in_process = getattr(env, "in_process", False)
+        key = tuple(id(getattr(t, "__func__", t)) for t in env.tools) + ((-1,) if in_process else ())
+        if key not in self._toolsets:
+            tools = ToolSet(env.tools)
+            kwargs = {"tools": tools.schemas} if len(tools) else {}
+            delta = check_chat_template(self.tokenizer, **kwargs)
+            executor = None
+            if len(tools) and not in_process:
+                executor = ToolExecutor(
+                    tools.functions,
+                    timeout_s=self.cfg.tool_timeout_s,
+                    num_workers=self.cfg.tool_workers,
+                    max_chars=self.cfg.max_tool_response_chars,
+                )
+                executor.start()
+            self._toolsets[key] = (tools, delta, executor)
+        return self._toolsets[key]
+
+    # --------------------------------------------------------------------------------------------- episode
+    def _start(self, row: dict[str, Any]) -> _Live:
+        env = self.make_env()
+        messages = env.reset(row)
+        if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError(
+                f"{type(env).__name__}.reset(row) returned {messages!r}; expected a non-empty list of chat messages "
+                "({'role': ..., 'content': ...}). HINT: return at least the user's first turn."
+            )
+        tools, delta, _ = self._tools_of(env)
+        prompt = self.tokenizer.apply_chat_template(
+            messages, tools=tools.schemas or None, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if not isinstance(prompt, list):  # a BatchEncoding
+            prompt = list(prompt["input_ids"])
+        info = Episode(row=row, messages=[dict(m) for m in messages])
+        return _Live(env=env, info=info, tools=tools, delta=delta, prompt=[int(i) for i in prompt])
+
+    def _after_turn(self, ep: _Live, turn: list[int], logprobs: Sequence[float], stops: set[int], limit: int) -> None:
+        """Append a sampled turn; end the episode or start its observation (tools, or the environment's step)."""
+        turn = turn[:limit]
+        logprobs = list(logprobs[: len(turn)]) + [0.0] * (len(turn) - len(logprobs))
+        ep.ids += turn
+        ep.sampled += [1] * len(turn)
+        ep.logprobs += logprobs
+        ep.last_id = turn[-1] if turn else None
+        ep.info.turns += 1
+        text = self.tokenizer.decode(turn, skip_special_tokens=True)
+        message: Message = {"role": "assistant", "content": text}
+        ep.info.messages.append(message)
+        if not turn or turn[-1] not in stops:  # cut by the turn's (or the episode's) token limit
+            ep.info.truncated = ep.done = True
+            return
+        answered = ep.env.step(message)
+        if answered is not None:
+            observation, done = answered
+            if done:
+                ep.done = True
+                return
+            ep.pending = [(ToolCall("", raw="environment"), m) for m in _messages(observation, ep.env)]
+        else:
+            calls = self.parse(text).calls
+            if not calls:
+                ep.done = True
+                return
+            ep.info.tool_calls += len(calls)
+            _, _, executor = self._tools_of(ep.env)
+            for call in calls:
+                problem = ep.tools.check(call)
+                if problem is not None:
+                    ep.info.tool_errors += 1
+                    ep.pending.append((call, f"error: {problem}"))
+                elif executor is None:  # stateful tools of a TRL-style environment: in this process
+                    ep.pending.append(
+                        (call, self._threads.submit(_in_process, ep.tools.functions[call.name], call, self.cfg))
+                    )
+                else:
+                    ep.pending.append((call, executor.submit(call)))
+        if ep.info.turns >= self.cfg.max_turns:  # its observation would never be answered
+            for _, pending in ep.pending:
+                if isinstance(pending, cf.Future):
+                    pending.cancel()
+            ep.pending = []
+            ep.info.truncated = ep.done = True
+
+    def _ready(self, ep: _Live) -> bool:
+        return all(not isinstance(p, cf.Future) or p.done() for _, p in ep.pending)
+
+    def _observe(self, ep: _Live, budget: int, context: int | None) -> None:
+        """Append the episode's observation (its tool results or the environment's turns), or end it when the
+        observation does not fit."""
+        messages: list[Message] = []
+        for call, pending in ep.pending:
+            if isinstance(pending, dict):  # the environment's own message
+                messages.append(pending)
+                continue
+            if isinstance(pending, cf.Future):
+                result = pending.result()
+                ep.tool_s += result.seconds
+                ep.info.tool_errors += not result.ok
+                text = result.text
+            else:
+                text = pending
+            messages.append({"role": "tool", "name": call.name or "error", "content": text})
+        ep.pending = []
+        obs = ep.delta.observation_ids(messages, last_id=ep.last_id)
+        room = budget - len(ep.ids)
+        if context is not None:
+            room = min(room, context - len(ep.prompt) - len(ep.ids))
+        if len(obs) + 1 > room:  # no room for the observation and one more sampled token
+            ep.info.truncated = ep.done = True
+            return
+        ep.ids += obs
+        ep.sampled += [0] * len(obs)
+        ep.logprobs += [0.0] * len(obs)
+        ep.observation_tokens += len(obs)
+        ep.info.messages += messages
+
+    # ------------------------------------------------------------------------------------------------ run
+    def run(
+        self,
+        engine: RolloutEngine,
+        rows: list[dict[str, Any]],
+        params: SamplingParams,
+        *,
+        context: int | None,
+    ) -> tuple[list[_Live], float]:
+        """Run one episode per row to its end; returns them and the seconds spent in the engine.
+
+        Runs on: the rollout's process. ``params``: the step's sampling settings (``n`` is ignored: a row is one
+        episode; each engine call gets its own seed).
+        """
+        cfg = self.cfg
+        budget = cfg.max_episode_tokens or cfg.max_new_tokens * cfg.max_turns
+        stops = set(params.stop_token_ids)
+        episodes = [self._start(row) for row in rows]
+        ready = list(episodes)
+        calls = 0
+        gen_s = 0.0
+        while True:
+            waiting = [ep for ep in episodes if ep.pending]
+            if cfg.async_episodes:
+                ready += [ep for ep in waiting if self._ready(ep)]
+                if not ready and waiting:
+                    futures = [p for ep in waiting for _, p in ep.pending if isinstance(p, cf.Future)]
+                    cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                    continue
+            elif not ready:
+                ready = waiting
+            for ep in [ep for ep in ready if ep.pending]:
+                self._observe(ep, budget, context)
+            ready = [ep for ep in ready if not ep.done]
+            if not ready:
+                if any(ep.pending for ep in episodes):
+                    continue
+                break
+            limits = [min(cfg.max_new_tokens, budget - len(ep.ids), _room(ep, context)) for ep in ready]
+            call = dataclasses.replace(
+                params, n=1, max_new_tokens=max(limits), seed=(params.seed + calls * _TURN_SEED) % (1 << 62)
+            )
+            calls += 1
+            t0 = time.perf_counter()
+            out = engine.generate([ep.prompt + ep.ids for ep in ready], call)
+            gen_s += time.perf_counter() - t0
+            logprobs = out.logprobs or [[] for _ in out.responses]
+            for ep, turn, lp, limit in zip(ready, out.responses, logprobs, limits, strict=True):
+                self._after_turn(ep, list(turn), lp, stops, limit)
+            ready = []
+        for ep in episodes:
+            ep.info.messages = [dict(m) for m in ep.info.messages]
+        return episodes, gen_s
+
+
+def _model_context(model_path: str | None) -> int | None:
+    if model_path is None:
+        return None
+    from transformers import AutoConfig
+
+    from lightning_rlhf.engines.rollout.hf import model_max_length
+
+    try:
+        return model_max_length(AutoConfig.from_pretrained(model_path))
+    except (OSError, ValueError):  # no config to read (an embedded name resolved elsewhere): no bound here
+        return None
+
+
+def _room(ep: _Live, context: int | None) -> int:
+    return math.inf if context is None else context - len(ep.prompt) - len(ep.ids)  # type: ignore[return-value]
+
+
+def _messages(observation: Any, env: Environment) -> list[Message]:
+    if not isinstance(observation, list) or not all(isinstance(m, dict) and "role" in m for m in observation):
+        raise ValueError(
+            f"{type(env).__name__}.step returned {observation!r} as its observation; expected a list of chat messages "
+            "({'role': 'user' or 'tool', 'content': ...}). HINT: return (messages, done), or None to run the tool "
+            "calls."
+        )
+    return [dict(m) for m in observation]
+
+
+def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> ToolResult:
+    """A stateful tool (a TRL-style environment's method) in a thread of the rollout's process."""
+    from lightning_rlhf.rewards.pool import tool_result_text
+
+    start = time.monotonic()
+    try:
+        text = tool_result_text(fn(**call.arguments), max_chars=cfg.max_tool_response_chars)
+    except TypeError as err:
+        return ToolResult(
+            f"error: the tool {call.name} returned a value the model cannot read: {err}",
+            "invalid_result",
+            time.monotonic() - start,
+        )
+    except Exception as err:
+        return ToolResult(
+            f"error: the tool {call.name} raised {type(err).__name__}: {err}", "raised", time.monotonic() - start
+        )
+    return ToolResult(text, "ok", time.monotonic() - start)
+
+
+def sample_episodes(
+    engine: RolloutEngine,
+    batch: Batch,
+    runner: EpisodeRunner,
+    params: SamplingParams,
+    *,
+    n: int,
+    pad_id: int,
+) -> Batch:
+    """Episodes for this rank's prompts, ``n`` per prompt: one row each, with the batch layout of a single-turn
+    rollout (``prompts``/``prompt_mask`` now the rendered first messages, ``responses``, ``response_mask``,
+    ``response_truncated``, ``rollout_logprobs``) plus ``sampled_mask`` (the sampled tokens), the episode counters
+    (``turns``, ``tool_calls``, ``tool_errors``, ``tool_s``, ``observation_tokens``) and the columns of
+    :data:`EPISODE_COLUMNS`.
+
+    Runs on: a worker rank holding a rollout engine.
+    """
+    rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
+    rows = [{k: v[i] for k, v in rollout.columns.items()} for i in range(len(rollout))]
+    t0 = time.perf_counter()
+    episodes, gen_s = runner.run(engine, rows, params, context=runner.context)
+    wall_s = time.perf_counter() - t0
+    b = len(episodes)
+    pwidth = max(len(ep.prompt) for ep in episodes)
+    rwidth = max(1, max(len(ep.ids) for ep in episodes))
+    prompts = torch.full((b, pwidth), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((b, pwidth), dtype=torch.long)
+    responses = torch.full((b, rwidth), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((b, rwidth), dtype=torch.long)
+    loss_mask = torch.zeros((b, rwidth), dtype=torch.long)
+    logprobs = torch.zeros((b, rwidth))
+    for i, ep in enumerate(episodes):
+        p, r = len(ep.prompt), len(ep.ids)
+        prompts[i, pwidth - p :] = torch.tensor(ep.prompt)
+        prompt_mask[i, pwidth - p :] = 1
+        responses[i, :r] = torch.tensor(ep.ids, dtype=torch.long)
+        response_mask[i, :r] = 1
+        loss_mask[i, :r] = torch.tensor(ep.sampled, dtype=torch.long)
+        logprobs[i, :r] = torch.tensor(ep.logprobs)
+    rollout["prompts"], rollout["prompt_mask"] = prompts, prompt_mask
+    rollout["responses"], rollout["response_mask"], rollout["sampled_mask"] = responses, response_mask, loss_mask
+    rollout["rollout_logprobs"] = logprobs
+    rollout["response_truncated"] = torch.tensor([ep.info.truncated for ep in episodes])
+    rollout["turns"] = torch.tensor([ep.info.turns for ep in episodes])
+    rollout["tool_calls"] = torch.tensor([ep.info.tool_calls for ep in episodes])
+    rollout["tool_errors"] = torch.tensor([ep.info.tool_errors for ep in episodes])
+    rollout["tool_s"] = torch.tensor([ep.tool_s for ep in episodes], dtype=torch.float32)
+    rollout["observation_tokens"] = torch.tensor([ep.observation_tokens for ep in episodes])
+    rewards = [ep.env.reward(ep.info) for ep in episodes]
+    rollout["env_reward"] = [math.nan if r is None else float(r) for r in rewards]
+    rollout["episode"] = [ep.info.messages for ep in episodes]
+    rollout.meta["gen_s"] = gen_s
+    rollout.meta["episodes_s"] = wall_s
+    rollout.meta["group_size"] = n
+    return rollout
+
+
+def episode_metrics(rollout: Batch) -> dict[str, float]:
+    """The episodes' metrics of a rollout (empty for single-turn rollouts): ``rollout/turns/mean|max``,
+    ``rollout/tool_calls/mean``, ``rollout/tool_errors`` (calls that failed, in the batch), ``rollout/tool_s/mean``
+    (seconds of tool calls per episode), ``rollout/observation_tokens/mean``, ``rollout/truncated`` (share of
+    episodes cut by a limit) and ``rollout/env_reward/mean`` when the environment scores.
+
+    Runs on: controller.
+    """
+    if "turns" not in rollout:
+        return {}
+    turns = rollout["turns"].float()
+    out = {
+        "rollout/turns/mean": float(turns.mean()),
+        "rollout/turns/max": float(turns.max()),
+        "rollout/tool_calls/mean": float(rollout["tool_calls"].float().mean()),
+        "rollout/tool_errors": float(rollout["tool_errors"].sum()),
+        "rollout/tool_s/mean": float(rollout["tool_s"].float().mean()),
+        "rollout/observation_tokens/mean": float(rollout["observation_tokens"].float().mean()),
+        "rollout/truncated": float(rollout["response_truncated"].float().mean()),
+    }
+    env = torch.tensor(rollout["env_reward"], dtype=torch.float32)
+    if not env.isnan().all():
+        out["rollout/env_reward/mean"] = float(env.nanmean())
+    return out

@@ -1,0 +1,90 @@
+"""Token in, token out: an episode's ids grow by what the engine sampled and by each observation's ids, tokenized
+once, never by re-tokenizing the conversation from text.
+
+An observation (tool results, an environment's turn) is the chat template's *delta*: what the template writes
+after an assistant turn's end-of-turn token for the new messages, up to and including the next generation prompt.
+It is found by rendering a stand-in conversation twice, with and without the new messages, and keeping the ids
+after the stand-in's last end-of-turn token (the newline Qwen's template writes after ``<|im_end|>`` belongs to
+the delta). The model's own ids are never rendered: whatever it sampled stays as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["ChatDelta", "check_chat_template"]
+
+_STAND_IN = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}]
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, generation: bool, **kwargs: Any) -> list[int]:
+    out = tokenizer.apply_chat_template(
+        list(messages), tokenize=True, add_generation_prompt=generation, return_dict=False, **kwargs
+    )
+    if isinstance(out, Mapping):  # some tokenizers return a BatchEncoding whatever return_dict says
+        out = out["input_ids"]
+    return [int(i) for i in out]
+
+
+class ChatDelta:
+    """The observation ids of a tokenizer's chat template (one per rollout; the template is rendered twice per
+    observation). Runs on: the process that runs the rollout (a worker).
+
+    ``chat_kwargs`` go to every ``apply_chat_template`` call (``tools=`` schemas, ``enable_thinking=``...).
+    """
+
+    def __init__(self, tokenizer: Any, **chat_kwargs: Any) -> None:
+        self.tokenizer = tokenizer
+        self.chat_kwargs = chat_kwargs
+        base = _render(tokenizer, _STAND_IN, generation=False, **chat_kwargs)
+        self._prefix = base[: self._end_of_turn_at(base) + 1]
+        self.end_of_turn_id = self._prefix[-1]
+
+    def _end_of_turn_at(self, ids: Sequence[int]) -> int:
+        """Where the stand-in assistant turn's end-of-turn token is: the last special token the template wrote."""
+        start = len(_render(self.tokenizer, _STAND_IN[:1], generation=True, **self.chat_kwargs))
+        special = set(self.tokenizer.all_special_ids)
+        ends = [i for i in range(start, len(ids)) if ids[i] in special]
+        if not ends:
+            raise ValueError(
+                f"the tokenizer's chat template ends an assistant turn with no special token (rendered: "
+                f"{self.tokenizer.decode(ids[start:])!r}), so an episode cannot tell where a turn ends. HINT: use a "
+                "chat template whose assistant turns end with the EOS token (e.g. <|im_end|>, </s>)."
+            )
+        return ends[-1]
+
+    def observation_ids(self, messages: Sequence[Mapping[str, Any]], *, last_id: int | None = None) -> list[int]:
+        """The ids that follow a sampled assistant turn for ``messages`` (``tool`` or ``user`` turns), ending with
+        the generation prompt. ``last_id``: the turn's last sampled id; when it is not the end-of-turn token (the
+        turn stopped at another stop token), the end-of-turn token comes first, as context."""
+        full = _render(self.tokenizer, [*_STAND_IN, *messages], generation=True, **self.chat_kwargs)
+        if full[: len(self._prefix)] != self._prefix:
+            raise ValueError(
+                "the tokenizer's chat template renders the turns before new messages differently once they are "
+                "added (it is not prefix-preserving), so observations cannot be tokenized alone. HINT: use a "
+                "template that renders earlier turns the same whatever follows (Qwen2.5's, Llama 3's, the demo's)."
+            )
+        delta = full[len(self._prefix) :]
+        return delta if last_id in (None, self.end_of_turn_id) else [self.end_of_turn_id, *delta]
+
+
+def check_chat_template(tokenizer: Any, **chat_kwargs: Any) -> ChatDelta:
+    """Check, before any rollout, that the chat template renders a ``tool`` message (its content appears in the
+    delta) and is prefix-preserving; returns the :class:`ChatDelta`. Runs on: the controller at set-up, and each
+    rollout worker. Raises ValueError with what to change."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "an environment needs a chat template: the tokenizer has none. HINT: use an instruct model's tokenizer, "
+            "or set tokenizer.chat_template."
+        )
+    delta = ChatDelta(tokenizer, **chat_kwargs)
+    marker = "7261"
+    ids = delta.observation_ids([{"role": "tool", "name": "probe", "content": marker}])
+    if marker not in tokenizer.decode(ids):
+        raise ValueError(
+            "the tokenizer's chat template drops 'tool' messages (a tool result did not appear in the rendered "
+            "turn), so the model would never see its tools' results. HINT: use a template that renders the 'tool' "
+            "role (Qwen2.5's does), or have the environment answer with 'user' messages."
+        )
+    return delta

@@ -1,0 +1,256 @@
+"""Multi-turn episodes (lightning_rlhf.agents.rollout): token in, token out, loss masks, tool results as
+observations, and the ways an episode ends.
+
+The engine here is a scripted stand-in: it answers each prompt with a fixed text chosen from the conversation so
+far, tokenized and ended with the template's end-of-turn token, so that the episodes' bookkeeping can be checked
+token by token. The real engines run episodes in tests/distributed/test_episodes.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from lightning_rlhf.agents import Environment, Episode, ToolEnvironment
+from lightning_rlhf.agents.env import environment_factory
+from lightning_rlhf.agents.rollout import EpisodeRunner, sample_episodes
+from lightning_rlhf.agents.tokens import check_chat_template
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import RolloutConfig
+from lightning_rlhf.demo.tiny import build_tiny_tokenizer
+from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams
+from tests.agent_tools import calculator
+
+# A chat template in Qwen2.5's layout (written here from its documented rendering): turns between <|im_start|>ROLE
+# and <|im_end|>, tools listed in the system turn, consecutive tool results in one user turn as <tool_response>s.
+QWEN_STYLE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}"
+    "\n\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_style_tokenizer():
+    tok = build_tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = QWEN_STYLE
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+TOKENIZERS = {"demo": build_tiny_tokenizer, "qwen-style": qwen_style_tokenizer}
+
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 41"}}\n</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers from the conversation so far: a tool call, then (once a tool result is in it) the answer."""
+
+    def __init__(self, tokenizer, script=None) -> None:
+        self.tok = tokenizer
+        self.eot = check_chat_template(tokenizer).end_of_turn_id
+        self.calls: list[int] = []
+        self.script = script or (
+            lambda text: (
+                f"The answer is {text.split('1517')[0] and 1517}." if "1517" in text else f"Let me compute.\n{CALL}"
+            )
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        self.calls.append(len(prompts))
+        out = []
+        for ids in prompts:
+            text = self.script(self.tok.decode(ids))
+            reply = [*self.tok.encode(text, add_special_tokens=False), self.eot][: params.max_new_tokens]
+            out.append(reply)
+        return RolloutOutput(out, [[-0.5] * len(r) for r in out])
+
+
+def prompt_batch(tok, texts: list[str]) -> Batch:
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    width = max(map(len, ids))
+    prompts = torch.full((len(ids), width), tok.pad_token_id)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, row in enumerate(ids):
+        prompts[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+    return Batch({"prompts": prompts, "prompt_mask": mask, "uid": torch.arange(len(ids))}, {"prompt": texts})
+
+
+def run(tok, env, cfg: RolloutConfig, texts=("37*41=?",), n=1, engine=None) -> tuple[Batch, ScriptedEngine]:
+    engine = engine or ScriptedEngine(tok)
+    runner = EpisodeRunner(environment_factory(env), tok, cfg)
+    try:
+        stops = (check_chat_template(tok).end_of_turn_id,)
+        params = SamplingParams(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, seed=3)
+        return sample_episodes(
+            engine, prompt_batch(tok, list(texts)), runner, params, n=n, pad_id=tok.pad_token_id
+        ), engine
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_episode_ids_decode_to_the_conversation_the_template_renders(name: str) -> None:
+    tok = TOKENIZERS[name]()
+    env = ToolEnvironment(tools=[calculator], system_prompt="Use the calculator.")
+    batch, engine = run(tok, env, RolloutConfig(max_new_tokens=128, max_turns=4, async_episodes=False), n=2)
+    assert len(batch) == 2 and engine.calls == [2, 2]  # lock-step: each turn, every live episode in one call
+    messages = batch["episode"][0]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[3]["content"] == "1517"  # the calculator ran in its worker
+    assert messages[4]["content"] == "The answer is 1517."
+    p, r = batch["prompt_mask"][0].bool(), batch["response_mask"][0].bool()
+    ids = batch["prompts"][0][p].tolist() + batch["responses"][0][r].tolist()
+    rendered = tok.apply_chat_template(messages, tools=[calculator], tokenize=False)
+    # The same text, but for the newline the template writes after the last turn's end-of-turn token (the model
+    # stops at that token; the newline comes with the next observation, if any).
+    assert tok.decode(ids) + "\n" == rendered
+    # Only the sampled turns are trained: the loss mask is 1 on exactly the engine's ids, 0 on the tool turn.
+    loss = batch["sampled_mask"][0][r].bool()
+    sampled = batch["responses"][0][r][loss].tolist()
+    turn1 = [*tok.encode(messages[2]["content"], add_special_tokens=False)]
+    turn2 = [*tok.encode(messages[4]["content"], add_special_tokens=False)]
+    eot = check_chat_template(tok).end_of_turn_id
+    assert sampled == [*turn1, eot, *turn2, eot]
+    assert "1517" in tok.decode(batch["responses"][0][r][~loss].tolist())
+    assert torch.equal(batch["rollout_logprobs"][0][r] != 0, loss)  # the engine's log-probs on sampled tokens only
+    assert batch["turns"].tolist() == [2, 2] and batch["tool_calls"].tolist() == [1, 1]
+    assert batch["tool_errors"].tolist() == [0, 0] and not batch["response_truncated"].any()
+    assert batch["observation_tokens"][0] == (~loss).sum()
+
+
+def test_lock_step_and_asynchronous_episodes_are_the_same_episodes() -> None:
+    tok = build_tiny_tokenizer()
+    env = ToolEnvironment(tools=[calculator])
+    done = {}
+    for mode in (True, False):
+        batch, _ = run(tok, env, RolloutConfig(max_new_tokens=128, async_episodes=mode), texts=["a", "b", "c"])
+        done[mode] = (batch["responses"], batch["sampled_mask"])
+    assert torch.equal(done[True][0], done[False][0]) and torch.equal(done[True][1], done[False][1])
+
+
+def test_episodes_end_truncated_at_max_turns_and_the_budget() -> None:
+    tok = build_tiny_tokenizer()
+    env = ToolEnvironment(tools=[calculator])
+    one, _ = run(tok, env, RolloutConfig(max_new_tokens=128, max_turns=1))
+    assert one["response_truncated"].tolist() == [True] and one["turns"].tolist() == [1]
+    assert [m["role"] for m in one["episode"][0]][-1] == "assistant"  # never ends on an observation
+    assert one["sampled_mask"][0].sum() == one["response_mask"][0].sum()
+    tight, _ = run(tok, env, RolloutConfig(max_new_tokens=128, max_episode_tokens=100))
+    assert tight["response_truncated"].tolist() == [True] and tight["observation_tokens"].tolist() == [0]
+    assert int(tight["response_mask"][0].sum()) <= 100
+    cut, _ = run(tok, env, RolloutConfig(max_new_tokens=5))  # the first turn itself is cut: no stop token
+    assert cut["response_truncated"].tolist() == [True] and int(cut["response_mask"][0].sum()) == 5
+
+
+def test_bad_calls_and_failing_tools_become_error_observations() -> None:
+    tok = build_tiny_tokenizer()
+    replies = iter(
+        [
+            '<tool_call>{"name": "search", "arguments": {}}</tool_call>',
+            "<tool_call>{not json</tool_call>",
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "import os"}}</tool_call>',
+            "I give up.",
+        ]
+    )
+    engine = ScriptedEngine(tok, script=lambda text: next(replies))
+    batch, _ = run(tok, ToolEnvironment(tools=[calculator]), RolloutConfig(max_new_tokens=128), engine=engine)
+    tools = [m["content"] for m in batch["episode"][0] if m["role"] == "tool"]
+    assert tools[0] == "error: there is no tool named 'search' (the tools: calculator)"
+    assert tools[1].startswith("error: the tool call is not valid JSON")
+    assert tools[2].startswith("error: the tool calculator raised ValueError: not arithmetic")
+    assert batch["tool_errors"].tolist() == [3] and batch["turns"].tolist() == [4]
+    assert not batch["response_truncated"].any()
+
+
+def test_an_environment_of_its_own_answers_with_user_turns_and_scores_the_episode() -> None:
+    class Guess(Environment):
+        def step(self, message):
+            if "7" in message["content"]:
+                return [], True
+            return [{"role": "user", "content": "No. Try 7."}], False
+
+        def reward(self, episode: Episode) -> float:
+            return float(episode.turns == 2)
+
+    tok = build_tiny_tokenizer()
+    engine = ScriptedEngine(tok, script=lambda text: "7" if "Try 7" in text else "3")
+    batch, _ = run(tok, Guess, RolloutConfig(max_new_tokens=8), engine=engine)
+    assert [m["content"] for m in batch["episode"][0]][1:] == ["3", "No. Try 7.", "7"]
+    assert batch["env_reward"].tolist() == [1.0] and batch["tool_calls"].tolist() == [0]
+
+
+def test_a_slow_tool_does_not_hold_the_other_episodes(tmp_path) -> None:
+    """Two episodes, one whose tool waits until the other episode has had its next turn: asynchronously, the fast
+    episode goes on while the slow tool runs (engine calls: both, the fast one alone, the slow one alone); in lock
+    step the slow tool would wait for ever, so it times out, and each turn is one call of both."""
+    flag = tmp_path / "fast-episode-answered"
+
+    def wait_for_the_other(seconds: float) -> str:
+        """Wait until the other episode has answered.
+
+        Args:
+            seconds: unused.
+        """
+        while not flag.exists():
+            time.sleep(0.01)
+        return "done"
+
+    def fast(seconds: float) -> str:
+        """Answer at once.
+
+        Args:
+            seconds: unused.
+        """
+        return "done"
+
+    tok = build_tiny_tokenizer()
+
+    def script(text: str) -> str:
+        if "done" in text:
+            if "fast" in text:
+                flag.touch()
+            return "Finished."
+        name = "wait_for_the_other" if "slow" in text else "fast"
+        return f'<tool_call>{{"name": "{name}", "arguments": {{"seconds": 0}}}}</tool_call>'
+
+    calls = {}
+    for mode in (True, False):
+        flag.unlink(missing_ok=True)
+        engine = ScriptedEngine(tok, script=script)
+        cfg = RolloutConfig(max_new_tokens=128, async_episodes=mode, tool_workers=2, tool_timeout_s=3)
+        batch, _ = run(
+            tok, ToolEnvironment(tools=[wait_for_the_other, fast]), cfg, texts=["slow", "fast"], engine=engine
+        )
+        calls[mode] = (engine.calls, batch["tool_errors"].tolist())
+    assert calls == {True: ([2, 1, 1], [0, 0]), False: ([2, 2, 1], [1, 0])}
+
+
+def test_reset_that_returns_nothing_is_refused() -> None:
+    class Empty(Environment):
+        def reset(self, row):
+            return []
+
+    with pytest.raises(ValueError, match=r"Empty.reset\(row\) returned \[\]; expected a non-empty list of chat"):
+        run(build_tiny_tokenizer(), Empty, RolloutConfig(max_new_tokens=8))
+
+
+def test_rollout_config_refuses_bad_episode_settings() -> None:
+    for field, value in [("max_turns", 0), ("tool_timeout_s", 0), ("tool_workers", 0), ("max_episode_tokens", 1)]:
+        with pytest.raises(ValueError, match=rf"RolloutConfig.{field}={value}"):
+            RolloutConfig(**{field: value})
+    assert dataclasses.replace(RolloutConfig(), max_turns=2).max_turns == 2
