@@ -97,3 +97,61 @@ def run_cli(*args: str, timeout: float = 300, module: bool = False) -> subproces
     command = [sys.executable, "-m", "lightning_rlhf.cli"] if module else [str(script)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, cwd=str(ROOT), env=env)
+
+
+# ------------------------------------------------------------------------------------------------ the two tiers
+LONG_TIER: dict[str, str] = {
+    "tests/e2e/test_documented_commands.py::test_documented_commands_run_as_printed": (
+        "every printed command, 20 launches: CI parses every command (test_the_commands_are_read_from_the_pages) "
+        "and runs the demo, recipe and CLI paths they use"
+    ),
+    "tests/e2e/test_algorithms_learn.py": (
+        "120-step learning runs of five more algorithms: in CI, GRPO learns with vLLM (test_demo_learns), GRPO and "
+        "PPO with the transformers engine (test_cpu_layer_off); every algorithm's maths has unit tests and 2-step runs"
+    ),
+    "tests/distributed/test_faults.py::test_sigterm_on_rank_0_saves_exits_143_and_resumes_like_an_uninterrupted_run": (
+        "CI: resume equals the uninterrupted run (test_training), SIGUSR1 stops every rank (this file)"
+    ),
+    "tests/distributed/test_faults.py::test_sigkill_of_rank_0_is_named_on_the_worker": (
+        "CI: a killed worker is named on rank 0 (this file)"
+    ),
+    "tests/distributed/test_faults.py::test_a_save_killed_half_way_leaves_nothing_resume_accepts": (
+        "CI: the resume check refuses incomplete checkpoints (this file, without a run)"
+    ),
+    "tests/distributed/test_sft_runs.py": "CI: one-process SFT (tests/unit/test_sft.py), 2-process resume of RL",
+    "tests/distributed/test_validation_runs.py": "CI: one-process validation fits (tests/unit/test_validation.py)",
+    "tests/distributed/test_multinode.py::test_two_nodes_by_two_match_one_node_by_four": (
+        "CI: which ranks a node starts (this file, without a run)"
+    ),
+    "tests/distributed/test_async_rollouts.py::test_four_ranks_sharded_actor_feeds_a_two_rank_rollout_pool": (
+        "CI: 2-rank generation-only pools (this file)"
+    ),
+    "tests/distributed/test_placement_runs.py::test_four_ranks_two_pools": "CI: split PPO on 2 ranks (this file)",
+    "tests/vllm/test_vllm_engine.py::test_handoff_gives_the_weights_of_the_trained_model[2-full,slices-0.001]": (
+        "CI: TP 2 rollouts match the trainer's probabilities (this file), the TP 1 hand-off"
+    ),
+    "tests/vllm/test_vllm_chat_prompts.py::test_chat_prompts_longer_than_a_scheduler_step_sample_reproducibly[2]": (
+        "CI: the same at TP 1"
+    ),
+    "tests/e2e/test_recipes.py::test_recipe_runs_two_steps[grpo_gsm8k]": "CI: the demo, PPO and SFT recipes",
+    "tests/e2e/test_recipes.py::test_recipe_runs_two_steps[rloo]": "CI: the demo, PPO and SFT recipes",
+}
+"""Tests that ``make test`` (CI) leaves to ``make test-all``, each with what covers its path in CI. ``make test``
+stays under 20 minutes on 2 cores; ``make test-all`` (about 45) runs before a release and in sessions that change
+what these cover. A key is a file or a test id."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of :data:`LONG_TIER` ``long`` (``-m "not long"`` leaves them out). An entry whose file was
+    collected but that names no test fails the collection: a renamed test would otherwise move into CI's tier
+    (or a slow one stay there) without a word."""
+    matched: set[str] = set()
+    for item in items:
+        for key in (item.nodeid, item.nodeid.split("::")[0]):
+            if key in LONG_TIER:
+                item.add_marker(pytest.mark.long)
+                matched.add(key)
+    files = {item.nodeid.split("::")[0] for item in items}
+    stale = [key for key in LONG_TIER if key.split("::")[0] in files and key not in matched]
+    if stale and not config.getoption("keyword"):  # -k may deselect before this hook sees the items
+        raise pytest.UsageError(f"tests/conftest.py LONG_TIER names tests that do not exist: {stale}")

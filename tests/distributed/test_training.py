@@ -46,6 +46,7 @@ def check_ok(proc) -> None:
 
 def test_grpo_two_ranks_logs_every_metric_and_counts_rl_steps(demo_model: str, tmp_path: Path) -> None:
     # mini-batches and micro-batches: 8 prompts x 4 samples = 32 samples, 2 optimizer steps per epoch, 2 epochs.
+    # The same run logs to wandb (offline) and has a ModelCheckpoint monitor the controller's reward.
     proc = run_script(
         "train.py",
         "--model",
@@ -64,6 +65,8 @@ def test_grpo_two_ranks_logs_every_metric_and_counts_rl_steps(demo_model: str, t
         "2",
         "--kl-coef",
         "0.01",
+        "--wandb",
+        "--checkpoint-callback",
     )
     check_ok(proc)
     rows = read_metrics(tmp_path)
@@ -81,6 +84,10 @@ def test_grpo_two_ranks_logs_every_metric_and_counts_rl_steps(demo_model: str, t
     assert max(float(r["actor/ppo_kl"]) for r in rows) != 0.0
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["global_step"] == 3
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs and any(f.suffix == ".wandb" for f in runs[0].iterdir())
+    # ModelCheckpoint monitors the controller's reward on every rank (the logs are replayed on workers).
+    assert list((tmp_path / "ckpt").iterdir()), "ModelCheckpoint saved nothing"
 
 
 def test_ppo_with_critic_and_reference_two_ranks(demo_model: str, tmp_path: Path) -> None:
@@ -143,27 +150,6 @@ def test_resume_continues_like_the_uninterrupted_run(demo_model: str, tmp_path: 
     end_full = json.loads((straight / "result.json").read_text())["param_checksum"]
     end_resumed = json.loads((second / "result.json").read_text())["param_checksum"]
     assert end_full == pytest.approx(end_resumed, rel=1e-6)
-
-
-def test_wandb_offline_and_checkpoint_callback_monitoring_reward(demo_model: str, tmp_path: Path) -> None:
-    proc = run_script(
-        "train.py",
-        "--model",
-        demo_model,
-        "--out",
-        str(tmp_path),
-        "--devices",
-        "2",
-        "--steps",
-        "2",
-        "--wandb",
-        "--checkpoint-callback",
-    )
-    check_ok(proc)
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert runs and any(f.suffix == ".wandb" for f in runs[0].iterdir())
-    # ModelCheckpoint monitors the controller's reward on every rank (the logs are replayed on workers).
-    assert list((tmp_path / "ckpt").iterdir()), "ModelCheckpoint saved nothing"
 
 
 def test_reward_error_on_a_worker_reaches_the_controller(demo_model: str, tmp_path: Path) -> None:

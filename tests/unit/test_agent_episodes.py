@@ -191,7 +191,7 @@ def test_an_environment_of_its_own_answers_with_user_turns_and_scores_the_episod
     engine = ScriptedEngine(tok, script=lambda text: "7" if "Try 7" in text else "3")
     batch, _ = run(tok, Guess, RolloutConfig(max_new_tokens=8), engine=engine)
     assert [m["content"] for m in batch["episode"][0]][1:] == ["3", "No. Try 7.", "7"]
-    assert batch["env_reward"].tolist() == [1.0] and batch["tool_calls"].tolist() == [0]
+    assert batch["env_reward"] == [1.0] and batch["tool_calls"].tolist() == [0]
 
 
 def test_a_slow_tool_does_not_hold_the_other_episodes(tmp_path) -> None:
