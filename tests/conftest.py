@@ -119,6 +119,14 @@ LONG_TIER: dict[str, str] = {
         "CI: the resume check refuses incomplete checkpoints (this file, without a run)"
     ),
     "tests/distributed/test_sft_runs.py": "CI: one-process SFT (tests/unit/test_sft.py), 2-process resume of RL",
+    "tests/distributed/test_training.py::test_resume_continues_like_the_uninterrupted_run": (
+        "CI: a resumed split-placement PPO run and a resumed asynchronous GRPO run equal their uninterrupted runs "
+        "(test_placement_runs, test_async_rollouts)"
+    ),
+    "tests/distributed/test_reward_timeout.py": (
+        "CI: a reward call past its timeout is killed and its samples get the fallback "
+        "(tests/unit/test_reward_runner.py)"
+    ),
     "tests/distributed/test_validation_runs.py": "CI: one-process validation fits (tests/unit/test_validation.py)",
     "tests/distributed/test_multinode.py::test_two_nodes_by_two_match_one_node_by_four": (
         "CI: which ranks a node starts (this file, without a run)"

@@ -231,6 +231,8 @@ class EpisodeRunner:
         budget = cfg.max_episode_tokens or cfg.max_new_tokens * cfg.max_turns
         stops = set(params.stop_token_ids)
         episodes = [self._start(row) for row in rows]
+        if cfg.async_episodes and getattr(engine, "streams_requests", False):
+            return episodes, self._run_streaming(engine, episodes, params, budget, stops, context)
         ready = list(episodes)
         calls = 0
         gen_s = 0.0
@@ -263,9 +265,48 @@ class EpisodeRunner:
             for ep, turn, lp, limit in zip(ready, out.responses, logprobs, limits, strict=True):
                 self._after_turn(ep, list(turn), lp, stops, limit)
             ready = []
-        for ep in episodes:
-            ep.info.messages = [dict(m) for m in ep.info.messages]
         return episodes, gen_s
+
+    def _run_streaming(
+        self,
+        engine: Any,
+        episodes: list[_Live],
+        params: SamplingParams,
+        budget: int,
+        stops: set[int],
+        context: int | None,
+    ) -> float:
+        """Episodes on an engine that takes requests while others decode (vLLM at TP 1): an episode's next turn is
+        added as soon as its observation is ready, and the engine steps on; returns the seconds in engine steps."""
+        limits: dict[int, int] = {}
+        ready = list(range(len(episodes)))
+        gen_s = 0.0
+        while True:
+            for i, ep in enumerate(episodes):
+                if ep.pending and self._ready(ep):
+                    self._observe(ep, budget, context)
+                    ready.append(i)
+            for i in ready:
+                ep = episodes[i]
+                if ep.done:
+                    continue
+                limits[i] = min(self.cfg.max_new_tokens, budget - len(ep.ids), _room(ep, context))
+                turn = dataclasses.replace(
+                    params, n=1, max_new_tokens=limits[i], seed=(params.seed + ep.info.turns * _TURN_SEED) % (1 << 62)
+                )
+                engine.add_requests([(i, ep.prompt + ep.ids)], turn)
+            ready = []
+            if engine.has_requests():
+                t0 = time.perf_counter()
+                finished = engine.step_requests()
+                gen_s += time.perf_counter() - t0
+                for i, turn_ids, logprobs in finished:
+                    self._after_turn(episodes[i], list(turn_ids), logprobs, stops, limits[i])
+            elif any(ep.pending for ep in episodes):
+                futures = [p for ep in episodes for _, p in ep.pending if isinstance(p, cf.Future)]
+                cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+            else:
+                return gen_s
 
 
 def _model_context(model_path: str | None) -> int | None:

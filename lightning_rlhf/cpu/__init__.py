@@ -6,15 +6,17 @@ What is in it (each a *piece*, named in :data:`PIECES`, that can be turned off a
   the decoding loop's step, attention, RMS norms and SiLU products; the training forward's token log-probs; the
   float32 -> bfloat16 cast of the weight hand-off and the optimizer step that writes that copy;
 - ``rms_norm``: the training engine's fused RMS norm (a closed-form backward; :mod:`lightning_rlhf.cpu.kernels`);
-- ``onednn``: float32 linear layers through oneDNN instead of MKL, and the decoding loop's prepacked projections
-  (:mod:`lightning_rlhf.cpu.onednn`);
+- ``onednn``: float32 linear layers through oneDNN instead of MKL on AMD CPUs (whose AVX-512 kernels MKL skips;
+  on Intel CPUs MKL is the faster), and the decoding loop's prepacked projections (bfloat16 everywhere, float32 on
+  AMD CPUs) (:mod:`lightning_rlhf.cpu.onednn`);
 - ``collectives``: FSDP2's all-gathers and reduce-scatters through one host's shared memory
   (:mod:`lightning_rlhf.cpu.host_collectives`);
 - ``hand_off``: the weight hand-off's buckets through that shared memory (:mod:`lightning_rlhf.cpu.host_share`);
 - ``shared_weights``: one copy per host of the colocated transformers engines' weights, in which the actor's FSDP
-  shards live (:mod:`lightning_rlhf.cpu.shared_weights`);
-- ``mirrored_adamw``: the actor's AdamW that writes a bfloat16 engine's copy during its step
-  (:mod:`lightning_rlhf.cpu.optim`).
+  shards live (:mod:`lightning_rlhf.cpu.shared_weights`).
+
+(A piece that saves under 3% of the step in every configuration of the vs-TRL workload is deleted: the mirrored
+AdamW, which cast a bfloat16 engine's copy inside the optimizer's step, saved at most 2.7%; docs/performance-log.md.)
 
 The switch: ``RLHFStrategy(cpu_kernels=True | False | None)``, else the environment variable
 ``LIGHTNING_RLHF_CPU_KERNELS=1 | 0``, else (None, unset) on only where the run's device is a CPU. On a GPU the layer
@@ -31,7 +33,7 @@ off or cannot serve the tensors given, and the caller goes on with PyTorch's own
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -67,7 +69,6 @@ __all__ = [
     "PIECES",
     "HostBuffer",
     "WeightStore",
-    "adamw",
     "collectives",
     "configure",
     "decode_attention",
@@ -110,7 +111,7 @@ def speed_up_model(model: nn.Module, *, norms: bool = True, linears: bool = True
     count = 0
     if norms and enabled("rms_norm"):
         count += kernels.fuse_rms_norms(model)
-    if linears and enabled("onednn"):
+    if linears and enabled("onednn") and onednn.fp32_through_onednn():  # on Intel CPUs MKL's float32 is faster
         count += onednn.onednn_linears(model)
     return count
 
@@ -129,20 +130,9 @@ def matmul_product(dtype: torch.dtype) -> Callable[[Tensor, Tensor], Tensor] | N
     on: any process."""
     from lightning_rlhf.cpu import onednn
 
-    if dtype != torch.float32 or not enabled("onednn") or not onednn.onednn_available():
+    if dtype != torch.float32 or not enabled("onednn") or not onednn.fp32_through_onednn():
         return None
     return lambda a, b: onednn.matmul_nt(a, b.t())
-
-
-def adamw(params: Iterable[Any], **options: Any) -> torch.optim.AdamW:
-    """``torch.optim.AdamW(params, **options)``; with piece ``mirrored_adamw`` on, the AdamW (same state, options and
-    checkpoints) that can also write a bfloat16 engine's copy of the weights in its step. Runs on: every process
-    (``configure_optimizers``)."""
-    if enabled("mirrored_adamw"):
-        from lightning_rlhf.cpu.optim import MirroredAdamW
-
-        return MirroredAdamW(params, **options)
-    return torch.optim.AdamW(params, **options)
 
 
 # ------------------------------------------------------------------------------------------- FSDP and hand-offs
@@ -183,7 +173,7 @@ class WeightStore(Protocol):
         ...
 
 
-def weight_store(engine: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> WeightStore | None:
+def weight_store(engine: Any, model: nn.Module) -> WeightStore | None:
     """One copy per host of the colocated engines' weights, fed from the FSDP2 ``model`` (piece ``shared_weights``),
     or None where the hand-off must stream (off, an engine that cannot bind shared memory, other hosts, ...). Runs
     on: every worker rank of the model's mesh, at the same point (collective when the store is made)."""
@@ -191,7 +181,7 @@ def weight_store(engine: Any, model: nn.Module, optimizer: torch.optim.Optimizer
         return None
     from lightning_rlhf.cpu.shared_weights import SharedWeights
 
-    return SharedWeights.attempt(engine, model, optimizer if enabled("mirrored_adamw") else None)
+    return SharedWeights.attempt(engine, model)
 
 
 # ------------------------------------------------------------------------------------------- decoding loop
@@ -257,20 +247,22 @@ def silu_mul(gate_up: Tensor) -> Tensor | None:
 
 
 def packs(weight: Tensor) -> bool:
-    """Whether products with ``weight`` can go through :func:`packed_linear` (piece ``onednn`` on; float32 or
-    bfloat16 on a CPU whose oneDNN has the path). Runs on: worker (the decoding loop)."""
+    """Whether products with ``weight`` can go through :func:`packed_linear` (piece ``onednn`` on; bfloat16 on a CPU
+    whose oneDNN has the path, float32 where oneDNN beats MKL: ``onednn.fp32_through_onednn``). Runs on: worker (the
+    decoding loop)."""
     if not enabled("onednn"):
         return False
+    from lightning_rlhf.cpu.onednn import fp32_through_onednn
     from lightning_rlhf.cpu.onednn import packs as can_pack
 
-    return can_pack(weight)
+    return can_pack(weight) and (weight.dtype != torch.float32 or fp32_through_onednn())
 
 
 def packed_linear(weight: Tensor, bias: Tensor | None, rows: int) -> Callable[[Tensor], Tensor] | None:
     """``x @ weight.T + bias`` through oneDNN with ``weight`` reordered into its blocked layout for ``rows`` rows a
     product (piece ``onednn``; the copy lives as long as the callable), or None where that does not pay or run.
     Runs on: worker (the decoding loop, once per sampling call)."""
-    if not enabled("onednn"):
+    if not packs(weight):
         return None
     from lightning_rlhf.cpu.onednn import packed_linear as packed
 

@@ -37,6 +37,7 @@ __all__ = [
     "ONEDNN_ENV",
     "OneDNNLinearFunction",
     "bf16_supported",
+    "fp32_through_onednn",
     "linear",
     "linear_pointwise",
     "matmul_nt",
@@ -60,6 +61,22 @@ def onednn_available() -> bool:
     if os.environ.get(ONEDNN_ENV, "1") == "0":
         return False
     return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+@functools.cache
+def fp32_through_onednn() -> bool:
+    """Whether float32 products should go through oneDNN here: where it is available (:func:`onednn_available`) and
+    the CPU is an AMD one, whose AVX-512 kernels MKL skips. On an Intel CPU MKL's float32 kernels are the faster:
+    with oneDNN's, the vs-TRL fp32 step took 11% longer (1.655 s against 1.486 s, 2-core Xeon; docs/performance-log.md,
+    "CPU speed layer, piece by piece"). bfloat16 products take oneDNN everywhere. Runs on: any process (read once)."""
+    if not onednn_available():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return False
+    return vendor == "AuthenticAMD"
 
 
 def linear_pointwise(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -171,7 +188,7 @@ def onednn_linears(model: nn.Module) -> int:
     Runs on: every process that binds the model (the training engine; before FSDP sharding, which leaves the
     layers' forwards alone). In place and idempotent: the instance's ``forward`` is replaced; parameters, names and
     the state dict do not change. Layers whose tensors are not float32 CPU tensors at call time use ``F.linear``.
-    :func:`plain_linears` undoes it.
+    :func:`plain_linears` undoes it. (The CPU layer calls it only where :func:`fp32_through_onednn`.)
     """
     if not onednn_available():
         return 0
@@ -196,8 +213,9 @@ def packs(weight: Tensor) -> bool:
     """Whether products with ``weight`` can go through oneDNN with a prepacked copy: float32 or bfloat16 on a CPU
     with oneDNN. The decoding loop multiplies tens of rows by each weight per step; for the 4M-parameter benchmark
     model's products (``[64, 256] x [256, 1408]`` and the like, one thread) oneDNN's blocked kernels reach ~88
-    GFLOP/s in float32 against MKL's 62-66, and 160-180 against 115-140 in bfloat16. Reordering a weight costs one
-    pass over it (~7 ms for that model, once per sampling call). Runs on: worker."""
+    GFLOP/s in float32 against MKL's 62-66 (AMD EPYC; the CPU layer packs float32 weights only where
+    :func:`fp32_through_onednn`), and 160-180 against 115-140 in bfloat16. Reordering a weight costs one pass over it
+    (~7 ms for that model, once per sampling call). Runs on: worker."""
     ops = torch.ops.mkldnn
     if not (
         weight.device.type == "cpu"

@@ -11,9 +11,8 @@ step), and the host holds the weights once, for training and generation.
 The protocol (every rank of the actor's mesh, inside ``ActorRole.sync_weights``):
 
 1. each rank whose rows are known to lie in the store, or to be written there by a fixed list of copies (a
-   bfloat16 engine fed by float32 master weights: each shard cast into its rows), makes those copies (none where
-   the actor's :class:`~lightning_rlhf.cpu.optim.MirroredAdamW` already cast them in its step, rows in cache,
-   and nothing wrote to the shards since); then an all-reduce: every rank is past its optimizer step, has written
+   bfloat16 engine fed by float32 master weights: each shard cast into its rows), makes those copies; then an
+   all-reduce: every rank is past its optimizer step, has written
    its rows, and every engine of the host is done generating with the weights it has (the colocated engines
    generate between hand-offs, never during one);
 2. if a rank's rows are not known (the first hand-off; a parameter that is not row-sharded; a checkpoint loaded into
@@ -54,7 +53,6 @@ from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.cpu.host_share import host_memory
 from lightning_rlhf.cpu.native import CastPlan
-from lightning_rlhf.cpu.optim import MirroredAdamW
 from lightning_rlhf.cpu.switches import enabled
 from lightning_rlhf.sharding import row_shard
 from lightning_rlhf.torch_compat import fsdp_params, local_tensor, set_local_tensor, sharded_param_data
@@ -83,12 +81,9 @@ class SharedWeights:
         group: dist.ProcessGroup,
         views: dict[str, Tensor],
         memory: Tensor,
-        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
-        self.optimizer = optimizer
-        """The model's optimizer: a :class:`MirroredAdamW` writes the bfloat16 rows during its step."""
         self.group = group
         self.views = views
         self.memory = memory
@@ -107,10 +102,8 @@ class SharedWeights:
         :func:`place_shards` is not tried)."""
 
     @classmethod
-    def attempt(
-        cls, engine: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-    ) -> SharedWeights | None:
-        """The store for ``engine`` fed from the FSDP2 ``model`` (stepped by ``optimizer``, where one is given), or
+    def attempt(cls, engine: Any, model: nn.Module) -> SharedWeights | None:
+        """The store for ``engine`` fed from the FSDP2 ``model`` or
         None where the hand-off must stream (see the module docstring). Runs on: every worker rank of the model's
         mesh, at the same point (collective when the store is made: the ranks agree on the answer)."""
         if not getattr(engine, "binds_shared_weights", False) or getattr(engine, "slicer", None) is not None:
@@ -141,7 +134,7 @@ class SharedWeights:
             name: memory[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
             for (name, shape), start in zip(layout, offsets, strict=True)
         }
-        return cls(engine, model, group, views, memory, optimizer)
+        return cls(engine, model, group, views, memory)
 
     def hand_off(self, received: list[int] | None = None) -> float:
         """Bring the store up to the actor's weights and bind the engine to it (the protocol in the module docstring).
@@ -162,7 +155,7 @@ class SharedWeights:
             dist.barrier(group=self.group)
             if self._placeable:  # this rank's rows only, values unchanged: no reader can tell
                 place_shards(self.model, self.views)
-            self._rows = _Rows.of(self.model, self.views, self.optimizer)
+            self._rows = _Rows.of(self.model, self.views)
         if received is not None:
             received[0] += self._received
         self.engine.bind_weights(self.views)
@@ -181,7 +174,6 @@ class _Rows:
         shards: list[tuple[nn.Parameter, int]],
         places: list[Tensor],
         locals_: list[Tensor],
-        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.model = model
         self.shards = shards
@@ -189,22 +181,15 @@ class _Rows:
         casts = [(place, local) for place, local in pairs if place.dtype != local.dtype]
         kernel = bool(casts) and enabled("native")  # the compiled cast, where the layer's kernels are on
         self.cast = CastPlan.make([place for place, _ in casts], [local for _, local in casts]) if kernel else None
-        self.mirrored = optimizer if isinstance(optimizer, MirroredAdamW) and self.cast is not None else None
-        """The optimizer that casts the rows during its step (the cast is then made here only where it did not)."""
-        if self.mirrored is not None:
-            self.mirrored.set_mirrors([(local, place) for place, local in casts])
         # without the kernel (none built, piece `native` off) the casts are plain copies too (copy_ casts)
         copies = [(place, local) for place, local in pairs if self.cast is None or place.dtype == local.dtype]
         self.places = [place for place, _ in copies]
         self.locals = [local for _, local in copies]
 
     @classmethod
-    def of(
-        cls, model: nn.Module, views: dict[str, Tensor], optimizer: torch.optim.Optimizer | None = None
-    ) -> _Rows | None:
+    def of(cls, model: nn.Module, views: dict[str, Tensor]) -> _Rows | None:
         """The copies for ``model``'s shards, or None where a parameter is not row-sharded (the first rank writes it
-        whole: :func:`write_shards` does it every hand-off). A :class:`MirroredAdamW` ``optimizer`` is given the
-        casts to make during its steps."""
+        whole: :func:`write_shards` does it every hand-off)."""
         shards: list[tuple[nn.Parameter, int]] = []
         places: list[Tensor] = []
         locals_: list[Tensor] = []
@@ -221,7 +206,7 @@ class _Rows:
             if place.data_ptr() != shard.local.data_ptr() or place.dtype != shard.local.dtype:
                 places.append(place)
                 locals_.append(shard.local)
-        return cls(model, shards, places, locals_, optimizer)
+        return cls(model, shards, places, locals_)
 
     def write(self) -> bool:
         """Write this rank's rows (cast to the store's dtype) where they are still the shards listed; False, writing
@@ -234,7 +219,7 @@ class _Rows:
             p is q and local_tensor(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self.shards, strict=True)
         ):
             return False
-        if self.cast is not None and (self.mirrored is None or not self.mirrored.mirrors_current()):
+        if self.cast is not None:
             self.cast()
         if self.places:
             with torch.no_grad():

@@ -20,7 +20,7 @@ ENV = "LIGHTNING_RLHF_CPU_KERNELS"
 """Environment variable: ``1`` turns the layer on, ``0`` off (the strategy's ``cpu_kernels`` wins where given)."""
 OFF_ENV = "LIGHTNING_RLHF_CPU_OFF"
 """Environment variable: comma-separated :data:`PIECES` to turn off (the others stay as the switch says)."""
-PIECES = ("native", "rms_norm", "onednn", "collectives", "hand_off", "shared_weights", "mirrored_adamw")
+PIECES = ("native", "rms_norm", "onednn", "collectives", "hand_off", "shared_weights")
 """The layer's pieces (module docstring)."""
 
 _UNSET = object()

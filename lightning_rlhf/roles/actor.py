@@ -211,7 +211,7 @@ class ActorRole(EpisodesMixin, Role):
         t0 = time.perf_counter()
         received = [0]
         if self._shared is None or self._shared[0] is not engine or self._shared[1] is not self.model:
-            self._shared = (engine, self.model, cpu.weight_store(engine, self.model, self.train_engine.optimizer))
+            self._shared = (engine, self.model, cpu.weight_store(engine, self.model))
         store = self._shared[2]
         if store is not None:
             self.handoff_wait_s = store.hand_off(received)

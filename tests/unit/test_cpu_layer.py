@@ -3,7 +3,6 @@ variable over the device; with the layer off every piece stands aside and the ca
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -82,10 +81,10 @@ def test_pieces_turn_off_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not cpu.enabled("onednn") and not cpu.enabled("rms_norm") and cpu.enabled("native")
         assert cpu.speed_up_model(tiny()) == 0
     assert cpu.enabled("onednn")
-    monkeypatch.setenv(cpu.OFF_ENV, "mirrored_adamw")
-    assert type(cpu.adamw([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is torch.optim.AdamW
+    monkeypatch.setenv(cpu.OFF_ENV, "shared_weights")
+    assert not cpu.enabled("shared_weights") and cpu.enabled("onednn")
     monkeypatch.delenv(cpu.OFF_ENV)
-    assert type(cpu.adamw([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is not torch.optim.AdamW
+    assert cpu.enabled("shared_weights")
 
 
 def test_off_every_piece_stands_aside() -> None:
@@ -93,7 +92,6 @@ def test_off_every_piece_stands_aside() -> None:
     model = tiny()
     TrainEngine(micro_batch_size=1).bind(model)
     assert not any("forward" in module.__dict__ for module in model.modules())  # nothing switched
-    assert type(cpu.adamw([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is torch.optim.AdamW
     logits, labels = torch.randn(1, 3, 96), torch.zeros(1, 3, dtype=torch.long)
     assert cpu.token_logprobs(logits, labels, 1.0, True) is None
     assert cpu.silu_mul(torch.randn(2, 8)) is None and cpu.norm(model.model.norm, torch.randn(2, 64)) is None
@@ -124,28 +122,6 @@ def test_the_decoding_loop_samples_the_same_with_the_layer_on_or_off(dtype: torc
         )
     assert torch.equal(runs[0][0], runs[1][0])
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
-
-
-def test_the_kernels_piece_off_leaves_the_optimizer_step_to_pytorch() -> None:
-    """With piece ``native`` off the mirrored AdamW takes PyTorch's step: its bfloat16 copy is left to the
-    hand-off (not written, not reported current); on, the step writes it."""
-    from lightning_rlhf.cpu.optim import MirroredAdamW
-
-    cpu.configure(None, "cpu")
-    if not cpu.kernels_available():
-        pytest.skip("needs the CPU kernels (a C compiler)")
-    for off in (True, False):
-        param = torch.nn.Parameter(torch.randn(64))
-        mirror = torch.zeros(64, dtype=torch.bfloat16)
-        optimizer = cpu.adamw([param], lr=1e-2, fused=True)
-        assert isinstance(optimizer, MirroredAdamW)
-        optimizer.set_mirrors([(param.data, mirror)])
-        with cpu.pieces_off("native") if off else contextlib.nullcontext():
-            for _ in range(2):  # the first step makes the state (PyTorch's either way)
-                param.grad = torch.randn(64)
-                optimizer.step()
-        assert optimizer.mirrors_current() == (not off)
-        assert torch.equal(mirror, param.detach().to(torch.bfloat16)) == (not off)
 
 
 def test_switched_norms_leave_tensors_of_other_devices_to_their_class(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -214,14 +214,15 @@ def test_prepacked_projections_sample_what_plain_ones_do(dtype: torch.dtype, mon
     """On CPU the loop's projections run with weights reordered for oneDNN; the plain ``F.linear`` path samples the
     same tokens with the same log-probs up to float rounding, and the model's parameters are left as they were."""
     import lightning_rlhf.engines.rollout.decode as decode
+    from lightning_rlhf.cpu import onednn
 
+    # float32 packs where oneDNN beats MKL (AMD CPUs): the path is checked on any CPU
+    monkeypatch.setattr(onednn, "fp32_through_onednn", lambda: True)
     model = llama_family()[0].to(dtype)  # Qwen2: biases on the fused query/key/value projection
     supported = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert decode._packs(model) == supported  # bfloat16 only where oneDNN has the CPU's bfloat16 path
     _, head = decode._layers(model, 8)
     assert head.packed == (dtype == torch.bfloat16 and supported)  # float32 packs weights of 65,536 elements and up
-    from lightning_rlhf.cpu import onednn
-
     monkeypatch.setattr(onednn, "PACK_MIN_FLOAT32", 0)  # this model's float32 weights are below the size packed
     monkeypatch.setattr(decode, "_packs", lambda model: True)
     layers, head = decode._layers(model, 8)  # where oneDNN cannot reorder, every projection stays plain
@@ -268,8 +269,10 @@ def test_a_cpu_without_onednn_bfloat16_decodes_bfloat16_unpacked() -> None:
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 import lightning_rlhf.engines.rollout.decode as decode
+import lightning_rlhf.cpu.onednn as onednn
 from lightning_rlhf.engines.rollout import SamplingParams
 assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+onednn.fp32_through_onednn = lambda: True  # float32 packs where oneDNN beats MKL (AMD CPUs)
 torch.manual_seed(0)
 shape = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1)

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from lightning_rlhf.cpu.onednn import linear, onednn_available
+from lightning_rlhf.cpu.onednn import fp32_through_onednn, linear
 from tests.conftest import ROOT, SCRIPTS, failure_text
 
 
@@ -47,5 +47,5 @@ def test_no_pre_backward_hook_is_dropped_and_fsdp_does_not_warn(tiny_model: str)
         assert warnings == "0", (rank, case)
         # the default path's outputs are no views: nothing copied; a linear value head with a bias through PyTorch's
         # F.linear returns one: one copy per forward (2 micro-batches)
-        views = case == "critic-plain" or (case == "critic" and not onednn_available())
+        views = case == "critic-plain" or (case == "critic" and not fp32_through_onednn())
         assert copies == ("2" if views else "0"), (rank, case, copies)

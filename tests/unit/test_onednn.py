@@ -131,12 +131,25 @@ def test_adapter_subclasses_keep_their_forward() -> None:
     assert "forward" not in model[1].__dict__
 
 
-def test_train_engine_binds_with_onednn_linears_unless_turned_off() -> None:
+def test_train_engine_binds_with_onednn_linears_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN's float32 products beat MKL's (AMD CPUs; forced here), the training engine switches every linear
+    layer; on an Intel CPU it leaves them to MKL."""
+    monkeypatch.setattr(onednn, "fp32_through_onednn", lambda: True)
     model = tiny_qwen2()
     TrainEngine(micro_batch_size=1).bind(model)
     assert plain_linears(model) == 15
     TrainEngine(micro_batch_size=1, onednn_linears=False).bind(model)
     assert plain_linears(model) == 0
+    monkeypatch.setattr(onednn, "fp32_through_onednn", lambda: False)
+    TrainEngine(micro_batch_size=1).bind(model)
+    assert plain_linears(model) == 0
+
+
+def test_fp32_goes_through_onednn_on_amd_cpus_only() -> None:
+    onednn.fp32_through_onednn.cache_clear()
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    assert onednn.fp32_through_onednn() == (amd and onednn.onednn_available())
 
 
 def test_environment_variable_turns_it_off() -> None:

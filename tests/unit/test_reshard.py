@@ -83,15 +83,14 @@ def test_full_tensors_gathers_buckets_of_shards_exactly() -> None:
 @pytest.mark.parametrize("native", ["1", "0"], ids=["kernels", "eager"])
 def test_colocated_engines_read_one_shared_copy_of_the_weights(native: str) -> None:
     # eager: without the CPU kernels a bfloat16 engine's rows are cast by copy_ at each hand-off (they once were not)
-    lines = ok_lines_of_two_ranks(
-        "shared_weights_check.py", "PLACED", "MIRRORED", env={"LIGHTNING_RLHF_NATIVE": native}
-    )
+    lines = ok_lines_of_two_ranks("shared_weights_check.py", "PLACED", "BF16", env={"LIGHTNING_RLHF_NATIVE": native})
     # the shards placed in the store: three training steps and hand-offs, one write (the first hand-off's) per rank
     assert [line for line in lines if line[0] == "PLACED"] == [["PLACED", "0", "1"], ["PLACED", "1", "1"]]
-    # a bfloat16 engine of float32 shards: the optimizer casts the rows (one cast at the hand-off after an edit by
-    # hand); without the kernels every hand-off casts, by copy_
-    casts = "1" if native == "1" else "0"
-    assert [line for line in lines if line[0] == "MIRRORED"] == [["MIRRORED", "0", casts], ["MIRRORED", "1", casts]]
+    # a bfloat16 engine of float32 shards: the first of the 4 hand-offs writes every row (it walks the parameters);
+    # each later one casts the rows with the compiled cast where the kernels are on (by copy_ without them: none
+    # counted), a shard edited by hand included
+    casts = "3" if native == "1" else "0"
+    assert [line for line in lines if line[0] == "BF16"] == [["BF16", "0", casts], ["BF16", "1", casts]]
     lines = [line for line in lines if line[0] == "OK"]
     assert [line[:3] for line in lines] == [["OK", "0", "bfloat16"], ["OK", "0", "float32"],
                                             ["OK", "1", "bfloat16"], ["OK", "1", "float32"]]  # fmt: skip

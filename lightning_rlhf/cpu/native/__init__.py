@@ -11,8 +11,6 @@ passes over the ``[tokens, vocab]`` logits. The kernels (``kernels.c``) do the s
   softmax and sums in float32 as the eager ops, bfloat16 rounded where the eager ops round;
 - the weight hand-off into a bfloat16 engine's store (``cpu/shared_weights.py``): float32 shards cast
   to bfloat16 in one call (:class:`CastPlan`), rounded to nearest even as ``Tensor.copy_``;
-- the optimizer step of a float32 model whose engines read bfloat16 rows (``cpu/optim.py``): PyTorch's
-  fused AdamW arithmetic with each updated row also written to the engine's bfloat16 copy (:class:`AdamWPlan`);
 - the training forward (``algorithms/functional.py``, ``logprobs_and_entropy``): log-probs, entropies and their
   gradient per position (:func:`token_logprobs`, :func:`token_logprobs_backward`), sums of 64 entries added up in
   double.
@@ -34,7 +32,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import math
 import os
 import shlex
 import shutil
@@ -47,7 +44,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "AdamWPlan",
     "CastPlan",
     "DecodeStep",
     "decode_attention",
@@ -159,8 +155,6 @@ def _library() -> ctypes.CDLL | None:
     library.token_logprobs_backward.argtypes += [ctypes.c_int]
     library.cast_bf16.restype = None
     library.cast_bf16.argtypes = [pointer] * 3 + [size]
-    library.adamw_bf16.restype = None
-    library.adamw_bf16.argtypes = [pointer] * 6 + [size, pointer]
     library.decode_step.restype = ctypes.c_int
     library.decode_step.argtypes = [ctypes.POINTER(_StepPlan)] + [pointer] * 3 + [size]
     return library
@@ -490,56 +484,3 @@ def _fits(tensors: list[Tensor], dtype: torch.dtype, sizes: list[int]) -> bool:
         t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == n
         for t, n in zip(tensors, sizes, strict=True)
     )
-
-
-class AdamWPlan:
-    """AdamW steps over fixed float32 tensors (parameters and their two moments, each with an optional bfloat16
-    mirror): each call takes the step's gradients and updates the tensors in place with PyTorch's fused CPU
-    arithmetic (the same bits on an AVX-512 build for tensors of a multiple of 16 values, up to a rounding in the
-    last ``numel % 16``), writing each updated parameter, rounded to bfloat16, into its mirror. Build it with
-    :meth:`make`; it keeps the tensors alive and their addresses fixed.
-
-    Runs on: worker (an actor's optimizer step whose colocated engines read bfloat16 rows; each rank its own shards).
-    """
-
-    def __init__(self, function: Any, arrays: list[Any], sizes: list[int], keep: list[Any]) -> None:
-        self._function, self._arrays, self._sizes, self._keep = function, arrays, sizes, keep
-        count = len(sizes)
-        self._grads = (ctypes.c_void_p * count)()
-        self._counts = (ctypes.c_long * count)(*sizes)
-
-    @classmethod
-    def make(
-        cls, params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], mirrors: list[Tensor | None]
-    ) -> AdamWPlan | None:
-        """The plan for these tensors, or None where the kernel cannot take them (not all contiguous float32 CPU
-        tensors of matching sizes with bfloat16 mirrors; no kernel)."""
-        sizes = [p.numel() for p in params]
-        fits = all(_fits(tensors, torch.float32, sizes) for tensors in (params, exp_avgs, exp_avg_sqs))
-        present = [(m, n) for m, n in zip(mirrors, sizes, strict=True) if m is not None]
-        fits = fits and _fits([m for m, _ in present], torch.bfloat16, [n for _, n in present])
-        library = _library() if fits and params else None
-        if library is None:
-            return None
-        count = len(params)
-        arrays = [(ctypes.c_void_p * count)(*(t.data_ptr() for t in tensors)) for tensors in (params, exp_avgs)]
-        arrays.append((ctypes.c_void_p * count)(*(t.data_ptr() for t in exp_avg_sqs)))
-        arrays.append((ctypes.c_void_p * count)(*(None if m is None else m.data_ptr() for m in mirrors)))
-        return cls(library.adamw_bf16, arrays, sizes, [params, exp_avgs, exp_avg_sqs, mirrors])
-
-    def __call__(
-        self, grads: list[Tensor], *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int
-    ) -> bool:
-        """One step with these gradients (``step``: the step count after it, as ``state["step"]``); False, changing
-        nothing, where a gradient does not fit (dtype, layout, size)."""
-        if not _fits(grads, torch.float32, self._sizes):
-            return False
-        self._grads[:] = [g.data_ptr() for g in grads]
-        beta1, beta2 = betas
-        coefficients = (
-            1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), eps
-        )  # fmt: skip
-        params, exp_avgs, exp_avg_sqs, mirrors = self._arrays
-        self._function(params, self._grads, exp_avgs, exp_avg_sqs, mirrors, self._counts, len(self._sizes),
-                       (ctypes.c_float * 7)(*coefficients))  # fmt: skip
-        return True

@@ -17,7 +17,9 @@ Importing this module does not import vLLM; building an engine does.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
+import itertools
 import logging
 import os
 import secrets
@@ -392,6 +394,8 @@ class VLLMRolloutEngine:
         self.tp_size: int = config.tensor_parallel_size
         """Ranks per engine (``VLLMConfig.tensor_parallel_size``)."""
         self._tp_group, self._tp_rank = self._make_tp_group(self.tp_size)
+        self._requests: dict[str, int] = {}  # add_requests' names (and vLLM's ids) -> the caller's keys
+        self._request_counter = itertools.count()
         if on_cpu and self._tp_group is not None:
             _name_cpu_shm_segments(self._tp_group, self._tp_rank)
         self.slicer: Slicer | None = (
@@ -467,7 +471,6 @@ class VLLMRolloutEngine:
         Greedy decoding (``temperature=0`` or ``greedy=True``) asks vLLM for one sequence per prompt (it refuses
         ``n > 1`` at temperature 0) and repeats it ``n`` times.
         """
-        from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         params.check()  # what vLLM would change (a temperature below its floor) is refused, as in the hf engine
@@ -504,37 +507,98 @@ class VLLMRolloutEngine:
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         check_prompt_tokens(every_prompt, vocab_size=vocab, engine=type(self).__name__)
         requests, sampling = [], []
-        stops = sorted({*params.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
         for seed, group_prompts in parts:
             for i, p in enumerate(group_prompts):
                 requests.append(TokensPrompt(prompt_token_ids=p))
-                sampling.append(
-                    VSamplingParams(
-                        n=1 if greedy else params.n,
-                        temperature=params.sampling_temperature,
-                        top_p=1.0 if greedy else params.top_p,
-                        top_k=0 if greedy else params.top_k,
-                        max_tokens=params.max_new_tokens,
-                        min_tokens=params.min_new_tokens,
-                        stop_token_ids=stops,
-                        seed=(seed * 1_000_003 + i * params.n) % (1 << 62),  # children use seed + index
-                        logprobs=0,
-                        detokenize=False,
-                    )
-                )
+                sampling.append(self._vllm_params(params, (seed * 1_000_003 + i * params.n) % (1 << 62)))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
         start = sum(len(p) for _, p in parts[: self._tp_rank])
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         for out in outputs[start : start + len(prompts)]:
             for sample in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(sample.token_ids)
-                lps: list[Any] = list(sample.logprobs or [])
-                token_lps = [float(step[tok].logprob) for step, tok in zip(lps, ids, strict=True)]
+                ids, token_lps = _ids_and_logprobs(sample)
                 for _ in range(copies):
                     responses.append(list(ids))
                     logprobs.append(list(token_lps))
         return RolloutOutput(responses=responses, logprobs=logprobs)
+
+    def _vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
+        """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index)."""
+        from vllm import SamplingParams as VSamplingParams
+
+        greedy = params.is_greedy
+        stops = sorted({*params.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
+        extra: dict[str, Any] = {}
+        if final_only:
+            from vllm.sampling_params import RequestOutputKind
+
+            extra["output_kind"] = RequestOutputKind.FINAL_ONLY
+        return VSamplingParams(
+            n=1 if greedy else params.n,
+            temperature=params.sampling_temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy else params.top_k,
+            max_tokens=params.max_new_tokens,
+            min_tokens=params.min_new_tokens,
+            stop_token_ids=stops,
+            seed=seed,
+            logprobs=0,
+            detokenize=False,
+            **extra,
+        )
+
+    # ------------------------------------------------------------------------------- requests as they come
+    @property
+    def streams_requests(self) -> bool:
+        """Whether requests can join the engine while others decode (:meth:`add_requests`, :meth:`step_requests`):
+        an engine of one rank (TP 1), whose ranks need not agree on each scheduling step. Runs on: worker."""
+        return self._tp_group is None
+
+    def add_requests(self, requests: list[tuple[int, list[int]]], params: SamplingParams) -> None:
+        """Queue one single-sample request per ``(key, prompt ids)``; they decode with the requests already running
+        from the next :meth:`step_requests` on (multi-turn episodes submit each episode's next turn as soon as its
+        observation is ready). Checked as :meth:`generate` checks its prompts. Runs on: worker (TP 1)."""
+        from vllm.inputs import TokensPrompt
+
+        if not self.streams_requests:
+            raise RuntimeError("VLLMRolloutEngine.add_requests: needs TP 1 (a TP group generates in lock step).")
+        params.check()
+        if self._asleep or self.weights_discarded:
+            raise RuntimeError("VLLMRolloutEngine.add_requests: the engine is asleep or holds no weights.")
+        prompts = [ids for _, ids in requests]
+        longest = max((len(p) for p in prompts), default=0)
+        check_sequence_length(
+            prompt_length=longest,
+            max_new_tokens=params.max_new_tokens,
+            limit=self.max_model_len,
+            engine="the vLLM engine's max_model_len",
+            prompt_setting=f"{longest}",
+        )
+        check_prompt_tokens(prompts, vocab_size=int(self.llm.llm_engine.model_config.get_vocab_size()),
+                            engine=type(self).__name__)  # fmt: skip
+        for key, ids in requests:
+            seed = (params.seed * 1_000_003 + key) % (1 << 62)
+            sampling = self._vllm_params(dataclasses.replace(params, n=1), seed, final_only=True)
+            name = f"lrlhf-{key}-{next(self._request_counter)}"
+            internal = self.llm.llm_engine.add_request(name, TokensPrompt(prompt_token_ids=ids), sampling)
+            self._requests[name] = self._requests[str(internal)] = key
+
+    def step_requests(self) -> list[tuple[int, list[int], list[float]]]:
+        """One scheduling step of every running request; returns the requests that finished in it as ``(key,
+        sampled ids, their log-probs)``. Runs on: worker (TP 1)."""
+        finished = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished:
+                continue
+            key = self._requests.pop(str(out.request_id))
+            ids, lps = _ids_and_logprobs(out.outputs[0])
+            finished.append((key, ids, lps))
+        return finished
+
+    def has_requests(self) -> bool:
+        """Whether a request added by :meth:`add_requests` is still running. Runs on: worker."""
+        return bool(self.llm.llm_engine.has_unfinished_requests())
 
     # ------------------------------------------------------------------------------ weight hand-off
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
@@ -598,3 +662,10 @@ class VLLMRolloutEngine:
         if asleep:
             self.llm.wake_up(tags=asleep)
             self._asleep.difference_update(asleep)
+
+
+def _ids_and_logprobs(sample: Any) -> tuple[list[int], list[float]]:
+    """A vLLM sample's token ids and the engine's log-prob of each (``logprobs=0``: the sampled token's only)."""
+    ids = list(sample.token_ids)
+    steps: list[Any] = list(sample.logprobs or [])
+    return ids, [float(step[tok].logprob) for step, tok in zip(steps, ids, strict=True)]

