@@ -592,7 +592,8 @@ class VLLMRolloutEngine:
             if not out.finished:
                 continue
             key = self._requests.pop(str(out.request_id))
-            ids, lps = _ids_and_logprobs(out.outputs[0])
+            samples: Any = out.outputs  # a generation request's completions (pooling requests are never added)
+            ids, lps = _ids_and_logprobs(samples[0])
             finished.append((key, ids, lps))
         return finished
 
