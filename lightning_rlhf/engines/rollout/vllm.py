@@ -495,17 +495,7 @@ class VLLMRolloutEngine:
             parts = gathered
         # after the gather: every rank of a TP group checks the same prompts and raises with the others (a rank
         # raising alone would leave the others waiting in the next gather)
-        every_prompt = [p for _, group in parts for p in group]
-        longest = max((len(p) for p in every_prompt), default=0)  # the longest prompt decides
-        check_sequence_length(
-            prompt_length=longest,
-            max_new_tokens=params.max_new_tokens,
-            limit=self.max_model_len,
-            engine="the vLLM engine's max_model_len",
-            prompt_setting=f"{longest}",
-        )
-        vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
-        check_prompt_tokens(every_prompt, vocab_size=vocab, engine=type(self).__name__)
+        self._check_prompts([p for _, group in parts for p in group], params)
         requests, sampling = [], []
         for seed, group_prompts in parts:
             for i, p in enumerate(group_prompts):
@@ -522,6 +512,20 @@ class VLLMRolloutEngine:
                     responses.append(list(ids))
                     logprobs.append(list(token_lps))
         return RolloutOutput(responses=responses, logprobs=logprobs)
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """What vLLM would fail on at step k, refused now: the longest prompt plus ``max_new_tokens`` past
+        ``max_model_len``, an empty prompt, a token id outside the vocabulary."""
+        longest = max((len(p) for p in prompts), default=0)  # the longest prompt decides
+        check_sequence_length(
+            prompt_length=longest,
+            max_new_tokens=params.max_new_tokens,
+            limit=self.max_model_len,
+            engine="the vLLM engine's max_model_len",
+            prompt_setting=f"{longest}",
+        )
+        vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        check_prompt_tokens(prompts, vocab_size=vocab, engine=type(self).__name__)
 
     def _vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
         """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index)."""
@@ -566,17 +570,7 @@ class VLLMRolloutEngine:
         params.check()
         if self._asleep or self.weights_discarded:
             raise RuntimeError("VLLMRolloutEngine.add_requests: the engine is asleep or holds no weights.")
-        prompts = [ids for _, ids in requests]
-        longest = max((len(p) for p in prompts), default=0)
-        check_sequence_length(
-            prompt_length=longest,
-            max_new_tokens=params.max_new_tokens,
-            limit=self.max_model_len,
-            engine="the vLLM engine's max_model_len",
-            prompt_setting=f"{longest}",
-        )
-        check_prompt_tokens(prompts, vocab_size=int(self.llm.llm_engine.model_config.get_vocab_size()),
-                            engine=type(self).__name__)  # fmt: skip
+        self._check_prompts([ids for _, ids in requests], params)
         for key, ids in requests:
             seed = (params.seed * 1_000_003 + key) % (1 << 62)
             sampling = self._vllm_params(dataclasses.replace(params, n=1), seed, final_only=True)
