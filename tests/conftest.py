@@ -161,5 +161,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 matched.add(key)
     files = {item.nodeid.split("::")[0] for item in items}
     stale = [key for key in LONG_TIER if key.split("::")[0] in files and key not in matched]
-    if stale and not config.getoption("keyword"):  # -k may deselect before this hook sees the items
+    chosen = config.getoption("keyword") or any("::" in str(arg) for arg in config.args)  # -k, or single tests
+    if stale and not chosen:
         raise pytest.UsageError(f"tests/conftest.py LONG_TIER names tests that do not exist: {stale}")

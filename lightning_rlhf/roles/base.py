@@ -49,8 +49,9 @@ class EpisodesMixin:
             self._episodes = EpisodeRunner(self.environment, self.tokenizer, self.rollout, model_path=self.path)
         return self._episodes
 
-    def close_episodes(self) -> None:
-        """End the environment's tool workers. Idempotent. Runs on: every rank, at teardown."""
+    def close(self) -> None:
+        """End the environment's tool workers (the strategy's teardown closes every role; a later fit starts them
+        again). Idempotent. Runs on: every rank, at teardown."""
         if self._episodes is not None:
             self._episodes.close()
             self._episodes = None
