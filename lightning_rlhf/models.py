@@ -10,7 +10,8 @@ Every model setting (``actor``, ``critic``, ``reference``, a reward model, a tok
 - a name under the reserved prefix ``lightning-rlhf/`` is an embedded model (never looked up on the hub),
   built locally on first use and cached (:data:`EMBEDDED_MODELS`, filled by the package's ``__init__``):
   ``lightning-rlhf/tiny-addition`` is the demo's warm-started tiny model, ``lightning-rlhf/tiny-random`` the same
-  model untrained (both with a chat template and 256 positions, see :mod:`lightning_rlhf.demo.tiny`);
+  model untrained (both with a chat template and 256 positions, see :mod:`lightning_rlhf.demo.tiny`),
+  ``lightning-rlhf/tiny-tools`` the tool task's model (:mod:`lightning_rlhf.demo.tool_task`);
 - anything else is a hub id: one already in the local hub cache is used as is; otherwise the hub is asked,
   unless ``HF_HUB_OFFLINE`` is set or the hub does not answer within a few seconds, in which case the error
   comes at once instead of after transformers' retries.

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 import lightning_rlhf.perf as perf
 from lightning_rlhf.agents.env import environment_factory, resolve_environment, with_environment_reward
-from lightning_rlhf.agents.rollout import episode_metrics
+from lightning_rlhf.agents.rollout import check_environment, episode_metrics
 from lightning_rlhf.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -157,6 +157,8 @@ class RLHFModule(L.LightningModule):
             optim=actor_optim or OptimConfig(),
         )
         self.actor.environment = environment_factory(self.environment) if self.environment is not None else None
+        if self.actor.environment is not None:  # the tools' schemas and the chat template, before any process starts
+            check_environment(self.actor.environment, self.tokenizer)
         self.critic: CriticRole | None = (
             CriticRole(critic, algorithm=self.algorithm, optim=critic_optim or OptimConfig(lr=1e-5))
             if critic is not None
@@ -743,7 +745,8 @@ class RLHFModule(L.LightningModule):
     PROGRESS_BAR_METRICS: tuple[str, ...] = ("critic/score/mean", "response_length/mean", "timing_s/step")
     """What :meth:`log_step` also puts on the progress bar (Lightning's default bar shows them)."""
     last_rollout: Batch | None = None
-    """The last logged step's ``prompt``, ``completion`` and ``scores`` (set on the controller; None before)."""
+    """The last logged step's ``prompt``, ``completion`` and ``scores``, and for episodes ``episode`` (the
+    messages), ``turns`` and ``tool_calls`` (set on the controller; None before)."""
 
     def log_step(self, rollout: Batch | None, metrics: dict[str, float], *, started: float) -> None:
         """Log a step: ``metrics`` plus ``timing_s/step`` (since ``started``, a ``time.perf_counter()``) and
@@ -760,9 +763,10 @@ class RLHFModule(L.LightningModule):
         self.log_dict(metrics)
         if rollout is None:
             return
+        episodes = ("turns", "tool_calls") if "episode" in rollout else ()  # multi-turn: the whole conversations
         self.last_rollout = Batch(
-            {"scores": rollout["scores"].detach().float().cpu()},
-            {k: rollout[k] for k in ("prompt", "completion") if k in rollout},
+            {"scores": rollout["scores"].detach().float().cpu()} | {k: rollout[k].cpu() for k in episodes},
+            {k: rollout[k] for k in ("prompt", "completion", "episode") if k in rollout},
             {"step": rollout.meta.get("step", self.trainer.global_step)},
         )
 

@@ -59,6 +59,15 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return prepare_demo_model(str(tmp_path_factory.mktemp("cache")), seed=0)
 
 
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tool task's model (the tiny model with the tool template) after a short warm start: it calls the
+    calculator in nearly every episode, often with wrong digits (about 20 s to make)."""
+    from lightning_rlhf.demo.warmstart import prepare_tool_model
+
+    return prepare_tool_model(str(tmp_path_factory.mktemp("tool_cache")), seed=0, warm_start_steps=60)
+
+
 def failure_text(proc: subprocess.CompletedProcess[str]) -> str:
     """The parts of a failed run's output that explain it: the start and end of stderr, where every rank's
     first error and the controller's final one land."""
@@ -104,6 +113,11 @@ LONG_TIER: dict[str, str] = {
     "tests/e2e/test_documented_commands.py::test_documented_commands_run_as_printed": (
         "every printed command, 20 launches: CI parses every command (test_the_commands_are_read_from_the_pages) "
         "and runs the demo, recipe and CLI paths they use"
+    ),
+    "tests/e2e/test_demo_learns.py::test_tool_demo_learns_to_use_the_calculator": (
+        "the tool task's 60-step learning run (about 3 min): in CI its episodes run colocated on vLLM "
+        "(test_recipes, agent_tools), on a rollout pool one step off-policy (test_async_rollouts), and its parts "
+        "have unit tests (test_tool_task, test_agent_episodes)"
     ),
     "tests/e2e/test_algorithms_learn.py": (
         "120-step learning runs of five more algorithms: in CI, GRPO learns with vLLM (test_demo_learns), GRPO and "
@@ -164,3 +178,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     chosen = config.getoption("keyword") or any("::" in str(arg) for arg in config.args)  # -k, or single tests
     if stale and not chosen:
         raise pytest.UsageError(f"tests/conftest.py LONG_TIER names tests that do not exist: {stale}")
+    items.sort(key=_start_order)
+
+
+#: Where each folder's tests start, first to last: the multi-process and vLLM files take 1-3 min each, the unit
+#: files seconds. With two pytest workers (``--dist loadfile`` hands out whole files in this order) the long files
+#: then run side by side first and the short ones fill in at the end, instead of one worker finishing alone.
+_START_ORDER = ("tests/e2e/", "tests/vllm/", "tests/distributed/", "tests/unit/test_docs_examples.py", "tests/")
+
+
+def _start_order(item: pytest.Item) -> int:
+    return next(i for i, prefix in enumerate(_START_ORDER) if item.nodeid.startswith(prefix) or prefix == "tests/")

@@ -39,7 +39,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.engines.rollout.base import RolloutEngine, SamplingParams
 
-__all__ = ["EPISODE_COLUMNS", "EpisodeRunner", "episode_metrics", "sample_episodes"]
+__all__ = ["EPISODE_COLUMNS", "EpisodeRunner", "check_environment", "episode_metrics", "sample_episodes"]
 
 EPISODE_COLUMNS = ("episode", "env_reward")
 """Columns an episode batch adds: the conversation's messages, the environment's reward (NaN: none)."""
@@ -254,16 +254,20 @@ class EpisodeRunner:
                     continue
                 break
             limits = [min(cfg.max_new_tokens, budget - len(ep.ids), _room(ep, context)) for ep in ready]
-            call = dataclasses.replace(
-                params, n=1, max_new_tokens=max(limits), seed=(params.seed + calls * _TURN_SEED) % (1 << 62)
-            )
-            calls += 1
-            t0 = time.perf_counter()
-            out = engine.generate([ep.prompt + ep.ids for ep in ready], call)
-            gen_s += time.perf_counter() - t0
-            logprobs = out.logprobs or [[] for _ in out.responses]
-            for ep, turn, lp, limit in zip(ready, out.responses, logprobs, limits, strict=True):
-                self._after_turn(ep, list(turn), lp, stops, limit)
+            for group in _fitting_calls(ready, limits, context):
+                call = dataclasses.replace(
+                    params,
+                    n=1,
+                    max_new_tokens=max(limits[i] for i in group),
+                    seed=(params.seed + calls * _TURN_SEED) % (1 << 62),
+                )
+                calls += 1
+                t0 = time.perf_counter()
+                out = engine.generate([ready[i].prompt + ready[i].ids for i in group], call)
+                gen_s += time.perf_counter() - t0
+                logprobs = out.logprobs or [[] for _ in out.responses]
+                for i, turn, lp in zip(group, out.responses, logprobs, strict=True):
+                    self._after_turn(ready[i], list(turn), lp, stops, limits[i])
             ready = []
         return episodes, gen_s
 
@@ -309,6 +313,18 @@ class EpisodeRunner:
                 return gen_s
 
 
+def check_environment(make_env: Callable[[], Environment], tokenizer: Any) -> None:
+    """Make one environment and check what every episode would meet at its first turn: its tools' JSON schemas
+    (type hints, docstrings) and the chat template (present, renders ``tool`` turns, prefix-preserving), so that a
+    mistake is a clear error when the module is built, not in a worker once training has started.
+
+    Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError.
+    """
+    env = make_env()
+    tools = ToolSet(env.tools)
+    check_chat_template(tokenizer, **({"tools": tools.schemas} if len(tools) else {}))
+
+
 def _model_context(model_path: str | None) -> int | None:
     if model_path is None:
         return None
@@ -320,6 +336,24 @@ def _model_context(model_path: str | None) -> int | None:
         return model_max_length(AutoConfig.from_pretrained(model_path))
     except (OSError, ValueError):  # no config to read (an embedded name resolved elsewhere): no bound here
         return None
+
+
+def _fitting_calls(ready: list[_Live], limits: list[int], context: int | None) -> list[list[int]]:
+    """A lock-step turn's episodes (indices into ``ready``) split into engine calls whose longest sequence plus the
+    call's ``max_new_tokens`` (its largest limit) fits the model's context: usually one call; episodes near the end
+    of the context, whose limit is their room, go into calls of their own."""
+    groups: list[list[int]] = []
+    tops: list[int] = []
+    for i in sorted(range(len(ready)), key=lambda i: -limits[i]):
+        length = len(ready[i].prompt) + len(ready[i].ids)
+        for group, top in zip(groups, tops, strict=True):
+            if context is None or length + top <= context:
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+            tops.append(limits[i])
+    return [sorted(group) for group in groups]
 
 
 def _room(ep: _Live, context: int | None) -> int:

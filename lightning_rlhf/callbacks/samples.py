@@ -1,5 +1,6 @@
-"""``RolloutSamples``: every n steps, a few of the step's rollouts (prompt, completion, reward) in a jsonl file
-in the run folder and, with a ``WandbLogger``, as a ``wandb.Table`` (what TRL logs as its completions table).
+"""``RolloutSamples``: every n steps, a few of the step's rollouts (prompt, completion, reward; for episodes the
+whole conversation) in a jsonl file in the run folder and, with a ``WandbLogger``, as a ``wandb.Table`` (what TRL
+logs as its completions table).
 """
 
 from __future__ import annotations
@@ -16,15 +17,27 @@ from typing_extensions import override
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.callbacks.history import run_folder, step_of
 
-__all__ = ["SAMPLE_COLUMNS", "RolloutSamples", "sample_rows"]
+__all__ = ["SAMPLE_COLUMNS", "RolloutSamples", "conversation_text", "sample_rows"]
 
 #: the fields of each sample, in the jsonl rows and the wandb table
 SAMPLE_COLUMNS = ("step", "prompt", "completion", "reward")
 
 
+def conversation_text(messages: list[dict[str, Any]]) -> str:
+    """An episode's messages as readable text, one ``[role] content`` block per message (a tool message names its
+    tool): the wandb table's ``conversation`` column. Runs on: controller (rank 0)."""
+    parts = []
+    for m in messages:
+        role = f"tool {m['name']}" if m.get("role") == "tool" and m.get("name") else m.get("role")
+        parts.append(f"[{role}] {m.get('content', '')}")
+    return "\n".join(parts)
+
+
 def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]]:
     """``count`` rows spread evenly over ``rollout`` (so several prompts, not one prompt's group), as dicts
-    with :data:`SAMPLE_COLUMNS`. A missing ``prompt`` or ``completion`` column gives empty strings.
+    with :data:`SAMPLE_COLUMNS`. A missing ``prompt`` or ``completion`` column gives empty strings. Episodes
+    (a rollout with the ``episode`` column) add ``episode`` (the messages, tool calls and results included),
+    ``turns`` and ``tool_calls``.
 
     Runs on: controller (rank 0).
     """
@@ -33,7 +46,7 @@ def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]
     index = [i * size // count for i in range(count)]
     prompts, completions = rollout.columns.get("prompt"), rollout.columns.get("completion")
     scores = rollout["scores"].tolist()
-    return [
+    rows = [
         {
             "step": step,
             "prompt": str(prompts[i]) if prompts is not None else "",
@@ -42,13 +55,21 @@ def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]
         }
         for i in index
     ]
+    episodes = rollout.columns.get("episode")
+    if episodes is not None:
+        for row, i in zip(rows, index, strict=True):
+            row["episode"] = list(episodes[i])
+            row["turns"] = int(rollout["turns"][i])
+            row["tool_calls"] = int(rollout["tool_calls"][i])
+    return rows
 
 
 class RolloutSamples(L.Callback):
     """After every ``every_n_steps``-th step (the steps ``n-1, 2n-1, ...`` of ``metrics.csv``, as Lightning's
     ``log_every_n_steps``), append ``num_samples`` of its rollouts to ``<run folder>/samples.jsonl`` (one JSON
-    object per line: ``step``, ``prompt``, ``completion``, ``reward``) and, when a ``WandbLogger`` is attached,
-    log them as a ``wandb.Table`` under ``table_key``.
+    object per line: ``step``, ``prompt``, ``completion``, ``reward``; for episodes also ``episode``, the whole
+    conversation, ``turns`` and ``tool_calls``) and, when a ``WandbLogger`` is attached, log them as a
+    ``wandb.Table`` under ``table_key`` (episodes add a ``conversation`` column, the messages as text).
 
     Runs on: every rank; rank 0 writes. Reads ``last_rollout``, which ``RLHFModule.log_step`` sets on the
     controller: a custom ``training_step`` that does not call ``log_step`` must set it (a ``Batch`` with
@@ -100,5 +121,10 @@ class RolloutSamples(L.Callback):
             f.writelines(json.dumps(row) + "\n" for row in rows)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                data = [[row[c] for c in SAMPLE_COLUMNS] for row in rows]
-                logger.log_table(self.table_key, columns=list(SAMPLE_COLUMNS), data=data, step=step)
+                columns = list(SAMPLE_COLUMNS)
+                data = [[row[c] for c in columns] for row in rows]
+                if "episode" in rows[0]:
+                    columns.append("conversation")
+                    for line, row in zip(data, rows, strict=True):
+                        line.append(conversation_text(row["episode"]))
+                logger.log_table(self.table_key, columns=columns, data=data, step=step)

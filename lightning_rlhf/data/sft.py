@@ -49,13 +49,23 @@ def encode_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list
     return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
-    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool, tools: list[Any] | None = None
+) -> str:
+    return str(
+        tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    )
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+def encode_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[Any] | None = None
+) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of a chat rendered with the tokenizer's chat template, with the loss on every
-    assistant turn (its content and the template's end-of-turn token, up to the first EOS) and on nothing else.
+    assistant turn (its content, its tool calls and the template's end-of-turn token, up to the first EOS) and on
+    nothing else: the user's, the system's and the tools' turns are context. ``tools``: the JSON schemas the
+    template renders (``apply_chat_template(tools=...)``, as an agentic rollout renders its prompts).
 
     Runs on: any process (pure). Each assistant turn's prompt is the template of the turns before it with the
     generation prompt (as :class:`~lightning_rlhf.data.PromptDataModule` renders chat prompts for RL); its
@@ -90,8 +100,8 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[in
         return part
 
     for i in turns:
-        prompt = _render(tokenizer, messages[:i], generation_prompt=True)
-        full = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        prompt = _render(tokenizer, messages[:i], generation_prompt=True, tools=tools)
+        full = _render(tokenizer, messages[: i + 1], generation_prompt=False, tools=tools)
         if not prompt.startswith(done) or not full.startswith(prompt):
             raise ValueError(
                 f"SFT data: the chat template is not prefix-stable at message {i} (it renders earlier turns "
@@ -144,9 +154,11 @@ class SFTDataModule(PromptDataModule):
         prompt_column: the column holding the prompt text.
         answer_column: the column holding the answer the model learns to write after the prompt (an EOS
             token is appended).
-        messages_column: the column holding each example as a chat (``[{"role": ..., "content": ...}, ...]``),
-            trained on its assistant turns; ``prompt_column`` and ``answer_column`` are then unused. Needs a
-            tokenizer with a chat template.
+        messages_column: the column holding each example as a chat (``[{"role": ..., "content": ...}, ...]``,
+            assistant turns may carry ``tool_calls`` and ``tool`` turns results), trained on its assistant turns;
+            ``prompt_column`` and ``answer_column`` are then unused. Needs a tokenizer with a chat template. A
+            ``tools`` column, when the data has one (TRL's convention), gives each row's tool schemas to the
+            template.
         max_length: longest example (prompt + answer) in tokens; longer ones are dropped (``overlong="filter"``,
             logged with a count) or rejected (``overlong="error"``). None: the model's positions
             (``max_position_embeddings``). A value above them is refused in ``setup``, before any data or model
@@ -302,7 +314,7 @@ class SFTDataModule(PromptDataModule):
             messages = check_messages(
                 row[self.messages_column], column=self.messages_column, row=row_index, which=which
             )
-            return encode_chat(tok, messages)
+            return encode_chat(tok, messages, tools=row.get("tools"))
         prompt, answer = row[self.prompt_column], row[self.answer_column]
         for value, col in ((prompt, self.prompt_column), (answer, self.answer_column)):
             if not isinstance(value, str) or not value.strip():

@@ -7,6 +7,10 @@ default. The 20 other prompts are held out: neither the warm start nor RL trains
 CSVLogger's ``metrics.csv``, the curves ``reward.png``, ``response_length.png``, ``entropy.png`` (and
 ``kl.png`` with a KL term) and ``samples.jsonl`` (sample rollouts every 25 steps); the run summary is printed
 at the end (with the held-out score before and after RL), and the last printed line names the folder.
+
+``--task tools`` runs the agentic task instead (:mod:`lightning_rlhf.demo.tool_task`): three-digit additions that
+the same tiny model (warm-started on tool-use transcripts) solves by calling a ``calculator`` tool, in multi-turn
+episodes. The end of the run prints the held-out success before and after RL, with and without the tool.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ __all__ = [
     "build_parser",
     "demo_placement",
     "main",
+    "parse_args",
     "plot_reward",
+    "print_tool_table",
 ]
 
 
@@ -123,6 +129,9 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     from lightning_rlhf.strategy import RLHFStrategy
 
     module_cls, advantage = _algorithms()[args.algo]
+    tools = args.task == "tools"
+    if tools and args.algo == "safe":
+        raise SystemExit("--task tools --algo safe: the tool task has no cost function. HINT: another --algo.")
     extra: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     if args.algo == "ppo":  # the critic starts from the actor's backbone with a fresh value head
@@ -131,11 +140,22 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         settings = {"clip_ratio_high": 0.28, "dynamic_sampling": True}
     if args.algo == "safe":  # answers with a 7 are "unsafe": at most 2% of responses may write one
         extra = {"cost": addition_cost, "safety": SafetyConfig(cost_limit=0.02, lambda_init=0.5, lambda_lr=0.5)}
+    if tools:  # multi-turn episodes: the environment runs the calculator and scores the final answer
+        from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
+
+        extra |= {"environment": CalculatorEnvironment}
+        rollout = RolloutConfig(
+            n=args.n, temperature=1.0, max_new_tokens=TOOL_TURN_TOKENS, max_turns=3, tool_workers=1, seed=args.seed
+        )
+        splits = tool_splits()
+    else:
+        rollout = RolloutConfig(n=args.n, temperature=1.0, max_new_tokens=6, seed=args.seed)
+        splits = addition_splits()  # the same 20 held-out prompts as the warm start left out
     module = module_cls(
         model_path,
-        reward=addition_reward,
+        reward=None if tools else addition_reward,
         reference=False,
-        rollout=RolloutConfig(n=args.n, temperature=1.0, max_new_tokens=6, seed=args.seed),
+        rollout=rollout,
         algorithm=AlgorithmConfig(
             advantage=advantage,
             kl_coef=0.0,
@@ -149,11 +169,11 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         attn_implementation=args.attn_implementation,
         **extra,
     )
-    splits = addition_splits()  # the same 20 held-out prompts as the warm start left out
     data = PromptDataModule(
         splits["train"], val=splits["test"], batch_size=args.prompts, max_prompt_length=16, seed=args.seed
     )
     placement = demo_placement(args.placement, list(module.roles()), args.devices)
+    run_name = "demo-tools" if tools else "demo"
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -163,7 +183,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
             placement=placement,
         ),
         max_steps=args.steps,
-        logger=CSVLogger(args.out, name="demo", version=claim_run_version(args.out, "demo")),
+        logger=CSVLogger(args.out, name=run_name, version=claim_run_version(args.out, run_name)),
         callbacks=[RLHFProgressBar(), MetricPlots(), RolloutSamples(every_n_steps=25), ExportActor(), RunSummary()],
         log_every_n_steps=1,
         enable_checkpointing=False,
@@ -209,10 +229,38 @@ def plot_reward(
     return summary
 
 
+TOOL_TURN_TOKENS = 96
+"""``RolloutConfig.max_new_tokens`` of the tool task: one turn (a calculator call is about 75 tokens of the tiny
+byte-level vocabulary)."""
+
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "addition": {"steps": 250, "prompts": 32, "lr": 5e-4, "warmup": 20, "warm_start_steps": 40},
+    "tools": {"steps": 60, "prompts": 16, "lr": 3e-4, "warmup": 5, "warm_start_steps": None},
+}
+"""The demo's settings per ``--task`` where the command line leaves them out (``warm_start_steps`` None: the tool
+model's own default, :data:`~lightning_rlhf.demo.warmstart.TOOL_WARM_START_STEPS`)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's arguments with the task's defaults filled in. Runs on: every process."""
+    args = build_parser().parse_args(argv)
+    for key, value in TASK_DEFAULTS[args.task].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The demo's command line (``python -m lightning_rlhf.demo --help``). Runs on: every process."""
     parser = argparse.ArgumentParser(prog="python -m lightning_rlhf.demo", description=__doc__)
     parser.add_argument("--algo", choices=ALGORITHMS_NAMES, default="grpo", help="ready module to train with")
+    parser.add_argument(
+        "--task",
+        choices=list(TASK_DEFAULTS),
+        default="addition",
+        help="addition: single-digit sums in one turn; tools: three-digit sums in multi-turn episodes with a "
+        "calculator tool (lightning_rlhf.demo.tool_task)",
+    )
     parser.add_argument("--devices", type=int, default=2, help="worker processes (CPU)")
     parser.add_argument(
         "--rollout",
@@ -221,11 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollout engine. auto: vLLM if installed (colocated in the training processes when generation runs on "
         "every rank; one engine server per rank for a pool of part of the ranks), else transformers generation",
     )
-    parser.add_argument("--steps", type=int, default=250, help="RL steps")
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps (addition 250, tools 60)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (addition 32, tools 16)")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--warmup", type=int, default=20, help="learning-rate warm-up steps")
+    parser.add_argument("--lr", type=float, default=None, help="actor learning rate (addition 5e-4, tools 3e-4)")
+    parser.add_argument("--warmup", type=int, default=None, help="learning-rate warm-up steps (addition 20, tools 5)")
     parser.add_argument("--micro-batch-size", type=int, default=128)
     parser.add_argument(
         "--micro-batch-tokens", type=int, default=None, help="token budget per micro-batch (packs rows, no padding)"
@@ -249,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="AlgorithmConfig.max_staleness: 1 generates the next batch on the rollout pool while the actor trains "
         "(asynchronous; needs --placement rollout)",
     )
-    parser.add_argument("--warm-start-steps", type=int, default=40, help="SFTModule steps of the warm start")
+    parser.add_argument(
+        "--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs", help="parent folder of the run folder")
     parser.add_argument(
@@ -262,18 +312,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the demo job. Runs on: every process (Lightning relaunches this module as the other ranks)."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
 
     import lightning as L
     import torch
 
-    from lightning_rlhf.demo.warmstart import prepare_demo_model
+    from lightning_rlhf.demo.warmstart import prepare_demo_model, prepare_tool_model
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     L.seed_everything(args.seed, verbose=False)
-    model_path = prepare_demo_model(args.cache, seed=args.seed, warm_start_steps=args.warm_start_steps)
+    if args.task == "tools":
+        steps = {} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps}
+        model_path = prepare_tool_model(args.cache, seed=args.seed, **steps)
+    else:
+        model_path = prepare_demo_model(args.cache, seed=args.seed, warm_start_steps=args.warm_start_steps)
     module, data, trainer = build_job(args, model_path)
     trainer.fit(module, datamodule=data)  # RunSummary prints the summary; MetricPlots draws reward.png & co
     if trainer.global_rank != 0:
         return
+    if args.task == "tools":
+        print_tool_table(model_path, _exported(trainer), trainer.logger.log_dir)
     print(f"run folder: {os.path.abspath(trainer.logger.log_dir)}")
+
+
+def _exported(trainer: Any) -> str:
+    from lightning_rlhf.callbacks import ExportActor
+
+    folder = next(cb.last_export for cb in trainer.callbacks if isinstance(cb, ExportActor))
+    if folder is None:
+        raise RuntimeError("the demo's ExportActor exported nothing at the end of fit")
+    return str(folder)
+
+
+def print_tool_table(before: str, after: str, log_dir: str) -> dict[str, dict[str, float]]:
+    """The tool task's held-out success (greedy episodes) of the warm-started model (``before``) and the RL-trained
+    one (``after``), each with and without the tool; printed, and written to ``log_dir/tool_success.json``.
+
+    Runs on: rank 0, after ``fit``.
+    """
+    from lightning_rlhf.demo.tool_task import tool_splits
+    from lightning_rlhf.demo.warmstart import tool_success
+
+    test = tool_splits()["test"]
+    table = {
+        f"{when}, {how}": tool_success(path, test, with_tool=how == "with the tool")
+        for when, path in (("before RL", before), ("after RL", after))
+        for how in ("with the tool", "without the tool")
+    }
+    print(f"held-out success ({len(test)} three-digit sums, greedy episodes):")
+    for name, row in table.items():
+        print(
+            f"  {name:<30} {row['success']:.3f}   tool calls/episode {row['tool_calls']:.2f}   turns {row['turns']:.2f}"
+        )
+    with open(os.path.join(log_dir, "tool_success.json"), "w") as f:
+        json.dump(table, f, indent=1)
+    return table

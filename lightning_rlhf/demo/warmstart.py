@@ -56,6 +56,7 @@ def warm_start(
     lr: float = 1e-3,
     seed: int = 0,
     digits: int = 1,
+    task: str = "addition",
     timeout_s: float = 600.0,
 ) -> str:
     """Fine-tunes the model in ``model_dir`` on the training split of the addition task with
@@ -78,6 +79,9 @@ def warm_start(
         lr: AdamW learning rate.
         seed: Seed of the shuffling and of the run.
         digits: ``digits`` of :func:`~lightning_rlhf.demo.task.addition_splits`.
+        task: ``"addition"``, or ``"tools"``: the tool task's transcripts
+            (:func:`~lightning_rlhf.demo.tool_task.tool_transcripts` of its training prompts, with and without
+            the tool; loss on the assistant turns), for a model saved with the tool template.
         timeout_s: How long the child may run before it is killed and this raises.
 
     Returns:
@@ -88,7 +92,7 @@ def warm_start(
     """
     args = [
         model_dir, out_dir, "--steps", str(steps), "--batch-size", str(batch_size), "--lr", repr(lr),
-        "--seed", str(seed), "--digits", str(digits),
+        "--seed", str(seed), "--digits", str(digits), "--task", task,
     ]  # fmt: skip
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {
@@ -123,8 +127,27 @@ def warm_start(
     return out_dir
 
 
+def _sft_data(task: str, *, digits: int, batch_size: int, seed: int) -> Any:
+    """The warm start's ``SFTDataModule`` for ``task``."""
+    from lightning_rlhf.data import SFTDataModule
+
+    if task == "tools":
+        import datasets
+
+        from lightning_rlhf.demo.tool_task import tool_splits, tool_transcripts
+
+        train = tool_splits()["train"]
+        rows = tool_transcripts(train, with_tool=True) + tool_transcripts(train, with_tool=False)
+        return SFTDataModule(
+            datasets.Dataset.from_list(rows), messages_column="messages", batch_size=batch_size, seed=seed
+        )
+    if task != "addition":
+        raise ValueError(f"warm_start(task={task!r}): expected 'addition' or 'tools'.")
+    return SFTDataModule(addition_splits(digits=digits)["train"], batch_size=batch_size, max_length=32, seed=seed)
+
+
 def _warm_start_here(
-    model_dir: str, out_dir: str, *, steps: int, batch_size: int, lr: float, seed: int, digits: int
+    model_dir: str, out_dir: str, *, steps: int, batch_size: int, lr: float, seed: int, digits: int, task: str
 ) -> dict[str, float]:
     """The SFT run :func:`warm_start` launches; returns the first and last ``sft/loss``. Runs on: one process."""
     import lightning as L
@@ -132,13 +155,12 @@ def _warm_start_here(
     from lightning_rlhf.callbacks import ExportActor
     from lightning_rlhf.callbacks.history import MetricHistory
     from lightning_rlhf.config import OptimConfig
-    from lightning_rlhf.data import SFTDataModule
     from lightning_rlhf.modules import SFTModule
     from lightning_rlhf.strategy import RLHFStrategy
 
     L.seed_everything(seed, verbose=False)
     module = SFTModule(model_dir, optim=OptimConfig(lr=lr), micro_batch_size=batch_size)
-    data = SFTDataModule(addition_splits(digits=digits)["train"], batch_size=batch_size, max_length=32, seed=seed)
+    data = _sft_data(task, digits=digits, batch_size=batch_size, seed=seed)
     history = MetricHistory(["sft/loss"])
     trainer = L.Trainer(
         accelerator="cpu",
@@ -155,6 +177,30 @@ def _warm_start_here(
     trainer.fit(module, datamodule=data)
     losses = history.values("sft/loss")[1]
     return {"first": losses[0], "last": losses[-1], "steps": float(len(losses))}
+
+
+def _build_once(cache_dir: str, name: str, build: Callable[[str], str]) -> str:
+    """``cache_dir/name``, made by ``build(tmp_folder) -> model folder`` on first use in a temporary folder inside
+    ``cache_dir`` that is then renamed into place, so concurrent callers never see a partial model (the first
+    rename wins; the others find a complete folder)."""
+    final = os.path.join(cache_dir, name)
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}-tmp-", dir=cache_dir)
+    try:
+        built = build(tmp)
+        if os.path.isdir(final) and not os.path.isfile(os.path.join(final, "config.json")):
+            shutil.rmtree(final, ignore_errors=True)  # a foreign, incomplete leftover
+        try:
+            os.replace(built, final)
+        except OSError:
+            # Another process finished first (its directory is complete, since it was renamed in whole).
+            if not os.path.isfile(os.path.join(final, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int = 40) -> str:
@@ -176,25 +222,39 @@ def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
     Returns:
         The model directory (model and tokenizer, loadable with ``from_pretrained``).
     """
-    final = os.path.join(cache_dir, f"demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}")
-    if os.path.isfile(os.path.join(final, "config.json")):
-        return final
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".demo-model-tmp-", dir=cache_dir)
-    try:
+
+    def build(tmp: str) -> str:
         base = save_tiny(os.path.join(tmp, "base"), seed=seed)
-        trained = warm_start(base, os.path.join(tmp, "model"), steps=warm_start_steps, seed=seed)
-        if os.path.isdir(final) and not os.path.isfile(os.path.join(final, "config.json")):
-            shutil.rmtree(final, ignore_errors=True)  # a foreign, incomplete leftover
-        try:
-            os.replace(trained, final)
-        except OSError:
-            # Another process finished first (its directory is complete, since it was renamed in whole).
-            if not os.path.isfile(os.path.join(final, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        return warm_start(base, os.path.join(tmp, "model"), steps=warm_start_steps, seed=seed)
+
+    return _build_once(cache_dir, f"demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
+
+
+TOOL_WARM_START_STEPS = 150
+"""Supervised steps of the tool task's warm start (batches of 32 transcripts)."""
+
+
+def prepare_tool_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int = TOOL_WARM_START_STEPS) -> str:
+    """The tool task's warm-started model (:mod:`lightning_rlhf.demo.tool_task`), built and cached on first use
+    like :func:`prepare_demo_model`: a tiny model saved with the tool template
+    (:data:`~lightning_rlhf.demo.tool_task.TOOL_CHAT_TEMPLATE`), then ``warm_start_steps`` SFT steps on the
+    training prompts' transcripts with and without the tool. Cached in
+    ``cache_dir/tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}``.
+
+    Runs on: any process (plain function; call it before a multi-process ``fit``).
+    """
+    from lightning_rlhf.demo.tool_task import TOOL_CHAT_TEMPLATE
+
+    def build(tmp: str) -> str:
+        base = save_tiny(os.path.join(tmp, "base"), seed=seed)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+        tokenizer.save_pretrained(base)
+        return warm_start(
+            base, os.path.join(tmp, "model"), steps=warm_start_steps, seed=seed, task="tools", batch_size=32
+        )
+
+    return _build_once(cache_dir, f"tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
 @torch.no_grad()
@@ -210,23 +270,16 @@ def tiny_random_model(cache_dir: str) -> str:
     0), cached in ``cache_dir/tiny-random-{CACHE_VERSION}-seed0``; concurrent callers share one copy.
 
     Runs on: any process (plain function; what :func:`lightning_rlhf.models.resolve_model_path` calls)."""
-    final = os.path.join(cache_dir, f"tiny-random-{CACHE_VERSION}-seed0")
-    if os.path.isfile(os.path.join(final, "config.json")):
-        return final
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-random-tmp-", dir=cache_dir)
-    try:
-        built = save_tiny(os.path.join(tmp, "model"), seed=0)
-        if os.path.isdir(final) and not os.path.isfile(os.path.join(final, "config.json")):
-            shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover
-        try:
-            os.replace(built, final)
-        except OSError:  # another process renamed its (complete) copy into place first
-            if not os.path.isfile(os.path.join(final, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return _build_once(
+        cache_dir, f"tiny-random-{CACHE_VERSION}-seed0", lambda tmp: save_tiny(os.path.join(tmp, "model"), seed=0)
+    )
+
+
+def tiny_tools_model(cache_dir: str) -> str:
+    """The embedded model ``lightning-rlhf/tiny-tools``: :func:`prepare_tool_model` with seed 0.
+
+    Runs on: any process (plain function; what :func:`lightning_rlhf.models.resolve_model_path` calls)."""
+    return prepare_tool_model(cache_dir, seed=0)
 
 
 DEMO_MODELS: dict[str, tuple[Callable[[str], str], str]] = {
@@ -237,6 +290,10 @@ DEMO_MODELS: dict[str, tuple[Callable[[str], str], str]] = {
     "lightning-rlhf/tiny-random": (
         tiny_random_model,
         "the same tiny Qwen2 model and tokenizer, randomly initialised (warm-start it on your own task first)",
+    ),
+    "lightning-rlhf/tiny-tools": (
+        tiny_tools_model,
+        "the same tiny model with a tool chat template, warm-started to call a calculator for 3-digit additions",
     ),
 }
 """The embedded models the demo builds, by name: ``(build(cache_dir) -> folder, description)``; the package's
@@ -329,6 +386,44 @@ def greedy_accuracy(model_dir: str, *, digits: int = 1) -> float:
     return sum(rewards) / len(rewards)
 
 
+def tool_success(
+    model_dir: str, rows: Any, *, with_tool: bool = True, max_turns: int = 3, max_new_tokens: int = 96
+) -> dict[str, float]:
+    """Greedy episodes of the tool task on ``rows`` (a dataset with ``prompt`` and ``answer``) with the
+    transformers engine in this process: ``success`` (share of exact final answers), ``tool_calls`` (calls per
+    episode) and ``turns`` (per episode). ``with_tool=False`` runs the same model without the tool
+    (:class:`~lightning_rlhf.demo.tool_task.NoToolEnvironment`: no tools line in the prompt, one turn).
+
+    Runs on: one process (rank 0 of the demo, before and after RL; the episodes are the rollout's own code).
+    """
+    from lightning_rlhf.agents.rollout import EpisodeRunner
+    from lightning_rlhf.config import RolloutConfig
+    from lightning_rlhf.demo.tool_task import CalculatorEnvironment, NoToolEnvironment
+    from lightning_rlhf.engines.rollout import SamplingParams
+    from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
+
+    model, tokenizer = _load(model_dir)
+    engine = HFRolloutEngine(
+        model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, device=torch.device("cpu")
+    )
+    cfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, tool_workers=1)
+    runner = EpisodeRunner(
+        CalculatorEnvironment if with_tool else NoToolEnvironment, tokenizer, cfg, model_path=model_dir
+    )
+    params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
+    try:
+        episodes, _ = runner.run(engine, [dict(row) for row in rows], params, context=runner.context)
+    finally:
+        runner.close()
+    scores = [ep.env.reward(ep.info) or 0.0 for ep in episodes]
+    count = max(1, len(episodes))
+    return {
+        "success": sum(scores) / count,
+        "tool_calls": sum(ep.info.tool_calls for ep in episodes) / count,
+        "turns": sum(ep.info.turns for ep in episodes) / count,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m lightning_rlhf.demo.warmstart MODEL OUT``: one warm start in this process (what
     :func:`warm_start` runs in its child); prints the loss line last. Runs on: one process."""
@@ -340,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--digits", type=int, default=1)
+    parser.add_argument("--task", choices=["addition", "tools"], default="addition")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     loss = _warm_start_here(
@@ -350,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         lr=args.lr,
         seed=args.seed,
         digits=args.digits,
+        task=args.task,
     )
     print(f"SFTModule: {loss['steps']:.0f} steps, sft/loss {loss['first']:.3f} -> {loss['last']:.3f}", flush=True)
 

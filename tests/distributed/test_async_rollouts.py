@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_rlhf.engines.rollout.vllm import vllm_available
 from tests.conftest import failure_text, run_script
 from tests.distributed.test_training import check_ok, read_metrics
 
@@ -58,6 +59,28 @@ def test_asynchronous_rollouts_are_one_step_off_policy_and_resume_exactly(demo_m
     end_full = json.loads((straight / "result.json").read_text())["param_checksum"]
     end_resumed = json.loads((second / "result.json").read_text())["param_checksum"]
     assert end_full == pytest.approx(end_resumed, rel=1e-6)
+
+
+def test_episodes_with_tools_run_on_a_rollout_pool_one_step_off_policy(tool_model: str, tmp_path: Path) -> None:
+    """Multi-turn episodes of the tool task on a rollout pool of its own (vLLM's engine server when installed),
+    asynchronous (max_staleness=1): turns, tool calls and observations in every step, the engine/trainer check over
+    the sampled tokens only, and whole conversations in samples.jsonl."""
+    out = tmp_path / "run"
+    args = ["--model", tool_model, "--devices", "2", "--rollout", "vllm" if vllm_available() else "hf"]
+    args += ["--task", "tools", "--max-staleness", "1", "--placement", ROLLOUT_POOL, "--steps", "3"]
+    args += ["--prompts", "4", "--n", "2", "--ux-callbacks", "--samples-every", "1"]
+    check_ok(run_script("train.py", *args, "--out", str(out)))
+    rows = read_metrics(out)
+    assert [float(r["training/staleness_max"]) for r in rows[1:]] == [0, 1]
+    for row in rows[1:]:  # step 0 only generates
+        assert float(row["rollout/turns/mean"]) > 1 and float(row["rollout/tool_calls/mean"]) > 0
+        assert float(row["rollout/observation_tokens/mean"]) > 0 and row["rollout/tool_errors"] != ""
+        assert float(row["training/rollout_probs_diff_max"]) < 1e-3  # over the sampled tokens: one update apart
+        assert row["actor/pg_loss"] != ""  # the actor trained on the episodes (this short warm start rarely scores)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    conversation = samples[-1]["episode"]
+    assert conversation[0] == {"role": "user", "content": conversation[0]["content"]}
+    assert any(m["role"] == "tool" for s in samples for m in s["episode"])
 
 
 def test_four_ranks_sharded_actor_feeds_a_two_rank_rollout_pool(demo_model: str, tmp_path: Path) -> None:

@@ -234,9 +234,9 @@ def same_run(cmd: Documented) -> str:
     argv, metric = invocation(cmd, Path("OUT"))
     if "lightning_rlhf.demo" not in argv or metric is None:
         return shlex.join(argv)
-    from lightning_rlhf.demo.job import build_parser
+    from lightning_rlhf.demo.job import parse_args
 
-    settings = vars(build_parser().parse_args(argv[argv.index("lightning_rlhf.demo") + 1 :]))
+    settings = vars(parse_args(argv[argv.index("lightning_rlhf.demo") + 1 :]))
     return "demo " + repr(sorted((k, v) for k, v in settings.items() if k not in ("out", "cache")))
 
 

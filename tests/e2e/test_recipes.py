@@ -40,6 +40,8 @@ def substitutes(recipe: str, model: str, tmp_path: Path) -> list[str]:
     common = ["--trainer.max_steps", "2", "--trainer.logger.save_dir", str(tmp_path)]
     if recipe in ("demo", "sft_demo"):  # CPU recipes with an embedded model: nothing to substitute but the length
         return common
+    if recipe == "agent_tools":  # as written (2 processes, its engine), on the short-warm-start tool model
+        return [*common, "--model.actor", model, "--data.batch_size", "4", "--model.rollout.n", "2"]
     common += ["--model.actor", model]
     small = [
         "--trainer.accelerator", "cpu", "--trainer.devices", "1",
@@ -62,9 +64,12 @@ def embedded_cache(demo_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_two_steps(recipe: str, demo_model: str, embedded_cache: None, tmp_path: Path) -> None:
+def test_recipe_runs_two_steps(
+    recipe: str, demo_model: str, embedded_cache: None, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     command = command_of(recipe)
-    proc = run_cli(command, "--config", f"recipes/{recipe}.yaml", *substitutes(recipe, demo_model, tmp_path))
+    model = request.getfixturevalue("tool_model") if recipe == "agent_tools" else demo_model
+    proc = run_cli(command, "--config", f"recipes/{recipe}.yaml", *substitutes(recipe, model, tmp_path))
     assert proc.returncode == 0, failure_text(proc)
     (metrics,) = tmp_path.rglob("metrics.csv")
     key = "sft/loss" if command == "sft" else "critic/score/mean"
@@ -75,8 +80,10 @@ def test_recipe_runs_two_steps(recipe: str, demo_model: str, embedded_cache: Non
         assert float(steps[1][key]) < float(steps[0][key])
     else:
         assert all(0.0 <= float(r[key]) <= 1.0 for r in steps)
-    if recipe == "demo" and vllm_available():  # the one recipe test that generates with vLLM
+    if recipe in ("demo", "agent_tools") and vllm_available():  # the recipe tests that generate with vLLM
         assert "timing_s/update_weights" in steps[0]
+    if recipe == "agent_tools":  # multi-turn episodes with the calculator
+        assert all(float(r["rollout/turns/mean"]) >= 1 and r["rollout/tool_calls/mean"] != "" for r in steps)
     run = metrics.parent
     assert (run / "config.yaml").is_file()  # LightningCLI saves the resolved recipe beside the metrics
     if recipe == "demo":  # the recipe names the embedded model, and the saved config keeps that name

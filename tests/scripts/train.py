@@ -32,6 +32,7 @@ from lightning_rlhf import (
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
 from lightning_rlhf.demo import addition_cost, addition_dataset, addition_reward
+from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
 from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.roles import ActorRole
 
@@ -169,6 +170,12 @@ def main() -> None:
     p.add_argument("--val-batch-size", type=int, default=4)
     p.add_argument("--val-n", type=int, default=1, help="ValidationConfig.n: 1 is greedy, more sample at 1.0")
     p.add_argument("--reward", choices=["addition", "hang"], default="addition", help="hang: rank 1's 2nd call hangs")
+    p.add_argument(
+        "--task",
+        choices=["addition", "tools"],
+        default="addition",
+        help="tools: episodes of the demo's tool task (CalculatorEnvironment scores them; --model needs its template)",
+    )
     p.add_argument("--reward-timeout", type=float, default=60.0, help="RewardConfig.timeout_s")
     p.add_argument("--signal-at", default=None, help="RANK:SIGNAL:N: rank sends itself SIGNAL in its N-th actor.update")
     p.add_argument("--kill-during-save", type=int, default=None, help="this rank SIGKILLs itself while saving")
@@ -192,15 +199,20 @@ def main() -> None:
         max_staleness=args.max_staleness,
     )
     reward = failing_reward if args.fault == "reward" else addition_reward
+    tools = args.task == "tools"
     common = dict(
-        reward=hanging_reward(args.out) if args.reward == "hang" else reward,
+        reward=None if tools else hanging_reward(args.out) if args.reward == "hang" else reward,
         reward_config=RewardConfig(timeout_s=args.reward_timeout),
-        rollout=RolloutConfig(n=args.n, max_new_tokens=5, seed=0),
+        rollout=RolloutConfig(n=args.n, max_new_tokens=96, max_turns=3, tool_workers=1, seed=0)
+        if tools
+        else RolloutConfig(n=args.n, max_new_tokens=5, seed=0),
         validation=ValidationConfig(
             n=args.val_n, temperature=1.0 if args.val_n > 1 else 0.0, before_train=args.val_before_train
         ),
         actor_optim=OptimConfig(lr=1e-3, warmup_steps=2),
     )
+    if tools:
+        common["environment"] = CalculatorEnvironment
     if args.algo == "ppo":
         module = PPOModule(
             args.model,
@@ -294,7 +306,7 @@ def main() -> None:
         check_val_every_n_epoch=None if args.val_every else 1,
     )
     data = PromptDataModule(
-        addition_dataset(),
+        tool_splits()["train"] if tools else addition_dataset(),
         val=addition_dataset(num_prompts=args.val_prompts, seed=1) if args.val_every else None,
         val_batch_size=args.val_batch_size,
         batch_size=args.prompts,

@@ -9,17 +9,22 @@ token by token. The real engines run episodes in tests/distributed/test_episodes
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from lightning_rlhf import GRPOModule
 from lightning_rlhf.agents import Environment, Episode, ToolEnvironment
 from lightning_rlhf.agents.env import environment_factory
 from lightning_rlhf.agents.rollout import EpisodeRunner, sample_episodes
 from lightning_rlhf.agents.tokens import check_chat_template
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import RolloutConfig
+from lightning_rlhf.config import AlgorithmConfig, RolloutConfig
+from lightning_rlhf.demo import addition_reward
 from lightning_rlhf.demo.tiny import build_tiny_tokenizer
 from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams
 from tests.agent_tools import calculator
@@ -157,6 +162,43 @@ def test_episodes_end_truncated_at_max_turns_and_the_budget() -> None:
     assert cut["response_truncated"].tolist() == [True] and int(cut["response_mask"][0].sum()) == 5
 
 
+class BoundedEngine(ScriptedEngine):
+    """Refuses a call whose longest prompt plus ``max_new_tokens`` passes the context, as both real engines do."""
+
+    context = 256
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        longest = max(map(len, prompts))
+        if longest + params.max_new_tokens > self.context:
+            raise ValueError(f"{longest} + {params.max_new_tokens} > {self.context}")
+        return super().generate(prompts, params)
+
+
+@pytest.mark.parametrize("async_episodes", [False, True])
+def test_episodes_at_the_context_bound_end_truncated_without_cutting_the_others(async_episodes: bool) -> None:
+    tok = build_tiny_tokenizer()
+    engine = BoundedEngine(tok, script=lambda text: f"Again.\n{CALL}")  # calls the tool every turn, never answers
+    runner = EpisodeRunner(
+        environment_factory(ToolEnvironment(tools=[calculator])),
+        tok,
+        RolloutConfig(max_new_tokens=90, max_turns=10, max_episode_tokens=10_000, async_episodes=async_episodes),
+    )
+    runner.context = engine.context
+    texts = ["1+1", "Please add these numbers for me, then say the sum: " * 3]  # the second is 84 tokens longer
+    try:
+        stops = (check_chat_template(tok).end_of_turn_id,)
+        params = SamplingParams(max_new_tokens=90, stop_token_ids=stops, seed=3)
+        batch = sample_episodes(engine, prompt_batch(tok, texts), runner, params, n=1, pad_id=tok.pad_token_id)
+    finally:
+        runner.close()
+    assert batch["response_truncated"].tolist() == [True, True]
+    short, long = batch["turns"].tolist()
+    assert short > long >= 1  # the long prompt met the bound first; the short one went on in calls of its own
+    for i in range(2):
+        used = int(batch["prompt_mask"][i].sum() + batch["response_mask"][i].sum())
+        assert engine.context - 100 < used <= engine.context  # it ran until less than a turn and its observation fit
+
+
 def test_bad_calls_and_failing_tools_become_error_observations() -> None:
     tok = build_tiny_tokenizer()
     replies = iter(
@@ -247,6 +289,32 @@ def test_reset_that_returns_nothing_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"Empty.reset\(row\) returned \[\]; expected a non-empty list of chat"):
         run(build_tiny_tokenizer(), Empty, RolloutConfig(max_new_tokens=8))
+
+
+def _untyped(x):
+    """Echo.
+
+    Args:
+        x: anything.
+    """
+    return x
+
+
+def test_environment_mistakes_fail_when_the_module_is_built(tiny_model: str, tmp_path: Path) -> None:
+    """A tool without type hints and a tokenizer without a chat template are refused by the module's constructor
+    (on the controller, before any process or model starts), not by a worker at the first rollout."""
+    settings = dict(reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl_coef=0.0))
+    with pytest.raises(ValueError, match=r"tool '_untyped': its JSON schema cannot be made .* HINT: .*type hint"):
+        GRPOModule(tiny_model, environment=ToolEnvironment(tools=[_untyped]), **settings)
+    bare = tmp_path / "no_template"
+    shutil.copytree(tiny_model, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"an environment needs a chat template: the tokenizer has none"):
+        GRPOModule(str(bare), environment=ToolEnvironment(tools=[calculator]), **settings)
+    GRPOModule(tiny_model, environment=ToolEnvironment(tools=[calculator]), **settings)  # the same, well made
 
 
 def test_rollout_config_refuses_bad_episode_settings() -> None:

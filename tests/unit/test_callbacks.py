@@ -3,6 +3,7 @@ a few steps of a plain module, and the command line's default bar."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
@@ -14,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RunSummary, run_folder
 from lightning_rlhf.callbacks.history import first_last
-from lightning_rlhf.callbacks.samples import sample_rows
+from lightning_rlhf.callbacks.samples import conversation_text, sample_rows
 from lightning_rlhf.callbacks.summary import checkpoint_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +45,31 @@ def test_sample_rows_spread_over_prompts() -> None:
     assert len(sample_rows(rollout, 20, step=0)) == 8
     bare = sample_rows(Batch({"scores": torch.ones(2)}), 1, step=0)
     assert bare == [{"step": 0, "prompt": "", "completion": "", "reward": 1.0}]
+
+
+def test_sample_rows_of_episodes_carry_the_whole_conversation() -> None:
+    chats = [
+        [
+            {"role": "user", "content": f"{i}+1="},
+            {"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
+            {"role": "tool", "name": "calculator", "content": str(i + 1)},
+            {"role": "assistant", "content": str(i + 1)},
+        ]
+        for i in range(2)
+    ]
+    rollout = Batch(
+        {"scores": torch.tensor([1.0, 0.0]), "turns": torch.tensor([2, 2]), "tool_calls": torch.tensor([1, 1])},
+        {"prompt": ["0+1=", "1+1="], "completion": ["x", "y"], "episode": chats},
+    )
+    rows = sample_rows(rollout, 2, step=3)
+    assert rows[1]["episode"] == chats[1] and rows[1]["turns"] == 2 and rows[1]["tool_calls"] == 1
+    assert json.loads(json.dumps(rows[1]))["episode"][2]["content"] == "2"  # a jsonl line holds it as it is
+    assert conversation_text(chats[0]).splitlines() == [
+        "[user] 0+1=",
+        '[assistant] <tool_call>{"name": "calculator"}</tool_call>',
+        "[tool calculator] 1",
+        "[assistant] 1",
+    ]
 
 
 def test_metric_plots_draws_the_logged_panels(tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ may stand between; several comments may stack) changes what happens to the block
     docs keep the values a user would pick (``devices=2``, ``max_steps=100``); the fixture applied in that
     interpreter (``_docs_fixture``) sets ``Trainer(devices=1, max_steps=1)``, ``RLHFStrategy(rollout="hf")``
     (one vLLM engine per fit would pile up in the one interpreter all ``run`` blocks share; tests/vllm covers
-    vLLM), turns the model summary off and points ``prepare_demo_model`` at the session's cached demo model.
+    vLLM), turns the model summary off and points ``prepare_demo_model`` (and ``prepare_tool_model``) at the
+    session's cached demo model (and tool model).
     Each run must end with ``global_step == 1``.
 
 The hub ids in ``MODEL_STANDINS`` (a page's example model) are replaced in the code by the demo model's local
@@ -297,10 +298,12 @@ def test_skips_are_few_and_explained() -> None:
 
 
 # ------------------------------------------------------------------------------------- scripts, one step
-def _docs_fixture(cache_dir: str, fits: list[int]) -> None:
+def _docs_fixture(cache_dir: str, fits: list[int], tool_model: str) -> None:
     """What the ``run`` blocks' interpreter applies before them: 1 process, 1 step, the transformers rollout
     engine (one vLLM engine per fit in one interpreter is what this fixture must avoid; tests/vllm runs vLLM),
-    no model summary, the session's demo model. Appends each ``fit``'s final ``global_step`` to ``fits``."""
+    no model summary, the session's demo model, and the session's tool model for ``lightning-rlhf/tiny-tools``
+    (its short warm start: the full one would add a minute). Appends each ``fit``'s final ``global_step`` to
+    ``fits``."""
     import lightning.pytorch as pl
 
     import lightning_rlhf
@@ -331,6 +334,7 @@ def _docs_fixture(cache_dir: str, fits: list[int]) -> None:
     pl.Trainer.fit = patched_fit  # type: ignore[method-assign]
     lightning_rlhf.RLHFStrategy.__init__ = patched_strategy_init  # type: ignore[method-assign]
     demo.prepare_demo_model = warmstart.prepare_demo_model = cached_demo_model  # type: ignore[assignment]
+    warmstart.prepare_tool_model = lambda cache, **kwargs: tool_model  # type: ignore[assignment]
 
 
 def run_blocks_main() -> None:
@@ -341,7 +345,7 @@ def run_blocks_main() -> None:
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     fits: list[int] = []
-    _docs_fixture(spec["cache_dir"], fits)
+    _docs_fixture(spec["cache_dir"], fits, spec["tool_model"])
     results = {}
     registered = [dict(r._entries) for r in _registries()]
     for script in spec["scripts"]:
@@ -379,12 +383,14 @@ _RUNNER = "from tests.unit.test_docs_examples import run_blocks_main; run_blocks
 
 
 @pytest.fixture(scope="module")
-def script_runs(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+def script_runs(
+    demo_model: str, tool_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], str]:
     """Runs every ``run`` block, one after another, in one fresh interpreter (its imports cost more than the
     steps); returns the results per label and the interpreter's output."""
     folder = tmp_path_factory.mktemp("docs_scripts")
     scripts = [{"label": b.label, "codes": _script_codes(b, demo_model)} for b in RUN_BLOCKS]
-    spec = {"scripts": scripts, "cache_dir": str(Path(demo_model).parent)}
+    spec = {"scripts": scripts, "cache_dir": str(Path(demo_model).parent), "tool_model": tool_model}
     (folder / "spec.json").write_text(json.dumps(spec))
     env = {
         **os.environ,

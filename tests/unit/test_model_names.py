@@ -96,7 +96,11 @@ def test_local_folders(tmp_path: Path, tiny_model: str) -> None:
 
 
 def test_embedded_names_build_once_and_resolve_to_the_cached_folder(cache_dir: Path) -> None:
-    assert set(EMBEDDED_MODELS) == {"lightning-rlhf/tiny-addition", "lightning-rlhf/tiny-random"}
+    assert set(EMBEDDED_MODELS) == {
+        "lightning-rlhf/tiny-addition",
+        "lightning-rlhf/tiny-random",
+        "lightning-rlhf/tiny-tools",
+    }  # the tool model (a minute of warm start) is built by the tool task's tests
     path = resolve_model_path("lightning-rlhf/tiny-addition", setting="s")
     assert path == prepare_demo_model(str(cache_dir)) and os.path.isfile(os.path.join(path, "config.json"))
     random_path = resolve_model_path("lightning-rlhf/tiny-random", setting="s")
