@@ -46,6 +46,10 @@ BENCH_ARGS ?=
 bench-vs-trl: setup $(TRL_VENV)/.installed  ## Side-by-side GRPO benchmark vs TRL 1.16 (BENCH_ARGS="--quick" for a smoke run)
 	$(BIN)/python benchmarks/vs_trl/bench.py --trl-python $(TRL_VENV)/bin/python $(BENCH_ARGS)
 
+.PHONY: bench-tools-vs-trl
+bench-tools-vs-trl: setup $(TRL_VENV)/.installed  ## Episodes/s on the tool task vs TRL 1.16 with tools= (alternating runs)
+	$(BIN)/python benchmarks/vs_trl/bench_tools.py --trl-python $(TRL_VENV)/bin/python $(BENCH_ARGS)
+
 .PHONY: gpu-wheels
 gpu-wheels:  ## Wheels a lent GPU machine lacks (datasets, TRL) into .whl/ for benchmarks/gpu_check.sh
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -68,10 +72,11 @@ $(TRL_VENV)/.installed:
 	@touch $@
 
 # Two tiers (tests/conftest.py LONG_TIER says which tests are long and what covers their paths in CI): `make test`
-# (CI) leaves the long tier out; `make test-all` runs everything. Serial by default: PYTEST_WORKERS=2 runs two test
-# files' processes at once (pytest-xdist; see docs/testing.md for its measured gain and why it stays opt-in).
-PYTEST_WORKERS ?= 0
-PYTEST := $(BIN)/python -m pytest -q tests -n $(PYTEST_WORKERS) --dist loadfile --durations=15 --basetemp="$(CURDIR)/.pytest_tmp"
+# (CI) leaves the long tier out; `make test-all` runs everything. Two test files run at once (pytest-xdist, one
+# worker per core of the 2-core machines; docs/testing.md has the measured gain); PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q tests -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
+	--basetemp="$(CURDIR)/.pytest_tmp"
 test: setup lint typecheck docs  ## Lint, type-check, build the docs (strict) and run the suite without the long tier (CI)
 	$(PYTEST) -m "not long"
 

@@ -59,13 +59,27 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return prepare_demo_model(str(tmp_path_factory.mktemp("cache")), seed=0)
 
 
+def _run_folder(factory: pytest.TempPathFactory) -> Path:
+    """A folder every pytest worker of this run sees: the base folder, or with pytest-xdist its parent (each
+    worker's base folder is ``<run's base>/popen-gwN``)."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tool task's model (the tiny model with the tool template) after a short warm start: it calls the
-    calculator in nearly every episode, often with wrong digits (about 20 s to make)."""
+    calculator in nearly every episode, often with wrong digits (about 20 s to make, once per run: the first
+    pytest worker builds it under a lock, the other finds it built)."""
+    import fcntl
+
     from lightning_rlhf.demo.warmstart import prepare_tool_model
 
-    return prepare_tool_model(str(tmp_path_factory.mktemp("tool_cache")), seed=0, warm_start_steps=60)
+    folder = _run_folder(tmp_path_factory) / "tool_cache"
+    folder.mkdir(exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return prepare_tool_model(str(folder), seed=0, warm_start_steps=60)
 
 
 def failure_text(proc: subprocess.CompletedProcess[str]) -> str:
@@ -182,7 +196,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 #: Where each folder's tests start, first to last: the multi-process and vLLM files take 1-3 min each, the unit
-#: files seconds. With two pytest workers (``--dist loadfile`` hands out whole files in this order) the long files
+#: files seconds. With two pytest workers (``--dist loadfile --no-loadscope-reorder`` hands out whole files in this
+#: order; without the flag pytest-xdist sorts the files by their number of tests, many first) the long files
 #: then run side by side first and the short ones fill in at the end, instead of one worker finishing alone.
 _START_ORDER = ("tests/e2e/", "tests/vllm/", "tests/distributed/", "tests/unit/test_docs_examples.py", "tests/")
 

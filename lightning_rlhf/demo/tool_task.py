@@ -25,13 +25,12 @@ Runs on: any process (plain functions and the environment classes; the environme
 
 from __future__ import annotations
 
-import ast
-import operator
 import random
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning_rlhf.agents.env import Environment, Episode, ToolEnvironment
+from lightning_rlhf.demo.calculator import calculator
 
 if TYPE_CHECKING:
     import datasets
@@ -68,33 +67,6 @@ positions), an assistant turn's ``tool_calls`` written Hermes-style (``<tool_cal
 
 DIGITS = 3
 """Digits of each operand (100..999)."""
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an integer arithmetic expression with +, - and *.
-
-    Args:
-        expression: The expression, e.g. "482+397" or "12*(3-1)".
-    """
-
-    def value(node: ast.AST) -> int:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return int(_OPS[type(node.op)](value(node.left), value(node.right)))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        raise ValueError(f"not an integer expression with + - *: {expression!r}")
-
-    if len(expression) > 100:
-        raise ValueError("expression longer than 100 characters")
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
-        raise ValueError(f"not an integer expression with + - *: {expression!r}") from None
-    return str(value(tree.body))
 
 
 def tool_splits(*, train: int = 400, held_out: int = 64, seed: int = 0) -> datasets.DatasetDict:

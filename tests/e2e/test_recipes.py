@@ -41,7 +41,8 @@ def substitutes(recipe: str, model: str, tmp_path: Path) -> list[str]:
     if recipe in ("demo", "sft_demo"):  # CPU recipes with an embedded model: nothing to substitute but the length
         return common
     if recipe == "agent_tools":  # as written (2 processes, its engine), on the short-warm-start tool model
-        return [*common, "--model.actor", model, "--data.batch_size", "4", "--model.rollout.n", "2"]
+        small = ["--data.batch_size", "4", "--model.rollout.n", "2", "--model.validation.before_train", "false"]
+        return [*common, "--model.actor", model, *small]
     common += ["--model.actor", model]
     small = [
         "--trainer.accelerator", "cpu", "--trainer.devices", "1",
