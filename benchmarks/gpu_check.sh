@@ -1,11 +1,12 @@
 #!/bin/bash
-# The GPU checks, in one call of a lent GPU machine (about 7 minutes; the machine has torch, Lightning and
+# The GPU checks, in one call of a lent GPU machine (about 8 minutes; the machine has torch, Lightning and
 # transformers but no datasets or TRL, and no network). Here, first: `make gpu-wheels` (fills .whl/, ignored by
 # git); then run this script there from the repository root with `.whl` carried. What it does:
 #   1. installs the carried wheels (datasets, TRL 1.16 and their missing dependencies) into /tmp/site;
 #   2. tests/gpu (FSDP2 + transformers rollouts in bfloat16, GRPO and PPO);
 #   3. PPO on the demo model with the third step profiled (profile_rank0.txt: ops by host, then by GPU time);
-#   4. bench.py --accelerator gpu: ours (one process, transformers rollouts) against TRL on the small model
+#   4. episodes of the tool task (issue 33): 4 GRPO steps, transformers engine on the GPU, bf16;
+#   5. bench.py --accelerator gpu: ours (one process, transformers rollouts) against TRL on the small model
 #      (bf16, fp32) and the 100M model (bf16).
 # Every part has its own time limit; logs and tables go to $OUT (the device tool's folder), or ./gpu_out.
 set -u
@@ -28,6 +29,11 @@ step ppo_profile 90 python3 tests/scripts/train.py --model "$MODEL" --out /tmp/p
   --bf16 --algo ppo --n 1 --steps 4 --kl-coef 0.01 --profile-step 2
 cp /tmp/ppo/profile_rank0.txt /tmp/ppo/metrics.csv "$OUT/" 2>/dev/null
 head -20 "$OUT/profile_rank0.txt" 2>/dev/null
+TOOLS=$(python3 -c "from lightning_rlhf.demo.warmstart import prepare_tool_model; print(prepare_tool_model('/tmp/cache'))" 2>/dev/null | tail -1)
+step tool_episodes 120 python3 tests/scripts/train.py --model "$TOOLS" --out /tmp/tools --accelerator gpu --devices 1 \
+  --bf16 --task tools --rollout hf --prompts 16 --n 8 --micro-batch-size 32 --steps 4
+cp /tmp/tools/metrics.csv "$OUT/tool_episodes_metrics.csv" 2>/dev/null
+python3 -c "import csv; r=list(csv.DictReader(open('/tmp/tools/metrics.csv')))[-1]; print({k: r[k] for k in r if k.startswith(('timing_s/step', 'timing_s/gen', 'rollout/turns', 'rollout/tool_calls', 'critic/score'))})" 2>/dev/null
 BENCH=(python3 benchmarks/vs_trl/bench.py --accelerator gpu --trl-python "$(command -v python3)" --configs hf1
   --ref no --repeats 1 --steps 8 --quiet-wait 3 --timeout 80)
 step bench_small 200 "${BENCH[@]}" --models small --precisions bf16,fp32 --out-dir /tmp/b1
