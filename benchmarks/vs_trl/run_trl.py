@@ -81,15 +81,8 @@ def main() -> None:
         scale_rewards="group",
         use_cpu=args.accelerator == "cpu",
         bf16=args.bf16,
-        use_vllm=False,
-        shuffle_dataset=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
         seed=W.SEED,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **W.TRL_PLAIN_RUN,
         model_init_kwargs={"attn_implementation": args.attn} if args.attn else None,
     )
     trainer = trl.GRPOTrainer(

@@ -17,11 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import workload as W  # noqa: E402  (the workload file sits next to this script: stdlib, torch, transformers)
+
 PROMPTS, SAMPLES, TURN_TOKENS, TOOL_ROUNDS, LR = 16, 8, 96, 2, 3e-4
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load_calculator() -> Any:
@@ -109,15 +115,8 @@ def main() -> None:
         loss_type="dapo",
         use_cpu=True,
         bf16=False,
-        use_vllm=False,
-        shuffle_dataset=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
         seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **W.TRL_PLAIN_RUN,
     )
     trainer = trl.GRPOTrainer(
         model=args.model_dir,

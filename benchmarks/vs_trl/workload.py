@@ -50,6 +50,20 @@ MAX_POSITIONS = 128
 0..99 whatever the prompt count) + 64 new tokens."""
 
 
+TRL_PLAIN_RUN = {
+    "use_vllm": False,
+    "shuffle_dataset": False,
+    "gradient_checkpointing": False,  # TRL's default is True
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_steps": 1,
+    "disable_tqdm": True,
+    "dataloader_num_workers": 0,
+}
+"""``GRPOConfig`` settings every TRL run of the benchmarks shares: transformers generation, prompts in order, no
+activation checkpointing, no reporting or saving, a log line per step."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Shape of one benchmark model (a Qwen2 decoder with tied input/output embeddings)."""
