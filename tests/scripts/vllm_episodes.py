@@ -84,6 +84,7 @@ def main() -> None:
             for ep in episodes
         ]
     report["multi"] = multi
+    report["requests_left"] = len(engine._requests)  # every finished request's entries removed
     with open(os.path.join(args.out, "episodes.json"), "w") as f:
         json.dump(report, f)
 

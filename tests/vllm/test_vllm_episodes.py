@@ -23,6 +23,7 @@ def test_streamed_episodes_sample_what_generate_samples_and_mask_observations(ti
     assert proc.returncode == 0, failure_text(proc)
     report = json.loads((tmp_path / "episodes.json").read_text())
     assert report["streams"]  # TP 1: requests join while others decode
+    assert report["requests_left"] == 0  # the engine forgets finished requests (no entry grows per turn)
     single = report["single"]
     assert single["streamed"] == single["generate"]  # the same tokens, request by request, with the same seeds
     for ours, theirs in zip(single["streamed_logprobs"], single["generate_logprobs"], strict=True):

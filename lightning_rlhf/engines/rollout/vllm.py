@@ -394,7 +394,9 @@ class VLLMRolloutEngine:
         self.tp_size: int = config.tensor_parallel_size
         """Ranks per engine (``VLLMConfig.tensor_parallel_size``)."""
         self._tp_group, self._tp_rank = self._make_tp_group(self.tp_size)
-        self._requests: dict[str, int] = {}  # add_requests' names (and vLLM's ids) -> the caller's keys
+        self._requests: dict[str, tuple[int, str]] = {}
+        """Running requests of :meth:`add_requests`: our name and vLLM's id (the same or not, by vLLM's version)
+        each -> (the caller's key, the other one), so a finished request leaves no entry behind."""
         self._request_counter = itertools.count()
         if on_cpu and self._tp_group is not None:
             _name_cpu_shm_segments(self._tp_group, self._tp_rank)
@@ -575,8 +577,9 @@ class VLLMRolloutEngine:
             seed = (params.seed * 1_000_003 + key) % (1 << 62)
             sampling = self._vllm_params(dataclasses.replace(params, n=1), seed, final_only=True)
             name = f"lrlhf-{key}-{next(self._request_counter)}"
-            internal = self.llm.llm_engine.add_request(name, TokensPrompt(prompt_token_ids=ids), sampling)
-            self._requests[name] = self._requests[str(internal)] = key
+            internal = str(self.llm.llm_engine.add_request(name, TokensPrompt(prompt_token_ids=ids), sampling))
+            self._requests[name] = (key, internal)
+            self._requests[internal] = (key, name)
 
     def step_requests(self) -> list[tuple[int, list[int], list[float]]]:
         """One scheduling step of every running request; returns the requests that finished in it as ``(key,
@@ -585,7 +588,8 @@ class VLLMRolloutEngine:
         for out in self.llm.llm_engine.step():
             if not out.finished:
                 continue
-            key = self._requests.pop(str(out.request_id))
+            key, other = self._requests.pop(str(out.request_id))
+            self._requests.pop(other, None)
             samples: Any = out.outputs  # a generation request's completions (pooling requests are never added)
             ids, lps = _ids_and_logprobs(samples[0])
             finished.append((key, ids, lps))
