@@ -100,9 +100,7 @@ class EpisodeRunner:
         in_process = getattr(env, "in_process", False)
         key = tuple(id(getattr(t, "__func__", t)) for t in env.tools) + ((-1,) if in_process else ())
         if key not in self._toolsets:
-            tools = ToolSet(env.tools)
-            kwargs = {"tools": tools.schemas} if len(tools) else {}
-            delta = check_chat_template(self.tokenizer, **kwargs)
+            tools, delta = _tools_and_delta(env, self.tokenizer)
             executor = None
             if len(tools) and not in_process:
                 executor = ToolExecutor(
@@ -253,7 +251,7 @@ class EpisodeRunner:
                 if any(ep.pending for ep in episodes):
                     continue
                 break
-            limits = [min(cfg.max_new_tokens, budget - len(ep.ids), _room(ep, context)) for ep in ready]
+            limits = [_turn_limit(ep, cfg.max_new_tokens, budget, context) for ep in ready]
             for group in _fitting_calls(ready, limits, context):
                 call = dataclasses.replace(
                     params,
@@ -294,7 +292,7 @@ class EpisodeRunner:
                 ep = episodes[i]
                 if ep.done:
                     continue
-                limits[i] = min(self.cfg.max_new_tokens, budget - len(ep.ids), _room(ep, context))
+                limits[i] = _turn_limit(ep, self.cfg.max_new_tokens, budget, context)
                 turn = dataclasses.replace(
                     params, n=1, max_new_tokens=limits[i], seed=(params.seed + ep.info.turns * _TURN_SEED) % (1 << 62)
                 )
@@ -320,9 +318,13 @@ def check_environment(make_env: Callable[[], Environment], tokenizer: Any) -> No
 
     Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError.
     """
-    env = make_env()
+    _tools_and_delta(make_env(), tokenizer)
+
+
+def _tools_and_delta(env: Environment, tokenizer: Any) -> tuple[ToolSet, ChatDelta]:
+    """The environment's tools (their schemas checked) and the chat delta that renders them (the template checked)."""
     tools = ToolSet(env.tools)
-    check_chat_template(tokenizer, **({"tools": tools.schemas} if len(tools) else {}))
+    return tools, check_chat_template(tokenizer, **({"tools": tools.schemas} if len(tools) else {}))
 
 
 def _model_context(model_path: str | None) -> int | None:
@@ -354,6 +356,12 @@ def _fitting_calls(ready: list[_Live], limits: list[int], context: int | None) -
             groups.append([i])
             tops.append(limits[i])
     return [sorted(group) for group in groups]
+
+
+def _turn_limit(ep: _Live, max_new_tokens: int, budget: int, context: int | None) -> int:
+    """The most tokens the episode's next turn may sample: the turn's bound, what is left of the episode's budget,
+    and its room in the model's context."""
+    return min(max_new_tokens, budget - len(ep.ids), _room(ep, context))
 
 
 def _room(ep: _Live, context: int | None) -> int:
