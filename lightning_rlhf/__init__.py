@@ -1,41 +1,54 @@
-"""lightning_rlhf: single-controller RLHF (HybridFlow) as a PyTorch Lightning plugin."""
+"""lightning_rlhf: single-controller RLHF (HybridFlow) as a PyTorch Lightning plugin.
 
-from lightning_rlhf.batch import Batch
-from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
-from lightning_rlhf.config import (
-    AlgorithmConfig,
-    OptimConfig,
-    RewardConfig,
-    RolloutConfig,
-    SafetyConfig,
-    ValidationConfig,
-    VLLMConfig,
-)
-from lightning_rlhf.data import PromptDataModule, SFTDataModule
-from lightning_rlhf.demo.warmstart import DEMO_MODELS
+The public names below load on first use (PEP 562): ``from lightning_rlhf import GRPOModule`` imports what it needs,
+while a reward or tool worker that imports a plain function from the package (``lightning_rlhf.demo.calculator``)
+does not pay for Lightning, torch and transformers (about 7 s of CPU per process on these machines).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from lightning_rlhf.demo.catalogue import DEMO_MODELS, build_demo_model
+from lightning_rlhf.lazy import lazy_exports
 from lightning_rlhf.models import register_embedded_model
-from lightning_rlhf.module import RLHFModule
-from lightning_rlhf.modules import (
-    DAPOModule,
-    DrGRPOModule,
-    GRPOModule,
-    PPOModule,
-    REINFORCEPPModule,
-    ReMaxModule,
-    RLOOModule,
-    SafeRLHFModule,
-    SFTModule,
-)
-from lightning_rlhf.roles import RewardFunctionError
-from lightning_rlhf.strategy import ControllerError, Dispatch, RLHFStrategy, WorkerError, role_method
+
+if TYPE_CHECKING:
+    from lightning_rlhf.batch import Batch
+    from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
+    from lightning_rlhf.config import (
+        AlgorithmConfig,
+        OptimConfig,
+        RewardConfig,
+        RolloutConfig,
+        SafetyConfig,
+        ValidationConfig,
+        VLLMConfig,
+    )
+    from lightning_rlhf.data import PromptDataModule, SFTDataModule
+    from lightning_rlhf.module import RLHFModule
+    from lightning_rlhf.modules import (
+        DAPOModule,
+        DrGRPOModule,
+        GRPOModule,
+        PPOModule,
+        REINFORCEPPModule,
+        ReMaxModule,
+        RLOOModule,
+        SafeRLHFModule,
+        SFTModule,
+    )
+    from lightning_rlhf.roles import RewardFunctionError
+    from lightning_rlhf.strategy import ControllerError, Dispatch, RLHFStrategy, WorkerError, role_method
 
 __version__ = "0.1.0"
 
-# The embedded models are the demo's (the top layer builds them); `models` (a leaf) serves them by name. Every
+# The embedded models are the demo's (the top layer names them); `models` (a leaf) serves them by name. Every
 # process that imports any part of the package runs this first, so `resolve_model_path` always knows them.
-for _name, (_build, _description) in DEMO_MODELS.items():
-    register_embedded_model(_name, _build, _description)
-del _name, _build, _description
+for _name, (_builder, _description) in DEMO_MODELS.items():
+    register_embedded_model(_name, functools.partial(build_demo_model, _builder), _description)
+del _name, _builder, _description
 
 __all__ = [
     "AlgorithmConfig",
@@ -70,3 +83,5 @@ __all__ = [
     "WorkerError",
     "role_method",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, __file__)

@@ -55,9 +55,9 @@ def embedded_cache_dir() -> str:
 
 EMBEDDED_MODELS: dict[str, tuple[Callable[[str], str], str]] = {}
 """Embedded models by name: ``(build(cache_dir) -> folder, description)``. Built on first use (about a second,
-on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy. The demo's two
-models (``lightning-rlhf/tiny-addition``, ``lightning-rlhf/tiny-random``:
-:data:`lightning_rlhf.demo.warmstart.DEMO_MODELS`) are registered by the package's ``__init__``
+on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy. The demo's
+models (``lightning-rlhf/tiny-addition``, ``lightning-rlhf/tiny-random``, ``lightning-rlhf/tiny-tools``:
+:data:`lightning_rlhf.demo.catalogue.DEMO_MODELS`) are registered by the package's ``__init__``
 (:func:`register_embedded_model`), so they are here whenever ``lightning_rlhf`` is imported: this module is a
 leaf layer and never imports the demo that builds them."""
 

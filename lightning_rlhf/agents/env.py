@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_rlhf.rewards.runner import IN_PROCESS
+from lightning_rlhf.rewards.pool import IN_PROCESS
 
 __all__ = [
     "Environment",

@@ -282,26 +282,6 @@ def tiny_tools_model(cache_dir: str) -> str:
     return prepare_tool_model(cache_dir, seed=0)
 
 
-DEMO_MODELS: dict[str, tuple[Callable[[str], str], str]] = {
-    "lightning-rlhf/tiny-addition": (
-        tiny_addition_model,
-        "the demo's tiny Qwen2 model (byte-level BPE tokenizer), warm-started on single-digit addition",
-    ),
-    "lightning-rlhf/tiny-random": (
-        tiny_random_model,
-        "the same tiny Qwen2 model and tokenizer, randomly initialised (warm-start it on your own task first)",
-    ),
-    "lightning-rlhf/tiny-tools": (
-        tiny_tools_model,
-        "the same tiny model with a tool chat template, warm-started to call a calculator for 3-digit additions",
-    ),
-}
-"""The embedded models the demo builds, by name: ``(build(cache_dir) -> folder, description)``; the package's
-``__init__`` registers them in :data:`lightning_rlhf.models.EMBEDDED_MODELS`. Each folder's name carries
-:data:`CACHE_VERSION`, so a copy cached by an older version (without the chat template, with 64 positions) is
-never reused: the new one is built beside it."""
-
-
 def _generate_completions(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,

@@ -37,6 +37,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 __all__ = [
+    "IN_PROCESS",
     "WORKER_ENV",
     "RewardPool",
     "ScoresError",
@@ -49,6 +50,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+IN_PROCESS = "__lightning_rlhf_in_process__"
+"""An attribute that, set true on a reward function, has it called in the scoring process whatever
+``RewardConfig.timeout_s`` says: for the framework's own functions that only read a column (the environment's
+reward), which a worker process would only slow down."""
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 """Set in every worker's environment: one thread per native math library (num_workers processes run at once

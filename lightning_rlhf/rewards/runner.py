@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_rlhf.rewards.pool import RewardPool, ScoresError, as_scores, close_reward_pools, reward_pool
+from lightning_rlhf.rewards.pool import IN_PROCESS, RewardPool, ScoresError, as_scores, close_reward_pools, reward_pool
 
 __all__ = [
     "IN_PROCESS",
@@ -37,11 +37,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-IN_PROCESS = "__lightning_rlhf_in_process__"
-"""An attribute that, set true on a reward function, has it called in the scoring process whatever
-``RewardConfig.timeout_s`` says: for the framework's own functions that only read a column (the environment's
-reward), which a worker process would only slow down."""
 
 RewardFn = Callable[..., Sequence[float]]
 """``fn(prompts: list[str], completions: list[str], **dataset_columns) -> list[float]`` (TRL's convention)."""

@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_rlhf"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("batch", "compat", "models", "torch_compat")),
+    ("leaves", ("batch", "compat", "lazy", "models", "torch_compat")),
     ("plumbing", ("dispatch", "sharding")),
     ("CPU speed layer", ("cpu",)),
     ("maths and measurements", ("algorithms", "perf")),
