@@ -253,15 +253,16 @@ class EpisodeRunner:
                 break
             limits = [_turn_limit(ep, cfg.max_new_tokens, budget, context) for ep in ready]
             for group in _fitting_calls(ready, limits, context):
+                group, copies = _samples_of_one_prompt(group, ready, params)
                 call = dataclasses.replace(
                     params,
-                    n=1,
+                    n=copies,
                     max_new_tokens=max(limits[i] for i in group),
                     seed=(params.seed + calls * _TURN_SEED) % (1 << 62),
                 )
                 calls += 1
                 t0 = time.perf_counter()
-                out = engine.generate([ready[i].prompt + ready[i].ids for i in group], call)
+                out = engine.generate([ready[i].prompt + ready[i].ids for i in group[::copies]], call)
                 gen_s += time.perf_counter() - t0
                 logprobs = out.logprobs or [[] for _ in out.responses]
                 for i, turn, lp in zip(group, out.responses, logprobs, strict=True):
@@ -356,6 +357,22 @@ def _fitting_calls(ready: list[_Live], limits: list[int], context: int | None) -
             groups.append([i])
             tops.append(limits[i])
     return [sorted(group) for group in groups]
+
+
+def _samples_of_one_prompt(group: list[int], ready: list[_Live], params: SamplingParams) -> tuple[list[int], int]:
+    """``(group in call order, copies)``: where the call's episodes are ``copies`` episodes each of the same tokens
+    so far (a GRPO group's first turn), one engine call samples ``copies`` responses per distinct prompt, so the
+    engine reads each prompt once (the transformers engine's prompt pass and its decoding attention over the prompt
+    are per prompt, not per sample); ``group`` is then ordered prompt by prompt. Else ``(group, 1)``."""
+    if params.is_greedy or len(group) < 2:
+        return group, 1
+    same: dict[tuple[int, ...], list[int]] = {}
+    for i in group:
+        same.setdefault((*ready[i].prompt, *ready[i].ids), []).append(i)
+    sizes = {len(members) for members in same.values()}
+    if len(sizes) != 1 or sizes == {1}:
+        return group, 1
+    return [i for members in same.values() for i in members], sizes.pop()
 
 
 def _turn_limit(ep: _Live, max_new_tokens: int, budget: int, context: int | None) -> int:

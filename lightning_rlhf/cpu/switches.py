@@ -8,6 +8,7 @@ A leaf inside :mod:`lightning_rlhf.cpu` (it imports nothing of the package), so 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -73,11 +74,18 @@ def enabled(piece: str | None = None) -> bool:
     return piece not in _OFF_HERE and piece not in _pieces_off_by_env()
 
 
-def _pieces_off_by_env() -> set[str]:
-    names = {name.strip() for name in os.environ.get(OFF_ENV, "").split(",") if name.strip()}
+def _pieces_off_by_env() -> frozenset[str]:
+    return _parse_off(os.environ.get(OFF_ENV, ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_off(value: str) -> frozenset[str]:
+    """The pieces that ``LIGHTNING_RLHF_CPU_OFF=value`` turns off (parsed once per value: the decoding loop asks
+    :func:`enabled` several times a token)."""
+    names = frozenset(name.strip() for name in value.split(",") if name.strip())
     unknown = names - set(PIECES)
     if unknown:
-        raise ValueError(f"{OFF_ENV}={os.environ[OFF_ENV]!r} names no piece {sorted(unknown)}. HINT: {list(PIECES)}.")
+        raise ValueError(f"{OFF_ENV}={value!r} names no piece {sorted(unknown)}. HINT: {list(PIECES)}.")
     return names
 
 

@@ -68,6 +68,7 @@ class ScriptedEngine:
         self.tok = tokenizer
         self.eot = check_chat_template(tokenizer).end_of_turn_id
         self.calls: list[int] = []
+        self.prompts_read: list[int] = []
         self.script = script or (
             lambda text: (
                 f"The answer is {text.split('1517')[0] and 1517}." if "1517" in text else f"Let me compute.\n{CALL}"
@@ -75,12 +76,13 @@ class ScriptedEngine:
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        self.calls.append(len(prompts))
+        self.calls.append(len(prompts) * params.n)  # episodes served
+        self.prompts_read.append(len(prompts))
         out = []
         for ids in prompts:
             text = self.script(self.tok.decode(ids))
             reply = [*self.tok.encode(text, add_special_tokens=False), self.eot][: params.max_new_tokens]
-            out.append(reply)
+            out += [reply] * params.n  # n samples per prompt, consecutively (the engines' order)
         return RolloutOutput(out, [[-0.5] * len(r) for r in out])
 
 
@@ -114,6 +116,9 @@ def test_episode_ids_decode_to_the_conversation_the_template_renders(name: str) 
     env = ToolEnvironment(tools=[calculator], system_prompt="Use the calculator.")
     batch, engine = run(tok, env, RolloutConfig(max_new_tokens=128, max_turns=4, async_episodes=False), n=2)
     assert len(batch) == 2 and engine.calls == [2, 2]  # lock-step: each turn, every live episode in one call
+    # Each turn the two episodes hold the same tokens (this engine answers alike), so each call reads one prompt
+    # and samples n=2 from it.
+    assert engine.prompts_read == [1, 1]
     messages = batch["episode"][0]
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
     assert messages[3]["content"] == "1517"  # the calculator ran in its worker
@@ -322,3 +327,22 @@ def test_rollout_config_refuses_bad_episode_settings() -> None:
         with pytest.raises(ValueError, match=rf"RolloutConfig.{field}={value}"):
             RolloutConfig(**{field: value})
     assert dataclasses.replace(RolloutConfig(), max_turns=2).max_turns == 2
+
+
+def test_a_call_samples_n_per_prompt_only_where_every_prompt_has_n_episodes() -> None:
+    """Episodes with the same tokens so far share one prompt and ``n`` samples in the engine call, ordered prompt by
+    prompt; uneven copies, all distinct, or greedy decoding keep one prompt per episode."""
+    from types import SimpleNamespace
+
+    from lightning_rlhf.agents.rollout import _samples_of_one_prompt
+
+    def live(*tokens: int) -> SimpleNamespace:
+        return SimpleNamespace(prompt=[7, 8], ids=list(tokens))
+
+    sampled = SamplingParams(max_new_tokens=4, temperature=1.0)
+    ready = [live(1), live(2), live(1), live(2)]
+    assert _samples_of_one_prompt([0, 1, 2, 3], ready, sampled) == ([0, 2, 1, 3], 2)
+    assert _samples_of_one_prompt([0, 1, 2], ready, sampled) == ([0, 1, 2], 1)  # 2 copies of one, 1 of the other
+    assert _samples_of_one_prompt([0, 1], ready, sampled) == ([0, 1], 1)  # all distinct
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    assert _samples_of_one_prompt([0, 2], ready, greedy) == ([0, 2], 1)

@@ -266,6 +266,7 @@ def _forward(
     positions: Tensor,
     step: int | None,
     prompt_bias: Tensor | None = None,
+    rope: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Run ``ids`` through the model; returns the last position's logits ``[rows, vocab]``. ``step`` None: the
     prompt pass (``ids`` ``[prompts, width]``, left-padded, with :func:`_prompt_attention`'s ``prompt_bias``; writes
@@ -277,10 +278,11 @@ def _forward(
     the generated slots written so far (``step + 1``). The eager ops' attention (GPUs, or no kernel) reads only the
     written slots in float32 and on GPUs (the hidden slots would only add exact zeros to the softmax's sums), the
     whole capacity in low precision on CPU: oneDNN copies a batch of bfloat16 matrices that are not contiguous (the
-    written slots of each row's buffer), which costs more than the slots it skips."""
+    written slots of each row's buffer), which costs more than the slots it skips. ``rope``: the rotary embedding's
+    ``cos``/``sin`` at ``positions`` where the caller computed them ahead (:class:`_StepRope`)."""
     body = model.model
     x = body.embed_tokens(ids)
-    cos, sin = body.rotary_emb(x, positions)  # [rows, q, d]
+    cos, sin = rope if rope is not None else body.rotary_emb(x, positions)  # [rows, q, d]
     rotation: tuple[Tensor, Tensor] | None = None  # the eager ops' form, made when a layer needs it
     layers, head = linears
     native_ok = _native_kernels(cache)
@@ -302,6 +304,26 @@ def _forward(
             gated = layer.mlp.act_fn(gate) * up
         x = x + weights.down(gated)
     return head(_norm(body.norm, x[:, -1], native_ok))
+
+
+class _StepRope:
+    """The rotary embedding's ``cos``/``sin`` of every decoding step, computed in one call before the loop instead of
+    one call a step (the same products, element by element). Only for the static rotary types: a dynamic one
+    (``rope_type`` ``dynamic``, ``longrope``) rescales by the longest position seen so far, which computing ahead
+    would change."""
+
+    def __init__(self, rotary_emb: Any, first: Tensor, steps: int, dtype: torch.dtype) -> None:
+        self.table: tuple[Tensor, Tensor] | None = None
+        if getattr(rotary_emb, "rope_type", "default") == "default" and steps > 0:
+            positions = first + torch.arange(steps, device=first.device)  # [rows, steps]
+            cos, sin = rotary_emb(torch.empty(0, dtype=dtype, device=first.device), positions)
+            self.table = cos.transpose(0, 1).contiguous(), sin.transpose(0, 1).contiguous()  # [steps, rows, d]
+
+    def at(self, step: int) -> tuple[Tensor, Tensor] | None:
+        """``(cos, sin)`` ``[rows, 1, d]`` of decoding step ``step``, or None (the caller computes them)."""
+        if self.table is None:
+            return None
+        return self.table[0][step][:, None], self.table[1][step][:, None]
 
 
 def _rotation(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -489,6 +511,7 @@ def sample_loop(
         logits = logits.repeat_interleave(n, dim=0)
         positions = positions.repeat_interleave(n, dim=0)
     position = positions[:, -1:]
+    rope = _StepRope(model.model.rotary_emb, position + 1, params.max_new_tokens - 1, dtype)
     stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
     done = torch.zeros(rows * n, dtype=torch.bool, device=device)
     tokens: list[Tensor] = []
@@ -505,5 +528,5 @@ def sample_loop(
             break
         cache.bias[..., step] = 0.0
         position = position + 1
-        logits = _forward(model, linears, cache, token[:, None], position, step)
+        logits = _forward(model, linears, cache, token[:, None], position, step, rope=rope.at(step))
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)

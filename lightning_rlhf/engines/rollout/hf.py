@@ -228,7 +228,10 @@ class HFRolloutEngine:
         devices = [self.device] if self.device.type == "cuda" else []
         loop = self.decodes_with_loop(prompts, params)
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
-            torch.manual_seed(params.seed)
+            # On a CPU device only the CPU generator draws: `torch.manual_seed` would also queue a CUDA seeding with
+            # a captured stack (`torch.cuda._lazy_call`) on every call, 3% of a tool episode's generation.
+            seed = torch.manual_seed if devices else torch.random.default_generator.manual_seed
+            seed(params.seed)
             for start in range(0, len(prompts), self.generation_batch_size):
                 chunk = prompts[start : start + self.generation_batch_size]
                 if loop:
