@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--sides", default="trl,vllm,hf", help="which runs, in the order they alternate")
     p.add_argument("--cache", default=os.environ.get("LIGHTNING_RLHF_CACHE") or os.path.join(ROOT, ".bench_cache"))
     args = p.parse_args()
+    args.trl_python = os.path.abspath(args.trl_python)  # the runs start in other folders
     from lightning_rlhf.demo.warmstart import prepare_tool_model
 
     model = prepare_tool_model(args.cache)

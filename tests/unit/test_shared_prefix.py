@@ -66,5 +66,8 @@ def test_rows_that_are_not_whole_groups_fall_back(tiny_model: str) -> None:
     other = Batch({**batch.tensors, "prompt_mask": batch["prompt_mask"].clone()})
     other["prompt_mask"][1, 0] = 1 - other["prompt_mask"][1, 0]  # same tokens, another padding: not one prompt
     assert not shares_prompts(model, other, 4)
+    holed = Batch({**batch.tensors, "response_mask": batch["response_mask"].clone()})
+    holed["response_mask"][0, :2] = torch.tensor([0, 1])  # not a response then its padding: the packed layout's form
+    assert not shares_prompts(model, holed, 4)
     model.config.model_type = "gpt2"  # an architecture the packed attention does not know
     assert not shares_prompts(model, batch, 4)

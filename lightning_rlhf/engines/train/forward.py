@@ -82,8 +82,11 @@ def forward_response(
             "forward_response: batch['prompts'] has 0 columns, so no position predicts the first response token. "
             "HINT: every row needs at least one prompt token (e.g. BOS)."
         )
+    real: Tensor | None = None  # where the packed forward's tokens sit in [B, R] (it skips response padding)
+    labels = input_ids[:, prompt_len:]
     if shares_prompts(model, batch, group_size):
-        logits = packed_response_logits(model, batch, group_size, device)
+        logits, real = packed_response_logits(model, batch, group_size, device)
+        labels = labels[real][None]
     else:
         # Position p predicts token p + 1: the response tokens are predicted by positions P - 1 .. P + R - 2.
         keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=device)
@@ -94,14 +97,14 @@ def forward_response(
             logits_to_keep=keep,
             use_cache=False,
         ).logits
-    if logits.shape[:2] != (input_ids.shape[0], resp_len):
+    if logits.shape[:2] != labels.shape:
         raise RuntimeError(
             f"forward_response: {type(model).__name__} returned logits {tuple(logits.shape)} for {resp_len} kept "
             "positions. HINT: the causal LM must accept transformers' `logits_to_keep` as a tensor of positions."
         )
     logprobs, entropy = logprobs_and_entropy(
         logits,
-        input_ids[:, prompt_len:],
+        labels,
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
@@ -110,4 +113,9 @@ def forward_response(
     out = {"logprobs": logprobs}
     if entropy is not None:
         out["entropy"] = entropy
+    if real is not None:  # packed real tokens -> [B, R], 0 on padding
+        out = {
+            k: torch.zeros(real.shape, dtype=v.dtype, device=v.device).masked_scatter(real, v[0])
+            for k, v in out.items()
+        }
     return out

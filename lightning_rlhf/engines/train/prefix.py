@@ -2,11 +2,14 @@
 
 GRPO-style rollouts hold ``n`` samples per prompt, consecutive, with the same prompt tokens. A training forward over
 them runs the prompt ``n`` times. Here the rows of a micro-batch are packed into one sequence: every group's prompt
-once, then every response; a custom attention lets each prompt attend causally within itself, and each response
-attend to its group's prompt and causally to itself. The model is called once (FSDP's hooks see one forward), the
-prompt's activations are shared by its ``n`` responses, and autograd sums their gradients. Log-probs equal the
-per-row forward's up to float rounding (``tests/unit/test_shared_prefix.py``); the vs-TRL workload's update, whose
-11 prompt tokens are 15% of its decoder tokens, takes about 8% less time (``benchmarks/bench_shared_prefix.py``).
+once, then every response's real tokens, without their padding (responses of one batch differ in length: a tool
+episode's mean is about 60% of the longest, so the padded layout ran the layers on 40% padding); a custom attention
+lets each prompt attend causally within itself, and each response attend to its group's prompt and causally to itself
+(inside the attention only, the responses are laid out padded again, one row each). The model is called once
+(FSDP's hooks see one forward), the prompt's activations are shared by its ``n`` responses, and autograd sums their
+gradients. Log-probs equal the per-row forward's up to float rounding (``tests/unit/test_shared_prefix.py``); the
+vs-TRL workload's update, whose 11 prompt tokens are 15% of its decoder tokens, takes about 8% less time
+(``benchmarks/bench_shared_prefix.py``).
 
 The packed attention is registered with transformers' ``AttentionInterface`` under :data:`ATTENTION_NAME`; the
 model's ``config._attn_implementation`` points to it only for the duration of a packed call.
@@ -57,9 +60,10 @@ def _attention(
 
     def split(t: Tensor) -> tuple[Tensor, Tensor]:  # grouped-query keys/values keep their own head count
         h, d = t.shape[1], t.shape[-1]
+        padded = t[0, :, cut:].index_select(1, layout["slots"])  # one row per response, padding slots filled
         return (
             t[0, :, :cut].reshape(h, groups, lp, d).transpose(0, 1),
-            t[0, :, cut:].reshape(h, groups * n, lr, d).transpose(0, 1),
+            padded.reshape(h, groups * n, lr, d).transpose(0, 1),
         )
 
     (qp, qr), (kp, kr), (vp, vr) = split(query), split(key), split(value)
@@ -69,7 +73,8 @@ def _attention(
     values = torch.cat([vp.repeat_interleave(n, 0), vr], dim=2)
     out_r = _attend(qr, keys, values, layout["response_attn"], scale)
     d = out_p.shape[-1]
-    packed = torch.cat([out_p.transpose(0, 1).reshape(heads, cut, d), out_r.transpose(0, 1).reshape(heads, -1, d)], 1)
+    out_r = out_r.transpose(0, 1).reshape(heads, -1, d)[:, layout["real"]]  # back to the real tokens, packed
+    packed = torch.cat([out_p.transpose(0, 1).reshape(heads, cut, d), out_r], 1)
     return packed.transpose(0, 1).unsqueeze(0), None
 
 
@@ -116,7 +121,14 @@ def shares_prompts(model: nn.Module, batch: Batch, group_size: int) -> bool:
         return False
     prompts = torch.cat([batch["prompts"], batch["prompt_mask"].to(batch["prompts"].dtype)], dim=1)
     grouped = prompts.view(rows // group_size, group_size, -1)
-    return bool((grouped == grouped[:, :1]).all())
+    return bool((grouped == grouped[:, :1]).all()) and _right_padded(batch["response_mask"].bool())
+
+
+def _right_padded(mask: Tensor) -> bool:
+    """Whether every row of ``mask`` is ones then zeros (a response followed by its padding), as every rollout
+    writes it; the packed layout keeps a response's first ``mask.sum()`` tokens."""
+    lengths = mask.sum(dim=1, keepdim=True)
+    return bool((mask == (torch.arange(mask.shape[1], device=mask.device)[None] < lengths)).all())
 
 
 @contextlib.contextmanager
@@ -132,9 +144,13 @@ def _packed(model: nn.Module, layout: dict[str, Any]) -> Iterator[None]:
         _LAYOUT.value = None
 
 
-def packed_response_logits(model: nn.Module, batch: Batch, group_size: int, device: torch.device) -> Tensor:
-    """Logits ``[B, R, V]`` at the positions that predict each response token, with every group's prompt computed
-    once (``batch`` must pass :func:`shares_prompts`). Runs on: worker (one forward of the FSDP-sharded model)."""
+def packed_response_logits(
+    model: nn.Module, batch: Batch, group_size: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """``(logits, real)``: the logits ``[1, T, V]`` at the positions that predict each real response token (``T``
+    of them: the rows' tokens in order, without padding) and ``real`` ``[B, R]``, the response mask as booleans (where
+    those tokens sit), with every group's prompt computed once and no layer running on response padding (``batch``
+    must pass :func:`shares_prompts`). Runs on: worker (one forward of the FSDP-sharded model)."""
     n = group_size
     prompts = batch["prompts"][::n].to(device)
     pmask = batch["prompt_mask"][::n].to(device).bool()
@@ -143,6 +159,12 @@ def packed_response_logits(model: nn.Module, batch: Batch, group_size: int, devi
     groups, lp = prompts.shape
     lr = responses.shape[1]
     cut = groups * lp
+    lengths = rmask.sum(dim=1)
+    real = rmask.reshape(-1)
+    # Where each padded response slot reads its query/key/value in the packed tokens (a padding slot reads token 0:
+    # it attends to itself only, and its output is dropped).
+    slots = torch.zeros(groups * n * lr, dtype=torch.long, device=device)
+    slots[real] = torch.arange(int(lengths.sum()), device=device)
     eye_p = torch.eye(lp, dtype=torch.bool, device=device)[None, None]
     eye_r = torch.eye(lr, dtype=torch.bool, device=device)[None, None]
     causal_p = torch.ones(lp, lp, dtype=torch.bool, device=device).tril()[None, None]
@@ -158,16 +180,21 @@ def packed_response_logits(model: nn.Module, batch: Batch, group_size: int, devi
         "lr": lr,
         "prompt_attn": prompt_attn,
         "response_attn": torch.cat([shared, own], dim=-1),
+        "slots": slots,
+        "real": real,
     }
-    input_ids = torch.cat([prompts.reshape(-1), responses.reshape(-1)])[None]
-    real = pmask.long().sum(-1)
+    input_ids = torch.cat([prompts.reshape(-1), responses[rmask]])[None]
+    first_prompt_len = pmask.long().sum(-1)
     prompt_pos = (pmask.long().cumsum(-1) - 1).clamp(min=0)
-    response_pos = real.repeat_interleave(n)[:, None] + torch.arange(lr, device=device)[None]
-    position_ids = torch.cat([prompt_pos.reshape(-1), response_pos.reshape(-1)])[None]
-    # Position p predicts token p + 1: a response's first token is predicted by its group's last prompt position.
-    first = (torch.arange(groups, device=device) * lp + lp - 1).repeat_interleave(n)[:, None]
-    rest = cut + torch.arange(groups * n, device=device)[:, None] * lr + torch.arange(lr - 1, device=device)[None]
-    keep = torch.cat([first, rest], dim=1).reshape(-1)
+    response_pos = first_prompt_len.repeat_interleave(n)[:, None] + torch.arange(lr, device=device)[None]
+    position_ids = torch.cat([prompt_pos.reshape(-1), response_pos[rmask]])[None]
+    # Position p predicts token p + 1: a response's first token is predicted by its group's last prompt position,
+    # its token j > 0 by its own token j - 1 (the packed index of that token plus one is the next one's).
+    last_prompt = (torch.arange(groups, device=device) * lp + lp - 1).repeat_interleave(n)
+    starts = cut + torch.cumsum(lengths, 0) - lengths  # each response's first packed position
+    predictor = starts[:, None] + torch.arange(lr, device=device)[None] - 1  # [B, R]: token j's predictor
+    predictor[:, 0] = last_prompt
+    keep = predictor[rmask]
     with _packed(model, layout):
         logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False).logits
-    return logits.view(groups * n, lr, -1)
+    return logits, rmask
