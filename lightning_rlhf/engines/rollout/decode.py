@@ -112,6 +112,8 @@ class _Cache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.bias = torch.full((prompts * n, 1, 1, new_tokens), -math.inf, dtype=torch.float32, device=device)
+        self.native = torch.device(device).type == "cpu" and cpu.enabled("native")
+        """Whether the compiled kernels run (:func:`_native_kernels`), asked once per sampling call."""
         self.steps: list[Callable[[Tensor, Tensor, Tensor, int], Tensor] | None] = [None] * len(layers)
         """Per layer, its decoding steps as one compiled call each (rotary embedding, cache writes, attention), where
         the kernels run (:func:`_native_kernels`) and the layer has no per-head query/key norms (Qwen3)."""
@@ -135,15 +137,15 @@ def _written_slots_only(cache: _Cache) -> bool:
 def _native_kernels(cache: _Cache) -> bool:
     """Whether the loop runs its attention step, RMS norms and SiLU-gated products through the compiled kernels
     (the CPU layer's, :mod:`lightning_rlhf.cpu`; each falls back to the eager ops where it cannot run): on CPU, with
-    the layer's piece ``native`` on."""
-    return cache.keys[0].device.type == "cpu" and cpu.enabled("native")
+    the layer's piece ``native`` on (asked when the call's cache was made)."""
+    return cache.native
 
 
 def _norm(module: Any, x: Tensor, native_ok: bool) -> Tensor:
     """``module(x)`` for a decoder's RMS norm, through the compiled kernel where it is one of transformers'
     Llama-family norms (:func:`lightning_rlhf.cpu.norm`: the same formula)."""
     if native_ok:
-        out = cpu.norm(module, x)
+        out = cpu.norm(module, x, switch_on=True)
         if out is not None:
             return out
     return module(x)
@@ -298,7 +300,7 @@ def _forward(
             out = _attention(layer.self_attn, qkv, rotation, i, cache, step, prompt_bias)
         x = x + weights.o(out)
         gate_up = weights.gate_up(_norm(layer.post_attention_layernorm, x, native_ok))
-        gated = cpu.silu_mul(gate_up) if silu else None
+        gated = cpu.silu_mul(gate_up, switch_on=True) if silu else None
         if gated is None:
             gate, up = gate_up.chunk(2, dim=-1)
             gated = layer.mlp.act_fn(gate) * up
