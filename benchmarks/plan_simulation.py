@@ -1,5 +1,6 @@
 """The planner's simulation table for docs/placement.md: the chosen placement, rollout TP, predicted step time
-and throughput for PPO (four model roles) and GRPO, Llama-shaped 7B to 70B models, 8 to 1,024 GPUs.
+and throughput for PPO (four model roles) and GRPO, Llama-shaped 7B to 70B models, 8 to 1,024 GPUs; then the
+fewest GPUs each fits on, full fine-tuning against LoRA (``--lora-rank``).
 
     python benchmarks/plan_simulation.py [--device-type a100] [--prompts 1024] [--n 1] [--prompt-len 1024]
         [--response-len 1024]
@@ -12,6 +13,7 @@ comparison with the chosen plan.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from lightning_rlhf.planner import HARDWARE, MODELS, InfeasiblePlacementError, Workload, plan, predict
@@ -25,6 +27,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--response-len", type=int, default=1024)
+    p.add_argument("--lora-rank", type=int, default=16, help="the LoRA rows' adapter rank")
     args = p.parse_args()
     hw = HARDWARE[args.device_type]
     wl = Workload(prompts=args.prompts, n=args.n, prompt_len=args.prompt_len, response_len=args.response_len)
@@ -54,7 +57,36 @@ def main() -> None:
                 print(f"| {algorithm} | {name} | {devices} | {pools} | {best.rollout_tp} | {best.step_s:.1f} | "
                       f"{colocated} | {tokens:,.0f} |")  # fmt: skip
                 rows.append({"algorithm": algorithm, "model": name, "devices": devices, **best.to_json()})
-    print(json.dumps(rows))
+    lora_rows = fewest_devices_table(hw, wl, args.lora_rank)
+    print(json.dumps({"placements": rows, "fewest_devices": lora_rows}))
+
+
+def fewest_devices_table(hw: object, wl: Workload, rank: int) -> list[dict[str, object]]:
+    """The fewest devices (1, 2, 4, 8, then whole nodes) on which each model and algorithm fits, full fine-tuning
+    against LoRA of ``rank`` (the reference then is the actor's base, adapters off); prints a markdown table."""
+    lora = dataclasses.replace(wl, lora_rank=rank)
+    print(
+        f"\n| algorithm | model | fewest GPUs, full fine-tuning | fewest GPUs, LoRA r={rank} | step s (full / LoRA) |"
+    )
+    print("| --- | --- | ---: | ---: | --- |")
+    out: list[dict[str, object]] = []
+    for algorithm in ("ppo", "grpo"):
+        for name, shape in MODELS.items():
+            found = []
+            for work in (wl, lora):
+                for devices in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+                    try:
+                        best = plan(model=shape, hardware=hw, devices=devices, workload=work, algorithm=algorithm)
+                    except InfeasiblePlacementError:
+                        continue
+                    found.append((devices, best.step_s))
+                    break
+                else:
+                    found.append((0, float("nan")))
+            (full_n, full_s), (lora_n, lora_s) = found
+            print(f"| {algorithm} | {name} | {full_n or '> 256'} | {lora_n or '> 256'} | {full_s:.1f} / {lora_s:.1f} |")
+            out.append({"algorithm": algorithm, "model": name, "full": full_n, "lora": lora_n})
+    return out
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     lightning-rlhf fit --config recipes/grpo_gsm8k.yaml                       # a recipe
     lightning-rlhf fit --config recipes/grpo_gsm8k.yaml --trainer.max_steps 10 --model.rollout.n 4
     lightning-rlhf fit --config recipes/demo.yaml --print_config              # every key, with its value
-    lightning-rlhf export CKPT OUT [--dtype bfloat16] [--base MODEL] [--best true]  # actor -> transformers folder
+    lightning-rlhf export CKPT OUT [--dtype bfloat16] [--base MODEL] [--best true] [--merge true]  # actor -> folder
     lightning-rlhf sft --config recipes/sft_demo.yaml [--ckpt_path CKPT]      # supervised warm start (SFTModule)
     lightning-rlhf plan --config recipes/ppo.yaml --devices 64 --device-type h100  # where each role should run
 
@@ -367,7 +367,7 @@ def main(args: list[str] | None = None) -> None:
             found = best_checkpoint(checkpoint)
             print(f"best checkpoint: {found.describe()}")
             checkpoint = found.path
-        out = export_checkpoint(checkpoint, parsed.out, dtype=parsed.dtype, base=parsed.base)
+        out = export_checkpoint(checkpoint, parsed.out, dtype=parsed.dtype, base=parsed.base, merge=parsed.merge)
         print(f"exported: {os.path.abspath(out)}")
         return
     if argv[:1] == ["plan"]:

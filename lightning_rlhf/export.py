@@ -15,6 +15,7 @@ from).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -29,6 +30,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.compat import attached_trainer
+from lightning_rlhf.engines.train.lora import (
+    adapter_layers,
+    config_scale,
+    has_lora,
+    merge_stream,
+    merged_weights,
+    peft_adapter_state,
+)
 
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
@@ -91,11 +100,23 @@ def actor_files(module: RLHFModule) -> dict[str, bytes]:
         if generation is not None:
             generation.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(module.tokenizer.name_or_path).save_pretrained(tmp)
-        return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+        files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+    if module.actor.lora is not None:  # what `export` needs to merge the adapters, or to save them for peft
+        adapter = module.actor.lora.to_dict()
+        adapter["base_model_name_or_path"] = module.actor.path
+        files[ADAPTER_CONFIG] = json.dumps(adapter, default=sorted).encode()
+    return files
+
+
+ADAPTER_FOLDER = "adapter"
+"""Where a LoRA actor's export keeps its adapters (``peft.PeftModel.from_pretrained(base, out/adapter)``)."""
+ADAPTER_CONFIG = "adapter_config.json"
+"""peft's file name of an adapter's settings (stored in a LoRA run's checkpoints with the actor's files)."""
 
 
 def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None) -> str:
-    """Write the live actor as a transformers folder at ``out``.
+    """Write the live actor as a transformers folder at ``out``. A LoRA actor's folder holds the merged model
+    (``W + scale * B @ A`` per adapted weight) and, in ``out/adapter``, the adapters as ``peft`` saves them.
 
     Runs on: every process when the actor is sharded (each parameter's ``full_tensor`` is an all-gather over the
     actor's ranks, taken in the same order everywhere, one tensor at a time); only the lowest rank of the actor's
@@ -122,13 +143,15 @@ def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torc
     pools = getattr(getattr(attached_trainer(module), "strategy", None), "pools", None) or {}
     writer = min(pools["actor"]) if "actor" in pools else 0  # the lowest rank that holds the actor writes
     rank = dist.get_rank() if distributed else 0
+    lora = has_lora(model)
     state: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}  # tied weights are one parameter under two names: gather it once
     for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves, not copies
         key = id(tensor)
         if key not in gathered:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            gathered[key] = _cast(full.detach(), target).cpu() if rank == writer else torch.empty(0)
+            kept = full.detach() if lora else _cast(full.detach(), target)  # LoRA: merged in float32 below
+            gathered[key] = kept.cpu() if rank == writer else torch.empty(0)
             del full
         if rank == writer:
             state[name] = gathered[key]
@@ -136,6 +159,9 @@ def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torc
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(module.tokenizer.name_or_path)
+        if lora:  # the adapters as peft saves them, and the merged model (what vLLM and transformers load)
+            model.save_pretrained(os.path.join(out, ADAPTER_FOLDER), state_dict=state)  # type: ignore[operator]
+            state = dict(merged_weights(model, iter(state.items()), target))
         _save_pretrained(state, model.config, getattr(model, "generation_config", None), tokenizer, out)
     if distributed:
         dist.barrier()
@@ -219,8 +245,10 @@ def export_checkpoint(
     dtype: Literal["bfloat16", "float16", "float32"] | None = None,
     base: str | None = None,
     best: bool = False,
+    merge: bool = False,
 ) -> str:
-    """Write the actor of a Lightning checkpoint as a transformers model folder.
+    """Write the actor of a Lightning checkpoint as a transformers model folder (a LoRA run's: its adapter folder,
+    or with ``merge`` the merged model).
 
     The ``lightning-rlhf export CKPT OUT`` command. Runs on: one process, on CPU (no process group needed).
     Reads only the actor's tensors of a sharded checkpoint, and memory-maps a single-file one, so optimizer
@@ -235,6 +263,10 @@ def export_checkpoint(
             the checkpoint was saved without the ``ExportActor`` callback (which stores them).
         best: export the best checkpoint by the metric a ``ModelCheckpoint(monitor=...)`` watched, which
             ``checkpoint`` (any checkpoint of the run, e.g. ``last.ckpt``) names (:func:`best_checkpoint`).
+        merge: for a LoRA run, write the merged model (``W + scale * B @ A`` per adapted weight: a transformers
+            folder that vLLM loads) instead of the adapter folder (``adapter_config.json``,
+            ``adapter_model.safetensors``: what ``peft.PeftModel.from_pretrained(base, out)`` loads). A full-weight
+            run's folder is the same either way.
 
     Returns:
         ``out``.
@@ -265,10 +297,23 @@ def export_checkpoint(
             f"export_checkpoint({checkpoint!r}): no weights under '{ACTOR_PREFIX}' in the checkpoint. "
             "HINT: it must come from an RLHFModule trained with RLHFStrategy."
         )
+    files = meta.get(CHECKPOINT_KEY) or {}
+    lora = any(".lora_" in key for key in state)
+    if lora:
+        if ADAPTER_CONFIG not in files:
+            raise ValueError(
+                f"export_checkpoint({checkpoint!r}): the checkpoint holds LoRA adapters but not their settings "
+                f"({ADAPTER_CONFIG}: it was saved without the ExportActor callback). HINT: save with ExportActor "
+                "(the CLI and the demo always add it)."
+            )
+        adapter = json.loads(files[ADAPTER_CONFIG])
+        if not merge:
+            return _save_adapter(state, adapter, files, base, out)
+        scale = config_scale(adapter)
+        state = dict(merge_stream(iter(state.items()), dict.fromkeys(adapter_layers(list(state)), scale), target))
     with tempfile.TemporaryDirectory() as tmp:
         source = base if base is None else resolve_model_path(base, setting="export_checkpoint(base=...)")
         if source is None:
-            files = meta.get(CHECKPOINT_KEY)
             if not files:
                 raise ValueError(
                     f"export_checkpoint({checkpoint!r}): the checkpoint has no model config or tokenizer (it was "
@@ -329,6 +374,25 @@ def _load_sharded(path: Path, prefix: str, dtype: torch.dtype | None) -> dict[st
             warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
             dcp.load(templates, storage_reader=reader, no_dist=True)
     return _select(templates, full_prefix, dtype)
+
+
+def _save_adapter(
+    state: dict[str, torch.Tensor], adapter: dict[str, Any], files: Mapping[str, bytes], base: str | None, out: str
+) -> str:
+    """Write a LoRA run's adapters as ``peft`` saves them (``adapter_config.json``, ``adapter_model.safetensors``),
+    with the run's tokenizer files. Runs on: one process."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    if base is not None:
+        adapter["base_model_name_or_path"] = base
+    Path(out, ADAPTER_CONFIG).write_text(json.dumps(adapter, indent=2, default=sorted))
+    tensors = {k: v.contiguous() for k, v in peft_adapter_state(state).items()}
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    for name, data in files.items():
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            Path(out, name).write_bytes(data)
+    return out
 
 
 def _save_pretrained(state: dict[str, torch.Tensor], config: Any, generation: Any, tokenizer: Any, out: Any) -> None:

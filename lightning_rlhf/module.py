@@ -38,6 +38,7 @@ from lightning_rlhf.compat import attached_trainer, batches_that_stepped, set_ba
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
 from lightning_rlhf.dispatch import RoleFuture, concurrently, in_background
 from lightning_rlhf.engines.train import resolve_dtype
+from lightning_rlhf.engines.train.lora import resolve_lora
 from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.rewards import RewardSpec, reward_components
 from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role, RolloutRole
@@ -82,6 +83,10 @@ class RLHFModule(L.LightningModule):
             ``ToolEnvironment(tools=[...])``, a TRL-style ``environment_factory`` class, or its import path
             (``"my_module.MyEnv"``, for recipes). When it scores episodes (``reward(episode)``), its score is the
             reward component ``environment``, beside ``reward`` if given (``reward`` may then be None).
+        lora: train LoRA adapters instead of every weight (docs/lora.md): a ``peft.LoraConfig`` or its fields as a
+            dict (``{"r": 16, "lora_alpha": 32}``; ``target_modules`` defaults to ``"all-linear"``). It applies to
+            the actor and the critic (whose value head is trained whole); with ``reference=True`` the reference is
+            the actor's base model with its adapters disabled, not a second copy.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class RLHFModule(L.LightningModule):
         frozen_dtype: str | torch.dtype = "float32",
         attn_implementation: str | None = None,
         environment: Any = None,
+        lora: Any = None,
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -149,18 +155,27 @@ class RLHFModule(L.LightningModule):
         frozen = resolve_dtype(frozen_dtype, setting="RLHFModule.frozen_dtype")
         assert frozen is not None
         self.frozen_dtype = frozen
+        self.lora = lora
         self.actor = ActorRole(
             actor,
             tokenizer=self.tokenizer,
             rollout=self.rollout_config,
             algorithm=self.algorithm,
             optim=actor_optim or OptimConfig(),
+            lora=resolve_lora(lora, setting="RLHFModule(lora=...)", task_type="CAUSAL_LM"),
         )
         self.actor.environment = environment_factory(self.environment) if self.environment is not None else None
         if self.actor.environment is not None:  # the tools' schemas and the chat template, before any process starts
             check_environment(self.actor.environment, self.tokenizer)
         self.critic: CriticRole | None = (
-            CriticRole(critic, algorithm=self.algorithm, optim=critic_optim or OptimConfig(lr=1e-5))
+            CriticRole(
+                critic,
+                algorithm=self.algorithm,
+                optim=critic_optim or OptimConfig(lr=1e-5),
+                lora=resolve_lora(
+                    lora, setting="RLHFModule(lora=...)", task_type="TOKEN_CLS", modules_to_save=["score"]
+                ),
+            )
             if critic is not None
             else None
         )
@@ -171,6 +186,8 @@ class RLHFModule(L.LightningModule):
                 micro_batch_size=micro,
                 dtype=frozen,
                 shared_prefix=self.algorithm.shared_prefix,
+                # LoRA: the initial policy is the actor's base, adapters off: no second copy of the model.
+                adapters_of=self.actor if self.actor.lora is not None and ref_path == actor else None,
             )
             if ref_path
             else None

@@ -251,6 +251,14 @@ class ModelShape:
         FLOP counts use it; memory and communication use :attr:`params`). Runs on: any process."""
         return self.params - self.vocab * self.hidden
 
+    def lora_params(self, rank: int) -> float:
+        """Parameters of rank-``rank`` LoRA adapters on every linear layer of the decoder (``r * (in + out)`` per
+        projection: q, k, v, o, gate, up, down). Runs on: any process."""
+        head_dim = self.hidden // self.heads
+        q, kv = self.heads * head_dim, self.kv_heads * head_dim
+        sides = (self.hidden + q) * 2 + (self.hidden + kv) * 2 + 3 * (self.hidden + self.intermediate)
+        return float(rank * self.layers * sides)
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> float:
         """Bytes of keys and values one token keeps in the KV cache. Runs on: any process."""
         return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * dtype_bytes
@@ -275,6 +283,9 @@ class Workload:
     response_len: int = 1024
     micro_tokens: int = 16384
     """Tokens per training micro-batch and device (activation memory)."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on every linear layer of the trained roles (``RLHFModule(lora=...)``); 0: full
+    fine-tuning."""
 
     @property
     def sequences(self) -> int:
@@ -411,9 +422,14 @@ def _micro_batches(wl: Workload, n: int) -> int:
 
 
 def _train_s(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
-    flops = 6.0 * model.matmul_params * wl.tokens + 3 * _attention_flops(model, wl)
+    # LoRA: the frozen base gets no weight gradients (the backward's weight products, a third of the FLOPs) and
+    # FSDP2 reduce-scatters none of its gradients (2 of the 3 weight transfers are the gathers).
+    weight_passes = 4.0 if wl.lora_rank else 6.0
+    flops = weight_passes * model.matmul_params * wl.tokens + 3 * _attention_flops(model, wl)
     compute = flops / (n * hw.flops * hw.train_eff)
-    comm = 0.0 if n == 1 else 3 * 2.0 * model.params * (n - 1) / n / hw.bandwidth(n) + 3 * model.layers * hw.latency_s
+    transfers = 2 if wl.lora_rank else 3
+    comm = 0.0 if n == 1 else transfers * 2.0 * model.params * (n - 1) / n / hw.bandwidth(n)
+    comm += 0.0 if n == 1 else transfers * model.layers * hw.latency_s
     host = _micro_batches(wl, n) * model.layers * hw.layer_micro_s
     return max(compute, comm) + host
 
@@ -449,12 +465,26 @@ def _generate_s(
     return waves * (prefill + decode) + handoff
 
 
+def _state_bytes(role: str, pool: Sequence[str], model: ModelShape, wl: Workload) -> float:
+    """Bytes of one role's weights and training state over its pool. Full fine-tuning: 16 per parameter for a
+    trainable role (float32 weights, gradients, two Adam moments), 2 for a frozen one (bfloat16). LoRA: a trainable
+    role keeps its frozen float32 base (4 per parameter) and 16 per adapter parameter; the reference is the actor's
+    base with its adapters off, nothing of its own, where it shares the actor's pool (elsewhere it needs a copy)."""
+    if not wl.lora_rank:
+        return (16.0 if role in TRAINABLE else 2.0) * model.params
+    if role in TRAINABLE:
+        return 4.0 * model.params + 16.0 * model.lora_params(wl.lora_rank)
+    if role == "reference" and "actor" in pool:
+        return 0.0
+    return 2.0 * model.params
+
+
 def _pool_memory(
     roles: Sequence[str], model: ModelShape, wl: Workload, hw: Hardware, n: int, tp: int, *, server: bool = False
 ) -> tuple[float, float]:
     """``(bytes per device that stay, bytes per device left for the KV cache)`` of a pool (``server``: the
     engine lives in its own process and keeps its weights while training runs)."""
-    states = sum((16.0 if role in TRAINABLE else 2.0) * model.params / n for role in roles)
+    states = sum(_state_bytes(role, roles, model, wl) / n for role in roles)
     training = any(role in TRAINABLE for role in roles)
     activations = wl.micro_tokens * model.hidden * (2.0 * model.layers + 34.0) if training else 0.0
     engine = 2.0 * model.params / tp if "actor" in roles else 0.0
@@ -677,6 +707,7 @@ def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[
         n=int(rollout.get("n", defaults.n)),
         prompt_len=int(data.get("max_prompt_length") or 512),
         response_len=int(rollout.get("max_new_tokens", defaults.max_new_tokens)),
+        lora_rank=int((module.get("lora") or {}).get("r", 8)) if module.get("lora") else 0,
     )
     return dataflow_for(roles), shape_of(str(module["actor"]), override=model_shape), workload
 

@@ -167,6 +167,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         actor_optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
         validation=ValidationConfig(before_train=True),  # greedy answers to the held-out prompts, before RL
         attn_implementation=args.attn_implementation,
+        lora={"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank} if args.lora_rank else None,
         **extra,
     )
     data = PromptDataModule(
@@ -282,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (fp32 master weights either way)"
     )
     parser.add_argument("--attn-implementation", default=None, help="transformers attention kernel, e.g. eager")
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="train LoRA adapters of this rank (alpha = 2 x rank, every linear layer) instead of every weight",
+    )
     parser.add_argument(
         "--placement",
         default="colocate",

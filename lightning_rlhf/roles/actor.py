@@ -36,6 +36,7 @@ class ActorRole(EpisodesMixin, Role):
         rollout: sampling settings.
         algorithm: loss settings and batch splitting.
         optim: optimizer settings.
+        lora: a ``peft.LoraConfig``: train LoRA adapters on the frozen model (``RLHFModule(lora=...)``).
     """
 
     name = "actor"
@@ -48,8 +49,11 @@ class ActorRole(EpisodesMixin, Role):
         rollout: RolloutConfig,
         algorithm: AlgorithmConfig,
         optim: OptimConfig,
+        lora: Any = None,
     ) -> None:
-        super().__init__(micro_batch_size=algorithm.micro_batch_size, optim=optim, setting="ActorRole(path=...)")
+        super().__init__(
+            micro_batch_size=algorithm.micro_batch_size, optim=optim, setting="ActorRole(path=...)", lora=lora
+        )
         self.path = path
         self.tokenizer = tokenizer
         self.rollout = rollout
@@ -98,7 +102,9 @@ class ActorRole(EpisodesMixin, Role):
         from transformers import AutoModelForCausalLM
 
         if self.model is None:
-            model = load_model(AutoModelForCausalLM, self.path, setting="ActorRole(path=...)", dtype=self.dtype)
+            model = load_model(
+                AutoModelForCausalLM, self.path, setting="ActorRole(path=...)", dtype=self.dtype, lora=self.lora
+            )
             self.set_model(model.train())  # from_pretrained returns eval mode; dropout is off anyway
 
     # --------------------------------------------------------------------------------------- rollout
@@ -211,7 +217,9 @@ class ActorRole(EpisodesMixin, Role):
         t0 = time.perf_counter()
         received = [0]
         if self._shared is None or self._shared[0] is not engine or self._shared[1] is not self.model:
-            self._shared = (engine, self.model, cpu.weight_store(engine, self.model))
+            # LoRA streams merged weights (the base's names): no store shares the trainer's own tensors then.
+            store = None if self.lora is not None else cpu.weight_store(engine, self.model)
+            self._shared = (engine, self.model, store)
         store = self._shared[2]
         if store is not None:
             self.handoff_wait_s = store.hand_off(received)

@@ -74,6 +74,8 @@ class Role(nn.Module):
         optim: optimizer settings (trainable roles); None for a frozen role.
         dtype: the dtype the weights are held in.
         setting: how errors name this role's model (e.g. ``"ActorRole(path=...)"``).
+        lora: a ``peft.LoraConfig`` (from :func:`~lightning_rlhf.engines.train.lora.resolve_lora`): the role trains
+            LoRA adapters on its frozen model.
     """
 
     name: str = "role"
@@ -88,10 +90,13 @@ class Role(nn.Module):
         optim: OptimConfig | None = None,
         dtype: torch.dtype = torch.float32,
         setting: str = "role",
+        lora: Any = None,
     ) -> None:
         super().__init__()
         self.model = None
         self.dtype = dtype
+        self.lora = lora
+        """The role's ``peft.LoraConfig`` (trained roles: adapters instead of every weight), or None."""
         self.train_engine = TrainEngine(micro_batch_size=micro_batch_size, optim=optim, setting=setting)
 
     # ------------------------------------------------------------------------------------------ model
@@ -189,19 +194,26 @@ class Role(nn.Module):
         return optimizer, scheduler
 
 
-def load_model(auto_class: type, path: str, *, setting: str, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
+def load_model(
+    auto_class: type, path: str, *, setting: str, dtype: torch.dtype, lora: Any = None, **kwargs: Any
+) -> nn.Module:
     """Load a transformers model for a role, with dropout off: its parameters on the meta device inside the
-    strategy's deferred loading (the shards are read at :meth:`Role.materialize`), else the full weights.
+    strategy's deferred loading (the shards are read at :meth:`Role.materialize`), else the full weights. With
+    ``lora`` (a ``peft.LoraConfig``), the model comes wrapped with its adapters
+    (:mod:`lightning_rlhf.engines.train.lora`).
 
     Runs on: every process. Fails before building when the checkpoint misses a tensor the model needs.
     """
     from lightning_rlhf.engines.train.loading import load_pretrained
+    from lightning_rlhf.engines.train.lora import apply_lora
     from lightning_rlhf.models import resolve_model_path
 
     model = load_pretrained(
         auto_class, resolve_model_path(path, setting=setting), setting=setting, dtype=dtype, **kwargs
     )
     disable_dropout(model)
+    if lora is not None:
+        model = apply_lora(model, lora, setting="RLHFModule(lora=...)")
     return model
 
 

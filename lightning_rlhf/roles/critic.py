@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from lightning_rlhf.algorithms import MicroBatchAggregation, value_loss_clipped
@@ -26,12 +28,18 @@ class CriticRole(Role):
         optim: optimizer settings (critics usually take a higher learning rate than the actor).
         prefix: prefix of the columns it writes and trains on (``values``, ``returns``); a second critic, e.g.
             Safe-RLHF's cost critic, uses ``prefix="cost_"`` (``cost_values``, ``cost_returns``).
+        lora: a ``peft.LoraConfig`` whose ``modules_to_save`` holds the value head (``score``): LoRA adapters on
+            the backbone, the head trained whole.
     """
 
     name = "critic"
 
-    def __init__(self, path: str, *, algorithm: AlgorithmConfig, optim: OptimConfig, prefix: str = "") -> None:
-        super().__init__(micro_batch_size=algorithm.micro_batch_size, optim=optim, setting="CriticRole(path=...)")
+    def __init__(
+        self, path: str, *, algorithm: AlgorithmConfig, optim: OptimConfig, prefix: str = "", lora: Any = None
+    ) -> None:
+        super().__init__(
+            micro_batch_size=algorithm.micro_batch_size, optim=optim, setting="CriticRole(path=...)", lora=lora
+        )
         self.prefix = prefix
         self.path = path
         self.algorithm = algorithm
@@ -46,6 +54,7 @@ class CriticRole(Role):
                 self.path,
                 setting="CriticRole(path=...)",
                 dtype=self.dtype,
+                lora=self.lora,
                 num_labels=1,
             )
             self.set_model(model.train())  # from_pretrained returns eval mode; dropout is off anyway

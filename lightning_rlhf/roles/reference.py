@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lightning_rlhf.batch import Batch
@@ -23,6 +25,8 @@ class ReferenceRole(Role):
         micro_batch_size: samples per forward on one rank.
         dtype: the dtype its weights are held and computed in (float32, or bfloat16 to halve its memory).
         shared_prefix: compute each group's prompt once (``AlgorithmConfig.shared_prefix``).
+        adapters_of: with LoRA, the actor whose base model is the reference: ``log_prob`` runs the actor's model
+            with its adapters disabled, and no second model is loaded (``path`` is then the actor's).
     """
 
     name = "reference"
@@ -35,17 +39,25 @@ class ReferenceRole(Role):
         micro_batch_size: int,
         dtype: torch.dtype = torch.float32,
         shared_prefix: bool = True,
+        adapters_of: Role | None = None,
     ) -> None:
         super().__init__(micro_batch_size=micro_batch_size, dtype=dtype, setting="ReferenceRole(path=...)")
         self.path = path
         self.temperature = logprob_temperature(temperature)
         self.shared_prefix = shared_prefix
+        # Not an nn.Module attribute: the actor's weights stay the actor's in checkpoints.
+        self.__dict__["adapters_of"] = adapters_of
+
+    @property
+    def base(self) -> Role | None:
+        """The actor whose model, adapters off, is the reference (LoRA), or None (a model of its own)."""
+        return self.__dict__["adapters_of"]
 
     def load(self) -> None:
-        """Load the frozen model in ``dtype``. Runs on: every process."""
+        """Load the frozen model in ``dtype`` (nothing with LoRA: the actor's base serves). Runs on: every process."""
         from transformers import AutoModelForCausalLM
 
-        if self.model is None:
+        if self.model is None and self.base is None:
             model = load_model(AutoModelForCausalLM, self.path, setting="ReferenceRole(path=...)", dtype=self.dtype)
             self.set_model(model.eval().requires_grad_(False))
 
@@ -54,11 +66,15 @@ class ReferenceRole(Role):
         """Reference log-probs of the responses, as ``ref_logprobs`` ``[B, R]``. Runs on: every worker rank."""
         temperature = self.temperature
         group = int(batch.meta.get("group_size", 1)) if self.shared_prefix else 1
-        out = self.train_engine.infer(
-            batch,
-            lambda model, micro: forward_response(
-                model, micro, output="logprobs", temperature=temperature, group_size=group
-            ),
-        )
+
+        def logprobs(model: torch.nn.Module, micro: Batch) -> dict[str, torch.Tensor]:
+            return forward_response(model, micro, output="logprobs", temperature=temperature, group_size=group)
+
+        if self.base is None:
+            out = self.train_engine.infer(batch, logprobs)
+        else:
+            adapted: Any = self.base.model
+            with adapted.disable_adapter():  # peft: the base model's forward, the same shards
+                out = self.base.train_engine.infer(batch, logprobs)
         batch["ref_logprobs"] = out["logprobs"]
         return batch

@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_resume_path", "incomplete_reason", "publish", "temporary_sibling"]
+__all__ = ["check_resume_lora", "check_resume_path", "incomplete_reason", "publish", "temporary_sibling"]
 
 _LIGHTNING_KEYWORDS = ("last", "best", "hpc")  # resolved by Lightning itself, later
 
@@ -109,3 +109,33 @@ def check_resume_path(ckpt_path: Any) -> None:
             "HINT: resume from an earlier checkpoint; checkpoints written by this version are renamed into place "
             "only once complete."
         )
+
+
+def check_resume_lora(ckpt_path: Any, module: Any) -> None:
+    """Refuse to resume a checkpoint of LoRA adapters into a run that trains every weight, or the reverse, before
+    any process or model starts (the keys of the distributed checkpoint's ``.metadata`` say which it holds).
+
+    Runs on: the launching process. Leaves Lightning's keywords, single files and modules without roles alone.
+
+    Raises:
+        ValueError: the checkpoint and ``module`` disagree, naming the setting and the fix.
+    """
+    roles = getattr(module, "roles", None)
+    if ckpt_path is None or not callable(roles):
+        return
+    path = Path(str(ckpt_path)).expanduser()
+    if not (path / ".metadata").is_file():
+        return
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = any(".lora_" in key for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    wanted = any(getattr(role, "lora", None) is not None for role in roles().values())
+    if saved == wanted:
+        return
+    had = "LoRA adapters (RLHFModule(lora=...))" if saved else "every weight (RLHFModule(lora=None))"
+    has = "LoRA adapters (RLHFModule(lora=...))" if wanted else "every weight (no lora)"
+    raise ValueError(
+        f"fit(ckpt_path={str(ckpt_path)!r}) was saved by a run that trained {had}, but this module trains {has}. "
+        "HINT: resume with the lora setting the checkpoint was saved with; to go on from it the other way, export it "
+        "(`lightning-rlhf export`, merged for LoRA) and start a new run from that folder."
+    )

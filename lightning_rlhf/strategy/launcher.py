@@ -18,7 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_rlhf.compat import Launcher, SubprocessScriptLauncher, start_subprocess_ranks
-from lightning_rlhf.strategy.checkpoint_io import check_resume_path
+from lightning_rlhf.strategy.checkpoint_io import check_resume_lora, check_resume_path
 from lightning_rlhf.strategy.liveness import exit_expected
 
 __all__ = ["ExternalLauncher", "RLHFLauncher", "check_ckpt_argument", "watchdog_running"]
@@ -36,7 +36,9 @@ def check_ckpt_argument(function: Callable[..., Any], args: tuple[Any, ...], kwa
 
     Runs on: the launching process (rank 0, or every rank when processes are created externally).
     """
-    check_resume_path(_bound_argument(function, args, kwargs, "ckpt_path"))
+    ckpt_path = _bound_argument(function, args, kwargs, "ckpt_path")
+    check_resume_path(ckpt_path)
+    check_resume_lora(ckpt_path, _bound_argument(function, args, kwargs, "model"))
 
 
 def _bound_argument(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:

@@ -182,6 +182,7 @@ def main() -> None:
     p.add_argument("--preemption-path", default=None, help="RLHFStrategy(preemption_path=...)")
     p.add_argument("--no-preemption-checkpoint", action="store_true", help="RLHFStrategy(preemption_checkpoint=False)")
     p.add_argument("--placement", default=None, help="RLHFStrategy(placement=...): JSON role -> ranks, or 'auto'")
+    p.add_argument("--lora-rank", type=int, default=None, help="RLHFModule(lora={'r': R, 'lora_alpha': 2R})")
     args = p.parse_args()
     if args.signal_at or args.kill_during_save is not None:
         print(f"[train.py] rank {os.environ.get('LOCAL_RANK', '0')} pid {os.getpid()}", flush=True)
@@ -210,6 +211,7 @@ def main() -> None:
             n=args.val_n, temperature=1.0 if args.val_n > 1 else 0.0, before_train=args.val_before_train
         ),
         actor_optim=OptimConfig(lr=1e-3, warmup_steps=2),
+        lora={"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank} if args.lora_rank else None,
     )
     if tools:
         common["environment"] = CalculatorEnvironment
@@ -316,10 +318,10 @@ def main() -> None:
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     if trainer.global_rank == 0:
-        first = next(module.actor.model.parameters())
+        first = next(p for p in module.actor.model.parameters() if p.requires_grad)  # LoRA: an adapter
         info = {
             "global_step": trainer.global_step,
-            "param_checksum": float(first.full_tensor().double().sum()),
+            "param_checksum": float(first.detach().full_tensor().double().sum()),
         }
         if args.ux_callbacks:
             info["progress_bar_metrics"] = sorted(trainer.progress_bar_metrics)
@@ -327,7 +329,7 @@ def main() -> None:
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(info, f)
     elif getattr(trainer.strategy, "holds", lambda role: True)("actor"):
-        next(module.actor.model.parameters()).full_tensor()  # the checksum's all-gather
+        next(p for p in module.actor.model.parameters() if p.requires_grad).full_tensor()  # the checksum's gather
 
 
 if __name__ == "__main__":

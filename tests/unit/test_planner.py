@@ -485,3 +485,39 @@ def test_the_plan_command_names_the_rollout_engine(capsys: pytest.CaptureFixture
         steps[engine] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(steps["vllm"]["placement"]["actor"]) == 64 and len(steps["hf"]["placement"]["actor"]) < 64
     assert steps["vllm"]["predicted_step_s"] > steps["hf"]["predicted_step_s"]
+
+
+def test_lora_adapters_are_counted_like_peft_and_fit_on_fewer_devices() -> None:
+    """The adapter count is peft's on a Llama model; LoRA's state (a frozen float32 base, adapters with Adam, the
+    reference in the actor's pool for free) lets every size fit on fewer GPUs, and the plan reads ``lora`` from a
+    recipe."""
+    from peft import LoraConfig, get_peft_model
+
+    shape = ModelShape(layers=2, hidden=64, intermediate=160, heads=4, kv_heads=2, vocab=128)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128,
+    )  # fmt: skip
+    wrapped = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    assert shape.lora_params(4) == sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    wl = Workload(prompts=256, n=4, prompt_len=512, response_len=512)
+    lora = Workload(prompts=256, n=4, prompt_len=512, response_len=512, lora_rank=16)
+
+    def fewest(work: Workload, model: ModelShape) -> int:
+        for devices in (1, 2, 4, 8, 16, 32, 64, 128):
+            try:
+                plan(model=model, hardware="a100", devices=devices, workload=work, algorithm="ppo")
+                return devices
+            except InfeasiblePlacementError:
+                continue
+        return 10**6
+
+    for name in ("7b", "70b"):
+        assert fewest(lora, MODELS[name]) < fewest(wl, MODELS[name]), name
+    together = predict([["actor", "critic", "reference", "reward"]], [8], 1, model=MODELS["7b"], hardware="a100",
+                       workload=lora)  # fmt: skip
+    apart = predict([["actor", "critic", "reward"], ["reference"]], [4, 4], 1, model=MODELS["7b"], hardware="a100",
+                    workload=lora)  # fmt: skip
+    assert together.memory[0] < apart.memory[0] + apart.memory[1]  # the reference beside the actor costs nothing
+    _, _, from_recipe = recipe_inputs(str(ROOT / "recipes" / "grpo_lora.yaml"))
+    assert from_recipe.lora_rank == 8

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_rlhf.config import RolloutConfig, VLLMConfig
 from lightning_rlhf.engines.rollout.base import RolloutEngine, tied_aliases
 from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
+from lightning_rlhf.engines.train.lora import has_lora, unadapted_copy
 
 __all__ = ["ENGINE_KINDS", "make_rollout_engine"]
 
@@ -80,6 +81,8 @@ def make_rollout_engine(
                 f"make_rollout_engine: the tokenizer of {path!r} has {attr}=None, which the {kind} engine needs. "
                 "HINT: set it on the tokenizer (e.g. `tokenizer.pad_token = tokenizer.eos_token`) before set-up."
             )
+    if has_lora(model):  # the engine serves the base model; the hand-off merges the adapters into its weights
+        model = unadapted_copy(model)
     config: Any = getattr(model, "config", None)
     if kind == "vllm":
         if max_model_len < 2:

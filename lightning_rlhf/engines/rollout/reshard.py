@@ -248,7 +248,9 @@ def weights_for(
     into_engine: bool = False,
 ) -> Iterator[tuple[str, Tensor]]:
     """The weight stream ``engine.load_weights`` should get from the FSDP2 ``model``: only this rank's TP slices
-    when the engine has a ``slicer`` (vLLM at TP > 1), else full tensors. Runs on: every worker rank.
+    when the engine has a ``slicer`` (vLLM at TP > 1), else full tensors; a LoRA model's merged weights
+    (:func:`~lightning_rlhf.engines.train.lora.merged_weights`, full tensors for any engine). Runs on: every worker
+    rank.
 
     ``transport``: how full tensors move (``full_tensors``: ``"auto"``, ``"shared"``, ``"collective"``).
     ``into_engine=True`` says the stream goes straight into ``engine.load_weights`` (``load_weights(weights_for(...,
@@ -256,7 +258,10 @@ def weights_for(
     gets views of the host's shared buffer, which later buckets overwrite; any other use gets tensors of its own.
     """
     from lightning_rlhf.engines.train import full_tensors
+    from lightning_rlhf.engines.train.lora import has_lora, merged_weights
 
+    if has_lora(model):  # LoRA: the base's names, each adapted weight merged on the fly (full tensors, float32)
+        return merged_weights(model, full_tensors(model, received, transport=transport), engine.dtype)
     if engine.slicer is None:
         views = into_engine and bool(getattr(engine, "copies_each_weight", False))
         return full_tensors(model, received, dtype=engine.dtype, transport=transport, views=views)

@@ -26,13 +26,14 @@ none), while the name matching (base-model prefix, tied weights, new heads) woul
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import json
 import math
 import os
 import re
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,7 @@ class _Source:
     entries: dict[str, _Entry]  # model name (parameter or persistent buffer) -> checkpoint tensor
     fresh: tuple[str, ...]  # parameters the checkpoint does not hold (a new head): initialised fresh
     init_std: float
+    fresh_value: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None  # a wrapper's own fresh values
 
 
 @dataclass
@@ -154,6 +156,36 @@ def deferred_loading(enabled: bool = True) -> Iterator[None]:
 def loading_deferred() -> bool:
     """True inside :func:`deferred_loading` (``enabled=True``). Runs on: any process."""
     return _DEFERRED.get()
+
+
+def rename_source(
+    base: nn.Module,
+    wrapped: nn.Module,
+    to_base: Callable[[str], str],
+    fresh_value: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+) -> None:
+    """Carry the checkpoint plan of a deferred ``base`` model over to ``wrapped`` (the same modules under other names,
+    e.g. a ``peft`` model): each of ``wrapped``'s tensors reads the entry of ``to_base(name)``; its parameters that
+    map to nothing of ``base`` (adapters) start fresh, from ``fresh_value(name, param)`` where it gives a value (the
+    same on every rank). Nothing happens for a model loaded whole.
+
+    Runs on: every process (a role's ``load``, before sharding).
+    """
+    source: _Source | None = base.__dict__.get(_SOURCE_ATTR)
+    if source is None:
+        return
+    entries = {
+        name: source.entries[to_base(name)] for name, _ in wrapped.named_buffers() if to_base(name) in source.entries
+    }
+    fresh: list[str] = []
+    for name, _ in wrapped.named_parameters():
+        original = to_base(name)
+        if original in source.entries:
+            entries[name] = source.entries[original]
+        else:  # a fresh head of the base, or a parameter the base does not have
+            fresh.append(name)
+    renamed = dataclasses.replace(source, entries=entries, fresh=tuple(fresh), fresh_value=fresh_value)
+    setattr(wrapped, _SOURCE_ATTR, renamed)
 
 
 def needs_materialize(model: nn.Module) -> bool:
@@ -532,7 +564,8 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> LoadReport:
                 report.bytes_read += _read_rows(entry, first, count, local, setting=setting)
                 report.tensors += 1
             elif name in source.fresh:
-                full = _fresh_full(model, name, param, source.init_std)
+                given = source.fresh_value(name, param) if source.fresh_value is not None else None
+                full = given if given is not None else _fresh_full(model, name, param, source.init_std)
                 local.copy_(full.narrow(0, first, count) if full.dim() else full)
             else:  # cannot happen: load_pretrained checked every parameter
                 raise RuntimeError(f"{source.setting}: no source for parameter {name}")

@@ -1,0 +1,274 @@
+"""LoRA adapters on a role's model, through ``peft`` (the field's maintained implementation).
+
+A trained role (the actor, the critic) can train low-rank adapters instead of every weight: :func:`apply_lora` wraps
+the transformers model in a ``peft.PeftModel`` before FSDP2 shards it, so only the adapters (and a critic's value
+head) require gradients and get optimizer state, while the frozen base weights are sharded and gathered as before.
+Deferred (sharded) loading still reads the base from the checkpoint: the wrapped model's parameter names are mapped
+back to the checkpoint's (``base_model.model.`` and ``.base_layer`` removed), and the adapters start as ``peft``
+starts them (``lora_B`` zeros, so the wrapped model computes exactly the base model at step 0; ``lora_A``
+Kaiming-uniform), seeded by their names so every rank builds the same values.
+
+The rollout engines take plain transformers weights: :func:`merged_weights` turns the stream of the wrapped model's
+full tensors into the base model's names with each adapted weight merged (``W + scale * B @ A``, computed on the
+fly, in float32; the trainer's base weights are not changed).
+
+Runs on: every process (the roles' ``load``) and every worker rank (the hand-off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "LORA_MARK",
+    "adapter_layers",
+    "apply_lora",
+    "base_name",
+    "config_scale",
+    "fresh_lora_value",
+    "has_lora",
+    "lora_state",
+    "merge_stream",
+    "merged_weights",
+    "peft_adapter_state",
+    "resolve_lora",
+    "unadapted_copy",
+]
+
+LORA_MARK = ".lora_"
+"""What the names of adapter parameters contain (``...q_proj.lora_A.default.weight``)."""
+_PREFIX = "base_model.model."
+_SEED = 20261127
+"""Base seed of the adapters' initial values (mixed with a CRC of the parameter's name): the same on every rank."""
+_FIELDS = (
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "modules_to_save",
+    "bias",
+    "use_rslora",
+    "layers_to_transform",
+)
+
+
+def resolve_lora(lora: Any, *, setting: str, task_type: str, modules_to_save: list[str] | None = None) -> Any:
+    """A ``peft.LoraConfig`` for a role from what the user gave (None, a ``LoraConfig``, or its fields as a dict,
+    as a recipe writes them), checked before any model is built; None when ``lora`` is None.
+
+    Runs on: every process (the module's constructor). ``task_type``: ``CAUSAL_LM`` (actor) or ``TOKEN_CLS``
+    (critic, whose ``modules_to_save`` keeps its value head fully trained).
+
+    Raises:
+        ValueError: an unknown field, a rank that is not a positive integer, dropout outside [0, 1), or a
+            ``bias`` other than ``none`` (a trained base bias would be one more full-size thing to hand off).
+    """
+    if lora is None:
+        return None
+    from peft import LoraConfig
+
+    if isinstance(lora, Mapping):
+        unknown = sorted(set(lora) - set(_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"{setting}: unknown LoRA field(s) {unknown}. HINT: use {list(_FIELDS)} (peft.LoraConfig's names)."
+            )
+        config = LoraConfig(**{"target_modules": "all-linear", "lora_alpha": 2 * int(lora.get("r", 8)), **lora})
+    elif isinstance(lora, LoraConfig):
+        config = dataclasses.replace(lora)
+    else:
+        raise ValueError(
+            f"{setting}={lora!r} is invalid: expected None, a peft.LoraConfig or a dict of its fields. HINT: "
+            "lora={'r': 16, 'lora_alpha': 32} (target_modules defaults to 'all-linear')."
+        )
+    if not isinstance(config.r, int) or isinstance(config.r, bool) or config.r < 1:
+        raise ValueError(f"{setting}: LoRA rank r={config.r!r} is invalid. HINT: a positive integer, e.g. 8 or 16.")
+    if not 0.0 <= float(config.lora_dropout) < 1.0:
+        raise ValueError(f"{setting}: lora_dropout={config.lora_dropout!r} must be in [0, 1). HINT: 0.0 for RL.")
+    if config.bias != "none":
+        raise ValueError(
+            f"{setting}: LoRA bias={config.bias!r} is not supported: it trains the base model's biases, which "
+            "every hand-off would then carry in full. HINT: bias='none'."
+        )
+    config.task_type = task_type
+    if modules_to_save:
+        config.modules_to_save = sorted({*(config.modules_to_save or []), *modules_to_save})
+    return config
+
+
+def _targets(model: nn.Module, config: Any) -> list[tuple[str, nn.Linear]]:
+    """The linear layers ``config.target_modules`` selects in ``model`` (``"all-linear"``: every linear layer but
+    the output head), as peft will wrap them."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    found: list[tuple[str, nn.Linear]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is head or not name:
+            continue
+        if config.target_modules == "all-linear":
+            leaf = name.rsplit(".", 1)[-1]
+            saved = set(config.modules_to_save or [])
+            if leaf not in saved and not any(part in saved for part in name.split(".")):
+                found.append((name, module))
+        elif check_target_module_exists(config, name):
+            found.append((name, module))
+    return found
+
+
+def apply_lora(model: nn.Module, config: Any, *, setting: str) -> nn.Module:
+    """``model`` wrapped in a ``peft.PeftModel`` with ``config``'s adapters (only they, and ``modules_to_save``,
+    require gradients); a model on the meta device (deferred loading) keeps its checkpoint plan, renamed.
+
+    Runs on: every process (a role's ``load``, before FSDP2 shards the model).
+
+    Raises:
+        ValueError: ``target_modules`` selects no linear layer of the model, or the rank exceeds the smaller
+            dimension of a selected layer (the adapter would not be low-rank), naming both and the fix.
+    """
+    from peft import get_peft_model
+
+    from lightning_rlhf.engines.train.loading import rename_source
+
+    targets = _targets(model, config)
+    if not targets:
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        given = config.target_modules
+        shown = given if isinstance(given, str) else sorted(given)
+        raise ValueError(
+            f"{setting}: LoRA target_modules={shown!r} matches no linear layer of "
+            f"{type(model).__name__}. HINT: name some of its linear layers, e.g. {linears[:8]}, or 'all-linear'."
+        )
+    too_small = [(n, m) for n, m in targets if config.r > min(m.in_features, m.out_features)]
+    if too_small:
+        name, layer = too_small[0]
+        raise ValueError(
+            f"{setting}: LoRA rank r={config.r} exceeds the smaller dimension of {name} ({layer.in_features} x "
+            f"{layer.out_features}). HINT: r <= {min(layer.in_features, layer.out_features)}."
+        )
+    wrapped: nn.Module = get_peft_model(model, config)  # type: ignore[arg-type]
+    rename_source(model, wrapped, base_name, lambda name, p: fresh_lora_value(name, p) if LORA_MARK in name else None)
+    if not any(p.is_meta for p in wrapped.parameters()):  # loaded whole: the same start on every rank
+        with torch.no_grad():
+            for name, param in wrapped.named_parameters():
+                if LORA_MARK in name:
+                    param.copy_(fresh_lora_value(name, param))
+    return wrapped
+
+
+def base_name(name: str) -> str:
+    """The base model's name of a wrapped model's parameter: ``base_model.model.x.q_proj.base_layer.weight`` ->
+    ``x.q_proj.weight`` (a ``modules_to_save`` copy maps to its original); adapters keep their own names."""
+    name = name.removeprefix(_PREFIX)
+    name = name.replace(".base_layer.", ".").replace(".original_module.", ".")
+    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+
+
+def fresh_lora_value(name: str, param: Tensor) -> Tensor:
+    """The initial value of adapter parameter ``name`` as peft draws it (``lora_B``: zeros; ``lora_A``: Kaiming
+    uniform with ``a = sqrt(5)``, that is uniform in ``+-1/sqrt(fan_in)``), seeded by the name: the same on every
+    rank. Runs on: every process."""
+    if ".lora_B." in name or ".lora_embedding_B" in name:
+        return torch.zeros(param.shape, dtype=param.dtype)
+    fan_in = param.shape[1] if param.dim() > 1 else param.shape[0]
+    bound = 1.0 / math.sqrt(max(1, fan_in))
+    gen = torch.Generator().manual_seed(_SEED ^ zlib.crc32(name.encode()))
+    return torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen).to(param.dtype)
+
+
+def has_lora(model: nn.Module | None) -> bool:
+    """Whether ``model`` is a ``peft`` model with adapters. Runs on: any process."""
+    return model is not None and any(LORA_MARK in name for name, _ in model.named_parameters())
+
+
+def _scales(model: nn.Module) -> dict[str, float]:
+    """Each adapted layer's ``scale`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA), by the layer's wrapped
+    name (``base_model.model.x.q_proj``)."""
+    from peft.tuners.lora import LoraLayer
+
+    scales: dict[str, float] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            scales[name] = float(next(iter(module.scaling.values())))
+    return scales
+
+
+def merged_weights(
+    model: nn.Module, stream: Iterator[tuple[str, Tensor]], dtype: torch.dtype | None
+) -> Iterator[tuple[str, Tensor]]:
+    """The base model's weights, by the base model's names, from ``stream`` (the wrapped model's full tensors in
+    ``named_parameters`` order, in its own dtype): each adapted weight merged as ``W + scale * B @ A`` in float32,
+    then cast to ``dtype``; adapters themselves are not yielded. Runs on: every worker rank (the hand-off)."""
+    return merge_stream(stream, _scales(model), dtype)
+
+
+def merge_stream(
+    stream: Iterator[tuple[str, Tensor]], scales: Mapping[str, float], dtype: torch.dtype | None
+) -> Iterator[tuple[str, Tensor]]:
+    """:func:`merged_weights` given each adapted layer's scale by its wrapped name (``base_model.model.x.q_proj``):
+    a layer's weight is held until its two adapters have passed. Runs on: any process."""
+    held: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in stream:
+        layer = next((lay for lay in (name.rsplit(".", 3)[0], name.rsplit(".", 2)[0]) if lay in scales), None)
+        if layer is None:
+            yield base_name(name), tensor if dtype is None else tensor.to(dtype)
+            continue
+        parts = held.setdefault(layer, {})
+        if ".lora_A." in name:
+            parts["A"] = tensor
+        elif ".lora_B." in name:
+            parts["B"] = tensor
+        elif name.endswith(".base_layer.weight"):
+            parts["W"] = tensor
+        else:  # the base layer's bias: unchanged
+            yield base_name(name), tensor if dtype is None else tensor.to(dtype)
+            continue
+        if len(parts) == 3:
+            w, a, b = parts["W"].float(), parts["A"].float(), parts["B"].float()
+            merged = torch.addmm(w, b, a, alpha=scales[layer])
+            del held[layer]
+            yield base_name(f"{layer}.base_layer.weight"), merged if dtype is None else merged.to(dtype)
+    if held:
+        raise RuntimeError(f"merge: adapted layers with missing parts: {sorted(held)[:4]}")
+
+
+def config_scale(adapter_config: Mapping[str, Any]) -> float:
+    """The ``scale`` of ``W + scale * B @ A`` from a saved ``adapter_config.json``: ``lora_alpha / r``, or
+    ``lora_alpha / sqrt(r)`` with rsLoRA. Runs on: any process."""
+    r, alpha = int(adapter_config["r"]), float(adapter_config["lora_alpha"])
+    return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
+
+
+def adapter_layers(names: Iterator[str] | list[str]) -> list[str]:
+    """The adapted layers' wrapped names among parameter ``names`` (those with a ``lora_A``). Runs on: any."""
+    return sorted({name.split(".lora_A.")[0] for name in names if ".lora_A." in name})
+
+
+def peft_adapter_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The adapters of a wrapped model's state under the keys ``peft`` saves them with (the adapter's name dropped:
+    ``...q_proj.lora_A.weight``), for ``adapter_model.safetensors``. Runs on: any process."""
+    return {re.sub(r"\.lora_([AB])\.[^.]+\.", r".lora_\1.", k): v for k, v in state.items() if LORA_MARK in k}
+
+
+def unadapted_copy(model: nn.Module) -> nn.Module:
+    """A copy of a wrapped model's base transformers model without its adapters (the base's parameter names, the
+    base weights as the wrapper holds them; on the meta device before loading, with the checkpoint plan). What a
+    rollout engine is built from: it takes merged weights by those names. Runs on: every worker rank, at set-up."""
+    import copy
+
+    unloaded: nn.Module = copy.deepcopy(model).unload()  # type: ignore[operator]
+    return unloaded
+
+
+def lora_state(model: nn.Module) -> dict[str, Tensor]:
+    """The trainable tensors of a wrapped model (adapters, and ``modules_to_save`` copies) by name, as a checkpoint
+    or an adapter export keeps them. Runs on: any process holding the model (full tensors where unsharded)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
