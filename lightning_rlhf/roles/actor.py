@@ -20,6 +20,7 @@ from lightning_rlhf.engines.rollout.base import KV_CACHE, WEIGHTS, generation_eo
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
 from lightning_rlhf.engines.rollout.reshard import weights_for
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, MetricAccumulator, forward_response, full_tensors, world
+from lightning_rlhf.engines.train.lora import has_lora, merged_specs, merged_weights
 from lightning_rlhf.roles.base import EpisodesMixin, Role, RolloutEngineRequest, load_model
 
 __all__ = ["ActorRole", "rollout_is_weights", "sample_rollout"]
@@ -262,9 +263,16 @@ class ActorRole(EpisodesMixin, Role):
         t0 = time.perf_counter()
         received = [0]
         dtype = self.train_engine.param_dtype or torch.float32
-        tensors = full_tensors(self.model, received, dtype=dtype) if send else iter(())
+        lora = has_lora(self.model)  # LoRA: the pool's engine takes the merged weights, by the base's names
+        if lora:
+            tensors = merged_weights(self.model, full_tensors(self.model, received), dtype) if send else iter(())
+        else:
+            tensors = full_tensors(self.model, received, dtype=dtype) if send else iter(())
         if dist.get_rank() == bridge.src:
-            specs = tuple((name, tuple(p.shape)) for name, p in self.model.named_parameters()) if send else ()
+            named = (
+                merged_specs(self.model) if lora else [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
+            )
+            specs = tuple(named) if send else ()
             header = WeightHeader(send=send, version=version, specs=specs, dtype=str(dtype).removeprefix("torch."))
             sent = send_weights(bridge, header, tensors)
         else:

@@ -127,3 +127,12 @@ def test_targets_that_match_nothing_or_a_rank_too_large_fail_before_training(tin
         apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(target_modules=["qkv"]), setting=SETTING)
     with pytest.raises(ValueError, match=r"rank r=4096 exceeds the smaller dimension of .* HINT: r <= "):
         apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(r=4096), setting=SETTING)
+
+
+def test_the_pool_hand_off_announces_the_merged_stream_in_its_order(tiny_model: str) -> None:
+    """A rollout pool's header lists ``(name, shape)`` before the tensors come: exactly what the merge yields."""
+    from lightning_rlhf.engines.train.lora import merged_specs
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(), setting=SETTING)
+    streamed = [(n, tuple(t.shape)) for n, t in merged_weights(model, iter(model.named_parameters()), None)]
+    assert merged_specs(model) == streamed

@@ -37,6 +37,7 @@ __all__ = [
     "has_lora",
     "lora_state",
     "merge_stream",
+    "merged_specs",
     "merged_weights",
     "peft_adapter_state",
     "resolve_lora",
@@ -208,6 +209,13 @@ def merged_weights(
     ``named_parameters`` order, in its own dtype): each adapted weight merged as ``W + scale * B @ A`` in float32,
     then cast to ``dtype``; adapters themselves are not yielded. Runs on: every worker rank (the hand-off)."""
     return merge_stream(stream, _scales(model), dtype)
+
+
+def merged_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of each tensor :func:`merged_weights` yields for ``model``, in its order (a layer's bias
+    comes before its merged weight). Runs on: any process (no data: meta tensors)."""
+    meta = ((name, torch.empty(p.shape, device="meta")) for name, p in model.named_parameters())
+    return [(name, tuple(t.shape)) for name, t in merged_weights(model, meta, None)]
 
 
 def merge_stream(
