@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU checks, in one call of a lent GPU machine (about 8 minutes; the machine has torch, Lightning and
+# The GPU checks, in one call of a lent GPU machine (about 9 minutes; the machine has torch, Lightning and
 # transformers but no datasets or TRL, and no network). Here, first: `make gpu-wheels` (fills .whl/, ignored by
 # git); then run this script there from the repository root with `.whl` carried. What it does:
 #   1. installs the carried wheels (datasets, TRL 1.16 and their missing dependencies) into /tmp/site;
@@ -7,7 +7,9 @@
 #   3. PPO on the demo model with the third step profiled (profile_rank0.txt: ops by host, then by GPU time);
 #   4. episodes of the tool task (issue 33): 4 GRPO steps, transformers engine on the GPU, bf16;
 #   5. bench.py --accelerator gpu: ours (one process, transformers rollouts) against TRL on the small model
-#      (bf16, fp32) and the 100M model (bf16).
+#      (bf16, fp32) and the 100M model (bf16);
+#   6. LoRA (issue 34) against full fine-tuning on the 100M model, bf16, a KL term (the reference: its own copy, or
+#      the base with adapters off): peak GPU memory and step time of each.
 # Every part has its own time limit; logs and tables go to $OUT (the device tool's folder), or ./gpu_out.
 set -u
 OUT=${OUT:-gpu_out}
@@ -39,3 +41,9 @@ BENCH=(python3 benchmarks/vs_trl/bench.py --accelerator gpu --trl-python "$(comm
 step bench_small 200 "${BENCH[@]}" --models small --precisions bf16,fp32 --out-dir /tmp/b1
 step bench_m100 130 "${BENCH[@]}" --models m100 --precisions bf16 --out-dir /tmp/b2
 tail -c 1500 "$OUT/bench_small.txt"; tail -c 800 "$OUT/bench_m100.txt"
+for run in full lora; do
+  extra=(); [ "$run" = lora ] && extra=(--lora-rank 16)
+  step "lora_$run" 60 python3 tests/scripts/train.py --model .bench_cache/m100 --out "/tmp/lora_$run" --accelerator gpu \
+    --devices 1 --bf16 --kl-coef 0.05 --steps 6 --prompts 16 --n 4 --micro-batch-size 16 "${extra[@]}"
+  python3 -c "import csv; r=list(csv.DictReader(open('/tmp/lora_$run/metrics.csv'))); print('$run', max(float(x['perf/max_memory_allocated_gb']) for x in r if x.get('perf/max_memory_allocated_gb')), r[-1].get('timing_s/step'), r[-1].get('timing_s/update_actor'), r[-1].get('timing_s/update_weights'))" 2>/dev/null
+done
