@@ -43,7 +43,7 @@ step bench_m100 130 "${BENCH[@]}" --models m100 --precisions bf16 --out-dir /tmp
 tail -c 1500 "$OUT/bench_small.txt"; tail -c 800 "$OUT/bench_m100.txt"
 for run in full lora; do
   extra=(); [ "$run" = lora ] && extra=(--lora-rank 16)
-  step "lora_$run" 60 python3 tests/scripts/train.py --model .bench_cache/m100 --out "/tmp/lora_$run" --accelerator gpu \
+  step "lora_$run" 60 python3 tests/scripts/train.py --model "$HOME/.cache/lightning_rlhf/vs_trl/m100" --out "/tmp/lora_$run" --accelerator gpu \
     --devices 1 --bf16 --kl-coef 0.05 --steps 6 --prompts 16 --n 4 --micro-batch-size 16 "${extra[@]}"
   python3 -c "import csv; r=list(csv.DictReader(open('/tmp/lora_$run/metrics.csv'))); print('$run', max(float(x['perf/max_memory_allocated_gb']) for x in r if x.get('perf/max_memory_allocated_gb')), r[-1].get('timing_s/step'), r[-1].get('timing_s/update_actor'), r[-1].get('timing_s/update_weights'))" 2>/dev/null
 done
