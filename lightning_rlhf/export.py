@@ -36,7 +36,7 @@ from lightning_rlhf.engines.train.lora import (
     has_lora,
     merge_stream,
     merged_weights,
-    peft_adapter_state,
+    write_adapter,
 )
 
 if TYPE_CHECKING:
@@ -381,14 +381,9 @@ def _save_adapter(
 ) -> str:
     """Write a LoRA run's adapters as ``peft`` saves them (``adapter_config.json``, ``adapter_model.safetensors``),
     with the run's tokenizer files. Runs on: one process."""
-    from safetensors.torch import save_file
-
-    os.makedirs(out, exist_ok=True)
     if base is not None:
         adapter["base_model_name_or_path"] = base
-    Path(out, ADAPTER_CONFIG).write_text(json.dumps(adapter, indent=2, default=sorted))
-    tensors = {k: v.contiguous() for k, v in peft_adapter_state(state).items()}
-    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_adapter(out, adapter, state)
     for name, data in files.items():
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             Path(out, name).write_bytes(data)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -20,7 +24,14 @@ from lightning_rlhf.engines.rollout.base import KV_CACHE, WEIGHTS, generation_eo
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
 from lightning_rlhf.engines.rollout.reshard import weights_for
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, MetricAccumulator, forward_response, full_tensors, world
-from lightning_rlhf.engines.train.lora import has_lora, merged_specs, merged_weights
+from lightning_rlhf.engines.train.lora import (
+    adapter_tensors,
+    base_weights,
+    has_lora,
+    merged_specs,
+    merged_weights,
+    write_adapter,
+)
 from lightning_rlhf.roles.base import EpisodesMixin, Role, RolloutEngineRequest, load_model
 
 __all__ = ["ActorRole", "rollout_is_weights", "sample_rollout"]
@@ -68,6 +79,7 @@ class ActorRole(EpisodesMixin, Role):
         self._sent_version: int | None = None  # the version the generation-only pool holds (None: nothing valid)
         self.handoff_wait_s = 0.0
         """Seconds the last hand-off waited for the other ranks to arrive (the shared store's entry barrier)."""
+        self._adapter_root: str | None = None  # where the adapter hand-off writes its folders (lora_handoff)
         self._shared: tuple[Any, Any, cpu.WeightStore | None] | None = None
         """``(engine, model, store)`` once decided for this engine and model (store None: the hand-off streams)."""
 
@@ -222,12 +234,34 @@ class ActorRole(EpisodesMixin, Role):
             store = None if self.lora is not None else cpu.weight_store(engine, self.model)
             self._shared = (engine, self.model, store)
         store = self._shared[2]
-        if store is not None:
+        if self.lora is not None and getattr(engine, "takes_adapters", False):
+            self._hand_off_adapters(engine, received)
+        elif store is not None:
             self.handoff_wait_s = store.hand_off(received)
         else:
             engine.load_weights(weights_for(engine, self.model, received, into_engine=True))
         self._engine_version = self._weights_version
         return time.perf_counter() - t0 - self.handoff_wait_s, received[0]
+
+    def _hand_off_adapters(self, engine: RolloutEngine, received: list[int]) -> None:
+        """``VLLMConfig.lora_handoff="adapter"``: the base weights once (while the engine holds none), then the
+        adapters only, written as a peft folder that the engine loads (vLLM's LoRA support). Runs on: every worker
+        rank (the gathers are collectives over the actor's ranks)."""
+        assert self.model is not None
+        if engine.weights_discarded:
+            engine.load_weights(base_weights(full_tensors(self.model, received), engine.dtype))
+        state = adapter_tensors(self.model, received)
+        if self._adapter_root is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._adapter_root = tempfile.mkdtemp(prefix="lightning_rlhf-adapter-", dir=shm)
+            atexit.register(shutil.rmtree, self._adapter_root, True)
+        folder = os.path.join(self._adapter_root, f"v{self._weights_version}")
+        config = self.lora.to_dict() | {"base_model_name_or_path": self.path}
+        write_adapter(folder, config, state)
+        engine.load_adapter(folder, self._weights_version)  # type: ignore[attr-defined]
+        for old in os.listdir(self._adapter_root):  # vLLM has read it: the older versions go
+            if old != f"v{self._weights_version}":
+                shutil.rmtree(os.path.join(self._adapter_root, old), ignore_errors=True)
 
     @property
     def policy_version(self) -> int:

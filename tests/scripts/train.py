@@ -183,6 +183,7 @@ def main() -> None:
     p.add_argument("--no-preemption-checkpoint", action="store_true", help="RLHFStrategy(preemption_checkpoint=False)")
     p.add_argument("--placement", default=None, help="RLHFStrategy(placement=...): JSON role -> ranks, or 'auto'")
     p.add_argument("--lora-rank", type=int, default=None, help="RLHFModule(lora={'r': R, 'lora_alpha': 2R})")
+    p.add_argument("--lora-handoff", default="adapter", choices=["merged", "adapter"], help="VLLMConfig.lora_handoff")
     args = p.parse_args()
     if args.signal_at or args.kill_during_save is not None:
         print(f"[train.py] rank {os.environ.get('LOCAL_RANK', '0')} pid {os.getpid()}", flush=True)
@@ -288,7 +289,11 @@ def main() -> None:
         devices=args.devices,
         strategy=RLHFStrategy(
             args.rollout,
-            vllm={"tensor_parallel_size": args.tp, "weight_bucket_mb": args.bucket_mb},
+            vllm={
+                "tensor_parallel_size": args.tp,
+                "weight_bucket_mb": args.bucket_mb,
+                "lora_handoff": args.lora_handoff,
+            },
             worker_error_timeout_s=args.error_timeout,
             param_dtype=torch.bfloat16 if args.bf16 else None,
             preemption_checkpoint=not args.no_preemption_checkpoint,

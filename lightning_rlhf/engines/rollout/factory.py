@@ -81,7 +81,11 @@ def make_rollout_engine(
                 f"make_rollout_engine: the tokenizer of {path!r} has {attr}=None, which the {kind} engine needs. "
                 "HINT: set it on the tokenizer (e.g. `tokenizer.pad_token = tokenizer.eos_token`) before set-up."
             )
+    lora_rank: int | None = None  # a colocated vLLM engine that takes the adapters themselves (lora_handoff)
     if has_lora(model):  # the engine serves the base model; the hand-off merges the adapters into its weights
+        served = pool is not None and len(pool) < world_size
+        if kind == "vllm" and vllm.lora_handoff == "adapter" and not served and vllm.tensor_parallel_size == 1:
+            lora_rank = int(model.peft_config["default"].r)  # type: ignore[index, union-attr]
         model = unadapted_copy(model)
     config: Any = getattr(model, "config", None)
     if kind == "vllm":
@@ -112,7 +116,7 @@ def make_rollout_engine(
             )
         from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(path, **engine_kwargs)
+        return VLLMRolloutEngine(path, **engine_kwargs, lora_rank=lora_rank)
     return HFRolloutEngine(
         model,
         pad_token_id=tokenizer.pad_token_id,

@@ -338,6 +338,8 @@ class VLLMRolloutEngine:
         eos_token_id: the tokenizer's EOS, which always ends a response (vLLM runs without the tokenizer).
         tied_names: tied aliases of the actor (``tied_aliases(model)``, e.g. ``{"lm_head.weight":
             "model.embed_tokens.weight"}``): a hand-off may name either, vLLM receives the parameter once.
+        lora_rank: the LoRA actor's rank where the engine takes its adapters (``VLLMConfig.lora_handoff="adapter"``:
+            vLLM's LoRA support, :meth:`load_adapter`); None: plain weights only.
     """
 
     def __init__(
@@ -354,6 +356,7 @@ class VLLMRolloutEngine:
         hf_config: Any = None,
         eos_token_id: int | None = None,
         tied_names: dict[str, str] | None = None,
+        lora_rank: int | None = None,
     ) -> None:
         _check_version()
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
@@ -418,6 +421,11 @@ class VLLMRolloutEngine:
             # engine's; the trainer scores at the same temperature, without top-k/top-p (see docs/hybrid-engine.md)
             "logprobs_mode": "processed_logprobs",
         }
+        self.takes_adapters = lora_rank is not None
+        """Whether the actor hands over its LoRA adapters (:meth:`load_adapter`) rather than merged weights."""
+        self._lora: Any = None  # the LoRARequest of the adapters the next requests use
+        if lora_rank is not None:
+            kwargs |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": _vllm_lora_rank(lora_rank)}
         if dist.is_available() and dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
             # vLLM joins the running process group through torchrun's variables; Lightning's own launcher
@@ -503,7 +511,7 @@ class VLLMRolloutEngine:
             for i, p in enumerate(group_prompts):
                 requests.append(TokensPrompt(prompt_token_ids=p))
                 sampling.append(self._vllm_params(params, (seed * 1_000_003 + i * params.n) % (1 << 62)))
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora) if requests else []
         start = sum(len(p) for _, p in parts[: self._tp_rank])
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -577,7 +585,8 @@ class VLLMRolloutEngine:
             seed = (params.seed * 1_000_003 + key) % (1 << 62)
             sampling = self._vllm_params(dataclasses.replace(params, n=1), seed, final_only=True)
             name = f"lrlhf-{key}-{next(self._request_counter)}"
-            internal = str(self.llm.llm_engine.add_request(name, TokensPrompt(prompt_token_ids=ids), sampling))
+            prompt = TokensPrompt(prompt_token_ids=ids)
+            internal = str(self.llm.llm_engine.add_request(name, prompt, sampling, lora_request=self._lora))
             self._requests[name] = (key, internal)
             self._requests[internal] = (key, name)
 
@@ -633,6 +642,16 @@ class VLLMRolloutEngine:
         return handed
 
     # -------------------------------------------------------------------------------- memory phases
+    def load_adapter(self, folder: str, version: int) -> None:
+        """Serve the LoRA adapters saved in ``folder`` (peft's format) from the next request on, as adapter id
+        ``version + 1``; the previous adapters are dropped. Runs on: worker (the actor's hand-off)."""
+        from vllm.lora.request import LoRARequest
+
+        old = self._lora
+        self._lora = LoRARequest(f"actor-{version}", version + 1, folder)
+        if old is not None and old.lora_int_id != version + 1:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+
     def sleep(self) -> None:
         """GPU: free the KV cache (level 1: the weights go to host memory) or the KV cache and the weights (level 2:
         they come back with the next hand-off) while training runs; CPU, or ``sleep_level=0``: nothing.
@@ -661,6 +680,11 @@ class VLLMRolloutEngine:
         if asleep:
             self.llm.wake_up(tags=asleep)
             self._asleep.difference_update(asleep)
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
+    return next((r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
 
 
 def _ids_and_logprobs(sample: Any) -> tuple[list[int], list[float]]:

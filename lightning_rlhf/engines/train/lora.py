@@ -30,8 +30,10 @@ from torch import Tensor, nn
 __all__ = [
     "LORA_MARK",
     "adapter_layers",
+    "adapter_tensors",
     "apply_lora",
     "base_name",
+    "base_weights",
     "config_scale",
     "fresh_lora_value",
     "has_lora",
@@ -42,6 +44,7 @@ __all__ = [
     "peft_adapter_state",
     "resolve_lora",
     "unadapted_copy",
+    "write_adapter",
 ]
 
 LORA_MARK = ".lora_"
@@ -264,6 +267,50 @@ def peft_adapter_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The adapters of a wrapped model's state under the keys ``peft`` saves them with (the adapter's name dropped:
     ``...q_proj.lora_A.weight``), for ``adapter_model.safetensors``. Runs on: any process."""
     return {re.sub(r"\.lora_([AB])\.[^.]+\.", r".lora_\1.", k): v for k, v in state.items() if LORA_MARK in k}
+
+
+def base_weights(stream: Iterator[tuple[str, Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+    """The base model's own weights (adapters left out, not merged) by the base's names, from a wrapped model's
+    full tensors: what an engine that takes the adapters separately loads once. Runs on: every worker rank."""
+    for name, tensor in stream:
+        if LORA_MARK not in name:
+            yield base_name(name), tensor if dtype is None else tensor.to(dtype)
+
+
+def adapter_tensors(model: nn.Module, received: list[int] | None = None) -> dict[str, Tensor]:
+    """The adapters' full tensors by the wrapped model's names (an all-gather per sharded adapter, in the same
+    order on every rank of the role). Runs on: every worker rank of the role."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if LORA_MARK not in name:
+                continue
+            data = param.data
+            if isinstance(data, DTensor):
+                local = data.to_local()
+                data = data.full_tensor()
+                if received is not None:
+                    received[0] += (data.numel() - local.numel()) * data.element_size()
+            out[name] = data.detach().cpu()
+    return out
+
+
+def write_adapter(folder: str, adapter_config: Mapping[str, Any], state: Mapping[str, Tensor]) -> None:
+    """Write ``state``'s adapters as peft saves them into ``folder``: ``adapter_config.json`` and
+    ``adapter_model.safetensors`` (what ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load). Runs on:
+    any process."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(dict(adapter_config), f, indent=2, default=sorted)
+    tensors = {k: v.contiguous() for k, v in peft_adapter_state(state).items()}
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def unadapted_copy(model: nn.Module) -> nn.Module:
