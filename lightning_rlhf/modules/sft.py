@@ -19,6 +19,7 @@ import torch
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, ValidationConfig
+from lightning_rlhf.engines.train.lora import resolve_lora
 from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.roles import ActorRole
@@ -43,6 +44,7 @@ class SFTModule(RLHFModule):
         optim: optimizer and schedule (AdamW; ``lr`` 1e-5 by default, a usual SFT rate for 0.5B-7B models).
         micro_batch_size: examples per forward/backward pass on each rank (gradients accumulate over them).
         validate_before_train: compute ``val/loss`` once before the first step (the starting point).
+        lora: train LoRA adapters instead of every weight, as ``RLHFModule(lora=...)`` (docs/lora.md).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class SFTModule(RLHFModule):
         optim: OptimConfig | None = None,
         micro_batch_size: int = 8,
         validate_before_train: bool = False,
+        lora: Any = None,
     ) -> None:
         # Not RLHFModule.__init__: it builds the reward and the other RL roles. What the strategy and the
         # callbacks read from an RLHFModule is set here.
@@ -76,6 +79,7 @@ class SFTModule(RLHFModule):
             rollout=self.rollout_config,
             algorithm=self.algorithm,
             optim=optim or OptimConfig(lr=1e-5),
+            lora=resolve_lora(lora, setting="SFTModule(lora=...)", task_type="CAUSAL_LM"),
         )
         self.actor.needs_rollout_engine = False  # supervised steps only: no generation
         self._step_logs: list[tuple[str, float, dict[str, Any]]] | None = None

@@ -136,3 +136,12 @@ def test_the_pool_hand_off_announces_the_merged_stream_in_its_order(tiny_model: 
     model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(), setting=SETTING)
     streamed = [(n, tuple(t.shape)) for n, t in merged_weights(model, iter(model.named_parameters()), None)]
     assert merged_specs(model) == streamed
+
+
+def test_supervised_fine_tuning_takes_lora_too(tiny_model: str) -> None:
+    from lightning_rlhf import SFTModule
+
+    module = SFTModule(tiny_model, lora={"r": 4})
+    assert module.actor.lora is not None and module.actor.lora.r == 4
+    with pytest.raises(ValueError, match=r"SFTModule\(lora=...\): LoRA rank r=0"):
+        SFTModule(tiny_model, lora={"r": 0})
