@@ -20,31 +20,11 @@ pytestmark = [
 
 @pytest.mark.parametrize("handoff", ["adapter", "merged"])
 def test_lora_hand_offs_keep_the_engine_equal_to_the_trainer(demo_model: str, tmp_path: Path, handoff: str) -> None:
-    check_ok(
-        run_script(
-            "train.py",
-            "--model",
-            demo_model,
-            "--out",
-            str(tmp_path),
-            "--devices",
-            "2",
-            "--prompts",
-            "8",
-            "--n",
-            "4",
-            "--steps",
-            "3",
-            "--rollout",
-            "vllm",
-            "--lora-rank",
-            "8",
-            "--kl-coef",
-            "0.05",
-            "--lora-handoff",
-            handoff,
-        )
-    )
+    proc = run_script(
+        "train.py", "--model", demo_model, "--out", str(tmp_path), "--devices", "2", "--prompts", "8", "--n", "4",
+        "--steps", "3", "--rollout", "vllm", "--lora-rank", "8", "--kl-coef", "0.05", "--lora-handoff", handoff,
+    )  # fmt: skip
+    check_ok(proc)
     rows = [r for r in read_metrics(tmp_path) if r.get("timing_s/step")]
     assert len(rows) == 3
     for row in rows:  # sampled tokens' probabilities, engine against trainer, every step (adapters trained)
