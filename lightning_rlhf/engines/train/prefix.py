@@ -5,7 +5,8 @@ them runs the prompt ``n`` times. Here the rows of a micro-batch are packed into
 once, then every response's real tokens, without their padding (responses of one batch differ in length: a tool
 episode's mean is about 60% of the longest, so the padded layout ran the layers on 40% padding); a custom attention
 lets each prompt attend causally within itself, and each response attend to its group's prompt and causally to itself
-(inside the attention only, the responses are laid out padded again, one row each). The model is called once
+(inside the attention only, the responses are laid out padded again, one row each, in chunks of rows of similar
+lengths, each padded to its own longest: the tool task's update 0.474 -> 0.426 s in isolation). The model is called once
 (FSDP's hooks see one forward), the prompt's activations are shared by its ``n`` responses, and autograd sums their
 gradients. Log-probs equal the per-row forward's up to float rounding (``tests/unit/test_shared_prefix.py``); the
 vs-TRL workload's update, whose 11 prompt tokens are 15% of its decoder tokens, takes about 8% less time
@@ -50,7 +51,7 @@ def _attention(
     layout = _LAYOUT.value
     if layout is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside a packed forward (packed_response_logits).")
-    groups, n, lp, lr = layout["groups"], layout["n"], layout["lp"], layout["lr"]
+    groups, lp = layout["groups"], layout["lp"]
     heads = query.shape[1]
     # _attend's eager path (below float32) takes as many key/value heads as query heads; SDPA takes them as they are.
     if key.shape[1] != heads and query.dtype != torch.float32:
@@ -58,22 +59,29 @@ def _attention(
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     cut = groups * lp
 
-    def split(t: Tensor) -> tuple[Tensor, Tensor]:  # grouped-query keys/values keep their own head count
-        h, d = t.shape[1], t.shape[-1]
-        padded = t[0, :, cut:].index_select(1, layout["slots"])  # one row per response, padding slots filled
-        return (
-            t[0, :, :cut].reshape(h, groups, lp, d).transpose(0, 1),
-            padded.reshape(h, groups * n, lr, d).transpose(0, 1),
-        )
+    def prompts(t: Tensor) -> Tensor:  # [groups, H(kv), lp, d]; grouped-query keys/values keep their head count
+        return t[0, :, :cut].reshape(t.shape[1], groups, lp, t.shape[-1]).transpose(0, 1)
 
-    (qp, qr), (kp, kr), (vp, vr) = split(query), split(key), split(value)
+    def padded(t: Tensor) -> list[Tensor]:  # per chunk [rows, H(kv), width, d]: one row per response
+        # One gather for all chunks (one gradient buffer in the backward), then a view per chunk.
+        every = t[0, :, cut:].index_select(1, layout["slots"]).split(layout["sizes"], dim=1)
+        return [
+            part.reshape(t.shape[1], len(c["groups"]), -1, t.shape[-1]).transpose(0, 1)
+            for part, c in zip(every, layout["chunks"], strict=True)
+        ]
+
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    out_p = _attend(qp, kp, vp, layout["prompt_attn"], scale)
-    keys = torch.cat([kp.repeat_interleave(n, 0), kr], dim=2)
-    values = torch.cat([vp.repeat_interleave(n, 0), vr], dim=2)
-    out_r = _attend(qr, keys, values, layout["response_attn"], scale)
+    kp, vp = prompts(key), prompts(value)
+    out_p = _attend(prompts(query), kp, vp, layout["prompt_attn"], scale)
     d = out_p.shape[-1]
-    out_r = out_r.transpose(0, 1).reshape(heads, -1, d)[:, layout["real"]]  # back to the real tokens, packed
+    outs = []
+    chunks = zip(layout["chunks"], padded(query), padded(key), padded(value), strict=True)
+    for chunk, q, k, v in chunks:  # rows of similar lengths, each chunk padded to its own longest only
+        keys = torch.cat([kp.index_select(0, chunk["groups"]), k], dim=2)
+        values = torch.cat([vp.index_select(0, chunk["groups"]), v], dim=2)
+        out = _attend(q, keys, values, chunk["attn"], scale)
+        outs.append(out.transpose(0, 1).reshape(heads, -1, d)[:, chunk["real"]])  # its real tokens, packed
+    out_r = torch.cat(outs, dim=1).index_select(1, layout["order"])  # back to the rows' order
     packed = torch.cat([out_p.transpose(0, 1).reshape(heads, cut, d), out_r], 1)
     return packed.transpose(0, 1).unsqueeze(0), None
 
@@ -121,7 +129,8 @@ def shares_prompts(model: nn.Module, batch: Batch, group_size: int) -> bool:
         return False
     prompts = torch.cat([batch["prompts"], batch["prompt_mask"].to(batch["prompts"].dtype)], dim=1)
     grouped = prompts.view(rows // group_size, group_size, -1)
-    return bool((grouped == grouped[:, :1]).all()) and _right_padded(batch["response_mask"].bool())
+    responses = batch["response_mask"].bool()
+    return bool((grouped == grouped[:, :1]).all()) and bool(responses.any()) and _right_padded(responses)
 
 
 def _right_padded(mask: Tensor) -> bool:
@@ -144,6 +153,40 @@ def _packed(model: nn.Module, layout: dict[str, Any]) -> Iterator[None]:
         _LAYOUT.value = None
 
 
+CHUNK_ROWS = 16
+"""Responses per attention call of the packed forward: the rows sorted by length, each chunk padded to its own
+longest (a tool episode batch's lengths spread from about 60 to 203 tokens)."""
+
+
+def _response_chunks(lengths: Tensor, pmask: Tensor, n: int, device: torch.device) -> dict[str, Any]:
+    """The responses' attention in chunks of rows of similar lengths: per chunk its rows' groups (whose prompt they
+    attend to), where each padded slot reads its token in the packed responses (a padding slot reads token 0: it
+    attends to itself only, and its output is dropped), which slots are real, and the mask (the group's prompt, then
+    causal over the row itself); ``order`` puts the chunks' real tokens back in the rows' order."""
+    lp = pmask.shape[1]
+    starts = torch.cumsum(lengths, 0) - lengths  # each response's first packed position
+    by_length = torch.argsort(lengths, descending=True, stable=True)
+    chunks, placed = [], []
+    for first in range(0, len(lengths), CHUNK_ROWS):
+        rows = by_length[first : first + CHUNK_ROWS]
+        width = max(1, int(lengths[rows].max()))
+        cols = torch.arange(width, device=device)
+        real = cols[None] < lengths[rows][:, None]  # [rows, width]
+        slots = torch.where(real, starts[rows][:, None] + cols[None], 0)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
+        own = (causal & real[:, None, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None, None]
+        group = torch.div(rows, n, rounding_mode="floor")
+        shared = pmask.index_select(0, group)[:, None, None, :].expand(-1, 1, width, lp)
+        chunks.append({"groups": group, "slots": slots.reshape(-1), "real": real.reshape(-1)})
+        chunks[-1]["attn"] = torch.cat([shared, own], dim=-1)
+        placed.append(slots[real])
+    where = torch.cat(placed)  # the packed position of each chunk output, in chunk order
+    order = torch.empty_like(where)
+    order[where] = torch.arange(len(where), device=device)
+    slots = torch.cat([c["slots"] for c in chunks])
+    return {"chunks": chunks, "order": order, "slots": slots, "sizes": [len(c["slots"]) for c in chunks]}
+
+
 def packed_response_logits(
     model: nn.Module, batch: Batch, group_size: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
@@ -160,28 +203,15 @@ def packed_response_logits(
     lr = responses.shape[1]
     cut = groups * lp
     lengths = rmask.sum(dim=1)
-    real = rmask.reshape(-1)
-    # Where each padded response slot reads its query/key/value in the packed tokens (a padding slot reads token 0:
-    # it attends to itself only, and its output is dropped).
-    slots = torch.zeros(groups * n * lr, dtype=torch.long, device=device)
-    slots[real] = torch.arange(int(lengths.sum()), device=device)
     eye_p = torch.eye(lp, dtype=torch.bool, device=device)[None, None]
-    eye_r = torch.eye(lr, dtype=torch.bool, device=device)[None, None]
     causal_p = torch.ones(lp, lp, dtype=torch.bool, device=device).tril()[None, None]
-    causal_r = torch.ones(lr, lr, dtype=torch.bool, device=device).tril()[None, None]
     # A padding position attends to itself only (no row of the mask is empty); real positions never see padding.
     prompt_attn = (causal_p & pmask[:, None, None, :]) | eye_p
-    own = (causal_r & rmask[:, None, None, :]) | eye_r
-    shared = pmask.repeat_interleave(n, 0)[:, None, None, :].expand(-1, 1, lr, lp)
     layout = {
         "groups": groups,
-        "n": n,
         "lp": lp,
-        "lr": lr,
         "prompt_attn": prompt_attn,
-        "response_attn": torch.cat([shared, own], dim=-1),
-        "slots": slots,
-        "real": real,
+        **_response_chunks(lengths, pmask, n, device),
     }
     input_ids = torch.cat([prompts.reshape(-1), responses[rmask]])[None]
     first_prompt_len = pmask.long().sum(-1)
