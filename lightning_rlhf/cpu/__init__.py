@@ -227,23 +227,21 @@ def decode_attention(
     )
 
 
-def norm(module: nn.Module, x: Tensor, *, switch_on: bool = False) -> Tensor | None:
+def norm(module: nn.Module, x: Tensor) -> Tensor | None:
     """``module(x)`` through the compiled RMS norm where ``module`` is one of transformers' Llama-family norms
-    (the same formula), else None. ``switch_on``: the caller asked :func:`enabled` ``("native")`` for this sampling
-    call already (the loop calls this several times a token). Runs on: worker (the decoding loop)."""
+    (the same formula), else None. Runs on: worker (the decoding loop)."""
     from lightning_rlhf.cpu.kernels import RMS_NORM_CLASSES
 
-    if not (switch_on or enabled("native")) or type(module).__name__ not in RMS_NORM_CLASSES:
+    if not enabled("native") or type(module).__name__ not in RMS_NORM_CLASSES:
         return None
     weight: Any = module.weight
     eps: Any = module.variance_epsilon
     return native.rms_norm(x, weight, float(eps))
 
 
-def silu_mul(gate_up: Tensor, *, switch_on: bool = False) -> Tensor | None:
-    """``silu(gate) * up`` of ``gate_up``'s two halves through the compiled kernel, or None (``switch_on``: as
-    :func:`norm`'s). Runs on: worker."""
-    if not (switch_on or enabled("native")):
+def silu_mul(gate_up: Tensor) -> Tensor | None:
+    """``silu(gate) * up`` of ``gate_up``'s two halves through the compiled kernel, or None. Runs on: worker."""
+    if not enabled("native"):
         return None
     return native.silu_mul(gate_up)
 

@@ -112,8 +112,6 @@ class _Cache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.bias = torch.full((prompts * n, 1, 1, new_tokens), -math.inf, dtype=torch.float32, device=device)
-        self.native = torch.device(device).type == "cpu" and cpu.enabled("native")
-        """Whether the compiled kernels run (:func:`_native_kernels`), asked once per sampling call."""
         self.steps: list[Callable[[Tensor, Tensor, Tensor, int], Tensor] | None] = [None] * len(layers)
         """Per layer, its decoding steps as one compiled call each (rotary embedding, cache writes, attention), where
         the kernels run (:func:`_native_kernels`) and the layer has no per-head query/key norms (Qwen3)."""
@@ -137,15 +135,15 @@ def _written_slots_only(cache: _Cache) -> bool:
 def _native_kernels(cache: _Cache) -> bool:
     """Whether the loop runs its attention step, RMS norms and SiLU-gated products through the compiled kernels
     (the CPU layer's, :mod:`lightning_rlhf.cpu`; each falls back to the eager ops where it cannot run): on CPU, with
-    the layer's piece ``native`` on (asked when the call's cache was made)."""
-    return cache.native
+    the layer's piece ``native`` on."""
+    return cache.keys[0].device.type == "cpu" and cpu.enabled("native")
 
 
 def _norm(module: Any, x: Tensor, native_ok: bool) -> Tensor:
     """``module(x)`` for a decoder's RMS norm, through the compiled kernel where it is one of transformers'
     Llama-family norms (:func:`lightning_rlhf.cpu.norm`: the same formula)."""
     if native_ok:
-        out = cpu.norm(module, x, switch_on=True)
+        out = cpu.norm(module, x)
         if out is not None:
             return out
     return module(x)
@@ -268,7 +266,6 @@ def _forward(
     positions: Tensor,
     step: int | None,
     prompt_bias: Tensor | None = None,
-    rope: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Run ``ids`` through the model; returns the last position's logits ``[rows, vocab]``. ``step`` None: the
     prompt pass (``ids`` ``[prompts, width]``, left-padded, with :func:`_prompt_attention`'s ``prompt_bias``; writes
@@ -280,11 +277,10 @@ def _forward(
     the generated slots written so far (``step + 1``). The eager ops' attention (GPUs, or no kernel) reads only the
     written slots in float32 and on GPUs (the hidden slots would only add exact zeros to the softmax's sums), the
     whole capacity in low precision on CPU: oneDNN copies a batch of bfloat16 matrices that are not contiguous (the
-    written slots of each row's buffer), which costs more than the slots it skips. ``rope``: the rotary embedding's
-    ``cos``/``sin`` at ``positions`` where the caller computed them ahead (:class:`_StepRope`)."""
+    written slots of each row's buffer), which costs more than the slots it skips."""
     body = model.model
     x = body.embed_tokens(ids)
-    cos, sin = rope if rope is not None else body.rotary_emb(x, positions)  # [rows, q, d]
+    cos, sin = body.rotary_emb(x, positions)  # [rows, q, d]
     rotation: tuple[Tensor, Tensor] | None = None  # the eager ops' form, made when a layer needs it
     layers, head = linears
     native_ok = _native_kernels(cache)
@@ -300,32 +296,12 @@ def _forward(
             out = _attention(layer.self_attn, qkv, rotation, i, cache, step, prompt_bias)
         x = x + weights.o(out)
         gate_up = weights.gate_up(_norm(layer.post_attention_layernorm, x, native_ok))
-        gated = cpu.silu_mul(gate_up, switch_on=True) if silu else None
+        gated = cpu.silu_mul(gate_up) if silu else None
         if gated is None:
             gate, up = gate_up.chunk(2, dim=-1)
             gated = layer.mlp.act_fn(gate) * up
         x = x + weights.down(gated)
     return head(_norm(body.norm, x[:, -1], native_ok))
-
-
-class _StepRope:
-    """The rotary embedding's ``cos``/``sin`` of every decoding step, computed in one call before the loop instead of
-    one call a step (the same products, element by element). Only for the static rotary types: a dynamic one
-    (``rope_type`` ``dynamic``, ``longrope``) rescales by the longest position seen so far, which computing ahead
-    would change."""
-
-    def __init__(self, rotary_emb: Any, first: Tensor, steps: int, dtype: torch.dtype) -> None:
-        self.table: tuple[Tensor, Tensor] | None = None
-        if getattr(rotary_emb, "rope_type", "default") == "default" and steps > 0:
-            positions = first + torch.arange(steps, device=first.device)  # [rows, steps]
-            cos, sin = rotary_emb(torch.empty(0, dtype=dtype, device=first.device), positions)
-            self.table = cos.transpose(0, 1).contiguous(), sin.transpose(0, 1).contiguous()  # [steps, rows, d]
-
-    def at(self, step: int) -> tuple[Tensor, Tensor] | None:
-        """``(cos, sin)`` ``[rows, 1, d]`` of decoding step ``step``, or None (the caller computes them)."""
-        if self.table is None:
-            return None
-        return self.table[0][step][:, None], self.table[1][step][:, None]
 
 
 def _rotation(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -521,7 +497,6 @@ def sample_loop(
         logits = logits.repeat_interleave(n, dim=0)
         positions = positions.repeat_interleave(n, dim=0)
     position = positions[:, -1:]
-    rope = _StepRope(model.model.rotary_emb, position + 1, params.max_new_tokens - 1, dtype)
     stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
     done = torch.zeros(rows * n, dtype=torch.bool, device=device)
     tokens: list[Tensor] = []
@@ -538,5 +513,5 @@ def sample_loop(
             break
         cache.bias[..., step] = 0.0
         position = position + 1
-        logits = _forward(model, linears, cache, token[:, None], position, step, rope=rope.at(step))
+        logits = _forward(model, linears, cache, token[:, None], position, step)
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)

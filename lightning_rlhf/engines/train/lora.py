@@ -37,7 +37,6 @@ __all__ = [
     "config_scale",
     "fresh_lora_value",
     "has_lora",
-    "lora_state",
     "merge_stream",
     "merged_specs",
     "merged_weights",
@@ -321,9 +320,3 @@ def unadapted_copy(model: nn.Module) -> nn.Module:
 
     unloaded: nn.Module = copy.deepcopy(model).unload()  # type: ignore[operator]
     return unloaded
-
-
-def lora_state(model: nn.Module) -> dict[str, Tensor]:
-    """The trainable tensors of a wrapped model (adapters, and ``modules_to_save`` copies) by name, as a checkpoint
-    or an adapter export keeps them. Runs on: any process holding the model (full tensors where unsharded)."""
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
