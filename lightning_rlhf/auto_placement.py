@@ -40,10 +40,13 @@ def role_params(role: Role) -> float | None:
 
 def role_state_bytes(role: Role) -> float:
     """Bytes of the role's whole-model state: 16 per parameter for a trainable role (float32 weights, gradients and
-    two Adam moments), the held dtype's size for a frozen one; 0 when the size is unknown. Runs on: any process."""
+    two Adam moments), the held dtype's size for a frozen one or a LoRA role's base, nothing for a reference that is
+    the actor's base; 0 when the size is unknown. Runs on: any process."""
     params = role_params(role)
-    if params is None:
+    if params is None or getattr(role, "base", None) is not None:  # LoRA's reference: the actor's base, adapters off
         return 0.0
+    if getattr(role, "lora", None) is not None:  # a frozen base; the adapters' state is a small share of it
+        return float(torch.finfo(role.dtype).bits // 8) * params
     per = 16.0 if role.trainable else float(torch.finfo(role.dtype).bits // 8)
     return per * params
 

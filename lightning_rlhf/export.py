@@ -260,7 +260,9 @@ def export_checkpoint(
         out: folder to write (created; files in it are replaced).
         dtype: weight dtype of the folder: ``bfloat16``, ``float16`` or ``float32``; None keeps the saved dtype.
         base: folder or hub id of the model the run started from, for the config and tokenizer; needed only when
-            the checkpoint was saved without the ``ExportActor`` callback (which stores them).
+            the checkpoint was saved without the ``ExportActor`` callback (which stores them). A LoRA run's merge
+            reads the base weights from it (default: the model the run started from, which the checkpoint names;
+            a sharded LoRA checkpoint holds only the adapters).
         best: export the best checkpoint by the metric a ``ModelCheckpoint(monitor=...)`` watched, which
             ``checkpoint`` (any checkpoint of the run, e.g. ``last.ckpt``) names (:func:`best_checkpoint`).
         merge: for a LoRA run, write the merged model (``W + scale * B @ A`` per adapted weight: a transformers
@@ -309,8 +311,18 @@ def export_checkpoint(
         adapter = json.loads(files[ADAPTER_CONFIG])
         if not merge:
             return _save_adapter(state, adapter, files, base, out)
+        layers = adapter_layers(list(state))
+        if not any(key.endswith(".base_layer.weight") for key in state):  # a sharded checkpoint holds no base
+            origin = base or adapter.get("base_model_name_or_path")
+            if not origin:
+                raise ValueError(
+                    f"export_checkpoint({checkpoint!r}, merge=True): the checkpoint holds the adapters but not the "
+                    "base model they adapt. HINT: pass base=<the model folder or hub id the run started from> "
+                    "(`--base` on the command line)."
+                )
+            state = _base_weights(origin, set(layers)) | state
         scale = config_scale(adapter)
-        state = dict(merge_stream(iter(state.items()), dict.fromkeys(adapter_layers(list(state)), scale), target))
+        state = dict(merge_stream(iter(state.items()), dict.fromkeys(layers, scale), target))
     with tempfile.TemporaryDirectory() as tmp:
         source = base if base is None else resolve_model_path(base, setting="export_checkpoint(base=...)")
         if source is None:
@@ -374,6 +386,22 @@ def _load_sharded(path: Path, prefix: str, dtype: torch.dtype | None) -> dict[st
             warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
             dcp.load(templates, storage_reader=reader, no_dist=True)
     return _select(templates, full_prefix, dtype)
+
+
+def _base_weights(origin: str, adapted: set[str]) -> dict[str, torch.Tensor]:
+    """The base model's weights in float32 under a LoRA model's names (``base_model.model.<name>``, an adapted
+    layer's under ``<layer>.base_layer``), for merging adapters from a checkpoint that left the base out."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rlhf.models import resolve_model_path
+
+    source = resolve_model_path(origin, setting="export_checkpoint(base=...)")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    state = {}
+    for key, tensor in model.state_dict().items():
+        layer, _, leaf = f"base_model.model.{key}".rpartition(".")
+        state[f"{layer}.base_layer.{leaf}" if layer in adapted else f"{layer}.{leaf}"] = tensor
+    return state
 
 
 def _save_adapter(

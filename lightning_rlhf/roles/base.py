@@ -132,6 +132,16 @@ class Role(nn.Module):
         """Whether the model is already sharded (a second ``fit`` on the same module reuses the shards)."""
         return self.train_engine.sharded
 
+    def borrows_model(self) -> Role | None:
+        """The role whose model this one computes with instead of a model of its own (LoRA's reference: the actor's,
+        adapters off), or None."""
+        return None
+
+    def hold_own_model(self) -> None:
+        """Load a model of its own instead of borrowing one: the placement put the role on ranks other than the
+        lender's, where the lender's shards are not. Runs on: every process, at set-up, before any model loads."""
+        raise TypeError(f"{type(self).__name__} borrows no model.")
+
     def rollout_engine_request(self) -> RolloutEngineRequest | None:
         """What the strategy builds this role's rollout engine from, with the role's model (None: it needs none).
 

@@ -53,6 +53,15 @@ class ReferenceRole(Role):
         """The actor whose model, adapters off, is the reference (LoRA), or None (a model of its own)."""
         return self.__dict__["adapters_of"]
 
+    def borrows_model(self) -> Role | None:
+        """The actor whose base (adapters off) is the reference, or None. Runs on: every process."""
+        return self.base
+
+    def hold_own_model(self) -> None:
+        """Load the base as a frozen model of its own: the reference is placed away from the actor's shards
+        (``RLHFStrategy(placement=...)``). Runs on: every process, at set-up, before any model loads."""
+        self.__dict__["adapters_of"] = None
+
     def load(self) -> None:
         """Load the frozen model in ``dtype`` (nothing with LoRA: the actor's base serves). Runs on: every process."""
         from transformers import AutoModelForCausalLM

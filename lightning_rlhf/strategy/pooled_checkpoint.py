@@ -13,6 +13,11 @@ roles of its pool (the others have no model there). So each rank contributes wha
 
 All of it goes into one torch.distributed.checkpoint folder; loading reads back each rank's part, resharded if the
 pool sizes changed.
+
+A run with LoRA adapters writes its sharded checkpoints this way too, with or without pools: a LoRA role's frozen base
+weights are left out, so a checkpoint holds the adapters, their
+optimizer state and the rest of the module (a 7B actor's checkpoint: tens of MB instead of 14 GB). Resume loads the
+base from the model the run starts from, as a fresh run does, then the adapters from the checkpoint.
 """
 
 from __future__ import annotations
@@ -54,6 +59,21 @@ def _held_models(module: RLHFModule) -> dict[str, torch.nn.Module]:
     return {name: role.model for name, role in module.roles().items() if role.model is not None}
 
 
+def _frozen_left_out(module: RLHFModule, name: str) -> bool:
+    """Whether role ``name``'s frozen weights stay out of checkpoints (a role with LoRA adapters: its base)."""
+    return getattr(module.roles()[name], "lora", None) is not None
+
+
+def _role_state(state: dict[str, Any], model: torch.nn.Module, left_out: bool) -> dict[str, Any]:
+    """``state`` (a role model's) without its frozen weights if ``left_out``. A tied weight is frozen under each of its
+    names (``StateDictOptions(ignore_frozen_params=True)`` would keep a tied head)."""
+    if left_out:
+        for key, value in model.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.nn.Parameter) and not value.requires_grad:
+                state.pop(key, None)
+    return state
+
+
 def _outside_roles(module: RLHFModule) -> dict[str, Any]:
     """The module's own state outside the roles (e.g. a Lagrange multiplier), the same on every rank."""
     roles = tuple(f"{name}." for name in module.roles())
@@ -71,7 +91,8 @@ def pooled_model_state(module: RLHFModule) -> dict[str, Any]:
     prefixes = _role_prefixes(module)
     state = _outside_roles(module)
     for name, model in _held_models(module).items():
-        state |= {prefixes[name] + key: value for key, value in get_model_state_dict(model, options=options).items()}
+        kept = _role_state(get_model_state_dict(model, options=options), model, _frozen_left_out(module, name))
+        state |= {prefixes[name] + key: value for key, value in kept.items()}
     return state
 
 
@@ -146,7 +167,10 @@ def load_pooled_checkpoint(
         )
     prefixes = _role_prefixes(module)
     models = _held_models(module)
-    role_states = {name: get_model_state_dict(model) for name, model in models.items()}
+    left_out = {name: _frozen_left_out(module, name) for name in models}
+    role_states = {
+        name: _role_state(get_model_state_dict(model), model, left_out[name]) for name, model in models.items()
+    }
     outside = _outside_roles(module)
     model_state = dict(outside)
     for name, state in role_states.items():
@@ -163,7 +187,8 @@ def load_pooled_checkpoint(
     loaded = to_load["state_dict"]
     for name, model in models.items():
         state = {key: loaded[prefixes[name] + key] for key in role_states[name]}
-        set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
+        # a LoRA role's base is not in the checkpoint (it came from the run's model); every key asked for was read
+        set_model_state_dict(model, state, options=StateDictOptions(strict=strict and not left_out[name]))
     if outside:
         module.load_state_dict({key: loaded[key] for key in outside}, strict=False)
     for index, model in owners.items():

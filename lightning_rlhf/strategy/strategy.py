@@ -227,6 +227,7 @@ class RLHFStrategy(ModelParallelStrategy):
         self.vllm_config = vllm or VLLMConfig()
         self.param_dtype = resolve_dtype(param_dtype, setting="RLHFStrategy.param_dtype")
         self.sharded_loading = sharded_loading
+        self.sharded_checkpoints = save_distributed_checkpoint
         self.reshard_in_update = reshard_in_update
         self.worker_error_timeout_s = worker_error_timeout_s
         self._controller: Controller | None = None
@@ -342,6 +343,19 @@ class RLHFStrategy(ModelParallelStrategy):
         """Whether some role is not on every rank (then checkpoints save each role from its own pool)."""
         return any(len(ranks) < self.world_size for ranks in self._pools.values())
 
+    @property
+    def _by_role(self) -> bool:
+        """Whether checkpoints are written and read role by role (``pooled_checkpoint``): with a placement, and for
+        a sharded checkpoint of a run with LoRA adapters (whose frozen base weights stay out of it)."""
+        if self._placed:
+            return True
+        roles = getattr(self.lightning_module, "roles", None)
+        return (
+            self.sharded_checkpoints
+            and callable(roles)
+            and any(getattr(role, "lora", None) is not None for role in roles().values())
+        )
+
     def _place_roles(self, module: RLHFModule) -> None:
         """Resolve the placement (the planner's, for ``"auto"``), check it against the world and the memory, and
         build each pool's mesh, before any model loads.
@@ -358,6 +372,10 @@ class RLHFStrategy(ModelParallelStrategy):
 
             spec = self.broadcast(auto_placement(module, world_size=self.world_size) if self.global_rank == 0 else None)
         self._pools = resolve_placement(spec, list(roles), self.world_size)  # type: ignore[arg-type]
+        for name, role in roles.items():  # a borrowed model (LoRA's reference) is only where the lender's shards are
+            lender = next((key for key, other in roles.items() if other is role.borrows_model()), None)
+            if lender is not None and self._pools[name] != self._pools[lender]:
+                role.hold_own_model()
         if self.rollout == "vllm":
             generating = [name for name, role in roles.items() if role.rollout_engine_request() is not None]
             check_vllm_pools(
@@ -630,11 +648,12 @@ class RLHFStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state for a checkpoint; with a placement, only what this rank holds (``pooled_checkpoint``).
+        """The module's state for a checkpoint; with a placement, only what this rank holds, and with LoRA, no frozen
+        base weights (``pooled_checkpoint``).
 
         Runs on: every rank.
         """
-        if not self._placed:
+        if not self._by_role:
             return super().lightning_module_state_dict()
         return pooled_model_state(self._rlhf_module())
 
@@ -642,14 +661,15 @@ class RLHFStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """One optimizer's state for a checkpoint; with a placement, relative to its role's model (empty on a rank
         outside the role's pool). Runs on: every rank."""
-        if not self._placed:
+        if not self._by_role:
             return super().optimizer_state(optimizer)
         return pooled_optimizer_state(self._rlhf_module(), optimizer)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Restore a checkpoint; with a placement, each rank reads the part it holds. Runs on: every rank."""
-        if not self._placed:
+        """Restore a checkpoint; with a placement, each rank reads the part it holds (with LoRA, adapters and their
+        optimizer state on top of the base the run loaded). Runs on: every rank."""
+        if not self._by_role:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(self.broadcast(os.fspath(checkpoint_path)))
         module = self._rlhf_module()

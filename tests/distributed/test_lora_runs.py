@@ -1,6 +1,7 @@
 """LoRA on 2 processes: the `grpo_lora` recipe through the command line (adapters, the KL against the base with its
-adapters off, a sharded checkpoint), resumed to the same metrics as the uninterrupted run, exported as an adapter
-folder that peft loads and as a merged folder, and refused when resumed into a full-weight run."""
+adapters off, a sharded checkpoint of the adapters without the frozen base), resumed to the same metrics as the
+uninterrupted run, exported as an adapter folder that peft loads and as a merged folder, and refused when resumed into
+a full-weight run."""
 
 from __future__ import annotations
 
@@ -61,6 +62,17 @@ def test_lora_resumes_like_the_uninterrupted_run_with_the_base_as_reference(runs
     for row in straight:
         assert float(row["training/rollout_probs_diff_max"]) < 1e-5  # the merged hand-off: engine == trainer
     assert float(straight[-1]["actor/kl_loss"]) > 0  # the reference (adapters off) is not the adapted actor
+
+
+def test_the_checkpoint_holds_the_adapters_and_their_optimizer_state_not_the_base(runs: dict[str, Path]) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = list(FileSystemReader(str(runs["ckpt"])).read_metadata().state_dict_metadata)
+    actor = [key for key in keys if key.startswith("state_dict.actor.")]
+    assert actor and all(".lora_" in key for key in actor), actor[:4]  # no base weight: the run reloads it
+    moments = [key for key in keys if key.startswith("optimizer_0.state.") and key.endswith(".exp_avg")]
+    assert moments and all(".lora_" in key for key in moments)
+    assert len(moments) == len(actor)  # Adam's moments for each adapter, and only them
 
 
 def test_the_checkpoint_exports_as_peft_adapters_and_as_the_merged_model(

@@ -48,6 +48,40 @@ def test_split_ppo_runs_stages_concurrently_and_resumes_exactly(demo_model: str,
     assert end_full == pytest.approx(end_resumed, rel=1e-6)
 
 
+def test_lora_with_the_reference_apart_from_the_actor_resumes_exactly(demo_model: str, tmp_path: Path) -> None:
+    """LoRA GRPO with the actor on rank 0 and the reference on rank 1: the reference, away from the actor's shards,
+    loads a base of its own; the checkpoint leaves the actor's frozen base out and resumes like the straight run."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    placement = json.dumps({"actor": [0], "reward": [0], "reference": [1]})
+    common = [
+        "--model",
+        demo_model,
+        "--devices",
+        "2",
+        "--kl-coef",
+        "0.05",
+        "--lora-rank",
+        "8",
+        "--placement",
+        placement,
+    ]
+    straight, first, second, ckpt = (tmp_path / name for name in ("straight", "first", "second", "ckpt"))
+    check_ok(run_script("train.py", *common, "--out", str(straight), "--steps", "4"))
+    check_ok(run_script("train.py", *common, "--out", str(first), "--steps", "2", "--save-ckpt", str(ckpt)))
+    keys = list(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    actor = [key for key in keys if key.startswith("state_dict.actor.")]
+    assert actor and all(".lora_" in key for key in actor), actor[:4]
+    assert any(key.startswith("state_dict.reference.") for key in keys)  # its own (frozen, full) copy
+    check_ok(run_script("train.py", *common, "--out", str(second), "--steps", "4", "--resume", str(ckpt)))
+    full, resumed = read_metrics(straight), read_metrics(second)
+    assert [int(r["step"]) for r in resumed] == [2, 3]
+    for a, b in zip(full[2:], resumed, strict=True):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-7), key
+    assert float(full[-1]["actor/kl_loss"]) > 0  # the reference is the base, not the adapted actor
+
+
 def test_four_ranks_two_pools(demo_model: str, tmp_path: Path) -> None:
     """GRPO with a reference on 4 processes: actor + reward FSDP-sharded over ranks {0, 1}, the reference over
     {2, 3}; every batch is split by its pool's size."""
