@@ -93,6 +93,12 @@ class Role(nn.Module):
         lora: Any = None,
     ) -> None:
         super().__init__()
+        if lora is not None and optim is None:
+            raise ValueError(
+                f"{setting}: lora={lora!r} on a role that is not trained (optim=None): its adapters would never move. "
+                "HINT: LoRA applies to the trained roles (RLHFModule(lora=...) adapts the actor and the critic); "
+                "give this role an optimizer, or no lora."
+            )
         self.model = None
         self.dtype = dtype
         self.lora = lora

@@ -122,6 +122,13 @@ def test_bad_lora_settings_are_named(given: object, message: str) -> None:
     assert SETTING in str(info.value) and "HINT" in str(info.value)
 
 
+def test_lora_on_a_role_that_is_not_trained_is_refused() -> None:
+    from lightning_rlhf.roles.base import Role
+
+    with pytest.raises(ValueError, match=r"ReferenceRole\(path=...\): lora=.* not trained \(optim=None\).*HINT"):
+        Role(setting="ReferenceRole(path=...)", lora=lora())
+
+
 def test_targets_that_match_nothing_or_a_rank_too_large_fail_before_training(tiny_model: str) -> None:
     with pytest.raises(ValueError, match=r"target_modules=\['qkv'\] matches no linear layer.*q_proj"):
         apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(target_modules=["qkv"]), setting=SETTING)
