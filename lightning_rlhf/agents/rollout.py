@@ -234,6 +234,12 @@ class EpisodeRunner:
         ready = list(episodes)
         calls = 0
         gen_s = 0.0
+        # The transformers engine keeps each episode's keys and values between its turns: a turn runs only the tokens
+        # past what the episode's previous turn ran (the last turn's tail and the observation).
+        continues = bool(getattr(engine, "continues_sequences", False))
+        number = {id(ep): k for k, ep in enumerate(episodes)}
+        if continues:
+            engine.forget()  # type: ignore[attr-defined]
         while True:
             waiting = [ep for ep in episodes if ep.pending]
             if cfg.async_episodes:
@@ -261,13 +267,23 @@ class EpisodeRunner:
                     seed=(params.seed + calls * _TURN_SEED) % (1 << 62),
                 )
                 calls += 1
+                prompts = [ready[i].prompt + ready[i].ids for i in group[::copies]]
                 t0 = time.perf_counter()
-                out = engine.generate([ready[i].prompt + ready[i].ids for i in group[::copies]], call)
+                if continues:
+                    out = engine.generate(  # type: ignore[call-arg]
+                        prompts, call,
+                        continues=[number[id(ready[i])] for i in group[::copies]],
+                        keep_as=[number[id(ready[i])] for i in group],
+                    )  # fmt: skip
+                else:
+                    out = engine.generate(prompts, call)
                 gen_s += time.perf_counter() - t0
                 logprobs = out.logprobs or [[] for _ in out.responses]
                 for i, turn, lp in zip(group, out.responses, logprobs, strict=True):
                     self._after_turn(ready[i], list(turn), lp, stops, limits[i])
             ready = []
+        if continues:
+            engine.forget()  # type: ignore[attr-defined]
         return episodes, gen_s
 
     def _run_streaming(

@@ -524,3 +524,33 @@ def test_compiled_norm_and_gated_product_are_transformers_own(dtype: torch.dtype
     torch.testing.assert_close(gated, torch.nn.functional.silu(gate) * up, **tol)
     assert native.rms_norm(x.transpose(0, 1), norm.weight, 1e-6) is None  # not contiguous: the caller's eager ops
     assert native.silu_mul(gate_up.to(torch.float16)) is None  # a dtype the kernels do not take
+
+
+@pytest.mark.parametrize("index", range(3), ids=["qwen2", "llama", "qwen3"])
+def test_a_second_turn_from_kept_keys_samples_as_a_fresh_prompt_pass(index: int) -> None:
+    """A multi-turn episode's next turn: the conversation so far (cut inside the first turn's response, or past its
+    last fed token), then new tokens. Run on what the first call kept, it draws the same tokens with the same
+    log-probs as a prompt pass over the whole conversation, for every row (some rows with nothing kept)."""
+    from lightning_rlhf.engines.rollout.decode import Past
+
+    model = llama_family()[index]
+    first = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, min_new_tokens=8, seed=0)
+    kept: list[Past] = []
+    torch.manual_seed(0)
+    tokens, _ = sample_loop(model, PROMPTS, first, stops={1}, pad_token_id=0, device=CPU, keep=kept)
+    assert len(kept) == 8 and all(len(p.ids) == len(PROMPTS[r // 2]) + 7 for r, p in enumerate(kept))
+    cuts = [3, 8, 0, 5, 7, 1, 8, 2]  # sampled tokens each row goes on from (8: the last one too, never fed)
+    prompts = [PROMPTS[r // 2] + tokens[r, :cut].tolist() + [40 + r, 41, 42][: 1 + r % 3] for r, cut in enumerate(cuts)]
+    second = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=1)
+
+    def run(pasts: list[Past | None] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(1)
+        return sample_loop(model, prompts, second, stops={1}, pad_token_id=0, device=CPU, pasts=pasts)
+
+    fresh = run(None)
+    for pasts in (kept, [None if r == 4 else past for r, past in enumerate(kept)]):
+        reused = run(list(pasts))
+        assert reused[0].tolist() == fresh[0].tolist()
+        torch.testing.assert_close(reused[1], fresh[1], atol=1e-5, rtol=0)
+    wrong = [Past(p.ids, [k.flip(1) for k in p.keys], p.values) for p in kept]  # the kept keys are what it reads
+    assert (run(list(wrong))[1] - fresh[1]).abs().max() > 1e-4  # (10x the tolerance above; a random model)

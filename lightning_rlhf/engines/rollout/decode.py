@@ -40,7 +40,7 @@ from torch.nn import functional as F
 import lightning_rlhf.cpu as cpu
 from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
 
-__all__ = ["MODEL_TYPES", "decode_loop_unsupported", "left_pad", "sample_loop"]
+__all__ = ["MODEL_TYPES", "Past", "decode_loop_unsupported", "left_pad", "sample_loop"]
 
 MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 """``config.model_type`` values whose decoder layers the loop knows: pre-norm, rotary, grouped-query attention,
@@ -337,9 +337,10 @@ def _attention(
     # The queries of a key/value head's group share its keys: [group * q, d] x [d, keys] products per (row,
     # kv head), with no copy of the keys per query head.
     query = qk[:, :, :heads].transpose(1, 2).reshape(rows, kv_heads, -1, d)  # [rows, kv_heads, group * q, d]
-    if step is None:
-        cache.prefix_keys[i].copy_(key)
-        cache.prefix_values[i].copy_(value)
+    if step is None:  # the prompt pass: the last q slots (the slots before them hold a kept Past's keys)
+        width = cache.prefix_keys[i].shape[2]
+        cache.prefix_keys[i][:, :, width - q :].copy_(key)
+        cache.prefix_values[i][:, :, width - q :].copy_(value)
         assert prompt_bias is not None
         out = _prompt_attention(query, cache.prefix_keys[i], cache.prefix_values[i], prompt_bias, attn.scaling)
     else:
@@ -350,23 +351,24 @@ def _attention(
 
 
 def _prompt_attention(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scaling: float) -> Tensor:
-    """The prompt pass's attention, ``[prompts, kv_heads, group * width, d]`` from queries of the same shape; ``bias``
-    ``[prompts, 1, 1, width, width]`` is added to the scores (0: visible, -inf: hidden). Through PyTorch's fused
+    """The prompt pass's attention, ``[prompts, kv_heads, group * q, d]`` from queries of the same shape (the last
+    ``q`` of the ``width`` slots); ``bias`` ``[prompts, 1, 1, q, width]`` is added to the scores (0: visible, -inf:
+    hidden). Through PyTorch's fused
     attention (grouped-query: each key/value head read for its query heads, no copies): scaling, bias, softmax and
     both products in blocks, against separate matmul, softmax and bias passes over the whole ``[width, width]``
     scores (a tool episode's second turn, 64 prompts of about 130 tokens on the tiny model: 188 -> 136 ms)."""
-    prompts, kv_heads, group_width, d = query.shape
-    width = keys.shape[2]
-    heads = group_width // width * kv_heads
+    prompts, kv_heads, group_q, d = query.shape
+    q = bias.shape[-2]
+    heads = group_q // q * kv_heads
     out = F.scaled_dot_product_attention(
-        query.view(prompts, heads, width, d),
+        query.view(prompts, heads, q, d),
         keys,
         values,
         attn_mask=bias[:, 0].to(query.dtype),
         scale=scaling,
         enable_gqa=heads != kv_heads,
     )
-    return out.view(prompts, kv_heads, group_width, d)
+    return out.view(prompts, kv_heads, group_q, d)
 
 
 def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling: float) -> Tensor:
@@ -461,6 +463,65 @@ def _draw(probs: Tensor) -> Tensor:
     return (block * _BLOCK + entry).squeeze(1)
 
 
+class Past(NamedTuple):
+    """A sequence's keys and values kept from a :func:`sample_loop` call, so that a later call continues it without
+    running its tokens through the model again (a multi-turn episode's next turn: the conversation so far, then the
+    observation's tokens). ``ids``: the tokens they cover (the prompt and every sampled token but the last, which was
+    never fed); ``keys``/``values``: per layer, ``[kv_heads, len(ids), head_dim]``."""
+
+    ids: list[int]
+    keys: list[Tensor]
+    values: list[Tensor]
+
+
+def _held(past: Past | None, prompt: list[int]) -> int:
+    """How many of ``prompt``'s first tokens ``past`` covers (their common prefix), short of the prompt's last token,
+    which runs again: its logits start the sampling."""
+    if past is None:
+        return 0
+    limit = min(len(past.ids), len(prompt) - 1)
+    if past.ids[:limit] == prompt[:limit]:
+        return limit
+    return next(k for k, (a, b) in enumerate(zip(past.ids, prompt, strict=False)) if a != b)
+
+
+def _place_pasts(cache: _Cache, pasts: list[Past | None], prompts: list[list[int]]) -> int:
+    """Write the kept keys and values of ``pasts`` into the prompt cache's slots; returns how many of the last slots
+    the prompt pass must still run (every row's tokens that no past covers; 1 at least)."""
+    width = cache.prefix_keys[0].shape[2]
+    held = [_held(past, prompt) for past, prompt in zip(pasts, prompts, strict=True)]
+    run = max(len(prompt) - h for prompt, h in zip(prompts, held, strict=True))
+    if run >= width:
+        return width
+    for row, (past, prompt) in enumerate(zip(pasts, prompts, strict=True)):
+        take = len(prompt) - run  # the row's tokens before the slots that run: all covered (held >= take)
+        if past is None or take <= 0:
+            continue
+        start = width - len(prompt)
+        for layer, (keys, values) in enumerate(zip(past.keys, past.values, strict=True)):
+            cache.prefix_keys[layer][row, :, start : start + take] = keys[:, :take]
+            cache.prefix_values[layer][row, :, start : start + take] = values[:, :take]
+    return run
+
+
+def _kept(cache: _Cache, prompts: list[list[int]], tokens: Tensor, fed: int) -> list[Past]:
+    """Each row's :class:`Past` after the loop: its prompt's keys and values and those of its first ``fed`` sampled
+    tokens (the ones run through the model)."""
+    width = cache.prefix_keys[0].shape[2]
+    n = cache.n
+    sampled = tokens[:, :fed].tolist()
+    pasts = []
+    for row, ids in enumerate(sampled):
+        prompt = prompts[row // n]
+        start = width - len(prompt)
+        keys = [torch.cat((k[row // n, :, start:], g[row, :, :fed]), dim=1) for k, g in zip(
+            cache.prefix_keys, cache.keys, strict=True)]  # fmt: skip
+        values = [torch.cat((v[row // n, :, start:], g[row, :, :fed]), dim=1) for v, g in zip(
+            cache.prefix_values, cache.values, strict=True)]  # fmt: skip
+        pasts.append(Past(prompt + ids, keys, values))
+    return pasts
+
+
 @torch.inference_mode()
 def sample_loop(
     model: Any,
@@ -470,6 +531,8 @@ def sample_loop(
     stops: set[int],
     pad_token_id: int,
     device: torch.device,
+    pasts: list[Past | None] | None = None,
+    keep: list[Past] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sample one response per prompt (greedy) or ``params.n`` per prompt, consecutively.
 
@@ -477,6 +540,10 @@ def sample_loop(
     least one token. Returns ``(tokens, logprobs)``, both ``[rows, steps]``: rows that stopped early continue with
     junk after their stop token (callers cut at the first stop), ``steps <= params.max_new_tokens`` (the loop ends
     when every row has stopped).
+
+    ``pasts`` (one per prompt, or None): what an earlier call kept of a sequence each prompt continues; the prompt
+    pass then runs only the slots no past covers (its keys and values are the same up to float rounding: the same
+    tokens at the same positions). ``keep``: a list to append each row's :class:`Past` to.
     """
     greedy = params.is_greedy
     n = 1 if greedy else params.n
@@ -492,7 +559,8 @@ def sample_loop(
     seen = ((slots[None, :] <= query_slots) & mask[:, None, :]) | (slots[None, :] == query_slots)
     prompt_bias = torch.zeros(seen.shape, device=device).masked_fill_(~seen, -math.inf)[:, None, None]
     linears = _layers(model, rows * n)
-    logits = _forward(model, linears, cache, ids, positions, None, prompt_bias)
+    run = width if pasts is None else _place_pasts(cache, pasts, prompts)
+    logits = _forward(model, linears, cache, ids[:, -run:], positions[:, -run:], None, prompt_bias[..., -run:, :])
     if n > 1:
         logits = logits.repeat_interleave(n, dim=0)
         positions = positions.repeat_interleave(n, dim=0)
@@ -514,4 +582,7 @@ def sample_loop(
         cache.bias[..., step] = 0.0
         position = position + 1
         logits = _forward(model, linears, cache, token[:, None], position, step)
-    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+    sampled = torch.stack(tokens, dim=1)
+    if keep is not None:
+        keep.extend(_kept(cache, prompts, sampled, len(tokens) - 1))
+    return sampled, torch.stack(logprobs, dim=1)

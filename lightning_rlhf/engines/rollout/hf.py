@@ -20,7 +20,7 @@ trainer's back, as it does not in vLLM. Like vLLM, the engine reports the log-pr
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +38,7 @@ from lightning_rlhf.engines.rollout.base import (
     tied_aliases,
     wake_tags,
 )
-from lightning_rlhf.engines.rollout.decode import decode_loop_unsupported, fused_groups, left_pad, sample_loop
+from lightning_rlhf.engines.rollout.decode import Past, decode_loop_unsupported, fused_groups, left_pad, sample_loop
 
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.reshard import Slicer
@@ -169,6 +169,9 @@ class HFRolloutEngine:
         self._bound_to: dict[str, Tensor] | None = None
         """The tensors given to :meth:`bind_weights` whose views the parameters are (None: the engine's own storage);
         a bind to the same dict again checks nothing."""
+        self._pasts: dict[Hashable, Past] = {}
+        """What the decoding loop kept of each sequence named in ``generate(..., keep_as=...)``, until the sequence's
+        next call takes it, :meth:`forget` or new weights."""
 
     def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
         """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
@@ -187,11 +190,31 @@ class HFRolloutEngine:
             )
         return why is None
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    continues_sequences: bool = True
+    """``generate`` takes ``continues``/``keep_as``: a multi-turn episode's next turn runs only its new tokens through
+    the model (the decoding loop keeps each sequence's keys and values between calls, as vLLM's prefix cache does)."""
+
+    def forget(self) -> None:
+        """Drop every kept sequence (``generate(..., keep_as=...)``). Runs on: worker."""
+        self._pasts.clear()
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        continues: Sequence[Hashable | None] | None = None,
+        keep_as: Sequence[Hashable] | None = None,
+    ) -> RolloutOutput:
         """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker.
 
         Greedy decoding (``temperature=0`` or ``greedy=True``) decodes each prompt once and repeats the response
         ``n`` times (transformers, like vLLM, decodes greedily only one sequence per prompt).
+
+        ``continues`` (one key per prompt, or None) names a sequence kept by an earlier call that the prompt goes on
+        from: the decoding loop then runs only the prompt's tokens past it (taken, so each kept sequence serves once).
+        ``keep_as`` (one key per response, ``len(prompts) * n``) keeps each response's sequence for a later call.
+        Both only with the decoding loop; ``generate``'s path ignores them.
         """
         params.check()
         if self.weights_discarded:
@@ -235,9 +258,19 @@ class HFRolloutEngine:
             for start in range(0, len(prompts), self.generation_batch_size):
                 chunk = prompts[start : start + self.generation_batch_size]
                 if loop:
+                    pasts = None if continues is None else [
+                        None if key is None else self._pasts.pop(key, None)
+                        for key in continues[start : start + len(chunk)]
+                    ]  # fmt: skip
+                    kept: list[Past] | None = None if keep_as is None else []
                     generated, token_lps = sample_loop(
-                        self.model, chunk, params, stops=stops, pad_token_id=self.pad_token_id, device=self.device
-                    )
+                        self.model, chunk, params, stops=stops, pad_token_id=self.pad_token_id, device=self.device,
+                        pasts=pasts, keep=kept,
+                    )  # fmt: skip
+                    if kept is not None and keep_as is not None:  # n responses a prompt (greedy: one, copied)
+                        keys = keep_as[start * params.n : (start + len(chunk)) * params.n]
+                        repeated = [past for past in kept for _ in range(copies)]
+                        self._pasts.update(zip(keys, repeated, strict=True))
                 else:
                     ids, mask = left_pad(chunk, self.pad_token_id, self.device)
                     recorder = _TokenLogprobs(params)
@@ -287,6 +320,7 @@ class HFRolloutEngine:
         same dict as the last bind's (a hand-off through the same store) is taken as it is (0.1 ms a check of the
         small vs-TRL model). Raises ``WeightSyncError`` for a missing name or a tensor of another shape or dtype.
         """
+        self._pasts.clear()  # new weights: kept keys and values are the old model's
         if tensors is self._bound_to:
             self.weights_discarded = False
             return
@@ -323,6 +357,7 @@ class HFRolloutEngine:
                 parameter missing at the end (``weights_discarded`` then stays True until a complete hand-off).
         """
         received = 0
+        self._pasts.clear()  # new weights: kept keys and values are the old model's
         self._unbind()  # shared with the host's other engines: this hand-off is this engine's own
         self.weights_discarded = True  # a hand-off that stops part-way leaves a mix of old and new weights
         check = self._check
@@ -352,8 +387,9 @@ class HFRolloutEngine:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring the weights back to the device when ``tags`` names ``"weights"`` (or is None). The engine keeps
-        no KV cache between calls (each ``generate`` allocates its own), so ``"kv_cache"`` is accepted and wakes
-        nothing; on CPU nothing ever sleeps. Runs on: worker.
+        no KV cache between rollouts (each ``generate`` allocates its own; the sequences it keeps live within one
+        rollout's episodes), so ``"kv_cache"`` is accepted and wakes nothing; on CPU nothing ever sleeps.
+        Runs on: worker.
 
         Raises:
             ValueError: a tag not in :data:`~lightning_rlhf.engines.rollout.base.MEMORY_TAGS`.
