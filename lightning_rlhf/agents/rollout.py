@@ -235,7 +235,8 @@ class EpisodeRunner:
         calls = 0
         gen_s = 0.0
         # The transformers engine keeps each episode's keys and values between its turns: a turn runs only the tokens
-        # past what the episode's previous turn ran (the last turn's tail and the observation).
+        # past what the episode's previous turn ran (the last turn's tail and the observation); and it bounds each
+        # episode's turn by the episode's own limit, so episodes near the context's end share the others' call.
         continues = bool(getattr(engine, "continues_sequences", False))
         number = {id(ep): k for k, ep in enumerate(episodes)}
         if continues:
@@ -258,7 +259,10 @@ class EpisodeRunner:
                     continue
                 break
             limits = [_turn_limit(ep, cfg.max_new_tokens, budget, context) for ep in ready]
-            for group in _fitting_calls(ready, limits, context):
+            # An engine that bounds each prompt by its own limit takes every ready episode in one call; others get
+            # calls whose longest sequence and largest limit fit the context.
+            groups = [list(range(len(ready)))] if continues else _fitting_calls(ready, limits, context)
+            for group in groups:
                 group, copies = _samples_of_one_prompt(group, ready, params)
                 call = dataclasses.replace(
                     params,
@@ -274,6 +278,7 @@ class EpisodeRunner:
                         prompts, call,
                         continues=[number[id(ready[i])] for i in group[::copies]],
                         keep_as=[number[id(ready[i])] for i in group],
+                        limits=[limits[i] for i in group[::copies]],
                     )  # fmt: skip
                 else:
                     out = engine.generate(prompts, call)

@@ -554,3 +554,72 @@ def test_a_second_turn_from_kept_keys_samples_as_a_fresh_prompt_pass(index: int)
         torch.testing.assert_close(reused[1], fresh[1], atol=1e-5, rtol=0)
     wrong = [Past(p.ids, [k.flip(1) for k in p.keys], p.values) for p in kept]  # the kept keys are what it reads
     assert (run(list(wrong))[1] - fresh[1]).abs().max() > 1e-4  # (10x the tolerance above; a random model)
+
+
+def test_finished_rows_leave_the_batch_and_the_rest_sample_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 sequences, 30 stop tokens of 96: most stop within a few steps, so the loop drops its finished rows (twice or
+    more, with batches of 2 rows on allowed to shrink). Every row's sampled log-probs are still those of a full forward
+    over its own prompt and response, and what it keeps of each row (dropped or not) continues that row as a fresh
+    prompt pass does."""
+    from lightning_rlhf.engines.rollout import decode
+    from lightning_rlhf.engines.rollout.decode import Past
+
+    model = llama_family()[0]
+    stops = set(range(60, 90))
+    params = SamplingParams(n=5, temperature=1.0, max_new_tokens=12, seed=0)
+    kept: list[Past] = []
+    calls: list[int] = []
+    original = decode._Cache.keep_rows
+
+    def counted(cache: decode._Cache, rows: torch.Tensor) -> None:
+        calls.append(len(rows))
+        original(cache, rows)
+
+    monkeypatch.setattr(decode._Cache, "keep_rows", counted)
+    monkeypatch.setattr(decode, "KEEP_ROWS_FROM", 2)
+    torch.manual_seed(0)
+    tokens, logprobs = sample_loop(model, PROMPTS, params, stops=stops, pad_token_id=0, device=CPU, keep=kept)
+    assert len(calls) >= 2 and calls[0] <= 10, calls  # 20 rows -> at most 10 -> ...
+    responses = []
+    with torch.no_grad():
+        for row in range(20):
+            prompt, response = PROMPTS[row // 5], tokens[row].tolist()
+            end = next((k for k, t in enumerate(response) if t in stops), len(response) - 1)
+            response = response[: end + 1]
+            responses.append(response)
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+            expected = processed_logprobs(logits, temperature=1.0).gather(1, torch.tensor(response)[:, None])
+            torch.testing.assert_close(logprobs[row, : len(response)], expected[:, 0], atol=2e-5, rtol=0)
+    prompts = [PROMPTS[r // 5] + responses[r] + [40, 41] for r in range(20)]
+    second = SamplingParams(n=1, temperature=1.0, max_new_tokens=4, min_new_tokens=4, seed=1)
+    torch.manual_seed(1)
+    fresh = sample_loop(model, prompts, second, stops=set(), pad_token_id=0, device=CPU)
+    torch.manual_seed(1)
+    reused = sample_loop(model, prompts, second, stops=set(), pad_token_id=0, device=CPU, pasts=list(kept))
+    assert reused[0].tolist() == fresh[0].tolist()
+    torch.testing.assert_close(reused[1], fresh[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("decode", ["loop", "generate"])
+def test_each_prompt_near_the_context_end_is_bounded_by_its_own_limit(decode: str) -> None:
+    """Episodes near the end of the model's context (64 positions here) share a call with the others: each prompt's
+    responses stop at its own limit, every sampled token's log-prob is the full forward's, and the call is accepted
+    although the longest prompt plus the call's ``max_new_tokens`` would not fit."""
+    model = llama_family()[0]
+    engine = HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, decode=decode)
+    prompts = [list(range(5, 60)), [11, 12, 13], list(range(20, 50))]  # 55, 3 and 30 tokens
+    limits = [64 - 55, 20, 64 - 30]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.generate(prompts, params)
+    out = engine.generate(prompts, params, limits=limits)
+    for row, response in enumerate(out.responses):  # the third prompt: 20, the call's max_new_tokens
+        bound = min(limits[row // 2], 20)
+        assert len(response) == bound or (len(response) < bound and response[-1] == 1), (row, response)
+    assert len(out.responses[0]) == 9 or len(out.responses[1]) == 9
+    with torch.no_grad():
+        for row, (response, lps) in enumerate(zip(out.responses, out.logprobs or [], strict=True)):
+            prompt = prompts[row // 2]
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+            expected = processed_logprobs(logits, temperature=1.0).gather(1, torch.tensor(response)[:, None])
+            torch.testing.assert_close(torch.tensor(lps), expected[:, 0], atol=2e-5, rtol=0)

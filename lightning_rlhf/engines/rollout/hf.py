@@ -20,6 +20,7 @@ trainer's back, as it does not in vLLM. Like vLLM, the engine reports the log-pr
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -205,6 +206,7 @@ class HFRolloutEngine:
         *,
         continues: Sequence[Hashable | None] | None = None,
         keep_as: Sequence[Hashable] | None = None,
+        limits: Sequence[int] | None = None,
     ) -> RolloutOutput:
         """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker.
 
@@ -214,20 +216,27 @@ class HFRolloutEngine:
         ``continues`` (one key per prompt, or None) names a sequence kept by an earlier call that the prompt goes on
         from: the decoding loop then runs only the prompt's tokens past it (taken, so each kept sequence serves once).
         ``keep_as`` (one key per response, ``len(prompts) * n``) keeps each response's sequence for a later call.
-        Both only with the decoding loop; ``generate``'s path ignores them.
+        Both only with the decoding loop; ``generate``'s path ignores them. ``limits`` (one per prompt, each at most
+        ``params.max_new_tokens``): each prompt's own bound on its responses' tokens, so that prompts near the end of
+        the model's context share a call with the others (the context bounds each prompt plus its own limit).
         """
         params.check()
+        if limits is not None:
+            limits = [min(b, params.max_new_tokens) for b in limits]
+            if not self.decodes_with_loop(prompts, params):  # transformers' generate: one bound a call
+                return self._by_limit(prompts, params, limits)
         if self.weights_discarded:
             raise WeightSyncError(
                 "HFRolloutEngine.generate: the engine holds no valid weights (it was built from a meta-device "
                 "model, or the last hand-off failed). HINT: hand the actor's weights over first "
                 "(`engine.load_weights(weights_for(engine, model))`, which ActorRole.sync_weights does)."
             )
-        longest = max((len(p) for p in prompts), default=0)  # the longest prompt decides
-        if self.max_length is not None:
+        bounds = [params.max_new_tokens] * len(prompts) if limits is None else list(limits)
+        longest, bound = max(((len(p), b) for p, b in zip(prompts, bounds, strict=True)), key=sum, default=(0, 0))
+        if self.max_length is not None:  # the prompt that reaches furthest decides
             check_sequence_length(
                 prompt_length=longest,
-                max_new_tokens=params.max_new_tokens,
+                max_new_tokens=bound,
                 limit=self.max_length,
                 engine="the model's max_position_embeddings",
                 prompt_setting=f"{longest}",
@@ -265,7 +274,7 @@ class HFRolloutEngine:
                     kept: list[Past] | None = None if keep_as is None else []
                     generated, token_lps = sample_loop(
                         self.model, chunk, params, stops=stops, pad_token_id=self.pad_token_id, device=self.device,
-                        pasts=pasts, keep=kept,
+                        pasts=pasts, keep=kept, limits=None if limits is None else bounds[start : start + len(chunk)],
                     )  # fmt: skip
                     if kept is not None and keep_as is not None:  # n responses a prompt (greedy: one, copied)
                         keys = keep_as[start * params.n : (start + len(chunk)) * params.n]
@@ -282,10 +291,26 @@ class HFRolloutEngine:
                     )
                     generated = out[:, ids.shape[1] :]
                     token_lps = recorder.result(generated)
-                for row, lps in zip(generated.tolist(), token_lps.float().cpu().tolist(), strict=True):
-                    response = _cut_at_stop(row, stops)
+                per = len(generated) // len(chunk)  # rows a prompt (greedy: one, copied)
+                for k, (row, lps) in enumerate(zip(generated.tolist(), token_lps.float().cpu().tolist(), strict=True)):
+                    response = _cut_at_stop(row[: bounds[start + k // per]], stops)
                     responses.extend(list(response) for _ in range(copies))
                     logprobs.extend(lps[: len(response)] for _ in range(copies))
+        return RolloutOutput(responses=responses, logprobs=logprobs)
+
+    def _by_limit(self, prompts: list[list[int]], params: SamplingParams, limits: Sequence[int]) -> RolloutOutput:
+        """:meth:`generate` with a bound per prompt on transformers' ``generate`` path: one call per distinct bound,
+        the responses put back in the prompts' order."""
+        n = params.n
+        responses: list[list[int]] = [[] for _ in range(len(prompts) * n)]
+        logprobs: list[list[float]] = [[] for _ in range(len(prompts) * n)]
+        for bound in sorted(set(limits)):
+            which = [i for i, b in enumerate(limits) if b == bound]
+            out = self.generate([prompts[i] for i in which], dataclasses.replace(params, max_new_tokens=bound))
+            lps = out.logprobs or [[] for _ in out.responses]
+            for k, i in enumerate(which):
+                responses[i * n : (i + 1) * n] = out.responses[k * n : (k + 1) * n]
+                logprobs[i * n : (i + 1) * n] = lps[k * n : (k + 1) * n]
         return RolloutOutput(responses=responses, logprobs=logprobs)
 
     @property
