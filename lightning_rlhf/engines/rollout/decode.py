@@ -590,15 +590,15 @@ def sample_loop(
         logits = logits.repeat_interleave(n, dim=0)
         positions = positions.repeat_interleave(n, dim=0)
     position = positions[:, -1:]
-    # A row past its own bound decodes junk at its last valid position (positions past the model's context would move
-    # a dynamic rotary embedding's frequencies for every row).
-    cap = None if limits is None else position + torch.tensor(limits, device=device).repeat_interleave(n)[:, None] - 1
     stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
     total = rows * n
     done = torch.zeros(total, dtype=torch.bool, device=device)
     live = torch.arange(total, device=device)  # the decoding batch's sequences (rows of the result)
     bounds = [params.max_new_tokens] * total if limits is None else [b for b in limits for _ in range(n)]
     bound = None if limits is None else torch.tensor(bounds, device=device)
+    # A row past its own bound decodes junk at its last valid position (positions past the model's context would move
+    # a dynamic rotary embedding's frequencies for every row).
+    cap = None if bound is None else position + bound[:, None] - 1
     tokens = torch.full((total, params.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((total, params.max_new_tokens), device=device)
     kept: dict[int, Past] = {}
