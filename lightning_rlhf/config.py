@@ -162,10 +162,11 @@ class RolloutConfig:
     """Episodes: the format of the model's tool calls (``<tool_call>{...}</tool_call>``, as Qwen's templates write
     them); another format is registered with ``lightning_rlhf.agents.register_tool_parser``."""
     tool_timeout_s: float = 10.0
-    """Episodes: seconds one tool call may run in its worker process; a call that runs longer is killed and the
-    model gets an error observation."""
+    """Episodes: seconds one tool call may run; a call that runs longer is killed (its worker replaced), or cancelled
+    for an ``async def`` tool, and the model gets an error observation."""
     tool_workers: int = 4
-    """Episodes: tool worker processes per rank (calls of different episodes run at once)."""
+    """Episodes: tool worker processes per rank for plain tools (calls of different episodes run at once). ``async
+    def`` tools share one more worker whose event loop runs every call at once."""
     max_tool_response_chars: int = 2000
     """Episodes: a tool result longer than this is cut (the observation says how much was cut)."""
     async_episodes: bool = True

@@ -98,7 +98,9 @@ class Environment:
         return None
 
     def reward(self, episode: Episode) -> float | None:
-        """The episode's score; None: the module's reward functions score it. Runs on: the rollout's process."""
+        """The episode's score; None: the module's reward functions score it. May be ``async def`` (an LLM judge, a
+        remote checker): the batch's episodes are then scored at once, in one event loop. Runs on: the rollout's
+        process."""
         return None
 
 
@@ -141,9 +143,17 @@ class _TRLStyle(Environment):
             last["content"] = f"{last['content']}{extra}"
         return messages
 
-    def reward(self, episode: Episode) -> float | None:
+    def reward(self, episode: Episode) -> Any:
         get_reward = getattr(self.inner, "get_reward", None)
-        return None if get_reward is None else float(get_reward())
+        value = None if get_reward is None else get_reward()
+        if inspect.isawaitable(value):  # an ``async def get_reward``: awaited with the batch's others
+
+            async def score() -> float | None:
+                got = await value
+                return None if got is None else float(got)
+
+            return score()
+        return None if value is None else float(value)
 
 
 def as_environment(obj: Any) -> Environment:

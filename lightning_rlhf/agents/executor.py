@@ -6,14 +6,23 @@ never runs in it and it is never forked: tools run in tool workers, the reward w
 owns one worker; :meth:`ToolExecutor.submit` hands a call to a free thread and returns at once with a future, so an
 episode whose observation is ready goes on while another's tool still runs.
 
+``async def`` tools (an HTTP client, a sandbox, a judge) run in one more worker of their own, whose event loop runs
+every call at once as it arrives (:func:`lightning_rlhf.rewards.pool._serve_coroutines`): their calls do not wait for
+a free worker, and a client or semaphore made at their module's level is shared by all of them.
+
 A tool that raises, returns something with no text form, hangs past ``timeout_s`` or kills its process gives an
-error observation (the worker is replaced); the result says which, for the rollout's counters.
+error observation (the worker is replaced; a coroutine past its timeout is cancelled); the result says which, for the
+rollout's counters.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import inspect
+import itertools
+import math
 import pickle
 import threading
 import time
@@ -60,6 +69,135 @@ class _Worker:
         return kill_worker(self.proc, term=term)
 
 
+_COROUTINE_GRACE_S = 2.0
+"""Seconds past a coroutine's timeout after which its worker counts as blocked (a tool that blocks the event loop,
+e.g. with ``time.sleep``, stops ``wait_for`` from cancelling it): the worker is then killed and replaced."""
+
+
+def _answer(name: str, kind: str, text: str) -> ToolResult:
+    """A worker's answer as the observation the model reads."""
+    if kind == "raised":
+        text = f"error: the tool {name} raised {text}"
+    elif kind == "invalid":
+        kind, text = "invalid_result", f"error: the tool {name} returned a value the model cannot read: {text}"
+    elif kind != "ok":
+        text = f"error: the tool {name} {text}"
+    return ToolResult(text, kind, 0.0)
+
+
+@dataclass
+class _Process:
+    """One start of the coroutine worker: its process, connection, reader thread and calls in flight (number ->
+    future, tool name, time sent)."""
+
+    proc: Popen[bytes]
+    conn: Connection
+    calls: dict[int, tuple[Future[ToolResult], str, float]]
+    reader: threading.Thread | None = None
+
+
+class _CoroutineWorker:
+    """The worker process of an executor's ``async def`` tools: every call is sent at once and runs as a task of its
+    event loop; one reader thread per process takes the answers, and kills the process when a call outlives its
+    timeout by :data:`_COROUTINE_GRACE_S` (the loop is blocked) or when the process dies (its calls then fail)."""
+
+    def __init__(self, payload: bytes, *, names: set[str], timeout_s: float, max_chars: int) -> None:
+        self._payload = payload
+        self.names = names
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+        self._lock = threading.RLock()
+        self._numbers = itertools.count()
+        self._live: _Process | None = None
+        self.started = 0
+
+    def process(self) -> _Process:
+        """The live process, started (with its reader) when there is none."""
+        with self._lock:
+            if self._live is None:
+                self._live = _Process(*spawn_worker(self._payload), calls={})
+                self.started += 1
+                self._live.reader = threading.Thread(
+                    target=self._read, args=(self._live,), name="lightning-rlhf-tool-answers", daemon=True
+                )
+                self._live.reader.start()
+            return self._live
+
+    def submit(self, name: str, arguments: dict[str, Any]) -> Future[ToolResult]:
+        future: Future[ToolResult] = Future()
+        future.set_running_or_notify_cancel()
+        with self._lock:
+            live = self.process()
+            number = next(self._numbers)
+            live.calls[number] = (future, name, time.monotonic())
+            with contextlib.suppress(OSError):  # it died: its reader fails the call
+                live.conn.send_bytes(pickle.dumps((number, name, arguments, self.max_chars, self.timeout_s)))
+        return future
+
+    def close(self) -> None:
+        with self._lock:
+            live, self._live = self._live, None
+        if live is not None:
+            with contextlib.suppress(OSError):
+                live.conn.send_bytes(pickle.dumps(None))  # the worker's loop ends; its reader then sees the end
+            assert live.reader is not None
+            live.reader.join()
+
+    def _read(self, live: _Process) -> None:
+        """The answers of one process, until it ends; then its calls left fail (a reader thread)."""
+        why, ready_at, born = "crash", None, time.monotonic()
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                now = time.monotonic()
+                if ready_at is None:
+                    wait_s = born + STARTUP_TIMEOUT_S - now
+                    if wait_s <= 0:
+                        why = f"could not run (its worker did not start within {STARTUP_TIMEOUT_S:g} s)"
+                        break
+                else:
+                    with self._lock:
+                        first = min((max(t, ready_at) for _, _, t in live.calls.values()), default=math.inf)
+                    wait_s = min(1.0, first + self.timeout_s + _COROUTINE_GRACE_S - now)
+                    if wait_s <= 0:
+                        why = "blocked"
+                        break
+                if not live.conn.poll(wait_s):
+                    continue
+                message = pickle.loads(live.conn.recv_bytes())
+                if message[0] == "ready":
+                    ready_at = time.monotonic()
+                elif message[0] == "load_error":
+                    why = f"could not run (the tools did not load in their worker: {message[1]})"
+                    break
+                else:
+                    number, kind, text = message
+                    with self._lock:
+                        future, name, sent = live.calls.pop(number)
+                    result = _answer(name, kind, text)
+                    future.set_result(
+                        dataclasses.replace(result, seconds=time.monotonic() - max(sent, ready_at or sent))
+                    )
+        with self._lock:
+            if self._live is live:
+                self._live = None
+            failed = list(live.calls.values())
+            live.calls.clear()
+        how = kill_worker(live.proc, term=why == "blocked")
+        live.conn.close()
+        now = time.monotonic()
+        for future, name, sent in failed:
+            if why == "blocked" and now - max(sent, ready_at or now) >= self.timeout_s:
+                result = ToolResult(f"error: the tool {name} timed out after {self.timeout_s:g} s", "timeout", 0.0)
+            elif why == "blocked":
+                text = f"error: the tool {name} was stopped: a call blocked the tools' event loop past its timeout"
+                result = ToolResult(text, "crash", 0.0)
+            elif why == "crash":
+                result = ToolResult(f"error: the tool {name} crashed (its process ended: {how})", "crash", 0.0)
+            else:
+                result = ToolResult(f"error: the tool {name} {why}", "crash", 0.0)
+            future.set_result(dataclasses.replace(result, seconds=now - sent))
+
+
 class ToolExecutor:
     """Runs tool calls in ``num_workers`` worker processes, at most ``timeout_s`` seconds each.
 
@@ -85,8 +223,11 @@ class ToolExecutor:
                 f"ToolExecutor(timeout_s={timeout_s}, num_workers={num_workers}): both must be positive. HINT: "
                 "RolloutConfig(tool_timeout_s=10, tool_workers=4)."
             )
+        coroutines = {name: fn for name, fn in functions.items() if inspect.iscoroutinefunction(fn)}
+        plain = {name: fn for name, fn in functions.items() if name not in coroutines}
         try:
-            fn_bytes = cloudpickle.dumps(dict(functions))
+            fn_bytes = cloudpickle.dumps(plain)
+            coroutine_bytes = cloudpickle.dumps(coroutines) if coroutines else b""
         except Exception as err:
             raise TypeError(
                 f"the tools {sorted(functions)} cannot be sent to their worker processes: cloudpickle failed with "
@@ -96,26 +237,46 @@ class ToolExecutor:
         self.names = sorted(functions)
         self.timeout_s = timeout_s
         self.max_chars = max_chars
-        self.num_workers = num_workers
-        self._payload = worker_payload("tool", fn_bytes, next(iter(functions.values()), None))
+        self._payload = worker_payload("tool", fn_bytes, next(iter(plain.values()), None))
+        self._coroutines = (
+            _CoroutineWorker(
+                worker_payload("async-tool", coroutine_bytes, next(iter(coroutines.values()))),
+                names=set(coroutines),
+                timeout_s=timeout_s,
+                max_chars=max_chars,
+            )
+            if coroutines
+            else None
+        )
+        self.num_workers = num_workers if plain else 0
+        """Worker processes of the plain tools (the ``async def`` ones share one more)."""
         self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="lightning-rlhf-tool")
         self._local = threading.local()
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
-        self.started = 0
+        self._started = 0
         self.closed = False
         _EXECUTORS.add(self)
+
+    @property
+    def started(self) -> int:
+        """Worker processes started so far, replacements included. Runs on: the rollout's process."""
+        return self._started + (self._coroutines.started if self._coroutines is not None else 0)
 
     def start(self) -> None:
         """Start the workers now (the first calls would otherwise wait for them). Runs on: the rollout's process."""
         for _ in range(self.num_workers):
             self._threads.submit(self._worker)
+        if self._coroutines is not None:
+            self._coroutines.process()
 
     def submit(self, call: ToolCall) -> Future[ToolResult]:
         """Run ``call`` (its arguments already checked) in a tool worker; the future never raises.
         Runs on: the rollout's process, any thread."""
         if self.closed:
             raise RuntimeError("the tool executor is closed. HINT: make a new one.")
+        if self._coroutines is not None and call.name in self._coroutines.names:
+            return self._coroutines.submit(call.name, call.arguments)
         return self._threads.submit(self._run, call.name, call.arguments)
 
     def close(self) -> None:
@@ -129,6 +290,8 @@ class ToolExecutor:
             workers, self._workers = self._workers, []
         for w in workers:
             w.close(term=True)
+        if self._coroutines is not None:
+            self._coroutines.close()
 
     # ------------------------------------------------------------------------------------------ private
     def _worker(self) -> _Worker:
@@ -138,7 +301,7 @@ class ToolExecutor:
             w = _Worker(self._payload)
             with self._lock:
                 self._workers.append(w)
-                self.started += 1
+                self._started += 1
             self._local.worker = w
         if not w.ready:
             try:

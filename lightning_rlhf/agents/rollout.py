@@ -21,9 +21,13 @@ server).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import contextlib
 import dataclasses
+import inspect
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -166,9 +170,7 @@ class EpisodeRunner:
                     ep.info.tool_errors += 1
                     ep.pending.append((call, f"error: {problem}"))
                 elif executor is None:  # stateful tools of a TRL-style environment: in this process
-                    ep.pending.append(
-                        (call, self._threads.submit(_in_process, ep.tools.functions[call.name], call, self.cfg))
-                    )
+                    ep.pending.append((call, self._in_process(ep.tools.functions[call.name], call)))
                 else:
                     ep.pending.append((call, executor.submit(call)))
         if ep.info.turns >= self.cfg.max_turns:  # its observation would never be answered
@@ -177,6 +179,42 @@ class EpisodeRunner:
                     pending.cancel()
             ep.pending = []
             ep.info.truncated = ep.done = True
+
+    def _in_process(self, fn: Callable[..., Any], call: ToolCall) -> cf.Future[ToolResult]:
+        """A stateful tool (a TRL-style environment's method) in a thread of this process, with the timeout: the
+        future gives a timeout result once ``tool_timeout_s`` has passed (a coroutine is cancelled then; a plain call
+        cannot be stopped, so its thread is abandoned to finish by itself)."""
+        timeout_s = self.cfg.tool_timeout_s
+        answer: cf.Future[ToolResult] = cf.Future()
+        answer.set_running_or_notify_cancel()
+
+        def finish(result: ToolResult) -> None:
+            with contextlib.suppress(cf.InvalidStateError):  # the other of the call and its timer came first
+                answer.set_result(result)
+
+        timer = threading.Timer(
+            timeout_s + 0.5,  # after a coroutine's own cancellation, which says the same
+            finish,
+            (ToolResult(f"error: the tool {call.name} timed out after {timeout_s:g} s", "timeout", timeout_s),),
+        )
+        timer.daemon = True
+        timer.start()
+        work = self._threads.submit(_in_process, fn, call, self.cfg)
+        work.add_done_callback(lambda done: finish(done.result()))
+        answer.add_done_callback(lambda _: timer.cancel())
+        return answer
+
+    def _ender(
+        self, episodes: list[_Live], limits: list[int], stops: set[int], handled: set[int]
+    ) -> Callable[[int, list[int], list[float]], None]:
+        """An engine call's ``on_done``: its ``k``-th response ends its episode's turn at once (the turn's tool calls
+        start while the call's other responses still decode), and ``k`` joins ``handled``."""
+
+        def ended(k: int, turn: list[int], logprobs: list[float]) -> None:
+            handled.add(k)
+            self._after_turn(episodes[k], turn, logprobs, stops, limits[k])
+
+        return ended
 
     def _ready(self, ep: _Live) -> bool:
         return all(not isinstance(p, cf.Future) or p.done() for _, p in ep.pending)
@@ -272,6 +310,8 @@ class EpisodeRunner:
                 )
                 calls += 1
                 prompts = [ready[i].prompt + ready[i].ids for i in group[::copies]]
+                handled: set[int] = set()  # the call's turns ended while its others decoded: their tools run
+                early = self._ender([ready[i] for i in group], [limits[i] for i in group], stops, handled)
                 t0 = time.perf_counter()
                 if continues:
                     out = engine.generate(  # type: ignore[call-arg]
@@ -279,13 +319,15 @@ class EpisodeRunner:
                         continues=[number[id(ready[i])] for i in group[::copies]],
                         keep_as=[number[id(ready[i])] for i in group],
                         limits=[limits[i] for i in group[::copies]],
+                        on_done=early if cfg.async_episodes else None,
                     )  # fmt: skip
                 else:
                     out = engine.generate(prompts, call)
                 gen_s += time.perf_counter() - t0
                 logprobs = out.logprobs or [[] for _ in out.responses]
-                for i, turn, lp in zip(group, out.responses, logprobs, strict=True):
-                    self._after_turn(ready[i], list(turn), lp, stops, limits[i])
+                for k, (i, turn, lp) in enumerate(zip(group, out.responses, logprobs, strict=True)):
+                    if k not in handled:
+                        self._after_turn(ready[i], list(turn), lp, stops, limits[i])
             ready = []
         if continues:
             engine.forget()  # type: ignore[attr-defined]
@@ -422,18 +464,43 @@ def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> T
 
     start = time.monotonic()
     try:
-        text = tool_result_text(fn(**call.arguments), max_chars=cfg.max_tool_response_chars)
+        value = fn(**call.arguments)
+        if inspect.isawaitable(value):  # an ``async def`` method: its own event loop, cancelled at the timeout
+            value = asyncio.run(_within(value, cfg.tool_timeout_s))
+    except TimeoutError:
+        text = f"error: the tool {call.name} timed out after {cfg.tool_timeout_s:g} s"
+        return ToolResult(text, "timeout", time.monotonic() - start)
+    except Exception as err:
+        return ToolResult(
+            f"error: the tool {call.name} raised {type(err).__name__}: {err}", "raised", time.monotonic() - start
+        )
+    try:
+        text = tool_result_text(value, max_chars=cfg.max_tool_response_chars)
     except TypeError as err:
         return ToolResult(
             f"error: the tool {call.name} returned a value the model cannot read: {err}",
             "invalid_result",
             time.monotonic() - start,
         )
-    except Exception as err:
-        return ToolResult(
-            f"error: the tool {call.name} raised {type(err).__name__}: {err}", "raised", time.monotonic() - start
-        )
     return ToolResult(text, "ok", time.monotonic() - start)
+
+
+def _settled(values: list[Any]) -> list[Any]:
+    """``values`` with each awaitable one (an ``async def reward``'s, e.g. an LLM judge's) replaced by its result, all
+    of them awaited at once in one event loop."""
+    waiting = [i for i, v in enumerate(values) if inspect.isawaitable(v)]
+    if waiting:
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(values[i] for i in waiting))
+
+        for i, value in zip(waiting, asyncio.run(gather()), strict=True):
+            values[i] = value
+    return values
+
+
+async def _within(awaitable: Any, timeout_s: float) -> Any:
+    return await asyncio.wait_for(awaitable, timeout_s)
 
 
 def sample_episodes(
@@ -484,7 +551,7 @@ def sample_episodes(
     rollout["tool_errors"] = torch.tensor([ep.info.tool_errors for ep in episodes])
     rollout["tool_s"] = torch.tensor([ep.tool_s for ep in episodes], dtype=torch.float32)
     rollout["observation_tokens"] = torch.tensor([ep.observation_tokens for ep in episodes])
-    rewards = [ep.env.reward(ep.info) for ep in episodes]
+    rewards = _settled([ep.env.reward(ep.info) for ep in episodes])
     rollout["env_reward"] = [math.nan if r is None else float(r) for r in rewards]
     rollout["episode"] = [ep.info.messages for ep in episodes]
     rollout.meta["gen_s"] = gen_s

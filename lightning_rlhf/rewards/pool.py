@@ -16,10 +16,12 @@ unless the function does. Why not ``multiprocessing``'s spawn: see docs/architec
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import contextlib
 import dataclasses
+import inspect
 import linecache
 import logging
 import math
@@ -42,6 +44,7 @@ __all__ = [
     "RewardPool",
     "ScoresError",
     "as_scores",
+    "awaited",
     "close_reward_pools",
     "reward_pool",
     "spawn_worker",
@@ -495,6 +498,9 @@ def _worker_main(fd: int, parent: int) -> None:
             conn.send_bytes(pickle.dumps(("load_error", f"{type(err).__name__}: {err}", traceback.format_exc())))
             return
         conn.send_bytes(pickle.dumps(("ready",)))
+        if kind == "async-tool":
+            asyncio.run(_serve_coroutines(conn, fn))
+            return
         while True:
             request = pickle.loads(conn.recv_bytes())
             result = _call(fn, *request) if kind == "reward" else _call_tool(fn, *request)
@@ -508,7 +514,7 @@ def _call(
     fn: Callable[..., Any], name: str, prompts: list[str], completions: list[str], columns: Mapping[str, Any]
 ) -> Result:
     try:
-        values = fn(prompts, completions, **columns)
+        values = awaited(fn(prompts, completions, **columns))
     except Exception as err:
         tb = traceback.format_exc()
         message = (
@@ -563,6 +569,59 @@ def _call_tool(
         return ("ok", [], tool_result_text(value, max_chars=max_chars), "")
     except TypeError as err:
         return ("invalid", None, str(err), "")
+
+
+async def _serve_coroutines(conn: Connection, functions: Mapping[str, Callable[..., Any]]) -> None:
+    """Main loop of a worker serving ``async def`` tools: every call it receives, ``(number, name, arguments,
+    max_chars, timeout_s)``, runs at once as a task of this one event loop (I/O-bound tools wait side by side, and a
+    semaphore or client made at module level is shared by every call); each answer, ``(number, kind, text)``, goes
+    back as soon as its call ends. A call past ``timeout_s`` is cancelled. Ends at the end of input.
+
+    Runs on: an asynchronous tool worker (its main thread runs the loop; one thread reads the requests)."""
+    loop = asyncio.get_running_loop()
+    requests: asyncio.Queue[Any] = asyncio.Queue()
+
+    def read() -> None:  # a thread: Connection.recv_bytes blocks until a whole message is in
+        message = None
+        with contextlib.suppress(EOFError, OSError):
+            while (message := pickle.loads(conn.recv_bytes())) is not None:
+                loop.call_soon_threadsafe(requests.put_nowait, message)
+        loop.call_soon_threadsafe(requests.put_nowait, None)  # None, or the end of input: the loop ends
+
+    async def one(number: int, name: str, arguments: dict[str, Any], max_chars: int, timeout_s: float) -> None:
+        try:
+            value = await asyncio.wait_for(functions[name](**arguments), timeout_s)
+        except TimeoutError:
+            answer = ("timeout", f"timed out after {timeout_s:g} s")
+        except Exception as err:
+            answer = ("raised", f"{type(err).__name__}: {err}")
+        else:
+            try:
+                answer = ("ok", tool_result_text(value, max_chars=max_chars))
+            except TypeError as err:
+                answer = ("invalid", str(err))
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pickle.dumps((number, *answer)))
+
+    threading.Thread(target=read, name="lightning-rlhf-tool-reader", daemon=True).start()
+    tasks: set[asyncio.Task[None]] = set()
+    while (request := await requests.get()) is not None:
+        task = asyncio.create_task(one(*request))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
+def awaited(value: Any) -> Any:
+    """``value``, or what it gives once awaited when it is awaitable (an ``async def`` reward function's or
+    environment's result), run to its end in an event loop of its own. Runs on: whichever process called the function
+    (a worker, or the rollout's process when the call runs there)."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait() -> Any:
+        return await value
+
+    return asyncio.run(wait())
 
 
 def _die_with_parent(parent: int) -> None:

@@ -21,7 +21,15 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_rlhf.rewards.pool import IN_PROCESS, RewardPool, ScoresError, as_scores, close_reward_pools, reward_pool
+from lightning_rlhf.rewards.pool import (
+    IN_PROCESS,
+    RewardPool,
+    ScoresError,
+    as_scores,
+    awaited,
+    close_reward_pools,
+    reward_pool,
+)
 
 __all__ = [
     "IN_PROCESS",
@@ -202,7 +210,7 @@ def _call_here(
     fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]
 ) -> _CallResult:
     try:
-        values = fn(prompts, completions, **columns)
+        values = awaited(fn(prompts, completions, **columns))
     except Exception as err:
         tb = traceback.format_exc()
         return _CallResult("raised", message=_raised_message(name, err, prompts, columns), traceback=tb, error=err)

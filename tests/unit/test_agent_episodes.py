@@ -8,6 +8,7 @@ token by token. The real engines run episodes in tests/distributed/test_episodes
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import shutil
@@ -27,7 +28,7 @@ from lightning_rlhf.config import AlgorithmConfig, RolloutConfig
 from lightning_rlhf.demo import addition_reward
 from lightning_rlhf.demo.tiny import build_tiny_tokenizer
 from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams
-from tests.agent_tools import calculator
+from tests.agent_tools import calculator, nap
 
 # A chat template in Qwen2.5's layout (written here from its documented rendering): turns between <|im_start|>ROLE
 # and <|im_end|>, tools listed in the system turn, consecutive tool results in one user turn as <tool_response>s.
@@ -285,6 +286,78 @@ def test_a_slow_tool_does_not_hold_the_other_episodes(tmp_path) -> None:
         )
         calls[mode] = (engine.calls, batch["tool_errors"].tolist())
     assert calls == {True: ([2, 1, 1], [0, 0]), False: ([2, 2, 1], [1, 0])}
+
+
+def test_async_tools_answer_episodes_from_their_worker() -> None:
+    tok = build_tiny_tokenizer()
+    call = '<tool_call>{"name": "nap", "arguments": {"seconds": 0.05}}</tool_call>'
+    engine = ScriptedEngine(tok, script=lambda text: "Up." if "rested" in text else call)
+    for mode in (True, False):
+        cfg = RolloutConfig(max_new_tokens=128, async_episodes=mode)
+        batch, _ = run(tok, ToolEnvironment(tools=[nap]), cfg, texts=["a", "b", "c"], engine=engine)
+        assert [[m["content"] for m in ep if m["role"] == "tool"] for ep in batch["episode"]] == [["rested"]] * 3
+        assert batch["tool_errors"].tolist() == [0] * 3 and (batch["tool_s"] > 0).all()
+
+
+class Wallet:
+    """A TRL ``environment_factory``-style class: state per episode, public methods as tools (one plain, one
+    ``async def``, one that hangs), ``reset(**row)`` adding text to the prompt, an ``async def get_reward``."""
+
+    def __init__(self) -> None:
+        self.balance = 0
+
+    def reset(self, **row) -> str:
+        self.balance = 10
+        return " (balance: 10)"
+
+    def deposit(self, amount: int) -> int:
+        """Put money in.
+
+        Args:
+            amount: how much.
+        """
+        self.balance += amount
+        return self.balance
+
+    async def withdraw(self, amount: int) -> int:
+        """Take money out.
+
+        Args:
+            amount: how much.
+        """
+        await asyncio.sleep(0)
+        self.balance -= amount
+        return self.balance
+
+    def audit(self, depth: int) -> str:
+        """Hang.
+
+        Args:
+            depth: unused.
+        """
+        time.sleep(60)
+        return "never"
+
+    async def get_reward(self) -> float:
+        await asyncio.sleep(0)
+        return float(self.balance)
+
+
+def test_a_trl_style_environment_keeps_state_runs_async_methods_and_times_out_a_hung_one() -> None:
+    tok = build_tiny_tokenizer()
+    turns = {
+        0: '<tool_call>{"name": "deposit", "arguments": {"amount": 5}}</tool_call>',
+        1: '<tool_call>{"name": "withdraw", "arguments": {"amount": 3}}</tool_call>',
+        2: '<tool_call>{"name": "audit", "arguments": {"depth": 1}}</tool_call>',
+    }
+    engine = ScriptedEngine(tok, script=lambda text: turns.get(text.count("</tool_call>"), "Done."))  # calls so far
+    cfg = RolloutConfig(max_new_tokens=128, max_turns=5, tool_timeout_s=1)
+    batch, _ = run(tok, Wallet, cfg, texts=["Spend wisely."], engine=engine)
+    episode = batch["episode"][0]
+    assert episode[0]["content"].endswith("(balance: 10)")
+    tools = [m["content"] for m in episode if m["role"] == "tool"]
+    assert tools == ["15", "12", "error: the tool audit timed out after 1 s"]
+    assert batch["tool_errors"].tolist() == [1] and batch["env_reward"] == [12.0]  # the async get_reward, awaited
 
 
 def test_reset_that_returns_nothing_is_refused() -> None:

@@ -9,7 +9,19 @@ import pytest
 from lightning_rlhf.agents.executor import ToolExecutor
 from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, parse_hermes, register_tool_parser
 from lightning_rlhf.agents.tools import ToolSet, tool_schema
-from tests.agent_tools import calculator, dies, power, sleepy, unreadable
+from tests.agent_tools import (
+    async_dies,
+    async_raises,
+    async_unreadable,
+    blocks_the_loop,
+    calculator,
+    dies,
+    gather_up,
+    nap,
+    power,
+    sleepy,
+    unreadable,
+)
 
 
 def test_schemas_come_from_signatures_and_docstrings() -> None:
@@ -91,6 +103,46 @@ def test_the_executor_survives_every_way_a_tool_can_fail() -> None:
     finally:
         executor.close()
     assert executor.started >= 4  # two first workers, a replacement for the hung one and for the dead one
+
+
+def test_async_tools_run_side_by_side_in_one_worker() -> None:
+    """Every call of an ``async def`` tool waits until all 12 are running: were they run one at a time, the first
+    would wait until its timeout. They all run in the one coroutine worker, beside the plain tools' worker."""
+    tools = {f.__name__: f for f in (gather_up, calculator)}
+    executor = ToolExecutor(tools, timeout_s=60.0, num_workers=1)
+    try:
+        calls = [executor.submit(ToolCall("gather_up", {"count": 12})) for _ in range(12)]
+        results = [f.result() for f in calls]
+        assert [r.kind for r in results] == ["ok"] * 12 and {r.text for r in results} == {"12"}
+        assert executor.submit(ToolCall("calculator", {"expression": "6*7"})).result().text == "42"
+        assert executor.started == 2  # one worker for the plain tools, one for the coroutines
+    finally:
+        executor.close()
+
+
+def test_async_tools_fail_into_observations_and_the_worker_recovers() -> None:
+    tools = {f.__name__: f for f in (nap, blocks_the_loop, async_raises, async_unreadable, async_dies)}
+    executor = ToolExecutor(tools, timeout_s=1.0, num_workers=1, max_chars=20)
+    try:
+        late = executor.submit(ToolCall("nap", {"seconds": 60})).result()
+        assert late.kind == "timeout" and late.text == "error: the tool nap timed out after 1 s"
+        raised = executor.submit(ToolCall("async_raises", {"text": "no luck"})).result()
+        assert raised.kind == "raised" and raised.text == "error: the tool async_raises raised RuntimeError: no luck"
+        bad = executor.submit(ToolCall("async_unreadable", {})).result()
+        assert bad.kind == "invalid_result" and "cannot be written into a message" in bad.text
+        assert executor.started == 1  # a cancelled coroutine costs no worker
+        # A tool that blocks the loop cannot be cancelled: the worker is killed once the call is past its timeout
+        # (with a grace), and a call beside it fails with it.
+        blocked = executor.submit(ToolCall("blocks_the_loop", {"seconds": 60}))
+        beside = executor.submit(ToolCall("nap", {"seconds": 0.01}))
+        assert blocked.result().kind == "timeout"
+        assert beside.result().kind in ("timeout", "crash")  # it waited behind the blocked loop
+        crash = executor.submit(ToolCall("async_dies", {})).result()
+        assert crash.kind == "crash" and "exit code 4" in crash.text
+        assert executor.submit(ToolCall("nap", {"seconds": 0.01})).result().text == "rested"
+        assert executor.started == 3  # replaced after the blocked loop and after the crash
+    finally:
+        executor.close()
 
 
 def test_tools_that_cannot_travel_are_refused_up_front() -> None:

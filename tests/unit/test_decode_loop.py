@@ -623,3 +623,40 @@ def test_each_prompt_near_the_context_end_is_bounded_by_its_own_limit(decode: st
             logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
             expected = processed_logprobs(logits, temperature=1.0).gather(1, torch.tensor(response)[:, None])
             torch.testing.assert_close(torch.tensor(lps), expected[:, 0], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+def test_responses_are_reported_as_they_stop_while_the_others_decode(
+    greedy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``on_done`` gets each stopped response (what the call then returns, index for index) during the decoding loop,
+    before its last forward; a response cut by ``max_new_tokens`` (no stop) is only returned. With per-prompt
+    limits and row dropping."""
+    from lightning_rlhf.engines.rollout import decode
+
+    forwards = 0
+    original = decode._forward
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal forwards
+        forwards += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode, "_forward", counted)
+    monkeypatch.setattr(decode, "KEEP_ROWS_FROM", 2)
+    engine = HFRolloutEngine(llama_family()[0], pad_token_id=0, eos_token_id=1, device=CPU, decode="loop")
+    stops = tuple(range(60, 80))  # a fifth of the vocabulary: most rows stop within a few steps
+    params = SamplingParams(n=4, temperature=0.0 if greedy else 1.0, max_new_tokens=12, stop_token_ids=stops, seed=2)
+    got: dict[int, tuple[list[int], list[float], int]] = {}
+
+    def on_done(index: int, response: list[int], logprobs: list[float]) -> None:
+        assert index not in got
+        got[index] = (response, logprobs, forwards)
+
+    out = engine.generate(PROMPTS, params, limits=[12, 12, 6, 12], on_done=on_done)
+    assert got and min(at for _, _, at in got.values()) < forwards  # reported while others still decoded
+    for i, (response, lps, _) in got.items():
+        assert out.responses[i] == response and out.logprobs is not None and out.logprobs[i] == lps
+        assert response[-1] in stops or len(response) == 6 == len(out.responses[i])  # a stop, or prompt 2's limit
+    for i in set(range(len(out.responses))) - set(got):  # never reported: cut by max_new_tokens
+        assert len(out.responses[i]) == 12 and out.responses[i][-1] not in stops

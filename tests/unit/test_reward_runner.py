@@ -69,6 +69,20 @@ def test_scores_come_back_in_order_in_process_and_in_a_worker(timeout_s: float |
     assert not out.failed.any() and out.timeouts == out.crashes == 0
 
 
+async def judged(prompts, completions, answer, **kw):
+    """An ``async def`` reward function (an LLM judge's shape): awaited in its worker or in process."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+
+@pytest.mark.parametrize("timeout_s", [None, 10.0])
+def test_an_async_reward_function_is_awaited(timeout_s: float | None) -> None:
+    out = call_reward_fn(judged, PROMPTS, COMPLETIONS, COLUMNS, timeout_s=timeout_s)
+    assert out.scores.tolist() == [1.0, 1.0, 0.0, 1.0, 1.0] and not out.failed.any()
+
+
 def test_worker_is_reused_across_calls_and_is_not_the_trainer() -> None:
     pid_of_worker = pid_reward()
     first = call_reward_fn(pid_of_worker, PROMPTS, COMPLETIONS, {}, timeout_s=10.0)

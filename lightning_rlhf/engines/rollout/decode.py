@@ -556,6 +556,7 @@ def sample_loop(
     pasts: list[Past | None] | None = None,
     keep: list[Past] | None = None,
     limits: list[int] | None = None,
+    finished: Callable[[list[int], Tensor, Tensor], None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sample one response per prompt (greedy) or ``params.n`` per prompt, consecutively.
 
@@ -568,7 +569,9 @@ def sample_loop(
     pass then runs only the slots no past covers (its keys and values are the same up to float rounding: the same
     tokens at the same positions). ``keep``: a list to append each row's :class:`Past` to. ``limits`` (one per
     prompt, or None): each prompt's own bound on its responses' tokens (at most ``params.max_new_tokens``); a row
-    stops there as at a stop token, and what follows it is junk as after one.
+    stops there as at a stop token, and what follows it is junk as after one. ``finished``: called, between decoding
+    steps, with the rows that have just stopped (at a stop token or their limit) and their tokens and log-probs so
+    far, so that a caller can act on a response while the others still decode (a multi-turn episode's tool call).
     """
     greedy = params.is_greedy
     n = 1 if greedy else params.n
@@ -602,6 +605,7 @@ def sample_loop(
     tokens = torch.full((total, params.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((total, params.max_new_tokens), device=device)
     kept: dict[int, Past] = {}
+    told = torch.zeros(total, dtype=torch.bool, device=device)  # rows handed to `finished`
     steps = params.max_new_tokens
     for step in range(params.max_new_tokens):
         scores = logits.float()
@@ -613,6 +617,12 @@ def sample_loop(
         done |= torch.isin(token, stop_ids)
         if bound is not None:
             done |= bound[live] <= step + 1
+        if finished is not None:
+            new = done & ~told[live]
+            if bool(new.any()):
+                ended = live[new]
+                told[ended] = True
+                finished(ended.tolist(), tokens[ended, : step + 1], logprobs[ended, : step + 1])
         running = int(done.numel() - done.sum())
         if step + 1 == params.max_new_tokens or running == 0:
             steps = step + 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -207,6 +207,7 @@ class HFRolloutEngine:
         continues: Sequence[Hashable | None] | None = None,
         keep_as: Sequence[Hashable] | None = None,
         limits: Sequence[int] | None = None,
+        on_done: Callable[[int, list[int], list[float]], None] | None = None,
     ) -> RolloutOutput:
         """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker.
 
@@ -219,6 +220,9 @@ class HFRolloutEngine:
         Both only with the decoding loop; ``generate``'s path ignores them. ``limits`` (one per prompt, each at most
         ``params.max_new_tokens``): each prompt's own bound on its responses' tokens, so that prompts near the end of
         the model's context share a call with the others (the context bounds each prompt plus its own limit).
+        ``on_done(index, response, logprobs)``: called with a response as soon as the decoding loop has stopped it
+        (``index`` into the responses; what the call returns holds the same), while the others still decode;
+        responses cut by ``params.max_new_tokens`` are only returned.
         """
         params.check()
         if limits is not None:
@@ -272,9 +276,11 @@ class HFRolloutEngine:
                         for key in continues[start : start + len(chunk)]
                     ]  # fmt: skip
                     kept: list[Past] | None = None if keep_as is None else []
+                    report = None if on_done is None else _reporter(on_done, start, params.n, copies, bounds, stops)
                     generated, token_lps = sample_loop(
                         self.model, chunk, params, stops=stops, pad_token_id=self.pad_token_id, device=self.device,
                         pasts=pasts, keep=kept, limits=None if limits is None else bounds[start : start + len(chunk)],
+                        finished=report,
                     )  # fmt: skip
                     if kept is not None and keep_as is not None:  # n responses a prompt (greedy: one, copied)
                         keys = keep_as[start * params.n : (start + len(chunk)) * params.n]
@@ -453,6 +459,27 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
         for owner in sorted(owners):
             assert init is not None
             init(model.get_submodule(owner))
+
+
+def _reporter(
+    on_done: Callable[[int, list[int], list[float]], None],
+    start: int,
+    n: int,
+    copies: int,
+    bounds: list[int],
+    stops: set[int],
+) -> Callable[[list[int], Tensor, Tensor], None]:
+    """The decoding loop's ``finished`` for the chunk of prompts from ``start``: each stopped row's response cut as
+    :meth:`HFRolloutEngine.generate` cuts it, handed to ``on_done`` under its index (or ``copies`` indices, greedy)."""
+    per = 1 if copies > 1 else n  # loop rows a prompt
+
+    def finished(rows: list[int], tokens: Tensor, logprobs: Tensor) -> None:
+        for row, ids, lps in zip(rows, tokens.tolist(), logprobs.float().cpu().tolist(), strict=True):
+            response = _cut_at_stop(ids[: bounds[start + row // per]], stops)
+            for c in range(copies):
+                on_done((start * per + row) * copies + c, list(response), lps[: len(response)])
+
+    return finished
 
 
 def _cut_at_stop(row: list[int], stops: set[int]) -> list[int]:
