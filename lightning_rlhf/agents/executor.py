@@ -94,6 +94,7 @@ class _Process:
     conn: Connection
     calls: dict[int, tuple[Future[ToolResult], str, float]]
     reader: threading.Thread | None = None
+    closing_at: float | None = None  # when the executor asked it to end
 
 
 class _CoroutineWorker:
@@ -138,10 +139,11 @@ class _CoroutineWorker:
         with self._lock:
             live, self._live = self._live, None
         if live is not None:
+            live.closing_at = time.monotonic()
             with contextlib.suppress(OSError):
                 live.conn.send_bytes(pickle.dumps(None))  # the worker's loop ends; its reader then sees the end
             assert live.reader is not None
-            live.reader.join()
+            live.reader.join()  # within about a second: a worker whose loop is blocked is killed
 
     def _read(self, live: _Process) -> None:
         """The answers of one process, until it ends; then its calls left fail (a reader thread)."""
@@ -149,6 +151,8 @@ class _CoroutineWorker:
         with contextlib.suppress(EOFError, OSError):
             while True:
                 now = time.monotonic()
+                if live.closing_at is not None and now > live.closing_at + 1.0:
+                    break  # asked to end a second ago and still there: its loop is blocked (killed below)
                 if ready_at is None:
                     wait_s = born + STARTUP_TIMEOUT_S - now
                     if wait_s <= 0:
@@ -161,7 +165,7 @@ class _CoroutineWorker:
                     if wait_s <= 0:
                         why = "blocked"
                         break
-                if not live.conn.poll(wait_s):
+                if not live.conn.poll(min(wait_s, 1.0) if live.closing_at is None else 0.05):
                     continue
                 message = pickle.loads(live.conn.recv_bytes())
                 if message[0] == "ready":
@@ -182,11 +186,13 @@ class _CoroutineWorker:
                 self._live = None
             failed = list(live.calls.values())
             live.calls.clear()
-        how = kill_worker(live.proc, term=why == "blocked")
+        how = kill_worker(live.proc, term=why == "blocked" or live.closing_at is not None)
         live.conn.close()
         now = time.monotonic()
         for future, name, sent in failed:
-            if why == "blocked" and now - max(sent, ready_at or now) >= self.timeout_s:
+            if live.closing_at is not None:
+                result = ToolResult(f"error: the tool {name} was stopped: its executor closed", "crash", 0.0)
+            elif why == "blocked" and now - max(sent, ready_at or now) >= self.timeout_s:
                 result = ToolResult(f"error: the tool {name} timed out after {self.timeout_s:g} s", "timeout", 0.0)
             elif why == "blocked":
                 text = f"error: the tool {name} was stopped: a call blocked the tools' event loop past its timeout"
