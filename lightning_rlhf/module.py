@@ -307,6 +307,14 @@ class RLHFModule(L.LightningModule):
             role.train_engine.attn_implementation = getattr(self, "attn_implementation", None)
         if stage == "fit":
             self.check_asynchronous(rollout_pool=self.rollout_role is not None)
+            every, steps = getattr(self.trainer, "log_every_n_steps", 1), self.trainer.max_steps  # set by Lightning
+            if 0 < steps < every:
+                rank_zero_warn(
+                    f"Trainer(max_steps={steps}, log_every_n_steps={every}): the loggers record every {every}th step, "
+                    "so no step of this run reaches them (an RL step takes seconds to minutes; Lightning's default "
+                    "suits steps of milliseconds). HINT: Trainer(log_every_n_steps=1), as the CLI and recipes set it.",
+                    category=UserWarning,
+                )
         batch_size = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
         if stage == "fit" and batch_size:
             # With rank pools (RLHFStrategy(placement=...)) each pool splits the batch by its own size.

@@ -54,3 +54,21 @@ def test_attn_implementation_must_be_a_name(tiny_model: str) -> None:
         GRPOModule(tiny_model, reward=addition_reward, attn_implementation="")
     module = GRPOModule(tiny_model, reward=addition_reward, attn_implementation="eager")
     assert module.attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(("every", "warned"), [(50, True), (1, False)])
+def test_a_run_too_short_for_its_logging_interval_is_told(tiny_model: str, every: int, warned: bool) -> None:
+    import warnings
+
+    import lightning as L
+
+    module = GRPOModule(tiny_model, reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl_coef=0.0))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, log_every_n_steps=every, logger=False)
+    module.trainer = trainer
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        module.setup("fit")
+    told = [str(w.message) for w in seen if "log_every_n_steps" in str(w.message)]
+    assert bool(told) == warned
+    if warned:
+        assert told[0].startswith("Trainer(max_steps=8, log_every_n_steps=50): the loggers record every 50th step")
