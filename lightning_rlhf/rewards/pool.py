@@ -583,17 +583,18 @@ async def _serve_coroutines(conn: Connection, functions: Mapping[str, Callable[.
 
     def read() -> None:  # a thread: Connection.recv_bytes blocks until a whole message is in
         message = None
-        with contextlib.suppress(EOFError, OSError):
+        with contextlib.suppress(EOFError, OSError, RuntimeError):  # RuntimeError: the loop has ended already
             while (message := pickle.loads(conn.recv_bytes())) is not None:
                 loop.call_soon_threadsafe(requests.put_nowait, message)
-        loop.call_soon_threadsafe(requests.put_nowait, None)  # None, or the end of input: the loop ends
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(requests.put_nowait, None)  # None, or the end of input: the loop ends
 
     async def one(number: int, name: str, arguments: dict[str, Any], max_chars: int, timeout_s: float) -> None:
         try:
             value = await asyncio.wait_for(functions[name](**arguments), timeout_s)
         except TimeoutError:
             answer = ("timeout", f"timed out after {timeout_s:g} s")
-        except Exception as err:
+        except (Exception, asyncio.CancelledError) as err:  # a tool may cancel what it awaits, and itself with it
             answer = ("raised", f"{type(err).__name__}: {err}")
         else:
             try:
