@@ -351,12 +351,12 @@ def test_a_trl_style_environment_keeps_state_runs_async_methods_and_times_out_a_
         2: '<tool_call>{"name": "audit", "arguments": {"depth": 1}}</tool_call>',
     }
     engine = ScriptedEngine(tok, script=lambda text: turns.get(text.count("</tool_call>"), "Done."))  # calls so far
-    cfg = RolloutConfig(max_new_tokens=128, max_turns=5, tool_timeout_s=1)
+    cfg = RolloutConfig(max_new_tokens=128, max_turns=5, tool_timeout_s=3)
     batch, _ = run(tok, Wallet, cfg, texts=["Spend wisely."], engine=engine)
     episode = batch["episode"][0]
     assert episode[0]["content"].endswith("(balance: 10)")
     tools = [m["content"] for m in episode if m["role"] == "tool"]
-    assert tools == ["15", "12", "error: the tool audit timed out after 1 s"]
+    assert tools == ["15", "12", "error: the tool audit timed out after 3 s"]
     assert batch["tool_errors"].tolist() == [1] and batch["env_reward"] == [12.0]  # the async get_reward, awaited
 
 

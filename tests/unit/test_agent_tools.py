@@ -120,7 +120,10 @@ def test_async_tools_run_side_by_side_in_one_worker() -> None:
         executor.close()
 
 
-def test_async_tools_fail_into_observations_and_the_worker_recovers() -> None:
+def test_async_tools_fail_into_observations_and_the_worker_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_rlhf.agents import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_COROUTINE_GRACE_S", 10.0)  # a busy machine answers a cancel late
     tools = {f.__name__: f for f in (nap, blocks_the_loop, async_raises, async_unreadable, async_dies)}
     executor = ToolExecutor(tools, timeout_s=1.0, num_workers=1, max_chars=20)
     try:
@@ -132,7 +135,7 @@ def test_async_tools_fail_into_observations_and_the_worker_recovers() -> None:
         assert bad.kind == "invalid_result" and "cannot be written into a message" in bad.text
         assert executor.started == 1  # a cancelled coroutine costs no worker
         # A tool that blocks the loop cannot be cancelled: the worker is killed once the call is past its timeout
-        # (with a grace), and a call beside it fails with it.
+        # and the grace, and a call beside it fails with it.
         blocked = executor.submit(ToolCall("blocks_the_loop", {"seconds": 60}))
         beside = executor.submit(ToolCall("nap", {"seconds": 0.01}))
         assert blocked.result().kind == "timeout"
