@@ -158,9 +158,10 @@ class RolloutConfig:
     max_episode_tokens: int | None = None
     """Episodes: the most tokens after the prompt (sampled turns and observations); None: ``max_new_tokens x
     max_turns``. An observation that would not fit, with one more sampled token, ends the episode (truncated)."""
-    tool_parser: str = "hermes"
-    """Episodes: the format of the model's tool calls (``<tool_call>{...}</tool_call>``, as Qwen's templates write
-    them); another format is registered with ``lightning_rlhf.agents.register_tool_parser``."""
+    tool_parser: str = "auto"
+    """Episodes: the format of the model's tool calls. ``"auto"``: the tokenizer's ``response_template`` where it has
+    one (``"template"``: transformers' ``parse_response``), else ``"hermes"`` (``<tool_call>{...}</tool_call>``, as
+    Qwen's templates write them); another format is registered with ``lightning_rlhf.agents.register_tool_parser``."""
     tool_timeout_s: float = 10.0
     """Episodes: seconds one tool call may run; a call that runs longer is killed (its worker replaced), or cancelled
     for an ``async def`` tool, and the model gets an error observation."""

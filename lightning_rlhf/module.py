@@ -166,7 +166,7 @@ class RLHFModule(L.LightningModule):
         )
         self.actor.environment = environment_factory(self.environment) if self.environment is not None else None
         if self.actor.environment is not None:  # the tools' schemas and the chat template, before any process starts
-            check_environment(self.actor.environment, self.tokenizer)
+            check_environment(self.actor.environment, self.tokenizer, self.rollout_config.tool_parser)
         self.critic: CriticRole | None = (
             CriticRole(
                 critic,

@@ -12,7 +12,10 @@ The default format is Hermes' (Qwen2/2.5/3, NousResearch, and the demo's tool te
     </tool_call>
 
 Another format is a function registered under a name (:func:`register_tool_parser`) and chosen with
-``RolloutConfig(tool_parser=NAME)``.
+``RolloutConfig(tool_parser=NAME)``. A tokenizer that carries a ``response_template`` (transformers' own description of
+how its model writes replies and calls: Gemma 4 repositories ship one, TRL's ``add_response_schema`` sets them for
+the templates it knows) is read by transformers' ``parse_response`` (:func:`parse_with_template`): that is
+``tool_parser="template"``, and what ``"auto"``, the default, picks whenever the tokenizer has one (else Hermes).
 """
 
 from __future__ import annotations
@@ -24,7 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ParsedTurn", "ToolCall", "get_tool_parser", "parse_hermes", "register_tool_parser", "tool_parsers"]
+__all__ = [
+    "ParsedTurn",
+    "ToolCall",
+    "get_tool_parser",
+    "parse_hermes",
+    "parse_with_template",
+    "register_tool_parser",
+    "resolve_tool_parser",
+    "tool_parsers",
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,12 @@ def _read_call(raw: str) -> ToolCall:
         obj = json.loads(body)
     except json.JSONDecodeError as err:
         return ToolCall("", raw=raw, error=f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
+    return _checked_call(obj, raw)
+
+
+def _checked_call(obj: Any, raw: str) -> ToolCall:
+    """A call from its parsed object (``{"name": ..., "arguments": {...}}``), or one with the ``error`` that says
+    what is wrong with it."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ToolCall("", raw=raw, error='the tool call needs a "name" (a string) and "arguments" (an object)')
     arguments = obj.get("arguments", obj.get("parameters", {}))
@@ -85,6 +103,45 @@ def parse_hermes(text: str) -> ParsedTurn:
     return ParsedTurn(content, calls)
 
 
+def parse_with_template(
+    tokenizer: Any, turn: list[int], prefix: list[int], tools: list[dict[str, Any]] | None = None
+) -> ParsedTurn:
+    """An assistant turn's ids read by the tokenizer's ``response_template`` (transformers' ``parse_response``):
+    ``prefix``, the ids before the turn (the generation prompt at least), and ``tools``, the schemas (the arguments
+    are typed by them). A region the template cannot read (a call whose JSON is broken) gives one malformed call.
+    Runs on: the process that runs the rollout (a worker)."""
+    try:
+        message = tokenizer.parse_response(turn, prefix=prefix, tools=tools or None)
+    except ValueError as err:  # transformers' parser names the region it could not read
+        reason = str(err).splitlines()[0].rstrip(".")
+        malformed = ToolCall("", raw=tokenizer.decode(turn), error=f"the tool call cannot be read ({reason})")
+        return ParsedTurn("", (malformed,))
+    calls = []
+    for entry in message.get("tool_calls") or []:
+        function = entry.get("function", entry) if isinstance(entry, dict) else entry
+        calls.append(_checked_call(function, json.dumps(function, default=str)))
+    return ParsedTurn(str(message.get("content") or ""), tuple(calls))
+
+
+def resolve_tool_parser(name: str, tokenizer: Any) -> str:
+    """The format ``RolloutConfig(tool_parser=name)`` means for ``tokenizer``: ``"auto"`` is ``"template"`` when the
+    tokenizer carries a ``response_template``, else ``"hermes"``. Runs on: any process (the module checks it when it
+    is built). Raises ValueError for ``"template"`` without one, or a name that is not registered."""
+    has_template = getattr(tokenizer, "response_template", None) is not None
+    if name == "auto":
+        return "template" if has_template else "hermes"
+    if name == "template":
+        if not has_template:
+            raise ValueError(
+                "RolloutConfig(tool_parser='template') reads calls with the tokenizer's response_template, and this "
+                "tokenizer has none. HINT: tool_parser='auto' (Hermes without one), a registered format, or set "
+                "tokenizer.response_template (TRL's add_response_schema sets it for the templates it knows)."
+            )
+        return name
+    get_tool_parser(name)
+    return name
+
+
 ToolParser = Callable[[str], ParsedTurn]
 _PARSERS: dict[str, ToolParser] = {"hermes": parse_hermes}
 
@@ -95,6 +152,8 @@ def register_tool_parser(name: str, parser: ToolParser) -> None:
     Runs on: every process that builds the rollout (register at import time of the user's module, as a recipe's
     reward functions are). Re-registering a name replaces it.
     """
+    if name in ("auto", "template"):
+        raise ValueError(f"register_tool_parser({name!r}, ...): {name!r} is reserved. HINT: choose another name.")
     if not name or not callable(parser):
         raise ValueError(f"register_tool_parser({name!r}, {parser!r}): needs a name and a callable text -> ParsedTurn")
     _PARSERS[name] = parser
@@ -109,7 +168,8 @@ def get_tool_parser(name: str) -> ToolParser:
     """The parser registered as ``name``. Runs on: any process. Raises ValueError naming the known formats."""
     if name not in _PARSERS:
         raise ValueError(
-            f"RolloutConfig(tool_parser={name!r}) is not a registered format (known: {tool_parsers()}). HINT: "
+            f"RolloutConfig(tool_parser={name!r}) is not a registered format (known: 'auto', 'template', "
+            f"{', '.join(map(repr, tool_parsers()))}). HINT: "
             "register yours with lightning_rlhf.agents.register_tool_parser(name, parser)."
         )
     return _PARSERS[name]

@@ -36,7 +36,7 @@ import torch
 
 from lightning_rlhf.agents.env import Environment, Episode, Message
 from lightning_rlhf.agents.executor import ToolExecutor, ToolResult
-from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser
+from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, parse_with_template, resolve_tool_parser
 from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template
 from lightning_rlhf.agents.tools import ToolSet
 from lightning_rlhf.batch import Batch
@@ -47,6 +47,10 @@ __all__ = ["EPISODE_COLUMNS", "EpisodeRunner", "check_environment", "episode_met
 
 EPISODE_COLUMNS = ("episode", "env_reward")
 """Columns an episode batch adds: the conversation's messages, the environment's reward (NaN: none)."""
+
+_PREFIX_IDS = 32
+"""Ids before a turn handed to a ``response_template`` parser: its generation prompt (what the template may have
+written of the reply already, such as an opening think tag) with room to spare."""
 
 _TURN_SEED = 15_485_863  # a prime: the seeds of successive engine calls never meet
 
@@ -86,7 +90,9 @@ class EpisodeRunner:
         self.cfg = cfg
         self.context = _model_context(model_path)
         """The model's context bound (its positions), None when its config states none."""
-        self.parse = get_tool_parser(cfg.tool_parser)
+        self.tool_format = resolve_tool_parser(cfg.tool_parser, tokenizer)
+        """The format the turns' tool calls are read in (``RolloutConfig.tool_parser``, ``"auto"`` resolved)."""
+        self.parse = None if self.tool_format == "template" else get_tool_parser(self.tool_format)
         self._toolsets: dict[tuple[int, ...], tuple[ToolSet, ChatDelta, ToolExecutor | None]] = {}
         self._threads = cf.ThreadPoolExecutor(max(1, cfg.tool_workers), thread_name_prefix="lightning-rlhf-env")
 
@@ -139,6 +145,7 @@ class EpisodeRunner:
         """Append a sampled turn; end the episode or start its observation (tools, or the environment's step)."""
         turn = turn[:limit]
         logprobs = list(logprobs[: len(turn)]) + [0.0] * (len(turn) - len(logprobs))
+        before = (ep.prompt[-_PREFIX_IDS:] + ep.ids)[-_PREFIX_IDS:]  # the generation prompt and a little more
         ep.ids += turn
         ep.sampled += [1] * len(turn)
         ep.logprobs += logprobs
@@ -158,7 +165,10 @@ class EpisodeRunner:
                 return
             ep.pending = [(ToolCall("", raw="environment"), m) for m in _messages(observation, ep.env)]
         else:
-            calls = self.parse(text).calls
+            if self.parse is None:
+                calls = parse_with_template(self.tokenizer, turn, before, ep.tools.schemas).calls
+            else:
+                calls = self.parse(text).calls
             if not calls:
                 ep.done = True
                 return
@@ -375,13 +385,15 @@ class EpisodeRunner:
                 return gen_s
 
 
-def check_environment(make_env: Callable[[], Environment], tokenizer: Any) -> None:
+def check_environment(make_env: Callable[[], Environment], tokenizer: Any, tool_parser: str = "auto") -> None:
     """Make one environment and check what every episode would meet at its first turn: its tools' JSON schemas
-    (type hints, docstrings) and the chat template (present, renders ``tool`` turns, prefix-preserving), so that a
-    mistake is a clear error when the module is built, not in a worker once training has started.
+    (type hints, docstrings), the chat template (present, renders ``tool`` turns, prefix-preserving) and the format
+    its calls are read in (``RolloutConfig.tool_parser``), so that a mistake is a clear error when the module is
+    built, not in a worker once training has started.
 
     Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError.
     """
+    resolve_tool_parser(tool_parser, tokenizer)
     _tools_and_delta(make_env(), tokenizer)
 
 

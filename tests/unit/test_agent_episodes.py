@@ -288,6 +288,23 @@ def test_a_slow_tool_does_not_hold_the_other_episodes(tmp_path) -> None:
     assert calls == {True: ([2, 1, 1], [0, 0]), False: ([2, 2, 1], [1, 0])}
 
 
+def test_episodes_read_calls_with_the_tokenizers_response_template() -> None:
+    """A model that writes Llama-3-style JSON calls, with a tokenizer that says so (its ``response_template``): the
+    default ``tool_parser="auto"`` reads the calls and the tools answer; Hermes' tags would see none."""
+    from tests.unit.test_agent_tools import JSON_CALLS
+
+    tok = qwen_style_tokenizer()
+    tok.response_template = JSON_CALLS
+    call = '{"name": "calculator", "parameters": {"expression": "37 * 41"}}'
+    engine = ScriptedEngine(tok, script=lambda text: "It is 1517." if "1517" in text else call)
+    batch, _ = run(tok, ToolEnvironment(tools=[calculator]), RolloutConfig(max_new_tokens=128), engine=engine)
+    assert [m["content"] for m in batch["episode"][0] if m["role"] == "tool"] == ["1517"]
+    assert batch["tool_calls"].tolist() == [1] and batch["turns"].tolist() == [2]
+    hermes, _ = run(tok, ToolEnvironment(tools=[calculator]), RolloutConfig(max_new_tokens=128, tool_parser="hermes"),
+                    engine=ScriptedEngine(tok, script=lambda text: call))  # fmt: skip
+    assert hermes["tool_calls"].tolist() == [0] and hermes["turns"].tolist() == [1]
+
+
 def test_async_tools_answer_episodes_from_their_worker() -> None:
     tok = build_tiny_tokenizer()
     call = '<tool_call>{"name": "nap", "arguments": {"seconds": 0.05}}</tool_call>'
@@ -379,8 +396,9 @@ def _untyped(x):
 
 
 def test_environment_mistakes_fail_when_the_module_is_built(tiny_model: str, tmp_path: Path) -> None:
-    """A tool without type hints and a tokenizer without a chat template are refused by the module's constructor
-    (on the controller, before any process or model starts), not by a worker at the first rollout."""
+    """A tool without type hints, a tokenizer without a chat template and a tool format the tokenizer cannot read are
+    refused by the module's constructor (on the controller, before any process or model starts), not by a worker at
+    the first rollout."""
     settings = dict(reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl_coef=0.0))
     with pytest.raises(ValueError, match=r"tool '_untyped': its JSON schema cannot be made .* HINT: .*type hint"):
         GRPOModule(tiny_model, environment=ToolEnvironment(tools=[_untyped]), **settings)
@@ -392,6 +410,11 @@ def test_environment_mistakes_fail_when_the_module_is_built(tiny_model: str, tmp
     (bare / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"an environment needs a chat template: the tokenizer has none"):
         GRPOModule(str(bare), environment=ToolEnvironment(tools=[calculator]), **settings)
+    with pytest.raises(ValueError, match=r"tool_parser='template'\) reads calls with the tokenizer's response_temp"):
+        GRPOModule(
+            tiny_model, environment=ToolEnvironment(tools=[calculator]), rollout=RolloutConfig(tool_parser="template"),
+            **settings,
+        )  # fmt: skip
     GRPOModule(tiny_model, environment=ToolEnvironment(tools=[calculator]), **settings)  # the same, well made
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_rlhf.agents.executor import ToolExecutor
-from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, parse_hermes, register_tool_parser
+from lightning_rlhf.agents.parsing import ParsedTurn, ToolCall, get_tool_parser, parse_hermes, register_tool_parser
 from lightning_rlhf.agents.tools import ToolSet, tool_schema
 from tests.agent_tools import (
     async_dies,
@@ -64,9 +64,54 @@ def test_parser_registry_names_the_known_formats() -> None:
     turn = get_tool_parser("bracket")('[[{"name": "power", "arguments": {"base": 3}}]]')
     assert turn.calls[0].arguments == {"base": 3}
     with pytest.raises(
-        ValueError, match=r"tool_parser='xml'\) is not a registered format \(known: \['bracket', 'hermes'"
+        ValueError, match=r"tool_parser='xml'\) is not a registered format \(known: 'auto', 'template', 'bracket', 'h"
     ):
         get_tool_parser("xml")
+
+
+# A response template (transformers' description of how a model writes its reply) for JSON calls without tags, in the
+# shape Llama 3.x writes them: what Hermes' tags never find.
+JSON_CALLS = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*',
+            "close_pattern": r"\}<\|im_end\|>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+
+
+def test_a_tokenizers_response_template_reads_the_calls() -> None:
+    from lightning_rlhf.agents.parsing import parse_with_template, resolve_tool_parser
+    from tests.unit.test_agent_episodes import qwen_style_tokenizer
+
+    tok = qwen_style_tokenizer()
+    assert resolve_tool_parser("auto", tok) == "hermes"
+    with pytest.raises(ValueError, match=r"tool_parser='template'\) reads calls with the tokenizer's response_temp"):
+        resolve_tool_parser("template", tok)
+    tok.response_template = JSON_CALLS
+    assert resolve_tool_parser("auto", tok) == "template" and resolve_tool_parser("hermes", tok) == "hermes"
+    prefix = tok.apply_chat_template(
+        [{"role": "user", "content": "3^2?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+    def parse(text: str):
+        return parse_with_template(tok, tok.encode(text, add_special_tokens=False), prefix[-32:], [tool_schema(power)])
+
+    call = parse('{"name": "power", "parameters": {"base": "3"}}<|im_end|>').calls
+    assert [(c.name, c.arguments, c.error) for c in call] == [("power", {"base": 3}, None)]  # typed by the schema
+    assert parse("It is 9.<|im_end|>") == ParsedTurn("It is 9.")
+    (broken,) = parse('{"name": "power", "parameters": {"base": 3<|im_end|>').calls
+    assert broken.error is not None and broken.error.startswith("the tool call cannot be read")
+    assert parse_hermes('{"name": "power", "parameters": {"base": 3}}').calls == ()  # the format Hermes cannot see
+    with pytest.raises(ValueError, match="'template' is reserved"):
+        register_tool_parser("template", parse_hermes)
 
 
 def test_calls_are_checked_before_they_run() -> None:
