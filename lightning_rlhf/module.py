@@ -81,8 +81,10 @@ class RLHFModule(L.LightningModule):
         environment: multi-turn episodes instead of one response per prompt (docs/agents.md): an
             :class:`~lightning_rlhf.agents.Environment` class (one instance per episode), a factory, a
             ``ToolEnvironment(tools=[...])``, a TRL-style ``environment_factory`` class, or its import path
-            (``"my_module.MyEnv"``, for recipes). When it scores episodes (``reward(episode)``), its score is the
-            reward component ``environment``, beside ``reward`` if given (``reward`` may then be None).
+            (``"my_module.MyEnv"``, for recipes); or several of those by name (``{"name": ..., ...}``), each
+            dataset row's ``environment`` column choosing its own. When it scores episodes (``reward(episode)``),
+            its score is the reward component ``environment``, beside ``reward`` if given (``reward`` may then be
+            None).
         lora: train LoRA adapters instead of every weight (docs/lora.md): a ``peft.LoraConfig`` or its fields as a
             dict (``{"r": 16, "lora_alpha": 32}``; ``target_modules`` defaults to ``"all-linear"``). It applies to
             the actor and the critic (whose value head is trained whole); with ``reference=True`` the reference is

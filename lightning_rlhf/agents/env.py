@@ -34,7 +34,9 @@ from typing import Any
 from lightning_rlhf.rewards.pool import IN_PROCESS
 
 __all__ = [
+    "ENVIRONMENT_COLUMN",
     "Environment",
+    "EnvironmentChoice",
     "Episode",
     "ToolEnvironment",
     "as_environment",
@@ -169,16 +171,46 @@ def as_environment(obj: Any) -> Environment:
     )
 
 
-def environment_factory(environment: Any) -> Callable[[], Environment]:
-    """A zero-argument callable making one :class:`Environment` per episode from what the user gave: a class, a
-    factory function, or an instance (a :class:`ToolEnvironment` holds no episode state, so one instance may serve
-    every episode: it is copied). Runs on: any process (the controller checks it before training)."""
+ENVIRONMENT_COLUMN = "environment"
+"""The dataset column that names each row's environment when the module has several (TRL's multi-environment
+column; verl names a row's interaction in its ``interaction_kwargs``)."""
+
+
+class EnvironmentChoice:
+    """Several environments by name: each episode gets the one its row's ``environment`` column names. Made by
+    :func:`environment_factory` from ``environment={"name": ..., ...}``. Runs on: the rollout's process."""
+
+    def __init__(self, factories: Mapping[str, Callable[[], Environment]]) -> None:
+        self.factories = dict(factories)
+
+    def __call__(self, row: Mapping[str, Any] | None = None) -> Environment:
+        names = sorted(self.factories)
+        name = None if row is None else row.get(ENVIRONMENT_COLUMN)
+        if name not in self.factories:
+            got = "no 'environment' column" if row is None or ENVIRONMENT_COLUMN not in row else f"{name!r}"
+            raise ValueError(
+                f"RLHFModule(environment={{{', '.join(map(repr, names))}: ...}}) picks each row's environment by its "
+                f"'environment' column; this row has {got}. HINT: give every dataset row an 'environment' column "
+                f"naming one of {names}."
+            )
+        return self.factories[name]()
+
+
+def environment_factory(environment: Any) -> Callable[..., Environment]:
+    """A callable making one :class:`Environment` per episode (given the episode's dataset row) from what the user
+    gave: a class, a factory function, an instance (a :class:`ToolEnvironment` holds no episode state, so one
+    instance may serve every episode: it is copied), or a mapping of names to those, each row's ``environment``
+    column choosing (:class:`EnvironmentChoice`). Runs on: any process (the controller checks it before training)."""
+    if isinstance(environment, Mapping):
+        if not environment:
+            raise ValueError("environment={}: no environment. HINT: name at least one, or pass environment=None.")
+        return EnvironmentChoice({str(k): environment_factory(v) for k, v in environment.items()})
     if isinstance(environment, Environment):
         import copy
 
-        return lambda: copy.copy(environment)
+        return lambda row=None: copy.copy(environment)
     if callable(environment):
-        return lambda: as_environment(environment())
+        return lambda row=None: as_environment(environment())
     raise ValueError(
         f"environment={environment!r}: expected an Environment subclass, a factory, or an instance. HINT: "
         "environment=ToolEnvironment(tools=[my_tool])."
@@ -188,7 +220,18 @@ def environment_factory(environment: Any) -> Callable[[], Environment]:
 def scores_episodes(environment: Any) -> bool:
     """Whether ``environment`` (a class, an instance or a factory) scores its episodes itself: an
     :class:`Environment` that overrides ``reward``, or a TRL-style class with ``get_reward``. A factory function is
-    called once to see. Runs on: every process, when the module is built."""
+    called once to see; of several environments by name, all must score or none (a mix would leave some episodes
+    without a score). Runs on: every process, when the module is built."""
+    if isinstance(environment, Mapping):
+        scored = {name: scores_episodes(env) for name, env in environment.items()}
+        if len(set(scored.values())) > 1:
+            raise ValueError(
+                f"environment={{...}}: {sorted(n for n, s in scored.items() if s)} score their episodes (reward) and "
+                f"{sorted(n for n, s in scored.items() if not s)} do not, so some episodes would have no score. "
+                "HINT: give every environment a reward(episode), or none (the module's reward functions then score "
+                "every episode)."
+            )
+        return any(scored.values())
     if not isinstance(environment, type) and not isinstance(environment, Environment) and callable(environment):
         environment = environment()
     cls = environment if isinstance(environment, type) else type(environment)
@@ -218,6 +261,8 @@ def resolve_environment(environment: Any) -> Any:
     """``environment`` as given to the module, an import path (``"package.module.Name"``, as recipes write it)
     imported. Runs on: every process, when the module is built. Raises ValueError for a path that does not import.
     """
+    if isinstance(environment, Mapping):  # several, by name: each resolved
+        return {name: resolve_environment(env) for name, env in environment.items()}
     if not isinstance(environment, str):
         return environment
     import importlib

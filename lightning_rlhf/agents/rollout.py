@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lightning_rlhf.agents.env import Environment, Episode, Message
+from lightning_rlhf.agents.env import Environment, EnvironmentChoice, Episode, Message
 from lightning_rlhf.agents.executor import ToolExecutor, ToolResult
 from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, parse_with_template, resolve_tool_parser
 from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template
@@ -83,7 +83,7 @@ class EpisodeRunner:
     """
 
     def __init__(
-        self, make_env: Callable[[], Environment], tokenizer: Any, cfg: RolloutConfig, *, model_path: str | None = None
+        self, make_env: Callable[..., Environment], tokenizer: Any, cfg: RolloutConfig, *, model_path: str | None = None
     ) -> None:
         self.make_env = make_env
         self.tokenizer = tokenizer
@@ -125,7 +125,7 @@ class EpisodeRunner:
 
     # --------------------------------------------------------------------------------------------- episode
     def _start(self, row: dict[str, Any]) -> _Live:
-        env = self.make_env()
+        env = self.make_env(row)
         messages = env.reset(row)
         if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(
@@ -385,7 +385,7 @@ class EpisodeRunner:
                 return gen_s
 
 
-def check_environment(make_env: Callable[[], Environment], tokenizer: Any, tool_parser: str = "auto") -> None:
+def check_environment(make_env: Callable[..., Environment], tokenizer: Any, tool_parser: str = "auto") -> None:
     """Make one environment and check what every episode would meet at its first turn: its tools' JSON schemas
     (type hints, docstrings), the chat template (present, renders ``tool`` turns, prefix-preserving) and the format
     its calls are read in (``RolloutConfig.tool_parser``), so that a mistake is a clear error when the module is
@@ -394,7 +394,8 @@ def check_environment(make_env: Callable[[], Environment], tokenizer: Any, tool_
     Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError.
     """
     resolve_tool_parser(tool_parser, tokenizer)
-    _tools_and_delta(make_env(), tokenizer)
+    for make in make_env.factories.values() if isinstance(make_env, EnvironmentChoice) else [make_env]:
+        _tools_and_delta(make(), tokenizer)
 
 
 def _tools_and_delta(env: Environment, tokenizer: Any) -> tuple[ToolSet, ChatDelta]:

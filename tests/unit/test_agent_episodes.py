@@ -242,6 +242,53 @@ def test_an_environment_of_its_own_answers_with_user_turns_and_scores_the_episod
     assert batch["env_reward"] == [1.0] and batch["tool_calls"].tolist() == [0]
 
 
+def test_each_row_gets_the_environment_its_column_names() -> None:
+    """Several environments by name (TRL's multi-environment mode): a row's ``environment`` column picks its
+    environment, with that environment's own tools in its prompt; a row naming none is a clear error."""
+
+    class Guess(Environment):
+        def step(self, message):
+            return ([], True) if "7" in message["content"] else ([{"role": "user", "content": "Try 7."}], False)
+
+    tok = qwen_style_tokenizer()  # a template that lists the tools in the prompt
+
+    def script(text: str) -> str:
+        if "guess" in text:
+            return "7" if "Try 7" in text else "3"
+        return "It is 1517." if "1517" in text else CALL
+
+    choice = environment_factory({"calc": ToolEnvironment(tools=[calculator]), "guess": Guess})
+    runner = EpisodeRunner(choice, tok, RolloutConfig(max_new_tokens=128))
+    try:
+        batch = prompt_batch(tok, ["37*41=?", "guess a number"])
+        batch.columns["environment"] = ["calc", "guess"]
+        stops = (check_chat_template(tok).end_of_turn_id,)
+        params = SamplingParams(max_new_tokens=128, stop_token_ids=stops, seed=3)
+        out = sample_episodes(ScriptedEngine(tok, script=script), batch, runner, params, n=1, pad_id=tok.pad_token_id)
+        assert [[m["content"] for m in ep[1:]] for ep in out["episode"]] == [
+            [CALL, "1517", "It is 1517."],
+            ["3", "Try 7.", "7"],
+        ]
+        assert out["tool_calls"].tolist() == [1, 0]
+        assert "calculator" in tok.decode(out["prompts"][0]) and "calculator" not in tok.decode(out["prompts"][1])
+        with pytest.raises(ValueError, match=r"this row has 'chess'. HINT: give every dataset row an 'environment'"):
+            batch.columns["environment"] = ["calc", "chess"]
+            sample_episodes(ScriptedEngine(tok, script=script), batch, runner, params, n=1, pad_id=tok.pad_token_id)
+    finally:
+        runner.close()
+
+
+def test_several_environments_score_all_or_none(tiny_model: str) -> None:
+    class Scored(ToolEnvironment):
+        def reward(self, episode: Episode) -> float:
+            return 1.0
+
+    settings = dict(reference=False, algorithm=AlgorithmConfig(kl_coef=0.0))
+    with pytest.raises(ValueError, match=r"\['scored'\] score their episodes \(reward\) and \['plain'\] do not"):
+        GRPOModule(tiny_model, environment={"scored": Scored, "plain": ToolEnvironment}, **settings)
+    GRPOModule(tiny_model, environment={"a": Scored, "b": Scored}, **settings)  # the environments' reward alone
+
+
 def test_a_slow_tool_does_not_hold_the_other_episodes(tmp_path) -> None:
     """Two episodes, one whose tool waits until the other episode has had its next turn: asynchronously, the fast
     episode goes on while the slow tool runs (engine calls: both, the fast one alone, the slow one alone); in lock
