@@ -77,13 +77,15 @@ class _Live:
 
 class EpisodeRunner:
     """What one rank needs to run episodes for an environment: the tool executor, the chat delta, the parser.
-    Made once per role and kept across steps (its tool workers live as long as it does).
+    Made once per role and kept across steps (its tool workers live as long as it does). ``make_env``: a zero-argument
+    callable making one environment per episode (an Environment class, a factory), or an
+    :class:`~lightning_rlhf.agents.env.EnvironmentChoice`, which makes each episode's from its row.
 
     Runs on: the process that runs the rollout (a worker rank with a rollout engine).
     """
 
     def __init__(
-        self, make_env: Callable[..., Environment], tokenizer: Any, cfg: RolloutConfig, *, model_path: str | None = None
+        self, make_env: Callable[[], Environment], tokenizer: Any, cfg: RolloutConfig, *, model_path: str | None = None
     ) -> None:
         self.make_env = make_env
         self.tokenizer = tokenizer
@@ -125,7 +127,7 @@ class EpisodeRunner:
 
     # --------------------------------------------------------------------------------------------- episode
     def _start(self, row: dict[str, Any]) -> _Live:
-        env = self.make_env(row)
+        env = self.make_env(row) if isinstance(self.make_env, EnvironmentChoice) else self.make_env()
         messages = env.reset(row)
         if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(
