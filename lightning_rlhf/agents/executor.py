@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import inspect
 import itertools
 import math
@@ -37,7 +36,7 @@ from typing import Any
 from lightning_rlhf.agents.parsing import ToolCall
 from lightning_rlhf.rewards.pool import STARTUP_TIMEOUT_S, kill_worker, spawn_worker, worker_payload
 
-__all__ = ["ToolExecutor", "ToolResult"]
+__all__ = ["ToolExecutor", "ToolResult", "tool_result"]
 
 
 @dataclass(frozen=True)
@@ -74,15 +73,18 @@ _COROUTINE_GRACE_S = 2.0
 e.g. with ``time.sleep``, stops ``wait_for`` from cancelling it): the worker is then killed and replaced."""
 
 
-def _answer(name: str, kind: str, text: str) -> ToolResult:
-    """A worker's answer as the observation the model reads."""
+def tool_result(name: str, kind: str, text: str, seconds: float) -> ToolResult:
+    """How a call of tool ``name`` ended, as the observation the model reads. ``kind``: ``ok`` (``text`` is the
+    result), ``raised`` (``text``: the exception, ``"Type: message"``), ``invalid`` (``text``: why the value has no
+    text form), ``timeout``/``crash`` (``text`` ends the sentence "the tool NAME ...", e.g. "timed out after 10 s").
+    Runs on: the rollout's process (and its tool threads)."""
     if kind == "raised":
         text = f"error: the tool {name} raised {text}"
     elif kind == "invalid":
         kind, text = "invalid_result", f"error: the tool {name} returned a value the model cannot read: {text}"
     elif kind != "ok":
         text = f"error: the tool {name} {text}"
-    return ToolResult(text, kind, 0.0)
+    return ToolResult(text, kind, seconds)
 
 
 @dataclass
@@ -177,10 +179,7 @@ class _CoroutineWorker:
                     number, kind, text = message
                     with self._lock:
                         future, name, sent = live.calls.pop(number)
-                    result = _answer(name, kind, text)
-                    future.set_result(
-                        dataclasses.replace(result, seconds=time.monotonic() - max(sent, ready_at or sent))
-                    )
+                    future.set_result(tool_result(name, kind, text, time.monotonic() - max(sent, ready_at or sent)))
         with self._lock:
             if self._live is live:
                 self._live = None
@@ -190,18 +189,16 @@ class _CoroutineWorker:
         live.conn.close()
         now = time.monotonic()
         for future, name, sent in failed:
+            kind, text = "crash", why
             if live.closing_at is not None:
-                result = ToolResult(f"error: the tool {name} was stopped: its executor closed", "crash", 0.0)
+                text = "was stopped: its executor closed"
             elif why == "blocked" and now - max(sent, ready_at or now) >= self.timeout_s:
-                result = ToolResult(f"error: the tool {name} timed out after {self.timeout_s:g} s", "timeout", 0.0)
+                kind, text = "timeout", f"timed out after {self.timeout_s:g} s"
             elif why == "blocked":
-                text = f"error: the tool {name} was stopped: a call blocked the tools' event loop past its timeout"
-                result = ToolResult(text, "crash", 0.0)
+                text = "was stopped: a call blocked the tools' event loop past its timeout"
             elif why == "crash":
-                result = ToolResult(f"error: the tool {name} crashed (its process ended: {how})", "crash", 0.0)
-            else:
-                result = ToolResult(f"error: the tool {name} {why}", "crash", 0.0)
-            future.set_result(dataclasses.replace(result, seconds=now - sent))
+                text = f"crashed (its process ended: {how})"
+            future.set_result(tool_result(name, kind, text, now - sent))
 
 
 class ToolExecutor:
@@ -332,29 +329,21 @@ class ToolExecutor:
 
     def _run(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         start = time.monotonic()
-
-        def result(text: str, kind: str) -> ToolResult:
-            return ToolResult(text, kind, time.monotonic() - start)
-
         try:
             w = self._worker()
         except Exception as err:
-            return result(f"error: the tool {name} could not run ({err})", "crash")
+            return tool_result(name, "crash", f"could not run ({err})", time.monotonic() - start)
         start = time.monotonic()  # the timeout counts from the moment a started worker takes the call
         try:
             w.conn.send_bytes(pickle.dumps((name, arguments, self.max_chars)))
             if not w.conn.poll(self.timeout_s):
                 self._drop(w)
-                return result(f"error: the tool {name} timed out after {self.timeout_s:g} s", "timeout")
-            kind, _, text, _ = pickle.loads(w.conn.recv_bytes())
+                kind, text = "timeout", f"timed out after {self.timeout_s:g} s"
+            else:
+                kind, _, text, _ = pickle.loads(w.conn.recv_bytes())
         except (EOFError, OSError):
-            how = self._drop(w)
-            return result(f"error: the tool {name} crashed (its process ended: {how})", "crash")
-        if kind == "ok":
-            return result(text, "ok")
-        if kind == "raised":
-            return result(f"error: the tool {name} raised {text}", "raised")
-        return result(f"error: the tool {name} returned a value the model cannot read: {text}", "invalid_result")
+            kind, text = "crash", f"crashed (its process ended: {self._drop(w)})"
+        return tool_result(name, kind, text, time.monotonic() - start)
 
 
 _EXECUTORS: weakref.WeakSet[ToolExecutor] = weakref.WeakSet()

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from lightning_rlhf.agents.env import Environment, EnvironmentChoice, Episode, Message
-from lightning_rlhf.agents.executor import ToolExecutor, ToolResult
+from lightning_rlhf.agents.executor import ToolExecutor, ToolResult, tool_result
 from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, parse_with_template, resolve_tool_parser
 from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template
 from lightning_rlhf.agents.tools import ToolSet
@@ -147,7 +147,6 @@ class EpisodeRunner:
         """Append a sampled turn; end the episode or start its observation (tools, or the environment's step)."""
         turn = turn[:limit]
         logprobs = list(logprobs[: len(turn)]) + [0.0] * (len(turn) - len(logprobs))
-        before = (ep.prompt[-_PREFIX_IDS:] + ep.ids)[-_PREFIX_IDS:]  # the generation prompt and a little more
         ep.ids += turn
         ep.sampled += [1] * len(turn)
         ep.logprobs += logprobs
@@ -168,6 +167,8 @@ class EpisodeRunner:
             ep.pending = [(ToolCall("", raw="environment"), m) for m in _messages(observation, ep.env)]
         else:
             if self.parse is None:
+                end = len(ep.ids) - len(turn)  # the ids before the turn: its generation prompt and a little more
+                before = (ep.prompt[-_PREFIX_IDS:] + ep.ids[max(0, end - _PREFIX_IDS) : end])[-_PREFIX_IDS:]
                 calls = parse_with_template(self.tokenizer, turn, before, ep.tools.schemas).calls
             else:
                 calls = self.parse(text).calls
@@ -182,7 +183,7 @@ class EpisodeRunner:
                     ep.info.tool_errors += 1
                     ep.pending.append((call, f"error: {problem}"))
                 elif executor is None:  # stateful tools of a TRL-style environment: in this process
-                    ep.pending.append((call, self._in_process(ep.tools.functions[call.name], call)))
+                    ep.pending.append((call, self._in_thread(ep.tools.functions[call.name], call)))
                 else:
                     ep.pending.append((call, executor.submit(call)))
         if ep.info.turns >= self.cfg.max_turns:  # its observation would never be answered
@@ -192,7 +193,7 @@ class EpisodeRunner:
             ep.pending = []
             ep.info.truncated = ep.done = True
 
-    def _in_process(self, fn: Callable[..., Any], call: ToolCall) -> cf.Future[ToolResult]:
+    def _in_thread(self, fn: Callable[..., Any], call: ToolCall) -> cf.Future[ToolResult]:
         """A stateful tool (a TRL-style environment's method) in a thread of this process, with the timeout: the
         future gives a timeout result once ``tool_timeout_s`` has passed (a coroutine is cancelled then; a plain call
         cannot be stopped, so its thread is abandoned to finish by itself)."""
@@ -207,7 +208,7 @@ class EpisodeRunner:
         timer = threading.Timer(
             timeout_s + 0.5,  # after a coroutine's own cancellation, which says the same
             finish,
-            (ToolResult(f"error: the tool {call.name} timed out after {timeout_s:g} s", "timeout", timeout_s),),
+            (tool_result(call.name, "timeout", f"timed out after {timeout_s:g} s", timeout_s),),
         )
         timer.daemon = True
         timer.start()
@@ -481,23 +482,17 @@ def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> T
     try:
         value = fn(**call.arguments)
         if inspect.isawaitable(value):  # an ``async def`` method: its own event loop, cancelled at the timeout
-            value = asyncio.run(_within(value, cfg.tool_timeout_s))
+            value = asyncio.run(asyncio.wait_for(value, cfg.tool_timeout_s))
     except TimeoutError:
-        text = f"error: the tool {call.name} timed out after {cfg.tool_timeout_s:g} s"
-        return ToolResult(text, "timeout", time.monotonic() - start)
+        kind, text = "timeout", f"timed out after {cfg.tool_timeout_s:g} s"
     except Exception as err:
-        return ToolResult(
-            f"error: the tool {call.name} raised {type(err).__name__}: {err}", "raised", time.monotonic() - start
-        )
-    try:
-        text = tool_result_text(value, max_chars=cfg.max_tool_response_chars)
-    except TypeError as err:
-        return ToolResult(
-            f"error: the tool {call.name} returned a value the model cannot read: {err}",
-            "invalid_result",
-            time.monotonic() - start,
-        )
-    return ToolResult(text, "ok", time.monotonic() - start)
+        kind, text = "raised", f"{type(err).__name__}: {err}"
+    else:
+        try:
+            kind, text = "ok", tool_result_text(value, max_chars=cfg.max_tool_response_chars)
+        except TypeError as err:
+            kind, text = "invalid", str(err)
+    return tool_result(call.name, kind, text, time.monotonic() - start)
 
 
 def _settled(values: list[Any]) -> list[Any]:
@@ -512,10 +507,6 @@ def _settled(values: list[Any]) -> list[Any]:
         for i, value in zip(waiting, asyncio.run(gather()), strict=True):
             values[i] = value
     return values
-
-
-async def _within(awaitable: Any, timeout_s: float) -> Any:
-    return await asyncio.wait_for(awaitable, timeout_s)
 
 
 def sample_episodes(

@@ -605,7 +605,6 @@ def sample_loop(
     tokens = torch.full((total, params.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((total, params.max_new_tokens), device=device)
     kept: dict[int, Past] = {}
-    told = torch.zeros(total, dtype=torch.bool, device=device)  # rows handed to `finished`
     steps = params.max_new_tokens
     for step in range(params.max_new_tokens):
         scores = logits.float()
@@ -614,15 +613,13 @@ def sample_loop(
         token, logprob = _pick(scores, params)
         tokens[live, step] = token
         logprobs[live, step] = logprob
-        done |= torch.isin(token, stop_ids)
+        stopped = torch.isin(token, stop_ids)
         if bound is not None:
-            done |= bound[live] <= step + 1
-        if finished is not None:
-            new = done & ~told[live]
-            if bool(new.any()):
-                ended = live[new]
-                told[ended] = True
-                finished(ended.tolist(), tokens[ended, : step + 1], logprobs[ended, : step + 1])
+            stopped |= bound[live] <= step + 1
+        if finished is not None and bool((stopped & ~done).any()):
+            ended = live[stopped & ~done]
+            finished(ended.tolist(), tokens[ended, : step + 1], logprobs[ended, : step + 1])
+        done |= stopped
         running = int(done.numel() - done.sum())
         if step + 1 == params.max_new_tokens or running == 0:
             steps = step + 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -297,11 +297,10 @@ class HFRolloutEngine:
                     )
                     generated = out[:, ids.shape[1] :]
                     token_lps = recorder.result(generated)
-                per = len(generated) // len(chunk)  # rows a prompt (greedy: one, copied)
-                for k, (row, lps) in enumerate(zip(generated.tolist(), token_lps.float().cpu().tolist(), strict=True)):
-                    response = _cut_at_stop(row[: bounds[start + k // per]], stops)
-                    responses.extend(list(response) for _ in range(copies))
-                    logprobs.extend(lps[: len(response)] for _ in range(copies))
+                rows = range(len(generated))
+                for _, response, lps in _responses(rows, generated, token_lps, start, params.n, copies, bounds, stops):
+                    responses.append(response)
+                    logprobs.append(lps)
         return RolloutOutput(responses=responses, logprobs=logprobs)
 
     def _by_limit(self, prompts: list[list[int]], params: SamplingParams, limits: Sequence[int]) -> RolloutOutput:
@@ -461,6 +460,26 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
             init(model.get_submodule(owner))
 
 
+def _responses(
+    rows: Iterable[int],
+    tokens: Tensor,
+    logprobs: Tensor,
+    start: int,
+    n: int,
+    copies: int,
+    bounds: list[int],
+    stops: set[int],
+) -> Iterator[tuple[int, list[int], list[float]]]:
+    """``(index, response, log-probs)`` of sampled rows ``rows`` of the chunk of prompts from ``start`` (``tokens``/
+    ``logprobs``: a row each): each cut at its prompt's bound and its first stop token, under its index in the call's
+    responses (``copies`` indices when greedy decoding sampled one row for ``n`` responses)."""
+    per = 1 if copies > 1 else n  # sampled rows a prompt
+    for row, ids, lps in zip(rows, tokens.tolist(), logprobs.float().cpu().tolist(), strict=True):
+        response = _cut_at_stop(ids[: bounds[start + row // per]], stops)
+        for c in range(copies):
+            yield (start * per + row) * copies + c, list(response), lps[: len(response)]
+
+
 def _reporter(
     on_done: Callable[[int, list[int], list[float]], None],
     start: int,
@@ -469,15 +488,12 @@ def _reporter(
     bounds: list[int],
     stops: set[int],
 ) -> Callable[[list[int], Tensor, Tensor], None]:
-    """The decoding loop's ``finished`` for the chunk of prompts from ``start``: each stopped row's response cut as
-    :meth:`HFRolloutEngine.generate` cuts it, handed to ``on_done`` under its index (or ``copies`` indices, greedy)."""
-    per = 1 if copies > 1 else n  # loop rows a prompt
+    """The decoding loop's ``finished`` for the chunk of prompts from ``start``: each stopped row's response, as
+    :meth:`HFRolloutEngine.generate` returns it, handed to ``on_done`` under its index."""
 
     def finished(rows: list[int], tokens: Tensor, logprobs: Tensor) -> None:
-        for row, ids, lps in zip(rows, tokens.tolist(), logprobs.float().cpu().tolist(), strict=True):
-            response = _cut_at_stop(ids[: bounds[start + row // per]], stops)
-            for c in range(copies):
-                on_done((start * per + row) * copies + c, list(response), lps[: len(response)])
+        for index, response, lps in _responses(rows, tokens, logprobs, start, n, copies, bounds, stops):
+            on_done(index, response, lps)
 
     return finished
 
