@@ -164,7 +164,7 @@ class RLHFModule(L.LightningModule):
             rollout=self.rollout_config,
             algorithm=self.algorithm,
             optim=actor_optim or OptimConfig(),
-            lora=resolve_lora(lora, setting="RLHFModule(lora=...)", task_type="CAUSAL_LM"),
+            lora=resolve_lora(lora, setting="RLHFModule(lora=...)", task_type="CAUSAL_LM", model=actor),
         )
         self.actor.environment = environment_factory(self.environment) if self.environment is not None else None
         if self.actor.environment is not None:  # the tools' schemas and the chat template, before any process starts
@@ -175,7 +175,11 @@ class RLHFModule(L.LightningModule):
                 algorithm=self.algorithm,
                 optim=critic_optim or OptimConfig(lr=1e-5),
                 lora=resolve_lora(
-                    lora, setting="RLHFModule(lora=...)", task_type="TOKEN_CLS", modules_to_save=["score"]
+                    lora,
+                    setting="RLHFModule(lora=...)",
+                    task_type="TOKEN_CLS",
+                    modules_to_save=["score"],
+                    model=critic,
                 ),
             )
             if critic is not None

@@ -79,7 +79,7 @@ class SFTModule(RLHFModule):
             rollout=self.rollout_config,
             algorithm=self.algorithm,
             optim=optim or OptimConfig(lr=1e-5),
-            lora=resolve_lora(lora, setting="SFTModule(lora=...)", task_type="CAUSAL_LM"),
+            lora=resolve_lora(lora, setting="SFTModule(lora=...)", task_type="CAUSAL_LM", model=actor),
         )
         self.actor.needs_rollout_engine = False  # supervised steps only: no generation
         self._step_logs: list[tuple[str, float, dict[str, Any]]] | None = None

@@ -3,6 +3,8 @@ merged hand-off, deferred (sharded) loading of the wrapped model, and the bad se
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -113,7 +115,8 @@ def test_a_lora_critic_trains_its_value_head_whole(tiny_model: str) -> None:
         ({"r": 4, "rank": 8}, "unknown LoRA field"),
         ({"r": 4, "lora_dropout": 1.5}, "lora_dropout=1.5"),
         ({"r": 4, "bias": "all"}, "bias='all' is not supported"),
-        ("r=8", "expected None, a peft.LoraConfig or a dict"),
+        (8, "expected None, a peft.LoraConfig, a dict of its fields or a saved adapter's folder"),
+        ("r=8", "'r=8': not a saved peft adapter"),
     ],
 )
 def test_bad_lora_settings_are_named(given: object, message: str) -> None:
@@ -132,7 +135,9 @@ def test_lora_on_a_role_that_is_not_trained_is_refused() -> None:
 def test_targets_that_match_nothing_or_a_rank_too_large_fail_before_training(tiny_model: str) -> None:
     with pytest.raises(ValueError, match=r"target_modules=\['qkv'\] matches no linear layer.*q_proj"):
         apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(target_modules=["qkv"]), setting=SETTING)
-    with pytest.raises(ValueError, match=r"rank r=4096 exceeds the smaller dimension of .* HINT: r <= "):
+    with pytest.raises(
+        ValueError, match=r"rank r=4096 exceeds the smaller dimension of the targeted .* HINT: r <= 64 "
+    ):
         apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(r=4096), setting=SETTING)
 
 
@@ -152,3 +157,95 @@ def test_supervised_fine_tuning_takes_lora_too(tiny_model: str) -> None:
     assert module.actor.lora is not None and module.actor.lora.r == 4
     with pytest.raises(ValueError, match=r"SFTModule\(lora=...\): LoRA rank r=0"):
         SFTModule(tiny_model, lora={"r": 0})
+
+
+def test_a_lora_config_without_targets_gets_all_linear_as_a_dict_does() -> None:
+    from peft import LoraConfig
+
+    given = LoraConfig(r=4)  # peft leaves target_modules None (its per-architecture guess: q_proj, v_proj)
+    assert given.target_modules is None
+    resolved = resolve_lora(given, setting=SETTING, task_type="CAUSAL_LM")
+    assert resolved.target_modules == lora().target_modules == "all-linear"
+    assert given.target_modules is None  # the user's object is not changed
+    assert lora().lora_alpha == 8 and LoraConfig(r=4).lora_alpha == 8  # a dict's default alpha is 2r (r=4: 8)
+    assert resolve_lora({"r": 16}, setting=SETTING, task_type="CAUSAL_LM").lora_alpha == 32  # peft's would be 8
+
+
+def test_the_rank_hint_is_the_smallest_bound_over_every_targeted_layer(tiny_model: str) -> None:
+    """The tiny model's q_proj is 128 x 128, its k_proj and v_proj 128 x 64: r=128 does not fit k_proj."""
+    for r in (1024, 128):
+        with pytest.raises(
+            ValueError,
+            match=r"targeted (k_proj/v_proj|[a-z_/]+) layers \(the smallest: .*k_proj, 128 x 64\)\. HINT: r <= 64 ",
+        ):
+            apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(r=r), setting=SETTING)
+    apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(r=64), setting=SETTING)  # the bound fits
+
+
+def test_targets_and_rank_are_checked_when_the_module_is_built_from_the_config_alone(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """Before any process starts: the module's constructor checks against config.json; no weight file is read."""
+    import shutil
+
+    from lightning_rlhf import GRPOModule, SFTModule
+
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(Path(tiny_model) / "config.json", config_only / "config.json")  # no weights next to it
+    with pytest.raises(ValueError, match=r"r <= 64"):
+        resolve_lora({"r": 128}, setting=SETTING, task_type="CAUSAL_LM", model=str(config_only))
+    with pytest.raises(ValueError, match=r"target_modules=\['qkv'\] matches no linear layer"):
+        resolve_lora(
+            {"r": 4, "target_modules": ["qkv"]}, setting=SETTING, task_type="TOKEN_CLS", model=str(config_only)
+        )
+    with pytest.raises(ValueError, match=r"RLHFModule\(lora=...\): LoRA rank r=128 exceeds"):
+        GRPOModule(tiny_model, reward=lambda completions, **_: [0.0] * len(completions), lora={"r": 128})
+    with pytest.raises(ValueError, match=r"SFTModule\(lora=...\): LoRA rank r=128 exceeds"):
+        SFTModule(tiny_model, lora={"r": 128})
+
+
+def saved_adapter(tiny_model: str, folder: Path) -> Path:
+    """A trained peft adapter saved as peft saves it (what an SFT LoRA run exports)."""
+    model = trained(apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), lora(lora_alpha=6), setting=SETTING))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_saved_adapter_is_the_trainable_starting_point(tiny_model: str, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    folder = saved_adapter(tiny_model, tmp_path / "sft_adapter")
+    config = resolve_lora(str(folder), setting=SETTING, task_type="CAUSAL_LM", model=tiny_model)
+    assert (config.r, config.lora_alpha, config.inference_mode) == (4, 6, False)
+    saved = load_file(folder / "adapter_model.safetensors")
+    whole = load_model(
+        AutoModelForCausalLM, tiny_model, setting="ActorRole(path=...)", dtype=torch.float32, lora=config
+    )
+    with deferred_loading():
+        deferred = load_pretrained(AutoModelForCausalLM, tiny_model, setting="ActorRole(path=...)")
+    deferred = apply_lora(deferred, config, setting=SETTING)
+    materialize(deferred, device="cpu")
+    for model in (whole, deferred):  # loaded whole, and sharded-style from the checkpoint plan
+        adapters = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+        assert adapters and all(p.requires_grad for p in adapters.values())  # trainable
+        assert len(adapters) == len(saved)
+        for name, param in adapters.items():
+            key = name.replace(".default.", ".")
+            torch.testing.assert_close(param.detach(), saved[key], rtol=0, atol=0, msg=name)
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), folder)
+    batch = grouped_batch()
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        ours = forward_response(whole, batch, output="logprobs")["logprobs"][mask]
+        peft_own = forward_response(reference, batch, output="logprobs")["logprobs"][mask]
+        with whole.disable_adapter():  # the reference of a run started from it: the base, as in verl and TRL
+            base = forward_response(whole, batch, output="logprobs")["logprobs"][mask]
+    torch.testing.assert_close(ours, peft_own, rtol=0, atol=1e-6)
+    assert (ours - base).abs().max() > 1e-3
+
+
+def test_a_folder_that_is_no_lora_adapter_is_refused_with_the_fix(tiny_model: str) -> None:
+    with pytest.raises(ValueError, match=r"not a saved peft adapter.*HINT: pass the folder peft's save_pretrained"):
+        resolve_lora(tiny_model, setting=SETTING, task_type="CAUSAL_LM")

@@ -12,13 +12,20 @@ The rollout engines take plain transformers weights: :func:`merged_weights` turn
 full tensors into the base model's names with each adapted weight merged (``W + scale * B @ A``, computed on the
 fly, in float32; the trainer's base weights are not changed).
 
-Runs on: every process (the roles' ``load``) and every worker rank (the hand-off).
+A run may also start from adapters trained before (an SFT LoRA run's, verl's ``lora_adapter_path``):
+``lora="path/to/adapter"`` reads the folder's ``adapter_config.json`` (peft's :class:`~peft.LoraConfig`) and starts
+the adapters from its ``adapter_model.safetensors`` (read with peft's ``load_peft_weights``) instead of fresh values.
+
+Runs on: the launching process (:func:`resolve_lora` with ``model``: the targets and the rank checked against the
+model's ``config.json``, no weights), every process (the roles' ``load``) and every worker rank (the hand-off).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 import zlib
 from collections.abc import Iterator, Mapping
@@ -30,10 +37,12 @@ from torch import Tensor, nn
 __all__ = [
     "LORA_MARK",
     "adapter_layers",
+    "adapter_start",
     "adapter_tensors",
     "apply_lora",
     "base_name",
     "base_weights",
+    "check_lora_model",
     "config_scale",
     "fresh_lora_value",
     "has_lora",
@@ -51,6 +60,8 @@ LORA_MARK = ".lora_"
 _PREFIX = "base_model.model."
 _SEED = 20261127
 """Base seed of the adapters' initial values (mixed with a CRC of the parameter's name): the same on every rank."""
+_START_ATTR = "lightning_rlhf_adapter_path"
+"""Attribute of a resolved ``LoraConfig`` naming the adapter folder its adapters start from (``lora="folder"``)."""
 _FIELDS = (
     "r",
     "lora_alpha",
@@ -63,21 +74,39 @@ _FIELDS = (
 )
 
 
-def resolve_lora(lora: Any, *, setting: str, task_type: str, modules_to_save: list[str] | None = None) -> Any:
-    """A ``peft.LoraConfig`` for a role from what the user gave (None, a ``LoraConfig``, or its fields as a dict,
-    as a recipe writes them), checked before any model is built; None when ``lora`` is None.
+def resolve_lora(
+    lora: Any,
+    *,
+    setting: str,
+    task_type: str,
+    modules_to_save: list[str] | None = None,
+    model: str | None = None,
+) -> Any:
+    """A ``peft.LoraConfig`` for a role from what the user gave (None, a ``LoraConfig``, its fields as a dict, as a
+    recipe writes them, or the folder of a saved peft adapter to start from), checked before any model is built;
+    None when ``lora`` is None.
 
-    Runs on: every process (the module's constructor). ``task_type``: ``CAUSAL_LM`` (actor) or ``TOKEN_CLS``
-    (critic, whose ``modules_to_save`` keeps its value head fully trained).
+    ``target_modules`` not given (a dict without it, or a ``LoraConfig`` whose ``target_modules`` is None) is
+    ``"all-linear"``; a dict without ``lora_alpha`` gets ``2 * r`` (peft's own default is 8 whatever the rank).
+    A folder (``lora="runs/sft/actor/adapter"``) takes the saved adapter's settings and, at load, its weights as the
+    trainable starting point (:func:`adapter_start`).
+
+    Runs on: the launching process (the module's constructor), before any process starts. ``task_type``:
+    ``CAUSAL_LM`` (actor) or ``TOKEN_CLS`` (critic, whose ``modules_to_save`` keeps its value head fully trained).
+    ``model``: the folder or hub id of the role's model: the targets and the rank are then checked against its
+    ``config.json`` (:func:`check_lora_model`: no weights are read).
 
     Raises:
-        ValueError: an unknown field, a rank that is not a positive integer, dropout outside [0, 1), or a
-            ``bias`` other than ``none`` (a trained base bias would be one more full-size thing to hand off).
+        ValueError: an unknown field, a rank that is not a positive integer, dropout outside [0, 1), a ``bias``
+            other than ``none`` (a trained base bias would be one more full-size thing to hand off), a folder
+            without a peft LoRA adapter, or (with ``model``) targets that match no linear layer or a rank larger
+            than a targeted layer takes.
     """
     if lora is None:
         return None
     from peft import LoraConfig
 
+    start: str | None = None
     if isinstance(lora, Mapping):
         unknown = sorted(set(lora) - set(_FIELDS))
         if unknown:
@@ -86,11 +115,14 @@ def resolve_lora(lora: Any, *, setting: str, task_type: str, modules_to_save: li
             )
         config = LoraConfig(**{"target_modules": "all-linear", "lora_alpha": 2 * int(lora.get("r", 8)), **lora})
     elif isinstance(lora, LoraConfig):
-        config = dataclasses.replace(lora)
+        config = dataclasses.replace(lora, target_modules=lora.target_modules or "all-linear")
+    elif isinstance(lora, str | os.PathLike):
+        config = _saved_adapter_config(os.fspath(lora), setting=setting)
+        start = os.path.abspath(os.fspath(lora))
     else:
         raise ValueError(
-            f"{setting}={lora!r} is invalid: expected None, a peft.LoraConfig or a dict of its fields. HINT: "
-            "lora={'r': 16, 'lora_alpha': 32} (target_modules defaults to 'all-linear')."
+            f"{setting}={lora!r} is invalid: expected None, a peft.LoraConfig, a dict of its fields or a saved "
+            "adapter's folder. HINT: lora={'r': 16, 'lora_alpha': 32} (target_modules defaults to 'all-linear')."
         )
     if not isinstance(config.r, int) or isinstance(config.r, bool) or config.r < 1:
         raise ValueError(f"{setting}: LoRA rank r={config.r!r} is invalid. HINT: a positive integer, e.g. 8 or 16.")
@@ -102,9 +134,88 @@ def resolve_lora(lora: Any, *, setting: str, task_type: str, modules_to_save: li
             "every hand-off would then carry in full. HINT: bias='none'."
         )
     config.task_type = task_type
+    config.inference_mode = False
     if modules_to_save:
         config.modules_to_save = sorted({*(config.modules_to_save or []), *modules_to_save})
+    if start is not None:
+        setattr(config, _START_ATTR, start)
+    if model is not None:
+        check_lora_model(config, model, setting=setting)
     return config
+
+
+def _saved_adapter_config(folder: str, *, setting: str) -> Any:
+    """The ``LoraConfig`` of a folder written by peft's ``save_pretrained`` (its ``adapter_config.json``)."""
+    from peft import LoraConfig
+
+    path = os.path.join(folder, "adapter_config.json")
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
+        raise ValueError(
+            f"{setting}={folder!r}: not a saved peft adapter (no adapter_config.json and adapter_model.safetensors "
+            "there). HINT: pass the folder peft's save_pretrained wrote (an SFT LoRA run's <run folder>/actor/adapter, "
+            "or `lightning-rlhf export CKPT OUT` of its checkpoint), or lora={'r': 16, ...} for fresh adapters."
+        )
+    with open(path) as f:
+        kind = json.load(f).get("peft_type")
+    if kind != "LORA":
+        raise ValueError(f"{setting}={folder!r}: the adapter is {kind!r}, not LoRA. HINT: a LoRA adapter's folder.")
+    return LoraConfig.from_pretrained(folder)
+
+
+def adapter_start(config: Any) -> str | None:
+    """The saved adapter folder whose weights ``config``'s adapters start from (``lora="folder"``), or None: fresh
+    adapters. Runs on: any process."""
+    return getattr(config, _START_ATTR, None)
+
+
+def _saved_name(name: str) -> str:
+    """The key under which peft saves a wrapped model's parameter: the adapter's name dropped
+    (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``, ``...score.modules_to_save.default.weight``
+    -> ``...score.weight``)."""
+    name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+    return re.sub(r"\.(lora_[A-Za-z_]+)\.[^.]+\.", r".\1.", name)
+
+
+def _start_values(wrapped: nn.Module, folder: str, *, setting: str) -> dict[str, Tensor]:
+    """The saved adapter's ``lora_A``/``lora_B`` tensors by the wrapped model's parameter names (peft's
+    ``load_peft_weights`` reads them); every adapter parameter of ``wrapped`` must have one. A saved
+    ``modules_to_save`` copy is not used: those layers start from the model, as in a fresh run."""
+    from peft.utils import load_peft_weights
+
+    saved = load_peft_weights(folder, device="cpu")
+    values = {
+        name: saved[_saved_name(name)]
+        for name, _ in wrapped.named_parameters()
+        if LORA_MARK in name and _saved_name(name) in saved
+    }
+    missing = [name for name, _ in wrapped.named_parameters() if LORA_MARK in name and name not in values]
+    wrong = [n for n, p in wrapped.named_parameters() if n in values and tuple(values[n].shape) != tuple(p.shape)]
+    if missing or wrong:
+        raise ValueError(
+            f"{setting}={folder!r}: the saved adapter does not fit this model: "
+            f"{'no tensor for ' + str(missing[:3]) if missing else 'other shapes for ' + str(wrong[:3])}. HINT: start "
+            "from an adapter trained on this model (its adapter_config.json's base_model_name_or_path)."
+        )
+    return values
+
+
+def check_lora_model(config: Any, model: str, *, setting: str) -> None:
+    """Check ``config``'s targets and rank against the model at ``model`` (a folder or hub id) without its weights:
+    the architecture is built from its ``config.json`` on the meta device.
+
+    Runs on: the launching process (the module's constructor), before any process starts or any weight loads.
+
+    Raises:
+        ValueError: as :func:`apply_lora` does (no target matched; a rank larger than a targeted layer takes).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    critic = config.task_type == "TOKEN_CLS"
+    model_config = AutoConfig.from_pretrained(model, **({"num_labels": 1} if critic else {}))
+    auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = auto.from_config(model_config)
+    _check_targets(skeleton, config, setting=setting)
 
 
 def _targets(model: nn.Module, config: Any) -> list[tuple[str, nn.Linear]]:
@@ -127,20 +238,9 @@ def _targets(model: nn.Module, config: Any) -> list[tuple[str, nn.Linear]]:
     return found
 
 
-def apply_lora(model: nn.Module, config: Any, *, setting: str) -> nn.Module:
-    """``model`` wrapped in a ``peft.PeftModel`` with ``config``'s adapters (only they, and ``modules_to_save``,
-    require gradients); a model on the meta device (deferred loading) keeps its checkpoint plan, renamed.
-
-    Runs on: every process (a role's ``load``, before FSDP2 shards the model).
-
-    Raises:
-        ValueError: ``target_modules`` selects no linear layer of the model, or the rank exceeds the smaller
-            dimension of a selected layer (the adapter would not be low-rank), naming both and the fix.
-    """
-    from peft import get_peft_model
-
-    from lightning_rlhf.engines.train.loading import rename_source
-
+def _check_targets(model: nn.Module, config: Any, *, setting: str) -> None:
+    """Fail, naming the setting and the fix, when ``config`` targets no linear layer of ``model`` or its rank exceeds
+    the smaller dimension of a targeted layer (the bound given is the smallest over every targeted layer)."""
     targets = _targets(model, config)
     if not targets:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
@@ -150,20 +250,50 @@ def apply_lora(model: nn.Module, config: Any, *, setting: str) -> nn.Module:
             f"{setting}: LoRA target_modules={shown!r} matches no linear layer of "
             f"{type(model).__name__}. HINT: name some of its linear layers, e.g. {linears[:8]}, or 'all-linear'."
         )
-    too_small = [(n, m) for n, m in targets if config.r > min(m.in_features, m.out_features)]
-    if too_small:
-        name, layer = too_small[0]
+    bound = min(min(m.in_features, m.out_features) for _, m in targets)
+    if config.r > bound:
+        name, layer = next((n, m) for n, m in targets if min(m.in_features, m.out_features) == bound)
+        kinds = sorted({n.rsplit(".", 1)[-1] for n, m in targets if config.r > min(m.in_features, m.out_features)})
         raise ValueError(
-            f"{setting}: LoRA rank r={config.r} exceeds the smaller dimension of {name} ({layer.in_features} x "
-            f"{layer.out_features}). HINT: r <= {min(layer.in_features, layer.out_features)}."
+            f"{setting}: LoRA rank r={config.r} exceeds the smaller dimension of the targeted {'/'.join(kinds)} "
+            f"layers (the smallest: {name}, {layer.in_features} x {layer.out_features}). HINT: r <= {bound} (the "
+            "smallest bound over every targeted layer), or leave the smaller layers out of target_modules."
         )
+
+
+def apply_lora(model: nn.Module, config: Any, *, setting: str) -> nn.Module:
+    """``model`` wrapped in a ``peft.PeftModel`` with ``config``'s adapters (only they, and ``modules_to_save``,
+    require gradients); a model on the meta device (deferred loading) keeps its checkpoint plan, renamed. The
+    adapters start fresh (``lora_B`` zero), or from the saved adapter of :func:`adapter_start`.
+
+    Runs on: every process (a role's ``load``, before FSDP2 shards the model).
+
+    Raises:
+        ValueError: ``target_modules`` selects no linear layer of the model, or the rank exceeds the smaller
+            dimension of a selected layer (the adapter would not be low-rank), naming both and the fix; a saved
+            adapter that does not fit the model.
+    """
+    from peft import get_peft_model
+
+    from lightning_rlhf.engines.train.loading import rename_source
+
+    _check_targets(model, config, setting=setting)
     wrapped: nn.Module = get_peft_model(model, config)  # type: ignore[arg-type]
-    rename_source(model, wrapped, base_name, lambda name, p: fresh_lora_value(name, p) if LORA_MARK in name else None)
+    folder = adapter_start(config)
+    start = _start_values(wrapped, folder, setting=setting) if folder is not None else {}
+
+    def initial(name: str, param: Tensor) -> Tensor | None:
+        if name in start:
+            return start[name].to(param.dtype)
+        return fresh_lora_value(name, param) if LORA_MARK in name else None
+
+    rename_source(model, wrapped, base_name, initial)
     if not any(p.is_meta for p in wrapped.parameters()):  # loaded whole: the same start on every rank
         with torch.no_grad():
             for name, param in wrapped.named_parameters():
-                if LORA_MARK in name:
-                    param.copy_(fresh_lora_value(name, param))
+                value = initial(name, param)
+                if value is not None:
+                    param.copy_(value)
     return wrapped
 
 
