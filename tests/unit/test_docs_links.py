@@ -25,7 +25,6 @@ LOGS = {"performance-log.md", "placement-log.md", "soak-log.md", "faults-log.md"
 STILL_JOURNALS: dict[str, str] = {
     "agents.md": "its dated figures section (commit hashes) is being moved to the performance log",
     "testing.md": "its fresh-clone suite times name the commits they ran on",
-    "architecture.md": "names the internal issue the shared weight store came from",
 }
 
 _ISSUE = re.compile(r"\bissues? #?\d+\b", re.IGNORECASE)
