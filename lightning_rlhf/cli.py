@@ -3,7 +3,7 @@
     lightning-rlhf fit --config recipes/grpo_gsm8k.yaml                       # a recipe
     lightning-rlhf fit --config recipes/grpo_gsm8k.yaml --trainer.max_steps 10 --model.rollout.n 4
     lightning-rlhf fit --config recipes/demo.yaml --print_config              # every key, with its value
-    lightning-rlhf export CKPT OUT [--dtype bfloat16] [--base MODEL] [--best true] [--merge true]  # actor -> folder
+    lightning-rlhf export CKPT OUT [--dtype bfloat16] [--base MODEL] [--best] [--merge]  # actor -> folder
     lightning-rlhf sft --config recipes/sft_demo.yaml [--ckpt_path CKPT]      # supervised warm start (SFTModule)
     lightning-rlhf plan --config recipes/ppo.yaml --devices 64 --device-type h100  # where each role should run
 
@@ -26,7 +26,7 @@ import warnings
 from typing import Any, NoReturn
 
 import torch
-from jsonargparse import ArgumentParser, Namespace
+from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from jsonargparse.typing import get_registered_type, register_type
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -339,14 +339,46 @@ def _first_line(doc: str | None) -> str:
     return (doc or "").strip().splitlines()[0] if doc else ""
 
 
+_EXPORT_FLAGS = {
+    "best": "export the best checkpoint by the metric a ModelCheckpoint(monitor=...) watched, which CHECKPOINT "
+    "(any checkpoint of the run, e.g. last.ckpt) names, instead of CHECKPOINT itself",
+    "merge": "LoRA runs: write the merged model (a transformers folder vLLM loads) instead of the adapter folder "
+    "(what peft.PeftModel.from_pretrained(base, OUT) loads); a full-weight run's folder is the same either way",
+}
+"""``export``'s yes/no options: flags (``--merge``; ``--no_merge``), ``--merge true``/``false`` still taken."""
+
+
 def export_parser() -> ArgumentParser:
-    """The parser of ``lightning-rlhf export CKPT OUT [--dtype D] [--base MODEL]`` (from
-    :func:`~lightning_rlhf.export.export_checkpoint`'s signature and docstring). Runs on: any process."""
+    """The parser of ``lightning-rlhf export CKPT OUT [--dtype D] [--base MODEL] [--best] [--merge]`` (from
+    :func:`~lightning_rlhf.export.export_checkpoint`'s signature and docstring; ``--best`` and ``--merge`` are flags).
+    Runs on: any process."""
     parser = ArgumentParser(
         prog="lightning-rlhf export", description=_first_line(export_checkpoint.__doc__), allow_abbrev=False
     )
-    parser.add_function_arguments(export_checkpoint, as_positional=True)
+    parser.add_function_arguments(export_checkpoint, as_positional=True, skip=set(_EXPORT_FLAGS))
+    for name, help_text in _EXPORT_FLAGS.items():
+        parser.add_argument(f"--{name}", action=ActionYesNo, default=False, help=help_text)
     return parser
+
+
+def export_flags(argv: list[str]) -> list[str]:
+    """``argv`` with ``--merge true``/``--merge false`` (the form the flags had before) as ``--merge``/
+    ``--no_merge``, for :func:`export_parser`. Runs on: any process."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        name = word.removeprefix("--")
+        if word.startswith("--") and name in _EXPORT_FLAGS:
+            value = next(words, None)
+            if value is not None and value.lower() in ("true", "false"):
+                out.append(word if value.lower() == "true" else f"--no_{name}")
+                continue
+            out.append(word)
+            if value is not None:
+                out.append(value)
+            continue
+        out.append(word)
+    return out
 
 
 def main(args: list[str] | None = None) -> None:
@@ -361,7 +393,7 @@ def main(args: list[str] | None = None) -> None:
         sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["export"]:
-        parsed = export_parser().parse_args(argv[1:])
+        parsed = export_parser().parse_args(export_flags(argv[1:]))
         checkpoint = parsed.checkpoint
         if parsed.best:  # ModelCheckpoint's best, named by the checkpoint given: say which one
             found = best_checkpoint(checkpoint)

@@ -1,7 +1,8 @@
 """Export the trained actor as a transformers model folder (safetensors, config, generation config, tokenizer).
 
     lightning-rlhf export runs/grpo_gsm8k/version_0/checkpoints/step=200.ckpt out/actor --dtype bfloat16
-    lightning-rlhf export runs/sft/checkpoints/last.ckpt out/actor --best true   # ModelCheckpoint's best instead
+    lightning-rlhf export runs/sft/checkpoints/last.ckpt out/actor --best        # ModelCheckpoint's best instead
+    lightning-rlhf export runs/grpo_lora/version_0/checkpoints/step=200.ckpt out/merged --merge  # LoRA: merged
 
 Two sources: a live module at the end of training (:func:`export_actor`; FSDP2 shards are gathered to rank 0 one
 tensor at a time) and a checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy``
@@ -10,7 +11,8 @@ CPU in one process). Either way the folder loads with ``AutoModelForCausalLM.fro
 
 A checkpoint holds the weights; the model's config and tokenizer come from the ``ExportActor`` callback, which
 stores their files in every checkpoint (the command line adds it), or from ``base=`` (the model the run started
-from).
+from). A LoRA run's checkpoint always carries its adapter settings and the base model's name (``RLHFStrategy``
+adds them, :func:`lora_files`), so it exports with or without the callback.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "best_checkpoint",
     "export_actor",
     "export_checkpoint",
+    "lora_files",
     "resolve_dtype",
 ]
 
@@ -101,11 +104,22 @@ def actor_files(module: RLHFModule) -> dict[str, bytes]:
             generation.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(module.tokenizer.name_or_path).save_pretrained(tmp)
         files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
-    if module.actor.lora is not None:  # what `export` needs to merge the adapters, or to save them for peft
-        adapter = module.actor.lora.to_dict()
-        adapter["base_model_name_or_path"] = module.actor.path
-        files[ADAPTER_CONFIG] = json.dumps(adapter, default=sorted).encode()
-    return files
+    return files | lora_files(module)
+
+
+def lora_files(module: RLHFModule) -> dict[str, bytes]:
+    """What ``export`` needs to save a LoRA actor's adapters for peft or to merge them: peft's
+    ``adapter_config.json`` naming the base model (``base_model_name_or_path``, the model the run started from);
+    ``{}`` for a full-weight actor. ``RLHFStrategy.save_checkpoint`` stores it in every checkpoint of a LoRA run
+    (``ExportActor`` stores it with the config and tokenizer files).
+
+    Runs on: every process (no model needed: the role's settings only).
+    """
+    lora = getattr(getattr(module, "actor", None), "lora", None)
+    if lora is None:
+        return {}
+    adapter = lora.to_dict() | {"base_model_name_or_path": module.actor.path}
+    return {ADAPTER_CONFIG: json.dumps(adapter, default=sorted).encode()}
 
 
 ADAPTER_FOLDER = "adapter"
@@ -247,8 +261,7 @@ def export_checkpoint(
     best: bool = False,
     merge: bool = False,
 ) -> str:
-    """Write the actor of a Lightning checkpoint as a transformers model folder (a LoRA run's: its adapter folder,
-    or with ``merge`` the merged model).
+    """Write a checkpoint's actor as a model folder (LoRA: the peft adapter folder, or the merged model with merge).
 
     The ``lightning-rlhf export CKPT OUT`` command. Runs on: one process, on CPU (no process group needed).
     Reads only the actor's tensors of a sharded checkpoint, and memory-maps a single-file one, so optimizer
@@ -305,8 +318,8 @@ def export_checkpoint(
         if ADAPTER_CONFIG not in files:
             raise ValueError(
                 f"export_checkpoint({checkpoint!r}): the checkpoint holds LoRA adapters but not their settings "
-                f"({ADAPTER_CONFIG}: it was saved without the ExportActor callback). HINT: save with ExportActor "
-                "(the CLI and the demo always add it)."
+                f"({ADAPTER_CONFIG}: saved by an earlier version without the ExportActor callback). HINT: "
+                "resume it for one step with this version and save again, or train with ExportActor."
             )
         adapter = json.loads(files[ADAPTER_CONFIG])
         if not merge:
@@ -324,7 +337,10 @@ def export_checkpoint(
         scale = config_scale(adapter)
         state = dict(merge_stream(iter(state.items()), dict.fromkeys(layers, scale), target))
     with tempfile.TemporaryDirectory() as tmp:
-        source = base if base is None else resolve_model_path(base, setting="export_checkpoint(base=...)")
+        named = base  # the config and tokenizer: base=, the checkpoint's files, or the base its adapters name
+        if named is None and "config.json" not in files and lora:
+            named = adapter.get("base_model_name_or_path")
+        source = named if named is None else resolve_model_path(named, setting="export_checkpoint(base=...)")
         if source is None:
             if not files:
                 raise ValueError(

@@ -634,8 +634,13 @@ class RLHFStrategy(ModelParallelStrategy):
 
         Runs on: every rank (Lightning's ``trainer.save_checkpoint`` is collective).
         """
+        from lightning_rlhf.export import CHECKPOINT_KEY, lora_files
+
         path = Path(self.broadcast(os.fspath(filepath)))
         tmp = temporary_sibling(path, self.broadcast(uuid.uuid4().hex[:12]))
+        lora = {} if CHECKPOINT_KEY in checkpoint else lora_files(self._rlhf_module())
+        if lora:  # no ExportActor: a LoRA run's adapter settings and base model's name, for `export`
+            checkpoint[CHECKPOINT_KEY] = lora
         if self._placed and "lr_schedulers" in checkpoint:  # rank 0 writes them: take each from its role's pool
             module = self._rlhf_module()
             owners = [name for name, role in module.roles().items() if role.trainable]
