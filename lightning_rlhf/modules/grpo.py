@@ -6,23 +6,30 @@ import time
 from typing import Any
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig
 from lightning_rlhf.module import RLHFModule
+from lightning_rlhf.modules.defaults import AlgorithmDefaults, critic_free
 
 __all__ = ["GRPOModule"]
 
 
 class GRPOModule(RLHFModule):
     """GRPO. Same arguments as :class:`RLHFModule`; the default algorithm is GRPO with a k3 KL loss
-    (coefficient 0.001, so a reference model is loaded unless ``kl_coef=0``).
+    (coefficient 0.001, so a reference model is loaded unless ``kl_coef=0``). A passed ``algorithm`` is merged over
+    it (:mod:`lightning_rlhf.modules.defaults`: its ``kl_coef`` is used as given); an estimator that needs a
+    critic's values or ReMax's baselines is refused.
 
     Runs on: every process; ``training_step`` on the controller.
     """
 
+    ALGORITHM = AlgorithmDefaults(
+        "GRPOModule",
+        {"advantage": "grpo", "kl_coef": 0.001, "kl_estimator": "k3"},
+        rules=(critic_free("GRPOModule"),),
+    )
+    """The default algorithm, and what a passed ``algorithm`` must fit; a subclass (RLOO, DAPO, ...) sets its own."""
+
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(
-            advantage="grpo", kl_coef=0.001, kl_estimator="k3"
-        )
+        kwargs["algorithm"] = self.ALGORITHM.resolve(kwargs.get("algorithm"), kwargs.get("rollout"))
         super().__init__(actor, **kwargs)
 
     ASYNC_ROLLOUTS = True

@@ -7,8 +7,9 @@ from typing import Any
 
 from lightning_rlhf.algorithms import estimator_inputs
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, RolloutConfig
+from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.module import RLHFModule
+from lightning_rlhf.modules.defaults import AlgorithmDefaults, Rule
 
 __all__ = ["PPOModule"]
 
@@ -20,18 +21,25 @@ class PPOModule(RLHFModule):
     Runs on: every process; ``training_step`` on the controller.
     """
 
+    ALGORITHM = AlgorithmDefaults(
+        "PPOModule",
+        {"advantage": "gae", "kl_in_reward": True, "kl_estimator": "k1"},
+        rules=(
+            Rule(
+                "advantage",
+                lambda v, _: "values" in estimator_inputs(v),
+                "an estimator of the critic's values ('gae')",
+                fix="leave advantage unset, or use GRPOModule for critic-free advantages",
+            ),
+        ),
+    )
+    """The default algorithm; a passed ``algorithm`` is merged over it (:mod:`lightning_rlhf.modules.defaults`)."""
+
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(
-            advantage="gae", kl_in_reward=True, kl_estimator="k1"
-        )
         kwargs["rollout"] = kwargs.get("rollout") or RolloutConfig(n=1)
+        kwargs["algorithm"] = self.ALGORITHM.resolve(kwargs.get("algorithm"), kwargs["rollout"])
         if kwargs.get("critic") is None:
             raise ValueError("PPOModule needs a value model: pass critic=<path> (often the actor's own path).")
-        if "values" not in estimator_inputs(kwargs["algorithm"].advantage):
-            raise ValueError(
-                f"PPOModule uses GAE with the critic, but AlgorithmConfig.advantage={kwargs['algorithm'].advantage!r}. "
-                "HINT: pass AlgorithmConfig(advantage='gae', ...), or use GRPOModule for critic-free advantages."
-            )
         super().__init__(actor, **kwargs)
 
     ASYNC_ROLLOUTS = True

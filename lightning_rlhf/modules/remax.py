@@ -6,8 +6,8 @@ import time
 from typing import Any
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig
 from lightning_rlhf.module import RLHFModule
+from lightning_rlhf.modules.defaults import AlgorithmDefaults, equals
 
 __all__ = ["ReMaxModule"]
 
@@ -18,8 +18,15 @@ class ReMaxModule(RLHFModule):
     Same arguments as :class:`RLHFModule`. Runs on: every process; ``training_step`` on the controller.
     """
 
+    ALGORITHM = AlgorithmDefaults(
+        "ReMaxModule",
+        {"advantage": "remax"},
+        rules=(equals("advantage", "remax", fix="leave advantage unset, or use GRPOModule for another estimator"),),
+    )
+    """The default algorithm; a passed ``algorithm`` is merged over it (:mod:`lightning_rlhf.modules.defaults`)."""
+
     def __init__(self, actor: str, **kwargs: Any) -> None:
-        kwargs["algorithm"] = kwargs.get("algorithm") or AlgorithmConfig(advantage="remax")
+        kwargs["algorithm"] = self.ALGORITHM.resolve(kwargs.get("algorithm"), kwargs.get("rollout"))
         super().__init__(actor, **kwargs)
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]

@@ -19,6 +19,7 @@ from lightning_rlhf.algorithms import (
 from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.config import OptimConfig, SafetyConfig
 from lightning_rlhf.module import RLHFModule
+from lightning_rlhf.modules.defaults import AlgorithmDefaults, Rule
 from lightning_rlhf.roles import CriticRole, RewardFn, RewardRole
 from lightning_rlhf.roles.base import check_pretrained
 
@@ -42,6 +43,19 @@ class SafeRLHFModule(RLHFModule):
             critic-free estimator but ReMax (whose greedy baseline has no cost counterpart here) works too.
     """
 
+    ALGORITHM = AlgorithmDefaults(
+        "SafeRLHFModule",
+        rules=(
+            Rule(
+                "advantage",
+                lambda v, _: "baselines" not in estimator_inputs(v),
+                "an estimator with a cost counterpart (ReMax's greedy baseline has none)",
+                fix="use 'gae' (with critics), 'grpo', 'rloo' or 'reinforce_plus_plus'",
+            ),
+        ),
+    )
+    """``RLHFModule``'s default algorithm, and the estimators the cost can follow."""
+
     def __init__(
         self,
         actor: str,
@@ -52,12 +66,8 @@ class SafeRLHFModule(RLHFModule):
         cost_critic_optim: OptimConfig | None = None,
         **kwargs: Any,
     ) -> None:
+        kwargs["algorithm"] = self.ALGORITHM.resolve(kwargs.get("algorithm"), kwargs.get("rollout"))
         super().__init__(actor, **kwargs)
-        if "baselines" in estimator_inputs(self.algorithm.advantage):
-            raise ValueError(
-                f"SafeRLHFModule: AlgorithmConfig.advantage={self.algorithm.advantage!r} has no baseline for the cost. "
-                "HINT: use 'gae' (with critics), 'grpo', 'rloo' or 'reinforce_plus_plus'."
-            )
         if isinstance(cost, str):
             check_pretrained(cost, setting="SafeRLHFModule(cost=...)")
         self.safety = safety or SafetyConfig()

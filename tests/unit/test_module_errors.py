@@ -29,11 +29,11 @@ def test_inconsistent_roles(tiny_model: str) -> None:
     with pytest.raises(ValueError, match=r"kl_coef=0.1 needs a reference policy"):
         GRPOModule(tiny_model, reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match=r"advantage='gae' needs a critic"):
-        GRPOModule(tiny_model, reward=addition_reward, algorithm=AlgorithmConfig(advantage="gae"))
+        RLHFModule(tiny_model, reward=addition_reward, algorithm=AlgorithmConfig(advantage="gae"))
     with pytest.raises(ValueError, match=r"PPOModule needs a value model"):
         PPOModule(tiny_model, reward=addition_reward)
-    with pytest.raises(ValueError, match=r"PPOModule uses GAE with the critic, but AlgorithmConfig.advantage='grpo'"):
-        PPOModule(tiny_model, reward=addition_reward, critic=tiny_model, algorithm=AlgorithmConfig())
+    with pytest.raises(ValueError, match=r"PPOModule: AlgorithmConfig.advantage='rloo' contradicts"):
+        PPOModule(tiny_model, reward=addition_reward, critic=tiny_model, algorithm=AlgorithmConfig(advantage="rloo"))
 
 
 def test_base_module_without_dataflow_says_what_to_do(tiny_model: str) -> None:

@@ -1,0 +1,114 @@
+"""A ready module's own ``AlgorithmConfig``, and how one that a user passes is merged over it.
+
+A passed ``algorithm`` does not replace a module's default whole: ``DrGRPOModule(algorithm=
+AlgorithmConfig(micro_batch_size=8))`` must stay Dr.GRPO. A config cannot say which fields were set, and the
+command line passes every field, so a field counts as set when it differs from ``AlgorithmConfig``'s own default.
+Fields left at that default take the module's value; the penalty sizes ``kl_coef`` and ``overlong_buffer`` are
+always the passed config's (their default, 0, turns the term off: a module's own value applies only when no
+``algorithm`` is passed). A set field that contradicts the module's algorithm is refused, naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lightning_rlhf.algorithms import estimator_inputs
+from lightning_rlhf.config import AlgorithmConfig, RolloutConfig
+
+__all__ = ["PASSED_AS_GIVEN", "AlgorithmDefaults", "Rule", "set_fields"]
+
+PASSED_AS_GIVEN = frozenset({"kl_coef", "overlong_buffer"})
+"""Fields a passed config always decides: their default 0 is a choice (no KL term and no reference model; no
+overlong punishment), so a module's own nonzero value applies only when no ``algorithm`` is passed."""
+
+_BASE = {f.name: f.default for f in dataclasses.fields(AlgorithmConfig)}
+
+
+def set_fields(config: AlgorithmConfig) -> dict[str, Any]:
+    """The fields of ``config`` that differ from ``AlgorithmConfig``'s defaults: the ones a user set, as far as a
+    config can tell (one set to its default value reads as unset). Runs on: any process."""
+    return {name: getattr(config, name) for name, default in _BASE.items() if getattr(config, name) != default}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What a module's algorithm needs of one field of the merged config.
+
+    Attributes:
+        field: the ``AlgorithmConfig`` field.
+        accepts: ``accepts(value, config)`` is True when the merged ``config``'s ``value`` fits the algorithm.
+        needs: what it needs, in words (``"'rloo'"``, ``"above clip_ratio_low (clip-higher)"``).
+        fix: what to do instead, for the error's HINT.
+    """
+
+    field: str
+    accepts: Callable[[Any, AlgorithmConfig], bool]
+    needs: str
+    fix: str = "use GRPOModule (critic-free) or RLHFModule with an AlgorithmConfig of your own for another mix"
+
+
+def equals(field: str, value: Any, fix: str | None = None) -> Rule:
+    """A rule that ``field`` is exactly ``value`` (the module's defining choice). Runs on: any process."""
+    rule = Rule(field, lambda v, _: v == value, repr(value))
+    return rule if fix is None else dataclasses.replace(rule, fix=fix)
+
+
+def critic_free(module: str) -> Rule:
+    """A rule that the advantage estimator needs neither a critic's values nor ReMax's baselines: GRPO's dataflow
+    computes neither. Runs on: any process."""
+    return Rule(
+        "advantage",
+        lambda v, _: not estimator_inputs(v),
+        "a critic-free estimator ('grpo', 'rloo', 'reinforce_plus_plus', ...): its dataflow computes no critic "
+        "values and no baselines",
+        fix=f"use PPOModule(critic=...) for 'gae', ReMaxModule for 'remax', or a critic-free estimator in {module}",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmDefaults:
+    """A ready module's default ``AlgorithmConfig`` (``values``) and the rules its algorithm imposes.
+
+    Attributes:
+        module: the module's name, for errors.
+        values: the module's default fields; a value may be a function of the ``RolloutConfig``
+            (DAPO's overlong buffer is a quarter of ``max_new_tokens``).
+        rules: what a passed config's fields must fit, checked on the merged config.
+    """
+
+    module: str
+    values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    rules: tuple[Rule, ...] = ()
+
+    def resolve(self, passed: AlgorithmConfig | None, rollout: RolloutConfig | None = None) -> AlgorithmConfig:
+        """The algorithm the module runs: its default when ``passed`` is None, else ``passed`` merged over it
+        (see the module docstring). Runs on: every process, in the module's ``__init__``, before any model loads.
+
+        Raises:
+            ValueError: a field of ``passed`` contradicts the module's algorithm; names the field, its value, what
+                the module needs and the fix.
+        """
+        if passed is not None and not isinstance(passed, AlgorithmConfig):
+            raise ValueError(
+                f"{self.module}(algorithm={passed!r}) is invalid: expected an AlgorithmConfig or None. "
+                f"HINT: algorithm=AlgorithmConfig(micro_batch_size=8, ...); fields you leave out keep "
+                f"{self.module}'s defaults."
+            )
+        rollout = rollout or RolloutConfig()
+        values = {k: v(rollout) if callable(v) else v for k, v in self.values.items()}
+        if passed is None:
+            merged = AlgorithmConfig(**values)
+        else:
+            keep = {k: v for k, v in values.items() if k not in PASSED_AS_GIVEN and getattr(passed, k) == _BASE[k]}
+            merged = dataclasses.replace(passed, **keep) if keep else passed
+        for rule in self.rules:
+            value = getattr(merged, rule.field)
+            if not rule.accepts(value, merged):
+                unset = f"; left unset it is {values[rule.field]!r}" if rule.field in values else ""
+                raise ValueError(
+                    f"{self.module}: AlgorithmConfig.{rule.field}={value!r} contradicts the module's algorithm, "
+                    f"which needs {rule.field}: {rule.needs}{unset}. HINT: {rule.fix}."
+                )
+        return merged
