@@ -1,8 +1,8 @@
 """The CPU speed layer's switch: whether the layer (or one of its :data:`PIECES`) is on in this process.
 
-A leaf inside :mod:`lightning_rlhf.cpu` (it imports nothing of the package), so that the pieces
-(:mod:`~lightning_rlhf.cpu.optim`, :mod:`~lightning_rlhf.cpu.shared_weights`) can ask it while the package's
-``__init__`` imports them, without an import cycle. The rest of the package reaches it as ``lightning_rlhf.cpu``.
+A leaf inside :mod:`lightning_rlhf.cpu` (it imports nothing of the package), so that a piece
+(:mod:`~lightning_rlhf.cpu.shared_weights`) can ask it while the package's ``__init__`` imports it, without an
+import cycle. The rest of the package reaches it as ``lightning_rlhf.cpu``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def _parse_off(value: str) -> frozenset[str]:
 @contextlib.contextmanager
 def pieces_off(*pieces: str) -> Iterator[None]:
     """Turn ``pieces`` off in this process inside the ``with`` block (A/B benchmarks, tests). Runs on: any process.
-    A model already sped up keeps its switched forwards: build or :func:`restore_model` it inside the block."""
+    A model already sped up keeps its switched forwards: build or :func:`~lightning_rlhf.cpu.restore_model` it
+    inside the block."""
     for piece in pieces:
         enabled(piece)  # checks the name
     before = set(_OFF_HERE)
