@@ -108,3 +108,12 @@ async def async_unreadable() -> object:
 async def async_dies() -> str:
     """End the process."""
     os._exit(4)
+
+
+def flood(size: int) -> str:
+    """Return a result of `size` characters (a tool that dumps a whole file or page).
+
+    Args:
+        size: how many characters.
+    """
+    return "x" * size

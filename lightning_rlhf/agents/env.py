@@ -11,17 +11,22 @@ any callable returning an instance)::
 
 - ``reset(row) -> messages``: the episode's first turns, from a dataset row (default: the row's chat messages,
   or its prompt text as one user turn).
-- ``step(message) -> (observation messages, done)``: the answer to an assistant turn. The default
-  (:class:`ToolEnvironment`) runs the turn's tool calls in tool workers and is done when the model answers
-  without one; an override may answer with ``user`` turns (a game, a simulated user), or return ``None`` to have
-  the turn's tool calls run as by default.
+- ``step(message) -> (observation messages, done)`` or ``(observation messages, done, reward)``: the answer to an
+  assistant turn (``message`` is ``{"role": "assistant", "content": <the turn's text>}``, decoded from the sampled
+  ids without special tokens). The default (:class:`ToolEnvironment`) runs the turn's tool calls in tool workers
+  and is done when the model answers without one; an override may answer with ``user`` turns (a game, a simulated
+  user), or return ``None`` to have the turn's tool calls run as by default. A per-turn ``reward`` (verl's
+  interaction reward) is kept in ``Episode.turn_rewards`` and added to the episode's score.
 - ``reward(episode) -> float | None``: the episode's score (None: the module's reward functions score it; they
-  get the whole conversation as the completion and the messages in the ``episode`` column).
+  get the whole conversation as the completion and the messages in the ``episode`` column). The score the
+  environment gives is ``reward(episode)`` plus the sum of the episode's turn rewards.
 
-A class in TRL's ``environment_factory`` style (``reset(**row)`` returning text to add to the prompt, public methods
-as tools, ``get_reward()``) works too: :func:`as_environment` wraps it. Its tools are bound methods that keep the
-instance's state, so they run in the rollout's process (in a thread, with the timeout, but a call that hangs
-cannot be killed there); plain-function tools run in worker processes.
+A class in TRL's ``environment_factory`` style works too (TRL >= 1.9's semantics): ``reset(**columns)`` gets the
+row's columns but ``prompt`` and ``environment`` and returns None or text, which is appended to the row's last user
+message, or is the prompt itself when the row has none (a dataset of only an ``environment`` column, or no dataset:
+``PromptDataModule(None)``); public methods are tools, ``get_reward()`` the score. :func:`as_environment` wraps it.
+Its tools are bound methods that keep the instance's state, so they run in the rollout's process (in a thread, with
+the timeout, but a call that hangs cannot be killed there); plain-function tools run in worker processes.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     truncated: bool = False
+    turn_rewards: list[float] = field(default_factory=list)
+    """The per-turn rewards ``step`` returned, in turn order (added to the episode's score)."""
 
 
 class Environment:
@@ -84,19 +91,22 @@ class Environment:
                 break
         else:
             text = row.get("prompt")
-            if not isinstance(text, str):
+            if not isinstance(text, str) or not text.strip():
                 raise ValueError(
                     f"{type(self).__name__}.reset: the row has no chat messages and no prompt text (columns: "
-                    f"{sorted(row)}). HINT: override reset(row) to build the first messages from your columns."
+                    f"{sorted(row)}). HINT: override reset(row) to build the first messages from your columns (an "
+                    "environment that makes its own tasks returns them from reset)."
                 )
             messages = [{"role": "user", "content": text}]
         if self.system_prompt and messages[0].get("role") != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
 
-    def step(self, message: Message) -> tuple[list[Message], bool] | None:
-        """The observation after an assistant turn and whether the episode is done; None: run the turn's tool
-        calls (done when it makes none). Runs on: the rollout's process."""
+    def step(self, message: Message) -> tuple[list[Message], bool] | tuple[list[Message], bool, float] | None:
+        """The observation after an assistant turn and whether the episode is done, optionally with the turn's
+        reward (``(messages, done, reward)``: kept in ``Episode.turn_rewards`` and added to the episode's score);
+        None: run the turn's tool calls (done when it makes none). ``message``: ``{"role": "assistant", "content":
+        text}``, the turn's sampled ids decoded without special tokens. Runs on: the rollout's process."""
         return None
 
     def reward(self, episode: Episode) -> float | None:
@@ -119,9 +129,15 @@ class ToolEnvironment(Environment):
             self.system_prompt = system_prompt
 
 
+_NOT_RESET_COLUMNS = frozenset({"prompt", "environment"})
+"""Columns a TRL-style ``reset(**columns)`` does not get: the prompt (the trainer's) and the environment's name
+(TRL's trainer consumes it)."""
+
+
 class _TRLStyle(Environment):
-    """A TRL ``environment_factory`` instance as an :class:`Environment`: its ``reset(**row)`` text joins the last
-    user turn, its public methods are tools, ``get_reward()`` is the reward."""
+    """A TRL ``environment_factory`` instance as an :class:`Environment` (TRL >= 1.9): ``reset(**columns)`` gets the
+    row's other columns; its text is appended to the row's last user message, or is the prompt when the row has
+    none; its public methods are tools, ``get_reward()`` is the reward."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -133,14 +149,28 @@ class _TRLStyle(Environment):
         self.in_process = True
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
-        messages = super().reset(row)
-        extra = self.inner.reset(**row)
-        if extra:
-            if not isinstance(extra, str):
+        extra = self.inner.reset(**{k: v for k, v in row.items() if k not in _NOT_RESET_COLUMNS})
+        if extra is not None and not isinstance(extra, str):
+            raise ValueError(
+                f"{type(self.inner).__name__}.reset(**columns) returned a {type(extra).__name__}; a TRL-style "
+                "environment returns None or text (the prompt, or what to append to the row's last user message)."
+            )
+        has_prompt = any(
+            isinstance(v, list) and v and all(isinstance(m, Mapping) and "role" in m for m in v) for v in row.values()
+        ) or (isinstance(row.get("prompt"), str) and row["prompt"].strip())
+        if not has_prompt:  # the environment owns the task: its text is the prompt
+            if not extra or not extra.strip():
                 raise ValueError(
-                    f"{type(self.inner).__name__}.reset(**row) returned a {type(extra).__name__}; a TRL-style "
-                    "environment returns None or text to append to the last user message."
+                    f"{type(self.inner).__name__}.reset(**columns) returned {extra!r} for a row without a prompt "
+                    f"(columns: {sorted(row)}). HINT: return the task's text from reset(), or give the dataset a "
+                    "'prompt' column."
                 )
+            messages: list[Message] = [{"role": "user", "content": extra}]
+            if self.system_prompt:
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
+            return messages
+        messages = super().reset(row)
+        if extra:
             last = next(m for m in reversed(messages) if m.get("role") == "user")
             last["content"] = f"{last['content']}{extra}"
         return messages

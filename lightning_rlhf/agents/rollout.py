@@ -26,6 +26,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import inspect
+import logging
 import math
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lightning_rlhf.agents.env import Environment, EnvironmentChoice, Episode, Message
+from lightning_rlhf.agents.env import Environment, EnvironmentChoice, Episode, Message, scores_episodes
 from lightning_rlhf.agents.executor import ToolExecutor, ToolResult, tool_result
 from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, parse_with_template, resolve_tool_parser
 from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template
@@ -43,10 +44,31 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.engines.rollout.base import RolloutEngine, SamplingParams
 
-__all__ = ["EPISODE_COLUMNS", "EpisodeRunner", "check_environment", "episode_metrics", "sample_episodes"]
+__all__ = [
+    "EPISODE_COLUMNS",
+    "PROBLEM_KINDS",
+    "EpisodeRunner",
+    "check_environment",
+    "episode_metrics",
+    "episode_prompt_ids",
+    "sample_episodes",
+]
 
-EPISODE_COLUMNS = ("episode", "env_reward")
-"""Columns an episode batch adds: the conversation's messages, the environment's reward (NaN: none)."""
+log = logging.getLogger(__name__)
+
+EPISODE_COLUMNS = ("episode", "env_reward", "turn_rewards", "episode_problems")
+"""Columns an episode batch adds: the conversation's messages, the environment's score (NaN: none), the per-turn
+rewards ``step`` gave, and the first message of each kind of problem the episode met (:data:`PROBLEM_KINDS`)."""
+
+TOOL_ERROR_KINDS = ("malformed", "raised", "timeout", "crash", "invalid_result")
+"""How a tool call can fail: ``malformed`` (the parser or the tools' schemas refused the call: not JSON, no such
+tool, wrong arguments), ``raised`` (the tool raised), ``timeout`` (past ``tool_timeout_s``), ``crash`` (its worker
+died or did not start), ``invalid_result`` (it returned a value with no text form)."""
+
+PROBLEM_KINDS = (*TOOL_ERROR_KINDS, "observation_overflow")
+"""The kinds of problem an episode reports: the tool errors, and ``observation_overflow`` (an observation, tool
+results cut to ``max_tool_response_chars`` included, did not fit the room the episode had left, so it ended
+truncated)."""
 
 _PREFIX_IDS = 32
 """Ids before a turn handed to a ``response_template`` parser: its generation prompt (what the template may have
@@ -73,6 +95,17 @@ class _Live:
     done: bool = False
     tool_s: float = 0.0
     observation_tokens: int = 0
+    errors: dict[str, int] = dataclasses.field(default_factory=dict)  # tool errors by kind (TOOL_ERROR_KINDS)
+    problems: dict[str, str] = dataclasses.field(default_factory=dict)  # the first message of each PROBLEM_KINDS
+    overflowed: bool = False  # ended because an observation did not fit
+    opening: str = ""  # the last user message of reset's messages
+
+    def problem(self, kind: str, text: str) -> None:
+        """Count a problem of ``kind`` (a tool error or an overflow), keeping the first one's words."""
+        if kind in TOOL_ERROR_KINDS:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+            self.info.tool_errors += 1
+        self.problems.setdefault(kind, text)
 
 
 class EpisodeRunner:
@@ -95,7 +128,12 @@ class EpisodeRunner:
         self.tool_format = resolve_tool_parser(cfg.tool_parser, tokenizer)
         """The format the turns' tool calls are read in (``RolloutConfig.tool_parser``, ``"auto"`` resolved)."""
         self.parse = None if self.tool_format == "template" else get_tool_parser(self.tool_format)
-        self._toolsets: dict[tuple[int, ...], tuple[ToolSet, ChatDelta, ToolExecutor | None]] = {}
+        self._toolsets: dict[tuple[Any, ...], tuple[ToolSet, ChatDelta, ToolExecutor | None]] = {}
+        self.chat_template_kwargs: dict[str, Any] = {}
+        """Extra arguments of every ``apply_chat_template`` call (``PromptDataModule(chat_template_kwargs=...)``, set
+        per rollout by :func:`sample_episodes`)."""
+        self.max_prompt_length: int | None = None
+        """The bound on an episode's rendered first prompt (``PromptDataModule(max_prompt_length=...)``), None: none."""
         self._threads = cf.ThreadPoolExecutor(max(1, cfg.tool_workers), thread_name_prefix="lightning-rlhf-env")
 
     def close(self) -> None:
@@ -110,9 +148,13 @@ class EpisodeRunner:
         """The environment's tools, its chat delta (with the tools' schemas) and executor, made once per set of
         tool functions (an environment class's instances share theirs)."""
         in_process = getattr(env, "in_process", False)
-        key = tuple(id(getattr(t, "__func__", t)) for t in env.tools) + ((-1,) if in_process else ())
+        key = (
+            tuple(id(getattr(t, "__func__", t)) for t in env.tools)
+            + ((-1,) if in_process else ())
+            + (repr(sorted(self.chat_template_kwargs.items())),)
+        )
         if key not in self._toolsets:
-            tools, delta = _tools_and_delta(env, self.tokenizer)
+            tools, delta = _tools_and_delta(env, self.tokenizer, self.chat_template_kwargs)
             executor = None
             if len(tools) and not in_process:
                 executor = ToolExecutor(
@@ -128,20 +170,22 @@ class EpisodeRunner:
     # --------------------------------------------------------------------------------------------- episode
     def _start(self, row: dict[str, Any]) -> _Live:
         env = self.make_env(row) if isinstance(self.make_env, EnvironmentChoice) else self.make_env()
-        messages = env.reset(row)
-        if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ValueError(
-                f"{type(env).__name__}.reset(row) returned {messages!r}; expected a non-empty list of chat messages "
-                "({'role': ..., 'content': ...}). HINT: return at least the user's first turn."
-            )
+        messages = _first_messages(env, row)
         tools, delta, _ = self._tools_of(env)
-        prompt = self.tokenizer.apply_chat_template(
-            messages, tools=tools.schemas or None, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if not isinstance(prompt, list):  # a BatchEncoding
-            prompt = list(prompt["input_ids"])
+        if getattr(env, "in_process", False):  # stateful tools (bound methods): this episode's own instance's
+            tools = tools.rebound(env.tools)
+        prompt = _render_prompt(self.tokenizer, messages, tools.schemas, self.chat_template_kwargs)
+        bound = self.max_prompt_length
+        if bound is not None and len(prompt) > bound:
+            raise ValueError(
+                f"an episode's first prompt ({type(env).__name__}.reset's messages rendered by the chat template, "
+                f"with the system turn and the tools' schemas) has {len(prompt)} tokens > PromptDataModule("
+                f"max_prompt_length={bound}): {messages[-1].get('content')!r:.120}. The data module measures every "
+                "dataset row's rendered prompt before training; this one came from reset() alone. HINT: raise "
+                "max_prompt_length, or make reset() return shorter prompts."
+            )
         info = Episode(row=row, messages=[dict(m) for m in messages])
-        return _Live(env=env, info=info, tools=tools, delta=delta, prompt=[int(i) for i in prompt])
+        return _Live(env=env, info=info, tools=tools, delta=delta, prompt=prompt, opening=_last_user(messages))
 
     def _after_turn(self, ep: _Live, turn: list[int], logprobs: Sequence[float], stops: set[int], limit: int) -> None:
         """Append a sampled turn; end the episode or start its observation (tools, or the environment's step)."""
@@ -160,7 +204,9 @@ class EpisodeRunner:
             return
         answered = ep.env.step(message)
         if answered is not None:
-            observation, done = answered
+            observation, done, turn_reward = _step_answer(answered, ep.env)
+            if turn_reward is not None:
+                ep.info.turn_rewards.append(turn_reward)
             if done:
                 ep.done = True
                 return
@@ -180,7 +226,7 @@ class EpisodeRunner:
             for call in calls:
                 problem = ep.tools.check(call)
                 if problem is not None:
-                    ep.info.tool_errors += 1
+                    ep.problem("malformed", f"{call.raw!r:.200}: {problem}")
                     ep.pending.append((call, f"error: {problem}"))
                 elif executor is None:  # stateful tools of a TRL-style environment: in this process
                     ep.pending.append((call, self._in_thread(ep.tools.functions[call.name], call)))
@@ -243,7 +289,8 @@ class EpisodeRunner:
             if isinstance(pending, cf.Future):
                 result = pending.result()
                 ep.tool_s += result.seconds
-                ep.info.tool_errors += not result.ok
+                if not result.ok:
+                    ep.problem(result.kind, result.text)
                 text = result.text
             else:
                 text = pending
@@ -254,7 +301,14 @@ class EpisodeRunner:
         if context is not None:
             room = min(room, context - len(ep.prompt) - len(ep.ids))
         if len(obs) + 1 > room:  # no room for the observation and one more sampled token
-            ep.info.truncated = ep.done = True
+            ep.info.truncated = ep.done = ep.overflowed = True
+            longest = max((len(str(m.get("content", ""))) for m in messages), default=0)
+            ep.problem(
+                "observation_overflow",
+                f"an observation of {len(obs)} tokens (its longest message {longest} characters, tool results cut at "
+                f"RolloutConfig(max_tool_response_chars={self.cfg.max_tool_response_chars})) did not fit the "
+                f"{max(room - 1, 0)} tokens the episode had left",
+            )
             return
         ep.ids += obs
         ep.sampled += [0] * len(obs)
@@ -271,7 +325,8 @@ class EpisodeRunner:
         *,
         context: int | None,
     ) -> tuple[list[_Live], float]:
-        """Run one episode per row to its end; returns them and the seconds spent in the engine.
+        """Run one episode per row to its end (with :attr:`chat_template_kwargs` and the bound
+        :attr:`max_prompt_length`); returns them and the seconds spent in the engine.
 
         Runs on: the rollout's process. ``params``: the step's sampling settings (``n`` is ignored: a row is one
         episode; each engine call gets its own seed).
@@ -388,6 +443,57 @@ class EpisodeRunner:
                 return gen_s
 
 
+def _first_messages(env: Environment, row: dict[str, Any]) -> list[Message]:
+    messages = env.reset(row)
+    if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ValueError(
+            f"{type(env).__name__}.reset(row) returned {messages!r}; expected a non-empty list of chat messages "
+            "({'role': ..., 'content': ...}). HINT: return at least the user's first turn."
+        )
+    return messages
+
+
+def _render_prompt(
+    tokenizer: Any, messages: list[Message], schemas: list[dict[str, Any]], chat_kwargs: dict[str, Any]
+) -> list[int]:
+    """An episode's prompt ids: ``messages`` rendered by the chat template with the tools' schemas, the extra
+    template arguments and the generation prompt."""
+    prompt = tokenizer.apply_chat_template(
+        messages, tools=schemas or None, add_generation_prompt=True, tokenize=True, return_dict=False, **chat_kwargs
+    )
+    if not isinstance(prompt, list):  # a BatchEncoding
+        prompt = list(prompt["input_ids"])
+    return [int(i) for i in prompt]
+
+
+def episode_prompt_ids(
+    make_env: Callable[..., Environment],
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    *,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[tuple[list[int], str]]:
+    """Each row's episode prompt as the rollout renders it (``reset(row)``'s messages, the system turn and the
+    tools' schemas, by the chat template with ``chat_template_kwargs``), and the text reward functions get as its
+    ``prompt`` (the last user message). One environment per environment class is made and reset once per row.
+
+    Runs on: every process, in ``PromptDataModule.setup`` (before any model loads). Raises ValueError for a
+    ``reset`` that returns no messages.
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    envs: dict[Any, tuple[Environment, ToolSet]] = {}
+    out = []
+    for row in rows:
+        key = row.get("environment") if isinstance(make_env, EnvironmentChoice) else None
+        if key not in envs:
+            env = make_env(row) if isinstance(make_env, EnvironmentChoice) else make_env()
+            envs[key] = (env, ToolSet(env.tools))
+        env, tools = envs[key]
+        messages = _first_messages(env, row)
+        out.append((_render_prompt(tokenizer, messages, tools.schemas, kwargs), _last_user(messages)))
+    return out
+
+
 def check_environment(make_env: Callable[..., Environment], tokenizer: Any, tool_parser: str = "auto") -> None:
     """Make one environment and check what every episode would meet at its first turn: its tools' JSON schemas
     (type hints, docstrings), the chat template (present, renders ``tool`` turns, prefix-preserving) and the format
@@ -401,10 +507,14 @@ def check_environment(make_env: Callable[..., Environment], tokenizer: Any, tool
         _tools_and_delta(make(), tokenizer)
 
 
-def _tools_and_delta(env: Environment, tokenizer: Any) -> tuple[ToolSet, ChatDelta]:
-    """The environment's tools (their schemas checked) and the chat delta that renders them (the template checked)."""
+def _tools_and_delta(
+    env: Environment, tokenizer: Any, chat_kwargs: dict[str, Any] | None = None
+) -> tuple[ToolSet, ChatDelta]:
+    """The environment's tools (their schemas checked) and the chat delta that renders them with the extra template
+    arguments (the template checked)."""
     tools = ToolSet(env.tools)
-    return tools, check_chat_template(tokenizer, **({"tools": tools.schemas} if len(tools) else {}))
+    kwargs = dict(chat_kwargs or {}) | ({"tools": tools.schemas} if len(tools) else {})
+    return tools, check_chat_template(tokenizer, **kwargs)
 
 
 def _model_context(model_path: str | None) -> int | None:
@@ -462,6 +572,41 @@ def _turn_limit(ep: _Live, max_new_tokens: int, budget: int, context: int | None
 
 def _room(ep: _Live, context: int | None) -> int:
     return math.inf if context is None else context - len(ep.prompt) - len(ep.ids)  # type: ignore[return-value]
+
+
+def _step_answer(answered: Any, env: Environment) -> tuple[Any, bool, float | None]:
+    """``step``'s answer as ``(observation, done, turn reward or None)``."""
+    if not isinstance(answered, tuple) or len(answered) not in (2, 3):
+        raise ValueError(
+            f"{type(env).__name__}.step returned {answered!r:.200}; expected (messages, done), (messages, done, "
+            "reward) or None. HINT: return ([], True) to end the episode, None to run the turn's tool calls."
+        )
+    if len(answered) == 2:
+        return answered[0], bool(answered[1]), None
+    observation, done, reward = answered
+    if reward is None:
+        return observation, bool(done), None
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise ValueError(
+            f"{type(env).__name__}.step returned the turn reward {reward!r}; expected a finite number or None. "
+            "HINT: return (messages, done, float(reward))."
+        )
+    return observation, bool(done), float(reward)
+
+
+def _episode_score(ep: _Live, reward: Any) -> float:
+    """The environment's score of an episode: ``reward(episode)`` plus its turn rewards (NaN: neither)."""
+    turns = ep.info.turn_rewards
+    if not turns:
+        return math.nan if reward is None else float(reward)
+    env = getattr(ep.env, "inner", ep.env)
+    if not scores_episodes(env):
+        raise ValueError(
+            f"{type(env).__name__}.step returned per-turn rewards, but {type(env).__name__} has no reward(episode), so "
+            "the module does not count the environment's score. HINT: define reward(episode) on it (the turn rewards "
+            "are added to what it returns; `return 0.0` scores the episode by its turn rewards alone)."
+        )
+    return (0.0 if reward is None else float(reward)) + float(sum(turns))
 
 
 def _messages(observation: Any, env: Environment) -> list[Message]:
@@ -528,6 +673,8 @@ def sample_episodes(
     """
     rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
     rows = [{k: v[i] for k, v in rollout.columns.items()} for i in range(len(rollout))]
+    runner.chat_template_kwargs = dict(batch.meta.get("chat_template_kwargs") or {})
+    runner.max_prompt_length = batch.meta.get("max_prompt_length")
     t0 = time.perf_counter()
     episodes, gen_s = runner.run(engine, rows, params, context=runner.context)
     wall_s = time.perf_counter() - t0
@@ -557,22 +704,41 @@ def sample_episodes(
     rollout["tool_errors"] = torch.tensor([ep.info.tool_errors for ep in episodes])
     rollout["tool_s"] = torch.tensor([ep.tool_s for ep in episodes], dtype=torch.float32)
     rollout["observation_tokens"] = torch.tensor([ep.observation_tokens for ep in episodes])
+    for kind in TOOL_ERROR_KINDS:
+        rollout[f"tool_errors/{kind}"] = torch.tensor([ep.errors.get(kind, 0) for ep in episodes])
+    rollout["observation_overflow"] = torch.tensor([ep.overflowed for ep in episodes])
     rewards = _settled([ep.env.reward(ep.info) for ep in episodes])
-    rollout["env_reward"] = [math.nan if r is None else float(r) for r in rewards]
+    rollout["env_reward"] = [_episode_score(ep, r) for ep, r in zip(episodes, rewards, strict=True)]
+    rollout["turn_rewards"] = [list(ep.info.turn_rewards) for ep in episodes]
+    rollout["episode_problems"] = [dict(ep.problems) for ep in episodes]
     rollout["episode"] = [ep.info.messages for ep in episodes]
+    if "prompt" in rollout.columns:  # a row without a prompt (the environment made it): its first user message
+        rollout["prompt"] = [
+            p if isinstance(p, str) and p.strip() else ep.opening
+            for p, ep in zip(rollout["prompt"], episodes, strict=True)
+        ]
     rollout.meta["gen_s"] = gen_s
     rollout.meta["episodes_s"] = wall_s
     rollout.meta["group_size"] = n
     return rollout
 
 
+def _last_user(messages: list[Message]) -> str:
+    users = [m.get("content") for m in messages if m.get("role") == "user"]
+    return users[-1] if users and isinstance(users[-1], str) else ""
+
+
 def episode_metrics(rollout: Batch) -> dict[str, float]:
     """The episodes' metrics of a rollout (empty for single-turn rollouts): ``rollout/turns/mean|max``,
-    ``rollout/tool_calls/mean``, ``rollout/tool_errors`` (calls that failed, in the batch), ``rollout/tool_s/mean``
-    (seconds of tool calls per episode), ``rollout/observation_tokens/mean``, ``rollout/truncated`` (share of
-    episodes cut by a limit) and ``rollout/env_reward/mean`` when the environment scores.
+    ``rollout/tool_calls/mean``, ``rollout/tool_errors`` (calls that failed, in the batch) and one count per way a
+    call fails (``rollout/tool_errors/<kind>``, :data:`TOOL_ERROR_KINDS`), ``rollout/tool_s/mean`` (seconds of tool
+    calls per episode), ``rollout/observation_tokens/mean``, ``rollout/truncated`` (share of episodes cut by a
+    limit), ``rollout/observation_overflow`` (episodes ended because an observation did not fit),
+    ``rollout/turn_rewards/mean`` (the sum of an episode's turn rewards, when ``step`` gives them) and
+    ``rollout/env_reward/mean`` when the environment scores. The first problem of each kind in the batch
+    (:data:`PROBLEM_KINDS`) is logged as a warning by this module's logger, with how many episodes met it.
 
-    Runs on: controller.
+    Runs on: controller, once per step.
     """
     if "turns" not in rollout:
         return {}
@@ -586,7 +752,35 @@ def episode_metrics(rollout: Batch) -> dict[str, float]:
         "rollout/observation_tokens/mean": float(rollout["observation_tokens"].float().mean()),
         "rollout/truncated": float(rollout["response_truncated"].float().mean()),
     }
+    for kind in TOOL_ERROR_KINDS:
+        if f"tool_errors/{kind}" in rollout:
+            out[f"rollout/tool_errors/{kind}"] = float(rollout[f"tool_errors/{kind}"].sum())
+    if "observation_overflow" in rollout:
+        out["rollout/observation_overflow"] = float(rollout["observation_overflow"].sum())
+    turn_rewards = rollout.columns.get("turn_rewards")
+    if turn_rewards and any(turn_rewards):
+        out["rollout/turn_rewards/mean"] = sum(sum(t) for t in turn_rewards) / len(turn_rewards)
+    _log_problems(rollout.columns.get("episode_problems") or [])
     env = torch.tensor(rollout["env_reward"], dtype=torch.float32)
     if not env.isnan().all():
         out["rollout/env_reward/mean"] = float(env.nanmean())
     return out
+
+
+def _log_problems(problems: list[dict[str, str]]) -> None:
+    """Warn once per kind of problem the step's episodes met: the first one's words and how many episodes met it."""
+    for kind in PROBLEM_KINDS:
+        met = [p[kind] for p in problems if kind in p]
+        if not met:
+            continue
+        if kind == "observation_overflow":
+            hint = (
+                "HINT: lower RolloutConfig(max_tool_response_chars=), have the tool return less, or raise "
+                "max_episode_tokens (within the model's context)."
+            )
+            log.warning(
+                "%d of %d episodes ended truncated because an observation did not fit (first: %s). %s",
+                len(met), len(problems), met[0], hint,
+            )  # fmt: skip
+        else:
+            log.warning("tool calls failed (%s) in %d of %d episodes; first: %s", kind, len(met), len(problems), met[0])

@@ -10,6 +10,7 @@ turned into the text of a ``tool`` message (:func:`lightning_rlhf.rewards.pool.t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -80,6 +81,13 @@ class ToolSet:
 
     def __len__(self) -> int:
         return len(self.functions)
+
+    def rebound(self, tools: Sequence[Callable[..., Any]]) -> ToolSet:
+        """The same tools and schemas calling ``tools`` instead (another instance's bound methods, in the same
+        order): an environment whose tools keep state gets its own. Runs on: the rollout's process."""
+        other = copy.copy(self)
+        other.functions = dict(zip(self.functions, tools, strict=True))
+        return other
 
     @property
     def names(self) -> list[str]:

@@ -28,7 +28,9 @@ def check_messages(value: Any, *, column: str, row: int, which: str) -> list[dic
         for j, message in enumerate(value):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 problem = f"message {j} is {message!r:.80}, without a text 'role'"
-            elif not isinstance(message.get("content"), str):
+            elif not isinstance(message.get("content"), str) and not (
+                message.get("content") is None and message.get("tool_calls")
+            ):  # an assistant turn that only calls tools may have no content
                 problem = f"message {j} ({message['role']!r}) has content {message.get('content')!r:.80}, not text"
             if problem:
                 break
@@ -55,9 +57,17 @@ def chat_prompt_text(messages: list[dict[str, Any]]) -> str:
     return str([m["content"] for m in messages if m["role"] == "user"][-1])
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, row: int, which: str) -> list[int]:
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    row: int,
+    which: str,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template, ending with the generation prompt
-    (``add_generation_prompt=True``: the model's turn starts next).
+    (``add_generation_prompt=True``: the model's turn starts next). ``chat_template_kwargs``: extra variables of
+    the template (``{"enable_thinking": False}`` for Qwen3), as ``PromptDataModule(chat_template_kwargs=...)`` gives.
 
     Runs on: any process. Raises ``ValueError`` when the tokenizer has no chat template or the template rejects
     the conversation (many insist that roles alternate).
@@ -69,7 +79,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, row: int, whi
             "...)), or plain-text prompts."
         )
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
     except Exception as err:
         raise ValueError(
             f"PromptDataModule: the tokenizer's chat template failed on row {row} of the {which} data: "

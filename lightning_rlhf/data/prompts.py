@@ -131,9 +131,17 @@ class PromptDataModule(L.LightningDataModule):
     Runs on: every process. Every check (files, columns, chat shapes, empty prompts, length limit, rows left)
     happens in ``setup``, on the training and the validation data alike, before any model is loaded.
 
+    With an environment on the module (docs/agents.md), a row's prompt is the episode's first prompt: the
+    environment's ``reset(row)`` messages rendered by the chat template with the system turn and the tools' schemas;
+    that is what ``max_prompt_length`` bounds, measured in ``setup``. The prompt column is then optional (a TRL-style
+    environment's ``reset`` may return the prompt), and so is the data itself (``train=None``).
+
     Args:
         train: the training prompts: a ``datasets.Dataset`` or ``DatasetDict``, the path of a
             ``.jsonl``/``.json``/``.parquet``/``.csv`` file or of a folder, or a hub dataset name (``"openai/gsm8k"``).
+            None, with an environment that makes its own prompts (TRL's dataset-free ``environment_factory``):
+            ``batch_size`` placeholder rows without a prompt, each episode's prompt being what ``reset`` returns;
+            the run's length is then ``Trainer(max_steps=...)``.
         val: the validation prompts, in any of the same forms; None: ``val_size`` or no validation.
         val_size: split validation prompts off ``train`` instead: a row count (int) or a fraction (float in
             (0, 1)), drawn with ``seed`` before any filtering, so the same rows in every run and on every rank.
@@ -144,12 +152,16 @@ class PromptDataModule(L.LightningDataModule):
             rendered with the tokenizer's chat template and ``add_generation_prompt=True``; ``prompt_column`` is
             then unused. Reward functions get the last user message's content as the ``prompt`` (and the chat
             itself under this column's name, unless it is ``"prompt"``).
-        max_prompt_length: longest prompt in tokens; longer ones are dropped (``overlong="filter"``, logged with
-            a count) or rejected (``overlong="error"``).
+        max_prompt_length: longest prompt in tokens (with an environment: the episode's rendered first prompt,
+            system turn and tool schemas included); longer ones are dropped (``overlong="filter"``, logged with a
+            count) or rejected (``overlong="error"``).
         overlong: what to do with prompts over ``max_prompt_length``.
         tokenizer: tokenizer path; None takes the LightningModule's tokenizer.
         chat_template: render each text prompt as one user message with the tokenizer's chat template (for
             instruct models); reward functions still receive the plain prompt text.
+        chat_template_kwargs: extra variables for the chat template wherever it renders this data (TRL's
+            ``chat_template_kwargs``), e.g. ``{"enable_thinking": False}`` for Qwen3: the prompts here, the
+            episodes' prompts and observations, SFT examples (``SFTDataModule``) and a reward model's chats.
         dataset_config: configuration name of a hub dataset or folder (``"main"`` for GSM8K); None: its default.
         train_split: split of a hub dataset, folder or ``DatasetDict`` to train on (``"train[:1000]"`` works too).
         val_split: split of ``val`` when it is a hub dataset, folder or ``DatasetDict``.
@@ -171,6 +183,7 @@ class PromptDataModule(L.LightningDataModule):
         overlong: str = "filter",
         tokenizer: str | None = None,
         chat_template: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         dataset_config: str | None = None,
         train_split: str = "train",
         val_split: str = "test",
@@ -178,6 +191,19 @@ class PromptDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        if chat_template_kwargs is not None and (
+            not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs)
+        ):
+            raise ValueError(
+                f"{type(self).__name__}(chat_template_kwargs={chat_template_kwargs!r}): expected a dict of template "
+                "variables by name. HINT: chat_template_kwargs={'enable_thinking': False}."
+            )
+        if train is None and (val_size is not None or val is not None):
+            raise ValueError(
+                f"{type(self).__name__}(train=None, val={val!r}, val_size={val_size!r}): without training data "
+                "(an environment that makes its own prompts) there is nothing to validate on. HINT: pass train=, or "
+                "leave val and val_size None."
+            )
         if batch_size < 1:
             raise ValueError(f"PromptDataModule(batch_size={batch_size}) must be >= 1.")
         if val_batch_size is not None and val_batch_size < 1:
@@ -214,6 +240,7 @@ class PromptDataModule(L.LightningDataModule):
         self.overlong = overlong
         self.tokenizer_path = tokenizer
         self.chat_template = chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.dataset_config = dataset_config
         self.train_split = train_split
         self.val_split = val_split
@@ -232,7 +259,9 @@ class PromptDataModule(L.LightningDataModule):
         if self._rows is not None:
             return
         self._tokenizer = self._resolve_tokenizer()
-        train = load_prompt_dataset(self.train, setting="train", config=self.dataset_config, split=self.train_split)
+        train = self._placeholder_rows() if self.train is None else None
+        if train is None:
+            train = load_prompt_dataset(self.train, setting="train", config=self.dataset_config, split=self.train_split)
         val = None
         if self.val is not None:
             val = load_prompt_dataset(self.val, setting="val", config=self.dataset_config, split=self.val_split)
@@ -250,12 +279,37 @@ class PromptDataModule(L.LightningDataModule):
             self._val_rows = self._prepare(val, "validation", min_rows=1)
         self._rows = rows
 
+    def _environment(self) -> Any:
+        """The module's environment factory (one environment per episode), None without one."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return getattr(getattr(module, "actor", None), "environment", None)
+
+    def _placeholder_rows(self) -> Any:
+        """``batch_size`` rows without a prompt, for an environment that makes its own (``train=None``)."""
+        import datasets
+
+        if self._environment() is None:
+            raise ValueError(
+                "PromptDataModule(train=None): no training prompts, and the module has no environment to make them. "
+                "HINT: pass the prompts (a datasets.Dataset, a file, a hub name), or give the module an environment "
+                "whose reset() returns each episode's prompt."
+            )
+        max_steps = getattr(self.trainer, "max_steps", -1)
+        if max_steps is None or max_steps < 0:
+            raise ValueError(
+                "PromptDataModule(train=None): the environment makes every prompt, so no dataset bounds the run. "
+                "HINT: set Trainer(max_steps=...)."
+            )
+        return datasets.Dataset.from_dict({"prompt": [""] * self.batch_size})
+
     def _prepare(self, dataset: Any, which: str, *, min_rows: int) -> list[dict[str, Any]]:
-        """Check ``dataset``'s columns and rows, tokenize the prompts, drop (or reject) overlong ones."""
+        """Check ``dataset``'s columns and rows, tokenize the prompts (with an environment: render each row's
+        episode prompt), drop (or reject) overlong ones."""
         chat = self.messages_column is not None
         col = self.messages_column or self.prompt_column
         setting = "messages_column" if chat else "prompt_column"
-        if col not in dataset.column_names:
+        environment = self._environment()
+        if col not in dataset.column_names and not (environment is not None and not chat):
             raise KeyError(
                 f"PromptDataModule({setting}={col!r}): the {which} data has no such column. "
                 f"Columns: {dataset.column_names}. HINT: set {setting} to the column holding the prompts."
@@ -266,25 +320,42 @@ class PromptDataModule(L.LightningDataModule):
                 f"PromptDataModule: {which} dataset columns {clash} clash with the rollout columns lightning_rlhf "
                 "adds. HINT: rename them (datasets.Dataset.rename_column) before training."
             )
-        rows, too_long = [], 0
+        entries: list[tuple[int, dict[str, Any], str, list[int]]] = []
         for i, row in enumerate(dataset):
             if chat:
                 messages = check_messages(row[col], column=col, row=i, which=which)
                 text = chat_prompt_text(messages)
-                ids = render_chat(self._tokenizer, messages, row=i, which=which)
+                ids = [] if environment is not None else self._render(messages, row=i, which=which)
             else:
-                text = row[col]
-                if not isinstance(text, str) or not text.strip():
+                text = row.get(col)
+                if environment is not None and text in (None, ""):  # the environment's reset makes the prompt
+                    text = ""
+                elif not isinstance(text, str) or not text.strip():
                     raise ValueError(
                         f"PromptDataModule: row {i} has an empty or non-text prompt in column {col!r} of the {which} "
                         f"data ({text!r:.80}). HINT: drop or fix such rows before training (a column of chats goes "
                         "in messages_column)."
                     )
-                ids = self._encode(text, row=i, which=which)
+                ids = [] if environment is not None else self._encode(text, row=i, which=which)
+            entries.append((i, row, text, ids))
+        what = "prompt tokens"
+        if environment is not None:  # the episodes' first prompts, as the rollout renders them
+            from lightning_rlhf.agents.rollout import episode_prompt_ids
+
+            rendered = episode_prompt_ids(
+                environment,
+                self._tokenizer,
+                [{**row, "prompt": text} for _, row, text, _ in entries],
+                chat_template_kwargs=self.chat_template_kwargs,
+            )
+            entries = [(i, row, text, ids) for (i, row, text, _), (ids, _) in zip(entries, rendered, strict=True)]
+            what = "tokens in its episode's first prompt (reset's messages, system turn and tool schemas rendered)"
+        rows, too_long = [], 0
+        for i, row, text, ids in entries:
             if len(ids) > self.max_prompt_length:
                 if self.overlong == "error":
                     raise ValueError(
-                        f"PromptDataModule: row {i} has {len(ids)} prompt tokens > max_prompt_length="
+                        f"PromptDataModule: row {i} has {len(ids)} {what} > max_prompt_length="
                         f"{self.max_prompt_length} ({which} data). HINT: raise max_prompt_length or use "
                         "overlong='filter'."
                     )
@@ -304,9 +375,14 @@ class PromptDataModule(L.LightningDataModule):
             )
         return rows
 
+    def _render(self, messages: list[dict[str, Any]], *, row: int, which: str) -> list[int]:
+        return render_chat(
+            self._tokenizer, messages, row=row, which=which, chat_template_kwargs=self.chat_template_kwargs
+        )
+
     def _encode(self, text: str, *, row: int, which: str) -> list[int]:
         if self.chat_template:
-            return render_chat(self._tokenizer, [{"role": "user", "content": text}], row=row, which=which)
+            return self._render([{"role": "user", "content": text}], row=row, which=which)
         return list(self._tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def _resolve_tokenizer(self) -> Any:
@@ -335,9 +411,11 @@ class PromptDataModule(L.LightningDataModule):
             prompts[i, width - n :] = torch.tensor(r["prompt_ids"])
             mask[i, width - n :] = 1
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
-        meta = {}
+        meta: dict[str, Any] = {"max_prompt_length": self.max_prompt_length}  # an episode's first prompt's bound
+        if self.chat_template_kwargs:  # every render of a chat: episodes, a reward model's chats
+            meta["chat_template_kwargs"] = dict(self.chat_template_kwargs)
         if self.messages_column is not None or self.chat_template:  # a reward model renders the chat (RewardRole)
-            meta = {"chat_prompt": True, "messages_column": self.messages_column}
+            meta |= {"chat_prompt": True, "messages_column": self.messages_column}
         return Batch({"prompts": prompts, "prompt_mask": mask, "uid": torch.arange(len(rows))}, columns, meta)
 
     def train_dataloader(self) -> PromptLoader:

@@ -11,6 +11,7 @@ warm-started here sees the same prompt tokens when RL begins.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from lightning_rlhf.config import check_sequence_length
 from lightning_rlhf.data.chat import check_messages
 from lightning_rlhf.data.prompts import PromptDataModule
 
-__all__ = ["SFT_COLUMNS", "SFTDataModule", "collate_sft", "encode_chat", "encode_prompt_answer"]
+__all__ = ["SFT_COLUMNS", "SFTDataModule", "collate_sft", "encode_chat", "encode_prompt_answer", "tool_turns"]
 
 SFT_COLUMNS = frozenset({"input_ids", "attention_mask", "loss_mask"})
 """Batch tensors an SFT batch carries; a dataset column with one of these names is refused."""
@@ -50,22 +51,72 @@ def encode_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list
 
 
 def _render(
-    tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool, tools: list[Any] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    generation_prompt: bool,
+    tools: list[Any] | None = None,
+    chat_kwargs: dict[str, Any] | None = None,
 ) -> str:
     return str(
         tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **(chat_kwargs or {}),
         )
     )
 
 
+def tool_turns(messages: list[dict[str, Any]], tools: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """A chat's tool turns as chat templates take them: each tool call's ``arguments`` a dict (datasets often store
+    them as JSON text, since Arrow would merge the argument keys of different tools into one struct), ``tools`` a
+    list of JSON schemas (a JSON text column is read). Runs on: any process (pure). Raises ValueError for arguments
+    or tools that are not valid JSON."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as err:
+            raise ValueError(
+                f"SFT data: the 'tools' column holds text that is not JSON ({err}): {tools!r:.120}"
+            ) from err
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            fixed = []
+            for call in calls:
+                call = dict(call)
+                inner = dict(call["function"]) if isinstance(call.get("function"), dict) else call
+                if isinstance(inner.get("arguments"), str):
+                    try:
+                        inner["arguments"] = json.loads(inner["arguments"])
+                    except ValueError as err:
+                        raise ValueError(
+                            f"SFT data: a tool call's arguments are text that is not JSON ({err}): "
+                            f"{inner['arguments']!r:.120}. HINT: store them as a JSON object or its JSON text."
+                        ) from err
+                if inner is not call:
+                    call["function"] = inner
+                fixed.append(call)
+            message = {**message, "tool_calls": fixed}
+        out.append(message)
+    return out, list(tools) if tools else None
+
+
 def encode_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[Any] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[Any] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of a chat rendered with the tokenizer's chat template, with the loss on every
     assistant turn (its content, its tool calls and the template's end-of-turn token, up to the first EOS) and on
     nothing else: the user's, the system's and the tools' turns are context. ``tools``: the JSON schemas the
     template renders (``apply_chat_template(tools=...)``, as an agentic rollout renders its prompts).
+    ``chat_template_kwargs``: extra template variables (``{"enable_thinking": False}``), given to every render.
 
     Runs on: any process (pure). Each assistant turn's prompt is the template of the turns before it with the
     generation prompt (as :class:`~lightning_rlhf.data.PromptDataModule` renders chat prompts for RL); its
@@ -100,8 +151,10 @@ def encode_chat(
         return part
 
     for i in turns:
-        prompt = _render(tokenizer, messages[:i], generation_prompt=True, tools=tools)
-        full = _render(tokenizer, messages[: i + 1], generation_prompt=False, tools=tools)
+        prompt = _render(tokenizer, messages[:i], generation_prompt=True, tools=tools, chat_kwargs=chat_template_kwargs)
+        full = _render(
+            tokenizer, messages[: i + 1], generation_prompt=False, tools=tools, chat_kwargs=chat_template_kwargs
+        )
         if not prompt.startswith(done) or not full.startswith(prompt):
             raise ValueError(
                 f"SFT data: the chat template is not prefix-stable at message {i} (it renders earlier turns "
@@ -158,7 +211,8 @@ class SFTDataModule(PromptDataModule):
             assistant turns may carry ``tool_calls`` and ``tool`` turns results), trained on its assistant turns;
             ``prompt_column`` and ``answer_column`` are then unused. Needs a tokenizer with a chat template. A
             ``tools`` column, when the data has one (TRL's convention), gives each row's tool schemas to the
-            template.
+            template (a list of schemas, or its JSON text); a tool call's ``arguments`` may be a dict or its JSON
+            text; an assistant turn that only calls tools may have ``content`` None.
         max_length: longest example (prompt + answer) in tokens; longer ones are dropped (``overlong="filter"``,
             logged with a count) or rejected (``overlong="error"``). None: the model's positions
             (``max_position_embeddings``). A value above them is refused in ``setup``, before any data or model
@@ -167,6 +221,8 @@ class SFTDataModule(PromptDataModule):
         tokenizer: tokenizer path; None takes the LightningModule's tokenizer.
         chat_template: render each prompt/answer pair as a user and an assistant message with the tokenizer's
             chat template (for instruct models that RL will prompt with ``chat_template=True``).
+        chat_template_kwargs: extra template variables for every render (``{"enable_thinking": False}``), as RL's
+            ``PromptDataModule(chat_template_kwargs=...)`` renders its prompts.
         dataset_config: configuration name of a hub dataset or folder; None: its default.
         train_split: split of a hub dataset, folder or ``DatasetDict`` to train on.
         val_split: split of ``val`` when it is a hub dataset, folder or ``DatasetDict``.
@@ -189,6 +245,7 @@ class SFTDataModule(PromptDataModule):
         overlong: str = "filter",
         tokenizer: str | None = None,
         chat_template: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         dataset_config: str | None = None,
         train_split: str = "train",
         val_split: str = "test",
@@ -212,6 +269,7 @@ class SFTDataModule(PromptDataModule):
             overlong=overlong,
             tokenizer=tokenizer,
             chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
             dataset_config=dataset_config,
             train_split=train_split,
             val_split=val_split,
@@ -314,7 +372,8 @@ class SFTDataModule(PromptDataModule):
             messages = check_messages(
                 row[self.messages_column], column=self.messages_column, row=row_index, which=which
             )
-            return encode_chat(tok, messages, tools=row.get("tools"))
+            messages, tools = tool_turns(messages, row.get("tools"))
+            return encode_chat(tok, messages, tools=tools, chat_template_kwargs=self.chat_template_kwargs)
         prompt, answer = row[self.prompt_column], row[self.answer_column]
         for value, col in ((prompt, self.prompt_column), (answer, self.answer_column)):
             if not isinstance(value, str) or not value.strip():
@@ -323,7 +382,8 @@ class SFTDataModule(PromptDataModule):
                     f"{which} data ({value!r:.80}). HINT: drop or fix such rows (datasets.Dataset.filter)."
                 )
         if self.chat_template:
-            return encode_chat(tok, [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
+            chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+            return encode_chat(tok, chat, chat_template_kwargs=self.chat_template_kwargs)
         return encode_prompt_answer(tok, prompt, answer)
 
     def collate(self, rows: list[dict[str, Any]]) -> Batch:

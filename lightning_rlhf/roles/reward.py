@@ -246,8 +246,9 @@ class RewardRole(Role):
             return [p + c for p, c in zip(prompts, completions, strict=True)], True
         column = batch.meta.get("messages_column")
         chats = [list(m) for m in batch[column]] if column else [[{"role": "user", "content": p}] for p in prompts]
+        kwargs = batch.meta.get("chat_template_kwargs") or {}  # PromptDataModule(chat_template_kwargs=...)
         texts = [
-            tok.apply_chat_template([*chat, {"role": "assistant", "content": c}], tokenize=False)
+            tok.apply_chat_template([*chat, {"role": "assistant", "content": c}], tokenize=False, **kwargs)
             for chat, c in zip(chats, completions, strict=True)
         ]
         return texts, False

@@ -98,14 +98,17 @@ def prompt_batch(tok, texts: list[str]) -> Batch:
     return Batch({"prompts": prompts, "prompt_mask": mask, "uid": torch.arange(len(ids))}, {"prompt": texts})
 
 
-def run(tok, env, cfg: RolloutConfig, texts=("37*41=?",), n=1, engine=None) -> tuple[Batch, ScriptedEngine]:
+def run(
+    tok, env, cfg: RolloutConfig, texts=("37*41=?",), n=1, engine=None, batch: Batch | None = None
+) -> tuple[Batch, ScriptedEngine]:
+    """Episodes of ``env`` for ``texts`` (or for ``batch``, a data module's, with its meta)."""
     engine = engine or ScriptedEngine(tok)
     runner = EpisodeRunner(environment_factory(env), tok, cfg)
     try:
         stops = (check_chat_template(tok).end_of_turn_id,)
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, seed=3)
         return sample_episodes(
-            engine, prompt_batch(tok, list(texts)), runner, params, n=n, pad_id=tok.pad_token_id
+            engine, batch or prompt_batch(tok, list(texts)), runner, params, n=n, pad_id=tok.pad_token_id
         ), engine
     finally:
         runner.close()
