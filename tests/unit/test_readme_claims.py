@@ -127,6 +127,19 @@ def test_readme_says_nothing_deleted_or_misleading(text: str) -> None:
     assert text not in README, f"README.md holds {text!r}: {FORBIDDEN[text]}"
 
 
+def test_no_page_installs_the_package_from_pypi() -> None:
+    """The package is not published: every page says to install from a clone (``pip install -e ".[vllm]"``)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pattern = re.compile(r"pip install ['\"]?lightning[-_]rlhf\b")
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {line.strip()}"
+        for page in pages
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, "pages install the unpublished package from PyPI:\n" + "\n".join(found)
+
+
 def test_not_there_yet_names_nothing_that_landed() -> None:
     m = re.search(r"\*\*Not there yet\*\*:(.*?)(?:\n\n|\n- |\n#)", README, re.DOTALL)
     assert m, "README.md's Maturity section has no '**Not there yet**:' item"
