@@ -457,6 +457,7 @@ class RLHFModule(L.LightningModule):
         out = rollout.generate(batch, **kwargs)
         out.meta["timing_s/update_weights"] = handoff["timing_s/update_weights"]
         out.meta["perf/weight_sync_bytes"] = handoff["perf/weight_sync_bytes"]
+        out.meta["perf/weight_sync_gathered_bytes"] = handoff["perf/weight_sync_gathered_bytes"]
         return out
 
     _pending_rollout: Batch | None = None
@@ -636,7 +637,8 @@ class RLHFModule(L.LightningModule):
         """The standard per-step metrics of a scored rollout (names as in verl). With ``timings`` (the step's
         ``timing_s/*``, as :meth:`log_step` passes them) also the performance metrics of
         :func:`lightning_rlhf.perf.step_perf_metrics`: ``timing_per_token_ms/*``, ``perf/mfu/actor`` (and
-        ``perf/mfu/critic``), ``perf/max_memory_allocated_gb`` (CUDA) and ``perf/cpu_memory_used_gb``.
+        ``perf/mfu/critic``), every rank's memory peaks (``perf/cpu_memory_peak_gb``, CUDA:
+        ``perf/max_memory_allocated_gb``) and ``perf/cpu_memory_used_gb``.
 
         Runs on: controller.
         """
@@ -663,7 +665,8 @@ class RLHFModule(L.LightningModule):
         if step_seconds:
             tokens = float(rollout["prompt_mask"].sum() + mask.sum())
             out["perf/throughput"] = tokens / step_seconds / max(1, self.trainer.world_size)
-        for key in ("timing_s/update_weights", "timing_s/update_weights_wait", "perf/weight_sync_bytes"):
+        handoff = ("timing_s/update_weights", "timing_s/update_weights_wait", "perf/weight_sync_bytes")
+        for key in (*handoff, "perf/weight_sync_gathered_bytes"):
             if key in rollout.meta:
                 out[key] = float(rollout.meta[key])
         if "rollout_logprobs" in rollout and "old_logprobs" in rollout:  # the on-policy update reports its own
@@ -688,6 +691,7 @@ class RLHFModule(L.LightningModule):
                 device=getattr(strategy, "root_device", None) or torch.device("cpu"),
                 dtype=getattr(strategy, "param_dtype", None) or torch.float32,
                 world_size=trainer.world_size if trainer is not None else 1,
+                rank_peaks=getattr(strategy, "memory_peaks", None),
             )
         return out
 

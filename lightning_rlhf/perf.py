@@ -21,7 +21,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,15 +33,19 @@ __all__ = [
     "PEAK_ENV",
     "GPUPeak",
     "available_cores",
+    "counted_bytes",
     "cpu_matmul_peak",
     "cpu_memory_used_gb",
     "cpu_model_name",
     "device_peak_flops",
+    "full_bytes",
     "gpu_peak",
     "gpu_peak_flops",
     "measure_matmul_flops",
+    "memory_peaks",
     "mfu",
     "per_token_ms",
+    "rank_memory_metrics",
     "read_json",
     "step_perf_metrics",
     "tf32_enabled",
@@ -438,6 +442,70 @@ def cpu_memory_used_gb() -> float:
         return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
 
 
+def counted_bytes(stream: Iterator[tuple[str, Tensor]], count: list[int]) -> Iterator[tuple[str, Tensor]]:
+    """``stream`` unchanged, adding each tensor's bytes to ``count[0]`` as it passes (what a weight hand-off hands
+    an engine: ``perf/weight_sync_bytes``). Runs on: every worker rank."""
+    for name, tensor in stream:
+        count[0] += tensor.numel() * tensor.element_size()
+        yield name, tensor
+
+
+def full_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``model``'s full parameters (a sharded parameter counts whole; a tied one once), in ``dtype`` (None:
+    their own). Runs on: any process (no collective)."""
+    size = (
+        (lambda p: torch.empty((), dtype=dtype).element_size()) if dtype is not None else (lambda p: p.element_size())
+    )
+    return sum(p.numel() * size(p) for p in model.parameters())
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory since it started (``VmHWM`` of ``/proc/self/status`` on Linux, which a
+    process started by exec does not inherit; else ``resource.getrusage``'s ``ru_maxrss``), GiB. Runs on: any
+    process."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / GIB  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
+
+
+def memory_peaks() -> dict[str, float]:
+    """This process's memory peaks since it started, GiB: ``cpu`` (:func:`peak_rss_gb`) and, where CUDA is in use,
+    ``cuda`` (``torch.cuda.max_memory_allocated`` of the current device). A few microseconds: the controller's
+    exchanges carry every rank's (:func:`rank_memory_metrics`).
+
+    Runs on: every rank (with each reply to the controller).
+    """
+    peaks = {"cpu": peak_rss_gb()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peaks["cuda"] = torch.cuda.max_memory_allocated() / GIB
+    return peaks
+
+
+def rank_memory_metrics(peaks: Mapping[int, Mapping[str, float]]) -> dict[str, float]:
+    """The memory metrics from every rank's :func:`memory_peaks` (by rank): ``perf/cpu_memory_peak_gb`` (the largest
+    peak RSS of any rank) and ``perf/cpu_memory_peak_gb/rank<r>`` (each rank's), and on CUDA
+    ``perf/max_memory_allocated_gb`` (the largest over ranks) and ``perf/max_memory_allocated_gb/rank<r>``.
+
+    Runs on: controller.
+    """
+    out: dict[str, float] = {}
+    for kind, name in (("cpu", "perf/cpu_memory_peak_gb"), ("cuda", "perf/max_memory_allocated_gb")):
+        by_rank = {rank: float(p[kind]) for rank, p in sorted(peaks.items()) if kind in p}
+        if by_rank:
+            out[name] = max(by_rank.values())
+            out |= {f"{name}/rank{rank}": value for rank, value in by_rank.items()}
+    return out
+
+
 # ------------------------------------------------------------------------------------------- per step
 PER_TOKEN_STAGES: dict[str, str] = {
     "gen": "response",
@@ -463,6 +531,7 @@ def step_perf_metrics(
     device: torch.device,
     dtype: torch.dtype,
     world_size: int,
+    rank_peaks: Mapping[int, Mapping[str, float]] | None = None,
 ) -> dict[str, float]:
     """One step's performance metrics from what the controller already holds (no collective):
 
@@ -472,8 +541,10 @@ def step_perf_metrics(
     - ``perf/mfu/<role>`` for each role of ``params`` (trainable parameter counts, e.g. ``{"actor": N}``) whose
       update was timed: ``6 * N * (prompt + response tokens) * epochs / seconds / (peak * world_size)``, the peak
       of one device in ``dtype`` (:func:`device_peak_flops`; nothing when unknown);
-    - ``perf/max_memory_allocated_gb`` (CUDA: ``torch.cuda.max_memory_allocated`` of this process's device since it
-      started, GiB) and ``perf/cpu_memory_used_gb`` (this process's RSS, GiB).
+    - every rank's memory peaks since its process started (:func:`rank_memory_metrics` of ``rank_peaks``, the
+      controller's latest :func:`memory_peaks` of each rank; this process's alone when None):
+      ``perf/cpu_memory_peak_gb[/rank<r>]`` and on CUDA ``perf/max_memory_allocated_gb[/rank<r>]``;
+    - ``perf/cpu_memory_used_gb`` (this process's RSS now, at the end of the step, GiB).
 
     Runs on: controller.
     """
@@ -491,7 +562,9 @@ def step_perf_metrics(
             if peak is not None and seconds > 0 and params.get(role, 0) > 0:
                 flops = training_flops(params[role], tokens["all"], epochs=epochs)
                 out[f"perf/mfu/{role}"] = mfu(flops, seconds, peak, max(1, world_size))
+    own = memory_peaks()
     if device.type == "cuda":
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GIB
+        own["cuda"] = torch.cuda.max_memory_allocated(device) / GIB
+    out |= rank_memory_metrics({**(rank_peaks or {}), 0: own})  # the controller's own: read now
     out["perf/cpu_memory_used_gb"] = cpu_memory_used_gb()
     return out

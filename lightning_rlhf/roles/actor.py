@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 import lightning_rlhf.cpu as cpu
+import lightning_rlhf.perf as perf
 from lightning_rlhf.agents.rollout import EpisodeRunner, sample_episodes
 from lightning_rlhf.algorithms import MicroBatchAggregation, compute_policy_loss, kl_penalty
 from lightning_rlhf.batch import Batch, sampled_mask
@@ -79,6 +80,9 @@ class ActorRole(EpisodesMixin, Role):
         self._sent_version: int | None = None  # the version the generation-only pool holds (None: nothing valid)
         self.handoff_wait_s = 0.0
         """Seconds the last hand-off waited for the other ranks to arrive (the shared store's entry barrier)."""
+        self.handoff_engine_bytes = 0
+        """Bytes this rank's engine took in the last hand-off (``perf/weight_sync_bytes``): the full or merged
+        weights (its TP slices), or the adapters (plus the base, once); with the shared store, the store's weights."""
         self._adapter_root: str | None = None  # where the adapter hand-off writes its folders (lora_handoff)
         self._shared: tuple[Any, Any, cpu.WeightStore | None] | None = None
         """``(engine, model, store)`` once decided for this engine and model (store None: the hand-off streams)."""
@@ -175,7 +179,8 @@ class ActorRole(EpisodesMixin, Role):
             {
                 "timing_s/update_weights": sync_s,
                 "timing_s/update_weights_wait": self.handoff_wait_s,
-                "perf/weight_sync_bytes": sync_bytes,
+                "perf/weight_sync_bytes": self.handoff_engine_bytes,
+                "perf/weight_sync_gathered_bytes": sync_bytes,
             }
         )
         return rollout
@@ -224,6 +229,7 @@ class ActorRole(EpisodesMixin, Role):
         """
         engine = self.rollout_engine
         self.handoff_wait_s = 0.0
+        self.handoff_engine_bytes = 0
         if self._engine_version == self._weights_version and not engine.weights_discarded:
             return 0.0, 0
         assert self.model is not None
@@ -234,23 +240,29 @@ class ActorRole(EpisodesMixin, Role):
             store = None if self.lora is not None else cpu.weight_store(engine, self.model)
             self._shared = (engine, self.model, store)
         store = self._shared[2]
+        taken = [0]  # what the engine takes: perf/weight_sync_bytes
         if self.lora is not None and getattr(engine, "takes_adapters", False):
-            self._hand_off_adapters(engine, received)
+            self._hand_off_adapters(engine, received, taken)
         elif store is not None:
             self.handoff_wait_s = store.hand_off(received)
+            taken[0] = perf.full_bytes(self.model, engine.dtype)
         else:
-            engine.load_weights(weights_for(engine, self.model, received, into_engine=True))
+            engine.load_weights(perf.counted_bytes(weights_for(engine, self.model, received, into_engine=True), taken))
+        self.handoff_engine_bytes = taken[0]
         self._engine_version = self._weights_version
         return time.perf_counter() - t0 - self.handoff_wait_s, received[0]
 
-    def _hand_off_adapters(self, engine: RolloutEngine, received: list[int]) -> None:
+    def _hand_off_adapters(self, engine: RolloutEngine, received: list[int], taken: list[int]) -> None:
         """``VLLMConfig.lora_handoff="adapter"``: the base weights once (while the engine holds none), then the
         adapters only, written as a peft folder that the engine loads (vLLM's LoRA support). Runs on: every worker
         rank (the gathers are collectives over the actor's ranks)."""
         assert self.model is not None
         if engine.weights_discarded:
-            engine.load_weights(base_weights(full_tensors(self.model, received), engine.dtype))
+            engine.load_weights(
+                perf.counted_bytes(base_weights(full_tensors(self.model, received), engine.dtype), taken)
+            )
         state = adapter_tensors(self.model, received)
+        taken[0] += sum(t.numel() * t.element_size() for t in state.values())
         if self._adapter_root is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._adapter_root = tempfile.mkdtemp(prefix="lightning_rlhf-adapter-", dir=shm)
@@ -279,8 +291,9 @@ class ActorRole(EpisodesMixin, Role):
 
         Runs on: every rank of the actor's pool (the FSDP gathers); the pool's first rank broadcasts. Its receiving
         half is the rollout role's ``receive_weights``, in the same ``concurrently()`` block. Returns
-        ``timing_s/update_weights``, ``perf/weight_sync_bytes`` and ``rollout/weight_version`` (what the pool holds
-        after the call); every rank of the pool decides the same way, from the same counters.
+        ``timing_s/update_weights``, ``perf/weight_sync_bytes`` (what the pool was sent),
+        ``perf/weight_sync_gathered_bytes`` (what the FSDP gathers brought this rank) and ``rollout/weight_version``
+        (what the pool holds after the call); every rank of the pool decides the same way, from the same counters.
         """
         from torch import distributed as dist
 
@@ -317,7 +330,8 @@ class ActorRole(EpisodesMixin, Role):
             self._sent_version = version
         return {
             "timing_s/update_weights": time.perf_counter() - t0,
-            "perf/weight_sync_bytes": float(sent + received[0]),
+            "perf/weight_sync_bytes": float(sent),
+            "perf/weight_sync_gathered_bytes": float(received[0]),
             "rollout/weight_version": float(self._sent_version if self._sent_version is not None else -1),
         }
 

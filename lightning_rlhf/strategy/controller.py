@@ -51,6 +51,7 @@ from lightning_rlhf.dispatch import (
     with_written,
 )
 from lightning_rlhf.engines.train.engine import data_parallel_group
+from lightning_rlhf.perf import memory_peaks
 from lightning_rlhf.strategy.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
 
 if TYPE_CHECKING:
@@ -181,6 +182,7 @@ class Controller:
         self._last_where: str | None = None
         self.stop_signum = 0  # set after each step: the stop every rank agreed on (0: go on)
         self.last_seconds: list[float] = []  # each call of the last exchange: its time on its slowest rank
+        self.memory_peaks: dict[int, dict[str, float]] = {}  # each rank's perf.memory_peaks, at its latest reply
         # controller: each background call -> where, its plan
         self._in_flight: dict[int, tuple[str, _Plan]] = {}
         self._next_token = 0
@@ -350,7 +352,7 @@ class Controller:
 
         def exchange() -> list[Any]:
             mine = self._scatter(messages)
-            return self._gather(self._execute_all(mine))
+            return self._gather((self._execute_all(mine), memory_peaks()))
 
         self.where = where
         try:
@@ -361,7 +363,8 @@ class Controller:
         by_call: list[dict[int, Any]] = [{} for _ in range(count)]
         seconds = [0.0] * count
         failures = []
-        for rank, reply in enumerate(replies):
+        for rank, (reply, peaks) in enumerate(replies):
+            self.memory_peaks[rank] = peaks
             for index, result, took in reply or []:
                 if isinstance(result, _Failure):
                     failures.append(result)
@@ -410,7 +413,7 @@ class Controller:
                 result = self._execute_all(msg or [])
                 if self._watchdog is not None:
                     self._watchdog.post_stop()  # before the reply: rank 0 sees it at the end of this step
-                self._communicate(functools.partial(self._gather, result))
+                self._communicate(functools.partial(self._gather, (result, memory_peaks())))
 
     # -------------------------------------------------------------------------------------- plumbing
     def _execute_all(self, calls: list[Any]) -> list[tuple[int, Any, float]]:

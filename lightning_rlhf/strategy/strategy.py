@@ -697,6 +697,12 @@ class RLHFStrategy(ModelParallelStrategy):
         cpu.host_memory_release()
         super().teardown()
 
+    @property
+    def memory_peaks(self) -> dict[int, dict[str, float]]:
+        """Each rank's memory peaks (:func:`lightning_rlhf.perf.memory_peaks`, GiB) as of its latest reply to the
+        controller; empty before the first role call. Runs on: controller (other ranks: empty)."""
+        return dict(self._controller.memory_peaks) if self._controller is not None else {}
+
     def _rlhf_module(self) -> RLHFModule:
         from lightning_rlhf.module import RLHFModule
 

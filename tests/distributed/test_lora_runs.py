@@ -64,6 +64,21 @@ def test_lora_resumes_like_the_uninterrupted_run_with_the_base_as_reference(runs
     assert float(straight[-1]["actor/kl_loss"]) > 0  # the reference (adapters off) is not the adapted actor
 
 
+def test_every_ranks_memory_peak_and_the_bytes_the_engine_takes_are_logged(
+    runs: dict[str, Path], demo_model: str
+) -> None:
+    rows = metrics(runs["root"] / "straight")
+    weights = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(demo_model).parameters()) * 4
+    for row in rows:
+        peaks = [float(row[f"perf/cpu_memory_peak_gb/rank{rank}"]) for rank in (0, 1)]
+        assert float(row["perf/cpu_memory_peak_gb"]) == max(peaks) and min(peaks) > 0.1, peaks
+        assert float(row["perf/cpu_memory_peak_gb/rank0"]) >= float(row["perf/cpu_memory_used_gb"]) * 0.99
+    assert float(rows[0]["perf/weight_sync_bytes"]) == 0  # the engine was built from the loaded weights
+    for row in rows[1:]:  # after each update the transformers engine takes the whole merged model (float32),
+        assert float(row["perf/weight_sync_bytes"]) == weights  # while rank 0 gathered only rank 1's shards
+        assert 0 < float(row["perf/weight_sync_gathered_bytes"]) < 0.75 * weights
+
+
 def test_the_checkpoint_holds_the_adapters_and_their_optimizer_state_not_the_base(runs: dict[str, Path]) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -169,6 +169,8 @@ def test_step_perf_metrics_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
         world_size=2,
     )
     rss = out.pop("perf/cpu_memory_used_gb")
+    peak = out.pop("perf/cpu_memory_peak_gb")  # no other rank's given: the controller's own peak RSS
+    assert out.pop("perf/cpu_memory_peak_gb/rank0") == peak >= rss * 0.99
     assert out == pytest.approx(
         {
             "timing_per_token_ms/gen": 200 / 20,  # per generated token
