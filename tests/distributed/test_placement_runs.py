@@ -6,7 +6,6 @@ Each test runs ``tests/scripts/train.py`` as a subprocess (Lightning's launcher 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,9 @@ def test_split_ppo_runs_stages_concurrently_and_resumes_exactly(demo_model: str,
     both = [float(r["timing_s/update_actor"]) + float(r["timing_s/update_critic"]) for r in rows]
     stage = [float(r["timing_s/stage_update"]) for r in rows]
     longer = [max(float(r["timing_s/update_actor"]), float(r["timing_s/update_critic"])) for r in rows]
-    # Disjoint pools: the stage takes about the longer call, not the sum (one process per core here).
-    assert statistics.median(stage) < 0.8 * statistics.median(both), (stage, both)
+    # Disjoint pools: the two calls overlap. Each call's time lies within its stage's, so one after the other the
+    # stage would take at least their sum, whatever the machine's load; overlapping, it takes less.
+    assert sum(stage) < sum(both), (stage, both)
     assert all(s >= 0.9 * m for s, m in zip(stage, longer, strict=True)), (stage, longer)
     for row in rows:
         assert float(row["critic/vf_loss"]) > 0 and float(row["actor/grad_norm"]) > 0
@@ -93,7 +93,9 @@ def test_four_ranks_two_pools(demo_model: str, tmp_path: Path) -> None:
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
     for row in rows:
         assert float(row["timing_s/ref"]) > 0 and float(row["actor/grad_norm"]) > 0
-        assert float(row["actor/kl_loss"]) >= 0
+    # The reference is the initial policy: no KL before the first update, some after it (k3 is never negative).
+    kl = [float(row["actor/kl_loss"]) for row in rows]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and all(k > 0 for k in kl[1:]), kl
     assert json.loads((out / "result.json").read_text())["global_step"] == 3
 
 

@@ -10,6 +10,7 @@ engine: both engines have learning tests, and the suite stays short (each vLLM s
 from __future__ import annotations
 
 import csv
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,7 @@ def test_algorithm_learns_addition(algo: str, placement: str, demo_model: str, t
     first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
     assert last >= first + 0.2, (algo, first, last)
     if algo == "ppo":
-        assert all(float(r["critic/vf_loss"]) >= 0 for r in rows)
+        assert all(0 < float(r["critic/vf_loss"]) < math.inf for r in rows)  # a squared error, never exact
     if placement == "split":  # the two updates overlap: the stage is shorter than their sum on most steps
         overlapped = [
             float(r["timing_s/stage_update"]) < float(r["timing_s/update_actor"]) + float(r["timing_s/update_critic"])

@@ -17,8 +17,8 @@ model names read it), so no run repeats the warm start. A run passes when it exi
 print: exit 0).
 The runs go one after another in one test, so that they never compete with each other for the cores.
 
-A command is skipped only by one of the rules of :data:`SKIP_RULES`, each skip reported by pytest (``-ra``)
-with the page, the line and the rule.
+A command is skipped only by one of the rules of :data:`SKIP_RULES`; a test checks each rule against commands
+it must and must not skip.
 """
 
 from __future__ import annotations
@@ -301,9 +301,45 @@ def test_demo_commands_that_differ_in_steps_run_once() -> None:
     assert same_run(doc("python -m lightning_rlhf.demo --algo ppo")) != same_run(doc("python -m lightning_rlhf.demo"))
 
 
-@pytest.mark.parametrize("cmd", SKIPPED, ids=[c.where for c in SKIPPED])
-def test_skipped_command(cmd: Documented) -> None:
-    pytest.skip(f"{cmd.where} `{cmd.text}`: {skip_reason(cmd)}")
+def _rule(applies: Callable[[Documented], bool]) -> str:
+    return next(reason for reason, rule in SKIP_RULES if rule is applies)
+
+
+@pytest.mark.parametrize(
+    ("text", "rule"),
+    [
+        ("python -m lightning_rlhf.demo --algo <name>", _is_template),
+        ("lightning-rlhf sft --config RECIPE", _is_template),
+        ("lightning-rlhf fit --ckpt_path", _is_fragment),
+        ("lightning-rlhf fit --config mine.yaml", _config_missing),
+        ("lightning-rlhf fit --config recipes/ppo.yaml", _hub_model),
+        ("lightning-rlhf fit --config recipes/demo.yaml --model.actor Qwen/Qwen2.5-0.5B-Instruct", _hub_model),
+        ("lightning-rlhf fit --config recipes/demo.yaml --ckpt_path runs/none/last.ckpt", _missing_files),
+        ("lightning-rlhf fit --config recipes/demo.yaml --trainer.accelerator gpu", _needs_gpu),
+        ("lightning-rlhf fit --config recipes/demo.yaml", None),
+        ("lightning-rlhf fit --config recipes/demo.yaml --print_config", None),
+        ("python -m lightning_rlhf.demo --algo ppo --placement split", None),
+        ("make demo", None),
+    ],
+)
+def test_each_skip_rule_picks_what_cannot_run_here(text: str, rule: Callable[[Documented], bool] | None) -> None:
+    """A documented command is skipped by the rule that fits it, and one that can run here runs."""
+    import torch
+
+    if rule is _needs_gpu and torch.cuda.is_available():
+        rule = None  # on a GPU machine it runs
+    assert skip_reason(Documented("x.md", 1, text)) == (None if rule is None else _rule(rule))
+
+
+def test_commands_skipped_for_a_hub_model_run_in_the_recipe_tests() -> None:
+    """The hub-model rule's reason says tests/e2e/test_recipes.py runs that recipe with the tiny model instead."""
+    from tests.e2e.test_recipes import RECIPES
+
+    hub = [c for c in SKIPPED if skip_reason(c) == _rule(_hub_model)]
+    assert hub, "README.md and docs/cli.md print recipes with a hub model: the rule must find them"
+    for cmd in hub:
+        config = _config(cmd)
+        assert config is not None and Path(config).stem in RECIPES and Path(config).stem != "grpo_lora", cmd.where
 
 
 @pytest.mark.slow

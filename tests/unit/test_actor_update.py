@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+import lightning_rlhf.roles.actor as actor_module
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import HFRolloutEngine
@@ -58,7 +61,7 @@ def test_off_policy_update_needs_old_logprobs(tiny_model: str) -> None:
         actor.update(rollout_batch())
 
 
-def test_weights_reach_the_engine_only_after_an_update(tiny_model: str) -> None:
+def test_weights_reach_the_engine_only_after_an_update(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     actor = make_actor(tiny_model)
     tok = actor.tokenizer
     actor.attach_engine(
@@ -68,8 +71,13 @@ def test_weights_reach_the_engine_only_after_an_update(tiny_model: str) -> None:
     )
     assert actor.sync_weights() == (0.0, 0)  # nothing changed yet
     actor.update(rollout_batch())
+    # The hand-off is timed with the actor module's clock: a scripted one makes its seconds known exactly.
+    readings = iter([100.0, 102.5])
+    monkeypatch.setattr(actor_module, "time", SimpleNamespace(perf_counter=lambda: next(readings)))
     seconds, received = actor.sync_weights()
-    assert received == 0 and seconds >= 0  # one unsharded process: nothing comes from other ranks
+    assert received == 0  # one unsharded process: nothing comes from other ranks
+    assert seconds == 2.5 - actor.handoff_wait_s and next(readings, None) is None  # one reading before, one after
+    monkeypatch.undo()
     for (name, p), q in zip(actor.model.named_parameters(), actor.rollout_engine.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
     assert actor.sync_weights() == (0.0, 0)

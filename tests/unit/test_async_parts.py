@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import lightning_rlhf.strategy.controller as controller_module
 from lightning_rlhf import AlgorithmConfig
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.dispatch import Dispatch, RoleFuture, controller_active, in_background, role_method
@@ -26,11 +28,13 @@ class Slow:
 
     def __init__(self) -> None:
         self.threads: list[str] = []
+        self.entered = threading.Event()
         self.release = threading.Event()
 
     @role_method(Dispatch.DP_SPLIT)
     def work(self, batch: Batch) -> Batch:
         self.threads.append(threading.current_thread().name)
+        self.entered.set()
         assert self.release.wait(10), "the controller never let the background call finish"
         batch["y"] = batch["x"] * 2
         return batch
@@ -53,20 +57,37 @@ def _controller(roles: dict[str, object]) -> Controller:
     return Controller(roles.__getitem__, rank=0, world_size=1, pools=pools)  # type: ignore[arg-type]
 
 
-def test_background_call_runs_in_a_thread_while_the_controller_goes_on() -> None:
+class ScriptedClock:
+    """The controller module's ``time``, with a ``perf_counter`` that reads what the test sets (the rest is real)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def test_background_call_runs_in_a_thread_while_the_controller_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     slow = Slow()
     controller = _controller({"slow": slow})
     batch = Batch({"x": torch.arange(4)})
+    clock = ScriptedClock(100.0)
+    monkeypatch.setattr(controller_module, "time", clock)
     with controller_active(controller):
         with in_background():
             future = slow.work(batch)
         assert isinstance(future, RoleFuture) and not future.done()
         # The call is still running (it waits for `release`): the controller is free meanwhile.
+        assert slow.entered.wait(10), "the background call never started"
         assert slow.threads and slow.threads[0] != threading.current_thread().name
+        clock.now = 107.25  # the call took 7.25 s by the clock its thread reads at its start and end
         slow.release.set()
         result = future.result()
     assert result["y"].tolist() == [0, 2, 4, 6]
-    assert future.done() and future.seconds >= 0
+    assert future.done() and future.seconds == 7.25
 
 
 def test_a_busy_rank_refuses_other_calls_and_unread_calls_fail_the_step() -> None:
