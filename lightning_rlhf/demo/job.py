@@ -171,7 +171,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         **extra,
     )
     data = PromptDataModule(
-        splits["train"], val=splits["test"], batch_size=args.prompts, max_prompt_length=16, seed=args.seed
+        splits["train"], val=splits["test"], batch_size=args.prompts, max_prompt_length=64, seed=args.seed
     )
     placement = demo_placement(args.placement, list(module.roles()), args.devices)
     run_name = "demo-tools" if tools else "demo"

@@ -317,7 +317,7 @@ def main() -> None:
         val=addition_dataset(num_prompts=args.val_prompts, seed=1) if args.val_every else None,
         val_batch_size=args.val_batch_size,
         batch_size=args.prompts,
-        max_prompt_length=16,
+        max_prompt_length=64 if tools else 16,  # tools: the rendered episode prompt (53 tokens)
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     if args.save_ckpt:
