@@ -23,7 +23,6 @@ LOGS = {"performance-log.md", "placement-log.md", "soak-log.md", "faults-log.md"
 
 #: User pages that still hold journal text, each with who moves it out. Every other page may hold none.
 STILL_JOURNALS: dict[str, str] = {
-    "agents.md": "its dated figures section (commit hashes) is being moved to the performance log",
     "testing.md": "its fresh-clone suite times name the commits they ran on",
 }
 
