@@ -1,13 +1,14 @@
-"""Full fine-tuning against LoRA on 2 CPU processes (issue 34): peak memory of rank 0, step time, the hand-off's
-bytes and seconds, with the KL term on (so a reference is needed: its own model with full fine-tuning, the actor's
+"""Full fine-tuning against LoRA on 2 CPU processes: each rank's peak memory, step time, the hand-off's bytes and
+seconds, with the KL term on (so a reference is needed: its own model with full fine-tuning, the actor's
 base with its adapters off with LoRA).
 
     python benchmarks/bench_lora.py [--models small,m100] [--steps 8] [--rank 16]
 
 Each run is ``tests/scripts/train.py`` (GRPO on the addition prompts, 8 prompts x 4 samples, 5 new tokens, the
 transformers rollout engine) on a random-init model of ``benchmarks/vs_trl/workload.py``; a figure is the median of
-the last 4 steps (peak memory: the largest ``perf/cpu_memory_used_gb`` of rank 0, its resident size). Prints a
-table and, last, one JSON line.
+the last 4 steps (peak memory: each rank's peak resident size over the run, ``perf/cpu_memory_peak_gb/rank<r>``;
+hand-off bytes: what rank 0's engine takes, ``perf/weight_sync_bytes``, and what rank 0 gathered from rank 1 for
+it, ``perf/weight_sync_gathered_bytes``). Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ def run(model: str, out: str, steps: int, rank: int | None) -> dict[str, float]:
         return statistics.median(float(r[key]) for r in rows[-4:] if r.get(key))
 
     return {
-        "peak_rss_gb": max(float(r["perf/cpu_memory_used_gb"]) for r in rows),
+        "peak_rss_gb_rank0": max(float(r["perf/cpu_memory_peak_gb/rank0"]) for r in rows),
+        "peak_rss_gb_rank1": max(float(r["perf/cpu_memory_peak_gb/rank1"]) for r in rows),
         "s_per_step": tail("timing_s/step"),
         "update_s": tail("timing_s/update_actor"),
         "handoff_s": tail("timing_s/update_weights"),
-        "handoff_mb": tail("perf/weight_sync_bytes") / 2**20,
+        "handoff_mb": tail("perf/weight_sync_bytes") / 1e6,
+        "gathered_mb": tail("perf/weight_sync_gathered_bytes") / 1e6,
     }
 
 
@@ -72,11 +75,14 @@ def main() -> None:
                     os.path.join(args.cache, name), os.path.join(tmp, key.replace(" ", "_")), args.steps, rank
                 )
                 print(key, json.dumps(results[key]), flush=True)
-    print(f"{'run':32s} {'peak RSS GB':>11s} {'s/step':>7s} {'update s':>8s} {'hand-off s':>10s} {'hand-off MB':>11s}")
+    print(
+        f"{'run':32s} {'peak RSS GiB r0/r1':>18s} {'s/step':>7s} {'update s':>8s} {'hand-off s':>10s} {'MB taken':>9s}"
+    )
     for key, r in results.items():
+        peaks = f"{r['peak_rss_gb_rank0']:.2f}/{r['peak_rss_gb_rank1']:.2f}"
         print(
-            f"{key:32s} {r['peak_rss_gb']:11.2f} {r['s_per_step']:7.3f} {r['update_s']:8.3f} {r['handoff_s']:10.3f} "
-            f"{r['handoff_mb']:11.1f}"
+            f"{key:32s} {peaks:>18s} {r['s_per_step']:7.3f} {r['update_s']:8.3f} {r['handoff_s']:10.3f} "
+            f"{r['handoff_mb']:9.1f}"
         )
     print(json.dumps(results))
 
