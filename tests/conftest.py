@@ -170,6 +170,24 @@ LONG_TIER: dict[str, str] = {
         "CI: the same at TP 1"
     ),
     "tests/e2e/test_recipes.py::test_recipe_runs_two_steps[grpo_gsm8k]": "CI: the demo, PPO and SFT recipes",
+    "tests/e2e/test_cpu_layer_off.py::test_algorithm_learns_with_the_cpu_layer_off[ppo]": (
+        "PPO's 120-step learning run with the layer off: CI runs GRPO's (the [grpo] case), PPO with a critic and "
+        "a reference on 2 ranks (test_training), split PPO resuming exactly (test_placement_runs)"
+    ),
+    "tests/distributed/test_placement_runs.py::test_lora_with_the_reference_apart_from_the_actor_resumes_exactly": (
+        "CI: a LoRA run resumes exactly (test_lora_runs) and a placed run resumes exactly (split PPO, this file); "
+        "the reference loading its own base where the pools differ runs in make test-all"
+    ),
+    "tests/vllm/test_vllm_lora.py::test_lora_hand_offs_keep_the_engine_equal_to_the_trainer[merged]": (
+        "CI: the adapter hand-off, the default (the [adapter] case); the merge itself equals peft's (test_lora)"
+    ),
+    "tests/vllm/test_vllm_pools.py::test_an_actor_placed_apart_generates_with_its_own_engine_server": (
+        "CI: vLLM engine servers on a rollout pool (this file) and chunked weight hand-offs to a server (this file)"
+    ),
+    "tests/vllm/test_vllm_sampling.py::test_vllm_engine_with_stale_weights_warns_once": (
+        "CI: the same warning with the transformers engine (tests/unit/test_sampling.py); vLLM's probabilities "
+        "equal the trainer's after every hand-off (this file, test_vllm_engine)"
+    ),
     "tests/e2e/test_recipes.py::test_recipe_runs_two_steps[rloo]": "CI: the demo, PPO and SFT recipes",
 }
 """Tests that ``make test`` (CI) leaves to ``make test-all``, each with what covers its path in CI. ``make test``
