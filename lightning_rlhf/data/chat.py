@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["chat_prompt_text", "check_messages", "render_chat"]
+__all__ = ["chat_prompt_text", "check_messages", "render_chat", "template_kwargs"]
 
 _SHAPE = "a non-empty list of {'role': str, 'content': str} dicts with at least one 'user' message"
 
@@ -55,6 +55,17 @@ def chat_prompt_text(messages: list[dict[str, Any]]) -> str:
     Runs on: any process. The whole conversation stays available to them as the messages column itself.
     """
     return str([m["content"] for m in messages if m["role"] == "user"][-1])
+
+
+def template_kwargs(owner: str, value: Any) -> dict[str, Any]:
+    """``value`` as the extra variables of every chat template render (``{}`` for None), or a ``ValueError`` naming
+    ``owner``'s setting and the fix when it is not a dict of names. Runs on: the process that builds the data."""
+    if value is not None and (not isinstance(value, dict) or not all(isinstance(k, str) for k in value)):
+        raise ValueError(
+            f"{owner}(chat_template_kwargs={value!r}): expected a dict of template variables by name. HINT: "
+            "chat_template_kwargs={'enable_thinking': False}."
+        )
+    return dict(value or {})
 
 
 def render_chat(

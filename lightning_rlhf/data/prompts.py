@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.data.chat import chat_prompt_text, check_messages, render_chat
+from lightning_rlhf.data.chat import chat_prompt_text, check_messages, render_chat, template_kwargs
 from lightning_rlhf.data.sources import load_prompt_dataset, split_off
 
 __all__ = ["RESERVED_COLUMNS", "PromptDataModule", "PromptLoader"]
@@ -191,13 +191,6 @@ class PromptDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if chat_template_kwargs is not None and (
-            not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs)
-        ):
-            raise ValueError(
-                f"{type(self).__name__}(chat_template_kwargs={chat_template_kwargs!r}): expected a dict of template "
-                "variables by name. HINT: chat_template_kwargs={'enable_thinking': False}."
-            )
         if train is None and (val_size is not None or val is not None):
             raise ValueError(
                 f"{type(self).__name__}(train=None, val={val!r}, val_size={val_size!r}): without training data "
@@ -240,7 +233,7 @@ class PromptDataModule(L.LightningDataModule):
         self.overlong = overlong
         self.tokenizer_path = tokenizer
         self.chat_template = chat_template
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.chat_template_kwargs = template_kwargs(type(self).__name__, chat_template_kwargs)
         self.dataset_config = dataset_config
         self.train_split = train_split
         self.val_split = val_split
