@@ -444,9 +444,11 @@ def cpu_memory_used_gb() -> float:
 
 def counted_bytes(stream: Iterator[tuple[str, Tensor]], count: list[int]) -> Iterator[tuple[str, Tensor]]:
     """``stream`` unchanged, adding each tensor's bytes to ``count[0]`` as it passes (what a weight hand-off hands
-    an engine: ``perf/weight_sync_bytes``). Runs on: every worker rank."""
+    an engine: ``perf/weight_sync_bytes``; a resharded weight counts the slice it holds, its ``held_bytes``). Runs
+    on: every worker rank."""
     for name, tensor in stream:
-        count[0] += tensor.numel() * tensor.element_size()
+        held = getattr(tensor, "held_bytes", None)  # a tensor-parallel slice holder supports narrow() only
+        count[0] += held if held is not None else tensor.numel() * tensor.element_size()
         yield name, tensor
 
 

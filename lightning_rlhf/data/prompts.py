@@ -272,10 +272,14 @@ class PromptDataModule(L.LightningDataModule):
             self._val_rows = self._prepare(val, "validation", min_rows=1)
         self._rows = rows
 
+    def _actor(self) -> Any:
+        """The module's actor role (it owns the environment and renders episode prompts), None before a fit."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return getattr(module, "actor", None)
+
     def _environment(self) -> Any:
         """The module's environment factory (one environment per episode), None without one."""
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        return getattr(getattr(module, "actor", None), "environment", None)
+        return getattr(self._actor(), "environment", None)
 
     def _placeholder_rows(self) -> Any:
         """``batch_size`` rows without a prompt, for an environment that makes its own (``train=None``)."""
@@ -333,13 +337,8 @@ class PromptDataModule(L.LightningDataModule):
             entries.append((i, row, text, ids))
         what = "prompt tokens"
         if environment is not None:  # the episodes' first prompts, as the rollout renders them
-            from lightning_rlhf.agents.rollout import episode_prompt_ids
-
-            rendered = episode_prompt_ids(
-                environment,
-                self._tokenizer,
-                [{**row, "prompt": text} for _, row, text, _ in entries],
-                chat_template_kwargs=self.chat_template_kwargs,
+            rendered = self._actor().episode_prompt_ids(
+                self._tokenizer, [{**row, "prompt": text} for _, row, text, _ in entries], self.chat_template_kwargs
             )
             entries = [(i, row, text, ids) for (i, row, text, _), (ids, _) in zip(entries, rendered, strict=True)]
             what = "tokens in its episode's first prompt (reset's messages, system turn and tool schemas rendered)"

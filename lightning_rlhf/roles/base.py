@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_rlhf.agents.rollout import EpisodeRunner
+from lightning_rlhf.agents.rollout import EpisodeRunner, episode_prompt_ids
 from lightning_rlhf.config import OptimConfig, RolloutConfig
 from lightning_rlhf.engines.train import TrainEngine, make_optimizer
 
@@ -48,6 +48,14 @@ class EpisodesMixin:
         if self._episodes is None:
             self._episodes = EpisodeRunner(self.environment, self.tokenizer, self.rollout, model_path=self.path)
         return self._episodes
+
+    def episode_prompt_ids(
+        self, tokenizer: Any, rows: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> list[tuple[list[int], str]]:
+        """Each row's first episode prompt as the rollout renders it, and its prompt text (see
+        :func:`lightning_rlhf.agents.rollout.episode_prompt_ids`): what ``PromptDataModule`` bounds by
+        ``max_prompt_length``. Runs on: every process, in the data module's ``setup``, before any model loads."""
+        return episode_prompt_ids(self.environment, tokenizer, rows, chat_template_kwargs=chat_template_kwargs)
 
     def close(self) -> None:
         """End the environment's tool workers (the strategy's teardown closes every role; a later fit starts them

@@ -26,6 +26,7 @@ from lightning_rlhf.data import PromptDataModule
 from lightning_rlhf.data.sft import SFTDataModule, encode_chat
 from lightning_rlhf.demo.tiny import build_tiny_tokenizer
 from lightning_rlhf.demo.tool_task import TOOL_CHAT_TEMPLATE
+from lightning_rlhf.roles.base import EpisodesMixin
 from lightning_rlhf.roles.reward import RewardRole
 from tests.agent_tools import calculator, dies, flood, sleepy, unreadable
 from tests.unit.test_agent_episodes import ScriptedEngine, run
@@ -51,7 +52,8 @@ def thinking_tokenizer():
 
 
 def stand_in_trainer(tok, environment=None, max_steps: int = 5):
-    actor = SimpleNamespace(environment=None if environment is None else environment_factory(environment))
+    actor = EpisodesMixin()  # what the module's actor is to the data module: it owns the environment
+    actor.environment = None if environment is None else environment_factory(environment)
     return SimpleNamespace(lightning_module=SimpleNamespace(tokenizer=tok, actor=actor), max_steps=max_steps)
 
 

@@ -15,9 +15,11 @@ from lightning_rlhf import OptimConfig, SFTDataModule, SFTModule
 from lightning_rlhf.cli import main
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def lora_checkpoint(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two supervised LoRA steps in one process, then ``trainer.save_checkpoint`` (sharded, the default)."""
+    """Two supervised LoRA steps in one process, then ``trainer.save_checkpoint`` (sharded, the default). Function
+    scope: conftest's autouse fixture then ends the run's process group and restores ``MASTER_PORT`` after the test
+    (a module-scoped fit ran before it and left its port to every later script of this pytest worker)."""
     import lightning as L
 
     from lightning_rlhf import RLHFStrategy

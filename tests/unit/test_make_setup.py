@@ -38,8 +38,9 @@ def dry_run(tmp_path: Path, target: str, *, gpu: bool = False) -> str:
         (tools / "nvidia-smi").chmod(0o755)
         path.insert(0, str(tools))
     env = {**os.environ, "PATH": os.pathsep.join(path), "PYTHON": "python3"}
-    env.pop("MAKEFLAGS", None)
-    proc = subprocess.run(["make", "-n", target], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    for name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL"):  # under `make test` a child make prints "Entering directory"
+        env.pop(name, None)
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
