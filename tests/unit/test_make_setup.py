@@ -40,7 +40,14 @@ def dry_run(tmp_path: Path, target: str, *, gpu: bool = False) -> str:
     env = {**os.environ, "PATH": os.pathsep.join(path), "PYTHON": "python3"}
     for name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL"):  # under `make test` a child make prints "Entering directory"
         env.pop(name, None)
-    proc = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "-n", target],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
