@@ -21,11 +21,6 @@ DOCS = ROOT / "docs"
 #: Pages that are records by date (a measurement or an investigation each): commit hashes and dates belong here.
 LOGS = {"performance-log.md", "placement-log.md", "soak-log.md", "faults-log.md"}
 
-#: User pages that still hold journal text, each with who moves it out. Every other page may hold none.
-STILL_JOURNALS: dict[str, str] = {
-    "testing.md": "its fresh-clone suite times name the commits they ran on",
-}
-
 _ISSUE = re.compile(r"\bissues? #?\d+\b", re.IGNORECASE)
 #: A commit hash as the docs wrote them: 7 to 12 lowercase hex digits, at least one letter and one digit.
 _HASH = re.compile(r"(?<![\w/.#-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}(?![\w-])")
@@ -179,7 +174,7 @@ def test_user_pages_hold_no_journal() -> None:
     """Internal issue numbers and commit hashes mean nothing to a reader: a user page says what is true now and
     how to reproduce it; the dated record of how it got there is in the logs."""
     found = {}
-    for page in sorted(_site_pages() - LOGS - set(STILL_JOURNALS)):
+    for page in sorted(_site_pages() - LOGS):
         marks = _journal_marks((DOCS / page).read_text())
         if marks:
             found[page] = marks
