@@ -1,4 +1,4 @@
-"""A built wheel installs into a fresh virtualenv, imports from there and runs a command (item 3 of issue 43).
+"""A built wheel installs into a fresh virtualenv, imports from there and runs a command.
 
 The package is not on PyPI; until it is, users install from a clone, and a wheel built from the clone must be
 whole: every module, the data files read at run time (the C source of ``cpu/native``) and the console script.

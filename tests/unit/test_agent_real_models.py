@@ -1,4 +1,4 @@
-"""Agents for real models (issue 43, items 10-12): the chat template's extra arguments reach every render, the
+"""Agents for real models: the chat template's extra arguments reach every render, the
 episode's rendered prompt is what ``max_prompt_length`` bounds, TRL >= 1.9's ``environment_factory`` semantics,
 per-turn rewards, tool errors by kind in metrics and the log, and observations that overflow the context.
 

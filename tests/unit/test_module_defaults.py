@@ -1,5 +1,5 @@
 """A passed ``algorithm`` is merged over a ready module's own: the variant's defining choices survive it, and a
-choice that contradicts them is refused before any model loads (issue 43, item 5)."""
+choice that contradicts them is refused before any model loads."""
 
 from __future__ import annotations
 

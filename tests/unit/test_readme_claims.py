@@ -11,7 +11,7 @@ Everything is parsed from the README, so a new mention is checked without a chan
   names a subcommand, its ``--config`` a file, its flags ones the subcommand reads;
 - :data:`FORBIDDEN`: deleted or misleading things that must not come back; the "Not there yet" list names nothing
   that has a guide (:data:`LANDED`); the first code block is the newcomer's two commands, the pip lines after;
-- the headline script's reward scores a chatty correct answer 1 (item 4 of issue 43).
+- the headline script's reward scores a chatty correct answer 1.
 
 The package's own docstrings are held to one rule of the same kind: a ``:mod:`` reference names a module that
 exists (``cpu/switches.py`` cited a deleted one).
