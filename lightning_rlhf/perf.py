@@ -435,11 +435,16 @@ def cpu_memory_used_gb() -> float:
             pages = int(f.read().split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE") / GIB
     except (OSError, ValueError, IndexError):
-        import resource
-        import sys
+        return _rusage_peak_gb()
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
+
+def _rusage_peak_gb() -> float:
+    """The peak RSS of ``resource.getrusage`` (where ``/proc`` is not there), GiB."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
 
 
 def counted_bytes(stream: Iterator[tuple[str, Tensor]], count: list[int]) -> Iterator[tuple[str, Tensor]]:
@@ -472,11 +477,7 @@ def peak_rss_gb() -> float:
                     return int(line.split()[1]) * 1024 / GIB  # kB
     except (OSError, ValueError, IndexError):
         pass
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
+    return _rusage_peak_gb()
 
 
 def memory_peaks() -> dict[str, float]:
@@ -564,9 +565,6 @@ def step_perf_metrics(
             if peak is not None and seconds > 0 and params.get(role, 0) > 0:
                 flops = training_flops(params[role], tokens["all"], epochs=epochs)
                 out[f"perf/mfu/{role}"] = mfu(flops, seconds, peak, max(1, world_size))
-    own = memory_peaks()
-    if device.type == "cuda":
-        own["cuda"] = torch.cuda.max_memory_allocated(device) / GIB
-    out |= rank_memory_metrics({**(rank_peaks or {}), 0: own})  # the controller's own: read now
+    out |= rank_memory_metrics({**(rank_peaks or {}), 0: memory_peaks()})  # the controller's own: read now
     out["perf/cpu_memory_used_gb"] = cpu_memory_used_gb()
     return out

@@ -97,7 +97,6 @@ class _Live:
     observation_tokens: int = 0
     errors: dict[str, int] = dataclasses.field(default_factory=dict)  # tool errors by kind (TOOL_ERROR_KINDS)
     problems: dict[str, str] = dataclasses.field(default_factory=dict)  # the first message of each PROBLEM_KINDS
-    overflowed: bool = False  # ended because an observation did not fit
     opening: str = ""  # the last user message of reset's messages
 
     def problem(self, kind: str, text: str) -> None:
@@ -301,7 +300,7 @@ class EpisodeRunner:
         if context is not None:
             room = min(room, context - len(ep.prompt) - len(ep.ids))
         if len(obs) + 1 > room:  # no room for the observation and one more sampled token
-            ep.info.truncated = ep.done = ep.overflowed = True
+            ep.info.truncated = ep.done = True
             longest = max((len(str(m.get("content", ""))) for m in messages), default=0)
             ep.problem(
                 "observation_overflow",
@@ -706,7 +705,7 @@ def sample_episodes(
     rollout["observation_tokens"] = torch.tensor([ep.observation_tokens for ep in episodes])
     for kind in TOOL_ERROR_KINDS:
         rollout[f"tool_errors/{kind}"] = torch.tensor([ep.errors.get(kind, 0) for ep in episodes])
-    rollout["observation_overflow"] = torch.tensor([ep.overflowed for ep in episodes])
+    rollout["observation_overflow"] = torch.tensor(["observation_overflow" in ep.problems for ep in episodes])
     rewards = _settled([ep.env.reward(ep.info) for ep in episodes])
     rollout["env_reward"] = [_episode_score(ep, r) for ep, r in zip(episodes, rewards, strict=True)]
     rollout["turn_rewards"] = [list(ep.info.turn_rewards) for ep in episodes]
