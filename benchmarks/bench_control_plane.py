@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.dispatch import Dispatch, merge_results, only_written, split_args, with_written
+from lightning_rlhf.controller.dispatch import Dispatch, merge_results, only_written, split_args, with_written
 from lightning_rlhf.engines.train import RESPONSE_INPUTS
 
 SAMPLES, PROMPT, RESPONSE = 8, 13, 64

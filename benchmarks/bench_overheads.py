@@ -115,7 +115,7 @@ def bench_hub(repeats: int) -> dict[str, dict[str, float]]:
         port = s.getsockname()[1]
     os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"
     os.environ.pop("HF_HUB_OFFLINE", None)
-    from lightning_rlhf.models import hub_reachable, resolve_model_path
+    from lightning_rlhf.config.models import hub_reachable, resolve_model_path
 
     def resolve() -> None:
         hub_reachable.cache_clear()

@@ -5,7 +5,7 @@
 Each configuration is a real run (``PPOModule`` or ``GRPOModule`` with a reference, the transformers rollout
 engine, 2 processes over gloo, ``RLHFStrategy(placement=...)``) on the side-by-side benchmark's workload models
 (``benchmarks/vs_trl/workload.py``): 16 prompts x 4 samples per step, exactly 32 new tokens. The measured step is
-the median ``timing_s/step`` of the last half of the steps. The prediction is :func:`lightning_rlhf.planner.predict`
+the median ``timing_s/step`` of the last half of the steps. The prediction is :func:`placement.planner.predict`
 for the same roles, pools and workload, on this machine as the planner calibrates it: ``cpu_hardware`` (one
 process's float32 matmul peak, memory bandwidth, host time per layer), ``calibrate_for_shape`` (what the model's
 own shapes reach of the peak), and ``fit_call_costs`` on the calibration run (:data:`CALIBRATION`: every role on
@@ -153,7 +153,7 @@ def mean_prompt_tokens(model_dir: str, steps: int) -> float:
 
 def predicted(model_dir: str, config: str, devices: int, prompt_len: float, hardware: Any) -> Any:
     """The planner's prediction for ``config``."""
-    from lightning_rlhf import planner
+    from lightning_rlhf.placement import planner
 
     algo, pools = CONFIGS[config]
     roles = [role for pool in pools for role in pool if role != "reward"]  # a reward function takes no devices
@@ -196,7 +196,7 @@ def main() -> None:
 
     from bench import build_models  # benchmarks/vs_trl/bench.py: the side-by-side benchmark's model builder
 
-    from lightning_rlhf import planner
+    from lightning_rlhf.placement import planner
 
     models = args.models.split(",")
     build_models(args.cache, models)
@@ -260,9 +260,9 @@ def cpu_calibration(devices: int) -> Any:
     the threads Lightning gives each, memory bandwidth, host time per layer and per call, and the cores they share."""
     import torch
 
-    from lightning_rlhf import planner
-    from lightning_rlhf.auto_placement import rank_memory_bytes
     from lightning_rlhf.perf import available_cores, cpu_matmul_peak, threads_per_process
+    from lightning_rlhf.placement import planner
+    from lightning_rlhf.placement.auto import rank_memory_bytes
 
     cores, threads = available_cores(), threads_per_process(devices)
     torch.set_num_threads(threads)  # calibrate what one process of the run has
@@ -291,9 +291,9 @@ def demo_main(args: argparse.Namespace) -> None:
 
     from transformers import AutoTokenizer
 
-    from lightning_rlhf import planner
     from lightning_rlhf.demo.task import addition_splits
     from lightning_rlhf.demo.warmstart import prepare_demo_model
+    from lightning_rlhf.placement import planner
 
     model_dir = prepare_demo_model(DEMO_CACHE)
     shape = planner.shape_of(model_dir)

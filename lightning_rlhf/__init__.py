@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+from lightning_rlhf.config.models import register_embedded_model
 from lightning_rlhf.demo.catalogue import DEMO_MODELS, build_demo_model
 from lightning_rlhf.lazy import lazy_exports
-from lightning_rlhf.models import register_embedded_model
 
 if TYPE_CHECKING:
     from lightning_rlhf.batch import Batch

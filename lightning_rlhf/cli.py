@@ -35,8 +35,8 @@ from typing_extensions import override
 
 from lightning_rlhf.callbacks.export import ExportActor
 from lightning_rlhf.callbacks.progress import RLHFProgressBar
+from lightning_rlhf.checkpoint.export import best_checkpoint, export_checkpoint
 from lightning_rlhf.data import PromptDataModule, SFTDataModule
-from lightning_rlhf.export import best_checkpoint, export_checkpoint
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.modules.sft import SFTModule
 from lightning_rlhf.strategy.checkpoint_io import check_resume_path
@@ -350,7 +350,7 @@ _EXPORT_FLAGS = {
 
 def export_parser() -> ArgumentParser:
     """The parser of ``lightning-rlhf export CKPT OUT [--dtype D] [--base MODEL] [--best] [--merge]`` (from
-    :func:`~lightning_rlhf.export.export_checkpoint`'s signature and docstring; ``--best`` and ``--merge`` are flags).
+    :func:`~checkpoint.export.export_checkpoint`'s signature and docstring; ``--best`` and ``--merge`` are flags).
     Runs on: any process."""
     parser = ArgumentParser(
         prog="lightning-rlhf export", description=_first_line(export_checkpoint.__doc__), allow_abbrev=False
@@ -403,8 +403,8 @@ def main(args: list[str] | None = None) -> None:
         print(f"exported: {os.path.abspath(out)}")
         return
     if argv[:1] == ["plan"]:
-        from lightning_rlhf.planner import InfeasiblePlacementError
-        from lightning_rlhf.planner import main as plan_main
+        from lightning_rlhf.placement.planner import InfeasiblePlacementError
+        from lightning_rlhf.placement.planner import main as plan_main
 
         try:
             plan_main(argv[1:])

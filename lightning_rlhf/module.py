@@ -34,12 +34,12 @@ from lightning_rlhf.algorithms import (
     scores_to_token_rewards,
 )
 from lightning_rlhf.batch import Batch, sampled_mask
-from lightning_rlhf.compat import attached_trainer, batches_that_stepped, set_batches_that_stepped
+from lightning_rlhf.compat.lightning import attached_trainer, batches_that_stepped, set_batches_that_stepped
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
-from lightning_rlhf.dispatch import RoleFuture, concurrently, in_background
+from lightning_rlhf.config.models import ensure_pad_token, resolve_model_path
+from lightning_rlhf.controller.dispatch import RoleFuture, concurrently, in_background
 from lightning_rlhf.engines.train import resolve_dtype
 from lightning_rlhf.engines.train.lora import resolve_lora
-from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.rewards import RewardSpec, reward_components
 from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role, RolloutRole
 from lightning_rlhf.roles.actor import rollout_probs_diff
@@ -388,15 +388,15 @@ class RLHFModule(L.LightningModule):
 
     @staticmethod
     def concurrently() -> contextlib.AbstractContextManager[None]:
-        """Make the role calls inside the block together (:func:`lightning_rlhf.dispatch.concurrently`): each call
-        returns a :class:`~lightning_rlhf.dispatch.RoleFuture`, and calls to roles on disjoint rank pools run at the
+        """Make the role calls inside the block together (:func:`controller.dispatch.concurrently`): each call
+        returns a :class:`~controller.dispatch.RoleFuture`, and calls to roles on disjoint rank pools run at the
         same time. Runs on: the controller, inside ``training_step``."""
         return concurrently()
 
     @staticmethod
     def in_background() -> contextlib.AbstractContextManager[None]:
-        """Start the role calls inside the block and go on (:func:`lightning_rlhf.dispatch.in_background`): each
-        returns a :class:`~lightning_rlhf.dispatch.RoleFuture` whose ``result()`` waits for it, later in the same
+        """Start the role calls inside the block and go on (:func:`controller.dispatch.in_background`): each
+        returns a :class:`~controller.dispatch.RoleFuture` whose ``result()`` waits for it, later in the same
         step. Runs on: the controller, inside ``training_step``."""
         return in_background()
 

@@ -306,7 +306,7 @@ def cpu_matmul_peak(dtype: torch.dtype, *, cache_dir: str | None = None) -> floa
     cache folder (``$LIGHTNING_RLHF_CACHE`` or ``~/.cache/lightning_rlhf``). Delete the file to measure again
     (e.g. after measuring on a loaded machine, which gives a low peak and a high MFU).
     """
-    from lightning_rlhf.models import embedded_cache_dir
+    from lightning_rlhf.config.models import embedded_cache_dir
 
     key = _cpu_peak_key(dtype, torch.get_num_threads())
     folder = cache_dir or embedded_cache_dir()

@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_rlhf.export import CHECKPOINT_KEY, actor_files, export_actor, resolve_dtype
+from lightning_rlhf.checkpoint.export import CHECKPOINT_KEY, actor_files, export_actor, resolve_dtype
 from lightning_rlhf.module import RLHFModule
 
 __all__ = ["ExportActor"]

@@ -12,7 +12,7 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from typing_extensions import override
 
-from lightning_rlhf.compat import batches_that_stepped
+from lightning_rlhf.compat.lightning import batches_that_stepped
 
 __all__ = ["MetricHistory", "first_last", "run_folder", "step_of"]
 

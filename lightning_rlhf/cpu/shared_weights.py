@@ -51,11 +51,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_rlhf.compat.sharding import row_shard
+from lightning_rlhf.compat.torch import fsdp_params, local_tensor, set_local_tensor, sharded_param_data
 from lightning_rlhf.cpu.host_share import host_memory
 from lightning_rlhf.cpu.native import CastPlan
 from lightning_rlhf.cpu.switches import enabled
-from lightning_rlhf.sharding import row_shard
-from lightning_rlhf.torch_compat import fsdp_params, local_tensor, set_local_tensor, sharded_param_data
 
 __all__ = ["SharedWeights", "place_shards", "shards_in_place", "write_shards"]
 

@@ -381,7 +381,7 @@ class PromptDataModule(L.LightningDataModule):
         if self.tokenizer_path is not None:
             from transformers import AutoTokenizer
 
-            from lightning_rlhf.models import resolve_model_path
+            from lightning_rlhf.config.models import resolve_model_path
 
             setting = "PromptDataModule(tokenizer=...)"
             path = resolve_model_path(self.tokenizer_path, setting=setting, tokenizer_only=True)

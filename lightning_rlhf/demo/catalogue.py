@@ -23,7 +23,7 @@ DEMO_MODELS: dict[str, tuple[str, str]] = {
 }
 """The embedded models the demo builds, by name: ``(builder, description)``, ``builder`` a function of
 :mod:`lightning_rlhf.demo.warmstart` (``build(cache_dir) -> folder``). The package's ``__init__`` registers them in
-:data:`lightning_rlhf.models.EMBEDDED_MODELS` through :func:`build_demo_model`. Each folder's name carries
+:data:`lightning_rlhf.config.models.EMBEDDED_MODELS` through :func:`build_demo_model`. Each folder's name carries
 :data:`~lightning_rlhf.demo.warmstart.CACHE_VERSION`, so a copy cached by an older version is never reused: the
 new one is built beside it."""
 
@@ -32,7 +32,7 @@ def build_demo_model(builder: str, cache_dir: str) -> str:
     """Build (or find cached) the embedded model that ``warmstart.<builder>`` makes; returns its folder. Imports
     the warm start (torch, transformers) only now.
 
-    Runs on: any process (what :func:`lightning_rlhf.models.resolve_model_path` calls, through a
+    Runs on: any process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls, through a
     ``functools.partial`` that the package's ``__init__`` registers).
     """
     from lightning_rlhf.demo import warmstart

@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any
 
-from lightning_rlhf.models import embedded_cache_dir
+from lightning_rlhf.config.models import embedded_cache_dir
 
 __all__ = [
     "ALGORITHMS_NAMES",

@@ -3,7 +3,7 @@
 Builds and caches it on first use (about a second), in ``~/.cache/lightning_rlhf`` (or ``$LIGHTNING_RLHF_CACHE``)
 like ``python -m lightning_rlhf.demo``. Recipes and the command line need not call it: every model setting
 accepts the embedded name ``lightning-rlhf/tiny-addition``, which resolves to this folder
-(see :mod:`lightning_rlhf.models`)::
+(see :mod:`lightning_rlhf.config.models`)::
 
     lightning-rlhf fit --config recipes/demo.yaml --model.actor lightning-rlhf/tiny-addition
     lightning-rlhf fit --config recipes/demo.yaml --model.actor "$(python -m lightning_rlhf.demo.model_path)"
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from lightning_rlhf.config.models import embedded_cache_dir
 from lightning_rlhf.demo.warmstart import prepare_demo_model
-from lightning_rlhf.models import embedded_cache_dir
 
 
 def main(argv: list[str] | None = None) -> None:

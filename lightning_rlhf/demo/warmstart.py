@@ -261,7 +261,7 @@ def prepare_tool_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
 def tiny_addition_model(cache_dir: str) -> str:
     """The embedded model ``lightning-rlhf/tiny-addition``: :func:`prepare_demo_model` with seed 0.
 
-    Runs on: any process (plain function; what :func:`lightning_rlhf.models.resolve_model_path` calls)."""
+    Runs on: any process (plain function; what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
     return prepare_demo_model(cache_dir, seed=0)
 
 
@@ -269,7 +269,7 @@ def tiny_random_model(cache_dir: str) -> str:
     """The embedded model ``lightning-rlhf/tiny-random``: the demo's tiny model untrained (:func:`save_tiny`, seed
     0), cached in ``cache_dir/tiny-random-{CACHE_VERSION}-seed0``; concurrent callers share one copy.
 
-    Runs on: any process (plain function; what :func:`lightning_rlhf.models.resolve_model_path` calls)."""
+    Runs on: any process (plain function; what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
     return _build_once(
         cache_dir, f"tiny-random-{CACHE_VERSION}-seed0", lambda tmp: save_tiny(os.path.join(tmp, "model"), seed=0)
     )
@@ -278,7 +278,7 @@ def tiny_random_model(cache_dir: str) -> str:
 def tiny_tools_model(cache_dir: str) -> str:
     """The embedded model ``lightning-rlhf/tiny-tools``: :func:`prepare_tool_model` with seed 0.
 
-    Runs on: any process (plain function; what :func:`lightning_rlhf.models.resolve_model_path` calls)."""
+    Runs on: any process (plain function; what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
     return prepare_tool_model(cache_dir, seed=0)
 
 

@@ -19,8 +19,8 @@ import torch
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, ValidationConfig
+from lightning_rlhf.config.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.engines.train.lora import resolve_lora
-from lightning_rlhf.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.roles import ActorRole
 from lightning_rlhf.roles.base import check_pretrained

@@ -19,7 +19,7 @@ from lightning_rlhf.agents.rollout import EpisodeRunner, sample_episodes
 from lightning_rlhf.algorithms import MicroBatchAggregation, compute_policy_loss, kl_penalty
 from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
-from lightning_rlhf.dispatch import Dispatch, role_method
+from lightning_rlhf.controller.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import KV_CACHE, WEIGHTS, generation_eos_ids, logprob_temperature
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
@@ -399,7 +399,7 @@ class ActorRole(EpisodesMixin, Role):
 
     def split_costs(self, method: str, batch: Batch) -> list[int] | None:
         """Per-row costs by which the controller balances a ``DP_SPLIT`` call's rows over ranks (read by
-        :func:`~lightning_rlhf.dispatch.role_method`), or None for the usual split.
+        :func:`~lightning_rlhf.controller.dispatch.role_method`), or None for the usual split.
 
         Runs on: the controller. For :meth:`update` when it skips zero-advantage samples and is one mini-batch: a
         row's tokens if it trains, else 0. Every rank then trains about as many tokens (each rank still gets as

@@ -67,7 +67,7 @@ class EpisodesMixin:
 
 class Role(nn.Module):
     """Base of the roles. A role is an ``nn.Module`` so its model's weights live in the LightningModule's state
-    (checkpoints); its methods are declared with :func:`~lightning_rlhf.dispatch.role_method`; its model runs in
+    (checkpoints); its methods are declared with :func:`~controller.dispatch.role_method`; its model runs in
     a :class:`~lightning_rlhf.engines.train.TrainEngine` (sharding, loading, micro-batches, optimizer).
 
     A role declares what it needs and the strategy provides it, without knowing the role by name:
@@ -137,7 +137,7 @@ class Role(nn.Module):
     @property
     def balances_ranks(self) -> bool:
         """Whether the controller splits this role's ``DP_SPLIT`` rollout batches over ranks by tokens instead of in
-        contiguous chunks (read by :func:`~lightning_rlhf.dispatch.role_method`): when its engine has a token budget
+        contiguous chunks (read by :func:`~controller.dispatch.role_method`): when its engine has a token budget
         (``AlgorithmConfig.micro_batch_tokens``)."""
         return self.train_engine.balances_ranks
 
@@ -228,9 +228,9 @@ def load_model(
 
     Runs on: every process. Fails before building when the checkpoint misses a tensor the model needs.
     """
+    from lightning_rlhf.config.models import resolve_model_path
     from lightning_rlhf.engines.train.loading import load_pretrained
     from lightning_rlhf.engines.train.lora import apply_lora
-    from lightning_rlhf.models import resolve_model_path
 
     model = load_pretrained(
         auto_class, resolve_model_path(path, setting=setting), setting=setting, dtype=dtype, **kwargs
@@ -245,11 +245,11 @@ def check_pretrained(path: str, *, setting: str) -> str:
     """Fail fast, with the setting's name, when ``path`` is neither a local model folder, an embedded model's name
     (``lightning-rlhf/...``) nor a loadable hub id; returns what ``from_pretrained`` should load.
 
-    Same as :func:`lightning_rlhf.models.resolve_model_path` (kept under this name for existing callers).
+    Same as :func:`lightning_rlhf.config.models.resolve_model_path` (kept under this name for existing callers).
 
     Runs on: any process, before models are loaded (reads ``config.json`` only; builds an embedded model once).
     """
-    from lightning_rlhf.models import resolve_model_path
+    from lightning_rlhf.config.models import resolve_model_path
 
     return resolve_model_path(path, setting=setting)
 

@@ -9,7 +9,7 @@ from torch import Tensor
 from lightning_rlhf.algorithms import MicroBatchAggregation, value_loss_clipped
 from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig
-from lightning_rlhf.dispatch import Dispatch, role_method
+from lightning_rlhf.controller.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, forward_response
 from lightning_rlhf.roles.base import Role, load_model
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.dispatch import Dispatch, role_method
+from lightning_rlhf.controller.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, forward_response
 from lightning_rlhf.roles.base import Role, load_model

@@ -9,8 +9,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RewardConfig
-from lightning_rlhf.dispatch import Dispatch, role_method
-from lightning_rlhf.models import ensure_pad_token, resolve_model_path
+from lightning_rlhf.config.models import ensure_pad_token, resolve_model_path
+from lightning_rlhf.controller.dispatch import Dispatch, role_method
 from lightning_rlhf.rewards import (
     RewardComponent,
     RewardFn,

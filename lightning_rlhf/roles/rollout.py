@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RolloutConfig
-from lightning_rlhf.dispatch import Dispatch, role_method
+from lightning_rlhf.controller.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.rollout import RolloutEngine
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, receive_weights
 from lightning_rlhf.roles.actor import sample_rollout

@@ -1,8 +1,8 @@
 """The single controller: strategy, transfer protocols, and the worker loop."""
 
-from lightning_rlhf.dispatch import Dispatch, role_method
-from lightning_rlhf.strategy.controller import ControllerError, WorkerError
-from lightning_rlhf.strategy.liveness import RankDiedError
+from lightning_rlhf.controller.controller import ControllerError, WorkerError
+from lightning_rlhf.controller.dispatch import Dispatch, role_method
+from lightning_rlhf.controller.liveness import RankDiedError
 from lightning_rlhf.strategy.strategy import RLHFStrategy
 
 __all__ = ["ControllerError", "Dispatch", "RLHFStrategy", "RankDiedError", "WorkerError", "role_method"]

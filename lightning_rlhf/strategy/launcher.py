@@ -5,7 +5,7 @@ Lightning's ``_SubprocessScriptLauncher`` runs a thread that, within 5 s of a ch
 SIGKILLs every process including rank 0, so nothing could name the dead rank. Here that thread defers to the
 strategy's watchdog (which names the rank and the role call, then ends the run) while the watchdog is running,
 and stands aside during a preemption exit; outside those times it does what Lightning's does. The Lightning
-internals involved live in :mod:`lightning_rlhf.compat`.
+internals involved live in :mod:`lightning_rlhf.compat.lightning`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_rlhf.compat import Launcher, SubprocessScriptLauncher, start_subprocess_ranks
+from lightning_rlhf.compat.lightning import Launcher, SubprocessScriptLauncher, start_subprocess_ranks
+from lightning_rlhf.controller.liveness import exit_expected
 from lightning_rlhf.strategy.checkpoint_io import check_resume_lora, check_resume_path
-from lightning_rlhf.strategy.liveness import exit_expected
 
 __all__ = ["ExternalLauncher", "RLHFLauncher", "check_ckpt_argument", "watchdog_running"]
 

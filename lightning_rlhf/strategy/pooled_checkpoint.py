@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lightning_rlhf.compat import checkpoint_metadata_filename
+from lightning_rlhf.compat.lightning import checkpoint_metadata_filename
 
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule

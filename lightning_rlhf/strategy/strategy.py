@@ -5,7 +5,7 @@ What it changes in Lightning's ``ModelParallelStrategy``:
 - **setup**: loads nothing itself (``configure_model`` does), attaches a rollout engine to the actor, then
   shards every role's model with FSDP2 over all ranks (1-D data-parallel mesh) before the optimizers exist.
 - **training_step**: rank 0 runs the module's ``training_step`` as the single controller; the other ranks
-  serve its role calls (:class:`~lightning_rlhf.strategy.controller.Controller`). One call = one RL iteration,
+  serve its role calls (:class:`~lightning_rlhf.controller.controller.Controller`). One call = one RL iteration,
   so ``global_step`` counts iterations however many optimizer steps the roles took.
 - **validation_step**: routed the same way (Lightning's validation loop, its interval and sanity check work
   unchanged); with ``ValidationConfig.before_train`` one validation also runs before the first step.
@@ -43,7 +43,7 @@ from typing_extensions import override
 
 import lightning_rlhf.cpu as cpu
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.compat import (
+from lightning_rlhf.compat.lightning import (
     check_lightning_version,
     count_optimizer_step,
     request_stop,
@@ -53,16 +53,14 @@ from lightning_rlhf.compat import (
     set_launcher,
 )
 from lightning_rlhf.config import VLLMConfig, config_from_dict
+from lightning_rlhf.controller.controller import Controller
+from lightning_rlhf.controller.liveness import expect_exit
 from lightning_rlhf.engines.rollout import make_rollout_engine
 from lightning_rlhf.engines.rollout.hf import check_hf_settings
 from lightning_rlhf.engines.rollout.vllm import check_vllm_settings, vllm_available
 from lightning_rlhf.engines.train import check_compute_dtype, resolve_dtype
 from lightning_rlhf.engines.train.loading import deferred_loading
-from lightning_rlhf.strategy.checkpoint_io import publish, temporary_sibling
-from lightning_rlhf.strategy.controller import Controller
-from lightning_rlhf.strategy.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
-from lightning_rlhf.strategy.liveness import expect_exit
-from lightning_rlhf.strategy.placement import (
+from lightning_rlhf.placement.pools import (
     Pools,
     check_memory,
     check_placement_spec,
@@ -71,6 +69,8 @@ from lightning_rlhf.strategy.placement import (
     pool_groups,
     resolve_placement,
 )
+from lightning_rlhf.strategy.checkpoint_io import publish, temporary_sibling
+from lightning_rlhf.strategy.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
 from lightning_rlhf.strategy.pooled_checkpoint import (
     load_pooled_checkpoint,
     pooled_model_state,
@@ -170,7 +170,7 @@ class RLHFStrategy(ModelParallelStrategy):
             ranks places roles on pools of their own (docs/placement.md shows one): roles with the same ranks are
             colocated, and calls to disjoint pools made inside
             ``RLHFModule.concurrently()`` run at the same time. ``"auto"``: the planner's choice for this world
-            (``lightning_rlhf.planner``; CPU: calibrated on this machine, GPU: from the device's datasheet).
+            (``lightning_rlhf.placement.planner``; CPU: calibrated on this machine, GPU: from the device's datasheet).
         cpu_kernels: the CPU speed layer (:mod:`lightning_rlhf.cpu`: compiled kernels, oneDNN linears, fused RMS
             norms, shared-memory collectives and weight store). None: the environment variable
             ``LIGHTNING_RLHF_CPU_KERNELS`` (``1``/``0``) where set, else on only when the run's device is a CPU.
@@ -196,7 +196,7 @@ class RLHFStrategy(ModelParallelStrategy):
         placement: Mapping[str, Sequence[int]] | Literal["auto"] | None = None,
         cpu_kernels: bool | None = None,
     ) -> None:
-        check_lightning_version()  # the internals this strategy uses (lightning_rlhf.compat) are checked per version
+        check_lightning_version()  # the internals this strategy uses (compat.lightning) are checked per version
         if rollout not in ("auto", "hf", "vllm"):
             raise ValueError(f"RLHFStrategy(rollout={rollout!r}) is not available. Valid: 'auto', 'hf', 'vllm'.")
         if worker_error_timeout_s <= 0:
@@ -368,7 +368,7 @@ class RLHFStrategy(ModelParallelStrategy):
         module.prepare_roles(list(spec) if isinstance(spec, Mapping) else [])  # e.g. a generation-only pool's role
         roles = module.roles()
         if spec == "auto":
-            from lightning_rlhf.auto_placement import auto_placement
+            from lightning_rlhf.placement.auto import auto_placement
 
             spec = self.broadcast(auto_placement(module, world_size=self.world_size) if self.global_rank == 0 else None)
         self._pools = resolve_placement(spec, list(roles), self.world_size)  # type: ignore[arg-type]
@@ -383,7 +383,7 @@ class RLHFStrategy(ModelParallelStrategy):
                 tp_size=self.vllm_config.tensor_parallel_size, processes_per_node=self.num_processes,
             )  # fmt: skip
         if self._placed:
-            from lightning_rlhf.auto_placement import rank_memory_bytes, role_state_bytes
+            from lightning_rlhf.placement.auto import rank_memory_bytes, role_state_bytes
 
             check_memory(
                 self._pools,
@@ -634,7 +634,7 @@ class RLHFStrategy(ModelParallelStrategy):
 
         Runs on: every rank (Lightning's ``trainer.save_checkpoint`` is collective).
         """
-        from lightning_rlhf.export import CHECKPOINT_KEY, lora_files
+        from lightning_rlhf.checkpoint.export import CHECKPOINT_KEY, lora_files
 
         path = Path(self.broadcast(os.fspath(filepath)))
         tmp = temporary_sibling(path, self.broadcast(uuid.uuid4().hex[:12]))

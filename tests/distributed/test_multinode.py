@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lightning_rlhf.strategy.liveness import Liveness, machine_id
+from lightning_rlhf.controller.liveness import Liveness, machine_id
 from tests.conftest import ROOT, SCRIPTS
 
 COMPARED = [

@@ -373,7 +373,7 @@ def test_documented_commands_run_as_printed(demo_model: str, tmp_path: Path) -> 
 def test_vllm_pool_check_names_the_setting_and_the_fix() -> None:
     """A role on part of the ranks gets one engine server per rank: any pool serves TP 1; a tensor-parallel group
     must divide the pool and sit on one node (its servers meet on their host)."""
-    from lightning_rlhf.strategy.placement import check_vllm_pools
+    from lightning_rlhf.placement.pools import check_vllm_pools
 
     pools = {"actor": (0,), "reward": (0,), "rollout": (1, 2, 3, 4)}
     check_vllm_pools(pools, ["rollout"], 5, tp_size=1, processes_per_node=1)  # servers of their own: fine

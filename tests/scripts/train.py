@@ -31,9 +31,9 @@ from lightning_rlhf import (
 )
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
+from lightning_rlhf.controller.dispatch import Dispatch, role_method
 from lightning_rlhf.demo import addition_cost, addition_dataset, addition_reward
 from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
-from lightning_rlhf.dispatch import Dispatch, role_method
 from lightning_rlhf.roles import ActorRole
 
 

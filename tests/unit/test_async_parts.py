@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning_rlhf.strategy.controller as controller_module
+import lightning_rlhf.controller.controller as controller_module
 from lightning_rlhf import AlgorithmConfig
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.dispatch import Dispatch, RoleFuture, controller_active, in_background, role_method
+from lightning_rlhf.controller.controller import Controller, WorkerError
+from lightning_rlhf.controller.dispatch import Dispatch, RoleFuture, controller_active, in_background, role_method
 from lightning_rlhf.engines.rollout.bridge import _bucket_plan
 from lightning_rlhf.roles.actor import rollout_is_weights
-from lightning_rlhf.strategy.controller import Controller, WorkerError
 
 
 class Slow:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from lightning_rlhf.config.models import CACHE_ENV
 from lightning_rlhf.demo import (
     addition_dataset,
     addition_reward,
@@ -24,7 +25,6 @@ from lightning_rlhf.demo import (
 )
 from lightning_rlhf.demo.tiny import CHAT_TEMPLATE, MAX_POSITIONS
 from lightning_rlhf.demo.warmstart import CACHE_VERSION, warm_start
-from lightning_rlhf.models import CACHE_ENV
 from tests.conftest import failure_text, run_cli
 
 

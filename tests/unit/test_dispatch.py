@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.dispatch import Dispatch, dispatch_of, merge_results, role_method, split_args
+from lightning_rlhf.controller.dispatch import Dispatch, dispatch_of, merge_results, role_method, split_args
 
 
 def test_dp_split_gives_each_rank_an_equal_contiguous_part() -> None:
@@ -83,8 +83,8 @@ class Scorer:
 
 
 def test_declared_columns_travel_alone_and_the_caller_gets_its_batch_back_with_the_written_ones() -> None:
-    from lightning_rlhf.dispatch import controller_active
-    from lightning_rlhf.strategy.controller import Controller, WorkerError
+    from lightning_rlhf.controller.controller import Controller, WorkerError
+    from lightning_rlhf.controller.dispatch import controller_active
 
     scorer = Scorer()
     controller = Controller({"scorer": scorer}.__getitem__, rank=0, world_size=1)  # type: ignore[arg-type]
@@ -111,7 +111,7 @@ def test_written_columns_of_a_token_balanced_split_come_back_in_the_callers_row_
     batch is not changed."""
     import pickle
 
-    from lightning_rlhf.dispatch import BALANCE_KEY, ROWS_KEY, only_written, with_written
+    from lightning_rlhf.controller.dispatch import BALANCE_KEY, ROWS_KEY, only_written, with_written
 
     lengths = [1, 8, 2, 7, 3, 6, 4, 5]
     batch = Batch(
@@ -151,8 +151,8 @@ def test_a_batch_without_any_column_a_method_reads_fails_on_the_controller() -> 
 
 
 def test_a_background_call_returns_the_callers_batch_as_it_was_when_the_call_was_made() -> None:
-    from lightning_rlhf.dispatch import controller_active, in_background
-    from lightning_rlhf.strategy.controller import Controller
+    from lightning_rlhf.controller.controller import Controller
+    from lightning_rlhf.controller.dispatch import controller_active, in_background
 
     scorer = Scorer()
     controller = Controller({"scorer": scorer}.__getitem__, rank=0, world_size=1)  # type: ignore[arg-type]

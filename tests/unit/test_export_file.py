@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_rlhf.export import ACTOR_PREFIX, CHECKPOINT_KEY, export_checkpoint, resolve_dtype
+from lightning_rlhf.checkpoint.export import ACTOR_PREFIX, CHECKPOINT_KEY, export_checkpoint, resolve_dtype
 
 
 def _files(model_dir: str) -> dict[str, bytes]:

@@ -15,8 +15,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_rlhf"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("batch", "compat", "lazy", "models", "torch_compat")),
-    ("plumbing", ("dispatch", "sharding")),
+    ("leaves", ("batch", "compat", "config.models", "lazy")),
+    ("plumbing", ("controller.dispatch",)),
     ("CPU speed layer", ("cpu",)),
     ("maths and measurements", ("algorithms", "perf")),
     ("settings and rewards", ("config", "rewards")),
@@ -25,8 +25,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rollout engines", ("engines.rollout", "engines")),
     ("agents (multi-turn episodes, tools)", ("agents",)),
     ("roles", ("roles",)),
-    ("RLHFModule and planner", ("module", "planner")),
-    ("ready modules, placement, export", ("auto_placement", "export", "modules")),
+    ("controller (worker loop, liveness)", ("controller",)),
+    ("RLHFModule and planner", ("module", "placement.planner")),
+    ("ready modules, placement, export", ("checkpoint", "modules", "placement")),
     ("strategy and callbacks", ("callbacks", "strategy")),
     ("entry points", ("cli", "demo")),
     ("package root", ("",)),

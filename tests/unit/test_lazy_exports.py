@@ -32,7 +32,7 @@ def test_worker_side_imports_stay_light(module: str) -> None:
     library; nor does naming an embedded model."""
     code = (
         f"import sys, {module}\n"
-        "from lightning_rlhf.models import EMBEDDED_MODELS\n"
+        "from lightning_rlhf.config.models import EMBEDDED_MODELS\n"
         "assert 'lightning-rlhf/tiny-tools' in EMBEDDED_MODELS\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
     )
@@ -58,7 +58,7 @@ def test_every_public_name_resolves(package: str) -> None:
 def test_embedded_model_builders_pickle() -> None:
     """The registered builders are picklable (``functools.partial`` of a module function), so a model name's
     builder can travel to worker ranks."""
-    from lightning_rlhf.models import EMBEDDED_MODELS
+    from lightning_rlhf.config.models import EMBEDDED_MODELS
 
     for name, (build, _) in EMBEDDED_MODELS.items():
         again = pickle.loads(pickle.dumps(build))

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from lightning_rlhf.algorithms import MicroBatchAggregation
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig
-from lightning_rlhf.dispatch import (
+from lightning_rlhf.controller.dispatch import (
     BALANCE_KEY,
     ROWS_KEY,
     Dispatch,
@@ -266,7 +266,7 @@ class LocalRanks:
         self.parts: list[Batch] = []
 
     def call(self, role: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from lightning_rlhf.dispatch import dispatch_of
+        from lightning_rlhf.controller.dispatch import dispatch_of
 
         dispatch = dispatch_of(role, method)
         per_rank = split_args(dispatch, args, kwargs, self.ranks, where=f"{role.name}.{method}")

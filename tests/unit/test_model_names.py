@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lightning_rlhf import GRPOModule
+from lightning_rlhf.config.models import EMBEDDED_MODELS, hub_reachable, resolve_model_path
 from lightning_rlhf.demo import addition_reward, prepare_demo_model
-from lightning_rlhf.models import EMBEDDED_MODELS, hub_reachable, resolve_model_path
 from tests.conftest import failure_text, run_cli
 
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, so a connection is refused at once
@@ -129,7 +129,7 @@ def test_missing_pad_token_falls_back_to_eos_with_a_warning(
     config = json.loads(config_file.read_text())
     config["pad_token"] = None
     config_file.write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="lightning_rlhf.models"):
+    with caplog.at_level(logging.WARNING, logger="lightning_rlhf.config.models"):
         module = GRPOModule(str(folder), reward=addition_reward)
     assert module.tokenizer.pad_token == "</s>" and module.tokenizer.pad_token_id == module.tokenizer.eos_token_id
     (record,) = [r for r in caplog.records if "no pad token" in r.getMessage()]

@@ -10,10 +10,10 @@ import torch
 
 from lightning_rlhf import RLHFStrategy
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.dispatch import Dispatch, RoleFuture, concurrently, controller_active, role_method
+from lightning_rlhf.controller.controller import Controller, WorkerError
+from lightning_rlhf.controller.dispatch import Dispatch, RoleFuture, concurrently, controller_active, role_method
+from lightning_rlhf.placement.pools import check_divides, check_memory, resolve_placement
 from lightning_rlhf.roles.base import Role
-from lightning_rlhf.strategy.controller import Controller, WorkerError
-from lightning_rlhf.strategy.placement import check_divides, check_memory, resolve_placement
 
 ROLES = ["actor", "critic", "reference", "reward"]
 

@@ -1,4 +1,4 @@
-"""The auto-mapping planner (lightning_rlhf/planner.py): enumeration, the cost model on hand-computed cases, the
+"""The auto-mapping planner (placement/planner.py): enumeration, the cost model on hand-computed cases, the
 placement rules, the errors, and the ``plan`` command."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_rlhf import perf
 from lightning_rlhf.cli import main as cli_main
-from lightning_rlhf.planner import (
+from lightning_rlhf.placement.planner import (
     HARDWARE,
     MODELS,
     Hardware,
@@ -436,7 +436,7 @@ def test_plan_on_cpu_splits_single_processes_and_counts_the_cores(
     machine's timings are given (the choice must not depend on this machine's load); the cores are the variable."""
     import torch
 
-    from lightning_rlhf import planner as planner_module
+    from lightning_rlhf.placement import planner as planner_module
 
     recipe = tmp_path / "ppo_demo.yaml"
     recipe.write_text(PPO_DEMO_RECIPE)

@@ -95,7 +95,7 @@ CHAT = [
 def embedded(demo_model: str) -> dict[str, str]:
     """The folders ``lightning-rlhf/tiny-addition`` and ``lightning-rlhf/tiny-random`` resolve to (in the cache
     the session's demo model was built in, so tiny-addition is that model and tiny-random is built beside it)."""
-    from lightning_rlhf.models import CACHE_ENV, resolve_model_path
+    from lightning_rlhf.config.models import CACHE_ENV, resolve_model_path
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(Path(demo_model).parent))

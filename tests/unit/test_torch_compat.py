@@ -1,4 +1,4 @@
-"""Each private PyTorch access of the package (``lightning_rlhf/torch_compat.py``, and oneDNN's private operators in
+"""Each private PyTorch access of the package (``lightning_rlhf/compat/torch.py``, and oneDNN's private operators in
 ``lightning_rlhf/cpu/onednn.py``) checked against the installed torch: a release that renames or changes one fails
 here, with the name of the access, before any training run meets it."""
 
@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_rlhf.cpu import onednn
-from lightning_rlhf.torch_compat import (
+from lightning_rlhf.compat.torch import (
     fsdp_params,
     local_shape_and_offset,
     local_tensor,
@@ -23,6 +22,7 @@ from lightning_rlhf.torch_compat import (
     set_local_tensor,
     sharded_param_data,
 )
+from lightning_rlhf.cpu import onednn
 
 
 def _fsdp_checks(rank: int, init: str, out: str) -> None:

@@ -246,7 +246,7 @@ def test_two_fsdp_ranks_skip_apart_and_end_with_the_same_weights(
 def test_the_controller_balances_the_rows_that_train_over_ranks_in_whole_groups(tiny_model: str) -> None:
     """``ActorRole.split_costs`` gives a row's tokens if it trains, else 0; the DP split then gives every rank as
     many groups and about as many trained tokens, each group whole and in batch order."""
-    from lightning_rlhf.dispatch import COSTS_KEY, ROWS_KEY, Dispatch, _mark_balance, split_args
+    from lightning_rlhf.controller.dispatch import COSTS_KEY, ROWS_KEY, Dispatch, _mark_balance, split_args
 
     actor = make_actor(tiny_model, skip=True)
     batch = grouped_batch(4, {0, 1}, seed=3)  # contiguous halves would give rank 0 nothing to train
@@ -270,7 +270,7 @@ def test_the_controller_balances_the_rows_that_train_over_ranks_in_whole_groups(
 
 def test_metrics_a_rank_lacks_are_averaged_over_the_ranks_that_report_them() -> None:
     """A rank whose samples all had zero advantages trains nothing and reports no loss metrics."""
-    from lightning_rlhf.dispatch import Dispatch, merge_results
+    from lightning_rlhf.controller.dispatch import Dispatch, merge_results
 
     merged = merge_results(
         Dispatch.DP_SPLIT, [{"actor/grad_norm": 1.0}, {"actor/pg_loss": 4.0, "actor/grad_norm": 3.0}]
@@ -281,7 +281,7 @@ def test_metrics_a_rank_lacks_are_averaged_over_the_ranks_that_report_them() -> 
 def test_a_one_rank_split_gives_a_batch_of_its_own_without_the_costs() -> None:
     """The worker's part may come back with new columns that the caller merges into its batch: it must not share
     the caller's column dict."""
-    from lightning_rlhf.dispatch import COSTS_KEY, Dispatch, _mark_balance, split_args
+    from lightning_rlhf.controller.dispatch import COSTS_KEY, Dispatch, _mark_balance, split_args
 
     batch = grouped_batch(1, set(), seed=5)
     marked = _mark_balance(batch, False, [1] * len(batch))

@@ -62,7 +62,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _cache_dir() -> Path:
-    from lightning_rlhf.models import embedded_cache_dir  # the project's one cache folder
+    from lightning_rlhf.config.models import embedded_cache_dir  # the project's one cache folder
 
     return Path(embedded_cache_dir()) / "kernels"
 

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import lightning_rlhf.cpu as cpu
-from lightning_rlhf.sharding import RowShard, row_shard
+from lightning_rlhf.compat.sharding import RowShard, row_shard
 
 __all__ = [
     "clip_grad_norm",

@@ -43,7 +43,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_rlhf.torch_compat import local_shape_and_offset, put_buffer, put_parameter
+from lightning_rlhf.compat.torch import local_shape_and_offset, put_buffer, put_parameter
 
 __all__ = [
     "LoadReport",

@@ -14,7 +14,7 @@ tokens, however many of them are real. These pure, deterministic functions remov
 - :func:`split_to_count` splits a plan's costliest micro-batches until every rank runs as many forwards (FSDP's
   collectives need that).
 - :func:`balanced_partition` splits rows into equal-size groups (one per rank) with balanced token sums, so no rank
-  waits for the one that got all the long responses. It lives in :mod:`lightning_rlhf.dispatch` (a leaf that may
+  waits for the one that got all the long responses. It lives in :mod:`controller.dispatch` (a leaf that may
   import only :mod:`lightning_rlhf.batch`, and the controller's split uses it) and is re-exported here.
 
 Which columns are cut (the rule :func:`trim_padding` applies):
@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.dispatch import balanced_partition
+from lightning_rlhf.controller.dispatch import balanced_partition
 
 __all__ = [
     "balanced_partition",

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_rlhf.compat import attached_trainer
+from lightning_rlhf.compat.lightning import attached_trainer
 from lightning_rlhf.engines.train.lora import (
     adapter_layers,
     config_scale,
@@ -91,7 +91,7 @@ def actor_files(module: RLHFModule) -> dict[str, bytes]:
     if config is None and not module.holds_role("actor"):  # placed on other ranks: read its configuration
         from transformers import AutoConfig
 
-        from lightning_rlhf.models import resolve_model_path
+        from lightning_rlhf.config.models import resolve_model_path
 
         path = resolve_model_path(module.actor.path, setting="ActorRole(path=...)")
         config = AutoConfig.from_pretrained(path)
@@ -288,7 +288,7 @@ def export_checkpoint(
     """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from lightning_rlhf.models import resolve_model_path
+    from lightning_rlhf.config.models import resolve_model_path
 
     if best:
         checkpoint = best_checkpoint(checkpoint).path
@@ -409,7 +409,7 @@ def _base_weights(origin: str, adapted: set[str]) -> dict[str, torch.Tensor]:
     layer's under ``<layer>.base_layer``), for merging adapters from a checkpoint that left the base out."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_rlhf.models import resolve_model_path
+    from lightning_rlhf.config.models import resolve_model_path
 
     source = resolve_model_path(origin, setting="export_checkpoint(base=...)")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)

@@ -3,7 +3,7 @@
 Each access is a small named function saying what it relies on; ``tests/unit/test_torch_compat.py`` checks each
 one against the installed PyTorch, so an upgrade that moves a private name fails there, not in a training run.
 ``pyproject.toml`` caps torch below the next minor release for the same reason (the pattern of
-:mod:`lightning_rlhf.compat` for Lightning's internals). CPU-only private operators (oneDNN's) live in
+:mod:`lightning_rlhf.compat.lightning` for Lightning's internals). CPU-only private operators (oneDNN's) live in
 :mod:`lightning_rlhf.cpu.onednn`, each behind a named function of the same kind.
 
 A leaf of the package: it imports nothing of it.

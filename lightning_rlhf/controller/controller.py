@@ -16,7 +16,7 @@ results and the controller raises :class:`WorkerError`. The failing rank also po
 rendezvous store, so if the other ranks are stuck in a collective that the failed rank will never join, a
 watchdog thread on every rank prints the error and ends the process after ``error_timeout_s``: the run
 fails loudly instead of hanging. A rank whose process dies (SIGKILL, a crash) is named on the others by
-:class:`~lightning_rlhf.strategy.liveness.RankDiedError` (rank, pid, signal or exit code, role call): see
+:class:`~lightning_rlhf.controller.liveness.RankDiedError` (rank, pid, signal or exit code, role call): see
 ``liveness.py``.
 
 Stops: the end-of-step message carries rank 0's decision to stop after this step (a preemption signal seen on
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.dispatch import (
+from lightning_rlhf.controller.dispatch import (
     Dispatch,
     columns_of,
     controller_active,
@@ -50,9 +50,9 @@ from lightning_rlhf.dispatch import (
     split_args,
     with_written,
 )
+from lightning_rlhf.controller.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
 from lightning_rlhf.engines.train.engine import data_parallel_group
 from lightning_rlhf.perf import memory_peaks
-from lightning_rlhf.strategy.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
 
 if TYPE_CHECKING:
     from lightning_rlhf.roles.base import Role
@@ -302,7 +302,7 @@ class Controller:
     def join(self, token: int) -> tuple[Any, float]:
         """Wait for a background call on every rank of its pool; its merged result and its time on the slowest rank.
 
-        Runs on: controller (rank 0), from :meth:`~lightning_rlhf.dispatch.RoleFuture.result`.
+        Runs on: controller (rank 0), from :meth:`~lightning_rlhf.controller.dispatch.RoleFuture.result`.
         """
         where, plan = self._in_flight.pop(token)
         messages: list[list[Any]] = [[] for _ in range(self.world_size)]
@@ -566,7 +566,7 @@ class Controller:
 
     @property
     def death(self) -> Any:
-        """The dead rank this process saw (a :class:`~lightning_rlhf.strategy.liveness.Death`), or None."""
+        """The dead rank this process saw (a :class:`~lightning_rlhf.controller.liveness.Death`), or None."""
         return None if self._liveness is None else self._liveness.death
 
     def close(self) -> None:

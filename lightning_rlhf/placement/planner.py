@@ -654,7 +654,7 @@ def shape_of(model: str, *, override: str | None = None) -> ModelShape:
         if override not in MODELS:
             raise InfeasiblePlacementError(f"--model-shape {override!r}: expected one of {sorted(MODELS)}.")
         return MODELS[override]
-    from lightning_rlhf.models import EMBEDDED_PREFIX, resolve_model_path
+    from lightning_rlhf.config.models import EMBEDDED_PREFIX, resolve_model_path
 
     path = resolve_model_path(model, setting="actor") if model.startswith(EMBEDDED_PREFIX) else model
     if (Path(path) / "config.json").is_file():
@@ -933,7 +933,7 @@ def save_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_di
     the file. Runs on: the calibration run's driver."""
     import os
 
-    from lightning_rlhf.models import embedded_cache_dir
+    from lightning_rlhf.config.models import embedded_cache_dir
     from lightning_rlhf.perf import read_json, write_json
 
     path = os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)
@@ -948,7 +948,7 @@ def with_saved_call_costs(hw: Hardware, model: ModelShape, processes: int, *, ca
     left any (else ``hw`` as it is). Runs on: the planning process (``plan --device-type cpu``, ``"auto"``)."""
     import os
 
-    from lightning_rlhf.models import embedded_cache_dir
+    from lightning_rlhf.config.models import embedded_cache_dir
     from lightning_rlhf.perf import read_json
 
     entry = read_json(os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)).get(
@@ -975,7 +975,7 @@ def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) ->
     import torch
 
     from lightning_rlhf.batch import Batch
-    from lightning_rlhf.dispatch import Dispatch, merge_results, split_args
+    from lightning_rlhf.controller.dispatch import Dispatch, merge_results, split_args
 
     def one_batch() -> Batch:
         return Batch(

@@ -1,6 +1,6 @@
 """Row-sharded parameters as FSDP2 lays them out (``Shard(0)`` on a 1-D mesh, ``torch.chunk`` rows).
 
-A leaf of the package (it imports only :mod:`lightning_rlhf.torch_compat`): both the trainer's weight hand-off
+A leaf of the package (it imports only :mod:`lightning_rlhf.compat.torch`): both the trainer's weight hand-off
 (:mod:`lightning_rlhf.engines.train.fsdp`) and the CPU speed layer's shared weights
 (:mod:`lightning_rlhf.cpu.shared_weights`) plan their copies with it.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_rlhf.torch_compat import local_tensor
+from lightning_rlhf.compat.torch import local_tensor
 
 __all__ = ["RowShard", "row_shard"]
 

@@ -1,6 +1,6 @@
 """``RLHFStrategy(placement="auto")``: the planner's placement for this run, and the sizes the placement checks use.
 
-The planner (:mod:`lightning_rlhf.planner`) predicts the step time of every colocation choice and device split from
+The planner (:mod:`placement.planner`) predicts the step time of every colocation choice and device split from
 a cost model. Here it gets this run's inputs: the module's model roles (the actor, and a critic, reference or reward
 that is a model), the actor's shape from its ``config.json``, one step's workload from the data module and the
 rollout settings, and the hardware. On a CPU machine the hardware is calibrated here (matmul peak of one process,
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import lightning_rlhf.planner as planner
+import lightning_rlhf.placement.planner as planner
 
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
@@ -96,7 +96,7 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
     """The planner's fastest placement of ``module``'s roles on ``world_size`` ranks (role -> ranks).
 
     Runs on: rank 0, in the strategy's ``setup_environment`` (the strategy broadcasts the answer), before any model
-    loads. Raises :class:`~lightning_rlhf.planner.InfeasiblePlacementError` when nothing fits in memory.
+    loads. Raises :class:`~lightning_rlhf.placement.planner.InfeasiblePlacementError` when nothing fits in memory.
     """
     roles = module.roles()
     actor = roles.get("actor")

@@ -1,6 +1,6 @@
 """Model settings: a local folder, a hub id, or an embedded model's name, resolved to what ``from_pretrained`` loads.
 
-    from lightning_rlhf.models import resolve_model_path
+    from lightning_rlhf.config.models import resolve_model_path
     resolve_model_path("lightning-rlhf/tiny-addition", setting="RLHFModule(actor=...)")  # -> a local folder
 
 Every model setting (``actor``, ``critic``, ``reference``, a reward model, a tokenizer) goes through

@@ -1,0 +1,10 @@
+"""Every private access to the libraries the package builds on, one module per library, each access behind a small
+named function with a test against the installed version (``tests/unit/test_compat.py``,
+``tests/unit/test_torch_compat.py``): an upgrade that moves a private name fails there, not in a training run.
+
+- :mod:`lightning_rlhf.compat.lightning`: Lightning's private state (trainer internals, launchers, loops).
+- :mod:`lightning_rlhf.compat.torch`: PyTorch's (FSDP2, DTensor, ``nn.Module`` internals).
+- :mod:`lightning_rlhf.compat.sharding`: FSDP2's row-shard layout, which the weight hand-off plans its copies with.
+
+Nothing is imported here, so a module that needs one library's accessors does not import the others.
+"""
