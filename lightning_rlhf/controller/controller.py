@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,8 +42,10 @@ import torch.distributed as dist
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.controller.dispatch import (
     Dispatch,
+    Role,
     columns_of,
     controller_active,
+    data_parallel_group,
     dispatch_of,
     merge_results,
     only_written,
@@ -51,11 +53,7 @@ from lightning_rlhf.controller.dispatch import (
     with_written,
 )
 from lightning_rlhf.controller.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
-from lightning_rlhf.engines.train.engine import data_parallel_group
 from lightning_rlhf.perf import memory_peaks
-
-if TYPE_CHECKING:
-    from lightning_rlhf.roles.base import Role
 
 __all__ = ["Controller", "ControllerError", "RankDiedError", "WorkerError"]
 
@@ -138,6 +136,27 @@ class _Failure:
     rank: int
     where: str
     traceback: str
+
+
+def _post_error(store: Any, message: str, failure: _Failure | None = None) -> None:
+    """Publish the first error of the run in ``store`` (later ones keep the first) for every rank's watchdog."""
+    if store is None:
+        return
+    payload = pickle.dumps((message, failure))
+    with contextlib.suppress(Exception):  # the store may already be gone at shutdown
+        store.compare_set(_ERROR_KEY, "", payload)
+
+
+def _first_posted_failure(store: Any) -> _Failure | None:
+    if store is None:
+        return None
+    try:
+        if not store.check([_ERROR_KEY]):
+            return None
+        _, failure = pickle.loads(store.get(_ERROR_KEY))
+    except Exception:
+        return None
+    return failure if isinstance(failure, _Failure) else None
 
 
 class Controller:
@@ -235,7 +254,7 @@ class Controller:
             if isinstance(err, RankDiedError):  # the control plane is broken: no abort can reach every rank
                 raise
             if self.world_size > 1 and not isinstance(err, WorkerError):
-                self._post_error(f"controller (rank 0) failed:\n{traceback.format_exc()}")
+                _post_error(self._store, f"controller (rank 0) failed:\n{traceback.format_exc()}")
             try:
                 self._scatter([_Abort(repr(err))] * self.world_size)
             except Exception as abort_err:
@@ -371,7 +390,7 @@ class Controller:
                 by_call[index][rank] = result
                 seconds[index] = max(seconds[index], took)
         if failures:
-            first = self._first_posted_failure() or failures[0]
+            first = _first_posted_failure(self._store) or failures[0]
             raise WorkerError(first.rank, first.where, first.traceback)
         return by_call, seconds
 
@@ -427,7 +446,9 @@ class Controller:
                 thread.join()
                 result, took = box[0]
                 if isinstance(result, _Failure):  # posted now, not when it failed: until the join nobody waits on it
-                    self._post_error(f"rank {self.rank} failed in `{result.where}`:\n{result.traceback}", result)
+                    _post_error(
+                        self._store, f"rank {self.rank} failed in `{result.where}`:\n{result.traceback}", result
+                    )
                 results.append((call.index, result, took))
             elif call.token is not None:
                 self._start_thread(call)
@@ -491,7 +512,7 @@ class Controller:
                 raise died from err
             tb = traceback.format_exc()
             if not background:  # a background call's failure is posted when it is joined (see `_execute_all`)
-                self._post_error(f"rank {self.rank} failed in `{where}`:\n{tb}", _Failure(self.rank, where, tb))
+                _post_error(self._store, f"rank {self.rank} failed in `{where}`:\n{tb}", _Failure(self.rank, where, tb))
             return _Failure(self.rank, where, tb)
         finally:
             if not background:
@@ -533,25 +554,6 @@ class Controller:
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(obj, gathered, dst=0, group=self._group)
         return gathered or []
-
-    def _post_error(self, message: str, failure: _Failure | None = None) -> None:
-        """Publish the first error of the run (later ones keep the first) for every rank's watchdog."""
-        if self._store is None:
-            return
-        payload = pickle.dumps((message, failure))
-        with contextlib.suppress(Exception):  # the store may already be gone at shutdown
-            self._store.compare_set(_ERROR_KEY, "", payload)
-
-    def _first_posted_failure(self) -> _Failure | None:
-        if self._store is None:
-            return None
-        try:
-            if not self._store.check([_ERROR_KEY]):
-                return None
-            _, failure = pickle.loads(self._store.get(_ERROR_KEY))
-        except Exception:
-            return None
-        return failure if isinstance(failure, _Failure) else None
 
     @contextlib.contextmanager
     def _busy(self) -> Iterator[None]:

@@ -24,14 +24,11 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
 from lightning_rlhf.batch import Batch
-
-if TYPE_CHECKING:
-    from lightning_rlhf.roles.base import Role
 
 __all__ = [
     "BALANCE_KEY",
@@ -42,6 +39,8 @@ __all__ = [
     "columns_of",
     "concurrently",
     "current_controller",
+    "current_group",
+    "data_parallel_group",
     "in_background",
     "merge_results",
     "only_written",
@@ -75,6 +74,13 @@ class Dispatch(enum.Enum):
     """Only the controller's rank runs the method; the other ranks do nothing."""
 
 
+class Role(Protocol):
+    """What the controller needs of a role: the name its calls are addressed by (each worker resolves the name to
+    its own object), and the methods :func:`role_method` declared on its class."""
+
+    name: str
+
+
 class _Controller(Protocol):
     def call(self, role: Role, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
@@ -88,12 +94,14 @@ class _Background(Protocol):
 
 
 class _Stacks(threading.local):
-    """Per thread: the controllers routing role calls and the open ``concurrently()`` blocks (a role call that runs
-    in the background on a worker runs in a thread of its own, with its own stacks)."""
+    """Per thread: the controllers routing role calls, the open ``concurrently()`` blocks and the data-parallel
+    groups of the role calls running (a role call that runs in the background on a worker runs in a thread of its
+    own, with its own stacks)."""
 
     def __init__(self) -> None:
         self.active: list[_Controller | None] = []
         self.recorders: list[_Recorder] = []
+        self.groups: list[Any] = []
 
 
 _STACKS = _Stacks()
@@ -107,6 +115,25 @@ def current_controller() -> _Controller | None:
     """
     active = _STACKS.active
     return active[-1] if active else None
+
+
+@contextlib.contextmanager
+def data_parallel_group(group: Any) -> Iterator[None]:
+    """Make ``group`` (a process group; None: all ranks) the data-parallel group of the role call that runs inside.
+
+    Runs on: a worker rank, around one role method (the controller's worker loop enters it with the role's pool,
+    so the training engine's ``world()`` and all-reduces count only the ranks that hold the role).
+    """
+    _STACKS.groups.append(group)
+    try:
+        yield
+    finally:
+        _STACKS.groups.pop()
+
+
+def current_group() -> Any:
+    """The data-parallel group of the role call running in this process (None: all ranks). Runs on: any process."""
+    return _STACKS.groups[-1] if _STACKS.groups else None
 
 
 class controller_active:

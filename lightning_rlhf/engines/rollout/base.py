@@ -26,16 +26,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from lightning_rlhf.config import MAX_TEMPERATURE, MIN_TEMPERATURE, check_sampling, check_sequence_length
-
-if TYPE_CHECKING:
-    from lightning_rlhf.engines.rollout.reshard import Slicer
 
 __all__ = [
     "KV_CACHE",
@@ -47,6 +44,8 @@ __all__ = [
     "RolloutEngine",
     "RolloutOutput",
     "SamplingParams",
+    "Slicer",
+    "TPSlice",
     "WeightSyncError",
     "check_prompt_tokens",
     "check_sampling",
@@ -64,6 +63,19 @@ KV_CACHE = "kv_cache"
 """The memory tag of an engine's key/value cache (vLLM's own name for it)."""
 MEMORY_TAGS: tuple[str, ...] = (WEIGHTS, KV_CACHE)
 """Every tag :meth:`RolloutEngine.wake_up` takes, in the order the actor wakes them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TPSlice:
+    """The region ``[start, start + length)`` along ``dim`` of a full tensor."""
+
+    dim: int
+    start: int
+    length: int
+
+
+Slicer = Callable[[str, tuple[int, ...], int], TPSlice | None]
+"""``(name, full shape, tp rank) -> region that rank loads`` (None: the whole tensor)."""
 
 
 def wake_tags(tags: Sequence[str] | None, *, owner: str) -> tuple[str, ...]:

@@ -22,18 +22,16 @@ How it works, per parameter, in the same order on every rank:
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-if TYPE_CHECKING:
-    from lightning_rlhf.engines.rollout.base import RolloutEngine
+from lightning_rlhf.engines.rollout.base import RolloutEngine, Slicer, TPSlice
 
 __all__ = ["SliceHolder", "TPSlice", "exchange", "sliced_tensors", "tp_slice", "tp_slicer", "weights_for"]
 
@@ -41,19 +39,6 @@ VOCAB_PADDING = 64
 """vLLM pads the vocabulary to a multiple of 64 before splitting it over TP ranks."""
 
 _SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
-
-
-@dataclasses.dataclass(frozen=True)
-class TPSlice:
-    """The region ``[start, start + length)`` along ``dim`` of a full tensor."""
-
-    dim: int
-    start: int
-    length: int
-
-
-Slicer = Callable[[str, tuple[int, ...], int], TPSlice | None]
-"""``(name, full shape, tp rank) -> region that rank loads`` (None: the whole tensor)."""
 
 
 def tp_slice(name: str, shape: tuple[int, ...], *, config: Any, tp_size: int, tp_rank: int) -> TPSlice | None:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +25,7 @@ import lightning_rlhf.cpu as cpu
 from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_count
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
+from lightning_rlhf.controller.dispatch import current_group
 from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
 from lightning_rlhf.engines.train.microbatch import (
     has_rollout_layout,
@@ -41,7 +40,6 @@ __all__ = [
     "MetricAccumulator",
     "TrainEngine",
     "check_compute_dtype",
-    "data_parallel_group",
     "global_token_count",
     "make_optimizer",
     "minibatches",
@@ -52,35 +50,6 @@ __all__ = [
 LossFn = Callable[[Batch, MicroBatchAggregation], tuple[Tensor, dict[str, Tensor]]]
 """A role's loss over one micro-batch: ``(loss, metrics)``; the loss is already aggregated with the given
 :class:`~lightning_rlhf.algorithms.MicroBatchAggregation` (the engine applies its ``scale`` and calls backward)."""
-
-
-class _GroupStack(threading.local):
-    groups: list[Any]
-
-    def __init__(self) -> None:
-        self.groups = []
-
-
-_GROUPS = _GroupStack()  # per thread: a role call running in the background has its own
-
-
-@contextlib.contextmanager
-def data_parallel_group(group: Any) -> Iterator[None]:
-    """Make ``group`` (a process group; None: all ranks) the data-parallel group of the role call that runs inside.
-
-    Runs on: a worker rank, around one role method (the controller's worker loop enters it with the role's pool,
-    so :func:`world` and the engine's all-reduces count only the ranks that hold the role).
-    """
-    _GROUPS.groups.append(group)
-    try:
-        yield
-    finally:
-        _GROUPS.groups.pop()
-
-
-def current_group() -> Any:
-    """The data-parallel group of the role call running in this process (None: all ranks). Runs on: any process."""
-    return _GROUPS.groups[-1] if _GROUPS.groups else None
 
 
 def world() -> tuple[int, int]:
