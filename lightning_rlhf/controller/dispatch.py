@@ -36,6 +36,7 @@ __all__ = [
     "Dispatch",
     "RoleFuture",
     "balanced_partition",
+    "collect",
     "columns_of",
     "concurrently",
     "current_controller",
@@ -282,6 +283,33 @@ def in_background() -> Iterator[None]:
         controller = cast(_Background, recorder.controller)
         for future, handle in zip(recorder.futures, controller.start_many(recorder.calls), strict=True):
             future._join = (controller, handle)
+
+
+def collect(rollout: Batch, futures: Mapping[str, Any], metrics: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+    """The results of a ``concurrently()`` block: batches merged into ``rollout`` (their new columns), dicts of
+    metrics merged into one, and each call's time on its slowest rank logged as ``timing_s/<name>``.
+
+    Runs on: the controller, after the block (``RLHFModule.collect``). ``None`` entries (a call not made) are
+    skipped. (Role methods are typed by what they return outside a block; inside one they return
+    :class:`RoleFuture`.)
+    """
+    merged: dict[str, float] = {}
+    for name, future in futures.items():
+        if future is None:
+            continue
+        if not isinstance(future, RoleFuture):
+            raise TypeError(
+                f"RLHFModule.collect: {name!r} is a `{type(future).__name__}`, not the future of a call made "
+                "inside `with self.concurrently():`. HINT: make the call inside the block, or merge its result "
+                "yourself."
+            )
+        value = future.result()
+        if isinstance(value, Batch):
+            rollout = rollout.update(value)
+        elif isinstance(value, Mapping):
+            merged |= value
+        metrics[f"timing_s/{name}"] = future.seconds
+    return rollout, merged
 
 
 def role_method(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-__all__ = ["PreemptionHandler", "parse_signals"]
+__all__ = ["PreemptionHandler", "parse_signals", "stop_after_preemption"]
 
 
 def parse_signals(signals: Sequence[int | str | signal.Signals]) -> tuple[signal.Signals, ...]:
@@ -46,6 +46,37 @@ def parse_signals(signals: Sequence[int | str | signal.Signals]) -> tuple[signal
         if sig not in out:
             out.append(sig)
     return tuple(out)
+
+
+def stop_after_preemption(trainer: Any, signum: int, path: str | bool | None, *, rank: int) -> int:
+    """Save the preemption checkpoint (``path``: ``RLHFStrategy(preemption_path=...)``; None: the default place;
+    False: no checkpoint) and say so on rank 0; the exit status, ``128 + signum``.
+
+    Runs on: every rank (the save is a collective), in ``RLHFStrategy.on_exception`` after the agreed stop.
+    The default place is ``<ModelCheckpoint.dirpath>/preempted.ckpt``, else
+    ``<log_dir or default_root_dir>/checkpoints/preempted.ckpt``.
+    """
+    name, code = signal.Signals(signum).name, 128 + signum
+    if path is False:
+        if rank == 0:
+            print(
+                f"[lightning_rlhf] stopped by {name} after step {trainer.global_step} without a checkpoint "
+                f"(preemption_checkpoint=False); exiting with {code}.",
+                flush=True,
+            )
+        return code
+    if path is None or path is True:
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        root = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+        path = os.path.join(dirpath or root, "preempted.ckpt")
+    trainer.save_checkpoint(path)
+    if rank == 0:
+        print(
+            f"[lightning_rlhf] stopped by {name} after step {trainer.global_step}: checkpoint saved to {path}\n"
+            f"[lightning_rlhf] resume with trainer.fit(..., ckpt_path={str(path)!r}); exiting with {code}.",
+            flush=True,
+        )
+    return code
 
 
 class PreemptionHandler:

@@ -13,7 +13,7 @@ What it changes in Lightning's ``ModelParallelStrategy``:
   batch is used, and the transfer protocols split it.
 - **placement**: roles may live on rank pools of their own (``placement=``, see ``placement.py``): each pool gets
   its own FSDP mesh, a role's calls go to its pool's ranks only, ranks outside a pool never load that role's
-  weights, and checkpoints save each role from the ranks that hold it (``pooled_checkpoint.py``).
+  weights, and checkpoints save each role from the ranks that hold it (``checkpoint/pooled.py``).
 - **faults**: a dead rank is named on the others (``liveness.py``); SIGTERM/SIGUSR1 on any rank stop every rank
   after the same step, save a checkpoint and exit with ``128 + signum`` (``preemption.py``); checkpoints are
   renamed into place only once complete, and a missing or incomplete ``ckpt_path`` is refused before anything
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
-import signal
 import sys
 import time
 import uuid
@@ -43,7 +43,14 @@ from typing_extensions import override
 
 import lightning_rlhf.cpu as cpu
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.checkpoint.pooled import (
+    complete_checkpoint,
+    load_pooled_checkpoint,
+    pooled_model_state,
+    pooled_optimizer_state,
+)
 from lightning_rlhf.compat.lightning import (
+    batches_that_stepped,
     check_lightning_version,
     count_optimizer_step,
     request_stop,
@@ -55,34 +62,17 @@ from lightning_rlhf.compat.lightning import (
 from lightning_rlhf.config import VLLMConfig, config_from_dict
 from lightning_rlhf.controller.controller import Controller
 from lightning_rlhf.controller.liveness import expect_exit
-from lightning_rlhf.engines.rollout import make_rollout_engine
-from lightning_rlhf.engines.rollout.hf import check_hf_settings
-from lightning_rlhf.engines.rollout.vllm import check_vllm_settings, vllm_available
+from lightning_rlhf.engines.rollout.factory import RolloutEngineFactory
 from lightning_rlhf.engines.train import check_compute_dtype, resolve_dtype
 from lightning_rlhf.engines.train.loading import deferred_loading
-from lightning_rlhf.placement.pools import (
-    Pools,
-    check_memory,
-    check_placement_spec,
-    check_vllm_pools,
-    check_weight_sources,
-    pool_groups,
-    resolve_placement,
-)
+from lightning_rlhf.placement.pools import Pools, check_placement_spec
+from lightning_rlhf.placement.roles import bridge_pools, check_before_launch, place_roles, pool_meshes
 from lightning_rlhf.strategy.checkpoint_io import publish, temporary_sibling
 from lightning_rlhf.strategy.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
-from lightning_rlhf.strategy.pooled_checkpoint import (
-    load_pooled_checkpoint,
-    pooled_model_state,
-    pooled_optimizer_state,
-    schedules_from_holders,
-)
-from lightning_rlhf.strategy.preemption import PreemptionHandler, parse_signals
+from lightning_rlhf.strategy.preemption import PreemptionHandler, parse_signals, stop_after_preemption
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from lightning_rlhf.module import RLHFModule
 
 __all__ = ["RLHFStrategy"]
 
@@ -134,6 +124,29 @@ def _destroy_process_group_at_exit() -> None:
     atexit.register(destroy)
 
 
+def _checked_arguments(
+    rollout: str, vllm: Any, worker_error_timeout_s: float, placement: Any, save_distributed_checkpoint: bool
+) -> VLLMConfig | None:
+    """Refuse ``RLHFStrategy`` arguments that are wrong on their own or together; the vLLM settings as a
+    :class:`VLLMConfig`. Runs on: the process that builds the strategy."""
+    if rollout not in ("auto", "hf", "vllm"):
+        raise ValueError(f"RLHFStrategy(rollout={rollout!r}) is not available. Valid: 'auto', 'hf', 'vllm'.")
+    if worker_error_timeout_s <= 0:
+        raise ValueError(f"RLHFStrategy(worker_error_timeout_s={worker_error_timeout_s}) must be > 0.")
+    if isinstance(vllm, dict):
+        vllm = config_from_dict(VLLMConfig, vllm)
+    if vllm is not None and not isinstance(vllm, VLLMConfig):
+        raise TypeError(f"RLHFStrategy(vllm=...) takes a VLLMConfig or a dict, got {type(vllm).__name__}.")
+    check_placement_spec(placement)
+    if placement is not None and not save_distributed_checkpoint:
+        raise ValueError(
+            "RLHFStrategy(placement=..., save_distributed_checkpoint=False): a single-file checkpoint is gathered "
+            "on rank 0, which does not hold the roles placed on other ranks. HINT: keep "
+            "save_distributed_checkpoint=True with a placement (`lightning-rlhf export` writes a single model)."
+        )
+    return vllm
+
+
 class RLHFStrategy(ModelParallelStrategy):
     """Single controller on rank 0, FSDP2 workers on every rank.
 
@@ -144,38 +157,33 @@ class RLHFStrategy(ModelParallelStrategy):
         param_dtype: compute dtype of the sharded models (e.g. ``torch.bfloat16`` on GPUs); None keeps
             float32. Gradients are reduced in float32 either way.
         reshard_in_update: True (FSDP2's default, ZeRO-3): every forward and backward of an update gathers each
-            layer's parameters and frees them after, and every micro-batch's backward reduce-scatters its
-            gradients. False: an update gathers each layer once, keeps the full parameters and the accumulated full
-            gradients on every rank until its optimizer step, and reduce-scatters once; a scoring call (reference,
-            old or critic log-probs, values) gathers each layer once for all its micro-batches (outside these calls
-            the parameters stay sharded, and the optimizer state always is). Fewer collectives (on 2 CPU processes
-            the small model's update took 11-15% less, its reference forward 3-6%), for the memory of one whole
-            model's parameters (and gradients) per rank during the call: for models that fit that way.
-        sharded_loading: build the roles' models with their parameters on the meta device, shard them, and read
-            only this rank's rows from the safetensors files (peak host memory about one shard per role instead of
-            the whole model). False loads every model whole on every rank first (the way before).
+            layer's parameters and frees them after; every micro-batch's backward reduce-scatters its gradients.
+            False: an update (and a scoring call, for all its micro-batches) gathers each layer once and keeps the
+            full parameters (and accumulated gradients) until its end: fewer collectives (on 2 CPU processes the
+            small model's update took 11-15% less, its reference forward 3-6%) for one whole model per rank.
+        sharded_loading: build the roles' models on the meta device, shard them, and read only this rank's rows
+            from the safetensors files (peak host memory about one shard per role). False loads every model whole
+            on every rank first.
         worker_error_timeout_s: after any rank reports an error, how long another rank may stay blocked in a
             collective before it ends itself (prevents hangs when a rank dies mid-collective).
         timeout: process-group timeout for collectives.
         save_distributed_checkpoint: sharded checkpoints (a folder, one file per rank); False gathers a
             single file on rank 0.
-        preemption_checkpoint: when a preemption signal reaches any rank, save a checkpoint after the current
-            training step before exiting with ``128 + signum`` (143 for SIGTERM, 138 for SIGUSR1). False exits
-            the same way without saving.
-        preemption_signals: the signals that mean "stop soon" (names or numbers); ``()`` leaves every signal to
-            Lightning. These replace Lightning's own SIGTERM handling (and its SLURM SIGUSR1 requeue handler).
+        preemption_checkpoint: when a preemption signal reaches any rank, save a checkpoint after the current step
+            before exiting with ``128 + signum`` (143 for SIGTERM, 138 for SIGUSR1). False: exit without saving.
+        preemption_signals: the signals that mean "stop soon" (names or numbers), replacing Lightning's SIGTERM
+            handling (and its SLURM SIGUSR1 requeue handler); ``()`` leaves every signal to Lightning.
         preemption_path: where that checkpoint goes. None: ``<ModelCheckpoint.dirpath>/preempted.ckpt`` when a
             ModelCheckpoint has one, else ``<trainer.log_dir or default_root_dir>/checkpoints/preempted.ckpt``.
         placement: where each role runs. None: every role on every rank. A mapping from role names to lists of
-            ranks places roles on pools of their own (docs/placement.md shows one): roles with the same ranks are
-            colocated, and calls to disjoint pools made inside
-            ``RLHFModule.concurrently()`` run at the same time. ``"auto"``: the planner's choice for this world
-            (``lightning_rlhf.placement.planner``; CPU: calibrated on this machine, GPU: from the device's datasheet).
-        cpu_kernels: the CPU speed layer (:mod:`lightning_rlhf.cpu`: compiled kernels, oneDNN linears, fused RMS
-            norms, shared-memory collectives and weight store). None: the environment variable
-            ``LIGHTNING_RLHF_CPU_KERNELS`` (``1``/``0``) where set, else on only when the run's device is a CPU.
-            False turns all of it off (PyTorch's own ops everywhere: the same results up to float rounding); True
-            forces it on (on a GPU its pieces still only take CPU tensors).
+            ranks places roles on pools of their own (docs/placement.md): roles with the same ranks are colocated,
+            and calls to disjoint pools made inside ``RLHFModule.concurrently()`` run at the same time. ``"auto"``:
+            the planner's choice for this world (:mod:`lightning_rlhf.placement`; resolved there at set-up).
+        cpu_kernels: the CPU speed layer (:mod:`lightning_rlhf.cpu`). None: ``LIGHTNING_RLHF_CPU_KERNELS``
+            (``1``/``0``) where set, else on only when the run's device is a CPU. False turns all of it off
+            (PyTorch's own ops: the same results up to float rounding); True forces it on.
+        engine_factory: what builds the rollout engines the roles ask for (it also checks their settings first);
+            None: a :class:`~lightning_rlhf.engines.rollout.RolloutEngineFactory` of ``rollout`` and ``vllm``.
     """
 
     def __init__(
@@ -195,27 +203,11 @@ class RLHFStrategy(ModelParallelStrategy):
         preemption_path: str | os.PathLike[str] | None = None,
         placement: Mapping[str, Sequence[int]] | Literal["auto"] | None = None,
         cpu_kernels: bool | None = None,
+        engine_factory: RolloutEngineFactory | None = None,
     ) -> None:
         check_lightning_version()  # the internals this strategy uses (compat.lightning) are checked per version
-        if rollout not in ("auto", "hf", "vllm"):
-            raise ValueError(f"RLHFStrategy(rollout={rollout!r}) is not available. Valid: 'auto', 'hf', 'vllm'.")
-        if worker_error_timeout_s <= 0:
-            raise ValueError(f"RLHFStrategy(worker_error_timeout_s={worker_error_timeout_s}) must be > 0.")
-        if isinstance(vllm, dict):
-            vllm = config_from_dict(VLLMConfig, vllm)
-        if vllm is not None and not isinstance(vllm, VLLMConfig):
-            raise TypeError(f"RLHFStrategy(vllm=...) takes a VLLMConfig or a dict, got {type(vllm).__name__}.")
-        check_placement_spec(placement)
+        vllm = _checked_arguments(rollout, vllm, worker_error_timeout_s, placement, save_distributed_checkpoint)
         cpu.configure(cpu_kernels, None)  # checks the value; the device is known at set-up
-        if placement is not None and not save_distributed_checkpoint:
-            raise ValueError(
-                "RLHFStrategy(placement=..., save_distributed_checkpoint=False): a single-file checkpoint is gathered "
-                "on rank 0, which does not hold the roles placed on other ranks. HINT: keep "
-                "save_distributed_checkpoint=True with a placement (`lightning-rlhf export` writes a single model)."
-            )
-        self._rollout_choice = rollout  # as given ("auto" or an engine), for the messages
-        if rollout == "auto":
-            rollout = "vllm" if vllm_available() else "hf"
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
@@ -223,25 +215,27 @@ class RLHFStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.rollout: Literal["hf", "vllm"] = rollout
         self.vllm_config = vllm or VLLMConfig()
+        self.engine_factory = engine_factory or RolloutEngineFactory(rollout, self.vllm_config)
+        self.rollout: Literal["hf", "vllm"] = self.engine_factory.kind
+        self._vllm_tp = self.vllm_config.tensor_parallel_size if self.rollout == "vllm" else None  # None: no vLLM
         self.param_dtype = resolve_dtype(param_dtype, setting="RLHFStrategy.param_dtype")
         self.sharded_loading = sharded_loading
         self.sharded_checkpoints = save_distributed_checkpoint
         self.reshard_in_update = reshard_in_update
         self.worker_error_timeout_s = worker_error_timeout_s
         self._controller: Controller | None = None
-        self._max_model_len = 0
         self.preemption_checkpoint = preemption_checkpoint
         self.preemption_path = None if preemption_path is None else os.fspath(preemption_path)
         self._preemption = PreemptionHandler(parse_signals(preemption_signals))
         self._stopping = 0  # the preemption signal every rank agreed to stop on (0: none)
+        self._logger_step: int | None = None  # the loggers' step counter while a validation runs
         self.placement = placement
         self.cpu_kernels = cpu_kernels
         self._pools: Pools = {}
+        self._placed = False  # whether some role is not on every rank (checkpoints then save each from its pool)
         self._meshes: dict[str, Any] = {}  # role -> the FSDP mesh of its pool (roles this rank holds)
 
-    # ------------------------------------------------------------------------------------- set-up
     @override
     def _configure_launcher(self) -> None:
         """Lightning's launcher whose child observer defers to our watchdog; both check ``ckpt_path`` first."""
@@ -249,41 +243,17 @@ class RLHFStrategy(ModelParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             set_launcher(self, ExternalLauncher())
         else:
-            launcher = RLHFLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes, check_module=self._check_before_launch
-            )
+            check = functools.partial(  # what the ranks would refuse at set-up, before any rank starts
+                check_before_launch, spec=self.placement, world_size=self.num_processes * self.num_nodes,
+                processes_per_node=self.num_processes, vllm_tp=self._vllm_tp,
+            )  # fmt: skip
+            launcher = RLHFLauncher(self.cluster_environment, self.num_processes, self.num_nodes, check_module=check)
             set_launcher(self, launcher)
-
-    def _check_before_launch(self, module: Any, fitting: bool) -> None:
-        """What the ranks would refuse at set-up, checked before any rank starts (every rank checks it again): an
-        explicit placement against ``module``'s roles and the world, a generation-only pool on the ranks of the role
-        that feeds it, a colocated vLLM engine for a role on part of the ranks, and (for a fit)
-        ``AlgorithmConfig.max_staleness`` without a rollout pool or a step that can overlap. A wrong setting fails in
-        the launching process, in seconds, with no process group.
-
-        Runs on: the launching process (rank 0, before it starts ranks 1..).
-        """
-        from lightning_rlhf.module import RLHFModule  # the module imports this one
-
-        if not isinstance(module, RLHFModule):
-            return
-        spec = self.placement
-        roles = module.placed_role_names(list(spec) if isinstance(spec, Mapping) else [])
-        if isinstance(spec, Mapping):
-            world_size = self.num_processes * self.num_nodes
-            pools = resolve_placement(spec, roles, world_size)
-            check_weight_sources(pools, module.weight_sources(roles))
-            if self.rollout == "vllm":
-                check_vllm_pools(
-                    pools, module.engine_roles(roles), world_size,
-                    tp_size=self.vllm_config.tensor_parallel_size, processes_per_node=self.num_processes,
-                )  # fmt: skip
-        if fitting:  # a generation-only pool is a role that takes another's weights
-            module.check_asynchronous(rollout_pool=bool(module.weight_sources(roles)))
 
     @override
     def setup_environment(self) -> None:
-        """Start the process group, a 1-D data-parallel mesh over all ranks, and the control plane."""
+        """Start the process group, a 1-D data-parallel mesh over all ranks, the roles' pools (and their meshes), and
+        the control plane; check the dtypes and the rollout engines' settings before any model loads."""
         set_data_parallel_size(self, self.num_nodes * self.num_processes)
         self._preemption.rank = self.global_rank
         self._preemption.install()  # a signal during loading is acted on after the first step
@@ -297,36 +267,31 @@ class RLHFStrategy(ModelParallelStrategy):
                 check_compute_dtype(role.dtype, self.root_device, setting="RLHFModule.frozen_dtype")
         datamodule = getattr(module.trainer, "datamodule", None)
         max_prompt_length = getattr(datamodule, "max_prompt_length", None)
-        self._place_roles(module)
+        # The placement package resolves the placement and bridges its pools, before any model loads (every rank
+        # builds the pools' groups and meshes in the same order).
+        self._pools = place_roles(
+            module, self.placement, world_size=self.world_size, rank=self.global_rank, device=self.root_device,
+            processes_per_node=self.num_processes, vllm_tp=self._vllm_tp, broadcast=self.broadcast,
+            fitting=module.trainer.state.fn == "fit",
+        )  # fmt: skip
+        self._placed = any(len(ranks) < self.world_size for ranks in self._pools.values())
+        bridge_pools(module.roles(), self._pools, rank=self.global_rank, device=self.root_device)
+        self._meshes = pool_meshes(self._pools, self.device_mesh["data_parallel"], rank=self.global_rank)
         for name, role in module.roles().items():
             request = role.rollout_engine_request()  # None: no engine, no generation settings to check (e.g. SFT)
-            if request is None:
-                continue
-            max_new_tokens = request.rollout.max_new_tokens
-            if self.rollout == "hf":  # prompt + response must fit the positions, for either engine
-                check_hf_settings(request.path, max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens)
-            else:  # fail on settings vLLM cannot serve before any model is loaded
-                self._max_model_len = check_vllm_settings(
-                    request.path,
-                    self.vllm_config,
-                    dtype=self.param_dtype or torch.float32,
-                    device_type=self.root_device.type,
-                    world_size=len(self._pools.get(name, range(self.world_size))),  # the engine's ranks
-                    max_prompt_length=max_prompt_length,
-                    max_new_tokens=max_new_tokens,
+            if request is not None:  # fail on settings the engine cannot serve before any model is loaded
+                self.engine_factory.check(
+                    request, max_prompt_length=max_prompt_length, dtype=self.param_dtype, device=self.root_device,
+                    world_size=len(self._pools.get(name, range(self.world_size))),
                     processes_per_node=self.num_processes,
-                )
+                )  # fmt: skip
         launcher = self.launcher
         self._controller = Controller(
-            module.get_role,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            error_timeout_s=self.worker_error_timeout_s,
-            children=list(launcher.procs) if isinstance(launcher, RLHFLauncher) else None,
-            stop_requested=lambda: self._preemption.requested,
-            pools=self._pools,
+            lambda name: module.roles()[name], rank=self.global_rank, world_size=self.world_size,
+            error_timeout_s=self.worker_error_timeout_s, stop_requested=lambda: self._preemption.requested,
+            children=list(launcher.procs) if isinstance(launcher, RLHFLauncher) else None, pools=self._pools,
             groups={role: mesh.get_group() for role, mesh in self._meshes.items() if mesh.size() < self.world_size},
-        )
+        )  # fmt: skip
         watchdog_running(self.world_size > 1)
 
     @property
@@ -339,91 +304,12 @@ class RLHFStrategy(ModelParallelStrategy):
         return self.global_rank in self._pools.get(role, range(self.world_size))
 
     @property
-    def _placed(self) -> bool:
-        """Whether some role is not on every rank (then checkpoints save each role from its own pool)."""
-        return any(len(ranks) < self.world_size for ranks in self._pools.values())
-
-    @property
     def _by_role(self) -> bool:
-        """Whether checkpoints are written and read role by role (``pooled_checkpoint``): with a placement, and for
+        """Whether checkpoints are written and read role by role (``checkpoint.pooled``): with a placement, and for
         a sharded checkpoint of a run with LoRA adapters (whose frozen base weights stay out of it)."""
-        if self._placed:
-            return True
         roles = getattr(self.lightning_module, "roles", None)
-        return (
-            self.sharded_checkpoints
-            and callable(roles)
-            and any(getattr(role, "lora", None) is not None for role in roles().values())
-        )
-
-    def _place_roles(self, module: RLHFModule) -> None:
-        """Resolve the placement (the planner's, for ``"auto"``), check it against the world and the memory, and
-        build each pool's mesh, before any model loads.
-
-        Runs on: every rank, in ``setup_environment`` (every rank builds the pools' groups in the same order).
-        """
-        from torch.distributed.device_mesh import DeviceMesh
-
-        spec = self.placement
-        module.prepare_roles(list(spec) if isinstance(spec, Mapping) else [])  # e.g. a generation-only pool's role
-        roles = module.roles()
-        if spec == "auto":
-            from lightning_rlhf.placement.auto import auto_placement
-
-            spec = self.broadcast(auto_placement(module, world_size=self.world_size) if self.global_rank == 0 else None)
-        self._pools = resolve_placement(spec, list(roles), self.world_size)  # type: ignore[arg-type]
-        for name, role in roles.items():  # a borrowed model (LoRA's reference) is only where the lender's shards are
-            lender = next((key for key, other in roles.items() if other is role.borrows_model()), None)
-            if lender is not None and self._pools[name] != self._pools[lender]:
-                role.hold_own_model()
-        if self.rollout == "vllm":
-            generating = [name for name, role in roles.items() if role.rollout_engine_request() is not None]
-            check_vllm_pools(
-                self._pools, generating, self.world_size,
-                tp_size=self.vllm_config.tensor_parallel_size, processes_per_node=self.num_processes,
-            )  # fmt: skip
-        if self._placed:
-            from lightning_rlhf.placement.auto import rank_memory_bytes, role_state_bytes
-
-            check_memory(
-                self._pools,
-                {name: role_state_bytes(role) for name, role in roles.items()},
-                budget=rank_memory_bytes(self.root_device, self.num_processes),
-                where="RLHFStrategy(placement=...)",
-            )
-        self._bridge_pools(module)
-        whole = self.device_mesh["data_parallel"]
-        meshes = {}
-        for pool in pool_groups(self._pools):
-            meshes[pool] = (
-                whole
-                if len(pool) == self.world_size
-                else DeviceMesh(self.root_device.type, torch.tensor(pool), mesh_dim_names=("data_parallel",))
-            )
-        self._meshes = {name: meshes[pool] for name, pool in self._pools.items() if self.global_rank in pool}
-
-    def _bridge_pools(self, module: RLHFModule) -> None:
-        """Join each role that takes another role's weights (its ``weights_from``) to that role's pool: one process
-        group, the source pool's first rank and the receiving pool's ranks (:class:`WeightBridge`).
-
-        Runs on: every rank, at set-up (``new_group`` is collective over the world: every rank makes every group, in
-        role order, member or not).
-        """
-        import torch.distributed as dist
-
-        from lightning_rlhf.engines.rollout.bridge import WeightBridge
-
-        sources = module.weight_sources(list(module.roles()))
-        check_weight_sources(self._pools, sources)
-        for name, source in sources.items():
-            senders, receivers = self._pools[source], self._pools[name]
-            members = sorted({senders[0], *receivers})
-            group = dist.new_group(members, backend="gloo" if self.root_device.type == "cpu" else None)
-            bridge = WeightBridge(group=group, src=senders[0])
-            if self.global_rank in receivers:
-                module.get_role(name).weight_bridge = bridge  # type: ignore[assignment]
-            if self.global_rank in senders:
-                module.get_role(source).weight_bridge = bridge  # type: ignore[assignment]
+        lora = callable(roles) and any(getattr(role, "lora", None) is not None for role in roles().values())
+        return self._placed or (self.sharded_checkpoints and lora)
 
     @override
     @contextlib.contextmanager
@@ -454,23 +340,12 @@ class RLHFStrategy(ModelParallelStrategy):
                 continue
             request = role.rollout_engine_request()
             if request is not None:
-                role.attach_engine(
-                    make_rollout_engine(
-                        self.rollout,
-                        path=request.path,
-                        model=role.model,
-                        tokenizer=request.tokenizer,
-                        rollout=request.rollout,
-                        vllm=self.vllm_config,
-                        device=self.root_device,
-                        dtype=self.param_dtype,
-                        max_model_len=self._max_model_len,
-                        pool=self._pools.get(name),
-                        rank=self.global_rank,
-                        world_size=self.world_size,
-                        pool_group=self._meshes[name].get_group(),
-                    )
-                )
+                engine = self.engine_factory(
+                    request, model=role.model, device=self.root_device, dtype=self.param_dtype,
+                    pool=self._pools.get(name), rank=self.global_rank, world_size=self.world_size,
+                    pool_group=self._meshes[name].get_group(),
+                )  # fmt: skip
+                role.attach_engine(engine)
             role.shard(self._meshes[name], param_dtype=self.param_dtype)
             role.train_engine.reshard_in_update = self.reshard_in_update
             role.materialize(self.root_device)
@@ -484,22 +359,15 @@ class RLHFStrategy(ModelParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Keep the batch in host memory: it is the controller's data, not a model input. Role calls send each
-        worker the columns it reads and the worker moves them to its own device; the rollout engines' outputs
-        come back to host memory, and mixing the two (prompts on the GPU, responses on the host) would fail in the
-        first scoring call. The module's batch-transfer hooks still run, with the host as the target device.
-
-        Runs on: every rank (Lightning's loops, before ``training_step``/``validation_step``).
-        """
+        """Keep the batch in host memory: it is the controller's data, not a model input (workers move the columns
+        they read to their device; engine outputs come back to the host, and a mix would fail in the first scoring
+        call). The module's batch-transfer hooks still run, to the host. Runs on: every rank (Lightning's loops)."""
         return super().batch_to_device(batch, torch.device("cpu"), dataloader_idx)
 
-    # -------------------------------------------------------------------------------------- a step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """One RL iteration: the controller runs the dataflow, workers serve it; then count the step.
-
-        Runs on: every rank (rank 0 as controller, others as workers).
-        """
+        """One RL iteration: the controller runs the dataflow, workers serve it; then count the step. Runs on: every
+        rank (rank 0 as controller, others as workers)."""
         module = self._rlhf_module()
         trainer = module.trainer
         batch = args[0]
@@ -525,14 +393,9 @@ class RLHFStrategy(ModelParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """One validation batch, routed like a training step: the controller runs the module's
-        ``validation_step``, the workers serve its role calls and replay its logs. It counts no step and leaves
-        the training loader's position alone.
-
-        Runs on: every rank (rank 0 as controller, others as workers). Gradients are off but inference mode is
-        left for the step: FSDP2 would otherwise allocate its unsharded parameters as inference tensors, which
-        the next training step could not write to.
-        """
+        """One validation batch, routed like a training step (it counts no step, leaves the loader's position alone).
+        Runs on: every rank. Gradients are off but inference mode is left: FSDP2 would otherwise allocate its
+        unsharded parameters as inference tensors, which the next training step could not write to."""
         module = self._rlhf_module()
         batch = args[0] if args else None
         if isinstance(batch, Batch):
@@ -542,11 +405,8 @@ class RLHFStrategy(ModelParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Run one validation before the first training step when ``ValidationConfig.before_train`` is set,
-        logged at the current ``global_step`` (0, or where a resumed run starts).
-
-        Runs on: every rank, after the callbacks' and the module's ``on_train_start``.
-        """
+        """Run one validation before the first training step when ``ValidationConfig.before_train`` is set, logged
+        at the current ``global_step``. Runs on: every rank, after the callbacks' and the module's hook."""
         super().on_train_start()
         self._preemption.install()  # Lightning installed its own SIGTERM handler since set-up: ours decides
         module = self._rlhf_module()
@@ -571,20 +431,29 @@ class RLHFStrategy(ModelParallelStrategy):
         self._controller.serve(lambda name, value, kw: module.log(name, value, **kw))
         return None
 
-    # --------------------------------------------------------------------------- preemption, checkpoints
     @override
     def on_validation_start(self) -> None:
-        """A stop decided after a training step waits for the validation Lightning runs at that step's end."""
+        """Make the loggers place this validation's metrics at ``global_step``, the step of the weights it measures
+        (Lightning's batch counter is one behind between two steps; a metric named ``step`` would also reach
+        ``ModelCheckpoint``'s file names), and hold a stop decided after a step for this validation. Runs on: every
+        rank."""
         super().on_validation_start()
+        trainer = self._rlhf_module().trainer
+        self._logger_step = batches_that_stepped(trainer)
+        set_batches_that_stepped(trainer, trainer.global_step)
         if self._stopping:
-            request_stop(self._rlhf_module().trainer, False)
+            request_stop(trainer, False)
 
     @override
     def on_validation_end(self) -> None:
-        """Re-arm the stop (see ``on_validation_start``)."""
+        """Give the loggers back their step counter, and re-arm the stop (see ``on_validation_start``)."""
         super().on_validation_end()
+        trainer = self._rlhf_module().trainer
+        if self._logger_step is not None:
+            set_batches_that_stepped(trainer, self._logger_step)
+            self._logger_step = None
         if self._stopping:
-            request_stop(self._rlhf_module().trainer, True)
+            request_stop(trainer, True)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -597,54 +466,20 @@ class RLHFStrategy(ModelParallelStrategy):
         if not (self._stopping and isinstance(exception, SIGTERMException)):
             return
         expect_exit()  # ranks exiting now are not a fault
-        trainer = self._rlhf_module().trainer
-        name = signal.Signals(self._stopping).name
-        code = 128 + self._stopping
-        if self.preemption_checkpoint:
-            path = self._preemption_ckpt_path(trainer)
-            trainer.save_checkpoint(path)
-            if self.global_rank == 0:
-                print(
-                    f"[lightning_rlhf] stopped by {name} after step {trainer.global_step}: checkpoint saved to {path}\n"
-                    f"[lightning_rlhf] resume with trainer.fit(..., ckpt_path={str(path)!r}); exiting with {code}.",
-                    flush=True,
-                )
-        elif self.global_rank == 0:
-            print(
-                f"[lightning_rlhf] stopped by {name} after step {trainer.global_step} without a checkpoint "
-                f"(preemption_checkpoint=False); exiting with {code}.",
-                flush=True,
-            )
-        exception.code = code
-
-    def _preemption_ckpt_path(self, trainer: pl.Trainer) -> str:
-        if self.preemption_path is not None:
-            return self.preemption_path
-        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-        if dirpath:
-            return os.path.join(dirpath, "preempted.ckpt")
-        return os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints", "preempted.ckpt")
+        path = self.preemption_path if self.preemption_checkpoint else False
+        exception.code = stop_after_preemption(self._rlhf_module().trainer, self._stopping, path, rank=self.global_rank)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any | None = None
     ) -> None:
-        """Write into ``<filepath>.tmp-<token>`` on every rank, then rank 0 syncs it and renames it to ``filepath``
-        after a barrier: a run killed while saving never leaves a checkpoint that resume accepts.
-
-        Runs on: every rank (Lightning's ``trainer.save_checkpoint`` is collective).
+        """Write into ``<filepath>.tmp-<token>`` on every rank (with what ``checkpoint.pooled.complete_checkpoint``
+        adds), then rank 0 syncs it and renames it to ``filepath`` after a barrier: a run killed while saving never
+        leaves a checkpoint that resume accepts. Runs on: every rank (``trainer.save_checkpoint`` is collective).
         """
-        from lightning_rlhf.checkpoint.export import CHECKPOINT_KEY, lora_files
-
         path = Path(self.broadcast(os.fspath(filepath)))
         tmp = temporary_sibling(path, self.broadcast(uuid.uuid4().hex[:12]))
-        lora = {} if CHECKPOINT_KEY in checkpoint else lora_files(self._rlhf_module())
-        if lora:  # no ExportActor: a LoRA run's adapter settings and base model's name, for `export`
-            checkpoint[CHECKPOINT_KEY] = lora
-        if self._placed and "lr_schedulers" in checkpoint:  # rank 0 writes them: take each from its role's pool
-            module = self._rlhf_module()
-            owners = [name for name, role in module.roles().items() if role.trainable]
-            checkpoint["lr_schedulers"] = schedules_from_holders(checkpoint["lr_schedulers"], owners, self._pools)
+        complete_checkpoint(checkpoint, self._rlhf_module(), self._pools if self._placed else None)
         super().save_checkpoint(checkpoint, tmp, storage_options)
         self.barrier("lightning_rlhf.save_checkpoint.written")
         if self.global_rank == 0 and tmp.exists():
@@ -654,10 +489,7 @@ class RLHFStrategy(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state for a checkpoint; with a placement, only what this rank holds, and with LoRA, no frozen
-        base weights (``pooled_checkpoint``).
-
-        Runs on: every rank.
-        """
+        base weights (``checkpoint.pooled``). Runs on: every rank."""
         if not self._by_role:
             return super().lightning_module_state_dict()
         return pooled_model_state(self._rlhf_module())
@@ -685,10 +517,9 @@ class RLHFStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self._preemption.restore()
-        from lightning_rlhf.module import RLHFModule
-
-        if isinstance(self.lightning_module, RLHFModule):  # e.g. reward worker processes; a later fit restarts them
-            for role in self.lightning_module.roles().values():
+        roles = getattr(self.lightning_module, "roles", None)
+        if callable(roles):  # e.g. reward worker processes; a later fit restarts them
+            for role in roles().values():
                 role.close()
         if self._controller is not None:
             if self._controller.death is None:  # after a death the watchdog stays and still speaks for the run
@@ -703,11 +534,10 @@ class RLHFStrategy(ModelParallelStrategy):
         controller; empty before the first role call. Runs on: controller (other ranks: empty)."""
         return dict(self._controller.memory_peaks) if self._controller is not None else {}
 
-    def _rlhf_module(self) -> RLHFModule:
-        from lightning_rlhf.module import RLHFModule
-
+    def _rlhf_module(self) -> Any:
+        """The module, an ``RLHFModule`` (known by its ``roles()``: the strategy does not import the module)."""
         module = self.lightning_module
-        if not isinstance(module, RLHFModule):
+        if not callable(getattr(module, "roles", None)):
             raise TypeError(
                 f"RLHFStrategy drives an RLHFModule, got `{type(module).__name__}`. "
                 "HINT: subclass lightning_rlhf.RLHFModule (or use GRPOModule / PPOModule)."

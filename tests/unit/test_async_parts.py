@@ -18,6 +18,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.controller.controller import Controller, WorkerError
 from lightning_rlhf.controller.dispatch import Dispatch, RoleFuture, controller_active, in_background, role_method
 from lightning_rlhf.engines.rollout.bridge import _bucket_plan
+from lightning_rlhf.placement.roles import prepare_roles
 from lightning_rlhf.roles.actor import rollout_is_weights
 
 
@@ -215,7 +216,7 @@ def test_the_pending_rollout_survives_a_weights_only_checkpoint(demo_model: str,
 
     def module() -> GRPOModule:
         m = GRPOModule(demo_model, reward=addition_reward, algorithm=AlgorithmConfig(kl_coef=0.0, max_staleness=1))
-        m.prepare_roles(["actor", "reward", "rollout"])
+        prepare_roles(m, ["actor", "reward", "rollout"])
         return m
 
     saved = module()
@@ -239,5 +240,5 @@ def test_the_pending_rollout_survives_a_weights_only_checkpoint(demo_model: str,
     with pytest.warns(UserWarning, match="this run is synchronous: that rollout is dropped"):
         synchronous.on_load_checkpoint(torch.load(tmp_path / "meta.pt", weights_only=True))
     assert synchronous._pending_rollout is None
-    saved.prepare_roles(["actor", "reward"])  # a later fit without the pool: the actor generates again
+    prepare_roles(saved, ["actor", "reward"])  # a later fit without the pool: the actor generates again
     assert saved.rollout_role is None and saved.actor.needs_rollout_engine

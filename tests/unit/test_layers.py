@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("agents (multi-turn episodes, tools)", ("agents",)),
     ("roles", ("roles",)),
     ("controller (worker loop, liveness)", ("controller",)),
+    ("the dataflow's helpers (rollouts, metrics, validation)", ("dataflow",)),
     ("RLHFModule and planner", ("module", "placement.planner")),
     ("ready modules, placement, export", ("checkpoint", "modules", "placement")),
     ("strategy and callbacks", ("callbacks", "strategy")),

@@ -8,13 +8,14 @@ from lightning_rlhf.engines.rollout.base import (
     WeightSyncError,
     tied_aliases,
 )
-from lightning_rlhf.engines.rollout.factory import make_rollout_engine
+from lightning_rlhf.engines.rollout.factory import RolloutEngineFactory, make_rollout_engine
 from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
 
 __all__ = [
     "HFRolloutEngine",
     "HandoffCheck",
     "RolloutEngine",
+    "RolloutEngineFactory",
     "RolloutOutput",
     "SamplingParams",
     "WeightSyncError",

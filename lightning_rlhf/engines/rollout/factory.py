@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
 from lightning_rlhf.config import RolloutConfig, VLLMConfig
 from lightning_rlhf.engines.rollout.base import RolloutEngine, tied_aliases
-from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
+from lightning_rlhf.engines.rollout.hf import HFRolloutEngine, check_hf_settings
 from lightning_rlhf.engines.train.lora import has_lora, unadapted_copy
 
-__all__ = ["ENGINE_KINDS", "make_rollout_engine"]
+__all__ = ["ENGINE_KINDS", "RolloutEngineFactory", "make_rollout_engine"]
 
 ENGINE_KINDS = ("hf", "vllm")
 """The engines :func:`make_rollout_engine` builds."""
@@ -126,3 +126,73 @@ def make_rollout_engine(
         dtype=dtype,
         decode=rollout.decode,
     )
+
+
+class EngineRequest(Protocol):
+    """What a generating role declares (``roles.base.RolloutEngineRequest``): its model, tokenizer and sampling."""
+
+    path: str
+    tokenizer: Any
+    rollout: RolloutConfig
+
+
+class RolloutEngineFactory:
+    """The rollout engines of a run, as ``RLHFStrategy`` is handed them: :meth:`check` a role's request before any
+    model loads, then build its engine (:func:`make_rollout_engine`) when the strategy calls the factory.
+
+    Args:
+        kind: ``"vllm"``, ``"hf"``, or ``"auto"`` (vLLM when a supported version is installed, else hf).
+        vllm: the vLLM engine's settings.
+    """
+
+    def __init__(self, kind: Literal["auto", "hf", "vllm"], vllm: VLLMConfig) -> None:
+        if kind == "auto":
+            from lightning_rlhf.engines.rollout.vllm import vllm_available
+
+            kind = "vllm" if vllm_available() else "hf"
+        self.kind: Literal["hf", "vllm"] = kind
+        self.vllm = vllm
+        self.max_model_len = 0
+
+    def check(
+        self,
+        request: EngineRequest,
+        *,
+        max_prompt_length: int | None,
+        dtype: torch.dtype | None,
+        device: torch.device,
+        world_size: int,
+        processes_per_node: int,
+    ) -> None:
+        """Fail on settings the engine cannot serve (prompt plus response beyond the model's positions; for vLLM,
+        every setting it checks), before any model is loaded. Runs on: every rank, at set-up."""
+        max_new_tokens = request.rollout.max_new_tokens
+        if self.kind == "hf":
+            check_hf_settings(request.path, max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens)
+            return
+        from lightning_rlhf.engines.rollout.vllm import check_vllm_settings
+
+        self.max_model_len = check_vllm_settings(
+            request.path,
+            self.vllm,
+            dtype=dtype or torch.float32,
+            device_type=device.type,
+            world_size=world_size,  # the engine's ranks
+            max_prompt_length=max_prompt_length,
+            max_new_tokens=max_new_tokens,
+            processes_per_node=processes_per_node,
+        )
+
+    def __call__(self, request: EngineRequest, *, model: nn.Module, **where: Any) -> RolloutEngine:
+        """This rank's engine for ``request`` over ``model``; ``where``: :func:`make_rollout_engine`'s ``device``,
+        ``dtype``, ``pool``, ``rank``, ``world_size`` and ``pool_group``. Runs on: every rank of the role's pool."""
+        return make_rollout_engine(
+            self.kind,
+            path=request.path,
+            model=model,
+            tokenizer=request.tokenizer,
+            rollout=request.rollout,
+            vllm=self.vllm,
+            max_model_len=self.max_model_len,
+            **where,
+        )

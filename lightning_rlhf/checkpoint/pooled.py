@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lightning_rlhf.checkpoint.export import CHECKPOINT_KEY, lora_files
 from lightning_rlhf.compat.lightning import checkpoint_metadata_filename
 
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
 
 __all__ = [
+    "complete_checkpoint",
     "is_placeholder",
     "load_pooled_checkpoint",
     "pooled_model_state",
@@ -119,6 +121,23 @@ def pooled_optimizer_state(module: RLHFModule, optimizer: Any) -> dict[str, Any]
     options = StateDictOptions(full_state_dict=False, cpu_offload=True)
     raw = getattr(optimizer, "_optimizer", optimizer)
     return get_optimizer_state_dict(_owner(module, optimizer), raw, options=options)
+
+
+def complete_checkpoint(
+    checkpoint: dict[str, Any], module: RLHFModule, pools: Mapping[str, Sequence[int]] | None
+) -> None:
+    """Add to a checkpoint what Lightning's leaves out: a LoRA run's adapter settings and base model's name (for
+    ``lightning-rlhf export``, unless an ``ExportActor`` put them there), and with rank pools (``pools``; None:
+    every role on every rank) each learning-rate schedule as its role's pool has it (rank 0 writes them).
+
+    Runs on: every rank, before the checkpoint is written.
+    """
+    lora = {} if CHECKPOINT_KEY in checkpoint else lora_files(module)
+    if lora:
+        checkpoint[CHECKPOINT_KEY] = lora
+    if pools is not None and "lr_schedulers" in checkpoint:
+        owners = [name for name, role in module.roles().items() if role.trainable]
+        checkpoint["lr_schedulers"] = schedules_from_holders(checkpoint["lr_schedulers"], owners, pools)
 
 
 def schedules_from_holders(
