@@ -5,7 +5,7 @@
 Each configuration is a real run (``PPOModule`` or ``GRPOModule`` with a reference, the transformers rollout
 engine, 2 processes over gloo, ``RLHFStrategy(placement=...)``) on the side-by-side benchmark's workload models
 (``benchmarks/vs_trl/workload.py``): 16 prompts x 4 samples per step, exactly 32 new tokens. The measured step is
-the median ``timing_s/step`` of the last half of the steps. The prediction is :func:`placement.planner.predict`
+the median ``timing_s/step`` of the last half of the steps. The prediction is :func:`placement.cost_model.predict`
 for the same roles, pools and workload, on this machine as the planner calibrates it: ``cpu_hardware`` (one
 process's float32 matmul peak, memory bandwidth, host time per layer), ``calibrate_for_shape`` (what the model's
 own shapes reach of the peak), and ``fit_call_costs`` on the calibration run (:data:`CALIBRATION`: every role on
@@ -19,8 +19,8 @@ model as actor and critic, a reward function, 32 prompts x 8 samples, at most 6 
 thread each, on however many cores this machine gives them (2 here), colocated and split (the actor and the reward
 on the first half of the ranks, the critic on the second), each ``--rounds`` times in turn (the median). The
 prediction counts the cores
-(``cpu_hardware(cores=..., threads=...)``, ``planner.core_share``); the table also says which placement
-``planner.plan`` chooses, against the faster measured one.
+(``cpu_hardware(cores=..., threads=...)``, ``cost_model.core_share``); the table also says which placement
+``cost_model.plan`` chooses, against the faster measured one.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 PROMPTS, SAMPLES, NEW_TOKENS, MICRO_BATCH = 16, 4, 32, 32
 CALIBRATION = "ppo-colocated"
-"""The run whose calls fit the host cost per role call (``planner.fit_call_costs``); the others are predicted."""
+"""The run whose calls fit the host cost per role call (``calibration.fit_call_costs``); the others are predicted."""
 
 CONFIGS: dict[str, tuple[str, list[list[str]]]] = {
     # name: (algorithm, pools of roles; pool i holds the ranks after pool i-1's, one rank each when split)
@@ -153,20 +153,20 @@ def mean_prompt_tokens(model_dir: str, steps: int) -> float:
 
 def predicted(model_dir: str, config: str, devices: int, prompt_len: float, hardware: Any) -> Any:
     """The planner's prediction for ``config``."""
-    from lightning_rlhf.placement import planner
+    from lightning_rlhf.placement import cost_model
 
     algo, pools = CONFIGS[config]
     roles = [role for pool in pools for role in pool if role != "reward"]  # a reward function takes no devices
     groups = [[r for r in pool if r != "reward"] for pool in pools]
     groups = [g for g in groups if g]
     sizes = [devices] if len(pools) == 1 else [devices // len(pools)] * len(groups)
-    workload = planner.Workload(
+    workload = cost_model.Workload(
         prompts=PROMPTS, n=SAMPLES, prompt_len=round(prompt_len), response_len=NEW_TOKENS,
         micro_tokens=MICRO_BATCH * (round(prompt_len) + NEW_TOKENS),
     )  # fmt: skip
-    flow = planner.dataflow_for(roles, old_logprobs=algo == "ppo")
-    return planner.predict(
-        groups, sizes, 1, model=planner.shape_of(model_dir), hardware=hardware, workload=workload, algorithm=flow
+    flow = cost_model.dataflow_for(roles, old_logprobs=algo == "ppo")
+    return cost_model.predict(
+        groups, sizes, 1, model=cost_model.shape_of(model_dir), hardware=hardware, workload=workload, algorithm=flow
     )
 
 
@@ -196,7 +196,7 @@ def main() -> None:
 
     from bench import build_models  # benchmarks/vs_trl/bench.py: the side-by-side benchmark's model builder
 
-    from lightning_rlhf.placement import planner
+    from lightning_rlhf.placement import calibration, cost_model
 
     models = args.models.split(",")
     build_models(args.cache, models)
@@ -205,11 +205,11 @@ def main() -> None:
     for model in models:
         model_dir = os.path.join(args.cache, model)
         prompt_len = round(mean_prompt_tokens(model_dir, args.steps))
-        workloads[model] = planner.Workload(
+        workloads[model] = cost_model.Workload(
             prompts=PROMPTS, n=SAMPLES, prompt_len=prompt_len, response_len=NEW_TOKENS,
             micro_tokens=MICRO_BATCH * (prompt_len + NEW_TOKENS),
         )  # fmt: skip
-        calibrated[model] = planner.calibrate_for_shape(hardware, planner.shape_of(model_dir), workloads[model])
+        calibrated[model] = calibration.calibrate_for_shape(hardware, cost_model.shape_of(model_dir), workloads[model])
         h = calibrated[model]
         print(f"{model}: train {h.train_eff:.2f}, forward {h.forward_eff:.2f}, decode {h.decode_eff:.2f} of the peak")
     configs = args.configs.split(",")
@@ -221,13 +221,13 @@ def main() -> None:
         for config in configs:
             got = run(model_dir, config, args)
             if config == CALIBRATION:
-                calibrated[model] = planner.fit_call_costs(
-                    calibrated[model], planner.shape_of(model_dir), workloads[model], args.devices,
+                calibrated[model] = calibration.fit_call_costs(
+                    calibrated[model], cost_model.shape_of(model_dir), workloads[model], args.devices,
                     forward_s=[got[f"timing_s/{k}"] for k in ("old_log_prob", "ref", "values")],
                     train_s=[got[f"timing_s/{k}"] for k in ("update_actor", "update_critic")],
                 )  # fmt: skip
                 h = calibrated[model]
-                saved = planner.save_call_costs(h, planner.shape_of(model_dir), args.devices)
+                saved = calibration.save_call_costs(h, cost_model.shape_of(model_dir), args.devices)
                 print(f"{model}: host cost {h.call_s * 1e3:.1f} ms per call, +{h.train_call_s * 1e3:.1f} ms per update "
                       f"(kept in {saved} for plan --device-type cpu and placement='auto')")  # fmt: skip
             plan = predicted(model_dir, config, args.devices, workloads[model].prompt_len, calibrated[model])
@@ -261,19 +261,19 @@ def cpu_calibration(devices: int) -> Any:
     import torch
 
     from lightning_rlhf.perf import available_cores, cpu_matmul_peak, threads_per_process
-    from lightning_rlhf.placement import planner
+    from lightning_rlhf.placement import calibration, cost_model
     from lightning_rlhf.placement.auto import rank_memory_bytes
 
     cores, threads = available_cores(), threads_per_process(devices)
     torch.set_num_threads(threads)  # calibrate what one process of the run has
-    layer_step_s, layer_micro_s = planner.measure_host_overheads()
-    hardware = planner.cpu_hardware(
-        flops=cpu_matmul_peak(torch.float32), memcpy_bw=planner.measure_memcpy_bw(),
+    layer_step_s, layer_micro_s = calibration.measure_host_overheads()
+    hardware = cost_model.cpu_hardware(
+        flops=cpu_matmul_peak(torch.float32), memcpy_bw=calibration.measure_memcpy_bw(),
         memory=rank_memory_bytes(torch.device("cpu"), devices), processes=devices,
-        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=planner.measure_call_overhead(),
+        layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=calibration.measure_call_overhead(),
         cores=cores, threads=threads,
     )  # fmt: skip
-    share = planner.core_share(cores=cores, processes=devices, threads=threads)
+    share = cost_model.core_share(cores=cores, processes=devices, threads=threads)
     print(
         f"calibration: matmul {hardware.flops / 1e9:.0f} GFLOP/s per process, memcpy {hardware.hbm_bw / 1e9:.1f} GB/s, "
         f"layer x decoding step {layer_step_s * 1e6:.0f} us, layer x micro-batch {layer_micro_s * 1e6:.0f} us, "
@@ -286,28 +286,28 @@ def cpu_calibration(devices: int) -> Any:
 
 def demo_main(args: argparse.Namespace) -> None:
     """The oversubscribed case: PPO on the demo task, colocated and split, measured and predicted, with the cores
-    counted and (for comparison) not; and the placement ``planner.plan`` chooses. Runs on: the driver."""
+    counted and (for comparison) not; and the placement ``cost_model.plan`` chooses. Runs on: the driver."""
     import dataclasses
 
     from transformers import AutoTokenizer
 
     from lightning_rlhf.demo.task import addition_splits
     from lightning_rlhf.demo.warmstart import prepare_demo_model
-    from lightning_rlhf.placement import planner
+    from lightning_rlhf.placement import calibration, cost_model
 
     model_dir = prepare_demo_model(DEMO_CACHE)
-    shape = planner.shape_of(model_dir)
+    shape = cost_model.shape_of(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt_len = round(statistics.mean(len(tok(r)["input_ids"]) for r in addition_splits()["train"]["prompt"]))
-    wl = planner.Workload(
+    wl = cost_model.Workload(
         prompts=DEMO_PROMPTS, n=DEMO_SAMPLES, prompt_len=prompt_len, response_len=DEMO_NEW_TOKENS,
         micro_tokens=DEMO_MICRO_BATCH * (prompt_len + DEMO_NEW_TOKENS),
     )  # fmt: skip
-    counted = planner.calibrate_for_shape(cpu_calibration(args.devices), shape, wl)
+    counted = calibration.calibrate_for_shape(cpu_calibration(args.devices), shape, wl)
     variants = {"cores counted": counted, "cores not counted": dataclasses.replace(counted, cores=None)}
-    flow = planner.dataflow_for(["actor", "critic"])  # PPO: the actor's old log-probs beside the critic's values
+    flow = cost_model.dataflow_for(["actor", "critic"])  # PPO: the actor's old log-probs beside the critic's values
     chosen = {
-        f"{name}, as `plan` calibrates": choice(planner, shape, wl, h, args.devices) for name, h in variants.items()
+        f"{name}, as `plan` calibrates": choice(cost_model, shape, wl, h, args.devices) for name, h in variants.items()
     }
     configs = [DEMO_CALIBRATION] + [c for c in DEMO_CONFIGS if c != DEMO_CALIBRATION]
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
@@ -320,7 +320,7 @@ def demo_main(args: argparse.Namespace) -> None:
         got = {k: statistics.median(r[k] for r in runs[config] if k in r) for k in runs[config][0]}
         if config == DEMO_CALIBRATION:
             variants = {
-                name: planner.fit_call_costs(
+                name: calibration.fit_call_costs(
                     h,
                     shape,
                     wl,
@@ -333,7 +333,7 @@ def demo_main(args: argparse.Namespace) -> None:
         pools = [[r for r in pool if r != "reward"] for pool in DEMO_CONFIGS[config][1]]
         sizes = [args.devices // len(pools)] * len(pools)
         pred = {
-            name: planner.predict(pools, sizes, 1, model=shape, hardware=h, workload=wl, algorithm=flow).step_s
+            name: cost_model.predict(pools, sizes, 1, model=shape, hardware=h, workload=wl, algorithm=flow).step_s
             for name, h in variants.items()
         }
         rows.append({"config": config, "measured_step_s": round(got["timing_s/step"], 4),
@@ -342,7 +342,7 @@ def demo_main(args: argparse.Namespace) -> None:
                      "measured": {k.removeprefix("timing_s/"): round(v, 4) for k, v in got.items()}})  # fmt: skip
     fastest = min(rows, key=lambda r: r["measured_step_s"])["config"]
     for name, h in variants.items():
-        chosen[f"{name}, call costs fitted"] = choice(planner, shape, wl, h, args.devices)
+        chosen[f"{name}, call costs fitted"] = choice(cost_model, shape, wl, h, args.devices)
     print(f"\n| placement ({args.devices} processes) | measured step s (rounds) | predicted, cores counted | error | "
           "predicted, cores not counted | error |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -358,10 +358,10 @@ def demo_main(args: argparse.Namespace) -> None:
     print(json.dumps({"rows": rows, "chosen": chosen, "measured_fastest": fastest}))
 
 
-def choice(planner: Any, shape: Any, wl: Any, hardware: Any, devices: int) -> dict[str, Any]:
-    """The placement ``planner.plan`` picks for the demo's PPO roles (single-process pool steps, rollout TP 1)."""
-    flow = planner.dataflow_for(["actor", "critic"])
-    best = planner.plan(model=shape, hardware=hardware, devices=devices, workload=wl, algorithm=flow, tp_sizes=(1,),
+def choice(cost_model: Any, shape: Any, wl: Any, hardware: Any, devices: int) -> dict[str, Any]:
+    """The placement ``cost_model.plan`` picks for the demo's PPO roles (single-process pool steps, rollout TP 1)."""
+    flow = cost_model.dataflow_for(["actor", "critic"])
+    best = cost_model.plan(model=shape, hardware=hardware, devices=devices, workload=wl, algorithm=flow, tp_sizes=(1,),
                         unit=1)  # fmt: skip
     return {"groups": [list(g) for g in best.groups], "devices": list(best.devices),
             "predicted_step_s": round(best.step_s, 4)}  # fmt: skip

@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import json
 
-from lightning_rlhf.placement.planner import HARDWARE, MODELS, InfeasiblePlacementError, Workload, plan, predict
+from lightning_rlhf.placement.cost_model import HARDWARE, MODELS, InfeasiblePlacementError, Workload, plan, predict
 
 
 def main() -> None:

@@ -403,8 +403,8 @@ def main(args: list[str] | None = None) -> None:
         print(f"exported: {os.path.abspath(out)}")
         return
     if argv[:1] == ["plan"]:
-        from lightning_rlhf.placement.planner import InfeasiblePlacementError
-        from lightning_rlhf.placement.planner import main as plan_main
+        from lightning_rlhf.placement.cost_model import InfeasiblePlacementError
+        from lightning_rlhf.placement.plan import main as plan_main
 
         try:
             plan_main(argv[1:])

@@ -160,19 +160,16 @@ class RLHFModule(L.LightningModule):
         self.kl_controller = dataflow_advantages.kl_controller(algo)
 
     def roles(self) -> dict[str, Role]:
-        """The roles present, by attribute name (a subclass may add more, e.g. a cost model beside the reward).
-
-        Each role's ``name`` is set to its attribute name: the controller's messages address roles by it.
-        """
+        """The roles present, by attribute name (a subclass may add more, e.g. a cost model beside the reward); each
+        role's ``name`` is set to its attribute name: the controller's messages address roles by it."""
         found = {name: child for name, child in self.named_children() if isinstance(child, Role)}
         for name, role in found.items():
             role.name = name
         return found
 
     ASYNC_ROLLOUTS = False
-    """Whether ``training_step`` runs :meth:`rollouts`, so that ``AlgorithmConfig.max_staleness >= 1`` makes it
-    asynchronous (``GRPOModule`` and ``PPOModule`` do). Read from the class that defines ``training_step``: a
-    subclass that writes its own step sets it again."""
+    """Whether ``training_step`` runs :meth:`rollouts`, so that ``max_staleness >= 1`` makes it asynchronous (as in
+    ``GRPOModule``, ``PPOModule``). Read from the class that defines ``training_step``: a new step sets it again."""
 
     @property
     def rollout_role(self) -> RolloutRole | None:
@@ -389,14 +386,18 @@ class RLHFModule(L.LightningModule):
         self.actor.mark_weights_changed()
         self.actor.forget_handoffs()
 
+    # The step's metrics and validation (:mod:`lightning_rlhf.dataflow`), as methods a subclass may override.
+    rollout_metrics = rollout_metrics
+    check_rollout_probs_diff = check_rollout_probs_diff
+    validation_rollout = validation_rollout
+    validation_metrics = validation_metrics
     _probs_diff_warned = False  # check_rollout_probs_diff warns once per run
     _step_logs: list[tuple[str, float, dict[str, Any]]] | None = None  # the controller's logs of this step
 
     PROGRESS_BAR_METRICS: tuple[str, ...] = ("critic/score/mean", "response_length/mean", "timing_s/step")
     """What :meth:`log_step` also puts on the progress bar (Lightning's default bar shows them)."""
     last_rollout: Batch | None = None
-    """The last logged step's ``prompt``, ``completion`` and ``scores``, and for episodes ``episode`` (the
-    messages), ``turns`` and ``tool_calls`` (set on the controller; None before)."""
+    """The last logged step's samples (:func:`~.dataflow.metrics.samples_of`; on the controller; None before)."""
 
     def log_step(self, rollout: Batch | None, metrics: dict[str, float], *, started: float) -> None:
         """Log a step: ``metrics`` plus ``timing_s/step`` (since ``started``, a ``time.perf_counter()``) and
@@ -406,8 +407,8 @@ class RLHFModule(L.LightningModule):
         asynchronous run's first step, which trains on nothing) logs the timings only. Runs on: controller."""
         metrics["timing_s/step"] = time.perf_counter() - started
         if rollout is not None:  # None: the first asynchronous step, which only generated
-            metrics |= rollout_metrics(self, rollout, metrics["timing_s/step"], timings=metrics)
-            check_rollout_probs_diff(self, metrics, step=int(rollout.meta.get("step", self.trainer.global_step)))
+            metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"], timings=metrics)
+            self.check_rollout_probs_diff(metrics, step=int(rollout.meta.get("step", self.trainer.global_step)))
         self.log_dict({k: metrics.pop(k) for k in self.PROGRESS_BAR_METRICS if k in metrics}, prog_bar=True)
         self.log_dict(metrics)
         if rollout is not None:
@@ -418,7 +419,7 @@ class RLHFModule(L.LightningModule):
         log :func:`~.dataflow.validation.validation_metrics` (averaged over the validation set, weighted by prompts;
         ``.../failed`` summed), at ``global_step``. Runs on: controller (routed like ``training_step``); its role
         calls run on every rank. It counts no step, draws its own seeds, leaves the weights and the loader alone."""
-        metrics = validation_metrics(self, validation_rollout(self, batch, batch_idx))
+        metrics = self.validation_metrics(self.validation_rollout(batch, batch_idx))
         for name, value in metrics.items():
             bar = name == "val/score/mean"
             reduce = "sum" if name.endswith("/failed") else "mean"

@@ -1,2 +1,3 @@
-"""Where the roles run: device pools and their checks (:mod:`.pools`), the cost model and planner behind
-``lightning-rlhf plan`` (:mod:`.planner`), and ``placement="auto"`` (:mod:`.auto`)."""
+"""Where the roles run: device pools and their checks (:mod:`.pools`), a module's roles on a placement (:mod:`.roles`),
+the cost model (:mod:`.cost_model`) and its calibration (:mod:`.calibration`) behind ``lightning-rlhf plan``
+(:mod:`.plan`), and ``placement="auto"`` (:mod:`.auto`)."""

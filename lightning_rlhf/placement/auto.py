@@ -1,6 +1,6 @@
 """``RLHFStrategy(placement="auto")``: the planner's placement for this run, and the sizes the placement checks use.
 
-The planner (:mod:`placement.planner`) predicts the step time of every colocation choice and device split from
+The planner (:mod:`placement.cost_model`) predicts the step time of every colocation choice and device split from
 a cost model. Here it gets this run's inputs: the module's model roles (the actor, and a critic, reference or reward
 that is a model), the actor's shape from its ``config.json``, one step's workload from the data module and the
 rollout settings, and the hardware. On a CPU machine the hardware is calibrated here (matmul peak of one process,
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import lightning_rlhf.placement.planner as planner
+import lightning_rlhf.placement.cost_model as cost_model
+from lightning_rlhf.placement.calibration import calibrated_cpu_hardware
 
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
@@ -33,7 +34,7 @@ def role_params(role: Role) -> float | None:
     if not isinstance(path, str):
         return None
     try:
-        return planner.shape_of(path).params
+        return cost_model.shape_of(path).params
     except Exception:  # a configuration the planner's Llama-family shape does not describe
         return None
 
@@ -62,48 +63,36 @@ def rank_memory_bytes(device: torch.device, processes_per_node: int) -> float:
     return float(total) / max(1, processes_per_node)
 
 
-def _hardware(world_size: int, shape: planner.ModelShape, workload: planner.Workload) -> planner.Hardware:
+def _hardware(world_size: int, shape: cost_model.ModelShape, workload: cost_model.Workload) -> cost_model.Hardware:
     """The device type the run is on, as the planner sees it."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name().lower()
-        for key in planner.HARDWARE:
+        for key in cost_model.HARDWARE:
             if key in name:
-                return planner.HARDWARE[key]
+                return cost_model.HARDWARE[key]
         raise ValueError(
             f"RLHFStrategy(placement='auto'): no specification for the GPU {name!r} (known: "
-            f"{sorted(planner.HARDWARE)}). HINT: give a placement mapping, or plan with `lightning-rlhf plan "
+            f"{sorted(cost_model.HARDWARE)}). HINT: give a placement mapping, or plan with `lightning-rlhf plan "
             "--device-type ...` and copy its placement."
         )
-    from lightning_rlhf.perf import available_cores, cpu_matmul_peak
-
-    layer_step_s, layer_micro_s = planner.measure_host_overheads()
-    hardware = planner.cpu_hardware(
-        flops=cpu_matmul_peak(torch.float32),  # with the threads Lightning gave this rank, as every rank has
-        memcpy_bw=planner.measure_memcpy_bw(),
-        memory=rank_memory_bytes(torch.device("cpu"), world_size),
-        processes=world_size,
-        layer_step_s=layer_step_s,
-        layer_micro_s=layer_micro_s,
-        call_s=planner.measure_call_overhead(),
-        cores=available_cores(),  # oversubscribed ranks time-share them (planner.core_share)
+    return calibrated_cpu_hardware(  # with the threads Lightning gave this rank, as every rank has
+        shape, workload, processes=world_size, memory=rank_memory_bytes(torch.device("cpu"), world_size),
         threads=torch.get_num_threads(),
-    )
-    hardware = planner.calibrate_for_shape(hardware, shape, workload)
-    return planner.with_saved_call_costs(hardware, shape, world_size)  # a calibration run's, when one was made here
+    )  # fmt: skip
 
 
 def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int]]:
     """The planner's fastest placement of ``module``'s roles on ``world_size`` ranks (role -> ranks).
 
     Runs on: rank 0, in the strategy's ``setup_environment`` (the strategy broadcasts the answer), before any model
-    loads. Raises :class:`~lightning_rlhf.placement.planner.InfeasiblePlacementError` when nothing fits in memory.
+    loads. Raises :class:`~lightning_rlhf.placement.cost_model.InfeasiblePlacementError` when nothing fits in memory.
     """
     roles = module.roles()
     actor = roles.get("actor")
     path = getattr(actor, "path", None)
     if not isinstance(path, str):
         raise ValueError("RLHFStrategy(placement='auto') plans around the actor's model: the module has no actor path.")
-    planned = [name for name, role in roles.items() if name in planner.ROLES and role_params(role) is not None]
+    planned = [name for name, role in roles.items() if name in cost_model.ROLES and role_params(role) is not None]
     if "actor" not in planned:
         raise ValueError(
             f"RLHFStrategy(placement='auto'): the planner cannot read the shape of the actor {path!r} (a Llama-family "
@@ -111,19 +100,19 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
         )
     datamodule: Any = getattr(module.trainer, "datamodule", None)
     rollout = module.rollout_config
-    workload = planner.Workload(
+    workload = cost_model.Workload(
         prompts=int(getattr(datamodule, "batch_size", 8) or 8),
         n=rollout.n,
         prompt_len=int(getattr(datamodule, "max_prompt_length", None) or 512),
         response_len=rollout.max_new_tokens,
     )
-    shape = planner.shape_of(path)
-    best = planner.plan(
+    shape = cost_model.shape_of(path)
+    best = cost_model.plan(
         model=shape,
         hardware=_hardware(world_size, shape, workload),
         devices=world_size,
         workload=workload,
-        algorithm=planner.dataflow_for(planned),
+        algorithm=cost_model.dataflow_for(planned),
         tp_sizes=(1,),
         unit=1,
         # vLLM on part of the ranks runs engine servers: their hand-off copies and memory are part of the cost.

@@ -7,7 +7,7 @@
   critic and the reference on ranks 2 and 3; docs/placement.md has the code). Roles with the same ranks are
   colocated; roles on disjoint ranks run their calls at the same time inside
   :meth:`~lightning_rlhf.module.RLHFModule.concurrently`;
-- ``"auto"``: the planner (:mod:`placement.planner`) chooses the mapping from its cost model, calibrated on
+- ``"auto"``: the planner (:mod:`placement.cost_model`) chooses the mapping from its cost model, calibrated on
   this machine (CPU) or from the device's datasheet (GPU).
 
 A pool is a set of ranks. Two pools are either the same set or disjoint: a rank that served two different pools

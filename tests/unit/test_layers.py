@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("batch", "compat", "config.models", "lazy")),
     ("plumbing", ("controller.dispatch",)),
     ("CPU speed layer", ("cpu",)),
-    ("maths and measurements", ("algorithms", "perf")),
+    ("maths and measurements", ("algorithms", "perf", "placement.cost_model")),
     ("settings and rewards", ("config", "rewards")),
     ("data", ("data",)),
     ("training engine", ("engines.train",)),
@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("roles", ("roles",)),
     ("controller (worker loop, liveness)", ("controller",)),
     ("the dataflow's helpers (rollouts, metrics, validation)", ("dataflow",)),
-    ("RLHFModule and planner", ("module", "placement.planner")),
+    ("RLHFModule and the cost model's calibration", ("module", "placement.calibration")),
     ("ready modules, placement, export", ("checkpoint", "modules", "placement")),
     ("strategy and callbacks", ("callbacks", "strategy")),
     ("entry points", ("cli", "demo")),
@@ -211,7 +211,7 @@ def test_the_import_reader_sees_every_form(tmp_path: Path) -> None:
     assert _upward(package) == [
         "lightning_rlhf/batch.py:1: lightning_rlhf.batch (leaves) imports lightning_rlhf.roles.base (roles)",
         "lightning_rlhf/roles/base.py:7: lightning_rlhf.roles.base (roles) imports lightning_rlhf.module "
-        "(RLHFModule and planner)",
+        "(RLHFModule and the cost model's calibration)",
     ]
 
 

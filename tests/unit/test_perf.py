@@ -14,7 +14,6 @@ import torch
 
 from lightning_rlhf import perf
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.dataflow.metrics import rollout_metrics
 from lightning_rlhf.demo import addition_reward
 from tests.conftest import failure_text, run_script
 
@@ -210,13 +209,13 @@ def test_module_counts_actor_and_critic_parameters(tiny_model: str, monkeypatch:
         }
     )
     timings = {"timing_s/gen": 0.06, "timing_s/update_critic": 0.2, "timing_s/update_actor": 0.4}
-    out = rollout_metrics(module, rollout, timings=timings)
+    out = module.rollout_metrics(rollout, timings=timings)
     assert out["perf/mfu/actor"] == pytest.approx(6 * actor_n * 11 / 0.4 / 1e9)
     assert out["perf/mfu/critic"] == pytest.approx(6 * critic_n * 11 / 0.2 / 1e9)
     assert out["timing_per_token_ms/gen"] == pytest.approx(60 / 6)
     assert out["timing_per_token_ms/update_actor"] == pytest.approx(400 / 11)
     assert "perf/cpu_memory_used_gb" in out and "perf/max_memory_allocated_gb" not in out  # CPU: no CUDA figure
-    assert "perf/mfu/actor" not in rollout_metrics(module, rollout)  # without timings: the rollout metrics only
+    assert "perf/mfu/actor" not in module.rollout_metrics(rollout)  # without timings: the rollout metrics only
 
 
 # --------------------------------------------------------------------------------------------- a real run

@@ -1,5 +1,5 @@
-"""The auto-mapping planner (placement/planner.py): enumeration, the cost model on hand-computed cases, the
-placement rules, the errors, and the ``plan`` command."""
+"""The auto-mapping planner (placement/cost_model.py, calibration.py, plan.py): enumeration, the cost model on
+hand-computed cases, the placement rules, the errors, and the ``plan`` command."""
 
 from __future__ import annotations
 
@@ -16,27 +16,29 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_rlhf import perf
 from lightning_rlhf.cli import main as cli_main
-from lightning_rlhf.placement.planner import (
+from lightning_rlhf.placement.calibration import (
+    calibrate_for_shape,
+    fit_call_costs,
+    measure_host_overheads,
+    save_call_costs,
+    with_saved_call_costs,
+)
+from lightning_rlhf.placement.cost_model import (
     HARDWARE,
     MODELS,
     Hardware,
     InfeasiblePlacementError,
     ModelShape,
     Workload,
-    calibrate_for_shape,
     core_share,
     dataflow_for,
     device_splits,
-    fit_call_costs,
     hardware_for,
-    measure_host_overheads,
     plan,
     predict,
-    recipe_inputs,
-    save_call_costs,
     set_partitions,
-    with_saved_call_costs,
 )
+from lightning_rlhf.placement.plan import recipe_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -436,16 +438,16 @@ def test_plan_on_cpu_splits_single_processes_and_counts_the_cores(
     machine's timings are given (the choice must not depend on this machine's load); the cores are the variable."""
     import torch
 
-    from lightning_rlhf.placement import planner as planner_module
+    from lightning_rlhf.placement import calibration
 
     recipe = tmp_path / "ppo_demo.yaml"
     recipe.write_text(PPO_DEMO_RECIPE)
-    monkeypatch.setattr(planner_module, "measure_host_overheads", lambda: (0.15e-3, 0.85e-3))
-    monkeypatch.setattr(planner_module, "measure_memcpy_bw", lambda: 10e9)
-    monkeypatch.setattr(planner_module, "measure_call_overhead", lambda: 2e-3)
-    monkeypatch.setattr(planner_module, "with_saved_call_costs", lambda hw, shape, processes: hw)
+    monkeypatch.setattr(calibration, "measure_host_overheads", lambda: (0.15e-3, 0.85e-3))
+    monkeypatch.setattr(calibration, "measure_memcpy_bw", lambda: 10e9)
+    monkeypatch.setattr(calibration, "measure_call_overhead", lambda: 2e-3)
+    monkeypatch.setattr(calibration, "with_saved_call_costs", lambda hw, shape, processes: hw)
     monkeypatch.setattr(
-        planner_module,
+        calibration,
         "calibrate_for_shape",
         lambda hw, shape, wl: Hardware(**{**hw.__dict__, "train_eff": 0.3, "forward_eff": 0.3, "decode_eff": 0.1}),
     )

@@ -326,7 +326,7 @@ def _flags_of(sub: str) -> set[str] | None:
         parser: Any = export_parser()
         return {opt for action in parser._actions for opt in action.option_strings}
     if sub == "plan":
-        source = inspect.getsource(importlib.import_module("lightning_rlhf.placement.planner").main)
+        source = inspect.getsource(importlib.import_module("lightning_rlhf.placement.plan").main)
         return set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', source))
     return None
 

@@ -10,7 +10,6 @@ from transformers import AutoTokenizer
 
 from lightning_rlhf import GRPOModule, RewardConfig
 from lightning_rlhf.config import config_from_dict
-from lightning_rlhf.dataflow.metrics import rollout_metrics
 from lightning_rlhf.demo import addition_reward
 from lightning_rlhf.rewards import reward_components, weighted_sum
 from lightning_rlhf.roles import RewardRole
@@ -138,7 +137,7 @@ def test_module_logs_each_component(tiny_model: str) -> None:
     batch["response_truncated"] = torch.tensor([False, False])
     module.roles()  # names the roles, as the strategy does at set-up
     scored = module.reward.score(batch)
-    metrics = rollout_metrics(module, scored)
+    metrics = module.rollout_metrics(scored)
     assert metrics["critic/score/mean"] == pytest.approx((1.1 + 0.0) / 2)
     assert metrics["reward/correct/mean"] == 0.5 and metrics["reward/short/mean"] == 0.5
     assert metrics["reward/correct/failed"] == 0.0

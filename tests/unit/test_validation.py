@@ -12,7 +12,6 @@ import torch
 
 from lightning_rlhf import Batch, GRPOModule, RewardConfig, ValidationConfig
 from lightning_rlhf.algorithms import mean_at_n, pass_at_k
-from lightning_rlhf.dataflow.validation import validation_metrics
 from lightning_rlhf.demo import addition_reward
 
 
@@ -71,7 +70,7 @@ def test_validation_metrics_of_a_scored_rollout(tiny_model: str) -> None:
     # Two prompts x 3 samples, prompt-major as actor.generate lays them out.
     scores = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 0.8])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]])
-    out = validation_metrics(module, Batch({"scores": scores, "response_mask": mask}))
+    out = module.validation_metrics(Batch({"scores": scores, "response_mask": mask}))
     assert out["val/score/mean"] == pytest.approx(2.3 / 6)
     assert out["val/mean@3"] == pytest.approx((1.5 / 3 + 0.8 / 3) / 2)
     # Passing (score > 0.5): one sample of each prompt. pass@1 = 1/3; pass@2 = 1 - C(2,2)/C(3,2) = 2/3.
@@ -105,7 +104,7 @@ def test_validation_metrics_name_each_reward_component(tiny_model: str) -> None:
             "reward/half/failed": torch.tensor([False, False, True, False]),
         }
     )
-    out = validation_metrics(module, rollout)
+    out = module.validation_metrics(rollout)
     assert out["val/score/mean"] == pytest.approx(0.75)
     assert out["val/reward/correct/mean"] == pytest.approx(0.75)
     assert out["val/reward/half/mean"] == pytest.approx(1.25 / 4)  # unweighted: a weight-0 component is measured

@@ -1,0 +1,149 @@
+"""``lightning-rlhf plan`` (also ``python -m lightning_rlhf.placement.plan``): the fastest placement of a recipe's
+roles on a number of devices, from the cost model (:mod:`.cost_model`), calibrated on this machine for CPUs
+(:mod:`.calibration`) or from a GPU's datasheet. Loads no model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning_rlhf.placement.calibration import calibrated_cpu_hardware
+from lightning_rlhf.placement.cost_model import (
+    GB,
+    HARDWARE,
+    MODELS,
+    Call,
+    InfeasiblePlacementError,
+    ModelShape,
+    Workload,
+    core_share,
+    dataflow_for,
+    hardware_for,
+    plan,
+    shape_of,
+)
+
+__all__ = ["main", "recipe_inputs"]
+
+
+def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[list[Call]], ModelShape, Workload]:
+    """The dataflow, the actor's shape and one step's workload a recipe describes: its module's model roles
+    (a ``critic``; a ``reference``; a ``reward`` that is a model path rather than a function's import path), the
+    data module's ``batch_size`` and ``max_prompt_length``, and ``rollout.n`` and ``rollout.max_new_tokens`` (the
+    defaults of :class:`~lightning_rlhf.config.RolloutConfig` when the recipe leaves them out).
+
+    Runs on: the ``plan`` command's process, before any model loads.
+    """
+    import yaml
+
+    from lightning_rlhf.config import RolloutConfig
+
+    with open(recipe) as f:
+        config = yaml.safe_load(f) or {}
+    module = (config.get("model") or {}).get("init_args") or {}
+    data = (config.get("data") or {}).get("init_args") or {}
+    if "actor" not in module:
+        raise InfeasiblePlacementError(f"{recipe}: no model.init_args.actor. HINT: pass an RLHF recipe.")
+    roles = ["actor"]
+    if module.get("critic"):
+        roles.append("critic")
+    if module.get("reference"):
+        roles.append("reference")
+    reward = module.get("reward")
+    if isinstance(reward, str) and (Path(reward).is_dir() or reward.count("/") == 1):  # a folder or "org/name"
+        roles.append("reward")
+    rollout = module.get("rollout") or {}
+    defaults = RolloutConfig()
+    workload = Workload(
+        prompts=int(data.get("batch_size", 8)),
+        n=int(rollout.get("n", defaults.n)),
+        prompt_len=int(data.get("max_prompt_length") or 512),
+        response_len=int(rollout.get("max_new_tokens", defaults.max_new_tokens)),
+        lora_rank=int((module.get("lora") or {}).get("r", 8)) if module.get("lora") else 0,
+    )
+    return dataflow_for(roles), shape_of(str(module["actor"]), override=model_shape), workload
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """``lightning-rlhf plan --config RECIPE --devices N --device-type TYPE [--model-shape S] [--rollout E]``: print
+    the fastest placement of the recipe's roles, the predicted time of each stage and, as the last line, one JSON
+    object (``placement``, ``parallel``, ``predicted_step_s``, ...). Returns that object.
+
+    Runs on: one process; loads no model. ``--device-type`` takes any case (``H100``). ``--device-type cpu``
+    calibrates on this machine: the matmul peak of one process with the threads Lightning gives each of
+    ``--devices`` processes, the memory bandwidth, the host time per layer and per role call, what the actor's
+    shapes reach of the peak, and the cores the processes share (:func:`.calibration.calibrated_cpu_hardware`): a
+    stage whose busy processes need more cores than there are runs proportionally slower
+    (:func:`.cost_model.core_share`).
+    """
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-rlhf plan", description=main.__doc__.splitlines()[0] if main.__doc__ else None
+    )
+    parser.add_argument("--config", required=True, help="an RLHF recipe (YAML)")
+    parser.add_argument("--devices", type=int, required=True, help="devices (GPUs, or CPU processes) to plan for")
+    parser.add_argument(
+        "--device-type", required=True, type=str.lower, choices=[*HARDWARE, "cpu"], help="any case (H100 or h100)"
+    )
+    parser.add_argument("--model-shape", choices=sorted(MODELS), help="plan for this shape instead of the actor's")
+    parser.add_argument("--tp-sizes", default="1,2,4,8", help="rollout tensor-parallel sizes to consider")
+    parser.add_argument(
+        "--rollout",
+        choices=["vllm", "hf"],
+        default="vllm",
+        help="the rollout engine: vllm (an actor on part of the devices pays its engine servers' hand-off copies "
+        "and memory) or hf",
+    )
+    args = parser.parse_args(argv)
+    if args.devices < 1:
+        parser.error(f"--devices {args.devices}: expected at least 1")
+    flow, shape, workload = recipe_inputs(args.config, model_shape=args.model_shape)
+    if args.device_type == "cpu":
+        import os
+
+        import torch
+
+        from lightning_rlhf.perf import threads_per_process
+
+        threads = threads_per_process(args.devices)  # what Lightning gives each process of the run
+        torch.set_num_threads(threads)
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        hardware = calibrated_cpu_hardware(
+            shape, workload, processes=args.devices, memory=total / args.devices, threads=threads
+        )
+        cores = hardware.cores
+        share = core_share(cores=cores, processes=args.devices, threads=threads)
+        print(
+            f"cpu: {cores:g} cores for {args.devices} processes of {threads} thread(s): each gets {share:.2f} of its "
+            "compute while every process is busy"
+        )
+    else:
+        hardware = hardware_for(args.device_type)
+    tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+    # CPU processes are split one by one, as placement="auto" does: the machine is one "node" of all of them, and
+    # whole-node pools would leave colocation as the only choice.
+    unit = 1 if args.device_type == "cpu" else None
+    best = plan(
+        model=shape, hardware=hardware, devices=args.devices, workload=workload, algorithm=flow, tp_sizes=tp_sizes,
+        unit=unit, engine_servers=args.rollout == "vllm",
+    )  # fmt: skip
+    tokens = f"{workload.prompt_len} + {workload.response_len} tokens"
+    print(
+        f"{args.config}: {shape.params / 1e9:.2f}B parameters, {workload.sequences} sequences of {tokens} per step, "
+        f"{args.devices} x {hardware.name}"
+    )
+    for i, (group, n) in enumerate(zip(best.groups, best.devices, strict=True)):
+        print(f"  pool {i}: {n} devices, {', '.join(group)} (peak {best.memory[i] / GB:.2f} GB per device)")
+    for stage, seconds in zip(flow, best.stage_s, strict=True):
+        print(f"  stage {' + '.join(f'{role}.{kind}' for role, kind in stage)}: {seconds:.3f} s")
+    out = best.to_json() | {"devices": args.devices, "device_type": hardware.name}
+    print(f"  predicted step: {best.step_s:.3f} s (rollout TP {best.rollout_tp})")
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
