@@ -59,12 +59,12 @@ SUPPORTED_LIGHTNING = ">=2.6,<2.7"
 
 Launcher = _Launcher
 """Lightning's launcher base class (``lightning.pytorch.strategies.launchers.launcher._Launcher``): a strategy's
-launcher must be one. Re-exported for :class:`~lightning_rlhf.strategy.launcher.ExternalLauncher`."""
+launcher must be one. Re-exported for :class:`~lightning_rlhf.controller.launcher.ExternalLauncher`."""
 
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 """Lightning's launcher that starts ranks 1.. by re-running the script
 (``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``); its ``procs`` lists the
-children it started. Re-exported for :class:`~lightning_rlhf.strategy.launcher.RLHFLauncher`."""
+children it started. Re-exported for :class:`~lightning_rlhf.controller.launcher.RLHFLauncher`."""
 
 
 def check_lightning_version(version: str | None = None) -> None:

@@ -68,7 +68,7 @@ def prepare_roles(module: RLHFModule, placed: list[str]) -> None:
         module.rollout.environment = module.actor.environment
         module.actor.needs_rollout_engine = False
     elif change == "remove":  # a later fit() without the pool
-        del module._modules["rollout"]
+        delattr(module, "rollout")
         module.actor.needs_rollout_engine = True
 
 

@@ -12,10 +12,18 @@ from __future__ import annotations
 import os
 import shutil
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_resume_lora", "check_resume_path", "incomplete_reason", "publish", "temporary_sibling"]
+__all__ = [
+    "check_ckpt_argument",
+    "check_resume_lora",
+    "check_resume_path",
+    "incomplete_reason",
+    "publish",
+    "temporary_sibling",
+]
 
 _LIGHTNING_KEYWORDS = ("last", "best", "hpc")  # resolved by Lightning itself, later
 
@@ -139,3 +147,12 @@ def check_resume_lora(ckpt_path: Any, module: Any) -> None:
         "HINT: resume with the lora setting the checkpoint was saved with; to go on from it the other way, export it "
         "(`lightning-rlhf export`, merged for LoRA) and start a new run from that folder."
     )
+
+
+def check_ckpt_argument(arguments: Mapping[str, Any], fitting: bool = False) -> None:
+    """Check the ``ckpt_path`` that ``trainer.fit``/``validate`` is about to get (``arguments``: the call's, a
+    launcher's check), before any process or model starts. Runs on: the launching process (rank 0, or every rank
+    when processes are created externally)."""
+    ckpt_path = arguments.get("ckpt_path")
+    check_resume_path(ckpt_path)
+    check_resume_lora(ckpt_path, arguments.get("model"))

@@ -2,8 +2,9 @@
 
 What it changes in Lightning's ``ModelParallelStrategy``:
 
-- **setup**: loads nothing itself (``configure_model`` does), attaches a rollout engine to the actor, then
-  shards every role's model with FSDP2 over all ranks (1-D data-parallel mesh) before the optimizers exist.
+- **setup**: loads nothing itself (``configure_model`` does), attaches the rollout engine its factory builds to
+  each role that asks for one, then shards every role's model with FSDP2 over its pool's ranks before the
+  optimizers exist.
 - **training_step**: rank 0 runs the module's ``training_step`` as the single controller; the other ranks
   serve its role calls (:class:`~lightning_rlhf.controller.controller.Controller`). One call = one RL iteration,
   so ``global_step`` counts iterations however many optimizer steps the roles took.
@@ -11,13 +12,13 @@ What it changes in Lightning's ``ModelParallelStrategy``:
   unchanged); with ``ValidationConfig.before_train`` one validation also runs before the first step.
 - **data**: every rank iterates the same loader (no distributed sampler); only the controller's copy of a
   batch is used, and the transfer protocols split it.
-- **placement**: roles may live on rank pools of their own (``placement=``, see ``placement.py``): each pool gets
-  its own FSDP mesh, a role's calls go to its pool's ranks only, ranks outside a pool never load that role's
-  weights, and checkpoints save each role from the ranks that hold it (``checkpoint/pooled.py``).
-- **faults**: a dead rank is named on the others (``liveness.py``); SIGTERM/SIGUSR1 on any rank stop every rank
-  after the same step, save a checkpoint and exit with ``128 + signum`` (``preemption.py``); checkpoints are
-  renamed into place only once complete, and a missing or incomplete ``ckpt_path`` is refused before anything
-  loads (``checkpoint_io.py``, ``launcher.py``).
+- **placement**: roles may live on rank pools of their own (``placement=``, resolved by ``lightning_rlhf/placement``):
+  each pool gets its own FSDP mesh, a role's calls go to its pool's ranks only, ranks outside a pool never load
+  that role's weights, and checkpoints save each role from the ranks that hold it (``checkpoint/pooled.py``).
+- **faults**: a dead rank is named on the others (``controller/liveness.py``); SIGTERM/SIGUSR1 on any rank stop
+  every rank after the same step, save a checkpoint and exit with ``128 + signum`` (``preemption.py``); checkpoints
+  are renamed into place only once complete, and a missing or incomplete ``ckpt_path`` is refused before anything
+  loads (``checkpoint_io.py``, ``controller/launcher.py``).
 """
 
 from __future__ import annotations
@@ -61,14 +62,14 @@ from lightning_rlhf.compat.lightning import (
 )
 from lightning_rlhf.config import VLLMConfig, config_from_dict
 from lightning_rlhf.controller.controller import Controller
+from lightning_rlhf.controller.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
 from lightning_rlhf.controller.liveness import expect_exit
 from lightning_rlhf.engines.rollout.factory import RolloutEngineFactory
 from lightning_rlhf.engines.train import check_compute_dtype, resolve_dtype
 from lightning_rlhf.engines.train.loading import deferred_loading
 from lightning_rlhf.placement.pools import Pools, check_placement_spec
 from lightning_rlhf.placement.roles import bridge_pools, check_before_launch, place_roles, pool_meshes
-from lightning_rlhf.strategy.checkpoint_io import publish, temporary_sibling
-from lightning_rlhf.strategy.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
+from lightning_rlhf.strategy.checkpoint_io import check_ckpt_argument, publish, temporary_sibling
 from lightning_rlhf.strategy.preemption import PreemptionHandler, parse_signals, stop_after_preemption
 
 if TYPE_CHECKING:
@@ -241,13 +242,14 @@ class RLHFStrategy(ModelParallelStrategy):
         """Lightning's launcher whose child observer defers to our watchdog; both check ``ckpt_path`` first."""
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
-            set_launcher(self, ExternalLauncher())
+            set_launcher(self, ExternalLauncher(checks=[check_ckpt_argument]))
         else:
             check = functools.partial(  # what the ranks would refuse at set-up, before any rank starts
                 check_before_launch, spec=self.placement, world_size=self.num_processes * self.num_nodes,
                 processes_per_node=self.num_processes, vllm_tp=self._vllm_tp,
             )  # fmt: skip
-            launcher = RLHFLauncher(self.cluster_environment, self.num_processes, self.num_nodes, check_module=check)
+            checks = [check_ckpt_argument, lambda arguments, fitting: check(arguments.get("model"), fitting)]
+            launcher = RLHFLauncher(self.cluster_environment, self.num_processes, self.num_nodes, checks=checks)
             set_launcher(self, launcher)
 
     @override

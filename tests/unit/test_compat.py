@@ -336,7 +336,7 @@ def test_set_launcher_from_the_configure_launcher_hook() -> None:
 
 def test_rlhf_strategy_installs_its_launcher() -> None:
     from lightning_rlhf import RLHFStrategy
-    from lightning_rlhf.strategy.launcher import RLHFLauncher
+    from lightning_rlhf.controller.launcher import RLHFLauncher
 
     strategy = RLHFStrategy(rollout="hf")
     L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False)

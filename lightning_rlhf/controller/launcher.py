@@ -1,5 +1,5 @@
-"""Process launchers: Lightning's, minus the observer that SIGKILLs rank 0 when a child dies, plus the resume
-path check before anything starts.
+"""Process launchers: Lightning's, minus the observer that SIGKILLs rank 0 when a child dies, plus the checks the
+strategy hands them (the resume path, the placement), run before anything starts.
 
 Lightning's ``_SubprocessScriptLauncher`` runs a thread that, within 5 s of a child rank exiting non-zero,
 SIGKILLs every process including rank 0, so nothing could name the dead rank. Here that thread defers to the
@@ -11,7 +11,7 @@ internals involved live in :mod:`lightning_rlhf.compat.lightning`.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
@@ -19,9 +19,12 @@ from typing_extensions import override
 
 from lightning_rlhf.compat.lightning import Launcher, SubprocessScriptLauncher, start_subprocess_ranks
 from lightning_rlhf.controller.liveness import exit_expected
-from lightning_rlhf.strategy.checkpoint_io import check_resume_lora, check_resume_path
 
-__all__ = ["ExternalLauncher", "RLHFLauncher", "check_ckpt_argument", "watchdog_running"]
+__all__ = ["ExternalLauncher", "LaunchCheck", "RLHFLauncher", "watchdog_running"]
+
+LaunchCheck = Callable[[Mapping[str, Any], bool], None]
+"""A check run before the launch: ``(arguments, fitting)``, the arguments of the call ``trainer.fit``/``validate``
+is about to make (``model``, ``ckpt_path``, ...) and whether it is a fit; it raises to stop the launch."""
 
 _WATCHDOG_RUNNING: list[bool] = [False]
 
@@ -31,24 +34,22 @@ def watchdog_running(value: bool) -> None:
     _WATCHDOG_RUNNING[0] = value
 
 
-def check_ckpt_argument(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Check the ``ckpt_path`` that ``trainer.fit``/``validate`` passed on, before any process or model starts.
-
-    Runs on: the launching process (rank 0, or every rank when processes are created externally).
-    """
-    ckpt_path = _bound_argument(function, args, kwargs, "ckpt_path")
-    check_resume_path(ckpt_path)
-    check_resume_lora(ckpt_path, _bound_argument(function, args, kwargs, "model"))
-
-
-def _bound_argument(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    """The argument ``name`` of the call ``function(*args, **kwargs)`` that the launcher is about to make (None when
-    not given or when the call does not bind)."""
+def _run_checks(
+    checks: Sequence[LaunchCheck],
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    trainer: Any,
+) -> None:
+    """Run ``checks`` on the call ``function(*args, **kwargs)`` the launcher is about to make (its bound arguments;
+    none when the call does not bind). Runs on: the launching process."""
     try:
-        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+        arguments = dict(inspect.signature(function).bind_partial(*args, **kwargs).arguments)
     except TypeError:
-        return None
-    return bound.arguments.get(name)
+        arguments = {}
+    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    for check in checks:
+        check(arguments, fitting)
 
 
 def _observer_defers() -> bool:
@@ -62,28 +63,27 @@ class RLHFLauncher(SubprocessScriptLauncher):
     Runs on: rank 0 (it starts ranks 1.. as its children).
     """
 
-    def __init__(self, *args: Any, check_module: Callable[[Any, bool], None] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, checks: Sequence[LaunchCheck] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.check_module = check_module
-        """Called with the module that ``trainer.fit``/``validate`` passed on and whether the call is a fit, before
-        any rank starts (the strategy's checks that need the world size and the module, e.g. an explicit
-        placement)."""
+        self.checks = checks
+        """Run before any rank starts (:data:`LaunchCheck`: the strategy's checks of the resume path, and of what
+        needs the world size and the module, e.g. an explicit placement)."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        check_ckpt_argument(function, args, kwargs)
-        if self.check_module is not None:
-            fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-            self.check_module(_bound_argument(function, args, kwargs, "model"), fitting)
+        _run_checks(self.checks, function, args, kwargs, trainer)
         start_subprocess_ranks(self, defer_observer=_observer_defers)
         return function(*args, **kwargs)
 
 
 class ExternalLauncher(Launcher):
-    """For processes started outside Lightning (torchrun, SLURM): starts nothing, checks the resume path.
+    """For processes started outside Lightning (torchrun, SLURM): starts nothing, runs ``checks`` (the resume path).
 
     Runs on: every rank.
     """
+
+    def __init__(self, checks: Sequence[LaunchCheck] = ()) -> None:
+        self.checks = checks
 
     @property
     @override
@@ -92,7 +92,7 @@ class ExternalLauncher(Launcher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        check_ckpt_argument(function, args, kwargs)
+        _run_checks(self.checks, function, args, kwargs, trainer)
         return function(*args, **kwargs)
 
     @override
