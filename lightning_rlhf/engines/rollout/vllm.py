@@ -6,11 +6,12 @@ Every worker rank builds one in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCE
 Inside a group every rank must feed the engine the same requests, so :meth:`VLLMRolloutEngine.generate`
 first gathers the group's prompts, generates them all, and keeps its own rows.
 
-The weight hand-off (:meth:`VLLMRolloutEngine.load_weights`) streams the actor's full tensors into vLLM's
-``reload_weights`` in buckets. vLLM reloads layer by layer and re-processes a layer once all of its elements
-arrived; a layer whose parameters are split over two calls is processed half-loaded and silently computes
-garbage. So the buckets are cut only between *fusion groups*: the parameters vLLM loads into one module
-(q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, weight and bias together).
+The weight hand-off (:meth:`VLLMRolloutEngine.load_weights`) streams the actor's tensors in buckets through vLLM's
+weight-transfer protocol (``start_weight_update``, ``update_weights`` per bucket, ``finish_weight_update``; our
+backend: :mod:`~lightning_rlhf.engines.rollout.transfer`). vLLM reloads layer by layer and re-processes a layer once
+all of its elements arrived; a layer whose parameters are split over two buckets is processed half-loaded and
+silently computes garbage. So the buckets are cut only between *fusion groups*: the parameters vLLM loads into one
+module (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, weight and bias together).
 
 Importing this module does not import vLLM; building an engine does.
 """
@@ -253,8 +254,9 @@ class _DropExpectedWarnings(logging.Filter):
     - on CPU chunked prefill is off (every prompt is prefilled in one step), which vLLM calls not "officially
       supported" for any decoder model: vLLM's CPU platform itself turns it off for some models, and the vLLM
       tests check greedy outputs and log-probs against transformers with it off;
-    - every hand-off reports that the rotary embedding (no weights) and a tied ``lm_head`` (re-packed by
-      :func:`_refresh_tied_head`) received none.
+    - every hand-off reports that the rotary embedding (a buffer, no checkpoint tensor) and a tied ``lm_head``
+      (the embedding, loaded under that name; re-packed by :func:`_refresh_tied_head`) received none. Any other
+      layer the loader reports is a real gap (docs/hybrid-engine.md, "vLLM's weight-transfer protocol").
     """
 
     _STARTS = (
@@ -617,8 +619,9 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------------------ weight hand-off
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
-        """Stream new weights into the engine in buckets of whole fusion groups, then check that the hand-off held
-        every name in ``param_names``; returns the bytes handed in.
+        """Stream new weights into the engine in buckets of whole fusion groups, within one update of vLLM's
+        weight-transfer protocol, then check that the hand-off held every name in ``param_names``; returns the
+        bytes handed in.
 
         Runs on: worker (each rank loads its own engine; at TP > 1 vLLM's loaders keep the rank's slices; every
         rank streams the same names, so a bad hand-off raises on every rank at the same point).
