@@ -33,7 +33,8 @@ MISSING = "model.layers.1.self_attn.v_proj.weight"
 
 def transfer_main(path: str, out: str) -> None:
     """Runs in a fresh interpreter (vLLM changes process-wide settings): an engine with dummy weights and buckets of
-    one fusion group each; records vLLM's warnings during a complete hand-off, one missing a tensor, and (as a
+    one fusion group each; records vLLM's warnings during a complete hand-off, one missing a tensor, one with a
+    tensor vLLM's loader refuses, and (as a
     control that the capture sees these lines) one bucket pushed through the former ``reload_weights`` call; writes
     them and the greedy outputs to ``<out>/transfer.json``."""
     from transformers import AutoTokenizer
@@ -79,7 +80,13 @@ def transfer_main(path: str, out: str) -> None:
     except WeightSyncError as err:
         report["missing_error"] = str(err)
     report["missing"], warnings[:] = list(warnings), []
-    engine.load_weights(params)  # a complete hand-off after the failed one
+    try:  # a tensor vLLM's loader refuses: the update ends inside vLLM
+        engine.load_weights([(n, t[:-1] if n == "model.norm.weight" else t) for n, t in params])
+        report["refused_error"] = ""
+    except Exception as err:
+        report["refused_error"] = f"{type(err).__name__}: {err}"
+    warnings[:] = []
+    engine.load_weights(params)  # a complete hand-off after the failed ones
     report["after_failure"], warnings[:] = list(warnings), []
     report["greedy_after_failure"] = engine.generate(prompts, greedy).responses
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets[1]})
@@ -107,6 +114,8 @@ def test_handoff_logs_no_false_load_failures_and_the_weights_arrive(tiny_model: 
     assert f"['{MISSING}']" in report["missing_error"]
     failed = sorted(w for w in report["missing"] if FALSE_FAILURES[0] in w)
     assert failed == ["QKVParallelLinear: Failed to load weights", "RMSNorm: Failed to load weights"]
+    # a tensor vLLM refuses raises vLLM's own error (not one about the update's state)
+    assert report["refused_error"] and "weight update" not in report["refused_error"], report["refused_error"]
     # and the next complete hand-off opens a new update and restores the engine
     assert not [w for w in report["after_failure"] if any(f in w for f in FALSE_FAILURES)]
     assert report["greedy_after_failure"] == report["hf_greedy"]

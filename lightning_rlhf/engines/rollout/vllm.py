@@ -643,12 +643,16 @@ class VLLMRolloutEngine:
             check.finish()  # before weight_buckets reports the incomplete fusion groups a missing name leaves
 
         self.llm.start_weight_update()
+        open_update = True
         try:
             for bucket in weight_buckets(counted(), self.param_names, self.bucket_bytes):
+                open_update = False  # a bucket vLLM fails to load ends the update in vLLM
                 self.llm.update_weights({"update_info": {"weights": bucket}})
+                open_update = True
                 handed += sum(_nbytes(t) for _, t in bucket)
-        finally:  # also after a failed hand-off, so that the next one can start (the engine stays refused)
-            self.llm.finish_weight_update()
+        finally:  # a stream that stops part-way still closes the update, so that the next hand-off can start
+            if open_update:
+                self.llm.finish_weight_update()
         if self._refresh_head:
             self.llm.collective_rpc(_refresh_tied_head)
         self.llm.reset_prefix_cache()
