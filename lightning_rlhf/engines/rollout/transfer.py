@@ -1,22 +1,13 @@
-"""The weight hand-off as a registered engine of vLLM's weight-transfer protocol.
+"""Our weight hand-off as an engine of vLLM's weight-transfer protocol, registered as :data:`BACKEND` on import.
 
-vLLM's protocol (``WeightTransferConfig(backend=...)``, then ``LLM.init_weight_transfer_engine`` once and, per sync,
-``start_weight_update`` / ``update_weights`` (once per bucket) / ``finish_weight_update``) is what a trainer drives
-with vLLM's own NCCL or CUDA-IPC engines. Those move tensors between a trainer and an engine in *different*
-processes. Here the engine lives in the process that holds the tensors (the colocated engine in the trainer's
-process, an engine server after copying them out of shared memory), so the transport is a reference:
-:class:`InProcessTransfer` is registered under :data:`BACKEND` and hands each bucket's tensors (full tensors or a
-TP rank's :class:`~lightning_rlhf.engines.rollout.reshard.SliceHolder` slices) to the model's own
-``load_weights``. One ``start``/``finish`` pair spans the whole sync, so vLLM's layerwise reload processes each
-layer when its last element arrives and checks completeness once, over every name (docs/hybrid-engine.md,
-"vLLM's weight-transfer protocol").
-
-Imports vLLM: imported only where an engine is built.
+vLLM's NCCL and CUDA-IPC engines move tensors from a trainer to an engine in another process; ours are in the
+engine's own process, so :class:`InProcessTransfer` hands each bucket's tensors (full tensors or a TP rank's
+:class:`~lightning_rlhf.engines.rollout.reshard.SliceHolder` slices) to the model's ``load_weights`` by reference,
+inside one layerwise reload per sync (docs/hybrid-engine.md, "vLLM's weight-transfer protocol"). Imports vLLM.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -29,7 +20,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-__all__ = ["BACKEND", "InProcessTransfer", "register_transfer_engine"]
+__all__ = ["BACKEND", "InProcessTransfer"]
 
 BACKEND = "lightning_rlhf"
 """The name :class:`InProcessTransfer` is registered under (``WeightTransferConfig(backend=BACKEND)``)."""
@@ -88,10 +79,4 @@ class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
         """Nothing to release. Runs on: vLLM worker."""
 
 
-def register_transfer_engine() -> None:
-    """Register :class:`InProcessTransfer` with vLLM's factory under :data:`BACKEND` (once per process).
-
-    Runs on: every process that builds an engine, before ``LLM(...)``.
-    """
-    with contextlib.suppress(ValueError):  # already registered in this process
-        WeightTransferEngineFactory.register_engine(BACKEND, InProcessTransfer)
+WeightTransferEngineFactory.register_engine(BACKEND, InProcessTransfer)

@@ -430,9 +430,8 @@ class VLLMRolloutEngine:
             kwargs |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": _vllm_lora_rank(lora_rank)}
         from vllm.config import WeightTransferConfig
 
-        from lightning_rlhf.engines.rollout.transfer import BACKEND, register_transfer_engine
+        from lightning_rlhf.engines.rollout.transfer import BACKEND  # registers our engine with vLLM
 
-        register_transfer_engine()
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=BACKEND)
         if dist.is_available() and dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
