@@ -38,24 +38,16 @@ __all__ = [
 
 
 def _algorithms() -> dict[str, tuple[Any, str]]:
-    from lightning_rlhf.modules import (
-        DAPOModule,
-        GRPOModule,
-        PPOModule,
-        REINFORCEPPModule,
-        ReMaxModule,
-        RLOOModule,
-        SafeRLHFModule,
-    )
+    from lightning_rlhf import modules as m
 
     return {
-        "grpo": (GRPOModule, "grpo"),
-        "dapo": (DAPOModule, "grpo"),
-        "safe": (SafeRLHFModule, "grpo"),
-        "rloo": (RLOOModule, "rloo"),
-        "reinforce_pp": (REINFORCEPPModule, "reinforce_plus_plus"),
-        "remax": (ReMaxModule, "remax"),
-        "ppo": (PPOModule, "gae"),
+        "grpo": (m.GRPOModule, "grpo"),
+        "dapo": (m.DAPOModule, "grpo"),
+        "safe": (m.SafeRLHFModule, "grpo"),
+        "rloo": (m.RLOOModule, "rloo"),
+        "reinforce_pp": (m.REINFORCEPPModule, "reinforce_plus_plus"),
+        "remax": (m.ReMaxModule, "remax"),
+        "ppo": (m.PPOModule, "gae"),
     }
 
 
