@@ -7,11 +7,8 @@ does not pay for Lightning, torch and transformers (about 7 s of CPU per process
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
-from lightning_rlhf.config.models import register_embedded_model
-from lightning_rlhf.demo.catalogue import DEMO_MODELS, build_demo_model
 from lightning_rlhf.lazy import lazy_exports
 
 if TYPE_CHECKING:
@@ -43,12 +40,6 @@ if TYPE_CHECKING:
     from lightning_rlhf.strategy import ControllerError, Dispatch, RLHFStrategy, WorkerError, role_method
 
 __version__ = "0.1.0"
-
-# The embedded models are the demo's (the top layer names them); `models` (a leaf) serves them by name. Every
-# process that imports any part of the package runs this first, so `resolve_model_path` always knows them.
-for _name, (_builder, _description) in DEMO_MODELS.items():
-    register_embedded_model(_name, functools.partial(build_demo_model, _builder), _description)
-del _name, _builder, _description
 
 __all__ = [
     "AlgorithmConfig",

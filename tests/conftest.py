@@ -135,7 +135,8 @@ LONG_TIER: dict[str, str] = {
     ),
     "tests/e2e/test_algorithms_learn.py": (
         "120-step learning runs of five more algorithms: in CI, GRPO learns with vLLM (test_demo_learns), GRPO and "
-        "PPO with the transformers engine (test_cpu_layer_off); every algorithm's maths has unit tests and 2-step runs"
+        "PPO with transformers' generate and the CPU layer off (test_cpu_layer_off); every algorithm's maths has unit "
+        "tests and 2-step runs"
     ),
     "tests/distributed/test_faults.py::test_sigterm_on_rank_0_saves_exits_143_and_resumes_like_an_uninterrupted_run": (
         "CI: resume equals the uninterrupted run (test_training), SIGUSR1 stops every rank (this file)"
@@ -170,10 +171,6 @@ LONG_TIER: dict[str, str] = {
         "CI: the same at TP 1"
     ),
     "tests/e2e/test_recipes.py::test_recipe_runs_two_steps[grpo_gsm8k]": "CI: the demo, PPO and SFT recipes",
-    "tests/e2e/test_cpu_layer_off.py::test_algorithm_learns_with_the_cpu_layer_off[ppo]": (
-        "PPO's 120-step learning run with the layer off: CI runs GRPO's (the [grpo] case), PPO with a critic and "
-        "a reference on 2 ranks (test_training), split PPO resuming exactly (test_placement_runs)"
-    ),
     "tests/distributed/test_placement_runs.py::test_lora_with_the_reference_apart_from_the_actor_resumes_exactly": (
         "CI: a LoRA run resumes exactly (test_lora_runs) and a placed run resumes exactly (split PPO, this file); "
         "the reference loading its own base where the pools differ runs in make test-all"

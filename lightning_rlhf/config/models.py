@@ -8,7 +8,7 @@ Every model setting (``actor``, ``critic``, ``reference``, a reward model, a tok
 
 - a local folder must hold ``config.json`` (a tokenizer folder: a tokenizer file);
 - a name under the reserved prefix ``lightning-rlhf/`` is an embedded model (never looked up on the hub),
-  built locally on first use and cached (:data:`EMBEDDED_MODELS`, filled by the package's ``__init__``):
+  built locally on first use and cached (:data:`EMBEDDED_MODELS`, filled by the demo on the first lookup):
   ``lightning-rlhf/tiny-addition`` is the demo's warm-started tiny model, ``lightning-rlhf/tiny-random`` the same
   model untrained (both with a chat template and 256 positions, see :mod:`lightning_rlhf.demo.tiny`),
   ``lightning-rlhf/tiny-tools`` the tool task's model (:mod:`lightning_rlhf.demo.tool_task`);
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 __all__ = [
@@ -53,19 +54,45 @@ def embedded_cache_dir() -> str:
     return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "lightning_rlhf")
 
 
-EMBEDDED_MODELS: dict[str, tuple[Callable[[str], str], str]] = {}
+_PROVIDERS = ("lightning_rlhf.demo.catalogue",)
+"""Modules that register embedded models (:func:`register_embedded_model`) when imported: reading
+:data:`EMBEDDED_MODELS` imports them, so the runtime imports the demo only when an embedded name is used."""
+
+_Entry = tuple[Callable[[str], str], str]
+
+
+class _EmbeddedModels(Mapping[str, _Entry]):
+    """Embedded models by name, ``(build(cache_dir) -> folder, description)``; ``_PROVIDERS`` fill it at first read."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}
+
+    def _entries(self) -> dict[str, _Entry]:
+        for module in _PROVIDERS:  # registers its models when first imported (later: a lookup in sys.modules)
+            importlib.import_module(module)
+        return self.entries
+
+    def __getitem__(self, name: str) -> _Entry:
+        return self._entries()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+
+EMBEDDED_MODELS = _EmbeddedModels()
 """Embedded models by name: ``(build(cache_dir) -> folder, description)``. Built on first use (about a second,
-on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy. The demo's
-models (``lightning-rlhf/tiny-addition``, ``lightning-rlhf/tiny-random``, ``lightning-rlhf/tiny-tools``:
-:data:`lightning_rlhf.demo.catalogue.DEMO_MODELS`) are registered by the package's ``__init__``
-(:func:`register_embedded_model`), so they are here whenever ``lightning_rlhf`` is imported: this module is a
-leaf layer and never imports the demo that builds them."""
+on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy. The first read
+imports the modules that register them (:mod:`lightning_rlhf.demo.catalogue`, standard library only); this module
+is a leaf layer and imports none of them before a name is looked up."""
 
 
 def register_embedded_model(name: str, build: Callable[[str], str], description: str) -> None:
     """Serve ``name`` (under :data:`EMBEDDED_PREFIX`) as an embedded model that ``build(cache_dir)`` makes.
 
-    Runs on: any process (at import, by ``lightning_rlhf/__init__.py``).
+    Runs on: any process (at import of a module that provides embedded models, e.g. the demo's ``catalogue``).
 
     Raises:
         ValueError: when ``name`` does not start with :data:`EMBEDDED_PREFIX`.
@@ -75,7 +102,7 @@ def register_embedded_model(name: str, build: Callable[[str], str], description:
             f"register_embedded_model(name={name!r}): an embedded model's name must start with {EMBEDDED_PREFIX!r}. "
             f"HINT: name={EMBEDDED_PREFIX + name.rsplit('/', 1)[-1]!r}."
         )
-    EMBEDDED_MODELS[name] = (build, description)
+    EMBEDDED_MODELS.entries[name] = (build, description)
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,9 +1,14 @@
-"""The embedded models the demo builds, by name. Standard library only: the package's ``__init__`` registers them
-in every process that imports any part of ``lightning_rlhf``, reward and tool workers included, and those must not
-pay for torch, transformers or Lightning to run a plain function (about 7 s of CPU per process on these machines).
+"""The embedded models the demo builds, registered by name when this module is imported: the first lookup of an
+embedded name imports it (:data:`lightning_rlhf.config.models.EMBEDDED_PROVIDERS`). Standard library only, since
+reward and tool workers that name an embedded model must not pay for torch, transformers or Lightning (about 7 s
+of CPU per process on these machines).
 """
 
 from __future__ import annotations
+
+import functools
+
+from lightning_rlhf.config.models import register_embedded_model
 
 __all__ = ["DEMO_MODELS", "build_demo_model"]
 
@@ -22,20 +27,24 @@ DEMO_MODELS: dict[str, tuple[str, str]] = {
     ),
 }
 """The embedded models the demo builds, by name: ``(builder, description)``, ``builder`` a function of
-:mod:`lightning_rlhf.demo.warmstart` (``build(cache_dir) -> folder``). The package's ``__init__`` registers them in
-:data:`lightning_rlhf.config.models.EMBEDDED_MODELS` through :func:`build_demo_model`. Each folder's name carries
-:data:`~lightning_rlhf.demo.warmstart.CACHE_VERSION`, so a copy cached by an older version is never reused: the
-new one is built beside it."""
+:mod:`lightning_rlhf.demo.warmstart` (``build(cache_dir) -> folder``), registered below through
+:func:`build_demo_model`. Each folder's name carries :data:`~lightning_rlhf.demo.warmstart.CACHE_VERSION`, so a
+copy cached by an older version is never reused: the new one is built beside it."""
 
 
 def build_demo_model(builder: str, cache_dir: str) -> str:
     """Build (or find cached) the embedded model that ``warmstart.<builder>`` makes; returns its folder. Imports
     the warm start (torch, transformers) only now.
 
-    Runs on: any process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls, through a
-    ``functools.partial`` that the package's ``__init__`` registers).
+    Runs on: any process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls, through the
+    ``functools.partial`` registered below).
     """
     from lightning_rlhf.demo import warmstart
 
     build = getattr(warmstart, builder)
     return str(build(cache_dir))
+
+
+for _name, (_builder, _description) in DEMO_MODELS.items():
+    register_embedded_model(_name, functools.partial(build_demo_model, _builder), _description)
+del _name, _builder, _description

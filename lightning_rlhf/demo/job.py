@@ -11,6 +11,9 @@ at the end (with the held-out score before and after RL), and the last printed l
 ``--task tools`` runs the agentic task instead (:mod:`lightning_rlhf.demo.tool_task`): three-digit additions that
 the same tiny model (warm-started on tool-use transcripts) solves by calling a ``calculator`` tool, in multi-turn
 episodes. The end of the run prints the held-out success before and after RL, with and without the tool.
+
+``--rollout hf --decode generate --cpu-layer off`` runs the path a GPU user of the transformers engine gets
+(transformers' ``generate``, PyTorch's own ops) instead of the CPU's own decoding loop and speed layer.
 """
 
 from __future__ import annotations
@@ -35,24 +38,16 @@ __all__ = [
 
 
 def _algorithms() -> dict[str, tuple[Any, str]]:
-    from lightning_rlhf.modules import (
-        DAPOModule,
-        GRPOModule,
-        PPOModule,
-        REINFORCEPPModule,
-        ReMaxModule,
-        RLOOModule,
-        SafeRLHFModule,
-    )
+    from lightning_rlhf import modules as m
 
     return {
-        "grpo": (GRPOModule, "grpo"),
-        "dapo": (DAPOModule, "grpo"),
-        "safe": (SafeRLHFModule, "grpo"),
-        "rloo": (RLOOModule, "rloo"),
-        "reinforce_pp": (REINFORCEPPModule, "reinforce_plus_plus"),
-        "remax": (ReMaxModule, "remax"),
-        "ppo": (PPOModule, "gae"),
+        "grpo": (m.GRPOModule, "grpo"),
+        "dapo": (m.DAPOModule, "grpo"),
+        "safe": (m.SafeRLHFModule, "grpo"),
+        "rloo": (m.RLOOModule, "rloo"),
+        "reinforce_pp": (m.REINFORCEPPModule, "reinforce_plus_plus"),
+        "remax": (m.ReMaxModule, "remax"),
+        "ppo": (m.PPOModule, "gae"),
     }
 
 
@@ -60,6 +55,9 @@ ALGORITHMS_NAMES = ("grpo", "rloo", "reinforce_pp", "remax", "ppo", "dapo", "saf
 
 
 _VERSION_ENV = "LIGHTNING_RLHF_RUN_VERSION"
+
+_CPU_LAYER: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+"""``--cpu-layer`` -> ``RLHFStrategy(cpu_kernels=...)``."""
 
 
 def claim_run_version(out: str, name: str) -> int:
@@ -134,6 +132,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         raise SystemExit("--task tools --algo safe: the tool task has no cost function. HINT: another --algo.")
     extra: dict[str, Any] = {}
     settings: dict[str, Any] = {}
+    sampling = {"n": args.n, "temperature": 1.0, "seed": args.seed, "decode": args.decode}
     if args.algo == "ppo":  # the critic starts from the actor's backbone with a fresh value head
         extra = {"critic": model_path, "critic_optim": OptimConfig(lr=args.lr * 2, warmup_steps=args.warmup)}
     if args.algo == "dapo":  # clip-higher and dynamic sampling; no overlong shaping at 6 new tokens
@@ -144,12 +143,10 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
 
         extra |= {"environment": CalculatorEnvironment}
-        rollout = RolloutConfig(
-            n=args.n, temperature=1.0, max_new_tokens=TOOL_TURN_TOKENS, max_turns=3, tool_workers=1, seed=args.seed
-        )
+        rollout = RolloutConfig(**sampling, max_new_tokens=TOOL_TURN_TOKENS, max_turns=3, tool_workers=1)
         splits = tool_splits()
     else:
-        rollout = RolloutConfig(n=args.n, temperature=1.0, max_new_tokens=6, seed=args.seed)
+        rollout = RolloutConfig(**sampling, max_new_tokens=6)
         splits = addition_splits()  # the same 20 held-out prompts as the warm start left out
     module = module_cls(
         model_path,
@@ -182,6 +179,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
             args.rollout,  # auto: vLLM when installed, on every placement
             param_dtype=None if args.precision == "fp32" else args.precision,
             placement=placement,
+            cpu_kernels=_CPU_LAYER[args.cpu_layer],
         ),
         max_steps=args.steps,
         logger=CSVLogger(args.out, name=run_name, version=claim_run_version(args.out, run_name)),
@@ -269,6 +267,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="rollout engine. auto: vLLM if installed (colocated in the training processes when generation runs on "
         "every rank; one engine server per rank for a pool of part of the ranks), else transformers generation",
+    )
+    parser.add_argument(
+        "--decode",
+        choices=["auto", "loop", "generate"],
+        default="auto",
+        help="RolloutConfig.decode, how the transformers engine samples. auto: its own decoding loop on CPU, "
+        "transformers' generate on a GPU; loop or generate forces one (what a GPU user of --rollout hf runs: generate)",
+    )
+    parser.add_argument(
+        "--cpu-layer",
+        choices=list(_CPU_LAYER),
+        default="auto",
+        help="RLHFStrategy(cpu_kernels=...), the CPU speed layer (compiled kernels, oneDNN linears). auto: "
+        "$LIGHTNING_RLHF_CPU_KERNELS, else on with a CPU; off: PyTorch's own ops, as on a GPU",
     )
     parser.add_argument("--steps", type=int, default=None, help="RL steps (addition 250, tools 60)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (addition 32, tools 16)")

@@ -36,7 +36,7 @@ def addition_dataset(*, num_prompts: int = 100, seed: int = 0, digits: int = 1) 
     else:
         codes = sorted(random.Random(seed).sample(range(total), num_prompts))
     pairs = [divmod(code, top) for code in codes]
-    import datasets  # on use: `import lightning_rlhf` registers the demo's models without loading `datasets`
+    import datasets  # on use: a reward worker imports this module for `addition_reward` without `datasets`
 
     return datasets.Dataset.from_dict(
         {"prompt": [f"{a}+{b}=" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]}
