@@ -32,14 +32,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.compat.lightning import attached_trainer
-from lightning_rlhf.engines.train.lora import (
-    adapter_layers,
-    config_scale,
-    has_lora,
-    merge_stream,
-    merged_weights,
-    write_adapter,
-)
+from lightning_rlhf.compat.peft import LORA_MARK, adapter_layers, config_scale, merge_stream, wrapped_name
+from lightning_rlhf.engines.train.lora import has_lora, merged_weights, write_adapter
 
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
@@ -313,7 +307,7 @@ def export_checkpoint(
             "HINT: it must come from an RLHFModule trained with RLHFStrategy."
         )
     files = meta.get(CHECKPOINT_KEY) or {}
-    lora = any(".lora_" in key for key in state)
+    lora = any(LORA_MARK in key for key in state)
     if lora:
         if ADAPTER_CONFIG not in files:
             raise ValueError(
@@ -413,11 +407,7 @@ def _base_weights(origin: str, adapted: set[str]) -> dict[str, torch.Tensor]:
 
     source = resolve_model_path(origin, setting="export_checkpoint(base=...)")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    state = {}
-    for key, tensor in model.state_dict().items():
-        layer, _, leaf = f"base_model.model.{key}".rpartition(".")
-        state[f"{layer}.base_layer.{leaf}" if layer in adapted else f"{layer}.{leaf}"] = tensor
-    return state
+    return {wrapped_name(key, adapted): tensor for key, tensor in model.state_dict().items()}
 
 
 def _save_adapter(
