@@ -6,6 +6,7 @@ Runs on: controller or worker (pure functions, no config objects, no host syncs)
 from lightning_rlhf.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
+    AdvantageInputs,
     compute_advantages,
     estimator_inputs,
     gae_advantages,
@@ -66,6 +67,7 @@ __all__ = [
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageEstimator",
+    "AdvantageInputs",
     "FixedKLController",
     "KLController",
     "KLEstimator",
