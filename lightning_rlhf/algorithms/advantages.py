@@ -92,7 +92,9 @@ class AdvantageInputs:
 
 class AdvantageEstimator(Protocol):
     """Signature shared by all registered advantage estimators: ``(advantages [B, T], returns [B, T])`` of the
-    inputs, computed without gradient."""
+    inputs, both zero where ``response_mask`` is 0, computed without gradient; a ``ValueError`` naming the
+    estimator and the input when an input it requires is None (:meth:`AdvantageInputs.need`). Each runs on the
+    controller or a worker (pure functions)."""
 
     def __call__(self, inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]: ...
 
@@ -148,12 +150,6 @@ def gae_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     whitened over valid tokens (``masked_whiten``, always: ``norm_by_std`` and ``eps`` are not read).
 
     Runs on: controller or worker (pure function). Reads ``values`` (required), ``gamma``, ``lam``.
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``, both zero where ``response_mask`` is 0.
-
-    Raises:
-        ValueError: If ``values`` is ``None``.
     """
     values = inputs.need("values", "gae")
     with torch.no_grad():
@@ -178,14 +174,8 @@ def grpo_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     is this estimator with ``norm_by_std=False`` together with the ``"seq-mean-token-sum-norm"`` loss
     aggregation (see ``LOSS_AGGREGATIONS``).
 
-    Runs on: controller or worker (pure function). Reads ``group_ids`` (required), ``norm_by_std``, ``eps``.
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``; ``returns`` equals ``advantages``; zero where the
-        mask is 0.
-
-    Raises:
-        ValueError: If ``group_ids`` is ``None``.
+    Runs on: controller or worker (pure function). Reads ``group_ids`` (required), ``norm_by_std``, ``eps``;
+    ``returns`` equals ``advantages``.
     """
     group_ids = inputs.need("group_ids", "grpo")
     with torch.no_grad():
@@ -214,14 +204,8 @@ def rloo_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     baseline, and gets advantage ``0`` (it contributes no gradient). No std normalisation. The advantage
     is broadcast to all valid tokens. Computed without gradient.
 
-    Runs on: controller or worker (pure function). Reads ``group_ids`` (required).
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``; ``returns`` equals ``advantages``; zero where the
-        mask is 0.
-
-    Raises:
-        ValueError: If ``group_ids`` is ``None``.
+    Runs on: controller or worker (pure function). Reads ``group_ids`` (required); ``returns`` equals
+    ``advantages``.
     """
     group_ids = inputs.need("group_ids", "rloo")
     with torch.no_grad():
@@ -274,9 +258,6 @@ def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs, /) -> tuple
     Returns:
         ``(advantages [B, T], returns [B, T])``: whitened advantages, and as ``returns`` the group-centred
         scores *before* whitening; both zero where the mask is 0.
-
-    Raises:
-        ValueError: If ``group_ids`` is ``None``.
     """
     group_ids = inputs.need("group_ids", "reinforce_plus_plus_baseline")
     with torch.no_grad():
@@ -299,14 +280,8 @@ def remax_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     ``baselines`` is subtracted as given: score it the same way as the samples (e.g. include the same
     KL penalty if ``token_rewards`` contain one). No normalisation. Computed without gradient.
 
-    Runs on: controller or worker (pure function). Reads ``baselines`` (required).
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``; ``returns`` equals ``advantages``; zero where the
-        mask is 0.
-
-    Raises:
-        ValueError: If ``baselines`` is ``None``.
+    Runs on: controller or worker (pure function). Reads ``baselines`` (required); ``returns`` equals
+    ``advantages``.
     """
     baselines = inputs.need("baselines", "remax")
     with torch.no_grad():
