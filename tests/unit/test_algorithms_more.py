@@ -62,6 +62,8 @@ def test_unknown_names_list_valid_ones() -> None:
         compute_advantages("rlo", token_rewards=lp, response_mask=torch.ones(1, 2))
     with pytest.raises(ValueError, match="Valid: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"):
         aggregate_loss(lp, torch.ones(1, 2), mode="nope")
+    with pytest.raises(TypeError, match=r"PolicySettings.* 'clip_lo'"):  # a misspelt setting is not ignored
+        compute_policy_loss("gspo", lp, lp, lp, torch.ones(1, 2), clip_lo=0.1)
 
 
 # --------------------------------------------------------------------------------------------- advantages
