@@ -38,7 +38,10 @@ __all__ = [
 
 
 class LossAggregation(Protocol):
-    """Signature shared by all registered loss aggregations."""
+    """Signature shared by all registered loss aggregations: a ``[B, T]`` per-token ``loss`` and the ``[B, T]``
+    binary ``mask`` of valid tokens in, a scalar loss out. The keywords serve one aggregation each (the others
+    ignore them): ``num_tokens`` the global token count of ``"token-mean"``, ``max_len`` the constant divisor of
+    ``"seq-mean-token-sum-norm"``. Each runs on the controller or a worker (pure functions)."""
 
     def __call__(
         self, loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
@@ -52,21 +55,13 @@ LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry("loss aggregation")
 def token_mean(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Sum of valid-token losses divided by the number of tokens.
+    """Sum of valid-token losses divided by the number of tokens (``num_tokens``; default ``mask.sum()``, clamped
+    to at least 1).
 
     Pass the global token count of the whole (mini-)batch as ``num_tokens`` when summing losses of
     several micro-batches / data-parallel ranks, so the result is the exact global token mean.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        loss: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` binary mask of valid tokens.
-        num_tokens: Denominator; defaults to ``mask.sum()``. Clamped to at least 1.
-        max_len: Ignored (accepted for a uniform signature).
-
-    Returns:
-        Scalar loss.
     """
     del max_len
     total = masked_sum(loss, mask)
@@ -79,18 +74,9 @@ def token_mean(
 def seq_mean_token_sum(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Per-sequence sum over valid tokens, then mean over all ``B`` sequences.
+    """Per-sequence sum over valid tokens, then mean over all ``B`` sequences (``0`` if ``B == 0``).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        loss: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` binary mask of valid tokens.
-        num_tokens: Ignored (accepted for a uniform signature).
-        max_len: Ignored (accepted for a uniform signature).
-
-    Returns:
-        Scalar loss (``0`` if ``B == 0``).
     """
     del num_tokens, max_len
     seq_losses = masked_sum(loss, mask, dim=-1)  # [B]
@@ -101,18 +87,10 @@ def seq_mean_token_sum(
 def seq_mean_token_mean(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Per-sequence mean over valid tokens, then mean over sequences with a non-empty mask.
+    """Per-sequence mean over valid tokens, then mean over sequences with a non-empty mask (``0`` if every mask
+    row is empty).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        loss: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` binary mask of valid tokens.
-        num_tokens: Ignored (accepted for a uniform signature).
-        max_len: Ignored (accepted for a uniform signature).
-
-    Returns:
-        Scalar loss (``0`` if every mask row is empty).
     """
     del num_tokens, max_len
     seq_means = masked_mean(loss, mask, dim=-1)  # [B]
@@ -131,18 +109,10 @@ def seq_mean_token_sum_norm(
     Unlike ``"seq-mean-token-mean"`` no sequence is divided by its own length, so long and short
     responses are not weighted differently per token. With micro-batches of varying padded length, pass
     the same ``max_len`` (e.g. the rollout's maximum response length) everywhere so the constant is
-    the same for every micro-batch.
+    the same for every micro-batch. ``max_len``: the constant divisor (> 0); defaults to ``T``
+    (``mask.shape[-1]``, at least 1). ``0`` if ``B == 0``.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        loss: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` binary mask of valid tokens.
-        num_tokens: Ignored (accepted for a uniform signature).
-        max_len: Constant divisor (> 0); defaults to ``T`` (``mask.shape[-1]``, at least 1).
-
-    Returns:
-        Scalar loss (``0`` if ``B == 0``).
 
     Raises:
         ValueError: If ``max_len`` is given and not positive.
