@@ -286,21 +286,12 @@ def export_checkpoint(
 
     if best:
         checkpoint = best_checkpoint(checkpoint).path
-    path = Path(checkpoint)
     target = resolve_dtype(dtype)
-    if path.is_dir():
-        if not (path / _METADATA).is_file():
-            raise FileNotFoundError(
-                f"export_checkpoint({checkpoint!r}): the folder has no {_METADATA}, so it is not a sharded Lightning "
-                "checkpoint. HINT: pass the folder that trainer.save_checkpoint(path) wrote, or a .ckpt file."
-            )
-        meta = torch.load(path / _METADATA, map_location="cpu", weights_only=True)
-        state = _load_sharded(path, ACTOR_PREFIX, target)
-    elif path.is_file():
-        meta = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        state = _select(meta.get("state_dict", {}), ACTOR_PREFIX, target)
+    meta = _checkpoint_meta(checkpoint, where=f"export_checkpoint({checkpoint!r})")
+    if Path(checkpoint).is_dir():
+        state = _load_sharded(Path(checkpoint), ACTOR_PREFIX, target)
     else:
-        raise FileNotFoundError(f"export_checkpoint({checkpoint!r}): no such file or folder.")
+        state = _select(meta.get("state_dict", {}), ACTOR_PREFIX, target)
     if not state:
         raise KeyError(
             f"export_checkpoint({checkpoint!r}): no weights under '{ACTOR_PREFIX}' in the checkpoint. "
@@ -356,19 +347,20 @@ def export_checkpoint(
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _checkpoint_meta(checkpoint: str) -> dict[str, Any]:
-    """The non-tensor part of a checkpoint (a sharded folder's ``meta.pt``; a file, memory-mapped)."""
-    path = Path(checkpoint)
+def _checkpoint_meta(checkpoint: str, where: str | None = None) -> dict[str, Any]:
+    """The non-tensor part of a checkpoint (a sharded folder's ``meta.pt``; a file, memory-mapped: its tensors are
+    read only when used). ``where`` starts the error messages (default: the path)."""
+    path, where = Path(checkpoint), where or repr(checkpoint)
     if path.is_dir():
         if not (path / _METADATA).is_file():
             raise FileNotFoundError(
-                f"{checkpoint!r}: the folder has no {_METADATA}, so it is not a sharded Lightning checkpoint. HINT: "
-                "pass the folder that trainer.save_checkpoint(path) wrote, or a .ckpt file."
+                f"{where}: the folder has no {_METADATA}, so it is not a sharded Lightning checkpoint. HINT: pass the "
+                "folder that trainer.save_checkpoint(path) wrote, or a .ckpt file."
             )
         return dict(torch.load(path / _METADATA, map_location="cpu", weights_only=True))
     if path.is_file():
         return dict(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-    raise FileNotFoundError(f"{checkpoint!r}: no such checkpoint file or folder.")
+    raise FileNotFoundError(f"{where}: no such checkpoint file or folder.")
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -8,6 +8,7 @@ Each batch is a :class:`~lightning_rlhf.batch.Batch` with ``prompts`` / ``prompt
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -49,6 +50,7 @@ RESERVED_COLUMNS = frozenset(
 """Batch columns the framework writes; a dataset column with one of these names would be overwritten."""
 
 
+@dataclasses.dataclass(eq=False)
 class PromptLoader:
     """Shuffled (per epoch, seeded) batches of prompt rows, with a resumable position.
 
@@ -58,25 +60,22 @@ class PromptLoader:
     :meth:`mark_consumed`), not of the last one fetched: Lightning fetches one batch ahead.
     """
 
-    def __init__(
-        self,
-        rows: list[dict[str, Any]],
-        *,
-        batch_size: int,
-        collate: Callable[[list[dict[str, Any]]], Batch],
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = True,
-    ) -> None:
-        self.rows = rows
-        self.batch_size = batch_size
-        self.collate = collate
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self._epoch = 0  # epoch of the next iteration
-        self._skip = 0  # batches of that epoch to skip (set on resume)
-        self._position = (0, 0)  # (epoch, batches of it trained on), as reported by the strategy
+    rows: list[dict[str, Any]] = dataclasses.field(repr=False)
+    """The prepared prompt rows."""
+    _: dataclasses.KW_ONLY
+    batch_size: int
+    collate: Callable[[list[dict[str, Any]]], Batch] = dataclasses.field(repr=False)
+    """Rows -> the batch a step takes."""
+    shuffle: bool = True
+    """Reshuffle every epoch (seeded by ``seed`` and the epoch)."""
+    seed: int = 0
+    drop_last: bool = True
+    _epoch: int = dataclasses.field(default=0, init=False, repr=False)
+    """Epoch of the next iteration."""
+    _skip: int = dataclasses.field(default=0, init=False, repr=False)
+    """Batches of that epoch to skip (set on resume)."""
+    _position: tuple[int, int] = dataclasses.field(default=(0, 0), init=False, repr=False)
+    """(epoch, batches of it trained on), as reported by the strategy."""
 
     def __len__(self) -> int:
         n = len(self.rows)
