@@ -32,7 +32,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.compat.lightning import attached_trainer
-from lightning_rlhf.compat.peft import LORA_MARK, adapter_layers, config_scale, merge_stream, wrapped_name
+from lightning_rlhf.compat.peft import (
+    LORA_MARK,
+    adapter_layers,
+    base_layer_weight,
+    config_scale,
+    merge_stream,
+    wrapped_name,
+)
 from lightning_rlhf.engines.train.lora import has_lora, merged_weights, write_adapter
 
 if TYPE_CHECKING:
@@ -310,7 +317,7 @@ def export_checkpoint(
         if not merge:
             return _save_adapter(state, adapter, files, base, out)
         layers = adapter_layers(list(state))
-        if not any(key.endswith(".base_layer.weight") for key in state):  # a sharded checkpoint holds no base
+        if not any(base_layer_weight(layer) in state for layer in layers):  # a sharded checkpoint holds no base
             origin = base or adapter.get("base_model_name_or_path")
             if not origin:
                 raise ValueError(

@@ -31,6 +31,7 @@ __all__ = [
     "LORA_MARK",
     "SUPPORTED_PEFT",
     "adapter_layers",
+    "base_layer_weight",
     "base_name",
     "config_scale",
     "fresh_value",
@@ -69,6 +70,13 @@ def wrapped_name(key: str, adapted: set[str]) -> str:
     ``base_model.model.x.q_proj.weight``. Relies on: what :func:`base_name` relies on. Runs on: any process."""
     layer, _, leaf = f"{_PREFIX}{key}".rpartition(".")
     return f"{layer}.base_layer.{leaf}" if layer in adapted else f"{layer}.{leaf}"
+
+
+def base_layer_weight(layer: str) -> str:
+    """The wrapped name of an adapted layer's own weight (``<layer>.base_layer.weight``), ``layer`` its wrapped name.
+
+    Relies on: ``LoraLayer``'s ``base_layer`` child. Runs on: any process."""
+    return f"{layer}.base_layer.weight"
 
 
 def saved_key(name: str) -> str:
@@ -175,7 +183,7 @@ def merge_stream(
         if len(parts) == 3:
             merged = torch.addmm(parts["W"].float(), parts["B"].float(), parts["A"].float(), alpha=scales[layer])
             del held[layer]
-            yield base_name(f"{layer}.base_layer.weight"), merged if dtype is None else merged.to(dtype)
+            yield base_name(base_layer_weight(layer)), merged if dtype is None else merged.to(dtype)
     if held:
         raise RuntimeError(f"merge: adapted layers with missing parts: {sorted(held)[:4]}")
 

@@ -16,6 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassificat
 from lightning_rlhf.compat.peft import (
     LORA_MARK,
     adapter_layers,
+    base_layer_weight,
     base_name,
     config_scale,
     fresh_value,
@@ -69,9 +70,11 @@ def test_saved_key_is_the_key_peft_saves_each_trained_parameter_under() -> None:
     assert trained == set(get_peft_model_state_dict(model))
 
 
-def test_adapter_layers_are_the_layers_peft_wrapped() -> None:
+def test_adapter_layers_are_the_layers_peft_wrapped_and_hold_their_weight_under_base_layer() -> None:
     model = wrapped(causal_lm())
-    assert adapter_layers([n for n, _ in model.named_parameters()]) == sorted(adapted_names(model))
+    names = [n for n, _ in model.named_parameters()]
+    assert adapter_layers(names) == sorted(adapted_names(model))
+    assert all(base_layer_weight(layer) in names for layer in adapter_layers(names))
 
 
 def test_fresh_values_follow_pefts_initialisation() -> None:
