@@ -4,8 +4,10 @@ here: a release that renames the wrapper's parameters, changes the initial value
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +128,15 @@ def test_merge_stream_computes_what_merge_and_unload_does() -> None:
     for name, tensor in merged.items():
         torch.testing.assert_close(tensor, reference[name], rtol=1e-6, atol=1e-6, msg=name)
     assert any((merged[n] - p).abs().max() > 1e-3 for n, p in causal_lm().named_parameters())  # adapters merged
+
+
+def test_outside_compat_peft_is_imported_from_its_top_level_only() -> None:
+    root = Path(__file__).resolve().parents[2] / "lightning_rlhf"
+    deep = [
+        f"{path.relative_to(root)}:{node.lineno}: {node.module}"
+        for path in root.rglob("*.py")
+        if path != root / "compat" / "peft.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("peft.")
+    ]
+    assert deep == [], "peft's submodules are reached outside lightning_rlhf/compat/peft.py"

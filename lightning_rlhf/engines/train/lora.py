@@ -168,7 +168,7 @@ def _start_values(wrapped: nn.Module, folder: str, *, setting: str) -> dict[str,
     """The saved adapter's ``lora_A``/``lora_B`` tensors by the wrapped model's parameter names (peft's
     ``load_peft_weights`` reads them); every adapter parameter of ``wrapped`` must have one. A saved
     ``modules_to_save`` copy is not used: those layers start from the model, as in a fresh run."""
-    from peft.utils import load_peft_weights
+    from peft import load_peft_weights
 
     saved = load_peft_weights(folder, device="cpu")
     values = {
