@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from lightning_rlhf.algorithms import (
+    AdvantageInputs,
     grpo_advantages,
     logprobs_from_logits,
     policy_loss_clipped,
@@ -62,9 +63,8 @@ def plain_loop(model_path: str, steps: int, prompts_per_step: int = 32, n: int =
         scores = torch.tensor(addition_reward([], texts, [r["answer"] for r in rows for _ in range(n)]))
         attn = torch.cat([enc["attention_mask"].repeat_interleave(n, 0), mask], 1)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        adv, _ = grpo_advantages(
-            scores_to_token_rewards(scores, mask), mask, group_ids=torch.arange(prompts_per_step).repeat_interleave(n)
-        )
+        group_ids = torch.arange(prompts_per_step).repeat_interleave(n)
+        adv, _ = grpo_advantages(AdvantageInputs(scores_to_token_rewards(scores, mask), mask, group_ids=group_ids))
         lp = logprobs_from_logits(
             model(out, attention_mask=attn, position_ids=pos).logits[:, prompt_len - 1 : -1], responses
         )

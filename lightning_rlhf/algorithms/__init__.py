@@ -1,113 +1,27 @@
 """Pure tensor functions for RLHF algorithms: advantages, KL estimators, losses, helpers.
 
+Every public name of the submodules is importable from here (their ``__all__``).
+
 Runs on: controller or worker (pure functions, no config objects, no host syncs).
 """
 
-from lightning_rlhf.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageEstimator,
-    compute_advantages,
-    estimator_inputs,
-    gae_advantages,
-    grpo_advantages,
-    reinforce_plus_plus_advantages,
-    reinforce_plus_plus_baseline_advantages,
-    remax_advantages,
-    rloo_advantages,
-)
-from lightning_rlhf.algorithms.constrained import LagrangeMultiplier, informative_groups, lagrangian_advantages
-from lightning_rlhf.algorithms.evaluation import mean_at_n, pass_at_k
-from lightning_rlhf.algorithms.functional import (
-    entropy_from_logits,
-    logprobs_and_entropy,
-    logprobs_from_logits,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-    overlong_reward_penalty,
-    scores_to_token_rewards,
-)
-from lightning_rlhf.algorithms.kl import (
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    KLController,
-    KLEstimator,
-    kl_k1,
-    kl_k2,
-    kl_k3,
-    kl_penalty,
-)
-from lightning_rlhf.algorithms.losses import (
-    LOSS_AGGREGATIONS,
-    POLICY_LOSSES,
-    LossAggregation,
-    MicroBatchAggregation,
-    PolicyLoss,
-    aggregate_loss,
-    compute_policy_loss,
-    policy_loss_clipped,
-    policy_loss_dual_clip,
-    policy_loss_gspo,
-    seq_mean_token_mean,
-    seq_mean_token_sum,
-    seq_mean_token_sum_norm,
-    token_mean,
-    uses_global_token_count,
-    value_loss_clipped,
-)
-from lightning_rlhf.algorithms.registry import Registry
+from lightning_rlhf.algorithms import advantages, constrained, evaluation, functional, kl, losses, registry
+from lightning_rlhf.algorithms.advantages import *  # noqa: F403
+from lightning_rlhf.algorithms.constrained import *  # noqa: F403
+from lightning_rlhf.algorithms.evaluation import *  # noqa: F403
+from lightning_rlhf.algorithms.functional import *  # noqa: F403
+from lightning_rlhf.algorithms.kl import *  # noqa: F403
+from lightning_rlhf.algorithms.losses import *  # noqa: F403
+from lightning_rlhf.algorithms.registry import *  # noqa: F403
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "KL_ESTIMATORS",
-    "LOSS_AGGREGATIONS",
-    "POLICY_LOSSES",
-    "AdaptiveKLController",
-    "AdvantageEstimator",
-    "FixedKLController",
-    "KLController",
-    "KLEstimator",
-    "LagrangeMultiplier",
-    "LossAggregation",
-    "MicroBatchAggregation",
-    "PolicyLoss",
-    "Registry",
-    "aggregate_loss",
-    "compute_advantages",
-    "compute_policy_loss",
-    "entropy_from_logits",
-    "estimator_inputs",
-    "gae_advantages",
-    "grpo_advantages",
-    "informative_groups",
-    "kl_k1",
-    "kl_k2",
-    "kl_k3",
-    "kl_penalty",
-    "lagrangian_advantages",
-    "logprobs_and_entropy",
-    "logprobs_from_logits",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "masked_whiten",
-    "mean_at_n",
-    "overlong_reward_penalty",
-    "pass_at_k",
-    "policy_loss_clipped",
-    "policy_loss_dual_clip",
-    "policy_loss_gspo",
-    "reinforce_plus_plus_advantages",
-    "reinforce_plus_plus_baseline_advantages",
-    "remax_advantages",
-    "rloo_advantages",
-    "scores_to_token_rewards",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_sum_norm",
-    "token_mean",
-    "uses_global_token_count",
-    "value_loss_clipped",
-]
+__all__ = sorted(
+    {
+        *advantages.__all__,
+        *constrained.__all__,
+        *evaluation.__all__,
+        *functional.__all__,
+        *kl.__all__,
+        *losses.__all__,
+        *registry.__all__,
+    }
+)

@@ -1,12 +1,14 @@
 """Advantage estimators: GAE (PPO), group-relative (GRPO, RLOO, REINFORCE++-baseline), REINFORCE++, ReMax.
 
-Every estimator shares one signature so a trainer can switch by name::
+Every estimator takes one :class:`AdvantageInputs` so a trainer can switch by name::
 
     advantages, returns = compute_advantages("grpo", token_rewards=r, response_mask=m, group_ids=g)
 """
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
@@ -18,7 +20,9 @@ from lightning_rlhf.algorithms.registry import Registry
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
+    "AdvantageInputs",
     "compute_advantages",
+    "estimator_inputs",
     "gae_advantages",
     "grpo_advantages",
     "reinforce_plus_plus_advantages",
@@ -27,108 +31,138 @@ __all__ = [
     "rloo_advantages",
 ]
 
+_NEEDS = {
+    "values": "[B, T] critic values",
+    "group_ids": "[B] integer group per sequence",
+    "baselines": "[B] greedy-response score per prompt",
+}
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator reads: the step's rewards and masks, the optional per-estimator inputs, and the
+    settings (each estimator reads the ones it uses; its docstring says which). Runs on: any process."""
+
+    token_rewards: Tensor
+    """``[B, T]`` per-token rewards (usually the score on the last response token, minus any KL penalty)."""
+    response_mask: Tensor
+    """``[B, T]`` binary mask of the tokens the estimator runs over (padding and observations are 0)."""
+    values: Tensor | None = None
+    """``[B, T]`` critic values (GAE), or None."""
+    group_ids: Tensor | None = None
+    """``[B]`` integer group (prompt) of each sequence (group-relative estimators), or None."""
+    baselines: Tensor | None = None
+    """``[B]`` score of the greedy response to each sequence's prompt (ReMax), or None."""
+    gamma: float = 1.0
+    """Discount factor (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_by_std: bool = True
+    """Divide by the group std (GRPO; False with the seq-mean-token-sum-norm aggregation is Dr.GRPO)."""
+    eps: float = 1e-6
+    """Added to the group std (GRPO)."""
+
+    def need(self, name: str, estimator: str) -> Tensor:
+        """The optional input ``name``, which estimator ``estimator`` requires.
+
+        Raises:
+            ValueError: it is None, naming the estimator, the input and its shape."""
+        value: Tensor | None = getattr(self, name)
+        if value is None:
+            raise ValueError(f"Advantage estimator {estimator!r} requires `{name}` ({_NEEDS[name]}).")
+        return value
+
+    @property
+    def mask(self) -> Tensor:
+        """The response mask as booleans."""
+        return self.response_mask.bool()
+
+    @property
+    def rewards(self) -> Tensor:
+        """The token rewards as floating point."""
+        rewards = self.token_rewards
+        return rewards if rewards.is_floating_point() else rewards.float()
+
+    @property
+    def scores(self) -> Tensor:
+        """``[B]`` each sequence's masked reward sum (padding ignored, even if ``nan``)."""
+        rewards = self.rewards
+        return torch.where(self.mask, rewards, torch.zeros_like(rewards)).sum(dim=-1)
+
 
 class AdvantageEstimator(Protocol):
-    """Signature shared by all registered advantage estimators."""
+    """Signature shared by all registered advantage estimators: ``(advantages [B, T], returns [B, T])`` of the
+    inputs, both zero where ``response_mask`` is 0, computed without gradient; a ``ValueError`` naming the
+    estimator and the input when an input it requires is None (:meth:`AdvantageInputs.need`). Each runs on the
+    controller or a worker (pure functions)."""
 
-    def __call__(
-        self,
-        token_rewards: Tensor,
-        response_mask: Tensor,
-        *,
-        values: Tensor | None = None,
-        group_ids: Tensor | None = None,
-        baselines: Tensor | None = None,
-        gamma: float = 1.0,
-        lam: float = 1.0,
-        norm_by_std: bool = True,
-        eps: float = 1e-6,
-    ) -> tuple[Tensor, Tensor]: ...
+    def __call__(self, inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]: ...
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
-def _float(x: Tensor) -> Tensor:
-    return x if x.is_floating_point() else x.float()
+def _backward_scan(rewards: Tensor, mask: Tensor, *, gamma: float, lam: float, values: Tensor | None) -> Tensor:
+    """``A_t = r_t + gamma * V_{t+1} - V_t + gamma * lam * A_{t+1}`` backwards over time (``V = 0`` without
+    ``values``: the discounted return), where ``t + 1`` is the next *valid* token: masked-out positions are
+    skipped (contribute nothing) and the last valid token has next value and advantage ``0``. Zero on padding."""
+    zero_row = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    next_value, next_adv = zero_row, zero_row
+    out = torch.zeros_like(rewards)
+    for t in range(rewards.shape[-1] - 1, -1, -1):
+        m_t = mask[:, t]
+        delta = rewards[:, t] if values is None else rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        out[:, t] = torch.where(m_t, adv_t, zero_row)
+        if values is not None:  # padding is transparent: carry the successor's value/advantage through it
+            next_value = torch.where(m_t, values[:, t], next_value)
+        next_adv = torch.where(m_t, adv_t, next_adv)
+    return out
+
+
+def _whitened(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` whitened over the batch's valid tokens (``masked_whiten``), zero on padding."""
+    return torch.where(mask, masked_whiten(x, mask), torch.zeros_like(x))
+
+
+def _groups(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(inverse [B], counts [G], sums [G])``: each sequence's group index, each group's size and score sum."""
+    uniq, inverse = torch.unique(group_ids.reshape(-1), return_inverse=True)  # inverse: [B] in [0, G)
+    counts = torch.zeros(uniq.numel(), dtype=scores.dtype, device=scores.device)
+    counts.index_add_(0, inverse, torch.ones_like(scores))
+    sums = torch.zeros_like(counts).index_add_(0, inverse, scores)
+    return inverse, counts, sums
+
+
+def _broadcast(per_seq: Tensor, mask: Tensor) -> Tensor:
+    """Spreads a ``[B]`` value over the valid tokens of a ``[B, T]`` mask (zeros on padding)."""
+    expanded = per_seq.unsqueeze(-1).expand(mask.shape)
+    return torch.where(mask, expanded, torch.zeros_like(expanded))
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")
-def gae_advantages(
-    token_rewards: Tensor,
-    response_mask: Tensor,
-    *,
-    values: Tensor | None = None,
-    group_ids: Tensor | None = None,
-    baselines: Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+def gae_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al., 2016), computed backwards over time.
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``, where
     ``t + 1`` is the next *valid* token: masked-out positions are skipped (contribute nothing), and the
     last valid token has next value ``0``. ``returns = A + V`` before whitening; the advantages are then
-    whitened over valid tokens (``masked_whiten``). Computed without gradient.
+    whitened over valid tokens (``masked_whiten``, always: ``norm_by_std`` and ``eps`` are not read).
 
-    Runs on: controller or worker (pure function).
-
-    Args:
-        token_rewards: ``[B, T]`` per-token rewards.
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        values: ``[B, T]`` value estimates (required).
-        group_ids: Unused.
-        baselines: Unused.
-        gamma: Discount factor.
-        lam: GAE lambda.
-        norm_by_std: Unused (GAE advantages are always whitened).
-        eps: Unused (whitening uses its own ``1e-8``).
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``, both zero where ``response_mask`` is 0.
-
-    Raises:
-        ValueError: If ``values`` is ``None``.
+    Runs on: controller or worker (pure function). Reads ``values`` (required), ``gamma``, ``lam``.
     """
-    del group_ids, baselines, norm_by_std, eps
-    if values is None:
-        raise ValueError("Advantage estimator 'gae' requires `values` ([B, T] critic values).")
+    values = inputs.need("values", "gae")
     with torch.no_grad():
-        mask = response_mask.bool()
-        rewards = _float(token_rewards)
+        mask, rewards = inputs.mask, inputs.rewards
         vals = values.to(rewards.dtype)
-        zero_row = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
-        next_value, next_adv = zero_row, zero_row
-        advs = torch.zeros_like(rewards)
-        for t in range(rewards.shape[-1] - 1, -1, -1):
-            m_t = mask[:, t]
-            delta = rewards[:, t] + gamma * next_value - vals[:, t]
-            adv_t = delta + gamma * lam * next_adv
-            advs[:, t] = torch.where(m_t, adv_t, zero_row)
-            # Padding is transparent: carry the successor's value/advantage through it.
-            next_value = torch.where(m_t, vals[:, t], next_value)
-            next_adv = torch.where(m_t, adv_t, next_adv)
-        zeros = torch.zeros_like(advs)
-        returns = torch.where(mask, advs + vals, zeros)
-        advantages = torch.where(mask, masked_whiten(advs, mask), zeros)
+        advs = _backward_scan(rewards, mask, gamma=inputs.gamma, lam=inputs.lam, values=vals)
+        returns = torch.where(mask, advs + vals, torch.zeros_like(advs))
+        advantages = _whitened(advs, mask)
     return advantages, returns
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
-def grpo_advantages(
-    token_rewards: Tensor,
-    response_mask: Tensor,
-    *,
-    values: Tensor | None = None,
-    group_ids: Tensor | None = None,
-    baselines: Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+def grpo_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     """Group-relative advantages (GRPO, Shao et al., 2024), outcome supervision.
 
     Each sequence's score is its masked reward sum; the advantage is ``(score - mean_g) / (std_g + eps)``
@@ -140,86 +174,27 @@ def grpo_advantages(
     is this estimator with ``norm_by_std=False`` together with the ``"seq-mean-token-sum-norm"`` loss
     aggregation (see ``LOSS_AGGREGATIONS``).
 
-    Runs on: controller or worker (pure function).
-
-    Args:
-        token_rewards: ``[B, T]`` per-token rewards (usually the score on the last token).
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        values: Unused.
-        group_ids: ``[B]`` integer group id per sequence (required; any integer values).
-        baselines: Unused.
-        gamma: Unused.
-        lam: Unused.
-        norm_by_std: Divide by the group std.
-        eps: Added to the std.
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``; ``returns`` equals ``advantages``; zero where the
-        mask is 0.
-
-    Raises:
-        ValueError: If ``group_ids`` is ``None``.
+    Runs on: controller or worker (pure function). Reads ``group_ids`` (required), ``norm_by_std``, ``eps``;
+    ``returns`` equals ``advantages``.
     """
-    del values, baselines, gamma, lam
-    if group_ids is None:
-        raise ValueError("Advantage estimator 'grpo' requires `group_ids` ([B] integer group per sequence).")
+    group_ids = inputs.need("group_ids", "grpo")
     with torch.no_grad():
-        mask = response_mask.bool()
-        rewards = _float(token_rewards)
-        zeros = torch.zeros_like(rewards)
-        scores = torch.where(mask, rewards, zeros).sum(dim=-1)  # [B]
-        uniq, inverse = torch.unique(group_ids.reshape(-1), return_inverse=True)  # inverse: [B] in [0, G)
-        num_groups = uniq.numel()
-        counts = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
-        counts.index_add_(0, inverse, torch.ones_like(scores))
-        sums = torch.zeros_like(counts).index_add_(0, inverse, scores)
+        mask, scores = inputs.mask, inputs.scores
+        inverse, counts, sums = _groups(scores, group_ids)
         group_mean = sums / counts.clamp_min(1)
         sq_dev = (scores - group_mean[inverse]) ** 2
         group_ss = torch.zeros_like(counts).index_add_(0, inverse, sq_dev)
         group_std = torch.sqrt(group_ss / (counts - 1).clamp_min(1))
         is_group = (counts > 1)[inverse]  # [B]
-        mean = torch.where(is_group, group_mean[inverse], torch.zeros_like(scores))
-        centred = scores - mean
-        if norm_by_std:
-            denom = torch.where(is_group, group_std[inverse] + eps, torch.ones_like(scores))
-            centred = centred / denom
-        advantages = torch.where(mask, centred.unsqueeze(-1).expand_as(rewards), zeros)
+        centred = scores - torch.where(is_group, group_mean[inverse], torch.zeros_like(scores))
+        if inputs.norm_by_std:
+            centred = centred / torch.where(is_group, group_std[inverse] + inputs.eps, torch.ones_like(scores))
+        advantages = _broadcast(centred, mask)
     return advantages, advantages.clone()
 
 
-def _sequence_scores(rewards: Tensor, mask: Tensor) -> Tensor:
-    """``[B]`` masked sum of ``[B, T]`` token rewards (padding ignored, even if ``nan``)."""
-    return torch.where(mask, rewards, torch.zeros_like(rewards)).sum(dim=-1)
-
-
-def _group_sum_count(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """For each sequence, the sum of its group's ``[B]`` scores and its group's size, both ``[B]``."""
-    uniq, inverse = torch.unique(group_ids.reshape(-1), return_inverse=True)  # inverse: [B] in [0, G)
-    counts = torch.zeros(uniq.numel(), dtype=scores.dtype, device=scores.device)
-    counts.index_add_(0, inverse, torch.ones_like(scores))
-    sums = torch.zeros_like(counts).index_add_(0, inverse, scores)
-    return sums[inverse], counts[inverse]
-
-
-def _broadcast(per_seq: Tensor, mask: Tensor) -> Tensor:
-    """Spreads a ``[B]`` value over the valid tokens of a ``[B, T]`` mask (zeros on padding)."""
-    expanded = per_seq.unsqueeze(-1).expand(mask.shape)
-    return torch.where(mask, expanded, torch.zeros_like(expanded))
-
-
 @ADVANTAGE_ESTIMATORS.register("rloo")
-def rloo_advantages(
-    token_rewards: Tensor,
-    response_mask: Tensor,
-    *,
-    values: Tensor | None = None,
-    group_ids: Tensor | None = None,
-    baselines: Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+def rloo_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     """REINFORCE Leave-One-Out advantages (RLOO; Ahmadian et al., 2024, "Back to Basics: Revisiting
     REINFORCE Style Optimization for Learning from Human Feedback in LLMs").
 
@@ -229,52 +204,22 @@ def rloo_advantages(
     baseline, and gets advantage ``0`` (it contributes no gradient). No std normalisation. The advantage
     is broadcast to all valid tokens. Computed without gradient.
 
-    Runs on: controller or worker (pure function).
-
-    Args:
-        token_rewards: ``[B, T]`` per-token rewards (usually the score on the last token).
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        values: Unused.
-        group_ids: ``[B]`` integer group id per sequence (required; any integer values).
-        baselines: Unused.
-        gamma: Unused.
-        lam: Unused.
-        norm_by_std: Unused.
-        eps: Unused.
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``; ``returns`` equals ``advantages``; zero where the
-        mask is 0.
-
-    Raises:
-        ValueError: If ``group_ids`` is ``None``.
+    Runs on: controller or worker (pure function). Reads ``group_ids`` (required); ``returns`` equals
+    ``advantages``.
     """
-    del values, baselines, gamma, lam, norm_by_std, eps
-    if group_ids is None:
-        raise ValueError("Advantage estimator 'rloo' requires `group_ids` ([B] integer group per sequence).")
+    group_ids = inputs.need("group_ids", "rloo")
     with torch.no_grad():
-        mask = response_mask.bool()
-        scores = _sequence_scores(_float(token_rewards), mask)  # [B]
-        group_sum, count = _group_sum_count(scores, group_ids)
-        loo_mean = (group_sum - scores) / (count - 1).clamp_min(1)
+        scores = inputs.scores
+        inverse, counts, sums = _groups(scores, group_ids)
+        count = counts[inverse]
+        loo_mean = (sums[inverse] - scores) / (count - 1).clamp_min(1)
         per_seq = torch.where(count > 1, scores - loo_mean, torch.zeros_like(scores))
-        advantages = _broadcast(per_seq, mask)
+        advantages = _broadcast(per_seq, inputs.mask)
     return advantages, advantages.clone()
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
-def reinforce_plus_plus_advantages(
-    token_rewards: Tensor,
-    response_mask: Tensor,
-    *,
-    values: Tensor | None = None,
-    group_ids: Tensor | None = None,
-    baselines: Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+def reinforce_plus_plus_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     """REINFORCE++ advantages (Hu, 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
     Large Language Models"): critic-free discounted returns, normalised over the whole batch.
 
@@ -284,52 +229,21 @@ def reinforce_plus_plus_advantages(
     advantages are ``G`` whitened with the mean and unbiased std of all valid tokens of the batch
     (``masked_whiten``), then zeroed on padding. Computed without gradient.
 
-    Runs on: controller or worker (pure function).
-
-    Args:
-        token_rewards: ``[B, T]`` per-token rewards (score on the last token, minus any KL penalty).
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        values: Unused.
-        group_ids: Unused.
-        baselines: Unused.
-        gamma: Discount factor.
-        lam: Unused.
-        norm_by_std: Unused (the advantages are always whitened).
-        eps: Unused (whitening uses its own ``1e-8``).
+    Runs on: controller or worker (pure function). Reads ``gamma``.
 
     Returns:
         ``(advantages [B, T], returns [B, T])``: whitened advantages and the un-whitened discounted
         returns ``G``; both zero where the mask is 0.
     """
-    del values, group_ids, baselines, lam, norm_by_std, eps
     with torch.no_grad():
-        mask = response_mask.bool()
-        rewards = _float(token_rewards)
-        zero_row = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
-        running = zero_row
-        returns = torch.zeros_like(rewards)
-        for t in range(rewards.shape[-1] - 1, -1, -1):
-            m_t = mask[:, t]
-            ret_t = rewards[:, t] + gamma * running
-            returns[:, t] = torch.where(m_t, ret_t, zero_row)
-            running = torch.where(m_t, ret_t, running)  # padding is transparent
-        advantages = torch.where(mask, masked_whiten(returns, mask), torch.zeros_like(returns))
+        mask = inputs.mask
+        returns = _backward_scan(inputs.rewards, mask, gamma=inputs.gamma, lam=1.0, values=None)
+        advantages = _whitened(returns, mask)
     return advantages, returns
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline_advantages(
-    token_rewards: Tensor,
-    response_mask: Tensor,
-    *,
-    values: Tensor | None = None,
-    group_ids: Tensor | None = None,
-    baselines: Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline advantages (Hu, 2025, "REINFORCE++: A Simple and Efficient Approach for
     Aligning Large Language Models"): group-mean baseline, then batch-level normalisation.
 
@@ -339,54 +253,25 @@ def reinforce_plus_plus_baseline_advantages(
     with the mean and unbiased std of all valid tokens of the batch (``masked_whiten``), then zeroed on
     padding. Computed without gradient.
 
-    Runs on: controller or worker (pure function).
-
-    Args:
-        token_rewards: ``[B, T]`` per-token rewards (usually the score on the last token).
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        values: Unused.
-        group_ids: ``[B]`` integer group id per sequence (required; any integer values).
-        baselines: Unused.
-        gamma: Unused.
-        lam: Unused.
-        norm_by_std: Unused (the batch-level whitening always divides by the std).
-        eps: Unused (whitening uses its own ``1e-8``).
+    Runs on: controller or worker (pure function). Reads ``group_ids`` (required).
 
     Returns:
         ``(advantages [B, T], returns [B, T])``: whitened advantages, and as ``returns`` the group-centred
         scores *before* whitening; both zero where the mask is 0.
-
-    Raises:
-        ValueError: If ``group_ids`` is ``None``.
     """
-    del values, baselines, gamma, lam, norm_by_std, eps
-    if group_ids is None:
-        raise ValueError(
-            "Advantage estimator 'reinforce_plus_plus_baseline' requires `group_ids` ([B] integer group per sequence)."
-        )
+    group_ids = inputs.need("group_ids", "reinforce_plus_plus_baseline")
     with torch.no_grad():
-        mask = response_mask.bool()
-        scores = _sequence_scores(_float(token_rewards), mask)  # [B]
-        group_sum, count = _group_sum_count(scores, group_ids)
-        mean = torch.where(count > 1, group_sum / count, torch.zeros_like(scores))
+        mask, scores = inputs.mask, inputs.scores
+        inverse, counts, sums = _groups(scores, group_ids)
+        count = counts[inverse]
+        mean = torch.where(count > 1, sums[inverse] / count, torch.zeros_like(scores))
         returns = _broadcast(scores - mean, mask)
-        advantages = torch.where(mask, masked_whiten(returns, mask), torch.zeros_like(returns))
+        advantages = _whitened(returns, mask)
     return advantages, returns
 
 
 @ADVANTAGE_ESTIMATORS.register("remax")
-def remax_advantages(
-    token_rewards: Tensor,
-    response_mask: Tensor,
-    *,
-    values: Tensor | None = None,
-    group_ids: Tensor | None = None,
-    baselines: Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+def remax_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     """ReMax advantages (Li et al., 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement
     Learning Method for Aligning Large Language Models").
 
@@ -395,33 +280,13 @@ def remax_advantages(
     ``baselines`` is subtracted as given: score it the same way as the samples (e.g. include the same
     KL penalty if ``token_rewards`` contain one). No normalisation. Computed without gradient.
 
-    Runs on: controller or worker (pure function).
-
-    Args:
-        token_rewards: ``[B, T]`` per-token rewards (usually the score on the last token).
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        values: Unused.
-        group_ids: Unused.
-        baselines: ``[B]`` score of the greedy response to each sequence's prompt (required).
-        gamma: Unused.
-        lam: Unused.
-        norm_by_std: Unused.
-        eps: Unused.
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``; ``returns`` equals ``advantages``; zero where the
-        mask is 0.
-
-    Raises:
-        ValueError: If ``baselines`` is ``None``.
+    Runs on: controller or worker (pure function). Reads ``baselines`` (required); ``returns`` equals
+    ``advantages``.
     """
-    del values, group_ids, gamma, lam, norm_by_std, eps
-    if baselines is None:
-        raise ValueError("Advantage estimator 'remax' requires `baselines` ([B] greedy-response score per prompt).")
+    baselines = inputs.need("baselines", "remax")
     with torch.no_grad():
-        mask = response_mask.bool()
-        scores = _sequence_scores(_float(token_rewards), mask)  # [B]
-        advantages = _broadcast(scores - baselines.to(scores.dtype).reshape(-1), mask)
+        scores = inputs.scores
+        advantages = _broadcast(scores - baselines.to(scores.dtype).reshape(-1), inputs.mask)
     return advantages, advantages.clone()
 
 
@@ -438,14 +303,15 @@ def estimator_inputs(name: str) -> frozenset[str]:
     return _EXTRA_INPUTS.get(name, frozenset())
 
 
-def compute_advantages(name: str, **kwargs: Any) -> tuple[Tensor, Tensor]:
+def compute_advantages(name: str, inputs: AdvantageInputs | None = None, /, **given: Any) -> tuple[Tensor, Tensor]:
     """Runs the advantage estimator registered as ``name``.
 
     Runs on: controller or worker (pure function).
 
     Args:
         name: Registered estimator name (see ``ADVANTAGE_ESTIMATORS.names()``).
-        **kwargs: Arguments of the estimator (``token_rewards``, ``response_mask``, ...).
+        inputs: the estimator's inputs; or, instead, their fields as keywords (``token_rewards``,
+            ``response_mask``, ...).
 
     Returns:
         ``(advantages [B, T], returns [B, T])``.
@@ -453,4 +319,8 @@ def compute_advantages(name: str, **kwargs: Any) -> tuple[Tensor, Tensor]:
     Raises:
         ValueError: If ``name`` is unknown or required inputs are missing.
     """
-    return ADVANTAGE_ESTIMATORS.get(name)(**kwargs)
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    data = AdvantageInputs(**given) if inputs is None else inputs
+    if "token_rewards" in inspect.signature(estimator).parameters:  # written for the keyword form: still served
+        return estimator(**{f.name: getattr(data, f.name) for f in fields(data)})  # type: ignore[call-arg]
+    return estimator(data)

@@ -22,6 +22,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_reward_penalty",
     "scores_to_token_rewards",
 ]
 
@@ -50,18 +51,8 @@ def masked_sum(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
-    """Mean of ``x`` over positions where ``mask`` is set.
-
-    Runs on: controller or worker (pure function).
-
-    Args:
-        x: Values, any shape ``[...]``.
-        mask: Binary mask broadcastable to ``x.shape``.
-        dim: Dimension(s) to reduce; ``None`` reduces everything to a scalar.
-
-    Returns:
-        Masked mean over ``dim``; ``0`` where no element is selected (instead of ``nan``).
-    """
+    """Mean of ``x`` over positions where ``mask`` is set, over ``dim`` (arguments as :func:`masked_sum`); ``0``
+    where no element is selected (instead of ``nan``). Runs on: controller or worker (pure function)."""
     m = _bool_mask(mask, x)
     total = masked_sum(x, m, dim)
     count = (m.sum() if dim is None else m.sum(dim=dim)).to(total.dtype)

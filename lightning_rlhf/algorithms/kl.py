@@ -31,39 +31,22 @@ __all__ = [
 ]
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
+"""A registered KL estimator: ``(logprobs [B, T], ref_logprobs [B, T]) -> [B, T]`` per-token estimate (not masked),
+from the policy's and the reference's log-probabilities of the tokens sampled from the policy."""
 
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 
 
 @KL_ESTIMATORS.register("k1")
 def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k1 estimator ``logprobs - ref_logprobs``.
-
-    Runs on: controller or worker (pure function).
-
-    Args:
-        logprobs: ``[B, T]`` policy log-probabilities of the sampled tokens.
-        ref_logprobs: ``[B, T]`` reference log-probabilities of the same tokens.
-
-    Returns:
-        ``[B, T]`` per-token KL estimate.
-    """
+    """k1 estimator ``logprobs - ref_logprobs`` (a :data:`KLEstimator`). Runs on: controller or worker."""
     return logprobs - ref_logprobs
 
 
 @KL_ESTIMATORS.register("k2")
 def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k2 estimator ``0.5 * (logprobs - ref_logprobs) ** 2``.
-
-    Runs on: controller or worker (pure function).
-
-    Args:
-        logprobs: ``[B, T]`` policy log-probabilities of the sampled tokens.
-        ref_logprobs: ``[B, T]`` reference log-probabilities of the same tokens.
-
-    Returns:
-        ``[B, T]`` per-token KL estimate (non-negative).
-    """
+    """k2 estimator ``0.5 * (logprobs - ref_logprobs) ** 2`` (a :data:`KLEstimator`; non-negative). Runs on:
+    controller or worker."""
     return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
@@ -71,16 +54,8 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k3 estimator ``exp(r) - r - 1`` with ``r = ref_logprobs - logprobs``.
 
-    ``r`` is clamped to ``[-20, 20]`` before ``exp`` and the result to ``[-10, 10]`` for stability.
-
-    Runs on: controller or worker (pure function).
-
-    Args:
-        logprobs: ``[B, T]`` policy log-probabilities of the sampled tokens.
-        ref_logprobs: ``[B, T]`` reference log-probabilities of the same tokens.
-
-    Returns:
-        ``[B, T]`` per-token KL estimate (non-negative, at most 10).
+    A :data:`KLEstimator` (non-negative, at most 10): ``r`` is clamped to ``[-20, 20]`` before ``exp`` and the
+    result to ``[-10, 10]`` for stability. Runs on: controller or worker.
     """
     log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)

@@ -22,6 +22,7 @@ __all__ = [
     "LossAggregation",
     "MicroBatchAggregation",
     "PolicyLoss",
+    "PolicySettings",
     "aggregate_loss",
     "compute_policy_loss",
     "policy_loss_clipped",
@@ -37,7 +38,10 @@ __all__ = [
 
 
 class LossAggregation(Protocol):
-    """Signature shared by all registered loss aggregations."""
+    """Signature shared by all registered loss aggregations: a ``[B, T]`` per-token ``loss`` and the ``[B, T]``
+    binary ``mask`` of valid tokens in, a scalar loss out. The keywords serve one aggregation each (the others
+    ignore them): ``num_tokens`` the global token count of ``"token-mean"``, ``max_len`` the constant divisor of
+    ``"seq-mean-token-sum-norm"``. Each runs on the controller or a worker (pure functions)."""
 
     def __call__(
         self, loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
@@ -51,21 +55,13 @@ LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry("loss aggregation")
 def token_mean(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Sum of valid-token losses divided by the number of tokens.
+    """Sum of valid-token losses divided by the number of tokens (``num_tokens``; default ``mask.sum()``, clamped
+    to at least 1).
 
     Pass the global token count of the whole (mini-)batch as ``num_tokens`` when summing losses of
     several micro-batches / data-parallel ranks, so the result is the exact global token mean.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        loss: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` binary mask of valid tokens.
-        num_tokens: Denominator; defaults to ``mask.sum()``. Clamped to at least 1.
-        max_len: Ignored (accepted for a uniform signature).
-
-    Returns:
-        Scalar loss.
     """
     del max_len
     total = masked_sum(loss, mask)
@@ -78,18 +74,9 @@ def token_mean(
 def seq_mean_token_sum(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Per-sequence sum over valid tokens, then mean over all ``B`` sequences.
+    """Per-sequence sum over valid tokens, then mean over all ``B`` sequences (``0`` if ``B == 0``).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        loss: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` binary mask of valid tokens.
-        num_tokens: Ignored (accepted for a uniform signature).
-        max_len: Ignored (accepted for a uniform signature).
-
-    Returns:
-        Scalar loss (``0`` if ``B == 0``).
     """
     del num_tokens, max_len
     seq_losses = masked_sum(loss, mask, dim=-1)  # [B]
@@ -100,18 +87,10 @@ def seq_mean_token_sum(
 def seq_mean_token_mean(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Per-sequence mean over valid tokens, then mean over sequences with a non-empty mask.
+    """Per-sequence mean over valid tokens, then mean over sequences with a non-empty mask (``0`` if every mask
+    row is empty).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        loss: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` binary mask of valid tokens.
-        num_tokens: Ignored (accepted for a uniform signature).
-        max_len: Ignored (accepted for a uniform signature).
-
-    Returns:
-        Scalar loss (``0`` if every mask row is empty).
     """
     del num_tokens, max_len
     seq_means = masked_mean(loss, mask, dim=-1)  # [B]
@@ -130,18 +109,10 @@ def seq_mean_token_sum_norm(
     Unlike ``"seq-mean-token-mean"`` no sequence is divided by its own length, so long and short
     responses are not weighted differently per token. With micro-batches of varying padded length, pass
     the same ``max_len`` (e.g. the rollout's maximum response length) everywhere so the constant is
-    the same for every micro-batch.
+    the same for every micro-batch. ``max_len``: the constant divisor (> 0); defaults to ``T``
+    (``mask.shape[-1]``, at least 1). ``0`` if ``B == 0``.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        loss: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` binary mask of valid tokens.
-        num_tokens: Ignored (accepted for a uniform signature).
-        max_len: Constant divisor (> 0); defaults to ``T`` (``mask.shape[-1]``, at least 1).
-
-    Returns:
-        Scalar loss (``0`` if ``B == 0``).
 
     Raises:
         ValueError: If ``max_len`` is given and not positive.
@@ -244,170 +215,113 @@ class MicroBatchAggregation:
         return value.detach() / local
 
 
+@dataclass(frozen=True)
+class PolicySettings:
+    """The keyword settings every registered policy loss accepts (each loss reads those it uses); an unknown one
+    is a ``TypeError`` naming it. Runs on: any process."""
+
+    clip_low: float = 0.2
+    """Lower clip ``epsilon`` (ratio >= ``1 - clip_low``)."""
+    clip_high: float = 0.2
+    """Upper clip ``epsilon`` (ratio <= ``1 + clip_high``); ``> clip_low`` is DAPO's clip-higher."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant ``c`` (``"dual_clip"`` only; > 1, the paper uses 3)."""
+    agg: str = "token-mean"
+    """Loss aggregation mode (see ``LOSS_AGGREGATIONS``)."""
+    num_tokens: Tensor | float | None = None
+    """Optional global token count for ``"token-mean"``."""
+    max_len: int | None = None
+    """Optional constant length divisor for ``"seq-mean-token-sum-norm"``."""
+
+
 class PolicyLoss(Protocol):
-    """Signature shared by all registered policy losses."""
+    """Signature shared by all registered policy losses: ``logprobs`` ``[B, T]`` (the current policy's, requiring
+    grad), ``old_logprobs`` ``[B, T]`` (the behaviour policy's), ``advantages`` ``[B, T]``, ``response_mask``
+    ``[B, T]`` (binary, valid response tokens), and :class:`PolicySettings` as keywords. Returns ``(loss,
+    metrics)``: a differentiable scalar loss and detached scalar metrics, at least ``"pg_clipfrac"`` (the fraction of
+    valid tokens where the clipped branch is strictly larger) and ``"ppo_kl"`` (masked mean of ``old_logprobs -
+    logprobs``)."""
 
     def __call__(
-        self,
-        logprobs: Tensor,
-        old_logprobs: Tensor,
-        advantages: Tensor,
-        response_mask: Tensor,
-        *,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
-        clip_ratio_c: float = 3.0,
-        agg: str = "token-mean",
-        num_tokens: Tensor | float | None = None,
-        max_len: int | None = None,
+        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
     ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
-def _clipped_surrogate(
-    ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO's pessimistic per-token loss ``max(-A * r, -A * clamp(r, 1 - clip_low, 1 + clip_high))``.
-
-    Returns ``(per_token, unclipped, clipped)``, all ``[B, T]``.
-    """
+def _clipped_loss(
+    ratio: Tensor, log_ratio: Tensor, advantages: Tensor, mask: Tensor, settings: PolicySettings, *, dual: bool = False
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's pessimistic per-token loss ``max(-A * r, -A * clamp(r, 1 - clip_low, 1 + clip_high))`` (with ``dual``:
+    ``min(that, -A * clip_ratio_c)`` where ``A < 0``), aggregated, with the metrics of :class:`PolicyLoss`."""
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped), unclipped, clipped
+    clipped = -advantages * ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    per_token = ppo = torch.maximum(unclipped, clipped)
+    if dual:
+        bound = -advantages * settings.clip_ratio_c
+        negative = advantages < 0
+        per_token = torch.where(negative, torch.minimum(ppo, bound), ppo)
+    loss = aggregate_loss(per_token, mask, mode=settings.agg, num_tokens=settings.num_tokens, max_len=settings.max_len)
+    with torch.no_grad():
+        metrics = {"pg_clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), mask)}
+        if dual:
+            metrics["pg_clipfrac_lower"] = masked_mean((negative & (ppo > bound)).to(per_token.dtype), mask)
+        metrics["ppo_kl"] = masked_mean(-log_ratio, mask)
+    return loss, metrics
 
 
 @POLICY_LOSSES.register("vanilla")
 def policy_loss_clipped(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    agg: str = "token-mean",
-    num_tokens: Tensor | float | None = None,
-    max_len: int | None = None,
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate objective (Schulman et al., 2017), with asymmetric clip range.
+    """PPO clipped surrogate objective (Schulman et al., 2017), with asymmetric clip range: a :class:`PolicyLoss`.
 
     ``ratio = exp(clamp(logprobs - old_logprobs, -20, 20))`` and the per-token loss is
     ``max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))``. DAPO's "clip-higher"
-    (Yu et al., 2025) is this loss with ``clip_high > clip_low``; no separate loss is needed.
+    (Yu et al., 2025) is this loss with ``clip_high > clip_low``; no separate loss is needed. ``clip_ratio_c`` is
+    not read (see ``"dual_clip"``).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        logprobs: ``[B, T]`` current policy log-probabilities (requires grad).
-        old_logprobs: ``[B, T]`` log-probabilities of the behaviour policy.
-        advantages: ``[B, T]`` advantages.
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        clip_low: Lower clip ``epsilon`` (ratio >= ``1 - clip_low``).
-        clip_high: Upper clip ``epsilon`` (ratio <= ``1 + clip_high``).
-        clip_ratio_c: Ignored (accepted for the uniform ``POLICY_LOSSES`` signature; see ``"dual_clip"``).
-        agg: Loss aggregation mode (see ``LOSS_AGGREGATIONS``).
-        num_tokens: Optional global token count for ``"token-mean"``.
-        max_len: Optional constant length divisor for ``"seq-mean-token-sum-norm"``.
-
-    Returns:
-        ``(loss, metrics)``: differentiable scalar loss and detached scalar metrics
-        ``"pg_clipfrac"`` (fraction of valid tokens where the clipped branch is strictly larger) and
-        ``"ppo_kl"`` (masked mean of ``old_logprobs - logprobs``).
     """
-    del clip_ratio_c
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    per_token, unclipped, clipped = _clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high)
-    loss = aggregate_loss(per_token, response_mask, mode=agg, num_tokens=num_tokens, max_len=max_len)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), response_mask),
-            "ppo_kl": masked_mean(-log_ratio, response_mask),
-        }
-    return loss, metrics
+    return _clipped_loss(ratio, log_ratio, advantages, response_mask, PolicySettings(**settings))
 
 
 @POLICY_LOSSES.register("dual_clip")
 def policy_loss_dual_clip(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    agg: str = "token-mean",
-    num_tokens: Tensor | float | None = None,
-    max_len: int | None = None,
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Dual-clip PPO (Ye et al., 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
-    Learning"): PPO's clipped loss, additionally bounded for negative advantages.
+    Learning"): PPO's clipped loss, additionally bounded for negative advantages; a :class:`PolicyLoss`.
 
     With ``ppo = max(-A * r, -A * clamp(r, 1 - clip_low, 1 + clip_high))`` as in ``"vanilla"``, the
     per-token loss is ``min(ppo, -A * clip_ratio_c)`` where ``A < 0`` and ``ppo`` elsewhere, so a token
     whose ratio has grown far beyond ``clip_ratio_c`` under a negative advantage cannot produce an
-    unbounded loss (its gradient is zero once the bound is active).
+    unbounded loss (its gradient is zero once the bound is active). One more metric,
+    ``"pg_clipfrac_lower"``: the fraction of valid tokens where ``A < 0`` and the dual bound is strictly smaller
+    than the PPO loss.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        logprobs: ``[B, T]`` current policy log-probabilities (requires grad).
-        old_logprobs: ``[B, T]`` log-probabilities of the behaviour policy.
-        advantages: ``[B, T]`` advantages.
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        clip_low: Lower clip ``epsilon`` (ratio >= ``1 - clip_low``).
-        clip_high: Upper clip ``epsilon`` (ratio <= ``1 + clip_high``).
-        clip_ratio_c: Dual-clip constant ``c`` (> 1; the paper uses 3).
-        agg: Loss aggregation mode (see ``LOSS_AGGREGATIONS``).
-        num_tokens: Optional global token count for ``"token-mean"``.
-        max_len: Optional constant length divisor for ``"seq-mean-token-sum-norm"``.
-
-    Returns:
-        ``(loss, metrics)``: differentiable scalar loss and detached scalar metrics ``"pg_clipfrac"``
-        (as in ``"vanilla"``), ``"pg_clipfrac_lower"`` (fraction of valid tokens where ``A < 0`` and the
-        dual bound is strictly smaller than the PPO loss) and ``"ppo_kl"``.
 
     Raises:
         ValueError: If ``clip_ratio_c <= 1``.
     """
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"Policy loss 'dual_clip' requires `clip_ratio_c` > 1, got {clip_ratio_c}.")
+    config = PolicySettings(**settings)
+    if not config.clip_ratio_c > 1.0:
+        raise ValueError(f"Policy loss 'dual_clip' requires `clip_ratio_c` > 1, got {config.clip_ratio_c}.")
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    ppo, unclipped, clipped = _clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high)
-    bound = -advantages * clip_ratio_c
-    negative = advantages < 0
-    per_token = torch.where(negative, torch.minimum(ppo, bound), ppo)
-    loss = aggregate_loss(per_token, response_mask, mode=agg, num_tokens=num_tokens, max_len=max_len)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), response_mask),
-            "pg_clipfrac_lower": masked_mean((negative & (ppo > bound)).to(per_token.dtype), response_mask),
-            "ppo_kl": masked_mean(-log_ratio, response_mask),
-        }
-    return loss, metrics
+    return _clipped_loss(ratio, log_ratio, advantages, response_mask, config, dual=True)
 
 
 @POLICY_LOSSES.register("gspo")
 def policy_loss_gspo(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    agg: str = "token-mean",
-    num_tokens: Tensor | float | None = None,
-    max_len: int | None = None,
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Group Sequence Policy Optimization (GSPO; Zheng et al., 2025): PPO clipping on a sequence-level,
-    length-normalised importance ratio.
+    length-normalised importance ratio; a :class:`PolicyLoss`.
 
     The sequence ratio is the geometric mean of the token ratios,
     ``s_i = exp(mean_t (logprobs - old_logprobs))`` over the sequence's valid tokens. The token-level
@@ -418,40 +332,16 @@ def policy_loss_gspo(
     with token-level advantages). The per-token loss is PPO's
     ``max(-A * s, -A * clamp(s, 1 - clip_low, 1 + clip_high))``; the log of ``sg[s_i]`` is clamped to
     ``[-20, 20]``. GSPO uses much smaller clip ranges than token-level PPO (the paper: ``clip_low=3e-4``,
-    ``clip_high=4e-4``); they are not changed here.
+    ``clip_high=4e-4``); they are not changed here. ``advantages`` are normally the sequence advantage broadcast
+    over its tokens. As the ratio is shared by a sequence's tokens, ``"pg_clipfrac"`` is the fraction of clipped
+    sequences weighted by their token counts; ``"ppo_kl"`` stays token-level.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        logprobs: ``[B, T]`` current policy log-probabilities (requires grad).
-        old_logprobs: ``[B, T]`` log-probabilities of the behaviour policy.
-        advantages: ``[B, T]`` advantages (normally the sequence advantage broadcast over its tokens).
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        clip_low: Lower clip ``epsilon`` (``s >= 1 - clip_low``).
-        clip_high: Upper clip ``epsilon`` (``s <= 1 + clip_high``).
-        clip_ratio_c: Ignored (accepted for the uniform ``POLICY_LOSSES`` signature).
-        agg: Loss aggregation mode (see ``LOSS_AGGREGATIONS``); the paper's is ``"seq-mean-token-mean"``.
-        num_tokens: Optional global token count for ``"token-mean"``.
-        max_len: Optional constant length divisor for ``"seq-mean-token-sum-norm"``.
-
-    Returns:
-        ``(loss, metrics)``: differentiable scalar loss and detached scalar metrics ``"pg_clipfrac"``
-        (fraction of valid tokens where the clipped branch is strictly larger; as the ratio is shared by
-        a sequence's tokens, this is the fraction of clipped sequences weighted by their token counts)
-        and ``"ppo_kl"`` (token-level masked mean of ``old_logprobs - logprobs``).
     """
-    del clip_ratio_c
     log_ratio = logprobs - old_logprobs
     seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1).detach().clamp(-20.0, 20.0)  # [B]
     ratio = torch.exp(seq_log_ratio.unsqueeze(-1) + (logprobs - logprobs.detach()))  # value s_i, grad per token
-    per_token, unclipped, clipped = _clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high)
-    loss = aggregate_loss(per_token, response_mask, mode=agg, num_tokens=num_tokens, max_len=max_len)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), response_mask),
-            "ppo_kl": masked_mean(-log_ratio, response_mask),
-        }
-    return loss, metrics
+    return _clipped_loss(ratio, log_ratio, advantages, response_mask, PolicySettings(**settings))
 
 
 def compute_policy_loss(

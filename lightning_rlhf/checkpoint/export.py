@@ -32,14 +32,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.compat.lightning import attached_trainer
-from lightning_rlhf.engines.train.lora import (
+from lightning_rlhf.compat.peft import (
+    LORA_MARK,
     adapter_layers,
+    base_layer_weight,
     config_scale,
-    has_lora,
     merge_stream,
-    merged_weights,
-    write_adapter,
+    wrapped_name,
 )
+from lightning_rlhf.engines.train.lora import has_lora, merged_weights, write_adapter
 
 if TYPE_CHECKING:
     from lightning_rlhf.module import RLHFModule
@@ -292,28 +293,19 @@ def export_checkpoint(
 
     if best:
         checkpoint = best_checkpoint(checkpoint).path
-    path = Path(checkpoint)
     target = resolve_dtype(dtype)
-    if path.is_dir():
-        if not (path / _METADATA).is_file():
-            raise FileNotFoundError(
-                f"export_checkpoint({checkpoint!r}): the folder has no {_METADATA}, so it is not a sharded Lightning "
-                "checkpoint. HINT: pass the folder that trainer.save_checkpoint(path) wrote, or a .ckpt file."
-            )
-        meta = torch.load(path / _METADATA, map_location="cpu", weights_only=True)
-        state = _load_sharded(path, ACTOR_PREFIX, target)
-    elif path.is_file():
-        meta = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        state = _select(meta.get("state_dict", {}), ACTOR_PREFIX, target)
+    meta = _checkpoint_meta(checkpoint, where=f"export_checkpoint({checkpoint!r})")
+    if Path(checkpoint).is_dir():
+        state = _load_sharded(Path(checkpoint), ACTOR_PREFIX, target)
     else:
-        raise FileNotFoundError(f"export_checkpoint({checkpoint!r}): no such file or folder.")
+        state = _select(meta.get("state_dict", {}), ACTOR_PREFIX, target)
     if not state:
         raise KeyError(
             f"export_checkpoint({checkpoint!r}): no weights under '{ACTOR_PREFIX}' in the checkpoint. "
             "HINT: it must come from an RLHFModule trained with RLHFStrategy."
         )
     files = meta.get(CHECKPOINT_KEY) or {}
-    lora = any(".lora_" in key for key in state)
+    lora = any(LORA_MARK in key for key in state)
     if lora:
         if ADAPTER_CONFIG not in files:
             raise ValueError(
@@ -325,7 +317,7 @@ def export_checkpoint(
         if not merge:
             return _save_adapter(state, adapter, files, base, out)
         layers = adapter_layers(list(state))
-        if not any(key.endswith(".base_layer.weight") for key in state):  # a sharded checkpoint holds no base
+        if not any(base_layer_weight(layer) in state for layer in layers):  # a sharded checkpoint holds no base
             origin = base or adapter.get("base_model_name_or_path")
             if not origin:
                 raise ValueError(
@@ -362,19 +354,20 @@ def export_checkpoint(
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _checkpoint_meta(checkpoint: str) -> dict[str, Any]:
-    """The non-tensor part of a checkpoint (a sharded folder's ``meta.pt``; a file, memory-mapped)."""
-    path = Path(checkpoint)
+def _checkpoint_meta(checkpoint: str, where: str | None = None) -> dict[str, Any]:
+    """The non-tensor part of a checkpoint (a sharded folder's ``meta.pt``; a file, memory-mapped: its tensors are
+    read only when used). ``where`` starts the error messages (default: the path)."""
+    path, where = Path(checkpoint), where or repr(checkpoint)
     if path.is_dir():
         if not (path / _METADATA).is_file():
             raise FileNotFoundError(
-                f"{checkpoint!r}: the folder has no {_METADATA}, so it is not a sharded Lightning checkpoint. HINT: "
-                "pass the folder that trainer.save_checkpoint(path) wrote, or a .ckpt file."
+                f"{where}: the folder has no {_METADATA}, so it is not a sharded Lightning checkpoint. HINT: pass the "
+                "folder that trainer.save_checkpoint(path) wrote, or a .ckpt file."
             )
         return dict(torch.load(path / _METADATA, map_location="cpu", weights_only=True))
     if path.is_file():
         return dict(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-    raise FileNotFoundError(f"{checkpoint!r}: no such checkpoint file or folder.")
+    raise FileNotFoundError(f"{where}: no such checkpoint file or folder.")
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -413,11 +406,7 @@ def _base_weights(origin: str, adapted: set[str]) -> dict[str, torch.Tensor]:
 
     source = resolve_model_path(origin, setting="export_checkpoint(base=...)")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    state = {}
-    for key, tensor in model.state_dict().items():
-        layer, _, leaf = f"base_model.model.{key}".rpartition(".")
-        state[f"{layer}.base_layer.{leaf}" if layer in adapted else f"{layer}.{leaf}"] = tensor
-    return state
+    return {wrapped_name(key, adapted): tensor for key, tensor in model.state_dict().items()}
 
 
 def _save_adapter(

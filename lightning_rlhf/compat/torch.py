@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "SUPPORTED_TORCH",
     "fsdp_params",
     "local_shape_and_offset",
     "local_tensor",
@@ -26,6 +27,9 @@ __all__ = [
     "set_local_tensor",
     "sharded_param_data",
 ]
+
+SUPPORTED_TORCH = ">=2.6,<2.14"
+"""The PyTorch versions this module is written (and tested) against; ``pyproject.toml`` states the same range."""
 
 
 def local_tensor(data: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ __all__ = [
     "OptimConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SafetyConfig",
     "VLLMConfig",
     "ValidationConfig",
     "check_sampling",
@@ -110,6 +111,13 @@ def _fail(obj: object, field: str, value: object, expected: str) -> None:
     raise ValueError(f"{type(obj).__name__}.{field}={value!r} is invalid: expected {expected}.")
 
 
+def _counts(obj: object, *fields: str) -> None:
+    """Refuse any of ``obj``'s ``fields`` below 1 (counts of things: samples, turns, workers, ...)."""
+    for field in fields:
+        if getattr(obj, field) < 1:
+            _fail(obj, field, getattr(obj, field), "an integer >= 1")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """How rollouts are sampled."""
@@ -175,29 +183,20 @@ class RolloutConfig:
     run (one slow tool does not hold the batch). False: lock-step turns, each waiting for every episode's tools."""
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            _fail(self, "n", self.n, "an integer >= 1")
-        if self.max_turns < 1:
-            _fail(self, "max_turns", self.max_turns, "an integer >= 1")
+        _counts(
+            self, "n", "max_turns", "tool_workers", "max_tool_response_chars", "max_new_tokens", "generation_batch_size"
+        )
         if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
             _fail(self, "max_episode_tokens", self.max_episode_tokens, "an integer >= 2, or None")
         if not self.tool_timeout_s > 0:
             _fail(self, "tool_timeout_s", self.tool_timeout_s, "seconds > 0")
-        if self.tool_workers < 1:
-            _fail(self, "tool_workers", self.tool_workers, "an integer >= 1")
-        if self.max_tool_response_chars < 1:
-            _fail(self, "max_tool_response_chars", self.max_tool_response_chars, "an integer >= 1")
         check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, owner=type(self).__name__)
         if self.max_probs_diff is not None and not 0 < self.max_probs_diff <= 1:
             _fail(self, "max_probs_diff", self.max_probs_diff, "a probability gap in (0, 1], or None (no warning)")
-        if self.max_new_tokens < 1:
-            _fail(self, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             _fail(
                 self, "min_new_tokens", self.min_new_tokens, f"an integer in [0, max_new_tokens={self.max_new_tokens}]"
             )
-        if self.generation_batch_size < 1:
-            _fail(self, "generation_batch_size", self.generation_batch_size, "an integer >= 1")
         if self.decode not in ("auto", "loop", "generate"):
             raise ValueError(
                 f"RolloutConfig.decode={self.decode!r} is invalid: expected 'auto', 'loop' or 'generate'. HINT: "
@@ -271,8 +270,7 @@ class VLLMConfig:
     0.58-0.77 s, generation 1.38 s against 1.14 s (vLLM's LoRA products)."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            _fail(self, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
+        _counts(self, "tensor_parallel_size")
         if self.weight_bucket_mb <= 0:
             _fail(self, "weight_bucket_mb", self.weight_bucket_mb, "> 0 (megabytes per hand-off call)")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -441,8 +439,6 @@ class AlgorithmConfig:
                 self.kl_target,
                 "a KL > 0, with kl_in_reward=True and kl_coef > 0 (the starting coefficient); None for a fixed kl_coef",
             )
-        if self.kl_horizon < 1:
-            _fail(self, "kl_horizon", self.kl_horizon, "an integer >= 1")
         if self.overlong_buffer < 0 or self.overlong_penalty < 0:
             _fail(self, "overlong_buffer/overlong_penalty", (self.overlong_buffer, self.overlong_penalty), ">= 0")
         if self.clip_ratio_c <= 1:
@@ -451,12 +447,9 @@ class AlgorithmConfig:
             _fail(self, "gamma/lam", (self.gamma, self.lam), "gamma in (0, 1] and lam in [0, 1]")
         if self.max_sampling_rounds < 1:
             _fail(self, "max_sampling_rounds", self.max_sampling_rounds, "an integer >= 1 (the first round counts)")
-        if self.ppo_epochs < 1:
-            _fail(self, "ppo_epochs", self.ppo_epochs, "an integer >= 1")
+        _counts(self, "kl_horizon", "ppo_epochs", "micro_batch_size")
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             _fail(self, "mini_batch_size", self.mini_batch_size, "None or an integer >= 1")
-        if self.micro_batch_size < 1:
-            _fail(self, "micro_batch_size", self.micro_batch_size, "an integer >= 1")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             _fail(self, "max_staleness", self.max_staleness, "an integer >= 0 (1: one-step off-policy rollouts)")
         if self.max_staleness and self.dynamic_sampling:
@@ -582,8 +575,7 @@ class RewardConfig:
             _fail(self, "fallback_score", self.fallback_score, "a finite number (0.0 is usual)")
         if self.batch_size is not None and self.batch_size < 1:
             _fail(self, "batch_size", self.batch_size, "None (all of a rank's samples per call) or an integer >= 1")
-        if self.num_workers < 1:
-            _fail(self, "num_workers", self.num_workers, "an integer >= 1")
+        _counts(self, "num_workers")
         if self.on_exception not in ("raise", "fallback"):
             _fail(self, "on_exception", self.on_exception, "'raise' or 'fallback'")
         if self.weights is not None:
@@ -616,8 +608,7 @@ class ValidationConfig:
     verl's ``trainer.val_before_train``. Unlike Lightning's sanity check, its metrics are logged."""
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            _fail(self, "n", self.n, "an integer >= 1")
+        _counts(self, "n")
         check_sampling(temperature=self.temperature, top_p=1.0, top_k=0, owner=type(self).__name__)
         if self.temperature == 0 and self.n > 1:
             _fail(self, "n", self.n, "1 with temperature=0 (greedy gives one answer n times), or temperature > 0")

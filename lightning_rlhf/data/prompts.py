@@ -8,7 +8,8 @@ Each batch is a :class:`~lightning_rlhf.batch.Batch` with ``prompts`` / ``prompt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import lightning as L
@@ -49,6 +50,7 @@ RESERVED_COLUMNS = frozenset(
 """Batch columns the framework writes; a dataset column with one of these names would be overwritten."""
 
 
+@dataclasses.dataclass(eq=False)
 class PromptLoader:
     """Shuffled (per epoch, seeded) batches of prompt rows, with a resumable position.
 
@@ -58,25 +60,22 @@ class PromptLoader:
     :meth:`mark_consumed`), not of the last one fetched: Lightning fetches one batch ahead.
     """
 
-    def __init__(
-        self,
-        rows: list[dict[str, Any]],
-        *,
-        batch_size: int,
-        collate: Callable[[list[dict[str, Any]]], Batch],
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = True,
-    ) -> None:
-        self.rows = rows
-        self.batch_size = batch_size
-        self.collate = collate
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self._epoch = 0  # epoch of the next iteration
-        self._skip = 0  # batches of that epoch to skip (set on resume)
-        self._position = (0, 0)  # (epoch, batches of it trained on), as reported by the strategy
+    rows: list[dict[str, Any]] = dataclasses.field(repr=False)
+    """The prepared prompt rows."""
+    _: dataclasses.KW_ONLY
+    batch_size: int
+    collate: Callable[[list[dict[str, Any]]], Batch] = dataclasses.field(repr=False)
+    """Rows -> the batch a step takes."""
+    shuffle: bool = True
+    """Reshuffle every epoch (seeded by ``seed`` and the epoch)."""
+    seed: int = 0
+    drop_last: bool = True
+    _epoch: int = dataclasses.field(default=0, init=False, repr=False)
+    """Epoch of the next iteration."""
+    _skip: int = dataclasses.field(default=0, init=False, repr=False)
+    """Batches of that epoch to skip (set on resume)."""
+    _position: tuple[int, int] = dataclasses.field(default=(0, 0), init=False, repr=False)
+    """(epoch, batches of it trained on), as reported by the strategy."""
 
     def __len__(self) -> int:
         n = len(self.rows)
@@ -342,30 +341,18 @@ class PromptDataModule(L.LightningDataModule):
             )
             entries = [(i, row, text, ids) for (i, row, text, _), (ids, _) in zip(entries, rendered, strict=True)]
             what = "tokens in its episode's first prompt (reset's messages, system turn and tool schemas rendered)"
-        rows, too_long = [], 0
-        for i, row, text, ids in entries:
-            if len(ids) > self.max_prompt_length:
-                if self.overlong == "error":
-                    raise ValueError(
-                        f"PromptDataModule: row {i} has {len(ids)} {what} > max_prompt_length="
-                        f"{self.max_prompt_length} ({which} data). HINT: raise max_prompt_length or use "
-                        "overlong='filter'."
-                    )
-                too_long += 1
-                continue
-            rows.append({**row, "prompt": text, "prompt_ids": ids})
-        if too_long:
-            rank_zero_info(
-                f"PromptDataModule: dropped {too_long} of {len(dataset)} {which} prompts longer than "
-                f"max_prompt_length={self.max_prompt_length} tokens."
-            )
-        if len(rows) < min_rows:
-            least = f"batch_size={self.batch_size}" if which == "training" else "1"
-            raise ValueError(
-                f"PromptDataModule: {len(rows)} prompts left after filtering the {which} data, fewer than {least}. "
-                "HINT: lower batch_size, raise max_prompt_length, or check the data."
-            )
-        return rows
+        return keep_within(
+            ((i, len(ids), {**row, "prompt": text, "prompt_ids": ids}) for i, row, text, ids in entries),
+            self,
+            limit=self.max_prompt_length,
+            setting=f"max_prompt_length={self.max_prompt_length}",
+            knob="max_prompt_length",
+            tokens=what,
+            rows="prompts",
+            which=which,
+            total=len(dataset),
+            min_rows=min_rows,
+        )
 
     def _render(self, messages: list[dict[str, Any]], *, row: int, which: str) -> list[int]:
         return render_chat(
@@ -436,3 +423,48 @@ class PromptDataModule(L.LightningDataModule):
             shuffle=False,
             drop_last=False,
         )
+
+
+def keep_within(
+    items: Iterable[tuple[int, int, dict[str, Any]]],
+    module: Any,
+    *,
+    limit: int | None,
+    setting: str,
+    knob: str,
+    tokens: str,
+    rows: str,
+    which: str,
+    total: int,
+    min_rows: int,
+) -> list[dict[str, Any]]:
+    """The rows of ``items`` (``(row index, length, row)``) no longer than ``limit`` tokens: a longer one is dropped
+    (``module.overlong="filter"``, counted in one log line) or refused (``"error"``), and fewer than ``min_rows``
+    left is refused. ``setting`` names the limit (``max_length=512``), ``knob`` the setting to raise (with a note:
+    ``max_length (up to the model's positions)``), ``tokens`` what was counted, ``rows`` what a row is
+    (``prompts``), in the messages. Runs on: every process, in a data module's ``setup``.
+
+    Raises:
+        ValueError: a row over the limit with ``overlong="error"``, or too few rows left, naming the fix.
+    """
+    owner = type(module).__name__
+    kept, too_long = [], 0
+    for i, length, row in items:
+        if limit is not None and length > limit:
+            if module.overlong == "error":
+                raise ValueError(
+                    f"{owner}: row {i} has {length} {tokens} > {setting} ({which} data). HINT: raise {knob} or use "
+                    "overlong='filter'."
+                )
+            too_long += 1
+            continue
+        kept.append(row)
+    if too_long:
+        rank_zero_info(f"{owner}: dropped {too_long} of {total} {which} {rows} longer than {setting} tokens.")
+    if len(kept) < min_rows:
+        least = f"batch_size={module.batch_size}" if which == "training" else "1"
+        raise ValueError(
+            f"{owner}: {len(kept)} {rows} left after filtering the {which} data, fewer than {least}. "
+            f"HINT: lower batch_size, raise {knob.split(' ')[0]}, or check the data."
+        )
+    return kept

@@ -12,15 +12,15 @@ warm-started here sees the same prompt tokens when RL begins.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import check_sequence_length
 from lightning_rlhf.data.chat import check_messages
-from lightning_rlhf.data.prompts import PromptDataModule
+from lightning_rlhf.data.prompts import PromptDataModule, keep_within
 
 __all__ = ["SFT_COLUMNS", "SFTDataModule", "collate_sft", "encode_chat", "encode_prompt_answer", "tool_turns"]
 
@@ -338,33 +338,27 @@ class SFTDataModule(PromptDataModule):
                 f"SFTDataModule: {which} dataset columns {clash} clash with the batch tensors SFT adds. HINT: "
                 "rename them (datasets.Dataset.rename_column); SFTDataModule tokenizes the text itself."
             )
-        rows, too_long = [], 0
         limit = self._length_limit
-        setting = f"max_length={limit}" if self.max_length is not None else f"the model's {limit} positions"
-        for i, row in enumerate(dataset):
-            ids, mask = self._encode_row(row, row_index=i, which=which)
-            if not any(mask):
-                raise ValueError(f"SFTDataModule: row {i} of the {which} data has no token to train on.")
-            if limit is not None and len(ids) > limit:
-                if self.overlong == "error":
-                    raise ValueError(
-                        f"SFTDataModule: row {i} has {len(ids)} tokens > {setting} ({which} data). HINT: raise "
-                        "max_length (up to the model's positions) or use overlong='filter'."
-                    )
-                too_long += 1
-                continue
-            rows.append({**row, "input_ids": ids, "loss_mask": mask})
-        if too_long:
-            rank_zero_info(
-                f"SFTDataModule: dropped {too_long} of {len(dataset)} {which} examples longer than {setting} tokens."
-            )
-        if len(rows) < min_rows:
-            least = f"batch_size={self.batch_size}" if which == "training" else "1"
-            raise ValueError(
-                f"SFTDataModule: {len(rows)} examples left after filtering the {which} data, fewer than {least}. "
-                "HINT: lower batch_size, raise max_length, or check the data."
-            )
-        return rows
+
+        def encoded() -> Iterator[tuple[int, int, dict[str, Any]]]:
+            for i, row in enumerate(dataset):
+                ids, mask = self._encode_row(row, row_index=i, which=which)
+                if not any(mask):
+                    raise ValueError(f"SFTDataModule: row {i} of the {which} data has no token to train on.")
+                yield i, len(ids), {**row, "input_ids": ids, "loss_mask": mask}
+
+        return keep_within(
+            encoded(),
+            self,
+            limit=limit,
+            setting=f"max_length={limit}" if self.max_length is not None else f"the model's {limit} positions",
+            knob="max_length (up to the model's positions)",
+            tokens="tokens",
+            rows="examples",
+            which=which,
+            total=len(dataset),
+            min_rows=min_rows,
+        )
 
     def _encode_row(self, row: dict[str, Any], *, row_index: int, which: str) -> tuple[list[int], list[int]]:
         tok = self._tokenizer

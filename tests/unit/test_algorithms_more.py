@@ -12,6 +12,7 @@ from lightning_rlhf.algorithms import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     AdaptiveKLController,
+    AdvantageInputs,
     FixedKLController,
     KLController,
     aggregate_loss,
@@ -61,9 +62,38 @@ def test_unknown_names_list_valid_ones() -> None:
         compute_advantages("rlo", token_rewards=lp, response_mask=torch.ones(1, 2))
     with pytest.raises(ValueError, match="Valid: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"):
         aggregate_loss(lp, torch.ones(1, 2), mode="nope")
+    with pytest.raises(TypeError, match=r"PolicySettings.* 'clip_lo'"):  # a misspelt setting is not ignored
+        compute_policy_loss("gspo", lp, lp, lp, torch.ones(1, 2), clip_lo=0.1)
 
 
 # --------------------------------------------------------------------------------------------- advantages
+
+
+def test_an_estimator_takes_one_typed_input_and_one_written_for_the_keyword_form_still_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rewards, mask, ids = torch.tensor([[0.0, 1.0], [0.0, 3.0]]), torch.ones(2, 2), torch.tensor([0, 0])
+    inputs = AdvantageInputs(rewards, mask, group_ids=ids, gamma=0.5)
+    for a, b in zip(
+        compute_advantages("grpo", inputs),
+        compute_advantages("grpo", token_rewards=rewards, response_mask=mask, group_ids=ids),
+        strict=True,
+    ):
+        close(a, b)
+    seen: dict[str, object] = {}
+
+    def keyword_form(
+        token_rewards: torch.Tensor, response_mask: torch.Tensor, *, group_ids: object = None, gamma: float = 1.0,
+        **unused: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        seen.update(group_ids=group_ids, gamma=gamma, unused=sorted(unused))
+        return token_rewards * 2, token_rewards
+
+    monkeypatch.setitem(ADVANTAGE_ESTIMATORS._entries, "keyword_form", keyword_form)
+    advantages, _ = compute_advantages("keyword_form", inputs)
+    close(advantages, rewards * 2)
+    assert seen.pop("group_ids") is ids
+    assert seen == {"gamma": 0.5, "unused": ["baselines", "eps", "lam", "norm_by_std", "values"]}
 
 
 def test_existing_estimators_accept_and_ignore_baselines() -> None:

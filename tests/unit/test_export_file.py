@@ -62,7 +62,7 @@ def test_weights_that_do_not_fit_the_config_fail(tiny_model: str, tmp_path: Path
 
 
 def test_bad_inputs(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint file or folder"):
         export_checkpoint(str(tmp_path / "missing.ckpt"), str(tmp_path / "hf"))
     with pytest.raises(FileNotFoundError, match=r"has no meta\.pt"):
         export_checkpoint(str(tmp_path), str(tmp_path / "hf"))

@@ -9,15 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from lightning_rlhf.compat.peft import base_name
 from lightning_rlhf.engines.train import deferred_loading, forward_response, load_pretrained, materialize
-from lightning_rlhf.engines.train.lora import (
-    apply_lora,
-    base_name,
-    has_lora,
-    merged_weights,
-    resolve_lora,
-    unadapted_copy,
-)
+from lightning_rlhf.engines.train.lora import apply_lora, has_lora, merged_weights, resolve_lora, unadapted_copy
 from lightning_rlhf.roles.base import load_model
 from tests.unit.test_shared_prefix import grouped_batch
 

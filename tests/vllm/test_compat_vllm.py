@@ -1,0 +1,67 @@
+"""Each vLLM access in ``lightning_rlhf/compat/vllm.py`` checked against the installed vLLM (without building an
+engine: the names, their signatures and what they return): a release that renames or reshapes one fails here,
+naming the function; the engine tests in this folder run them on real engines."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from lightning_rlhf.compat.vllm import LOADER_LOGGERS, cpu_attention_head_sizes  # noqa: E402
+
+
+def parameters(fn: object) -> list[str]:
+    return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+
+def test_the_engine_methods_the_step_by_step_requests_use_are_there() -> None:
+    from vllm.entrypoints.llm import LLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    assert "self.llm_engine = " in inspect.getsource(LLM.__init__)
+    assert parameters(LLMEngine.add_request)[:4] == ["self", "request_id", "prompt", "params"]
+    assert "lora_request" in parameters(LLMEngine.add_request)
+    assert parameters(LLMEngine.step) == ["self"] and parameters(LLMEngine.has_unfinished_requests) == ["self"]
+    assert parameters(LLMEngine.remove_lora) == ["self", "lora_id"]
+    assert "get_vocab_size" in dir(vllm.config.ModelConfig)
+
+
+def test_the_workers_reload_weights_takes_a_weights_iterator() -> None:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert CPUWorker.reload_weights is Worker.reload_weights
+    assert "weights_iterator" in parameters(GPUModelRunner.reload_weights)
+
+
+def test_cpu_attention_head_sizes_are_whole_numbers_with_the_common_ones() -> None:
+    sizes = cpu_attention_head_sizes()
+    assert all(isinstance(s, int) for s in sizes) and {64, 128} <= set(sizes)
+
+
+def test_the_filtered_loggers_are_vllm_modules() -> None:
+    assert all(importlib.util.find_spec(name) is not None for name in LOADER_LOGGERS)
+
+
+def test_model_parallel_initialized_is_false_until_an_engine_sets_up_its_groups() -> None:
+    code = (
+        "from lightning_rlhf.compat.vllm import model_parallel_initialized as m; a = m(); "
+        "import vllm.distributed.parallel_state; print(a, m())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-2:] == ["False", "False"]
+
+
+def test_the_smallest_temperature_is_the_one_vllm_raises_smaller_ones_to() -> None:
+    from vllm.sampling_params import _MAX_TEMP
+
+    from lightning_rlhf.config.settings import MIN_TEMPERATURE
+
+    assert MIN_TEMPERATURE == _MAX_TEMP
