@@ -55,6 +55,7 @@ from lightning_rlhf.compat.lightning import (
 from lightning_rlhf.config import VLLMConfig, config_from_dict
 from lightning_rlhf.controller.controller import Controller
 from lightning_rlhf.controller.liveness import expect_exit
+from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout import make_rollout_engine
 from lightning_rlhf.engines.rollout.hf import check_hf_settings
 from lightning_rlhf.engines.rollout.vllm import check_vllm_settings, vllm_available
@@ -232,6 +233,7 @@ class RLHFStrategy(ModelParallelStrategy):
         self.worker_error_timeout_s = worker_error_timeout_s
         self._controller: Controller | None = None
         self._max_model_len = 0
+        self._layer: DeviceLayer = PLAIN  # the device layer, chosen at set-up (setup_environment)
         self.preemption_checkpoint = preemption_checkpoint
         self.preemption_path = None if preemption_path is None else os.fspath(preemption_path)
         self._preemption = PreemptionHandler(parse_signals(preemption_signals))
@@ -289,8 +291,10 @@ class RLHFStrategy(ModelParallelStrategy):
         self._preemption.install()  # a signal during loading is acted on after the first step
         super().setup_environment()
         _destroy_process_group_at_exit()
-        cpu.configure(self.cpu_kernels, self.root_device)  # before any model is built
+        self._layer = cpu.device_layer(self.cpu_kernels, self.root_device)  # before any model is built
         module = self._rlhf_module()
+        for role in module.roles().values():
+            role.train_engine.layer = self._layer
         check_compute_dtype(self.param_dtype, self.root_device, setting="RLHFStrategy.param_dtype")
         for role in module.roles().values():  # trainable roles hold float32 master weights
             if not role.trainable:
@@ -469,6 +473,7 @@ class RLHFStrategy(ModelParallelStrategy):
                         rank=self.global_rank,
                         world_size=self.world_size,
                         pool_group=self._meshes[name].get_group(),
+                        layer=self._layer,
                     )
                 )
             role.shard(self._meshes[name], param_dtype=self.param_dtype)
@@ -694,7 +699,7 @@ class RLHFStrategy(ModelParallelStrategy):
             if self._controller.death is None:  # after a death the watchdog stays and still speaks for the run
                 watchdog_running(False)
             self._controller.close()
-        cpu.host_memory_release()
+        self._layer.release()
         super().teardown()
 
     @property

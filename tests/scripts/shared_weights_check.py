@@ -32,10 +32,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_rlhf.cpu import shared_weights
+from lightning_rlhf.cpu.decode import _fused_rows
 from lightning_rlhf.cpu.native import CastPlan
 from lightning_rlhf.cpu.shared_weights import SharedWeights, shards_in_place
 from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
-from lightning_rlhf.engines.rollout.decode import _fused_rows
 from lightning_rlhf.engines.train import shard_model
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
