@@ -30,8 +30,8 @@ Dim = int | tuple[int, ...] | None
 
 
 class TokenKernels(Protocol):
-    """Compiled token log-prob kernels (a device layer's: ``engines.device_layer.DeviceLayer``); each method returns
-    None where it does not take the tensors given, and :func:`logprobs_and_entropy` computes them itself."""
+    """Compiled token log-prob kernels (a device layer's ``token_kernels()``); each returns None where it does not
+    take the tensors given, and :func:`logprobs_and_entropy` computes them itself."""
 
     def token_logprobs(
         self, logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
@@ -294,7 +294,7 @@ def logprobs_and_entropy(
         entropy_grad: whether the entropy is differentiable; False computes it as a plain number (the backward
             then needs no extra statistics and skips its term).
         chunk_elements: logits per block (memory/speed trade-off; results do not depend on it).
-        kernels: compiled kernels to try first (a device layer, :class:`TokenKernels`); None: PyTorch's ops.
+        kernels: compiled kernels to try first (a device layer's ``token_kernels()``); None: PyTorch's ops.
 
     Returns:
         ``(logprobs, entropy)``: ``[B, T]`` float32 each (``entropy`` None unless ``with_entropy``);

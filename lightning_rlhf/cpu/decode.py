@@ -37,7 +37,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_rlhf.cpu import native
+from lightning_rlhf.cpu import native, onednn
+from lightning_rlhf.cpu.kernels import RMS_NORM_CLASSES
 from lightning_rlhf.cpu.switches import enabled
 from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
 from lightning_rlhf.engines.rollout.hf import left_pad
@@ -114,7 +115,7 @@ class _Cache:
             return
         for i, scaling in enumerate(self._fusable):
             if scaling is not None:
-                self.steps[i] = decode_step(
+                self.steps[i] = native.DecodeStep.make(
                     self.prefix_keys[i], self.prefix_values[i], self.prefix_bias, self.keys[i], self.values[i],
                     n=self.n, group=self._group, scaling=scaling,
                 )  # fmt: skip
@@ -133,96 +134,6 @@ class _Cache:
         self._compile_steps()
 
 
-# ------------------------------------------------------------------------------------------- the CPU kernels
-def kernels_available() -> bool:
-    """Whether the compiled kernels are on and built here (compiles them on the first call). Runs on: any process."""
-    return enabled("native") and native.native_attention_available()
-
-
-def decode_step(
-    prefix_keys: Tensor,
-    prefix_values: Tensor,
-    prefix_bias: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    *,
-    n: int,
-    group: int,
-    scaling: float,
-) -> Callable[[Tensor, Tensor, Tensor, int], Tensor] | None:
-    """A layer's decoding step as one compiled call (rotary embedding, cache writes, attention), or None where the
-    kernels are off or cannot take these tensors. Runs on: worker (the decoding loop)."""
-    if not enabled("native"):
-        return None
-    step = native.DecodeStep.make(
-        prefix_keys, prefix_values, prefix_bias, keys, values, n=n, group=group, scaling=scaling
-    )
-    return step
-
-
-def decode_attention(
-    query: Tensor,
-    prefix_keys: Tensor,
-    prefix_values: Tensor,
-    prefix_bias: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    *,
-    n: int,
-    span: int,
-    scaling: float,
-) -> Tensor | None:
-    """A decoding step's attention through the compiled kernel, or None (off, or tensors it does not take). Runs on:
-    worker (the decoding loop)."""
-    if not enabled("native"):
-        return None
-    return native.decode_attention(
-        query, prefix_keys, prefix_values, prefix_bias, keys, values, n=n, span=span, scaling=scaling
-    )
-
-
-def norm(module: nn.Module, x: Tensor) -> Tensor | None:
-    """``module(x)`` through the compiled RMS norm where ``module`` is one of transformers' Llama-family norms
-    (the same formula), else None. Runs on: worker (the decoding loop)."""
-    from lightning_rlhf.cpu.kernels import RMS_NORM_CLASSES
-
-    if not enabled("native") or type(module).__name__ not in RMS_NORM_CLASSES:
-        return None
-    weight: Any = module.weight
-    eps: Any = module.variance_epsilon
-    return native.rms_norm(x, weight, float(eps))
-
-
-def silu_mul(gate_up: Tensor) -> Tensor | None:
-    """``silu(gate) * up`` of ``gate_up``'s two halves through the compiled kernel, or None. Runs on: worker."""
-    if not enabled("native"):
-        return None
-    return native.silu_mul(gate_up)
-
-
-def packs(weight: Tensor) -> bool:
-    """Whether products with ``weight`` can go through :func:`packed_linear` (piece ``onednn`` on; bfloat16 on a CPU
-    whose oneDNN has the path, float32 where oneDNN beats MKL: ``onednn.fp32_through_onednn``). Runs on: worker (the
-    decoding loop)."""
-    if not enabled("onednn"):
-        return False
-    from lightning_rlhf.cpu.onednn import fp32_through_onednn
-    from lightning_rlhf.cpu.onednn import packs as can_pack
-
-    return can_pack(weight) and (weight.dtype != torch.float32 or fp32_through_onednn())
-
-
-def packed_linear(weight: Tensor, bias: Tensor | None, rows: int) -> Callable[[Tensor], Tensor] | None:
-    """``x @ weight.T + bias`` through oneDNN with ``weight`` reordered into its blocked layout for ``rows`` rows a
-    product (piece ``onednn``; the copy lives as long as the callable), or None where that does not pay or run.
-    Runs on: worker (the decoding loop, once per sampling call)."""
-    if not packs(weight):
-        return None
-    from lightning_rlhf.cpu.onednn import packed_linear as packed
-
-    return packed(weight, bias, rows)
-
-
 def _written_slots_only(cache: _Cache) -> bool:
     """Whether the eager ops' attention step reads only the generated slots written so far (see :func:`_forward`):
     float32, or any dtype on a GPU. (The compiled kernel always does.)"""
@@ -239,9 +150,9 @@ def _native_kernels(cache: _Cache) -> bool:
 
 def _norm(module: Any, x: Tensor, native_ok: bool) -> Tensor:
     """``module(x)`` for a decoder's RMS norm, through the compiled kernel where it is one of transformers'
-    Llama-family norms (:func:`norm`: the same formula)."""
-    if native_ok:
-        out = norm(module, x)
+    Llama-family norms (the same formula)."""
+    if native_ok and type(module).__name__ in RMS_NORM_CLASSES:
+        out = native.rms_norm(x, module.weight, float(module.variance_epsilon))
         if out is not None:
             return out
     return module(x)
@@ -286,8 +197,7 @@ def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
 
 class _Linear:
     """One projection of the loop: ``y = x @ weight.T + bias`` through ``F.linear``, or through oneDNN with the weight
-    reordered into its blocked layout (the CPU layer's :func:`packed_linear`, where
-    :func:`_packs`).
+    reordered into its blocked layout (``onednn.packed_linear``, where :func:`_packs`).
 
     The packed copy lives as long as the :func:`sample_loop` call that made it (one more copy of the engine's
     projection and head weights while it generates); it is made again from the parameters at every call, so a
@@ -297,7 +207,7 @@ class _Linear:
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int | None) -> None:
         self.bias = bias
         self.weight = weight
-        self._packed = packed_linear(weight, bias, rows) if rows is not None else None
+        self._packed = onednn.packed_linear(weight, bias, rows) if rows is not None else None
         self.packed = self._packed is not None
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -307,9 +217,12 @@ class _Linear:
 
 
 def _packs(model: Any) -> bool:
-    """Whether the loop's projections go through oneDNN with prepacked weights (:func:`packs`:
-    float32 or bfloat16 on a CPU with oneDNN, the CPU layer on)."""
-    return packs(model.lm_head.weight)
+    """Whether the loop's projections go through oneDNN with prepacked weights: piece ``onednn`` on, and bfloat16 on
+    a CPU whose oneDNN has the path, or float32 where oneDNN beats MKL (``onednn.fp32_through_onednn``)."""
+    weight = model.lm_head.weight
+    return (
+        enabled("onednn") and onednn.packs(weight) and (weight.dtype != torch.float32 or onednn.fp32_through_onednn())
+    )
 
 
 class _Layer(NamedTuple):
@@ -394,7 +307,7 @@ def _forward(
             out = _attention(layer.self_attn, qkv, rotation, i, cache, step, prompt_bias)
         x = x + weights.o(out)
         gate_up = weights.gate_up(_norm(layer.post_attention_layernorm, x, native_ok))
-        gated = silu_mul(gate_up) if silu else None
+        gated = native.silu_mul(gate_up) if silu else None
         if gated is None:
             gate, up = gate_up.chunk(2, dim=-1)
             gated = layer.mlp.act_fn(gate) * up
@@ -479,7 +392,7 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
     prefix_keys, prefix_values = cache.prefix_keys[layer], cache.prefix_values[layer]
     keys, values = cache.keys[layer], cache.values[layer]
     if _native_kernels(cache):
-        out = decode_attention(
+        out = native.decode_attention(
             query, prefix_keys, prefix_values, cache.prefix_bias, keys, values, n=n, span=step + 1, scaling=scaling
         )
         if out is not None:

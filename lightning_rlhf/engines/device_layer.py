@@ -18,6 +18,8 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from lightning_rlhf.algorithms.functional import TokenKernels
+
 __all__ = ["PLAIN", "DecodeLoop", "DeviceLayer", "HostBuffer", "WeightStore"]
 
 
@@ -79,23 +81,9 @@ class DeviceLayer:
         hand-off streams). Runs on: every worker rank of the model's mesh together."""
         return None
 
-    def token_logprobs(
-        self, logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
-    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None:
-        """``(logp, lse, entropy, mean)`` of ``logits`` through a compiled kernel, or None. Runs on: any process."""
-        return None
-
-    def token_logprobs_backward(
-        self,
-        logits: Tensor,
-        labels: Tensor,
-        lse: Tensor,
-        mean: Tensor | None,
-        grad_logp: Tensor,
-        grad_entropy: Tensor | None,
-        temperature: float,
-    ) -> Tensor | None:
-        """The logits' gradient of :meth:`token_logprobs`, or None. Runs on: any process."""
+    def token_kernels(self) -> TokenKernels | None:
+        """Compiled token log-prob kernels for ``logprobs_and_entropy(kernels=...)``, or None (PyTorch's ops). Runs
+        on: any process (the training forward)."""
         return None
 
     def decode_loop(self) -> DecodeLoop | None:

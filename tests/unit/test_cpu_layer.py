@@ -4,14 +4,14 @@ the layer off every piece stands aside and the callers run PyTorch's own ops."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_rlhf import cpu
-from lightning_rlhf.cpu import decode
+from lightning_rlhf.cpu import decode, native, onednn
 from lightning_rlhf.cpu.decode import sample_loop
 from lightning_rlhf.engines.device_layer import PLAIN
 from lightning_rlhf.engines.rollout import SamplingParams, make_rollout_engine
@@ -33,6 +33,13 @@ def fresh_switch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     cpu._STATE.clear()
     cpu._STATE.update(saved)
+
+
+def _fails(name: str) -> Callable[..., None]:
+    def run(*args: object, **kwargs: object) -> None:
+        pytest.fail(f"{name} ran with the layer off")
+
+    return run
 
 
 def tiny() -> torch.nn.Module:
@@ -101,19 +108,23 @@ def test_pieces_turn_off_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("layer", ["off", "plain"])
-def test_off_every_piece_stands_aside(layer: str) -> None:
+def test_off_every_piece_stands_aside(layer: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Switched off (or PyTorch's own layer, a GPU run's), nothing of the CPU layer runs."""
     chosen = cpu.device_layer(False, "cpu") if layer == "off" else PLAIN
     model = tiny()
     TrainEngine(micro_batch_size=1, layer=chosen).bind(model)
     assert not any("forward" in module.__dict__ for module in model.modules())  # nothing switched
-    logits, labels = torch.randn(1, 3, 96), torch.zeros(1, 3, dtype=torch.long)
-    assert chosen.token_logprobs(logits, labels, 1.0, True) is None
-    if layer == "off":  # the decoding loop (a CPU run's, even off) takes none of its kernels
-        assert decode.silu_mul(torch.randn(2, 8)) is None and decode.norm(model.model.norm, torch.randn(2, 64)) is None
-        assert not decode.packs(model.lm_head.weight) and not decode.kernels_available()
+    assert chosen.token_kernels() is None
+    loop = chosen.decode_loop()
+    if layer == "off":  # the decoding loop (a CPU run's, even off) calls none of the compiled or oneDNN kernels
+        for module, name in [(native, n) for n in ("rms_norm", "silu_mul", "decode_attention")] + [(onednn, "packs")]:
+            monkeypatch.setattr(module, name, _fails(name))
+        monkeypatch.setattr(native.DecodeStep, "make", _fails("DecodeStep"))
+        assert loop is not None
+        params = SamplingParams(n=2, max_new_tokens=4)
+        loop.sample_loop(model, [[5, 6, 7]], params, stops={1}, pad_token_id=0, device=torch.device("cpu"))
     else:
-        assert chosen.decode_loop() is None
+        assert loop is None
     assert chosen.host_buffer(None, 64) is None  # type: ignore[arg-type]  # off: not even a group is needed
     assert chosen.weight_store(object(), model) is None and chosen.fsdp_collectives(model) == 0
 

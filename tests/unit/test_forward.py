@@ -220,6 +220,7 @@ def test_compiled_token_kernels_give_the_values_and_gradients(dtype: torch.dtype
     float64 they are within float32 rounding, as close as the block-wise eager ops or closer (a vocabulary with a tail
     of 3 past the kernel's 8-wide vectors, a row of very peaked logits, differentiable entropy). The kernels are the
     CPU layer's, handed to ``logprobs_and_entropy`` as ``kernels``."""
+    from lightning_rlhf.algorithms.functional import TokenKernels
     from lightning_rlhf.cpu import CPULayer, native
 
     assert native.native_attention_available()
@@ -229,7 +230,7 @@ def test_compiled_token_kernels_give_the_values_and_gradients(dtype: torch.dtype
     labels = torch.randint(0, 4099, (3, 7), generator=g)
     w_lp, w_ent = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
 
-    def run(x: Tensor, kernels: CPULayer | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def run(x: Tensor, kernels: TokenKernels | None = None) -> tuple[Tensor, Tensor, Tensor]:
         x = x.clone().requires_grad_(True)
         if x.dtype == torch.float64:
             logp, ent = plain(x, labels, temperature)
@@ -244,7 +245,7 @@ def test_compiled_token_kernels_give_the_values_and_gradients(dtype: torch.dtype
         return logp.double(), ent.double(), x.grad.double()
 
     ref_logp, ref_ent, ref_grad = run(logits.double())
-    logp, ent, grad = run(logits, CPULayer())
+    logp, ent, grad = run(logits, CPULayer().token_kernels())
     eager_logp, eager_ent, eager_grad = run(logits)
     for got, eager, ref in ((logp, eager_logp, ref_logp), (ent, eager_ent, ref_ent)):
         torch.testing.assert_close(got, ref, rtol=0, atol=2e-6)

@@ -284,9 +284,9 @@ class TrainEngine:
 
     @property
     def layer(self) -> DeviceLayer:
-        """The device layer: the model's forwards (:meth:`bind`), its FSDP collectives (:meth:`shard`) and token
-        log-prob kernels (``forward_response(kernels=engine.layer)``). Set by the strategy at set-up, before the
-        model is sharded; a model already bound is prepared by the new layer then."""
+        """The device layer: the model's forwards (:meth:`bind`), its FSDP collectives (:meth:`shard`), its token
+        log-prob kernels (``forward_response(kernels=engine.layer.token_kernels())``). Set by the strategy at
+        set-up, before the model is sharded; a model already bound is prepared by the new layer then."""
         return self._layer
 
     @layer.setter

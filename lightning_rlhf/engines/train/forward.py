@@ -68,7 +68,7 @@ def forward_response(
         group_size: rows come in consecutive groups of this many samples of one prompt (a rollout's ``n``): when
             they do (checked) and the model is Llama-family, each group's prompt is computed once
             (:mod:`~lightning_rlhf.engines.train.prefix`; the same log-probs up to float rounding). 1: per row.
-        kernels: the token log-prob kernels to try (the role's ``train_engine.layer``); None: PyTorch's ops.
+        kernels: the token log-prob kernels to try (``train_engine.layer.token_kernels()``); None: PyTorch's ops.
     """
     device = next(model.parameters()).device
     input_ids, attention_mask, position_ids = sequence_inputs(batch, device)
