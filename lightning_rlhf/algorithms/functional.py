@@ -37,7 +37,6 @@ class TokenKernels(Protocol):
         self, logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None:
         """``(logp, lse, entropy, mean)`` per position, or None."""
-        ...
 
     def token_logprobs_backward(
         self,
@@ -50,7 +49,6 @@ class TokenKernels(Protocol):
         temperature: float,
     ) -> Tensor | None:
         """The logits' gradient of ``token_logprobs``, or None."""
-        ...
 
 
 def _bool_mask(mask: Tensor, like: Tensor) -> Tensor:

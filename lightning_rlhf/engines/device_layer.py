@@ -28,11 +28,9 @@ class HostBuffer(Protocol):
 
     def next_half(self, nbytes: int) -> Tensor:
         """The next half's first ``nbytes`` as bytes (``uint8``)."""
-        ...
 
     def barrier(self) -> None:
         """Wait until every rank of the group has written its part."""
-        ...
 
 
 class WeightStore(Protocol):
@@ -40,7 +38,6 @@ class WeightStore(Protocol):
 
     def hand_off(self, received: list[int] | None = None) -> float:
         """Bring the store up to the actor's weights and bind the engine to it; the seconds waited."""
-        ...
 
 
 class DecodeLoop(Protocol):
