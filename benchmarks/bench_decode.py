@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "vs_trl"))
 
 from workload import MODELS, random_model
 
+from lightning_rlhf.cpu import decode as decode_module
 from lightning_rlhf.cpu import native
 from lightning_rlhf.engines.rollout import SamplingParams
-from lightning_rlhf.engines.rollout import decode as decode_module
 
 
 def build(name: str, dtype: torch.dtype) -> torch.nn.Module:

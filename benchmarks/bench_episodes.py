@@ -77,6 +77,7 @@ def main() -> None:
 
     from lightning_rlhf.agents.rollout import EpisodeRunner
     from lightning_rlhf.config import RolloutConfig, VLLMConfig
+    from lightning_rlhf.cpu import CPULayer
     from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
     from lightning_rlhf.demo.warmstart import prepare_tool_model
     from lightning_rlhf.engines.rollout import SamplingParams
@@ -99,13 +100,17 @@ def main() -> None:
         engine = VLLMRolloutEngine(
             model_dir, param_names=[n for n, _ in model.named_parameters()], config=config, dtype=torch.float32,
             device=torch.device("cpu"), max_model_len=max_len, tie_word_embeddings=model.config.tie_word_embeddings,
-            hf_config=model.config,
+            hf_config=model.config, layer=CPULayer(),
         )  # fmt: skip
     else:
         from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
 
         engine = HFRolloutEngine(
-            model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=torch.device("cpu")
+            model,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            device=torch.device("cpu"),
+            decode_loop=CPULayer().decode_loop(),
         )
     splits = tool_splits()
     rows = [dict(r) for r in splits["test"]] + [dict(r) for r in splits["train"]]

@@ -1,6 +1,6 @@
 """Two levers of one rank's share of the vs-TRL step, each A/B in one process: the fused RMS norms of the update
 (``lightning_rlhf/cpu/kernels.py``) and the decoding loop's attention over the written cache slots only
-(``lightning_rlhf/engines/rollout/decode.py``).
+(``lightning_rlhf/cpu/decode.py``).
 
     python benchmarks/bench_kernels.py                         # small model, bf16 and fp32, 8 repeats each
     python benchmarks/bench_kernels.py --precisions bf16 --repeats 12 --model tiny --parts update
@@ -15,7 +15,7 @@ of a shared machine hits both alike. Also times the norm alone (forward + backwa
 activation).
 
 Decoding: the rank's 8 prompts x 8 samples x 64 new tokens (EOS suppressed, temperature 1) through
-:func:`~lightning_rlhf.engines.rollout.decode.sample_loop` on the model loaded in the precision (eager
+:func:`~lightning_rlhf.cpu.decode.sample_loop` on the model loaded in the precision (eager
 attention), alternating attention over the whole cache capacity (the loop before) and over the written slots only
 (forced either way whatever the loop's own rule, which picks the written slots in float32 only on CPU).
 
@@ -137,7 +137,7 @@ def decodes(path: str, bf16: bool, repeats: int) -> dict[str, list[float]]:
     import workload as W  # benchmarks/vs_trl/workload.py
     from transformers import AutoModelForCausalLM
 
-    import lightning_rlhf.engines.rollout.decode as decode
+    import lightning_rlhf.cpu.decode as decode
     from lightning_rlhf.engines.rollout import SamplingParams
 
     dtype = torch.bfloat16 if bf16 else torch.float32

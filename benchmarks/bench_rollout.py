@@ -69,6 +69,7 @@ def bench_rollout(folder: str, size: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from lightning_rlhf.config import VLLMConfig
+    from lightning_rlhf.cpu import CPULayer
     from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
     from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
 
@@ -77,7 +78,9 @@ def bench_rollout(folder: str, size: str) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, *torch.randint(4, 18, (8,), generator=gen).tolist()] for _ in range(64)]
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=32, stop_token_ids=(23,))
-    hf = HFRolloutEngine(model, pad_token_id=0, eos_token_id=23, device=torch.device("cpu"))
+    hf = HFRolloutEngine(
+        model, pad_token_id=0, eos_token_id=23, device=torch.device("cpu"), decode_loop=CPULayer().decode_loop()
+    )
     engine = VLLMRolloutEngine(
         path,
         param_names=[n for n, _ in model.named_parameters()],
@@ -86,6 +89,7 @@ def bench_rollout(folder: str, size: str) -> None:
         device=torch.device("cpu"),
         max_model_len=64,
         tie_word_embeddings=True,
+        layer=CPULayer(),
     )
     for name, eng in (("transformers", hf), ("vllm", engine)):
         eng.generate(prompts, params)  # warm-up
@@ -103,6 +107,7 @@ def sync_worker(path: str, engine_kind: str, tp: int, transfer: str, transport: 
     from transformers import AutoModelForCausalLM
 
     from lightning_rlhf.config import VLLMConfig
+    from lightning_rlhf.cpu import CPULayer
     from lightning_rlhf.engines.rollout import HFRolloutEngine
     from lightning_rlhf.engines.rollout.reshard import weights_for
     from lightning_rlhf.engines.train import shard_model
@@ -111,7 +116,9 @@ def sync_worker(path: str, engine_kind: str, tp: int, transfer: str, transport: 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if engine_kind == "hf":
-        engine = HFRolloutEngine(model, pad_token_id=0, eos_token_id=23, device=torch.device("cpu"))
+        engine = HFRolloutEngine(
+            model, pad_token_id=0, eos_token_id=23, device=torch.device("cpu"), decode_loop=CPULayer().decode_loop()
+        )
     else:
         from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
 
@@ -124,8 +131,9 @@ def sync_worker(path: str, engine_kind: str, tp: int, transfer: str, transport: 
             max_model_len=64,
             tie_word_embeddings=True,
             hf_config=model.config,
+            layer=CPULayer(),
         )
-    shard_model(model, dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),)))
+    shard_model(model, dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),)), layer=CPULayer())
     store = None
     if transport == "store":  # the engines read one shared copy: each rank writes its rows (two barriers)
         from lightning_rlhf.cpu.shared_weights import SharedWeights
@@ -141,7 +149,9 @@ def sync_worker(path: str, engine_kind: str, tp: int, transfer: str, transport: 
             store.hand_off(box)
             handed = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         else:
-            handed = engine.load_weights(weights_for(engine, model, box, transport=transport, into_engine=True))
+            handed = engine.load_weights(
+                weights_for(engine, model, box, transport=transport, into_engine=True, layer=CPULayer())
+            )
         times.append(time.perf_counter() - t0)
         received = box[0]
     # the physical scale: every rank copies the bytes its engine takes at the same time (one flat copy each)

@@ -8,13 +8,14 @@ are excluded with ``torch.where`` so that ``nan``/``inf`` in padding never leaks
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "TokenKernels",
     "entropy_from_logits",
     "logprobs_and_entropy",
     "logprobs_from_logits",
@@ -27,6 +28,28 @@ __all__ = [
 ]
 
 Dim = int | tuple[int, ...] | None
+
+
+class TokenKernels(Protocol):
+    """Compiled token log-prob kernels (a device layer's ``token_kernels()``); each returns None where it does not
+    take the tensors given, and :func:`logprobs_and_entropy` computes them itself."""
+
+    def token_logprobs(
+        self, logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None:
+        """``(logp, lse, entropy, mean)`` per position, or None."""
+
+    def token_logprobs_backward(
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        lse: Tensor,
+        mean: Tensor | None,
+        grad_logp: Tensor,
+        grad_entropy: Tensor | None,
+        temperature: float,
+    ) -> Tensor | None:
+        """The logits' gradient of ``token_logprobs``, or None."""
 
 
 def _bool_mask(mask: Tensor, like: Tensor) -> Tensor:
@@ -147,11 +170,14 @@ class _TokenLogprobs(torch.autograd.Function):
         with_entropy: bool,
         entropy_grad: bool,
         chunk_elements: int,
+        kernels: TokenKernels | None,
     ) -> tuple[Tensor, Tensor]:
         differentiable_entropy = with_entropy and entropy_grad
         ctx.set_materialize_grads(False)
-        ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
-        compiled = _compiled_logprobs(logits, labels, temperature, with_entropy)
+        ctx.temperature, ctx.chunk_elements, ctx.kernels = temperature, chunk_elements, kernels
+        compiled = None
+        if kernels is not None and _kernels_take(logits):
+            compiled = kernels.token_logprobs(logits, labels, temperature, with_entropy)
         if compiled is not None:  # CPU: one pass per position (the same formulas)
             logp, lse, entropy_or_none, mean = compiled
             entropy = entropy_or_none if entropy_or_none is not None else torch.empty(0, dtype=torch.float32)
@@ -187,17 +213,16 @@ class _TokenLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         logits, labels, lse, mean = ctx.saved_tensors
-        nones = (None,) * 5
+        nones = (None,) * 6
         if mean is None:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
             return (None, *nones)
         temperature: float = ctx.temperature
-        if _compiled_available(logits):
-            import lightning_rlhf.cpu as cpu
-
+        kernels: TokenKernels | None = ctx.kernels
+        if kernels is not None and _kernels_take(logits):
             g_lp = grad_logp if grad_logp is not None else torch.zeros(lse.shape[:-1], dtype=torch.float32)
-            compiled = cpu.token_logprobs_backward(logits, labels, lse, mean, g_lp, grad_entropy, temperature)
+            compiled = kernels.token_logprobs_backward(logits, labels, lse, mean, g_lp, grad_entropy, temperature)
             if compiled is not None:
                 return (compiled, *nones)
         batch, length, vocab = logits.shape
@@ -223,21 +248,10 @@ class _TokenLogprobs(torch.autograd.Function):
         return (grad, *nones)
 
 
-def _compiled_available(logits: Tensor) -> bool:
-    """Whether the compiled token kernels may take ``logits``: contiguous float32/bfloat16 on CPU (the kernels
-    themselves say whether they built)."""
+def _kernels_take(logits: Tensor) -> bool:
+    """Whether compiled token kernels may be given ``logits``: contiguous float32/bfloat16 on CPU (the kernels
+    themselves say whether they run)."""
     return logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.is_contiguous()
-
-
-def _compiled_logprobs(
-    logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None:
-    """``(logp, lse, entropy, mean)`` through the compiled kernel, or None where it does not run."""
-    if not _compiled_available(logits):
-        return None
-    import lightning_rlhf.cpu as cpu  # the CPU layer's kernels (built on first use; None where it is off)
-
-    return cpu.token_logprobs(logits, labels, temperature, with_entropy)
 
 
 def logprobs_and_entropy(
@@ -248,16 +262,16 @@ def logprobs_and_entropy(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_elements: int = CHUNK_ELEMENTS,
+    kernels: TokenKernels | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of ``labels`` (and entropies) under ``softmax(logits / temperature)``, in float32.
 
     Never materialises a second tensor of the size of ``logits``: ``log p(y) = z_y - logsumexp(z)`` and
     ``H = logsumexp(z) - E_p[z]`` are computed block by block (``chunk_elements`` logits at a time, upcast to
     float32 and divided by the temperature per block only; at temperature 1 a float32 block is used as is), and
-    the backward recomputes the softmax per block, writing into one gradient buffer shaped like ``logits``. On CPU
-    (contiguous float32/bfloat16 logits) both run as compiled kernels instead, one pass per position
-    (:func:`lightning_rlhf.cpu.token_logprobs`, where the CPU speed layer is on; the same formulas, sums in double;
-    ``chunk_elements`` unused).
+    the backward recomputes the softmax per block, writing into one gradient buffer shaped like ``logits``. With
+    ``kernels`` (the CPU layer's, for contiguous float32/bfloat16 logits on CPU) both run as compiled kernels
+    instead, one pass per position (the same formulas, sums in double; ``chunk_elements`` unused).
 
     Runs on: controller or worker (pure function).
 
@@ -269,6 +283,7 @@ def logprobs_and_entropy(
         entropy_grad: whether the entropy is differentiable; False computes it as a plain number (the backward
             then needs no extra statistics and skips its term).
         chunk_elements: logits per block (memory/speed trade-off; results do not depend on it).
+        kernels: compiled kernels to try first (a device layer's ``token_kernels()``); None: PyTorch's ops.
 
     Returns:
         ``(logprobs, entropy)``: ``[B, T]`` float32 each (``entropy`` None unless ``with_entropy``);
@@ -286,7 +301,9 @@ def logprobs_and_entropy(
         )
     if chunk_elements < 1:
         raise ValueError(f"logprobs_and_entropy: chunk_elements={chunk_elements} must be >= 1.")
-    logp, entropy = _TokenLogprobs.apply(logits, labels, temperature, with_entropy, entropy_grad, chunk_elements)
+    logp, entropy = _TokenLogprobs.apply(
+        logits, labels, temperature, with_entropy, entropy_grad, chunk_elements, kernels
+    )
     return logp, (entropy if with_entropy else None)
 
 

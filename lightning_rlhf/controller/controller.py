@@ -53,7 +53,6 @@ from lightning_rlhf.controller.dispatch import (
     with_written,
 )
 from lightning_rlhf.controller.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
-from lightning_rlhf.perf import memory_peaks
 
 __all__ = ["Controller", "ControllerError", "RankDiedError", "WorkerError"]
 
@@ -173,6 +172,8 @@ class Controller:
         stop_requested: returns the signal number of a stop asked of this rank (0 if none).
         pools: each role's ranks (a role not named is on every rank).
         groups: each role's data-parallel process group on this rank (None or absent: all ranks).
+        reply_stats: what each rank reports with every reply (kept per rank in :attr:`memory_peaks`; the strategy
+            passes :func:`lightning_rlhf.perf.memory_peaks`).
     """
 
     def __init__(
@@ -186,8 +187,10 @@ class Controller:
         stop_requested: Callable[[], int] = lambda: 0,
         pools: Mapping[str, Sequence[int]] | None = None,
         groups: Mapping[str, Any] | None = None,
+        reply_stats: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self._roles = roles
+        self._reply_stats = reply_stats  # read on every rank with each reply (the strategy's: memory peaks)
         self._pools = {role: tuple(ranks) for role, ranks in (pools or {}).items()}
         self._groups = dict(groups or {})
         self.rank = rank
@@ -201,7 +204,7 @@ class Controller:
         self._last_where: str | None = None
         self.stop_signum = 0  # set after each step: the stop every rank agreed on (0: go on)
         self.last_seconds: list[float] = []  # each call of the last exchange: its time on its slowest rank
-        self.memory_peaks: dict[int, dict[str, float]] = {}  # each rank's perf.memory_peaks, at its latest reply
+        self.memory_peaks: dict[int, dict[str, float]] = {}  # each rank's reply_stats(), at its latest reply
         # controller: each background call -> where, its plan
         self._in_flight: dict[int, tuple[str, _Plan]] = {}
         self._next_token = 0
@@ -371,7 +374,7 @@ class Controller:
 
         def exchange() -> list[Any]:
             mine = self._scatter(messages)
-            return self._gather((self._execute_all(mine), memory_peaks()))
+            return self._gather((self._execute_all(mine), self._reply_stats()))
 
         self.where = where
         try:
@@ -432,7 +435,7 @@ class Controller:
                 result = self._execute_all(msg or [])
                 if self._watchdog is not None:
                     self._watchdog.post_stop()  # before the reply: rank 0 sees it at the end of this step
-                self._communicate(functools.partial(self._gather, (result, memory_peaks())))
+                self._communicate(functools.partial(self._gather, (result, self._reply_stats())))
 
     # -------------------------------------------------------------------------------------- plumbing
     def _execute_all(self, calls: list[Any]) -> list[tuple[int, Any, float]]:

@@ -27,7 +27,7 @@ A rank may write its rows in step 1 before the all-reduce because its update alr
 update's first FSDP2 all-gather is joined by every rank only once its engine is done generating. Where no update
 came between two hand-offs the rows are written again with the values they hold.
 
-The store lays the parameters out in the engine's order (:meth:`HFRolloutEngine.weight_layout`: each layer's
+The store lays the parameters out in the engine's order (:func:`weight_layout`: each layer's
 query/key/value and gate/up weights consecutive), so the decoding loop finds its fused projections as they lie.
 An engine that receives weights any other way (``load_weights``) first takes a private copy, so that it never writes
 into the other engines' weights. Where the ranks cannot map one store (other hosts, no room in ``/dev/shm``), the
@@ -61,6 +61,28 @@ __all__ = ["SharedWeights", "place_shards", "shards_in_place", "write_shards"]
 
 _ALIGN = 64
 """Byte alignment of each group of tensors in the store (a cache line)."""
+
+
+def weight_layout(engine: Any) -> list[list[tuple[str, torch.Size]]]:
+    """Every parameter ``(name, shape)`` of a transformers ``engine`` (its ``param_names``, dtype ``engine.dtype``),
+    in groups that the store lays out end to end, each group's tensors back to back: the decoding loop's fused
+    projections (a layer's query/key/value weights, their biases, its gate/up weights) are groups, so the loop finds
+    them fused as they lie; every other parameter is a group of one. Runs on: worker."""
+    from lightning_rlhf.cpu.decode import fused_groups
+
+    params = dict(engine.model.named_parameters())
+    groups: list[list[tuple[str, torch.Size]]] = []
+    placed: set[str] = set()
+    grouped = {name: group for group in fused_groups(engine.model) for name in group}
+    for name in engine.param_names:
+        if name in placed:
+            continue
+        group = grouped.get(name, (name,))
+        if not all(member in params and member not in placed for member in group):
+            group = (name,)
+        groups.append([(member, params[member].shape) for member in group])
+        placed.update(group)
+    return groups
 
 
 class SharedWeights:
@@ -115,15 +137,15 @@ class SharedWeights:
         (mesh,) = meshes.values()
         if mesh.ndim != 1 or mesh.size() < 2:
             return None
-        groups = engine.weight_layout()
+        groups = weight_layout(engine)
         layout = [item for group in groups for item in group]
         if {name for name, _ in layout} != set(params) or any(params[n].shape != s for n, s in layout):
             return None  # not the model the engine was built from: streaming reports what differs
         dtype: torch.dtype = engine.dtype
         offsets, total = [], 0
-        for group in groups:  # each group aligned, its tensors back to back
+        for members in groups:  # each group aligned, its tensors back to back
             total = -(-total // _ALIGN) * _ALIGN
-            for _, shape in group:
+            for _, shape in members:
                 offsets.append(total)
                 total += math.prod(shape) * dtype.itemsize
         group = mesh.get_group()

@@ -378,13 +378,18 @@ def tool_success(
     """
     from lightning_rlhf.agents.rollout import EpisodeRunner
     from lightning_rlhf.config import RolloutConfig
+    from lightning_rlhf.cpu import CPULayer
     from lightning_rlhf.demo.tool_task import CalculatorEnvironment, NoToolEnvironment
     from lightning_rlhf.engines.rollout import SamplingParams
     from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
 
     model, tokenizer = _load(model_dir)
     engine = HFRolloutEngine(
-        model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, device=torch.device("cpu")
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        device=torch.device("cpu"),
+        decode_loop=CPULayer().decode_loop(),  # as the demo's CPU run samples
     )
     cfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, tool_workers=1)
     runner = EpisodeRunner(

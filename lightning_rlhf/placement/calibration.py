@@ -74,8 +74,8 @@ def measure_host_overheads(repeats: int = 5, *, timer: Callable[[], float] = tim
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from lightning_rlhf.cpu import CPULayer
     from lightning_rlhf.engines.rollout.base import SamplingParams
-    from lightning_rlhf.engines.rollout.decode import sample_loop
 
     if repeats < 1:
         raise ValueError(f"measure_host_overheads(repeats={repeats}): expected at least 1.")
@@ -86,7 +86,7 @@ def measure_host_overheads(repeats: int = 5, *, timer: Callable[[], float] = tim
     cpu = torch.device("cpu")
 
     def decode(model: Any) -> None:
-        sample_loop(model.eval(), prompts, params, stops={1}, pad_token_id=0, device=cpu)
+        CPULayer().decode_loop().sample_loop(model.eval(), prompts, params, stops={1}, pad_token_id=0, device=cpu)
 
     def train(model: Any) -> None:
         model.train()
@@ -147,8 +147,8 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from lightning_rlhf.cpu import CPULayer
     from lightning_rlhf.engines.rollout.base import SamplingParams
-    from lightning_rlhf.engines.rollout.decode import sample_loop
 
     layers = 2
     # Sized to take seconds whatever the model and workload: at most 512 positions, 1,024 tokens per micro-batch and
@@ -191,7 +191,9 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     prompts = [[int(t) for t in ids[0, : min(8, wl.prompt_len)]]] * batch  # a short context: the weights dominate
 
     def decode() -> None:
-        sample_loop(net.eval(), prompts, params, stops=set(), pad_token_id=0, device=torch.device("cpu"))
+        CPULayer().decode_loop().sample_loop(
+            net.eval(), prompts, params, stops=set(), pad_token_id=0, device=torch.device("cpu")
+        )
 
     # One thread: its CPU time is what the work takes with a core to itself, whatever else runs on the machine.
     # Several: wall time (CPU time would count every thread's share, and their waits).

@@ -64,9 +64,11 @@ from lightning_rlhf.config import VLLMConfig, config_from_dict
 from lightning_rlhf.controller.controller import Controller
 from lightning_rlhf.controller.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
 from lightning_rlhf.controller.liveness import expect_exit
+from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.factory import RolloutEngineFactory
 from lightning_rlhf.engines.train import check_compute_dtype, resolve_dtype
 from lightning_rlhf.engines.train.loading import deferred_loading
+from lightning_rlhf.perf import memory_peaks
 from lightning_rlhf.placement.pools import Pools, check_placement_spec
 from lightning_rlhf.placement.roles import bridge_pools, check_before_launch, place_roles, pool_meshes
 from lightning_rlhf.strategy.checkpoint_io import check_ckpt_argument, publish, temporary_sibling
@@ -226,6 +228,7 @@ class RLHFStrategy(ModelParallelStrategy):
         self.reshard_in_update = reshard_in_update
         self.worker_error_timeout_s = worker_error_timeout_s
         self._controller: Controller | None = None
+        self._layer: DeviceLayer = PLAIN  # the device layer, chosen at set-up (setup_environment)
         self.preemption_checkpoint = preemption_checkpoint
         self.preemption_path = None if preemption_path is None else os.fspath(preemption_path)
         self._preemption = PreemptionHandler(parse_signals(preemption_signals))
@@ -261,8 +264,10 @@ class RLHFStrategy(ModelParallelStrategy):
         self._preemption.install()  # a signal during loading is acted on after the first step
         super().setup_environment()
         _destroy_process_group_at_exit()
-        cpu.configure(self.cpu_kernels, self.root_device)  # before any model is built
+        self._layer = cpu.device_layer(self.cpu_kernels, self.root_device)  # before any model is built
         module = self._rlhf_module()
+        for role in module.roles().values():
+            role.train_engine.layer = self._layer
         check_compute_dtype(self.param_dtype, self.root_device, setting="RLHFStrategy.param_dtype")
         for role in module.roles().values():  # trainable roles hold float32 master weights
             if not role.trainable:
@@ -293,6 +298,7 @@ class RLHFStrategy(ModelParallelStrategy):
             error_timeout_s=self.worker_error_timeout_s, stop_requested=lambda: self._preemption.requested,
             children=list(launcher.procs) if isinstance(launcher, RLHFLauncher) else None, pools=self._pools,
             groups={role: mesh.get_group() for role, mesh in self._meshes.items() if mesh.size() < self.world_size},
+            reply_stats=memory_peaks,
         )  # fmt: skip
         watchdog_running(self.world_size > 1)
 
@@ -345,7 +351,7 @@ class RLHFStrategy(ModelParallelStrategy):
                 engine = self.engine_factory(
                     request, model=role.model, device=self.root_device, dtype=self.param_dtype,
                     pool=self._pools.get(name), rank=self.global_rank, world_size=self.world_size,
-                    pool_group=self._meshes[name].get_group(),
+                    pool_group=self._meshes[name].get_group(), layer=self._layer,
                 )  # fmt: skip
                 role.attach_engine(engine)
             role.shard(self._meshes[name], param_dtype=self.param_dtype)
@@ -527,7 +533,7 @@ class RLHFStrategy(ModelParallelStrategy):
             if self._controller.death is None:  # after a death the watchdog stays and still speaks for the run
                 watchdog_running(False)
             self._controller.close()
-        cpu.host_memory_release()
+        self._layer.release()
         super().teardown()
 
     @property

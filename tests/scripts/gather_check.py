@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_rlhf.cpu import host_share
+from lightning_rlhf.cpu import CPULayer, host_share
 from lightning_rlhf.engines.train import full_tensors, shard_model
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
@@ -38,13 +38,16 @@ def main() -> None:
     model.register_parameter("single", nn.Parameter(torch.randn(1, 4)))
     expected = {name: p.detach().clone() for name, p in model.named_parameters()}
     shard_model(model, mesh)
+    layer = CPULayer()  # the shared transport is the CPU layer's host buffer
     got = []
     for transport in ("collective", "shared"):
         for bucket_bytes in (1, 200, 64 << 20):  # one parameter per bucket, several, all in one
             for dtype in (None, torch.bfloat16):
                 received = [0]
                 stream = list(
-                    full_tensors(model, received, dtype=dtype, bucket_bytes=bucket_bytes, transport=transport)
+                    full_tensors(
+                        model, received, dtype=dtype, bucket_bytes=bucket_bytes, transport=transport, layer=layer
+                    )
                 )
                 assert [n for n, _ in stream] == list(expected), [n for n, _ in stream]
                 for name, tensor in stream:
@@ -60,7 +63,7 @@ def main() -> None:
                 param.add_(1.0)
         now = {name: p.full_tensor() for name, p in model.named_parameters()}
         engine = {}
-        for name, tensor in full_tensors(model, bucket_bytes=200, transport="shared", views=True):
+        for name, tensor in full_tensors(model, bucket_bytes=200, transport="shared", views=True, layer=layer):
             engine[name] = tensor.clone()
         for name, want in now.items():
             assert torch.equal(engine[name], want) and not torch.equal(want, expected[name]), (handoff, name)

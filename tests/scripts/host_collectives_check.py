@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_rlhf.cpu import host_collectives
+from lightning_rlhf.cpu import CPULayer, host_collectives
 from lightning_rlhf.engines.train import shard_model
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
@@ -92,7 +92,7 @@ def training(rank: int) -> None:
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config)
         if host:
-            shard_model(model, mesh)
+            shard_model(model, mesh, layer=CPULayer())  # the CPU layer: the host's shared-memory collectives
         else:
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)

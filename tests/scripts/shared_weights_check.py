@@ -31,11 +31,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_rlhf.cpu import shared_weights
+from lightning_rlhf.cpu import CPULayer, shared_weights
+from lightning_rlhf.cpu.decode import _fused_rows
 from lightning_rlhf.cpu.native import CastPlan
 from lightning_rlhf.cpu.shared_weights import SharedWeights, shards_in_place
 from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
-from lightning_rlhf.engines.rollout.decode import _fused_rows
 from lightning_rlhf.engines.train import shard_model
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
@@ -47,7 +47,9 @@ def samples_like_full_weights(engine: HFRolloutEngine, unsharded: nn.Module, ful
     with torch.no_grad():
         for name, p in unsharded.named_parameters():
             p.copy_(full[name])
-    fresh = HFRolloutEngine(unsharded, pad_token_id=0, eos_token_id=1, device=CPU, dtype=engine.dtype)
+    fresh = HFRolloutEngine(
+        unsharded, pad_token_id=0, eos_token_id=1, device=CPU, dtype=engine.dtype, decode_loop=CPULayer().decode_loop()
+    )
     params = SamplingParams(n=2, max_new_tokens=5, min_new_tokens=5, seed=3)
     got, want = engine.generate(PROMPTS, params), fresh.generate(PROMPTS, params)
     assert got.responses == want.responses, (engine.dtype, got.responses, want.responses)
@@ -86,8 +88,10 @@ def placed_shards(rank: int, mesh: object, config: Qwen2Config) -> None:
     torch.manual_seed(1)
     model = Qwen2ForCausalLM(config).train()
     unsharded = copy.deepcopy(model)
-    engine = HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=torch.float32)
-    shard_model(model, mesh)  # type: ignore[arg-type]
+    engine = HFRolloutEngine(
+        model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=torch.float32, decode_loop=CPULayer().decode_loop()
+    )
+    shard_model(model, mesh, layer=CPULayer())  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     store = SharedWeights.attempt(engine, model)
     assert store is not None
@@ -124,8 +128,10 @@ def bf16_engine_steps(rank: int, mesh: object, config: Qwen2Config) -> None:
     torch.manual_seed(2)
     model = Qwen2ForCausalLM(config).train()
     unsharded = copy.deepcopy(model)
-    engine = HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=torch.bfloat16)
-    shard_model(model, mesh)  # type: ignore[arg-type]
+    engine = HFRolloutEngine(
+        model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=torch.bfloat16, decode_loop=CPULayer().decode_loop()
+    )
+    shard_model(model, mesh, layer=CPULayer())  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     store = SharedWeights.attempt(engine, model)
     assert store is not None
@@ -166,9 +172,10 @@ def main() -> None:
     model = Qwen2ForCausalLM(config).eval()
     model.model.layers[0].mlp.register_parameter("odd", nn.Parameter(torch.randn(5, 3)))  # 3 + 2 rows
     unsharded = copy.deepcopy(model)
-    engines = {dtype: HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=dtype)
+    loop = CPULayer().decode_loop()
+    engines = {dtype: HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, dtype=dtype, decode_loop=loop)
                for dtype in (torch.float32, torch.bfloat16)}  # fmt: skip
-    shard_model(model, mesh)
+    shard_model(model, mesh, layer=CPULayer())
     for dtype, engine in engines.items():
         store = SharedWeights.attempt(engine, model)
         assert store is not None, "two ranks of one host must get a store"

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rlhf.config import RolloutConfig, VLLMConfig
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import SamplingParams, make_rollout_engine
 from lightning_rlhf.engines.rollout.vllm import check_vllm_settings
 
@@ -73,7 +74,7 @@ def main() -> None:
     )  # fmt: skip
     engine = make_rollout_engine(
         "vllm", path=args.model, model=model, tokenizer=tok, rollout=RolloutConfig(n=args.samples), vllm=config,
-        device=torch.device("cpu"), dtype=torch.float32, max_model_len=max_len,
+        device=torch.device("cpu"), dtype=torch.float32, max_model_len=max_len, layer=CPULayer(),
     )  # fmt: skip
     share = len(prompts) // world  # this rank's rows, as the controller's DP split gives them
     mine = prompts[rank * share : (rank + 1) * share]

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_rlhf.agents import Environment
 from lightning_rlhf.agents.rollout import EpisodeRunner
 from lightning_rlhf.config import RolloutConfig, VLLMConfig
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import SamplingParams
 from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
 
@@ -50,7 +51,7 @@ def main() -> None:
     engine = VLLMRolloutEngine(
         args.model, param_names=[n for n, _ in model.named_parameters()], config=config, dtype=torch.float32,
         device=torch.device("cpu"), max_model_len=max_len, tie_word_embeddings=model.config.tie_word_embeddings,
-        hf_config=model.config,
+        hf_config=model.config, layer=CPULayer(),
     )  # fmt: skip
     rows = [{"prompt": f"{a}+{b}="} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
     report: dict[str, Any] = {"streams": engine.streams_requests}

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import SamplingParams
 from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
 
@@ -51,6 +52,7 @@ def main() -> None:
         max_model_len=max_len,
         tie_word_embeddings=model.config.tie_word_embeddings,
         hf_config=model.config,
+        layer=CPULayer(),
     )
     vocab = int(model.config.vocab_size)
     report: dict[str, Any] = {"vocab_size": vocab}

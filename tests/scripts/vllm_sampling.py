@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
 from lightning_rlhf.engines.train import forward_response
@@ -70,9 +71,14 @@ def main() -> None:
         tie_word_embeddings=model.config.tie_word_embeddings,
         hf_config=model.config,
         eos_token_id=tok.eos_token_id,
+        layer=CPULayer(),
     )
     hf = HFRolloutEngine(
-        model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=torch.device("cpu")
+        model,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        device=torch.device("cpu"),
+        decode_loop=CPULayer().decode_loop(),
     )
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     greedy = SamplingParams(n=3, temperature=0.0, max_new_tokens=6)

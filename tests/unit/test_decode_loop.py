@@ -1,4 +1,4 @@
-"""The transformers engine's own sampling loop (engines/rollout/decode.py): the same tokens as transformers'
+"""The transformers engine's own sampling loop (cpu/decode.py): the same tokens as transformers'
 ``generate`` where both are deterministic, the trainer's log-probs where they sample, the right distribution, and
 the fall-back to ``generate`` for architectures it does not know."""
 
@@ -23,11 +23,14 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from lightning_rlhf.cpu import CPULayer
+from lightning_rlhf.cpu.decode import _pick, decode_loop_unsupported, sample_loop
 from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import processed_logprobs
-from lightning_rlhf.engines.rollout.decode import _pick, decode_loop_unsupported, sample_loop
 
 CPU = torch.device("cpu")
+LOOP = CPULayer().decode_loop()
+"""The loop a CPU run's transformers engine is given (``make_rollout_engine(layer=...)``)."""
 SHAPE = {
     "vocab_size": 96,
     "hidden_size": 32,
@@ -113,7 +116,7 @@ def test_samples_follow_the_distribution_and_never_draw_a_cut_token() -> None:
 
 
 def test_two_level_draw_follows_the_distribution_and_matches_one_cumulative_sum() -> None:
-    import lightning_rlhf.engines.rollout.decode as decode
+    import lightning_rlhf.cpu.decode as decode
 
     # 512 entries = 8 blocks of 64: mass in blocks 0, 2 and 7 only, a zero entry inside a block with mass
     probs = torch.zeros(512)
@@ -148,7 +151,7 @@ def test_the_loop_stops_when_every_row_has_stopped() -> None:
 def test_engine_samples_the_same_responses_with_either_loop_when_greedy(demo_model: str) -> None:
     tok = AutoTokenizer.from_pretrained(demo_model)
     model = AutoModelForCausalLM.from_pretrained(demo_model)
-    kw = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "device": CPU}
+    kw = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "device": CPU, "decode_loop": LOOP}
     loop, generate = HFRolloutEngine(model, **kw), HFRolloutEngine(model, decode="generate", **kw)
     prompts = [tok(p)["input_ids"] for p in ("3+4=", "12+9=", "1+1=")]
     params = SamplingParams(n=2, max_new_tokens=6, greedy=True)
@@ -183,7 +186,7 @@ def test_attention_over_the_written_slots_equals_attention_over_the_whole_cache(
 ) -> None:
     """The eager attention reads only the written cache slots in float32 (the whole capacity in bfloat16 on CPU); the
     hidden slots add nothing, so both spans sample the same tokens with the same log-probs up to float rounding."""
-    import lightning_rlhf.engines.rollout.decode as decode
+    import lightning_rlhf.cpu.decode as decode
 
     mask = torch.ones((1, 3), dtype=torch.bool)
     assert decode._written_slots_only(decode._Cache(llama_family()[0], mask, 2, 4, torch.float32, CPU))
@@ -196,7 +199,7 @@ def test_attention_over_the_written_slots_equals_attention_over_the_whole_cache(
 def assert_same_samples_either_way(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
     """Sample with the decode module's predicate ``switch`` forced on, then off: the same tokens, and log-probs equal
     up to float rounding."""
-    import lightning_rlhf.engines.rollout.decode as decode
+    import lightning_rlhf.cpu.decode as decode
 
     dtype = next(model.parameters()).dtype
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, min_new_tokens=8)
@@ -213,7 +216,7 @@ def assert_same_samples_either_way(model: torch.nn.Module, monkeypatch: pytest.M
 def test_prepacked_projections_sample_what_plain_ones_do(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU the loop's projections run with weights reordered for oneDNN; the plain ``F.linear`` path samples the
     same tokens with the same log-probs up to float rounding, and the model's parameters are left as they were."""
-    import lightning_rlhf.engines.rollout.decode as decode
+    import lightning_rlhf.cpu.decode as decode
     from lightning_rlhf.cpu import onednn
 
     # float32 packs where oneDNN beats MKL (AMD CPUs): the path is checked on any CPU
@@ -238,7 +241,9 @@ def test_a_hand_off_after_the_projections_were_fused_reaches_the_next_call(demo_
     the engine afterwards (a hand-off) are what the next call samples with."""
     tok = AutoTokenizer.from_pretrained(demo_model)
     model = AutoModelForCausalLM.from_pretrained(demo_model)
-    engine = HFRolloutEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=CPU)
+    engine = HFRolloutEngine(
+        model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=CPU, decode_loop=LOOP
+    )
     prompts = [tok(p)["input_ids"] for p in ("3+4=", "12+9=")]
     params = SamplingParams(n=1, max_new_tokens=6, min_new_tokens=6, greedy=True)
     original = engine.generate(prompts, params)
@@ -250,7 +255,9 @@ def test_a_hand_off_after_the_projections_were_fused_reaches_the_next_call(demo_
         for p in other.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     engine.load_weights(other.named_parameters())
-    fresh = HFRolloutEngine(other, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=CPU)
+    fresh = HFRolloutEngine(
+        other, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=CPU, decode_loop=LOOP
+    )
     a, b = engine.generate(prompts, params), fresh.generate(prompts, params)
     assert a.responses == b.responses and a.responses != original.responses
     for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
@@ -268,7 +275,7 @@ def test_a_cpu_without_onednn_bfloat16_decodes_bfloat16_unpacked() -> None:
     code = """
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
-import lightning_rlhf.engines.rollout.decode as decode
+import lightning_rlhf.cpu.decode as decode
 import lightning_rlhf.cpu.onednn as onednn
 from lightning_rlhf.engines.rollout import SamplingParams
 assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -397,7 +404,7 @@ def test_the_compiled_decoding_step_is_the_eager_one(
     """One call of the compiled step (rotary embedding of the queries and keys, cache writes, attention) against the
     eager ops of the same layer on the same fused projection: the same output and cache contents up to float
     rounding (bfloat16: each product and sum of the rotation rounded as the eager ops round them)."""
-    import lightning_rlhf.engines.rollout.decode as decode
+    import lightning_rlhf.cpu.decode as decode
 
     model = qwen2_with_head_size(d, kv_heads, group).to(dtype)
     mask = torch.ones((3, 5), dtype=torch.bool)
@@ -428,7 +435,7 @@ def test_the_compiled_decoding_step_is_the_eager_one(
 def test_the_compiled_decoding_step_refuses_what_it_cannot_take() -> None:
     """Head size 24 (not a multiple of 16): no compiled step (the loop runs the layer's attention as before); inputs
     of another shape or dtype than the plan's raise, naming what was expected."""
-    import lightning_rlhf.engines.rollout.decode as decode
+    import lightning_rlhf.cpu.decode as decode
 
     mask = torch.ones((2, 3), dtype=torch.bool)
     assert decode._Cache(qwen2_with_head_size(24), mask, 2, 4, torch.float32, CPU).steps == [None, None]
@@ -531,7 +538,7 @@ def test_a_second_turn_from_kept_keys_samples_as_a_fresh_prompt_pass(index: int)
     """A multi-turn episode's next turn: the conversation so far (cut inside the first turn's response, or past its
     last fed token), then new tokens. Run on what the first call kept, it draws the same tokens with the same
     log-probs as a prompt pass over the whole conversation, for every row (some rows with nothing kept)."""
-    from lightning_rlhf.engines.rollout.decode import Past
+    from lightning_rlhf.cpu.decode import Past
 
     model = llama_family()[index]
     first = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, min_new_tokens=8, seed=0)
@@ -561,8 +568,8 @@ def test_finished_rows_leave_the_batch_and_the_rest_sample_as_before(monkeypatch
     more, with batches of 2 rows on allowed to shrink). Every row's sampled log-probs are still those of a full forward
     over its own prompt and response, and what it keeps of each row (dropped or not) continues that row as a fresh
     prompt pass does."""
-    from lightning_rlhf.engines.rollout import decode
-    from lightning_rlhf.engines.rollout.decode import Past
+    from lightning_rlhf.cpu import decode
+    from lightning_rlhf.cpu.decode import Past
 
     model = llama_family()[0]
     stops = set(range(60, 90))
@@ -606,7 +613,7 @@ def test_each_prompt_near_the_context_end_is_bounded_by_its_own_limit(decode: st
     responses stop at its own limit, every sampled token's log-prob is the full forward's, and the call is accepted
     although the longest prompt plus the call's ``max_new_tokens`` would not fit."""
     model = llama_family()[0]
-    engine = HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, decode=decode)
+    engine = HFRolloutEngine(model, pad_token_id=0, eos_token_id=1, device=CPU, decode=decode, decode_loop=LOOP)
     prompts = [list(range(5, 60)), [11, 12, 13], list(range(20, 50))]  # 55, 3 and 30 tokens
     limits = [64 - 55, 20, 64 - 30]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=0)
@@ -632,7 +639,7 @@ def test_responses_are_reported_as_they_stop_while_the_others_decode(
     """``on_done`` gets each stopped response (what the call then returns, index for index) during the decoding loop,
     before its last forward; a response cut by ``max_new_tokens`` (no stop) is only returned. With per-prompt
     limits and row dropping."""
-    from lightning_rlhf.engines.rollout import decode
+    from lightning_rlhf.cpu import decode
 
     forwards = 0
     original = decode._forward
@@ -644,7 +651,9 @@ def test_responses_are_reported_as_they_stop_while_the_others_decode(
 
     monkeypatch.setattr(decode, "_forward", counted)
     monkeypatch.setattr(decode, "KEEP_ROWS_FROM", 2)
-    engine = HFRolloutEngine(llama_family()[0], pad_token_id=0, eos_token_id=1, device=CPU, decode="loop")
+    engine = HFRolloutEngine(
+        llama_family()[0], pad_token_id=0, eos_token_id=1, device=CPU, decode="loop", decode_loop=LOOP
+    )
     stops = tuple(range(60, 80))  # a fifth of the vocabulary: most rows stop within a few steps
     params = SamplingParams(n=4, temperature=0.0 if greedy else 1.0, max_new_tokens=12, stop_token_ids=stops, seed=2)
     got: dict[int, tuple[list[int], list[float], int]] = {}

@@ -215,14 +215,13 @@ def test_actor_update_trains_the_entropy_only_when_its_coefficient_is_set(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_compiled_token_kernels_give_the_values_and_gradients(
-    dtype: torch.dtype, temperature: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_compiled_token_kernels_give_the_values_and_gradients(dtype: torch.dtype, temperature: float) -> None:
     """On CPU the log-probs, entropies and their gradient run as compiled kernels (one pass per position): against
     float64 they are within float32 rounding, as close as the block-wise eager ops or closer (a vocabulary with a tail
-    of 3 past the kernel's 8-wide vectors, a row of very peaked logits, differentiable entropy)."""
-    from lightning_rlhf.algorithms import functional
-    from lightning_rlhf.cpu import native
+    of 3 past the kernel's 8-wide vectors, a row of very peaked logits, differentiable entropy). The kernels are the
+    CPU layer's, handed to ``logprobs_and_entropy`` as ``kernels``."""
+    from lightning_rlhf.algorithms.functional import TokenKernels
+    from lightning_rlhf.cpu import CPULayer, native
 
     assert native.native_attention_available()
     g = torch.Generator().manual_seed(0)
@@ -231,12 +230,14 @@ def test_compiled_token_kernels_give_the_values_and_gradients(
     labels = torch.randint(0, 4099, (3, 7), generator=g)
     w_lp, w_ent = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
 
-    def run(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def run(x: Tensor, kernels: TokenKernels | None = None) -> tuple[Tensor, Tensor, Tensor]:
         x = x.clone().requires_grad_(True)
         if x.dtype == torch.float64:
             logp, ent = plain(x, labels, temperature)
         else:
-            logp, maybe_ent = logprobs_and_entropy(x, labels, temperature=temperature, with_entropy=True)
+            logp, maybe_ent = logprobs_and_entropy(
+                x, labels, temperature=temperature, with_entropy=True, kernels=kernels
+            )
             assert maybe_ent is not None
             ent = maybe_ent
         ((logp * w_lp).sum() + (ent * w_ent).sum()).backward()
@@ -244,8 +245,7 @@ def test_compiled_token_kernels_give_the_values_and_gradients(
         return logp.double(), ent.double(), x.grad.double()
 
     ref_logp, ref_ent, ref_grad = run(logits.double())
-    logp, ent, grad = run(logits)
-    monkeypatch.setattr(functional, "_compiled_available", lambda logits: False)
+    logp, ent, grad = run(logits, CPULayer().token_kernels())
     eager_logp, eager_ent, eager_grad = run(logits)
     for got, eager, ref in ((logp, eager_logp, ref_logp), (ent, eager_ent, ref_ent)):
         torch.testing.assert_close(got, ref, rtol=0, atol=2e-6)

@@ -12,6 +12,7 @@ from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.cpu.kernels import RMS_NORM_CLASSES, fuse_rms_norms, rms_norm, unfuse_rms_norms
 from lightning_rlhf.engines.train import TrainEngine
 
@@ -112,7 +113,7 @@ def test_fuse_switches_every_norm_and_keeps_outputs_gradients_and_state() -> Non
 
 def test_train_engine_binds_with_fused_norms_unless_turned_off() -> None:
     model = tiny_qwen2()
-    TrainEngine(micro_batch_size=1).bind(model)
+    TrainEngine(micro_batch_size=1, layer=CPULayer()).bind(model)
     assert unfuse_rms_norms(model) == 5
-    TrainEngine(micro_batch_size=1, fused_norms=False).bind(model)
+    TrainEngine(micro_batch_size=1, fused_norms=False, layer=CPULayer()).bind(model)
     assert unfuse_rms_norms(model) == 0

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_rlhf.cpu import onednn
+from lightning_rlhf.cpu import CPULayer, onednn
 from lightning_rlhf.cpu.onednn import OneDNNLinearFunction, linear, onednn_linears, plain_linears
 from lightning_rlhf.engines.train import TrainEngine
 from tests.unit.test_kernels import logits_and_grads, tiny_qwen2
@@ -136,12 +136,12 @@ def test_train_engine_binds_with_onednn_linears_unless_turned_off(monkeypatch: p
     layer; on an Intel CPU it leaves them to MKL."""
     monkeypatch.setattr(onednn, "fp32_through_onednn", lambda: True)
     model = tiny_qwen2()
-    TrainEngine(micro_batch_size=1).bind(model)
+    TrainEngine(micro_batch_size=1, layer=CPULayer()).bind(model)
     assert plain_linears(model) == 15
-    TrainEngine(micro_batch_size=1, onednn_linears=False).bind(model)
+    TrainEngine(micro_batch_size=1, onednn_linears=False, layer=CPULayer()).bind(model)
     assert plain_linears(model) == 0
     monkeypatch.setattr(onednn, "fp32_through_onednn", lambda: False)
-    TrainEngine(micro_batch_size=1).bind(model)
+    TrainEngine(micro_batch_size=1, layer=CPULayer()).bind(model)
     assert plain_linears(model) == 0
 
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from lightning_rlhf.config import RolloutConfig, VLLMConfig
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.demo import addition_dataset
 from lightning_rlhf.engines.rollout import (
     HFRolloutEngine,
@@ -18,6 +19,8 @@ from lightning_rlhf.engines.rollout import (
     WeightSyncError,
     make_rollout_engine,
 )
+
+CPU = torch.device("cpu")
 
 
 def engine_for(path: str) -> tuple[HFRolloutEngine, object, torch.nn.Module]:
@@ -123,7 +126,7 @@ def test_generation_config_eos_ids_end_a_response(demo_model: str, tmp_path: Pat
 
 
 def test_decode_setting_picks_the_loop_or_generate(demo_model: str) -> None:
-    """``RolloutConfig.decode`` reaches the engine: "auto" runs the own loop on a CPU only (a GPU engine takes
+    """``RolloutConfig.decode`` reaches the engine: "auto" runs the CPU layer's loop on a CPU only (a GPU engine takes
     ``generate``), "loop" forces the loop, "generate" never uses it; both paths sample valid responses."""
     tok = AutoTokenizer.from_pretrained(demo_model)
     model = AutoModelForCausalLM.from_pretrained(demo_model)
@@ -133,7 +136,7 @@ def test_decode_setting_picks_the_loop_or_generate(demo_model: str) -> None:
     for decode in ("auto", "loop", "generate"):
         engine = make_rollout_engine(
             "hf", path=demo_model, model=model, tokenizer=tok, rollout=RolloutConfig(decode=decode),
-            vllm=VLLMConfig(), device=torch.device("cpu"), dtype=None, max_model_len=0,
+            vllm=VLLMConfig(), device=torch.device("cpu"), dtype=None, max_model_len=0, layer=CPULayer(),
         )  # fmt: skip
         assert isinstance(engine, HFRolloutEngine) and engine.decode == decode
         engines[decode] = engine
@@ -151,6 +154,10 @@ def test_decode_setting_picks_the_loop_or_generate(demo_model: str) -> None:
 def test_decode_loop_refuses_a_model_it_does_not_support() -> None:
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=4, n_positions=64)).eval()
     with pytest.raises(ValueError, match=r"RolloutConfig.decode='loop' .*model_type 'gpt2'.*HINT: "):
-        HFRolloutEngine(gpt2, pad_token_id=0, eos_token_id=1, device=torch.device("cpu"), decode="loop")
-    engine = HFRolloutEngine(gpt2, pad_token_id=0, eos_token_id=1, device=torch.device("cpu"))  # auto: generate
+        HFRolloutEngine(
+            gpt2, pad_token_id=0, eos_token_id=1, device=CPU, decode="loop", decode_loop=CPULayer().decode_loop()
+        )
+    engine = HFRolloutEngine(
+        gpt2, pad_token_id=0, eos_token_id=1, device=CPU, decode_loop=CPULayer().decode_loop()
+    )  # auto: generate
     assert not engine.decodes_with_loop([[5, 6]], SamplingParams(n=1, max_new_tokens=2))

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import vllm as vllm_engine
 from lightning_rlhf.engines.rollout.vllm import check_vllm_settings, vllm_available
 from tests.conftest import ROOT, SCRIPTS, failure_text, run_script
@@ -161,7 +162,7 @@ def handoff_check_main(path: str, out: str) -> None:
     )
     engine = make_rollout_engine(
         "vllm", path=path, model=model, tokenizer=tok, rollout=RolloutConfig(n=1), vllm=config,
-        device=torch.device("cpu"), dtype=torch.float32, max_model_len=max_len,
+        device=torch.device("cpu"), dtype=torch.float32, max_model_len=max_len, layer=CPULayer(),
     )  # fmt: skip
     prompts = [tok(p)["input_ids"] for p in ("3+4=", "12+7=", "5+5=")]
     greedy = SamplingParams(n=1, max_new_tokens=6, greedy=True)
@@ -189,7 +190,11 @@ def handoff_check_main(path: str, out: str) -> None:
     report["discarded_after_full"] = engine.weights_discarded
     report["vllm_greedy"] = engine.generate(prompts, greedy).responses
     hf = HFRolloutEngine(
-        model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=torch.device("cpu")
+        model,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        device=torch.device("cpu"),
+        decode_loop=CPULayer().decode_loop(),
     )
     report["hf_greedy"] = hf.generate(prompts, greedy).responses
     (Path(out) / "handoff.json").write_text(json.dumps(report))

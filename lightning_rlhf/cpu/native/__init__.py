@@ -5,7 +5,7 @@ Why: on CPU a small model's decoding step spends most of its time outside the ma
 ops per layer, each a dispatch over tiny tensors; and the token log-probs of a training forward make about six
 passes over the ``[tokens, vocab]`` logits. The kernels (``kernels.c``) do the same arithmetic in one pass:
 
-- the decoding loop (``engines/rollout/decode.py``): a layer's decoding step from its fused query/key/value
+- the decoding loop (``cpu/decode.py``): a layer's decoding step from its fused query/key/value
   projection (:class:`DecodeStep`: rotary embedding, cache writes, attention), the attention step alone
   (:func:`decode_attention`), the RMS norms (:func:`rms_norm`) and the SiLU-gated products (:func:`silu_mul`);
   softmax and sums in float32 as the eager ops, bfloat16 rounded where the eager ops round;

