@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_rlhf.compat.peft import LORA_MARK
+
 __all__ = [
     "check_ckpt_argument",
     "check_resume_lora",
@@ -136,7 +138,7 @@ def check_resume_lora(ckpt_path: Any, module: Any) -> None:
         return
     from torch.distributed.checkpoint import FileSystemReader
 
-    saved = any(".lora_" in key for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    saved = any(LORA_MARK in key for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     wanted = any(getattr(role, "lora", None) is not None for role in roles().values())
     if saved == wanted:
         return

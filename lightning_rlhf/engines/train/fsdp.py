@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.compat.sharding import RowShard, row_shard
+from lightning_rlhf.compat.transformers import no_split_modules
 from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer, HostBuffer
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks named in transformers' ``_no_split_modules`` (e.g. ``Qwen2DecoderLayer``)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    names = no_split_modules(model)
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:  # not a transformers model: fall back to the children of the first ModuleList
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]

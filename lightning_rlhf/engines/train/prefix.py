@@ -13,7 +13,8 @@ vs-TRL workload's update, whose 11 prompt tokens are 15% of its decoder tokens, 
 (``benchmarks/bench_shared_prefix.py``).
 
 The packed attention is registered with transformers' ``AttentionInterface`` under :data:`ATTENTION_NAME`; the
-model's ``config._attn_implementation`` points to it only for the duration of a packed call.
+model's attention points to it only for the duration of a packed call
+(:func:`lightning_rlhf.compat.transformers.attention_implementation`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.compat.transformers import attention_implementation
 
 __all__ = ["ATTENTION_NAME", "MODEL_TYPES", "packed_response_logits", "shares_prompts"]
 
@@ -142,14 +144,11 @@ def _right_padded(mask: Tensor) -> bool:
 
 @contextlib.contextmanager
 def _packed(model: nn.Module, layout: dict[str, Any]) -> Iterator[None]:
-    config: Any = model.config
-    previous = config._attn_implementation
     _LAYOUT.value = layout
-    config._attn_implementation = ATTENTION_NAME
     try:
-        yield
+        with attention_implementation(model.config, ATTENTION_NAME):
+            yield
     finally:
-        config._attn_implementation = previous
         _LAYOUT.value = None
 
 
