@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.distributed.tensor import DTensor
 
+import lightning_rlhf.cpu as cpu
 import lightning_rlhf.engines.train.fsdp as fsdp  # the module: its view-copying hook is counted
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
@@ -116,6 +117,7 @@ def make_role(kind: str, path: str) -> Role:
         tokenizer = AutoTokenizer.from_pretrained(path)
         rollout = RolloutConfig(n=GROUP, max_new_tokens=7)
         role = ActorRole(path, tokenizer=tokenizer, rollout=rollout, algorithm=algorithm, optim=optim)
+    role.train_engine.layer = cpu.device_layer(None, "cpu")  # as the strategy hands it at set-up
     role.load()
     return role
 
