@@ -666,7 +666,7 @@ class RLHFModule(L.LightningModule):
             tokens = float(rollout["prompt_mask"].sum() + mask.sum())
             out["perf/throughput"] = tokens / step_seconds / max(1, self.trainer.world_size)
         handoff = ("timing_s/update_weights", "timing_s/update_weights_wait", "perf/weight_sync_bytes")
-        for key in (*handoff, "perf/weight_sync_gathered_bytes"):
+        for key in (*handoff, "perf/weight_sync_gathered_bytes", "perf/weight_verify_s"):
             if key in rollout.meta:
                 out[key] = float(rollout.meta[key])
         if "rollout_logprobs" in rollout and "old_logprobs" in rollout:  # the on-policy update reports its own

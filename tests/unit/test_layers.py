@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("training engine", ("engines.train",)),
     ("rollout engines", ("engines.rollout", "engines")),
     ("agents (multi-turn episodes, tools)", ("agents",)),
+    ("hybrid engine (memory phases, hand-offs, policy versions; samples episodes)", ("engines.hybrid",)),
     ("roles", ("roles",)),
     ("controller (worker loop, liveness)", ("controller",)),
     ("RLHFModule and planner", ("module", "placement.planner")),

@@ -18,7 +18,9 @@ the KV cache takes its memory (docs/hybrid-engine.md, "Memory phases"); :func:`w
 
 The weight hand-off is checked the same way in every engine: :class:`HandoffCheck` counts the names of one
 ``load_weights`` call against :attr:`RolloutEngine.param_names`, and a hand-off that misses a parameter or names
-one the engine does not have raises :class:`WeightSyncError`.
+one the engine does not have raises :class:`WeightSyncError`. What arrived is checked too: each engine's
+``fingerprint()`` reads what it holds (:func:`fingerprint`: float64 sums of a few fixed rows of every tensor, and of
+the whole tensor where it is small), which :func:`check_fingerprints` compares with the trainer's.
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ __all__ = [
     "RolloutOutput",
     "SamplingParams",
     "WeightSyncError",
+    "check_fingerprints",
     "check_prompt_tokens",
     "check_sampling",
     "check_sequence_length",
+    "fingerprint",
+    "fingerprint_rows",
     "logprob_temperature",
     "processed_logprobs",
     "tied_aliases",
@@ -216,6 +221,64 @@ class WeightSyncError(RuntimeError):
     """
 
 
+SMALL_TENSOR = 1 << 16
+"""Elements up to which a fingerprint also sums the whole tensor (norms, biases: their rows are single values)."""
+
+
+def fingerprint_rows(rows: int) -> list[int]:
+    """The rows a fingerprint sums of a tensor of ``rows`` rows: the first, the middle and the last one. Runs on: any
+    process (pure)."""
+    return sorted({0, rows // 2, rows - 1}) if rows > 0 else []
+
+
+def as_rows(tensor: Tensor) -> Tensor:
+    """``tensor`` as ``[rows, -1]`` (a 1-D tensor: one value a row; a scalar: one row). Runs on: any process."""
+    return tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+
+
+def fingerprint(tensor: Tensor, *, with_scale: bool = False) -> Tensor:
+    """The fingerprint of a weight as an engine holds it: the float64 sums of rows :func:`fingerprint_rows` of
+    :func:`as_rows` ``(tensor)``, then the sum of the whole tensor where it has at most :data:`SMALL_TENSOR`
+    elements. ``with_scale`` appends the sums of their absolute values (what a comparison's tolerance scales with).
+
+    Runs on: worker (an engine's ``fingerprint``; the trainer's side of a hand-off that streams full tensors).
+    """
+    rows = as_rows(tensor)
+    parts = [rows[r] for r in fingerprint_rows(rows.shape[0])] + ([rows] if tensor.numel() <= SMALL_TENSOR else [])
+    values = [p.double().sum() for p in parts] + ([p.double().abs().sum() for p in parts] if with_scale else [])
+    return torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
+
+
+def check_fingerprints(
+    engine: str, expected: Mapping[str, Tensor], held: Mapping[str, Tensor], *, rtol: float, tp_rank: int = 0
+) -> None:
+    """Compare the trainer's fingerprints ``expected`` (name -> values then scales, :func:`fingerprint` with
+    ``with_scale=True``) with what the engine holds (``held``: name -> values): each value within ``rtol`` times its
+    scale. Runs on: worker (after a hand-off).
+
+    Raises:
+        WeightSyncError: naming the first tensor (and the engine's TP rank) whose weights differ, or that the engine
+            does not report.
+    """
+    for name, want in expected.items():
+        have = held.get(name)
+        values, scale = want[: len(want) // 2], want[len(want) // 2 :]
+        where = f" on TP rank {tp_rank}" if tp_rank else ""
+        if have is None or have.shape != values.shape:
+            raise WeightSyncError(
+                f"{engine}: after the weight hand-off the engine{where} reports no weights for {name!r} (it reports "
+                f"{len(held)} tensors). HINT: the engine's `fingerprint()` must cover every name in `param_names`."
+            )
+        if bool(((have.double().cpu() - values).abs() > rtol * scale + 1e-30).any()):
+            raise WeightSyncError(
+                f"{engine}: after the weight hand-off the engine{where} holds other values than the trainer in "
+                f"{name!r}: fingerprint {have.tolist()}, the trainer's {values.tolist()} (sums of its first, middle "
+                "and last rows, and of all of it where small). The hand-off dropped or corrupted this tensor, or the "
+                "engine kept weights it was meant to replace (e.g. a sleep-mode wake that restored old ones). HINT: "
+                "report it with the engine and its settings; RolloutConfig.verify_every=0 turns this check off."
+            )
+
+
 @functools.lru_cache(maxsize=16)
 def generation_eos_ids(model_path: str) -> tuple[int, ...]:
     """The end-of-sequence ids of a checkpoint's ``generation_config.json`` (``eos_token_id``, one id or a list),
@@ -346,6 +409,14 @@ class RolloutEngine(Protocol):
 
     Optional: ``copies_each_weight = True`` says that ``load_weights`` copies each tensor before it takes the next
     one from the stream; ``weights_for`` may then hand it views of a reused buffer (``HFRolloutEngine`` does).
+
+    Verified hand-offs: ``fingerprint() -> dict[str, Tensor]`` says what the engine holds, per name of
+    ``param_names``: :func:`fingerprint` of the tensor (for a tensor-parallel engine: of this rank's slice, as
+    :func:`~lightning_rlhf.engines.rollout.reshard.tp_slice` cuts it), and ``fingerprint_rtol: float`` how closely it
+    agrees with the trainer's (relative to the sums of absolute values: float64 sums of the very values the engine
+    holds agree to rounding; sums an engine can only take through its own kernels, vLLM's repacked CPU linears,
+    agree to that kernel's precision). Both engines have them; an engine without them (the vLLM engine server) gets
+    the names' check only.
 
     Memory phases. :meth:`ActorRole.generate <lightning_rlhf.roles.actor.ActorRole.generate>` drives an engine
     in this order, so that a device never holds two full copies of the weights beside the trainer's shards:

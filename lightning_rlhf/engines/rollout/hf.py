@@ -35,6 +35,7 @@ from lightning_rlhf.engines.rollout.base import (
     SamplingParams,
     WeightSyncError,
     check_sequence_length,
+    fingerprint,
     processed_logprobs,
     tied_aliases,
     wake_tags,
@@ -409,6 +410,15 @@ class HFRolloutEngine:
         check.finish()
         self.weights_discarded = False
         return received
+
+    fingerprint_rtol: float = 1e-9
+    """Float64 sums of the values the engine holds: equal to the trainer's up to the order of summation."""
+
+    def fingerprint(self) -> dict[str, Tensor]:
+        """:func:`~lightning_rlhf.engines.rollout.base.fingerprint` of every parameter as the engine holds it (its
+        own copy, or the shared store it is bound to). Runs on: worker, after a hand-off."""
+        with torch.no_grad():
+            return {name: fingerprint(self._params[name]) for name in self.param_names}
 
     def sleep(self) -> None:
         """Move the weights to host memory on a GPU; nothing to free on CPU. Runs on: worker."""

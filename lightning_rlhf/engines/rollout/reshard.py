@@ -35,7 +35,16 @@ from torch.distributed.tensor import DTensor, Shard
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.base import RolloutEngine
 
-__all__ = ["SliceHolder", "TPSlice", "exchange", "sliced_tensors", "tp_slice", "tp_slicer", "weights_for"]
+__all__ = [
+    "SliceHolder",
+    "TPSlice",
+    "exchange",
+    "shard_fingerprints",
+    "sliced_tensors",
+    "tp_slice",
+    "tp_slicer",
+    "weights_for",
+]
 
 VOCAB_PADDING = 64
 """vLLM pads the vocabulary to a multiple of 64 before splitting it over TP ranks."""
@@ -266,3 +275,72 @@ def weights_for(
         views = into_engine and bool(getattr(engine, "copies_each_weight", False))
         return full_tensors(model, received, dtype=engine.dtype, transport=transport, views=views)
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)
+
+
+def _fingerprint_part(
+    local: Tensor, first: int, shape: tuple[int, ...], region: TPSlice | None, dtype: torch.dtype
+) -> Tensor:
+    """This rank's share of :func:`~lightning_rlhf.engines.rollout.base.fingerprint` (``with_scale=True``) of the
+    region ``region`` of a tensor of full ``shape``, from the full rows ``[first, first + len(local))`` it holds
+    (cast to ``dtype``, as the engine holds them): 0 for every row it does not hold, so that the ranks' shares add
+    up to the whole."""
+    from lightning_rlhf.engines.rollout.base import SMALL_TENSOR, as_rows, fingerprint_rows
+
+    rows = as_rows(local)
+    start, count = 0, shape[0] if shape else 1
+    if region is not None and region.dim == 1:  # a column block (a row-parallel layer's weight)
+        rows = rows[:, region.start : region.start + region.length]
+    elif region is not None:
+        start, count = region.start, region.length
+    held = [rows[start + r - first] if 0 <= start + r - first < len(rows) else None for r in fingerprint_rows(count)]
+    if count * rows.shape[1] <= SMALL_TENSOR:
+        lo, hi = max(start, first), min(start + count, first + len(rows))
+        held.append(rows[max(0, lo - first) : max(0, hi - first)])
+    exact = [None if p is None else p.to(dtype).double() for p in held]
+    zero = torch.zeros((), dtype=torch.float64)
+    sums = [zero if p is None else p.sum().cpu() for p in exact]
+    return torch.stack(sums + [zero if p is None else p.abs().sum().cpu() for p in exact])
+
+
+def shard_fingerprints(
+    model: nn.Module, *, dtype: torch.dtype, slicer: Slicer | None = None, tp_size: int = 1
+) -> dict[str, Tensor]:
+    """The trainer's side of a verified hand-off: per parameter, the fingerprint (values then scales, as
+    :func:`~lightning_rlhf.engines.rollout.base.fingerprint` with ``with_scale=True`` gives them) of the tensor this
+    rank's engine must hold: the full tensor, or with a ``slicer`` the slice of this rank's TP rank, in ``dtype``.
+    Computed from each rank's FSDP2 rows, without gathering a row-sharded tensor: one all-reduce of a few numbers
+    per tensor over the model's mesh.
+
+    Runs on: every worker rank of the model's mesh, at the same point (collective).
+    """
+    from lightning_rlhf.compat.sharding import row_shard
+
+    params = list(model.named_parameters())
+    meshes = [p.device_mesh for _, p in params if isinstance(p, DTensor)]
+    group = meshes[0].get_group() if meshes else None
+    counts_whole = not meshes or meshes[0].get_local_rank() == 0  # a tensor every rank holds whole counts once
+    positions: dict[int, tuple[Any, int, int]] = {}
+    blocks: list[Tensor] = []
+    for name, param in params:
+        shape, data = tuple(param.shape), param.data
+        shard = row_shard(name, data, positions)
+        if shard is not None:
+            local, first = shard.local, shard.rank * shard.chunk_rows
+        else:  # not row-sharded: made whole on every rank (a collective for a DTensor)
+            local, first = (data.full_tensor() if isinstance(data, DTensor) else data), 0
+        counted = shard is not None or counts_whole
+        regions = [slicer(name, shape, r) if slicer is not None and shape else None for r in range(tp_size)]
+        parts = [_fingerprint_part(local, first, shape, region, dtype) for region in regions]
+        blocks.append(torch.stack(parts) if counted else torch.zeros(tp_size, len(parts[0]), dtype=torch.float64))
+    flat = torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0, dtype=torch.float64)
+    if group is not None:
+        total = flat.to(next(model.parameters()).device)
+        dist.all_reduce(total, group=group)
+        flat = total.cpu()
+    tp_rank = (dist.get_rank() if dist.is_initialized() else 0) % tp_size
+    out: dict[str, Tensor] = {}
+    offset = 0
+    for (name, _), block in zip(params, blocks, strict=True):
+        out[name] = flat[offset : offset + block.numel()].view(block.shape)[tp_rank]
+        offset += block.numel()
+    return out
