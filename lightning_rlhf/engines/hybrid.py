@@ -46,6 +46,7 @@ from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import (
     KV_CACHE,
     WEIGHTS,
+    WeightSyncError,
     check_fingerprints,
     fingerprint,
     generation_eos_ids,
@@ -297,10 +298,7 @@ class HybridEngine:
             if engine.tp_size > 1 and slicer is None:
                 return  # an architecture whose TP slices are not known here: nothing to compare with
             expected = shard_fingerprints(model, dtype=engine.dtype, slicer=slicer, tp_size=engine.tp_size)
-        tp_rank = world()[0] % engine.tp_size
-        check_fingerprints(
-            type(engine).__name__, expected, engine.fingerprint(), rtol=engine.fingerprint_rtol, tp_rank=tp_rank
-        )
+        _check(engine, expected, tp_rank=world()[0] % engine.tp_size)
         self.verify_s = time.perf_counter() - t0
 
     # --------------------------------------------------------------------- generation-only pool
@@ -373,9 +371,7 @@ class HybridEngine:
             self.engine_version = header.version
         if header.fingerprints and getattr(engine, "fingerprint", None) is not None:
             start = time.perf_counter()
-            check_fingerprints(
-                type(engine).__name__, header.fingerprints, engine.fingerprint(), rtol=engine.fingerprint_rtol
-            )
+            _check(engine, header.fingerprints)
             self.verify_s = time.perf_counter() - start
         return {
             "timing_s/receive_weights": time.perf_counter() - t0,
@@ -395,6 +391,18 @@ class HybridEngine:
         if self.trainer is None:
             raise RuntimeError("A generation-only pool's hybrid engine has no trainer: its weights come by receive().")
         return self.trainer
+
+
+def _check(engine: Any, expected: dict[str, Tensor], *, tp_rank: int = 0) -> None:
+    """:func:`~lightning_rlhf.engines.rollout.base.check_fingerprints` of ``engine`` against ``expected``; a mismatch
+    leaves the engine ``weights_discarded`` (it refuses to generate until a complete hand-off). Runs on: worker."""
+    try:
+        check_fingerprints(
+            type(engine).__name__, expected, engine.fingerprint(), rtol=engine.fingerprint_rtol, tp_rank=tp_rank
+        )
+    except WeightSyncError:
+        engine.weights_discarded = True
+        raise
 
 
 def _tapped(stream: Iterator[tuple[str, Tensor]], prints: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:

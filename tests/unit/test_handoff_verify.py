@@ -1,0 +1,134 @@
+"""Every weight hand-off is checked: a fingerprint of what the engine holds (sums of a few rows of every tensor) is
+compared with one computed from the trainer's weights, so a hand-off that delivers the right names with wrong data,
+or an engine that kept its old weights, fails at that step naming the tensor. Real transformers engines, tiny
+models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+from transformers import AutoTokenizer
+
+import lightning_rlhf.engines.hybrid as hybrid_module
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
+from lightning_rlhf.engines.rollout.base import WeightSyncError, check_fingerprints, fingerprint
+from lightning_rlhf.engines.rollout.reshard import TPSlice, shard_fingerprints
+from lightning_rlhf.roles import ActorRole
+from tests.unit.test_actor_update import rollout_batch
+
+DROPPED = "model.layers.0.mlp.down_proj.weight"
+
+
+def _actor(path: str, *, verify_every: int = 1) -> ActorRole:
+    tok = AutoTokenizer.from_pretrained(path)
+    actor = ActorRole(
+        path,
+        tokenizer=tok,
+        rollout=RolloutConfig(n=2, max_new_tokens=4, verify_every=verify_every),
+        algorithm=AlgorithmConfig(micro_batch_size=3),
+        optim=OptimConfig(lr=1e-2),
+    )
+    actor.load()
+    actor.configure_optimizer(total_steps=10)
+    actor.attach_engine(
+        HFRolloutEngine(
+            actor.model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=torch.device("cpu")
+        )
+    )
+    return actor
+
+
+def _prompts() -> Batch:
+    return Batch({"prompts": torch.tensor([[5, 6, 7], [8, 9, 10]]), "prompt_mask": torch.ones(2, 3, dtype=torch.long)})
+
+
+def _zeroing(real: Any) -> Any:
+    """``weights_for`` whose stream carries :data:`DROPPED` under its own name but with zeros: only the data is lost,
+    so the names' check (``HandoffCheck``) passes."""
+
+    def weights_for(*args: Any, **kwargs: Any) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in real(*args, **kwargs):
+            yield name, torch.zeros_like(tensor) if name == DROPPED else tensor
+
+    return weights_for
+
+
+def test_a_hand_off_that_loses_one_tensors_data_fails_at_that_step(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    actor = _actor(tiny_model)
+    actor.generate(_prompts())  # the engine was built from the actor: nothing to hand over, nothing to check
+    actor.update(rollout_batch())
+    monkeypatch.setattr(hybrid_module, "weights_for", _zeroing(hybrid_module.weights_for))
+    with pytest.raises(WeightSyncError, match=f"holds other values than the trainer in '{DROPPED}'"):
+        actor.generate(_prompts())
+    with pytest.raises(WeightSyncError, match="holds no valid weights"):  # and it refuses to generate with them
+        actor.rollout_engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))
+
+
+def test_an_engine_that_kept_its_old_weights_fails_at_that_step(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    actor = _actor(tiny_model)
+    engine = actor.rollout_engine
+    actor.update(rollout_batch())
+    # A wake that says it holds the new weights (weights_discarded stays False) but restored the old ones: the
+    # hand-off reaches nothing.
+    monkeypatch.setattr(engine, "load_weights", lambda weights: 0)
+    with pytest.raises(WeightSyncError, match=r"holds other values than the trainer in 'model\."):
+        actor.generate(_prompts())
+
+
+def test_verify_every_thins_the_checks_and_zero_turns_them_off(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    actor = _actor(tiny_model, verify_every=2)
+    actor.update(rollout_batch())
+    actor.generate(_prompts())  # hand-off 1: checked, and right
+    assert actor.hybrid.verify_s > 0
+    monkeypatch.setattr(hybrid_module, "weights_for", _zeroing(hybrid_module.weights_for))
+    actor.update(rollout_batch(1))
+    actor.generate(_prompts())  # hand-off 2: not checked, so the loss goes unseen
+    assert actor.hybrid.verify_s == 0
+    actor.update(rollout_batch(2))
+    with pytest.raises(WeightSyncError, match=DROPPED):  # hand-off 3: checked
+        actor.generate(_prompts())
+
+    off = _actor(tiny_model, verify_every=0)
+    off.update(rollout_batch())
+    off.generate(_prompts())
+    assert off.hybrid.verify_s == 0
+    with pytest.raises(ValueError, match=r"RolloutConfig.verify_every=-1 is invalid: expected an integer >= 0"):
+        RolloutConfig(verify_every=-1)
+
+
+def test_the_trainers_fingerprint_of_a_tp_slice_is_the_slices_own() -> None:
+    """One process: the trainer's side (from its rows, per TP region) equals the engine's side of the slice it
+    holds, for a row block and a column block; a changed value in a summed row is caught, with its TP rank named."""
+    model = torch.nn.Linear(8, 12, bias=True)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    regions = {"weight": [TPSlice(0, 0, 6), TPSlice(1, 4, 4)], "bias": [TPSlice(0, 6, 6), None]}
+
+    def slicer(name: str, shape: tuple[int, ...], tp_rank: int) -> TPSlice | None:
+        return regions[name][tp_rank]
+
+    for tp_rank in range(2):
+        # one process plays TP rank `tp_rank` (tp_size 1 picks region 0 of a slicer that gives that rank's)
+        want = shard_fingerprints(model, dtype=torch.float32, slicer=lambda n, s, _, r=tp_rank: slicer(n, s, r))
+        held = {}
+        for name, param in model.named_parameters():
+            region = slicer(name, tuple(param.shape), tp_rank)
+            part = param.data if region is None else param.data.narrow(region.dim, region.start, region.length)
+            held[name] = fingerprint(part)
+        check_fingerprints("E", want, held, rtol=1e-12, tp_rank=tp_rank)
+        held["weight"] = held["weight"] + torch.tensor([0.0, 1e-3, 0.0, 0.0])[: len(held["weight"])]
+        where = "engine on TP rank 1" if tp_rank else "engine"
+        with pytest.raises(WeightSyncError, match=f"{where} holds other values than the trainer in 'weight'"):
+            check_fingerprints("E", want, held, rtol=1e-9, tp_rank=tp_rank)
