@@ -732,8 +732,14 @@ class RLHFModule(L.LightningModule):
             f"{cfg.temperature} (actor.generate(temperature=...) in a custom dataflow)",
         ]
         listed = "; ".join(f"({i}) {c}" for i, c in enumerate(causes, 1))
+        logs = [
+            f", {k}={metrics[k]:.3g}"
+            for k in ("training/rollout_logprob_diff_max", "training/rollout_kl")
+            if k in metrics
+        ]
         rank_zero_warn(
-            f"Step {step}: training/rollout_probs_diff_max={value:.3g} exceeds RolloutConfig.max_probs_diff={bound}: "
+            f"Step {step}: training/rollout_probs_diff_max={value:.3g}{''.join(logs)} exceeds "
+            f"RolloutConfig.max_probs_diff={bound}: "
             "the rollout engine sampled from another distribution than the one the trainer scores, so the update "
             f"is off-policy by that much. Likely causes: {listed}. HINT: fix the cause, or raise max_probs_diff "
             "(None: no warning). This warning is shown once per run; the metric is logged every step.",

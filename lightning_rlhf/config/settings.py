@@ -154,9 +154,9 @@ class RolloutConfig:
     models in bfloat16 drift further (raise the bound there). None: never warn."""
     verify_every: int = 1
     """Check every ``verify_every``-th weight hand-off (the first one always): a fingerprint of every tensor (the
-    float64 sums of a few fixed rows, and of the whole tensor where it is small) computed from the trainer's shards is
-    compared with one computed from what the engine holds; a mismatch raises ``WeightSyncError`` naming the tensor.
-    Its cost is ``perf/weight_verify_s``. 0: never check."""
+    float64 sums of a few fixed rows, and of the whole of a one-dimensional tensor) computed from the trainer's
+    shards is compared with one computed from what the engine holds; a mismatch raises ``WeightSyncError`` naming
+    the tensor. Its cost is ``perf/weight_verify_s``. 0: never check."""
     max_turns: int = 4
     """Episodes (a module with an ``environment``): the most assistant turns of one episode; an episode still
     calling tools at its last turn ends there, flagged as truncated. ``max_new_tokens`` bounds each turn."""

@@ -398,15 +398,29 @@ def rollout_is_weights(
 
 
 def rollout_probs_diff(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """How far the rollout engine's token probabilities are from the trainer's on the same tokens (verl's
-    ``training/rollout_probs_diff_*``): max and mean of ``|p_train - p_rollout|`` over response tokens."""
+    """How far the rollout engine's distribution is from the trainer's on the tokens it sampled, over response
+    tokens: ``rollout_probs_diff_max``/``_mean``, of ``|p_train - p_rollout|`` (verl's; in probability space, so it
+    shrinks with the vocabulary: every token of a 150k vocabulary is unlikely); ``rollout_logprob_diff_max``/``_mean``,
+    of ``|log p_train - log p_rollout|`` (the same at any vocabulary size); and ``rollout_kl``, the k3 estimate of
+    KL(rollout || train) from the sampled tokens, ``mean(r - 1 - log r)`` with ``r = p_train / p_rollout``.
+
+    Runs on: a worker (the on-policy update) or the controller (:meth:`RLHFModule.rollout_metrics`); pure.
+    """
     width = min(logprobs.shape[1], rollout_logprobs.shape[1])
     m = mask[:, :width].bool().to(logprobs.device)
-    diff = (logprobs[:, :width].float().exp() - rollout_logprobs[:, :width].to(logprobs.device).float().exp()).abs()
-    picked = diff[m]
-    if picked.numel() == 0:
+    train, rollout = logprobs[:, :width].float()[m], rollout_logprobs[:, :width].to(logprobs.device).float()[m]
+    if train.numel() == 0:
         return {}
-    return {"rollout_probs_diff_max": picked.max(), "rollout_probs_diff_mean": picked.mean()}
+    diff = (train.exp() - rollout.exp()).abs()
+    log_ratio = train - rollout
+    gap = log_ratio.abs()
+    return {
+        "rollout_probs_diff_max": diff.max(),
+        "rollout_probs_diff_mean": diff.mean(),
+        "rollout_logprob_diff_max": gap.max(),
+        "rollout_logprob_diff_mean": gap.mean(),
+        "rollout_kl": (torch.expm1(log_ratio) - log_ratio).mean(),
+    }
 
 
 ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "dual_clip", "gspo"})

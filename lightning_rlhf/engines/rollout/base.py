@@ -20,7 +20,7 @@ The weight hand-off is checked the same way in every engine: :class:`HandoffChec
 ``load_weights`` call against :attr:`RolloutEngine.param_names`, and a hand-off that misses a parameter or names
 one the engine does not have raises :class:`WeightSyncError`. What arrived is checked too: each engine's
 ``fingerprint()`` reads what it holds (:func:`fingerprint`: float64 sums of a few fixed rows of every tensor, and of
-the whole tensor where it is small), which :func:`check_fingerprints` compares with the trainer's.
+the whole of a one-dimensional tensor), which :func:`check_fingerprints` compares with the trainer's.
 """
 
 from __future__ import annotations
@@ -55,8 +55,12 @@ __all__ = [
     "check_sampling",
     "check_sequence_length",
     "fingerprint",
+    "fingerprint_of_row_sums",
+    "fingerprint_parts",
     "fingerprint_rows",
+    "fingerprints",
     "logprob_temperature",
+    "part_sums",
     "processed_logprobs",
     "tied_aliases",
     "wake_tags",
@@ -221,10 +225,6 @@ class WeightSyncError(RuntimeError):
     """
 
 
-SMALL_TENSOR = 1 << 16
-"""Elements up to which a fingerprint also sums the whole tensor (norms, biases: their rows are single values)."""
-
-
 def fingerprint_rows(rows: int) -> list[int]:
     """The rows a fingerprint sums of a tensor of ``rows`` rows: the first, the middle and the last one. Runs on: any
     process (pure)."""
@@ -233,20 +233,57 @@ def fingerprint_rows(rows: int) -> list[int]:
 
 def as_rows(tensor: Tensor) -> Tensor:
     """``tensor`` as ``[rows, -1]`` (a 1-D tensor: one value a row; a scalar: one row). Runs on: any process."""
-    return tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+    return tensor.flatten(1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
+
+
+def fingerprint_parts(tensor: Tensor) -> list[Tensor]:
+    """The parts of ``tensor`` its fingerprint sums: rows :func:`fingerprint_rows` of :func:`as_rows` ``(tensor)``,
+    then the whole tensor where it is one-dimensional (norms, biases: their rows are single values). Runs on:
+    worker."""
+    rows = as_rows(tensor)
+    return [rows[r] for r in fingerprint_rows(rows.shape[0])] + ([rows] if rows.shape[1] == 1 else [])
+
+
+def part_sums(parts: list[Tensor], dtype: torch.dtype | None = None, *, with_scale: bool = False) -> Tensor:
+    """The float64 sum of each of ``parts`` (cast to ``dtype`` first; then, ``with_scale``, the sums of their absolute
+    values), in a few calls whatever their number: many small tensors cost one pass. Runs on: worker."""
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64)
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    flat = (flat if dtype is None else flat.to(dtype)).double()
+    lengths = torch.tensor([p.numel() for p in parts], device=flat.device)
+    sums = [torch.segment_reduce(flat, "sum", lengths=lengths)]
+    if with_scale:
+        sums.append(torch.segment_reduce(flat.abs(), "sum", lengths=lengths))
+    return torch.cat(sums).cpu()
 
 
 def fingerprint(tensor: Tensor, *, with_scale: bool = False) -> Tensor:
-    """The fingerprint of a weight as an engine holds it: the float64 sums of rows :func:`fingerprint_rows` of
-    :func:`as_rows` ``(tensor)``, then the sum of the whole tensor where it has at most :data:`SMALL_TENSOR`
-    elements. ``with_scale`` appends the sums of their absolute values (what a comparison's tolerance scales with).
+    """The fingerprint of a weight as an engine holds it: the float64 sums of its :func:`fingerprint_parts` (a few
+    fixed rows, and the whole of a one-dimensional tensor). ``with_scale`` appends the sums of their absolute values
+    (what a comparison's tolerance scales with).
 
     Runs on: worker (an engine's ``fingerprint``; the trainer's side of a hand-off that streams full tensors).
     """
-    rows = as_rows(tensor)
-    parts = [rows[r] for r in fingerprint_rows(rows.shape[0])] + ([rows] if tensor.numel() <= SMALL_TENSOR else [])
-    values = [p.double().sum() for p in parts] + ([p.double().abs().sum() for p in parts] if with_scale else [])
-    return torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
+    return part_sums(fingerprint_parts(tensor), with_scale=with_scale)
+
+
+def fingerprints(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """:func:`fingerprint` of each of ``tensors``, all summed in one pass. Runs on: worker (an engine's
+    ``fingerprint``)."""
+    parts = {name: fingerprint_parts(t) for name, t in tensors.items()}
+    sums = part_sums([p for ps in parts.values() for p in ps])
+    return dict(zip(parts, sums.split([len(ps) for ps in parts.values()]), strict=True))
+
+
+def fingerprint_of_row_sums(row_sums: Tensor, cols: int) -> Tensor:
+    """:func:`fingerprint` of a tensor of ``len(row_sums)`` rows of ``cols`` values from the sums of all its rows
+    (an engine that can only read its weights through its kernels: a row of ones through a linear layer gives them).
+    Runs on: worker."""
+    rows = row_sums.double()
+    small = [rows.sum()] if cols == 1 else []
+    picked = [rows[r] for r in fingerprint_rows(len(rows))]
+    return torch.stack(picked + small) if picked else torch.zeros(0, dtype=torch.float64)
 
 
 def check_fingerprints(
@@ -260,23 +297,31 @@ def check_fingerprints(
         WeightSyncError: naming the first tensor (and the engine's TP rank) whose weights differ, or that the engine
             does not report.
     """
-    for name, want in expected.items():
-        have = held.get(name)
-        values, scale = want[: len(want) // 2], want[len(want) // 2 :]
-        where = f" on TP rank {tp_rank}" if tp_rank else ""
-        if have is None or have.shape != values.shape:
-            raise WeightSyncError(
-                f"{engine}: after the weight hand-off the engine{where} reports no weights for {name!r} (it reports "
-                f"{len(held)} tensors). HINT: the engine's `fingerprint()` must cover every name in `param_names`."
-            )
-        if bool(((have.double().cpu() - values).abs() > rtol * scale + 1e-30).any()):
-            raise WeightSyncError(
-                f"{engine}: after the weight hand-off the engine{where} holds other values than the trainer in "
-                f"{name!r}: fingerprint {have.tolist()}, the trainer's {values.tolist()} (sums of its first, middle "
-                "and last rows, and of all of it where small). The hand-off dropped or corrupted this tensor, or the "
-                "engine kept weights it was meant to replace (e.g. a sleep-mode wake that restored old ones). HINT: "
-                "report it with the engine and its settings; RolloutConfig.verify_every=0 turns this check off."
-            )
+    where = f" on TP rank {tp_rank}" if tp_rank else ""
+    names = list(expected)
+    lost = next((name for name in names if held.get(name) is None or len(held[name]) * 2 != len(expected[name])), None)
+    if lost is not None:
+        raise WeightSyncError(
+            f"{engine}: after the weight hand-off the engine{where} reports no weights for {lost!r} (it reports "
+            f"{len(held)} tensors). HINT: the engine's `fingerprint()` must cover every name in `param_names`."
+        )
+    if not names:
+        return
+    values = torch.cat([expected[n][: len(expected[n]) // 2] for n in names])
+    scales = torch.cat([expected[n][len(expected[n]) // 2 :] for n in names])
+    have = torch.cat([held[n].double().cpu() for n in names])
+    bad = ((have - values).abs() > rtol * scales + 1e-30).nonzero()
+    if len(bad):
+        ends = torch.tensor([len(held[n]) for n in names]).cumsum(0)
+        name = names[int(torch.searchsorted(ends, bad[0, 0], right=True))]
+        raise WeightSyncError(
+            f"{engine}: after the weight hand-off the engine{where} holds other values than the trainer in "
+            f"{name!r}: fingerprint {held[name].tolist()}, the trainer's {expected[name][: len(held[name])].tolist()} "
+            "(sums of its first, middle and last rows; of all of it if one-dimensional). The hand-off dropped or "
+            "corrupted this tensor, or the engine kept weights it was meant to replace (e.g. a sleep-mode wake that "
+            "restored old ones). HINT: report it with the engine and its settings; RolloutConfig.verify_every=0 turns "
+            "this check off."
+        )
 
 
 @functools.lru_cache(maxsize=16)

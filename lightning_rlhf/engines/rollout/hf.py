@@ -35,7 +35,7 @@ from lightning_rlhf.engines.rollout.base import (
     SamplingParams,
     WeightSyncError,
     check_sequence_length,
-    fingerprint,
+    fingerprints,
     processed_logprobs,
     tied_aliases,
     wake_tags,
@@ -418,7 +418,7 @@ class HFRolloutEngine:
         """:func:`~lightning_rlhf.engines.rollout.base.fingerprint` of every parameter as the engine holds it (its
         own copy, or the shared store it is bound to). Runs on: worker, after a hand-off."""
         with torch.no_grad():
-            return {name: fingerprint(self._params[name]) for name in self.param_names}
+            return fingerprints({name: self._params[name] for name in self.param_names})
 
     def sleep(self) -> None:
         """Move the weights to host memory on a GPU; nothing to free on CPU. Runs on: worker."""

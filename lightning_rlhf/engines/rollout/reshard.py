@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_rlhf.engines.rollout.base import as_rows, fingerprint_rows, part_sums
+
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.base import RolloutEngine
 
@@ -277,29 +279,22 @@ def weights_for(
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)
 
 
-def _fingerprint_part(
-    local: Tensor, first: int, shape: tuple[int, ...], region: TPSlice | None, dtype: torch.dtype
-) -> Tensor:
-    """This rank's share of :func:`~lightning_rlhf.engines.rollout.base.fingerprint` (``with_scale=True``) of the
-    region ``region`` of a tensor of full ``shape``, from the full rows ``[first, first + len(local))`` it holds
-    (cast to ``dtype``, as the engine holds them): 0 for every row it does not hold, so that the ranks' shares add
-    up to the whole."""
-    from lightning_rlhf.engines.rollout.base import SMALL_TENSOR, as_rows, fingerprint_rows
-
+def _fingerprint_parts(local: Tensor, first: int, shape: tuple[int, ...], region: TPSlice | None) -> list[Tensor]:
+    """This rank's share of the :func:`~lightning_rlhf.engines.rollout.base.fingerprint_parts` of the region
+    ``region`` of a tensor of full ``shape``, from the full rows ``[first, first + len(local))`` it holds: each part
+    cut to those rows (empty where it holds none of it), so that the ranks' sums add up to the whole's."""
     rows = as_rows(local)
     start, count = 0, shape[0] if shape else 1
     if region is not None and region.dim == 1:  # a column block (a row-parallel layer's weight)
         rows = rows[:, region.start : region.start + region.length]
     elif region is not None:
         start, count = region.start, region.length
-    held = [rows[start + r - first] if 0 <= start + r - first < len(rows) else None for r in fingerprint_rows(count)]
-    if count * rows.shape[1] <= SMALL_TENSOR:
-        lo, hi = max(start, first), min(start + count, first + len(rows))
-        held.append(rows[max(0, lo - first) : max(0, hi - first)])
-    exact = [None if p is None else p.to(dtype).double() for p in held]
-    zero = torch.zeros((), dtype=torch.float64)
-    sums = [zero if p is None else p.sum().cpu() for p in exact]
-    return torch.stack(sums + [zero if p is None else p.abs().sum().cpu() for p in exact])
+    mine = [start + r - first for r in fingerprint_rows(count)]
+    parts = [rows[i] if 0 <= i < len(rows) else rows[:0] for i in mine]
+    if rows.shape[1] == 1:  # one value a row: summed whole too
+        lo = min(max(start - first, 0), len(rows))
+        parts.append(rows[lo : max(lo, min(start + count - first, len(rows)))])
+    return parts
 
 
 def shard_fingerprints(
@@ -320,27 +315,30 @@ def shard_fingerprints(
     group = meshes[0].get_group() if meshes else None
     counts_whole = not meshes or meshes[0].get_local_rank() == 0  # a tensor every rank holds whole counts once
     positions: dict[int, tuple[Any, int, int]] = {}
-    blocks: list[Tensor] = []
+    parts: list[Tensor] = []
+    counts: list[int] = []  # parts per (parameter, TP rank)
     for name, param in params:
         shape, data = tuple(param.shape), param.data
         shard = row_shard(name, data, positions)
         if shard is not None:
             local, first = shard.local, shard.rank * shard.chunk_rows
-        else:  # not row-sharded: made whole on every rank (a collective for a DTensor)
-            local, first = (data.full_tensor() if isinstance(data, DTensor) else data), 0
-        counted = shard is not None or counts_whole
-        regions = [slicer(name, shape, r) if slicer is not None and shape else None for r in range(tp_size)]
-        parts = [_fingerprint_part(local, first, shape, region, dtype) for region in regions]
-        blocks.append(torch.stack(parts) if counted else torch.zeros(tp_size, len(parts[0]), dtype=torch.float64))
-    flat = torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0, dtype=torch.float64)
+        else:  # not row-sharded: made whole on every rank (a collective for a DTensor), counted by the first
+            local = data.full_tensor() if isinstance(data, DTensor) else data
+            first = 0 if counts_whole else 1 << 62  # past every row: nothing of it is this rank's
+        for tp_rank in range(tp_size):
+            region = slicer(name, shape, tp_rank) if slicer is not None and shape else None
+            mine = _fingerprint_parts(local, first, shape, region)
+            parts += mine
+            counts.append(len(mine))
+    sums = part_sums(parts, dtype, with_scale=True)
     if group is not None:
-        total = flat.to(next(model.parameters()).device)
+        total = sums.to(next(model.parameters()).device)
         dist.all_reduce(total, group=group)
-        flat = total.cpu()
+        sums = total.cpu()
+    values, scales = sums.split(len(parts))
     tp_rank = (dist.get_rank() if dist.is_initialized() else 0) % tp_size
     out: dict[str, Tensor] = {}
-    offset = 0
-    for (name, _), block in zip(params, blocks, strict=True):
-        out[name] = flat[offset : offset + block.numel()].view(block.shape)[tp_rank]
-        offset += block.numel()
+    for i, (value, scale) in enumerate(zip(values.split(counts), scales.split(counts), strict=True)):
+        if i % tp_size == tp_rank:
+            out[params[i // tp_size][0]] = torch.cat([value, scale])
     return out
