@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import lightning_rlhf.cpu as cpu
 import lightning_rlhf.perf as perf
@@ -46,10 +47,13 @@ from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import (
     KV_CACHE,
     WEIGHTS,
+    Fingerprint,
     WeightSyncError,
+    as_rows,
     check_fingerprints,
-    fingerprint,
+    fingerprint_ranges,
     generation_eos_ids,
+    part_sums,
 )
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, receive_weights, send_weights
 from lightning_rlhf.engines.rollout.reshard import shard_fingerprints, tp_slicer, weights_for
@@ -232,7 +236,7 @@ class HybridEngine:
             # LoRA streams merged weights (the base's names): no store shares the trainer's own tensors then.
             self._shared = (engine, model, None if lora else cpu.weight_store(engine, model))
         store = self._shared[2]
-        expected: dict[str, Tensor] = {}  # LoRA: the fingerprints of what the stream carries
+        expected: dict[str, Fingerprint] = {}  # LoRA: the fingerprints of what the stream carries
         if lora and getattr(engine, "takes_adapters", False):
             self._hand_off_adapters(engine, model, received, taken, expected)
         elif store is not None:
@@ -248,7 +252,7 @@ class HybridEngine:
         return seconds, received[0]
 
     def _hand_off_adapters(
-        self, engine: Any, model: nn.Module, received: list[int], taken: list[int], expected: dict[str, Tensor]
+        self, engine: Any, model: nn.Module, received: list[int], taken: list[int], expected: dict[str, Fingerprint]
     ) -> None:
         """``VLLMConfig.lora_handoff="adapter"``: the base weights once (while the engine holds none), then the
         adapters only, written as a peft folder that the engine loads (vLLM's LoRA support). ``expected`` gets the
@@ -271,14 +275,14 @@ class HybridEngine:
             if old != f"v{self.weights_version}":
                 shutil.rmtree(os.path.join(self._adapter_root, old), ignore_errors=True)
 
-    def verify(self, expected: dict[str, Tensor] | None = None) -> None:
+    def verify(self, expected: dict[str, Fingerprint] | None = None) -> None:
         """Check the hand-off just made, when ``RolloutConfig.verify_every`` says this one is due (the first, then
-        every k-th): the engine's :meth:`~lightning_rlhf.engines.rollout.base.RolloutEngine.fingerprint` against
+        every k-th): the sums of a few rows of each tensor the engine reports (its ``fingerprint``) against
         ``expected`` (the fingerprints of a stream the trainer made: merged LoRA weights), else against
-        :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of the trainer's shards (this rank's TP
-        slices for a tensor-parallel engine). The seconds go to :attr:`verify_s`.
+        :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of the rows this rank trains (of this
+        rank's TP slices for a tensor-parallel engine). The seconds go to :attr:`verify_s`.
 
-        Runs on: every worker rank of the trainer (the shards' fingerprints are one all-reduce), or of a pool.
+        Runs on: every worker rank of the trainer (no collective where the model is row-sharded).
 
         Raises:
             WeightSyncError: naming the first tensor whose weights differ (and the TP rank).
@@ -305,8 +309,8 @@ class HybridEngine:
     def send(self, bridge: WeightBridge, *, version: int, lag: int, max_staleness: int) -> dict[str, float]:
         """Hand the trainer's weights to a generation-only pool over ``bridge``, unless the staleness bound allows
         it to keep the ones it has: samples it generates now are trained on ``lag`` updates later, and must then be
-        at most ``max_staleness`` updates old. A hand-off that is due to be checked carries the fingerprints of the
-        full weights in its header (:meth:`receive` compares).
+        at most ``max_staleness`` updates old. A hand-off that is due to be checked carries the fingerprints of every
+        rank's rows in its header (gathered to the source; :meth:`receive` compares).
 
         Runs on: every rank of the trainer's pool (the FSDP gathers); the pool's first rank broadcasts. Returns
         ``timing_s/update_weights``, ``perf/weight_sync_bytes`` (what the pool was sent),
@@ -327,7 +331,7 @@ class HybridEngine:
         every = self.rollout.verify_every
         self._hand_offs += int(send)
         check = send and bool(every) and not lora and (self._hand_offs - 1) % every == 0
-        prints = shard_fingerprints(model, dtype=dtype) if check else {}
+        prints = _gathered(shard_fingerprints(model, dtype=dtype), model, bridge.src) if check else {}
         if lora:
             tensors = merged_weights(model, full_tensors(model, received), dtype) if send else iter(())
         else:
@@ -393,25 +397,47 @@ class HybridEngine:
         return self.trainer
 
 
-def _check(engine: Any, expected: dict[str, Tensor], *, tp_rank: int = 0) -> None:
+def _check(engine: Any, expected: dict[str, Fingerprint], *, tp_rank: int = 0) -> None:
     """:func:`~lightning_rlhf.engines.rollout.base.check_fingerprints` of ``engine`` against ``expected``; a mismatch
     leaves the engine ``weights_discarded`` (it refuses to generate until a complete hand-off). Runs on: worker."""
+    held = engine.fingerprint({name: rows for name, (rows, _) in expected.items()})
     try:
-        check_fingerprints(
-            type(engine).__name__, expected, engine.fingerprint(), rtol=engine.fingerprint_rtol, tp_rank=tp_rank
-        )
+        check_fingerprints(type(engine).__name__, expected, held, rtol=engine.fingerprint_rtol, tp_rank=tp_rank)
     except WeightSyncError:
         engine.weights_discarded = True
         raise
 
 
-def _tapped(stream: Iterator[tuple[str, Tensor]], prints: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
-    """``stream`` unchanged, the :func:`~lightning_rlhf.engines.rollout.base.fingerprint` (with scales) of each
-    tensor put in ``prints`` by name as it passes: the trainer's side of a hand-off whose tensors are computed on
+def _tapped(stream: Iterator[tuple[str, Tensor]], prints: dict[str, Fingerprint]) -> Iterator[tuple[str, Tensor]]:
+    """``stream`` unchanged, the fingerprint of each full tensor put in ``prints`` by name as it passes (its first,
+    middle and last rows, all of a one-dimensional one): the trainer's side of a hand-off whose tensors are computed on
     the way (merged LoRA weights). Runs on: every worker rank."""
     for name, tensor in stream:
-        prints[name] = fingerprint(tensor.detach(), with_scale=True).cpu()
+        rows = as_rows(tensor.detach())
+        ranges = fingerprint_ranges(0, len(rows), one_dim=rows.shape[1] == 1)
+        prints[name] = (ranges, part_sums([rows[a:b] for a, b in ranges], with_scale=True))
         yield name, tensor
+
+
+def _gathered(prints: dict[str, Fingerprint], model: nn.Module, dst: int) -> dict[str, Fingerprint]:
+    """Every rank's :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of ``model``, merged on rank
+    ``dst`` (the rows of each rank's shard: together, the fingerprints of the full tensors); ``{}`` elsewhere. Runs
+    on: every rank of the model's mesh (a gather over it)."""
+    from torch import distributed as dist
+
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None:
+        return prints
+    everyone: list[Any] = [None] * mesh.size() if dist.get_rank() == dst else []
+    dist.gather_object(prints, everyone if everyone else None, dst=dst, group=mesh.get_group())
+    merged: dict[str, Fingerprint] = {}
+    for name in prints:
+        parts = [p[name] for p in everyone]
+        k = [len(rows) for rows, _ in parts]
+        values = [sums[:n] for (_, sums), n in zip(parts, k, strict=True)]
+        scales = [sums[n:] for (_, sums), n in zip(parts, k, strict=True)]
+        merged[name] = ([r for rows, _ in parts for r in rows], torch.cat(values + scales))
+    return merged
 
 
 def sample_rollout(

@@ -17,7 +17,7 @@ import lightning_rlhf.engines.hybrid as hybrid_module
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
-from lightning_rlhf.engines.rollout.base import WeightSyncError, check_fingerprints, fingerprint
+from lightning_rlhf.engines.rollout.base import WeightSyncError, check_fingerprints, tensor_fingerprints
 from lightning_rlhf.engines.rollout.reshard import TPSlice, shard_fingerprints
 from lightning_rlhf.roles import ActorRole
 from tests.unit.test_actor_update import rollout_batch
@@ -109,26 +109,27 @@ def test_verify_every_thins_the_checks_and_zero_turns_them_off(
 
 
 def test_the_trainers_fingerprint_of_a_tp_slice_is_the_slices_own() -> None:
-    """One process: the trainer's side (from its rows, per TP region) equals the engine's side of the slice it
-    holds, for a row block and a column block; a changed value in a summed row is caught, with its TP rank named."""
+    """One process: the trainer's side (rows it holds, cut to a TP rank's region, numbered in the slice) equals the
+    engine's sums of the slice it holds, for a row block and a column block; a changed value in a summed row is
+    caught, with its TP rank named."""
     model = torch.nn.Linear(8, 12, bias=True)
     for p in model.parameters():
         torch.nn.init.normal_(p)
-    regions = {"weight": [TPSlice(0, 0, 6), TPSlice(1, 4, 4)], "bias": [TPSlice(0, 6, 6), None]}
-
-    def slicer(name: str, shape: tuple[int, ...], tp_rank: int) -> TPSlice | None:
-        return regions[name][tp_rank]
-
+    regions = {"weight": [TPSlice(0, 2, 6), TPSlice(1, 4, 4)], "bias": [TPSlice(0, 6, 6), None]}
     for tp_rank in range(2):
-        # one process plays TP rank `tp_rank` (tp_size 1 picks region 0 of a slicer that gives that rank's)
-        want = shard_fingerprints(model, dtype=torch.float32, slicer=lambda n, s, _, r=tp_rank: slicer(n, s, r))
+        # one process plays TP rank `tp_rank` (tp_size 1 asks for region 0 of a slicer that gives that rank's)
+        want = shard_fingerprints(model, dtype=torch.float32, slicer=lambda n, s, _, r=tp_rank: regions[n][r])
         held = {}
         for name, param in model.named_parameters():
-            region = slicer(name, tuple(param.shape), tp_rank)
+            region = regions[name][tp_rank]
             part = param.data if region is None else param.data.narrow(region.dim, region.start, region.length)
-            held[name] = fingerprint(part)
-        check_fingerprints("E", want, held, rtol=1e-12, tp_rank=tp_rank)
-        held["weight"] = held["weight"] + torch.tensor([0.0, 1e-3, 0.0, 0.0])[: len(held["weight"])]
+            held[name] = part
+        assert want["weight"][0] == ([(0, 1), (3, 4), (5, 6)] if tp_rank == 0 else [(0, 1), (6, 7), (11, 12)])
+        assert want["bias"][0][-1] == ((0, 6) if tp_rank == 0 else (0, 12))  # a 1-D tensor is summed whole too
+        ranges = {name: rows for name, (rows, _) in want.items()}
+        check_fingerprints("E", want, tensor_fingerprints(held, ranges), rtol=1e-12, tp_rank=tp_rank)
+        held["weight"] = held["weight"].clone()
+        held["weight"][ranges["weight"][1][0], 0] += 1e-3  # the middle summed row
         where = "engine on TP rank 1" if tp_rank else "engine"
         with pytest.raises(WeightSyncError, match=f"{where} holds other values than the trainer in 'weight'"):
-            check_fingerprints("E", want, held, rtol=1e-9, tp_rank=tp_rank)
+            check_fingerprints("E", want, tensor_fingerprints(held, ranges), rtol=1e-9, tp_rank=tp_rank)

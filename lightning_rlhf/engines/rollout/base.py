@@ -19,8 +19,8 @@ the KV cache takes its memory (docs/hybrid-engine.md, "Memory phases"); :func:`w
 The weight hand-off is checked the same way in every engine: :class:`HandoffCheck` counts the names of one
 ``load_weights`` call against :attr:`RolloutEngine.param_names`, and a hand-off that misses a parameter or names
 one the engine does not have raises :class:`WeightSyncError`. What arrived is checked too: each engine's
-``fingerprint()`` reads what it holds (:func:`fingerprint`: float64 sums of a few fixed rows of every tensor, and of
-the whole of a one-dimensional tensor), which :func:`check_fingerprints` compares with the trainer's.
+``fingerprint(ranges)`` sums rows of what it holds (a few rows of every tensor, all of a one-dimensional one,
+:func:`fingerprint_ranges`), which :func:`check_fingerprints` compares with the trainer's sums of the same rows.
 """
 
 from __future__ import annotations
@@ -45,23 +45,23 @@ __all__ = [
     "MEMORY_TAGS",
     "MIN_TEMPERATURE",
     "WEIGHTS",
+    "Fingerprint",
     "HandoffCheck",
     "RolloutEngine",
     "RolloutOutput",
+    "RowRanges",
     "SamplingParams",
     "WeightSyncError",
+    "as_rows",
     "check_fingerprints",
     "check_prompt_tokens",
     "check_sampling",
     "check_sequence_length",
-    "fingerprint",
-    "fingerprint_of_row_sums",
-    "fingerprint_parts",
-    "fingerprint_rows",
-    "fingerprints",
+    "fingerprint_ranges",
     "logprob_temperature",
     "part_sums",
     "processed_logprobs",
+    "tensor_fingerprints",
     "tied_aliases",
     "wake_tags",
 ]
@@ -225,10 +225,11 @@ class WeightSyncError(RuntimeError):
     """
 
 
-def fingerprint_rows(rows: int) -> list[int]:
-    """The rows a fingerprint sums of a tensor of ``rows`` rows: the first, the middle and the last one. Runs on: any
-    process (pure)."""
-    return sorted({0, rows // 2, rows - 1}) if rows > 0 else []
+RowRanges = list[tuple[int, int]]
+"""Row ranges ``[start, stop)`` of a tensor seen as :func:`as_rows` (a tensor-parallel engine's: of its slice)."""
+Fingerprint = tuple[RowRanges, Tensor]
+"""The trainer's side of a verified hand-off, per tensor: the row ranges to sum, and their float64 sums followed by
+the sums of their absolute values (what the comparison's tolerance scales with)."""
 
 
 def as_rows(tensor: Tensor) -> Tensor:
@@ -236,17 +237,18 @@ def as_rows(tensor: Tensor) -> Tensor:
     return tensor.flatten(1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
 
 
-def fingerprint_parts(tensor: Tensor) -> list[Tensor]:
-    """The parts of ``tensor`` its fingerprint sums: rows :func:`fingerprint_rows` of :func:`as_rows` ``(tensor)``,
-    then the whole tensor where it is one-dimensional (norms, biases: their rows are single values). Runs on:
-    worker."""
-    rows = as_rows(tensor)
-    return [rows[r] for r in fingerprint_rows(rows.shape[0])] + ([rows] if rows.shape[1] == 1 else [])
+def fingerprint_ranges(start: int, stop: int, *, one_dim: bool) -> RowRanges:
+    """The rows a fingerprint sums of the rows ``[start, stop)`` (a rank's share of a tensor): the first, the middle
+    and the last one, and all of them for a tensor of one value a row (norms, biases). Runs on: any process."""
+    if stop <= start:
+        return []
+    rows = sorted({start, (start + stop) // 2, stop - 1})
+    return [(r, r + 1) for r in rows] + ([(start, stop)] if one_dim and stop - start > 1 else [])
 
 
 def part_sums(parts: list[Tensor], dtype: torch.dtype | None = None, *, with_scale: bool = False) -> Tensor:
     """The float64 sum of each of ``parts`` (cast to ``dtype`` first; then, ``with_scale``, the sums of their absolute
-    values), in a few calls whatever their number: many small tensors cost one pass. Runs on: worker."""
+    values), in a few calls whatever their number. Runs on: worker."""
     if not parts:
         return torch.zeros(0, dtype=torch.float64)
     flat = torch.cat([p.reshape(-1) for p in parts])
@@ -258,48 +260,28 @@ def part_sums(parts: list[Tensor], dtype: torch.dtype | None = None, *, with_sca
     return torch.cat(sums).cpu()
 
 
-def fingerprint(tensor: Tensor, *, with_scale: bool = False) -> Tensor:
-    """The fingerprint of a weight as an engine holds it: the float64 sums of its :func:`fingerprint_parts` (a few
-    fixed rows, and the whole of a one-dimensional tensor). ``with_scale`` appends the sums of their absolute values
-    (what a comparison's tolerance scales with).
-
-    Runs on: worker (an engine's ``fingerprint``; the trainer's side of a hand-off that streams full tensors).
-    """
-    return part_sums(fingerprint_parts(tensor), with_scale=with_scale)
-
-
-def fingerprints(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """:func:`fingerprint` of each of ``tensors``, all summed in one pass. Runs on: worker (an engine's
-    ``fingerprint``)."""
-    parts = {name: fingerprint_parts(t) for name, t in tensors.items()}
-    sums = part_sums([p for ps in parts.values() for p in ps])
-    return dict(zip(parts, sums.split([len(ps) for ps in parts.values()]), strict=True))
-
-
-def fingerprint_of_row_sums(row_sums: Tensor, cols: int) -> Tensor:
-    """:func:`fingerprint` of a tensor of ``len(row_sums)`` rows of ``cols`` values from the sums of all its rows
-    (an engine that can only read its weights through its kernels: a row of ones through a linear layer gives them).
-    Runs on: worker."""
-    rows = row_sums.double()
-    small = [rows.sum()] if cols == 1 else []
-    picked = [rows[r] for r in fingerprint_rows(len(rows))]
-    return torch.stack(picked + small) if picked else torch.zeros(0, dtype=torch.float64)
+def tensor_fingerprints(tensors: Mapping[str, Tensor], ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]:
+    """Per name of ``ranges``, the float64 sums of those rows of ``tensors[name]`` (:func:`as_rows`), all summed in
+    one pass: what an engine that holds its weights as tensors answers to ``fingerprint``. Runs on: worker."""
+    parts = [as_rows(tensors[name])[a:b] for name, rows in ranges.items() for a, b in rows]
+    sums = part_sums(parts).split([len(rows) for rows in ranges.values()])
+    return dict(zip(ranges, sums, strict=True))
 
 
 def check_fingerprints(
-    engine: str, expected: Mapping[str, Tensor], held: Mapping[str, Tensor], *, rtol: float, tp_rank: int = 0
+    engine: str, expected: Mapping[str, Fingerprint], held: Mapping[str, Tensor], *, rtol: float, tp_rank: int = 0
 ) -> None:
-    """Compare the trainer's fingerprints ``expected`` (name -> values then scales, :func:`fingerprint` with
-    ``with_scale=True``) with what the engine holds (``held``: name -> values): each value within ``rtol`` times its
-    scale. Runs on: worker (after a hand-off).
+    """Compare the trainer's fingerprints ``expected`` with the sums the engine reports for the same rows (``held``,
+    its ``fingerprint`` of the ranges): each within ``rtol`` times the sum of the absolute values. Runs on: worker
+    (after a hand-off).
 
     Raises:
         WeightSyncError: naming the first tensor (and the engine's TP rank) whose weights differ, or that the engine
             does not report.
     """
     where = f" on TP rank {tp_rank}" if tp_rank else ""
-    names = list(expected)
-    lost = next((name for name in names if held.get(name) is None or len(held[name]) * 2 != len(expected[name])), None)
+    names = [name for name, (rows, _) in expected.items() if rows]
+    lost = next((n for n in names if held.get(n) is None or len(held[n]) != len(expected[n][0])), None)
     if lost is not None:
         raise WeightSyncError(
             f"{engine}: after the weight hand-off the engine{where} reports no weights for {lost!r} (it reports "
@@ -307,20 +289,20 @@ def check_fingerprints(
         )
     if not names:
         return
-    values = torch.cat([expected[n][: len(expected[n]) // 2] for n in names])
-    scales = torch.cat([expected[n][len(expected[n]) // 2 :] for n in names])
+    counts = [len(expected[n][0]) for n in names]
+    values = torch.cat([expected[n][1][:k] for n, k in zip(names, counts, strict=True)])
+    scales = torch.cat([expected[n][1][k:] for n, k in zip(names, counts, strict=True)])
     have = torch.cat([held[n].double().cpu() for n in names])
     bad = ((have - values).abs() > rtol * scales + 1e-30).nonzero()
     if len(bad):
-        ends = torch.tensor([len(held[n]) for n in names]).cumsum(0)
-        name = names[int(torch.searchsorted(ends, bad[0, 0], right=True))]
+        name = names[int(torch.searchsorted(torch.tensor(counts).cumsum(0), bad[0, 0], right=True))]
+        k = len(expected[name][0])
         raise WeightSyncError(
             f"{engine}: after the weight hand-off the engine{where} holds other values than the trainer in "
-            f"{name!r}: fingerprint {held[name].tolist()}, the trainer's {expected[name][: len(held[name])].tolist()} "
-            "(sums of its first, middle and last rows; of all of it if one-dimensional). The hand-off dropped or "
-            "corrupted this tensor, or the engine kept weights it was meant to replace (e.g. a sleep-mode wake that "
-            "restored old ones). HINT: report it with the engine and its settings; RolloutConfig.verify_every=0 turns "
-            "this check off."
+            f"{name!r}: the sums of its rows {expected[name][0]} are {held[name].tolist()}, the trainer's "
+            f"{expected[name][1][:k].tolist()}. The hand-off dropped or corrupted this tensor, or the engine kept "
+            "weights it was meant to replace (e.g. a sleep-mode wake that restored old ones). HINT: report it with the "
+            "engine and its settings; RolloutConfig.verify_every=0 turns this check off."
         )
 
 
@@ -455,13 +437,13 @@ class RolloutEngine(Protocol):
     Optional: ``copies_each_weight = True`` says that ``load_weights`` copies each tensor before it takes the next
     one from the stream; ``weights_for`` may then hand it views of a reused buffer (``HFRolloutEngine`` does).
 
-    Verified hand-offs: ``fingerprint() -> dict[str, Tensor]`` says what the engine holds, per name of
-    ``param_names``: :func:`fingerprint` of the tensor (for a tensor-parallel engine: of this rank's slice, as
-    :func:`~lightning_rlhf.engines.rollout.reshard.tp_slice` cuts it), and ``fingerprint_rtol: float`` how closely it
-    agrees with the trainer's (relative to the sums of absolute values: float64 sums of the very values the engine
-    holds agree to rounding; sums an engine can only take through its own kernels, vLLM's repacked CPU linears,
-    agree to that kernel's precision). Both engines have them; an engine without them (the vLLM engine server) gets
-    the names' check only.
+    Verified hand-offs: ``fingerprint(ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]`` says what the engine
+    holds: per name, the float64 sums of those rows of the tensor (:func:`as_rows`; for a tensor-parallel engine: of
+    this rank's slice, as :func:`~lightning_rlhf.engines.rollout.reshard.tp_slice` cuts it); ``fingerprint_rtol:
+    float`` how closely they agree with the trainer's (relative to the sums of absolute values: float64 sums of the
+    very values the engine holds agree to rounding; sums an engine can only take through its own kernels, vLLM's
+    repacked CPU linears, agree to that kernel's precision). Both engines have them; an engine without them (the
+    vLLM engine server) gets the names' check only.
 
     Memory phases. :meth:`ActorRole.generate <lightning_rlhf.roles.actor.ActorRole.generate>` drives an engine
     in this order, so that a device never holds two full copies of the weights beside the trainer's shards:

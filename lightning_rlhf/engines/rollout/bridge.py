@@ -54,7 +54,7 @@ class WeightHeader:
     """Each tensor's name and shape, in the order they come."""
     dtype: str = "float32"
     """The dtype every tensor travels in (the engines' compute dtype)."""
-    fingerprints: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    fingerprints: dict[str, tuple[list[tuple[int, int]], Tensor]] = dataclasses.field(default_factory=dict)
     """Per tensor, the fingerprint the receivers' engines must hold after this hand-off (empty: not checked; see
     :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints`)."""
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_rlhf.engines.rollout.base import as_rows, fingerprint_rows, part_sums
+from lightning_rlhf.engines.rollout.base import Fingerprint, RowRanges, as_rows, fingerprint_ranges, part_sums
 
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.base import RolloutEngine
@@ -279,66 +279,46 @@ def weights_for(
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)
 
 
-def _fingerprint_parts(local: Tensor, first: int, shape: tuple[int, ...], region: TPSlice | None) -> list[Tensor]:
-    """This rank's share of the :func:`~lightning_rlhf.engines.rollout.base.fingerprint_parts` of the region
-    ``region`` of a tensor of full ``shape``, from the full rows ``[first, first + len(local))`` it holds: each part
-    cut to those rows (empty where it holds none of it), so that the ranks' sums add up to the whole's."""
-    rows = as_rows(local)
-    start, count = 0, shape[0] if shape else 1
-    if region is not None and region.dim == 1:  # a column block (a row-parallel layer's weight)
-        rows = rows[:, region.start : region.start + region.length]
-    elif region is not None:
-        start, count = region.start, region.length
-    mine = [start + r - first for r in fingerprint_rows(count)]
-    parts = [rows[i] if 0 <= i < len(rows) else rows[:0] for i in mine]
-    if rows.shape[1] == 1:  # one value a row: summed whole too
-        lo = min(max(start - first, 0), len(rows))
-        parts.append(rows[lo : max(lo, min(start + count - first, len(rows)))])
-    return parts
-
-
 def shard_fingerprints(
     model: nn.Module, *, dtype: torch.dtype, slicer: Slicer | None = None, tp_size: int = 1
-) -> dict[str, Tensor]:
-    """The trainer's side of a verified hand-off: per parameter, the fingerprint (values then scales, as
-    :func:`~lightning_rlhf.engines.rollout.base.fingerprint` with ``with_scale=True`` gives them) of the tensor this
-    rank's engine must hold: the full tensor, or with a ``slicer`` the slice of this rank's TP rank, in ``dtype``.
-    Computed from each rank's FSDP2 rows, without gathering a row-sharded tensor: one all-reduce of a few numbers
-    per tensor over the model's mesh.
+) -> dict[str, Fingerprint]:
+    """The trainer's side of a verified hand-off, from this rank's FSDP2 rows alone (no collective for a row-sharded
+    parameter): per parameter, the rows of the tensor this rank's engine holds (the full tensor, or with a ``slicer``
+    its TP rank's slice, in the slice's own row numbers) that lie in this rank's shard -- its first, middle and last
+    row, all of them for a one-dimensional tensor (:func:`~lightning_rlhf.engines.rollout.base.fingerprint_ranges`)
+    -- and their float64 sums in ``dtype`` (as the engine holds them), then the sums of their absolute values. So
+    each rank checks its own engine against the rows it trains.
 
-    Runs on: every worker rank of the model's mesh, at the same point (collective).
+    Runs on: every worker rank of the model's mesh, at the same point (a parameter that is not row-sharded is made
+    whole: a collective).
     """
     from lightning_rlhf.compat.sharding import row_shard
 
-    params = list(model.named_parameters())
-    meshes = [p.device_mesh for _, p in params if isinstance(p, DTensor)]
-    group = meshes[0].get_group() if meshes else None
-    counts_whole = not meshes or meshes[0].get_local_rank() == 0  # a tensor every rank holds whole counts once
     positions: dict[int, tuple[Any, int, int]] = {}
+    tp_rank = (dist.get_rank() if dist.is_initialized() else 0) % tp_size
+    ranges: dict[str, RowRanges] = {}
     parts: list[Tensor] = []
-    counts: list[int] = []  # parts per (parameter, TP rank)
-    for name, param in params:
+    for name, param in model.named_parameters():
         shape, data = tuple(param.shape), param.data
         shard = row_shard(name, data, positions)
         if shard is not None:
-            local, first = shard.local, shard.rank * shard.chunk_rows
-        else:  # not row-sharded: made whole on every rank (a collective for a DTensor), counted by the first
-            local = data.full_tensor() if isinstance(data, DTensor) else data
-            first = 0 if counts_whole else 1 << 62  # past every row: nothing of it is this rank's
-        for tp_rank in range(tp_size):
-            region = slicer(name, shape, tp_rank) if slicer is not None and shape else None
-            mine = _fingerprint_parts(local, first, shape, region)
-            parts += mine
-            counts.append(len(mine))
+            rows, first = as_rows(shard.local), shard.rank * shard.chunk_rows
+        else:  # not row-sharded: made whole (a collective for a DTensor)
+            rows, first = as_rows(data.full_tensor() if isinstance(data, DTensor) else data), 0
+        region = slicer(name, shape, tp_rank) if slicer is not None and shape else None
+        start, count = 0, shape[0] if shape else 1
+        if region is not None and region.dim == 1:  # a column block (a row-parallel layer's weight)
+            rows = rows[:, region.start : region.start + region.length]
+        elif region is not None:
+            start, count = region.start, region.length
+        lo, hi = max(start, first), min(start + count, first + len(rows))  # this rank's rows of the region
+        mine = fingerprint_ranges(lo - start, hi - start, one_dim=rows.shape[1] == 1)
+        ranges[name] = mine
+        parts += [rows[a + start - first : b + start - first] for a, b in mine]
     sums = part_sums(parts, dtype, with_scale=True)
-    if group is not None:
-        total = sums.to(next(model.parameters()).device)
-        dist.all_reduce(total, group=group)
-        sums = total.cpu()
     values, scales = sums.split(len(parts))
-    tp_rank = (dist.get_rank() if dist.is_initialized() else 0) % tp_size
-    out: dict[str, Tensor] = {}
-    for i, (value, scale) in enumerate(zip(values.split(counts), scales.split(counts), strict=True)):
-        if i % tp_size == tp_rank:
-            out[params[i // tp_size][0]] = torch.cat([value, scale])
-    return out
+    counts = [len(r) for r in ranges.values()]
+    return {
+        name: (rows, torch.cat([v, s]))
+        for (name, rows), v, s in zip(ranges.items(), values.split(counts), scales.split(counts), strict=True)
+    }

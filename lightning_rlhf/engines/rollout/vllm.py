@@ -37,11 +37,11 @@ from lightning_rlhf.engines.rollout.base import (
     MEMORY_TAGS,
     HandoffCheck,
     RolloutOutput,
+    RowRanges,
     SamplingParams,
     WeightSyncError,
     check_prompt_tokens,
     check_sequence_length,
-    fingerprint_of_row_sums,
     wake_tags,
 )
 from lightning_rlhf.engines.rollout.reshard import SliceHolder, Slicer, tp_slicer
@@ -689,24 +689,25 @@ class VLLMRolloutEngine:
         accumulation, and in a 16-bit engine a 16-bit result."""
         return 1e-5 if self.dtype == torch.float32 else 2e-2
 
-    def fingerprint(self) -> dict[str, Tensor]:
-        """What the engine holds, per name of ``param_names`` (:func:`~lightning_rlhf.engines.rollout.base.
-        fingerprint` of this rank's slice): each fused parameter (``qkv_proj``, ``gate_up_proj``) cut into its
-        members at the rows vLLM's loader put them, the padding rows of the vocabulary left out.
+    def fingerprint(self, ranges: dict[str, RowRanges]) -> dict[str, Tensor]:
+        """The float64 sums of those rows of each tensor this rank's engine holds (its slice at TP > 1): each fused
+        parameter (``qkv_proj``, ``gate_up_proj``) cut into its members at the rows vLLM's loader put them, the
+        padding rows of the vocabulary left out.
 
         Runs on: worker (each rank reads its own vLLM worker's model; no collective).
         """
         sums: dict[str, tuple[Tensor, int, list[int]]] = self.llm.collective_rpc(_row_sums, args=(self.dtype,))[0]
         out: dict[str, Tensor] = {}
-        for name in self.param_names:
+        for name, wanted in ranges.items():
             module, _, kind = name.rpartition(".")
             key = f"{fusion_group(name)}.{kind}"
             if key not in sums:
                 continue  # check_fingerprints names it
-            rows, cols, sizes = sums[key]
+            rows, _, sizes = sums[key]
             member = _FUSED_ORDER.get(module.rpartition(".")[2], 0) if len(sizes) > 1 else 0
             start = sum(sizes[:member])
-            out[name] = fingerprint_of_row_sums(rows[start : start + sizes[member]], cols)
+            total = torch.cat([rows.new_zeros(1), rows[start : start + sizes[member]].cumsum(0)])
+            out[name] = torch.stack([total[b] - total[a] for a, b in wanted]) if wanted else rows.new_zeros(0)
         return out
 
 
