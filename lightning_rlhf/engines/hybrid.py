@@ -248,7 +248,7 @@ class HybridEngine:
         self.engine_bytes = taken[0]
         self.engine_version = self.weights_version
         seconds = time.perf_counter() - t0 - self.wait_s
-        self.verify(expected or None)
+        self.verify(expected if lora else None)
         return seconds, received[0]
 
     def _hand_off_adapters(
@@ -293,8 +293,8 @@ class HybridEngine:
             return
         t0 = time.perf_counter()
         engine = self.rollout_engine
-        if getattr(engine, "fingerprint", None) is None:
-            return  # an engine that cannot say what it holds (a vLLM engine server): the names' check only
+        if getattr(engine, "fingerprint", None) is None or expected == {}:
+            return  # an engine that cannot say what it holds (a vLLM engine server), or only adapters were sent
         if expected is None:
             model = self._trainer().model
             assert model is not None

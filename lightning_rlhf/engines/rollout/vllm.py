@@ -726,7 +726,8 @@ def _row_sums(worker: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor, int, l
 
     out: dict[str, tuple[Tensor, int, list[int]]] = {}
     with torch.no_grad():
-        for prefix, module in worker.model_runner.model.named_modules():
+        for path, module in worker.model_runner.model.named_modules():
+            prefix = path.replace(".base_layer", "")  # with LoRA on, vLLM wraps each layer: the base is ours
             own = dict(module.named_parameters(recurse=False))
             parts: list[int] | None = None  # a linear layer's rows of each member (its weight's and its bias's)
             if isinstance(module, LinearBase | ParallelLMHead):
