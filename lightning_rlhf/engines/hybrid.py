@@ -430,6 +430,8 @@ def _gathered(prints: dict[str, Fingerprint], model: nn.Module, dst: int) -> dic
         return prints
     everyone: list[Any] = [None] * mesh.size() if dist.get_rank() == dst else []
     dist.gather_object(prints, everyone if everyone else None, dst=dst, group=mesh.get_group())
+    if not everyone:
+        return {}
     merged: dict[str, Fingerprint] = {}
     for name in prints:
         parts = [p[name] for p in everyone]
