@@ -56,7 +56,7 @@ from lightning_rlhf.engines.rollout.base import (
     part_sums,
 )
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, receive_weights, send_weights
-from lightning_rlhf.engines.rollout.reshard import shard_fingerprints, tp_slicer, weights_for
+from lightning_rlhf.engines.rollout.reshard import Slicer, shard_fingerprints, tp_slicer, weights_for
 from lightning_rlhf.engines.train import full_tensors, world
 from lightning_rlhf.engines.train.lora import (
     adapter_tensors,
@@ -244,7 +244,8 @@ class HybridEngine:
             taken[0] = perf.full_bytes(model, engine.dtype)
         else:
             stream = weights_for(engine, model, received, into_engine=True)
-            engine.load_weights(perf.counted_bytes(_tapped(stream, expected) if lora else stream, taken))
+            tapped = _tapped(stream, expected, _slicer(engine, model), engine.tp_size) if lora else stream
+            engine.load_weights(perf.counted_bytes(tapped, taken))
         self.engine_bytes = taken[0]
         self.engine_version = self.weights_version
         seconds = time.perf_counter() - t0 - self.wait_s
@@ -260,7 +261,7 @@ class HybridEngine:
         the trainer's ranks)."""
         if engine.weights_discarded:
             base = base_weights(full_tensors(model, received), engine.dtype)
-            engine.load_weights(perf.counted_bytes(_tapped(base, expected), taken))
+            engine.load_weights(perf.counted_bytes(_tapped(base, expected, None, 1), taken))
         state = adapter_tensors(model, received)
         taken[0] += sum(t.numel() * t.element_size() for t in state.values())
         if self._adapter_root is None:
@@ -295,12 +296,12 @@ class HybridEngine:
         engine = self.rollout_engine
         if getattr(engine, "fingerprint", None) is None or expected == {}:
             return  # an engine that cannot say what it holds (a vLLM engine server), or only adapters were sent
+        model = self._trainer().model
+        assert model is not None
+        slicer = _slicer(engine, model)
+        if engine.tp_size > 1 and slicer is None:
+            return  # an architecture whose TP slices are not known here: nothing to compare with
         if expected is None:
-            model = self._trainer().model
-            assert model is not None
-            slicer = engine.slicer or tp_slicer(model.config, engine.tp_size)
-            if engine.tp_size > 1 and slicer is None:
-                return  # an architecture whose TP slices are not known here: nothing to compare with
             expected = shard_fingerprints(model, dtype=engine.dtype, slicer=slicer, tp_size=engine.tp_size)
         _check(engine, expected, tp_rank=world()[0] % engine.tp_size)
         self.verify_s = time.perf_counter() - t0
@@ -408,12 +409,22 @@ def _check(engine: Any, expected: dict[str, Fingerprint], *, tp_rank: int = 0) -
         raise
 
 
-def _tapped(stream: Iterator[tuple[str, Tensor]], prints: dict[str, Fingerprint]) -> Iterator[tuple[str, Tensor]]:
-    """``stream`` unchanged, the fingerprint of each full tensor put in ``prints`` by name as it passes (its first,
-    middle and last rows, all of a one-dimensional one): the trainer's side of a hand-off whose tensors are computed on
-    the way (merged LoRA weights). Runs on: every worker rank."""
+def _slicer(engine: Any, model: nn.Module) -> Slicer | None:
+    """Which slice of each tensor a tensor-parallel ``engine`` holds (its own ``slicer``, or vLLM's rules where it
+    takes full tensors and cuts them itself); None at TP 1, or for an architecture whose rules are not known."""
+    return engine.slicer or tp_slicer(model.config, engine.tp_size)
+
+
+def _tapped(
+    stream: Iterator[tuple[str, Tensor]], prints: dict[str, Fingerprint], slicer: Slicer | None, tp_size: int
+) -> Iterator[tuple[str, Tensor]]:
+    """``stream`` (full tensors) unchanged, the fingerprint of each put in ``prints`` by name as it passes (the first,
+    middle and last rows, all of a one-dimensional one; of this rank's TP slice with a ``slicer``): the trainer's side
+    of a hand-off whose tensors are computed on the way (merged LoRA weights). Runs on: every worker rank."""
     for name, tensor in stream:
-        rows = as_rows(tensor.detach())
+        region = slicer(name, tuple(tensor.shape), world()[0] % tp_size) if slicer is not None else None
+        held = tensor if region is None else tensor.narrow(region.dim, region.start, region.length)
+        rows = as_rows(held.detach())
         ranges = fingerprint_ranges(0, len(rows), one_dim=rows.shape[1] == 1)
         prints[name] = (ranges, part_sums([rows[a:b] for a, b in ranges], with_scale=True))
         yield name, tensor
