@@ -133,3 +133,37 @@ def test_the_trainers_fingerprint_of_a_tp_slice_is_the_slices_own() -> None:
         where = "engine on TP rank 1" if tp_rank else "engine"
         with pytest.raises(WeightSyncError, match=f"{where} holds other values than the trainer in 'weight'"):
             check_fingerprints("E", want, tensor_fingerprints(held, ranges), rtol=1e-9, tp_rank=tp_rank)
+
+
+def test_a_generation_only_pool_checks_what_it_received(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's side of a bridge hand-off (the broadcast replaced by a local stream): the header's fingerprints,
+    made from the trainer's rows, catch a tensor whose data was lost on the way; the intact hand-off passes and
+    records the version."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rlhf.engines.hybrid import HybridEngine
+    from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader
+    from lightning_rlhf.engines.rollout.reshard import shard_fingerprints
+
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model)
+    pool = HybridEngine(rollout=RolloutConfig(), tokenizer=None, model_path=tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    pool.engine = HFRolloutEngine(  # a copy of the trainer's weights, which the hand-off then replaces
+        trainer,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        device=torch.device("cpu"),
+    )
+    header = WeightHeader(send=True, version=3, fingerprints=shard_fingerprints(trainer, dtype=torch.float32))
+
+    def received(lose: str | None) -> Any:
+        stream = ((n, torch.zeros_like(t) if n == lose else t.detach()) for n, t in trainer.named_parameters())
+        return lambda bridge, device: (header, stream)
+
+    bridge = WeightBridge(group=None, src=0)
+    monkeypatch.setattr(hybrid_module, "receive_weights", received(DROPPED))
+    with pytest.raises(WeightSyncError, match=f"holds other values than the trainer in '{DROPPED}'"):
+        pool.receive(bridge)
+    monkeypatch.setattr(hybrid_module, "receive_weights", received(None))
+    metrics = pool.receive(bridge)
+    assert pool.engine_version == 3 and metrics["perf/weight_verify_s"] > 0
