@@ -54,6 +54,7 @@ from lightning_rlhf.engines.rollout.base import (
     fingerprint_ranges,
     generation_eos_ids,
     part_sums,
+    range_pieces,
 )
 from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, receive_weights, send_weights
 from lightning_rlhf.engines.rollout.reshard import Slicer, shard_fingerprints, tp_slicer, weights_for
@@ -426,7 +427,7 @@ def _tapped(
         held = tensor if region is None else tensor.narrow(region.dim, region.start, region.length)
         rows = as_rows(held.detach())
         ranges = fingerprint_ranges(0, len(rows), one_dim=rows.shape[1] == 1)
-        prints[name] = (ranges, part_sums([rows[a:b] for a, b in ranges], with_scale=True))
+        prints[name] = (ranges, part_sums(*range_pieces(rows, ranges), with_scale=True))
         yield name, tensor
 
 

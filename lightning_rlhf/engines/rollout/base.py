@@ -61,6 +61,7 @@ __all__ = [
     "logprob_temperature",
     "part_sums",
     "processed_logprobs",
+    "range_pieces",
     "tensor_fingerprints",
     "tied_aliases",
     "wake_tags",
@@ -246,25 +247,53 @@ def fingerprint_ranges(start: int, stop: int, *, one_dim: bool) -> RowRanges:
     return [(r, r + 1) for r in rows] + ([(start, stop)] if one_dim and stop - start > 1 else [])
 
 
-def part_sums(parts: list[Tensor], dtype: torch.dtype | None = None, *, with_scale: bool = False) -> Tensor:
-    """The float64 sum of each of ``parts`` (cast to ``dtype`` first; then, ``with_scale``, the sums of their absolute
-    values), in a few calls whatever their number. Runs on: worker."""
-    if not parts:
-        return torch.zeros(0, dtype=torch.float64)
-    flat = torch.cat([p.reshape(-1) for p in parts])
+def range_pieces(rows: Tensor, ranges: RowRanges, offset: int = 0) -> tuple[list[Tensor], list[int]]:
+    """The values of row ranges ``ranges`` of ``rows`` (shifted by ``offset``) as flat pieces, and the length of each
+    range's values: consecutive single rows are read in one indexing. For :func:`part_sums`. Runs on: worker."""
+    pieces: list[Tensor] = []
+    lengths: list[int] = []
+    singles: list[int] = []
+    for a, b in [*ranges, (0, 0)]:  # (0, 0): flushes the last single rows
+        if b - a == 1:
+            singles.append(a + offset)
+            continue
+        if singles:
+            pieces.append(rows[singles].reshape(-1))
+            lengths += [rows.shape[1]] * len(singles)
+            singles = []
+        if b > a:
+            pieces.append(rows[a + offset : b + offset].reshape(-1))
+            lengths.append((b - a) * rows.shape[1])
+    return pieces, lengths
+
+
+def part_sums(
+    pieces: list[Tensor], lengths: list[int], dtype: torch.dtype | None = None, *, with_scale: bool = False
+) -> Tensor:
+    """The float64 sums of consecutive runs of ``lengths`` values of the concatenated ``pieces`` (cast to ``dtype``
+    first; then, ``with_scale``, the sums of their absolute values), in a few calls whatever their number. Runs on:
+    worker."""
+    if not pieces:
+        return torch.zeros(len(lengths) * (2 if with_scale else 1), dtype=torch.float64)
+    flat = torch.cat(pieces)
     flat = (flat if dtype is None else flat.to(dtype)).double()
-    lengths = torch.tensor([p.numel() for p in parts], device=flat.device)
-    sums = [torch.segment_reduce(flat, "sum", lengths=lengths)]
+    counts = torch.tensor(lengths, device=flat.device)
+    sums = [torch.segment_reduce(flat, "sum", lengths=counts)]
     if with_scale:
-        sums.append(torch.segment_reduce(flat.abs(), "sum", lengths=lengths))
+        sums.append(torch.segment_reduce(flat.abs(), "sum", lengths=counts))
     return torch.cat(sums).cpu()
 
 
 def tensor_fingerprints(tensors: Mapping[str, Tensor], ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]:
     """Per name of ``ranges``, the float64 sums of those rows of ``tensors[name]`` (:func:`as_rows`), all summed in
     one pass: what an engine that holds its weights as tensors answers to ``fingerprint``. Runs on: worker."""
-    parts = [as_rows(tensors[name])[a:b] for name, rows in ranges.items() for a, b in rows]
-    sums = part_sums(parts).split([len(rows) for rows in ranges.values()])
+    pieces: list[Tensor] = []
+    lengths: list[int] = []
+    for name, rows in ranges.items():
+        got = range_pieces(as_rows(tensors[name]), rows)
+        pieces += got[0]
+        lengths += got[1]
+    sums = part_sums(pieces, lengths).split([len(rows) for rows in ranges.values()])
     return dict(zip(ranges, sums, strict=True))
 
 

@@ -32,7 +32,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_rlhf.engines.rollout.base import Fingerprint, RowRanges, as_rows, fingerprint_ranges, part_sums
+from lightning_rlhf.engines.rollout.base import (
+    Fingerprint,
+    RowRanges,
+    as_rows,
+    fingerprint_ranges,
+    part_sums,
+    range_pieces,
+)
 
 if TYPE_CHECKING:
     from lightning_rlhf.engines.rollout.base import RolloutEngine
@@ -297,7 +304,8 @@ def shard_fingerprints(
     positions: dict[int, tuple[Any, int, int]] = {}
     tp_rank = (dist.get_rank() if dist.is_initialized() else 0) % tp_size
     ranges: dict[str, RowRanges] = {}
-    parts: list[Tensor] = []
+    pieces: list[Tensor] = []
+    lengths: list[int] = []
     for name, param in model.named_parameters():
         shape, data = tuple(param.shape), param.data
         shard = row_shard(name, data, positions)
@@ -314,9 +322,10 @@ def shard_fingerprints(
         lo, hi = max(start, first), min(start + count, first + len(rows))  # this rank's rows of the region
         mine = fingerprint_ranges(lo - start, hi - start, one_dim=rows.shape[1] == 1)
         ranges[name] = mine
-        parts += [rows[a + start - first : b + start - first] for a, b in mine]
-    sums = part_sums(parts, dtype, with_scale=True)
-    values, scales = sums.split(len(parts))
+        got = range_pieces(rows, mine, start - first)
+        pieces += got[0]
+        lengths += got[1]
+    values, scales = part_sums(pieces, lengths, dtype, with_scale=True).split(len(lengths))
     counts = [len(r) for r in ranges.values()]
     return {
         name: (rows, torch.cat([v, s]))
