@@ -286,6 +286,7 @@ def weights_for(
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)
 
 
+@torch.no_grad()
 def shard_fingerprints(
     model: nn.Module, *, dtype: torch.dtype, slicer: Slicer | None = None, tp_size: int = 1
 ) -> dict[str, Fingerprint]:
@@ -307,7 +308,7 @@ def shard_fingerprints(
     pieces: list[Tensor] = []
     lengths: list[int] = []
     for name, param in model.named_parameters():
-        shape, data = tuple(param.shape), param.data
+        shape, data = tuple(param.shape), param.detach()
         shard = row_shard(name, data, positions)
         if shard is not None:
             rows, first = as_rows(shard.local), shard.rank * shard.chunk_rows
