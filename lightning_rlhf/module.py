@@ -255,8 +255,10 @@ class RLHFModule(L.LightningModule):
             return self.actor.generate(batch, **kwargs)
         handoff = self.sync_rollout_weights()
         out = rollout.generate(batch, **kwargs)
-        for key in ("timing_s/update_weights", "perf/weight_sync_bytes", "perf/weight_sync_gathered_bytes"):
-            out.meta[key] = handoff[key]
+        keys = ("timing_s/update_weights", "perf/weight_sync_bytes", "perf/weight_sync_gathered_bytes")
+        for key in (*keys, "perf/weight_verify_s"):
+            if key in handoff:
+                out.meta[key] = handoff[key]
         return out
 
     _pending_rollout: Batch | None = None

@@ -160,6 +160,11 @@ class RolloutConfig:
     probability of a sampled token): the first step above it warns with the likely causes. Measured on the demo
     model: float32 about 1e-6 with either engine, a bfloat16 engine against a float32 trainer 0.006; deeper
     models in bfloat16 drift further (raise the bound there). None: never warn."""
+    verify_every: int = 1
+    """Check every ``verify_every``-th weight hand-off (the first one always): a fingerprint of every tensor (the
+    float64 sums of a few fixed rows, and of the whole of a one-dimensional tensor) computed from the trainer's
+    shards is compared with one computed from what the engine holds; a mismatch raises ``WeightSyncError`` naming
+    the tensor. Its cost is ``perf/weight_verify_s``. 0: never check."""
     max_turns: int = 4
     """Episodes (a module with an ``environment``): the most assistant turns of one episode; an episode still
     calling tools at its last turn ends there, flagged as truncated. ``max_new_tokens`` bounds each turn."""
@@ -193,6 +198,8 @@ class RolloutConfig:
         check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, owner=type(self).__name__)
         if self.max_probs_diff is not None and not 0 < self.max_probs_diff <= 1:
             _fail(self, "max_probs_diff", self.max_probs_diff, "a probability gap in (0, 1], or None (no warning)")
+        if self.verify_every < 0:
+            _fail(self, "verify_every", self.verify_every, "an integer >= 0 (1: every hand-off, k: every k-th, 0: off)")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             _fail(
                 self, "min_new_tokens", self.min_new_tokens, f"an integer in [0, max_new_tokens={self.max_new_tokens}]"

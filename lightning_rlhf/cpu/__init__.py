@@ -186,10 +186,3 @@ def matmul_product(dtype: torch.dtype) -> Callable[[Tensor, Tensor], Tensor] | N
     if dtype != torch.float32 or not enabled("onednn") or not onednn.fp32_through_onednn():
         return None
     return lambda a, b: onednn.matmul_nt(a, b.t())
-
-
-def weight_store(engine: Any, model: nn.Module) -> WeightStore | None:
-    """:meth:`CPULayer.weight_store`, for ``roles/actor.py`` until its hand-off takes its train engine's layer
-    (``self.train_engine.layer.weight_store``; this function goes then). Runs on: every worker rank of the model's
-    mesh together."""
-    return CPULayer().weight_store(engine, model)

@@ -70,7 +70,7 @@ def rollout_metrics(
         tokens = float(rollout["prompt_mask"].sum() + mask.sum())
         out["perf/throughput"] = tokens / step_seconds / max(1, module.trainer.world_size)
     handoff = ("timing_s/update_weights", "timing_s/update_weights_wait", "perf/weight_sync_bytes")
-    for key in (*handoff, "perf/weight_sync_gathered_bytes"):
+    for key in (*handoff, "perf/weight_sync_gathered_bytes", "perf/weight_verify_s"):
         if key in rollout.meta:
             out[key] = float(rollout.meta[key])
     if "rollout_logprobs" in rollout and "old_logprobs" in rollout:  # the on-policy update reports its own
@@ -135,8 +135,12 @@ def check_rollout_probs_diff(module: Any, metrics: dict[str, float], *, step: in
         f"{cfg.temperature} (actor.generate(temperature=...) in a custom dataflow)",
     ]
     listed = "; ".join(f"({i}) {c}" for i, c in enumerate(causes, 1))
+    logs = [
+        f", {k}={metrics[k]:.3g}" for k in ("training/rollout_logprob_diff_max", "training/rollout_kl") if k in metrics
+    ]
     rank_zero_warn(
-        f"Step {step}: training/rollout_probs_diff_max={value:.3g} exceeds RolloutConfig.max_probs_diff={bound}: "
+        f"Step {step}: training/rollout_probs_diff_max={value:.3g}{''.join(logs)} exceeds "
+        f"RolloutConfig.max_probs_diff={bound}: "
         "the rollout engine sampled from another distribution than the one the trainer scores, so the update "
         f"is off-policy by that much. Likely causes: {listed}. HINT: fix the cause, or raise max_probs_diff "
         "(None: no warning). This warning is shown once per run; the metric is logged every step.",

@@ -2,40 +2,23 @@
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
-import time
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 
-import lightning_rlhf.cpu as cpu
-import lightning_rlhf.perf as perf
-from lightning_rlhf.agents.rollout import EpisodeRunner, sample_episodes
 from lightning_rlhf.algorithms import MicroBatchAggregation, compute_policy_loss, kl_penalty
 from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.controller.dispatch import Dispatch, role_method
-from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
-from lightning_rlhf.engines.rollout.base import KV_CACHE, WEIGHTS, generation_eos_ids, logprob_temperature
-from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, send_weights
-from lightning_rlhf.engines.rollout.reshard import weights_for
-from lightning_rlhf.engines.train import RESPONSE_INPUTS, MetricAccumulator, forward_response, full_tensors, world
-from lightning_rlhf.engines.train.lora import (
-    adapter_tensors,
-    base_weights,
-    has_lora,
-    merged_specs,
-    merged_weights,
-    write_adapter,
-)
+from lightning_rlhf.engines.hybrid import HybridEngine
+from lightning_rlhf.engines.rollout import RolloutEngine
+from lightning_rlhf.engines.rollout.base import logprob_temperature
+from lightning_rlhf.engines.rollout.bridge import WeightBridge
+from lightning_rlhf.engines.train import RESPONSE_INPUTS, MetricAccumulator, forward_response, world
 from lightning_rlhf.roles.base import EpisodesMixin, Role, RolloutEngineRequest, load_model
 
-__all__ = ["ActorRole", "rollout_is_weights", "sample_rollout"]
+__all__ = ["ActorRole", "rollout_is_weights"]
 
 
 class ActorRole(EpisodesMixin, Role):
@@ -72,20 +55,11 @@ class ActorRole(EpisodesMixin, Role):
         self.rollout = rollout
         self.algorithm = algorithm
         self.needs_rollout_engine = True  # SFTModule turns it off: it never generates
-        self._rollout_engine: RolloutEngine | None = None  # not an nn.Module attribute: stays out of checkpoints
-        self._weights_version = 0
-        self._engine_version = 0
+        self.hybrid = HybridEngine(rollout=rollout, tokenizer=tokenizer, model_path=path, trainer=self)
+        """The colocated engine's memory phases, weight hand-offs and policy versions (not an nn.Module attribute:
+        stays out of checkpoints)."""
         self.weight_bridge: WeightBridge | None = None
         """Set by the strategy when a generation-only pool takes this role's weights (``send_weights``)."""
-        self._sent_version: int | None = None  # the version the generation-only pool holds (None: nothing valid)
-        self.handoff_wait_s = 0.0
-        """Seconds the last hand-off waited for the other ranks to arrive (the shared store's entry barrier)."""
-        self.handoff_engine_bytes = 0
-        """Bytes this rank's engine took in the last hand-off (``perf/weight_sync_bytes``): the full or merged
-        weights (its TP slices), or the adapters (plus the base, once); with the shared store, the store's weights."""
-        self._adapter_root: str | None = None  # where the adapter hand-off writes its folders (lora_handoff)
-        self._shared: tuple[Any, Any, cpu.WeightStore | None] | None = None
-        """``(engine, model, store)`` once decided for this engine and model (store None: the hand-off streams)."""
 
     @property
     def logprob_temperature(self) -> float:
@@ -96,15 +70,13 @@ class ActorRole(EpisodesMixin, Role):
     @property
     def rollout_engine(self) -> RolloutEngine:
         """The colocated rollout engine (attached by the strategy at set-up)."""
-        if self._rollout_engine is None and not self.needs_rollout_engine:
+        if self.hybrid.engine is None and not self.needs_rollout_engine:
             raise RuntimeError(
                 "ActorRole has no rollout engine: generation runs on the placement's 'rollout' pool (or this module "
                 "never generates). HINT: call `self.generate_rollout(batch, ...)` in the dataflow, not "
                 "`self.actor.generate`."
             )
-        if self._rollout_engine is None:
-            raise RuntimeError("ActorRole has no rollout engine yet: the strategy attaches one in setup().")
-        return self._rollout_engine
+        return self.hybrid.rollout_engine
 
     def rollout_engine_request(self) -> RolloutEngineRequest | None:
         """The actor's model, path, tokenizer and sampling settings (None when ``needs_rollout_engine`` is off)."""
@@ -112,7 +84,7 @@ class ActorRole(EpisodesMixin, Role):
 
     def attach_engine(self, engine: RolloutEngine) -> None:
         """Attach the rollout engine. Runs on: every worker rank, at set-up, before sharding."""
-        self._rollout_engine = engine
+        self.hybrid.engine = engine
 
     def load(self) -> None:
         """Load the causal LM with transformers, in float32 (the master weights). Runs on: every process."""
@@ -125,155 +97,14 @@ class ActorRole(EpisodesMixin, Role):
             self.set_model(model.train())  # from_pretrained returns eval mode; dropout is off anyway
 
     # --------------------------------------------------------------------------------------- rollout
-    @role_method(Dispatch.DP_SPLIT)
-    def generate(
-        self,
-        batch: Batch,
-        *,
-        n: int | None = None,
-        greedy: bool = False,
-        temperature: float | None = None,
-        seed_offset: int = 0,
-    ) -> Batch:
-        """Sample ``n`` (default ``rollout.n``) responses per prompt with the colocated engine; ``greedy``
-        decodes one deterministic response per prompt instead (e.g. ReMax's baseline). ``temperature``
-        overrides the rollout's (validation; 0 decodes greedily, ``n`` identical responses per prompt), checked
-        like ``RolloutConfig.temperature``; ``seed_offset`` moves the sampling seeds off the training stream's,
-        so other generations at the same step draw their own samples. ``log_prob`` and ``update`` score at
-        ``RolloutConfig.temperature`` (1 when it is 0), whatever was sampled here.
-
-        Runs on: every worker rank, each on its share of the prompts. Input: ``prompts``/``prompt_mask``
-        (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask``,
-        ``response_truncated`` (no stop token within ``max_new_tokens``) and the input columns repeated.
-
-        The engine goes through its memory phases in the order that never holds two full copies of the weights
-        beside the trainer's shards (docs/hybrid-engine.md, "Memory phases"): the optimizer state moves to host
-        memory if the engine asks for it, the trainer releases what it holds (:meth:`release_device_memory`),
-        the engine's weights wake (``wake_up(tags=["weights"])``), the weights of the latest update are handed
-        over if any (:meth:`sync_weights`), the trainer releases the hand-off's buffers, the KV cache wakes
-        (``wake_up(tags=["kv_cache"])``), the engine generates, and it goes back to sleep while training runs.
-        """
-        engine = self.rollout_engine
-        if engine.offload_optimizer:
-            self.train_engine.offload_optimizer()
-        self.release_device_memory()  # the offloaded state and the update's leftovers, before the weights wake
-        engine.wake_up(tags=[WEIGHTS])
-        sync_s, sync_bytes = self.sync_weights()
-        self.release_device_memory()  # the hand-off's gathered tensors, before the KV cache takes its memory
-        engine.wake_up(tags=[KV_CACHE])
-        rollout = sample_rollout(
-            engine,
-            batch,
-            self.rollout,
-            self.tokenizer,
-            n=n,
-            greedy=greedy,
-            temperature=temperature,
-            seed_offset=seed_offset,
-            model_path=self.path,
-            episodes=self.episode_runner,
-        )
-        engine.sleep()
-        self.train_engine.onload_optimizer()
-        rollout.meta.update(
-            {
-                "timing_s/update_weights": sync_s,
-                "timing_s/update_weights_wait": self.handoff_wait_s,
-                "perf/weight_sync_bytes": self.handoff_engine_bytes,
-                "perf/weight_sync_gathered_bytes": sync_bytes,
-            }
-        )
-        return rollout
-
-    def release_device_memory(self) -> None:
-        """Give the device memory the trainer does not need while the engine generates back to the device, for the
-        engine's next phase: FSDP units left unsharded are resharded (FSDP2 keeps the root's parameters -- the
-        embedding, the head, the final norm -- unsharded after a forward without backward, e.g. ``log_prob``), and
-        on a GPU ``torch.cuda.empty_cache()`` returns PyTorch's cached blocks (the hand-off's gathered buckets, an
-        offloaded optimizer state, the last update's activations), which vLLM's sleep-mode allocator, outside
-        PyTorch's cache, could not otherwise use. Nothing of the hand-off is kept alive: its stream is consumed
-        and dropped inside :meth:`sync_weights` (the transformers engines' shared store on CPU is the engines'
-        weights themselves, not a buffer).
-
-        Runs on: every worker rank (no collective: resharding frees the local copy only).
-        """
-        if self.model is None:
-            return
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        if self.train_engine.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     def mark_weights_changed(self) -> None:
         """Make the next ``generate`` hand the weights to the engine first (after an update or a restore)."""
-        self._weights_version += 1
+        self.hybrid.mark_changed()
 
     def forget_handoffs(self) -> None:
         """Make the next ``send_weights`` send whatever the staleness bound (after a restore: the rollout pool holds
         weights of another run). Runs on: every process."""
-        self._sent_version = None
-
-    def sync_weights(self) -> tuple[float, int]:
-        """Hand the latest actor weights to the engine (if they changed, or the engine lost its own), streamed
-        one parameter at a time out of the FSDP shards: full tensors (gathered in buckets), or, for a
-        tensor-parallel vLLM engine, only the slices this rank's engine loads.
-
-        Where the engines of one host can read one copy of the weights in shared memory
-        (:func:`lightning_rlhf.cpu.weight_store`: transformers engines on CPU, with the CPU speed layer on), each
-        rank writes only its own rows there instead.
-
-        Runs on: every worker rank (the gathers are collectives, in the same order everywhere).
-        Returns ``(seconds, bytes this rank received from the other ranks)``; with the shared store the seconds
-        leave out the wait for the other ranks to arrive (:attr:`handoff_wait_s`).
-        """
-        engine = self.rollout_engine
-        self.handoff_wait_s = 0.0
-        self.handoff_engine_bytes = 0
-        if self._engine_version == self._weights_version and not engine.weights_discarded:
-            return 0.0, 0
-        assert self.model is not None
-        t0 = time.perf_counter()
-        received = [0]
-        if self._shared is None or self._shared[0] is not engine or self._shared[1] is not self.model:
-            # LoRA streams merged weights (the base's names): no store shares the trainer's own tensors then.
-            store = None if self.lora is not None else cpu.weight_store(engine, self.model)
-            self._shared = (engine, self.model, store)
-        store = self._shared[2]
-        taken = [0]  # what the engine takes: perf/weight_sync_bytes
-        if self.lora is not None and getattr(engine, "takes_adapters", False):
-            self._hand_off_adapters(engine, received, taken)
-        elif store is not None:
-            self.handoff_wait_s = store.hand_off(received)
-            taken[0] = perf.full_bytes(self.model, engine.dtype)
-        else:
-            engine.load_weights(perf.counted_bytes(weights_for(engine, self.model, received, into_engine=True), taken))
-        self.handoff_engine_bytes = taken[0]
-        self._engine_version = self._weights_version
-        return time.perf_counter() - t0 - self.handoff_wait_s, received[0]
-
-    def _hand_off_adapters(self, engine: RolloutEngine, received: list[int], taken: list[int]) -> None:
-        """``VLLMConfig.lora_handoff="adapter"``: the base weights once (while the engine holds none), then the
-        adapters only, written as a peft folder that the engine loads (vLLM's LoRA support). Runs on: every worker
-        rank (the gathers are collectives over the actor's ranks)."""
-        assert self.model is not None
-        if engine.weights_discarded:
-            engine.load_weights(
-                perf.counted_bytes(base_weights(full_tensors(self.model, received), engine.dtype), taken)
-            )
-        state = adapter_tensors(self.model, received)
-        taken[0] += sum(t.numel() * t.element_size() for t in state.values())
-        if self._adapter_root is None:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._adapter_root = tempfile.mkdtemp(prefix="lightning_rlhf-adapter-", dir=shm)
-            atexit.register(shutil.rmtree, self._adapter_root, True)
-        folder = os.path.join(self._adapter_root, f"v{self._weights_version}")
-        config = self.lora.to_dict() | {"base_model_name_or_path": self.path}
-        write_adapter(folder, config, state)
-        engine.load_adapter(folder, self._weights_version)  # type: ignore[attr-defined]
-        for old in os.listdir(self._adapter_root):  # vLLM has read it: the older versions go
-            if old != f"v{self._weights_version}":
-                shutil.rmtree(os.path.join(self._adapter_root, old), ignore_errors=True)
+        self.hybrid.sent_version = None
 
     @property
     def policy_version(self) -> int:
@@ -285,9 +116,10 @@ class ActorRole(EpisodesMixin, Role):
 
     @role_method(Dispatch.ONE_TO_ALL)
     def send_weights(self, *, lag: int = 0, max_staleness: int = 0) -> dict[str, float]:
-        """Hand the weights to the generation-only pool (:mod:`~lightning_rlhf.engines.rollout.bridge`), unless the
-        staleness bound allows to keep the ones it has: samples it generates now are trained on ``lag`` updates
-        later, and must then be at most ``max_staleness`` updates old.
+        """Hand the weights to the generation-only pool (:meth:`HybridEngine.send
+        <lightning_rlhf.engines.hybrid.HybridEngine.send>`), unless the staleness bound allows to keep the ones it
+        has: samples it generates now are trained on ``lag`` updates later, and must then be at most
+        ``max_staleness`` updates old.
 
         Runs on: every rank of the actor's pool (the FSDP gathers); the pool's first rank broadcasts. Its receiving
         half is the rollout role's ``receive_weights``, in the same ``concurrently()`` block. Returns
@@ -295,45 +127,12 @@ class ActorRole(EpisodesMixin, Role):
         ``perf/weight_sync_gathered_bytes`` (what the FSDP gathers brought this rank) and ``rollout/weight_version``
         (what the pool holds after the call); every rank of the pool decides the same way, from the same counters.
         """
-        from torch import distributed as dist
-
-        bridge = self.weight_bridge
-        if bridge is None:
+        if self.weight_bridge is None:
             raise RuntimeError(
                 "ActorRole.send_weights: no generation-only pool takes this actor's weights. HINT: it is called by "
                 "RLHFModule.sync_rollout_weights when the placement has a 'rollout' pool."
             )
-        assert self.model is not None
-        version = self.policy_version
-        held = self._sent_version
-        send = held is None or version + lag - held > max_staleness
-        t0 = time.perf_counter()
-        received = [0]
-        dtype = self.train_engine.param_dtype or torch.float32
-        lora = has_lora(self.model)  # LoRA: the pool's engine takes the merged weights, by the base's names
-        if lora:
-            tensors = merged_weights(self.model, full_tensors(self.model, received), dtype) if send else iter(())
-        else:
-            tensors = full_tensors(self.model, received, dtype=dtype) if send else iter(())
-        if dist.get_rank() == bridge.src:
-            named = (
-                merged_specs(self.model) if lora else [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
-            )
-            specs = tuple(named) if send else ()
-            header = WeightHeader(send=send, version=version, specs=specs, dtype=str(dtype).removeprefix("torch."))
-            sent = send_weights(bridge, header, tensors)
-        else:
-            sent = 0
-            for _ in tensors:  # the gathers are collectives over the actor's pool: every rank takes part
-                pass
-        if send:
-            self._sent_version = version
-        return {
-            "timing_s/update_weights": time.perf_counter() - t0,
-            "perf/weight_sync_bytes": float(sent),
-            "perf/weight_sync_gathered_bytes": float(received[0]),
-            "rollout/weight_version": float(self._sent_version if self._sent_version is not None else -1),
-        }
+        return self.hybrid.send(self.weight_bridge, version=self.policy_version, lag=lag, max_staleness=max_staleness)
 
     # ------------------------------------------------------------------------------------- training
     @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("old_logprobs",))
@@ -344,10 +143,11 @@ class ActorRole(EpisodesMixin, Role):
         """
         temperature = self.logprob_temperature
         group = self._group_size(batch)
+        kernels = self.train_engine.layer.token_kernels()
         out = self.train_engine.infer(
             batch,
             lambda model, micro: forward_response(
-                model, micro, output="logprobs", temperature=temperature, group_size=group
+                model, micro, output="logprobs", temperature=temperature, group_size=group, kernels=kernels
             ),
         )
         batch["old_logprobs"] = out["logprobs"]
@@ -464,6 +264,7 @@ class ActorRole(EpisodesMixin, Role):
             with_entropy=True,
             entropy_grad=algo.entropy_coef != 0,  # at 0 the entropy is only reported: no backward through it
             group_size=self._group_size(micro),
+            kernels=self.train_engine.layer.token_kernels(),
         )
         mask = _loss_mask(micro).to(device)
         old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else out["logprobs"].detach()
@@ -570,76 +371,6 @@ class ActorRole(EpisodesMixin, Role):
         return token_loss, micro["loss_mask"][:, 1:width].to(device).float()
 
 
-def sample_rollout(
-    engine: RolloutEngine,
-    batch: Batch,
-    cfg: RolloutConfig,
-    tokenizer: Any,
-    *,
-    n: int | None = None,
-    greedy: bool = False,
-    temperature: float | None = None,
-    seed_offset: int = 0,
-    model_path: str | None = None,
-    episodes: EpisodeRunner | None = None,
-) -> Batch:
-    """Sample with ``engine`` for this rank's prompts: one row per sample with ``responses``, ``response_mask``,
-    ``response_truncated``, ``rollout_logprobs`` (when the engine reports them) and the input columns repeated; the
-    generation's seconds in ``meta["gen_s"]``. The arguments are :meth:`ActorRole.generate`'s; ``model_path``
-    (the policy's checkpoint) adds its ``generation_config.json``'s EOS ids to the ids that end a response, as
-    transformers' ``generate`` and vLLM do (the tokenizer's EOS and ``RolloutConfig.stop_token_ids`` always end one).
-    ``episodes``: run multi-turn episodes with the module's environment instead
-    (:func:`~lightning_rlhf.agents.rollout.sample_episodes`).
-
-    Runs on: a worker rank holding a rollout engine (the actor's colocated one, or a rollout pool's). The seeds
-    depend on the step, the rank in the calling role's pool, the sampling round and ``seed_offset`` only.
-    """
-    n = 1 if greedy else (n or cfg.n)
-    stops = {tokenizer.eos_token_id, *cfg.stop_token_ids, *(generation_eos_ids(model_path) if model_path else ())}
-    stops.discard(None)
-    rank, _ = world()
-    step = int(batch.meta.get("step", 0))
-    params = SamplingParams(
-        n=n,
-        temperature=cfg.temperature if temperature is None else temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        max_new_tokens=cfg.max_new_tokens,
-        min_new_tokens=cfg.min_new_tokens,
-        stop_token_ids=tuple(sorted(stops)),
-        seed=cfg.seed * 1_000_003
-        + step * 7919
-        + rank
-        + int(batch.meta.get("sampling_round", 0)) * 104_729
-        + seed_offset,
-        greedy=greedy,
-    )
-    if episodes is not None:  # multi-turn episodes with the module's environment (lightning_rlhf.agents)
-        return sample_episodes(engine, batch, episodes, params, n=n, pad_id=tokenizer.pad_token_id)
-    prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, params)
-    gen_s = time.perf_counter() - t0
-    width = max(1, max(len(r) for r in out.responses))
-    responses = torch.full((len(out.responses), width), tokenizer.pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((len(out.responses), width), dtype=torch.long)
-    for i, r in enumerate(out.responses):
-        responses[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        response_mask[i, : len(r)] = 1
-    rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
-    rollout["responses"] = responses
-    rollout["response_mask"] = response_mask
-    rollout["response_truncated"] = torch.tensor([not r or r[-1] not in stops for r in out.responses])
-    if out.logprobs is not None:
-        lp = torch.zeros((len(out.responses), width))
-        for i, row in enumerate(out.logprobs):
-            lp[i, : len(row)] = torch.tensor(row)
-        rollout["rollout_logprobs"] = lp
-    rollout.meta["gen_s"] = gen_s
-    rollout.meta["group_size"] = n  # consecutive rows share a prompt: training forwards may compute it once
-    return rollout
-
-
 def rollout_is_weights(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, level: str, cap: float
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -669,15 +400,29 @@ def rollout_is_weights(
 
 
 def rollout_probs_diff(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """How far the rollout engine's token probabilities are from the trainer's on the same tokens (verl's
-    ``training/rollout_probs_diff_*``): max and mean of ``|p_train - p_rollout|`` over response tokens."""
+    """How far the rollout engine's distribution is from the trainer's on the tokens it sampled, over response
+    tokens: ``rollout_probs_diff_max``/``_mean``, of ``|p_train - p_rollout|`` (verl's; in probability space, so it
+    shrinks with the vocabulary: every token of a 150k vocabulary is unlikely); ``rollout_logprob_diff_max``/``_mean``,
+    of ``|log p_train - log p_rollout|`` (the same at any vocabulary size); and ``rollout_kl``, the k3 estimate of
+    KL(rollout || train) from the sampled tokens, ``mean(r - 1 - log r)`` with ``r = p_train / p_rollout``.
+
+    Runs on: a worker (the on-policy update) or the controller (:meth:`RLHFModule.rollout_metrics`); pure.
+    """
     width = min(logprobs.shape[1], rollout_logprobs.shape[1])
     m = mask[:, :width].bool().to(logprobs.device)
-    diff = (logprobs[:, :width].float().exp() - rollout_logprobs[:, :width].to(logprobs.device).float().exp()).abs()
-    picked = diff[m]
-    if picked.numel() == 0:
+    train, rollout = logprobs[:, :width].float()[m], rollout_logprobs[:, :width].to(logprobs.device).float()[m]
+    if train.numel() == 0:
         return {}
-    return {"rollout_probs_diff_max": picked.max(), "rollout_probs_diff_mean": picked.mean()}
+    diff = (train.exp() - rollout.exp()).abs()
+    log_ratio = train - rollout
+    gap = log_ratio.abs()
+    return {
+        "rollout_probs_diff_max": diff.max(),
+        "rollout_probs_diff_mean": diff.mean(),
+        "rollout_logprob_diff_max": gap.max(),
+        "rollout_logprob_diff_mean": gap.mean(),
+        "rollout_kl": (torch.expm1(log_ratio) - log_ratio).mean(),
+    }
 
 
 ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "dual_clip", "gspo"})

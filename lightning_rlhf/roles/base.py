@@ -10,7 +10,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_rlhf.agents.rollout import EpisodeRunner, episode_prompt_ids
+from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig, RolloutConfig
+from lightning_rlhf.controller.dispatch import Dispatch, role_method
+from lightning_rlhf.engines.hybrid import HybridEngine
 from lightning_rlhf.engines.train import TrainEngine, make_optimizer
 
 __all__ = ["Role", "RolloutEngineRequest", "check_pretrained", "disable_dropout", "load_model", "make_optimizer"]
@@ -29,9 +32,11 @@ class RolloutEngineRequest:
 
 
 class EpisodesMixin:
-    """A generating role's episodes: with an ``environment`` (set by the module), ``generate`` runs multi-turn
-    episodes (:mod:`lightning_rlhf.agents`) through the role's :attr:`episode_runner`."""
+    """A generating role: its ``generate``, run by its :class:`~lightning_rlhf.engines.hybrid.HybridEngine`, and its
+    episodes: with an ``environment`` (set by the module), ``generate`` runs multi-turn episodes
+    (:mod:`lightning_rlhf.agents`) through the role's :attr:`episode_runner`."""
 
+    hybrid: HybridEngine
     environment: Any = None
     """A zero-argument callable making one environment per episode (None: single-turn rollouts)."""
     _episodes: EpisodeRunner | None = None
@@ -48,6 +53,39 @@ class EpisodesMixin:
         if self._episodes is None:
             self._episodes = EpisodeRunner(self.environment, self.tokenizer, self.rollout, model_path=self.path)
         return self._episodes
+
+    @role_method(Dispatch.DP_SPLIT)
+    def generate(
+        self,
+        batch: Batch,
+        *,
+        n: int | None = None,
+        greedy: bool = False,
+        temperature: float | None = None,
+        seed_offset: int = 0,
+    ) -> Batch:
+        """Sample ``n`` (default ``rollout.n``) responses per prompt; ``greedy`` decodes one deterministic response
+        per prompt instead (e.g. ReMax's baseline). ``temperature`` overrides the rollout's (validation; 0 decodes
+        greedily, ``n`` identical responses per prompt), checked like ``RolloutConfig.temperature``; ``seed_offset``
+        moves the sampling seeds off the training stream's, so other generations at the same step draw their own
+        samples. ``log_prob`` and ``update`` score at ``RolloutConfig.temperature`` (1 when it is 0), whatever was
+        sampled here.
+
+        Runs on: every worker rank, each on its share of the prompts. Input: ``prompts``/``prompt_mask``
+        (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask``,
+        ``response_truncated`` (no stop token within ``max_new_tokens``) and the input columns repeated. The actor's
+        colocated engine goes through its memory phases around the hand-off (:meth:`HybridEngine.awake
+        <lightning_rlhf.engines.hybrid.HybridEngine.awake>`); a generation-only pool samples with the weights it last
+        received, each sample's ``weight_version`` recording them.
+        """
+        return self.hybrid.generate(
+            batch,
+            episodes=self.episode_runner,
+            n=n,
+            greedy=greedy,
+            temperature=temperature,
+            seed_offset=seed_offset,
+        )
 
     def episode_prompt_ids(
         self, tokenizer: Any, rows: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None

@@ -75,9 +75,12 @@ class ReferenceRole(Role):
         """Reference log-probs of the responses, as ``ref_logprobs`` ``[B, R]``. Runs on: every worker rank."""
         temperature = self.temperature
         group = int(batch.meta.get("group_size", 1)) if self.shared_prefix else 1
+        kernels = self.train_engine.layer.token_kernels()  # the device layer's (the CPU's compiled ones)
 
         def logprobs(model: torch.nn.Module, micro: Batch) -> dict[str, torch.Tensor]:
-            return forward_response(model, micro, output="logprobs", temperature=temperature, group_size=group)
+            return forward_response(
+                model, micro, output="logprobs", temperature=temperature, group_size=group, kernels=kernels
+            )
 
         if self.base is None:
             out = self.train_engine.infer(batch, logprobs)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.controller.dispatch import Dispatch, role_method
+from lightning_rlhf.engines.hybrid import HybridEngine
 from lightning_rlhf.engines.rollout import RolloutEngine
-from lightning_rlhf.engines.rollout.bridge import WeightBridge, receive_weights
-from lightning_rlhf.roles.actor import sample_rollout
+from lightning_rlhf.engines.rollout.bridge import WeightBridge
 from lightning_rlhf.roles.base import EpisodesMixin, Role, RolloutEngineRequest, load_model
 
 __all__ = ["RolloutRole"]
@@ -47,17 +45,21 @@ class RolloutRole(EpisodesMixin, Role):
         self.path = path
         self.tokenizer = tokenizer
         self.rollout = rollout
-        self._engine: RolloutEngine | None = None  # not an nn.Module attribute: stays out of checkpoints
+        self.hybrid = HybridEngine(rollout=rollout, tokenizer=tokenizer, model_path=path)
+        """The engine and the version of the weights it holds (not an nn.Module attribute: stays out of checkpoints)."""
         self.weight_bridge: WeightBridge | None = None
-        self.weight_version = -1
+
+    @property
+    def weight_version(self) -> int:
         """The number of actor updates behind the engine's weights (-1: none received yet)."""
+        return self.hybrid.engine_version
 
     def load(self) -> None:
         """Build the actor's architecture (on the meta device inside the strategy's set-up: the weights arrive by
         hand-off). Runs on: the ranks of the pool."""
         from transformers import AutoModelForCausalLM
 
-        if self.model is None and self._engine is None:
+        if self.model is None and self.hybrid.engine is None:
             model = load_model(AutoModelForCausalLM, self.path, setting="RolloutRole(path=...)", dtype=torch.float32)
             self.model = model  # held until the engine copies it (not via set_model: no training engine here)
 
@@ -68,7 +70,7 @@ class RolloutRole(EpisodesMixin, Role):
     def attach_engine(self, engine: RolloutEngine) -> None:
         """Keep the engine and drop the model it was built from (the engine holds the only copy). Runs on: the
         ranks of the pool, at set-up."""
-        self._engine = engine
+        self.hybrid.engine = engine
         self.model = None
 
     def shard(self, mesh: DeviceMesh, *, param_dtype: torch.dtype | None) -> None:
@@ -80,62 +82,16 @@ class RolloutRole(EpisodesMixin, Role):
     @property
     def engine(self) -> RolloutEngine:
         """The rollout engine (after set-up). Runs on: the ranks of the pool."""
-        if self._engine is None:
-            raise RuntimeError("RolloutRole has no engine yet: the strategy attaches one in setup().")
-        return self._engine
+        return self.hybrid.rollout_engine  # type: ignore[no-any-return]
 
     @role_method(Dispatch.ONE_TO_ALL)
     def receive_weights(self) -> dict[str, float]:
-        """Take the actor's weights from the bridge (or the source's word that the current ones stay).
+        """Take the actor's weights from the bridge (or the source's word that the current ones stay), checked
+        against the fingerprints the actor sent (:meth:`HybridEngine.receive
+        <lightning_rlhf.engines.hybrid.HybridEngine.receive>`).
 
         Runs on: every rank of the pool, in the same ``concurrently()`` block as the actor's ``send_weights``.
         """
         if self.weight_bridge is None:
             raise RuntimeError("RolloutRole.receive_weights: no weight bridge (the strategy makes one at set-up).")
-        t0 = time.perf_counter()
-        header, tensors = receive_weights(self.weight_bridge, self.engine_device)
-        received = self.engine.load_weights(tensors) if header.send else 0
-        if header.send:
-            self.weight_version = header.version
-        return {"timing_s/receive_weights": time.perf_counter() - t0, "perf/weight_receive_bytes": float(received)}
-
-    @property
-    def engine_device(self) -> torch.device:
-        """Where the engine computes. Runs on: the ranks of the pool."""
-        return torch.device(getattr(self.engine, "device", "cpu"))
-
-    @role_method(Dispatch.DP_SPLIT)
-    def generate(
-        self,
-        batch: Batch,
-        *,
-        n: int | None = None,
-        greedy: bool = False,
-        temperature: float | None = None,
-        seed_offset: int = 0,
-    ) -> Batch:
-        """Sample like :meth:`ActorRole.generate`, with the weights last received; each sample's
-        ``weight_version`` records them.
-
-        Runs on: every rank of the pool, each on its share of the prompts. The engine stays on its device (nothing
-        else on these ranks needs the memory).
-        """
-        if self.weight_version < 0 or self.engine.weights_discarded:
-            raise RuntimeError(
-                "RolloutRole.generate: the engine has no weights yet. HINT: hand the actor's weights over first "
-                "(RLHFModule.sync_rollout_weights; RLHFModule.generate_rollout does it)."
-            )
-        rollout = sample_rollout(
-            self.engine,
-            batch,
-            self.rollout,
-            self.tokenizer,
-            n=n,
-            greedy=greedy,
-            temperature=temperature,
-            seed_offset=seed_offset,
-            model_path=self.path,
-            episodes=self.episode_runner,
-        )
-        rollout["weight_version"] = torch.full((len(rollout),), self.weight_version, dtype=torch.long)
-        return rollout
+        return self.hybrid.receive(self.weight_bridge)

@@ -168,7 +168,7 @@ def main() -> None:
     sampler = PeakSampler()
     record(phases, engine, "wake_up", lambda tags=None: "wake:" + ("all" if tags is None else "+".join(tags)), sampler)
     record(phases, engine, "load_weights", lambda *a, **k: "handoff", sampler)
-    record(phases, actor, "release_device_memory", lambda: "release", sampler)
+    record(phases, actor.hybrid, "release_device_memory", lambda: "release", sampler)
     record(phases, engine, "generate", lambda *a, **k: "generate", sampler)
     record(phases, engine, "sleep", lambda: "sleep", sampler)
     torch.cuda.synchronize()

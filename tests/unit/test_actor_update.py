@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import lightning_rlhf.roles.actor as actor_module
+import lightning_rlhf.engines.hybrid as hybrid_module
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import HFRolloutEngine
@@ -69,18 +69,19 @@ def test_weights_reach_the_engine_only_after_an_update(tiny_model: str, monkeypa
             actor.model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=torch.device("cpu")
         )
     )
-    assert actor.sync_weights() == (0.0, 0)  # nothing changed yet
+    assert actor.hybrid.sync() == (0.0, 0)  # nothing changed yet
     actor.update(rollout_batch())
-    # The hand-off is timed with the actor module's clock: a scripted one makes its seconds known exactly.
-    readings = iter([100.0, 102.5])
-    monkeypatch.setattr(actor_module, "time", SimpleNamespace(perf_counter=lambda: next(readings)))
-    seconds, received = actor.sync_weights()
+    # The hand-off is timed with the hybrid engine's clock: a scripted one makes its seconds known exactly.
+    readings = iter([100.0, 102.5, 200.0, 200.25])
+    monkeypatch.setattr(hybrid_module, "time", SimpleNamespace(perf_counter=lambda: next(readings)))
+    seconds, received = actor.hybrid.sync()
     assert received == 0  # one unsharded process: nothing comes from other ranks
-    assert seconds == 2.5 - actor.handoff_wait_s and next(readings, None) is None  # one reading before, one after
+    assert seconds == 2.5 - actor.hybrid.wait_s  # one reading before the hand-off, one after
+    assert actor.hybrid.verify_s == 0.25 and next(readings, None) is None  # then two around its check
     monkeypatch.undo()
     for (name, p), q in zip(actor.model.named_parameters(), actor.rollout_engine.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
-    assert actor.sync_weights() == (0.0, 0)
+    assert actor.hybrid.sync() == (0.0, 0)
 
 
 @pytest.mark.parametrize(("loss", "agg"), [("dual_clip", "token-mean"), ("gspo", "seq-mean-token-sum-norm")])

@@ -83,10 +83,10 @@ def test_the_hand_off_counts_what_the_engine_takes(tiny_model: str, lora: object
 
     actor = actor_with_engine(tiny_model, lora)
     actor.update(rollout_batch())
-    _, gathered = actor.sync_weights()
+    _, gathered = actor.hybrid.sync()
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     weights = sum(p.numel() for p in base.parameters()) * 4  # float32, tied embedding once
     assert gathered == 0  # one process: nothing gathered from other ranks, yet the engine took every weight
-    assert actor.handoff_engine_bytes == weights
-    actor.sync_weights()  # nothing changed: nothing taken
-    assert actor.handoff_engine_bytes == 0
+    assert actor.hybrid.engine_bytes == weights
+    actor.hybrid.sync()  # nothing changed: nothing taken
+    assert actor.hybrid.engine_bytes == 0

@@ -72,7 +72,7 @@ def test_generate_runs_the_memory_phases_in_the_order_that_keeps_one_copy(tiny_m
     calls: list[str] = []
     _record(calls, engine, "wake_up", _wake_label)
     _record(calls, engine, "load_weights", lambda *a, **k: "handoff")
-    _record(calls, actor, "release_device_memory", lambda: "release")
+    _record(calls, actor.hybrid, "release_device_memory", lambda: "release")
     _record(calls, engine, "generate", lambda *a, **k: "generate")
     _record(calls, engine, "sleep", lambda: "sleep")
 

@@ -102,8 +102,8 @@ def test_generation_config_eos_ids_end_a_response(demo_model: str, tmp_path: Pat
 
     from lightning_rlhf.batch import Batch
     from lightning_rlhf.config import RolloutConfig
+    from lightning_rlhf.engines.hybrid import sample_rollout
     from lightning_rlhf.engines.rollout.base import generation_eos_ids
-    from lightning_rlhf.roles.actor import sample_rollout
 
     eng, tok, _ = engine_for(demo_model)
     ids = torch.tensor([tok("3+4=")["input_ids"]])

@@ -18,7 +18,9 @@ the KV cache takes its memory (docs/hybrid-engine.md, "Memory phases"); :func:`w
 
 The weight hand-off is checked the same way in every engine: :class:`HandoffCheck` counts the names of one
 ``load_weights`` call against :attr:`RolloutEngine.param_names`, and a hand-off that misses a parameter or names
-one the engine does not have raises :class:`WeightSyncError`.
+one the engine does not have raises :class:`WeightSyncError`. What arrived is checked too: each engine's
+``fingerprint(ranges)`` sums rows of what it holds (a few rows of every tensor, all of a one-dimensional one,
+:func:`fingerprint_ranges`), which :func:`check_fingerprints` compares with the trainer's sums of the same rows.
 """
 
 from __future__ import annotations
@@ -40,18 +42,26 @@ __all__ = [
     "MEMORY_TAGS",
     "MIN_TEMPERATURE",
     "WEIGHTS",
+    "Fingerprint",
     "HandoffCheck",
     "RolloutEngine",
     "RolloutOutput",
+    "RowRanges",
     "SamplingParams",
     "Slicer",
     "TPSlice",
     "WeightSyncError",
+    "as_rows",
+    "check_fingerprints",
     "check_prompt_tokens",
     "check_sampling",
     "check_sequence_length",
+    "fingerprint_ranges",
     "logprob_temperature",
+    "part_sums",
     "processed_logprobs",
+    "range_pieces",
+    "tensor_fingerprints",
     "tied_aliases",
     "wake_tags",
 ]
@@ -228,6 +238,115 @@ class WeightSyncError(RuntimeError):
     """
 
 
+RowRanges = list[tuple[int, int]]
+"""Row ranges ``[start, stop)`` of a tensor seen as :func:`as_rows` (a tensor-parallel engine's: of its slice)."""
+Fingerprint = tuple[RowRanges, Tensor]
+"""The trainer's side of a verified hand-off, per tensor: the row ranges to sum, and their float64 sums followed by
+the sums of their absolute values (what the comparison's tolerance scales with)."""
+
+
+def as_rows(tensor: Tensor) -> Tensor:
+    """``tensor`` as ``[rows, -1]`` (a 1-D tensor: one value a row; a scalar: one row). Runs on: any process."""
+    return tensor.flatten(1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
+
+
+def fingerprint_ranges(start: int, stop: int, *, one_dim: bool) -> RowRanges:
+    """The rows a fingerprint sums of the rows ``[start, stop)`` (a rank's share of a tensor): the first, the middle
+    and the last one, and all of them for a tensor of one value a row (norms, biases). Runs on: any process."""
+    if stop <= start:
+        return []
+    rows = sorted({start, (start + stop) // 2, stop - 1})
+    return [(r, r + 1) for r in rows] + ([(start, stop)] if one_dim and stop - start > 1 else [])
+
+
+def range_pieces(rows: Tensor, ranges: RowRanges, offset: int = 0) -> tuple[list[Tensor], list[int]]:
+    """The values of row ranges ``ranges`` of ``rows`` (shifted by ``offset``) as flat pieces, and the length of each
+    range's values: consecutive single rows are read in one indexing. For :func:`part_sums`. Runs on: worker."""
+    pieces: list[Tensor] = []
+    lengths: list[int] = []
+    singles: list[int] = []
+    for a, b in [*ranges, (0, 0)]:  # (0, 0): flushes the last single rows
+        if b - a == 1:
+            singles.append(a + offset)
+            continue
+        if singles:
+            pieces.append(rows[singles].reshape(-1))
+            lengths += [rows.shape[1]] * len(singles)
+            singles = []
+        if b > a:
+            pieces.append(rows[a + offset : b + offset].reshape(-1))
+            lengths.append((b - a) * rows.shape[1])
+    return pieces, lengths
+
+
+def part_sums(
+    pieces: list[Tensor], lengths: list[int], dtype: torch.dtype | None = None, *, with_scale: bool = False
+) -> Tensor:
+    """The float64 sums of consecutive runs of ``lengths`` values of the concatenated ``pieces`` (cast to ``dtype``
+    first; then, ``with_scale``, the sums of their absolute values), in a few calls whatever their number. Runs on:
+    worker."""
+    if not pieces:
+        return torch.zeros(len(lengths) * (2 if with_scale else 1), dtype=torch.float64)
+    flat = torch.cat(pieces)
+    flat = (flat if dtype is None else flat.to(dtype)).double()
+    counts = torch.tensor(lengths, device=flat.device)
+    sums = [torch.segment_reduce(flat, "sum", lengths=counts)]
+    if with_scale:
+        sums.append(torch.segment_reduce(flat.abs(), "sum", lengths=counts))
+    return torch.cat(sums).cpu()
+
+
+def tensor_fingerprints(tensors: Mapping[str, Tensor], ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]:
+    """Per name of ``ranges``, the float64 sums of those rows of ``tensors[name]`` (:func:`as_rows`), all summed in
+    one pass: what an engine that holds its weights as tensors answers to ``fingerprint``. Runs on: worker."""
+    pieces: list[Tensor] = []
+    lengths: list[int] = []
+    for name, rows in ranges.items():
+        got = range_pieces(as_rows(tensors[name]), rows)
+        pieces += got[0]
+        lengths += got[1]
+    sums = part_sums(pieces, lengths).split([len(rows) for rows in ranges.values()])
+    return dict(zip(ranges, sums, strict=True))
+
+
+def check_fingerprints(
+    engine: str, expected: Mapping[str, Fingerprint], held: Mapping[str, Tensor], *, rtol: float, tp_rank: int = 0
+) -> None:
+    """Compare the trainer's fingerprints ``expected`` with the sums the engine reports for the same rows (``held``,
+    its ``fingerprint`` of the ranges): each within ``rtol`` times the sum of the absolute values. Runs on: worker
+    (after a hand-off).
+
+    Raises:
+        WeightSyncError: naming the first tensor (and the engine's TP rank) whose weights differ, or that the engine
+            does not report.
+    """
+    where = f" on TP rank {tp_rank}" if tp_rank else ""
+    names = [name for name, (rows, _) in expected.items() if rows]
+    lost = next((n for n in names if held.get(n) is None or len(held[n]) != len(expected[n][0])), None)
+    if lost is not None:
+        raise WeightSyncError(
+            f"{engine}: after the weight hand-off the engine{where} reports no weights for {lost!r} (it reports "
+            f"{len(held)} tensors). HINT: the engine's `fingerprint()` must cover every name in `param_names`."
+        )
+    if not names:
+        return
+    counts = [len(expected[n][0]) for n in names]
+    values = torch.cat([expected[n][1][:k] for n, k in zip(names, counts, strict=True)])
+    scales = torch.cat([expected[n][1][k:] for n, k in zip(names, counts, strict=True)])
+    have = torch.cat([held[n].double().cpu() for n in names])
+    bad = ((have - values).abs() > rtol * scales + 1e-30).nonzero()
+    if len(bad):
+        name = names[int(torch.searchsorted(torch.tensor(counts).cumsum(0), bad[0, 0], right=True))]
+        k = len(expected[name][0])
+        raise WeightSyncError(
+            f"{engine}: after the weight hand-off the engine{where} holds other values than the trainer in "
+            f"{name!r}: the sums of its rows {expected[name][0]} are {held[name].tolist()}, the trainer's "
+            f"{expected[name][1][:k].tolist()}. The hand-off dropped or corrupted this tensor, or the engine kept "
+            "weights it was meant to replace (e.g. a sleep-mode wake that restored old ones). HINT: report it with the "
+            "engine and its settings; RolloutConfig.verify_every=0 turns this check off."
+        )
+
+
 @functools.lru_cache(maxsize=16)
 def generation_eos_ids(model_path: str) -> tuple[int, ...]:
     """The end-of-sequence ids of a checkpoint's ``generation_config.json`` (``eos_token_id``, one id or a list),
@@ -358,6 +477,14 @@ class RolloutEngine(Protocol):
 
     Optional: ``copies_each_weight = True`` says that ``load_weights`` copies each tensor before it takes the next
     one from the stream; ``weights_for`` may then hand it views of a reused buffer (``HFRolloutEngine`` does).
+
+    Verified hand-offs: ``fingerprint(ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]`` says what the engine
+    holds: per name, the float64 sums of those rows of the tensor (:func:`as_rows`; for a tensor-parallel engine: of
+    this rank's slice, as :func:`~lightning_rlhf.engines.rollout.reshard.tp_slice` cuts it); ``fingerprint_rtol:
+    float`` how closely they agree with the trainer's (relative to the sums of absolute values: float64 sums of the
+    very values the engine holds agree to rounding; sums an engine can only take through its own kernels, vLLM's
+    repacked CPU linears, agree to that kernel's precision). Both engines have them; an engine without them (the
+    vLLM engine server) gets the names' check only.
 
     Memory phases. :meth:`ActorRole.generate <lightning_rlhf.roles.actor.ActorRole.generate>` drives an engine
     in this order, so that a device never holds two full copies of the weights beside the trainer's shards:

@@ -9,8 +9,8 @@ set-up: ``{source} + rollout ranks``. Tensors travel in flat buckets (one broadc
 ``load_weights``, so neither side ever holds more than one bucket beyond the model itself.
 
 A header goes first (one small object broadcast): whether weights follow at all (the sender skips a hand-off the
-staleness bound allows it to skip), their version (the number of optimizer updates behind them) and each tensor's
-name and shape.
+staleness bound allows it to skip), their version (the number of optimizer updates behind them), each tensor's
+name and shape, and the fingerprints the receivers check their engines against after loading.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ class WeightHeader:
     """Each tensor's name and shape, in the order they come."""
     dtype: str = "float32"
     """The dtype every tensor travels in (the engines' compute dtype)."""
+    fingerprints: dict[str, tuple[list[tuple[int, int]], Tensor]] = dataclasses.field(default_factory=dict)
+    """Per tensor, the fingerprint the receivers' engines must hold after this hand-off (empty: not checked; see
+    :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints`)."""
 
 
 def _bucket_plan(specs: Iterable[tuple[str, tuple[int, ...]]], itemsize: int, bucket_bytes: int) -> list[list[int]]:

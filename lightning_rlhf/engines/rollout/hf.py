@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,10 +32,12 @@ from lightning_rlhf.engines.rollout.base import (
     WEIGHTS,
     HandoffCheck,
     RolloutOutput,
+    RowRanges,
     SamplingParams,
     WeightSyncError,
     check_sequence_length,
     processed_logprobs,
+    tensor_fingerprints,
     tied_aliases,
     wake_tags,
 )
@@ -410,6 +412,16 @@ class HFRolloutEngine:
         check.finish()
         self.weights_discarded = False
         return received
+
+    fingerprint_rtol: float = 1e-9
+    """Float64 sums of the values the engine holds: equal to the trainer's up to the order of summation."""
+
+    def fingerprint(self, ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]:
+        """The float64 sums of those rows of each parameter as the engine holds it (its own copy, or the shared store
+        it is bound to): :func:`~lightning_rlhf.engines.rollout.base.tensor_fingerprints`. Runs on: worker, after a
+        hand-off."""
+        with torch.no_grad():
+            return tensor_fingerprints(self._params, ranges)
 
     def sleep(self) -> None:
         """Move the weights to host memory on a GPU; nothing to free on CPU. Runs on: worker."""

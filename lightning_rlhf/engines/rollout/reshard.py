@@ -32,9 +32,28 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
-from lightning_rlhf.engines.rollout.base import RolloutEngine, Slicer, TPSlice
+from lightning_rlhf.engines.rollout.base import (
+    Fingerprint,
+    RolloutEngine,
+    RowRanges,
+    Slicer,
+    TPSlice,
+    as_rows,
+    fingerprint_ranges,
+    part_sums,
+    range_pieces,
+)
 
-__all__ = ["SliceHolder", "TPSlice", "exchange", "sliced_tensors", "tp_slice", "tp_slicer", "weights_for"]
+__all__ = [
+    "SliceHolder",
+    "TPSlice",
+    "exchange",
+    "shard_fingerprints",
+    "sliced_tensors",
+    "tp_slice",
+    "tp_slicer",
+    "weights_for",
+]
 
 VOCAB_PADDING = 64
 """vLLM pads the vocabulary to a multiple of 64 before splitting it over TP ranks."""
@@ -254,3 +273,51 @@ def weights_for(
         views = into_engine and bool(getattr(engine, "copies_each_weight", False))
         return full_tensors(model, received, dtype=engine.dtype, transport=transport, views=views, layer=layer)
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)
+
+
+@torch.no_grad()
+def shard_fingerprints(
+    model: nn.Module, *, dtype: torch.dtype, slicer: Slicer | None = None, tp_size: int = 1
+) -> dict[str, Fingerprint]:
+    """The trainer's side of a verified hand-off, from this rank's FSDP2 rows alone (no collective for a row-sharded
+    parameter): per parameter, the rows of the tensor this rank's engine holds (the full tensor, or with a ``slicer``
+    its TP rank's slice, in the slice's own row numbers) that lie in this rank's shard -- its first, middle and last
+    row, all of them for a one-dimensional tensor (:func:`~lightning_rlhf.engines.rollout.base.fingerprint_ranges`)
+    -- and their float64 sums in ``dtype`` (as the engine holds them), then the sums of their absolute values. So
+    each rank checks its own engine against the rows it trains.
+
+    Runs on: every worker rank of the model's mesh, at the same point (a parameter that is not row-sharded is made
+    whole: a collective).
+    """
+    from lightning_rlhf.compat.sharding import row_shard
+
+    positions: dict[int, tuple[Any, int, int]] = {}
+    tp_rank = (dist.get_rank() if dist.is_initialized() else 0) % tp_size
+    ranges: dict[str, RowRanges] = {}
+    pieces: list[Tensor] = []
+    lengths: list[int] = []
+    for name, param in model.named_parameters():
+        shape, data = tuple(param.shape), param.detach()
+        shard = row_shard(name, data, positions)
+        if shard is not None:
+            rows, first = as_rows(shard.local), shard.rank * shard.chunk_rows
+        else:  # not row-sharded: made whole (a collective for a DTensor)
+            rows, first = as_rows(data.full_tensor() if isinstance(data, DTensor) else data), 0
+        region = slicer(name, shape, tp_rank) if slicer is not None and shape else None
+        start, count = 0, shape[0] if shape else 1
+        if region is not None and region.dim == 1:  # a column block (a row-parallel layer's weight)
+            rows = rows[:, region.start : region.start + region.length]
+        elif region is not None:
+            start, count = region.start, region.length
+        lo, hi = max(start, first), min(start + count, first + len(rows))  # this rank's rows of the region
+        mine = fingerprint_ranges(lo - start, hi - start, one_dim=rows.shape[1] == 1)
+        ranges[name] = mine
+        got = range_pieces(rows, mine, start - first)
+        pieces += got[0]
+        lengths += got[1]
+    values, scales = part_sums(pieces, lengths, dtype, with_scale=True).split(len(lengths))
+    counts = [len(r) for r in ranges.values()]
+    return {
+        name: (rows, torch.cat([v, s]))
+        for (name, rows), v, s in zip(ranges.items(), values.split(counts), scales.split(counts), strict=True)
+    }

@@ -37,6 +37,7 @@ from lightning_rlhf.engines.rollout.base import (
     MEMORY_TAGS,
     HandoffCheck,
     RolloutOutput,
+    RowRanges,
     SamplingParams,
     WeightSyncError,
     check_prompt_tokens,
@@ -656,6 +657,71 @@ class VLLMRolloutEngine:
         if asleep:
             self.llm.wake_up(tags=asleep)
             self._asleep.difference_update(asleep)
+
+    # ------------------------------------------------------------------------------ verified hand-off
+    @property
+    def fingerprint_rtol(self) -> float:
+        """Row sums taken through vLLM's own kernels (its CPU linears are repacked and keep no weight): float32
+        accumulation, and in a 16-bit engine a 16-bit result."""
+        return 1e-5 if self.dtype == torch.float32 else 2e-2
+
+    def fingerprint(self, ranges: dict[str, RowRanges]) -> dict[str, Tensor]:
+        """The float64 sums of those rows of each tensor this rank's engine holds (its slice at TP > 1): each fused
+        parameter (``qkv_proj``, ``gate_up_proj``) cut into its members at the rows vLLM's loader put them, the
+        padding rows of the vocabulary left out.
+
+        Runs on: worker (each rank reads its own vLLM worker's model; no collective).
+        """
+        sums: dict[str, tuple[Tensor, int, list[int]]] = self.llm.collective_rpc(_row_sums, args=(self.dtype,))[0]
+        out: dict[str, Tensor] = {}
+        for name, wanted in ranges.items():
+            module, _, kind = name.rpartition(".")
+            key = f"{fusion_group(name)}.{kind}"
+            if key not in sums:
+                continue  # check_fingerprints names it
+            rows, _, sizes = sums[key]
+            member = _FUSED_ORDER.get(module.rpartition(".")[2], 0) if len(sizes) > 1 else 0
+            start = sum(sizes[:member])
+            total = torch.cat([rows.new_zeros(1), rows[start : start + sizes[member]].cumsum(0)])
+            out[name] = torch.stack([total[b] - total[a] for a, b in wanted]) if wanted else rows.new_zeros(0)
+        return out
+
+
+_FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
+"""Where each member lies in its fused vLLM parameter (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up)."""
+
+
+def _row_sums(worker: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor, int, list[int]]]:
+    """Inside a vLLM worker: per parameter of its model, the float64 sum of each of this rank's rows as the model
+    computes with them, the values a row has, and the rows of each member of a fused parameter. A linear layer's
+    weight (and a separate output head) is read through its own kernel, ``quant_method.apply`` on a row of ones
+    (vLLM's CPU linears are repacked and keep no weight); a vocabulary's padding rows are left out; any other
+    parameter is read as it is. Runs on: the vLLM worker of this rank (``collective_rpc``)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    out: dict[str, tuple[Tensor, int, list[int]]] = {}
+    with torch.no_grad():
+        for path, module in worker.model_runner.model.named_modules():
+            prefix = path.replace(".base_layer", "")  # with LoRA on, vLLM wraps each layer: the base is ours
+            own = dict(module.named_parameters(recurse=False))
+            parts: list[int] | None = None  # a linear layer's rows of each member (its weight's and its bias's)
+            if isinstance(module, LinearBase | ParallelLMHead):
+                cols = int(getattr(module, "input_size_per_partition", getattr(module, "embedding_dim", 0)))
+                ones = torch.ones(1, cols, dtype=dtype, device=next(module.parameters()).device)
+                rows = module.quant_method.apply(module, ones).reshape(-1).double().cpu()
+                parts = [int(n) for n in getattr(module, "output_partition_sizes", [len(rows)])]
+                if isinstance(module, ParallelLMHead):
+                    parts = [module.shard_indices.num_org_elements]
+                own.pop("weight", None)
+                out[f"{prefix}.weight"] = (rows, cols, parts)
+            for name, param in own.items():
+                flat = param.reshape(param.shape[0], -1) if param.dim() else param.reshape(1, 1)
+                sizes = parts or [len(flat)]
+                if isinstance(module, VocabParallelEmbedding) and name == "weight":
+                    sizes = [module.shard_indices.num_org_elements]
+                out[f"{prefix}.{name}"] = (flat.double().sum(1).cpu(), flat.shape[1], sizes)
+    return out
 
 
 def _vllm_lora_rank(rank: int) -> int:

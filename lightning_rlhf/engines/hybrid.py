@@ -1,0 +1,525 @@
+"""The hybrid engine: one generating role's rollout engine, its memory phases, its weight hand-offs and its version.
+
+A generating role (the actor, with its colocated engine; the generation-only rollout pool) keeps one
+:class:`HybridEngine`. It is the one place that
+
+- drives the memory phases of a colocated rollout (docs/hybrid-engine.md, "Memory phases"): the trainer's
+  optimizer state and leftovers leave the device, the engine's weights wake, the new weights come in, the hand-off's
+  buffers go, the KV cache wakes, the engine generates and sleeps again;
+- decides how weights reach an engine (:meth:`HybridEngine.sync`): the LoRA adapters alone (``VLLMConfig.
+  lora_handoff="adapter"``), the host's shared store (the device layer's ``weight_store``), or a stream of full
+  tensors, TP slices or merged LoRA weights (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`); or, for a
+  generation-only pool, the broadcast over a :class:`~lightning_rlhf.engines.rollout.bridge.WeightBridge`
+  (:meth:`HybridEngine.send`, :meth:`HybridEngine.receive`);
+- verifies every hand-off (``RolloutConfig.verify_every``): a fingerprint of the weights the engine holds is
+  compared with one computed from the trainer's shards (:func:`~lightning_rlhf.engines.rollout.reshard.
+  shard_fingerprints`), and a mismatch raises :class:`~lightning_rlhf.engines.rollout.base.WeightSyncError` naming
+  the tensor;
+- counts the policy versions: the trainer's (bumped by every update), the one the engine holds, the one a
+  generation-only pool was last sent, and whether the staleness bound lets the pool keep its weights.
+
+It sits above the rollout engines and the agents (it samples episodes) and below the roles, which say what to
+compute and call it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import lightning_rlhf.perf as perf
+from lightning_rlhf.agents.rollout import EpisodeRunner, sample_episodes
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import RolloutConfig
+from lightning_rlhf.engines.device_layer import WeightStore
+from lightning_rlhf.engines.rollout import RolloutEngine, SamplingParams
+from lightning_rlhf.engines.rollout.base import (
+    KV_CACHE,
+    WEIGHTS,
+    Fingerprint,
+    WeightSyncError,
+    as_rows,
+    check_fingerprints,
+    fingerprint_ranges,
+    generation_eos_ids,
+    part_sums,
+    range_pieces,
+)
+from lightning_rlhf.engines.rollout.bridge import WeightBridge, WeightHeader, receive_weights, send_weights
+from lightning_rlhf.engines.rollout.reshard import Slicer, shard_fingerprints, tp_slicer, weights_for
+from lightning_rlhf.engines.train import full_tensors, world
+from lightning_rlhf.engines.train.lora import (
+    adapter_tensors,
+    base_weights,
+    has_lora,
+    merged_specs,
+    merged_weights,
+    write_adapter,
+)
+
+__all__ = ["HybridEngine", "Trainer", "sample_rollout"]
+
+
+class Trainer(Protocol):
+    """The training side a colocated hybrid engine feeds from (the actor role): its model (FSDP2 shards, maybe
+    LoRA-wrapped), its training engine (device, optimizer offload) and its LoRA config."""
+
+    model: nn.Module | None
+    train_engine: Any
+    lora: Any
+
+
+class HybridEngine:
+    """A generating role's rollout engine with its memory phases, weight hand-offs and policy versions.
+
+    Runs on: every rank of the role's pool (each holds its engine, or its share of a TP engine).
+
+    Args:
+        rollout: the sampling settings (``verify_every`` thins the hand-off checks).
+        tokenizer: the policy's tokenizer (pad and EOS ids).
+        model_path: the policy's folder or hub id (its ``generation_config.json`` EOS ids; the adapter's base).
+        trainer: the training side it is colocated with (the actor); None for a generation-only pool, whose weights
+            come over a bridge (:meth:`receive`).
+    """
+
+    def __init__(
+        self, *, rollout: RolloutConfig, tokenizer: Any, model_path: str, trainer: Trainer | None = None
+    ) -> None:
+        self.rollout = rollout
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.trainer = trainer
+        self.engine: RolloutEngine | None = None
+        """The rollout engine (attached by the strategy at set-up)."""
+        self.weights_version = 0
+        """Bumped whenever the trainer's weights change (:meth:`mark_changed`)."""
+        self.engine_version = 0 if trainer is not None else -1
+        """The version the engine holds (a pool's: the number of updates behind it, -1 before the first)."""
+        self.sent_version: int | None = None
+        """The version the generation-only pool holds (None: nothing valid)."""
+        self.wait_s = 0.0
+        """Seconds the last hand-off waited for the other ranks to arrive (the shared store's entry barrier)."""
+        self.engine_bytes = 0
+        """Bytes this rank's engine took in the last hand-off (``perf/weight_sync_bytes``): the full or merged
+        weights (its TP slices), or the adapters (plus the base, once); with the shared store, the store's weights."""
+        self.verify_s = 0.0
+        """Seconds the last hand-off's check took (``perf/weight_verify_s``; 0 when it was not checked)."""
+        self._hand_offs = 0
+        self._adapter_root: str | None = None
+        self._shared: tuple[Any, Any, WeightStore | None] | None = None
+        """``(engine, model, store)`` once decided for this engine and model (store None: the hand-off streams)."""
+
+    def mark_changed(self) -> None:
+        """The trainer's weights changed: the next rollout hands them over first. Runs on: every rank."""
+        self.weights_version += 1
+
+    # ------------------------------------------------------------------------------------ generation
+    def generate(self, batch: Batch, *, episodes: EpisodeRunner | None = None, **sampling: Any) -> Batch:
+        """Sample ``batch`` (:func:`sample_rollout`'s arguments in ``sampling``): colocated, through the memory
+        phases around the hand-off (:meth:`awake`), the hand-off's timings and bytes in the rollout's ``meta``; on a
+        generation-only pool, with the weights last received, each sample's ``weight_version`` recording them.
+
+        Runs on: every rank of the role's pool, each on its share of the prompts.
+        """
+        engine = self.rollout_engine
+        if self.trainer is None:
+            if self.engine_version < 0 or engine.weights_discarded:
+                raise RuntimeError(
+                    "RolloutRole.generate: the engine has no weights yet. HINT: hand the actor's weights over first "
+                    "(RLHFModule.sync_rollout_weights; RLHFModule.generate_rollout does it)."
+                )
+            rollout = self.sample(batch, episodes=episodes, **sampling)
+            rollout["weight_version"] = torch.full((len(rollout),), self.engine_version, dtype=torch.long)
+            return rollout
+        with self.awake() as handoff:
+            rollout = self.sample(batch, episodes=episodes, **sampling)
+        rollout.meta.update(handoff)
+        return rollout
+
+    def sample(self, batch: Batch, *, episodes: EpisodeRunner | None = None, **sampling: Any) -> Batch:
+        """:func:`sample_rollout` with this engine and the role's settings. Runs on: a rank holding the engine."""
+        return sample_rollout(
+            self.rollout_engine,
+            batch,
+            self.rollout,
+            self.tokenizer,
+            model_path=self.model_path,
+            episodes=episodes,
+            **sampling,
+        )
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[dict[str, float]]:
+        """The colocated engine awake around the block, in the order that never holds two full copies of the weights
+        beside the trainer's shards (docs/hybrid-engine.md, "Memory phases"): the optimizer state moves to host
+        memory if the engine asks for it, the trainer releases what it holds (:meth:`release_device_memory`), the
+        engine's weights wake (``wake_up(tags=["weights"])``), the weights of the latest update are handed over if
+        any (:meth:`sync`), the trainer releases the hand-off's buffers, the KV cache wakes; after the block the
+        engine sleeps and the optimizer state comes back. Yields the hand-off's metrics (``timing_s/update_weights``,
+        ``timing_s/update_weights_wait``, ``perf/weight_sync_bytes``, ``perf/weight_sync_gathered_bytes``,
+        ``perf/weight_verify_s``).
+
+        Runs on: every worker rank of the trainer.
+        """
+        engine, trainer = self.rollout_engine, self._trainer()
+        if engine.offload_optimizer:
+            trainer.train_engine.offload_optimizer()
+        self.release_device_memory()  # the offloaded state and the update's leftovers, before the weights wake
+        engine.wake_up(tags=[WEIGHTS])
+        sync_s, sync_bytes = self.sync()
+        self.release_device_memory()  # the hand-off's gathered tensors, before the KV cache takes its memory
+        engine.wake_up(tags=[KV_CACHE])
+        yield {
+            "timing_s/update_weights": sync_s,
+            "timing_s/update_weights_wait": self.wait_s,
+            "perf/weight_sync_bytes": self.engine_bytes,
+            "perf/weight_sync_gathered_bytes": sync_bytes,
+            "perf/weight_verify_s": self.verify_s,
+        }
+        engine.sleep()
+        trainer.train_engine.onload_optimizer()
+
+    def release_device_memory(self) -> None:
+        """Give the device memory the trainer does not need while the engine generates back to the device, for the
+        engine's next phase: FSDP units left unsharded are resharded (FSDP2 keeps the root's parameters -- the
+        embedding, the head, the final norm -- unsharded after a forward without backward, e.g. ``log_prob``), and
+        on a GPU ``torch.cuda.empty_cache()`` returns PyTorch's cached blocks (the hand-off's gathered buckets, an
+        offloaded optimizer state, the last update's activations), which vLLM's sleep-mode allocator, outside
+        PyTorch's cache, could not otherwise use. Nothing of the hand-off is kept alive: its stream is consumed
+        and dropped inside :meth:`sync` (the transformers engines' shared store on CPU is the engines' weights
+        themselves, not a buffer).
+
+        Runs on: every worker rank (no collective: resharding frees the local copy only).
+        """
+        trainer = self._trainer()
+        if trainer.model is None:
+            return
+        for module in trainer.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        if trainer.train_engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------------ colocated hand-off
+    def sync(self) -> tuple[float, int]:
+        """Hand the trainer's latest weights to the colocated engine (if they changed, or the engine lost its own),
+        then check them (:meth:`verify`). The one place that decides how: the LoRA adapters alone, for an engine
+        that takes them (``takes_adapters``: vLLM with ``VLLMConfig.lora_handoff="adapter"``); the host's shared
+        store, where the engines of one host can read one copy of the weights (the device layer's
+        ``weight_store``: transformers engines on CPU with the CPU speed layer on; each rank writes only its own rows
+        there); else a stream out of the FSDP shards (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`:
+        full tensors gathered in buckets, a tensor-parallel engine's slices, or merged LoRA weights).
+
+        Runs on: every worker rank (the gathers are collectives, in the same order everywhere). Returns ``(seconds,
+        bytes this rank received from the other ranks)``; the seconds leave out the wait for the other ranks to
+        arrive at the shared store (:attr:`wait_s`) and the check (:attr:`verify_s`).
+        """
+        engine, model = self.rollout_engine, self._trainer().model
+        layer = self._trainer().train_engine.layer  # the device layer the strategy chose (the CPU's shared store)
+        self.wait_s, self.engine_bytes, self.verify_s = 0.0, 0, 0.0
+        if self.engine_version == self.weights_version and not engine.weights_discarded:
+            return 0.0, 0
+        assert model is not None
+        t0 = time.perf_counter()
+        received, taken = [0], [0]  # taken: what the engine takes, perf/weight_sync_bytes
+        lora = self._trainer().lora is not None
+        if self._shared is None or self._shared[0] is not engine or self._shared[1] is not model:
+            # LoRA streams merged weights (the base's names): no store shares the trainer's own tensors then.
+            self._shared = (engine, model, None if lora else layer.weight_store(engine, model))
+        store = self._shared[2]
+        expected: dict[str, Fingerprint] = {}  # LoRA: the fingerprints of what the stream carries
+        if lora and getattr(engine, "takes_adapters", False):
+            self._hand_off_adapters(engine, model, received, taken, expected)
+        elif store is not None:
+            self.wait_s = store.hand_off(received)
+            taken[0] = perf.full_bytes(model, engine.dtype)
+        else:
+            stream = weights_for(engine, model, received, into_engine=True, layer=layer)
+            tapped = _tapped(stream, expected, _slicer(engine, model), engine.tp_size) if lora else stream
+            engine.load_weights(perf.counted_bytes(tapped, taken))
+        self.engine_bytes = taken[0]
+        self.engine_version = self.weights_version
+        seconds = time.perf_counter() - t0 - self.wait_s
+        self.verify(expected if lora else None)
+        return seconds, received[0]
+
+    def _hand_off_adapters(
+        self, engine: Any, model: nn.Module, received: list[int], taken: list[int], expected: dict[str, Fingerprint]
+    ) -> None:
+        """``VLLMConfig.lora_handoff="adapter"``: the base weights once (while the engine holds none), then the
+        adapters only, written as a peft folder that the engine loads (vLLM's LoRA support). ``expected`` gets the
+        base weights' fingerprints when they are sent. Runs on: every worker rank (the gathers are collectives over
+        the trainer's ranks)."""
+        if engine.weights_discarded:
+            base = base_weights(full_tensors(model, received, layer=self._trainer().train_engine.layer), engine.dtype)
+            engine.load_weights(perf.counted_bytes(_tapped(base, expected, None, 1), taken))
+        state = adapter_tensors(model, received)
+        taken[0] += sum(t.numel() * t.element_size() for t in state.values())
+        if self._adapter_root is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._adapter_root = tempfile.mkdtemp(prefix="lightning_rlhf-adapter-", dir=shm)
+            atexit.register(shutil.rmtree, self._adapter_root, True)
+        folder = os.path.join(self._adapter_root, f"v{self.weights_version}")
+        config = self._trainer().lora.to_dict() | {"base_model_name_or_path": self.model_path}
+        write_adapter(folder, config, state)
+        engine.load_adapter(folder, self.weights_version)
+        for old in os.listdir(self._adapter_root):  # vLLM has read it: the older versions go
+            if old != f"v{self.weights_version}":
+                shutil.rmtree(os.path.join(self._adapter_root, old), ignore_errors=True)
+
+    def verify(self, expected: dict[str, Fingerprint] | None = None) -> None:
+        """Check the hand-off just made, when ``RolloutConfig.verify_every`` says this one is due (the first, then
+        every k-th): the sums of a few rows of each tensor the engine reports (its ``fingerprint``) against
+        ``expected`` (the fingerprints of a stream the trainer made: merged LoRA weights), else against
+        :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of the rows this rank trains (of this
+        rank's TP slices for a tensor-parallel engine). The seconds go to :attr:`verify_s`.
+
+        Runs on: every worker rank of the trainer (no collective where the model is row-sharded).
+
+        Raises:
+            WeightSyncError: naming the first tensor whose weights differ (and the TP rank).
+        """
+        every = self.rollout.verify_every
+        self._hand_offs += 1
+        if not every or (self._hand_offs - 1) % every:
+            return
+        t0 = time.perf_counter()
+        engine = self.rollout_engine
+        if getattr(engine, "fingerprint", None) is None or expected == {}:
+            return  # an engine that cannot say what it holds (a vLLM engine server), or only adapters were sent
+        model = self._trainer().model
+        assert model is not None
+        slicer = _slicer(engine, model)
+        if engine.tp_size > 1 and slicer is None:
+            return  # an architecture whose TP slices are not known here: nothing to compare with
+        if expected is None:
+            expected = shard_fingerprints(model, dtype=engine.dtype, slicer=slicer, tp_size=engine.tp_size)
+        _check(engine, expected, tp_rank=world()[0] % engine.tp_size)
+        self.verify_s = time.perf_counter() - t0
+
+    # --------------------------------------------------------------------- generation-only pool
+    def send(self, bridge: WeightBridge, *, version: int, lag: int, max_staleness: int) -> dict[str, float]:
+        """Hand the trainer's weights to a generation-only pool over ``bridge``, unless the staleness bound allows
+        it to keep the ones it has: samples it generates now are trained on ``lag`` updates later, and must then be
+        at most ``max_staleness`` updates old. A hand-off that is due to be checked carries the fingerprints of every
+        rank's rows in its header (gathered to the source; :meth:`receive` compares).
+
+        Runs on: every rank of the trainer's pool (the FSDP gathers); the pool's first rank broadcasts. Returns
+        ``timing_s/update_weights``, ``perf/weight_sync_bytes`` (what the pool was sent),
+        ``perf/weight_sync_gathered_bytes`` (what the FSDP gathers brought this rank) and ``rollout/weight_version``
+        (what the pool holds after the call); every rank of the pool decides the same way, from the same counters.
+        """
+        from torch import distributed as dist
+
+        trainer = self._trainer()
+        model = trainer.model
+        assert model is not None
+        held = self.sent_version
+        send = held is None or version + lag - held > max_staleness
+        t0 = time.perf_counter()
+        received = [0]
+        dtype, layer = trainer.train_engine.param_dtype or torch.float32, trainer.train_engine.layer
+        lora = has_lora(model)  # LoRA: the pool's engine takes the merged weights, by the base's names
+        every = self.rollout.verify_every
+        self._hand_offs += int(send)
+        check = send and bool(every) and not lora and (self._hand_offs - 1) % every == 0
+        prints = _gathered(shard_fingerprints(model, dtype=dtype), model, bridge.src) if check else {}
+        if lora:
+            tensors = merged_weights(model, full_tensors(model, received, layer=layer), dtype) if send else iter(())
+        else:
+            tensors = full_tensors(model, received, dtype=dtype, layer=layer) if send else iter(())
+        if dist.get_rank() == bridge.src:
+            named = merged_specs(model) if lora else [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+            header = WeightHeader(
+                send=send,
+                version=version,
+                specs=tuple(named) if send else (),
+                dtype=str(dtype).removeprefix("torch."),
+                fingerprints=prints,
+            )
+            sent = send_weights(bridge, header, tensors)
+        else:
+            sent = 0
+            for _ in tensors:  # the gathers are collectives over the trainer's pool: every rank takes part
+                pass
+        if send:
+            self.sent_version = version
+        return {
+            "timing_s/update_weights": time.perf_counter() - t0,
+            "perf/weight_sync_bytes": float(sent),
+            "perf/weight_sync_gathered_bytes": float(received[0]),
+            "rollout/weight_version": float(self.sent_version if self.sent_version is not None else -1),
+        }
+
+    def receive(self, bridge: WeightBridge) -> dict[str, float]:
+        """Take the trainer's weights from ``bridge`` (or the source's word that the current ones stay) into the
+        engine, and check them against the fingerprints the header carries.
+
+        Runs on: every rank of a generation-only pool, in the same ``concurrently()`` block as :meth:`send`.
+        Returns ``timing_s/receive_weights``, ``perf/weight_receive_bytes`` and ``perf/weight_verify_s``.
+        """
+        engine = self.rollout_engine
+        t0 = time.perf_counter()
+        header, tensors = receive_weights(bridge, torch.device(getattr(engine, "device", "cpu")))
+        received = engine.load_weights(tensors) if header.send else 0
+        self.verify_s = 0.0
+        if header.send:
+            self.engine_version = header.version
+        if header.fingerprints and getattr(engine, "fingerprint", None) is not None:
+            start = time.perf_counter()
+            _check(engine, header.fingerprints)
+            self.verify_s = time.perf_counter() - start
+        return {
+            "timing_s/receive_weights": time.perf_counter() - t0,
+            "perf/weight_receive_bytes": float(received),
+            "perf/weight_verify_s": self.verify_s,
+        }
+
+    # ------------------------------------------------------------------------------------ helpers
+    @property
+    def rollout_engine(self) -> Any:
+        """The attached engine. Runs on: every rank of the role's pool, after set-up."""
+        if self.engine is None:
+            raise RuntimeError("The role has no rollout engine yet: the strategy attaches one in setup().")
+        return self.engine
+
+    def _trainer(self) -> Trainer:
+        if self.trainer is None:
+            raise RuntimeError("A generation-only pool's hybrid engine has no trainer: its weights come by receive().")
+        return self.trainer
+
+
+def _check(engine: Any, expected: dict[str, Fingerprint], *, tp_rank: int = 0) -> None:
+    """:func:`~lightning_rlhf.engines.rollout.base.check_fingerprints` of ``engine`` against ``expected``; a mismatch
+    leaves the engine ``weights_discarded`` (it refuses to generate until a complete hand-off). Runs on: worker."""
+    held = engine.fingerprint({name: rows for name, (rows, _) in expected.items()})
+    try:
+        check_fingerprints(type(engine).__name__, expected, held, rtol=engine.fingerprint_rtol, tp_rank=tp_rank)
+    except WeightSyncError:
+        engine.weights_discarded = True
+        raise
+
+
+def _slicer(engine: Any, model: nn.Module) -> Slicer | None:
+    """Which slice of each tensor a tensor-parallel ``engine`` holds (its own ``slicer``, or vLLM's rules where it
+    takes full tensors and cuts them itself); None at TP 1, or for an architecture whose rules are not known."""
+    return engine.slicer or tp_slicer(model.config, engine.tp_size)
+
+
+def _tapped(
+    stream: Iterator[tuple[str, Tensor]], prints: dict[str, Fingerprint], slicer: Slicer | None, tp_size: int
+) -> Iterator[tuple[str, Tensor]]:
+    """``stream`` (full tensors) unchanged, the fingerprint of each put in ``prints`` by name as it passes (the first,
+    middle and last rows, all of a one-dimensional one; of this rank's TP slice with a ``slicer``): the trainer's side
+    of a hand-off whose tensors are computed on the way (merged LoRA weights). Runs on: every worker rank."""
+    for name, tensor in stream:
+        region = slicer(name, tuple(tensor.shape), world()[0] % tp_size) if slicer is not None else None
+        held = tensor if region is None else tensor.narrow(region.dim, region.start, region.length)
+        rows = as_rows(held.detach())
+        ranges = fingerprint_ranges(0, len(rows), one_dim=rows.shape[1] == 1)
+        prints[name] = (ranges, part_sums(*range_pieces(rows, ranges), with_scale=True))
+        yield name, tensor
+
+
+def _gathered(prints: dict[str, Fingerprint], model: nn.Module, dst: int) -> dict[str, Fingerprint]:
+    """Every rank's :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of ``model``, merged on rank
+    ``dst`` (the rows of each rank's shard: together, the fingerprints of the full tensors); ``{}`` elsewhere. Runs
+    on: every rank of the model's mesh (a gather over it)."""
+    from torch import distributed as dist
+
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None:
+        return prints
+    everyone: list[Any] = [None] * mesh.size() if dist.get_rank() == dst else []
+    dist.gather_object(prints, everyone if everyone else None, dst=dst, group=mesh.get_group())
+    if not everyone:
+        return {}
+    merged: dict[str, Fingerprint] = {}
+    for name in prints:
+        parts = [p[name] for p in everyone]
+        k = [len(rows) for rows, _ in parts]
+        values = [sums[:n] for (_, sums), n in zip(parts, k, strict=True)]
+        scales = [sums[n:] for (_, sums), n in zip(parts, k, strict=True)]
+        merged[name] = ([r for rows, _ in parts for r in rows], torch.cat(values + scales))
+    return merged
+
+
+def sample_rollout(
+    engine: RolloutEngine,
+    batch: Batch,
+    cfg: RolloutConfig,
+    tokenizer: Any,
+    *,
+    n: int | None = None,
+    greedy: bool = False,
+    temperature: float | None = None,
+    seed_offset: int = 0,
+    model_path: str | None = None,
+    episodes: EpisodeRunner | None = None,
+) -> Batch:
+    """Sample with ``engine`` for this rank's prompts: one row per sample with ``responses``, ``response_mask``,
+    ``response_truncated``, ``rollout_logprobs`` (when the engine reports them) and the input columns repeated; the
+    generation's seconds in ``meta["gen_s"]``. The arguments are :meth:`ActorRole.generate`'s; ``model_path``
+    (the policy's checkpoint) adds its ``generation_config.json``'s EOS ids to the ids that end a response, as
+    transformers' ``generate`` and vLLM do (the tokenizer's EOS and ``RolloutConfig.stop_token_ids`` always end one).
+    ``episodes``: run multi-turn episodes with the module's environment instead
+    (:func:`~lightning_rlhf.agents.rollout.sample_episodes`).
+
+    Runs on: a worker rank holding a rollout engine (the actor's colocated one, or a rollout pool's). The seeds
+    depend on the step, the rank in the calling role's pool, the sampling round and ``seed_offset`` only.
+    """
+    n = 1 if greedy else (n or cfg.n)
+    stops = {tokenizer.eos_token_id, *cfg.stop_token_ids, *(generation_eos_ids(model_path) if model_path else ())}
+    stops.discard(None)
+    rank, _ = world()
+    step = int(batch.meta.get("step", 0))
+    params = SamplingParams(
+        n=n,
+        temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens,
+        stop_token_ids=tuple(sorted(stops)),
+        seed=cfg.seed * 1_000_003
+        + step * 7919
+        + rank
+        + int(batch.meta.get("sampling_round", 0)) * 104_729
+        + seed_offset,
+        greedy=greedy,
+    )
+    if episodes is not None:  # multi-turn episodes with the module's environment (lightning_rlhf.agents)
+        return sample_episodes(engine, batch, episodes, params, n=n, pad_id=tokenizer.pad_token_id)
+    prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    gen_s = time.perf_counter() - t0
+    width = max(1, max(len(r) for r in out.responses))
+    responses = torch.full((len(out.responses), width), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(out.responses), width), dtype=torch.long)
+    for i, r in enumerate(out.responses):
+        responses[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        response_mask[i, : len(r)] = 1
+    rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
+    rollout["responses"] = responses
+    rollout["response_mask"] = response_mask
+    rollout["response_truncated"] = torch.tensor([not r or r[-1] not in stops for r in out.responses])
+    if out.logprobs is not None:
+        lp = torch.zeros((len(out.responses), width))
+        for i, row in enumerate(out.logprobs):
+            lp[i, : len(row)] = torch.tensor(row)
+        rollout["rollout_logprobs"] = lp
+    rollout.meta["gen_s"] = gen_s
+    rollout.meta["group_size"] = n  # consecutive rows share a prompt: training forwards may compute it once
+    return rollout
