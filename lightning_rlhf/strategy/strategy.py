@@ -27,7 +27,6 @@ import atexit
 import contextlib
 import functools
 import os
-import sys
 import time
 import uuid
 import warnings
@@ -60,6 +59,7 @@ from lightning_rlhf.compat.lightning import (
     set_data_parallel_size,
     set_launcher,
 )
+from lightning_rlhf.compat.vllm import model_parallel_initialized
 from lightning_rlhf.config import VLLMConfig, config_from_dict
 from lightning_rlhf.controller.controller import Controller
 from lightning_rlhf.controller.launcher import ExternalLauncher, RLHFLauncher, watchdog_running
@@ -119,8 +119,7 @@ def _destroy_process_group_at_exit() -> None:
     _EXIT_HOOK.append(True)
 
     def destroy() -> None:
-        vllm_state = sys.modules.get("vllm.distributed.parallel_state")
-        if vllm_state is not None and vllm_state.model_parallel_is_initialized():
+        if model_parallel_initialized():
             return  # a vLLM engine's own exit hook destroys its groups and then the default one
         shutdown_process_groups()
 

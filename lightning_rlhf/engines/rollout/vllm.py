@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import lightning_rlhf.compat.vllm as vllm_compat
 from lightning_rlhf.config import VLLMConfig
 from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.base import (
@@ -158,9 +159,7 @@ def check_vllm_settings(
             "tensor_parallel_size that divides the number of attention heads."
         )
     if device_type == "cpu":
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+        sizes = vllm_compat.cpu_attention_head_sizes()
         if head_dim not in sizes:
             raise ValueError(
                 f"vLLM's CPU attention does not support head size {head_dim} of {model_path!r} (supported: "
@@ -267,11 +266,7 @@ class _DropExpectedWarnings(logging.Filter):
         "This model does not officially support disabling chunked prefill",
         "Chat template warmup failed",
     )
-    LOGGERS = (
-        "vllm.renderers.base",
-        "vllm.model_executor.model_loader.reload.layerwise",
-        "vllm.engine.arg_utils",
-    )
+    LOGGERS = vllm_compat.LOADER_LOGGERS
     """The vLLM loggers the filter is attached to."""
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -502,7 +497,7 @@ class VLLMRolloutEngine:
             engine="the vLLM engine's max_model_len",
             prompt_setting=f"{longest}",
         )
-        vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        vocab = vllm_compat.vocab_size(self.llm)
         check_prompt_tokens(prompts, vocab_size=vocab, engine=type(self).__name__)
 
     def _vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
@@ -554,7 +549,7 @@ class VLLMRolloutEngine:
             sampling = self._vllm_params(dataclasses.replace(params, n=1), seed, final_only=True)
             name = f"lrlhf-{key}-{next(self._request_counter)}"
             prompt = TokensPrompt(prompt_token_ids=ids)
-            internal = str(self.llm.llm_engine.add_request(name, prompt, sampling, lora_request=self._lora))
+            internal = vllm_compat.add_request(self.llm, name, prompt, sampling, self._lora)
             self._requests[name] = (key, internal)
             self._requests[internal] = (key, name)
 
@@ -562,7 +557,7 @@ class VLLMRolloutEngine:
         """One scheduling step of every running request; returns the requests that finished in it as ``(key,
         sampled ids, their log-probs)``. Runs on: worker (TP 1)."""
         finished = []
-        for out in self.llm.llm_engine.step():
+        for out in vllm_compat.step(self.llm):
             if not out.finished:
                 continue
             key, other = self._requests.pop(str(out.request_id))
@@ -574,7 +569,7 @@ class VLLMRolloutEngine:
 
     def has_requests(self) -> bool:
         """Whether a request added by :meth:`add_requests` is still running. Runs on: worker."""
-        return bool(self.llm.llm_engine.has_unfinished_requests())
+        return vllm_compat.has_unfinished_requests(self.llm)
 
     # ------------------------------------------------------------------------------ weight hand-off
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
@@ -627,7 +622,7 @@ class VLLMRolloutEngine:
         old = self._lora
         self._lora = LoRARequest(f"actor-{version}", version + 1, folder)
         if old is not None and old.lora_int_id != version + 1:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            vllm_compat.remove_lora(self.llm, old.lora_int_id)
 
     def sleep(self) -> None:
         """GPU: free the KV cache (level 1: the weights go to host memory) or the KV cache and the weights (level 2:
