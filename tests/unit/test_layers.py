@@ -1,4 +1,4 @@
-"""Dependencies point one way (docs/architecture.md, "Layers"): every module of the package sits in one layer and
+"""Dependencies point one way (docs/architecture.md, "The house"): every module of the package sits in one layer and
 imports only modules of lower layers (or of its own part), and no set of modules imports itself round (no cycle,
 function-level and type-only imports included). These tests read every import of the package so that a
 new upward import or a new cycle fails here, and a new module without a layer too."""
