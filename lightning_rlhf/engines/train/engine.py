@@ -26,7 +26,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
 from lightning_rlhf.controller.dispatch import current_group
 from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
-from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
+from lightning_rlhf.engines.train.fsdp import clip_grad_norm, move_optimizer_state, shard_model
 from lightning_rlhf.engines.train.microbatch import (
     has_rollout_layout,
     plan_micro_batches,
@@ -535,17 +535,6 @@ class TrainEngine:
         if self.optimizer is not None and self._offloaded:
             move_optimizer_state(self.optimizer, self.device)
             self._offloaded = False
-
-    # --------------------------------------------------------------------------------------- hand-off
-    def named_weights(self, received: list[int] | None = None) -> Iterator[tuple[str, Tensor]]:
-        """``(name, full tensor)`` per parameter, gathered one at a time from the shards.
-
-        Runs on: every worker rank, in the same order (each is an all-gather). ``received[0]`` grows by the bytes
-        this rank got from the others. TP-sliced hand-offs go through
-        :func:`lightning_rlhf.engines.rollout.reshard.weights_for`, which reads the shards directly.
-        """
-        assert self.model is not None
-        return full_tensors(self.model, received, layer=self._layer)
 
 
 @contextlib.contextmanager
