@@ -368,37 +368,51 @@ class EpisodeRunner:
             # calls whose longest sequence and largest limit fit the context.
             groups = [list(range(len(ready)))] if continues else _fitting_calls(ready, limits, context)
             for group in groups:
-                group, copies = _samples_of_one_prompt(group, ready, params)
-                call = dataclasses.replace(
-                    params,
-                    n=copies,
-                    max_new_tokens=max(limits[i] for i in group),
-                    seed=(params.seed + calls * _TURN_SEED) % (1 << 62),
-                )
+                seed = (params.seed + calls * _TURN_SEED) % (1 << 62)
                 calls += 1
-                prompts = [ready[i].prompt + ready[i].ids for i in group[::copies]]
-                handled: set[int] = set()  # the call's turns ended while its others decoded: their tools run
-                early = self._ender([ready[i] for i in group], [limits[i] for i in group], stops, handled)
-                t0 = time.perf_counter()
-                if continues:
-                    out = engine.generate(  # type: ignore[call-arg]
-                        prompts, call,
-                        continues=[number[id(ready[i])] for i in group[::copies]],
-                        keep_as=[number[id(ready[i])] for i in group],
-                        limits=[limits[i] for i in group[::copies]],
-                        on_done=early if cfg.async_episodes else None,
-                    )  # fmt: skip
-                else:
-                    out = engine.generate(prompts, call)
-                gen_s += time.perf_counter() - t0
-                logprobs = out.logprobs or [[] for _ in out.responses]
-                for k, (i, turn, lp) in enumerate(zip(group, out.responses, logprobs, strict=True)):
-                    if k not in handled:
-                        self._after_turn(ready[i], list(turn), lp, stops, limits[i])
+                eps, bounds = [ready[i] for i in group], [limits[i] for i in group]
+                gen_s += self._turns(engine, eps, bounds, params, seed, stops, number if continues else None)
             ready = []
         if continues:
             engine.forget()  # type: ignore[attr-defined]
         return episodes, gen_s
+
+    def _turns(
+        self,
+        engine: RolloutEngine,
+        eps: list[_Live],
+        limits: list[int],
+        params: SamplingParams,
+        seed: int,
+        stops: set[int],
+        number: dict[int, int] | None,
+    ) -> float:
+        """One engine call for the next turn of episodes ``eps`` (each bounded by its limit), the samples of one
+        prompt together; returns the seconds in the engine. ``number``: each episode's key of its kept sequence
+        on an engine that continues sequences (None: the engine does not)."""
+        group, copies = _samples_of_one_prompt(list(range(len(eps))), eps, params)
+        eps, limits = [eps[i] for i in group], [limits[i] for i in group]
+        call = dataclasses.replace(params, n=copies, max_new_tokens=max(limits), seed=seed)
+        prompts = [ep.prompt + ep.ids for ep in eps[::copies]]
+        handled: set[int] = set()  # the call's turns ended while its others decoded: their tools run
+        early = self._ender(eps, limits, stops, handled)
+        t0 = time.perf_counter()
+        if number is not None:
+            out = engine.generate(  # type: ignore[call-arg]
+                prompts, call,
+                continues=[number[id(ep)] for ep in eps[::copies]],
+                keep_as=[number[id(ep)] for ep in eps],
+                limits=limits[::copies],
+                on_done=early if self.cfg.async_episodes else None,
+            )  # fmt: skip
+        else:
+            out = engine.generate(prompts, call)
+        gen_s = time.perf_counter() - t0
+        logprobs = out.logprobs or [[] for _ in out.responses]
+        for k, (ep, turn, lp, limit) in enumerate(zip(eps, out.responses, logprobs, limits, strict=True)):
+            if k not in handled:
+                self._after_turn(ep, list(turn), lp, stops, limit)
+        return gen_s
 
     def _run_streaming(
         self,

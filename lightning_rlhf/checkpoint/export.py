@@ -287,10 +287,6 @@ def export_checkpoint(
     Returns:
         ``out``.
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from lightning_rlhf.config.models import resolve_model_path
-
     if best:
         checkpoint = best_checkpoint(checkpoint).path
     target = resolve_dtype(dtype)
@@ -328,10 +324,23 @@ def export_checkpoint(
             state = _base_weights(origin, set(layers)) | state
         scale = config_scale(adapter)
         state = dict(merge_stream(iter(state.items()), dict.fromkeys(layers, scale), target))
+    named = base  # the config and tokenizer: base=, the checkpoint's files, or the base its adapters name
+    if named is None and "config.json" not in files and lora:
+        named = adapter.get("base_model_name_or_path")
+    _write_model_folder(state, files, named, checkpoint, out)
+    return out
+
+
+def _write_model_folder(
+    state: dict[str, torch.Tensor], files: dict[str, bytes], named: str | None, checkpoint: str, out: str
+) -> None:
+    """Save ``state`` as a transformers model folder ``out``, with the config, generation config and tokenizer of
+    the model ``named`` (a folder or hub id), or (None) those the checkpoint stored (``files``)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from lightning_rlhf.config.models import resolve_model_path
+
     with tempfile.TemporaryDirectory() as tmp:
-        named = base  # the config and tokenizer: base=, the checkpoint's files, or the base its adapters name
-        if named is None and "config.json" not in files and lora:
-            named = adapter.get("base_model_name_or_path")
         source = named if named is None else resolve_model_path(named, setting="export_checkpoint(base=...)")
         if source is None:
             if not files:
@@ -350,7 +359,6 @@ def export_checkpoint(
             generation = None
         tokenizer = AutoTokenizer.from_pretrained(source)
         _save_pretrained(state, config, generation, tokenizer, out)
-    return out
 
 
 # --------------------------------------------------------------------------------------------- helpers

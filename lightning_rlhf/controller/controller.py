@@ -158,6 +158,50 @@ def _first_posted_failure(store: Any) -> _Failure | None:
     return failure if isinstance(failure, _Failure) else None
 
 
+class _BackgroundParts:
+    """This rank's background parts of role calls (``in_background()``): each runs in a thread of this process, its
+    result waiting in a box for the join. Runs on: any rank."""
+
+    def __init__(self) -> None:
+        self._threads: dict[int, tuple[threading.Thread, list[tuple[Any, float]]]] = {}
+
+    def start(self, call: _Call, execute: Callable[[], Any], rank: int) -> None:
+        """Run ``execute()`` (``call``'s part) in a thread; a raised error becomes the result as a :class:`_Failure`."""
+        box: list[tuple[Any, float]] = []
+        grad = torch.is_grad_enabled()  # per thread in torch, as the current CUDA device is: carry both over
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+        def run() -> None:
+            started = time.perf_counter()
+            if device is not None:
+                torch.cuda.set_device(device)
+            try:
+                with torch.set_grad_enabled(grad):
+                    result = execute()
+            except BaseException as err:  # e.g. a dead peer: the join reports it like a failed call
+                where = f"{call.role}.{call.method}"
+                result = _Failure(rank, where, "".join(traceback.format_exception(err)))
+            box.append((result, time.perf_counter() - started))
+
+        thread = threading.Thread(target=run, name=f"lightning_rlhf {call.role}.{call.method}", daemon=True)
+        self._threads[call.token or 0] = (thread, box)
+        thread.start()
+
+    def join(self, token: int) -> tuple[Any, float]:
+        """Wait for the part started with ``token``: its result and its seconds."""
+        thread, box = self._threads.pop(token)
+        thread.join()
+        return box[0]
+
+    def drop(self, wait_s: float = 30.0) -> None:
+        """After a failed step: wait (a bounded time) for the parts and forget them, so that a later step does not
+        find a thread still using a role."""
+        deadline = time.monotonic() + wait_s
+        for thread, _ in self._threads.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads.clear()
+
+
 class Controller:
     """Routes role calls from rank 0 to all ranks and back. One instance per process.
 
@@ -208,7 +252,7 @@ class Controller:
         # controller: each background call -> where, its plan
         self._in_flight: dict[int, tuple[str, _Plan]] = {}
         self._next_token = 0
-        self._threads: dict[int, tuple[threading.Thread, list[Any]]] = {}  # this rank's background parts
+        self._background = _BackgroundParts()  # this rank's background parts
         if world_size > 1:
             # Control messages are pickled Python objects: keep them on a CPU (gloo) group whatever the
             # data-plane backend is, so NCCL never carries them and GPU tensors never enter them.
@@ -253,7 +297,7 @@ class Controller:
             self._check_background_read()
         except BaseException as err:
             self._in_flight.clear()
-            self._drop_background()
+            self._background.drop()
             if isinstance(err, RankDiedError):  # the control plane is broken: no abort can reach every rank
                 raise
             if self.world_size > 1 and not isinstance(err, WorkerError):
@@ -427,7 +471,7 @@ class Controller:
                     replay_log(name, value, kw)
                 return
             if isinstance(msg, _Abort):
-                self._drop_background()
+                self._background.drop()
                 raise ControllerError(
                     f"rank {self.rank}: the controller's step failed ({msg.message}); it raises the error."
                 )
@@ -445,16 +489,14 @@ class Controller:
         results: list[tuple[int, Any, float]] = []
         for call in calls:
             if isinstance(call, _Join):
-                thread, box = self._threads.pop(call.token)
-                thread.join()
-                result, took = box[0]
+                result, took = self._background.join(call.token)
                 if isinstance(result, _Failure):  # posted now, not when it failed: until the join nobody waits on it
                     _post_error(
                         self._store, f"rank {self.rank} failed in `{result.where}`:\n{result.traceback}", result
                     )
                 results.append((call.index, result, took))
             elif call.token is not None:
-                self._start_thread(call)
+                self._background.start(call, functools.partial(self._execute, call, background=True), self.rank)
                 results.append((call.index, _STARTED, 0.0))
                 continue
             else:
@@ -464,36 +506,6 @@ class Controller:
             if isinstance(result, _Failure):
                 break
         return results
-
-    def _drop_background(self, wait_s: float = 30.0) -> None:
-        """After a failed step: wait (a bounded time) for this rank's background parts and forget them, so that a
-        later step does not find a thread still using a role. Runs on: any rank."""
-        deadline = time.monotonic() + wait_s
-        for thread, _ in self._threads.values():
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self._threads.clear()
-
-    def _start_thread(self, call: _Call) -> None:
-        """Run a background part in a thread of this process; its result waits in a box for the join."""
-        box: list[tuple[Any, float]] = []
-        grad = torch.is_grad_enabled()  # per thread in torch, as the current CUDA device is: carry both over
-        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-        def run() -> None:
-            started = time.perf_counter()
-            if device is not None:
-                torch.cuda.set_device(device)
-            try:
-                with torch.set_grad_enabled(grad):
-                    result = self._execute(call, background=True)
-            except BaseException as err:  # e.g. a dead peer: the join reports it like a failed call
-                where = f"{call.role}.{call.method}"
-                result = _Failure(self.rank, where, "".join(traceback.format_exception(err)))
-            box.append((result, time.perf_counter() - started))
-
-        thread = threading.Thread(target=run, name=f"lightning_rlhf {call.role}.{call.method}", daemon=True)
-        self._threads[call.token or 0] = (thread, box)
-        thread.start()
 
     def _execute(self, call: _Call, *, background: bool = False) -> Any:
         role = self._roles(call.role)

@@ -515,20 +515,55 @@ def _place_pasts(cache: _Cache, pasts: list[Past | None], prompts: list[list[int
     return run
 
 
-def _kept(cache: _Cache, rows: list[int], prompts: list[list[int]], sampled: Tensor, fed: list[int]) -> list[Past]:
-    """The :class:`Past` of the cache's sequences ``rows`` (``prompts``: theirs; ``sampled``: their sampled tokens,
-    a row each): its prompt's keys and values and those of its first ``fed`` sampled tokens (those run through the
-    model at their own positions)."""
+def _kept(
+    cache: _Cache, rows: list[int], seqs: list[int], prompts: list[list[int]], n: int, tokens: Tensor, fed: list[int]
+) -> dict[int, Past]:
+    """The :class:`Past` of the cache's sequences ``rows``, by their row of the result ``seqs`` (``prompts``: every
+    prompt, ``n`` samples each; ``tokens``: every row's sampled tokens): its prompt's keys and values and those of
+    its first ``fed`` sampled tokens (those run through the model at their own positions)."""
     width = cache.prefix_keys[0].shape[2]
-    pasts = []
-    for row, prompt, ids, k in zip(rows, prompts, sampled.tolist(), fed, strict=True):
+    pasts = {}
+    for row, seq, ids, k in zip(rows, seqs, tokens[seqs].tolist(), fed, strict=True):
+        prompt = prompts[seq // n]
         start, at = width - len(prompt), row // cache.n
         keys = [torch.cat((p[at, :, start:], g[row, :, :k]), dim=1) for p, g in zip(
             cache.prefix_keys, cache.keys, strict=True)]  # fmt: skip
         values = [torch.cat((p[at, :, start:], g[row, :, :k]), dim=1) for p, g in zip(
             cache.prefix_values, cache.values, strict=True)]  # fmt: skip
-        pasts.append(Past(prompt + ids[:k], keys, values))
+        pasts[seq] = Past(prompt + ids[:k], keys, values)
     return pasts
+
+
+def _prompt_pass(
+    model: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    pad_token_id: int,
+    device: torch.device,
+    pasts: list[Past | None] | None,
+) -> tuple[_Cache, tuple[list[_Layer], _Linear], Tensor, Tensor]:
+    """Run the prompts through the model (only the slots no past covers, see :func:`_place_pasts`): returns the
+    cache holding their keys and values (``n``: 1 if greedy, else ``params.n`` samples per prompt; room for
+    ``params.max_new_tokens`` more), the model's linears for ``prompts * n`` rows, and the next token's logits and
+    position of each of the ``prompts * n`` sequences (``[rows, vocab]``, ``[rows, 1]``)."""
+    n = 1 if params.is_greedy else params.n
+    ids, mask = left_pad(prompts, pad_token_id, device)
+    rows, width = ids.shape
+    cache = _Cache(model, mask, n, params.max_new_tokens, next(model.parameters()).dtype, device)
+    positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)  # as transformers' generate: padding takes no position
+    # A query sees the prompt's tokens up to its own slot, and always itself (a padding query would otherwise see
+    # nothing, and the NaN of its softmax would reach the next layers' keys).
+    slots = torch.arange(width, device=device)
+    query_slots = slots[:, None]
+    seen = ((slots[None, :] <= query_slots) & mask[:, None, :]) | (slots[None, :] == query_slots)
+    prompt_bias = torch.zeros(seen.shape, device=device).masked_fill_(~seen, -math.inf)[:, None, None]
+    linears = _layers(model, rows * n)
+    run = width if pasts is None else _place_pasts(cache, pasts, prompts)
+    logits = _forward(model, linears, cache, ids[:, -run:], positions[:, -run:], None, prompt_bias[..., -run:, :])
+    if n > 1:
+        logits = logits.repeat_interleave(n, dim=0)
+        positions = positions.repeat_interleave(n, dim=0)
+    return cache, linears, logits, positions[:, -1:]
 
 
 KEEP_ROWS_FROM = 16
@@ -566,28 +601,10 @@ def sample_loop(
     steps, with the rows that have just stopped (at a stop token or their limit) and their tokens and log-probs so
     far, so that a caller can act on a response while the others still decode (a multi-turn episode's tool call).
     """
-    greedy = params.is_greedy
-    n = 1 if greedy else params.n
-    ids, mask = left_pad(prompts, pad_token_id, device)
-    rows, width = ids.shape
-    dtype = next(model.parameters()).dtype
-    cache = _Cache(model, mask, n, params.max_new_tokens, dtype, device)
-    positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)  # as transformers' generate: padding takes no position
-    # The prompt pass: a query sees the prompt's tokens up to its own slot, and always itself (a padding query
-    # would otherwise see nothing, and the NaN of its softmax would reach the next layers' keys).
-    slots = torch.arange(width, device=device)
-    query_slots = slots[:, None]
-    seen = ((slots[None, :] <= query_slots) & mask[:, None, :]) | (slots[None, :] == query_slots)
-    prompt_bias = torch.zeros(seen.shape, device=device).masked_fill_(~seen, -math.inf)[:, None, None]
-    linears = _layers(model, rows * n)
-    run = width if pasts is None else _place_pasts(cache, pasts, prompts)
-    logits = _forward(model, linears, cache, ids[:, -run:], positions[:, -run:], None, prompt_bias[..., -run:, :])
-    if n > 1:
-        logits = logits.repeat_interleave(n, dim=0)
-        positions = positions.repeat_interleave(n, dim=0)
-    position = positions[:, -1:]
+    cache, linears, logits, position = _prompt_pass(model, prompts, params, pad_token_id, device, pasts)
+    n = cache.n
     stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
-    total = rows * n
+    total = len(prompts) * n
     done = torch.zeros(total, dtype=torch.bool, device=device)
     live = torch.arange(total, device=device)  # the decoding batch's sequences (rows of the result)
     bounds = [params.max_new_tokens] * total if limits is None else [b for b in limits for _ in range(n)]
@@ -622,8 +639,7 @@ def sample_loop(
             if keep is not None:
                 gone = done.nonzero().squeeze(1).tolist()
                 old = live[gone].tolist()
-                fed = [min(step, bounds[r]) for r in old]
-                kept.update(zip(old, _kept(cache, gone, [prompts[r // n] for r in old], tokens[old], fed), strict=True))
+                kept.update(_kept(cache, gone, old, prompts, n, tokens, [min(step, bounds[r]) for r in old]))
             cache.keep_rows(stay)
             live, token, position, done = live[stay], token[stay], position[stay], done[stay]
             cap = None if cap is None else cap[stay]
@@ -631,9 +647,9 @@ def sample_loop(
         position = position + 1 if cap is None else torch.minimum(position + 1, cap)
         logits = _forward(model, linears, cache, token[:, None], position, step)
     if keep is not None:
-        rows_now = live.tolist()
-        fed = [min(steps - 1, bounds[r]) for r in rows_now]
-        last = _kept(cache, list(range(len(rows_now))), [prompts[r // n] for r in rows_now], tokens[live], fed)
-        kept.update(zip(rows_now, last, strict=True))
+        now = live.tolist()
+        kept.update(
+            _kept(cache, list(range(len(now))), now, prompts, n, tokens, [min(steps - 1, bounds[r]) for r in now])
+        )
         keep.extend(kept[r] for r in range(total))
     return tokens[:, :steps], logprobs[:, :steps]

@@ -104,7 +104,9 @@ def test_a_busy_rank_refuses_other_calls_and_unread_calls_fail_the_step() -> Non
 
     with pytest.raises(RuntimeError, match=r"\['slow.work'\] still running in the background"):
         controller.run_step(step, [])
-    assert not controller._in_flight and not controller._threads  # joined: the rank is free for the next step
+    assert (
+        not controller._in_flight and not controller._background._threads
+    )  # joined: the rank is free for the next step
 
 
 def test_a_failing_background_call_raises_on_read() -> None:

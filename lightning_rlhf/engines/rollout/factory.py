@@ -77,51 +77,24 @@ def make_rollout_engine(
         ValueError: an unknown ``kind``, a tokenizer without padding or end-of-sequence id, or (vLLM) a
             ``max_model_len`` below 2; before any engine is built.
     """
-    if kind not in ENGINE_KINDS:
-        raise ValueError(f"make_rollout_engine(kind={kind!r}) is not an engine. HINT: one of {list(ENGINE_KINDS)}.")
-    for attr in ("pad_token_id", "eos_token_id") if kind == "hf" else ("eos_token_id",):
-        if getattr(tokenizer, attr, None) is None:
-            raise ValueError(
-                f"make_rollout_engine: the tokenizer of {path!r} has {attr}=None, which the {kind} engine needs. "
-                "HINT: set it on the tokenizer (e.g. `tokenizer.pad_token = tokenizer.eos_token`) before set-up."
-            )
+    _check_request(kind, path, tokenizer, max_model_len)
+    served = pool is not None and len(pool) < world_size
     lora_rank: int | None = None  # a colocated vLLM engine that takes the adapters themselves (lora_handoff)
     if has_lora(model):  # the engine serves the base model; the hand-off merges the adapters into its weights
-        served = pool is not None and len(pool) < world_size
         if kind == "vllm" and vllm.lora_handoff == "adapter" and not served and vllm.tensor_parallel_size == 1:
             lora_rank = int(model.peft_config["default"].r)  # type: ignore[index, union-attr]
         model = unadapted_copy(model)
-    config: Any = getattr(model, "config", None)
     if kind == "vllm":
-        if max_model_len < 2:
-            raise ValueError(
-                f"make_rollout_engine(max_model_len={max_model_len}) is not a length the vLLM engine can serve. "
-                "HINT: pass the value check_vllm_settings returned."
-            )
-        engine_kwargs: dict[str, Any] = {
-            "param_names": [name for name, _ in model.named_parameters()],
-            "config": vllm,
-            "dtype": dtype or torch.float32,
-            "device": device,
-            "max_model_len": max_model_len,
-            "seed": rollout.seed,
-            "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
-            "hf_config": config,
-            "eos_token_id": tokenizer.eos_token_id,
-            "tied_names": tied_aliases(model),
-            "layer": layer,
-        }
-        if pool is not None and len(pool) < world_size:
+        kwargs = _vllm_engine_kwargs(model, tokenizer, rollout, vllm, device, dtype, max_model_len, layer, served)
+        if served:
             from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
 
-            # the server's engine sends no TP slices: each server's vLLM loaders keep their own
-            engine_kwargs["config"] = dataclasses.replace(vllm, weight_transfer="full")
             return VLLMServerEngine(
-                path, engine_kwargs=engine_kwargs, pool_group=pool_group, pool_rank=list(pool).index(rank)
+                path, engine_kwargs=kwargs, pool_group=pool_group, pool_rank=list(pool or ()).index(rank)
             )
         from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(path, **engine_kwargs, lora_rank=lora_rank)
+        return VLLMRolloutEngine(path, **kwargs, lora_rank=lora_rank)
     return HFRolloutEngine(
         model,
         pad_token_id=tokenizer.pad_token_id,
@@ -132,6 +105,54 @@ def make_rollout_engine(
         decode=rollout.decode,
         decode_loop=layer.decode_loop(),
     )
+
+
+def _check_request(kind: str, path: str, tokenizer: Any, max_model_len: int) -> None:
+    """:func:`make_rollout_engine`'s "Raises": an unknown ``kind``, a tokenizer without the ids the engine needs,
+    a vLLM ``max_model_len`` below 2."""
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"make_rollout_engine(kind={kind!r}) is not an engine. HINT: one of {list(ENGINE_KINDS)}.")
+    for attr in ("pad_token_id", "eos_token_id") if kind == "hf" else ("eos_token_id",):
+        if getattr(tokenizer, attr, None) is None:
+            raise ValueError(
+                f"make_rollout_engine: the tokenizer of {path!r} has {attr}=None, which the {kind} engine needs. "
+                "HINT: set it on the tokenizer (e.g. `tokenizer.pad_token = tokenizer.eos_token`) before set-up."
+            )
+    if kind == "vllm" and max_model_len < 2:
+        raise ValueError(
+            f"make_rollout_engine(max_model_len={max_model_len}) is not a length the vLLM engine can serve. "
+            "HINT: pass the value check_vllm_settings returned."
+        )
+
+
+def _vllm_engine_kwargs(
+    model: nn.Module,
+    tokenizer: Any,
+    rollout: RolloutConfig,
+    vllm: VLLMConfig,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    max_model_len: int,
+    layer: DeviceLayer,
+    served: bool,
+) -> dict[str, Any]:
+    """A vLLM engine's arguments for serving ``model`` (the served model: without LoRA adapters), in the training
+    process or, ``served``, in a server's (:func:`make_rollout_engine`'s arguments of those names)."""
+    config: Any = getattr(model, "config", None)
+    return {
+        "param_names": [name for name, _ in model.named_parameters()],
+        # a server's engine sends no TP slices: each server's vLLM loaders keep their own
+        "config": dataclasses.replace(vllm, weight_transfer="full") if served else vllm,
+        "dtype": dtype or torch.float32,
+        "device": device,
+        "max_model_len": max_model_len,
+        "seed": rollout.seed,
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "hf_config": config,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tied_names": tied_aliases(model),
+        "layer": layer,
+    }
 
 
 class EngineRequest(Protocol):

@@ -249,36 +249,10 @@ class HFRolloutEngine:
             limits = [min(b, params.max_new_tokens) for b in limits]
             if not self.decodes_with_loop(prompts, params):  # transformers' generate: one bound a call
                 return self._by_limit(prompts, params, limits)
-        if self.weights_discarded:
-            raise WeightSyncError(
-                "HFRolloutEngine.generate: the engine holds no valid weights (it was built from a meta-device "
-                "model, or the last hand-off failed). HINT: hand the actor's weights over first "
-                "(`engine.load_weights(weights_for(engine, model))`, which ActorRole.sync_weights does)."
-            )
         bounds = [params.max_new_tokens] * len(prompts) if limits is None else list(limits)
-        longest, bound = max(((len(p), b) for p, b in zip(prompts, bounds, strict=True)), key=sum, default=(0, 0))
-        if self.max_length is not None:  # the prompt that reaches furthest decides
-            check_sequence_length(
-                prompt_length=longest,
-                max_new_tokens=bound,
-                limit=self.max_length,
-                engine="the model's max_position_embeddings",
-                prompt_setting=f"{longest}",
-            )
+        self._check_can_generate(prompts, bounds)
         stops = {self.eos_token_id, *params.stop_token_ids}
-        greedy = params.is_greedy
-        copies = params.n if greedy else 1
-        config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,  # unused when greedy (the defaults fill them)
-            top_p=None if greedy else params.top_p,
-            top_k=None if greedy else params.top_k,
-            max_new_tokens=params.max_new_tokens,
-            min_new_tokens=params.min_new_tokens or None,
-            num_return_sequences=1 if greedy else params.n,
-            eos_token_id=sorted(stops),
-            pad_token_id=self.pad_token_id,
-        )
+        copies = params.n if params.is_greedy else 1
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         devices = [self.device] if self.device.type == "cuda" else []
@@ -308,21 +282,59 @@ class HFRolloutEngine:
                         repeated = [past for past in kept for _ in range(copies)]
                         self._pasts.update(zip(keys, repeated, strict=True))
                 else:
-                    ids, mask = left_pad(chunk, self.pad_token_id, self.device)
-                    recorder = _TokenLogprobs(params)
-                    out = self.model.generate(
-                        input_ids=ids,
-                        attention_mask=mask.long(),
-                        generation_config=config,
-                        logits_processor=LogitsProcessorList([recorder]),
-                    )
-                    generated = out[:, ids.shape[1] :]
-                    token_lps = recorder.result(generated)
+                    generated, token_lps = self._sample_with_generate(chunk, params, stops)
                 rows = range(len(generated))
                 for _, response, lps in _responses(rows, generated, token_lps, start, params.n, copies, bounds, stops):
                     responses.append(response)
                     logprobs.append(lps)
         return RolloutOutput(responses=responses, logprobs=logprobs)
+
+    def _check_can_generate(self, prompts: list[list[int]], bounds: list[int]) -> None:
+        """Refuse to generate without valid weights, or for a prompt whose own bound on new tokens (``bounds``, one
+        per prompt) reaches past the model's positions."""
+        if self.weights_discarded:
+            raise WeightSyncError(
+                "HFRolloutEngine.generate: the engine holds no valid weights (it was built from a meta-device "
+                "model, or the last hand-off failed). HINT: hand the actor's weights over first "
+                "(`engine.load_weights(weights_for(engine, model))`, which ActorRole.sync_weights does)."
+            )
+        longest, bound = max(((len(p), b) for p, b in zip(prompts, bounds, strict=True)), key=sum, default=(0, 0))
+        if self.max_length is not None:  # the prompt that reaches furthest decides
+            check_sequence_length(
+                prompt_length=longest,
+                max_new_tokens=bound,
+                limit=self.max_length,
+                engine="the model's max_position_embeddings",
+                prompt_setting=f"{longest}",
+            )
+
+    def _sample_with_generate(
+        self, chunk: list[list[int]], params: SamplingParams, stops: set[int]
+    ) -> tuple[Tensor, Tensor]:
+        """Sample ``chunk``'s responses with transformers' ``generate`` (inside :meth:`generate`'s seeded RNG):
+        the tokens ``[rows, steps]`` (junk after a row's stop) and their log-probs."""
+        greedy = params.is_greedy
+        config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,  # unused when greedy (the defaults fill them)
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy else params.top_k,
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.min_new_tokens or None,
+            num_return_sequences=1 if greedy else params.n,
+            eos_token_id=sorted(stops),
+            pad_token_id=self.pad_token_id,
+        )
+        ids, mask = left_pad(chunk, self.pad_token_id, self.device)
+        recorder = _TokenLogprobs(params)
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
+        generated = out[:, ids.shape[1] :]
+        return generated, recorder.result(generated)
 
     def _by_limit(self, prompts: list[list[int]], params: SamplingParams, limits: Sequence[int]) -> RolloutOutput:
         """:meth:`generate` with a bound per prompt on transformers' ``generate`` path: one call per distinct bound,

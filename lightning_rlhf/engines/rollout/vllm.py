@@ -129,18 +129,7 @@ def check_vllm_settings(
 
     hf = AutoConfig.from_pretrained(model_path)
     tp = config.tensor_parallel_size
-    where = f"VLLMConfig(tensor_parallel_size={tp})"
-    if world_size % tp:
-        raise ValueError(
-            f"{where} does not divide the {world_size} processes. HINT: use a tensor_parallel_size that divides "
-            "the number of devices (TP groups sit inside a node)."
-        )
-    if processes_per_node is not None and processes_per_node % tp:
-        raise ValueError(
-            f"{where} does not divide the {processes_per_node} processes per node: a tensor-parallel group would "
-            "span two nodes. HINT: use a tensor_parallel_size that divides the devices of one node "
-            "(Trainer(devices=...))."
-        )
+    _check_tp_layout(tp, world_size, processes_per_node)
     archs = list(getattr(hf, "architectures", None) or [])
     from vllm import ModelRegistry
 
@@ -155,8 +144,8 @@ def check_vllm_settings(
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
     if heads % tp or (kv_heads % tp and tp % kv_heads):
         raise ValueError(
-            f"{where} does not split {model_path!r}: {heads} attention heads and {kv_heads} KV heads. HINT: a "
-            "tensor_parallel_size that divides the number of attention heads."
+            f"VLLMConfig(tensor_parallel_size={tp}) does not split {model_path!r}: {heads} attention heads and "
+            f"{kv_heads} KV heads. HINT: a tensor_parallel_size that divides the number of attention heads."
         )
     if device_type == "cpu":
         sizes = vllm_compat.cpu_attention_head_sizes()
@@ -191,6 +180,22 @@ def check_vllm_settings(
                 "(several times that to run many sequences at once), or a smaller max_model_len."
             )
     return max_model_len
+
+
+def _check_tp_layout(tp: int, world_size: int, processes_per_node: int | None) -> None:
+    """Tensor-parallel groups of ``tp`` consecutive ranks must tile the processes, each inside one node."""
+    where = f"VLLMConfig(tensor_parallel_size={tp})"
+    if world_size % tp:
+        raise ValueError(
+            f"{where} does not divide the {world_size} processes. HINT: use a tensor_parallel_size that divides "
+            "the number of devices (TP groups sit inside a node)."
+        )
+    if processes_per_node is not None and processes_per_node % tp:
+        raise ValueError(
+            f"{where} does not divide the {processes_per_node} processes per node: a tensor-parallel group would "
+            "span two nodes. HINT: use a tensor_parallel_size that divides the devices of one node "
+            "(Trainer(devices=...))."
+        )
 
 
 # ------------------------------------------------------------------------------------ weight buckets
@@ -314,20 +319,7 @@ class VLLMRolloutEngine:
         lora_rank: int | None = None,
         layer: DeviceLayer = PLAIN,
     ) -> None:
-        _check_version()
-        if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-            raise RuntimeError(
-                "VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for a colocated engine (it must live in the training "
-                "process to take the actor's weights). HINT: unset it."
-            )
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
-
-        for name in _DropExpectedWarnings.LOGGERS:
-            vllm_logger = logging.getLogger(name)
-            if not any(isinstance(f, _DropExpectedWarnings) for f in vllm_logger.filters):
-                vllm_logger.addFilter(_DropExpectedWarnings())
-
+        _prepare_process()
         self.config = config
         self.eos_token_id = eos_token_id
         self.device = device
@@ -364,60 +356,10 @@ class VLLMRolloutEngine:
             tp_slicer(hf_config, self.tp_size) if config.weight_transfer == "slices" and hf_config is not None else None
         )
         """Which slice of each tensor this engine's TP rank loads; None: hand over full tensors."""
-        kwargs: dict[str, Any] = {
-            "model": model_path,
-            "skip_tokenizer_init": True,  # token ids in, token ids out
-            "dtype": dtype,
-            "tensor_parallel_size": self.tp_size,
-            "seed": seed,
-            "load_format": config.load_format,
-            "enforce_eager": on_cpu if config.enforce_eager is None else config.enforce_eager,
-            "enable_prefix_caching": config.enable_prefix_caching,
-            "max_model_len": max_model_len,
-            # after temperature/top-k/top-p (greedy: temperature 1): the distribution sampled from, like the hf
-            # engine's; the trainer scores at the same temperature, without top-k/top-p (see docs/hybrid-engine.md)
-            "logprobs_mode": "processed_logprobs",
-        }
         self.takes_adapters = lora_rank is not None
         """Whether the actor hands over its LoRA adapters (:meth:`load_adapter`) rather than merged weights."""
         self._lora: Any = None  # the LoRARequest of the adapters the next requests use
-        if lora_rank is not None:
-            kwargs |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": _vllm_lora_rank(lora_rank)}
-        from vllm.config import WeightTransferConfig
-
-        from lightning_rlhf.engines.rollout.transfer import BACKEND  # registers our engine with vLLM
-
-        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=BACKEND)
-        if dist.is_available() and dist.is_initialized():
-            kwargs["distributed_executor_backend"] = "external_launcher"
-            # vLLM joins the running process group through torchrun's variables; Lightning's own launcher
-            # does not set RANK.
-            os.environ.setdefault("RANK", str(dist.get_rank()))
-            os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-            os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.accelerator.device_count())))
-        if on_cpu:
-            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES
-            # Every prompt is prefilled in one scheduler step. With chunked prefill a prompt that does not fit the
-            # step's token budget (4096 tokens per TP rank on CPU) is split, and vLLM rewinds the request's seeded
-            # generator past the token it samples and discards after a partial prefill (`set_offset`), which only
-            # CUDA's Philox generators have: on CPU the first such batch fails with "CPU Generator does not use
-            # offset". Without it, a prompt that does not fit waits for the next step, so any prompt the
-            # max_model_len allows runs, each request's generator draws exactly once per token, and a seed gives
-            # the same tokens whatever the batch around it (see docs/hybrid-engine.md).
-            kwargs["enable_chunked_prefill"] = False
-        else:
-            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = config.sleep_level > 0
-            if config.kv_cache_memory_bytes is not None:
-                kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
-        # vLLM lowers torch to one thread and disables set_num_threads for the whole process; training in the
-        # same process keeps the thread count it had.
-        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        try:
-            self.llm = LLM(**kwargs)
-        finally:
-            torch.set_num_threads = set_threads
-            set_threads(threads)
+        self.llm = _build_llm(_engine_args(model_path, config, dtype, device, max_model_len, seed, lora_rank))
         self.llm.init_weight_transfer_engine({"init_info": {}})
         if on_cpu and config.sleep_level > 0:
             log.info("vLLM on CPU cannot sleep: the engine keeps its KV cache and weights while training runs.")
@@ -680,6 +622,92 @@ class VLLMRolloutEngine:
             total = torch.cat([rows.new_zeros(1), rows[start : start + sizes[member]].cumsum(0)])
             out[name] = torch.stack([total[b] - total[a] for a, b in wanted]) if wanted else rows.new_zeros(0)
         return out
+
+
+def _prepare_process() -> None:
+    """Ready this process for an in-process vLLM engine: a supported version, no engine subprocess, vLLM's expected
+    warnings dropped (:class:`_DropExpectedWarnings`), and torchrun's variables, through which vLLM joins the running
+    process group (Lightning's own launcher does not set ``RANK``)."""
+    _check_version()
+    if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise RuntimeError(
+            "VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for a colocated engine (it must live in the training "
+            "process to take the actor's weights). HINT: unset it."
+        )
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for name in _DropExpectedWarnings.LOGGERS:
+        vllm_logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropExpectedWarnings) for f in vllm_logger.filters):
+            vllm_logger.addFilter(_DropExpectedWarnings())
+    if dist.is_available() and dist.is_initialized():
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.accelerator.device_count())))
+
+
+def _engine_args(
+    model_path: str,
+    config: VLLMConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    seed: int,
+    lora_rank: int | None,
+) -> dict[str, Any]:
+    """The arguments of vLLM's ``LLM`` for :class:`VLLMRolloutEngine`'s settings."""
+    from vllm.config import WeightTransferConfig
+
+    from lightning_rlhf.engines.rollout.transfer import BACKEND  # registers our engine with vLLM
+
+    on_cpu = device.type == "cpu"
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "skip_tokenizer_init": True,  # token ids in, token ids out
+        "dtype": dtype,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "seed": seed,
+        "load_format": config.load_format,
+        "enforce_eager": on_cpu if config.enforce_eager is None else config.enforce_eager,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "max_model_len": max_model_len,
+        # after temperature/top-k/top-p (greedy: temperature 1): the distribution sampled from, like the hf
+        # engine's; the trainer scores at the same temperature, without top-k/top-p (see docs/hybrid-engine.md)
+        "logprobs_mode": "processed_logprobs",
+        "weight_transfer_config": WeightTransferConfig(backend=BACKEND),
+    }
+    if lora_rank is not None:
+        kwargs |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": _vllm_lora_rank(lora_rank)}
+    if dist.is_available() and dist.is_initialized():
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES
+        # Every prompt is prefilled in one scheduler step. With chunked prefill a prompt that does not fit the
+        # step's token budget (4096 tokens per TP rank on CPU) is split, and vLLM rewinds the request's seeded
+        # generator past the token it samples and discards after a partial prefill (`set_offset`), which only
+        # CUDA's Philox generators have: on CPU the first such batch fails with "CPU Generator does not use
+        # offset". Without it, a prompt that does not fit waits for the next step, so any prompt the
+        # max_model_len allows runs, each request's generator draws exactly once per token, and a seed gives
+        # the same tokens whatever the batch around it (see docs/hybrid-engine.md).
+        kwargs["enable_chunked_prefill"] = False
+    else:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = config.sleep_level > 0
+        if config.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
+    return kwargs
+
+
+def _build_llm(kwargs: dict[str, Any]) -> Any:
+    """vLLM's ``LLM(**kwargs)``. vLLM lowers torch to one thread and disables set_num_threads for the whole process;
+    training in the same process keeps the thread count it had."""
+    from vllm import LLM
+
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        return LLM(**kwargs)
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
 
 
 _FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}

@@ -26,7 +26,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
 from lightning_rlhf.controller.dispatch import current_group
 from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
-from lightning_rlhf.engines.train.fsdp import clip_grad_norm, full_tensors, move_optimizer_state, shard_model
+from lightning_rlhf.engines.train.fsdp import clip_grad_norm, move_optimizer_state, shard_model
 from lightning_rlhf.engines.train.microbatch import (
     has_rollout_layout,
     plan_micro_batches,
@@ -362,7 +362,7 @@ class TrainEngine:
         parts: dict[str, list[Tensor]] = defaultdict(list)
         order: list[int] = []
         full = batch["response_mask"].shape[1] if has_rollout_layout(batch) else 0
-        with torch.no_grad(), self._kept_whole(backward=False):
+        with torch.no_grad(), _kept_whole(self.model, not self.reshard_in_update, backward=False):
             for rows, micro in self.micro_batches(batch):
                 outputs = forward(self.model, micro)
                 if rows is None:
@@ -437,7 +437,7 @@ class TrainEngine:
         trim_responses = not (aggregation == "seq-mean-token-sum-norm" and max_len is None)
         acc = MetricAccumulator()
         self.model.train()
-        with self._kept_whole(backward=True) as units:
+        with _kept_whole(self.model, not self.reshard_in_update, backward=True) as units:
             for mini in minibatches(batch, mini_batch_size=mini_size, epochs=epochs):
                 num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
                 share = _share_of(mini, aggregation, count_mask)
@@ -458,32 +458,6 @@ class TrainEngine:
                 grad_norm, stepped = self.step()
                 acc.add({"grad_norm": grad_norm, "update_skipped": torch.tensor(float(not stepped))})
         return acc
-
-    @contextlib.contextmanager
-    def _kept_whole(self, *, backward: bool) -> Iterator[list[FSDPModule]]:
-        """With ``reshard_in_update`` off, the FSDP modules of the model set to stay unsharded after forward (and,
-        for an update, after backward) for the call's duration, and resharded afterwards (an update's with their
-        gradients synchronised again); else no modules. Runs on: every worker rank."""
-        assert self.model is not None
-        units: list[FSDPModule] = []
-        if not self.reshard_in_update:
-            units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-        inner = [unit for unit in units if unit is not self.model]  # the root does not reshard after forward anyway
-        for unit in inner:
-            unit.set_reshard_after_forward(False, recurse=False)
-        if backward:
-            for unit in units:
-                unit.set_reshard_after_backward(False, recurse=False)
-        try:
-            yield units
-        finally:
-            for unit in inner:
-                unit.set_reshard_after_forward(True, recurse=False)
-            for unit in units:
-                unit.reshard()
-                if backward:
-                    unit.set_reshard_after_backward(True, recurse=False)
-                    unit.set_requires_gradient_sync(True, recurse=False)
 
     def _training_micro_batches(
         self, mini: Batch, trainable: Callable[[Batch], Tensor] | None, trim_responses: bool
@@ -562,16 +536,31 @@ class TrainEngine:
             move_optimizer_state(self.optimizer, self.device)
             self._offloaded = False
 
-    # --------------------------------------------------------------------------------------- hand-off
-    def named_weights(self, received: list[int] | None = None) -> Iterator[tuple[str, Tensor]]:
-        """``(name, full tensor)`` per parameter, gathered one at a time from the shards.
 
-        Runs on: every worker rank, in the same order (each is an all-gather). ``received[0]`` grows by the bytes
-        this rank got from the others. TP-sliced hand-offs go through
-        :func:`lightning_rlhf.engines.rollout.reshard.weights_for`, which reads the shards directly.
-        """
-        assert self.model is not None
-        return full_tensors(self.model, received, layer=self._layer)
+@contextlib.contextmanager
+def _kept_whole(model: nn.Module, whole: bool, *, backward: bool) -> Iterator[list[FSDPModule]]:
+    """``whole`` (``TrainEngine.reshard_in_update`` off): the FSDP modules of ``model`` set to stay unsharded after
+    forward (and, for an update, after backward) for the call's duration, and resharded afterwards (an update's with
+    their gradients synchronised again); else no modules. Runs on: every worker rank."""
+    units: list[FSDPModule] = []
+    if whole:
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    inner = [unit for unit in units if unit is not model]  # the root does not reshard after forward anyway
+    for unit in inner:
+        unit.set_reshard_after_forward(False, recurse=False)
+    if backward:
+        for unit in units:
+            unit.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield units
+    finally:
+        for unit in inner:
+            unit.set_reshard_after_forward(True, recurse=False)
+        for unit in units:
+            unit.reshard()
+            if backward:
+                unit.set_reshard_after_backward(True, recurse=False)
+                unit.set_requires_gradient_sync(True, recurse=False)
 
 
 def _share_of(mini: Batch, aggregation: str, count_mask: Callable[[Batch], Tensor]) -> Callable[[Batch], float]:

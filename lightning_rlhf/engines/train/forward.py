@@ -70,40 +70,20 @@ def forward_response(
             (:mod:`~lightning_rlhf.engines.train.prefix`; the same log-probs up to float rounding). 1: per row.
         kernels: the token log-prob kernels to try (``train_engine.layer.token_kernels()``); None: PyTorch's ops.
     """
-    device = next(model.parameters()).device
-    input_ids, attention_mask, position_ids = sequence_inputs(batch, device)
-    prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
+    input_ids, attention_mask, position_ids = sequence_inputs(batch, next(model.parameters()).device)
     if output == "values":
+        resp_len = batch["responses"].shape[1]
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits
         # The value of the state before response token t sits at the position that predicts t.
         return {"values": logits[:, -resp_len - 1 : -1, 0].float()}
-    if prompt_len == 0:
+    if batch["prompts"].shape[1] == 0:
         raise ValueError(
             "forward_response: batch['prompts'] has 0 columns, so no position predicts the first response token. "
             "HINT: every row needs at least one prompt token (e.g. BOS)."
         )
-    real: Tensor | None = None  # where the packed forward's tokens sit in [B, R] (it skips response padding)
-    labels = input_ids[:, prompt_len:]
-    if shares_prompts(model, batch, group_size):
-        logits, real = packed_response_logits(model, batch, group_size, device)
-        labels = labels[real][None]
-    else:
-        # Position p predicts token p + 1: the response tokens are predicted by positions P - 1 .. P + R - 2.
-        keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=device)
-        logits = model(  # use_cache=False: a scoring forward must not build a KV cache (transformers' default does)
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=keep,
-            use_cache=False,
-        ).logits
-    if logits.shape[:2] != labels.shape:
-        raise RuntimeError(
-            f"forward_response: {type(model).__name__} returned logits {tuple(logits.shape)} for {resp_len} kept "
-            "positions. HINT: the causal LM must accept transformers' `logits_to_keep` as a tensor of positions."
-        )
+    logits, labels, real = _response_logits(model, batch, group_size, input_ids, attention_mask, position_ids)
     logprobs, entropy = logprobs_and_entropy(
         logits,
         labels,
@@ -122,3 +102,41 @@ def forward_response(
             for k, v in out.items()
         }
     return out
+
+
+def _response_logits(
+    model: nn.Module,
+    batch: Batch,
+    group_size: int,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The causal LM's logits at the positions that predict response tokens, their labels, and ``real``.
+
+    Runs on: worker. ``real`` is None for a per-row forward (logits ``[B, R, V]``, labels ``[B, R]``); for a
+    packed one (rows share their prompt, see :func:`forward_response`'s ``group_size``) it is the ``[B, R]`` mask
+    of where the packed ``[1, N]`` tokens sit (the packed forward skips response padding).
+    """
+    prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
+    real: Tensor | None = None
+    labels = input_ids[:, prompt_len:]
+    if shares_prompts(model, batch, group_size):
+        logits, real = packed_response_logits(model, batch, group_size, input_ids.device)
+        labels = labels[real][None]
+    else:
+        # Position p predicts token p + 1: the response tokens are predicted by positions P - 1 .. P + R - 2.
+        keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=input_ids.device)
+        logits = model(  # use_cache=False: a scoring forward must not build a KV cache (transformers' default does)
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=keep,
+            use_cache=False,
+        ).logits
+    if logits.shape[:2] != labels.shape:
+        raise RuntimeError(
+            f"forward_response: {type(model).__name__} returned logits {tuple(logits.shape)} for {resp_len} kept "
+            "positions. HINT: the causal LM must accept transformers' `logits_to_keep` as a tensor of positions."
+        )
+    return logits, labels, real
