@@ -166,11 +166,11 @@ class RLHFStrategy(ModelParallelStrategy):
         sharded_loading: build the roles' models on the meta device, shard them, and read only this rank's rows
             from the safetensors files (peak host memory about one shard per role). False loads every model whole
             on every rank first.
-        worker_error_timeout_s: after any rank reports an error, how long another rank may stay blocked in a
-            collective before it ends itself (prevents hangs when a rank dies mid-collective).
+        worker_error_timeout_s: after a rank reports an error, how long another may stay blocked in a collective
+            before it ends itself (no hang when a rank dies mid-collective).
         timeout: process-group timeout for collectives.
-        save_distributed_checkpoint: sharded checkpoints (a folder, one file per rank); False gathers a
-            single file on rank 0.
+        process_group_backend: the default group's backend, as Lightning's (None: NCCL on GPUs, gloo on CPU).
+        save_distributed_checkpoint: sharded checkpoints (a folder, one file per rank); False: one file on rank 0.
         preemption_checkpoint: when a preemption signal reaches any rank, save a checkpoint after the current step
             before exiting with ``128 + signum`` (143 for SIGTERM, 138 for SIGUSR1). False: exit without saving.
         preemption_signals: the signals that mean "stop soon" (names or numbers), replacing Lightning's SIGTERM
@@ -265,10 +265,9 @@ class RLHFStrategy(ModelParallelStrategy):
         _destroy_process_group_at_exit()
         self._layer = cpu.device_layer(self.cpu_kernels, self.root_device)  # before any model is built
         module = self._rlhf_module()
-        for role in module.roles().values():
-            role.train_engine.layer = self._layer
         check_compute_dtype(self.param_dtype, self.root_device, setting="RLHFStrategy.param_dtype")
-        for role in module.roles().values():  # trainable roles hold float32 master weights
+        for role in module.roles().values():  # the layer to every engine; trainable roles hold float32 master weights
+            role.train_engine.layer = self._layer
             if not role.trainable:
                 check_compute_dtype(role.dtype, self.root_device, setting="RLHFModule.frozen_dtype")
         datamodule = getattr(module.trainer, "datamodule", None)
