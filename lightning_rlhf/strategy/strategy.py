@@ -514,8 +514,7 @@ class RLHFStrategy(ModelParallelStrategy):
         optimizer state on top of the base the run loaded). Runs on: every rank."""
         if not self._by_role:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        path = Path(self.broadcast(os.fspath(checkpoint_path)))
-        module = self._rlhf_module()
+        path, module = Path(self.broadcast(os.fspath(checkpoint_path))), self._rlhf_module()
         return load_pooled_checkpoint(
             path, module, self.optimizers, strict=module.strict_loading, weights_only=weights_only
         )
