@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
     from lightning_rlhf.config import (
         AlgorithmConfig,
+        AsyncConfig,
+        BatchingConfig,
+        EpisodeConfig,
+        FilteringConfig,
+        KLConfig,
+        LossConfig,
         OptimConfig,
         RewardConfig,
         RolloutConfig,
@@ -43,13 +49,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlgorithmConfig",
+    "AsyncConfig",
     "Batch",
+    "BatchingConfig",
     "ControllerError",
     "DAPOModule",
     "Dispatch",
     "DrGRPOModule",
+    "EpisodeConfig",
     "ExportActor",
+    "FilteringConfig",
     "GRPOModule",
+    "KLConfig",
+    "LossConfig",
     "MetricPlots",
     "OptimConfig",
     "PPOModule",

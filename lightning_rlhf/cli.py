@@ -16,6 +16,7 @@ closest valid name.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -36,6 +37,7 @@ from typing_extensions import override
 from lightning_rlhf.callbacks.export import ExportActor
 from lightning_rlhf.callbacks.progress import RLHFProgressBar
 from lightning_rlhf.checkpoint.export import best_checkpoint, export_checkpoint
+from lightning_rlhf.config.settings import flat_names
 from lightning_rlhf.data import PromptDataModule, SFTDataModule
 from lightning_rlhf.module import RLHFModule
 from lightning_rlhf.modules.sft import SFTModule
@@ -85,7 +87,10 @@ _PARSER_KEY = re.compile(r"Parser key \"([^\"]+)\"")
 
 def setting_names(cls: type) -> list[str]:
     """The keyword arguments ``cls(...)`` takes, following ``**kwargs`` to the parent classes (as jsonargparse
-    does), e.g. ``GRPOModule`` -> ``actor``, ``reward``, ``critic``, ... Runs on: any process."""
+    does), e.g. ``GRPOModule`` -> ``actor``, ``reward``, ``critic``, ...; a grouped config's settings by their
+    nested path (``kl.coef``), not their deprecated flat names. Runs on: any process."""
+    if flat := flat_names(cls):
+        return [f.name for f in dataclasses.fields(cls)] + [f"{group}.{name}" for group, name in flat.values()]
     names: list[str] = []
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")

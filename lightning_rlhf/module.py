@@ -59,7 +59,7 @@ class RLHFModule(L.LightningModule):
             functions, at most one model) combined with ``reward_config.weights``; see docs/rewards.md.
         critic: path of the value model's initial weights (usually the actor's); None: no critic.
         reference: path of the frozen reference policy; ``True`` uses the actor's path; ``False``: none;
-            ``None`` (default): the actor's path when ``algorithm.kl_coef > 0``, else none.
+            ``None`` (default): the actor's path when ``algorithm.kl.coef > 0``, else none.
         tokenizer: tokenizer path; defaults to the actor's.
         rollout: sampling settings.
         algorithm: RL math and batch splitting.
@@ -125,7 +125,7 @@ class RLHFModule(L.LightningModule):
         self.attn_implementation = attn_implementation
         frozen = resolve_dtype(frozen_dtype, setting="RLHFModule.frozen_dtype")
         assert frozen is not None
-        self.frozen_dtype, self.lora, micro = frozen, lora, algo.micro_batch_size
+        self.frozen_dtype, self.lora, micro = frozen, lora, algo.batching.micro_batch_size
         lora_of = functools.partial(resolve_lora, lora, setting="RLHFModule(lora=...)")
         self.actor = ActorRole(
             actor,
@@ -137,7 +137,7 @@ class RLHFModule(L.LightningModule):
         )
         self.actor.environment = environment_factory(self.environment) if self.environment is not None else None
         if self.actor.environment is not None:  # the tools' schemas and the chat template, before any process starts
-            check_environment(self.actor.environment, self.tokenizer, self.rollout_config.tool_parser)
+            check_environment(self.actor.environment, self.tokenizer, self.rollout_config.episode.tool_parser)
         self.critic: CriticRole | None = None
         if critic is not None:
             critic_lora = lora_of(task_type="TOKEN_CLS", modules_to_save=["score"], model=critic)
@@ -150,7 +150,7 @@ class RLHFModule(L.LightningModule):
                 temperature=self.rollout_config.temperature,
                 micro_batch_size=micro,
                 dtype=frozen,
-                shared_prefix=algo.shared_prefix,
+                shared_prefix=algo.batching.shared_prefix,
                 # LoRA: the initial policy is the actor's base, adapters off: no second copy of the model.
                 adapters_of=self.actor if self.actor.lora is not None and ref_path == actor else None,
             )
@@ -181,14 +181,14 @@ class RLHFModule(L.LightningModule):
     def asynchronous(self) -> bool:
         """Whether steps generate the next batch while training on the previous one (``max_staleness >= 1`` and a
         rollout pool). Runs on: any process, after the strategy's set-up."""
-        return self.algorithm.max_staleness > 0 and self.rollout_role is not None
+        return self.algorithm.asynchronous.max_staleness > 0 and self.rollout_role is not None
 
     def setup(self, stage: str) -> None:
         """Check the batch arithmetic against the world size before any model loads, and give every role's engine
-        ``AlgorithmConfig.micro_batch_tokens`` and ``attn_implementation`` (roles a subclass added included).
+        ``AlgorithmConfig.batching.micro_batch_tokens`` and ``attn_implementation`` (roles a subclass added included).
         Runs on: every process."""
         for role in self.roles().values():
-            role.train_engine.micro_batch_tokens = self.algorithm.micro_batch_tokens
+            role.train_engine.micro_batch_tokens = self.algorithm.batching.micro_batch_tokens
             role.train_engine.attn_implementation = getattr(self, "attn_implementation", None)
         if stage == "fit":
             check_log_interval(self.trainer)
@@ -276,12 +276,12 @@ class RLHFModule(L.LightningModule):
             self.log_step(rollout, metrics, started=t0)
 
         Synchronous (the default): ``batch`` generated now, with the current weights. Asynchronous
-        (``AlgorithmConfig.max_staleness >= 1`` and a rollout pool): the weights go to the rollout pool, which
-        starts generating ``batch`` in the background; the block trains on the rollout generated during the previous
-        step (None at the first step); at the block's end the controller waits for ``batch``'s rollout (its time in
-        ``timing_s/wait_rollout``) and keeps it for the next step. Samples are thus trained on one update after the
-        weights that generated them (``training/staleness_max``), and the loss corrects for it
-        (``AlgorithmConfig.rollout_is``). The last step's rollout is generated and not trained on.
+        (``AlgorithmConfig.asynchronous.max_staleness >= 1`` and a rollout pool): the weights go to the rollout pool,
+        which starts generating ``batch`` in the background; the block trains on the rollout generated during the
+        previous step (None at the first step); at the block's end the controller waits for ``batch``'s rollout (its
+        time in ``timing_s/wait_rollout``) and keeps it for the next step. Samples are thus trained on one update after
+        the weights that generated them (``training/staleness_max``), and the loss corrects for it
+        (``AlgorithmConfig.asynchronous.rollout_is``). The last step's rollout is generated and not trained on.
         """
         if not self.asynchronous:
             with self.timer("gen", metrics):
@@ -290,7 +290,7 @@ class RLHFModule(L.LightningModule):
             return
         rollout_role = self.rollout_role
         assert rollout_role is not None
-        metrics |= self.sync_rollout_weights(lag=1, max_staleness=self.algorithm.max_staleness)
+        metrics |= self.sync_rollout_weights(lag=1, max_staleness=self.algorithm.asynchronous.max_staleness)
         with in_background():
             future = rollout_role.generate(batch)
         yield self._pending_rollout  # kept until trained on: a step that fails here leaves it for a checkpoint
@@ -310,7 +310,7 @@ class RLHFModule(L.LightningModule):
     def keep_informative_groups(self, batch: Batch, rollout: Batch, metrics: dict[str, float]) -> Batch:
         """DAPO's dynamic sampling: keep the prompts whose samples got different scores; while fewer than the
         batch's prompts are kept, generate and score more prompts (drawn at random from the training set), for
-        at most ``AlgorithmConfig.max_sampling_rounds`` rounds in all. A batch still short after them is
+        at most ``AlgorithmConfig.filtering.max_sampling_rounds`` rounds in all. A batch still short after them is
         filled with dropped groups (their advantage is zero) so every later split and mini-batch fits.
 
         Runs on: controller. ``rollout`` is ``batch`` generated and scored; the result has as many rows.
@@ -322,7 +322,7 @@ class RLHFModule(L.LightningModule):
             rollout,
             metrics,
             n=self.rollout_config.n,
-            max_rounds=self.algorithm.max_sampling_rounds,
+            max_rounds=self.algorithm.filtering.max_sampling_rounds,
             draw=lambda count, key: extra_prompts(self.trainer.train_dataloader, count, key=key),
             generate=lambda more: self.reward.score(self.generate_rollout(more)),
         )
@@ -466,12 +466,12 @@ def _checked_paths(
     if critic is not None:
         critic = check_pretrained(critic, setting="RLHFModule(critic=...)")
     if reference is None:
-        reference = algorithm.kl_coef > 0
+        reference = algorithm.kl.coef > 0
     ref_path = actor if reference is True else (reference or None)
-    if algorithm.kl_coef > 0 and ref_path is None:
+    if algorithm.kl.coef > 0 and ref_path is None:
         raise ValueError(
-            f"AlgorithmConfig.kl_coef={algorithm.kl_coef} needs a reference policy, but "
-            "RLHFModule(reference=False). HINT: pass reference=True (the actor's initial weights) or kl_coef=0."
+            f"AlgorithmConfig.kl.coef={algorithm.kl.coef} needs a reference policy, but "
+            "RLHFModule(reference=False). HINT: pass reference=True (the actor's initial weights) or kl.coef=0."
         )
     if ref_path is not None and isinstance(ref_path, str) and ref_path != actor:
         ref_path = check_pretrained(ref_path, setting="RLHFModule(reference=...)")
@@ -492,15 +492,16 @@ def _check_settings(
             f"RLHFModule(attn_implementation={attn_implementation!r}) is invalid: expected None or a transformers "
             "attention name. HINT: 'sdpa' (the default), 'eager' or 'flash_attention_2'."
         )
-    if algo.dynamic_sampling and rollout.n < 2:
+    if algo.filtering.dynamic_sampling and rollout.n < 2:
         raise ValueError(
-            "AlgorithmConfig.dynamic_sampling=True compares the scores of each prompt's samples, but "
+            "AlgorithmConfig.filtering.dynamic_sampling=True compares the scores of each prompt's samples, but "
             f"RolloutConfig.n={rollout.n}. HINT: n >= 2 (DAPO uses 16), or dynamic_sampling=False."
         )
-    if algo.overlong_buffer > rollout.max_new_tokens:
+    if algo.filtering.overlong_buffer > rollout.max_new_tokens:
         raise ValueError(
-            f"AlgorithmConfig.overlong_buffer={algo.overlong_buffer} exceeds RolloutConfig.max_new_tokens="
-            f"{rollout.max_new_tokens}. HINT: a buffer of about a quarter of max_new_tokens is usual."
+            f"AlgorithmConfig.filtering.overlong_buffer={algo.filtering.overlong_buffer} exceeds "
+            f"RolloutConfig.max_new_tokens={rollout.max_new_tokens}. HINT: a buffer of about a quarter of "
+            "max_new_tokens is usual."
         )
 
 

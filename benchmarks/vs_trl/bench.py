@@ -22,10 +22,11 @@ last line (one JSON object with the ratios and the derived figures), is per mode
 with transformers vs TRL (``{model}_ours_vllm_vs_trl``, ``{model}_ours_transformers_vs_trl``), in steady state
 (median of the last steps; each run's start-up, outside its steps, is shown apart). Our configurations
 run with ``RLHFStrategy(reshard_in_update=False)`` (the workload's models fit whole on every rank; ``hf2rs`` keeps
-FSDP2's default) and ``AlgorithmConfig.skip_zero_advantage`` (the default; ``hf2ns`` trains every sample). The update's
-share of the matmul peak counts the model FLOPs of every sample (``*_update_vs_matmul_peak``, the MFU convention) and,
-when samples were left out, approximately those of the trained ones only (``*_update_vs_matmul_peak_trained``: scaled
-by the share of rows trained; the stand-in rows a rank may run are not counted).
+FSDP2's default) and ``AlgorithmConfig.batching.skip_zero_advantage`` (the default; ``hf2ns`` trains every sample). The
+update's share of the matmul peak counts the model FLOPs of every sample (``*_update_vs_matmul_peak``, the MFU
+convention) and, when samples were left out, approximately those of the trained ones only
+(``*_update_vs_matmul_peak_trained``: scaled by the share of rows trained; the stand-in rows a rank may run are not
+counted).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ OUR_EXTRA_ARGS: dict[str, list[str]] = {
 }
 """Configurations that differ by a setting: ``hf2np`` is ``hf2`` with every row computing its own prompt (the A/B of
 the shared-prefix forward); ``hf2ns`` is ``hf2`` training every sample, zero advantages included (the A/B of
-``AlgorithmConfig.skip_zero_advantage``); ``hf2rs`` is ``hf2`` with FSDP2's default resharding in the update
+``AlgorithmConfig.batching.skip_zero_advantage``); ``hf2rs`` is ``hf2`` with FSDP2's default resharding in the update
 (``RLHFStrategy(reshard_in_update=True)``; every configuration of ours runs with False otherwise); ``hf2mkl`` is
 ``hf2`` with PyTorch's own float32 matmuls (MKL; ``LIGHTNING_RLHF_ONEDNN=0``), the matmuls TRL's side runs, instead of
 oneDNN's in the training engine's linear layers."""

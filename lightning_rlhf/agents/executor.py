@@ -224,7 +224,7 @@ class ToolExecutor:
         if not timeout_s > 0 or num_workers < 1:
             raise ValueError(
                 f"ToolExecutor(timeout_s={timeout_s}, num_workers={num_workers}): both must be positive. HINT: "
-                "RolloutConfig(tool_timeout_s=10, tool_workers=4)."
+                "RolloutConfig(episode=EpisodeConfig(tool_timeout_s=10, tool_workers=4))."
             )
         coroutines = {name: fn for name, fn in functions.items() if inspect.iscoroutinefunction(fn)}
         plain = {name: fn for name, fn in functions.items() if name not in coroutines}

@@ -9,12 +9,12 @@ the tools' schemas), then each turn's ids exactly as the engine sampled them, th
 (the model attends to the observations); ``rollout_logprobs`` is the engine's on sampled tokens, 0 elsewhere.
 
 An episode ends when the model answers without a tool call (or the environment says done), or, flagged as
-truncated, when a turn hits its token limit, ``RolloutConfig.max_turns`` turns have called tools, or the next
+truncated, when a turn hits its token limit, ``RolloutConfig.episode.max_turns`` turns have called tools, or the next
 observation would not fit the episode's budget (``max_episode_tokens``) or the model's context. An episode never
 ends on an observation: the reward's last token is a sampled one.
 
-Scheduling (``RolloutConfig.async_episodes``): asynchronous (default), each engine call takes every episode whose
-observation is ready, while the other episodes' tools keep running; lock-step, each turn waits for every
+Scheduling (``RolloutConfig.episode.async_episodes``): asynchronous (default), each engine call takes every episode
+whose observation is ready, while the other episodes' tools keep running; lock-step, each turn waits for every
 episode's tools. With one engine call per ready set, any engine works (vLLM, the transformers engine, an engine
 server).
 """
@@ -124,8 +124,8 @@ class EpisodeRunner:
         self.cfg = cfg
         self.context = _model_context(model_path)
         """The model's context bound (its positions), None when its config states none."""
-        self.tool_format = resolve_tool_parser(cfg.tool_parser, tokenizer)
-        """The format the turns' tool calls are read in (``RolloutConfig.tool_parser``, ``"auto"`` resolved)."""
+        self.tool_format = resolve_tool_parser(cfg.episode.tool_parser, tokenizer)
+        """The format the turns' tool calls are read in (``RolloutConfig.episode.tool_parser``, ``"auto"`` resolved)."""
         self.parse = None if self.tool_format == "template" else get_tool_parser(self.tool_format)
         self._toolsets: dict[tuple[Any, ...], tuple[ToolSet, ChatDelta, ToolExecutor | None]] = {}
         self.chat_template_kwargs: dict[str, Any] = {}
@@ -133,7 +133,7 @@ class EpisodeRunner:
         per rollout by :func:`sample_episodes`)."""
         self.max_prompt_length: int | None = None
         """The bound on an episode's rendered first prompt (``PromptDataModule(max_prompt_length=...)``), None: none."""
-        self._threads = cf.ThreadPoolExecutor(max(1, cfg.tool_workers), thread_name_prefix="lightning-rlhf-env")
+        self._threads = cf.ThreadPoolExecutor(max(1, cfg.episode.tool_workers), thread_name_prefix="lightning-rlhf-env")
 
     def close(self) -> None:
         """End the tool workers and threads. Idempotent. Runs on: the rollout's process, at teardown."""
@@ -158,9 +158,9 @@ class EpisodeRunner:
             if len(tools) and not in_process:
                 executor = ToolExecutor(
                     tools.functions,
-                    timeout_s=self.cfg.tool_timeout_s,
-                    num_workers=self.cfg.tool_workers,
-                    max_chars=self.cfg.max_tool_response_chars,
+                    timeout_s=self.cfg.episode.tool_timeout_s,
+                    num_workers=self.cfg.episode.tool_workers,
+                    max_chars=self.cfg.episode.max_tool_response_chars,
                 )
                 executor.start()
             self._toolsets[key] = (tools, delta, executor)
@@ -231,7 +231,7 @@ class EpisodeRunner:
                     ep.pending.append((call, self._in_thread(ep.tools.functions[call.name], call)))
                 else:
                     ep.pending.append((call, executor.submit(call)))
-        if ep.info.turns >= self.cfg.max_turns:  # its observation would never be answered
+        if ep.info.turns >= self.cfg.episode.max_turns:  # its observation would never be answered
             for _, pending in ep.pending:
                 if isinstance(pending, cf.Future):
                     pending.cancel()
@@ -242,7 +242,7 @@ class EpisodeRunner:
         """A stateful tool (a TRL-style environment's method) in a thread of this process, with the timeout: the
         future gives a timeout result once ``tool_timeout_s`` has passed (a coroutine is cancelled then; a plain call
         cannot be stopped, so its thread is abandoned to finish by itself)."""
-        timeout_s = self.cfg.tool_timeout_s
+        timeout_s = self.cfg.episode.tool_timeout_s
         answer: cf.Future[ToolResult] = cf.Future()
         answer.set_running_or_notify_cancel()
 
@@ -305,7 +305,7 @@ class EpisodeRunner:
             ep.problem(
                 "observation_overflow",
                 f"an observation of {len(obs)} tokens (its longest message {longest} characters, tool results cut at "
-                f"RolloutConfig(max_tool_response_chars={self.cfg.max_tool_response_chars})) did not fit the "
+                f"RolloutConfig(max_tool_response_chars={self.cfg.episode.max_tool_response_chars})) did not fit the "
                 f"{max(room - 1, 0)} tokens the episode had left",
             )
             return
@@ -331,10 +331,10 @@ class EpisodeRunner:
         episode; each engine call gets its own seed).
         """
         cfg = self.cfg
-        budget = cfg.max_episode_tokens or cfg.max_new_tokens * cfg.max_turns
+        budget = cfg.episode.max_episode_tokens or cfg.max_new_tokens * cfg.episode.max_turns
         stops = set(params.stop_token_ids)
         episodes = [self._start(row) for row in rows]
-        if cfg.async_episodes and getattr(engine, "streams_requests", False):
+        if cfg.episode.async_episodes and getattr(engine, "streams_requests", False):
             return episodes, self._run_streaming(engine, episodes, params, budget, stops, context)
         ready = list(episodes)
         calls = 0
@@ -348,7 +348,7 @@ class EpisodeRunner:
             engine.forget()  # type: ignore[attr-defined]
         while True:
             waiting = [ep for ep in episodes if ep.pending]
-            if cfg.async_episodes:
+            if cfg.episode.async_episodes:
                 ready += [ep for ep in waiting if self._ready(ep)]
                 if not ready and waiting:
                     futures = [p for ep in waiting for _, p in ep.pending if isinstance(p, cf.Future)]
@@ -403,7 +403,7 @@ class EpisodeRunner:
                 continues=[number[id(ep)] for ep in eps[::copies]],
                 keep_as=[number[id(ep)] for ep in eps],
                 limits=limits[::copies],
-                on_done=early if self.cfg.async_episodes else None,
+                on_done=early if self.cfg.episode.async_episodes else None,
             )  # fmt: skip
         else:
             out = engine.generate(prompts, call)
@@ -510,7 +510,7 @@ def episode_prompt_ids(
 def check_environment(make_env: Callable[..., Environment], tokenizer: Any, tool_parser: str = "auto") -> None:
     """Make one environment and check what every episode would meet at its first turn: its tools' JSON schemas
     (type hints, docstrings), the chat template (present, renders ``tool`` turns, prefix-preserving) and the format
-    its calls are read in (``RolloutConfig.tool_parser``), so that a mistake is a clear error when the module is
+    its calls are read in (``RolloutConfig.episode.tool_parser``), so that a mistake is a clear error when the module is
     built, not in a worker once training has started.
 
     Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError.
@@ -640,14 +640,14 @@ def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> T
     try:
         value = fn(**call.arguments)
         if inspect.isawaitable(value):  # an ``async def`` method: its own event loop, cancelled at the timeout
-            value = asyncio.run(asyncio.wait_for(value, cfg.tool_timeout_s))
+            value = asyncio.run(asyncio.wait_for(value, cfg.episode.tool_timeout_s))
     except TimeoutError:
-        kind, text = "timeout", f"timed out after {cfg.tool_timeout_s:g} s"
+        kind, text = "timeout", f"timed out after {cfg.episode.tool_timeout_s:g} s"
     except Exception as err:
         kind, text = "raised", f"{type(err).__name__}: {err}"
     else:
         try:
-            kind, text = "ok", tool_result_text(value, max_chars=cfg.max_tool_response_chars)
+            kind, text = "ok", tool_result_text(value, max_chars=cfg.episode.max_tool_response_chars)
         except TypeError as err:
             kind, text = "invalid", str(err)
     return tool_result(call.name, kind, text, time.monotonic() - start)

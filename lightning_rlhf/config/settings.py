@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
-from typing import Any, Literal
+import typing
+import warnings
+from typing import Any, ClassVar, Literal, TypeVar
 
 __all__ = [
     "MAX_TEMPERATURE",
     "MIN_TEMPERATURE",
     "AlgorithmConfig",
+    "AsyncConfig",
+    "BatchingConfig",
+    "EpisodeConfig",
+    "FilteringConfig",
+    "KLConfig",
+    "LossConfig",
     "OptimConfig",
     "RewardConfig",
     "RolloutConfig",
@@ -26,6 +35,7 @@ __all__ = [
     "config_from_dict",
 ]
 
+_G = TypeVar("_G", bound=Any)
 
 MIN_TEMPERATURE = 0.01
 """Smallest sampling temperature > 0 that every engine serves as given: vLLM raises anything below to this
@@ -118,9 +128,151 @@ def _counts(obj: object, *fields: str) -> None:
             _fail(obj, field, getattr(obj, field), "an integer >= 1")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
+class _Grouped:
+    """A config whose settings are grouped by concern in nested configs (its fields whose default is a config).
+
+    A group's setting may also be passed flat, under its name from before the grouping (``AlgorithmConfig(
+    kl_coef=0.1)`` is ``AlgorithmConfig(kl=KLConfig(coef=0.1))``, YAML ``algorithm: {kl_coef: 0.1}`` likewise): it
+    is set in its group, over a group passed alongside, with a ``DeprecationWarning`` naming the nested spelling. A
+    flat ``None`` leaves the group's value (the command line passes every flat name, as None). A group may be given
+    as a dict of its settings.
+    """
+
+    def __init__(self, **values: Any) -> None:
+        cls, flat = type(self), flat_names(type(self))
+        moved: dict[str, dict[str, Any]] = {}
+        for key in [k for k in values if k in flat]:
+            value = values.pop(key)
+            if value is not None:
+                group, name = flat[key]
+                _warn_flat(cls, key, group, name, stacklevel=3)
+                moved.setdefault(group, {})[name] = value
+        for f in dataclasses.fields(self):
+            if f.name in values:
+                value = values.pop(f.name)
+            else:
+                value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if isinstance(value, dict) and dataclasses.is_dataclass(f.default_factory):
+                value = f.default_factory(**value)
+            if f.name in moved:
+                value = dataclasses.replace(value, **moved[f.name])
+            object.__setattr__(self, f.name, value)
+        if values:
+            raise TypeError(f"{cls.__name__}() got unexpected keyword arguments: {', '.join(sorted(values))}")
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        """Validate across groups (each group validates its own settings when it is made)."""
+
+    def __getattr__(self, key: str) -> Any:
+        """A group's setting read by its flat name (``config.kl_coef``), with the same ``DeprecationWarning``."""
+        group, name = flat_names(type(self)).get(key) or (None, None)
+        if group is None or name is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+        _warn_flat(type(self), key, group, name, stacklevel=2)
+        return getattr(getattr(self, group), name)
+
+
+def _warn_flat(cls: type, key: str, group: str, name: str, stacklevel: int) -> None:
+    """Warn that the flat name ``key`` of a grouped config ``cls`` is deprecated, naming the nested spelling."""
+    warnings.warn(
+        f"{cls.__name__}.{key} is deprecated: the setting is {cls.__name__}.{group}.{name}. HINT: "
+        f"{cls.__name__}({group}={_group_class(cls, group)}({name}=...)), in YAML {group}: {{{name}: ...}}.",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def _group_class(cls: Any, group: str) -> str:
+    """The class name of ``cls``'s group ``group`` (``"KLConfig"``)."""
+    return next(typing.cast(Any, f.default_factory).__name__ for f in dataclasses.fields(cls) if f.name == group)
+
+
+def flat_names(cls: Any) -> dict[str, tuple[str, str]]:
+    """``{flat name: (group, setting)}`` of a grouped config: a setting's own name, or for the groups in
+    ``cls.PREFIXED`` the group's name and the setting's (``kl_coef`` is ``kl.coef``)."""
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    prefixed = getattr(cls, "PREFIXED", ())
+    return {
+        (f"{group.name}_{name.name}" if group.name in prefixed else name.name): (group.name, name.name)
+        for group in dataclasses.fields(cls)
+        if dataclasses.is_dataclass(group.default_factory)
+        for name in dataclasses.fields(typing.cast(Any, group.default_factory))
+    }
+
+
+def _unchecked(group: Any) -> Any:
+    """A group's default instance, made without its checks: they import the registries (torch), which defining
+    the settings must not (a reward worker imports them without torch)."""
+    default = object.__new__(group)
+    for f in dataclasses.fields(group):
+        object.__setattr__(default, f.name, f.default)
+    return default
+
+
+def _grouped(cls: type[_G]) -> type[_G]:
+    """Give a grouped config its own ``__init__`` whose signature lists every field and flat name, for the command
+    line (jsonargparse reads it) and ``help()``."""
+    hints = typing.get_type_hints(cls)
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
+    for f in dataclasses.fields(cls):
+        default = _unchecked(f.default_factory) if f.default_factory is not dataclasses.MISSING else f.default
+        params.append(
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hints[f.name])
+        )
+    for key, (group, name) in flat_names(cls).items():
+        hint = typing.get_type_hints(hints[group])[name]
+        params.append(inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hint | None))
+
+    def __init__(self: Any, **values: Any) -> None:
+        _Grouped.__init__(self, **values)
+
+    __init__.__doc__ = cls.__doc__
+    setattr(__init__, "__signature__", inspect.Signature(params))  # noqa: B010 (mypy refuses a method assignment)
+    setattr(cls, "__init__", __init__)  # noqa: B010 (mypy refuses a method assignment)
+    return cls
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    """How rollouts are sampled."""
+class EpisodeConfig:
+    """How episodes run (a module with an ``environment``): turns, tokens and tools (``RolloutConfig(episode=...)``)."""
+
+    max_turns: int = 4
+    """Episodes (a module with an ``environment``): the most assistant turns of one episode; an episode still
+    calling tools at its last turn ends there, flagged as truncated. ``max_new_tokens`` bounds each turn."""
+    max_episode_tokens: int | None = None
+    """Episodes: the most tokens after the prompt (sampled turns and observations); None: ``max_new_tokens x
+    max_turns``. An observation that would not fit, with one more sampled token, ends the episode (truncated)."""
+    tool_parser: str = "auto"
+    """Episodes: the format of the model's tool calls. ``"auto"``: the tokenizer's ``response_template`` where it has
+    one (``"template"``: transformers' ``parse_response``), else ``"hermes"`` (``<tool_call>{...}</tool_call>``, as
+    Qwen's templates write them); another format is registered with ``lightning_rlhf.agents.register_tool_parser``."""
+    tool_timeout_s: float = 10.0
+    """Episodes: seconds one tool call may run; a call that runs longer is killed (its worker replaced), or cancelled
+    for an ``async def`` tool, and the model gets an error observation."""
+    tool_workers: int = 4
+    """Episodes: tool worker processes per rank for plain tools (calls of different episodes run at once). ``async
+    def`` tools share one more worker whose event loop runs every call at once."""
+    max_tool_response_chars: int = 2000
+    """Episodes: a tool result longer than this is cut (the observation says how much was cut)."""
+    async_episodes: bool = True
+    """Episodes: each engine call takes every episode whose observation is ready, while other episodes' tools still
+    run (one slow tool does not hold the batch). False: lock-step turns, each waiting for every episode's tools."""
+
+    def __post_init__(self) -> None:
+        _counts(self, "max_turns", "tool_workers", "max_tool_response_chars")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
+            _fail(self, "max_episode_tokens", self.max_episode_tokens, "an integer >= 2, or None")
+        if not self.tool_timeout_s > 0:
+            _fail(self, "tool_timeout_s", self.tool_timeout_s, "seconds > 0")
+
+
+@_grouped
+@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
+class RolloutConfig(_Grouped):
+    """How rollouts are sampled; how episodes run is its ``episode`` group."""
 
     n: int = 8
     """Samples per prompt (the group size of GRPO/RLOO; 1 is usual for PPO)."""
@@ -165,36 +317,11 @@ class RolloutConfig:
     float64 sums of a few fixed rows, and of the whole of a one-dimensional tensor) computed from the trainer's
     shards is compared with one computed from what the engine holds; a mismatch raises ``WeightSyncError`` naming
     the tensor. Its cost is ``perf/weight_verify_s``. 0: never check."""
-    max_turns: int = 4
-    """Episodes (a module with an ``environment``): the most assistant turns of one episode; an episode still
-    calling tools at its last turn ends there, flagged as truncated. ``max_new_tokens`` bounds each turn."""
-    max_episode_tokens: int | None = None
-    """Episodes: the most tokens after the prompt (sampled turns and observations); None: ``max_new_tokens x
-    max_turns``. An observation that would not fit, with one more sampled token, ends the episode (truncated)."""
-    tool_parser: str = "auto"
-    """Episodes: the format of the model's tool calls. ``"auto"``: the tokenizer's ``response_template`` where it has
-    one (``"template"``: transformers' ``parse_response``), else ``"hermes"`` (``<tool_call>{...}</tool_call>``, as
-    Qwen's templates write them); another format is registered with ``lightning_rlhf.agents.register_tool_parser``."""
-    tool_timeout_s: float = 10.0
-    """Episodes: seconds one tool call may run; a call that runs longer is killed (its worker replaced), or cancelled
-    for an ``async def`` tool, and the model gets an error observation."""
-    tool_workers: int = 4
-    """Episodes: tool worker processes per rank for plain tools (calls of different episodes run at once). ``async
-    def`` tools share one more worker whose event loop runs every call at once."""
-    max_tool_response_chars: int = 2000
-    """Episodes: a tool result longer than this is cut (the observation says how much was cut)."""
-    async_episodes: bool = True
-    """Episodes: each engine call takes every episode whose observation is ready, while other episodes' tools still
-    run (one slow tool does not hold the batch). False: lock-step turns, each waiting for every episode's tools."""
+    episode: EpisodeConfig = dataclasses.field(default_factory=EpisodeConfig)
+    """Episodes: turns, tokens and tools (unused without an ``environment``)."""
 
     def __post_init__(self) -> None:
-        _counts(
-            self, "n", "max_turns", "tool_workers", "max_tool_response_chars", "max_new_tokens", "generation_batch_size"
-        )
-        if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
-            _fail(self, "max_episode_tokens", self.max_episode_tokens, "an integer >= 2, or None")
-        if not self.tool_timeout_s > 0:
-            _fail(self, "tool_timeout_s", self.tool_timeout_s, "seconds > 0")
+        _counts(self, "n", "max_new_tokens", "generation_batch_size")
         check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, owner=type(self).__name__)
         if self.max_probs_diff is not None and not 0 < self.max_probs_diff <= 1:
             _fail(self, "max_probs_diff", self.max_probs_diff, "a probability gap in (0, 1], or None (no warning)")
@@ -331,57 +458,74 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AlgorithmConfig:
-    """The RL math: advantage estimator, losses, KL, and how the batch is cut into updates."""
+class LossConfig:
+    """The actor's and the critic's losses (``AlgorithmConfig(loss=...)``)."""
 
-    advantage: str = "grpo"
-    """Registered advantage estimator (``ADVANTAGE_ESTIMATORS``): 'grpo', 'gae', 'rloo', 'reinforce_plus_plus', ..."""
     policy_loss: str = "vanilla"
     """Registered policy loss (``POLICY_LOSSES``): 'vanilla' (clipped PPO), 'dual_clip', 'gspo'."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (``policy_loss='dual_clip'``); must be > 1."""
-    gamma: float = 1.0
-    """Discount; 1.0 because the reward arrives once, at the end of the response."""
-    lam: float = 1.0
-    """GAE lambda."""
-    norm_adv_by_std: bool = True
-    """GRPO: divide by the group's reward std (False gives Dr.GRPO's estimator)."""
-    adv_eps: float = 1e-6
-    """Added to the group's reward std before dividing (GRPO; TRL uses 1e-4)."""
     clip_ratio_low: float = 0.2
     """PPO clip: the ratio is kept above ``1 - clip_ratio_low``."""
     clip_ratio_high: float = 0.2
     """PPO clip: the ratio is kept below ``1 + clip_ratio_high`` (raise it for DAPO's clip-higher)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (``policy_loss='dual_clip'``); must be > 1."""
     value_clip: float = 0.2
     """Critic: new values stay within this distance of the rollout's values."""
     loss_agg: str = "token-mean"
     """Registered loss aggregation; token-mean weighs every response token of the mini-batch equally."""
-    kl_coef: float = 0.0
-    """Weight of the KL to the reference policy; 0 turns it off (and the reference role is not needed)."""
-    kl_estimator: str = "k3"
-    """Registered KL estimator: 'k1', 'k2', 'k3' (k3 is the low-variance one GRPO uses)."""
-    kl_in_reward: bool = False
-    """True: subtract ``kl_coef * KL`` from the token rewards (classic PPO); False: add it to the actor loss (GRPO)."""
-    kl_target: float | None = None
-    """Adaptive KL penalty (Ziegler et al., 2019): the per-token KL that the reward-penalty coefficient steers
-    towards, starting from ``kl_coef``; None keeps ``kl_coef`` fixed. Needs ``kl_in_reward=True``."""
-    kl_horizon: int = 10000
-    """Adaptive KL: samples over which the coefficient adapts (larger is slower)."""
-    overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the last this-many tokens before ``max_new_tokens`` cost up to
-    ``overlong_penalty`` reward, linearly; 0 disables."""
-    overlong_penalty: float = 1.0
-    """DAPO: the reward penalty of a response that reaches ``max_new_tokens``."""
-    mask_truncated: bool = False
-    """DAPO's overlong filtering: responses cut at ``max_new_tokens`` (no stop token) add nothing to the loss."""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop prompts whose samples all got the same score (they carry no gradient under
-    group-relative advantages) and sample more prompts until the step's batch is full again."""
-    max_sampling_rounds: int = 3
-    """DAPO: generation rounds per step at most, the first included. A batch still short after them is filled
-    with dropped groups (zero advantage) so the batch arithmetic holds, and the shortfall is logged."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the actor loss (entropy is logged either way)."""
+
+    def __post_init__(self) -> None:
+        from lightning_rlhf.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES
+
+        for field, registry in (("policy_loss", POLICY_LOSSES), ("loss_agg", LOSS_AGGREGATIONS)):
+            if getattr(self, field) not in registry:
+                _fail(self, field, getattr(self, field), f"one of {registry.names()}")
+        for field in ("clip_ratio_low", "clip_ratio_high", "value_clip", "entropy_coef"):
+            if getattr(self, field) < 0:
+                _fail(self, field, getattr(self, field), ">= 0")
+        if self.clip_ratio_c <= 1:
+            _fail(self, "clip_ratio_c", self.clip_ratio_c, "a value > 1 (dual-clip bound, 3.0 is usual)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KLConfig:
+    """The KL to the reference policy (``AlgorithmConfig(kl=...)``; flat names ``kl_coef``, ``kl_estimator``, ...)."""
+
+    coef: float = 0.0
+    """Weight of the KL to the reference policy; 0 turns it off (and the reference role is not needed)."""
+    estimator: str = "k3"
+    """Registered KL estimator: 'k1', 'k2', 'k3' (k3 is the low-variance one GRPO uses)."""
+    in_reward: bool = False
+    """True: subtract ``coef * KL`` from the token rewards (classic PPO); False: add it to the actor loss (GRPO)."""
+    target: float | None = None
+    """Adaptive KL penalty (Ziegler et al., 2019): the per-token KL that the reward-penalty coefficient steers
+    towards, starting from ``coef``; None keeps ``coef`` fixed. Needs ``in_reward=True``."""
+    horizon: int = 10000
+    """Adaptive KL: samples over which the coefficient adapts (larger is slower)."""
+
+    def __post_init__(self) -> None:
+        from lightning_rlhf.algorithms import KL_ESTIMATORS
+
+        if self.estimator not in KL_ESTIMATORS:
+            _fail(self, "estimator", self.estimator, f"one of {KL_ESTIMATORS.names()}")
+        if self.coef < 0:
+            _fail(self, "coef", self.coef, ">= 0")
+        if self.target is not None and (self.target <= 0 or not self.in_reward or self.coef <= 0):
+            _fail(
+                self,
+                "target",
+                self.target,
+                "a KL > 0, with in_reward=True and coef > 0 (the starting coefficient); None for a fixed coef",
+            )
+        _counts(self, "horizon")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchingConfig:
+    """How a step's batch is cut into updates and forwards (``AlgorithmConfig(batching=...)``)."""
+
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
     mini_batch_size: int | None = None
@@ -396,6 +540,56 @@ class AlgorithmConfig:
     them, and the samples are balanced over ranks by tokens. Gradients and losses are the same up to float rounding
     (per-micro-batch metrics such as ``actor/pg_loss`` average different micro-batches, so they move a little).
     A sample longer than the budget runs alone."""
+    shared_prefix: bool = True
+    """The actor's and the reference's forwards compute each group's prompt once for its ``n`` samples
+    (Llama-family models; rows that are not in whole groups fall back to one row at a time): the same log-probs up to
+    float rounding, less work the longer the prompts. False: every row runs its own prompt."""
+    skip_zero_advantage: bool = True
+    """The actor's update leaves out the samples whose advantages are all 0 (a GRPO group whose samples all got
+    the same score), when nothing else in the loss depends on them: a built-in policy loss, ``entropy_coef=0`` and
+    no KL in the loss. Their gradient is exactly 0, and they still count in the loss's normalisation, so the update
+    is the same up to float rounding, with less work. Per-token metrics (``actor/pg_clipfrac``, ...) then average
+    over the trained samples only; ``actor/skipped_rows`` is the fraction left out. A step in which no sample has a
+    nonzero advantage is trained whole, so its metrics are still measured. False: every sample is trained."""
+
+    def __post_init__(self) -> None:
+        _counts(self, "ppo_epochs", "micro_batch_size")
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            _fail(self, "mini_batch_size", self.mini_batch_size, "None or an integer >= 1")
+        tokens = self.micro_batch_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            _fail(self, "micro_batch_tokens", tokens, "None or an integer >= 1 (padded tokens per forward, e.g. 8192)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FilteringConfig:
+    """DAPO's handling of overlong and uninformative samples (``AlgorithmConfig(filtering=...)``)."""
+
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the last this-many tokens before ``max_new_tokens`` cost up to
+    ``overlong_penalty`` reward, linearly; 0 disables."""
+    overlong_penalty: float = 1.0
+    """DAPO: the reward penalty of a response that reaches ``max_new_tokens``."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: responses cut at ``max_new_tokens`` (no stop token) add nothing to the loss."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop prompts whose samples all got the same score (they carry no gradient under
+    group-relative advantages) and sample more prompts until the step's batch is full again."""
+    max_sampling_rounds: int = 3
+    """DAPO: generation rounds per step at most, the first included. A batch still short after them is filled
+    with dropped groups (zero advantage) so the batch arithmetic holds, and the shortfall is logged."""
+
+    def __post_init__(self) -> None:
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            _fail(self, "overlong_buffer/overlong_penalty", (self.overlong_buffer, self.overlong_penalty), ">= 0")
+        if self.max_sampling_rounds < 1:
+            _fail(self, "max_sampling_rounds", self.max_sampling_rounds, "an integer >= 1 (the first round counts)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AsyncConfig:
+    """Asynchronous (off-policy) rollouts and their correction (``AlgorithmConfig(asynchronous=...)``)."""
+
     max_staleness: int = 0
     """Asynchronous rollouts (HybridFlow's one-step off-policy pipeline, verl's ``one_step_off_policy``): with a
     ``rollout`` pool in ``RLHFStrategy(placement=...)``, >= 1 makes that pool generate the step's batch while the
@@ -409,88 +603,80 @@ class AlgorithmConfig:
     ``"auto"``: ``"token"`` when ``max_staleness >= 1``, else none."""
     rollout_is_cap: float = 2.0
     """The truncation ``C`` of ``rollout_is`` weights (> 1)."""
-    shared_prefix: bool = True
-    """The actor's and the reference's forwards compute each group's prompt once for its ``n`` samples
-    (Llama-family models; rows that are not in whole groups fall back to one row at a time): the same log-probs up to
-    float rounding, less work the longer the prompts. False: every row runs its own prompt."""
-
-    skip_zero_advantage: bool = True
-    """The actor's update leaves out the samples whose advantages are all 0 (a GRPO group whose samples all got
-    the same score), when nothing else in the loss depends on them: a built-in policy loss, ``entropy_coef=0`` and
-    no KL in the loss. Their gradient is exactly 0, and they still count in the loss's normalisation, so the update
-    is the same up to float rounding, with less work. Per-token metrics (``actor/pg_clipfrac``, ...) then average
-    over the trained samples only; ``actor/skipped_rows`` is the fraction left out. A step in which no sample has a
-    nonzero advantage is trained whole, so its metrics are still measured. False: every sample is trained."""
 
     def __post_init__(self) -> None:
-        from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
-
-        for field, registry in (
-            ("advantage", ADVANTAGE_ESTIMATORS),
-            ("policy_loss", POLICY_LOSSES),
-            ("kl_estimator", KL_ESTIMATORS),
-            ("loss_agg", LOSS_AGGREGATIONS),
-        ):
-            name = getattr(self, field)
-            if name not in registry:
-                _fail(self, field, name, f"one of {registry.names()}")
-        if not self.adv_eps > 0:
-            _fail(self, "adv_eps", self.adv_eps, "a small number > 0 (e.g. 1e-6; TRL uses 1e-4)")
-        for field in ("clip_ratio_low", "clip_ratio_high", "value_clip", "kl_coef", "entropy_coef"):
-            if getattr(self, field) < 0:
-                _fail(self, field, getattr(self, field), ">= 0")
-        if self.kl_target is not None and (self.kl_target <= 0 or not self.kl_in_reward or self.kl_coef <= 0):
-            _fail(
-                self,
-                "kl_target",
-                self.kl_target,
-                "a KL > 0, with kl_in_reward=True and kl_coef > 0 (the starting coefficient); None for a fixed kl_coef",
-            )
-        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
-            _fail(self, "overlong_buffer/overlong_penalty", (self.overlong_buffer, self.overlong_penalty), ">= 0")
-        if self.clip_ratio_c <= 1:
-            _fail(self, "clip_ratio_c", self.clip_ratio_c, "a value > 1 (dual-clip bound, 3.0 is usual)")
-        if not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:
-            _fail(self, "gamma/lam", (self.gamma, self.lam), "gamma in (0, 1] and lam in [0, 1]")
-        if self.max_sampling_rounds < 1:
-            _fail(self, "max_sampling_rounds", self.max_sampling_rounds, "an integer >= 1 (the first round counts)")
-        _counts(self, "kl_horizon", "ppo_epochs", "micro_batch_size")
-        if self.mini_batch_size is not None and self.mini_batch_size < 1:
-            _fail(self, "mini_batch_size", self.mini_batch_size, "None or an integer >= 1")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             _fail(self, "max_staleness", self.max_staleness, "an integer >= 0 (1: one-step off-policy rollouts)")
-        if self.max_staleness and self.dynamic_sampling:
-            _fail(
-                self,
-                "max_staleness",
-                self.max_staleness,
-                "0 with dynamic_sampling=True (its extra sampling rounds need the current weights)",
-            )
         if self.rollout_is not in ("auto", "token", "sequence", "none"):
             _fail(self, "rollout_is", self.rollout_is, "one of 'auto', 'token', 'sequence', 'none'")
         if not self.rollout_is_cap > 1:
             _fail(self, "rollout_is_cap", self.rollout_is_cap, "a truncation > 1 (2.0 is usual)")
-        tokens = self.micro_batch_tokens
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-            _fail(self, "micro_batch_tokens", tokens, "None or an integer >= 1 (padded tokens per forward, e.g. 8192)")
+
+
+@_grouped
+@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
+class AlgorithmConfig(_Grouped):
+    """The RL math: the advantage estimator here, the rest grouped by concern: ``loss``, ``kl``, ``batching``,
+    ``filtering`` (DAPO) and ``asynchronous`` rollouts."""
+
+    PREFIXED: ClassVar[tuple[str, ...]] = ("kl",)
+    """Groups whose flat names carry the group's name (``kl_coef`` is ``kl.coef``)."""
+
+    advantage: str = "grpo"
+    """Registered advantage estimator (``ADVANTAGE_ESTIMATORS``): 'grpo', 'gae', 'rloo', 'reinforce_plus_plus', ..."""
+    gamma: float = 1.0
+    """Discount; 1.0 because the reward arrives once, at the end of the response."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's reward std (False gives Dr.GRPO's estimator)."""
+    adv_eps: float = 1e-6
+    """Added to the group's reward std before dividing (GRPO; TRL uses 1e-4)."""
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    """Policy and value losses: clipping, aggregation, entropy bonus."""
+    kl: KLConfig = dataclasses.field(default_factory=KLConfig)
+    """The KL to the reference policy: its weight, estimator, and where it applies."""
+    batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
+    """Epochs, mini- and micro-batches, and the work-saving forwards."""
+    filtering: FilteringConfig = dataclasses.field(default_factory=FilteringConfig)
+    """DAPO's overlong shaping and filtering, and dynamic sampling."""
+    asynchronous: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)
+    """Asynchronous rollouts: staleness and importance-sampling correction."""
+
+    def __post_init__(self) -> None:
+        from lightning_rlhf.algorithms import ADVANTAGE_ESTIMATORS
+
+        if self.advantage not in ADVANTAGE_ESTIMATORS:
+            _fail(self, "advantage", self.advantage, f"one of {ADVANTAGE_ESTIMATORS.names()}")
+        if not self.adv_eps > 0:
+            _fail(self, "adv_eps", self.adv_eps, "a small number > 0 (e.g. 1e-6; TRL uses 1e-4)")
+        if not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:
+            _fail(self, "gamma/lam", (self.gamma, self.lam), "gamma in (0, 1] and lam in [0, 1]")
+        if self.asynchronous.max_staleness and self.filtering.dynamic_sampling:
+            _fail(
+                self,
+                "asynchronous.max_staleness",
+                self.asynchronous.max_staleness,
+                "0 with filtering.dynamic_sampling=True (its extra sampling rounds need the current weights)",
+            )
 
     @property
     def on_policy(self) -> bool:
         """One update per step over the whole batch: the rollout policy is the policy being updated."""
-        return self.ppo_epochs == 1 and self.mini_batch_size is None
+        return self.batching.ppo_epochs == 1 and self.batching.mini_batch_size is None
 
     @property
     def rollout_is_level(self) -> str:
         """The importance-sampling correction in force: ``"token"``, ``"sequence"`` or ``"none"``."""
-        if self.rollout_is == "auto":
-            return "token" if self.max_staleness else "none"
-        return self.rollout_is
+        if self.asynchronous.rollout_is == "auto":
+            return "token" if self.asynchronous.max_staleness else "none"
+        return self.asynchronous.rollout_is
 
     @property
     def needs_old_logprobs(self) -> bool:
         """Whether a step needs the rollout policy's log-probs before the update: off-policy updates do, and so
         does a KL penalty in the reward. On-policy, the update's own detached log-probs serve."""
-        return not self.on_policy or (self.kl_in_reward and self.kl_coef > 0)
+        return not self.on_policy or (self.kl.in_reward and self.kl.coef > 0)
 
     def check_batch(self, *, prompts: int, n: int, world_size: int) -> int:
         """Validate the batch arithmetic of one step and return the mini-batch size (samples, all ranks).
@@ -499,16 +685,18 @@ class AlgorithmConfig:
         (``prompts * n``) for everything after it, mini-batches for each optimizer step.
         """
         samples = prompts * n
-        mini = self.mini_batch_size or samples
+        mini = self.batching.mini_batch_size or samples
         problems = []
         if prompts % world_size:
             problems.append(f"prompts per step ({prompts}) must be divisible by the number of ranks ({world_size})")
         elif samples % world_size:
             problems.append(f"samples per step ({samples}) must be divisible by the number of ranks ({world_size})")
         if mini > samples or samples % mini:
-            problems.append(f"samples per step ({samples}) must be divisible by mini_batch_size ({mini})")
+            problems.append(f"samples per step ({samples}) must be divisible by batching.mini_batch_size ({mini})")
         elif mini % world_size:
-            problems.append(f"mini_batch_size ({mini}) must be divisible by the number of ranks ({world_size})")
+            problems.append(
+                f"batching.mini_batch_size ({mini}) must be divisible by the number of ranks ({world_size})"
+            )
         if problems:
             raise ValueError(
                 f"{type(self).__name__}: batch sizes do not fit: " + "; ".join(problems) + ". "
@@ -540,8 +728,9 @@ class SafetyConfig:
 
 
 def config_from_dict(cls: type[Any], values: dict[str, Any]) -> Any:
-    """Build config ``cls`` from a dict; unknown keys raise an error naming the closest valid key."""
-    names = [f.name for f in dataclasses.fields(cls)]
+    """Build config ``cls`` from a dict (a group's settings as a dict, or flat); unknown keys raise an error naming
+    the closest valid key."""
+    names = [f.name for f in dataclasses.fields(cls)] + list(flat_names(cls))
     for key in values:
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)

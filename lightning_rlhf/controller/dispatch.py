@@ -594,7 +594,8 @@ def _merge_batches(results: list[Any]) -> Batch:
             raise RuntimeError(
                 f"A DP_SPLIT call balanced by tokens cannot put rank {bad[0]}'s result back in order: it lost its "
                 f"`meta[{ROWS_KEY!r}]` or changed its row count. HINT: return the input batch (or `batch.select(...)` "
-                "of it) with new columns, one row per input row, or set AlgorithmConfig.micro_batch_tokens=None."
+                "of it) with new columns, one row per input row, or set "
+                "AlgorithmConfig.batching.micro_batch_tokens=None."
             )
         order = torch.tensor([i for r in rows for i in (r or [])])
         merged = merged.select(torch.argsort(order))

@@ -34,24 +34,24 @@ def token_rewards(
     ``mask_truncated``, the rollout's ``loss_mask`` leaves truncated samples out. Runs on: controller."""
     mask = sampled_mask(rollout)
     scores = rollout["scores"].float()
-    if algo.overlong_buffer:
+    if algo.filtering.overlong_buffer:
         penalty = overlong_reward_penalty(
             mask.sum(-1),
             max_len=max_new_tokens,
-            buffer=algo.overlong_buffer,
-            penalty=algo.overlong_penalty,
+            buffer=algo.filtering.overlong_buffer,
+            penalty=algo.filtering.overlong_penalty,
         )
         scores = scores + penalty
         metrics["critic/overlong_penalty/mean"] = float(penalty.mean())
     rewards = scores_to_token_rewards(scores, mask)
-    if algo.kl_in_reward and algo.kl_coef > 0:
-        kl = kl_penalty(rollout["old_logprobs"], rollout["ref_logprobs"], estimator=algo.kl_estimator)
+    if algo.kl.in_reward and algo.kl.coef > 0:
+        kl = kl_penalty(rollout["old_logprobs"], rollout["ref_logprobs"], estimator=algo.kl.estimator)
         coef = kl_controller.value
         rewards = rewards - coef * kl * mask
         metrics["actor/reward_kl_penalty"] = current_kl = float(masked_mean(kl, mask))
         metrics["actor/reward_kl_coef"] = coef
         kl_controller.update(current_kl, n_steps=len(rollout))
-    if algo.mask_truncated:
+    if algo.filtering.mask_truncated:
         rollout["loss_mask"] = mask * (~rollout["response_truncated"]).to(mask.dtype)[:, None]
     return rewards, mask
 
@@ -84,6 +84,6 @@ def estimate(
 def kl_controller(algo: AlgorithmConfig) -> AdaptiveKLController | FixedKLController:
     """The KL coefficient's controller of ``algo``: adaptive with a ``kl_target``, else fixed. Runs on: every
     process (the module's constructor)."""
-    if algo.kl_target is not None:
-        return AdaptiveKLController(init_kl_coef=algo.kl_coef, target_kl=algo.kl_target, horizon=algo.kl_horizon)
-    return FixedKLController(kl_coef=algo.kl_coef)
+    if algo.kl.target is not None:
+        return AdaptiveKLController(init_kl_coef=algo.kl.coef, target_kl=algo.kl.target, horizon=algo.kl.horizon)
+    return FixedKLController(kl_coef=algo.kl.coef)

@@ -91,7 +91,7 @@ def rollout_metrics(
                 if "timing_s/update_critic" in timings
                 else 0,
             },
-            epochs=module.algorithm.ppo_epochs,
+            epochs=module.algorithm.batching.ppo_epochs,
             device=getattr(strategy, "root_device", None) or torch.device("cpu"),
             dtype=getattr(strategy, "param_dtype", None) or torch.float32,
             world_size=trainer.world_size if trainer is not None else 1,

@@ -66,8 +66,8 @@ def extra_prompts(loader: Any, count: int, *, key: int) -> Batch:
     sample = getattr(loader, "sample", None)
     if sample is None:
         raise TypeError(
-            f"AlgorithmConfig.dynamic_sampling=True draws extra prompts from the training loader, but it is a "
-            f"{type(loader).__name__} without `sample(count, key=...)`. HINT: use lightning_rlhf's "
+            "AlgorithmConfig.filtering.dynamic_sampling=True draws extra prompts from the training loader, but it is "
+            f"a {type(loader).__name__} without `sample(count, key=...)`. HINT: use lightning_rlhf's "
             "PromptDataModule, or set dynamic_sampling=False."
         )
     return cast(Batch, sample(count, key=key))

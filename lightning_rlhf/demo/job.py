@@ -121,7 +121,19 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
-    from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, SafetyConfig, ValidationConfig
+    from lightning_rlhf.config import (
+        AlgorithmConfig,
+        AsyncConfig,
+        BatchingConfig,
+        EpisodeConfig,
+        FilteringConfig,
+        KLConfig,
+        LossConfig,
+        OptimConfig,
+        RolloutConfig,
+        SafetyConfig,
+        ValidationConfig,
+    )
     from lightning_rlhf.data import PromptDataModule
     from lightning_rlhf.demo.task import addition_cost, addition_reward, addition_splits
     from lightning_rlhf.strategy import RLHFStrategy
@@ -136,14 +148,16 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     if args.algo == "ppo":  # the critic starts from the actor's backbone with a fresh value head
         extra = {"critic": model_path, "critic_optim": OptimConfig(lr=args.lr * 2, warmup_steps=args.warmup)}
     if args.algo == "dapo":  # clip-higher and dynamic sampling; no overlong shaping at 6 new tokens
-        settings = {"clip_ratio_high": 0.28, "dynamic_sampling": True}
+        settings = {"loss": LossConfig(clip_ratio_high=0.28), "filtering": FilteringConfig(dynamic_sampling=True)}
     if args.algo == "safe":  # answers with a 7 are "unsafe": at most 2% of responses may write one
         extra = {"cost": addition_cost, "safety": SafetyConfig(cost_limit=0.02, lambda_init=0.5, lambda_lr=0.5)}
     if tools:  # multi-turn episodes: the environment runs the calculator and scores the final answer
         from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
 
         extra |= {"environment": CalculatorEnvironment}
-        rollout = RolloutConfig(**sampling, max_new_tokens=TOOL_TURN_TOKENS, max_turns=3, tool_workers=1)
+        rollout = RolloutConfig(
+            **sampling, max_new_tokens=TOOL_TURN_TOKENS, episode=EpisodeConfig(max_turns=3, tool_workers=1)
+        )
         splits = tool_splits()
     else:
         rollout = RolloutConfig(**sampling, max_new_tokens=6)
@@ -155,10 +169,9 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         rollout=rollout,
         algorithm=AlgorithmConfig(
             advantage=advantage,
-            kl_coef=0.0,
-            micro_batch_size=args.micro_batch_size,
-            micro_batch_tokens=args.micro_batch_tokens,
-            max_staleness=args.max_staleness,
+            kl=KLConfig(coef=0.0),
+            batching=BatchingConfig(micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens),
+            asynchronous=AsyncConfig(max_staleness=args.max_staleness),
             **settings,
         ),
         actor_optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
@@ -313,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-staleness",
         type=int,
         default=0,
-        help="AlgorithmConfig.max_staleness: 1 generates the next batch on the rollout pool while the actor trains "
-        "(asynchronous; needs --placement rollout)",
+        help="AlgorithmConfig.asynchronous.max_staleness: 1 generates the next batch on the rollout pool while the "
+        "actor trains (asynchronous; needs --placement rollout)",
     )
     parser.add_argument(
         "--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)"

@@ -377,7 +377,7 @@ def tool_success(
     Runs on: one process (rank 0 of the demo, before and after RL; the episodes are the rollout's own code).
     """
     from lightning_rlhf.agents.rollout import EpisodeRunner
-    from lightning_rlhf.config import RolloutConfig
+    from lightning_rlhf.config import EpisodeConfig, RolloutConfig
     from lightning_rlhf.cpu import CPULayer
     from lightning_rlhf.demo.tool_task import CalculatorEnvironment, NoToolEnvironment
     from lightning_rlhf.engines.rollout import SamplingParams
@@ -391,7 +391,7 @@ def tool_success(
         device=torch.device("cpu"),
         decode_loop=CPULayer().decode_loop(),  # as the demo's CPU run samples
     )
-    cfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, tool_workers=1)
+    cfg = RolloutConfig(max_new_tokens=max_new_tokens, episode=EpisodeConfig(max_turns=max_turns, tool_workers=1))
     runner = EpisodeRunner(
         CalculatorEnvironment if with_tool else NoToolEnvironment, tokenizer, cfg, model_path=model_dir
     )

@@ -1,11 +1,13 @@
 """A ready module's own ``AlgorithmConfig``, and how one that a user passes is merged over it.
 
-A passed ``algorithm`` does not replace a module's default whole: ``DrGRPOModule(algorithm=
-AlgorithmConfig(micro_batch_size=8))`` must stay Dr.GRPO. A config cannot say which fields were set, and the
-command line passes every field, so a field counts as set when it differs from ``AlgorithmConfig``'s own default.
+A passed ``algorithm`` does not replace a module's default whole: ``DrGRPOModule(algorithm=AlgorithmConfig(
+batching=BatchingConfig(micro_batch_size=8)))`` must stay Dr.GRPO. A config cannot say which fields were set, and
+the command line passes every field, so a field counts as set when it differs from ``AlgorithmConfig``'s own default.
 Fields left at that default take the module's value; the penalty sizes ``kl_coef`` and ``overlong_buffer`` are
 always the passed config's (their default, 0, turns the term off: a module's own value applies only when no
 ``algorithm`` is passed). A set field that contradicts the module's algorithm is refused, naming the fix.
+
+Settings are named by their path in the nested config: ``"advantage"``, ``"kl.coef"``, ``"loss.loss_agg"``.
 """
 
 from __future__ import annotations
@@ -19,17 +21,41 @@ from lightning_rlhf.config import AlgorithmConfig, RolloutConfig
 
 __all__ = ["PASSED_AS_GIVEN", "AlgorithmDefaults", "Rule", "set_fields"]
 
-PASSED_AS_GIVEN = frozenset({"kl_coef", "overlong_buffer"})
+PASSED_AS_GIVEN = frozenset({"kl.coef", "filtering.overlong_buffer"})
 """Fields a passed config always decides: their default 0 is a choice (no KL term and no reference model; no
 overlong punishment), so a module's own nonzero value applies only when no ``algorithm`` is passed."""
 
-_BASE = {f.name: f.default for f in dataclasses.fields(AlgorithmConfig)}
+
+def _settings(config: AlgorithmConfig) -> dict[str, Any]:
+    """Every setting of ``config`` by its path (``"advantage"``, ``"kl.coef"``, ...)."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            out |= {f"{field.name}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)}
+        else:
+            out[field.name] = value
+    return out
+
+
+def _config(settings: Mapping[str, Any]) -> AlgorithmConfig:
+    """The config with these settings (paths as :func:`_settings` names them; the rest at their defaults)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for path, value in settings.items():
+        group, _, name = path.rpartition(".")
+        groups.setdefault(group, {})[name] = value
+    top = groups.pop("", {})
+    return AlgorithmConfig(**top, **groups)
+
+
+_BASE = _settings(AlgorithmConfig())
 
 
 def set_fields(config: AlgorithmConfig) -> dict[str, Any]:
-    """The fields of ``config`` that differ from ``AlgorithmConfig``'s defaults: the ones a user set, as far as a
-    config can tell (one set to its default value reads as unset). Runs on: any process."""
-    return {name: getattr(config, name) for name, default in _BASE.items() if getattr(config, name) != default}
+    """The settings of ``config`` (by path, ``"kl.coef"``) that differ from ``AlgorithmConfig``'s defaults: the
+    ones a user set, as far as a config can tell (one set to its default value reads as unset). Runs on: any
+    process."""
+    return {name: value for name, value in _settings(config).items() if value != _BASE[name]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +63,7 @@ class Rule:
     """What a module's algorithm needs of one field of the merged config.
 
     Attributes:
-        field: the ``AlgorithmConfig`` field.
+        field: the ``AlgorithmConfig`` setting, by its path (``"loss.loss_agg"``).
         accepts: ``accepts(value, config)`` is True when the merged ``config``'s ``value`` fits the algorithm.
         needs: what it needs, in words (``"'rloo'"``, ``"above clip_ratio_low (clip-higher)"``).
         fix: what to do instead, for the error's HINT.
@@ -93,18 +119,20 @@ class AlgorithmDefaults:
         if passed is not None and not isinstance(passed, AlgorithmConfig):
             raise ValueError(
                 f"{self.module}(algorithm={passed!r}) is invalid: expected an AlgorithmConfig or None. "
-                f"HINT: algorithm=AlgorithmConfig(micro_batch_size=8, ...); fields you leave out keep "
-                f"{self.module}'s defaults."
+                "HINT: algorithm=AlgorithmConfig(batching=BatchingConfig(micro_batch_size=8), ...); settings you "
+                f"leave out keep {self.module}'s defaults."
             )
         rollout = rollout or RolloutConfig()
         values = {k: v(rollout) if callable(v) else v for k, v in self.values.items()}
         if passed is None:
-            merged = AlgorithmConfig(**values)
+            merged = _config(values)
         else:
-            keep = {k: v for k, v in values.items() if k not in PASSED_AS_GIVEN and getattr(passed, k) == _BASE[k]}
-            merged = dataclasses.replace(passed, **keep) if keep else passed
+            given = _settings(passed)
+            keep = {k: v for k, v in values.items() if k not in PASSED_AS_GIVEN and given[k] == _BASE[k]}
+            merged = _config(given | keep) if keep else passed
+        settings = _settings(merged)
         for rule in self.rules:
-            value = getattr(merged, rule.field)
+            value = settings[rule.field]
             if not rule.accepts(value, merged):
                 unset = f"; left unset it is {values[rule.field]!r}" if rule.field in values else ""
                 raise ValueError(

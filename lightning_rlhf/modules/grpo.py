@@ -23,7 +23,7 @@ class GRPOModule(RLHFModule):
 
     ALGORITHM = AlgorithmDefaults(
         "GRPOModule",
-        {"advantage": "grpo", "kl_coef": 0.001, "kl_estimator": "k3"},
+        {"advantage": "grpo", "kl.coef": 0.001, "kl.estimator": "k3"},
         rules=(critic_free("GRPOModule"),),
     )
     """The default algorithm, and what a passed ``algorithm`` must fit; a subclass (RLOO, DAPO, ...) sets its own."""
@@ -35,8 +35,8 @@ class GRPOModule(RLHFModule):
     ASYNC_ROLLOUTS = True
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
-        """Generate n samples per prompt, score (with dynamic sampling: keep only prompts whose samples
-        disagree), normalise within each group, update the actor. With ``AlgorithmConfig.max_staleness >= 1`` and a
+        """Generate n samples per prompt, score (with dynamic sampling: keep only prompts whose samples disagree),
+        normalise within each group, update the actor. With ``AlgorithmConfig.asynchronous.max_staleness >= 1`` and a
         rollout pool, the step trains on the previous step's rollout while the rollout pool generates this one.
 
         Runs on: controller.
@@ -52,7 +52,7 @@ class GRPOModule(RLHFModule):
         the step's prompts: dynamic sampling draws its extra rounds after it (synchronous runs only; asynchronous,
         ``rollout`` came from the previous step's batch). Runs on: controller."""
         rollout = self.reward.score(rollout)
-        if self.algorithm.dynamic_sampling:  # DAPO: only prompts whose samples disagree, more rounds if needed
+        if self.algorithm.filtering.dynamic_sampling:  # DAPO: only the prompts whose samples disagree, more rounds
             with self.timer("dynamic_sampling", metrics):
                 rollout = self.keep_informative_groups(batch, rollout, metrics)
         # Old log-probs (else the update's own detached log-probs are the old ones) and the reference's: one stage,
@@ -61,7 +61,7 @@ class GRPOModule(RLHFModule):
             reads = {
                 "old_log_prob": self.actor.log_prob(rollout) if self.algorithm.needs_old_logprobs else None,
                 "ref": self.reference.log_prob(rollout)
-                if self.reference is not None and self.algorithm.kl_coef > 0
+                if self.reference is not None and self.algorithm.kl.coef > 0
                 else None,
             }
         rollout, _ = self.collect(rollout, reads, metrics)

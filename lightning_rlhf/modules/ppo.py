@@ -23,7 +23,7 @@ class PPOModule(RLHFModule):
 
     ALGORITHM = AlgorithmDefaults(
         "PPOModule",
-        {"advantage": "gae", "kl_in_reward": True, "kl_estimator": "k1"},
+        {"advantage": "gae", "kl.in_reward": True, "kl.estimator": "k1"},
         rules=(
             Rule(
                 "advantage",
@@ -48,8 +48,8 @@ class PPOModule(RLHFModule):
         """Generate; then score, reference and old log-probs and values (one stage: independent reads of the
         rollout); GAE; then update critic and actor (one stage). Calls of one stage run at the same time where
         their roles are on disjoint rank pools (``RLHFStrategy(placement=...)``), one after another otherwise. With
-        ``AlgorithmConfig.max_staleness >= 1`` and a rollout pool, the step trains on the previous step's rollout
-        while the rollout pool generates this one.
+        ``AlgorithmConfig.asynchronous.max_staleness >= 1`` and a rollout pool, the step trains on the previous step's
+        rollout while the rollout pool generates this one.
 
         Runs on: controller.
         """
@@ -67,7 +67,7 @@ class PPOModule(RLHFModule):
                 "reward": self.reward.score(rollout),
                 "old_log_prob": self.actor.log_prob(rollout),
                 "ref": self.reference.log_prob(rollout)
-                if self.reference is not None and self.algorithm.kl_coef > 0
+                if self.reference is not None and self.algorithm.kl.coef > 0
                 else None,
                 "values": self.critic.values(rollout),
             }

@@ -44,7 +44,7 @@ class ReMaxModule(RLHFModule):
         metrics["critic/baseline_score/mean"] = float(greedy["scores"].mean())
         if self.algorithm.needs_old_logprobs:
             rollout = self.actor.log_prob(rollout)
-        if self.reference is not None and self.algorithm.kl_coef > 0:
+        if self.reference is not None and self.algorithm.kl.coef > 0:
             rollout = self.reference.log_prob(rollout)
         rollout = self.compute_advantages(rollout, metrics)
         with self.timer("update_actor", metrics):

@@ -74,7 +74,7 @@ class SafeRLHFModule(RLHFModule):
         self.cost = RewardRole(  # called like the reward (timeout, fallback), its own components unweighted
             cost,
             tokenizer=self.tokenizer,
-            micro_batch_size=self.algorithm.micro_batch_size,
+            micro_batch_size=self.algorithm.batching.micro_batch_size,
             key="costs",
             config=dataclasses.replace(self.reward_config, weights=None),
             dtype=self.frozen_dtype,
@@ -102,7 +102,7 @@ class SafeRLHFModule(RLHFModule):
         rollout = self.cost.score(self.reward.score(rollout))
         if self.algorithm.needs_old_logprobs:
             rollout = self.actor.log_prob(rollout)
-        if self.reference is not None and self.algorithm.kl_coef > 0:
+        if self.reference is not None and self.algorithm.kl.coef > 0:
             rollout = self.reference.log_prob(rollout)
         if self.critic is not None and self.cost_critic is not None:
             with self.timer("values", metrics):

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, ValidationConfig
+from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, OptimConfig, RolloutConfig, ValidationConfig
 from lightning_rlhf.config.models import ensure_pad_token, resolve_model_path
 from lightning_rlhf.engines.train.lora import resolve_lora
 from lightning_rlhf.module import RLHFModule
@@ -69,7 +69,7 @@ class SFTModule(RLHFModule):
             tokenizer = resolve_model_path(tokenizer, setting="SFTModule(tokenizer=...)", tokenizer_only=True)
         self.automatic_optimization = False  # the actor steps its own optimizer
         self.rollout_config = RolloutConfig(n=1)
-        self.algorithm = AlgorithmConfig(micro_batch_size=micro_batch_size)
+        self.algorithm = AlgorithmConfig(batching=BatchingConfig(micro_batch_size=micro_batch_size))
         self.validation_config = ValidationConfig(before_train=validate_before_train)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or actor)
         ensure_pad_token(self.tokenizer, source=tokenizer or actor)

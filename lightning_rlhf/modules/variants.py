@@ -28,7 +28,7 @@ class REINFORCEPPModule(GRPOModule):
 
     ALGORITHM = AlgorithmDefaults(
         "REINFORCEPPModule",
-        {"advantage": "reinforce_plus_plus", "kl_coef": 0.01, "kl_in_reward": True, "kl_estimator": "k2"},
+        {"advantage": "reinforce_plus_plus", "kl.coef": 0.01, "kl.in_reward": True, "kl.estimator": "k2"},
         rules=(
             Rule(
                 "advantage",
@@ -45,8 +45,8 @@ class DrGRPOModule(GRPOModule):
 
     ALGORITHM = AlgorithmDefaults(
         "DrGRPOModule",
-        {"advantage": "grpo", "norm_adv_by_std": False, "loss_agg": "seq-mean-token-sum-norm"},
-        rules=(equals("advantage", "grpo"), equals("loss_agg", "seq-mean-token-sum-norm")),
+        {"advantage": "grpo", "norm_adv_by_std": False, "loss.loss_agg": "seq-mean-token-sum-norm"},
+        rules=(equals("advantage", "grpo"), equals("loss.loss_agg", "seq-mean-token-sum-norm")),
     )
 
 
@@ -59,17 +59,21 @@ class DAPOModule(GRPOModule):
         "DAPOModule",
         {
             "advantage": "grpo",
-            "clip_ratio_low": 0.2,
-            "clip_ratio_high": 0.28,
-            "loss_agg": "token-mean",
-            "dynamic_sampling": True,
-            "overlong_buffer": lambda rollout: max(1, rollout.max_new_tokens // 4),
-            "kl_coef": 0.0,
+            "loss.clip_ratio_low": 0.2,
+            "loss.clip_ratio_high": 0.28,
+            "loss.loss_agg": "token-mean",
+            "filtering.dynamic_sampling": True,
+            "filtering.overlong_buffer": lambda rollout: max(1, rollout.max_new_tokens // 4),
+            "kl.coef": 0.0,
         },
         rules=(
             equals("advantage", "grpo"),
-            equals("loss_agg", "token-mean"),
-            Rule("clip_ratio_high", lambda v, c: v > c.clip_ratio_low, "above clip_ratio_low (clip-higher)"),
+            equals("loss.loss_agg", "token-mean"),
+            Rule(
+                "loss.clip_ratio_high",
+                lambda v, c: v > c.loss.clip_ratio_low,
+                "above loss.clip_ratio_low (clip-higher)",
+            ),
         ),
     )
 

@@ -101,25 +101,25 @@ def engine_roles(roles: Mapping[str, Role], names: list[str]) -> list[str]:
 
 
 def check_asynchronous(module: RLHFModule, *, rollout_pool: bool) -> None:
-    """Refuse ``AlgorithmConfig.max_staleness >= 1`` without a rollout pool (``rollout_pool``: whether the
+    """Refuse ``AlgorithmConfig.asynchronous.max_staleness >= 1`` without a rollout pool (``rollout_pool``: whether the
     placement gives generation ranks of its own) or with a ``training_step`` that does not run
     ``RLHFModule.rollouts``.
 
     Runs on: the launching process (before any rank starts) and every process at set-up, for a fit.
     """
-    staleness = module.algorithm.max_staleness
+    staleness = module.algorithm.asynchronous.max_staleness
     if not staleness:
         return
     if not rollout_pool:
         raise ValueError(
-            f"AlgorithmConfig.max_staleness={staleness} generates on a rollout pool while "
+            f"AlgorithmConfig.asynchronous.max_staleness={staleness} generates on a rollout pool while "
             "the actor trains, but the placement gives generation no pool of its own. HINT: "
             "RLHFStrategy(placement={'actor': [0], ..., 'rollout': [1]}), or max_staleness=0."
         )
     owner = next(k for k in type(module).__mro__ if "training_step" in vars(k))
     if not vars(owner).get("ASYNC_ROLLOUTS", False):
         raise ValueError(
-            f"AlgorithmConfig.max_staleness={staleness}: "
+            f"AlgorithmConfig.asynchronous.max_staleness={staleness}: "
             f"{type(module).__name__}.training_step does not run `self.rollouts(batch, metrics)`, so it cannot "
             "overlap generation with training. "
             "HINT: max_staleness=0, GRPOModule or PPOModule, or write the step with `rollouts` and set "
@@ -133,7 +133,7 @@ def check_before_launch(
     """What the ranks would refuse at set-up, checked before any rank starts: an explicit placement against
     ``module``'s roles and the world, a generation-only pool on the ranks of the role that feeds it, a colocated vLLM
     engine (``vllm_tp``: its tensor-parallel size; None: no vLLM) for a role on part of the ranks, and (``fitting``)
-    ``AlgorithmConfig.max_staleness`` without a rollout pool or a step that can overlap.
+    ``AlgorithmConfig.asynchronous.max_staleness`` without a rollout pool or a step that can overlap.
 
     Runs on: the launching process (rank 0, before it starts ranks 1..). A module other than an ``RLHFModule`` (no
     ``roles()``) is left alone.

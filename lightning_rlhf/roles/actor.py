@@ -48,7 +48,7 @@ class ActorRole(EpisodesMixin, Role):
         lora: Any = None,
     ) -> None:
         super().__init__(
-            micro_batch_size=algorithm.micro_batch_size, optim=optim, setting="ActorRole(path=...)", lora=lora
+            micro_batch_size=algorithm.batching.micro_batch_size, optim=optim, setting="ActorRole(path=...)", lora=lora
         )
         self.path = path
         self.tokenizer = tokenizer
@@ -163,11 +163,11 @@ class ActorRole(EpisodesMixin, Role):
         it saves the separate ``log_prob`` pass). Returns the rank's metrics (the controller averages them over ranks).
         """
         algo = self.algorithm
-        use_kl_loss = algo.kl_coef > 0 and not algo.kl_in_reward
+        use_kl_loss = algo.kl.coef > 0 and not algo.kl.in_reward
         if use_kl_loss and "ref_logprobs" not in batch:
             raise KeyError("ActorRole.update: kl_coef > 0 needs `ref_logprobs`: call reference.log_prob first.")
-        mini_size = algo.mini_batch_size or len(batch) * world()[1]
-        if "old_logprobs" not in batch and (algo.ppo_epochs > 1 or mini_size < len(batch) * world()[1]):
+        mini_size = algo.batching.mini_batch_size or len(batch) * world()[1]
+        if "old_logprobs" not in batch and (algo.batching.ppo_epochs > 1 or mini_size < len(batch) * world()[1]):
             raise KeyError(
                 "ActorRole.update: `old_logprobs` missing and the update is off-policy (several epochs or "
                 "mini-batches). HINT: call actor.log_prob(rollout) before actor.update."
@@ -185,10 +185,10 @@ class ActorRole(EpisodesMixin, Role):
         acc = self.train_engine.train(
             batch,
             loss_fn,
-            aggregation=algo.loss_agg,
+            aggregation=algo.loss.loss_agg,
             count_mask=_loss_mask,
             mini_batch_size=mini_size,
-            epochs=algo.ppo_epochs,
+            epochs=algo.batching.ppo_epochs,
             max_len=self.rollout.max_new_tokens,  # the constant of seq-mean-token-sum-norm (Dr.GRPO)
             trainable=_advantage_rows if self._skips_zero_advantage(use_kl_loss) else None,
         )
@@ -206,10 +206,10 @@ class ActorRole(EpisodesMixin, Role):
         many rows, GRPO's groups kept whole), instead of one rank waiting for another that drew fewer zero groups.
         """
         algo = self.algorithm
-        one_mini_batch = algo.mini_batch_size is None or algo.mini_batch_size >= len(batch)
+        one_mini_batch = algo.batching.mini_batch_size is None or algo.batching.mini_batch_size >= len(batch)
         if method != "update" or "advantages" not in batch or not one_mini_batch:
             return None
-        if not self._skips_zero_advantage(algo.kl_coef > 0 and not algo.kl_in_reward):
+        if not self._skips_zero_advantage(algo.kl.coef > 0 and not algo.kl.in_reward):
             return None
         tokens = batch["response_mask"].long().sum(dim=1)
         if "prompt_mask" in batch:
@@ -217,35 +217,37 @@ class ActorRole(EpisodesMixin, Role):
         return (tokens * _advantage_rows(batch)).tolist()
 
     def _skips_zero_advantage(self, use_kl_loss: bool) -> bool:
-        """Whether a sample whose advantages are all 0 has a zero gradient (``AlgorithmConfig.skip_zero_advantage``):
-        the built-in policy losses are ``-A * (clipped ratio)`` per token, so with no entropy bonus and no KL in the
-        loss such a sample's loss is the constant 0. Never for a subclass with a loss of its own (``_policy_loss``
-        overridden): it may add a term that does not vanish."""
+        """Whether a sample whose advantages are all 0 has a zero gradient
+        (``AlgorithmConfig.batching.skip_zero_advantage``): the built-in policy losses are ``-A * (clipped ratio)`` per
+        token, so with no entropy bonus and no KL in the loss such a sample's loss is the constant 0. Never for a
+        subclass with a loss of its own (``_policy_loss`` overridden): it may add a term that does not vanish."""
         algo = self.algorithm
         return (
-            algo.skip_zero_advantage
+            algo.batching.skip_zero_advantage
             and type(self)._policy_loss is ActorRole._policy_loss  # a subclass's loss may add a term
-            and algo.policy_loss in ZERO_AT_ZERO_ADVANTAGE
-            and algo.entropy_coef == 0
+            and algo.loss.policy_loss in ZERO_AT_ZERO_ADVANTAGE
+            and algo.loss.entropy_coef == 0
             and not use_kl_loss
         )
 
     def _group_size(self, batch: Batch) -> int:
         """Samples per prompt in ``batch`` for the shared-prefix forward (1: off, or not a grouped rollout)."""
-        return int(batch.meta.get("group_size", 1)) if self.algorithm.shared_prefix else 1
+        return int(batch.meta.get("group_size", 1)) if self.algorithm.batching.shared_prefix else 1
 
     def _staleness(self, batch: Batch) -> dict[str, float] | None:
         """How many updates old this rank's samples are (``weight_version`` from a generation-only pool), checked
-        against ``AlgorithmConfig.max_staleness``; None when the samples carry no version (the colocated engine)."""
+        against ``AlgorithmConfig.asynchronous.max_staleness``; None when the samples carry no version (the colocated
+        engine)."""
         if "weight_version" not in batch:
             return None
         lag = (self.policy_version - batch["weight_version"]).float()
         worst = float(lag.max()) if lag.numel() else 0.0
-        if worst > self.algorithm.max_staleness:
+        if worst > self.algorithm.asynchronous.max_staleness:
             raise RuntimeError(
                 f"ActorRole.update: samples are {worst:.0f} updates older than the weights being trained, more than "
-                f"AlgorithmConfig.max_staleness={self.algorithm.max_staleness}. HINT: hand the weights over "
-                "(RLHFModule.sync_rollout_weights) before generating, or raise max_staleness."
+                f"AlgorithmConfig.asynchronous.max_staleness={self.algorithm.asynchronous.max_staleness}. HINT: hand "
+                "the weights over (RLHFModule.sync_rollout_weights) before generating, or raise "
+                "asynchronous.max_staleness."
             )
         return {"staleness_max": worst, "staleness_mean": float(lag.mean()) if lag.numel() else 0.0}
 
@@ -262,7 +264,7 @@ class ActorRole(EpisodesMixin, Role):
             output="logprobs",
             temperature=self.logprob_temperature,
             with_entropy=True,
-            entropy_grad=algo.entropy_coef != 0,  # at 0 the entropy is only reported: no backward through it
+            entropy_grad=algo.loss.entropy_coef != 0,  # at 0 the entropy is only reported: no backward through it
             group_size=self._group_size(micro),
             kernels=self.train_engine.layer.token_kernels(),
         )
@@ -272,22 +274,26 @@ class ActorRole(EpisodesMixin, Role):
         is_metrics: dict[str, Tensor] = {}
         if algo.rollout_is_level != "none" and "rollout_logprobs" in micro:
             weights, is_metrics = rollout_is_weights(
-                old, micro["rollout_logprobs"].to(device), mask, level=algo.rollout_is_level, cap=algo.rollout_is_cap
+                old,
+                micro["rollout_logprobs"].to(device),
+                mask,
+                level=algo.rollout_is_level,
+                cap=algo.asynchronous.rollout_is_cap,
             )
             advantages = advantages * weights  # weights > 0 commute with the clipped losses' max/min
         pg_loss, metrics = compute_policy_loss(
-            algo.policy_loss,
+            algo.loss.policy_loss,
             out["logprobs"],
             old,
             advantages,
             mask,
-            clip_low=algo.clip_ratio_low,
-            clip_high=algo.clip_ratio_high,
-            clip_ratio_c=algo.clip_ratio_c,
+            clip_low=algo.loss.clip_ratio_low,
+            clip_high=algo.loss.clip_ratio_high,
+            clip_ratio_c=algo.loss.clip_ratio_c,
             **agg.loss_kwargs,
         )
         entropy = agg.aggregate(out["entropy"], mask)
-        loss = pg_loss - algo.entropy_coef * entropy
+        loss = pg_loss - algo.loss.entropy_coef * entropy
         report = {
             "pg_loss": agg.report(pg_loss, mask),
             "entropy": agg.report(entropy, mask),
@@ -295,9 +301,9 @@ class ActorRole(EpisodesMixin, Role):
             **is_metrics,
         }
         if use_kl_loss:
-            kl = kl_penalty(out["logprobs"], micro["ref_logprobs"].to(device), estimator=algo.kl_estimator)
+            kl = kl_penalty(out["logprobs"], micro["ref_logprobs"].to(device), estimator=algo.kl.estimator)
             kl_loss = agg.aggregate(kl, mask)
-            loss = loss + algo.kl_coef * kl_loss
+            loss = loss + algo.kl.coef * kl_loss
             report["kl_loss"] = agg.report(kl_loss, mask)
         return loss, report, out["logprobs"].detach()
 
@@ -305,7 +311,7 @@ class ActorRole(EpisodesMixin, Role):
     @role_method(Dispatch.DP_SPLIT)
     def sft_step(self, batch: Batch) -> dict[str, float]:
         """One supervised optimizer step: the cross-entropy of every token whose ``loss_mask`` is 1 given the
-        tokens before it, micro-batched by ``algorithm.micro_batch_size``, as a token mean over the whole batch
+        tokens before it, micro-batched by ``algorithm.batching.micro_batch_size``, as a token mean over the whole batch
         (sum of the token losses of all ranks / their total count), then one clipped AdamW step and one
         scheduler step.
 
@@ -388,7 +394,7 @@ def rollout_is_weights(
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
     elif level != "token":
-        raise ValueError(f"AlgorithmConfig.rollout_is={level!r}: expected 'token' or 'sequence'.")
+        raise ValueError(f"AlgorithmConfig.asynchronous.rollout_is={level!r}: expected 'token' or 'sequence'.")
     raw = torch.exp(log_ratio.clamp(max=20.0))
     weights = raw.clamp(max=cap)
     m = mask.bool()

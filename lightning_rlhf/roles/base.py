@@ -176,7 +176,7 @@ class Role(nn.Module):
     def balances_ranks(self) -> bool:
         """Whether the controller splits this role's ``DP_SPLIT`` rollout batches over ranks by tokens instead of in
         contiguous chunks (read by :func:`~controller.dispatch.role_method`): when its engine has a token budget
-        (``AlgorithmConfig.micro_batch_tokens``)."""
+        (``AlgorithmConfig.batching.micro_batch_tokens``)."""
         return self.train_engine.balances_ranks
 
     @property

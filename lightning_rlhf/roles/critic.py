@@ -38,7 +38,7 @@ class CriticRole(Role):
         self, path: str, *, algorithm: AlgorithmConfig, optim: OptimConfig, prefix: str = "", lora: Any = None
     ) -> None:
         super().__init__(
-            micro_batch_size=algorithm.micro_batch_size, optim=optim, setting="CriticRole(path=...)", lora=lora
+            micro_batch_size=algorithm.batching.micro_batch_size, optim=optim, setting="CriticRole(path=...)", lora=lora
         )
         self.prefix = prefix
         self.path = path
@@ -82,7 +82,7 @@ class CriticRole(Role):
                 micro[f"{prefix}values"].to(device),
                 micro[f"{prefix}returns"].to(device),
                 mask,
-                clip=algo.value_clip,
+                clip=algo.loss.value_clip,
                 agg=agg.mode,
                 num_tokens=agg.num_tokens,
             )
@@ -94,10 +94,10 @@ class CriticRole(Role):
         acc = self.train_engine.train(
             batch,
             loss_fn,
-            aggregation=algo.loss_agg,
+            aggregation=algo.loss.loss_agg,
             count_mask=response_tokens,
-            mini_batch_size=algo.mini_batch_size,
-            epochs=algo.ppo_epochs,
+            mini_batch_size=algo.batching.mini_batch_size,
+            epochs=algo.batching.ppo_epochs,
         )
         self.train_engine.step_scheduler()
         return acc.result(self.name)

@@ -19,7 +19,7 @@ __all__ = ["RolloutRole"]
 
 class RolloutRole(EpisodesMixin, Role):
     """Samples rollouts on ranks that hold no training state: HybridFlow's split of generation from training, and
-    the ground of asynchronous rollouts (``AlgorithmConfig.max_staleness``).
+    the ground of asynchronous rollouts (``AlgorithmConfig.asynchronous.max_staleness``).
 
     ``RLHFModule`` adds it (as ``module.rollout``) when ``RLHFStrategy(placement=...)`` names a ``rollout`` pool.
     Each of its ranks holds one whole engine (the transformers one) built from the actor's configuration, with no

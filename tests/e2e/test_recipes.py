@@ -49,10 +49,10 @@ def substitutes(recipe: str, model: str, tmp_path: Path) -> list[str]:
         "--trainer.strategy.rollout", "hf", "--trainer.strategy.param_dtype", "null",
         "--data.train", gsm8k_like(tmp_path), "--data.chat_template", "false",  # plain prompts, as in the warm start
         "--data.batch_size", "4", "--data.max_prompt_length", "32",  # short prompts keep the test fast
-        "--model.rollout.max_new_tokens", "6", "--model.algorithm.micro_batch_size", "4",
+        "--model.rollout.max_new_tokens", "6", "--model.algorithm.batching.micro_batch_size", "4",
     ]  # fmt: skip
     if recipe == "ppo":  # 4 prompts x 1 sample: two optimizer steps of 2 samples
-        return [*common, *small, "--model.critic", model, "--model.algorithm.mini_batch_size", "2"]
+        return [*common, *small, "--model.critic", model, "--model.algorithm.batching.mini_batch_size", "2"]
     if recipe in ("grpo_gsm8k", "rloo"):
         return [*common, *small, "--model.rollout.n", "2"]
     raise AssertionError(f"recipes/{recipe}.yaml has no test substitutes. HINT: add them to substitutes().")

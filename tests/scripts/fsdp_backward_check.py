@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 import lightning_rlhf.cpu as cpu
 import lightning_rlhf.engines.train.fsdp as fsdp  # the module: its view-copying hook is counted
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.cpu.onednn import plain_linears
 from lightning_rlhf.engines.train import forward_response, sequence_inputs
 from lightning_rlhf.roles import ActorRole, CriticRole
@@ -107,7 +107,7 @@ def make_role(kind: str, path: str) -> Role:
     critic's new value head is the same everywhere)."""
     torch.manual_seed(0)
     optim = OptimConfig(lr=1e-3)
-    algorithm = AlgorithmConfig(micro_batch_size=2 * GROUP)
+    algorithm = AlgorithmConfig(batching=BatchingConfig(micro_batch_size=2 * GROUP))
     role: Role
     if kind.startswith("critic"):
         role = CriticRole(path, algorithm=algorithm, optim=optim)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig, VLLMConfig
+from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, OptimConfig, RolloutConfig, VLLMConfig
 from lightning_rlhf.demo import save_tiny
 from lightning_rlhf.engines.rollout.base import tied_aliases
 from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
@@ -123,7 +123,7 @@ def main() -> None:
         path,
         tokenizer=tok,
         rollout=RolloutConfig(n=4, max_new_tokens=32),
-        algorithm=AlgorithmConfig(micro_batch_size=8),
+        algorithm=AlgorithmConfig(batching=BatchingConfig(micro_batch_size=8)),
         optim=OptimConfig(lr=1e-6),
     )
     actor.load()

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rlhf import (
     AlgorithmConfig,
+    BatchingConfig,
     GRPOModule,
     OptimConfig,
     PromptDataModule,
@@ -58,7 +59,7 @@ def main() -> None:
         reward=addition_reward,
         reward_config=RewardConfig(timeout_s=None),  # in-process: no reward worker processes to start
         rollout=RolloutConfig(n=args.samples, max_new_tokens=4, seed=0),
-        algorithm=AlgorithmConfig(advantage="grpo", micro_batch_size=4),
+        algorithm=AlgorithmConfig(advantage="grpo", batching=BatchingConfig(micro_batch_size=4)),
         actor_optim=OptimConfig(lr=1e-4),
     )
     trainer = L.Trainer(

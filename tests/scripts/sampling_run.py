@@ -19,7 +19,15 @@ import sys
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_rlhf import AlgorithmConfig, GRPOModule, OptimConfig, PromptDataModule, RLHFStrategy, RolloutConfig
+from lightning_rlhf import (
+    AlgorithmConfig,
+    BatchingConfig,
+    GRPOModule,
+    OptimConfig,
+    PromptDataModule,
+    RLHFStrategy,
+    RolloutConfig,
+)
 from lightning_rlhf.demo import addition_dataset, addition_reward
 from lightning_rlhf.roles import ActorRole
 
@@ -50,7 +58,7 @@ def main() -> None:
         args.model,
         reward=addition_reward,
         rollout=RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0),
-        algorithm=AlgorithmConfig(micro_batch_size=8),
+        algorithm=AlgorithmConfig(batching=BatchingConfig(micro_batch_size=8)),
         actor_optim=OptimConfig(lr=args.lr),
     )
     if args.stale:

@@ -18,7 +18,11 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning_rlhf import (
     AlgorithmConfig,
     DAPOModule,
+    EpisodeConfig,
+    FilteringConfig,
     GRPOModule,
+    KLConfig,
+    LossConfig,
     OptimConfig,
     PPOModule,
     PromptDataModule,
@@ -151,10 +155,12 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--mini-batch-size", type=int, default=None)
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--micro-batch-tokens", type=int, default=None, help="AlgorithmConfig.micro_batch_tokens")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="AlgorithmConfig.batching.micro_batch_tokens")
     p.add_argument("--ppo-epochs", type=int, default=1)
     p.add_argument("--kl-coef", type=float, default=0.0)
-    p.add_argument("--max-staleness", type=int, default=0, help="AlgorithmConfig.max_staleness (async rollouts)")
+    p.add_argument(
+        "--max-staleness", type=int, default=0, help="AlgorithmConfig.asynchronous.max_staleness (async rollouts)"
+    )
     p.add_argument("--save-ckpt", default=None, help="save a checkpoint here at the end")
     p.add_argument("--resume", default=None, help="resume from this checkpoint")
     p.add_argument("--wandb", action="store_true")
@@ -205,7 +211,7 @@ def main() -> None:
     common = dict(
         reward=None if tools else hanging_reward(args.out) if args.reward == "hang" else reward,
         reward_config=RewardConfig(timeout_s=args.reward_timeout),
-        rollout=RolloutConfig(n=args.n, max_new_tokens=96, max_turns=3, tool_workers=1, seed=0)
+        rollout=RolloutConfig(n=args.n, max_new_tokens=96, seed=0, episode=EpisodeConfig(max_turns=3, tool_workers=1))
         if tools
         else RolloutConfig(n=args.n, max_new_tokens=5, seed=0),
         validation=ValidationConfig(
@@ -221,7 +227,7 @@ def main() -> None:
             args.model,
             critic=args.model,
             reference=True,
-            algorithm=AlgorithmConfig(advantage="gae", kl_in_reward=True, kl_estimator="k1", **algo_kwargs),
+            algorithm=AlgorithmConfig(advantage="gae", **algo_kwargs, kl=KLConfig(in_reward=True, estimator="k1")),
             critic_optim=OptimConfig(lr=1e-3),
             **common,
         )
@@ -239,7 +245,9 @@ def main() -> None:
         module = DAPOModule(
             args.model,
             algorithm=AlgorithmConfig(
-                dynamic_sampling=True, max_sampling_rounds=2, clip_ratio_high=0.28, **algo_kwargs
+                **algo_kwargs,
+                loss=LossConfig(clip_ratio_high=0.28),
+                filtering=FilteringConfig(dynamic_sampling=True, max_sampling_rounds=2),
             ),
             **common,
         )

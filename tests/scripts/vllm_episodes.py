@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rlhf.agents import Environment
 from lightning_rlhf.agents.rollout import EpisodeRunner
-from lightning_rlhf.config import RolloutConfig, VLLMConfig
+from lightning_rlhf.config import EpisodeConfig, RolloutConfig, VLLMConfig
 from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import SamplingParams
 from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
@@ -56,7 +56,7 @@ def main() -> None:
     rows = [{"prompt": f"{a}+{b}="} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
     report: dict[str, Any] = {"streams": engine.streams_requests}
 
-    runner = EpisodeRunner(OneTurn, tok, RolloutConfig(max_new_tokens=8, max_turns=1))
+    runner = EpisodeRunner(OneTurn, tok, RolloutConfig(max_new_tokens=8, episode=EpisodeConfig(max_turns=1)))
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=8, stop_token_ids=(tok.eos_token_id,), seed=11)
     episodes, _ = runner.run(engine, rows, params, context=None)
     direct = engine.generate([ep.prompt for ep in episodes], params)
@@ -70,7 +70,9 @@ def main() -> None:
     every = tuple(range(int(model.config.vocab_size)))
     multi = {}
     for mode in (True, False):
-        cfg = RolloutConfig(max_new_tokens=4, max_turns=4, max_episode_tokens=200, async_episodes=mode)
+        cfg = RolloutConfig(
+            max_new_tokens=4, episode=EpisodeConfig(max_turns=4, max_episode_tokens=200, async_episodes=mode)
+        )
         runner = EpisodeRunner(ThreeTurns, tok, cfg)
         turn_params = SamplingParams(n=1, temperature=1.0, max_new_tokens=4, stop_token_ids=every, seed=5)
         episodes, _ = runner.run(engine, rows, turn_params, context=None)

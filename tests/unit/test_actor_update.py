@@ -11,8 +11,18 @@ from transformers import AutoTokenizer
 import lightning_rlhf.engines.hybrid as hybrid_module
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.config.settings import flat_names
 from lightning_rlhf.engines.rollout import HFRolloutEngine
 from lightning_rlhf.roles import ActorRole
+
+
+def grouped(flat: dict) -> dict:
+    """``AlgorithmConfig`` keywords for settings given by their flat names (``ppo_epochs`` -> ``batching``)."""
+    groups: dict = {}
+    for key, value in flat.items():
+        group, name = flat_names(AlgorithmConfig)[key]
+        groups.setdefault(group, {})[name] = value
+    return groups
 
 
 def make_actor(path: str, **algo) -> ActorRole:
@@ -21,7 +31,7 @@ def make_actor(path: str, **algo) -> ActorRole:
         path,
         tokenizer=tok,
         rollout=RolloutConfig(n=2),
-        algorithm=AlgorithmConfig(micro_batch_size=3, **algo),
+        algorithm=AlgorithmConfig(**grouped({"micro_batch_size": 3} | algo)),
         optim=OptimConfig(lr=1e-2),
     )
     role.load()

@@ -24,7 +24,7 @@ from lightning_rlhf.agents.env import environment_factory
 from lightning_rlhf.agents.rollout import EpisodeRunner, sample_episodes
 from lightning_rlhf.agents.tokens import check_chat_template
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, RolloutConfig
+from lightning_rlhf.config import AlgorithmConfig, EpisodeConfig, KLConfig, RolloutConfig
 from lightning_rlhf.demo import addition_reward
 from lightning_rlhf.demo.tiny import build_tiny_tokenizer
 from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams
@@ -118,7 +118,9 @@ def run(
 def test_episode_ids_decode_to_the_conversation_the_template_renders(name: str) -> None:
     tok = TOKENIZERS[name]()
     env = ToolEnvironment(tools=[calculator], system_prompt="Use the calculator.")
-    batch, engine = run(tok, env, RolloutConfig(max_new_tokens=128, max_turns=4, async_episodes=False), n=2)
+    batch, engine = run(
+        tok, env, RolloutConfig(max_new_tokens=128, episode=EpisodeConfig(max_turns=4, async_episodes=False)), n=2
+    )
     assert len(batch) == 2 and engine.calls == [2, 2]  # lock-step: each turn, every live episode in one call
     # Each turn the two episodes hold the same tokens (this engine answers alike), so each call reads one prompt
     # and samples n=2 from it.
@@ -152,7 +154,12 @@ def test_lock_step_and_asynchronous_episodes_are_the_same_episodes() -> None:
     env = ToolEnvironment(tools=[calculator])
     done = {}
     for mode in (True, False):
-        batch, _ = run(tok, env, RolloutConfig(max_new_tokens=128, async_episodes=mode), texts=["a", "b", "c"])
+        batch, _ = run(
+            tok,
+            env,
+            RolloutConfig(max_new_tokens=128, episode=EpisodeConfig(async_episodes=mode)),
+            texts=["a", "b", "c"],
+        )
         done[mode] = (batch["responses"], batch["sampled_mask"])
     assert torch.equal(done[True][0], done[False][0]) and torch.equal(done[True][1], done[False][1])
 
@@ -160,11 +167,11 @@ def test_lock_step_and_asynchronous_episodes_are_the_same_episodes() -> None:
 def test_episodes_end_truncated_at_max_turns_and_the_budget() -> None:
     tok = build_tiny_tokenizer()
     env = ToolEnvironment(tools=[calculator])
-    one, _ = run(tok, env, RolloutConfig(max_new_tokens=128, max_turns=1))
+    one, _ = run(tok, env, RolloutConfig(max_new_tokens=128, episode=EpisodeConfig(max_turns=1)))
     assert one["response_truncated"].tolist() == [True] and one["turns"].tolist() == [1]
     assert [m["role"] for m in one["episode"][0]][-1] == "assistant"  # never ends on an observation
     assert one["sampled_mask"][0].sum() == one["response_mask"][0].sum()
-    tight, _ = run(tok, env, RolloutConfig(max_new_tokens=128, max_episode_tokens=100))
+    tight, _ = run(tok, env, RolloutConfig(max_new_tokens=128, episode=EpisodeConfig(max_episode_tokens=100)))
     assert tight["response_truncated"].tolist() == [True] and tight["observation_tokens"].tolist() == [0]
     assert int(tight["response_mask"][0].sum()) <= 100
     cut, _ = run(tok, env, RolloutConfig(max_new_tokens=5))  # the first turn itself is cut: no stop token
@@ -190,7 +197,10 @@ def test_episodes_at_the_context_bound_end_truncated_without_cutting_the_others(
     runner = EpisodeRunner(
         environment_factory(ToolEnvironment(tools=[calculator])),
         tok,
-        RolloutConfig(max_new_tokens=90, max_turns=10, max_episode_tokens=10_000, async_episodes=async_episodes),
+        RolloutConfig(
+            max_new_tokens=90,
+            episode=EpisodeConfig(max_turns=10, max_episode_tokens=10_000, async_episodes=async_episodes),
+        ),
     )
     runner.context = engine.context
     texts = ["1+1", "Please add these numbers for me, then say the sum: " * 3]  # the second is 84 tokens longer
@@ -286,7 +296,7 @@ def test_several_environments_score_all_or_none(tiny_model: str) -> None:
         def reward(self, episode: Episode) -> float:
             return 1.0
 
-    settings = dict(reference=False, algorithm=AlgorithmConfig(kl_coef=0.0))
+    settings = dict(reference=False, algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0)))
     with pytest.raises(ValueError, match=r"\['scored'\] score their episodes \(reward\) and \['plain'\] do not"):
         GRPOModule(tiny_model, environment={"scored": Scored, "plain": ToolEnvironment}, **settings)
     GRPOModule(tiny_model, environment={"a": Scored, "b": Scored}, **settings)  # the environments' reward alone
@@ -330,7 +340,9 @@ def test_a_slow_tool_does_not_hold_the_other_episodes(tmp_path) -> None:
     for mode in (True, False):
         flag.unlink(missing_ok=True)
         engine = ScriptedEngine(tok, script=script)
-        cfg = RolloutConfig(max_new_tokens=128, async_episodes=mode, tool_workers=2, tool_timeout_s=3)
+        cfg = RolloutConfig(
+            max_new_tokens=128, episode=EpisodeConfig(async_episodes=mode, tool_workers=2, tool_timeout_s=3)
+        )
         batch, _ = run(
             tok, ToolEnvironment(tools=[wait_for_the_other, fast]), cfg, texts=["slow", "fast"], engine=engine
         )
@@ -350,8 +362,10 @@ def test_episodes_read_calls_with_the_tokenizers_response_template() -> None:
     batch, _ = run(tok, ToolEnvironment(tools=[calculator]), RolloutConfig(max_new_tokens=128), engine=engine)
     assert [m["content"] for m in batch["episode"][0] if m["role"] == "tool"] == ["1517"]
     assert batch["tool_calls"].tolist() == [1] and batch["turns"].tolist() == [2]
-    hermes, _ = run(tok, ToolEnvironment(tools=[calculator]), RolloutConfig(max_new_tokens=128, tool_parser="hermes"),
-                    engine=ScriptedEngine(tok, script=lambda text: call))  # fmt: skip
+    hermes_cfg = RolloutConfig(max_new_tokens=128, episode=EpisodeConfig(tool_parser="hermes"))
+    hermes, _ = run(
+        tok, ToolEnvironment(tools=[calculator]), hermes_cfg, engine=ScriptedEngine(tok, script=lambda text: call)
+    )
     assert hermes["tool_calls"].tolist() == [0] and hermes["turns"].tolist() == [1]
 
 
@@ -360,7 +374,7 @@ def test_async_tools_answer_episodes_from_their_worker() -> None:
     call = '<tool_call>{"name": "nap", "arguments": {"seconds": 0.05}}</tool_call>'
     engine = ScriptedEngine(tok, script=lambda text: "Up." if "rested" in text else call)
     for mode in (True, False):
-        cfg = RolloutConfig(max_new_tokens=128, async_episodes=mode)
+        cfg = RolloutConfig(max_new_tokens=128, episode=EpisodeConfig(async_episodes=mode))
         batch, _ = run(tok, ToolEnvironment(tools=[nap]), cfg, texts=["a", "b", "c"], engine=engine)
         assert [[m["content"] for m in ep if m["role"] == "tool"] for ep in batch["episode"]] == [["rested"]] * 3
         assert batch["tool_errors"].tolist() == [0] * 3 and (batch["tool_s"] > 0).all()
@@ -418,7 +432,7 @@ def test_a_trl_style_environment_keeps_state_runs_async_methods_and_times_out_a_
         2: '<tool_call>{"name": "audit", "arguments": {"depth": 1}}</tool_call>',
     }
     engine = ScriptedEngine(tok, script=lambda text: turns.get(text.count("</tool_call>"), "Done."))  # calls so far
-    cfg = RolloutConfig(max_new_tokens=128, max_turns=5, tool_timeout_s=3)
+    cfg = RolloutConfig(max_new_tokens=128, episode=EpisodeConfig(max_turns=5, tool_timeout_s=3))
     batch, _ = run(tok, Wallet, cfg, texts=["Spend wisely."], engine=engine)
     episode = batch["episode"][0]
     assert episode[0]["content"].endswith("(balance: 10)")
@@ -449,7 +463,7 @@ def test_environment_mistakes_fail_when_the_module_is_built(tiny_model: str, tmp
     """A tool without type hints, a tokenizer without a chat template and a tool format the tokenizer cannot read are
     refused by the module's constructor (on the controller, before any process or model starts), not by a worker at
     the first rollout."""
-    settings = dict(reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl_coef=0.0))
+    settings = dict(reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0)))
     with pytest.raises(ValueError, match=r"tool '_untyped': its JSON schema cannot be made .* HINT: .*type hint"):
         GRPOModule(tiny_model, environment=ToolEnvironment(tools=[_untyped]), **settings)
     bare = tmp_path / "no_template"
@@ -462,17 +476,17 @@ def test_environment_mistakes_fail_when_the_module_is_built(tiny_model: str, tmp
         GRPOModule(str(bare), environment=ToolEnvironment(tools=[calculator]), **settings)
     with pytest.raises(ValueError, match=r"tool_parser='template'\) reads calls with the tokenizer's response_temp"):
         GRPOModule(
-            tiny_model, environment=ToolEnvironment(tools=[calculator]), rollout=RolloutConfig(tool_parser="template"),
-            **settings,
+            tiny_model, environment=ToolEnvironment(tools=[calculator]),
+            rollout=RolloutConfig(episode=EpisodeConfig(tool_parser="template")), **settings,
         )  # fmt: skip
     GRPOModule(tiny_model, environment=ToolEnvironment(tools=[calculator]), **settings)  # the same, well made
 
 
 def test_rollout_config_refuses_bad_episode_settings() -> None:
     for field, value in [("max_turns", 0), ("tool_timeout_s", 0), ("tool_workers", 0), ("max_episode_tokens", 1)]:
-        with pytest.raises(ValueError, match=rf"RolloutConfig.{field}={value}"):
-            RolloutConfig(**{field: value})
-    assert dataclasses.replace(RolloutConfig(), max_turns=2).max_turns == 2
+        with pytest.raises(ValueError, match=rf"EpisodeConfig.{field}={value}"):
+            RolloutConfig(episode={field: value})
+    assert dataclasses.replace(RolloutConfig(), episode=EpisodeConfig(max_turns=2)).episode.max_turns == 2
 
 
 def test_a_call_samples_n_per_prompt_only_where_every_prompt_has_n_episodes() -> None:

@@ -21,7 +21,7 @@ import pytest
 from lightning_rlhf.agents import Environment, Episode, ToolEnvironment
 from lightning_rlhf.agents.env import environment_factory, environment_reward, with_environment_reward
 from lightning_rlhf.agents.rollout import episode_metrics
-from lightning_rlhf.config import RolloutConfig
+from lightning_rlhf.config import EpisodeConfig, RolloutConfig
 from lightning_rlhf.data import PromptDataModule
 from lightning_rlhf.data.sft import SFTDataModule, encode_chat
 from lightning_rlhf.demo.tiny import build_tiny_tokenizer
@@ -274,7 +274,7 @@ class Stairs(Environment):
 def test_per_turn_rewards_are_added_to_the_episodes_score_that_the_reward_uses() -> None:
     tok = build_tiny_tokenizer()
     engine = ScriptedEngine(tok, script=lambda text: "ok")
-    batch, _ = run(tok, Stairs, RolloutConfig(max_new_tokens=16, max_turns=5), engine=engine)
+    batch, _ = run(tok, Stairs, RolloutConfig(max_new_tokens=16, episode=EpisodeConfig(max_turns=5)), engine=engine)
     assert batch["turn_rewards"] == [[0.25, 0.25, 0.25]] and batch["env_reward"] == [1.75]
     assert episode_metrics(batch)["rollout/turn_rewards/mean"] == 0.75
     reward = with_environment_reward(None, Stairs)  # the module's reward: the environment's component
@@ -315,7 +315,7 @@ def test_tool_errors_are_counted_by_kind_and_the_first_of_each_is_logged(caplog:
         return calls[name][done] if done < len(calls[name]) else "stop"
 
     env = ToolEnvironment(tools=[calculator, sleepy, unreadable, dies])
-    cfg = RolloutConfig(max_new_tokens=128, max_turns=4, tool_timeout_s=2, tool_workers=2)
+    cfg = RolloutConfig(max_new_tokens=128, episode=EpisodeConfig(max_turns=4, tool_timeout_s=2, tool_workers=2))
     with caplog.at_level(logging.WARNING, logger="lightning_rlhf"):
         batch, _ = run(tok, env, cfg, texts=list(calls), engine=ScriptedEngine(tok, script=script))
         metrics = episode_metrics(batch)
@@ -338,7 +338,9 @@ def test_a_cut_result_that_still_overflows_is_counted_and_warned(caplog: pytest.
     tok = build_tiny_tokenizer()
     big = '<tool_call>{"name": "flood", "arguments": {"size": 1000000}}</tool_call>'
     engine = ScriptedEngine(tok, script=lambda text: "Done." if "<|tool|>" in text else big)
-    cfg = RolloutConfig(max_new_tokens=96, max_turns=3, max_episode_tokens=600)  # 2,000 characters will not fit
+    cfg = RolloutConfig(
+        max_new_tokens=96, episode=EpisodeConfig(max_turns=3, max_episode_tokens=600)
+    )  # 2,000 characters will not fit
     with caplog.at_level(logging.WARNING, logger="lightning_rlhf"):
         batch, _ = run(tok, ToolEnvironment(tools=[flood]), cfg, texts=["a", "b"], engine=engine)
         metrics = episode_metrics(batch)

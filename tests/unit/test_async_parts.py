@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lightning_rlhf.controller.controller as controller_module
-from lightning_rlhf import AlgorithmConfig
+from lightning_rlhf import AlgorithmConfig, AsyncConfig, FilteringConfig, KLConfig
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.controller.controller import Controller, WorkerError
 from lightning_rlhf.controller.dispatch import Dispatch, RoleFuture, controller_active, in_background, role_method
@@ -167,17 +167,19 @@ def test_bucket_plan_keeps_order_and_sends_a_large_tensor_alone() -> None:
 
 def test_settings_of_asynchronous_rollouts() -> None:
     assert AlgorithmConfig().rollout_is_level == "none"
-    assert AlgorithmConfig(max_staleness=1).rollout_is_level == "token"
-    assert AlgorithmConfig(max_staleness=1, rollout_is="none").rollout_is_level == "none"
+    assert AlgorithmConfig(asynchronous=AsyncConfig(max_staleness=1)).rollout_is_level == "token"
+    assert AlgorithmConfig(asynchronous=AsyncConfig(max_staleness=1, rollout_is="none")).rollout_is_level == "none"
     with pytest.raises(ValueError, match=r"max_staleness=-1 is invalid: expected an integer >= 0"):
-        AlgorithmConfig(max_staleness=-1)
-    with pytest.raises(ValueError, match=r"max_staleness=1 is invalid: expected 0 with dynamic_sampling=True"):
-        AlgorithmConfig(max_staleness=1, dynamic_sampling=True)
+        AlgorithmConfig(asynchronous=AsyncConfig(max_staleness=-1))
+    with pytest.raises(
+        ValueError, match=r"asynchronous.max_staleness=1 is invalid: expected 0 with filtering.dynamic_sampling=True"
+    ):
+        AlgorithmConfig(filtering=FilteringConfig(dynamic_sampling=True), asynchronous=AsyncConfig(max_staleness=1))
     with pytest.raises(ValueError, match=r"rollout_is='tokens' is invalid"):
-        AlgorithmConfig(rollout_is="tokens")  # type: ignore[arg-type]
+        AlgorithmConfig(asynchronous=AsyncConfig(rollout_is="tokens"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rollout_is_cap=1.0 is invalid: expected a truncation > 1"):
-        AlgorithmConfig(rollout_is_cap=1.0)
-    assert math.isclose(AlgorithmConfig().rollout_is_cap, 2.0)
+        AlgorithmConfig(asynchronous=AsyncConfig(rollout_is_cap=1.0))
+    assert math.isclose(AlgorithmConfig().asynchronous.rollout_is_cap, 2.0)
 
 
 def test_a_background_call_overlaps_the_controllers_own_work() -> None:
@@ -217,7 +219,11 @@ def test_the_pending_rollout_survives_a_weights_only_checkpoint(demo_model: str,
     from lightning_rlhf.demo.task import addition_reward
 
     def module() -> GRPOModule:
-        m = GRPOModule(demo_model, reward=addition_reward, algorithm=AlgorithmConfig(kl_coef=0.0, max_staleness=1))
+        m = GRPOModule(
+            demo_model,
+            reward=addition_reward,
+            algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0), asynchronous=AsyncConfig(max_staleness=1)),
+        )
         prepare_roles(m, ["actor", "reward", "rollout"])
         return m
 
@@ -238,7 +244,7 @@ def test_the_pending_rollout_survives_a_weights_only_checkpoint(demo_model: str,
     assert pending["responses"].tolist() == [[0, 1, 2], [3, 4, 5]] and pending["weight_version"].tolist() == [4, 4]
     assert pending["answer"] == [3, "7"] and pending["prompt"] == ["1+2=", "3+4="] and pending.meta == {"step": 5}
 
-    synchronous = GRPOModule(demo_model, reward=addition_reward, algorithm=AlgorithmConfig(kl_coef=0.0))
+    synchronous = GRPOModule(demo_model, reward=addition_reward, algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0)))
     with pytest.warns(UserWarning, match="this run is synchronous: that rollout is dropped"):
         synchronous.on_load_checkpoint(torch.load(tmp_path / "meta.pt", weights_only=True))
     assert synchronous._pending_rollout is None

@@ -34,7 +34,7 @@ def test_recipe_builds_the_module_strategy_and_export_callback(tiny_model: str) 
     cli = build("--model.actor", tiny_model, "--model.rollout.n", "4", "--trainer.strategy.param_dtype", "bfloat16")
     assert isinstance(cli.model, GRPOModule)
     assert cli.model.rollout_config == RolloutConfig(n=4, temperature=1.0, max_new_tokens=6)  # YAML + override
-    assert cli.model.algorithm.micro_batch_size == 128 and cli.model.algorithm.kl_coef == 0.0
+    assert cli.model.algorithm.batching.micro_batch_size == 128 and cli.model.algorithm.kl.coef == 0.0
     strategy = cli.trainer.strategy
     assert isinstance(strategy, RLHFStrategy) and strategy.param_dtype == torch.bfloat16
     assert any(isinstance(c, ExportActor) for c in cli.trainer.callbacks)  # type: ignore[attr-defined]
@@ -44,9 +44,9 @@ def test_recipe_builds_the_module_strategy_and_export_callback(tiny_model: str) 
 @pytest.mark.parametrize(
     ("class_path", "check"),
     [
-        ("lightning_rlhf.GRPOModule", lambda m: m.algorithm.kl_coef == 0.001 and m.reference is not None),
+        ("lightning_rlhf.GRPOModule", lambda m: m.algorithm.kl.coef == 0.001 and m.reference is not None),
         ("lightning_rlhf.PPOModule", lambda m: m.algorithm.advantage == "gae" and m.rollout_config.n == 1),
-        ("lightning_rlhf.DAPOModule", lambda m: m.algorithm.dynamic_sampling and m.rollout_config.n == 16),
+        ("lightning_rlhf.DAPOModule", lambda m: m.algorithm.filtering.dynamic_sampling and m.rollout_config.n == 16),
         ("lightning_rlhf.RLOOModule", lambda m: m.algorithm.advantage == "rloo"),
     ],
 )
@@ -85,7 +85,7 @@ def test_unknown_key_in_a_recipe_file(capsys: pytest.CaptureFixture[str], tmp_pa
     recipe = tmp_path / "typo.yaml"
     recipe.write_text("model:\n  init_args:\n    algorithm:\n      kl_coeff: 0.1\n")
     message = parse_error(capsys, "--config", str(recipe))
-    assert "AlgorithmConfig has no setting 'kl_coeff'. Did you mean 'model.algorithm.kl_coef'?" in message
+    assert "AlgorithmConfig has no setting 'kl_coeff'. Did you mean 'model.algorithm.kl.coef'?" in message
 
 
 def test_bad_values_are_one_line_errors(capsys: pytest.CaptureFixture[str], tiny_model: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_rlhf.algorithms import LagrangeMultiplier, informative_groups, lagrangian_advantages
-from lightning_rlhf.config import AlgorithmConfig, SafetyConfig
+from lightning_rlhf.config import AlgorithmConfig, FilteringConfig, SafetyConfig
 from lightning_rlhf.data import PromptDataModule
 from lightning_rlhf.demo import addition_cost, addition_dataset
 
@@ -62,7 +62,7 @@ def test_safety_config_errors(kwargs: dict, match: str) -> None:
 
 def test_sampling_rounds_must_be_positive() -> None:
     with pytest.raises(ValueError, match=r"max_sampling_rounds=0 is invalid"):
-        AlgorithmConfig(max_sampling_rounds=0)
+        AlgorithmConfig(filtering=FilteringConfig(max_sampling_rounds=0))
 
 
 def test_extra_prompt_draw_is_seeded_and_leaves_the_epoch_position(tiny_model: str) -> None:

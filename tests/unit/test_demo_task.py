@@ -146,7 +146,7 @@ def test_chat_prompts_train_on_the_embedded_model_as_shipped(
     proc = run_cli(
         "fit", "--config", "recipes/demo.yaml",
         "--data.train", str(data), "--data.messages_column", "messages", "--data.max_prompt_length", "96",
-        "--data.batch_size", "4", "--model.rollout.n", "4", "--model.algorithm.micro_batch_size", "16",
+        "--data.batch_size", "4", "--model.rollout.n", "4", "--model.algorithm.batching.micro_batch_size", "16",
         "--trainer.devices", "1", "--trainer.strategy.rollout", "hf", "--trainer.max_steps", "2",
         "--trainer.logger.init_args.save_dir", str(tmp_path),
     )  # fmt: skip

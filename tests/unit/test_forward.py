@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rlhf.algorithms.functional import logprobs_and_entropy
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, LossConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.train import forward_response, sequence_inputs
 from lightning_rlhf.roles import ActorRole
 
@@ -201,7 +201,7 @@ def test_actor_update_trains_the_entropy_only_when_its_coefficient_is_set(
         tiny_model,
         tokenizer=AutoTokenizer.from_pretrained(tiny_model),
         rollout=RolloutConfig(n=2),
-        algorithm=AlgorithmConfig(micro_batch_size=3, entropy_coef=coef),
+        algorithm=AlgorithmConfig(loss=LossConfig(entropy_coef=coef), batching=BatchingConfig(micro_batch_size=3)),
         optim=OptimConfig(lr=1e-2),
     )
     actor.load()

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 import lightning_rlhf.engines.hybrid as hybrid_module
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import WeightSyncError, check_fingerprints, tensor_fingerprints
 from lightning_rlhf.engines.rollout.reshard import TPSlice, shard_fingerprints
@@ -31,7 +31,7 @@ def _actor(path: str, *, verify_every: int = 1) -> ActorRole:
         path,
         tokenizer=tok,
         rollout=RolloutConfig(n=2, max_new_tokens=4, verify_every=verify_every),
-        algorithm=AlgorithmConfig(micro_batch_size=3),
+        algorithm=AlgorithmConfig(batching=BatchingConfig(micro_batch_size=3)),
         optim=OptimConfig(lr=1e-2),
     )
     actor.load()

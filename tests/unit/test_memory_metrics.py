@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lightning_rlhf import perf
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import HFRolloutEngine
 from lightning_rlhf.engines.train.lora import resolve_lora
 from lightning_rlhf.roles import ActorRole
@@ -61,7 +61,8 @@ def test_the_step_metrics_take_the_other_ranks_peaks_and_the_controllers_own() -
 def actor_with_engine(path: str, lora: object = None) -> ActorRole:
     tok = AutoTokenizer.from_pretrained(path)
     role = ActorRole(
-        path, tokenizer=tok, rollout=RolloutConfig(n=2), algorithm=AlgorithmConfig(micro_batch_size=3),
+        path, tokenizer=tok, rollout=RolloutConfig(n=2),
+        algorithm=AlgorithmConfig(batching=BatchingConfig(micro_batch_size=3)),
         optim=OptimConfig(lr=1e-2), lora=resolve_lora(lora, setting="lora", task_type="CAUSAL_LM"),
     )  # fmt: skip
     role.load()

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.engines.rollout import HFRolloutEngine
 from lightning_rlhf.engines.rollout.base import MEMORY_TAGS, check_prompt_tokens, wake_tags
 from lightning_rlhf.roles import ActorRole
@@ -24,7 +24,7 @@ def _actor_with_engine(path: str) -> ActorRole:
         path,
         tokenizer=tok,
         rollout=RolloutConfig(n=2, max_new_tokens=4),
-        algorithm=AlgorithmConfig(micro_batch_size=2),
+        algorithm=AlgorithmConfig(batching=BatchingConfig(micro_batch_size=2)),
         optim=OptimConfig(lr=1e-2),
     )
     actor.load()

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_rlhf.algorithms import MicroBatchAggregation
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.config import AlgorithmConfig, OptimConfig
+from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, KLConfig, OptimConfig
 from lightning_rlhf.controller.dispatch import (
     BALANCE_KEY,
     ROWS_KEY,
@@ -405,12 +405,12 @@ def test_train_gradients_are_the_same_with_the_token_budget(
 # ---------------------------------------------------------------------------------------------- the setting
 @pytest.mark.parametrize("bad", [0, -5, True, 2.5])
 def test_the_setting_is_validated(bad: Any) -> None:
-    with pytest.raises(ValueError, match=rf"AlgorithmConfig\.micro_batch_tokens={bad!r} is invalid: expected None"):
-        AlgorithmConfig(micro_batch_tokens=bad)
+    with pytest.raises(ValueError, match=rf"BatchingConfig\.micro_batch_tokens={bad!r} is invalid: expected None"):
+        AlgorithmConfig(batching=BatchingConfig(micro_batch_tokens=bad))
     with pytest.raises(ValueError, match=rf"ActorRole\(path=...\): micro_batch_tokens={bad!r} is invalid.*HINT"):
         TrainEngine(micro_batch_size=2, micro_batch_tokens=bad, setting="ActorRole(path=...)")
-    assert AlgorithmConfig(micro_batch_tokens=4096).micro_batch_tokens == 4096
-    assert AlgorithmConfig().micro_batch_tokens is None
+    assert AlgorithmConfig(batching=BatchingConfig(micro_batch_tokens=4096)).batching.micro_batch_tokens == 4096
+    assert AlgorithmConfig().batching.micro_batch_tokens is None
 
 
 def test_the_setting_reaches_every_role_at_setup(tiny_model: str) -> None:
@@ -420,7 +420,10 @@ def test_the_setting_reaches_every_role_at_setup(tiny_model: str) -> None:
 
     reward: Callable[..., list[float]] = lambda prompts, completions, **kw: [0.0] * len(completions)  # noqa: E731
     module = GRPOModule(
-        tiny_model, reward=reward, reference=True, algorithm=AlgorithmConfig(kl_coef=0.01, micro_batch_tokens=512)
+        tiny_model,
+        reward=reward,
+        reference=True,
+        algorithm=AlgorithmConfig(kl=KLConfig(coef=0.01), batching=BatchingConfig(micro_batch_tokens=512)),
     )
     module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     assert not module.actor.balances_ranks

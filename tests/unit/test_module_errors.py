@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_rlhf import AlgorithmConfig, GRPOModule, PPOModule, RLHFModule, RLHFStrategy
+from lightning_rlhf import AlgorithmConfig, GRPOModule, KLConfig, PPOModule, RLHFModule, RLHFStrategy
 from lightning_rlhf.demo import addition_reward
 
 
@@ -26,8 +26,10 @@ def test_missing_critic_and_reward_model_paths(tiny_model: str) -> None:
 
 
 def test_inconsistent_roles(tiny_model: str) -> None:
-    with pytest.raises(ValueError, match=r"kl_coef=0.1 needs a reference policy"):
-        GRPOModule(tiny_model, reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match=r"AlgorithmConfig.kl.coef=0.1 needs a reference policy"):
+        GRPOModule(
+            tiny_model, reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl=KLConfig(coef=0.1))
+        )
     with pytest.raises(ValueError, match=r"advantage='gae' needs a critic"):
         RLHFModule(tiny_model, reward=addition_reward, algorithm=AlgorithmConfig(advantage="gae"))
     with pytest.raises(ValueError, match=r"PPOModule needs a value model"):
@@ -62,7 +64,9 @@ def test_a_run_too_short_for_its_logging_interval_is_told(tiny_model: str, every
 
     import lightning as L
 
-    module = GRPOModule(tiny_model, reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl_coef=0.0))
+    module = GRPOModule(
+        tiny_model, reward=addition_reward, reference=False, algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0))
+    )
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, log_every_n_steps=every, logger=False)
     module.trainer = trainer
     with warnings.catch_warnings(record=True) as seen:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_rlhf import AlgorithmConfig, GRPOModule, PPOModule, RolloutConfig
+from lightning_rlhf import AlgorithmConfig, FilteringConfig, GRPOModule, KLConfig, PPOModule, RolloutConfig
 from lightning_rlhf.algorithms import overlong_reward_penalty
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.demo import addition_reward
@@ -34,7 +34,9 @@ def rollout() -> Batch:
 
 
 def test_overlong_shaping_and_filtering(tiny_model: str) -> None:
-    algo = AlgorithmConfig(advantage="grpo", overlong_buffer=2, overlong_penalty=0.5, mask_truncated=True)
+    algo = AlgorithmConfig(
+        advantage="grpo", filtering=FilteringConfig(overlong_buffer=2, overlong_penalty=0.5, mask_truncated=True)
+    )
     module = GRPOModule(tiny_model, reward=addition_reward, rollout=RolloutConfig(max_new_tokens=4), algorithm=algo)
     metrics: dict[str, float] = {}
     out = module.compute_advantages(rollout(), metrics)
@@ -47,13 +49,13 @@ def test_overlong_shaping_and_filtering(tiny_model: str) -> None:
             tiny_model,
             reward=addition_reward,
             rollout=RolloutConfig(max_new_tokens=4),
-            algorithm=AlgorithmConfig(overlong_buffer=8),
+            algorithm=AlgorithmConfig(filtering=FilteringConfig(overlong_buffer=8)),
         )
 
 
 def test_adaptive_kl_penalty_moves_and_is_checkpointed(tiny_model: str) -> None:
     algo = AlgorithmConfig(
-        advantage="gae", kl_coef=0.1, kl_in_reward=True, kl_estimator="k1", kl_target=0.1, kl_horizon=40
+        advantage="gae", kl=KLConfig(coef=0.1, in_reward=True, estimator="k1", target=0.1, horizon=40)
     )
     module = PPOModule(tiny_model, reward=addition_reward, critic=tiny_model, algorithm=algo)
     batch = rollout()
@@ -74,5 +76,5 @@ def test_adaptive_kl_penalty_moves_and_is_checkpointed(tiny_model: str) -> None:
 
 
 def test_adaptive_kl_needs_a_reward_penalty() -> None:
-    with pytest.raises(ValueError, match=r"kl_target=0\.1 is invalid"):
-        AlgorithmConfig(kl_coef=0.1, kl_target=0.1)  # KL as a loss: nothing to adapt
+    with pytest.raises(ValueError, match=r"KLConfig.target=0\.1 is invalid: expected a KL > 0, with in_reward=True"):
+        AlgorithmConfig(kl=KLConfig(coef=0.1, target=0.1))  # KL as a loss: nothing to adapt

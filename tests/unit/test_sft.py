@@ -149,7 +149,7 @@ def test_sft_command_builds_the_recipe(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.chdir(ROOT)
     cli = SFTCLI(["--config", "recipes/sft_demo.yaml", "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
     assert isinstance(cli.model, SFTModule) and isinstance(cli.datamodule, SFTDataModule)
-    assert cli.model.actor.needs_rollout_engine is False and cli.model.algorithm.micro_batch_size == 64
+    assert cli.model.actor.needs_rollout_engine is False and cli.model.algorithm.batching.micro_batch_size == 64
     assert cli.model.validation_config.before_train
     assert any(isinstance(c, ExportActor) for c in cli.trainer.callbacks)
     assert cli.config.get("ckpt_path") is None

@@ -1,5 +1,5 @@
-"""``AlgorithmConfig.skip_zero_advantage``: the actor's update leaves out samples whose advantages are all 0, and
-takes the same gradients as the update that trains every sample (one process, and two FSDP ranks over gloo)."""
+"""``AlgorithmConfig.batching.skip_zero_advantage``: the actor's update leaves out samples whose advantages are all 0,
+and takes the same gradients as the update that trains every sample (one process, and two FSDP ranks over gloo)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import Tensor
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.config.settings import flat_names
 
 GROUP = 4
 
@@ -40,6 +41,15 @@ def grouped_batch(groups: int, zero_groups: set[int], *, seed: int, vocab: int =
     return batch
 
 
+def grouped(*flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``AlgorithmConfig`` keywords for settings given by their flat names (``kl_coef`` -> ``kl``)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in (item for settings in flat for item in settings.items()):
+        group, name = flat_names(AlgorithmConfig)[key]
+        groups.setdefault(group, {})[name] = value
+    return groups
+
+
 def make_actor(
     path: str, *, skip: bool, micro_batch_tokens: int | None = None, param_dtype: str | None = None, **algo: Any
 ) -> Any:
@@ -51,13 +61,12 @@ def make_actor(
 
     from lightning_rlhf.roles import ActorRole
 
+    batching = {"micro_batch_size": 3, "micro_batch_tokens": micro_batch_tokens, "skip_zero_advantage": skip}
     actor = ActorRole(
         path,
         tokenizer=AutoTokenizer.from_pretrained(path),
         rollout=RolloutConfig(n=GROUP, max_new_tokens=8),
-        algorithm=AlgorithmConfig(
-            micro_batch_size=3, micro_batch_tokens=micro_batch_tokens, skip_zero_advantage=skip, **algo
-        ),
+        algorithm=AlgorithmConfig(**grouped(batching, algo)),
         optim=OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.0),
     )
     actor.load()

@@ -160,7 +160,7 @@ class TrainEngine:
         micro_batch_tokens: None: micro-batches of ``micro_batch_size`` consecutive rows, padded to the batch's
             widths. An integer: rollout batches are packed by :meth:`micro_batches` (rows sorted by length, at most
             ``micro_batch_size`` rows and this many padded tokens each, padding trimmed), and the role's
-            ``DP_SPLIT`` calls balance rows over ranks by tokens (``AlgorithmConfig.micro_batch_tokens``).
+            ``DP_SPLIT`` calls balance rows over ranks by tokens (``AlgorithmConfig.batching.micro_batch_tokens``).
         optim: optimizer settings; None for a frozen model (no optimizer, no ``train``).
         setting: how the user names this role's model in errors, e.g. ``"ActorRole(path=...)"``.
         fused_norms: switch the bound model's Llama-family RMS norms to the layer's fused RMS norm (the CPU
@@ -215,7 +215,7 @@ class TrainEngine:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(
                 f"{self.setting}: micro_batch_tokens={value!r} is invalid: expected None or an integer >= 1. "
-                "HINT: AlgorithmConfig(micro_batch_tokens=...) caps the padded tokens of one forward on a rank, "
+                "HINT: AlgorithmConfig.batching.micro_batch_tokens caps the padded tokens of one forward on a rank, "
                 "e.g. 8192."
             )
         self._micro_batch_tokens = value
@@ -376,7 +376,7 @@ class TrainEngine:
                             f"{self.setting}: the forward's output {key!r} has shape {tuple(value.shape)} for a "
                             f"micro-batch of {len(rows)} rows; with micro_batch_tokens={self._micro_batch_tokens} "
                             "the rows are reordered, so every output needs one row per input row. HINT: return "
-                            "per-row outputs, or set AlgorithmConfig.micro_batch_tokens=None."
+                            "per-row outputs, or set AlgorithmConfig.batching.micro_batch_tokens=None."
                         )
                     parts[key].append(
                         _pad_dim1(value.cpu(), full) if value.dim() >= 2 and value.shape[1] == width else value.cpu()

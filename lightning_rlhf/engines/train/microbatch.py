@@ -162,8 +162,8 @@ def plan_micro_batches(lengths: Lengths, *, max_rows: int, max_tokens: int) -> l
 
     Args:
         lengths: per row, its length (int) or its segment lengths (tuple).
-        max_rows: rows per micro-batch at most (``AlgorithmConfig.micro_batch_size``).
-        max_tokens: padded tokens per micro-batch at most (``AlgorithmConfig.micro_batch_tokens``).
+        max_rows: rows per micro-batch at most (``AlgorithmConfig.batching.micro_batch_size``).
+        max_tokens: padded tokens per micro-batch at most (``AlgorithmConfig.batching.micro_batch_tokens``).
     """
     if max_rows < 1:
         raise ValueError(f"plan_micro_batches: max_rows={max_rows} must be >= 1. HINT: micro_batch_size >= 1.")
