@@ -33,6 +33,7 @@ def verify_main(path: str, out: str) -> None:
     from transformers import AutoTokenizer
 
     from lightning_rlhf.config import RolloutConfig
+    from lightning_rlhf.cpu import CPULayer
     from lightning_rlhf.engines.rollout import WeightSyncError, make_rollout_engine
     from lightning_rlhf.engines.rollout.base import check_fingerprints
     from lightning_rlhf.engines.rollout.reshard import shard_fingerprints
@@ -45,7 +46,7 @@ def verify_main(path: str, out: str) -> None:
     )
     engine = make_rollout_engine(
         "vllm", path=path, model=model, tokenizer=tok, rollout=RolloutConfig(n=1), vllm=config,
-        device=torch.device("cpu"), dtype=torch.float32, max_model_len=max_len,
+        device=torch.device("cpu"), dtype=torch.float32, max_model_len=max_len, layer=CPULayer(),
     )  # fmt: skip
     expected = shard_fingerprints(model, dtype=torch.float32)
     ranges = {name: rows for name, (rows, _) in expected.items()}
