@@ -46,6 +46,15 @@ from lightning_rlhf.roles.base import check_pretrained
 __all__ = ["RLHFModule"]
 
 
+_HANDOFF_METRICS = (
+    "timing_s/update_weights",
+    "perf/weight_sync_bytes",
+    "perf/weight_sync_gathered_bytes",
+    "perf/weight_verify_s",
+)
+"""The hand-off's metrics a rollout generated on the rollout pool carries in its ``meta`` (as the actor's do)."""
+
+
 class RLHFModule(L.LightningModule):
     """Four roles (actor, critic, reference, reward) and the helpers an RL dataflow needs.
 
@@ -255,10 +264,7 @@ class RLHFModule(L.LightningModule):
             return self.actor.generate(batch, **kwargs)
         handoff = self.sync_rollout_weights()
         out = rollout.generate(batch, **kwargs)
-        keys = ("timing_s/update_weights", "perf/weight_sync_bytes", "perf/weight_sync_gathered_bytes")
-        for key in (*keys, "perf/weight_verify_s"):
-            if key in handoff:
-                out.meta[key] = handoff[key]
+        out.meta |= {key: handoff[key] for key in _HANDOFF_METRICS if key in handoff}
         return out
 
     _pending_rollout: Batch | None = None

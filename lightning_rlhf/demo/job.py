@@ -120,62 +120,31 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
+    from lightning_rlhf import config as C
     from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
-    from lightning_rlhf.config import (
-        AlgorithmConfig,
-        AsyncConfig,
-        BatchingConfig,
-        EpisodeConfig,
-        FilteringConfig,
-        KLConfig,
-        LossConfig,
-        OptimConfig,
-        RolloutConfig,
-        SafetyConfig,
-        ValidationConfig,
-    )
     from lightning_rlhf.data import PromptDataModule
-    from lightning_rlhf.demo.task import addition_cost, addition_reward, addition_splits
+    from lightning_rlhf.demo.task import addition_reward
     from lightning_rlhf.strategy import RLHFStrategy
 
     module_cls, advantage = _algorithms()[args.algo]
     tools = args.task == "tools"
-    if tools and args.algo == "safe":
-        raise SystemExit("--task tools --algo safe: the tool task has no cost function. HINT: another --algo.")
-    extra: dict[str, Any] = {}
-    settings: dict[str, Any] = {}
-    sampling = {"n": args.n, "temperature": 1.0, "seed": args.seed, "decode": args.decode}
-    if args.algo == "ppo":  # the critic starts from the actor's backbone with a fresh value head
-        extra = {"critic": model_path, "critic_optim": OptimConfig(lr=args.lr * 2, warmup_steps=args.warmup)}
-    if args.algo == "dapo":  # clip-higher and dynamic sampling; no overlong shaping at 6 new tokens
-        settings = {"loss": LossConfig(clip_ratio_high=0.28), "filtering": FilteringConfig(dynamic_sampling=True)}
-    if args.algo == "safe":  # answers with a 7 are "unsafe": at most 2% of responses may write one
-        extra = {"cost": addition_cost, "safety": SafetyConfig(cost_limit=0.02, lambda_init=0.5, lambda_lr=0.5)}
-    if tools:  # multi-turn episodes: the environment runs the calculator and scores the final answer
-        from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
-
-        extra |= {"environment": CalculatorEnvironment}
-        rollout = RolloutConfig(
-            **sampling, max_new_tokens=TOOL_TURN_TOKENS, episode=EpisodeConfig(max_turns=3, tool_workers=1)
-        )
-        splits = tool_splits()
-    else:
-        rollout = RolloutConfig(**sampling, max_new_tokens=6)
-        splits = addition_splits()  # the same 20 held-out prompts as the warm start left out
+    extra, settings, rollout, splits = _choices(args, model_path)
     module = module_cls(
         model_path,
         reward=None if tools else addition_reward,
         reference=False,
         rollout=rollout,
-        algorithm=AlgorithmConfig(
+        algorithm=C.AlgorithmConfig(
             advantage=advantage,
-            kl=KLConfig(coef=0.0),
-            batching=BatchingConfig(micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens),
-            asynchronous=AsyncConfig(max_staleness=args.max_staleness),
+            kl=C.KLConfig(coef=0.0),
+            batching=C.BatchingConfig(
+                micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens
+            ),
+            asynchronous=C.AsyncConfig(max_staleness=args.max_staleness),
             **settings,
         ),
-        actor_optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
-        validation=ValidationConfig(before_train=True),  # greedy answers to the held-out prompts, before RL
+        actor_optim=C.OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
+        validation=C.ValidationConfig(before_train=True),  # greedy answers to the held-out prompts, before RL
         attn_implementation=args.attn_implementation,
         lora={"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank} if args.lora_rank else None,
         **extra,
@@ -205,6 +174,38 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         check_val_every_n_epoch=None,
     )
     return module, data, trainer
+
+
+def _choices(args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
+    """What ``--algo`` and ``--task`` choose: the module's extra arguments, the algorithm's setting groups, the
+    rollout settings and the data splits. Runs on: every process."""
+    from lightning_rlhf import config as C
+    from lightning_rlhf.demo.task import addition_cost, addition_splits
+
+    tools = args.task == "tools"
+    if tools and args.algo == "safe":
+        raise SystemExit("--task tools --algo safe: the tool task has no cost function. HINT: another --algo.")
+    extra: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    sampling = {"n": args.n, "temperature": 1.0, "seed": args.seed, "decode": args.decode}
+    if args.algo == "ppo":  # the critic starts from the actor's backbone with a fresh value head
+        extra = {"critic": model_path, "critic_optim": C.OptimConfig(lr=args.lr * 2, warmup_steps=args.warmup)}
+    if args.algo == "dapo":  # clip-higher and dynamic sampling; no overlong shaping at 6 new tokens
+        settings = {"loss": C.LossConfig(clip_ratio_high=0.28), "filtering": C.FilteringConfig(dynamic_sampling=True)}
+    if args.algo == "safe":  # answers with a 7 are "unsafe": at most 2% of responses may write one
+        extra = {"cost": addition_cost, "safety": C.SafetyConfig(cost_limit=0.02, lambda_init=0.5, lambda_lr=0.5)}
+    if tools:  # multi-turn episodes: the environment runs the calculator and scores the final answer
+        from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
+
+        extra |= {"environment": CalculatorEnvironment}
+        rollout = C.RolloutConfig(
+            **sampling, max_new_tokens=TOOL_TURN_TOKENS, episode=C.EpisodeConfig(max_turns=3, tool_workers=1)
+        )
+        splits = tool_splits()
+    else:
+        rollout = C.RolloutConfig(**sampling, max_new_tokens=6)
+        splits = addition_splits()  # the same 20 held-out prompts as the warm start left out
+    return extra, settings, rollout, splits
 
 
 def plot_reward(
