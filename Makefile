@@ -82,10 +82,14 @@ bench-tools-vs-trl: setup $(TRL_VENV)/.installed  ## Episodes/s on the tool task
 	$(BIN)/python benchmarks/vs_trl/bench_tools.py --trl-python $(TRL_VENV)/bin/python $(BENCH_ARGS)
 
 .PHONY: gpu-wheels
-gpu-wheels:  ## Wheels a lent GPU machine lacks (datasets, TRL) into .whl/ for benchmarks/gpu_check.sh
+gpu-wheels:  ## Wheels a lent GPU machine lacks (datasets, TRL; matplotlib in .whl/plots) into .whl/ for benchmarks/gpu_check.sh
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 trl==1.16.0
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl/plots matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 \
+		pyparsing==3.3.3 pillow==13.0.0 python-dateutil==4.0.0 six==1.17.0
 
 .PHONY: bench-scaling
 bench-scaling: setup $(TRL_VENV)/.installed  ## How cost grows vs TRL: prompts 16-256, 4 model sizes (~30 min; BENCH_ARGS="--quick")

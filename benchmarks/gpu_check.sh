@@ -10,11 +10,20 @@
 #      (bf16, fp32) and the 100M model (bf16);
 #   6. LoRA (issue 34) against full fine-tuning on the 100M model, bf16, a KL term (the reference: its own copy, or
 #      the base with adapters off): peak GPU memory and step time of each.
+#   7. handoff (issue 44): every weight hand-off on CUDA fingerprinted (FSDP2 -> transformers engine, bf16), a lost
+#      tensor failing its step; the check's share of the step;
+#   8. learn (issue 44): the demo with transformers' generate in bf16, 100 steps, gain >= 0.3.
+# PARTS="handoff learn" (names: tests profile tools bench lora handoff learn) runs only those; all by default.
 # Every part has its own time limit; logs and tables go to $OUT (the device tool's folder), or ./gpu_out.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
+PARTS=${PARTS:-tests profile tools bench lora handoff learn}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if ! python3 -c "import matplotlib" 2>/dev/null; then  # the demo's plots
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/plots/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, lightning, datasets, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'trl', trl.__version__)"
@@ -24,24 +33,38 @@ step() {  # step NAME SECONDS COMMAND...: run, print the exit code and the time,
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - t0 )) s"
 }
-step gpu_tests 170 python3 -m pytest -q tests/gpu -p no:cacheprovider
-tail -3 "$OUT/gpu_tests.txt"
+if want tests; then
+  step gpu_tests 170 python3 -m pytest -q tests/gpu -p no:cacheprovider --deselect tests/gpu/test_gpu_learns.py
+  tail -3 "$OUT/gpu_tests.txt"
+fi
+if want handoff; then
+  step gpu_handoff 120 python3 -m pytest -q tests/gpu/test_gpu_handoff.py -p no:cacheprovider --basetemp=/tmp/pt_handoff
+  tail -3 "$OUT/gpu_handoff.txt"
+  python3 benchmarks/verify_share.py /tmp/pt_handoff/*/metrics.csv | tee "$OUT/handoff_verify_share.txt"
+fi
+if want learn; then
+  step gpu_learn 260 python3 -m pytest -q tests/gpu/test_gpu_learns.py -p no:cacheprovider --basetemp=/tmp/pt_learn
+  tail -3 "$OUT/gpu_learn.txt"
+  for f in /tmp/pt_learn/*/runs/*/*/metrics.csv; do cp "$f" "$OUT/learn_metrics.csv"; done
+  python3 benchmarks/verify_share.py "$OUT/learn_metrics.csv" | tee "$OUT/learn_verify_share.txt"
+fi
+want profile || want tools || want bench || want lora || exit 0
 MODEL=$(python3 -c "from lightning_rlhf.demo import prepare_demo_model; print(prepare_demo_model('/tmp/cache'))" 2>/dev/null | tail -1)
-step ppo_profile 90 python3 tests/scripts/train.py --model "$MODEL" --out /tmp/ppo --accelerator gpu --devices 1 \
+want profile && step ppo_profile 90 python3 tests/scripts/train.py --model "$MODEL" --out /tmp/ppo --accelerator gpu --devices 1 \
   --bf16 --algo ppo --n 1 --steps 4 --kl-coef 0.01 --profile-step 2
 cp /tmp/ppo/profile_rank0.txt /tmp/ppo/metrics.csv "$OUT/" 2>/dev/null
 head -20 "$OUT/profile_rank0.txt" 2>/dev/null
 TOOLS=$(python3 -c "from lightning_rlhf.demo.warmstart import prepare_tool_model; print(prepare_tool_model('/tmp/cache'))" 2>/dev/null | tail -1)
-step tool_episodes 120 python3 tests/scripts/train.py --model "$TOOLS" --out /tmp/tools --accelerator gpu --devices 1 \
+want tools && step tool_episodes 120 python3 tests/scripts/train.py --model "$TOOLS" --out /tmp/tools --accelerator gpu --devices 1 \
   --bf16 --task tools --rollout hf --prompts 16 --n 8 --micro-batch-size 32 --steps 4
 cp /tmp/tools/metrics.csv "$OUT/tool_episodes_metrics.csv" 2>/dev/null
 python3 -c "import csv; r=list(csv.DictReader(open('/tmp/tools/metrics.csv')))[-1]; print({k: r[k] for k in r if k.startswith(('timing_s/step', 'timing_s/gen', 'rollout/turns', 'rollout/tool_calls', 'critic/score'))})" 2>/dev/null
 BENCH=(python3 benchmarks/vs_trl/bench.py --accelerator gpu --trl-python "$(command -v python3)" --configs hf1
   --ref no --repeats 1 --steps 8 --quiet-wait 3 --timeout 80)
-step bench_small 200 "${BENCH[@]}" --models small --precisions bf16,fp32 --out-dir /tmp/b1
-step bench_m100 130 "${BENCH[@]}" --models m100 --precisions bf16 --out-dir /tmp/b2
+want bench && step bench_small 200 "${BENCH[@]}" --models small --precisions bf16,fp32 --out-dir /tmp/b1
+want bench && step bench_m100 130 "${BENCH[@]}" --models m100 --precisions bf16 --out-dir /tmp/b2
 tail -c 1500 "$OUT/bench_small.txt"; tail -c 800 "$OUT/bench_m100.txt"
-for run in full lora; do
+want lora && for run in full lora; do
   extra=(); [ "$run" = lora ] && extra=(--lora-rank 16)
   step "lora_$run" 60 python3 tests/scripts/train.py --model "$HOME/.cache/lightning_rlhf/vs_trl/m100" --out "/tmp/lora_$run" --accelerator gpu \
     --devices 1 --bf16 --kl-coef 0.05 --steps 6 --prompts 16 --n 4 --micro-batch-size 16 "${extra[@]}"

@@ -155,7 +155,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     placement = demo_placement(args.placement, list(module.roles()), args.devices)
     run_name = "demo-tools" if tools else "demo"
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=RLHFStrategy(
             args.rollout,  # auto: vLLM when installed, on every placement
@@ -274,7 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="addition: single-digit sums in one turn; tools: three-digit sums in multi-turn episodes with a "
         "calculator tool (lightning_rlhf.demo.tool_task)",
     )
-    parser.add_argument("--devices", type=int, default=2, help="worker processes (CPU)")
+    parser.add_argument(
+        "--accelerator",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="where the roles train: cpu (worker processes), gpu (one process per GPU; the transformers engine "
+        "where vLLM's GPU build is not installed)",
+    )
+    parser.add_argument("--devices", type=int, default=2, help="worker processes (CPU) or GPUs")
     parser.add_argument(
         "--rollout",
         choices=["auto", "vllm", "hf"],

@@ -96,6 +96,24 @@ class SignalActor(ActorRole):
         return super().update(batch)
 
 
+HANDOFF_DROPPED = "model.layers.0.mlp.down_proj.weight"
+
+
+def lose_one_tensor_in_hand_offs() -> None:
+    """From the second weight hand-off on, :data:`HANDOFF_DROPPED` reaches the rollout engine under its own name but
+    as zeros: only its data is lost, which the hand-off's fingerprint check must report at that step."""
+    import lightning_rlhf.engines.hybrid as hybrid
+
+    real, calls = hybrid.weights_for, [0]
+
+    def weights_for(*args, **kwargs):
+        calls[0] += 1
+        for name, tensor in real(*args, **kwargs):
+            yield name, torch.zeros_like(tensor) if calls[0] >= 2 and name == HANDOFF_DROPPED else tensor
+
+    hybrid.weights_for = weights_for
+
+
 def kill_during_save(rank: int) -> None:
     """Rank ``rank`` SIGKILLs itself right after writing its checkpoint shards, before the save completes."""
     import signal as signal_module
@@ -167,7 +185,12 @@ def main() -> None:
     p.add_argument("--checkpoint-callback", action="store_true")
     p.add_argument("--ux-callbacks", action="store_true", help="progress bar, summary, plots, sample rollouts")
     p.add_argument("--samples-every", type=int, default=2, help="RolloutSamples(every_n_steps=...)")
-    p.add_argument("--fault", choices=["none", "reward", "actor_update"], default="none")
+    p.add_argument(
+        "--fault",
+        choices=["none", "reward", "actor_update", "handoff"],
+        default="none",
+        help="handoff: from the 2nd weight hand-off on, one tensor arrives as zeros (the check must fail the step)",
+    )
     p.add_argument("--error-timeout", type=float, default=10.0)
     p.add_argument("--profile-step", type=int, default=-1, help="torch.profiler op table of this step, every rank")
     p.add_argument("--val-every", type=int, default=0, help="validate every N steps on a separate set (0: none)")
@@ -195,6 +218,8 @@ def main() -> None:
         print(f"[train.py] rank {os.environ.get('LOCAL_RANK', '0')} pid {os.getpid()}", flush=True)
     if args.kill_during_save is not None:
         kill_during_save(args.kill_during_save)
+    if args.fault == "handoff":
+        lose_one_tensor_in_hand_offs()
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
