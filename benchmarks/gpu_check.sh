@@ -40,7 +40,11 @@ fi
 if want handoff; then
   step gpu_handoff 120 python3 -m pytest -q tests/gpu/test_gpu_handoff.py -p no:cacheprovider --basetemp=/tmp/pt_handoff
   tail -3 "$OUT/gpu_handoff.txt"
-  python3 benchmarks/verify_share.py /tmp/pt_handoff/*/metrics.csv | tee "$OUT/handoff_verify_share.txt"
+  python3 benchmarks/verify_share.py /tmp/pt_handoff/*0/metrics.csv | tee "$OUT/handoff_verify_share.txt"
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks/vs_trl'); import bench; bench.build_models('/tmp/vs_trl', ['m100'])"
+  step handoff_m100 120 python3 tests/scripts/train.py --model /tmp/vs_trl/m100 --out /tmp/handoff_m100 --accelerator gpu \
+    --devices 1 --bf16 --rollout hf --steps 6 --prompts 16 --n 4 --micro-batch-size 16
+  python3 benchmarks/verify_share.py /tmp/handoff_m100/metrics.csv | tee -a "$OUT/handoff_verify_share.txt"
 fi
 if want learn; then
   step gpu_learn 260 python3 -m pytest -q tests/gpu/test_gpu_learns.py -p no:cacheprovider --basetemp=/tmp/pt_learn

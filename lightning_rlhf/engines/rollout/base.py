@@ -261,22 +261,10 @@ def fingerprint_ranges(start: int, stop: int, *, one_dim: bool) -> RowRanges:
 
 def range_pieces(rows: Tensor, ranges: RowRanges, offset: int = 0) -> tuple[list[Tensor], list[int]]:
     """The values of row ranges ``ranges`` of ``rows`` (shifted by ``offset``) as flat pieces, and the length of each
-    range's values: consecutive single rows are read in one indexing. For :func:`part_sums`. Runs on: worker."""
-    pieces: list[Tensor] = []
-    lengths: list[int] = []
-    singles: list[int] = []
-    for a, b in [*ranges, (0, 0)]:  # (0, 0): flushes the last single rows
-        if b - a == 1:
-            singles.append(a + offset)
-            continue
-        if singles:
-            pieces.append(rows[singles].reshape(-1))
-            lengths += [rows.shape[1]] * len(singles)
-            singles = []
-        if b > a:
-            pieces.append(rows[a + offset : b + offset].reshape(-1))
-            lengths.append((b - a) * rows.shape[1])
-    return pieces, lengths
+    range's values, for :func:`part_sums`. Each piece is a slice, a view of ``rows`` (no copy, no index tensor sent to
+    the device: on a GPU a list index costs a host-to-device copy per tensor). Runs on: worker."""
+    pieces = [rows[a + offset : b + offset].reshape(-1) for a, b in ranges if b > a]
+    return pieces, [(b - a) * rows.shape[1] for a, b in ranges if b > a]
 
 
 def part_sums(
