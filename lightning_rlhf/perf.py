@@ -447,6 +447,13 @@ def _rusage_peak_gb() -> float:
     return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
 
 
+def device_wait() -> None:
+    """Wait until the accelerator has run the work queued so far (nothing on a CPU): a timer read after it counts
+    that work, e.g. a weight hand-off's asynchronous device copies. Runs on: any process."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def counted_bytes(stream: Iterator[tuple[str, Tensor]], count: list[int]) -> Iterator[tuple[str, Tensor]]:
     """``stream`` unchanged, adding each tensor's bytes to ``count[0]`` as it passes (what a weight hand-off hands
     an engine: ``perf/weight_sync_bytes``; a resharded weight counts the slice it holds, its ``held_bytes``). Runs

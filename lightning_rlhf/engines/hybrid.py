@@ -250,6 +250,7 @@ class HybridEngine:
             engine.load_weights(perf.counted_bytes(tapped, taken))
         self.engine_bytes = taken[0]
         self.engine_version = self.weights_version
+        perf.device_wait()  # the hand-off's device copies count as its own seconds, not the check's
         seconds = time.perf_counter() - t0 - self.wait_s
         self.verify(expected if lora else None)
         return seconds, received[0]
@@ -377,6 +378,7 @@ class HybridEngine:
         if header.send:
             self.engine_version = header.version
         if header.fingerprints and getattr(engine, "fingerprint", None) is not None:
+            perf.device_wait()
             start = time.perf_counter()
             _check(engine, header.fingerprints)
             self.verify_s = time.perf_counter() - start

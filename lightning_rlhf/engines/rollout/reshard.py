@@ -297,7 +297,7 @@ def shard_fingerprints(
     pieces: list[Tensor] = []
     lengths: list[int] = []
     for name, param in model.named_parameters():
-        shape, data = tuple(param.shape), param.detach()
+        shape, data = tuple(param.shape), param  # read under no_grad: a DTensor's detach costs a dispatch per tensor
         shard = row_shard(name, data, positions)
         if shard is not None:
             rows, first = as_rows(shard.local), shard.rank * shard.chunk_rows
