@@ -1,18 +1,9 @@
 """Tool calls in worker processes, each with a timeout, that never crash or stall a rollout.
 
-The rollout's process (a trainer rank, or an engine server's client) runs vLLM, gloo and OpenMP threads, so a tool
-never runs in it and it is never forked: tools run in tool workers, the reward workers' program
-(:mod:`lightning_rlhf.rewards.pool`) serving a mapping of tool names to functions. Each of ``num_workers`` threads
-owns one worker; :meth:`ToolExecutor.submit` hands a call to a free thread and returns at once with a future, so an
-episode whose observation is ready goes on while another's tool still runs.
-
-``async def`` tools (an HTTP client, a sandbox, a judge) run in one more worker of their own, whose event loop runs
-every call at once as it arrives (:func:`lightning_rlhf.rewards.pool._serve_coroutines`): their calls do not wait for
-a free worker, and a client or semaphore made at their module's level is shared by all of them.
-
-A tool that raises, returns something with no text form, hangs past ``timeout_s`` or kills its process gives an
-error observation (the worker is replaced; a coroutine past its timeout is cancelled); the result says which, for the
-rollout's counters.
+Tools run in tool workers, the reward workers' program (:mod:`lightning_rlhf.rewards.pool`) serving a mapping of
+tool names to functions: one worker per executor thread, and one more whose event loop runs every ``async def``
+tool call at once (docs/architecture.md). A tool that raises, returns something with no text form, hangs past
+``timeout_s`` or kills its process gives an error observation (the worker is replaced); the result says which.
 """
 
 from __future__ import annotations
@@ -221,11 +212,6 @@ class ToolExecutor:
     ) -> None:
         import cloudpickle
 
-        if not timeout_s > 0 or num_workers < 1:
-            raise ValueError(
-                f"ToolExecutor(timeout_s={timeout_s}, num_workers={num_workers}): both must be positive. HINT: "
-                "RolloutConfig(episode=EpisodeConfig(tool_timeout_s=10, tool_workers=4))."
-            )
         coroutines = {name: fn for name, fn in functions.items() if inspect.iscoroutinefunction(fn)}
         plain = {name: fn for name, fn in functions.items() if name not in coroutines}
         try:
@@ -237,20 +223,15 @@ class ToolExecutor:
                 f"{type(err).__name__}: {err}. HINT: create clients, locks and models inside the tool function (or "
                 "in a module it imports) rather than capturing them."
             ) from err
-        self.names = sorted(functions)
         self.timeout_s = timeout_s
         self.max_chars = max_chars
         self._payload = worker_payload("tool", fn_bytes, next(iter(plain.values()), None))
-        self._coroutines = (
-            _CoroutineWorker(
-                worker_payload("async-tool", coroutine_bytes, next(iter(coroutines.values()))),
-                names=set(coroutines),
-                timeout_s=timeout_s,
-                max_chars=max_chars,
+        self._coroutines: _CoroutineWorker | None = None
+        if coroutines:
+            payload = worker_payload("async-tool", coroutine_bytes, next(iter(coroutines.values())))
+            self._coroutines = _CoroutineWorker(
+                payload, names=set(coroutines), timeout_s=timeout_s, max_chars=max_chars
             )
-            if coroutines
-            else None
-        )
         self.num_workers = num_workers if plain else 0
         """Worker processes of the plain tools (the ``async def`` ones share one more)."""
         self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="lightning-rlhf-tool")

@@ -1,21 +1,11 @@
 """Tool calls in a model's text: the formats chat templates write them in, and a registry for more.
 
-A parser turns one assistant turn's text into its prose and its calls. A malformed call (text between the tags
-that is not JSON, a call without a ``name``, arguments that are not an object) is kept as a :class:`ToolCall` with
-its ``error`` set, so that the environment can answer it with an observation that says what was wrong instead of
-ignoring it or crashing.
-
-The default format is Hermes' (Qwen2/2.5/3, NousResearch, and the demo's tool template)::
-
-    <tool_call>
-    {"name": "calculator", "arguments": {"expression": "37 * 41"}}
-    </tool_call>
-
-Another format is a function registered under a name (:func:`register_tool_parser`) and chosen with
-``RolloutConfig(tool_parser=NAME)``. A tokenizer that carries a ``response_template`` (transformers' own description of
-how its model writes replies and calls: Gemma 4 repositories ship one, TRL's ``add_response_schema`` sets them for
-the templates it knows) is read by transformers' ``parse_response`` (:func:`parse_with_template`): that is
-``tool_parser="template"``, and what ``"auto"``, the default, picks whenever the tokenizer has one (else Hermes).
+A parser turns one assistant turn's text into its prose and its calls. A malformed call (not JSON, no ``name``,
+arguments that are not an object) is kept as a :class:`ToolCall` with its ``error`` set, so that the environment
+answers it with an observation that says what was wrong. The default format is Hermes'
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Qwen2/2.5/3, NousResearch); ``"template"`` reads a
+tokenizer's ``response_template`` with transformers' ``parse_response``, and ``"auto"`` picks it when the tokenizer
+has one. Formats and the registry: docs/agents.md.
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ __all__ = [
     "parse_with_template",
     "register_tool_parser",
     "resolve_tool_parser",
-    "tool_parsers",
 ]
 
 
@@ -48,11 +37,6 @@ class ToolCall:
     arguments: dict[str, Any] = field(default_factory=dict)
     raw: str = ""
     error: str | None = None
-
-    def as_message_call(self) -> dict[str, Any]:
-        """The call as a chat message's ``tool_calls`` entry (the shape transformers' chat templates render).
-        Runs on: any process."""
-        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
@@ -159,17 +143,12 @@ def register_tool_parser(name: str, parser: ToolParser) -> None:
     _PARSERS[name] = parser
 
 
-def tool_parsers() -> list[str]:
-    """The registered format names. Runs on: any process."""
-    return sorted(_PARSERS)
-
-
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered as ``name``. Runs on: any process. Raises ValueError naming the known formats."""
     if name not in _PARSERS:
         raise ValueError(
             f"RolloutConfig(tool_parser={name!r}) is not a registered format (known: 'auto', 'template', "
-            f"{', '.join(map(repr, tool_parsers()))}). HINT: "
+            f"{', '.join(map(repr, sorted(_PARSERS)))}). HINT: "
             "register yours with lightning_rlhf.agents.register_tool_parser(name, parser)."
         )
     return _PARSERS[name]

@@ -1,22 +1,8 @@
 """Multi-turn episodes: each turn, the live episodes generate in one engine call; their tool calls run in tool
-workers; an episode goes on as soon as its observation is ready.
-
-Token in, token out: an episode's ids are its prompt's (the first messages rendered once by the chat template, with
-the tools' schemas), then each turn's ids exactly as the engine sampled them, then each observation's ids
-(:class:`~lightning_rlhf.agents.tokens.ChatDelta`). The conversation is never tokenized again from text.
-``sampled_mask`` is 1 on sampled tokens only (the loss counts them, :func:`~lightning_rlhf.batch.sampled_mask`);
-``response_mask`` is 1 on every token of the episode after the prompt
-(the model attends to the observations); ``rollout_logprobs`` is the engine's on sampled tokens, 0 elsewhere.
-
-An episode ends when the model answers without a tool call (or the environment says done), or, flagged as
-truncated, when a turn hits its token limit, ``RolloutConfig.episode.max_turns`` turns have called tools, or the next
-observation would not fit the episode's budget (``max_episode_tokens``) or the model's context. An episode never
-ends on an observation: the reward's last token is a sampled one.
-
-Scheduling (``RolloutConfig.episode.async_episodes``): asynchronous (default), each engine call takes every episode
-whose observation is ready, while the other episodes' tools keep running; lock-step, each turn waits for every
-episode's tools. With one engine call per ready set, any engine works (vLLM, the transformers engine, an engine
-server).
+workers; an episode goes on as soon as its observation is ready. Token in, token out: an episode's ids are its
+prompt's, then each turn's ids as the engine sampled them, then each observation's ids; the conversation is never
+tokenized again from text. An episode never ends on an observation: the reward's last token is a sampled one.
+Limits, scheduling and the columns written: docs/agents.md.
 """
 
 from __future__ import annotations
@@ -45,7 +31,6 @@ from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.engines.rollout.base import RolloutEngine, SamplingParams
 
 __all__ = [
-    "EPISODE_COLUMNS",
     "PROBLEM_KINDS",
     "EpisodeRunner",
     "check_environment",
@@ -56,19 +41,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EPISODE_COLUMNS = ("episode", "env_reward", "turn_rewards", "episode_problems")
-"""Columns an episode batch adds: the conversation's messages, the environment's score (NaN: none), the per-turn
-rewards ``step`` gave, and the first message of each kind of problem the episode met (:data:`PROBLEM_KINDS`)."""
-
 TOOL_ERROR_KINDS = ("malformed", "raised", "timeout", "crash", "invalid_result")
-"""How a tool call can fail: ``malformed`` (the parser or the tools' schemas refused the call: not JSON, no such
-tool, wrong arguments), ``raised`` (the tool raised), ``timeout`` (past ``tool_timeout_s``), ``crash`` (its worker
-died or did not start), ``invalid_result`` (it returned a value with no text form)."""
+"""How a tool call can fail (each kind explained in docs/agents.md, "What you see")."""
 
 PROBLEM_KINDS = (*TOOL_ERROR_KINDS, "observation_overflow")
-"""The kinds of problem an episode reports: the tool errors, and ``observation_overflow`` (an observation, tool
-results cut to ``max_tool_response_chars`` included, did not fit the room the episode had left, so it ended
-truncated)."""
+"""The kinds of problem an episode reports: the tool errors, and ``observation_overflow`` (an observation did not
+fit the room the episode had left, so it ended truncated)."""
 
 _PREFIX_IDS = 32
 """Ids before a turn handed to a ``response_template`` parser: its generation prompt (what the template may have
@@ -108,10 +86,9 @@ class _Live:
 
 
 class EpisodeRunner:
-    """What one rank needs to run episodes for an environment: the tool executor, the chat delta, the parser.
-    Made once per role and kept across steps (its tool workers live as long as it does). ``make_env``: a zero-argument
-    callable making one environment per episode (an Environment class, a factory), or an
-    :class:`~lightning_rlhf.agents.env.EnvironmentChoice`, which makes each episode's from its row.
+    """What one rank needs to run episodes for an environment: the tool executors, the chat deltas, the parser.
+    Made once per role and kept across steps (its tool workers live as long as it does). ``make_env``: what
+    :func:`~lightning_rlhf.agents.env.environment_factory` makes.
 
     Runs on: the process that runs the rollout (a worker rank with a rollout engine).
     """
@@ -262,18 +239,6 @@ class EpisodeRunner:
         answer.add_done_callback(lambda _: timer.cancel())
         return answer
 
-    def _ender(
-        self, episodes: list[_Live], limits: list[int], stops: set[int], handled: set[int]
-    ) -> Callable[[int, list[int], list[float]], None]:
-        """An engine call's ``on_done``: its ``k``-th response ends its episode's turn at once (the turn's tool calls
-        start while the call's other responses still decode), and ``k`` joins ``handled``."""
-
-        def ended(k: int, turn: list[int], logprobs: list[float]) -> None:
-            handled.add(k)
-            self._after_turn(episodes[k], turn, logprobs, stops, limits[k])
-
-        return ended
-
     def _ready(self, ep: _Live) -> bool:
         return all(not isinstance(p, cf.Future) or p.done() for _, p in ep.pending)
 
@@ -296,9 +261,7 @@ class EpisodeRunner:
             messages.append({"role": "tool", "name": call.name or "error", "content": text})
         ep.pending = []
         obs = ep.delta.observation_ids(messages, last_id=ep.last_id)
-        room = budget - len(ep.ids)
-        if context is not None:
-            room = min(room, context - len(ep.prompt) - len(ep.ids))
+        room = min(budget - len(ep.ids), _room(ep, context))
         if len(obs) + 1 > room:  # no room for the observation and one more sampled token
             ep.info.truncated = ep.done = True
             longest = max((len(str(m.get("content", ""))) for m in messages), default=0)
@@ -351,8 +314,7 @@ class EpisodeRunner:
             if cfg.episode.async_episodes:
                 ready += [ep for ep in waiting if self._ready(ep)]
                 if not ready and waiting:
-                    futures = [p for ep in waiting for _, p in ep.pending if isinstance(p, cf.Future)]
-                    cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                    _wait_any(waiting)
                     continue
             elif not ready:
                 ready = waiting
@@ -395,7 +357,11 @@ class EpisodeRunner:
         call = dataclasses.replace(params, n=copies, max_new_tokens=max(limits), seed=seed)
         prompts = [ep.prompt + ep.ids for ep in eps[::copies]]
         handled: set[int] = set()  # the call's turns ended while its others decoded: their tools run
-        early = self._ender(eps, limits, stops, handled)
+
+        def early(k: int, turn: list[int], logprobs: list[float]) -> None:  # the engine's on_done: tools start now
+            handled.add(k)
+            self._after_turn(eps[k], turn, logprobs, stops, limits[k])
+
         t0 = time.perf_counter()
         if number is not None:
             out = engine.generate(  # type: ignore[call-arg]
@@ -450,10 +416,13 @@ class EpisodeRunner:
                 for i, turn_ids, logprobs in finished:
                     self._after_turn(episodes[i], list(turn_ids), logprobs, stops, limits[i])
             elif any(ep.pending for ep in episodes):
-                futures = [p for ep in episodes for _, p in ep.pending if isinstance(p, cf.Future)]
-                cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                _wait_any(episodes)
             else:
                 return gen_s
+
+
+def _wait_any(episodes: list[_Live]) -> None:
+    cf.wait([p for ep in episodes for _, p in ep.pending if isinstance(p, cf.Future)], return_when=cf.FIRST_COMPLETED)
 
 
 def _first_messages(env: Environment, row: dict[str, Any]) -> list[Message]:
@@ -634,7 +603,7 @@ def _messages(observation: Any, env: Environment) -> list[Message]:
 
 def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> ToolResult:
     """A stateful tool (a TRL-style environment's method) in a thread of the rollout's process."""
-    from lightning_rlhf.rewards.pool import tool_result_text
+    from lightning_rlhf.rewards.pool import tool_answer
 
     start = time.monotonic()
     try:
@@ -646,10 +615,7 @@ def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> T
     except Exception as err:
         kind, text = "raised", f"{type(err).__name__}: {err}"
     else:
-        try:
-            kind, text = "ok", tool_result_text(value, max_chars=cfg.episode.max_tool_response_chars)
-        except TypeError as err:
-            kind, text = "invalid", str(err)
+        kind, text = tool_answer(value, max_chars=cfg.episode.max_tool_response_chars)
     return tool_result(call.name, kind, text, time.monotonic() - start)
 
 
@@ -679,8 +645,8 @@ def sample_episodes(
     """Episodes for this rank's prompts, ``n`` per prompt: one row each, with the batch layout of a single-turn
     rollout (``prompts``/``prompt_mask`` now the rendered first messages, ``responses``, ``response_mask``,
     ``response_truncated``, ``rollout_logprobs``) plus ``sampled_mask`` (the sampled tokens), the episode counters
-    (``turns``, ``tool_calls``, ``tool_errors``, ``tool_s``, ``observation_tokens``) and the columns of
-    :data:`EPISODE_COLUMNS`.
+    (``turns``, ``tool_calls``, ``tool_errors``, ``tool_s``, ``observation_tokens``), ``episode`` (the messages),
+    ``env_reward`` (NaN: none), ``turn_rewards`` and ``episode_problems`` (the first message of each kind met).
 
     Runs on: a worker rank holding a rollout engine.
     """
@@ -712,9 +678,8 @@ def sample_episodes(
     rollout["responses"], rollout["response_mask"], rollout["sampled_mask"] = responses, response_mask, loss_mask
     rollout["rollout_logprobs"] = logprobs
     rollout["response_truncated"] = torch.tensor([ep.info.truncated for ep in episodes])
-    rollout["turns"] = torch.tensor([ep.info.turns for ep in episodes])
-    rollout["tool_calls"] = torch.tensor([ep.info.tool_calls for ep in episodes])
-    rollout["tool_errors"] = torch.tensor([ep.info.tool_errors for ep in episodes])
+    for key in ("turns", "tool_calls", "tool_errors"):
+        rollout[key] = torch.tensor([getattr(ep.info, key) for ep in episodes])
     rollout["tool_s"] = torch.tensor([ep.tool_s for ep in episodes], dtype=torch.float32)
     rollout["observation_tokens"] = torch.tensor([ep.observation_tokens for ep in episodes])
     for kind in TOOL_ERROR_KINDS:
@@ -742,14 +707,9 @@ def _last_user(messages: list[Message]) -> str:
 
 
 def episode_metrics(rollout: Batch) -> dict[str, float]:
-    """The episodes' metrics of a rollout (empty for single-turn rollouts): ``rollout/turns/mean|max``,
-    ``rollout/tool_calls/mean``, ``rollout/tool_errors`` (calls that failed, in the batch) and one count per way a
-    call fails (``rollout/tool_errors/<kind>``, :data:`TOOL_ERROR_KINDS`), ``rollout/tool_s/mean`` (seconds of tool
-    calls per episode), ``rollout/observation_tokens/mean``, ``rollout/truncated`` (share of episodes cut by a
-    limit), ``rollout/observation_overflow`` (episodes ended because an observation did not fit),
-    ``rollout/turn_rewards/mean`` (the sum of an episode's turn rewards, when ``step`` gives them) and
-    ``rollout/env_reward/mean`` when the environment scores. The first problem of each kind in the batch
-    (:data:`PROBLEM_KINDS`) is logged as a warning by this module's logger, with how many episodes met it.
+    """The episodes' metrics of a rollout (``rollout/turns/mean`` ..., listed in docs/metrics.md; empty for
+    single-turn rollouts). The first problem of each kind in the batch (:data:`PROBLEM_KINDS`) is logged as a
+    warning by this module's logger, with how many episodes met it.
 
     Runs on: controller, once per step.
     """
@@ -787,13 +747,11 @@ def _log_problems(problems: list[dict[str, str]]) -> None:
         if not met:
             continue
         if kind == "observation_overflow":
-            hint = (
-                "HINT: lower RolloutConfig(max_tool_response_chars=), have the tool return less, or raise "
-                "max_episode_tokens (within the model's context)."
-            )
             log.warning(
-                "%d of %d episodes ended truncated because an observation did not fit (first: %s). %s",
-                len(met), len(problems), met[0], hint,
+                "%d of %d episodes ended truncated because an observation did not fit (first: %s). HINT: lower "
+                "RolloutConfig(max_tool_response_chars=), have the tool return less, or raise max_episode_tokens "
+                "(within the model's context).",
+                len(met), len(problems), met[0],
             )  # fmt: skip
         else:
             log.warning("tool calls failed (%s) in %d of %d episodes; first: %s", kind, len(met), len(problems), met[0])
