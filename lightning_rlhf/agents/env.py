@@ -93,15 +93,12 @@ class Environment:
 
 
 def _is_chat(value: Any) -> bool:
-    """Whether ``value`` is a non-empty list of chat messages."""
     return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
 
 
 class ToolEnvironment(Environment):
-    """The common case: the model calls ``tools`` until it answers without a call.
-
-    ``ToolEnvironment(tools=[calculator], system_prompt=...)`` or a subclass with ``tools = [...]``.
-    """
+    """The common case: the model calls ``tools`` until it answers without a call. ``ToolEnvironment(tools=[calculator],
+    system_prompt=...)`` or a subclass with ``tools = [...]``."""
 
     def __init__(self, tools: Sequence[Callable[..., Any]] | None = None, system_prompt: str | None = None) -> None:
         if tools is not None:
@@ -292,10 +289,8 @@ def with_environment_reward(reward: Any, environment: Any) -> Any:
             hint = " or an environment whose reward(episode) scores it" if environment is not None else ""
             raise ValueError(f"RLHFModule(reward=None): the module has no reward. HINT: pass reward=fn{hint}.")
         return reward
-    if reward is None:
-        return {"environment": environment_reward}
-    if isinstance(reward, Mapping):
-        named = dict(reward)
+    if reward is None or isinstance(reward, Mapping):
+        named = dict(reward or {})
     elif isinstance(reward, str):
         named = {"model": reward}
     else:

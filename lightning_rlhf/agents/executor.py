@@ -25,38 +25,19 @@ from subprocess import Popen
 from typing import Any
 
 from lightning_rlhf.agents.parsing import ToolCall
-from lightning_rlhf.rewards.pool import STARTUP_TIMEOUT_S, kill_worker, spawn_worker, worker_payload
+from lightning_rlhf.rewards.pool import STARTUP_TIMEOUT_S, Worker, kill_worker, spawn_worker, worker_payload
 
 __all__ = ["ToolExecutor", "ToolResult", "tool_result"]
 
 
 @dataclass(frozen=True)
 class ToolResult:
-    """What a call gave: ``text`` (the observation's content), ``kind`` (``ok``, ``invalid_call``, ``raised``,
-    ``invalid_result``, ``timeout``, ``crash``) and the call's ``seconds``."""
+    """What a call gave: ``text`` (the observation's content), ``kind`` (``ok``, ``raised``, ``invalid_result``,
+    ``timeout``, ``crash``) and the call's ``seconds``."""
 
     text: str
     kind: str
     seconds: float
-
-    @property
-    def ok(self) -> bool:
-        """Whether the tool ran and returned a value. Runs on: any process."""
-        return self.kind == "ok"
-
-
-class _Worker:
-    """One tool worker process, owned by one thread of the executor."""
-
-    def __init__(self, payload: bytes) -> None:
-        self.proc: Popen[bytes]
-        self.conn: Connection
-        self.proc, self.conn = spawn_worker(payload)
-        self.ready = False
-
-    def close(self, *, term: bool) -> str:
-        self.conn.close()
-        return kill_worker(self.proc, term=term)
 
 
 _COROUTINE_GRACE_S = 2.0
@@ -232,11 +213,10 @@ class ToolExecutor:
             self._coroutines = _CoroutineWorker(
                 payload, names=set(coroutines), timeout_s=timeout_s, max_chars=max_chars
             )
-        self.num_workers = num_workers if plain else 0
-        """Worker processes of the plain tools (the ``async def`` ones share one more)."""
+        self.num_workers = num_workers if plain else 0  # of the plain tools (the async def ones share one more)
         self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="lightning-rlhf-tool")
         self._local = threading.local()
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._lock = threading.Lock()
         self._started = 0
         self.closed = False
@@ -277,12 +257,11 @@ class ToolExecutor:
         if self._coroutines is not None:
             self._coroutines.close()
 
-    # ------------------------------------------------------------------------------------------ private
-    def _worker(self) -> _Worker:
+    def _worker(self) -> Worker:
         """This thread's worker, started (and waited for, up to the start-up bound) when it has none."""
-        w: _Worker | None = getattr(self._local, "worker", None)
+        w: Worker | None = getattr(self._local, "worker", None)
         if w is None:
-            w = _Worker(self._payload)
+            w = Worker(*spawn_worker(self._payload))
             with self._lock:
                 self._workers.append(w)
                 self._started += 1
@@ -301,7 +280,7 @@ class ToolExecutor:
             w.ready = True
         return w
 
-    def _drop(self, w: _Worker) -> str:
+    def _drop(self, w: Worker) -> str:
         with self._lock:
             if w in self._workers:
                 self._workers.remove(w)

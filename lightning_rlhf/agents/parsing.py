@@ -14,7 +14,7 @@ import contextlib
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -52,9 +52,8 @@ _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 def _read_call(raw: str) -> ToolCall:
     """One call's JSON object, or a call with the ``error`` that says what is wrong with it."""
-    body = raw.strip()
     try:
-        obj = json.loads(body)
+        obj = json.loads(raw.strip())
     except json.JSONDecodeError as err:
         return ToolCall("", raw=raw, error=f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
     return _checked_call(obj, raw)
@@ -80,10 +79,8 @@ def parse_hermes(text: str) -> ParsedTurn:
     calls = tuple(_read_call(m[1]) for m in _HERMES.finditer(text))
     content = _HERMES.sub("", text).strip()
     unclosed = text.rfind("<tool_call>") > text.rfind("</tool_call>")
-    if unclosed and calls:  # the regex took the rest of the text as the last call's body
-        last = calls[-1]
-        if last.error is None:
-            calls = (*calls[:-1], ToolCall(last.name, last.arguments, last.raw, "the tool call has no </tool_call>"))
+    if unclosed and calls and calls[-1].error is None:  # the regex took the rest of the text as its body
+        calls = (*calls[:-1], replace(calls[-1], error="the tool call has no </tool_call>"))
     return ParsedTurn(content, calls)
 
 
@@ -100,11 +97,9 @@ def parse_with_template(
         reason = str(err).splitlines()[0].rstrip(".")
         malformed = ToolCall("", raw=tokenizer.decode(turn), error=f"the tool call cannot be read ({reason})")
         return ParsedTurn("", (malformed,))
-    calls = []
-    for entry in message.get("tool_calls") or []:
-        function = entry.get("function", entry) if isinstance(entry, dict) else entry
-        calls.append(_checked_call(function, json.dumps(function, default=str)))
-    return ParsedTurn(str(message.get("content") or ""), tuple(calls))
+    functions = [e.get("function", e) if isinstance(e, dict) else e for e in message.get("tool_calls") or []]
+    calls = tuple(_checked_call(function, json.dumps(function, default=str)) for function in functions)
+    return ParsedTurn(str(message.get("content") or ""), calls)
 
 
 def resolve_tool_parser(name: str, tokenizer: Any) -> str:
@@ -131,11 +126,9 @@ _PARSERS: dict[str, ToolParser] = {"hermes": parse_hermes}
 
 
 def register_tool_parser(name: str, parser: ToolParser) -> None:
-    """Make ``parser`` (text -> :class:`ParsedTurn`) available as ``RolloutConfig(tool_parser=name)``.
-
-    Runs on: every process that builds the rollout (register at import time of the user's module, as a recipe's
-    reward functions are). Re-registering a name replaces it.
-    """
+    """Make ``parser`` (text -> :class:`ParsedTurn`) available as ``RolloutConfig(tool_parser=name)``; a name
+    registered again is replaced. Runs on: every process that builds the rollout (register at import time of the
+    user's module, as a recipe's reward functions are). Raises ValueError for a reserved name or a non-callable."""
     if name in ("auto", "template"):
         raise ValueError(f"register_tool_parser({name!r}, ...): {name!r} is reserved. HINT: choose another name.")
     if not name or not callable(parser):

@@ -24,7 +24,7 @@ import torch
 from lightning_rlhf.agents.env import Environment, EnvironmentChoice, Episode, Message, scores_episodes
 from lightning_rlhf.agents.executor import ToolExecutor, ToolResult, tool_result
 from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, parse_with_template, resolve_tool_parser
-from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template
+from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template, render_chat
 from lightning_rlhf.agents.tools import ToolSet
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RolloutConfig
@@ -99,17 +99,15 @@ class EpisodeRunner:
         self.make_env = make_env
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.context = _model_context(model_path)
-        """The model's context bound (its positions), None when its config states none."""
-        self.tool_format = resolve_tool_parser(cfg.episode.tool_parser, tokenizer)
-        """The format the turns' tool calls are read in (``RolloutConfig.episode.tool_parser``, ``"auto"`` resolved)."""
+        self.context = _model_context(model_path)  # the model's positions; None: its config states none
+        self.budget = cfg.episode.max_episode_tokens or cfg.max_new_tokens * cfg.episode.max_turns  # after the prompt
+        self.tool_format = resolve_tool_parser(cfg.episode.tool_parser, tokenizer)  # "auto" resolved
         self.parse = None if self.tool_format == "template" else get_tool_parser(self.tool_format)
         self._toolsets: dict[tuple[Any, ...], tuple[ToolSet, ChatDelta, ToolExecutor | None]] = {}
+        # The data module's chat_template_kwargs and max_prompt_length (None: no bound), set per rollout.
         self.chat_template_kwargs: dict[str, Any] = {}
-        """Extra arguments of every ``apply_chat_template`` call (``PromptDataModule(chat_template_kwargs=...)``, set
-        per rollout by :func:`sample_episodes`)."""
         self.max_prompt_length: int | None = None
-        """The bound on an episode's rendered first prompt (``PromptDataModule(max_prompt_length=...)``), None: none."""
+        self._context: int | None = None  # the context bound of the run in progress
         self._threads = cf.ThreadPoolExecutor(max(1, cfg.episode.tool_workers), thread_name_prefix="lightning-rlhf-env")
 
     def close(self) -> None:
@@ -124,11 +122,8 @@ class EpisodeRunner:
         """The environment's tools, its chat delta (with the tools' schemas) and executor, made once per set of
         tool functions (an environment class's instances share theirs)."""
         in_process = getattr(env, "in_process", False)
-        key = (
-            tuple(id(getattr(t, "__func__", t)) for t in env.tools)
-            + ((-1,) if in_process else ())
-            + (repr(sorted(self.chat_template_kwargs.items())),)
-        )
+        kwargs = repr(sorted(self.chat_template_kwargs.items()))
+        key = (*(id(getattr(t, "__func__", t)) for t in env.tools), in_process, kwargs)
         if key not in self._toolsets:
             tools, delta = _tools_and_delta(env, self.tokenizer, self.chat_template_kwargs)
             executor = None
@@ -143,14 +138,14 @@ class EpisodeRunner:
             self._toolsets[key] = (tools, delta, executor)
         return self._toolsets[key]
 
-    # --------------------------------------------------------------------------------------------- episode
     def _start(self, row: dict[str, Any]) -> _Live:
         env = self.make_env(row) if isinstance(self.make_env, EnvironmentChoice) else self.make_env()
         messages = _first_messages(env, row)
         tools, delta, _ = self._tools_of(env)
         if getattr(env, "in_process", False):  # stateful tools (bound methods): this episode's own instance's
             tools = tools.rebound(env.tools)
-        prompt = _render_prompt(self.tokenizer, messages, tools.schemas, self.chat_template_kwargs)
+        kwargs = self.chat_template_kwargs
+        prompt = render_chat(self.tokenizer, messages, generation=True, tools=tools.schemas or None, **kwargs)
         bound = self.max_prompt_length
         if bound is not None and len(prompt) > bound:
             raise ValueError(
@@ -166,10 +161,9 @@ class EpisodeRunner:
     def _after_turn(self, ep: _Live, turn: list[int], logprobs: Sequence[float], stops: set[int], limit: int) -> None:
         """Append a sampled turn; end the episode or start its observation (tools, or the environment's step)."""
         turn = turn[:limit]
-        logprobs = list(logprobs[: len(turn)]) + [0.0] * (len(turn) - len(logprobs))
         ep.ids += turn
         ep.sampled += [1] * len(turn)
-        ep.logprobs += logprobs
+        ep.logprobs += list(logprobs[: len(turn)]) + [0.0] * (len(turn) - len(logprobs))
         ep.last_id = turn[-1] if turn else None
         ep.info.turns += 1
         text = self.tokenizer.decode(turn, skip_special_tokens=True)
@@ -239,12 +233,16 @@ class EpisodeRunner:
         answer.add_done_callback(lambda _: timer.cancel())
         return answer
 
+    def _room(self, ep: _Live) -> int:
+        """The tokens the episode has left: of its budget, and of the model's context."""
+        left = self.budget - len(ep.ids)
+        return left if self._context is None else min(left, self._context - len(ep.prompt) - len(ep.ids))
+
     def _ready(self, ep: _Live) -> bool:
         return all(not isinstance(p, cf.Future) or p.done() for _, p in ep.pending)
 
-    def _observe(self, ep: _Live, budget: int, context: int | None) -> None:
-        """Append the episode's observation (its tool results or the environment's turns), or end it when the
-        observation does not fit."""
+    def _observe(self, ep: _Live) -> None:
+        """Append the episode's observation (tool results or the environment's turns), or end it if it does not fit."""
         messages: list[Message] = []
         for call, pending in ep.pending:
             if isinstance(pending, dict):  # the environment's own message
@@ -253,7 +251,7 @@ class EpisodeRunner:
             if isinstance(pending, cf.Future):
                 result = pending.result()
                 ep.tool_s += result.seconds
-                if not result.ok:
+                if result.kind != "ok":
                     ep.problem(result.kind, result.text)
                 text = result.text
             else:
@@ -261,7 +259,7 @@ class EpisodeRunner:
             messages.append({"role": "tool", "name": call.name or "error", "content": text})
         ep.pending = []
         obs = ep.delta.observation_ids(messages, last_id=ep.last_id)
-        room = min(budget - len(ep.ids), _room(ep, context))
+        room = self._room(ep)
         if len(obs) + 1 > room:  # no room for the observation and one more sampled token
             ep.info.truncated = ep.done = True
             longest = max((len(str(m.get("content", ""))) for m in messages), default=0)
@@ -278,27 +276,17 @@ class EpisodeRunner:
         ep.observation_tokens += len(obs)
         ep.info.messages += messages
 
-    # ------------------------------------------------------------------------------------------------ run
     def run(
-        self,
-        engine: RolloutEngine,
-        rows: list[dict[str, Any]],
-        params: SamplingParams,
-        *,
-        context: int | None,
+        self, engine: RolloutEngine, rows: list[dict[str, Any]], params: SamplingParams, *, context: int | None
     ) -> tuple[list[_Live], float]:
-        """Run one episode per row to its end (with :attr:`chat_template_kwargs` and the bound
-        :attr:`max_prompt_length`); returns them and the seconds spent in the engine.
-
-        Runs on: the rollout's process. ``params``: the step's sampling settings (``n`` is ignored: a row is one
-        episode; each engine call gets its own seed).
-        """
-        cfg = self.cfg
-        budget = cfg.episode.max_episode_tokens or cfg.max_new_tokens * cfg.episode.max_turns
+        """Run one episode per row to its end, within ``context`` tokens (None: no bound); returns them and the
+        seconds spent in the engine. Runs on: the rollout's process. ``params``: the step's sampling settings (``n``
+        is ignored; each call gets its own seed)."""
+        cfg, self._context = self.cfg, context
         stops = set(params.stop_token_ids)
         episodes = [self._start(row) for row in rows]
         if cfg.episode.async_episodes and getattr(engine, "streams_requests", False):
-            return episodes, self._run_streaming(engine, episodes, params, budget, stops, context)
+            return episodes, self._run_streaming(engine, episodes, params, stops)
         ready = list(episodes)
         calls = 0
         gen_s = 0.0
@@ -319,15 +307,14 @@ class EpisodeRunner:
             elif not ready:
                 ready = waiting
             for ep in [ep for ep in ready if ep.pending]:
-                self._observe(ep, budget, context)
+                self._observe(ep)
             ready = [ep for ep in ready if not ep.done]
             if not ready:
                 if any(ep.pending for ep in episodes):
                     continue
                 break
-            limits = [_turn_limit(ep, cfg.max_new_tokens, budget, context) for ep in ready]
-            # An engine that bounds each prompt by its own limit takes every ready episode in one call; others get
-            # calls whose longest sequence and largest limit fit the context.
+            limits = [min(cfg.max_new_tokens, self._room(ep)) for ep in ready]
+            # other engines: calls whose longest sequence and largest limit fit the context
             groups = [list(range(len(ready)))] if continues else _fitting_calls(ready, limits, context)
             for group in groups:
                 seed = (params.seed + calls * _TURN_SEED) % (1 << 62)
@@ -380,15 +367,7 @@ class EpisodeRunner:
                 self._after_turn(ep, list(turn), lp, stops, limit)
         return gen_s
 
-    def _run_streaming(
-        self,
-        engine: Any,
-        episodes: list[_Live],
-        params: SamplingParams,
-        budget: int,
-        stops: set[int],
-        context: int | None,
-    ) -> float:
+    def _run_streaming(self, engine: Any, episodes: list[_Live], params: SamplingParams, stops: set[int]) -> float:
         """Episodes on an engine that takes requests while others decode (vLLM at TP 1): an episode's next turn is
         added as soon as its observation is ready, and the engine steps on; returns the seconds in engine steps."""
         limits: dict[int, int] = {}
@@ -397,13 +376,13 @@ class EpisodeRunner:
         while True:
             for i, ep in enumerate(episodes):
                 if ep.pending and self._ready(ep):
-                    self._observe(ep, budget, context)
+                    self._observe(ep)
                     ready.append(i)
             for i in ready:
                 ep = episodes[i]
                 if ep.done:
                     continue
-                limits[i] = _turn_limit(ep, self.cfg.max_new_tokens, budget, context)
+                limits[i] = min(self.cfg.max_new_tokens, self._room(ep))
                 turn = dataclasses.replace(
                     params, n=1, max_new_tokens=limits[i], seed=(params.seed + ep.info.turns * _TURN_SEED) % (1 << 62)
                 )
@@ -435,19 +414,6 @@ def _first_messages(env: Environment, row: dict[str, Any]) -> list[Message]:
     return messages
 
 
-def _render_prompt(
-    tokenizer: Any, messages: list[Message], schemas: list[dict[str, Any]], chat_kwargs: dict[str, Any]
-) -> list[int]:
-    """An episode's prompt ids: ``messages`` rendered by the chat template with the tools' schemas, the extra
-    template arguments and the generation prompt."""
-    prompt = tokenizer.apply_chat_template(
-        messages, tools=schemas or None, add_generation_prompt=True, tokenize=True, return_dict=False, **chat_kwargs
-    )
-    if not isinstance(prompt, list):  # a BatchEncoding
-        prompt = list(prompt["input_ids"])
-    return [int(i) for i in prompt]
-
-
 def episode_prompt_ids(
     make_env: Callable[..., Environment],
     tokenizer: Any,
@@ -458,10 +424,8 @@ def episode_prompt_ids(
     """Each row's episode prompt as the rollout renders it (``reset(row)``'s messages, the system turn and the
     tools' schemas, by the chat template with ``chat_template_kwargs``), and the text reward functions get as its
     ``prompt`` (the last user message). One environment per environment class is made and reset once per row.
-
     Runs on: every process, in ``PromptDataModule.setup`` (before any model loads). Raises ValueError for a
-    ``reset`` that returns no messages.
-    """
+    ``reset`` that returns no messages."""
     kwargs = dict(chat_template_kwargs or {})
     envs: dict[Any, tuple[Environment, ToolSet]] = {}
     out = []
@@ -472,15 +436,14 @@ def episode_prompt_ids(
             envs[key] = (env, ToolSet(env.tools))
         env, tools = envs[key]
         messages = _first_messages(env, row)
-        out.append((_render_prompt(tokenizer, messages, tools.schemas, kwargs), _last_user(messages)))
+        prompt = render_chat(tokenizer, messages, generation=True, tools=tools.schemas or None, **kwargs)
+        out.append((prompt, _last_user(messages)))
     return out
 
 
 def check_environment(make_env: Callable[..., Environment], tokenizer: Any, tool_parser: str = "auto") -> None:
-    """Make one environment and check what every episode would meet at its first turn: its tools' JSON schemas
-    (type hints, docstrings), the chat template (present, renders ``tool`` turns, prefix-preserving) and the format
-    its calls are read in (``RolloutConfig.episode.tool_parser``), so that a mistake is a clear error when the module is
-    built, not in a worker once training has started.
+    """Make one environment and check what every episode would meet at its first turn (its tools' JSON schemas, the
+    chat template, the format its calls are read in), so that a mistake is a clear error when the module is built.
 
     Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError.
     """
@@ -546,16 +509,6 @@ def _samples_of_one_prompt(group: list[int], ready: list[_Live], params: Samplin
     return [i for members in same.values() for i in members], sizes.pop()
 
 
-def _turn_limit(ep: _Live, max_new_tokens: int, budget: int, context: int | None) -> int:
-    """The most tokens the episode's next turn may sample: the turn's bound, what is left of the episode's budget,
-    and its room in the model's context."""
-    return min(max_new_tokens, budget - len(ep.ids), _room(ep, context))
-
-
-def _room(ep: _Live, context: int | None) -> int:
-    return math.inf if context is None else context - len(ep.prompt) - len(ep.ids)  # type: ignore[return-value]
-
-
 def _step_answer(answered: Any, env: Environment) -> tuple[Any, bool, float | None]:
     """``step``'s answer as ``(observation, done, turn reward or None)``."""
     if not isinstance(answered, tuple) or len(answered) not in (2, 3):
@@ -563,9 +516,7 @@ def _step_answer(answered: Any, env: Environment) -> tuple[Any, bool, float | No
             f"{type(env).__name__}.step returned {answered!r:.200}; expected (messages, done), (messages, done, "
             "reward) or None. HINT: return ([], True) to end the episode, None to run the turn's tool calls."
         )
-    if len(answered) == 2:
-        return answered[0], bool(answered[1]), None
-    observation, done, reward = answered
+    observation, done, reward = (*answered, None)[:3]
     if reward is None:
         return observation, bool(done), None
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
@@ -657,26 +608,13 @@ def sample_episodes(
     t0 = time.perf_counter()
     episodes, gen_s = runner.run(engine, rows, params, context=runner.context)
     wall_s = time.perf_counter() - t0
-    b = len(episodes)
-    pwidth = max(len(ep.prompt) for ep in episodes)
     rwidth = max(1, max(len(ep.ids) for ep in episodes))
-    prompts = torch.full((b, pwidth), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((b, pwidth), dtype=torch.long)
-    responses = torch.full((b, rwidth), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((b, rwidth), dtype=torch.long)
-    loss_mask = torch.zeros((b, rwidth), dtype=torch.long)
-    logprobs = torch.zeros((b, rwidth))
-    for i, ep in enumerate(episodes):
-        p, r = len(ep.prompt), len(ep.ids)
-        prompts[i, pwidth - p :] = torch.tensor(ep.prompt)
-        prompt_mask[i, pwidth - p :] = 1
-        responses[i, :r] = torch.tensor(ep.ids, dtype=torch.long)
-        response_mask[i, :r] = 1
-        loss_mask[i, :r] = torch.tensor(ep.sampled, dtype=torch.long)
-        logprobs[i, :r] = torch.tensor(ep.logprobs)
-    rollout["prompts"], rollout["prompt_mask"] = prompts, prompt_mask
-    rollout["responses"], rollout["response_mask"], rollout["sampled_mask"] = responses, response_mask, loss_mask
-    rollout["rollout_logprobs"] = logprobs
+    rollout["prompts"] = _padded([ep.prompt for ep in episodes], pad_id, left=True)
+    rollout["prompt_mask"] = _padded([[1] * len(ep.prompt) for ep in episodes], 0, left=True)
+    rollout["responses"] = _padded([ep.ids for ep in episodes], pad_id, width=rwidth)
+    rollout["response_mask"] = _padded([[1] * len(ep.ids) for ep in episodes], 0, width=rwidth)
+    rollout["sampled_mask"] = _padded([ep.sampled for ep in episodes], 0, width=rwidth)
+    rollout["rollout_logprobs"] = _padded([ep.logprobs for ep in episodes], 0, width=rwidth, dtype=torch.float32)
     rollout["response_truncated"] = torch.tensor([ep.info.truncated for ep in episodes])
     for key in ("turns", "tool_calls", "tool_errors"):
         rollout[key] = torch.tensor([getattr(ep.info, key) for ep in episodes])
@@ -695,10 +633,20 @@ def sample_episodes(
             p if isinstance(p, str) and p.strip() else ep.opening
             for p, ep in zip(rollout["prompt"], episodes, strict=True)
         ]
-    rollout.meta["gen_s"] = gen_s
-    rollout.meta["episodes_s"] = wall_s
-    rollout.meta["group_size"] = n
+    rollout.meta.update(gen_s=gen_s, episodes_s=wall_s, group_size=n)
     return rollout
+
+
+def _padded(
+    rows: list[list[Any]], fill: int, *, left: bool = False, width: int = 0, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """``rows`` as one ``[len(rows), width or the longest]`` tensor, padded with ``fill`` (``left``: on the left)."""
+    width = width or max(len(row) for row in rows)
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        start = width - len(row) if left else 0
+        out[i, start : start + len(row)] = torch.tensor(row, dtype=dtype)
+    return out
 
 
 def _last_user(messages: list[Message]) -> str:
@@ -725,11 +673,9 @@ def episode_metrics(rollout: Batch) -> dict[str, float]:
         "rollout/observation_tokens/mean": float(rollout["observation_tokens"].float().mean()),
         "rollout/truncated": float(rollout["response_truncated"].float().mean()),
     }
-    for kind in TOOL_ERROR_KINDS:
-        if f"tool_errors/{kind}" in rollout:
-            out[f"rollout/tool_errors/{kind}"] = float(rollout[f"tool_errors/{kind}"].sum())
-    if "observation_overflow" in rollout:
-        out["rollout/observation_overflow"] = float(rollout["observation_overflow"].sum())
+    for key in [*(f"tool_errors/{kind}" for kind in TOOL_ERROR_KINDS), "observation_overflow"]:
+        if key in rollout:
+            out[f"rollout/{key}"] = float(rollout[key].sum())
     turn_rewards = rollout.columns.get("turn_rewards")
     if turn_rewards and any(turn_rewards):
         out["rollout/turn_rewards/mean"] = sum(sum(t) for t in turn_rewards) / len(turn_rewards)

@@ -25,11 +25,9 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
-    """The JSON schema of ``fn`` as chat templates take it (``{"type": "function", "function": {...}}``).
-
-    Runs on: any process (the controller checks the tools before training starts). Raises ValueError naming the
-    function and what its signature or docstring lacks.
-    """
+    """The JSON schema of ``fn`` as chat templates take it (``{"type": "function", "function": {...}}``). Runs on:
+    any process (the controller checks the tools before training starts). Raises ValueError naming the function
+    and what its signature or docstring lacks."""
     from transformers.utils import get_json_schema
 
     name = getattr(fn, "__name__", repr(fn))

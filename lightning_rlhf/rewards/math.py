@@ -1,13 +1,6 @@
-"""Rule rewards for math answers: GSM8K's final numbers and boxed LaTeX answers (``math-verify``).
-
-Both follow the reward-function convention ``fn(prompts, completions, **dataset_columns) -> list[float]`` and
-score 1.0 for a correct final answer, 0.0 otherwise (a missing answer is a wrong one)::
-
-    GRPOModule(actor, reward=gsm8k_reward)  # dataset column "answer": "... #### 72"
-    GRPOModule(actor, reward=math_reward)   # dataset column "solution" (or "answer"): "... \\boxed{\\frac{1}{2}}"
-
-``math-verify``'s own timeouts use ``signal.alarm`` (main thread only): in other threads they are off and the
-caller's (``RewardConfig.timeout_s``) bounds the call.
+"""Rule rewards for math answers: GSM8K's final numbers and boxed LaTeX answers (``math-verify``), 1.0 for a
+correct final answer, 0.0 otherwise (docs/rewards.md). ``math-verify``'s own timeouts use ``signal.alarm`` (main
+thread only): in other threads they are off and the caller's (``RewardConfig.timeout_s``) bounds the call.
 """
 
 from __future__ import annotations
@@ -64,12 +57,10 @@ def gsm8k_reward(prompts: list[str], completions: list[str], answer: list[str], 
                 "'answer' column ('... #### 72'); for LaTeX answers use math_reward."
             )
         pred = extract_final_number(completion)
-        if pred is not None and _same_number(pred, gold):
-            scores.append(1.0)
-        elif pred is None or "\\boxed" in completion:
-            scores.append(1.0 if _verify(f"${gold}$", completion) else 0.0)
-        else:
-            scores.append(0.0)
+        right = pred is not None and _same_number(pred, gold)
+        if not right and (pred is None or "\\boxed" in completion):
+            right = _verify(f"${gold}$", completion)
+        scores.append(1.0 if right else 0.0)
     return scores
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "WORKER_ENV",
     "RewardPool",
     "ScoresError",
+    "Worker",
     "as_scores",
     "awaited",
     "close_reward_pools",
@@ -120,13 +121,20 @@ def as_scores(values: Any, *, name: str, prompts: Sequence[str], completions: Se
 
 # ----------------------------------------------------------------------------------------- the pool
 @dataclasses.dataclass(eq=False)
-class _Worker:
+class Worker:
+    """One worker process (a reward pool's, or a tool executor thread's) and the connection to it."""
+
     proc: subprocess.Popen[bytes]
     conn: Connection
-    started: float
+    started: float = dataclasses.field(default_factory=time.monotonic)
     ready: bool = False
-    call: int | None = None  # index of the call it runs
+    call: int | None = None  # index of the call it runs (a reward pool's)
     deadline: float = math.inf
+
+    def close(self, *, term: bool) -> str:
+        """Kill its process group (SIGTERM first if ``term``), reap it; returns how it ended. Runs on: its owner."""
+        self.conn.close()
+        return kill_worker(self.proc, term=term)
 
 
 class RewardPool:
@@ -155,7 +163,7 @@ class RewardPool:
         self.name = name
         self.fn = fn  # held so that the registry's key (the function's id) stays unique
         self._payload = worker_payload("reward", fn_bytes, fn)
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._size = 0  # workers kept started between calls (the largest num_workers asked for)
         self._owner = os.getpid()
         self._lock = threading.Lock()
@@ -163,17 +171,14 @@ class RewardPool:
         self.closed = False
         self.started = 0  # worker processes started so far (replacements included)
 
-    # -------------------------------------------------------------------------------------- public
     @property
     def pids(self) -> list[int]:
         """Process ids of the live workers (started or starting)."""
         return [w.proc.pid for w in self._workers]
 
     def start(self, num_workers: int = 1) -> None:
-        """Start workers up to ``num_workers`` without waiting for them (the next call waits, if it must).
-
-        Runs on: the scoring process, e.g. when its role loads, so that the start overlaps model loading.
-        """
+        """Start workers up to ``num_workers`` without waiting for them (the next call waits, if it must). Runs on:
+        the scoring process, e.g. when its role loads, so that the start overlaps model loading."""
         with self._lock:
             self._check_usable(num_workers)
             self._top_up(self._size)
@@ -182,13 +187,10 @@ class RewardPool:
         self, calls: Sequence[Call], *, timeout_s: float, num_workers: int, name: str | None = None
     ) -> list[Result]:
         """Run ``calls`` on up to ``num_workers`` workers at once (the pool keeps this many from now on), each call
-        for at most ``timeout_s`` seconds; returns one :data:`Result` per call, in order. ``name``: how the function
-        is named in messages (default: the pool's name).
-
-        Runs on: the scoring process. The timeout counts from the moment a started worker takes the call (a
-        new worker's start is bounded by :data:`STARTUP_TIMEOUT_S`). A call that times out, or whose worker
-        dies, kills that worker and its process group; a new worker replaces it.
-        """
+        for at most ``timeout_s`` seconds from the moment a started worker takes it; returns one :data:`Result` per
+        call, in order. ``name``: how the function is named in messages (default: the pool's name). Runs on: the
+        scoring process. A call that times out, or whose worker dies, kills that worker and its process group; a
+        new worker (its start bounded by :data:`STARTUP_TIMEOUT_S`) replaces it."""
         with self._lock:
             self._check_usable(num_workers)
             self._call_name = name or self.name
@@ -211,7 +213,6 @@ class RewardPool:
                 _wait_exit(w.proc.pid, deadline - time.monotonic())
                 _reap(w.proc)
 
-    # ------------------------------------------------------------------------------------- private
     def _check_usable(self, num_workers: int) -> None:
         """Raise for a closed pool or one used after a fork; else keep ``num_workers`` workers from now on."""
         if self.closed:
@@ -223,20 +224,14 @@ class RewardPool:
             )
         self._size = max(self._size, num_workers)
 
-    def _spawn(self) -> _Worker:
-        proc, conn = spawn_worker(self._payload)
-        self.started += 1
-        return _Worker(proc, conn, started=time.monotonic())
-
     def _top_up(self, size: int) -> None:
         while len(self._workers) < size:
-            self._workers.append(self._spawn())
+            self._workers.append(Worker(*spawn_worker(self._payload)))
+            self.started += 1
 
-    def _remove(self, w: _Worker, *, term: bool) -> str:
-        """Kill ``w``'s process group (SIGTERM first if ``term``), reap it; returns how it ended."""
+    def _remove(self, w: Worker, *, term: bool) -> str:
         self._workers.remove(w)
-        w.conn.close()
-        return kill_worker(w.proc, term=term)
+        return w.close(term=term)
 
     def _run(self, calls: list[Call], *, timeout_s: float, num_workers: int) -> list[Result]:
         results: list[Result | None] = [None] * len(calls)
@@ -286,7 +281,7 @@ class RewardPool:
                 self._top_up(self._size)  # replacements start now, ready by the next call
         return [r if r is not None else ("crash", None, "lost", "") for r in results]
 
-    def _receive(self, w: _Worker, calls: list[Call], results: list[Result | None], pending: Any) -> None:
+    def _receive(self, w: Worker, calls: list[Call], results: list[Result | None], pending: Any) -> None:
         """Handle one message (or the end of input) from ``w``."""
         try:
             msg = pickle.loads(w.conn.recv_bytes())
@@ -325,10 +320,9 @@ def worker_payload(kind: str, fn_bytes: bytes, fn: Any) -> bytes:
 
 
 def spawn_worker(payload: bytes) -> tuple[subprocess.Popen[bytes], Connection]:
-    """Start one worker process (a new interpreter running this file, never a fork) and send it ``payload``
-    (:func:`worker_payload`); returns the process and the connection to it. The worker says ``("ready",)`` once
-    loaded. Runs on: the process that owns the worker (safe from any thread: ``subprocess`` forks and execs at
-    once)."""
+    """Start one worker process (a new interpreter running this file, never a fork), send it ``payload``
+    (:func:`worker_payload`); returns the process and its connection. The worker says ``("ready",)`` once loaded.
+    Runs on: the process that owns the worker (safe from any thread: ``subprocess`` forks and execs at once)."""
     ours, theirs = socket.socketpair()
     with ours, theirs:
         env = {**os.environ, **WORKER_ENV}
@@ -396,11 +390,9 @@ def _key(fn: Callable[..., Any]) -> Any:
 
 
 def reward_pool(fn: Callable[..., Any], *, name: str) -> RewardPool:
-    """The pool of ``fn`` in this process: made (without workers) on first use, then reused.
-
-    Runs on: the scoring process. Keyed by the function object (a bound method by its object and function);
-    at most 16 pools are kept, the least recently used is closed first.
-    """
+    """The pool of ``fn`` in this process: made (without workers) on first use, then reused. Runs on: the scoring
+    process. Keyed by the function object (a bound method by its object and function); at most 16 pools are kept,
+    the least recently used is closed first."""
     with _POOLS_LOCK:
         key = _key(fn)
         pool = _POOLS.get(key)
@@ -414,10 +406,8 @@ def reward_pool(fn: Callable[..., Any], *, name: str) -> RewardPool:
 
 
 def close_reward_pools(fns: Sequence[Callable[..., Any]] | None = None) -> None:
-    """Close the pools of ``fns`` (None: every pool of this process). Idempotent.
-
-    Runs on: the scoring process, at teardown; also at interpreter exit.
-    """
+    """Close the pools of ``fns`` (None: every pool of this process). Idempotent. Runs on: the scoring process, at
+    teardown; also at interpreter exit."""
     with _POOLS_LOCK:
         keys = list(_POOLS) if fns is None else [_key(fn) for fn in fns]
         pools = [_POOLS.pop(k) for k in keys if k in _POOLS]

@@ -127,10 +127,8 @@ def call_reward_fn(
         results = [_call_here(fn, name, *call) for call in calls]
     else:
         pool = reward_workers(fn, name=name)
-        results = [
-            _CallResult(kind, scores, message, tb)  # type: ignore[arg-type]
-            for kind, scores, message, tb in pool.run(calls, timeout_s=timeout_s, num_workers=num_workers, name=name)
-        ]
+        run = pool.run(calls, timeout_s=timeout_s, num_workers=num_workers, name=name)
+        results = [_CallResult(*result) for result in run]  # type: ignore[arg-type]
     scores = torch.full((n,), float(fallback_score), dtype=torch.float32)
     failed = torch.zeros(n, dtype=torch.bool)
     timeouts = crashes = 0
