@@ -444,9 +444,7 @@ def episode_prompt_ids(
 def check_environment(make_env: Callable[..., Environment], tokenizer: Any, tool_parser: str = "auto") -> None:
     """Make one environment and check what every episode would meet at its first turn (its tools' JSON schemas, the
     chat template, the format its calls are read in), so that a mistake is a clear error when the module is built.
-
-    Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError.
-    """
+    Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError."""
     resolve_tool_parser(tool_parser, tokenizer)
     for make in make_env.factories.values() if isinstance(make_env, EnvironmentChoice) else [make_env]:
         _tools_and_delta(make(), tokenizer)
@@ -657,10 +655,7 @@ def _last_user(messages: list[Message]) -> str:
 def episode_metrics(rollout: Batch) -> dict[str, float]:
     """The episodes' metrics of a rollout (``rollout/turns/mean`` ..., listed in docs/metrics.md; empty for
     single-turn rollouts). The first problem of each kind in the batch (:data:`PROBLEM_KINDS`) is logged as a
-    warning by this module's logger, with how many episodes met it.
-
-    Runs on: controller, once per step.
-    """
+    warning by this module's logger, with how many episodes met it. Runs on: controller, once per step."""
     if "turns" not in rollout:
         return {}
     turns = rollout["turns"].float()

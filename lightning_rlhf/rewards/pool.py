@@ -74,14 +74,12 @@ class ScoresError(ValueError):
 
 # ------------------------------------------------------------------------------------- return values
 def as_scores(values: Any, *, name: str, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
-    """``values`` as one finite float per completion, or a :class:`ScoresError` saying what is wrong.
+    """``values`` as one finite float per completion, or a :class:`ScoresError` saying what is wrong. Runs on:
+    wherever the reward function ran (the worker holding the samples, or a reward worker process).
 
     Accepted: any 1-D sequence of real numbers (lists, tuples, numpy arrays, torch tensors), whose elements may
     be Python, numpy or 0-d tensor scalars. Refused: strings, mappings, sets, generators, arrays of another
-    dimension, a wrong length, strings or other non-numbers as elements, NaN and infinities.
-
-    Runs on: wherever the reward function ran (the worker holding the samples, or a reward worker process).
-    """
+    dimension, a wrong length, strings or other non-numbers as elements, NaN and infinities."""
     n = len(prompts)
     kind = type(values).__name__
     ndim = getattr(values, "ndim", None)
