@@ -1,32 +1,8 @@
-"""Environments: where an episode starts, what answers the model's turns, and what the episode is worth.
-
-An environment is a small class; the rollout makes one instance per episode (``environment=MyEnv``: the class, or
-any callable returning an instance)::
-
-    class Arithmetic(ToolEnvironment):
-        tools = [calculator]
-
-        def reward(self, episode: Episode) -> float:
-            return float(episode.row["answer"] in episode.messages[-1]["content"])
-
-- ``reset(row) -> messages``: the episode's first turns, from a dataset row (default: the row's chat messages,
-  or its prompt text as one user turn).
-- ``step(message) -> (observation messages, done)`` or ``(observation messages, done, reward)``: the answer to an
-  assistant turn (``message`` is ``{"role": "assistant", "content": <the turn's text>}``, decoded from the sampled
-  ids without special tokens). The default (:class:`ToolEnvironment`) runs the turn's tool calls in tool workers
-  and is done when the model answers without one; an override may answer with ``user`` turns (a game, a simulated
-  user), or return ``None`` to have the turn's tool calls run as by default. A per-turn ``reward`` (verl's
-  interaction reward) is kept in ``Episode.turn_rewards`` and added to the episode's score.
-- ``reward(episode) -> float | None``: the episode's score (None: the module's reward functions score it; they
-  get the whole conversation as the completion and the messages in the ``episode`` column). The score the
-  environment gives is ``reward(episode)`` plus the sum of the episode's turn rewards.
-
-A class in TRL's ``environment_factory`` style works too (TRL >= 1.9's semantics): ``reset(**columns)`` gets the
-row's columns but ``prompt`` and ``environment`` and returns None or text, which is appended to the row's last user
-message, or is the prompt itself when the row has none (a dataset of only an ``environment`` column, or no dataset:
-``PromptDataModule(None)``); public methods are tools, ``get_reward()`` the score. :func:`as_environment` wraps it.
-Its tools are bound methods that keep the instance's state, so they run in the rollout's process (in a thread, with
-the timeout, but a call that hangs cannot be killed there); plain-function tools run in worker processes.
+"""Environments: where an episode starts (``reset(row)``), what answers the model's turns (``step(message)``), and
+what the episode is worth (``reward(episode)``); the rollout makes one instance per episode. A class in TRL's
+``environment_factory`` style works too (:func:`as_environment` wraps it); its tools are bound methods that keep the
+instance's state, so they run in the rollout's process (in a thread, with the timeout). The methods and their
+defaults: docs/agents.md.
 """
 
 from __future__ import annotations
@@ -86,7 +62,7 @@ class Environment:
         ``system_prompt``, a system turn first. Runs on: the rollout's process."""
         messages: list[Message]
         for value in row.values():  # the chat column (PromptDataModule's messages_column), whatever its name
-            if isinstance(value, list) and value and all(isinstance(m, Mapping) and "role" in m for m in value):
+            if _is_chat(value):
                 messages = [dict(m) for m in value]
                 break
         else:
@@ -116,11 +92,13 @@ class Environment:
         return None
 
 
-class ToolEnvironment(Environment):
-    """The common case: the model calls ``tools`` until it answers without a call.
+def _is_chat(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
 
-    ``ToolEnvironment(tools=[calculator], system_prompt=...)`` or a subclass with ``tools = [...]``.
-    """
+
+class ToolEnvironment(Environment):
+    """The common case: the model calls ``tools`` until it answers without a call. ``ToolEnvironment(tools=[calculator],
+    system_prompt=...)`` or a subclass with ``tools = [...]``."""
 
     def __init__(self, tools: Sequence[Callable[..., Any]] | None = None, system_prompt: str | None = None) -> None:
         if tools is not None:
@@ -155,20 +133,15 @@ class _TRLStyle(Environment):
                 f"{type(self.inner).__name__}.reset(**columns) returned a {type(extra).__name__}; a TRL-style "
                 "environment returns None or text (the prompt, or what to append to the row's last user message)."
             )
-        has_prompt = any(
-            isinstance(v, list) and v and all(isinstance(m, Mapping) and "role" in m for m in v) for v in row.values()
-        ) or (isinstance(row.get("prompt"), str) and row["prompt"].strip())
-        if not has_prompt:  # the environment owns the task: its text is the prompt
-            if not extra or not extra.strip():
+        prompt = row.get("prompt")
+        if not any(_is_chat(v) for v in row.values()) and not (isinstance(prompt, str) and prompt.strip()):
+            if not extra or not extra.strip():  # the environment owns the task: its text is the prompt
                 raise ValueError(
                     f"{type(self.inner).__name__}.reset(**columns) returned {extra!r} for a row without a prompt "
                     f"(columns: {sorted(row)}). HINT: return the task's text from reset(), or give the dataset a "
                     "'prompt' column."
                 )
-            messages: list[Message] = [{"role": "user", "content": extra}]
-            if self.system_prompt:
-                messages.insert(0, {"role": "system", "content": self.system_prompt})
-            return messages
+            return super().reset({"prompt": extra})
         messages = super().reset(row)
         if extra:
             last = next(m for m in reversed(messages) if m.get("role") == "user")
@@ -316,10 +289,8 @@ def with_environment_reward(reward: Any, environment: Any) -> Any:
             hint = " or an environment whose reward(episode) scores it" if environment is not None else ""
             raise ValueError(f"RLHFModule(reward=None): the module has no reward. HINT: pass reward=fn{hint}.")
         return reward
-    if reward is None:
-        return {"environment": environment_reward}
-    if isinstance(reward, Mapping):
-        named = dict(reward)
+    if reward is None or isinstance(reward, Mapping):
+        named = dict(reward or {})
     elif isinstance(reward, str):
         named = {"model": reward}
     else:

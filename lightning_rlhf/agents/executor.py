@@ -1,18 +1,9 @@
 """Tool calls in worker processes, each with a timeout, that never crash or stall a rollout.
 
-The rollout's process (a trainer rank, or an engine server's client) runs vLLM, gloo and OpenMP threads, so a tool
-never runs in it and it is never forked: tools run in tool workers, the reward workers' program
-(:mod:`lightning_rlhf.rewards.pool`) serving a mapping of tool names to functions. Each of ``num_workers`` threads
-owns one worker; :meth:`ToolExecutor.submit` hands a call to a free thread and returns at once with a future, so an
-episode whose observation is ready goes on while another's tool still runs.
-
-``async def`` tools (an HTTP client, a sandbox, a judge) run in one more worker of their own, whose event loop runs
-every call at once as it arrives (:func:`lightning_rlhf.rewards.pool._serve_coroutines`): their calls do not wait for
-a free worker, and a client or semaphore made at their module's level is shared by all of them.
-
-A tool that raises, returns something with no text form, hangs past ``timeout_s`` or kills its process gives an
-error observation (the worker is replaced; a coroutine past its timeout is cancelled); the result says which, for the
-rollout's counters.
+Tools run in tool workers, the reward workers' program (:mod:`lightning_rlhf.rewards.pool`) serving a mapping of
+tool names to functions: one worker per executor thread, and one more whose event loop runs every ``async def``
+tool call at once (docs/architecture.md). A tool that raises, returns something with no text form, hangs past
+``timeout_s`` or kills its process gives an error observation (the worker is replaced); the result says which.
 """
 
 from __future__ import annotations
@@ -34,38 +25,19 @@ from subprocess import Popen
 from typing import Any
 
 from lightning_rlhf.agents.parsing import ToolCall
-from lightning_rlhf.rewards.pool import STARTUP_TIMEOUT_S, kill_worker, spawn_worker, worker_payload
+from lightning_rlhf.rewards.pool import STARTUP_TIMEOUT_S, Worker, kill_worker, spawn_worker, worker_payload
 
 __all__ = ["ToolExecutor", "ToolResult", "tool_result"]
 
 
 @dataclass(frozen=True)
 class ToolResult:
-    """What a call gave: ``text`` (the observation's content), ``kind`` (``ok``, ``invalid_call``, ``raised``,
-    ``invalid_result``, ``timeout``, ``crash``) and the call's ``seconds``."""
+    """What a call gave: ``text`` (the observation's content), ``kind`` (``ok``, ``raised``, ``invalid_result``,
+    ``timeout``, ``crash``) and the call's ``seconds``."""
 
     text: str
     kind: str
     seconds: float
-
-    @property
-    def ok(self) -> bool:
-        """Whether the tool ran and returned a value. Runs on: any process."""
-        return self.kind == "ok"
-
-
-class _Worker:
-    """One tool worker process, owned by one thread of the executor."""
-
-    def __init__(self, payload: bytes) -> None:
-        self.proc: Popen[bytes]
-        self.conn: Connection
-        self.proc, self.conn = spawn_worker(payload)
-        self.ready = False
-
-    def close(self, *, term: bool) -> str:
-        self.conn.close()
-        return kill_worker(self.proc, term=term)
 
 
 _COROUTINE_GRACE_S = 2.0
@@ -221,11 +193,6 @@ class ToolExecutor:
     ) -> None:
         import cloudpickle
 
-        if not timeout_s > 0 or num_workers < 1:
-            raise ValueError(
-                f"ToolExecutor(timeout_s={timeout_s}, num_workers={num_workers}): both must be positive. HINT: "
-                "RolloutConfig(episode=EpisodeConfig(tool_timeout_s=10, tool_workers=4))."
-            )
         coroutines = {name: fn for name, fn in functions.items() if inspect.iscoroutinefunction(fn)}
         plain = {name: fn for name, fn in functions.items() if name not in coroutines}
         try:
@@ -237,25 +204,19 @@ class ToolExecutor:
                 f"{type(err).__name__}: {err}. HINT: create clients, locks and models inside the tool function (or "
                 "in a module it imports) rather than capturing them."
             ) from err
-        self.names = sorted(functions)
         self.timeout_s = timeout_s
         self.max_chars = max_chars
         self._payload = worker_payload("tool", fn_bytes, next(iter(plain.values()), None))
-        self._coroutines = (
-            _CoroutineWorker(
-                worker_payload("async-tool", coroutine_bytes, next(iter(coroutines.values()))),
-                names=set(coroutines),
-                timeout_s=timeout_s,
-                max_chars=max_chars,
+        self._coroutines: _CoroutineWorker | None = None
+        if coroutines:
+            payload = worker_payload("async-tool", coroutine_bytes, next(iter(coroutines.values())))
+            self._coroutines = _CoroutineWorker(
+                payload, names=set(coroutines), timeout_s=timeout_s, max_chars=max_chars
             )
-            if coroutines
-            else None
-        )
-        self.num_workers = num_workers if plain else 0
-        """Worker processes of the plain tools (the ``async def`` ones share one more)."""
+        self.num_workers = num_workers if plain else 0  # of the plain tools (the async def ones share one more)
         self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="lightning-rlhf-tool")
         self._local = threading.local()
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._lock = threading.Lock()
         self._started = 0
         self.closed = False
@@ -296,12 +257,11 @@ class ToolExecutor:
         if self._coroutines is not None:
             self._coroutines.close()
 
-    # ------------------------------------------------------------------------------------------ private
-    def _worker(self) -> _Worker:
+    def _worker(self) -> Worker:
         """This thread's worker, started (and waited for, up to the start-up bound) when it has none."""
-        w: _Worker | None = getattr(self._local, "worker", None)
+        w: Worker | None = getattr(self._local, "worker", None)
         if w is None:
-            w = _Worker(self._payload)
+            w = Worker(*spawn_worker(self._payload))
             with self._lock:
                 self._workers.append(w)
                 self._started += 1
@@ -320,7 +280,7 @@ class ToolExecutor:
             w.ready = True
         return w
 
-    def _drop(self, w: _Worker) -> str:
+    def _drop(self, w: Worker) -> str:
         with self._lock:
             if w in self._workers:
                 self._workers.remove(w)

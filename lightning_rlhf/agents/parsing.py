@@ -1,21 +1,11 @@
 """Tool calls in a model's text: the formats chat templates write them in, and a registry for more.
 
-A parser turns one assistant turn's text into its prose and its calls. A malformed call (text between the tags
-that is not JSON, a call without a ``name``, arguments that are not an object) is kept as a :class:`ToolCall` with
-its ``error`` set, so that the environment can answer it with an observation that says what was wrong instead of
-ignoring it or crashing.
-
-The default format is Hermes' (Qwen2/2.5/3, NousResearch, and the demo's tool template)::
-
-    <tool_call>
-    {"name": "calculator", "arguments": {"expression": "37 * 41"}}
-    </tool_call>
-
-Another format is a function registered under a name (:func:`register_tool_parser`) and chosen with
-``RolloutConfig(tool_parser=NAME)``. A tokenizer that carries a ``response_template`` (transformers' own description of
-how its model writes replies and calls: Gemma 4 repositories ship one, TRL's ``add_response_schema`` sets them for
-the templates it knows) is read by transformers' ``parse_response`` (:func:`parse_with_template`): that is
-``tool_parser="template"``, and what ``"auto"``, the default, picks whenever the tokenizer has one (else Hermes).
+A parser turns one assistant turn's text into its prose and its calls. A malformed call (not JSON, no ``name``,
+arguments that are not an object) is kept as a :class:`ToolCall` with its ``error`` set, so that the environment
+answers it with an observation that says what was wrong. The default format is Hermes'
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Qwen2/2.5/3, NousResearch); ``"template"`` reads a
+tokenizer's ``response_template`` with transformers' ``parse_response``, and ``"auto"`` picks it when the tokenizer
+has one. Formats and the registry: docs/agents.md.
 """
 
 from __future__ import annotations
@@ -24,7 +14,7 @@ import contextlib
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -35,7 +25,6 @@ __all__ = [
     "parse_with_template",
     "register_tool_parser",
     "resolve_tool_parser",
-    "tool_parsers",
 ]
 
 
@@ -48,11 +37,6 @@ class ToolCall:
     arguments: dict[str, Any] = field(default_factory=dict)
     raw: str = ""
     error: str | None = None
-
-    def as_message_call(self) -> dict[str, Any]:
-        """The call as a chat message's ``tool_calls`` entry (the shape transformers' chat templates render).
-        Runs on: any process."""
-        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
@@ -68,9 +52,8 @@ _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 def _read_call(raw: str) -> ToolCall:
     """One call's JSON object, or a call with the ``error`` that says what is wrong with it."""
-    body = raw.strip()
     try:
-        obj = json.loads(body)
+        obj = json.loads(raw.strip())
     except json.JSONDecodeError as err:
         return ToolCall("", raw=raw, error=f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
     return _checked_call(obj, raw)
@@ -96,10 +79,8 @@ def parse_hermes(text: str) -> ParsedTurn:
     calls = tuple(_read_call(m[1]) for m in _HERMES.finditer(text))
     content = _HERMES.sub("", text).strip()
     unclosed = text.rfind("<tool_call>") > text.rfind("</tool_call>")
-    if unclosed and calls:  # the regex took the rest of the text as the last call's body
-        last = calls[-1]
-        if last.error is None:
-            calls = (*calls[:-1], ToolCall(last.name, last.arguments, last.raw, "the tool call has no </tool_call>"))
+    if unclosed and calls and calls[-1].error is None:  # the regex took the rest of the text as its body
+        calls = (*calls[:-1], replace(calls[-1], error="the tool call has no </tool_call>"))
     return ParsedTurn(content, calls)
 
 
@@ -116,11 +97,9 @@ def parse_with_template(
         reason = str(err).splitlines()[0].rstrip(".")
         malformed = ToolCall("", raw=tokenizer.decode(turn), error=f"the tool call cannot be read ({reason})")
         return ParsedTurn("", (malformed,))
-    calls = []
-    for entry in message.get("tool_calls") or []:
-        function = entry.get("function", entry) if isinstance(entry, dict) else entry
-        calls.append(_checked_call(function, json.dumps(function, default=str)))
-    return ParsedTurn(str(message.get("content") or ""), tuple(calls))
+    functions = [e.get("function", e) if isinstance(e, dict) else e for e in message.get("tool_calls") or []]
+    calls = tuple(_checked_call(function, json.dumps(function, default=str)) for function in functions)
+    return ParsedTurn(str(message.get("content") or ""), calls)
 
 
 def resolve_tool_parser(name: str, tokenizer: Any) -> str:
@@ -147,11 +126,9 @@ _PARSERS: dict[str, ToolParser] = {"hermes": parse_hermes}
 
 
 def register_tool_parser(name: str, parser: ToolParser) -> None:
-    """Make ``parser`` (text -> :class:`ParsedTurn`) available as ``RolloutConfig(tool_parser=name)``.
-
-    Runs on: every process that builds the rollout (register at import time of the user's module, as a recipe's
-    reward functions are). Re-registering a name replaces it.
-    """
+    """Make ``parser`` (text -> :class:`ParsedTurn`) available as ``RolloutConfig(tool_parser=name)``; a name
+    registered again is replaced. Runs on: every process that builds the rollout (register at import time of the
+    user's module, as a recipe's reward functions are). Raises ValueError for a reserved name or a non-callable."""
     if name in ("auto", "template"):
         raise ValueError(f"register_tool_parser({name!r}, ...): {name!r} is reserved. HINT: choose another name.")
     if not name or not callable(parser):
@@ -159,17 +136,12 @@ def register_tool_parser(name: str, parser: ToolParser) -> None:
     _PARSERS[name] = parser
 
 
-def tool_parsers() -> list[str]:
-    """The registered format names. Runs on: any process."""
-    return sorted(_PARSERS)
-
-
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered as ``name``. Runs on: any process. Raises ValueError naming the known formats."""
     if name not in _PARSERS:
         raise ValueError(
             f"RolloutConfig(tool_parser={name!r}) is not a registered format (known: 'auto', 'template', "
-            f"{', '.join(map(repr, tool_parsers()))}). HINT: "
+            f"{', '.join(map(repr, sorted(_PARSERS)))}). HINT: "
             "register yours with lightning_rlhf.agents.register_tool_parser(name, parser)."
         )
     return _PARSERS[name]

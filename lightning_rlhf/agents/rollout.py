@@ -1,22 +1,8 @@
 """Multi-turn episodes: each turn, the live episodes generate in one engine call; their tool calls run in tool
-workers; an episode goes on as soon as its observation is ready.
-
-Token in, token out: an episode's ids are its prompt's (the first messages rendered once by the chat template, with
-the tools' schemas), then each turn's ids exactly as the engine sampled them, then each observation's ids
-(:class:`~lightning_rlhf.agents.tokens.ChatDelta`). The conversation is never tokenized again from text.
-``sampled_mask`` is 1 on sampled tokens only (the loss counts them, :func:`~lightning_rlhf.batch.sampled_mask`);
-``response_mask`` is 1 on every token of the episode after the prompt
-(the model attends to the observations); ``rollout_logprobs`` is the engine's on sampled tokens, 0 elsewhere.
-
-An episode ends when the model answers without a tool call (or the environment says done), or, flagged as
-truncated, when a turn hits its token limit, ``RolloutConfig.episode.max_turns`` turns have called tools, or the next
-observation would not fit the episode's budget (``max_episode_tokens``) or the model's context. An episode never
-ends on an observation: the reward's last token is a sampled one.
-
-Scheduling (``RolloutConfig.episode.async_episodes``): asynchronous (default), each engine call takes every episode
-whose observation is ready, while the other episodes' tools keep running; lock-step, each turn waits for every
-episode's tools. With one engine call per ready set, any engine works (vLLM, the transformers engine, an engine
-server).
+workers; an episode goes on as soon as its observation is ready. Token in, token out: an episode's ids are its
+prompt's, then each turn's ids as the engine sampled them, then each observation's ids; the conversation is never
+tokenized again from text. An episode never ends on an observation: the reward's last token is a sampled one.
+Limits, scheduling and the columns written: docs/agents.md.
 """
 
 from __future__ import annotations
@@ -38,14 +24,13 @@ import torch
 from lightning_rlhf.agents.env import Environment, EnvironmentChoice, Episode, Message, scores_episodes
 from lightning_rlhf.agents.executor import ToolExecutor, ToolResult, tool_result
 from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, parse_with_template, resolve_tool_parser
-from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template
+from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template, render_chat
 from lightning_rlhf.agents.tools import ToolSet
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.engines.rollout.base import RolloutEngine, SamplingParams
 
 __all__ = [
-    "EPISODE_COLUMNS",
     "PROBLEM_KINDS",
     "EpisodeRunner",
     "check_environment",
@@ -56,19 +41,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EPISODE_COLUMNS = ("episode", "env_reward", "turn_rewards", "episode_problems")
-"""Columns an episode batch adds: the conversation's messages, the environment's score (NaN: none), the per-turn
-rewards ``step`` gave, and the first message of each kind of problem the episode met (:data:`PROBLEM_KINDS`)."""
-
 TOOL_ERROR_KINDS = ("malformed", "raised", "timeout", "crash", "invalid_result")
-"""How a tool call can fail: ``malformed`` (the parser or the tools' schemas refused the call: not JSON, no such
-tool, wrong arguments), ``raised`` (the tool raised), ``timeout`` (past ``tool_timeout_s``), ``crash`` (its worker
-died or did not start), ``invalid_result`` (it returned a value with no text form)."""
+"""How a tool call can fail (each kind explained in docs/agents.md, "What you see")."""
 
 PROBLEM_KINDS = (*TOOL_ERROR_KINDS, "observation_overflow")
-"""The kinds of problem an episode reports: the tool errors, and ``observation_overflow`` (an observation, tool
-results cut to ``max_tool_response_chars`` included, did not fit the room the episode had left, so it ended
-truncated)."""
+"""The kinds of problem an episode reports: the tool errors, and ``observation_overflow`` (an observation did not
+fit the room the episode had left, so it ended truncated)."""
 
 _PREFIX_IDS = 32
 """Ids before a turn handed to a ``response_template`` parser: its generation prompt (what the template may have
@@ -108,10 +86,9 @@ class _Live:
 
 
 class EpisodeRunner:
-    """What one rank needs to run episodes for an environment: the tool executor, the chat delta, the parser.
-    Made once per role and kept across steps (its tool workers live as long as it does). ``make_env``: a zero-argument
-    callable making one environment per episode (an Environment class, a factory), or an
-    :class:`~lightning_rlhf.agents.env.EnvironmentChoice`, which makes each episode's from its row.
+    """What one rank needs to run episodes for an environment: the tool executors, the chat deltas, the parser.
+    Made once per role and kept across steps (its tool workers live as long as it does). ``make_env``: what
+    :func:`~lightning_rlhf.agents.env.environment_factory` makes.
 
     Runs on: the process that runs the rollout (a worker rank with a rollout engine).
     """
@@ -122,17 +99,15 @@ class EpisodeRunner:
         self.make_env = make_env
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.context = _model_context(model_path)
-        """The model's context bound (its positions), None when its config states none."""
-        self.tool_format = resolve_tool_parser(cfg.episode.tool_parser, tokenizer)
-        """The format the turns' tool calls are read in (``RolloutConfig.episode.tool_parser``, ``"auto"`` resolved)."""
+        self.context = _model_context(model_path)  # the model's positions; None: its config states none
+        self.budget = cfg.episode.max_episode_tokens or cfg.max_new_tokens * cfg.episode.max_turns  # after the prompt
+        self.tool_format = resolve_tool_parser(cfg.episode.tool_parser, tokenizer)  # "auto" resolved
         self.parse = None if self.tool_format == "template" else get_tool_parser(self.tool_format)
         self._toolsets: dict[tuple[Any, ...], tuple[ToolSet, ChatDelta, ToolExecutor | None]] = {}
+        # The data module's chat_template_kwargs and max_prompt_length (None: no bound), set per rollout.
         self.chat_template_kwargs: dict[str, Any] = {}
-        """Extra arguments of every ``apply_chat_template`` call (``PromptDataModule(chat_template_kwargs=...)``, set
-        per rollout by :func:`sample_episodes`)."""
         self.max_prompt_length: int | None = None
-        """The bound on an episode's rendered first prompt (``PromptDataModule(max_prompt_length=...)``), None: none."""
+        self._context: int | None = None  # the context bound of the run in progress
         self._threads = cf.ThreadPoolExecutor(max(1, cfg.episode.tool_workers), thread_name_prefix="lightning-rlhf-env")
 
     def close(self) -> None:
@@ -147,11 +122,8 @@ class EpisodeRunner:
         """The environment's tools, its chat delta (with the tools' schemas) and executor, made once per set of
         tool functions (an environment class's instances share theirs)."""
         in_process = getattr(env, "in_process", False)
-        key = (
-            tuple(id(getattr(t, "__func__", t)) for t in env.tools)
-            + ((-1,) if in_process else ())
-            + (repr(sorted(self.chat_template_kwargs.items())),)
-        )
+        kwargs = repr(sorted(self.chat_template_kwargs.items()))
+        key = (*(id(getattr(t, "__func__", t)) for t in env.tools), in_process, kwargs)
         if key not in self._toolsets:
             tools, delta = _tools_and_delta(env, self.tokenizer, self.chat_template_kwargs)
             executor = None
@@ -166,14 +138,14 @@ class EpisodeRunner:
             self._toolsets[key] = (tools, delta, executor)
         return self._toolsets[key]
 
-    # --------------------------------------------------------------------------------------------- episode
     def _start(self, row: dict[str, Any]) -> _Live:
         env = self.make_env(row) if isinstance(self.make_env, EnvironmentChoice) else self.make_env()
         messages = _first_messages(env, row)
         tools, delta, _ = self._tools_of(env)
         if getattr(env, "in_process", False):  # stateful tools (bound methods): this episode's own instance's
             tools = tools.rebound(env.tools)
-        prompt = _render_prompt(self.tokenizer, messages, tools.schemas, self.chat_template_kwargs)
+        kwargs = self.chat_template_kwargs
+        prompt = render_chat(self.tokenizer, messages, generation=True, tools=tools.schemas or None, **kwargs)
         bound = self.max_prompt_length
         if bound is not None and len(prompt) > bound:
             raise ValueError(
@@ -189,10 +161,9 @@ class EpisodeRunner:
     def _after_turn(self, ep: _Live, turn: list[int], logprobs: Sequence[float], stops: set[int], limit: int) -> None:
         """Append a sampled turn; end the episode or start its observation (tools, or the environment's step)."""
         turn = turn[:limit]
-        logprobs = list(logprobs[: len(turn)]) + [0.0] * (len(turn) - len(logprobs))
         ep.ids += turn
         ep.sampled += [1] * len(turn)
-        ep.logprobs += logprobs
+        ep.logprobs += list(logprobs[: len(turn)]) + [0.0] * (len(turn) - len(logprobs))
         ep.last_id = turn[-1] if turn else None
         ep.info.turns += 1
         text = self.tokenizer.decode(turn, skip_special_tokens=True)
@@ -262,24 +233,16 @@ class EpisodeRunner:
         answer.add_done_callback(lambda _: timer.cancel())
         return answer
 
-    def _ender(
-        self, episodes: list[_Live], limits: list[int], stops: set[int], handled: set[int]
-    ) -> Callable[[int, list[int], list[float]], None]:
-        """An engine call's ``on_done``: its ``k``-th response ends its episode's turn at once (the turn's tool calls
-        start while the call's other responses still decode), and ``k`` joins ``handled``."""
-
-        def ended(k: int, turn: list[int], logprobs: list[float]) -> None:
-            handled.add(k)
-            self._after_turn(episodes[k], turn, logprobs, stops, limits[k])
-
-        return ended
+    def _room(self, ep: _Live) -> int:
+        """The tokens the episode has left: of its budget, and of the model's context."""
+        left = self.budget - len(ep.ids)
+        return left if self._context is None else min(left, self._context - len(ep.prompt) - len(ep.ids))
 
     def _ready(self, ep: _Live) -> bool:
         return all(not isinstance(p, cf.Future) or p.done() for _, p in ep.pending)
 
-    def _observe(self, ep: _Live, budget: int, context: int | None) -> None:
-        """Append the episode's observation (its tool results or the environment's turns), or end it when the
-        observation does not fit."""
+    def _observe(self, ep: _Live) -> None:
+        """Append the episode's observation (tool results or the environment's turns), or end it if it does not fit."""
         messages: list[Message] = []
         for call, pending in ep.pending:
             if isinstance(pending, dict):  # the environment's own message
@@ -288,7 +251,7 @@ class EpisodeRunner:
             if isinstance(pending, cf.Future):
                 result = pending.result()
                 ep.tool_s += result.seconds
-                if not result.ok:
+                if result.kind != "ok":
                     ep.problem(result.kind, result.text)
                 text = result.text
             else:
@@ -296,9 +259,7 @@ class EpisodeRunner:
             messages.append({"role": "tool", "name": call.name or "error", "content": text})
         ep.pending = []
         obs = ep.delta.observation_ids(messages, last_id=ep.last_id)
-        room = budget - len(ep.ids)
-        if context is not None:
-            room = min(room, context - len(ep.prompt) - len(ep.ids))
+        room = self._room(ep)
         if len(obs) + 1 > room:  # no room for the observation and one more sampled token
             ep.info.truncated = ep.done = True
             longest = max((len(str(m.get("content", ""))) for m in messages), default=0)
@@ -315,27 +276,17 @@ class EpisodeRunner:
         ep.observation_tokens += len(obs)
         ep.info.messages += messages
 
-    # ------------------------------------------------------------------------------------------------ run
     def run(
-        self,
-        engine: RolloutEngine,
-        rows: list[dict[str, Any]],
-        params: SamplingParams,
-        *,
-        context: int | None,
+        self, engine: RolloutEngine, rows: list[dict[str, Any]], params: SamplingParams, *, context: int | None
     ) -> tuple[list[_Live], float]:
-        """Run one episode per row to its end (with :attr:`chat_template_kwargs` and the bound
-        :attr:`max_prompt_length`); returns them and the seconds spent in the engine.
-
-        Runs on: the rollout's process. ``params``: the step's sampling settings (``n`` is ignored: a row is one
-        episode; each engine call gets its own seed).
-        """
-        cfg = self.cfg
-        budget = cfg.episode.max_episode_tokens or cfg.max_new_tokens * cfg.episode.max_turns
+        """Run one episode per row to its end, within ``context`` tokens (None: no bound); returns them and the
+        seconds spent in the engine. Runs on: the rollout's process. ``params``: the step's sampling settings (``n``
+        is ignored; each call gets its own seed)."""
+        cfg, self._context = self.cfg, context
         stops = set(params.stop_token_ids)
         episodes = [self._start(row) for row in rows]
         if cfg.episode.async_episodes and getattr(engine, "streams_requests", False):
-            return episodes, self._run_streaming(engine, episodes, params, budget, stops, context)
+            return episodes, self._run_streaming(engine, episodes, params, stops)
         ready = list(episodes)
         calls = 0
         gen_s = 0.0
@@ -351,21 +302,19 @@ class EpisodeRunner:
             if cfg.episode.async_episodes:
                 ready += [ep for ep in waiting if self._ready(ep)]
                 if not ready and waiting:
-                    futures = [p for ep in waiting for _, p in ep.pending if isinstance(p, cf.Future)]
-                    cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                    _wait_any(waiting)
                     continue
             elif not ready:
                 ready = waiting
             for ep in [ep for ep in ready if ep.pending]:
-                self._observe(ep, budget, context)
+                self._observe(ep)
             ready = [ep for ep in ready if not ep.done]
             if not ready:
                 if any(ep.pending for ep in episodes):
                     continue
                 break
-            limits = [_turn_limit(ep, cfg.max_new_tokens, budget, context) for ep in ready]
-            # An engine that bounds each prompt by its own limit takes every ready episode in one call; others get
-            # calls whose longest sequence and largest limit fit the context.
+            limits = [min(cfg.max_new_tokens, self._room(ep)) for ep in ready]
+            # other engines: calls whose longest sequence and largest limit fit the context
             groups = [list(range(len(ready)))] if continues else _fitting_calls(ready, limits, context)
             for group in groups:
                 seed = (params.seed + calls * _TURN_SEED) % (1 << 62)
@@ -395,7 +344,11 @@ class EpisodeRunner:
         call = dataclasses.replace(params, n=copies, max_new_tokens=max(limits), seed=seed)
         prompts = [ep.prompt + ep.ids for ep in eps[::copies]]
         handled: set[int] = set()  # the call's turns ended while its others decoded: their tools run
-        early = self._ender(eps, limits, stops, handled)
+
+        def early(k: int, turn: list[int], logprobs: list[float]) -> None:  # the engine's on_done: tools start now
+            handled.add(k)
+            self._after_turn(eps[k], turn, logprobs, stops, limits[k])
+
         t0 = time.perf_counter()
         if number is not None:
             out = engine.generate(  # type: ignore[call-arg]
@@ -414,15 +367,7 @@ class EpisodeRunner:
                 self._after_turn(ep, list(turn), lp, stops, limit)
         return gen_s
 
-    def _run_streaming(
-        self,
-        engine: Any,
-        episodes: list[_Live],
-        params: SamplingParams,
-        budget: int,
-        stops: set[int],
-        context: int | None,
-    ) -> float:
+    def _run_streaming(self, engine: Any, episodes: list[_Live], params: SamplingParams, stops: set[int]) -> float:
         """Episodes on an engine that takes requests while others decode (vLLM at TP 1): an episode's next turn is
         added as soon as its observation is ready, and the engine steps on; returns the seconds in engine steps."""
         limits: dict[int, int] = {}
@@ -431,13 +376,13 @@ class EpisodeRunner:
         while True:
             for i, ep in enumerate(episodes):
                 if ep.pending and self._ready(ep):
-                    self._observe(ep, budget, context)
+                    self._observe(ep)
                     ready.append(i)
             for i in ready:
                 ep = episodes[i]
                 if ep.done:
                     continue
-                limits[i] = _turn_limit(ep, self.cfg.max_new_tokens, budget, context)
+                limits[i] = min(self.cfg.max_new_tokens, self._room(ep))
                 turn = dataclasses.replace(
                     params, n=1, max_new_tokens=limits[i], seed=(params.seed + ep.info.turns * _TURN_SEED) % (1 << 62)
                 )
@@ -450,10 +395,13 @@ class EpisodeRunner:
                 for i, turn_ids, logprobs in finished:
                     self._after_turn(episodes[i], list(turn_ids), logprobs, stops, limits[i])
             elif any(ep.pending for ep in episodes):
-                futures = [p for ep in episodes for _, p in ep.pending if isinstance(p, cf.Future)]
-                cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                _wait_any(episodes)
             else:
                 return gen_s
+
+
+def _wait_any(episodes: list[_Live]) -> None:
+    cf.wait([p for ep in episodes for _, p in ep.pending if isinstance(p, cf.Future)], return_when=cf.FIRST_COMPLETED)
 
 
 def _first_messages(env: Environment, row: dict[str, Any]) -> list[Message]:
@@ -466,19 +414,6 @@ def _first_messages(env: Environment, row: dict[str, Any]) -> list[Message]:
     return messages
 
 
-def _render_prompt(
-    tokenizer: Any, messages: list[Message], schemas: list[dict[str, Any]], chat_kwargs: dict[str, Any]
-) -> list[int]:
-    """An episode's prompt ids: ``messages`` rendered by the chat template with the tools' schemas, the extra
-    template arguments and the generation prompt."""
-    prompt = tokenizer.apply_chat_template(
-        messages, tools=schemas or None, add_generation_prompt=True, tokenize=True, return_dict=False, **chat_kwargs
-    )
-    if not isinstance(prompt, list):  # a BatchEncoding
-        prompt = list(prompt["input_ids"])
-    return [int(i) for i in prompt]
-
-
 def episode_prompt_ids(
     make_env: Callable[..., Environment],
     tokenizer: Any,
@@ -489,10 +424,8 @@ def episode_prompt_ids(
     """Each row's episode prompt as the rollout renders it (``reset(row)``'s messages, the system turn and the
     tools' schemas, by the chat template with ``chat_template_kwargs``), and the text reward functions get as its
     ``prompt`` (the last user message). One environment per environment class is made and reset once per row.
-
     Runs on: every process, in ``PromptDataModule.setup`` (before any model loads). Raises ValueError for a
-    ``reset`` that returns no messages.
-    """
+    ``reset`` that returns no messages."""
     kwargs = dict(chat_template_kwargs or {})
     envs: dict[Any, tuple[Environment, ToolSet]] = {}
     out = []
@@ -503,18 +436,15 @@ def episode_prompt_ids(
             envs[key] = (env, ToolSet(env.tools))
         env, tools = envs[key]
         messages = _first_messages(env, row)
-        out.append((_render_prompt(tokenizer, messages, tools.schemas, kwargs), _last_user(messages)))
+        prompt = render_chat(tokenizer, messages, generation=True, tools=tools.schemas or None, **kwargs)
+        out.append((prompt, _last_user(messages)))
     return out
 
 
 def check_environment(make_env: Callable[..., Environment], tokenizer: Any, tool_parser: str = "auto") -> None:
-    """Make one environment and check what every episode would meet at its first turn: its tools' JSON schemas
-    (type hints, docstrings), the chat template (present, renders ``tool`` turns, prefix-preserving) and the format
-    its calls are read in (``RolloutConfig.episode.tool_parser``), so that a mistake is a clear error when the module is
-    built, not in a worker once training has started.
-
-    Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError.
-    """
+    """Make one environment and check what every episode would meet at its first turn (its tools' JSON schemas, the
+    chat template, the format its calls are read in), so that a mistake is a clear error when the module is built.
+    Runs on: every process, when the module is built (the controller's error comes first). Raises ValueError."""
     resolve_tool_parser(tool_parser, tokenizer)
     for make in make_env.factories.values() if isinstance(make_env, EnvironmentChoice) else [make_env]:
         _tools_and_delta(make(), tokenizer)
@@ -577,16 +507,6 @@ def _samples_of_one_prompt(group: list[int], ready: list[_Live], params: Samplin
     return [i for members in same.values() for i in members], sizes.pop()
 
 
-def _turn_limit(ep: _Live, max_new_tokens: int, budget: int, context: int | None) -> int:
-    """The most tokens the episode's next turn may sample: the turn's bound, what is left of the episode's budget,
-    and its room in the model's context."""
-    return min(max_new_tokens, budget - len(ep.ids), _room(ep, context))
-
-
-def _room(ep: _Live, context: int | None) -> int:
-    return math.inf if context is None else context - len(ep.prompt) - len(ep.ids)  # type: ignore[return-value]
-
-
 def _step_answer(answered: Any, env: Environment) -> tuple[Any, bool, float | None]:
     """``step``'s answer as ``(observation, done, turn reward or None)``."""
     if not isinstance(answered, tuple) or len(answered) not in (2, 3):
@@ -594,9 +514,7 @@ def _step_answer(answered: Any, env: Environment) -> tuple[Any, bool, float | No
             f"{type(env).__name__}.step returned {answered!r:.200}; expected (messages, done), (messages, done, "
             "reward) or None. HINT: return ([], True) to end the episode, None to run the turn's tool calls."
         )
-    if len(answered) == 2:
-        return answered[0], bool(answered[1]), None
-    observation, done, reward = answered
+    observation, done, reward = (*answered, None)[:3]
     if reward is None:
         return observation, bool(done), None
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
@@ -634,7 +552,7 @@ def _messages(observation: Any, env: Environment) -> list[Message]:
 
 def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> ToolResult:
     """A stateful tool (a TRL-style environment's method) in a thread of the rollout's process."""
-    from lightning_rlhf.rewards.pool import tool_result_text
+    from lightning_rlhf.rewards.pool import tool_answer
 
     start = time.monotonic()
     try:
@@ -646,10 +564,7 @@ def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> T
     except Exception as err:
         kind, text = "raised", f"{type(err).__name__}: {err}"
     else:
-        try:
-            kind, text = "ok", tool_result_text(value, max_chars=cfg.episode.max_tool_response_chars)
-        except TypeError as err:
-            kind, text = "invalid", str(err)
+        kind, text = tool_answer(value, max_chars=cfg.episode.max_tool_response_chars)
     return tool_result(call.name, kind, text, time.monotonic() - start)
 
 
@@ -679,8 +594,8 @@ def sample_episodes(
     """Episodes for this rank's prompts, ``n`` per prompt: one row each, with the batch layout of a single-turn
     rollout (``prompts``/``prompt_mask`` now the rendered first messages, ``responses``, ``response_mask``,
     ``response_truncated``, ``rollout_logprobs``) plus ``sampled_mask`` (the sampled tokens), the episode counters
-    (``turns``, ``tool_calls``, ``tool_errors``, ``tool_s``, ``observation_tokens``) and the columns of
-    :data:`EPISODE_COLUMNS`.
+    (``turns``, ``tool_calls``, ``tool_errors``, ``tool_s``, ``observation_tokens``), ``episode`` (the messages),
+    ``env_reward`` (NaN: none), ``turn_rewards`` and ``episode_problems`` (the first message of each kind met).
 
     Runs on: a worker rank holding a rollout engine.
     """
@@ -691,30 +606,16 @@ def sample_episodes(
     t0 = time.perf_counter()
     episodes, gen_s = runner.run(engine, rows, params, context=runner.context)
     wall_s = time.perf_counter() - t0
-    b = len(episodes)
-    pwidth = max(len(ep.prompt) for ep in episodes)
     rwidth = max(1, max(len(ep.ids) for ep in episodes))
-    prompts = torch.full((b, pwidth), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((b, pwidth), dtype=torch.long)
-    responses = torch.full((b, rwidth), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((b, rwidth), dtype=torch.long)
-    loss_mask = torch.zeros((b, rwidth), dtype=torch.long)
-    logprobs = torch.zeros((b, rwidth))
-    for i, ep in enumerate(episodes):
-        p, r = len(ep.prompt), len(ep.ids)
-        prompts[i, pwidth - p :] = torch.tensor(ep.prompt)
-        prompt_mask[i, pwidth - p :] = 1
-        responses[i, :r] = torch.tensor(ep.ids, dtype=torch.long)
-        response_mask[i, :r] = 1
-        loss_mask[i, :r] = torch.tensor(ep.sampled, dtype=torch.long)
-        logprobs[i, :r] = torch.tensor(ep.logprobs)
-    rollout["prompts"], rollout["prompt_mask"] = prompts, prompt_mask
-    rollout["responses"], rollout["response_mask"], rollout["sampled_mask"] = responses, response_mask, loss_mask
-    rollout["rollout_logprobs"] = logprobs
+    rollout["prompts"] = _padded([ep.prompt for ep in episodes], pad_id, left=True)
+    rollout["prompt_mask"] = _padded([[1] * len(ep.prompt) for ep in episodes], 0, left=True)
+    rollout["responses"] = _padded([ep.ids for ep in episodes], pad_id, width=rwidth)
+    rollout["response_mask"] = _padded([[1] * len(ep.ids) for ep in episodes], 0, width=rwidth)
+    rollout["sampled_mask"] = _padded([ep.sampled for ep in episodes], 0, width=rwidth)
+    rollout["rollout_logprobs"] = _padded([ep.logprobs for ep in episodes], 0, width=rwidth, dtype=torch.float32)
     rollout["response_truncated"] = torch.tensor([ep.info.truncated for ep in episodes])
-    rollout["turns"] = torch.tensor([ep.info.turns for ep in episodes])
-    rollout["tool_calls"] = torch.tensor([ep.info.tool_calls for ep in episodes])
-    rollout["tool_errors"] = torch.tensor([ep.info.tool_errors for ep in episodes])
+    for key in ("turns", "tool_calls", "tool_errors"):
+        rollout[key] = torch.tensor([getattr(ep.info, key) for ep in episodes])
     rollout["tool_s"] = torch.tensor([ep.tool_s for ep in episodes], dtype=torch.float32)
     rollout["observation_tokens"] = torch.tensor([ep.observation_tokens for ep in episodes])
     for kind in TOOL_ERROR_KINDS:
@@ -730,10 +631,20 @@ def sample_episodes(
             p if isinstance(p, str) and p.strip() else ep.opening
             for p, ep in zip(rollout["prompt"], episodes, strict=True)
         ]
-    rollout.meta["gen_s"] = gen_s
-    rollout.meta["episodes_s"] = wall_s
-    rollout.meta["group_size"] = n
+    rollout.meta.update(gen_s=gen_s, episodes_s=wall_s, group_size=n)
     return rollout
+
+
+def _padded(
+    rows: list[list[Any]], fill: int, *, left: bool = False, width: int = 0, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """``rows`` as one ``[len(rows), width or the longest]`` tensor, padded with ``fill`` (``left``: on the left)."""
+    width = width or max(len(row) for row in rows)
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        start = width - len(row) if left else 0
+        out[i, start : start + len(row)] = torch.tensor(row, dtype=dtype)
+    return out
 
 
 def _last_user(messages: list[Message]) -> str:
@@ -742,17 +653,9 @@ def _last_user(messages: list[Message]) -> str:
 
 
 def episode_metrics(rollout: Batch) -> dict[str, float]:
-    """The episodes' metrics of a rollout (empty for single-turn rollouts): ``rollout/turns/mean|max``,
-    ``rollout/tool_calls/mean``, ``rollout/tool_errors`` (calls that failed, in the batch) and one count per way a
-    call fails (``rollout/tool_errors/<kind>``, :data:`TOOL_ERROR_KINDS`), ``rollout/tool_s/mean`` (seconds of tool
-    calls per episode), ``rollout/observation_tokens/mean``, ``rollout/truncated`` (share of episodes cut by a
-    limit), ``rollout/observation_overflow`` (episodes ended because an observation did not fit),
-    ``rollout/turn_rewards/mean`` (the sum of an episode's turn rewards, when ``step`` gives them) and
-    ``rollout/env_reward/mean`` when the environment scores. The first problem of each kind in the batch
-    (:data:`PROBLEM_KINDS`) is logged as a warning by this module's logger, with how many episodes met it.
-
-    Runs on: controller, once per step.
-    """
+    """The episodes' metrics of a rollout (``rollout/turns/mean`` ..., listed in docs/metrics.md; empty for
+    single-turn rollouts). The first problem of each kind in the batch (:data:`PROBLEM_KINDS`) is logged as a
+    warning by this module's logger, with how many episodes met it. Runs on: controller, once per step."""
     if "turns" not in rollout:
         return {}
     turns = rollout["turns"].float()
@@ -765,11 +668,9 @@ def episode_metrics(rollout: Batch) -> dict[str, float]:
         "rollout/observation_tokens/mean": float(rollout["observation_tokens"].float().mean()),
         "rollout/truncated": float(rollout["response_truncated"].float().mean()),
     }
-    for kind in TOOL_ERROR_KINDS:
-        if f"tool_errors/{kind}" in rollout:
-            out[f"rollout/tool_errors/{kind}"] = float(rollout[f"tool_errors/{kind}"].sum())
-    if "observation_overflow" in rollout:
-        out["rollout/observation_overflow"] = float(rollout["observation_overflow"].sum())
+    for key in [*(f"tool_errors/{kind}" for kind in TOOL_ERROR_KINDS), "observation_overflow"]:
+        if key in rollout:
+            out[f"rollout/{key}"] = float(rollout[key].sum())
     turn_rewards = rollout.columns.get("turn_rewards")
     if turn_rewards and any(turn_rewards):
         out["rollout/turn_rewards/mean"] = sum(sum(t) for t in turn_rewards) / len(turn_rewards)
@@ -787,13 +688,11 @@ def _log_problems(problems: list[dict[str, str]]) -> None:
         if not met:
             continue
         if kind == "observation_overflow":
-            hint = (
-                "HINT: lower RolloutConfig(max_tool_response_chars=), have the tool return less, or raise "
-                "max_episode_tokens (within the model's context)."
-            )
             log.warning(
-                "%d of %d episodes ended truncated because an observation did not fit (first: %s). %s",
-                len(met), len(problems), met[0], hint,
+                "%d of %d episodes ended truncated because an observation did not fit (first: %s). HINT: lower "
+                "RolloutConfig(max_tool_response_chars=), have the tool return less, or raise max_episode_tokens "
+                "(within the model's context).",
+                len(met), len(problems), met[0],
             )  # fmt: skip
         else:
             log.warning("tool calls failed (%s) in %d of %d episodes; first: %s", kind, len(met), len(problems), met[0])

@@ -1,11 +1,6 @@
-"""Token in, token out: an episode's ids grow by what the engine sampled and by each observation's ids, tokenized
-once, never by re-tokenizing the conversation from text.
-
-An observation (tool results, an environment's turn) is the chat template's *delta*: what the template writes
-after an assistant turn's end-of-turn token for the new messages, up to and including the next generation prompt.
-It is found by rendering a stand-in conversation twice, with and without the new messages, and keeping the ids
-after the stand-in's last end-of-turn token (the newline Qwen's template writes after ``<|im_end|>`` belongs to
-the delta). The model's own ids are never rendered: whatever it sampled stays as it was.
+"""Token in, token out: an observation's ids are the chat template's *delta* for the new messages (docs/agents.md),
+found by rendering a stand-in conversation with and without them and keeping the ids after the stand-in's last
+end-of-turn token (the newline Qwen's template writes after ``<|im_end|>`` belongs to the delta).
 """
 
 from __future__ import annotations
@@ -13,12 +8,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ChatDelta", "check_chat_template"]
+__all__ = ["ChatDelta", "check_chat_template", "render_chat"]
 
 _STAND_IN = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}]
 
 
-def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, generation: bool, **kwargs: Any) -> list[int]:
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, generation: bool, **kwargs: Any) -> list[int]:
+    """``messages`` rendered to ids by the chat template (``generation``: with the generation prompt). Runs on: any
+    process."""
     out = tokenizer.apply_chat_template(
         list(messages), tokenize=True, add_generation_prompt=generation, return_dict=False, **kwargs
     )
@@ -28,22 +25,19 @@ def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, generation
 
 
 class ChatDelta:
-    """The observation ids of a tokenizer's chat template (one per rollout; the template is rendered twice per
-    observation). Runs on: the process that runs the rollout (a worker).
-
-    ``chat_kwargs`` go to every ``apply_chat_template`` call (``tools=`` schemas, ``enable_thinking=``...).
-    """
+    """The observation ids of a tokenizer's chat template, ``chat_kwargs`` (``tools=``, ``enable_thinking=``...)
+    going to every render (twice per observation). Runs on: the process that runs the rollout (a worker)."""
 
     def __init__(self, tokenizer: Any, **chat_kwargs: Any) -> None:
         self.tokenizer = tokenizer
         self.chat_kwargs = chat_kwargs
-        base = _render(tokenizer, _STAND_IN, generation=False, **chat_kwargs)
+        base = render_chat(tokenizer, _STAND_IN, generation=False, **chat_kwargs)
         self._prefix = base[: self._end_of_turn_at(base) + 1]
         self.end_of_turn_id = self._prefix[-1]
 
     def _end_of_turn_at(self, ids: Sequence[int]) -> int:
         """Where the stand-in assistant turn's end-of-turn token is: the last special token the template wrote."""
-        start = len(_render(self.tokenizer, _STAND_IN[:1], generation=True, **self.chat_kwargs))
+        start = len(render_chat(self.tokenizer, _STAND_IN[:1], generation=True, **self.chat_kwargs))
         special = set(self.tokenizer.all_special_ids)
         ends = [i for i in range(start, len(ids)) if ids[i] in special]
         if not ends:
@@ -58,7 +52,7 @@ class ChatDelta:
         """The ids that follow a sampled assistant turn for ``messages`` (``tool`` or ``user`` turns), ending with
         the generation prompt. ``last_id``: the turn's last sampled id; when it is not the end-of-turn token (the
         turn stopped at another stop token), the end-of-turn token comes first, as context."""
-        full = _render(self.tokenizer, [*_STAND_IN, *messages], generation=True, **self.chat_kwargs)
+        full = render_chat(self.tokenizer, [*_STAND_IN, *messages], generation=True, **self.chat_kwargs)
         if full[: len(self._prefix)] != self._prefix:
             raise ValueError(
                 "the tokenizer's chat template renders the turns before new messages differently once they are "

@@ -1,11 +1,6 @@
-"""Tools: plain Python functions, their JSON schemas, and the checks a call goes through before it runs.
-
-A tool is a function with type hints and a Google-style docstring (``Args:`` describing each parameter), as
-transformers' chat templates take them: ``transformers.utils.get_json_schema`` writes its schema, which the chat
-template renders into the prompt. A call the model writes is checked against that schema here (unknown tool,
-unknown or missing arguments, a JSON type that does not match) so that the model gets an observation saying what
-was wrong; a call that passes runs in a tool worker (:mod:`lightning_rlhf.agents.executor`), and its result is
-turned into the text of a ``tool`` message (:func:`lightning_rlhf.rewards.pool.tool_result_text`).
+"""Tools: plain Python functions, their JSON schemas (``transformers.utils.get_json_schema``, from the type hints
+and the Google-style docstring), and the checks a call goes through before it runs in a tool worker, so that the
+model gets an observation saying what was wrong (unknown tool, unknown or missing arguments, a wrong JSON type).
 """
 
 from __future__ import annotations
@@ -30,11 +25,9 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
-    """The JSON schema of ``fn`` as chat templates take it (``{"type": "function", "function": {...}}``).
-
-    Runs on: any process (the controller checks the tools before training starts). Raises ValueError naming the
-    function and what its signature or docstring lacks.
-    """
+    """The JSON schema of ``fn`` as chat templates take it (``{"type": "function", "function": {...}}``). Runs on:
+    any process (the controller checks the tools before training starts). Raises ValueError naming the function
+    and what its signature or docstring lacks."""
     from transformers.utils import get_json_schema
 
     name = getattr(fn, "__name__", repr(fn))
@@ -89,18 +82,13 @@ class ToolSet:
         other.functions = dict(zip(self.functions, tools, strict=True))
         return other
 
-    @property
-    def names(self) -> list[str]:
-        """The tools' names, in the order given. Runs on: any process."""
-        return list(self.functions)
-
     def check(self, call: ToolCall) -> str | None:
         """What is wrong with ``call`` before it runs (None: it may run): a parse error, an unknown tool, an
         unknown or missing argument, an argument of the wrong JSON type. Runs on: the rollout's process."""
         if call.error is not None:
             return call.error
         if call.name not in self.functions:
-            return f"there is no tool named {call.name!r} (the tools: {', '.join(self.names) or 'none'})"
+            return f"there is no tool named {call.name!r} (the tools: {', '.join(self.functions) or 'none'})"
         params = next(s for s in self.schemas if s["function"]["name"] == call.name)["function"]["parameters"]
         properties: Mapping[str, Any] = params.get("properties", {})
         unknown = sorted(set(call.arguments) - set(properties))

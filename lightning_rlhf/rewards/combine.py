@@ -39,16 +39,12 @@ class RewardComponent:
 def reward_components(
     reward: RewardSpec, *, weights: Mapping[str, float] | None = None, setting: str = "reward"
 ) -> list[RewardComponent]:
-    """The named components of ``reward``, in the mapping's order, with their weights.
+    """The named components of ``reward``, in the mapping's order, with their ``weights`` (the others weigh 1.0);
+    ``setting``: how the argument is named in error messages (e.g. ``RLHFModule(reward=...)``).
 
     Runs on: every process, when the module is built. A single function is named by its ``__name__``, a
     single model ``model``. At most one component may be a model (a role holds one model to shard); any
     number may be functions.
-
-    Args:
-        reward: a function, a model path, or ``{name: function or model path}``.
-        weights: ``{name: weight}`` for some or all components; the others weigh 1.0.
-        setting: how the argument is named in error messages (e.g. ``RLHFModule(reward=...)``).
 
     Raises:
         ValueError: an empty mapping, a bad name, two models, or a weight for an unknown name.
@@ -90,16 +86,11 @@ def reward_components(
 
 
 def weighted_sum(scores: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> torch.Tensor:
-    """``sum(weights[name] * scores[name])`` ``[B]`` float32 over the components.
+    """``sum(weights[name] * scores[name])`` ``[B]`` float32 over the components (``weights`` names every one).
 
     Runs on: the reward worker (pure tensor math).
-
-    Args:
-        scores: component name -> ``[B]`` scores.
-        weights: component name -> weight, for every name in ``scores``.
     """
-    parts = [weights[name] * s.float() for name, s in scores.items()]
-    return torch.stack(parts).sum(0)
+    return torch.stack([weights[name] * s.float() for name, s in scores.items()]).sum(0)
 
 
 def _metric_safe(name: str) -> str:

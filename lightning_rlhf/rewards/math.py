@@ -1,14 +1,6 @@
-"""Rule rewards for math answers: GSM8K's final numbers and boxed LaTeX answers (``math-verify``).
-
-Both follow the reward-function convention ``fn(prompts, completions, **dataset_columns) -> list[float]`` and
-score 1.0 for a correct final answer, 0.0 otherwise (a missing answer is a wrong one)::
-
-    GRPOModule(actor, reward=gsm8k_reward)  # dataset column "answer": "... #### 72"
-    GRPOModule(actor, reward=math_reward)   # dataset column "solution" (or "answer"): "... \\boxed{\\frac{1}{2}}"
-
-``math-verify`` bounds its own parsing and checking with ``signal.alarm``, which Python allows only in the main
-thread; called from any other thread these functions switch that timeout off and rely on the caller's
-(``RewardConfig.timeout_s``: the reward runner's child process is single-threaded, so there it stays on).
+"""Rule rewards for math answers: GSM8K's final numbers and boxed LaTeX answers (``math-verify``), 1.0 for a
+correct final answer, 0.0 otherwise (docs/rewards.md). ``math-verify``'s own timeouts use ``signal.alarm`` (main
+thread only): in other threads they are off and the caller's (``RewardConfig.timeout_s``) bounds the call.
 """
 
 from __future__ import annotations
@@ -31,14 +23,9 @@ _BOXED = re.compile(r"\\boxed\s*\{((?:[^{}]|\{[^{}]*\})*)\}")
 def extract_final_number(text: str) -> str | None:
     """The final numeric answer of a GSM8K-style text, without thousands separators, or None.
 
-    Runs on: any process (plain function). In order: the number after the last ``####``; the content of the
-    last ``\\boxed{...}`` if it is a number; the last number in the text.
-
-    Args:
-        text: a completion, or a GSM8K reference answer (``"... #### 1,234"``).
-
-    Returns:
-        e.g. ``"1234"``, ``"-3.5"``; None when the text holds no number.
+    Runs on: any process (plain function). ``text``: a completion, or a GSM8K reference (``"... #### 1,234"``).
+    In order: the number after the last ``####``; the content of the last ``\\boxed{...}`` if it is a number; the
+    last number in the text. E.g. ``"1234"``, ``"-3.5"``.
     """
     hashes = _HASHES.findall(text)
     if hashes:
@@ -55,17 +42,8 @@ def gsm8k_reward(prompts: list[str], completions: list[str], answer: list[str], 
 
     Runs on: the reward worker (or its child process); plain function. The final number is taken as in
     :func:`extract_final_number`; numbers compare exactly as decimals (``"72.0"`` equals ``"72"``). A boxed
-    answer that is not a plain number (``\\boxed{\\frac{144}{2}}``) is checked with ``math-verify``.
-
-    Args:
-        prompts: the prompts (unused).
-        completions: the decoded completions.
-        answer: the ``answer`` dataset column: GSM8K's worked solution ending in ``#### <number>``, or the
-            number alone.
-        **kwargs: other dataset columns (ignored).
-
-    Returns:
-        One score per completion: 1.0 or 0.0.
+    answer that is not a plain number (``\\boxed{\\frac{144}{2}}``) is checked with ``math-verify``. ``answer``:
+    the dataset column, GSM8K's worked solution ending in ``#### <number>``, or the number alone.
 
     Raises:
         ValueError: a reference answer has no number (usually the wrong dataset column).
@@ -79,12 +57,10 @@ def gsm8k_reward(prompts: list[str], completions: list[str], answer: list[str], 
                 "'answer' column ('... #### 72'); for LaTeX answers use math_reward."
             )
         pred = extract_final_number(completion)
-        if pred is not None and _same_number(pred, gold):
-            scores.append(1.0)
-        elif pred is None or "\\boxed" in completion:
-            scores.append(1.0 if _verify(f"${gold}$", completion) else 0.0)
-        else:
-            scores.append(0.0)
+        right = pred is not None and _same_number(pred, gold)
+        if not right and (pred is None or "\\boxed" in completion):
+            right = _verify(f"${gold}$", completion)
+        scores.append(1.0 if right else 0.0)
     return scores
 
 
@@ -101,17 +77,12 @@ def math_reward(
     ``math-verify`` (a ``\\boxed{...}`` answer is preferred, then other LaTeX or plain expressions) and
     compared with its ``verify``: ``\\boxed{\\frac{1}{2}}`` equals ``0.5``, ``\\boxed{2x+2}`` equals
     ``2(x+1)``, sets and intervals compare as such. A reference that cannot be parsed scores every completion
-    0.0 (under group-relative advantages that prompt then adds no gradient).
+    0.0 (under group-relative advantages that prompt then adds no gradient). The reference is the ``solution``
+    column (a worked solution with a ``\\boxed{}`` answer), else ``answer`` (the answer alone, with or without
+    ``$...$``).
 
-    Args:
-        prompts: the prompts (unused).
-        completions: the decoded completions.
-        solution: the ``solution`` dataset column (a worked solution with a ``\\boxed{}`` answer).
-        answer: the ``answer`` column (the answer alone, with or without ``$...$``); used without ``solution``.
-        **kwargs: other dataset columns (ignored).
-
-    Returns:
-        One score per completion: 1.0 or 0.0.
+    Raises:
+        ValueError: the dataset has neither column.
     """
     refs = solution if solution is not None else answer
     if refs is None:

@@ -1,17 +1,9 @@
-"""Long-lived reward worker processes: a pool per reward function, each worker a freshly spawned interpreter.
+"""Long-lived reward worker processes: a pool per reward function, each worker a freshly spawned interpreter
+(never a fork of the trainer) that gets the function once, with ``cloudpickle``, and serves calls until it is closed.
 Tool workers (:mod:`lightning_rlhf.agents.executor`) are the same program, serving tool calls.
 
-The trainer process runs vLLM, gloo, OpenMP and watchdog threads, so it is never forked: a worker is a new
-``python -P .../pool.py FD PARENT_PID`` (``subprocess`` forks and execs at once, which is safe with threads).
-It gets the function once, as ``cloudpickle`` bytes (closures, lambdas, functions of ``__main__`` and of test
-modules travel by value; importable functions by reference, with the trainer's ``sys.path``), then serves calls
-until it is closed. A call that outlives its timeout, or a worker that dies, costs only that worker: its whole
-process group is killed and a new worker takes its place. Workers die with the trainer (``PR_SET_PDEATHSIG``,
-and end of input when the trainer's end of the socket closes), and the pools are closed at interpreter exit.
-
-This file is also the worker's main program. It imports only the standard library (and, to load the function,
-whatever the function itself needs), so that a worker starts in a fraction of a second and imports no torch
-unless the function does. Why not ``multiprocessing``'s spawn: see docs/architecture.md.
+This file is also the worker's main program: it imports only the standard library (and what the function needs),
+so that a worker starts in a fraction of a second. Why spawn, cloudpickle and process groups: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -43,11 +35,14 @@ __all__ = [
     "WORKER_ENV",
     "RewardPool",
     "ScoresError",
+    "Worker",
     "as_scores",
     "awaited",
     "close_reward_pools",
+    "raised_message",
     "reward_pool",
     "spawn_worker",
+    "tool_answer",
     "tool_result_text",
     "worker_payload",
 ]
@@ -79,14 +74,12 @@ class ScoresError(ValueError):
 
 # ------------------------------------------------------------------------------------- return values
 def as_scores(values: Any, *, name: str, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
-    """``values`` as one finite float per completion, or a :class:`ScoresError` saying what is wrong.
+    """``values`` as one finite float per completion, or a :class:`ScoresError` saying what is wrong. Runs on:
+    wherever the reward function ran (the worker holding the samples, or a reward worker process).
 
     Accepted: any 1-D sequence of real numbers (lists, tuples, numpy arrays, torch tensors), whose elements may
     be Python, numpy or 0-d tensor scalars. Refused: strings, mappings, sets, generators, arrays of another
-    dimension, a wrong length, strings or other non-numbers as elements, NaN and infinities.
-
-    Runs on: wherever the reward function ran (the worker holding the samples, or a reward worker process).
-    """
+    dimension, a wrong length, strings or other non-numbers as elements, NaN and infinities."""
     n = len(prompts)
     kind = type(values).__name__
     ndim = getattr(values, "ndim", None)
@@ -126,24 +119,28 @@ def as_scores(values: Any, *, name: str, prompts: Sequence[str], completions: Se
 
 # ----------------------------------------------------------------------------------------- the pool
 @dataclasses.dataclass(eq=False)
-class _Worker:
+class Worker:
+    """One worker process (a reward pool's, or a tool executor thread's) and the connection to it."""
+
     proc: subprocess.Popen[bytes]
     conn: Connection
-    started: float
+    started: float = dataclasses.field(default_factory=time.monotonic)
     ready: bool = False
-    call: int | None = None  # index of the call it runs
+    call: int | None = None  # index of the call it runs (a reward pool's)
     deadline: float = math.inf
+
+    def close(self, *, term: bool) -> str:
+        """Kill its process group (SIGTERM first if ``term``), reap it; returns how it ended. Runs on: its owner."""
+        self.conn.close()
+        return kill_worker(self.proc, term=term)
 
 
 class RewardPool:
-    """Worker processes for one reward function, reused across calls and steps.
+    """Worker processes for one reward function ``fn`` (pickled once, when the pool is made), reused across calls
+    and steps; ``name``: how the function is named in messages.
 
     Runs on: the process that scores (a worker rank of the trainer); its workers are child processes. Not
     shared across processes: a pool used in a process it was not made in (after a fork) raises.
-
-    Args:
-        fn: the reward function; pickled once, with ``cloudpickle``, when the pool is made.
-        name: how the function is named in messages.
 
     Raises:
         TypeError: ``fn`` cannot be pickled (it holds a lock, a socket, a CUDA tensor, ...).
@@ -164,7 +161,7 @@ class RewardPool:
         self.name = name
         self.fn = fn  # held so that the registry's key (the function's id) stays unique
         self._payload = worker_payload("reward", fn_bytes, fn)
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._size = 0  # workers kept started between calls (the largest num_workers asked for)
         self._owner = os.getpid()
         self._lock = threading.Lock()
@@ -172,51 +169,34 @@ class RewardPool:
         self.closed = False
         self.started = 0  # worker processes started so far (replacements included)
 
-    # -------------------------------------------------------------------------------------- public
     @property
     def pids(self) -> list[int]:
         """Process ids of the live workers (started or starting)."""
         return [w.proc.pid for w in self._workers]
 
     def start(self, num_workers: int = 1) -> None:
-        """Start workers up to ``num_workers`` without waiting for them (the next call waits, if it must).
-
-        Runs on: the scoring process, e.g. when its role loads, so that the start overlaps model loading.
-        """
+        """Start workers up to ``num_workers`` without waiting for them (the next call waits, if it must). Runs on:
+        the scoring process, e.g. when its role loads, so that the start overlaps model loading."""
         with self._lock:
-            self._check_usable()
-            self._size = max(self._size, num_workers)
-            self._top_up()
+            self._check_usable(num_workers)
+            self._top_up(self._size)
 
     def run(
         self, calls: Sequence[Call], *, timeout_s: float, num_workers: int, name: str | None = None
     ) -> list[Result]:
-        """Run ``calls`` on up to ``num_workers`` workers at once, each call for at most ``timeout_s`` seconds.
-
-        Runs on: the scoring process. The timeout counts from the moment a started worker takes the call (a
-        new worker's start is bounded by :data:`STARTUP_TIMEOUT_S`). A call that times out, or whose worker
-        dies, kills that worker and its process group; a new worker replaces it.
-
-        Args:
-            calls: ``(prompts, completions, columns)`` of each call.
-            timeout_s: seconds one call may take.
-            num_workers: calls running at once; the pool keeps this many workers from now on.
-            name: how the function is named in messages (default: the pool's name).
-
-        Returns:
-            One ``(kind, scores, message, traceback)`` per call, in order.
-        """
+        """Run ``calls`` on up to ``num_workers`` workers at once (the pool keeps this many from now on), each call
+        for at most ``timeout_s`` seconds from the moment a started worker takes it; returns one :data:`Result` per
+        call, in order. ``name``: how the function is named in messages (default: the pool's name). Runs on: the
+        scoring process. A call that times out, or whose worker dies, kills that worker and its process group; a
+        new worker (its start bounded by :data:`STARTUP_TIMEOUT_S`) replaces it."""
         with self._lock:
-            self._check_usable()
-            self._size = max(self._size, num_workers)
+            self._check_usable(num_workers)
             self._call_name = name or self.name
             return self._run(list(calls), timeout_s=timeout_s, num_workers=max(1, num_workers))
 
     def close(self) -> None:
-        """End every worker (and anything its function left running). Idempotent.
-
-        Runs on: the scoring process, at teardown and at interpreter exit.
-        """
+        """End every worker (and anything its function left running). Idempotent. Runs on: the scoring process, at
+        teardown and at interpreter exit."""
         with self._lock:
             if self.closed:
                 return
@@ -231,8 +211,8 @@ class RewardPool:
                 _wait_exit(w.proc.pid, deadline - time.monotonic())
                 _reap(w.proc)
 
-    # ------------------------------------------------------------------------------------- private
-    def _check_usable(self) -> None:
+    def _check_usable(self, num_workers: int) -> None:
+        """Raise for a closed pool or one used after a fork; else keep ``num_workers`` workers from now on."""
         if self.closed:
             raise RuntimeError(f"the reward pool of `{self.name}` is closed. HINT: get a new one with reward_pool().")
         if os.getpid() != self._owner:
@@ -240,21 +220,16 @@ class RewardPool:
                 f"the reward pool of `{self.name}` was made in process {self._owner} and used in {os.getpid()} "
                 "(a fork). HINT: make pools in the process that scores (reward_pool() does)."
             )
+        self._size = max(self._size, num_workers)
 
-    def _spawn(self) -> _Worker:
-        proc, conn = spawn_worker(self._payload)
-        self.started += 1
-        return _Worker(proc, conn, started=time.monotonic())
+    def _top_up(self, size: int) -> None:
+        while len(self._workers) < size:
+            self._workers.append(Worker(*spawn_worker(self._payload)))
+            self.started += 1
 
-    def _top_up(self) -> None:
-        while len(self._workers) < self._size:
-            self._workers.append(self._spawn())
-
-    def _remove(self, w: _Worker, *, term: bool) -> str:
-        """Kill ``w``'s process group (SIGTERM first if ``term``), reap it; returns how it ended."""
+    def _remove(self, w: Worker, *, term: bool) -> str:
         self._workers.remove(w)
-        w.conn.close()
-        return kill_worker(w.proc, term=term)
+        return w.close(term=term)
 
     def _run(self, calls: list[Call], *, timeout_s: float, num_workers: int) -> list[Result]:
         results: list[Result | None] = [None] * len(calls)
@@ -264,8 +239,7 @@ class RewardPool:
         try:
             while pending or any(w.call is not None for w in self._workers):
                 busy = sum(w.call is not None for w in self._workers)
-                while len(self._workers) < min(num_workers, busy + len(pending)):
-                    self._workers.append(self._spawn())
+                self._top_up(min(num_workers, busy + len(pending)))
                 for w in self._workers:
                     if pending and w.ready and w.call is None:
                         i = pending.popleft()
@@ -295,17 +269,17 @@ class RewardPool:
                             f"the reward process of `{self._call_name}` did not load the function within "
                             f"{STARTUP_TIMEOUT_S:g} s (a slow or hanging import?)"
                         )
-                        _fail_pending(pending, results, calls, ("timeout", None, message, ""))
+                        _fail_pending(pending, results, ("timeout", None, message, ""))
         except BaseException:  # an error (or KeyboardInterrupt) while calls run: leave no call running
             for w in [w for w in self._workers if w.call is not None]:
                 self._remove(w, term=True)
             raise
         finally:
             with contextlib.suppress(Exception):
-                self._top_up()  # replacements start now, ready by the next call
+                self._top_up(self._size)  # replacements start now, ready by the next call
         return [r if r is not None else ("crash", None, "lost", "") for r in results]
 
-    def _receive(self, w: _Worker, calls: list[Call], results: list[Result | None], pending: Any) -> None:
+    def _receive(self, w: Worker, calls: list[Call], results: list[Result | None], pending: Any) -> None:
         """Handle one message (or the end of input) from ``w``."""
         try:
             msg = pickle.loads(w.conn.recv_bytes())
@@ -317,7 +291,7 @@ class RewardPool:
                 results[w.call] = ("crash", None, message, "")
             elif not w.ready:
                 message = f"the reward process of `{self._call_name}` died ({how}) while loading the function"
-                _fail_pending(pending, results, calls, ("crash", None, message, ""))
+                _fail_pending(pending, results, ("crash", None, message, ""))
             return
         if msg[0] == "ready":
             w.ready = True
@@ -329,7 +303,7 @@ class RewardPool:
                 "an importable module (or in the script), and check that its module imports without error."
                 f"\n--- traceback (in the reward process) ---\n{msg[2]}"
             )
-            _fail_pending(pending, results, calls, ("raised", None, message, msg[2]))
+            _fail_pending(pending, results, ("raised", None, message, msg[2]))
         else:
             assert w.call is not None
             results[w.call] = msg
@@ -344,10 +318,9 @@ def worker_payload(kind: str, fn_bytes: bytes, fn: Any) -> bytes:
 
 
 def spawn_worker(payload: bytes) -> tuple[subprocess.Popen[bytes], Connection]:
-    """Start one worker process (a new interpreter running this file, never a fork) and send it ``payload``
-    (:func:`worker_payload`); returns the process and the connection to it. The worker says ``("ready",)`` once
-    loaded. Runs on: the process that owns the worker (safe from any thread: ``subprocess`` forks and execs at
-    once)."""
+    """Start one worker process (a new interpreter running this file, never a fork), send it ``payload``
+    (:func:`worker_payload`); returns the process and its connection. The worker says ``("ready",)`` once loaded.
+    Runs on: the process that owns the worker (safe from any thread: ``subprocess`` forks and execs at once)."""
     ours, theirs = socket.socketpair()
     with ours, theirs:
         env = {**os.environ, **WORKER_ENV}
@@ -374,7 +347,7 @@ def kill_worker(proc: subprocess.Popen[bytes], *, term: bool) -> str:
     return _reap(proc)
 
 
-def _fail_pending(pending: Any, results: list[Result | None], calls: list[Call], result: Result) -> None:
+def _fail_pending(pending: Any, results: list[Result | None], result: Result) -> None:
     while pending:
         results[pending.popleft()] = result
 
@@ -415,11 +388,9 @@ def _key(fn: Callable[..., Any]) -> Any:
 
 
 def reward_pool(fn: Callable[..., Any], *, name: str) -> RewardPool:
-    """The pool of ``fn`` in this process: made (without workers) on first use, then reused.
-
-    Runs on: the scoring process. Keyed by the function object (a bound method by its object and function);
-    at most 16 pools are kept, the least recently used is closed first.
-    """
+    """The pool of ``fn`` in this process: made (without workers) on first use, then reused. Runs on: the scoring
+    process. Keyed by the function object (a bound method by its object and function); at most 16 pools are kept,
+    the least recently used is closed first."""
     with _POOLS_LOCK:
         key = _key(fn)
         pool = _POOLS.get(key)
@@ -433,10 +404,8 @@ def reward_pool(fn: Callable[..., Any], *, name: str) -> RewardPool:
 
 
 def close_reward_pools(fns: Sequence[Callable[..., Any]] | None = None) -> None:
-    """Close the pools of ``fns`` (None: every pool of this process). Idempotent.
-
-    Runs on: the scoring process, at teardown; also at interpreter exit.
-    """
+    """Close the pools of ``fns`` (None: every pool of this process). Idempotent. Runs on: the scoring process, at
+    teardown; also at interpreter exit."""
     with _POOLS_LOCK:
         keys = list(_POOLS) if fns is None else [_key(fn) for fn in fns]
         pools = [_POOLS.pop(k) for k in keys if k in _POOLS]
@@ -466,10 +435,7 @@ a function of ``__main__`` or of a test module): the worker's traceback can then
 
 
 def _source_lines(fn: Callable[..., Any]) -> list[str]:
-    """The lines of the file that defines ``fn`` (empty when there is none to read), for the worker's tracebacks.
-
-    Runs on: the process that makes the pool. A worker serves one function, so one file's lines suffice.
-    """
+    """The lines of the file that defines ``fn`` (a worker serves one function), for the worker's tracebacks."""
     code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)
     filename = getattr(code, "co_filename", "")
     return linecache.getlines(filename) if filename and not filename.startswith("<") else []
@@ -477,10 +443,8 @@ def _source_lines(fn: Callable[..., Any]) -> list[str]:
 
 # ----------------------------------------------------------------------------------- the worker side
 def _worker_main(fd: int, parent: int) -> None:
-    """Main program of a reward worker: load the function, then serve calls until the end of input.
-
-    Runs on: a reward worker process (spawned by :class:`RewardPool`).
-    """
+    """Main program of a worker: load the function (or tools), then serve calls until the end of input. Runs on: a
+    worker process (spawned by :func:`spawn_worker`)."""
     signal.pthread_sigmask(signal.SIG_SETMASK, set())  # a mask inherited from the spawning thread
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)  # killed means killed, whatever the trainer ignores or handles
@@ -517,12 +481,8 @@ def _call(
         values = awaited(fn(prompts, completions, **columns))
     except Exception as err:
         tb = traceback.format_exc()
-        message = (
-            f"reward function `{name}` raised {type(err).__name__}: {err} "
-            f"(called on {len(prompts)} completions; dataset columns passed: {sorted(columns)})"
-            f"\n--- traceback of `{name}` (in its reward process) ---\n{tb}"
-        )
-        return ("raised", None, message, tb)
+        message = raised_message(name, err, prompts, columns)
+        return ("raised", None, f"{message}\n--- traceback of `{name}` (in its reward process) ---\n{tb}", tb)
     try:
         return ("ok", as_scores(values, name=name, prompts=prompts, completions=completions), "", "")
     except ScoresError as err:
@@ -530,6 +490,14 @@ def _call(
     except Exception as err:  # a sequence-like object whose len() or tolist() fails
         message = f"reward function `{name}` returned a {type(values).__name__} that cannot be read: {err!r}"
         return ("invalid", None, message, traceback.format_exc())
+
+
+def raised_message(name: str, err: BaseException, prompts: list[str], columns: Mapping[str, Any]) -> str:
+    """What a reward function's exception is reported as. Runs on: wherever the function ran."""
+    return (
+        f"reward function `{name}` raised {type(err).__name__}: {err} "
+        f"(called on {len(prompts)} completions; dataset columns passed: {sorted(columns)})"
+    )
 
 
 def tool_result_text(value: Any, *, max_chars: int) -> str:
@@ -556,6 +524,15 @@ def tool_result_text(value: Any, *, max_chars: int) -> str:
     return text
 
 
+def tool_answer(value: Any, *, max_chars: int) -> tuple[str, str]:
+    """``("ok", text)`` for a tool's return value (:func:`tool_result_text`), or ``("invalid", why it has no text
+    form)``. Runs on: wherever the tool ran."""
+    try:
+        return "ok", tool_result_text(value, max_chars=max_chars)
+    except TypeError as err:
+        return "invalid", str(err)
+
+
 def _call_tool(
     functions: Mapping[str, Callable[..., Any]], name: str, arguments: dict[str, Any], max_chars: int
 ) -> Result:
@@ -565,19 +542,14 @@ def _call_tool(
         value = functions[name](**arguments)
     except Exception as err:
         return ("raised", None, f"{type(err).__name__}: {err}", traceback.format_exc())
-    try:
-        return ("ok", [], tool_result_text(value, max_chars=max_chars), "")
-    except TypeError as err:
-        return ("invalid", None, str(err), "")
+    kind, text = tool_answer(value, max_chars=max_chars)
+    return (kind, [] if kind == "ok" else None, text, "")
 
 
 async def _serve_coroutines(conn: Connection, functions: Mapping[str, Callable[..., Any]]) -> None:
-    """Main loop of a worker serving ``async def`` tools: every call it receives, ``(number, name, arguments,
-    max_chars, timeout_s)``, runs at once as a task of this one event loop (I/O-bound tools wait side by side, and a
-    semaphore or client made at module level is shared by every call); each answer, ``(number, kind, text)``, goes
-    back as soon as its call ends. A call past ``timeout_s`` is cancelled. Ends at the end of input.
-
-    Runs on: an asynchronous tool worker (its main thread runs the loop; one thread reads the requests)."""
+    """Main loop of a worker serving ``async def`` tools: each call, ``(number, name, arguments, max_chars,
+    timeout_s)``, runs at once as a task of this event loop (cancelled past ``timeout_s``); its answer, ``(number,
+    kind, text)``, goes back as soon as it ends. Runs on: an asynchronous tool worker (one thread reads requests)."""
     loop = asyncio.get_running_loop()
     requests: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -597,10 +569,7 @@ async def _serve_coroutines(conn: Connection, functions: Mapping[str, Callable[.
         except (Exception, asyncio.CancelledError) as err:  # a tool may cancel what it awaits, and itself with it
             answer = ("raised", f"{type(err).__name__}: {err}")
         else:
-            try:
-                answer = ("ok", tool_result_text(value, max_chars=max_chars))
-            except TypeError as err:
-                answer = ("invalid", str(err))
+            answer = tool_answer(value, max_chars=max_chars)
         with contextlib.suppress(OSError):
             conn.send_bytes(pickle.dumps((number, *answer)))
 

@@ -1,14 +1,6 @@
-"""Calling a reward function: in-process, or in long-lived reward worker processes with a per-call timeout.
-
-A reward function is user code run on every step: it may hang (a regex that backtracks forever, a sympy
-simplification, a sandbox that never answers) or crash the interpreter (a segfault in a C extension,
-``os._exit``). With ``timeout_s`` set, each call runs in a reward worker process: a fresh interpreter spawned
-once per function (never a fork of the trainer, whose vLLM, gloo and OpenMP threads make forking unsafe) that
-receives the function once, with ``cloudpickle``, and serves calls for the rest of the run (``rewards.pool``).
-A call that outlives ``timeout_s`` is killed with its worker's whole process group, and a worker that dies is
-a crash: both give the call's samples the fallback score, both are counted, and a new worker replaces the
-lost one. A Python exception raised by the function is usually a bug, so by default it stops the run with the
-function's traceback (``on_exception="raise"``); ``"fallback"`` treats it like a crash.
+"""Calling a reward function: in-process, or in long-lived reward worker processes (``rewards.pool``) with a
+per-call timeout. A call that times out or whose worker dies gives its samples the fallback score; an exception
+stops the run by default (``on_exception="raise"``: it is usually a bug). The behaviour: docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -28,6 +20,7 @@ from lightning_rlhf.rewards.pool import (
     as_scores,
     awaited,
     close_reward_pools,
+    raised_message,
     reward_pool,
 )
 
@@ -108,30 +101,16 @@ def call_reward_fn(
     on_exception: OnException = "raise",
     name: str | None = None,
 ) -> RewardOutcome:
-    """Score ``completions`` with ``fn``, ``batch_size`` samples per call.
+    """Score ``B`` ``completions`` with ``fn(prompts, completions, **columns)``, ``batch_size`` samples per call
+    (None: one call); samples whose call timed out or crashed get ``fallback_score``. ``name``: how the function is
+    named in messages (default: its ``__name__``).
 
     Runs on: the worker that holds the samples (each rank scores its share). With ``timeout_s=None`` the
     calls run in this process, one after another (no isolation: a hang hangs the run); otherwise each call
     runs in one of ``fn``'s reward worker processes, up to ``num_workers`` at once, and is killed after
     ``timeout_s`` seconds. The workers are started on first use (or by :meth:`RewardPool.start`) and kept
     for the next calls; ``close_reward_pools`` ends them (at the latest, at interpreter exit).
-
-    Args:
-        fn: ``fn(prompts, completions, **columns) -> list[float]``.
-        prompts: ``B`` prompt texts.
-        completions: ``B`` decoded responses.
-        columns: dataset columns, ``B`` values each, passed to ``fn`` as keyword arguments.
-        timeout_s: seconds one call may take; None: call in-process, without a timeout.
-        fallback_score: the score of a sample whose call timed out or crashed.
-        batch_size: samples per call; None: all ``B`` in one call.
-        num_workers: worker processes running calls at once (with ``timeout_s`` set).
-        on_exception: ``"raise"``: an exception in ``fn`` (or a bad return value) raises
-            :class:`RewardFunctionError` with its traceback; ``"fallback"``: the call's samples get the
-            fallback score and count as crashed.
-        name: how the function is named in messages; defaults to its ``__name__``.
-
-    Returns:
-        The scores ``[B]``, the failed samples ``[B]`` and the number of timed-out and crashed calls.
+    ``on_exception="fallback"``: an exception in ``fn`` (or a bad return value) is scored like a crash.
 
     Raises:
         RewardFunctionError: ``fn`` raised or returned something other than ``B`` finite numbers, and
@@ -148,10 +127,8 @@ def call_reward_fn(
         results = [_call_here(fn, name, *call) for call in calls]
     else:
         pool = reward_workers(fn, name=name)
-        results = [
-            _CallResult(kind, scores, message, tb)  # type: ignore[arg-type]
-            for kind, scores, message, tb in pool.run(calls, timeout_s=timeout_s, num_workers=num_workers, name=name)
-        ]
+        run = pool.run(calls, timeout_s=timeout_s, num_workers=num_workers, name=name)
+        results = [_CallResult(*result) for result in run]  # type: ignore[arg-type]
     scores = torch.full((n,), float(fallback_score), dtype=torch.float32)
     failed = torch.zeros(n, dtype=torch.bool)
     timeouts = crashes = 0
@@ -185,10 +162,8 @@ def reward_workers(fn: RewardFn, *, name: str | None = None) -> RewardPool:
 
 
 def check_scores(values: Any, *, name: str, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
-    """``values`` as one finite float per completion, or a :class:`RewardFunctionError` saying what is wrong.
-
-    Any 1-D sequence of real numbers is accepted: a list or tuple (of Python or numpy scalars), a numpy array, a
-    torch tensor. Strings, mappings, arrays of another dimension, a wrong length and non-finite values are not.
+    """``values`` as one finite float per completion (as :func:`~lightning_rlhf.rewards.pool.as_scores` reads them),
+    or a :class:`RewardFunctionError` saying what is wrong.
 
     Runs on: wherever the reward function ran (the worker, or its reward worker process).
     """
@@ -198,14 +173,6 @@ def check_scores(values: Any, *, name: str, prompts: Sequence[str], completions:
         raise RewardFunctionError(str(err)) from None
 
 
-# ------------------------------------------------------------------------------------ in this process
-def _raised_message(name: str, err: BaseException, prompts: list[str], columns: Mapping[str, Any]) -> str:
-    return (
-        f"reward function `{name}` raised {type(err).__name__}: {err} "
-        f"(called on {len(prompts)} completions; dataset columns passed: {sorted(columns)})"
-    )
-
-
 def _call_here(
     fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]
 ) -> _CallResult:
@@ -213,7 +180,7 @@ def _call_here(
         values = awaited(fn(prompts, completions, **columns))
     except Exception as err:
         tb = traceback.format_exc()
-        return _CallResult("raised", message=_raised_message(name, err, prompts, columns), traceback=tb, error=err)
+        return _CallResult("raised", message=raised_message(name, err, prompts, columns), traceback=tb, error=err)
     try:
         return _CallResult("ok", check_scores(values, name=name, prompts=prompts, completions=completions))
     except RewardFunctionError as err:
