@@ -1,18 +1,15 @@
 """Every use of Lightning's private state, in one place, for the Lightning versions in :data:`SUPPORTED_LIGHTNING`.
 
 RLHFStrategy changes what a training step is (one RL iteration, run by a controller on rank 0) and when a run stops
-(every rank after the same step, on a preemption signal). Lightning has no public hooks for some of that, so a few
-of its private attributes and classes are used. They live here and nowhere else in the package, each behind a
-small function whose docstring names the private attribute and why it is needed, and each with a test in
-``tests/unit/test_compat.py`` against a real ``Trainer``/``ModelParallelStrategy``: when a Lightning release
-renames or changes one of them, that test fails first and names it (``tests/unit/test_compat.py`` also checks that
-no other module of the package touches Lightning's private names).
+(every rank after the same step, on a preemption signal); Lightning has no public hooks for some of that. Each private
+access is a small function whose docstring names it and why it is needed, tested against a real
+``Trainer``/``ModelParallelStrategy`` in ``tests/unit/test_compat.py`` (which also checks that no other module of the
+package touches Lightning's private names).
 
-Why ``>=2.6,<2.7``: these accesses are checked against Lightning 2.6 (the tested install is 2.6.6), and private
-state carries no compatibility promise between minor releases (e.g. ``manual_loop`` became
-``manual_optimization`` in 2.0, the child-process observer appeared in 2.2). 2.5 cannot be tested here, so it is
-not claimed. To support a new minor release: install it, run ``tests/unit/test_compat.py``, fix what fails in this
-module, then move the upper bound here and in ``pyproject.toml``.
+Why ``>=2.6,<2.7``: checked against Lightning 2.6 (the tested install is 2.6.6); private state carries no
+compatibility promise between minor releases (``manual_loop`` became ``manual_optimization`` in 2.0, the
+child-process observer appeared in 2.2), and 2.5 cannot be tested here. To support a new minor release: install it,
+run ``tests/unit/test_compat.py``, fix what fails here, then move the upper bound here and in ``pyproject.toml``.
 
 Runs on: any process (a leaf module: it imports Lightning and nothing from ``lightning_rlhf``).
 """
@@ -68,12 +65,9 @@ children it started. Re-exported for :class:`~lightning_rlhf.controller.launcher
 
 
 def check_lightning_version(version: str | None = None) -> None:
-    """Refuse a Lightning outside :data:`SUPPORTED_LIGHTNING`, whose private state this module was not checked on.
-
-    Args:
-        version: the version to check; None checks the installed ``lightning.__version__``.
-
-    Runs on: any process (``RLHFStrategy.__init__`` calls it, before anything starts).
+    """Refuse a Lightning ``version`` (None: the installed one) outside :data:`SUPPORTED_LIGHTNING`, whose private
+    state this module was not checked on (``RuntimeError``; ``ValueError`` for a string that is not a version). Runs
+    on: any process (``RLHFStrategy.__init__``, before anything starts).
     """
     installed = lightning.__version__ if version is None else version
     try:
@@ -93,21 +87,18 @@ def check_lightning_version(version: str | None = None) -> None:
 
 # ----------------------------------------------------------------------------------------------- the loops
 def batches_that_stepped(trainer: pl.Trainer) -> int:
-    """The step number loggers give the current batch's metrics.
-
-    Private attribute: ``trainer.fit_loop.epoch_loop._batches_that_stepped`` (the counter Lightning's logger
-    connector and its ``LearningRateMonitor`` log at; no public accessor). Runs on: any process.
+    """The step number loggers give the current batch's metrics. Private attribute:
+    ``trainer.fit_loop.epoch_loop._batches_that_stepped`` (the counter Lightning's logger connector and its
+    ``LearningRateMonitor`` log at; no public accessor). Runs on: any process.
     """
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
 def set_batches_that_stepped(trainer: pl.Trainer, n: int) -> None:
-    """Make loggers place the coming step's metrics at step ``n``.
-
-    Private attribute: ``trainer.fit_loop.epoch_loop._batches_that_stepped``. RLHFStrategy sets it to
-    ``global_step`` before each RL iteration: they agree (one batch, one step) except after resuming from a
-    checkpoint saved after a validation on the last batch, which Lightning's restore counts as one more batch.
-    Runs on: every rank.
+    """Make loggers place the coming step's metrics at step ``n``. Private attribute:
+    ``trainer.fit_loop.epoch_loop._batches_that_stepped``. RLHFStrategy sets it to ``global_step`` before each RL
+    iteration: they agree (one batch, one step) except after resuming from a checkpoint saved after a validation on the
+    last batch, which Lightning's restore counts as one more batch. Runs on: every rank.
     """
     trainer.fit_loop.epoch_loop._batches_that_stepped = n
 
@@ -159,10 +150,8 @@ def run_validation_between_steps(trainer: pl.Trainer) -> bool:
 
 
 def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
-    """The trainer ``module`` is attached to, or None (where ``module.trainer`` would raise).
-
-    Private attribute: ``LightningModule._trainer``. Runs on: any process.
-    """
+    """The trainer ``module`` is attached to, or None (where ``module.trainer`` would raise). Private attribute:
+    ``LightningModule._trainer``. Runs on: any process."""
     return module._trainer
 
 
@@ -184,19 +173,17 @@ def set_data_parallel_size(strategy: Strategy, n: int) -> None:
 
 
 def set_launcher(strategy: Strategy, launcher: _Launcher | None) -> None:
-    """Install ``launcher`` as the strategy's launcher (``strategy.launcher`` then returns it).
-
-    Private attribute: ``Strategy._launcher``, which a strategy's ``_configure_launcher`` hook (called by the
-    Trainer's accelerator connector) is meant to set; ``strategy.launcher`` has no setter. Runs on: every rank.
+    """Install ``launcher`` as the strategy's launcher (``strategy.launcher`` then returns it). Private attribute:
+    ``Strategy._launcher``, which a strategy's ``_configure_launcher`` hook (called by the Trainer's accelerator
+    connector) is meant to set; ``strategy.launcher`` has no setter. Runs on: every rank.
     """
     strategy._launcher = launcher
 
 
 def checkpoint_metadata_filename() -> str:
     """The file of a sharded (folder) checkpoint that holds everything but the tensors (loops, callbacks,
-    schedules), which Lightning's FSDP2 strategy writes from rank 0 and reads back on resume.
-
-    Private name: ``lightning.fabric.utilities.load._METADATA_FILENAME``. Runs on: any process.
+    schedules), which Lightning's FSDP2 strategy writes from rank 0 and reads back on resume. Private name:
+    ``lightning.fabric.utilities.load._METADATA_FILENAME``. Runs on: any process.
     """
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 

@@ -2,16 +2,11 @@
 in :data:`SUPPORTED_PEFT`.
 
 Public peft serves where it can (``get_peft_model``, ``LoraConfig``, ``load_peft_weights``, ``save_pretrained``,
-``unload``). What it does not offer is here, each a small function whose docstring names what it relies on: the
-wrapped model's parameter names (the FSDP2 deferred loading reads the base checkpoint under them, the hand-off
-merges adapters while they stream), the adapters' initial values (drawn by name, so every rank of a model on the
-meta device starts the same), the merge ``W + scale * B @ A`` of a stream of tensors, the scale, and which linear
-layers ``"all-linear"`` selects. ``tests/unit/test_compat_peft.py`` checks each against the installed peft: an
-upgrade that changes one fails there, not in a training run.
-
-Why ``>=0.17,<0.22``: checked on peft 0.21 (0.17 is the oldest this package was run with); a minor release may rename
-the wrapper's prefixes or change the initialisation. To support a new one: install it, run the test, fix what fails
-here, then move the bound here and in ``pyproject.toml``.
+``unload``). What it does not offer is here, each a small function whose docstring names what it relies on, checked
+against the installed peft by ``tests/unit/test_compat_peft.py``: an upgrade that changes one fails there, not in a
+training run. Why ``>=0.17,<0.22``: checked on peft 0.21 (0.17 is the oldest this package was run with); a minor
+release may rename the wrapper's prefixes or change the initialisation. To support a new one: install it, run the
+test, fix what fails here, then move the bound here and in ``pyproject.toml``.
 
 Runs on: any process (a leaf module: it imports nothing of ``lightning_rlhf``; peft itself only inside functions).
 """

