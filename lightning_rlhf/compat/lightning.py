@@ -104,12 +104,11 @@ def set_batches_that_stepped(trainer: pl.Trainer, n: int) -> None:
 
 
 def count_optimizer_step(trainer: pl.Trainer) -> None:
-    """Count one optimizer step in ``trainer.global_step`` (ready and completed).
-
-    Private state: ``trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress`` (a ``_Progress`` of
-    Lightning's private manual-optimization loop), from which ``global_step`` is computed. The roles step raw
-    optimizers that Lightning never sees, so RLHFStrategy counts one step per RL iteration itself; ``max_steps``,
-    checkpoint intervals and loggers then follow RL iterations. Runs on: every rank.
+    """Count one optimizer step in ``trainer.global_step`` (ready and completed). Private state:
+    ``trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress`` (a ``_Progress`` of Lightning's private
+    manual-optimization loop), from which ``global_step`` is computed. The roles step raw optimizers that Lightning
+    never sees, so RLHFStrategy counts one step per RL iteration itself; ``max_steps``, checkpoint intervals and loggers
+    then follow RL iterations. Runs on: every rank.
     """
     progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
     progress.increment_ready()
@@ -117,27 +116,23 @@ def count_optimizer_step(trainer: pl.Trainer) -> None:
 
 
 def request_stop(trainer: pl.Trainer, flag: bool) -> None:
-    """Ask Lightning's loops to stop (``flag=True``) or not (``False``) as if SIGTERM had been received.
-
-    Private attribute: ``trainer._signal_connector.received_sigterm`` (``trainer.received_sigterm`` reads it but
-    has no setter). With it set, Lightning's training loop raises ``SIGTERMException`` at the end of the current
-    batch, after its callbacks, and the evaluation loop stops after its current batch; RLHFStrategy sets it when
-    every rank agreed to stop on a preemption signal, and clears it while a validation at that step runs.
-    Runs on: every rank.
+    """Ask Lightning's loops to stop (``flag=True``) or not (``False``) as if SIGTERM had been received. Private
+    attribute: ``trainer._signal_connector.received_sigterm`` (``trainer.received_sigterm`` reads it but has no setter).
+    With it set, Lightning's training loop raises ``SIGTERMException`` at the end of the current batch, after its
+    callbacks, and the evaluation loop stops after its current batch; RLHFStrategy sets it when every rank agreed to
+    stop on a preemption signal, and clears it while a validation at that step runs. Runs on: every rank.
     """
     trainer._signal_connector.received_sigterm = flag
 
 
 def run_validation_between_steps(trainer: pl.Trainer) -> bool:
     """Run one whole validation now, from inside ``fit`` (e.g. in ``on_train_start``), the way Lightning's training
-    epoch loop runs one between two steps. Returns False when there was nothing to validate (no validation
-    batches), True otherwise.
-
-    Private state: the validation loop ``trainer.fit_loop.epoch_loop.val_loop`` (Lightning's private
+    epoch loop runs one between two steps. Returns False when there was nothing to validate (no validation batches),
+    True otherwise. Private state: the validation loop ``trainer.fit_loop.epoch_loop.val_loop`` (Lightning's private
     ``_EvaluationLoop``: its ``restarting``, ``run()`` and ``skip``) and ``trainer._logger_connector._first_loop_iter``,
-    which the training loop's step-level logging depends on and a validation resets: it is saved and restored
-    around the run, as ``_TrainingEpochLoop.on_advance_end`` does. ``restarting`` is cleared so a restored
-    checkpoint's half-done validation is not resumed. Runs on: every rank (the validation is collective).
+    which the training loop's step-level logging depends on and a validation resets: it is saved and restored around the
+    run, as ``_TrainingEpochLoop.on_advance_end`` does. ``restarting`` is cleared so a restored checkpoint's half-done
+    validation is not resumed. Runs on: every rank (the validation is collective).
     """
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     val_loop.restarting = False
@@ -157,12 +152,11 @@ def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
 
 # -------------------------------------------------------------------------------------------- the strategy
 def set_data_parallel_size(strategy: Strategy, n: int) -> None:
-    """Make ``ModelParallelStrategy.setup_environment`` build a device mesh with ``n`` data-parallel replicas.
-
-    Private attribute: ``ModelParallelStrategy._data_parallel_size`` (its constructor argument; ``"auto"`` means
-    one replica per node, tensor parallelism inside). RLHFStrategy needs one replica per rank (a 1-D
-    data-parallel mesh), which is only known once the number of nodes and processes is; set it before
-    ``setup_environment`` builds the mesh. Runs on: every rank.
+    """Make ``ModelParallelStrategy.setup_environment`` build a device mesh with ``n`` data-parallel replicas. Private
+    attribute: ``ModelParallelStrategy._data_parallel_size`` (its constructor argument; ``"auto"`` means one replica per
+    node, tensor parallelism inside). RLHFStrategy needs one replica per rank (a 1-D data-parallel mesh), which is only
+    known once the number of nodes and processes is; set it before ``setup_environment`` builds the mesh. Runs on: every
+    rank.
     """
     if not hasattr(strategy, "_data_parallel_size"):
         raise TypeError(
@@ -192,15 +186,12 @@ def checkpoint_metadata_filename() -> str:
 
 # -------------------------------------------------------------------------------------------- the launcher
 class DeferringChildObserver(_ChildProcessObserver):
-    """Lightning's child-process observer, standing aside while ``defer()`` is true.
-
-    Lightning's observer (``lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver``, a
-    thread checking the children every ``sleep_period`` seconds in its private ``_run``) SIGKILLs every process,
-    rank 0 included, once a child exits non-zero. While ``defer()`` returns true it only waits for the children
-    to exit (another component handles a dead rank, or the exit is expected); otherwise it does what Lightning's
-    does. Private state used: the ``_run`` method it overrides and the ``_child_processes`` list.
-
-    Runs on: rank 0 (a daemon thread).
+    """Lightning's child-process observer, standing aside while ``defer()`` is true. Lightning's observer
+    (``lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver``, a thread checking the children
+    every ``sleep_period`` seconds in its private ``_run``) SIGKILLs every process, rank 0 included, once a child exits
+    non-zero. While ``defer()`` returns true it only waits for the children to exit (another component handles a dead
+    rank, or the exit is expected); otherwise it does what Lightning's does. Private state used: the ``_run`` method it
+    overrides and the ``_child_processes`` list. Runs on: rank 0 (a daemon thread).
     """
 
     def __init__(
@@ -224,10 +215,9 @@ class DeferringChildObserver(_ChildProcessObserver):
 
 def start_subprocess_ranks(launcher: _SubprocessScriptLauncher, defer_observer: Callable[[], bool]) -> None:
     """What ``_SubprocessScriptLauncher.launch`` does before calling the function, with a
-    :class:`DeferringChildObserver` in place of Lightning's observer: validate the cluster settings, start ranks
-    1.. (unless the processes are created externally), and set the torch thread count per process.
-
-    Private state: ``_SubprocessScriptLauncher._call_children_scripts`` and
+    :class:`DeferringChildObserver` in place of Lightning's observer: validate the cluster settings, start ranks 1..
+    (unless the processes are created externally), and set the torch thread count per process. Private state:
+    ``_SubprocessScriptLauncher._call_children_scripts`` and
     ``lightning.fabric.utilities.distributed._set_num_threads_if_needed``. Runs on: rank 0 (every rank when the
     processes are created externally).
     """

@@ -26,11 +26,10 @@ SUPPORTED_TRANSFORMERS = ">=4.56,<6"
 @contextlib.contextmanager
 def attention_implementation(config: Any, name: str) -> Iterator[None]:
     """Within the block, a built model whose config is ``config`` runs attention through the function registered as
-    ``name`` (``transformers.AttentionInterface.register``); the previous one is restored on exit.
-
-    Relies on: ``PretrainedConfig._attn_implementation``, which every attention layer reads at each call to pick the
-    function from the registry (the public ``set_attn_implementation`` checks and re-dispatches: too slow for every
-    micro-batch). Runs on: worker (the packed forward, per call)."""
+    ``name`` (``transformers.AttentionInterface.register``); the previous one is restored on exit. Relies on:
+    ``PretrainedConfig._attn_implementation``, which every attention layer reads at each call to pick the function from
+    the registry (the public ``set_attn_implementation`` checks and re-dispatches: too slow for every micro-batch). Runs
+    on: worker (the packed forward, per call)."""
     previous = config._attn_implementation
     config._attn_implementation = name
     try:
@@ -41,8 +40,6 @@ def attention_implementation(config: Any, name: str) -> Iterator[None]:
 
 def no_split_modules(model: nn.Module) -> set[str]:
     """The class names of a transformers model's repeated blocks (e.g. ``{"Qwen2DecoderLayer"}``); empty for a model
-    that declares none (not a transformers model).
-
-    Relies on: ``PreTrainedModel._no_split_modules`` (the blocks ``device_map`` never splits). Runs on: every
-    worker rank (FSDP2 wraps each block)."""
+    that declares none (not a transformers model). Relies on: ``PreTrainedModel._no_split_modules`` (the blocks
+    ``device_map`` never splits). Runs on: every worker rank (FSDP2 wraps each block)."""
     return set(getattr(model, "_no_split_modules", None) or [])

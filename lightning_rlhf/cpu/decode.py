@@ -10,11 +10,9 @@ transformers' eager attention; one prompt pass per distinct prompt, its keys and
 samples; one matmul for the projections that read the same input (:func:`_fuse`), through oneDNN's prepacked
 weights on CPU (:func:`_packs`); sampling by inverse CDF (:func:`_draw`).
 
-Models it serves (:func:`decode_loop_unsupported` says why not, and the engine falls back to ``generate``): causal
-LMs whose ``config.model_type`` is one of :data:`MODEL_TYPES` with the standard layer structure, without a sliding
-window shorter than the sequence. What is sampled follows :class:`SamplingParams` exactly as the ``generate`` path
-does (stop tokens masked until ``min_new_tokens``, then :func:`processed_logprobs`; stop handling; greedy copies);
-only the random stream differs.
+It serves the causal LMs of :data:`MODEL_TYPES` (:func:`decode_loop_unsupported` says why not; the engine then falls
+back to ``generate``). What is sampled follows :class:`SamplingParams` exactly as the ``generate`` path does (the
+same logits processing, stop handling and greedy copies); only the random stream differs.
 """
 
 from __future__ import annotations
@@ -69,11 +67,10 @@ def decode_loop_unsupported(model: Any, *, max_length: int) -> str | None:
 
 
 class _Cache:
-    """Keys and values of every layer: the prompts' own once per prompt, shared by its ``n`` samples
-    (``prefix_keys``/``prefix_values`` ``[prompts, kv_heads, width, head_dim]``, and ``prefix_bias``
-    ``[prompts, 1, 1, width]``: 0 on a prompt's tokens, -inf on its left padding), and the generated tokens' per
-    sequence (``keys``/``values`` ``[prompts * n, kv_heads, new tokens, head_dim]``, the samples of one prompt
-    consecutive, and ``bias`` ``[prompts * n, 1, 1, new tokens]``: 0 where written, -inf elsewhere)."""
+    """Keys and values of every layer: the prompts' own once per prompt, shared by its ``n`` samples (``prefix_keys``/
+    ``prefix_values`` ``[prompts, kv_heads, width, head_dim]``; ``prefix_bias`` ``[prompts, 1, 1, width]``, -inf on
+    left padding), and the generated tokens' per sequence (``keys``/``values`` ``[prompts * n, kv_heads, new tokens,
+    head_dim]``, a prompt's samples consecutive; ``bias`` ``[prompts * n, 1, 1, new tokens]``, -inf where unwritten)."""
 
     def __init__(
         self, model: Any, mask: Tensor, n: int, new_tokens: int, dtype: torch.dtype, device: torch.device
@@ -94,8 +91,8 @@ class _Cache:
         self._group = model.config.num_attention_heads // kv_heads
         self._fusable = [None if hasattr(layer.self_attn, "q_norm") else layer.self_attn.scaling for layer in layers]
         self.steps: list[Callable[[Tensor, Tensor, Tensor, int], Tensor] | None] = [None] * len(layers)
-        """Per layer, its decoding steps as one compiled call each (rotary embedding, cache writes, attention), where
-        the kernels run (:func:`_native_kernels`) and the layer has no per-head query/key norms (Qwen3)."""
+        """Per layer, its decoding steps as one compiled call each, where the kernels run and the layer has no
+        per-head query/key norms (Qwen3)."""
         self._compile_steps()
 
     def _compile_steps(self) -> None:
@@ -130,9 +127,8 @@ def _written_slots_only(cache: _Cache) -> bool:
 
 
 def _native_kernels(cache: _Cache) -> bool:
-    """Whether the loop runs its attention step, RMS norms and SiLU-gated products through the compiled kernels
-    (the CPU layer's, :mod:`lightning_rlhf.cpu`; each falls back to the eager ops where it cannot run): on CPU, with
-    the layer's piece ``native`` on."""
+    """Whether the loop's attention step, RMS norms and SiLU-gated products go through the compiled kernels (each
+    falls back to the eager ops where it cannot run): on CPU, with the layer's piece ``native`` on."""
     return cache.keys[0].device.type == "cpu" and enabled("native")
 
 
@@ -196,9 +192,7 @@ class _Linear:
         self.packed = self._packed is not None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self._packed is not None:
-            return self._packed(x)
-        return F.linear(x, self.weight, self.bias)
+        return self._packed(x) if self._packed is not None else F.linear(x, self.weight, self.bias)
 
 
 def _packs(model: Any) -> bool:
@@ -222,9 +216,8 @@ class _Layer(NamedTuple):
 
 def fused_groups(model: Any) -> list[tuple[str, ...]]:
     """The parameter names whose tensors the loop fuses into one (:func:`_fuse`), per group in row order: each
-    layer's query/key/value weights (and biases), and its gate/up weights. Laid out consecutively in one storage in
-    that order (:meth:`HFRolloutEngine.weight_layout`), they are fused as they lie, with no copy. Empty for a model
-    the loop does not serve. Runs on: worker."""
+    layer's query/key/value weights (and biases), and its gate/up weights; laid out that way in one storage, they are
+    fused as they lie. Empty for a model the loop does not serve. Runs on: worker."""
     if decode_loop_unsupported(model, max_length=0) is not None:
         return []
     groups: list[tuple[str, ...]] = []
@@ -399,13 +392,10 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
 
 def _pick(scores: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
     """One token per row and its log-prob, both ``[rows]``, from ``scores`` ``[rows, vocab]`` (float32 logits, stop
-    tokens already masked while ``min_new_tokens`` holds them back).
-
-    The argmax when greedy; otherwise a draw by inverse CDF (:func:`_draw`) from :func:`processed_logprobs`'
-    distribution. Without top-k/top-p the distribution is the softmax at the sampling temperature: one fused
-    ``softmax`` (its vectorised exp is faster than ``exp`` alone), and the log-prob of the picked token is the log of
-    its probability (exact to float32 rounding; a token of probability 0 is never drawn).
-    """
+    tokens already masked): the argmax when greedy, else a draw by inverse CDF (:func:`_draw`) from
+    :func:`processed_logprobs`' distribution. Without top-k/top-p that is one fused ``softmax`` at the temperature (its
+    vectorised exp is faster than ``exp`` alone), and the log-prob is the log of the picked token's probability
+    (exact to float32 rounding; a token of probability 0 is never drawn)."""
     if params.is_greedy:
         lp = processed_logprobs(scores, temperature=params.sampling_temperature)
         token = lp.argmax(dim=-1)
@@ -432,12 +422,9 @@ _BLOCK = 64
 def _draw(probs: Tensor) -> Tensor:
     """One index per row of ``probs`` ``[rows, vocab]`` (non-negative, any positive sum), drawn with probability
     proportional to its entry: one uniform per row, located in the cumulative sums (``right=True``: an entry of
-    probability 0 is never the answer, up to float rounding at the very end).
-
-    A cumulative sum over the whole vocabulary is serial per row (~1 ns an entry); where the vocabulary splits into
-    blocks of :data:`_BLOCK`, the draw first finds the block in the cumulative sums of the blocks' totals (a
-    vectorised sum), then the entry in that block's own cumulative sum: ``vocab / BLOCK + BLOCK`` serial steps
-    instead of ``vocab``.
+    probability 0 is never the answer, up to float rounding at the very end). A cumulative sum is serial per row (~1 ns
+    an entry): where the vocabulary splits into blocks of :data:`_BLOCK`, the draw finds the block in the cumulative
+    sums of the blocks' totals, then the entry in that block's: ``vocab / BLOCK + BLOCK`` serial steps, not ``vocab``.
     """
     rows, vocab = probs.shape
     u = torch.rand((rows, 1), device=probs.device, dtype=probs.dtype)

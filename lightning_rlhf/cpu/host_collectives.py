@@ -80,7 +80,7 @@ class _Allocate:
     with ``allocate`` and ``__call__``; its abstract classes are private)."""
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A plain tensor (the collective copies through the shared buffer). Runs on: every worker rank."""
+        """A plain tensor (the collective copies through the shared buffer)."""
         return torch.empty(*size, dtype=dtype, device=device)
 
 
@@ -128,10 +128,7 @@ class HostReduceScatter(_Allocate):
 
 def use_host_collectives(model: nn.Module) -> int:
     """Give every FSDP unit of ``model`` the shared-memory all-gather and reduce-scatter; returns how many units.
-
-    Runs on: every worker rank, after ``fully_shard`` (collective-free: the buffer is mapped on first use). Each call
-    still takes gloo's collective where the shared path cannot serve it (module docstring), the same on every rank.
-    """
+    Runs on: every worker rank, after ``fully_shard`` (collective-free: the buffer is mapped on first use)."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and hasattr(m, "set_custom_all_gather")]
     for unit in units:
         unit.set_custom_all_gather(HostAllGather())  # type: ignore[arg-type]  # the interface, duck-typed

@@ -62,11 +62,9 @@ request as large gets None without asking the ranks again."""
 
 def host_buffer(group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
     """The group's shared buffer with halves of at least ``half_bytes``, or None when its ranks cannot map one
-    (other hosts, no ``/dev/shm``, not enough room there) or the group has one rank (nothing to exchange).
-
-    Runs on: every rank of ``group``, at the same point with the same ``half_bytes`` (collective the first time
-    and whenever the buffer must grow; the answer is the same on every rank). A buffer that cannot grow stays for
-    the requests it fits.
+    (other hosts, no ``/dev/shm``, not enough room there) or the group has one rank. A buffer that cannot grow stays
+    for the requests it fits. Runs on: every rank of ``group``, at the same point with the same ``half_bytes``
+    (collective the first time and whenever the buffer must grow; the answer is the same on every rank).
     """
     if dist.get_world_size(group) < 2:
         return None
@@ -81,17 +79,13 @@ def host_buffer(group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
     if memory is None:
         _REFUSED[key] = min(half_bytes, _REFUSED.get(key, half_bytes))
         return None
-    grown = HostBuffer(group, memory, half)
-    _BUFFERS[key] = grown
-    return grown
+    _BUFFERS[key] = HostBuffer(group, memory, half)
+    return _BUFFERS[key]
 
 
 def host_memory(group: dist.ProcessGroup, nbytes: int) -> torch.Tensor | None:
     """``nbytes`` of new shared memory (uint8) that every rank of ``group`` maps, or None where the ranks cannot all
-    map it (other hosts, no room in ``/dev/shm``) or the group has one rank. Not kept here: it lives as long as a
-    tensor views it, and what is kept there, and when a rank may write it, is the caller's protocol
-    (:class:`~lightning_rlhf.cpu.shared_weights.SharedWeights`).
-
+    map it (other hosts, no room in ``/dev/shm``) or the group has one rank; it lives as long as a tensor views it.
     Runs on: every rank of ``group``, at the same point with the same ``nbytes`` (always a collective).
     """
     if dist.get_world_size(group) < 2:
@@ -137,10 +131,10 @@ def _create(nbytes: int) -> str | None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError:
-        os.close(fd)
         os.unlink(path)
         return None
-    os.close(fd)
+    finally:
+        os.close(fd)
     return path
 
 

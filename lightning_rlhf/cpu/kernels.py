@@ -74,8 +74,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight * (x.float() * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)`` with a closed-form backward, bitwise equal
-    to transformers' Llama-family ``*RMSNorm`` forward. Runs on: worker (inside a model's forward)."""
+    """``weight * (x.float() * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)`` with a closed-form backward, bitwise equal to
+    transformers' Llama-family ``*RMSNorm`` forward. Runs on: worker (inside a model's forward)."""
     return RMSNormFunction.apply(x, weight, eps)
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_rlhf.cpu.kernels import restore_forwards, switch_forwards
+from lightning_rlhf.cpu.native import cpuinfo_line
 
 __all__ = [
     "ONEDNN_ENV",
@@ -61,19 +62,11 @@ def fp32_through_onednn() -> bool:
     the CPU is an AMD one, whose AVX-512 kernels MKL skips. On an Intel CPU MKL's float32 kernels are the faster:
     with oneDNN's, the vs-TRL fp32 step took 11% longer (1.655 s against 1.486 s, 2-core Xeon; docs/performance-log.md,
     "CPU speed layer, piece by piece"). bfloat16 products take oneDNN everywhere. Runs on: any process (read once)."""
-    if not onednn_available():
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return False
-    return vendor == "AuthenticAMD"
+    return onednn_available() and cpuinfo_line("vendor_id").partition(":")[2].strip() == "AuthenticAMD"
 
 
 def linear_pointwise(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x @ weight.T (+ bias)`` by oneDNN, no autograd; ``weight`` plain or packed by :func:`reorder_linear_weight`.
-
     Relies on: PyTorch's private operator ``torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")`` (the one
     ``torch.compile``'s CPU backend emits for linear layers). Runs on: any process."""
     out: Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -82,7 +75,6 @@ def linear_pointwise(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 def reorder_linear_weight(weight: Tensor, rows: int) -> Tensor:
     """``weight`` copied into oneDNN's blocked layout for products of ``rows`` rows (for :func:`linear_pointwise`).
-
     Relies on: PyTorch's private operator ``torch.ops.mkldnn._reorder_linear_weight(weight, rows)``. Runs on: worker.
     """
     packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
@@ -91,16 +83,14 @@ def reorder_linear_weight(weight: Tensor, rows: int) -> Tensor:
 
 def bf16_supported() -> bool:
     """Whether this CPU's oneDNN has a bfloat16 path (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or Arm's BF16); False where
-    PyTorch lacks the probe.
-
-    Relies on: PyTorch's private operator ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``. Runs on: any process."""
+    PyTorch lacks the probe. Relies on: PyTorch's private operator ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``.
+    Runs on: any process."""
     ops = torch.ops.mkldnn
     return bool(hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported())
 
 
 def unsafe_view(out: Tensor) -> Tensor:
     """``out`` re-labelled as a tensor of its own (not a view of its base) without a copy, as ``aten::matmul`` does.
-
     Relies on: PyTorch's private operator ``torch.ops.aten._unsafe_view``. Runs on: any process."""
     viewed: Tensor = torch.ops.aten._unsafe_view.default(out, out.shape)
     return viewed
@@ -204,13 +194,8 @@ def packs(weight: Tensor) -> bool:
     GFLOP/s in float32 against MKL's 62-66 (AMD EPYC; the CPU layer packs float32 weights only where
     :func:`fp32_through_onednn`), and 160-180 against 115-140 in bfloat16. Reordering a weight costs one pass over it
     (~7 ms for that model, once per sampling call). Runs on: worker."""
-    ops = torch.ops.mkldnn
-    if not (
-        weight.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    ):
+    operators = all(hasattr(torch.ops.mkldnn, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
+    if not (weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and operators):
         return False
     if weight.dtype == torch.bfloat16:  # oneDNN's bfloat16 path needs AVX-512 (BW/VL/DQ), AVX-NE-CONVERT or Arm's BF16
         return bf16_supported()

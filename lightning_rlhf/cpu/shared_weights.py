@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.compat.sharding import row_shard
@@ -133,10 +134,9 @@ class SharedWeights:
 
     def hand_off(self, received: list[int] | None = None) -> float:
         """Bring the store up to the actor's weights and bind the engine to it (the protocol in the module docstring).
-        Runs on: every worker rank of the mesh (one all-reduce; a barrier more when a rank's rows are not known).
         ``received[0]`` grows by the bytes of the full weights this rank did not write. Returns the seconds this rank
-        waited at the all-reduce for the others to arrive (their previous work ended later: not the hand-off's own
-        cost)."""
+        waited at the all-reduce for the others (their previous work ended later: not the hand-off's own cost). Runs
+        on: every worker rank of the mesh (one all-reduce; a barrier more when a rank's rows are not known)."""
         known = self._rows is not None and self._rows.write()
         start = time.perf_counter()
         everyone = torch.tensor([int(known)])
@@ -201,9 +201,7 @@ class _Rows:
         nothing, where they are not (the same parameter objects, a checkpoint loaded with ``assign=True`` replaces
         them, with the same storage; ~1 us a parameter)."""
         params = list(self.model.parameters())
-        if len(params) != len(self.shards):
-            return False
-        if not all(
+        if len(params) != len(self.shards) or not all(
             p is q and local_tensor(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self.shards, strict=True)
         ):
             return False
@@ -256,18 +254,13 @@ def write_shards(
 def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
     """Make the FSDP2 shards of ``model`` live in ``targets``: each row-sharded parameter's local shard becomes a view
     of its own rows in ``targets[name]``, where those rows already hold the shard's values (written by
-    :func:`write_shards`), the dtypes agree and FSDP2 keeps the shard unpadded. From then on the optimizer's step
-    writes the weights there itself, and :func:`write_shards` finds them in place. Returns the number of
-    parameters placed (0 where none can be: e.g. float32 master weights for a bfloat16 engine).
-
-    Runs on: every worker rank of the model's mesh (no collective). FSDP2 reads a shard through its parameter's
-    ``_local_tensor`` and its own flat view of it (``FSDPParam._sharded_param_data``); both are pointed at the new
-    place (``FSDPParam.reset_sharded_param``, what FSDP2 itself calls when a module's parameters are replaced), and
-    a parameter whose flat view FSDP2 did not move there is put back as it was. Whoever reads ``targets`` then reads
-    the live shards (the ordering :class:`SharedWeights` states).
+    :func:`write_shards`), the dtypes agree and FSDP2 keeps the shard unpadded; the optimizer's step then writes the
+    weights there itself. Returns the number of parameters placed (0 where none can be: e.g. float32 master weights
+    for a bfloat16 engine). FSDP2 reads a shard through its parameter's ``_local_tensor`` and its own flat view of it
+    (``FSDPParam._sharded_param_data``); both are pointed at the new place (``FSDPParam.reset_sharded_param``, what
+    FSDP2 itself calls when a module's parameters are replaced), and a parameter whose flat view FSDP2 did not move
+    there is put back as it was. Runs on: every worker rank of the model's mesh (no collective).
     """
-    from torch.distributed.fsdp import FSDPModule
-
     units: dict[int, Any] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -10,11 +10,9 @@ bfloat16 cast of the hand-off (:class:`CastPlan`, rounded to nearest even as ``T
 entropies and their gradient (:func:`token_logprobs`, :func:`token_logprobs_backward`; sums of 64 entries in double).
 
 How: the first call in a process compiles the source with ``$CC`` (else ``cc``/``gcc``; ``-O3 -march=native``, about
-a second) into the project's cache folder, named by a digest of the source, the flags, the compiler's version and
-the CPU's feature flags (one build per CPU kind on a shared home), written atomically (ranks that compile at once
-each write a whole file). Where no compiler exists or the build fails, the callers keep their eager ops and the log
-says so once; ``LIGHTNING_RLHF_NATIVE=0`` (or the CPU layer's switch) turns the kernels off. The package imports
-nothing of the project but its cache folder's name.
+a second) into the project's cache folder (:func:`_build`). Where no compiler exists or the build fails, the callers
+keep their eager ops and the log says so once; ``LIGHTNING_RLHF_NATIVE=0`` (or the CPU layer's switch) turns the
+kernels off. The package imports nothing of the project but its cache folder's name.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from torch import Tensor
 __all__ = [
     "CastPlan",
     "DecodeStep",
+    "cpuinfo_line",
     "decode_attention",
     "native_attention_available",
     "rms_norm",
@@ -58,24 +57,25 @@ def _cache_dir() -> Path:
     return Path(embedded_cache_dir()) / "kernels"
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (what ``-march=native`` compiles for); empty where /proc/cpuinfo is not readable."""
+def cpuinfo_line(*keys: str) -> str:
+    """The first line of ``/proc/cpuinfo`` that starts with one of ``keys``; empty where none is or the file is not
+    readable. Runs on: any process."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
+            return next((line for line in f if line.startswith(keys)), "")
     except OSError:
-        pass
-    return ""
+        return ""
 
 
 def _build(compiler: list[str]) -> Path:
     """Compile the kernels (or find them built) and return the shared library's path: in the cache folder, or, where
-    that cannot be written, in a new private temporary folder. Raises on a failed build."""
+    that cannot be written, in a new private temporary folder. Named by a digest of the source, the flags, the
+    compiler's version and the CPU's feature flags (one build per CPU kind on a shared home), written atomically (ranks
+    that compile at once each write a whole file). Raises on a failed build."""
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=20, check=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    cpu_flags = cpuinfo_line("flags", "Features")  # what -march=native compiles for
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), cpu_flags.encode()):
         digest.update(part)
     name = f"kernels-{digest.hexdigest()[:20]}.so"
     target = _cache_dir() / name
@@ -210,12 +210,8 @@ def decode_attention(
 
 def _cpu_code(*tensors: Tensor) -> int | None:
     """The kernels' dtype code for contiguous CPU tensors of one dtype they take, else None."""
-    code = _DTYPES.get(tensors[0].dtype)
-    if code is None or any(
-        t.device.type != "cpu" or t.dtype != tensors[0].dtype or not t.is_contiguous() for t in tensors
-    ):
-        return None
-    return code
+    usable = all(t.device.type == "cpu" and t.dtype == tensors[0].dtype and t.is_contiguous() for t in tensors)
+    return _DTYPES.get(tensors[0].dtype) if usable else None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
