@@ -169,10 +169,8 @@ def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
         if whole is None:
             with torch.inference_mode(False), torch.no_grad():  # the parameters stay normal tensors
                 whole = torch.cat([p.detach() for p in params])
-                row = 0
-                for p in params:
-                    p.data = whole[row : row + p.shape[0]]
-                    row += p.shape[0]
+                for p, rows in zip(params, whole.split([p.shape[0] for p in params]), strict=True):
+                    p.data = rows
             whole = _fused_rows(params)
         fused.append(whole)
     assert fused[0] is not None
