@@ -2,16 +2,11 @@
 in :data:`SUPPORTED_PEFT`.
 
 Public peft serves where it can (``get_peft_model``, ``LoraConfig``, ``load_peft_weights``, ``save_pretrained``,
-``unload``). What it does not offer is here, each a small function whose docstring names what it relies on: the
-wrapped model's parameter names (the FSDP2 deferred loading reads the base checkpoint under them, the hand-off
-merges adapters while they stream), the adapters' initial values (drawn by name, so every rank of a model on the
-meta device starts the same), the merge ``W + scale * B @ A`` of a stream of tensors, the scale, and which linear
-layers ``"all-linear"`` selects. ``tests/unit/test_compat_peft.py`` checks each against the installed peft: an
-upgrade that changes one fails there, not in a training run.
-
-Why ``>=0.17,<0.22``: checked on peft 0.21 (0.17 is the oldest this package was run with); a minor release may rename
-the wrapper's prefixes or change the initialisation. To support a new one: install it, run the test, fix what fails
-here, then move the bound here and in ``pyproject.toml``.
+``unload``). What it does not offer is here, each a small function whose docstring names what it relies on, checked
+against the installed peft by ``tests/unit/test_compat_peft.py``: an upgrade that changes one fails there, not in a
+training run. Why ``>=0.17,<0.22``: checked on peft 0.21 (0.17 is the oldest this package was run with); a minor
+release may rename the wrapper's prefixes or change the initialisation. To support a new one: install it, run the
+test, fix what fails here, then move the bound here and in ``pyproject.toml``.
 
 Runs on: any process (a leaf module: it imports nothing of ``lightning_rlhf``; peft itself only inside functions).
 """
@@ -53,10 +48,9 @@ _SEED = 20261127
 
 def base_name(name: str) -> str:
     """The base model's name of a wrapped model's parameter: ``base_model.model.x.q_proj.base_layer.weight`` ->
-    ``x.q_proj.weight`` (a ``modules_to_save`` copy maps to its original); adapters keep their own names.
-
-    Relies on: ``PeftModel``'s ``base_model.model.`` prefix, ``LoraLayer``'s ``base_layer`` and
-    ``ModulesToSaveWrapper``'s ``original_module`` / ``modules_to_save.<adapter>`` children. Runs on: any process.
+    ``x.q_proj.weight`` (a ``modules_to_save`` copy maps to its original); adapters keep their own names. Relies on:
+    ``PeftModel``'s ``base_model.model.`` prefix, ``LoraLayer``'s ``base_layer`` and ``ModulesToSaveWrapper``'s
+    ``original_module`` / ``modules_to_save.<adapter>`` children. Runs on: any process.
     """
     name = name.removeprefix(_PREFIX)
     name = name.replace(".base_layer.", ".").replace(".original_module.", ".")
@@ -74,36 +68,30 @@ def wrapped_name(key: str, adapted: set[str]) -> str:
 
 def base_layer_weight(layer: str) -> str:
     """The wrapped name of an adapted layer's own weight (``<layer>.base_layer.weight``), ``layer`` its wrapped name.
-
     Relies on: ``LoraLayer``'s ``base_layer`` child. Runs on: any process."""
     return f"{layer}.base_layer.weight"
 
 
 def saved_key(name: str) -> str:
-    """The key under which peft saves a wrapped model's parameter (``adapter_model.safetensors``): the adapter's
-    name dropped (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``,
-    ``...score.modules_to_save.default.weight`` -> ``...score.weight``).
-
-    Relies on: ``get_peft_model_state_dict``'s key format (a model-free form of it: a checkpoint's state needs no
-    model). Runs on: any process."""
+    """The key under which peft saves a wrapped model's parameter (``adapter_model.safetensors``): the adapter's name
+    dropped (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``,
+    ``...score.modules_to_save.default.weight`` -> ``...score.weight``). Relies on: ``get_peft_model_state_dict``'s key
+    format (a model-free form of it: a checkpoint's state needs no model). Runs on: any process."""
     name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
     return re.sub(r"\.(lora_[A-Za-z_]+)\.[^.]+\.", r".\1.", name)
 
 
 def adapter_layers(names: Iterator[str] | list[str]) -> list[str]:
-    """The adapted layers' wrapped names among parameter ``names`` (those with a ``lora_A``).
-
-    Relies on: ``LoraLayer``'s ``lora_A`` child. Runs on: any process."""
+    """The adapted layers' wrapped names among parameter ``names`` (those with a ``lora_A``). Relies on: ``LoraLayer``'s
+    ``lora_A`` child. Runs on: any process."""
     return sorted({name.split(".lora_A.")[0] for name in names if ".lora_A." in name})
 
 
 def fresh_value(name: str, param: Tensor) -> Tensor:
-    """The initial value of adapter parameter ``name`` as peft draws it (``lora_B``: zeros; ``lora_A``: Kaiming
-    uniform with ``a = sqrt(5)``, that is uniform in ``+-1/sqrt(fan_in)``), seeded by the name: the same on every
-    rank, without building the layer.
-
-    Relies on: ``LoraLayer.reset_lora_parameters`` with ``init_lora_weights=True`` (peft's default). Runs on: every
-    process."""
+    """The initial value of adapter parameter ``name`` as peft draws it (``lora_B``: zeros; ``lora_A``: Kaiming uniform
+    with ``a = sqrt(5)``, that is uniform in ``+-1/sqrt(fan_in)``), seeded by the name: the same on every rank, without
+    building the layer. Relies on: ``LoraLayer.reset_lora_parameters`` with ``init_lora_weights=True`` (peft's default).
+    Runs on: every process."""
     if ".lora_B." in name or ".lora_embedding_B" in name:
         return torch.zeros(param.shape, dtype=param.dtype)
     fan_in = param.shape[1] if param.dim() > 1 else param.shape[0]
@@ -113,11 +101,9 @@ def fresh_value(name: str, param: Tensor) -> Tensor:
 
 
 def layer_scales(model: nn.Module) -> dict[str, float]:
-    """Each adapted layer's ``scale`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA), by the layer's wrapped
-    name (``base_model.model.x.q_proj``).
-
-    Relies on: ``peft.tuners.lora.LoraLayer.scaling`` (a dict by adapter name; one adapter here). Runs on: any
-    process."""
+    """Each adapted layer's ``scale`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA), by the layer's wrapped name
+    (``base_model.model.x.q_proj``). Relies on: ``peft.tuners.lora.LoraLayer.scaling`` (a dict by adapter name; one
+    adapter here). Runs on: any process."""
     from peft.tuners.lora import LoraLayer
 
     return {
@@ -128,22 +114,18 @@ def layer_scales(model: nn.Module) -> dict[str, float]:
 
 
 def config_scale(adapter_config: Mapping[str, Any]) -> float:
-    """The ``scale`` of ``W + scale * B @ A`` from a saved ``adapter_config.json``: ``lora_alpha / r``, or
-    ``lora_alpha / sqrt(r)`` with rsLoRA.
-
-    Relies on: ``LoraLayer.update_layer``'s formula (what :func:`layer_scales` reads from a built model). Runs on:
-    any process."""
+    """The ``scale`` of ``W + scale * B @ A`` from a saved ``adapter_config.json``: ``lora_alpha / r``, or ``lora_alpha
+    / sqrt(r)`` with rsLoRA. Relies on: ``LoraLayer.update_layer``'s formula (what :func:`layer_scales` reads from a
+    built model). Runs on: any process."""
     r, alpha = int(adapter_config["r"]), float(adapter_config["lora_alpha"])
     return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
 
 
 def target_layers(model: nn.Module, config: Any) -> list[tuple[str, nn.Linear]]:
-    """The linear layers ``config.target_modules`` selects in ``model`` (``"all-linear"``: every linear layer but
-    the output head and ``modules_to_save``), as ``get_peft_model`` will wrap them, found without wrapping (the
-    model may be a skeleton on the meta device).
-
-    Relies on: ``peft.tuners.tuners_utils.check_target_module_exists`` (a list or regex of names) and peft's
-    ``"all-linear"`` rule (``_maybe_include_all_linear_layers``). Runs on: any process."""
+    """The linear layers ``config.target_modules`` selects in ``model`` (``"all-linear"``: every linear layer but the
+    output head and ``modules_to_save``), as ``get_peft_model`` will wrap them, found without wrapping (the model may be
+    a skeleton on the meta device). Relies on: ``peft.tuners.tuners_utils.check_target_module_exists`` (a list or regex
+    of names) and peft's ``"all-linear"`` rule (``_maybe_include_all_linear_layers``). Runs on: any process."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
     head = getattr(model, "get_output_embeddings", lambda: None)()
@@ -164,13 +146,11 @@ def merge_stream(
     stream: Iterator[tuple[str, Tensor]], scales: Mapping[str, float], dtype: torch.dtype | None
 ) -> Iterator[tuple[str, Tensor]]:
     """The base model's weights by its names (:func:`base_name`) from a wrapped model's full tensors in
-    ``named_parameters`` order, each adapted weight merged as ``W + scale * B @ A`` in float32 then cast to
-    ``dtype`` (a layer's weight is held until its two adapters have passed; a layer's bias passes unchanged);
-    adapters themselves are not yielded. ``scales``: each adapted layer's scale by its wrapped name.
-
-    Relies on: ``LoraLayer``'s children (``base_layer``, ``lora_A.<adapter>``, ``lora_B.<adapter>``) and
-    ``merge_and_unload``'s arithmetic for ``nn.Linear`` (``get_delta_weight``: ``B @ A * scaling``). Runs on: any
-    process (the hand-off's workers, the export)."""
+    ``named_parameters`` order, each adapted weight merged as ``W + scale * B @ A`` in float32 then cast to ``dtype`` (a
+    layer's weight is held until its two adapters have passed; a layer's bias passes unchanged); adapters themselves are
+    not yielded. ``scales``: each adapted layer's scale by its wrapped name. Relies on: ``LoraLayer``'s children
+    (``base_layer``, ``lora_A.<adapter>``, ``lora_B.<adapter>``) and ``merge_and_unload``'s arithmetic for ``nn.Linear``
+    (``get_delta_weight``: ``B @ A * scaling``). Runs on: any process (the hand-off's workers, the export)."""
     held: dict[str, dict[str, Tensor]] = {}
     for name, tensor in stream:
         layer = next((lay for lay in (name.rsplit(".", 3)[0], name.rsplit(".", 2)[0]) if lay in scales), None)

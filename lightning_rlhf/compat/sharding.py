@@ -49,10 +49,9 @@ class RowShard:
 def row_shard(
     name: str, data: torch.Tensor, positions: dict[int, tuple[dist.ProcessGroup, int, int]]
 ) -> RowShard | None:
-    """``data`` as a :class:`RowShard`, or None unless it is a DTensor on a 1-D mesh, ``Shard(0)``, whose local
-    shard holds exactly the rows ``torch.chunk`` gives this rank, contiguously.
-
-    Runs on: every rank of the mesh (``positions`` caches each mesh's group, size and this rank's place).
+    """``data`` as a :class:`RowShard`, or None unless it is a DTensor on a 1-D mesh, ``Shard(0)``, whose local shard
+    holds exactly the rows ``torch.chunk`` gives this rank, contiguously. Runs on: every rank of the mesh (``positions``
+    caches each mesh's group, size and this rank's place).
     """
     if not isinstance(data, DTensor) or data.dim() == 0:
         return None

@@ -1,30 +1,18 @@
-"""A lean sampling loop for Llama-family decoders: the transformers engine's fast path.
+"""A lean sampling loop for Llama-family decoders: the transformers engine's fast path (docs/architecture.md).
 
 transformers' ``generate`` spends most of a small model's decoding step outside the model's matmuls: a growing
 ``DynamicCache`` concatenated at every step, grouped-query keys and values copied per head group (``repeat_kv``),
 a 4-D mask rebuilt per step, and ``torch.multinomial`` on CPU (an exponential draw per vocabulary entry, ~6 ms for
-64 x 4,096 logits). This loop runs the model's own modules (embedding, norms, activation, rotary embedding) and
-the model's own weights, and replaces the attention's plumbing, the projections' calls and the sampler:
+64 x 4,096 logits). This loop runs the model's own modules and weights, and replaces the attention's plumbing, the
+projections' calls and the sampler: preallocated key/value buffers per layer with additive float masks
+(:class:`_Cache`); grouped-query attention as batched matmuls against the shared keys, softmax in float32 as
+transformers' eager attention; one prompt pass per distinct prompt, its keys and values kept once for its ``n``
+samples; one matmul for the projections that read the same input (:func:`_fuse`), through oneDNN's prepacked
+weights on CPU (:func:`_packs`); sampling by inverse CDF (:func:`_draw`).
 
-- preallocated key/value buffers per layer, written in place (the prompts' ``[prompts, kv_heads, width,
-  head_dim]``, the generated tokens' ``[sequences, kv_heads, new tokens, head_dim]``), with additive float masks
-  that hide left padding and positions not written yet;
-- grouped-query attention as a batched matmul of ``[kv_heads, group, head_dim]`` queries against the shared keys
-  (no copies), softmax in float32 as transformers' eager attention does;
-- the prompt is run once per distinct prompt, and its keys and values are kept once for the ``n`` samples: a
-  decoding step attends to them with one product per prompt for all its samples, then to its own generated ones;
-- the projections that read the same input are one matmul (queries, keys and values; gate and up): their
-  parameters are laid out once as consecutive row blocks of one tensor, in place (names, shapes and values
-  unchanged); on CPU each call reorders the weights into oneDNN's blocked layout for its duration (:func:`_packs`,
-  the CPU layer's);
-- sampling by inverse CDF: one uniform draw per sequence and a ``searchsorted`` in the cumulative distribution
-  (two levels: blocks of the vocabulary, then entries of one block).
-
-Models it serves (:func:`decode_loop_unsupported` says why not, and the engine falls back to ``generate``): causal
-LMs whose ``config.model_type`` is one of :data:`MODEL_TYPES` and whose layers have the standard structure, without
-a sliding window shorter than the sequence. What is sampled follows :class:`SamplingParams` exactly as the
-``generate`` path does: the same logits processing (stop tokens masked until ``min_new_tokens``, then
-:func:`processed_logprobs`), stop handling and greedy copies; only the random stream differs.
+It serves the causal LMs of :data:`MODEL_TYPES` (:func:`decode_loop_unsupported` says why not; the engine then falls
+back to ``generate``). What is sampled follows :class:`SamplingParams` exactly as the ``generate`` path does (the
+same logits processing, stop handling and greedy copies); only the random stream differs.
 """
 
 from __future__ import annotations
@@ -56,9 +44,7 @@ _BODY_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 def decode_loop_unsupported(model: Any, *, max_length: int) -> str | None:
     """Why :func:`sample_loop` cannot run ``model`` for sequences of up to ``max_length`` tokens; None when it can.
-
-    Runs on: worker (the transformers engine asks before every ``generate``; the answer is cheap).
-    """
+    Runs on: worker (the transformers engine asks before every ``generate``; the answer is cheap)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
@@ -81,11 +67,10 @@ def decode_loop_unsupported(model: Any, *, max_length: int) -> str | None:
 
 
 class _Cache:
-    """Keys and values of every layer: the prompts' own once per prompt, shared by its ``n`` samples
-    (``prefix_keys``/``prefix_values`` ``[prompts, kv_heads, width, head_dim]``, and ``prefix_bias``
-    ``[prompts, 1, 1, width]``: 0 on a prompt's tokens, -inf on its left padding), and the generated tokens' per
-    sequence (``keys``/``values`` ``[prompts * n, kv_heads, new tokens, head_dim]``, the samples of one prompt
-    consecutive, and ``bias`` ``[prompts * n, 1, 1, new tokens]``: 0 where written, -inf elsewhere)."""
+    """Keys and values of every layer: the prompts' own once per prompt, shared by its ``n`` samples (``prefix_keys``/
+    ``prefix_values`` ``[prompts, kv_heads, width, head_dim]``; ``prefix_bias`` ``[prompts, 1, 1, width]``, -inf on
+    left padding), and the generated tokens' per sequence (``keys``/``values`` ``[prompts * n, kv_heads, new tokens,
+    head_dim]``, a prompt's samples consecutive; ``bias`` ``[prompts * n, 1, 1, new tokens]``, -inf where unwritten)."""
 
     def __init__(
         self, model: Any, mask: Tensor, n: int, new_tokens: int, dtype: torch.dtype, device: torch.device
@@ -106,8 +91,8 @@ class _Cache:
         self._group = model.config.num_attention_heads // kv_heads
         self._fusable = [None if hasattr(layer.self_attn, "q_norm") else layer.self_attn.scaling for layer in layers]
         self.steps: list[Callable[[Tensor, Tensor, Tensor, int], Tensor] | None] = [None] * len(layers)
-        """Per layer, its decoding steps as one compiled call each (rotary embedding, cache writes, attention), where
-        the kernels run (:func:`_native_kernels`) and the layer has no per-head query/key norms (Qwen3)."""
+        """Per layer, its decoding steps as one compiled call each, where the kernels run and the layer has no
+        per-head query/key norms (Qwen3)."""
         self._compile_steps()
 
     def _compile_steps(self) -> None:
@@ -142,9 +127,8 @@ def _written_slots_only(cache: _Cache) -> bool:
 
 
 def _native_kernels(cache: _Cache) -> bool:
-    """Whether the loop runs its attention step, RMS norms and SiLU-gated products through the compiled kernels
-    (the CPU layer's, :mod:`lightning_rlhf.cpu`; each falls back to the eager ops where it cannot run): on CPU, with
-    the layer's piece ``native`` on."""
+    """Whether the loop's attention step, RMS norms and SiLU-gated products go through the compiled kernels (each
+    falls back to the eager ops where it cannot run): on CPU, with the layer's piece ``native`` on."""
     return cache.keys[0].device.type == "cpu" and enabled("native")
 
 
@@ -185,10 +169,8 @@ def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
         if whole is None:
             with torch.inference_mode(False), torch.no_grad():  # the parameters stay normal tensors
                 whole = torch.cat([p.detach() for p in params])
-                row = 0
-                for p in params:
-                    p.data = whole[row : row + p.shape[0]]
-                    row += p.shape[0]
+                for p, rows in zip(params, whole.split([p.shape[0] for p in params]), strict=True):
+                    p.data = rows
             whole = _fused_rows(params)
         fused.append(whole)
     assert fused[0] is not None
@@ -197,12 +179,9 @@ def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
 
 class _Linear:
     """One projection of the loop: ``y = x @ weight.T + bias`` through ``F.linear``, or through oneDNN with the weight
-    reordered into its blocked layout (``onednn.packed_linear``, where :func:`_packs`).
-
-    The packed copy lives as long as the :func:`sample_loop` call that made it (one more copy of the engine's
-    projection and head weights while it generates); it is made again from the parameters at every call, so a
-    hand-off that ``copy_``-s into them, or rebinds them (:meth:`HFRolloutEngine.bind_weights`), is seen by the next
-    call."""
+    reordered into its blocked layout (``onednn.packed_linear``, where :func:`_packs`). The packed copy (one more copy
+    of the weights while the engine generates) lives as long as the :func:`sample_loop` call that made it, so a
+    hand-off that writes or rebinds the parameters is seen by the next call."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int | None) -> None:
         self.bias = bias
@@ -211,9 +190,7 @@ class _Linear:
         self.packed = self._packed is not None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self._packed is not None:
-            return self._packed(x)
-        return F.linear(x, self.weight, self.bias)
+        return self._packed(x) if self._packed is not None else F.linear(x, self.weight, self.bias)
 
 
 def _packs(model: Any) -> bool:
@@ -237,9 +214,8 @@ class _Layer(NamedTuple):
 
 def fused_groups(model: Any) -> list[tuple[str, ...]]:
     """The parameter names whose tensors the loop fuses into one (:func:`_fuse`), per group in row order: each
-    layer's query/key/value weights (and biases), and its gate/up weights. Laid out consecutively in one storage in
-    that order (:meth:`HFRolloutEngine.weight_layout`), they are fused as they lie, with no copy. Empty for a model
-    the loop does not serve. Runs on: worker."""
+    layer's query/key/value weights (and biases), and its gate/up weights; laid out that way in one storage, they are
+    fused as they lie. Empty for a model the loop does not serve. Runs on: worker."""
     if decode_loop_unsupported(model, max_length=0) is not None:
         return []
     groups: list[tuple[str, ...]] = []
@@ -282,13 +258,10 @@ def _forward(
     prompt pass (``ids`` ``[prompts, width]``, left-padded, with :func:`_prompt_attention`'s ``prompt_bias``; writes
     the prefix cache); else decoding step ``step`` (``ids`` ``[prompts * n, 1]``; writes generated slot ``step``).
 
-    A decoding step attends to its prompt's keys and values, held once for the ``n`` samples (one product per
-    prompt and key/value head for all of them), and to its own generated ones. On CPU the attention step, the RMS
-    norms and the SiLU-gated products run as compiled kernels (:func:`_native_kernels`), the attention reading only
-    the generated slots written so far (``step + 1``). The eager ops' attention (GPUs, or no kernel) reads only the
-    written slots in float32 and on GPUs (the hidden slots would only add exact zeros to the softmax's sums), the
-    whole capacity in low precision on CPU: oneDNN copies a batch of bfloat16 matrices that are not contiguous (the
-    written slots of each row's buffer), which costs more than the slots it skips."""
+    On CPU the attention step, the RMS norms and the SiLU-gated products run as compiled kernels
+    (:func:`_native_kernels`). The eager ops' attention reads only the written slots in float32 and on GPUs (the
+    hidden slots would only add exact zeros to the softmax's sums), the whole capacity in low precision on CPU: oneDNN
+    copies a batch of bfloat16 matrices that are not contiguous, which costs more than the slots it skips."""
     body = model.model
     x = body.embed_tokens(ids)
     cos, sin = body.rotary_emb(x, positions)  # [rows, q, d]
@@ -364,10 +337,8 @@ def _attention(
 def _prompt_attention(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scaling: float) -> Tensor:
     """The prompt pass's attention, ``[prompts, kv_heads, group * q, d]`` from queries of the same shape (the last
     ``q`` of the ``width`` slots); ``bias`` ``[prompts, 1, 1, q, width]`` is added to the scores (0: visible, -inf:
-    hidden). Through PyTorch's fused
-    attention (grouped-query: each key/value head read for its query heads, no copies): scaling, bias, softmax and
-    both products in blocks, against separate matmul, softmax and bias passes over the whole ``[width, width]``
-    scores (a tool episode's second turn, 64 prompts of about 130 tokens on the tiny model: 188 -> 136 ms)."""
+    hidden). Through PyTorch's fused grouped-query attention, in blocks, instead of separate passes over the whole
+    ``[width, width]`` scores (a tool episode's second turn, 64 prompts of ~130 tokens, tiny model: 188 -> 136 ms)."""
     prompts, kv_heads, group_q, d = query.shape
     q = bias.shape[-2]
     heads = group_q // q * kv_heads
@@ -419,13 +390,10 @@ def _step_attention(query: Tensor, layer: int, step: int, cache: _Cache, scaling
 
 def _pick(scores: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
     """One token per row and its log-prob, both ``[rows]``, from ``scores`` ``[rows, vocab]`` (float32 logits, stop
-    tokens already masked while ``min_new_tokens`` holds them back).
-
-    The argmax when greedy; otherwise a draw by inverse CDF (:func:`_draw`) from :func:`processed_logprobs`'
-    distribution. Without top-k/top-p the distribution is the softmax at the sampling temperature: one fused
-    ``softmax`` (its vectorised exp is faster than ``exp`` alone), and the log-prob of the picked token is the log of
-    its probability (exact to float32 rounding; a token of probability 0 is never drawn).
-    """
+    tokens already masked): the argmax when greedy, else a draw by inverse CDF (:func:`_draw`) from
+    :func:`processed_logprobs`' distribution. Without top-k/top-p that is one fused ``softmax`` at the temperature (its
+    vectorised exp is faster than ``exp`` alone), and the log-prob is the log of the picked token's probability
+    (exact to float32 rounding; a token of probability 0 is never drawn)."""
     if params.is_greedy:
         lp = processed_logprobs(scores, temperature=params.sampling_temperature)
         token = lp.argmax(dim=-1)
@@ -452,12 +420,9 @@ _BLOCK = 64
 def _draw(probs: Tensor) -> Tensor:
     """One index per row of ``probs`` ``[rows, vocab]`` (non-negative, any positive sum), drawn with probability
     proportional to its entry: one uniform per row, located in the cumulative sums (``right=True``: an entry of
-    probability 0 is never the answer, up to float rounding at the very end).
-
-    A cumulative sum over the whole vocabulary is serial per row (~1 ns an entry); where the vocabulary splits into
-    blocks of :data:`_BLOCK`, the draw first finds the block in the cumulative sums of the blocks' totals (a
-    vectorised sum), then the entry in that block's own cumulative sum: ``vocab / BLOCK + BLOCK`` serial steps
-    instead of ``vocab``.
+    probability 0 is never the answer, up to float rounding at the very end). A cumulative sum is serial per row (~1 ns
+    an entry): where the vocabulary splits into blocks of :data:`_BLOCK`, the draw finds the block in the cumulative
+    sums of the blocks' totals, then the entry in that block's: ``vocab / BLOCK + BLOCK`` serial steps, not ``vocab``.
     """
     rows, vocab = probs.shape
     u = torch.rand((rows, 1), device=probs.device, dtype=probs.dtype)

@@ -1,21 +1,13 @@
 """FSDP2's all-gathers and reduce-scatters through one host's shared memory, for CPU ranks on one machine.
 
-Why: FSDP2 gathers each unit's parameters before its forward and reduce-scatters its gradients after its backward.
-Over gloo on CPU these collectives move data between the processes of one host at under 1 GB/s and make the ranks
-wait on each other: on the vs-TRL small model (2 ranks, 5 units) a KL step's first forwards and last backward took
-~90 ms (of ~2 s) more than the same micro-batches without collectives. Through the host buffer of
-:mod:`~lightning_rlhf.cpu.host_share`, an all-gather is a copy of the rank's input into its slot, one
-barrier and a copy of the whole output; a reduce-scatter is a copy of the rank's whole input into its slot, one
-barrier and a sum, in rank order, of the ranks' slices of this rank's shard: ~1 ms a call there (docs/performance.md).
-
-Each call uses the next half of the group's buffer (the halves alternate): a rank writes call ``k + 1`` into the
-other half while a slower rank may still read call ``k``, and it can come back to call ``k``'s half only after call
-``k + 1``'s barrier, which every rank passes only once it is done reading call ``k``.
-
-Used where every rank of the group maps one shared-memory file
-(:func:`~lightning_rlhf.cpu.host_share.host_buffer`: the answer is the same on every rank) and a half of
-the buffer stays within :data:`MAX_HALF_BYTES`; anything else (other hosts, a GPU, a larger unit, a reduction other
-than sum or average) takes the process group's own collective.
+Why: over gloo on CPU these collectives move data between the processes of one host at under 1 GB/s and make the
+ranks wait on each other: on the vs-TRL small model (2 ranks, 5 units) a KL step's first forwards and last backward
+took ~90 ms (of ~2 s) more than the same micro-batches without collectives. Through the host buffer of
+:mod:`~lightning_rlhf.cpu.host_share` (its halves used in turn, one barrier a call), an all-gather is a copy of the
+rank's input into its slot, one barrier and a copy of the whole output; a reduce-scatter is a copy of the rank's
+whole input into its slot, one barrier and a sum, in rank order, of the ranks' slices of this rank's shard: ~1 ms a
+call there (docs/performance.md). Other hosts, a GPU, a unit over :data:`MAX_HALF_BYTES` or a reduction other than
+sum or average take the process group's own collective.
 """
 
 from __future__ import annotations
@@ -88,7 +80,7 @@ class _Allocate:
     with ``allocate`` and ``__call__``; its abstract classes are private)."""
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A plain tensor (the collective copies through the shared buffer). Runs on: every worker rank."""
+        """A plain tensor (the collective copies through the shared buffer)."""
         return torch.empty(*size, dtype=dtype, device=device)
 
 
@@ -136,10 +128,7 @@ class HostReduceScatter(_Allocate):
 
 def use_host_collectives(model: nn.Module) -> int:
     """Give every FSDP unit of ``model`` the shared-memory all-gather and reduce-scatter; returns how many units.
-
-    Runs on: every worker rank, after ``fully_shard`` (collective-free: the buffer is mapped on first use). Each call
-    still takes gloo's collective where the shared path cannot serve it (module docstring), the same on every rank.
-    """
+    Runs on: every worker rank, after ``fully_shard`` (collective-free: the buffer is mapped on first use)."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and hasattr(m, "set_custom_all_gather")]
     for unit in units:
         unit.set_custom_all_gather(HostAllGather())  # type: ignore[arg-type]  # the interface, duck-typed

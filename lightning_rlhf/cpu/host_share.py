@@ -1,22 +1,17 @@
 """One host's shared memory as the transport of a weight hand-off between colocated ranks.
 
-Why: a hand-off gives every rank's engine the full tensors behind the FSDP2 shards. Over gloo (CPU) the
-all-gather moves under 1 GB/s between two processes on one host, 10-20x below a memcpy, and then each full
-tensor is cut out of the rank-major result with one more copy. When every rank of the group maps the same
-shared memory, each rank instead writes its own rows straight into place in the full tensors (one copy of
-its shard), one barrier says every rank has written, and the engines read the full tensors where they lie.
+Why: over gloo (CPU) an all-gather moves under 1 GB/s between two processes on one host, 10-20x below a memcpy, and
+each full tensor is then cut out of the rank-major result with one more copy. When every rank of the group maps the
+same shared memory, each rank writes its own rows straight into place in the full tensors (one copy of its shard),
+one barrier says every rank has written, and the engines read the full tensors where they lie.
 
 The buffer is a file in ``/dev/shm``, reserved in full when created (``posix_fallocate``: a container's small
-``/dev/shm`` gives a clean fallback instead of a SIGBUS on first touch), mapped by every rank and unlinked as
-soon as they all have it, or as soon as mapping it failed (only a process killed within those few milliseconds
-leaves a file behind). Its memory (two halves as large as the largest bucket of full tensors: up to twice the
-ranks x 64 MB) counts against the host's (and a container's) memory until the run ends
-(:func:`release_host_buffers`).
-
-The two halves are used in turn: a rank writes bucket ``k + 1`` into the other half while a slower rank may still
-read bucket ``k``, and it can only come back to bucket ``k``'s half after bucket ``k + 1``'s barrier, which every
-rank passes only once it is done with bucket ``k``. So one barrier per bucket is enough, and the halves' turn goes
-on across hand-offs.
+``/dev/shm`` gives a clean fallback instead of a SIGBUS on first touch), mapped by every rank and unlinked as soon as
+they all have it or mapping it failed. Its two halves, each as large as the largest bucket (up to twice the ranks x
+64 MB), count against the host's memory until the run ends (:func:`release_host_buffers`). They are used in turn: a
+rank writes bucket ``k + 1`` into the other half while a slower rank may still read bucket ``k``, and comes back to
+bucket ``k``'s half only after bucket ``k + 1``'s barrier, which every rank passes once done with bucket ``k``: one
+barrier per bucket is enough.
 """
 
 from __future__ import annotations
@@ -36,10 +31,8 @@ _ALIGN = 64
 
 
 class HostBuffer:
-    """A shared-memory file mapped by every rank of ``group``, in two halves of ``half_bytes`` used in turn.
-
-    Build it with :func:`host_buffer` (collective); runs on: every rank of the group.
-    """
+    """A shared-memory file mapped by every rank of ``group``, in two halves of ``half_bytes`` used in turn. Build it
+    with :func:`host_buffer` (collective). Runs on: every rank of the group."""
 
     def __init__(self, group: dist.ProcessGroup, memory: torch.Tensor, half_bytes: int) -> None:
         self.group = group
@@ -69,11 +62,9 @@ request as large gets None without asking the ranks again."""
 
 def host_buffer(group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
     """The group's shared buffer with halves of at least ``half_bytes``, or None when its ranks cannot map one
-    (other hosts, no ``/dev/shm``, not enough room there) or the group has one rank (nothing to exchange).
-
-    Runs on: every rank of ``group``, at the same point with the same ``half_bytes`` (collective the first time
-    and whenever the buffer must grow; the answer is the same on every rank). A buffer that cannot grow stays for
-    the requests it fits.
+    (other hosts, no ``/dev/shm``, not enough room there) or the group has one rank. A buffer that cannot grow stays
+    for the requests it fits. Runs on: every rank of ``group``, at the same point with the same ``half_bytes``
+    (collective the first time and whenever the buffer must grow; the answer is the same on every rank).
     """
     if dist.get_world_size(group) < 2:
         return None
@@ -88,17 +79,13 @@ def host_buffer(group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
     if memory is None:
         _REFUSED[key] = min(half_bytes, _REFUSED.get(key, half_bytes))
         return None
-    grown = HostBuffer(group, memory, half)
-    _BUFFERS[key] = grown
-    return grown
+    _BUFFERS[key] = HostBuffer(group, memory, half)
+    return _BUFFERS[key]
 
 
 def host_memory(group: dist.ProcessGroup, nbytes: int) -> torch.Tensor | None:
     """``nbytes`` of new shared memory (uint8) that every rank of ``group`` maps, or None where the ranks cannot all
-    map it (other hosts, no room in ``/dev/shm``) or the group has one rank. Not kept here: it lives as long as a
-    tensor views it, and what is kept there, and when a rank may write it, is the caller's protocol
-    (:class:`~lightning_rlhf.cpu.shared_weights.SharedWeights`).
-
+    map it (other hosts, no room in ``/dev/shm``) or the group has one rank; it lives as long as a tensor views it.
     Runs on: every rank of ``group``, at the same point with the same ``nbytes`` (always a collective).
     """
     if dist.get_world_size(group) < 2:
@@ -144,10 +131,10 @@ def _create(nbytes: int) -> str | None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError:
-        os.close(fd)
         os.unlink(path)
         return None
-    os.close(fd)
+    finally:
+        os.close(fd)
     return path
 
 

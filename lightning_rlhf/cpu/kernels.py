@@ -13,11 +13,8 @@ bfloat16, 3.1 -> 2.3 ms in float32; docs/performance.md has the update's figures
 
 Saved for the backward: the input, the per-row ``r`` and (in low precision) the cast ``n`` that autograd saves
 too, so memory does not grow. Gradients equal autograd's up to float32 rounding (the sums run in another order).
-
-:func:`fuse_rms_norms` switches the norms of a model to it; the training engine calls it when it binds a role's
-model (:class:`~lightning_rlhf.engines.train.TrainEngine`, ``fused_norms=True``). Only the classes in
-:data:`RMS_NORM_CLASSES` are switched: their forward is the formula above (Gemma's ``1 + w`` norms and others are
-left alone).
+:func:`fuse_rms_norms` switches a model's norms of :data:`RMS_NORM_CLASSES` to it (Gemma's ``1 + w`` norms and others
+are left alone).
 """
 
 from __future__ import annotations
@@ -77,10 +74,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight * (x.float() * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)`` with a closed-form backward.
-
-    Runs on: worker (inside a model's forward). Bitwise equal to transformers' Llama-family ``*RMSNorm`` forward.
-    """
+    """``weight * (x.float() * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)`` with a closed-form backward, bitwise equal to
+    transformers' Llama-family ``*RMSNorm`` forward. Runs on: worker (inside a model's forward)."""
     return RMSNormFunction.apply(x, weight, eps)
 
 
@@ -96,11 +91,9 @@ def _fused_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
 
 def fuse_rms_norms(model: nn.Module) -> int:
     """Switch every norm of ``model`` whose class is in :data:`RMS_NORM_CLASSES` to :func:`rms_norm`; returns how
-    many were switched (0 for other architectures).
-
-    Runs on: every process that trains the model (the training engine, when it binds a role's model; before FSDP
-    sharding, which leaves the norms' forwards alone). In place and idempotent: the instance's ``forward`` is
-    replaced; parameters, buffers, names and the state dict do not change. :func:`unfuse_rms_norms` undoes it.
+    many were switched (0 for other architectures). In place and idempotent (:func:`switch_forwards`);
+    :func:`unfuse_rms_norms` undoes it. Runs on: every process that trains the model (the training engine, when it
+    binds a role's model, before FSDP sharding, which leaves the norms' forwards alone).
     """
     return switch_forwards(model, _fused_forward, _is_llama_norm)
 
@@ -117,9 +110,8 @@ def _is_llama_norm(module: nn.Module) -> bool:
 
 def switch_forwards(model: nn.Module, forward: Callable[..., Any], wanted: Callable[[nn.Module], bool]) -> int:
     """Give every module of ``model`` for which ``wanted(module)`` holds ``forward`` bound to it as its instance
-    ``forward``; returns how many. :func:`restore_forwards` undoes it.
-
-    Runs on: any process. In place and idempotent; parameters, names and the state dict do not change.
+    ``forward``; returns how many. In place and idempotent; parameters, buffers, names and the state dict do not
+    change. :func:`restore_forwards` undoes it. Runs on: any process.
     """
     count = 0
     for module in model.modules():
@@ -130,18 +122,14 @@ def switch_forwards(model: nn.Module, forward: Callable[..., Any], wanted: Calla
 
 
 def unfuse_rms_norms(model: nn.Module) -> int:
-    """Give the norms :func:`fuse_rms_norms` switched their class's own ``forward`` back; returns how many.
-
-    Runs on: any process (tests, A/B benchmarks).
-    """
+    """Give the norms :func:`fuse_rms_norms` switched their class's own ``forward`` back; returns how many. Runs on:
+    any process (tests, A/B benchmarks)."""
     return restore_forwards(model, _fused_forward)
 
 
 def restore_forwards(model: nn.Module, forward: Callable[..., Any]) -> int:
     """Remove every instance ``forward`` of ``model``'s modules that is ``forward`` bound to the module (what a
-    switch such as :func:`fuse_rms_norms` set), so the class's own runs again; returns how many.
-
-    Runs on: any process.
+    switch such as :func:`fuse_rms_norms` set), so the class's own runs again; returns how many. Runs on: any process.
     """
     count = 0
     for module in model.modules():

@@ -1,23 +1,15 @@
-"""Float32 linear layers on CPU through oneDNN's matmul instead of MKL's ``sgemm``.
+"""Float32 linear layers on CPU through oneDNN's matmul instead of MKL's ``sgemm``, and the decoding loop's prepacked
+products (:func:`packed_linear`, float32 and bfloat16).
 
-PyTorch's float32 ``F.linear`` / ``torch.mm`` on CPU calls MKL, which picks its code path by CPU vendor: on an AMD
-CPU it skips its AVX-512 kernels. On this project's machines (AMD EPYC, Zen 5: full-width AVX-512) MKL's ``sgemm``
-runs at 100-110 GFLOP/s on one thread while oneDNN (also inside PyTorch, ``torch.ops.mkldnn._linear_pointwise``),
-which picks its kernels by instruction set, reaches 230-250 on a large square product and 140-260 on the small
-model's training shapes (``[2092, 256] x [256, 704]`` and the like, forward and both backward products): 2-2.4x. Both
-compute in float32 with float32 accumulation; only the order of the sums differs (errors against float64 of the
-same size, 3-6e-6 relative). docs/performance-log.md, "Float32 matmuls through oneDNN", has the figures.
-
-:class:`OneDNNLinearFunction` is ``F.linear`` with its forward and both backward products through oneDNN; the
-weight's gradient is computed as whichever of ``grad.T @ x`` or ``(x.T @ grad).T`` has the smaller output rows
-(oneDNN is 1.3-2x faster that way round on these shapes). :func:`onednn_linears` switches a model's ``nn.Linear``
-layers to it; the training engine does that when it binds a role's model (``TrainEngine(onednn_linears=True)``),
-so the actor's update, the reference's and critic's forwards all use it. Only float32 on CPU with plain tensors
-takes this path: other dtypes (bfloat16 already goes to oneDNN inside PyTorch), devices and tensor subclasses
-(DTensor) call ``F.linear`` as before. ``LIGHTNING_RLHF_ONEDNN=0`` keeps PyTorch's own float32 matmuls.
-
-:func:`packed_linear` is the decoding loop's product: the weight reordered once per sampling call into oneDNN's
-blocked layout (float32 and bfloat16).
+MKL picks its code path by CPU vendor: on an AMD CPU it skips its AVX-512 kernels. On this project's machines (AMD
+EPYC, Zen 5) MKL's ``sgemm`` runs at 100-110 GFLOP/s on one thread while oneDNN (inside PyTorch,
+``torch.ops.mkldnn._linear_pointwise``), which picks its kernels by instruction set, reaches 230-250 on a large square
+product and 140-260 on the small model's training shapes: 2-2.4x. Both compute in float32 with float32 accumulation;
+only the order of the sums differs (3-6e-6 relative against float64; docs/performance-log.md, "Float32 matmuls through
+oneDNN"). :func:`onednn_linears` switches a model's ``nn.Linear`` layers to :class:`OneDNNLinearFunction` (the
+training engine, when it binds a role's model); only float32 plain CPU tensors take it, anything else (bfloat16 goes
+to oneDNN inside PyTorch already, other devices, DTensor) calls ``F.linear``. ``LIGHTNING_RLHF_ONEDNN=0`` keeps
+PyTorch's own float32 matmuls.
 """
 
 from __future__ import annotations
@@ -32,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_rlhf.cpu.kernels import restore_forwards, switch_forwards
+from lightning_rlhf.cpu.native import cpuinfo_line
 
 __all__ = [
     "ONEDNN_ENV",
@@ -69,19 +62,11 @@ def fp32_through_onednn() -> bool:
     the CPU is an AMD one, whose AVX-512 kernels MKL skips. On an Intel CPU MKL's float32 kernels are the faster:
     with oneDNN's, the vs-TRL fp32 step took 11% longer (1.655 s against 1.486 s, 2-core Xeon; docs/performance-log.md,
     "CPU speed layer, piece by piece"). bfloat16 products take oneDNN everywhere. Runs on: any process (read once)."""
-    if not onednn_available():
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return False
-    return vendor == "AuthenticAMD"
+    return onednn_available() and cpuinfo_line("vendor_id").partition(":")[2].strip() == "AuthenticAMD"
 
 
 def linear_pointwise(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x @ weight.T (+ bias)`` by oneDNN, no autograd; ``weight`` plain or packed by :func:`reorder_linear_weight`.
-
     Relies on: PyTorch's private operator ``torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")`` (the one
     ``torch.compile``'s CPU backend emits for linear layers). Runs on: any process."""
     out: Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -90,7 +75,6 @@ def linear_pointwise(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 def reorder_linear_weight(weight: Tensor, rows: int) -> Tensor:
     """``weight`` copied into oneDNN's blocked layout for products of ``rows`` rows (for :func:`linear_pointwise`).
-
     Relies on: PyTorch's private operator ``torch.ops.mkldnn._reorder_linear_weight(weight, rows)``. Runs on: worker.
     """
     packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
@@ -99,16 +83,14 @@ def reorder_linear_weight(weight: Tensor, rows: int) -> Tensor:
 
 def bf16_supported() -> bool:
     """Whether this CPU's oneDNN has a bfloat16 path (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or Arm's BF16); False where
-    PyTorch lacks the probe.
-
-    Relies on: PyTorch's private operator ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``. Runs on: any process."""
+    PyTorch lacks the probe. Relies on: PyTorch's private operator ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``.
+    Runs on: any process."""
     ops = torch.ops.mkldnn
     return bool(hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported())
 
 
 def unsafe_view(out: Tensor) -> Tensor:
     """``out`` re-labelled as a tensor of its own (not a view of its base) without a copy, as ``aten::matmul`` does.
-
     Relies on: PyTorch's private operator ``torch.ops.aten._unsafe_view``. Runs on: any process."""
     viewed: Tensor = torch.ops.aten._unsafe_view.default(out, out.shape)
     return viewed
@@ -127,8 +109,9 @@ def matmul_nt(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 class OneDNNLinearFunction(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` with the forward and both backward products through oneDNN
-    (:func:`matmul_nt`). Saves the same tensors as ``F.linear``'s autograd (the input and the weight)."""
+    """``F.linear(x, weight, bias)`` with the forward and both backward products through oneDNN (:func:`matmul_nt`);
+    the weight's gradient as whichever of ``grad.T @ x`` or ``(x.T @ grad).T`` has the fewer output rows (1.3-2x faster
+    in oneDNN on these shapes). Saves the same tensors as ``F.linear``'s autograd (the input and the weight)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
@@ -164,9 +147,8 @@ def _plain(t: Tensor | None) -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``; float32 CPU tensors go through oneDNN (:class:`OneDNNLinearFunction`, or
     :func:`matmul_nt` directly where no gradient is recorded); empty tensors, any other dtype, device or tensor
-    subclass, and calls inside ``torch.backends.mkldnn.flags(enabled=False)`` take ``F.linear``.
-
-    Runs on: any process (inside a model's forward).
+    subclass, and calls inside ``torch.backends.mkldnn.flags(enabled=False)`` take ``F.linear``. Runs on: any process
+    (inside a model's forward).
     """
     usable = onednn_available() and torch.backends.mkldnn.enabled  # `mkldnn.flags(enabled=False)` is honoured
     if not (usable and _plain(x) and _plain(weight) and _plain(bias) and x.numel() and weight.numel()):
@@ -183,12 +165,10 @@ def _onednn_forward(self: nn.Linear, x: Tensor) -> Tensor:
 
 def onednn_linears(model: nn.Module) -> int:
     """Switch every ``nn.Linear`` of ``model`` (the class itself: subclasses such as adapters keep their forward) to
-    :func:`linear`; returns how many were switched (0 where oneDNN is not available or turned off).
-
-    Runs on: every process that binds the model (the training engine; before FSDP sharding, which leaves the
-    layers' forwards alone). In place and idempotent: the instance's ``forward`` is replaced; parameters, names and
-    the state dict do not change. Layers whose tensors are not float32 CPU tensors at call time use ``F.linear``.
-    :func:`plain_linears` undoes it. (The CPU layer calls it only where :func:`fp32_through_onednn`.)
+    :func:`linear`; returns how many were switched (0 where oneDNN is not available or turned off). In place and
+    idempotent, as :func:`~lightning_rlhf.cpu.kernels.switch_forwards`; :func:`plain_linears` undoes it. Runs on: every
+    process that binds the model (the training engine, before FSDP sharding; the CPU layer calls it only where
+    :func:`fp32_through_onednn`).
     """
     if not onednn_available():
         return 0
@@ -196,10 +176,8 @@ def onednn_linears(model: nn.Module) -> int:
 
 
 def plain_linears(model: nn.Module) -> int:
-    """Give the layers :func:`onednn_linears` switched ``nn.Linear``'s own ``forward`` back; returns how many.
-
-    Runs on: any process (tests, A/B benchmarks).
-    """
+    """Give the layers :func:`onednn_linears` switched ``nn.Linear``'s own ``forward`` back; returns how many. Runs
+    on: any process (tests, A/B benchmarks)."""
     return restore_forwards(model, _onednn_forward)
 
 
@@ -216,13 +194,8 @@ def packs(weight: Tensor) -> bool:
     GFLOP/s in float32 against MKL's 62-66 (AMD EPYC; the CPU layer packs float32 weights only where
     :func:`fp32_through_onednn`), and 160-180 against 115-140 in bfloat16. Reordering a weight costs one pass over it
     (~7 ms for that model, once per sampling call). Runs on: worker."""
-    ops = torch.ops.mkldnn
-    if not (
-        weight.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    ):
+    operators = all(hasattr(torch.ops.mkldnn, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
+    if not (weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and operators):
         return False
     if weight.dtype == torch.bfloat16:  # oneDNN's bfloat16 path needs AVX-512 (BW/VL/DQ), AVX-NE-CONVERT or Arm's BF16
         return bf16_supported()

@@ -1,43 +1,22 @@
 """One copy per host of the colocated engines' weights, which the actor's FSDP shards themselves live in.
 
 Why: the streaming hand-off (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`) gives every rank's engine
-a private copy of the full weights: through the host's shared memory each rank writes its rows into a bucket, then
-its engine copies every full tensor out: 1.5x the engine's bytes per rank plus a barrier per bucket (3.3x a memcpy
-of the engine's bytes at 9.6M parameters). When the engines of one host read their weights from the same shared
-memory instead, and each rank's FSDP shard is a view of its own rows there (:func:`place_shards`), the optimizer's
-step writes the engines' weights as it updates the shards: a hand-off is one all-reduce (every rank done with its
-step), and the host holds the weights once, for training and generation.
+a private copy of the full weights: each rank writes its rows into a shared bucket, then its engine copies every full
+tensor out: 1.5x the engine's bytes per rank plus a barrier per bucket (3.3x a memcpy of the engine's bytes at 9.6M
+parameters). When the engines of one host read their weights from the same shared memory instead, and each rank's
+FSDP shard is a view of its own rows there (:func:`place_shards`), the optimizer's step writes the engines' weights
+as it updates the shards: a hand-off is one all-reduce, and the host holds the weights once (docs/hybrid-engine.md,
+"The resharding hook").
 
-The protocol (every rank of the actor's mesh, inside ``ActorRole.sync_weights``):
-
-1. each rank whose rows are known to lie in the store, or to be written there by a fixed list of copies (a
-   bfloat16 engine fed by float32 master weights: each shard cast into its rows), makes those copies; then an
-   all-reduce: every rank is past its optimizer step, has written
-   its rows, and every engine of the host is done generating with the weights it has (the colocated engines
-   generate between hand-offs, never during one);
-2. if a rank's rows are not known (the first hand-off; a parameter that is not row-sharded; a checkpoint loaded into
-   new storage): each rank writes its rows of every parameter into place (cast to the engine's dtype; parameters
-   that are not row-sharded are written whole by the group's first rank:
-   :func:`write_shards`), a barrier (every part written), each rank places the shards
-   it can (same dtype, unpadded) in its rows, so that the next hand-off finds them there, and lists the copies the
-   others need;
-3. each engine binds its parameters to the store (once; later hand-offs find them bound).
-
-A rank may write its rows in step 1 before the all-reduce because its update already waited for every rank: an
-update's first FSDP2 all-gather is joined by every rank only once its engine is done generating. Where no update
-came between two hand-offs the rows are written again with the values they hold.
-
-The store lays the parameters out in the engine's order (:func:`weight_layout`: each layer's
-query/key/value and gate/up weights consecutive), so the decoding loop finds its fused projections as they lie.
-An engine that receives weights any other way (``load_weights``) first takes a private copy, so that it never writes
-into the other engines' weights. Where the ranks cannot map one store (other hosts, no room in ``/dev/shm``), the
-engine cannot bind shared memory (a GPU), or the model is not row-sharded on one mesh, the hand-off streams.
-
-The entry all-reduce orders a hand-off after every generation that every rank started before it, and every
-update after the generations before it (an update's first FSDP all-gather waits for every rank). Bound engines read
-the shards as they are: a generation that ran while the actor updates (a colocated engine called from a background
-thread during an update of the same actor) would read torn weights. Colocated engines are called from the step's own
-thread; the generation-only pool, which runs in the background, has engines of its own that never bind the store.
+The protocol (every rank of the actor's mesh, inside ``ActorRole.sync_weights``; :meth:`SharedWeights.hand_off`):
+(1) each rank whose rows are known to lie in the store, or to be written there by a fixed list of copies
+(:class:`_Rows`), makes those copies, then an all-reduce; (2) if any rank's rows are not known (the first hand-off,
+a parameter that is not row-sharded, a checkpoint loaded into new storage), each rank writes its rows of every
+parameter (:func:`write_shards`), a barrier, and each rank places the shards it can; (3) each engine binds its
+parameters to the store. A rank may write its rows before the all-reduce because its update already waited for
+every rank: an update's first FSDP2 all-gather is joined by every rank only once its engine is done generating.
+Bound engines read the shards as they are, so a generation must never run while the same actor updates: colocated
+engines are called from the step's own thread, and the generation-only pool has engines of its own.
 """
 
 from __future__ import annotations
@@ -49,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_rlhf.compat.sharding import row_shard
@@ -88,21 +68,14 @@ def weight_layout(engine: Any) -> list[list[tuple[str, torch.Size]]]:
 class SharedWeights:
     """The host's store of one colocated engine per rank, and its hand-off. Build it with :meth:`attempt`.
 
-    Once the shards are placed in the store, the engines read the live shards: every in-place write to a shard of
-    the actor (the optimizer's step, a checkpoint restored in place, a manual edit) must come after a collective that
-    every rank joins once its engine is done generating. The trainer's updates do (their first FSDP2 all-gather); a
-    change made on one rank by hand, right after a hand-off, would race with the other ranks' engines.
-
-    Runs on: every worker rank of the actor's mesh.
+    The engines read the live shards: every in-place write to a shard (the optimizer's step, a checkpoint restored in
+    place, a manual edit) must come after a collective that every rank joins once its engine is done generating (the
+    trainer's updates do; an edit by hand on one rank right after a hand-off would race). Runs on: every worker rank
+    of the actor's mesh.
     """
 
     def __init__(
-        self,
-        engine: Any,
-        model: nn.Module,
-        group: dist.ProcessGroup,
-        views: dict[str, Tensor],
-        memory: Tensor,
+        self, engine: Any, model: nn.Module, group: dist.ProcessGroup, views: dict[str, Tensor], memory: Tensor
     ) -> None:
         self.engine = engine
         self.model = model
@@ -125,9 +98,10 @@ class SharedWeights:
 
     @classmethod
     def attempt(cls, engine: Any, model: nn.Module) -> SharedWeights | None:
-        """The store for ``engine`` fed from the FSDP2 ``model`` or
-        None where the hand-off must stream (see the module docstring). Runs on: every worker rank of the model's
-        mesh, at the same point (collective when the store is made: the ranks agree on the answer)."""
+        """The store for ``engine`` fed from the FSDP2 ``model``, or None where the hand-off must stream: an engine
+        that cannot bind shared memory, a model not row-sharded on one CPU mesh (or not the engine's), ranks that
+        cannot map one store (other hosts, no room in ``/dev/shm``). Runs on: every worker rank of the model's mesh,
+        at the same point (collective when the store is made: the ranks agree on the answer)."""
         if not getattr(engine, "binds_shared_weights", False) or getattr(engine, "slicer", None) is not None:
             return None
         params = dict(model.named_parameters())
@@ -160,10 +134,9 @@ class SharedWeights:
 
     def hand_off(self, received: list[int] | None = None) -> float:
         """Bring the store up to the actor's weights and bind the engine to it (the protocol in the module docstring).
-        Runs on: every worker rank of the mesh (one all-reduce; a barrier more when a rank's rows are not known).
         ``received[0]`` grows by the bytes of the full weights this rank did not write. Returns the seconds this rank
-        waited at the all-reduce for the others to arrive (their previous work ended later: not the hand-off's own
-        cost)."""
+        waited at the all-reduce for the others (their previous work ended later: not the hand-off's own cost). Runs
+        on: every worker rank of the mesh (one all-reduce; a barrier more when a rank's rows are not known)."""
         known = self._rows is not None and self._rows.write()
         start = time.perf_counter()
         everyone = torch.tensor([int(known)])
@@ -191,15 +164,10 @@ class _Rows:
     worker rank (no collective)."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        shards: list[tuple[nn.Parameter, int]],
-        places: list[Tensor],
-        locals_: list[Tensor],
+        self, model: nn.Module, shards: list[tuple[nn.Parameter, int]], pairs: list[tuple[Tensor, Tensor]]
     ) -> None:
         self.model = model
         self.shards = shards
-        pairs = list(zip(places, locals_, strict=True))
         casts = [(place, local) for place, local in pairs if place.dtype != local.dtype]
         kernel = bool(casts) and enabled("native")  # the compiled cast, where the layer's kernels are on
         self.cast = CastPlan.make([place for place, _ in casts], [local for _, local in casts]) if kernel else None
@@ -213,8 +181,7 @@ class _Rows:
         """The copies for ``model``'s shards, or None where a parameter is not row-sharded (the first rank writes it
         whole: :func:`write_shards` does it every hand-off)."""
         shards: list[tuple[nn.Parameter, int]] = []
-        places: list[Tensor] = []
-        locals_: list[Tensor] = []
+        pairs: list[tuple[Tensor, Tensor]] = []
         positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
         for name, param in model.named_parameters():
             shard = row_shard(name, param, positions)
@@ -226,18 +193,15 @@ class _Rows:
             start = shard.rank * shard.chunk_rows
             place = views[name][start : start + shard.local.shape[0]]
             if place.data_ptr() != shard.local.data_ptr() or place.dtype != shard.local.dtype:
-                places.append(place)
-                locals_.append(shard.local)
-        return cls(model, shards, places, locals_)
+                pairs.append((place, shard.local))
+        return cls(model, shards, pairs)
 
     def write(self) -> bool:
         """Write this rank's rows (cast to the store's dtype) where they are still the shards listed; False, writing
         nothing, where they are not (the same parameter objects, a checkpoint loaded with ``assign=True`` replaces
         them, with the same storage; ~1 us a parameter)."""
         params = list(self.model.parameters())
-        if len(params) != len(self.shards):
-            return False
-        if not all(
+        if len(params) != len(self.shards) or not all(
             p is q and local_tensor(p).data_ptr() == ptr for p, (q, ptr) in zip(params, self.shards, strict=True)
         ):
             return False
@@ -253,14 +217,12 @@ def write_shards(
     model: nn.Module, targets: dict[str, torch.Tensor], *, writes_whole: bool, received: list[int] | None = None
 ) -> None:
     """Write this rank's part of every parameter of ``model`` into ``targets[name]`` (the full tensor's place, e.g.
-    in memory every rank of the host maps: :class:`SharedWeights`),
-    cast to the target's dtype on the way. Row-sharded parameters (FSDP2's ``Shard(0)``): each rank writes its own
-    rows, unless they already lie there (:func:`place_shards`). Any other parameter is made whole
-    (``full_tensor()``, a collective for a DTensor) and written by the rank with ``writes_whole=True`` only.
-
-    Runs on: every worker rank of the model's mesh, in the same order; the caller orders the writes against the
-    readers (a barrier before and after). ``received[0]`` grows by the bytes of each full tensor this rank did
-    not write itself (what its engine then reads of the other ranks' work).
+    the store of :class:`SharedWeights`), cast to the target's dtype on the way: each rank its own rows of a
+    row-sharded parameter (FSDP2's ``Shard(0)``), unless they already lie there (:func:`place_shards`); any other
+    parameter is made whole (``full_tensor()``, a collective for a DTensor) and written by the rank with
+    ``writes_whole=True`` only. ``received[0]`` grows by the bytes of each full tensor this rank did not write itself.
+    Raises ``ValueError`` for a target whose shape is not its parameter's. Runs on: every worker rank of the model's
+    mesh, in the same order; the caller orders the writes against the readers (a barrier before and after).
     """
     positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}
     with torch.no_grad():
@@ -292,22 +254,13 @@ def write_shards(
 def place_shards(model: nn.Module, targets: dict[str, torch.Tensor]) -> int:
     """Make the FSDP2 shards of ``model`` live in ``targets``: each row-sharded parameter's local shard becomes a view
     of its own rows in ``targets[name]``, where those rows already hold the shard's values (written by
-    :func:`write_shards`), the dtypes agree and FSDP2 keeps the shard unpadded. From then on the optimizer's step
-    writes the weights there itself, and :func:`write_shards` finds them in place. Returns the number of
-    parameters placed (0 where none can be: e.g. float32 master weights for a bfloat16 engine).
-
-    Runs on: every worker rank of the model's mesh (no collective). FSDP2 reads a shard through its parameter's
-    ``_local_tensor`` and its own flat view of it (``FSDPParam._sharded_param_data``); both are pointed at the new
-    place (``FSDPParam.reset_sharded_param``, what FSDP2 itself calls when a module's parameters are replaced), and
-    a parameter whose flat view FSDP2 did not move there is put back as it was.
-
-    Whoever reads ``targets`` (the colocated engines) then reads the live shards: every in-place write to a shard
-    (the optimizer's step, a checkpoint restored in place) must come after a collective that every reader's rank
-    joins once done reading (in the trainer: an update's first FSDP2 all-gather, dispatched after every rank has
-    returned its rollout).
+    :func:`write_shards`), the dtypes agree and FSDP2 keeps the shard unpadded; the optimizer's step then writes the
+    weights there itself. Returns the number of parameters placed (0 where none can be: e.g. float32 master weights
+    for a bfloat16 engine). FSDP2 reads a shard through its parameter's ``_local_tensor`` and its own flat view of it
+    (``FSDPParam._sharded_param_data``); both are pointed at the new place (``FSDPParam.reset_sharded_param``, what
+    FSDP2 itself calls when a module's parameters are replaced), and a parameter whose flat view FSDP2 did not move
+    there is put back as it was. Runs on: every worker rank of the model's mesh (no collective).
     """
-    from torch.distributed.fsdp import FSDPModule
-
     units: dict[int, Any] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -1,8 +1,7 @@
 """The CPU speed layer's switch: whether the layer (or one of its :data:`PIECES`) is on in this process.
 
-A leaf inside :mod:`lightning_rlhf.cpu` (it imports nothing of the package), so that a piece
-(:mod:`~lightning_rlhf.cpu.shared_weights`) can ask it while the package's ``__init__`` imports it, without an
-import cycle. The rest of the package reaches it as ``lightning_rlhf.cpu``.
+A leaf (it imports nothing of the package), so that a piece can ask it while the package's ``__init__`` imports that
+piece, without an import cycle; the rest of the package reaches it as ``lightning_rlhf.cpu``.
 """
 
 from __future__ import annotations
@@ -71,11 +70,7 @@ def enabled(piece: str | None = None) -> bool:
         on = device == "cpu"
     if not on or piece is None:
         return on
-    return piece not in _OFF_HERE and piece not in _pieces_off_by_env()
-
-
-def _pieces_off_by_env() -> frozenset[str]:
-    return _parse_off(os.environ.get(OFF_ENV, ""))
+    return piece not in _OFF_HERE and piece not in _parse_off(os.environ.get(OFF_ENV, ""))
 
 
 @functools.lru_cache(maxsize=16)
@@ -91,9 +86,9 @@ def _parse_off(value: str) -> frozenset[str]:
 
 @contextlib.contextmanager
 def pieces_off(*pieces: str) -> Iterator[None]:
-    """Turn ``pieces`` off in this process inside the ``with`` block (A/B benchmarks, tests). Runs on: any process.
-    A model already sped up keeps its switched forwards: build or :func:`~lightning_rlhf.cpu.restore_model` it
-    inside the block."""
+    """Turn ``pieces`` off in this process inside the ``with`` block (A/B benchmarks, tests); a model already sped up
+    keeps its switched forwards (build or :func:`~lightning_rlhf.cpu.restore_model` it inside). Runs on: any process.
+    """
     for piece in pieces:
         enabled(piece)  # checks the name
     before = set(_OFF_HERE)

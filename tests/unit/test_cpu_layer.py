@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_rlhf import cpu
-from lightning_rlhf.cpu import decode, native, onednn
+from lightning_rlhf.cpu import decode, native, onednn, switches
 from lightning_rlhf.cpu.decode import sample_loop
 from lightning_rlhf.engines.device_layer import PLAIN
 from lightning_rlhf.engines.rollout import SamplingParams, make_rollout_engine
@@ -27,13 +27,13 @@ SHAPE = dict(
 @pytest.fixture(autouse=True)
 def fresh_switch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts with no strategy setting and no environment variable, and leaves the process as it was."""
-    saved = dict(cpu._STATE)
+    saved = dict(switches._STATE)
     monkeypatch.delenv(cpu.ENV, raising=False)
     monkeypatch.delenv(cpu.OFF_ENV, raising=False)
-    cpu._STATE.update(setting=cpu._UNSET, device=None)
+    switches._STATE.update(setting=switches._UNSET, device=None)
     yield
-    cpu._STATE.clear()
-    cpu._STATE.update(saved)
+    switches._STATE.clear()
+    switches._STATE.update(saved)
 
 
 def _fails(name: str) -> Callable[..., None]:

@@ -1,29 +1,18 @@
-"""The CPU kernels of the decoding loop and of the training forward's token log-probs: one C file compiled on first
-use, called through ``ctypes``.
+"""The CPU kernels of the decoding loop, the weight hand-off's cast and the training forward's token log-probs: one C
+file (``kernels.c``) compiled on first use, called through ``ctypes`` (docs/architecture.md has the why-nots).
 
 Why: on CPU a small model's decoding step spends most of its time outside the matmuls, in dozens of eager PyTorch
 ops per layer, each a dispatch over tiny tensors; and the token log-probs of a training forward make about six
-passes over the ``[tokens, vocab]`` logits. The kernels (``kernels.c``) do the same arithmetic in one pass:
+passes over the ``[tokens, vocab]`` logits. The kernels do the same arithmetic in one pass: a layer's decoding step
+(:class:`DecodeStep`), the attention step alone (:func:`decode_attention`), RMS norms (:func:`rms_norm`) and SiLU-gated
+products (:func:`silu_mul`), softmax and sums in float32 and bfloat16 rounded where the eager ops round; the float32 ->
+bfloat16 cast of the hand-off (:class:`CastPlan`, rounded to nearest even as ``Tensor.copy_``); token log-probs,
+entropies and their gradient (:func:`token_logprobs`, :func:`token_logprobs_backward`; sums of 64 entries in double).
 
-- the decoding loop (``cpu/decode.py``): a layer's decoding step from its fused query/key/value
-  projection (:class:`DecodeStep`: rotary embedding, cache writes, attention), the attention step alone
-  (:func:`decode_attention`), the RMS norms (:func:`rms_norm`) and the SiLU-gated products (:func:`silu_mul`);
-  softmax and sums in float32 as the eager ops, bfloat16 rounded where the eager ops round;
-- the weight hand-off into a bfloat16 engine's store (``cpu/shared_weights.py``): float32 shards cast
-  to bfloat16 in one call (:class:`CastPlan`), rounded to nearest even as ``Tensor.copy_``;
-- the training forward (``algorithms/functional.py``, ``logprobs_and_entropy``): log-probs, entropies and their
-  gradient per position (:func:`token_logprobs`, :func:`token_logprobs_backward`), sums of 64 entries added up in
-  double.
-
-How: the source ships with the package; the first call in a process compiles it with the host's C compiler
-(``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``) into a cache directory (``$LIGHTNING_RLHF_CACHE``, else
-``~/.cache/lightning_rlhf``), named by a digest of the source, the flags, the compiler's version and the CPU's
-feature flags (a shared home directory over different CPUs gets one build per CPU kind), and written atomically
-(ranks that compile at once each write a whole file). No torch headers are involved: a build takes about a
-second. Where no compiler exists, or the build fails, the callers keep their eager ops and the log says so once;
-``LIGHTNING_RLHF_NATIVE=0`` turns the kernels off (so does the CPU layer's switch, :mod:`lightning_rlhf.cpu`, whose
-functions call these). The package imports nothing of the project but its cache folder's
-name, so every layer may use it.
+How: the first call in a process compiles the source with ``$CC`` (else ``cc``/``gcc``; ``-O3 -march=native``, about
+a second) into the project's cache folder (:func:`_build`). Where no compiler exists or the build fails, the callers
+keep their eager ops and the log says so once; ``LIGHTNING_RLHF_NATIVE=0`` (or the CPU layer's switch) turns the
+kernels off. The package imports nothing of the project but its cache folder's name.
 """
 
 from __future__ import annotations
@@ -46,6 +35,7 @@ from torch import Tensor
 __all__ = [
     "CastPlan",
     "DecodeStep",
+    "cpuinfo_line",
     "decode_attention",
     "native_attention_available",
     "rms_norm",
@@ -67,24 +57,25 @@ def _cache_dir() -> Path:
     return Path(embedded_cache_dir()) / "kernels"
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (what ``-march=native`` compiles for); empty where /proc/cpuinfo is not readable."""
+def cpuinfo_line(*keys: str) -> str:
+    """The first line of ``/proc/cpuinfo`` that starts with one of ``keys``; empty where none is or the file is not
+    readable. Runs on: any process."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
+            return next((line for line in f if line.startswith(keys)), "")
     except OSError:
-        pass
-    return ""
+        return ""
 
 
 def _build(compiler: list[str]) -> Path:
     """Compile the kernels (or find them built) and return the shared library's path: in the cache folder, or, where
-    that cannot be written, in a new private temporary folder. Raises on a failed build."""
+    that cannot be written, in a new private temporary folder. Named by a digest of the source, the flags, the
+    compiler's version and the CPU's feature flags (one build per CPU kind on a shared home), written atomically (ranks
+    that compile at once each write a whole file). Raises on a failed build."""
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=20, check=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    cpu_flags = cpuinfo_line("flags", "Features")  # what -march=native compiles for
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), cpu_flags.encode()):
         digest.update(part)
     name = f"kernels-{digest.hexdigest()[:20]}.so"
     target = _cache_dir() / name
@@ -140,23 +131,19 @@ def _library() -> ctypes.CDLL | None:
             "The CPU kernels (lightning_rlhf.cpu.native) did not build (%s): eager PyTorch ops instead.", detail
         )
         return None
-    pointer, size = ctypes.c_void_p, ctypes.c_long
-    library.decode_attention.restype = ctypes.c_int
-    library.decode_attention.argtypes = [pointer] * 7 + [size] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    library.rms_norm.restype = None
-    library.rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, ctypes.c_int]
-    library.silu_mul.restype = None
-    library.silu_mul.argtypes = [pointer] * 2 + [size] * 2 + [ctypes.c_int]
-    library.token_logprobs.restype = ctypes.c_long
-    library.token_logprobs.argtypes = [pointer] * 2 + [size] * 2 + [ctypes.c_float] + [ctypes.c_int]
-    library.token_logprobs.argtypes += [pointer] * 4 + [ctypes.c_int]
-    library.token_logprobs_backward.restype = ctypes.c_long
-    library.token_logprobs_backward.argtypes = [pointer] * 6 + [size] * 2 + [ctypes.c_float, ctypes.c_int, pointer]
-    library.token_logprobs_backward.argtypes += [ctypes.c_int]
-    library.cast_bf16.restype = None
-    library.cast_bf16.argtypes = [pointer] * 3 + [size]
-    library.decode_step.restype = ctypes.c_int
-    library.decode_step.argtypes = [ctypes.POINTER(_StepPlan)] + [pointer] * 3 + [size]
+    pointer, size, f32, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+    signatures: dict[str, tuple[Any, list[Any]]] = {  # name: (restype, argtypes)
+        "decode_attention": (i32, [pointer] * 7 + [size] * 8 + [f32, i32, i32]),
+        "rms_norm": (None, [pointer] * 3 + [size] * 2 + [f32, i32]),
+        "silu_mul": (None, [pointer] * 2 + [size] * 2 + [i32]),
+        "token_logprobs": (size, [pointer] * 2 + [size] * 2 + [f32, i32] + [pointer] * 4 + [i32]),
+        "token_logprobs_backward": (size, [pointer] * 6 + [size] * 2 + [f32, i32, pointer, i32]),
+        "cast_bf16": (None, [pointer] * 3 + [size]),
+        "decode_step": (i32, [ctypes.POINTER(_StepPlan)] + [pointer] * 3 + [size]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        getattr(library, name).restype = restype
+        getattr(library, name).argtypes = argtypes
     return library
 
 
@@ -180,11 +167,10 @@ def decode_attention(
 ) -> Tensor | None:
     """A decoding step's attention, ``[rows, kv_heads, group, d]`` like ``query``, or None where the kernel cannot
     take these tensors (not CPU, a dtype other than float32/bfloat16, mixed dtypes, a head size ``d`` that is not a
-    multiple of 8 up to 256, no kernel); raises ``ValueError`` for shapes that do not agree.
-
-    Runs on: worker (the decoding loop). ``prefix_keys``/``prefix_values`` ``[prompts, kv_heads, width, d]`` (the
-    prompt's, once for its ``n`` consecutive rows), ``prefix_bias`` float32 with ``prompts x width`` elements (0 or
-    -inf), ``keys``/``values`` ``[rows, kv_heads, capacity, d]`` of which the first ``span`` slots are read.
+    multiple of 8 up to 256, no kernel). ``prefix_keys``/``prefix_values`` ``[prompts, kv_heads, width, d]`` (once
+    for a prompt's ``n`` consecutive rows), ``prefix_bias`` float32 with ``prompts x width`` elements (0 or -inf),
+    ``keys``/``values`` ``[rows, kv_heads, capacity, d]`` of which the first ``span`` slots are read. Raises
+    ``ValueError`` for shapes that do not agree. Runs on: worker (the decoding loop).
     """
     code = _DTYPES.get(query.dtype)
     tensors = (query, prefix_keys, prefix_values, keys, values)
@@ -214,26 +200,9 @@ def decode_attention(
     query, bias = query.contiguous(), prefix_bias.contiguous()
     prefix_keys, prefix_values, keys, values = (t.contiguous() for t in tensors[1:])
     out = torch.empty_like(query)
-    failed = library.decode_attention(
-        query.data_ptr(),
-        prefix_keys.data_ptr(),
-        prefix_values.data_ptr(),
-        bias.data_ptr(),
-        keys.data_ptr(),
-        values.data_ptr(),
-        out.data_ptr(),
-        rows,
-        n,
-        kv_heads,
-        group,
-        d,
-        prefix_keys.shape[2],
-        keys.shape[2],
-        span,
-        scaling,
-        code,
-        torch.get_num_threads(),
-    )
+    pointers = (t.data_ptr() for t in (query, prefix_keys, prefix_values, bias, keys, values, out))
+    sizes = (rows, n, kv_heads, group, d, prefix_keys.shape[2], keys.shape[2], span)
+    failed = library.decode_attention(*pointers, *sizes, scaling, code, torch.get_num_threads())
     if failed == 1:
         raise MemoryError("decode_attention: the kernel could not allocate its scratch memory")
     return out if failed == 0 else None
@@ -241,12 +210,8 @@ def decode_attention(
 
 def _cpu_code(*tensors: Tensor) -> int | None:
     """The kernels' dtype code for contiguous CPU tensors of one dtype they take, else None."""
-    code = _DTYPES.get(tensors[0].dtype)
-    if code is None or any(
-        t.device.type != "cpu" or t.dtype != tensors[0].dtype or not t.is_contiguous() for t in tensors
-    ):
-        return None
-    return code
+    usable = all(t.device.type == "cpu" and t.dtype == tensors[0].dtype and t.is_contiguous() for t in tensors)
+    return _DTYPES.get(tensors[0].dtype) if usable else None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
@@ -279,13 +244,10 @@ def silu_mul(gate_up: Tensor) -> Tensor | None:
 class DecodeStep:
     """One layer's decoding steps from its fused query/key/value projection, as one compiled call a step: the rotary
     embedding of the queries and keys, the keys and values written into generated slot ``step`` of the caches, and
-    :func:`decode_attention` over the prompt's keys and slots ``0..step``. Build it with :meth:`make` once per
-    sampling call and layer: the shapes are checked and the caches' addresses set there, so a step costs one
-    ``ctypes`` call with five arguments (the eager ops took ~15 dispatches and ~85 us a layer-step on the benchmark's
-    small model).
-
-    Runs on: worker (the decoding loop). The result is a buffer of this object, overwritten by the next step: the
-    caller consumes it (the output projection) before the next call.
+    :func:`decode_attention` over the prompt's keys and slots ``0..step``. Built with :meth:`make` once per sampling
+    call and layer (shapes checked, addresses set), a step costs one ``ctypes`` call with five arguments (the eager
+    ops took ~15 dispatches and ~85 us a layer-step on the benchmark's small model). The result is a buffer of this
+    object, overwritten by the next step. Runs on: worker (the decoding loop).
     """
 
     def __init__(
@@ -388,10 +350,9 @@ def token_logprobs(
     ``logp`` and ``entropy`` ``[B, T]``, ``lse`` and ``mean`` ``[B, T, 1]``; the last two None without
     ``with_entropy``), or None where the kernel cannot take the tensors. One compiled pass per position, reading its
     ``V`` logits twice while they are in the core's cache (the eager block-wise ops make about six passes over
-    blocks of 4 MB); positions split over ``torch.get_num_threads()`` threads. Raises ``IndexError`` for a label
-    outside ``[0, V)``.
-
-    Runs on: worker or controller (:func:`~lightning_rlhf.algorithms.functional.logprobs_and_entropy`)."""
+    blocks of 4 MB), positions split over ``torch.get_num_threads()`` threads. Raises ``IndexError`` for a label
+    outside ``[0, V)``. Runs on: worker or controller (``logprobs_and_entropy``).
+    """
     found = _token_inputs(logits, labels)
     if found is None:
         return None
@@ -422,10 +383,9 @@ def token_logprobs_backward(
 ) -> Tensor | None:
     """The gradient with respect to ``logits`` of ``sum(grad_logp * logp + grad_entropy * entropy)`` (the outputs
     of :func:`token_logprobs`; ``grad_entropy`` and ``mean`` None without an entropy term), in the logits' dtype
-    (rounded once), or None where the kernel cannot take the tensors. One compiled pass per position, split over
-    ``torch.get_num_threads()`` threads. Raises ``IndexError`` for a label outside ``[0, V)``.
-
-    Runs on: worker or controller (the backward of ``logprobs_and_entropy``)."""
+    (rounded once), or None where the kernel cannot take the tensors; one compiled pass per position. Raises
+    ``IndexError`` for a label outside ``[0, V)``. Runs on: worker or controller (``logprobs_and_entropy``'s backward).
+    """
     found = _token_inputs(logits, labels)
     if found is None:
         return None
@@ -445,9 +405,7 @@ def token_logprobs_backward(
 class CastPlan:
     """Fixed pairs of contiguous CPU tensors, float32 sources into bfloat16 destinations of the same sizes, cast in
     one call (:meth:`__call__`: ``dst.copy_(src)`` for each pair, the same values; NaN stays NaN, its bits may differ).
-    Build it with :meth:`make`; it keeps the tensors alive and their addresses fixed.
-
-    Runs on: worker (a colocated engine's weight hand-off, each rank its own rows).
+    Build it with :meth:`make`; it keeps the tensors alive. Runs on: worker (a colocated engine's weight hand-off).
     """
 
     def __init__(self, function: Any, arrays: tuple[Any, Any, Any], count: int, keep: list[Tensor]) -> None:
@@ -476,11 +434,3 @@ class CastPlan:
     def __call__(self) -> None:
         """Cast every source into its destination."""
         self._function(*self._arrays, self._count)
-
-
-def _fits(tensors: list[Tensor], dtype: torch.dtype, sizes: list[int]) -> bool:
-    """Whether every tensor is a contiguous CPU tensor of ``dtype`` with the given number of values."""
-    return all(
-        t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == n
-        for t, n in zip(tensors, sizes, strict=True)
-    )
