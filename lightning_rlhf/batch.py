@@ -154,10 +154,7 @@ def _pad_to_common_shape(parts: list[Tensor]) -> list[Tensor]:
 
 def sampled_mask(batch: Batch) -> Tensor:
     """``[B, R]``: the response tokens the policy sampled. A multi-turn episode (:mod:`lightning_rlhf.agents`) sets
-    ``sampled_mask`` (its observations, tool results and environment turns, are context the model attends to but
-    did not sample); any other rollout: every response token (``response_mask``). Rewards land on, advantages,
-    values and probability checks run over, and the loss counts only these tokens.
-
-    Runs on: any process (pure function).
-    """
+    ``sampled_mask`` (its observations, tool results and environment turns, are context the model attends to but did not
+    sample); any other rollout: every response token (``response_mask``). Rewards land on, advantages, values and
+    probability checks run over, and the loss counts only these tokens. Runs on: any process (pure function)."""
     return batch["sampled_mask"] if "sampled_mask" in batch else batch["response_mask"]

@@ -36,11 +36,9 @@ def type_checking_imports(path: str) -> dict[str, str]:
 
 
 def lazy_exports(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package``'s ``__init__`` (``init_file``): a public name imported under
-    ``if TYPE_CHECKING:`` there loads from its module on first access and is cached in the package's namespace.
-
-    Runs on: any process (at import of a package).
-    """
+    """``(__getattr__, __dir__)`` for ``package``'s ``__init__`` (``init_file``): a public name imported under ``if
+    TYPE_CHECKING:`` there loads from its module on first access and is cached in the package's namespace. Runs on: any
+    process (at import of a package)."""
     exports = type_checking_imports(init_file)
 
     def __getattr__(name: str) -> Any:

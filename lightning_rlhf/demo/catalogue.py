@@ -33,11 +33,9 @@ copy cached by an older version is never reused: the new one is built beside it.
 
 
 def build_demo_model(builder: str, cache_dir: str) -> str:
-    """Build (or find cached) the embedded model that ``warmstart.<builder>`` makes; returns its folder. Imports
-    the warm start (torch, transformers) only now.
-
-    Runs on: any process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls, through the
-    ``functools.partial`` registered below).
+    """Build (or find cached) the embedded model that ``warmstart.<builder>`` makes; returns its folder. Imports the
+    warm start (torch, transformers) only now. Runs on: any process (what
+    :func:`lightning_rlhf.config.models.resolve_model_path` calls, through the ``functools.partial`` registered below).
     """
     from lightning_rlhf.demo import warmstart
 

@@ -1,10 +1,5 @@
 """Checkpoints that are complete or absent: written to a temporary sibling, synced, renamed into place; and the
-check that refuses a missing or incomplete checkpoint before any model loads.
-
-A distributed checkpoint is a folder (one shard file per rank, ``.metadata``, Lightning's ``meta.pt``); a
-single-file one is a torch zip archive. Every rank writes into ``<path>.tmp-<token>``; after a barrier rank 0
-fsyncs the files and renames the folder to ``<path>``. A run killed while saving leaves only the temporary
-sibling, which resume never accepts.
+check that refuses a missing or incomplete checkpoint before any model loads (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -47,10 +42,8 @@ def publish(tmp: Path, path: Path) -> None:
     """Sync ``tmp`` (a file, or a folder and every file in it) to disk, then rename it to ``path``.
 
     An existing ``path`` is replaced: a file atomically (``os.replace``); a folder is first moved aside to
-    ``<path>.old-<suffix>`` and deleted after the rename, so ``path`` is only ever absent or complete.
-
-    Runs on: rank 0, after every rank finished writing into ``tmp``.
-    """
+    ``<path>.old-<suffix>`` and deleted after the rename, so ``path`` is only ever absent or complete. Runs on: rank 0,
+    after every rank finished writing into ``tmp``."""
     if tmp.is_dir():
         for root, _, files in os.walk(tmp):
             for name in files:
@@ -72,8 +65,7 @@ def incomplete_reason(path: Path) -> str | None:
     """Why ``path`` is not a complete checkpoint (None if it is one). Runs on: any process.
 
     A folder needs Lightning's ``meta.pt`` and the distributed checkpoint's ``.metadata``, which are written
-    last; a file must be a whole zip archive (``torch.save``'s format, whose directory is at its end).
-    """
+    last; a file must be a whole zip archive (``torch.save``'s format, whose directory is at its end)."""
     if path.is_dir():
         missing = [name for name in ("meta.pt", ".metadata") if not (path / name).is_file()]
         if missing:
