@@ -3,8 +3,7 @@ RLHFModule and PromptDataModule (``fit``, ``validate``), plus ``export``, ``sft`
 
 The strategy defaults to ``RLHFStrategy``, metrics are logged every step, and ``ExportActor`` writes the actor to
 ``<run folder>/actor`` when ``fit`` ends. A key that no class takes fails before any model loads, with the
-closest valid name.
-"""
+closest valid name."""
 
 from __future__ import annotations
 
@@ -66,7 +65,6 @@ if get_registered_type(torch.dtype) is None:  # `param_dtype: bfloat16` in a rec
     register_type(torch.dtype, serializer=lambda d: str(d).removeprefix("torch."), deserializer=_parse_dtype)
 
 
-# ----------------------------------------------------------------------------------- unknown keys
 _UNKNOWN_KEY = re.compile(
     r"Option '(?P<a>[^']+)' is not accepted"
     r"|does not accept option '(?P<b>[^']+)'"
@@ -151,7 +149,6 @@ class RLHFArgumentParser(LightningArgumentParser):
         super().error(unknown_key_message(message, parsers) or concise or message, ex)
 
 
-# ------------------------------------------------------------------------------------------ the CLI
 class RLHFCLI(LightningCLI):
     """``LightningCLI`` for lightning_rlhf: any RLHFModule subclass as ``model`` (by ``class_path``), any
     PromptDataModule as ``data``, ``RLHFStrategy`` by default, ``ExportActor`` always added. Runs on: every process
@@ -318,9 +315,8 @@ _EXPORT_FLAGS = {
 
 
 def export_parser() -> ArgumentParser:
-    """The parser of ``lightning-rlhf export CKPT OUT [--dtype D] [--base MODEL] [--best] [--merge]`` (from
-    :func:`~checkpoint.export.export_checkpoint`'s signature and docstring; ``--best`` and ``--merge`` are flags).
-    Runs on: any process."""
+    """The parser of ``lightning-rlhf export CKPT OUT [--dtype D] [--base MODEL] [--best] [--merge]``, from
+    :func:`~checkpoint.export.export_checkpoint`'s signature and docstring. Runs on: any process."""
     parser = ArgumentParser(
         prog="lightning-rlhf export", description=_first_line(export_checkpoint.__doc__), allow_abbrev=False
     )

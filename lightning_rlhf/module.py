@@ -1,8 +1,7 @@
 """``RLHFModule``: a LightningModule with four roles whose ``training_step`` is the RL dataflow.
 
 Subclass it and write ``training_step`` as one sequential program over role calls (it runs on the controller,
-rank 0), or use a ready module (``GRPOModule``, ``PPOModule``). Run it with ``Trainer(strategy=RLHFStrategy())``.
-"""
+rank 0), or use a ready module (``GRPOModule``, ``PPOModule``). Run it with ``Trainer(strategy=RLHFStrategy())``."""
 
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ import torch
 import lightning_rlhf.dataflow.advantages as dataflow_advantages
 from lightning_rlhf.agents.env import environment_factory, resolve_environment, with_environment_reward
 from lightning_rlhf.agents.rollout import check_environment
-from lightning_rlhf.algorithms import (
-    estimator_inputs,
-)
+from lightning_rlhf.algorithms import estimator_inputs
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat.lightning import attached_trainer
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
@@ -56,10 +53,8 @@ _HANDOFF_METRICS = (
 
 
 class RLHFModule(L.LightningModule):
-    """Four roles (actor, critic, reference, reward) and the helpers an RL dataflow needs.
-
-    Runs on: every process. ``training_step`` runs on the controller only; role methods called from it run on
-    every rank.
+    """Four roles (actor, critic, reference, reward) and the helpers an RL dataflow needs. Runs on: every process.
+    ``training_step`` runs on the controller only; role methods called from it run on every rank.
 
     Args:
         actor: local folder or hub id of the policy (a transformers causal LM).
@@ -72,8 +67,6 @@ class RLHFModule(L.LightningModule):
         tokenizer: tokenizer path; defaults to the actor's.
         rollout: sampling settings.
         algorithm: RL math and batch splitting.
-        actor_optim: optimizer of the actor.
-        critic_optim: optimizer of the critic.
         reward_config: how reward functions are called (in reward worker processes, with a timeout, fallback
             score, batches) and the weights of named rewards.
         validation: how the validation loop generates (samples per prompt, greedy or a temperature) and its
@@ -328,10 +321,7 @@ class RLHFModule(L.LightningModule):
             kl_controller=self.kl_controller,
         )
         advantages, returns = self.estimate_advantages(rollout, token_rewards, mask=mask)
-        rollout["token_rewards"] = token_rewards
-        rollout["advantages"] = advantages
-        rollout["returns"] = returns
-        return rollout
+        return rollout.update(Batch({"token_rewards": token_rewards, "advantages": advantages, "returns": returns}))
 
     def estimate_advantages(
         self,

@@ -11,8 +11,7 @@ The peak a FLOP count is divided by is the device's dense peak for the compute d
 
 The model FLOPs of a training pass are ``6 * trainable parameters * tokens`` (a forward's multiply-adds are
 2 FLOPs per parameter and token, the backward's twice that; attention's ``seq^2`` term and recomputation are not
-counted, as usual for MFU).
-"""
+counted, as usual for MFU)."""
 
 from __future__ import annotations
 
@@ -127,10 +126,9 @@ def gpu_peak(name: str) -> GPUPeak | None:
 
 
 def tf32_enabled() -> bool:
-    """Whether float32 matmuls on CUDA run on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``, or a
-    float32 matmul precision other than ``"highest"``, or ``torch.backends.cuda.matmul.fp32_precision="tf32"``).
-    Runs on: any process. Torch raises on reading one of these after the other was set; that reading counts as
-    no."""
+    """Whether float32 matmuls on CUDA run on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``, a float32
+    matmul precision other than ``"highest"``, or ``fp32_precision="tf32"``); a setting torch refuses to read (after
+    the other API set one) counts as no. Runs on: any process."""
     checks = (
         lambda: torch.get_float32_matmul_precision() != "highest",
         lambda: getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee") == "tf32",

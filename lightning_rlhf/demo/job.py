@@ -3,18 +3,13 @@
 A tiny Qwen2-style model (built locally, warm-started with ``SFTModule`` on 80 of the 100 single-digit additions,
 and cached) learns single-digit addition ("3+4=" -> "7") by GRPO on those 80 prompts, on CPU, over 2 processes by
 default. The 20 other prompts are held out: neither the warm start nor RL trains on them, and ``val/score/mean``
-(greedy answers) is measured on them before the first RL step and after the last. The run folder gets the
-CSVLogger's ``metrics.csv``, the curves ``reward.png``, ``response_length.png``, ``entropy.png`` (and
-``kl.png`` with a KL term) and ``samples.jsonl`` (sample rollouts every 25 steps); the run summary is printed
-at the end (with the held-out score before and after RL), and the last printed line names the folder.
+(greedy answers) is measured on them before the first RL step and after the last. The run folder gets
+``metrics.csv``, the curves (``reward.png`` & co) and ``samples.jsonl``; the run summary is printed at the end, and
+the last printed line names the folder.
 
 ``--task tools`` runs the agentic task instead (:mod:`lightning_rlhf.demo.tool_task`): three-digit additions that
 the same tiny model (warm-started on tool-use transcripts) solves by calling a ``calculator`` tool, in multi-turn
-episodes. The end of the run prints the held-out success before and after RL, with and without the tool.
-
-``--rollout hf --decode generate --cpu-layer off`` runs the path a GPU user of the transformers engine gets
-(transformers' ``generate``, PyTorch's own ops) instead of the CPU's own decoding loop and speed layer.
-"""
+episodes. The end of the run prints the held-out success before and after RL, with and without the tool."""
 
 from __future__ import annotations
 
@@ -205,30 +200,16 @@ def plot_reward(
     """Plot ``metric`` (the mean reward) per step into ``out_png``; returns first/last-10% means. Runs on: rank 0."""
     import csv
 
-    import matplotlib
+    from lightning_rlhf.callbacks.history import first_last
+    from lightning_rlhf.callbacks.plots import plot_curve
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps, scores = [], []
     with open(metrics_csv) as f:
-        for row in csv.DictReader(f):
-            if row.get(metric):
-                steps.append(int(row["step"]))
-                scores.append(float(row[metric]))
-    k = max(1, len(scores) // 10)
-    summary = {"first": sum(scores[:k]) / k, "last": sum(scores[-k:]) / k, "steps": float(len(scores))}
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, scores, lw=1.5)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel(f"mean reward ({metric})")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{title} on addition: {summary['first']:.2f} -> {summary['last']:.2f}")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return summary
+        rows = [(int(row["step"]), float(row[metric])) for row in csv.DictReader(f) if row.get(metric)]
+    scores = [score for _, score in rows]
+    first, last = first_last(scores) if scores else (0.0, 0.0)
+    title = f"{title} on addition: {first:.2f} -> {last:.2f}"
+    plot_curve([step for step, _ in rows], scores, out_png, metric=f"mean reward ({metric})", title=title)
+    return {"first": first, "last": last, "steps": float(len(scores))}
 
 
 TOOL_TURN_TOKENS = 96

@@ -2,16 +2,10 @@
 
 Everything here is built in-process (no hub access): a small byte-level BPE tokenizer, trained on a fixed corpus
 written below through exactly Qwen2's pre-tokenizer pipeline, and small causal LM / sequence-classifier models
-whose vocabulary is that tokenizer's.
-
-The tokenizer reads any text (every byte has a token, so nothing maps to ``<unk>``), keeps each digit a token of
-its own (Qwen2's split regex cuts ``\\p{N}`` one character at a time, which the addition task relies on), and is
-a ``Qwen2Tokenizer``: transformers loads any ``model_type=qwen2`` folder's tokenizer through that class, which
-rebuilds Qwen2's normalizer and pre-tokenizer, so building it as one means the tokenizer saved with a model
-gives the same ids once ``AutoTokenizer.from_pretrained`` (or vLLM) reloads it. It carries a chat template
-(:data:`CHAT_TEMPLATE`), and the models have :data:`MAX_POSITIONS` positions, so a chat task runs on them as
-shipped.
-"""
+whose vocabulary is that tokenizer's. The tokenizer reads any text (every byte has a token, so nothing maps to
+``<unk>``), keeps each digit a token of its own (Qwen2's split regex, which the addition task relies on), and is a
+``Qwen2Tokenizer``: the class transformers (and vLLM) reload any ``model_type=qwen2`` folder's tokenizer with, so
+a saved tokenizer gives the same ids once reloaded."""
 
 from __future__ import annotations
 
@@ -128,11 +122,10 @@ def _trained_vocab_and_merges() -> tuple[str, str]:
 
 def build_tiny_tokenizer(save_dir: str | os.PathLike[str] | None = None) -> Qwen2Tokenizer:
     """Builds the byte-level BPE tokenizer of the tiny models (about 500 tokens), trained locally (see the module
-    docstring): the same in every process and on every machine. Encoding with ``add_special_tokens=True``
-    prepends ``<s>`` (no ``</s>`` is appended); padding is on the left; ``model_max_length`` is
-    :data:`MAX_POSITIONS`; the chat template is :data:`CHAT_TEMPLATE`.
-
-    Runs on: any process (plain function; the training takes a few milliseconds and is cached per process).
+    docstring): the same in every process and on every machine. Encoding with ``add_special_tokens=True`` prepends
+    ``<s>`` (no ``</s>`` is appended); padding is on the left; ``model_max_length`` is :data:`MAX_POSITIONS`; the chat
+    template is :data:`CHAT_TEMPLATE`. Runs on: any process (plain function; the training takes a few milliseconds and
+    is cached per process).
 
     Args:
         save_dir: If given, the tokenizer is written there with ``save_pretrained``; the folder reloads with
@@ -173,8 +166,7 @@ def _build(
     max_positions: int,
     **extra: Any,
 ) -> PreTrainedModel:
-    """``auto_class.from_config`` of the tiny config, initialised with ``seed`` (the global RNG state is left
-    untouched), its generation config's token ids taken from ``tokenizer``; float32, eval mode."""
+    """``auto_class.from_config`` of the tiny config (see :func:`build_tiny_model`), initialised with ``seed``."""
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
     if num_heads % num_kv_heads:
@@ -224,9 +216,7 @@ def build_tiny_model(
 
     Tied input/output embeddings, ``head_dim = hidden_size // num_heads`` (32 by default), no dropout, vocabulary
     ``len(tokenizer)`` rounded up to a multiple of 8, and pad/bos/eos ids taken from ``tokenizer`` (also in the
-    generation config). Float32, eval mode.
-
-    Runs on: any process (plain function).
+    generation config). Float32, eval mode. Runs on: any process (plain function).
 
     Args:
         tokenizer: The tokenizer the model is for (usually :func:`build_tiny_tokenizer`).

@@ -3,11 +3,7 @@ cache, and accuracy checks.
 
 A randomly initialised tiny model never produces a correct sum, so RL has no signal. A few dozen supervised
 steps on the training prompts (:func:`~lightning_rlhf.demo.task.addition_splits`; the held-out ones are never
-trained on) bring it to a partly-right policy that RL can then visibly improve.
-
-``python -m lightning_rlhf.demo.warmstart MODEL OUT [--steps N ...]`` runs one warm start (what
-:func:`warm_start` launches as a subprocess).
-"""
+trained on) bring it to a partly-right policy that RL can then visibly improve."""
 
 from __future__ import annotations
 
@@ -23,12 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_rlhf.demo.task import addition_dataset, addition_reward, addition_splits
 from lightning_rlhf.demo.tiny import save_tiny
@@ -62,17 +53,13 @@ def warm_start(
     """Fine-tunes the model in ``model_dir`` on the training split of the addition task with
     :class:`~lightning_rlhf.modules.SFTModule` and saves it (model and tokenizer) to ``out_dir``; returns ``out_dir``.
 
-    The run is a one-process Lightning ``fit`` (``RLHFStrategy``, ``SFTDataModule`` over
-    ``addition_splits(digits=digits)["train"]``: loss on the answer and EOS only, AdamW at ``lr``, ``steps`` steps
-    of ``batch_size`` examples, reshuffled every epoch with ``seed``) in a fresh Python process started with
-    ``subprocess``: it never shares a process group with the caller, so a script may call this and then start a
-    multi-process ``fit`` (Lightning relaunches the script for the other ranks, which find the model cached by
-    then). Deterministic for a given seed. A few seconds for the defaults, most of it the new interpreter's imports.
+    A one-process Lightning ``fit`` (``SFTDataModule`` over ``addition_splits(digits=digits)["train"]``: loss on the
+    answer and EOS only, AdamW at ``lr``, ``steps`` steps of ``batch_size`` examples, shuffled with ``seed``) in a
+    fresh Python process: it never shares a process group with the caller, so a script may call this and then start
+    a multi-process ``fit``. Deterministic for a given seed; a few seconds, most of it the new interpreter's imports.
     ``task="tools"`` trains on the tool task's transcripts instead
-    (:func:`~lightning_rlhf.demo.tool_task.tool_transcripts`, with and without the tool; loss on the assistant
-    turns), for a model saved with the tool template. The child is killed after ``timeout_s``.
-
-    Runs on: any process (launches and waits for a child process).
+    (:func:`~lightning_rlhf.demo.tool_task.tool_transcripts`), for a model saved with the tool template. The child
+    is killed after ``timeout_s``. Runs on: any process (launches and waits for a child process).
 
     Raises:
         RuntimeError: the child process failed (its output's end is in the message) or timed out.
@@ -231,7 +218,6 @@ def prepare_tool_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
     return _build_once(cache_dir, f"tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
-@torch.no_grad()
 def tiny_addition_model(cache_dir: str) -> str:
     """The embedded model ``lightning-rlhf/tiny-addition``: :func:`prepare_demo_model` with seed 0. Runs on: any
     process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
@@ -266,11 +252,7 @@ def _accuracy(model_dir: str, data: Any, repeats: int = 1, *, temperature: float
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         out = model.generate(  # type: ignore[operator]  # nn.Module.__getattr__ hides it from mypy
-            **enc,
-            max_new_tokens=4,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **kwargs,
+            **enc, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs
         )
     assert isinstance(out, torch.Tensor)
     responses = out[:, enc["input_ids"].shape[1] :].tolist()

@@ -1,6 +1,5 @@
 """Checkpoints that are complete or absent: written to a temporary sibling, synced, renamed into place; and the
-check that refuses a missing or incomplete checkpoint before any model loads (docs/faults.md).
-"""
+check that refuses a missing or incomplete checkpoint before any model loads (docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -68,9 +67,7 @@ def incomplete_reason(path: Path) -> str | None:
     last; a file must be a whole zip archive (``torch.save``'s format, whose directory is at its end)."""
     if path.is_dir():
         missing = [name for name in ("meta.pt", ".metadata") if not (path / name).is_file()]
-        if missing:
-            return f"the folder lacks {', '.join(missing)} (a save into it did not finish)"
-        return None
+        return f"the folder lacks {', '.join(missing)} (a save into it did not finish)" if missing else None
     if path.stat().st_size == 0:
         return "the file is empty"
     if not zipfile.is_zipfile(path):
@@ -79,19 +76,16 @@ def incomplete_reason(path: Path) -> str | None:
 
 
 def check_resume_path(ckpt_path: Any) -> None:
-    """Refuse a checkpoint to resume from that is missing or incomplete, before anything loads.
-
-    Runs on: every rank (or the launching process), before the process group and the models. ``None``,
-    Lightning's keywords (``"last"``, ``"best"``, ``"hpc"``, ``"registry:..."``) and URLs are left to Lightning.
+    """Refuse a checkpoint to resume from that is missing or incomplete, before anything loads. Runs on: every rank (or
+    the launching process), before the process group and the models. ``None``, Lightning's keywords (``"last"``,
+    ``"best"``, ``"hpc"``, ``"registry:..."``) and URLs are left to Lightning.
 
     Raises:
         FileNotFoundError: nothing at ``ckpt_path``.
         ValueError: something is there but it is not a complete checkpoint.
     """
-    if ckpt_path is None:
-        return
     text = str(ckpt_path)
-    if text in _LIGHTNING_KEYWORDS or text.startswith("registry:") or "://" in text:
+    if ckpt_path is None or text in _LIGHTNING_KEYWORDS or text.startswith("registry:") or "://" in text:
         return
     path = Path(text).expanduser()
     if not path.exists():
@@ -114,10 +108,9 @@ def check_resume_path(ckpt_path: Any) -> None:
 
 
 def check_resume_lora(ckpt_path: Any, module: Any) -> None:
-    """Refuse to resume a checkpoint of LoRA adapters into a run that trains every weight, or the reverse, before
-    any process or model starts (the keys of the distributed checkpoint's ``.metadata`` say which it holds).
-
-    Runs on: the launching process. Leaves Lightning's keywords, single files and modules without roles alone.
+    """Refuse to resume a checkpoint of LoRA adapters into a run that trains every weight, or the reverse, before any
+    process or model starts (the keys of the distributed checkpoint's ``.metadata`` say which it holds). Runs on: the
+    launching process. Leaves Lightning's keywords, single files and modules without roles alone.
 
     Raises:
         ValueError: the checkpoint and ``module`` disagree, naming the setting and the fix.

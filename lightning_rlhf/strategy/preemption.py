@@ -1,8 +1,7 @@
 """Preemption signals (SIGTERM, SIGUSR1): stop at the next step boundary, save, exit with ``128 + signum``.
 
 The handler only records the signal; the controller decides at the end of a step for every rank, so all stop
-after the same step (docs/faults.md).
-"""
+after the same step (docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -44,10 +43,9 @@ def parse_signals(signals: Sequence[int | str | signal.Signals]) -> tuple[signal
 
 
 def stop_after_preemption(trainer: Any, signum: int, path: str | bool | None, *, rank: int) -> int:
-    """Save the preemption checkpoint (``path``: ``RLHFStrategy(preemption_path=...)``; None: the default place; False:
-    no checkpoint) and say so on rank 0; the exit status, ``128 + signum``. Runs on: every rank (the save is a
-    collective), in ``RLHFStrategy.on_exception`` after the agreed stop. The default place is
-    ``<ModelCheckpoint.dirpath>/preempted.ckpt``, else ``<log_dir or default_root_dir>/checkpoints/preempted.ckpt``."""
+    """Save the preemption checkpoint (``path``: ``RLHFStrategy(preemption_path=...)``, its default place for None;
+    False: no checkpoint) and say so on rank 0; the exit status, ``128 + signum``. Runs on: every rank (the save is a
+    collective), in ``RLHFStrategy.on_exception`` after the agreed stop."""
     name, code = signal.Signals(signum).name, 128 + signum
     if path is False:
         if rank == 0:

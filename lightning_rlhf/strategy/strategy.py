@@ -3,8 +3,7 @@
 Rank 0 runs the module's ``training_step`` (and ``validation_step``) as the single controller and the other ranks
 serve its role calls, so one ``training_step`` is one RL iteration. How it sets up, loads, shards, places roles on
 rank pools, reads data and checkpoints: docs/architecture.md and docs/placement.md; faults and preemption:
-docs/faults.md.
-"""
+docs/faults.md."""
 
 from __future__ import annotations
 
@@ -66,16 +65,11 @@ __all__ = ["RLHFStrategy"]
 
 
 def shutdown_process_groups(grace_s: float = 0.2) -> None:
-    """Destroy every process group, then leave gloo's worker threads ``grace_s`` seconds, with the GIL free, to
-    drop the work objects they still hold, before the interpreter finalises.
-
-    Runs on: every rank, last thing before it exits (the strategy's exit hook; scripts that start their own group).
-    A gloo worker thread releases a finished collective's work object after it has woken the caller; the work's
-    tensors have Python objects, so that release takes the GIL. If the interpreter is already finalising, CPython
-    ends the thread with ``pthread_exit``, whose unwinding through the work's ``noexcept`` destructor aborts the
-    process ("terminate called without an active exception", exit -6) after a run that succeeded: a core dump of
-    such an exit shows exactly that stack (``ProcessGroupGloo::AsyncWork::~AsyncWork`` -> ``decref_pyobject`` ->
-    ``take_gil`` -> ``PyThread_exit_thread``): here, one of 18 consecutive runs of a two-rank test script."""
+    """Destroy every process group, then leave gloo's worker threads ``grace_s`` seconds, with the GIL free, to drop the
+    work objects they still hold, before the interpreter finalises. Runs on: every rank, last thing before it exits (the
+    strategy's exit hook; scripts that start their own group). A gloo worker thread that releases a finished
+    collective's work object while the interpreter finalises aborts the process (exit -6) after a run that succeeded;
+    the core dump and the runs that measured it are in docs/faults-log.md ("A successful run that exits -6")."""
     import gc
 
     import torch.distributed as dist
@@ -144,7 +138,6 @@ class RLHFStrategy(ModelParallelStrategy):
             on every rank first.
         worker_error_timeout_s: after a rank reports an error, how long another may stay blocked in a collective
             before it ends itself (no hang when a rank dies mid-collective).
-        timeout: process-group timeout for collectives.
         process_group_backend: the default group's backend, as Lightning's (None: NCCL on GPUs, gloo on CPU).
         save_distributed_checkpoint: sharded checkpoints (a folder, one file per rank); False: one file on rank 0.
         preemption_checkpoint: when a preemption signal reaches any rank, save a checkpoint after the current step
@@ -466,17 +459,17 @@ class RLHFStrategy(ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state for a checkpoint; with a placement, only what this rank holds, and with LoRA, no frozen
         base weights (``checkpoint.pooled``). Runs on: every rank."""
-        if not self._by_role:
-            return super().lightning_module_state_dict()
-        return pooled_model_state(self._rlhf_module())
+        return pooled_model_state(self._rlhf_module()) if self._by_role else super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """One optimizer's state for a checkpoint; with a placement, relative to its role's model (empty on a rank
         outside the role's pool). Runs on: every rank."""
-        if not self._by_role:
-            return super().optimizer_state(optimizer)
-        return pooled_optimizer_state(self._rlhf_module(), optimizer)
+        return (
+            pooled_optimizer_state(self._rlhf_module(), optimizer)
+            if self._by_role
+            else super().optimizer_state(optimizer)
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
