@@ -2,8 +2,7 @@
 
 The public names below load on first use (PEP 562): ``from lightning_rlhf import GRPOModule`` imports what it needs,
 while a reward or tool worker that imports a plain function from the package (``lightning_rlhf.demo.calculator``)
-does not pay for Lightning, torch and transformers (about 7 s of CPU per process on these machines).
-"""
+does not pay for Lightning, torch and transformers (about 7 s of CPU per process on these machines)."""
 
 from __future__ import annotations
 

@@ -4,12 +4,10 @@ A :class:`Batch` is a set of columns that all share the first (batch) dimension:
 log-probs, ...) and plain Python lists (prompt text, reference answers, data source, ...). It is what every
 role method takes and returns, and what the transfer protocols split and concatenate.
 
-Why not ``tensordict``: our non-tensor columns are ragged Python lists (prompt token ids of different
-lengths, strings), which ``TensorDict`` holds only through ``NonTensorStack`` wrappers; the controller needs
-nothing else from it (no nested keys, no lazy stacks). A hundred typed lines keep the wire format plain
-(pickled dicts of CPU tensors and lists), keep mypy useful, and remove one package whose releases are pinned to
-torch releases (vLLM pins torch too). Tensors of different sequence lengths are padded on concatenation.
-"""
+Why not ``tensordict``: our non-tensor columns are ragged Python lists (prompt token ids of different lengths,
+strings), which ``TensorDict`` holds only through ``NonTensorStack`` wrappers, and the controller needs nothing else
+from it. A hundred typed lines keep the wire format plain (pickled dicts of CPU tensors and lists), keep mypy useful,
+and remove one package whose releases are pinned to torch releases (vLLM pins torch too)."""
 
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ __all__ = ["Batch", "sampled_mask"]
 
 
 class Batch:
-    """Columns of one batch: tensors with a shared first dimension plus per-row Python values.
-
-    Runs on: controller and workers alike (plain data).
+    """Columns of one batch: tensors with a shared first dimension plus per-row Python values. Runs on: controller and
+    workers alike (plain data).
 
     Args:
         tensors: name -> tensor of shape ``[B, ...]``.
@@ -46,7 +43,6 @@ class Batch:
         if len(set(sizes.values())) > 1:
             raise ValueError(f"Batch columns disagree on the batch size: {sizes}")
 
-    # ----------------------------------------------------------------------------------------- access
     def __len__(self) -> int:
         for v in self.tensors.values():
             return int(v.shape[0])
@@ -84,7 +80,6 @@ class Batch:
         shapes = {k: tuple(v.shape) for k, v in self.tensors.items()}
         return f"Batch(len={len(self)}, tensors={shapes}, columns={sorted(self.columns)})"
 
-    # ------------------------------------------------------------------------------------ transforms
     def select(self, index: Tensor | Sequence[int] | slice) -> Batch:
         """Rows ``index`` of every column (a new batch; tensors are views or copies as torch decides)."""
         if isinstance(index, slice):
@@ -117,10 +112,7 @@ class Batch:
         if not batches:
             return Batch()
         first = batches[0]
-        tensors: dict[str, Tensor] = {}
-        for k in first.tensors:
-            parts = [b.tensors[k] for b in batches]
-            tensors[k] = torch.cat(_pad_to_common_shape(parts), dim=0)
+        tensors = {k: torch.cat(_pad_to_common_shape([b.tensors[k] for b in batches]), dim=0) for k in first.tensors}
         columns = {k: [x for b in batches for x in b.columns[k]] for k in first.columns}
         return Batch(tensors, columns, first.meta)
 
@@ -154,10 +146,7 @@ def _pad_to_common_shape(parts: list[Tensor]) -> list[Tensor]:
 
 def sampled_mask(batch: Batch) -> Tensor:
     """``[B, R]``: the response tokens the policy sampled. A multi-turn episode (:mod:`lightning_rlhf.agents`) sets
-    ``sampled_mask`` (its observations, tool results and environment turns, are context the model attends to but
-    did not sample); any other rollout: every response token (``response_mask``). Rewards land on, advantages,
-    values and probability checks run over, and the loss counts only these tokens.
-
-    Runs on: any process (pure function).
-    """
+    ``sampled_mask`` (its observations, tool results and environment turns, are context the model attends to but did not
+    sample); any other rollout: every response token (``response_mask``). Rewards land on, advantages, values and
+    probability checks run over, and the loss counts only these tokens. Runs on: any process (pure function)."""
     return batch["sampled_mask"] if "sampled_mask" in batch else batch["response_mask"]

@@ -1,18 +1,9 @@
-"""``lightning-rlhf``: the command line. LightningCLI over any RLHFModule and PromptDataModule, plus ``export``.
+"""``lightning-rlhf`` (or ``python -m lightning_rlhf.cli``): the command line, docs/cli.md. LightningCLI over any
+RLHFModule and PromptDataModule (``fit``, ``validate``), plus ``export``, ``sft`` and ``plan``.
 
-    lightning-rlhf fit --config recipes/grpo_gsm8k.yaml                       # a recipe
-    lightning-rlhf fit --config recipes/grpo_gsm8k.yaml --trainer.max_steps 10 --model.rollout.n 4
-    lightning-rlhf fit --config recipes/demo.yaml --print_config              # every key, with its value
-    lightning-rlhf export CKPT OUT [--dtype bfloat16] [--base MODEL] [--best] [--merge]  # actor -> folder
-    lightning-rlhf sft --config recipes/sft_demo.yaml [--ckpt_path CKPT]      # supervised warm start (SFTModule)
-    lightning-rlhf plan --config recipes/ppo.yaml --devices 64 --device-type h100  # where each role should run
-
-``python -m lightning_rlhf.cli`` is the same command. The strategy defaults to ``RLHFStrategy`` and metrics are
-logged every step; ``ExportActor`` writes the actor to ``<run folder>/actor`` when ``fit`` ends (settings under
-``export_actor:``). A reward function is an import path (``reward: mypackage.rewards.fn``), resolved against the
-installed packages and the current folder. A key that no class takes fails before any model loads, with the
-closest valid name.
-"""
+The strategy defaults to ``RLHFStrategy``, metrics are logged every step, and ``ExportActor`` writes the actor to
+``<run folder>/actor`` when ``fit`` ends. A key that no class takes fails before any model loads, with the
+closest valid name."""
 
 from __future__ import annotations
 
@@ -74,7 +65,6 @@ if get_registered_type(torch.dtype) is None:  # `param_dtype: bfloat16` in a rec
     register_type(torch.dtype, serializer=lambda d: str(d).removeprefix("torch."), deserializer=_parse_dtype)
 
 
-# ----------------------------------------------------------------------------------- unknown keys
 _UNKNOWN_KEY = re.compile(
     r"Option '(?P<a>[^']+)' is not accepted"
     r"|does not accept option '(?P<b>[^']+)'"
@@ -104,15 +94,10 @@ def setting_names(cls: type) -> list[str]:
 
 
 def unknown_key_message(message: str, parsers: list[ArgumentParser]) -> str | None:
-    """Rewrite jsonargparse's error about a key no class takes into one line that names the key, its owner and
-    the closest valid name (as :func:`lightning_rlhf.config.config_from_dict` does); None for other errors.
-
-    Runs on: any process, while the command line is parsed (before anything is instantiated).
-
-    Args:
-        message: jsonargparse's error message.
-        parsers: the parsers whose keys are valid at the top level (the main one and its subcommands').
-    """
+    """Rewrite jsonargparse's error about a key no class takes into one line that names the key, its owner and the
+    closest valid name (as :func:`lightning_rlhf.config.config_from_dict` does); None for other errors. Runs on: any
+    process, while the command line is parsed (before anything is instantiated). ``parsers``: those whose keys are valid
+    at the top level (the main one and its subcommands')."""
     found = _UNKNOWN_KEY.search(message)
     if found is None:
         return None
@@ -145,10 +130,8 @@ def unknown_key_message(message: str, parsers: list[ArgumentParser]) -> str | No
 
 
 class RLHFArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser whose unknown-key errors name the closest valid key.
-
-    Runs on: every process (each rank parses the same command line).
-    """
+    """LightningCLI's parser whose unknown-key errors name the closest valid key. Runs on: every process (each
+    rank parses the same command line)."""
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
@@ -166,32 +149,16 @@ class RLHFArgumentParser(LightningArgumentParser):
         super().error(unknown_key_message(message, parsers) or concise or message, ex)
 
 
-# ------------------------------------------------------------------------------------------ the CLI
 class RLHFCLI(LightningCLI):
     """``LightningCLI`` for lightning_rlhf: any RLHFModule subclass as ``model`` (by ``class_path``), any
-    PromptDataModule as ``data``, ``RLHFStrategy`` by default, ``ExportActor`` always added.
-
-    Runs on: every process (Lightning re-runs the command line for the other ranks).
-
-    Args:
-        args: the arguments (without the program name); None reads ``sys.argv``.
-        run: run the subcommand; False only instantiates (``cli.model``, ``cli.datamodule``, ``cli.trainer``).
-    """
+    PromptDataModule as ``data``, ``RLHFStrategy`` by default, ``ExportActor`` always added. Runs on: every process
+    (Lightning re-runs the command line for the other ranks). ``args``: the arguments (without the program name; None
+    reads ``sys.argv``); ``run=False`` only instantiates (``cli.model``, ``cli.datamodule``, ``cli.trainer``)."""
 
     def __init__(self, args: list[str] | None = None, *, run: bool = True) -> None:
         no_abbrev = {"allow_abbrev": False}  # `--trainer.max_step` must not silently mean max_steps
-        super().__init__(
-            RLHFModule,
-            PromptDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            trainer_defaults=TRAINER_DEFAULTS,
-            parser_class=RLHFArgumentParser,
-            parser_kwargs={**no_abbrev, **{name: dict(no_abbrev) for name in self.subcommands()}},
-            auto_configure_optimizers=False,  # the roles own their optimizers (OptimConfig)
-            args=args,
-            run=run,
-        )
+        parser_kwargs = {**no_abbrev, **{name: dict(no_abbrev) for name in self.subcommands()}}
+        super().__init__(RLHFModule, PromptDataModule, **_cli_kwargs(parser_kwargs), args=args, run=run)
 
     @staticmethod
     @override
@@ -268,39 +235,21 @@ class RLHFCLI(LightningCLI):
 class SFTCLI(RLHFCLI):
     """Supervised fine-tuning with SFTModule and SFTDataModule, e.g. a warm start before RL.
 
-    ``lightning-rlhf sft --config recipes/sft_demo.yaml [--ckpt_path CKPT] [--key value ...]``: the same recipe
-    format and defaults as ``fit`` (``RLHFStrategy``, ``ExportActor`` writing ``<run folder>/actor``), with any
-    SFTModule subclass as ``model`` and any SFTDataModule as ``data``; ``--ckpt_path`` resumes a run.
-
-    Runs on: every process (Lightning re-runs the command line for the other ranks).
-
-    Args:
-        args: the arguments after ``sft`` (no program name); None reads ``sys.argv[2:]``.
-        run: run ``fit``; False only instantiates (``cli.model``, ``cli.datamodule``, ``cli.trainer``).
-    """
+    ``lightning-rlhf sft --config recipes/sft_demo.yaml [--ckpt_path CKPT] [--key value ...]``: the same recipe format
+    and defaults as ``fit`` (``RLHFStrategy``, ``ExportActor`` writing ``<run folder>/actor``), with any SFTModule
+    subclass as ``model`` and any SFTDataModule as ``data``; ``--ckpt_path`` resumes a run. Runs on: every process
+    (Lightning re-runs the command line for the other ranks). ``args``: the arguments after ``sft`` (None reads
+    ``sys.argv[2:]``); ``run=False`` only instantiates."""
 
     def __init__(self, args: list[str] | None = None, *, run: bool = True) -> None:
-        no_abbrev = {"allow_abbrev": False}
+        argv, description = sys.argv[2:] if args is None else args, _first_line(SFTCLI.__doc__)
+        parser_kwargs = {"allow_abbrev": False, "prog": "lightning-rlhf sft", "description": description}
         with warnings.catch_warnings():  # the args are sys.argv minus `sft`, on purpose
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-            self._init_cli(no_abbrev, sys.argv[2:] if args is None else args)
+            # One command, no subcommand: `fit` is called below.
+            LightningCLI.__init__(self, SFTModule, SFTDataModule, **_cli_kwargs(parser_kwargs), args=argv, run=False)
         if run:
             self.trainer.fit(self.model, datamodule=self.datamodule, ckpt_path=self.config.get("ckpt_path"))
-
-    def _init_cli(self, no_abbrev: dict[str, Any], args: list[str]) -> None:
-        LightningCLI.__init__(
-            self,
-            SFTModule,
-            SFTDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            trainer_defaults=TRAINER_DEFAULTS,
-            parser_class=RLHFArgumentParser,
-            parser_kwargs={**no_abbrev, "prog": "lightning-rlhf sft", "description": _first_line(SFTCLI.__doc__)},
-            auto_configure_optimizers=False,
-            args=args,
-            run=False,  # one command, no subcommand: `fit` is called by __init__
-        )
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -340,6 +289,18 @@ def _import_problem(value: str) -> str | None:
     return None
 
 
+def _cli_kwargs(parser_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """LightningCLI's arguments that ``fit`` and ``sft`` share."""
+    return {
+        "subclass_mode_model": True,
+        "subclass_mode_data": True,
+        "trainer_defaults": TRAINER_DEFAULTS,
+        "parser_class": RLHFArgumentParser,
+        "parser_kwargs": parser_kwargs,
+        "auto_configure_optimizers": False,  # the roles own their optimizers (OptimConfig)
+    }
+
+
 def _first_line(doc: str | None) -> str:
     return (doc or "").strip().splitlines()[0] if doc else ""
 
@@ -354,9 +315,8 @@ _EXPORT_FLAGS = {
 
 
 def export_parser() -> ArgumentParser:
-    """The parser of ``lightning-rlhf export CKPT OUT [--dtype D] [--base MODEL] [--best] [--merge]`` (from
-    :func:`~checkpoint.export.export_checkpoint`'s signature and docstring; ``--best`` and ``--merge`` are flags).
-    Runs on: any process."""
+    """The parser of ``lightning-rlhf export CKPT OUT [--dtype D] [--base MODEL] [--best] [--merge]``, from
+    :func:`~checkpoint.export.export_checkpoint`'s signature and docstring. Runs on: any process."""
     parser = ArgumentParser(
         prog="lightning-rlhf export", description=_first_line(export_checkpoint.__doc__), allow_abbrev=False
     )
@@ -372,28 +332,18 @@ def export_flags(argv: list[str]) -> list[str]:
     out: list[str] = []
     words = iter(argv)
     for word in words:
-        name = word.removeprefix("--")
-        if word.startswith("--") and name in _EXPORT_FLAGS:
-            value = next(words, None)
-            if value is not None and value.lower() in ("true", "false"):
-                out.append(word if value.lower() == "true" else f"--no_{name}")
-                continue
-            out.append(word)
-            if value is not None:
-                out.append(value)
-            continue
         out.append(word)
+        if word.startswith("--") and word[2:] in _EXPORT_FLAGS and (value := next(words, None)) is not None:
+            if value.lower() in ("true", "false"):
+                out[-1] = word if value.lower() == "true" else f"--no_{word[2:]}"
+            else:
+                out.append(value)
     return out
 
 
 def main(args: list[str] | None = None) -> None:
-    """The ``lightning-rlhf`` console script.
-
-    Runs on: every process: ``fit`` with several devices starts the other ranks by re-running this command line.
-
-    Args:
-        args: the arguments (without the program name); None reads ``sys.argv``.
-    """
+    """The ``lightning-rlhf`` console script: ``args`` without the program name (None reads ``sys.argv``). Runs on:
+    every process: ``fit`` with several devices starts the other ranks by re-running this command line."""
     if os.getcwd() not in sys.path and "" not in sys.path:  # `reward: rewards.fn` next to the recipe, as `python -m`
         sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if args is None else args

@@ -1,14 +1,12 @@
 """Public names that load on first use (PEP 562), for the package's ``__init__`` files.
 
-Reward and tool workers import the plain function they run (``lightning_rlhf.demo.calculator``,
-``lightning_rlhf.rewards.math``), and importing a module imports every package above it first. With eager
-re-exports each worker would import Lightning, torch and transformers (about 7 s of CPU per process on these
-machines, several workers per rank). Standard library only.
+Reward and tool workers import the plain function they run (``lightning_rlhf.demo.calculator``), and importing a
+module imports every package above it first: eager re-exports would cost each worker Lightning, torch and
+transformers (about 7 s of CPU per process on these machines). Standard library only.
 
-A lazy ``__init__`` writes its re-exports as usual but under ``if TYPE_CHECKING:`` (so type checkers, linters and
-the API docs read them as imports), keeps its literal ``__all__``, and ends with
-``__getattr__, __dir__ = lazy_exports(__name__, __file__)``: those imports are the map from name to module.
-"""
+A lazy ``__init__`` writes its re-exports under ``if TYPE_CHECKING:`` (type checkers, linters and the API docs read
+them as imports), keeps its literal ``__all__``, and ends with ``__getattr__, __dir__ = lazy_exports(__name__,
+__file__)``: those imports are the map from name to module."""
 
 from __future__ import annotations
 
@@ -36,11 +34,9 @@ def type_checking_imports(path: str) -> dict[str, str]:
 
 
 def lazy_exports(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package``'s ``__init__`` (``init_file``): a public name imported under
-    ``if TYPE_CHECKING:`` there loads from its module on first access and is cached in the package's namespace.
-
-    Runs on: any process (at import of a package).
-    """
+    """``(__getattr__, __dir__)`` for ``package``'s ``__init__`` (``init_file``): a public name imported under ``if
+    TYPE_CHECKING:`` there loads from its module on first access and is cached in the package's namespace. Runs on: any
+    process (at import of a package)."""
     exports = type_checking_imports(init_file)
 
     def __getattr__(name: str) -> Any:

@@ -1,8 +1,7 @@
 """``RLHFModule``: a LightningModule with four roles whose ``training_step`` is the RL dataflow.
 
 Subclass it and write ``training_step`` as one sequential program over role calls (it runs on the controller,
-rank 0), or use a ready module (``GRPOModule``, ``PPOModule``). Run it with ``Trainer(strategy=RLHFStrategy())``.
-"""
+rank 0), or use a ready module (``GRPOModule``, ``PPOModule``). Run it with ``Trainer(strategy=RLHFStrategy())``."""
 
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ import torch
 import lightning_rlhf.dataflow.advantages as dataflow_advantages
 from lightning_rlhf.agents.env import environment_factory, resolve_environment, with_environment_reward
 from lightning_rlhf.agents.rollout import check_environment
-from lightning_rlhf.algorithms import (
-    estimator_inputs,
-)
+from lightning_rlhf.algorithms import estimator_inputs
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat.lightning import attached_trainer
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
@@ -56,10 +53,8 @@ _HANDOFF_METRICS = (
 
 
 class RLHFModule(L.LightningModule):
-    """Four roles (actor, critic, reference, reward) and the helpers an RL dataflow needs.
-
-    Runs on: every process. ``training_step`` runs on the controller only; role methods called from it run on
-    every rank.
+    """Four roles (actor, critic, reference, reward) and the helpers an RL dataflow needs. Runs on: every process.
+    ``training_step`` runs on the controller only; role methods called from it run on every rank.
 
     Args:
         actor: local folder or hub id of the policy (a transformers causal LM).
@@ -72,8 +67,6 @@ class RLHFModule(L.LightningModule):
         tokenizer: tokenizer path; defaults to the actor's.
         rollout: sampling settings.
         algorithm: RL math and batch splitting.
-        actor_optim: optimizer of the actor.
-        critic_optim: optimizer of the critic.
         reward_config: how reward functions are called (in reward worker processes, with a timeout, fallback
             score, batches) and the weights of named rewards.
         validation: how the validation loop generates (samples per prompt, greedy or a temperature) and its
@@ -209,9 +202,8 @@ class RLHFModule(L.LightningModule):
             self.algorithm.check_batch(prompts=batch_size, n=self.rollout_config.n, world_size=split)
 
     def holds_role(self, name: str) -> bool:
-        """Whether this rank holds role ``name`` (the strategy's placement; every role when it has none).
-
-        Runs on: any process, once attached to a trainer."""
+        """Whether this rank holds role ``name`` (the strategy's placement; every role when it has none). Runs on: any
+        process, once attached to a trainer."""
         holds = getattr(getattr(attached_trainer(self), "strategy", None), "holds", None)
         return True if holds is None else bool(holds(name))
 
@@ -240,11 +232,9 @@ class RLHFModule(L.LightningModule):
 
     def sync_rollout_weights(self, *, lag: int = 0, max_staleness: int = 0) -> dict[str, float]:
         """Hand the actor's weights to the rollout pool (when there is one and the staleness bound asks for it):
-        ``actor.send_weights`` and ``rollout.receive_weights`` in one exchange. Samples generated next are trained
-        on ``lag`` updates later and may then be ``max_staleness`` updates old at most.
-
-        Runs on: the controller. Returns the hand-off's timings and bytes (nothing without a rollout pool).
-        """
+        ``actor.send_weights`` and ``rollout.receive_weights`` in one exchange. Samples generated next are trained on
+        ``lag`` updates later and may then be ``max_staleness`` updates old at most. Runs on: the controller. Returns
+        the hand-off's timings and bytes (nothing without a rollout pool)."""
         rollout = self.rollout_role
         if rollout is None:
             return {}
@@ -254,11 +244,8 @@ class RLHFModule(L.LightningModule):
         return sent.result() | received.result()
 
     def generate_rollout(self, batch: Batch, **kwargs: Any) -> Batch:
-        """Sample ``batch`` with the current weights: on the actor's colocated engine, or on the rollout pool after
-        a weight hand-off. Takes :meth:`ActorRole.generate`'s arguments.
-
-        Runs on: the controller.
-        """
+        """Sample ``batch`` with the current weights: on the actor's colocated engine, or on the rollout pool after a
+        weight hand-off. Takes :meth:`ActorRole.generate`'s arguments. Runs on: the controller."""
         rollout = self.rollout_role
         if rollout is None:
             return self.actor.generate(batch, **kwargs)
@@ -273,22 +260,11 @@ class RLHFModule(L.LightningModule):
     @contextlib.contextmanager
     def rollouts(self, batch: Batch, metrics: dict[str, float]) -> Iterator[Batch | None]:
         """The rollout this step trains on, as the block's value; the generation's time goes to ``timing_s/gen``.
-
-        Runs on: the controller, around the training part of ``training_step``::
-
-            with self.rollouts(batch, metrics) as rollout:
-                if rollout is not None:  # None: the first asynchronous step has nothing to train on yet
-                    ...  # score, advantages, updates
-            self.log_step(rollout, metrics, started=t0)
-
-        Synchronous (the default): ``batch`` generated now, with the current weights. Asynchronous
-        (``AlgorithmConfig.asynchronous.max_staleness >= 1`` and a rollout pool): the weights go to the rollout pool,
-        which starts generating ``batch`` in the background; the block trains on the rollout generated during the
-        previous step (None at the first step); at the block's end the controller waits for ``batch``'s rollout (its
-        time in ``timing_s/wait_rollout``) and keeps it for the next step. Samples are thus trained on one update after
-        the weights that generated them (``training/staleness_max``), and the loss corrects for it
-        (``AlgorithmConfig.asynchronous.rollout_is``). The last step's rollout is generated and not trained on.
-        """
+        Runs on: the controller, around the training part of ``training_step`` (docs/custom-dataflow.md). Synchronous
+        (the default): ``batch`` generated now, with the current weights. Asynchronous
+        (``AlgorithmConfig.asynchronous.max_staleness >= 1`` and a rollout pool): the block trains on the rollout
+        generated during the previous step (None at the first step) while the rollout pool generates ``batch``, kept for
+        the next step (the wait for it in ``timing_s/wait_rollout``; docs/placement.md)."""
         if not self.asynchronous:
             with self.timer("gen", metrics):
                 rollout = self.generate_rollout(batch)
@@ -314,15 +290,13 @@ class RLHFModule(L.LightningModule):
     timer = staticmethod(timer)
 
     def keep_informative_groups(self, batch: Batch, rollout: Batch, metrics: dict[str, float]) -> Batch:
-        """DAPO's dynamic sampling: keep the prompts whose samples got different scores; while fewer than the
-        batch's prompts are kept, generate and score more prompts (drawn at random from the training set), for
-        at most ``AlgorithmConfig.filtering.max_sampling_rounds`` rounds in all. A batch still short after them is
-        filled with dropped groups (their advantage is zero) so every later split and mini-batch fits.
-
-        Runs on: controller. ``rollout`` is ``batch`` generated and scored; the result has as many rows.
-        Logs ``dynamic_sampling/rounds``, ``/dropped_groups`` (all rounds), ``/filled_groups`` and
-        ``/raw_score/mean`` (the mean score of the step's own prompts, before selection: the learning curve).
-        """
+        """DAPO's dynamic sampling: keep the prompts whose samples got different scores; while fewer than the batch's
+        prompts are kept, generate and score more prompts (drawn at random from the training set), for at most
+        ``AlgorithmConfig.filtering.max_sampling_rounds`` rounds in all. A batch still short after them is filled with
+        dropped groups (their advantage is zero) so every later split and mini-batch fits. Runs on: controller.
+        ``rollout`` is ``batch`` generated and scored; the result has as many rows. Logs ``dynamic_sampling/rounds``,
+        ``/dropped_groups`` (all rounds), ``/filled_groups`` and ``/raw_score/mean`` (the mean score of the step's own
+        prompts, before selection: the learning curve)."""
         return keep_informative_groups(
             batch,
             rollout,
@@ -334,12 +308,10 @@ class RLHFModule(L.LightningModule):
         )
 
     def compute_advantages(self, rollout: Batch, metrics: dict[str, float] | None = None) -> Batch:
-        """Token rewards (score at the last token, minus the KL penalty if it is in the reward), then the
-        configured advantage estimator. Adds ``token_rewards``, ``advantages`` and ``returns``. Optional inputs
-        the estimator may use: ``values`` (critic), ``baselines`` (per-sample baseline scores, ReMax).
-
-        Runs on: controller (pure tensor math on the whole batch).
-        """
+        """Token rewards (score at the last token, minus the KL penalty if it is in the reward), then the configured
+        advantage estimator. Adds ``token_rewards``, ``advantages`` and ``returns``. Optional inputs the estimator may
+        use: ``values`` (critic), ``baselines`` (per-sample baseline scores, ReMax). Runs on: controller (pure tensor
+        math on the whole batch)."""
         metrics = {} if metrics is None else metrics
         token_rewards, mask = dataflow_advantages.token_rewards(
             rollout,
@@ -349,10 +321,7 @@ class RLHFModule(L.LightningModule):
             kl_controller=self.kl_controller,
         )
         advantages, returns = self.estimate_advantages(rollout, token_rewards, mask=mask)
-        rollout["token_rewards"] = token_rewards
-        rollout["advantages"] = advantages
-        rollout["returns"] = returns
-        return rollout
+        return rollout.update(Batch({"token_rewards": token_rewards, "advantages": advantages, "returns": returns}))
 
     def estimate_advantages(
         self,
@@ -363,13 +332,10 @@ class RLHFModule(L.LightningModule):
         baselines: str = "baselines",
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(advantages, returns)`` ``[B, R]`` of ``token_rewards`` with the configured estimator, reading the
-        critic's values and the baselines from the named columns if present. ``mask``: the tokens the estimator
-        runs over (default: the sampled ones, :func:`~lightning_rlhf.batch.sampled_mask`); GAE passes over the
-        others (an episode's observations) as if they were not there.
-
-        Runs on: controller.
-        """
+        """``(advantages, returns)`` ``[B, R]`` of ``token_rewards`` with the configured estimator, reading the critic's
+        values and the baselines from the named columns if present. ``mask``: the tokens the estimator runs over
+        (default: the sampled ones, :func:`~lightning_rlhf.batch.sampled_mask`); GAE passes over the others (an
+        episode's observations) as if they were not there. Runs on: controller."""
         return dataflow_advantages.estimate(
             self.algorithm, rollout, token_rewards, values=values, baselines=baselines, mask=mask
         )
@@ -409,12 +375,11 @@ class RLHFModule(L.LightningModule):
 
     def log_step(self, rollout: Batch | None, metrics: dict[str, float], *, started: float) -> None:
         """Log a step: ``metrics`` plus ``timing_s/step`` (since ``started``, a ``time.perf_counter()``) and
-        :func:`~.dataflow.metrics.rollout_metrics` (with the step's timings: ``perf/mfu/*``, ``timing_per_token_ms/*``
-        and the memory figures); :data:`PROGRESS_BAR_METRICS` also go on the progress bar. Keeps the step's samples
-        in ``last_rollout`` (for :class:`~lightning_rlhf.callbacks.RolloutSamples`). ``rollout=None`` (an
-        asynchronous run's first step, which trains on nothing) logs the timings only. Runs on: controller."""
+        :func:`~.dataflow.metrics.rollout_metrics` (with the step's timings); :data:`PROGRESS_BAR_METRICS` also go on
+        the progress bar. Keeps the step's samples in ``last_rollout`` (for
+        :class:`~lightning_rlhf.callbacks.RolloutSamples`). Runs on: controller."""
         metrics["timing_s/step"] = time.perf_counter() - started
-        if rollout is not None:  # None: the first asynchronous step, which only generated
+        if rollout is not None:  # None: the first asynchronous step, which only generated: its timings alone
             metrics |= self.rollout_metrics(rollout, metrics["timing_s/step"], timings=metrics)
             self.check_rollout_probs_diff(metrics, step=int(rollout.meta.get("step", self.trainer.global_step)))
         self.log_dict({k: metrics.pop(k) for k in self.PROGRESS_BAR_METRICS if k in metrics}, prog_bar=True)

@@ -11,8 +11,7 @@ The peak a FLOP count is divided by is the device's dense peak for the compute d
 
 The model FLOPs of a training pass are ``6 * trainable parameters * tokens`` (a forward's multiply-adds are
 2 FLOPs per parameter and token, the backward's twice that; attention's ``seq^2`` term and recomputation are not
-counted, as usual for MFU).
-"""
+counted, as usual for MFU)."""
 
 from __future__ import annotations
 
@@ -66,10 +65,8 @@ CPU_PEAK_FILE = "cpu_matmul_peak.json"
 # ------------------------------------------------------------------------------------------------ GPU peaks
 @dataclass(frozen=True)
 class GPUPeak:
-    """Published dense peaks of one GPU model, in TFLOP/s (sparsity figures halved). None: not supported.
-
-    Runs on: any process.
-    """
+    """Published dense peaks of one GPU model, in TFLOP/s (sparsity figures halved). None: not supported. Runs on: any
+    process."""
 
     pattern: str
     """Regular expression matched (case-insensitively) against ``torch.cuda.get_device_name()``."""
@@ -129,10 +126,9 @@ def gpu_peak(name: str) -> GPUPeak | None:
 
 
 def tf32_enabled() -> bool:
-    """Whether float32 matmuls on CUDA run on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``, or a
-    float32 matmul precision other than ``"highest"``, or ``torch.backends.cuda.matmul.fp32_precision="tf32"``).
-    Runs on: any process. Torch raises on reading one of these after the other was set; that reading counts as
-    no."""
+    """Whether float32 matmuls on CUDA run on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``, a float32
+    matmul precision other than ``"highest"``, or ``fp32_precision="tf32"``); a setting torch refuses to read (after
+    the other API set one) counts as no. Runs on: any process."""
     checks = (
         lambda: torch.get_float32_matmul_precision() != "highest",
         lambda: getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee") == "tf32",
@@ -154,14 +150,10 @@ def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
     row = gpu_peak(name)
     if row is None:
         return None
-    if dtype == torch.bfloat16:
-        tflops = row.bf16
-    elif dtype == torch.float16:
-        tflops = row.fp16
-    elif dtype == torch.float32:
+    if dtype == torch.float32:
         tflops = row.tf32 if tf32_enabled() and row.tf32 is not None else row.fp32
     else:
-        tflops = None
+        tflops = {torch.bfloat16: row.bf16, torch.float16: row.fp16}.get(dtype)
     return tflops * 1e12 if tflops is not None else None
 
 
@@ -211,10 +203,8 @@ def _cgroup_cpu_limit(root: str) -> float | None:
 def available_cores(*, cgroup_root: str = "/sys/fs/cgroup") -> float:
     """The cores this process and the processes it starts share: the CPUs of its affinity mask
     (``os.sched_getaffinity``: what ``taskset`` or a container's cpuset allows), or fewer when its cgroup has a
-    CPU quota (``docker --cpus``, Kubernetes limits; may be fractional).
-
-    Runs on: any process (the planning process: ``plan --device-type cpu`` and ``placement="auto"``).
-    """
+    CPU quota (``docker --cpus``, Kubernetes limits; may be fractional). Runs on: any process (the planning
+    process: ``plan --device-type cpu`` and ``placement="auto"``)."""
     cores = float(_affinity_cores())
     quota = _cgroup_cpu_limit(cgroup_root)
     return min(cores, quota) if quota is not None and quota > 0 else cores
@@ -223,10 +213,7 @@ def available_cores(*, cgroup_root: str = "/sys/fs/cgroup") -> float:
 def threads_per_process(processes: int) -> int:
     """The torch threads each of ``processes`` CPU processes on this machine computes with, as Lightning sets them
     when it starts the ranks: ``$OMP_NUM_THREADS`` when set, else the affinity's cores divided among the processes
-    (at least 1).
-
-    Runs on: any process (the planning process, for the run it plans).
-    """
+    (at least 1). Runs on: any process (the planning process, for the run it plans)."""
     if processes < 1:
         raise ValueError(f"threads_per_process(processes={processes}): expected at least 1 process.")
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
@@ -252,10 +239,8 @@ def measure_matmul_flops(dtype: torch.dtype, *, budget_s: float = 1.0, max_size:
     """This process's best CPU matmul rate in FLOP/s (``2 n^3`` per ``n x n`` product), with the current
     ``torch.get_num_threads()``: the faster of ``torch.mm`` and, in float32, oneDNN's product (``_cpu_products``).
     For each, grows ``n`` from 256 by doubling until one product takes 50 ms (or ``max_size``), then repeats that
-    size while its share of ``budget_s`` lasts (at most 8 times) and keeps the fastest.
-
-    Runs on: any process (it uses every thread torch has for about ``budget_s`` seconds).
-    """
+    size while its share of ``budget_s`` lasts (at most 8 times) and keeps the fastest. Runs on: any process (it
+    uses every thread torch has for about ``budget_s`` seconds)."""
     products = _cpu_products(dtype)
     return max(_best_rate(mm, dtype, budget_s / len(products), max_size) for mm in products)
 
@@ -300,12 +285,9 @@ def _cpu_peak_key(dtype: torch.dtype, threads: int) -> str:
 def cpu_matmul_peak(dtype: torch.dtype, *, cache_dir: str | None = None) -> float:
     """This machine's matmul peak in FLOP/s for ``dtype`` with the current thread count: measured once
     (:func:`measure_matmul_flops`, about a second) and cached, in this process and on disk in
-    ``<cache_dir>/cpu_matmul_peak.json`` under the key "CPU model | threads=T | dtype | method", so later runs read it.
-
-    Runs on: any process (the controller, for ``perf/mfu/*``). ``cache_dir`` defaults to the embedded models'
-    cache folder (``$LIGHTNING_RLHF_CACHE`` or ``~/.cache/lightning_rlhf``). Delete the file to measure again
-    (e.g. after measuring on a loaded machine, which gives a low peak and a high MFU).
-    """
+    ``<cache_dir>/cpu_matmul_peak.json`` (default: the module docstring's folder) under the key "CPU model |
+    threads=T | dtype | method". Delete the file to measure again (e.g. after measuring on a loaded machine,
+    which gives a low peak and a high MFU). Runs on: any process (the controller, for ``perf/mfu/*``)."""
     from lightning_rlhf.config.models import embedded_cache_dir
 
     key = _cpu_peak_key(dtype, torch.get_num_threads())
@@ -354,11 +336,11 @@ _warned: set[str] = set()
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Dense peak FLOP/s of one ``device`` computing in ``dtype``: ``$LIGHTNING_RLHF_PEAK_TFLOPS`` when set; on
-    CUDA the :data:`GPU_PEAKS` row of its name; on the CPU the measured (cached) matmul peak. None, with a
-    warning once, for a GPU or dtype the table lacks and for other devices.
+    """Dense peak FLOP/s of one ``device`` computing in ``dtype``, as the module docstring says; None, with a
+    warning once, for a GPU or dtype the table lacks and for other devices. Runs on: controller (any process).
 
-    Runs on: controller (any process may call it).
+    Raises:
+        ValueError: ``$LIGHTNING_RLHF_PEAK_TFLOPS`` is set but not a positive number.
     """
     override = os.environ.get(PEAK_ENV)
     if override:
@@ -411,9 +393,7 @@ def training_flops(params: int, tokens: float, *, epochs: int = 1) -> float:
 
 def mfu(flops: float, seconds: float, peak_flops: float, devices: int = 1) -> float:
     """Model FLOPs utilisation: ``flops / seconds`` over the peak of ``devices`` devices of ``peak_flops`` each.
-
-    Runs on: any process.
-    """
+    Runs on: any process."""
     if seconds <= 0 or peak_flops <= 0 or devices < 1:
         raise ValueError(
             f"mfu(seconds={seconds}, peak_flops={peak_flops}, devices={devices}): all must be positive. "
@@ -467,10 +447,8 @@ def counted_bytes(stream: Iterator[tuple[str, Tensor]], count: list[int]) -> Ite
 def full_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Bytes of ``model``'s full parameters (a sharded parameter counts whole; a tied one once), in ``dtype`` (None:
     their own). Runs on: any process (no collective)."""
-    size = (
-        (lambda p: torch.empty((), dtype=dtype).element_size()) if dtype is not None else (lambda p: p.element_size())
-    )
-    return sum(p.numel() * size(p) for p in model.parameters())
+    fixed = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+    return sum(p.numel() * (fixed or p.element_size()) for p in model.parameters())
 
 
 def peak_rss_gb() -> float:
@@ -490,10 +468,7 @@ def peak_rss_gb() -> float:
 def memory_peaks() -> dict[str, float]:
     """This process's memory peaks since it started, GiB: ``cpu`` (:func:`peak_rss_gb`) and, where CUDA is in use,
     ``cuda`` (``torch.cuda.max_memory_allocated`` of the current device). A few microseconds: the controller's
-    exchanges carry every rank's (:func:`rank_memory_metrics`).
-
-    Runs on: every rank (with each reply to the controller).
-    """
+    exchanges carry every rank's. Runs on: every rank (with each reply to the controller)."""
     peaks = {"cpu": peak_rss_gb()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peaks["cuda"] = torch.cuda.max_memory_allocated() / GIB
@@ -503,10 +478,8 @@ def memory_peaks() -> dict[str, float]:
 def rank_memory_metrics(peaks: Mapping[int, Mapping[str, float]]) -> dict[str, float]:
     """The memory metrics from every rank's :func:`memory_peaks` (by rank): ``perf/cpu_memory_peak_gb`` (the largest
     peak RSS of any rank) and ``perf/cpu_memory_peak_gb/rank<r>`` (each rank's), and on CUDA
-    ``perf/max_memory_allocated_gb`` (the largest over ranks) and ``perf/max_memory_allocated_gb/rank<r>``.
-
-    Runs on: controller.
-    """
+    ``perf/max_memory_allocated_gb`` (the largest over ranks) and ``perf/max_memory_allocated_gb/rank<r>``. Runs
+    on: controller."""
     out: dict[str, float] = {}
     for kind, name in (("cpu", "perf/cpu_memory_peak_gb"), ("cuda", "perf/max_memory_allocated_gb")):
         by_rank = {rank: float(p[kind]) for rank, p in sorted(peaks.items()) if kind in p}
@@ -543,21 +516,11 @@ def step_perf_metrics(
     world_size: int,
     rank_peaks: Mapping[int, Mapping[str, float]] | None = None,
 ) -> dict[str, float]:
-    """One step's performance metrics from what the controller already holds (no collective):
-
-    - ``timing_per_token_ms/<stage>`` for each ``timing_s/<stage>`` of :data:`PER_TOKEN_STAGES` in ``timings``:
-      the stage's seconds * 1000 over the step's response tokens (``gen``) or prompt + response tokens (the rest),
-      all ranks' rows;
-    - ``perf/mfu/<role>`` for each role of ``params`` (trainable parameter counts, e.g. ``{"actor": N}``) whose
-      update was timed: ``6 * N * (prompt + response tokens) * epochs / seconds / (peak * world_size)``, the peak
-      of one device in ``dtype`` (:func:`device_peak_flops`; nothing when unknown);
-    - every rank's memory peaks since its process started (:func:`rank_memory_metrics` of ``rank_peaks``, the
-      controller's latest :func:`memory_peaks` of each rank; this process's alone when None):
-      ``perf/cpu_memory_peak_gb[/rank<r>]`` and on CUDA ``perf/max_memory_allocated_gb[/rank<r>]``;
-    - ``perf/cpu_memory_used_gb`` (this process's RSS now, at the end of the step, GiB).
-
-    Runs on: controller.
-    """
+    """One step's performance metrics from what the controller already holds (no collective), as docs/metrics.md defines
+    them: ``timing_per_token_ms/<stage>`` (:data:`PER_TOKEN_STAGES`), ``perf/mfu/<role>`` for each role of ``params``
+    (trainable parameter counts, e.g. ``{"actor": N}``) whose update was timed, every rank's memory peaks
+    (:func:`rank_memory_metrics` of ``rank_peaks``, the controller's latest :func:`memory_peaks` of each rank) and
+    ``perf/cpu_memory_used_gb``. Runs on: controller."""
     tokens = {"response": response_tokens, "all": prompt_tokens + response_tokens}
     out: dict[str, float] = {}
     for stage, counted in PER_TOKEN_STAGES.items():

@@ -1,8 +1,7 @@
 """Embedded demo job: a tiny local causal LM that learns single-digit addition by RL on CPU.
 
 The names below load on first use (PEP 562): importing a light part of the demo (the task's reward, the
-``calculator`` tool) in a reward or tool worker does not import torch and transformers with the warm start.
-"""
+``calculator`` tool) in a reward or tool worker does not import torch and transformers with the warm start."""
 
 from __future__ import annotations
 

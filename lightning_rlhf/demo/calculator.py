@@ -2,8 +2,7 @@
 the tool benchmark (``benchmarks/vs_trl/run_trl_tools.py``, in a virtualenv without lightning_rlhf) loads this file
 by its path and gives TRL the same tool.
 
-Runs on: wherever the tool is called (a tool worker process, or TRL's trainer).
-"""
+Runs on: wherever the tool is called (a tool worker process, or TRL's trainer)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The embedded models the demo builds, registered by name when this module is imported: the first lookup of an
 embedded name imports it (:data:`lightning_rlhf.config.models.EMBEDDED_PROVIDERS`). Standard library only, since
 reward and tool workers that name an embedded model must not pay for torch, transformers or Lightning (about 7 s
-of CPU per process on these machines).
-"""
+of CPU per process on these machines)."""
 
 from __future__ import annotations
 
@@ -33,12 +32,8 @@ copy cached by an older version is never reused: the new one is built beside it.
 
 
 def build_demo_model(builder: str, cache_dir: str) -> str:
-    """Build (or find cached) the embedded model that ``warmstart.<builder>`` makes; returns its folder. Imports
-    the warm start (torch, transformers) only now.
-
-    Runs on: any process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls, through the
-    ``functools.partial`` registered below).
-    """
+    """Build (or find cached) the embedded model that ``warmstart.<builder>`` makes; returns its folder. Imports the
+    warm start (torch, transformers) only now. Runs on: any process (what ``resolve_model_path`` calls)."""
     from lightning_rlhf.demo import warmstart
 
     build = getattr(warmstart, builder)

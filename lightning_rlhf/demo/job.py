@@ -3,18 +3,13 @@
 A tiny Qwen2-style model (built locally, warm-started with ``SFTModule`` on 80 of the 100 single-digit additions,
 and cached) learns single-digit addition ("3+4=" -> "7") by GRPO on those 80 prompts, on CPU, over 2 processes by
 default. The 20 other prompts are held out: neither the warm start nor RL trains on them, and ``val/score/mean``
-(greedy answers) is measured on them before the first RL step and after the last. The run folder gets the
-CSVLogger's ``metrics.csv``, the curves ``reward.png``, ``response_length.png``, ``entropy.png`` (and
-``kl.png`` with a KL term) and ``samples.jsonl`` (sample rollouts every 25 steps); the run summary is printed
-at the end (with the held-out score before and after RL), and the last printed line names the folder.
+(greedy answers) is measured on them before the first RL step and after the last. The run folder gets
+``metrics.csv``, the curves (``reward.png`` & co) and ``samples.jsonl``; the run summary is printed at the end, and
+the last printed line names the folder.
 
 ``--task tools`` runs the agentic task instead (:mod:`lightning_rlhf.demo.tool_task`): three-digit additions that
 the same tiny model (warm-started on tool-use transcripts) solves by calling a ``calculator`` tool, in multi-turn
-episodes. The end of the run prints the held-out success before and after RL, with and without the tool.
-
-``--rollout hf --decode generate --cpu-layer off`` runs the path a GPU user of the transformers engine gets
-(transformers' ``generate``, PyTorch's own ops) instead of the CPU's own decoding loop and speed layer.
-"""
+episodes. The end of the run prints the held-out success before and after RL, with and without the tool."""
 
 from __future__ import annotations
 
@@ -61,12 +56,10 @@ _CPU_LAYER: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
 def claim_run_version(out: str, name: str) -> int:
-    """The run folder's version number, claimed with an atomic ``mkdir`` so two demos started at once in the same
-    folder never share ``version_N`` (CSVLogger's own choice lists the folder, which races). The number travels
-    to the ranks Lightning launches through the environment.
-
-    Runs on: every process (rank 0 claims; the ranks it launches inherit the number).
-    """
+    """The run folder's version number, claimed with an atomic ``mkdir`` so two demos started at once in the same folder
+    never share ``version_N`` (CSVLogger's own choice lists the folder, which races). The number travels to the ranks
+    Lightning launches through the environment. Runs on: every process (rank 0 claims; the ranks it launches inherit the
+    number)."""
     inherited = os.environ.get(_VERSION_ENV)
     if inherited is not None:
         return int(inherited)
@@ -85,27 +78,20 @@ def claim_run_version(out: str, name: str) -> int:
 
 def demo_placement(choice: str, roles: list[str], devices: int) -> Any:
     """``RLHFStrategy(placement=...)`` for the demo's ``--placement``: ``colocate`` (None: every role on every rank),
-    ``split`` (the actor and the reward on the first half of the ranks, the other roles on the second half; calls of
-    one stage then run at the same time), ``rollout`` (generation on the last half of the ranks, a pool of its own fed
-    the actor's weights over collectives; every other role on the first half), ``auto`` (the planner chooses), or a
-    JSON mapping role -> ranks.
-
-    Runs on: every process.
-    """
+    ``split`` (the actor and the reward on the first half of the ranks, the other roles on the second half; calls of one
+    stage then run at the same time), ``rollout`` (generation on the last half of the ranks, a pool of its own fed the
+    actor's weights over collectives; every other role on the first half), ``auto`` (the planner chooses), or a JSON
+    mapping role -> ranks. Runs on: every process."""
     if choice == "colocate":
         return None
-    if choice == "rollout":
-        if devices < 2:
-            raise SystemExit(f"--placement rollout needs --devices >= 2 (got {devices}).")
-        half = devices // 2
-        return {role: list(range(half)) for role in roles} | {"rollout": list(range(half, devices))}
     if choice == "auto":
         return "auto"
-    if choice == "split":
+    if choice in ("rollout", "split"):
         if devices < 2:
-            raise SystemExit(f"--placement split needs --devices >= 2 (got {devices}).")
-        half = devices // 2
-        first, second = list(range(half)), list(range(half, devices))
+            raise SystemExit(f"--placement {choice} needs --devices >= 2 (got {devices}).")
+        first, second = list(range(devices // 2)), list(range(devices // 2, devices))
+        if choice == "rollout":
+            return {role: first for role in roles} | {"rollout": second}
         return {role: first if role in ("actor", "reward") else second for role in roles}
     try:
         return json.loads(choice)
@@ -211,35 +197,19 @@ def _choices(args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any],
 def plot_reward(
     metrics_csv: str, out_png: str, title: str = "GRPO", metric: str = "critic/score/mean"
 ) -> dict[str, float]:
-    """Plot ``metric`` (the mean reward) per step into ``out_png``; returns first/last-10% means.
-
-    Runs on: rank 0."""
+    """Plot ``metric`` (the mean reward) per step into ``out_png``; returns first/last-10% means. Runs on: rank 0."""
     import csv
 
-    import matplotlib
+    from lightning_rlhf.callbacks.history import first_last
+    from lightning_rlhf.callbacks.plots import plot_curve
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps, scores = [], []
     with open(metrics_csv) as f:
-        for row in csv.DictReader(f):
-            if row.get(metric):
-                steps.append(int(row["step"]))
-                scores.append(float(row[metric]))
-    k = max(1, len(scores) // 10)
-    summary = {"first": sum(scores[:k]) / k, "last": sum(scores[-k:]) / k, "steps": float(len(scores))}
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, scores, lw=1.5)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel(f"mean reward ({metric})")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{title} on addition: {summary['first']:.2f} -> {summary['last']:.2f}")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return summary
+        rows = [(int(row["step"]), float(row[metric])) for row in csv.DictReader(f) if row.get(metric)]
+    scores = [score for _, score in rows]
+    first, last = first_last(scores) if scores else (0.0, 0.0)
+    title = f"{title} on addition: {first:.2f} -> {last:.2f}"
+    plot_curve([step for step, _ in rows], scores, out_png, metric=f"mean reward ({metric})", title=title)
+    return {"first": first, "last": last, "steps": float(len(scores))}
 
 
 TOOL_TURN_TOKENS = 96
@@ -266,63 +236,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     """The demo's command line (``python -m lightning_rlhf.demo --help``). Runs on: every process."""
     parser = argparse.ArgumentParser(prog="python -m lightning_rlhf.demo", description=__doc__)
-    parser.add_argument("--algo", choices=ALGORITHMS_NAMES, default="grpo", help="ready module to train with")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--algo", choices=ALGORITHMS_NAMES, default="grpo", help="ready module to train with")
+    add(
         "--task",
         choices=list(TASK_DEFAULTS),
         default="addition",
         help="addition: single-digit sums in one turn; tools: three-digit sums in multi-turn episodes with a "
         "calculator tool (lightning_rlhf.demo.tool_task)",
     )
-    parser.add_argument(
+    add(
         "--accelerator",
         choices=["cpu", "gpu"],
         default="cpu",
         help="where the roles train: cpu (worker processes), gpu (one process per GPU; the transformers engine "
         "where vLLM's GPU build is not installed)",
     )
-    parser.add_argument("--devices", type=int, default=2, help="worker processes (CPU) or GPUs")
-    parser.add_argument(
+    add("--devices", type=int, default=2, help="worker processes (CPU) or GPUs")
+    add(
         "--rollout",
         choices=["auto", "vllm", "hf"],
         default="auto",
         help="rollout engine. auto: vLLM if installed (colocated in the training processes when generation runs on "
         "every rank; one engine server per rank for a pool of part of the ranks), else transformers generation",
     )
-    parser.add_argument(
+    add(
         "--decode",
         choices=["auto", "loop", "generate"],
         default="auto",
         help="RolloutConfig.decode, how the transformers engine samples. auto: its own decoding loop on CPU, "
         "transformers' generate on a GPU; loop or generate forces one (what a GPU user of --rollout hf runs: generate)",
     )
-    parser.add_argument(
+    add(
         "--cpu-layer",
         choices=list(_CPU_LAYER),
         default="auto",
         help="RLHFStrategy(cpu_kernels=...), the CPU speed layer (compiled kernels, oneDNN linears). auto: "
         "$LIGHTNING_RLHF_CPU_KERNELS, else on with a CPU; off: PyTorch's own ops, as on a GPU",
     )
-    parser.add_argument("--steps", type=int, default=None, help="RL steps (addition 250, tools 60)")
-    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (addition 32, tools 16)")
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--lr", type=float, default=None, help="actor learning rate (addition 5e-4, tools 3e-4)")
-    parser.add_argument("--warmup", type=int, default=None, help="learning-rate warm-up steps (addition 20, tools 5)")
-    parser.add_argument("--micro-batch-size", type=int, default=128)
-    parser.add_argument(
-        "--micro-batch-tokens", type=int, default=None, help="token budget per micro-batch (packs rows, no padding)"
-    )
-    parser.add_argument(
-        "--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (fp32 master weights either way)"
-    )
-    parser.add_argument("--attn-implementation", default=None, help="transformers attention kernel, e.g. eager")
-    parser.add_argument(
+    add("--steps", type=int, default=None, help="RL steps (addition 250, tools 60)")
+    add("--prompts", type=int, default=None, help="prompts per step (addition 32, tools 16)")
+    add("--n", type=int, default=8, help="samples per prompt")
+    add("--lr", type=float, default=None, help="actor learning rate (addition 5e-4, tools 3e-4)")
+    add("--warmup", type=int, default=None, help="learning-rate warm-up steps (addition 20, tools 5)")
+    add("--micro-batch-size", type=int, default=128)
+    add("--micro-batch-tokens", type=int, default=None, help="token budget per micro-batch (packs rows, no padding)")
+    add("--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (fp32 master weights either way)")
+    add("--attn-implementation", default=None, help="transformers attention kernel, e.g. eager")
+    add(
         "--lora-rank",
         type=int,
         default=None,
         help="train LoRA adapters of this rank (alpha = 2 x rank, every linear layer) instead of every weight",
     )
-    parser.add_argument(
+    add(
         "--placement",
         default="colocate",
         help="where roles run: colocate (all on every rank), split (actor+reward on the first half of the ranks, "
@@ -330,19 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
         "generation), rollout (generation alone on the second half), auto (the planner "
         "chooses), or JSON role -> ranks",
     )
-    parser.add_argument(
+    add(
         "--max-staleness",
         type=int,
         default=0,
         help="AlgorithmConfig.asynchronous.max_staleness: 1 generates the next batch on the rollout pool while the "
         "actor trains (asynchronous; needs --placement rollout)",
     )
-    parser.add_argument(
-        "--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs", help="parent folder of the run folder")
-    parser.add_argument(
+    add("--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)")
+    add("--seed", type=int, default=0)
+    add("--out", default="runs", help="parent folder of the run folder")
+    add(
         "--cache",
         default=embedded_cache_dir(),
         help="where the warm-started model is cached ($LIGHTNING_RLHF_CACHE, else ~/.cache/lightning_rlhf)",
@@ -385,11 +350,9 @@ def _exported(trainer: Any) -> str:
 
 
 def print_tool_table(before: str, after: str, log_dir: str) -> dict[str, dict[str, float]]:
-    """The tool task's held-out success (greedy episodes) of the warm-started model (``before``) and the RL-trained
-    one (``after``), each with and without the tool; printed, and written to ``log_dir/tool_success.json``.
-
-    Runs on: rank 0, after ``fit``.
-    """
+    """The tool task's held-out success (greedy episodes) of the warm-started model (``before``) and the RL-trained one
+    (``after``), each with and without the tool; printed, and written to ``log_dir/tool_success.json``. Runs on: rank 0,
+    after ``fit``."""
     from lightning_rlhf.demo.tool_task import tool_splits
     from lightning_rlhf.demo.warmstart import tool_success
 

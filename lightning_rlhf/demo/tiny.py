@@ -2,23 +2,17 @@
 
 Everything here is built in-process (no hub access): a small byte-level BPE tokenizer, trained on a fixed corpus
 written below through exactly Qwen2's pre-tokenizer pipeline, and small causal LM / sequence-classifier models
-whose vocabulary is that tokenizer's.
-
-The tokenizer reads any text (every byte has a token, so nothing maps to ``<unk>``), keeps each digit a token of
-its own (Qwen2's split regex cuts ``\\p{N}`` one character at a time, which the addition task relies on), and is
-a ``Qwen2Tokenizer``: transformers loads any ``model_type=qwen2`` folder's tokenizer through that class, which
-rebuilds Qwen2's normalizer and pre-tokenizer, so building it as one means the tokenizer saved with a model
-gives the same ids once ``AutoTokenizer.from_pretrained`` (or vLLM) reloads it. It carries a chat template
-(:data:`CHAT_TEMPLATE`), and the models have :data:`MAX_POSITIONS` positions, so a chat task runs on them as
-shipped.
-"""
+whose vocabulary is that tokenizer's. The tokenizer reads any text (every byte has a token, so nothing maps to
+``<unk>``), keeps each digit a token of its own (Qwen2's split regex, which the addition task relies on), and is a
+``Qwen2Tokenizer``: the class transformers (and vLLM) reload any ``model_type=qwen2`` folder's tokenizer with, so
+a saved tokenizer gives the same ids once reloaded."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -26,7 +20,6 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
-    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -128,27 +121,15 @@ def _trained_vocab_and_merges() -> tuple[str, str]:
 
 
 def build_tiny_tokenizer(save_dir: str | os.PathLike[str] | None = None) -> Qwen2Tokenizer:
-    """Builds the byte-level BPE tokenizer of the tiny models (about 500 tokens), trained locally.
-
-    The BPE is trained with the ``tokenizers`` library on a fixed corpus written in this module (the demo's
-    addition prompts, number comparisons and a few English sentences) through Qwen2's pipeline (NFC, Qwen2's
-    split regex, byte-level without a prefix space), so it is the same in every process and on every machine,
-    and it reads any text: letters, punctuation, any script, emoji. Each digit is a token of its own. The
-    tokenizer is a ``Qwen2Tokenizer`` with ``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<unk>`` = 3 (never
-    produced). Encoding with ``add_special_tokens=True`` prepends ``<s>`` (no ``</s>`` is appended);
-    ``decode(ids, skip_special_tokens=True)`` gives back the text. Padding is on the left. ``model_max_length``
-    is :data:`MAX_POSITIONS`. The chat template is :data:`CHAT_TEMPLATE` (``apply_chat_template`` renders system,
-    user and assistant turns, and ``add_generation_prompt=True`` opens the assistant's turn); ``save_pretrained``
-    writes it beside the tokenizer config, where ``AutoTokenizer`` and vLLM read it.
-
-    Runs on: any process (plain function; the training takes a few milliseconds and is cached per process).
+    """Builds the byte-level BPE tokenizer of the tiny models (about 500 tokens), trained locally (see the module
+    docstring): the same in every process and on every machine. Encoding with ``add_special_tokens=True`` prepends
+    ``<s>`` (no ``</s>`` is appended); padding is on the left; ``model_max_length`` is :data:`MAX_POSITIONS`; the chat
+    template is :data:`CHAT_TEMPLATE`. Runs on: any process (plain function; the training takes a few milliseconds and
+    is cached per process).
 
     Args:
         save_dir: If given, the tokenizer is written there with ``save_pretrained``; the folder reloads with
             ``AutoTokenizer.from_pretrained(save_dir)`` (and in vLLM) as the same tokenizer, giving the same ids.
-
-    Returns:
-        The tokenizer, with ``pad_token`` / ``bos_token`` / ``eos_token`` / ``unk_token`` set.
     """
     vocab, merges = _trained_vocab_and_merges()
     pairs: Any = [tuple(pair) for pair in json.loads(merges)]  # (left, right) pairs, as tokenizers' BPE takes them
@@ -171,7 +152,8 @@ def build_tiny_tokenizer(save_dir: str | os.PathLike[str] | None = None) -> Qwen
     return tokenizer
 
 
-def _model_config(
+def _build(
+    auto_class: Any,
     tokenizer: PreTrainedTokenizerBase,
     *,
     hidden_size: int,
@@ -179,18 +161,19 @@ def _model_config(
     num_heads: int,
     num_kv_heads: int,
     intermediate_size: int,
+    seed: int,
     model_type: str,
     max_positions: int,
     **extra: Any,
-) -> PretrainedConfig:
+) -> PreTrainedModel:
+    """``auto_class.from_config`` of the tiny config (see :func:`build_tiny_model`), initialised with ``seed``."""
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    vocab_size = -(-len(tokenizer) // 8) * 8
-    return AutoConfig.for_model(
+    config = AutoConfig.for_model(
         model_type,
-        vocab_size=vocab_size,
+        vocab_size=-(-len(tokenizer) // 8) * 8,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -206,15 +189,15 @@ def _model_config(
         eos_token_id=tokenizer.eos_token_id,
         **extra,
     )
-
-
-def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto_class.from_config(config, dtype=torch.float32)
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         gen.pad_token_id = tokenizer.pad_token_id
         gen.bos_token_id = tokenizer.bos_token_id
         gen.eos_token_id = tokenizer.eos_token_id
-    return model.float().eval()
+    return cast(PreTrainedModel, model.float().eval())
 
 
 def build_tiny_model(
@@ -231,42 +214,32 @@ def build_tiny_model(
 ) -> PreTrainedModel:
     """Builds a randomly initialised tiny causal LM (default: ``Qwen2ForCausalLM``, ~345k parameters).
 
-    Tied input/output embeddings, ``head_dim = hidden_size // num_heads`` (32 by default), no dropout,
-    ``max_position_embeddings=max_positions`` (:data:`MAX_POSITIONS` by default), vocabulary ``len(tokenizer)``
-    rounded up to a multiple of 8, and pad/bos/eos ids taken from ``tokenizer`` (also in the generation config).
-    Float32, eval mode.
-
-    Runs on: any process (plain function).
+    Tied input/output embeddings, ``head_dim = hidden_size // num_heads`` (32 by default), no dropout, vocabulary
+    ``len(tokenizer)`` rounded up to a multiple of 8, and pad/bos/eos ids taken from ``tokenizer`` (also in the
+    generation config). Float32, eval mode. Runs on: any process (plain function).
 
     Args:
         tokenizer: The tokenizer the model is for (usually :func:`build_tiny_tokenizer`).
         hidden_size: Model width. Below 128 the demo task does not learn reliably.
-        num_layers: Number of decoder layers.
-        num_heads: Number of attention heads.
-        num_kv_heads: Number of key/value heads (grouped-query attention).
+        num_kv_heads: Key/value heads (grouped-query attention).
         intermediate_size: MLP width.
         seed: Seed of the random initialisation (the global RNG state is left untouched).
         model_type: A transformers ``model_type`` with a causal-LM class (``"qwen2"``, ``"llama"``, ...).
         max_positions: ``max_position_embeddings``: the longest prompt + response the model takes. The weights
             do not depend on it (rotary positions), so a shorter one is a cheap way to test length checks.
-
-    Returns:
-        The model.
     """
-    config = _model_config(
+    return _build(
+        AutoModelForCausalLM,
         tokenizer,
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size,
+        seed=seed,
         model_type=model_type,
         max_positions=max_positions,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return _finish(model, tokenizer)
 
 
 def build_tiny_classifier(
@@ -281,63 +254,29 @@ def build_tiny_classifier(
     model_type: str = "qwen2",
     max_positions: int = MAX_POSITIONS,
 ) -> PreTrainedModel:
-    """Builds a randomly initialised tiny sequence classifier with one output (a reward/value model).
-
-    Same backbone as :func:`build_tiny_model` (default ``Qwen2ForSequenceClassification``) with
-    ``num_labels=1`` and ``pad_token_id`` set, so the score is read at the last non-pad token.
-
-    Runs on: any process (plain function).
-
-    Args:
-        tokenizer: The tokenizer the model is for (usually :func:`build_tiny_tokenizer`).
-        hidden_size: Model width.
-        num_layers: Number of decoder layers.
-        num_heads: Number of attention heads.
-        num_kv_heads: Number of key/value heads.
-        intermediate_size: MLP width.
-        seed: Seed of the random initialisation (the global RNG state is left untouched).
-        model_type: A transformers ``model_type`` with a sequence-classification class.
-        max_positions: ``max_position_embeddings`` (as for :func:`build_tiny_model`).
-
-    Returns:
-        The model.
-    """
-    config = _model_config(
+    """Builds a randomly initialised tiny sequence classifier with one output (a reward/value model): the backbone and
+    arguments of :func:`build_tiny_model` (default ``Qwen2ForSequenceClassification``) with ``num_labels=1`` and
+    ``pad_token_id`` set, so the score is read at the last non-pad token. Runs on: any process (plain function)."""
+    return _build(
+        AutoModelForSequenceClassification,
         tokenizer,
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size,
+        seed=seed,
         model_type=model_type,
         max_positions=max_positions,
         num_labels=1,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    return _finish(model, tokenizer)
 
 
 def save_tiny(model_dir: str | os.PathLike[str], *, seed: int = 0, classifier: bool = False, **kw: Any) -> str:
-    """Builds the tiny tokenizer and a tiny model and saves both into ``model_dir`` (safetensors).
-
-    The directory can then be loaded like any local checkpoint (``AutoTokenizer.from_pretrained``,
-    ``AutoModelForCausalLM.from_pretrained``). Takes well under a second.
-
-    Runs on: any process (plain function).
-
-    Args:
-        model_dir: Output directory (created if missing).
-        seed: Seed of the random initialisation.
-        classifier: Save a :func:`build_tiny_classifier` (one-output sequence classifier) instead of a
-            causal LM.
-        **kw: Further keyword arguments of :func:`build_tiny_model` / :func:`build_tiny_classifier`
-            (``hidden_size``, ``num_layers``, ``max_positions``, ...).
-
-    Returns:
-        ``model_dir`` as a string.
-    """
+    """Builds the tiny tokenizer and a tiny model (:func:`build_tiny_model`, or :func:`build_tiny_classifier` with
+    ``classifier=True``; ``kw`` their further arguments) and saves both into ``model_dir`` (created if missing;
+    safetensors), a folder loadable like any local checkpoint; returns it as a string. Well under a second. Runs on: any
+    process (plain function)."""
     path = os.fspath(model_dir)
     os.makedirs(path, exist_ok=True)
     tokenizer = build_tiny_tokenizer(path)

@@ -20,8 +20,7 @@ An episode with the tool, as the tool template renders it (tiny tokenizer, :data
 
 Without the tool the template writes no ``tools`` line and the model answers at once.
 
-Runs on: any process (plain functions and the environment classes; the environments run where the rollout runs).
-"""
+Runs on: any process (plain functions and the environment classes; the environments run where the rollout runs)."""
 
 from __future__ import annotations
 

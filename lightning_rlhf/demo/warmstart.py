@@ -3,11 +3,7 @@ cache, and accuracy checks.
 
 A randomly initialised tiny model never produces a correct sum, so RL has no signal. A few dozen supervised
 steps on the training prompts (:func:`~lightning_rlhf.demo.task.addition_splits`; the held-out ones are never
-trained on) bring it to a partly-right policy that RL can then visibly improve.
-
-``python -m lightning_rlhf.demo.warmstart MODEL OUT [--steps N ...]`` runs one warm start (what
-:func:`warm_start` launches as a subprocess).
-"""
+trained on) bring it to a partly-right policy that RL can then visibly improve."""
 
 from __future__ import annotations
 
@@ -23,12 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_rlhf.demo.task import addition_dataset, addition_reward, addition_splits
 from lightning_rlhf.demo.tiny import save_tiny
@@ -60,32 +51,15 @@ def warm_start(
     timeout_s: float = 600.0,
 ) -> str:
     """Fine-tunes the model in ``model_dir`` on the training split of the addition task with
-    :class:`~lightning_rlhf.modules.SFTModule` and saves it (model and tokenizer) to ``out_dir``.
+    :class:`~lightning_rlhf.modules.SFTModule` and saves it (model and tokenizer) to ``out_dir``; returns ``out_dir``.
 
-    The run is a one-process Lightning ``fit`` (``RLHFStrategy``, ``SFTDataModule`` over
-    ``addition_splits(digits=digits)["train"]``: loss on the answer and EOS only, AdamW at ``lr``, one step per
-    batch, reshuffled every epoch with ``seed``) in a fresh Python process started with ``subprocess``: it never
-    shares a process group with the caller, so a script may call this and then start a multi-process ``fit``
-    (Lightning relaunches the script for the other ranks, which find the model cached by then). Deterministic for
-    a given seed. A few seconds for the defaults, most of it the new interpreter's imports.
-
-    Runs on: any process (launches and waits for a child process).
-
-    Args:
-        model_dir: Directory with a causal LM and its tokenizer (e.g. from :func:`save_tiny`).
-        out_dir: Where the trained model and the tokenizer are written.
-        steps: Optimizer steps (one per batch).
-        batch_size: Examples per step.
-        lr: AdamW learning rate.
-        seed: Seed of the shuffling and of the run.
-        digits: ``digits`` of :func:`~lightning_rlhf.demo.task.addition_splits`.
-        task: ``"addition"``, or ``"tools"``: the tool task's transcripts
-            (:func:`~lightning_rlhf.demo.tool_task.tool_transcripts` of its training prompts, with and without
-            the tool; loss on the assistant turns), for a model saved with the tool template.
-        timeout_s: How long the child may run before it is killed and this raises.
-
-    Returns:
-        ``out_dir``.
+    A one-process Lightning ``fit`` (``SFTDataModule`` over ``addition_splits(digits=digits)["train"]``: loss on the
+    answer and EOS only, AdamW at ``lr``, ``steps`` steps of ``batch_size`` examples, shuffled with ``seed``) in a
+    fresh Python process: it never shares a process group with the caller, so a script may call this and then start
+    a multi-process ``fit``. Deterministic for a given seed; a few seconds, most of it the new interpreter's imports.
+    ``task="tools"`` trains on the tool task's transcripts instead
+    (:func:`~lightning_rlhf.demo.tool_task.tool_transcripts`), for a model saved with the tool template. The child
+    is killed after ``timeout_s``. Runs on: any process (launches and waits for a child process).
 
     Raises:
         RuntimeError: the child process failed (its output's end is in the message) or timed out.
@@ -204,23 +178,12 @@ def _build_once(cache_dir: str, name: str, build: Callable[[str], str]) -> str:
 
 
 def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int = 40) -> str:
-    """Returns a warm-started tiny demo model, building and caching it on first use.
+    """Returns the folder of a warm-started tiny demo model (model and tokenizer), building and caching it on first use.
 
-    The model lives in ``cache_dir/demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}``; if that
-    directory already has a ``config.json`` it is reused as is (nothing printed). Otherwise a tiny model is built
-    (:func:`save_tiny`) and warm-started (:func:`warm_start`, an ``SFTModule`` run in a child process) in a
-    temporary directory inside ``cache_dir`` that is then renamed into place, so concurrent callers never see a
-    partial model. Call it before starting a multi-process ``fit``: the other ranks then find the model cached.
-
-    Runs on: any process (plain function).
-
-    Args:
-        cache_dir: Cache directory (created if missing).
-        seed: Seed of the model initialisation and of the warm start.
-        warm_start_steps: Supervised steps.
-
-    Returns:
-        The model directory (model and tokenizer, loadable with ``from_pretrained``).
+    The model lives in ``cache_dir/demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}``, reused as is once it
+    has a ``config.json``. Otherwise a tiny model is built (:func:`save_tiny`, ``seed``) and warm-started
+    (:func:`warm_start`: ``warm_start_steps`` SFT steps in a child process), see :func:`_build_once`. Call it before
+    starting a multi-process ``fit``: the other ranks then find the model cached. Runs on: any process (plain function).
     """
 
     def build(tmp: str) -> str:
@@ -235,14 +198,12 @@ TOOL_WARM_START_STEPS = 150
 
 
 def prepare_tool_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int = TOOL_WARM_START_STEPS) -> str:
-    """The tool task's warm-started model (:mod:`lightning_rlhf.demo.tool_task`), built and cached on first use
-    like :func:`prepare_demo_model`: a tiny model saved with the tool template
-    (:data:`~lightning_rlhf.demo.tool_task.TOOL_CHAT_TEMPLATE`), then ``warm_start_steps`` SFT steps on the
-    training prompts' transcripts with and without the tool. Cached in
-    ``cache_dir/tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}``.
-
-    Runs on: any process (plain function; call it before a multi-process ``fit``).
-    """
+    """The tool task's warm-started model (:mod:`lightning_rlhf.demo.tool_task`), built and cached on first use like
+    :func:`prepare_demo_model`: a tiny model saved with the tool template
+    (:data:`~lightning_rlhf.demo.tool_task.TOOL_CHAT_TEMPLATE`), then ``warm_start_steps`` SFT steps on the training
+    prompts' transcripts with and without the tool. Cached in
+    ``cache_dir/tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}``. Runs on: any process (plain function; call
+    it before a multi-process ``fit``)."""
     from lightning_rlhf.demo.tool_task import TOOL_CHAT_TEMPLATE
 
     def build(tmp: str) -> str:
@@ -257,51 +218,42 @@ def prepare_tool_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
     return _build_once(cache_dir, f"tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
-@torch.no_grad()
 def tiny_addition_model(cache_dir: str) -> str:
-    """The embedded model ``lightning-rlhf/tiny-addition``: :func:`prepare_demo_model` with seed 0.
-
-    Runs on: any process (plain function; what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
+    """The embedded model ``lightning-rlhf/tiny-addition``: :func:`prepare_demo_model` with seed 0. Runs on: any
+    process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
     return prepare_demo_model(cache_dir, seed=0)
 
 
 def tiny_random_model(cache_dir: str) -> str:
     """The embedded model ``lightning-rlhf/tiny-random``: the demo's tiny model untrained (:func:`save_tiny`, seed
-    0), cached in ``cache_dir/tiny-random-{CACHE_VERSION}-seed0``; concurrent callers share one copy.
-
-    Runs on: any process (plain function; what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
+    0), cached in ``cache_dir/tiny-random-{CACHE_VERSION}-seed0``; concurrent callers share one copy. Runs on: any
+    process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
     return _build_once(
         cache_dir, f"tiny-random-{CACHE_VERSION}-seed0", lambda tmp: save_tiny(os.path.join(tmp, "model"), seed=0)
     )
 
 
 def tiny_tools_model(cache_dir: str) -> str:
-    """The embedded model ``lightning-rlhf/tiny-tools``: :func:`prepare_tool_model` with seed 0.
-
-    Runs on: any process (plain function; what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
+    """The embedded model ``lightning-rlhf/tiny-tools``: :func:`prepare_tool_model` with seed 0. Runs on: any
+    process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
     return prepare_tool_model(cache_dir, seed=0)
 
 
-def _generate_completions(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
-    *,
-    do_sample: bool,
-    temperature: float,
-    max_new_tokens: int,
-) -> list[str]:
+def _accuracy(model_dir: str, data: Any, repeats: int = 1, *, temperature: float | None = None, seed: int = 0) -> float:
+    """Mean :func:`addition_reward` of the model's completions (up to 4 new tokens, cut at EOS) of ``data``'s
+    prompts, each ``repeats`` times: sampled at ``temperature`` with ``seed`` (the global RNG state is left
+    untouched), greedy when it is None."""
+    model, tokenizer = _load(model_dir)
+    prompts, answers = list(data["prompt"]) * repeats, list(data["answer"]) * repeats
     enc = tokenizer(prompts, add_special_tokens=True, padding=True, return_tensors="pt")
-    kwargs: dict[str, Any] = {"do_sample": do_sample}
-    if do_sample:
+    kwargs: dict[str, Any] = {"do_sample": temperature is not None}
+    if temperature is not None:
         kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
-    out = model.generate(  # type: ignore[operator]  # nn.Module.__getattr__ hides it from mypy
-        **enc,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **kwargs,
-    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = model.generate(  # type: ignore[operator]  # nn.Module.__getattr__ hides it from mypy
+            **enc, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs
+        )
     assert isinstance(out, torch.Tensor)
     responses = out[:, enc["input_ids"].shape[1] :].tolist()
     completions: list[str] = []
@@ -309,73 +261,37 @@ def _generate_completions(
         if tokenizer.eos_token_id in ids:
             ids = ids[: ids.index(tokenizer.eos_token_id)]
         completions.append(str(tokenizer.decode(ids, skip_special_tokens=True)))
-    return completions
+    rewards = addition_reward(prompts, completions, answer=answers)
+    return sum(rewards) / len(rewards)
 
 
 def sampled_accuracy(
     model_dir: str, *, num_samples: int = 8, temperature: float = 1.0, seed: int = 0, digits: int = 1
 ) -> float:
-    """Mean exact-match reward of sampled completions over the 100 addition prompts.
+    """Mean exact-match reward (in ``[0, 1]``) of sampled completions over the 100 addition prompts
+    (:func:`addition_dataset` of ``digits``) of the model in ``model_dir``.
 
-    Each prompt is sampled ``num_samples`` times with ``model.generate`` (left padding, up to 4 new
-    tokens, stopping at EOS, plain temperature sampling) and scored with :func:`addition_reward`.
-    The global RNG state is left untouched.
-
-    Runs on: any process (plain function).
-
-    Args:
-        model_dir: Directory with a causal LM and its tokenizer.
-        num_samples: Samples per prompt.
-        temperature: Sampling temperature.
-        seed: Sampling seed.
-        digits: ``digits`` of :func:`addition_dataset`.
-
-    Returns:
-        The accuracy in ``[0, 1]``.
-    """
-    model, tokenizer = _load(model_dir)
+    Each prompt is sampled ``num_samples`` times with ``model.generate`` (left padding, up to 4 new tokens, stopping at
+    EOS, plain temperature sampling with ``seed``) and scored with :func:`addition_reward`. The global RNG state is left
+    untouched. Runs on: any process (plain function)."""
     data = addition_dataset(seed=seed, digits=digits)
-    prompts = list(data["prompt"]) * num_samples
-    answers = list(data["answer"]) * num_samples
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        completions = _generate_completions(
-            model, tokenizer, prompts, do_sample=True, temperature=temperature, max_new_tokens=4
-        )
-    rewards = addition_reward(prompts, completions, answer=answers)
-    return sum(rewards) / len(rewards)
+    return _accuracy(model_dir, data, num_samples, temperature=temperature, seed=seed)
 
 
 def greedy_accuracy(model_dir: str, *, digits: int = 1) -> float:
-    """Mean exact-match reward of greedy completions over the 100 addition prompts.
-
-    Runs on: any process (plain function).
-
-    Args:
-        model_dir: Directory with a causal LM and its tokenizer.
-        digits: ``digits`` of :func:`addition_dataset`.
-
-    Returns:
-        The accuracy in ``[0, 1]``.
-    """
-    model, tokenizer = _load(model_dir)
-    data = addition_dataset(digits=digits)
-    prompts, answers = list(data["prompt"]), list(data["answer"])
-    completions = _generate_completions(model, tokenizer, prompts, do_sample=False, temperature=1.0, max_new_tokens=4)
-    rewards = addition_reward(prompts, completions, answer=answers)
-    return sum(rewards) / len(rewards)
+    """Mean exact-match reward (in ``[0, 1]``) of greedy completions over the 100 addition prompts
+    (:func:`addition_dataset` of ``digits``) of the model in ``model_dir``. Runs on: any process (plain function)."""
+    return _accuracy(model_dir, addition_dataset(digits=digits))
 
 
 def tool_success(
     model_dir: str, rows: Any, *, with_tool: bool = True, max_turns: int = 3, max_new_tokens: int = 96
 ) -> dict[str, float]:
-    """Greedy episodes of the tool task on ``rows`` (a dataset with ``prompt`` and ``answer``) with the
-    transformers engine in this process: ``success`` (share of exact final answers), ``tool_calls`` (calls per
-    episode) and ``turns`` (per episode). ``with_tool=False`` runs the same model without the tool
-    (:class:`~lightning_rlhf.demo.tool_task.NoToolEnvironment`: no tools line in the prompt, one turn).
-
-    Runs on: one process (rank 0 of the demo, before and after RL; the episodes are the rollout's own code).
-    """
+    """Greedy episodes of the tool task on ``rows`` (a dataset with ``prompt`` and ``answer``) with the transformers
+    engine in this process: ``success`` (share of exact final answers), ``tool_calls`` (calls per episode) and ``turns``
+    (per episode). ``with_tool=False`` runs the same model without the tool
+    (:class:`~lightning_rlhf.demo.tool_task.NoToolEnvironment`: no tools line in the prompt, one turn). Runs on: one
+    process (rank 0 of the demo, before and after RL; the episodes are the rollout's own code)."""
     from lightning_rlhf.agents.rollout import EpisodeRunner
     from lightning_rlhf.config import EpisodeConfig, RolloutConfig
     from lightning_rlhf.cpu import CPULayer
@@ -423,16 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", choices=["addition", "tools"], default="addition")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    loss = _warm_start_here(
-        args.model_dir,
-        args.out_dir,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        digits=args.digits,
-        task=args.task,
-    )
+    loss = _warm_start_here(**vars(args))
     print(f"SFTModule: {loss['steps']:.0f} steps, sft/loss {loss['first']:.3f} -> {loss['last']:.3f}", flush=True)
 
 

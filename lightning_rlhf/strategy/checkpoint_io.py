@@ -1,11 +1,5 @@
 """Checkpoints that are complete or absent: written to a temporary sibling, synced, renamed into place; and the
-check that refuses a missing or incomplete checkpoint before any model loads.
-
-A distributed checkpoint is a folder (one shard file per rank, ``.metadata``, Lightning's ``meta.pt``); a
-single-file one is a torch zip archive. Every rank writes into ``<path>.tmp-<token>``; after a barrier rank 0
-fsyncs the files and renames the folder to ``<path>``. A run killed while saving leaves only the temporary
-sibling, which resume never accepts.
-"""
+check that refuses a missing or incomplete checkpoint before any model loads (docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -47,10 +41,8 @@ def publish(tmp: Path, path: Path) -> None:
     """Sync ``tmp`` (a file, or a folder and every file in it) to disk, then rename it to ``path``.
 
     An existing ``path`` is replaced: a file atomically (``os.replace``); a folder is first moved aside to
-    ``<path>.old-<suffix>`` and deleted after the rename, so ``path`` is only ever absent or complete.
-
-    Runs on: rank 0, after every rank finished writing into ``tmp``.
-    """
+    ``<path>.old-<suffix>`` and deleted after the rename, so ``path`` is only ever absent or complete. Runs on: rank 0,
+    after every rank finished writing into ``tmp``."""
     if tmp.is_dir():
         for root, _, files in os.walk(tmp):
             for name in files:
@@ -72,13 +64,10 @@ def incomplete_reason(path: Path) -> str | None:
     """Why ``path`` is not a complete checkpoint (None if it is one). Runs on: any process.
 
     A folder needs Lightning's ``meta.pt`` and the distributed checkpoint's ``.metadata``, which are written
-    last; a file must be a whole zip archive (``torch.save``'s format, whose directory is at its end).
-    """
+    last; a file must be a whole zip archive (``torch.save``'s format, whose directory is at its end)."""
     if path.is_dir():
         missing = [name for name in ("meta.pt", ".metadata") if not (path / name).is_file()]
-        if missing:
-            return f"the folder lacks {', '.join(missing)} (a save into it did not finish)"
-        return None
+        return f"the folder lacks {', '.join(missing)} (a save into it did not finish)" if missing else None
     if path.stat().st_size == 0:
         return "the file is empty"
     if not zipfile.is_zipfile(path):
@@ -87,19 +76,16 @@ def incomplete_reason(path: Path) -> str | None:
 
 
 def check_resume_path(ckpt_path: Any) -> None:
-    """Refuse a checkpoint to resume from that is missing or incomplete, before anything loads.
-
-    Runs on: every rank (or the launching process), before the process group and the models. ``None``,
-    Lightning's keywords (``"last"``, ``"best"``, ``"hpc"``, ``"registry:..."``) and URLs are left to Lightning.
+    """Refuse a checkpoint to resume from that is missing or incomplete, before anything loads. Runs on: every rank (or
+    the launching process), before the process group and the models. ``None``, Lightning's keywords (``"last"``,
+    ``"best"``, ``"hpc"``, ``"registry:..."``) and URLs are left to Lightning.
 
     Raises:
         FileNotFoundError: nothing at ``ckpt_path``.
         ValueError: something is there but it is not a complete checkpoint.
     """
-    if ckpt_path is None:
-        return
     text = str(ckpt_path)
-    if text in _LIGHTNING_KEYWORDS or text.startswith("registry:") or "://" in text:
+    if ckpt_path is None or text in _LIGHTNING_KEYWORDS or text.startswith("registry:") or "://" in text:
         return
     path = Path(text).expanduser()
     if not path.exists():
@@ -122,10 +108,9 @@ def check_resume_path(ckpt_path: Any) -> None:
 
 
 def check_resume_lora(ckpt_path: Any, module: Any) -> None:
-    """Refuse to resume a checkpoint of LoRA adapters into a run that trains every weight, or the reverse, before
-    any process or model starts (the keys of the distributed checkpoint's ``.metadata`` say which it holds).
-
-    Runs on: the launching process. Leaves Lightning's keywords, single files and modules without roles alone.
+    """Refuse to resume a checkpoint of LoRA adapters into a run that trains every weight, or the reverse, before any
+    process or model starts (the keys of the distributed checkpoint's ``.metadata`` say which it holds). Runs on: the
+    launching process. Leaves Lightning's keywords, single files and modules without roles alone.
 
     Raises:
         ValueError: the checkpoint and ``module`` disagree, naming the setting and the fix.

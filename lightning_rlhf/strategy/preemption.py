@@ -1,11 +1,7 @@
 """Preemption signals (SIGTERM, SIGUSR1): stop at the next step boundary, save, exit with ``128 + signum``.
 
-The handler only records the signal. The controller collects the requests of every rank (a worker posts its
-own to the rendezvous store) and decides at the end of a training step; the end-of-step message carries the
-decision, so every rank stops after the same step. The strategy then sets Lightning's ``received_sigterm``, so
-Lightning's loops raise their ``SIGTERMException`` at the end of that batch (after its callbacks and loggers),
-and in ``RLHFStrategy.on_exception`` every rank saves the checkpoint (a collective) and sets the exit status.
-"""
+The handler only records the signal; the controller decides at the end of a step for every rank, so all stop
+after the same step (docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -21,10 +17,8 @@ __all__ = ["PreemptionHandler", "parse_signals", "stop_after_preemption"]
 
 def parse_signals(signals: Sequence[int | str | signal.Signals]) -> tuple[signal.Signals, ...]:
     """``("SIGTERM", "USR1", 15)`` -> ``(Signals.SIGTERM, Signals.SIGUSR1, Signals.SIGTERM)`` (duplicates dropped).
-
-    Runs on: any process. Raises ``ValueError`` naming the setting for a signal that does not exist or cannot
-    be handled (SIGKILL, SIGSTOP).
-    """
+    Runs on: any process. Raises ``ValueError`` naming the setting for a signal that does not exist or cannot be handled
+    (SIGKILL, SIGSTOP)."""
     out: list[signal.Signals] = []
     for item in signals:
         try:
@@ -49,13 +43,9 @@ def parse_signals(signals: Sequence[int | str | signal.Signals]) -> tuple[signal
 
 
 def stop_after_preemption(trainer: Any, signum: int, path: str | bool | None, *, rank: int) -> int:
-    """Save the preemption checkpoint (``path``: ``RLHFStrategy(preemption_path=...)``; None: the default place;
-    False: no checkpoint) and say so on rank 0; the exit status, ``128 + signum``.
-
-    Runs on: every rank (the save is a collective), in ``RLHFStrategy.on_exception`` after the agreed stop.
-    The default place is ``<ModelCheckpoint.dirpath>/preempted.ckpt``, else
-    ``<log_dir or default_root_dir>/checkpoints/preempted.ckpt``.
-    """
+    """Save the preemption checkpoint (``path``: ``RLHFStrategy(preemption_path=...)``, its default place for None;
+    False: no checkpoint) and say so on rank 0; the exit status, ``128 + signum``. Runs on: every rank (the save is a
+    collective), in ``RLHFStrategy.on_exception`` after the agreed stop."""
     name, code = signal.Signals(signum).name, 128 + signum
     if path is False:
         if rank == 0:
@@ -80,15 +70,10 @@ def stop_after_preemption(trainer: Any, signum: int, path: str | bool | None, *,
 
 
 class PreemptionHandler:
-    """Records the first preemption signal this process receives.
+    """Records the first of ``signals`` this process (rank ``rank``) receives.
 
     While not :attr:`active` (before set-up, after teardown) a signal gets its default action, so a process
-    that is not training is still ended by SIGTERM.
-
-    Args:
-        signals: the signals to handle.
-        rank: this process's rank (for the message).
-    """
+    that is not training is still ended by SIGTERM."""
 
     def __init__(self, signals: Sequence[signal.Signals], rank: int = 0) -> None:
         self.signals = tuple(signals)
@@ -98,10 +83,8 @@ class PreemptionHandler:
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> None:
-        """Handle the signals from now on (again, if Lightning replaced the handlers in between).
-
-        Runs on: every rank, main thread (elsewhere Python cannot set handlers; then nothing happens).
-        """
+        """Handle the signals from now on (again, if Lightning replaced the handlers in between). Runs on: every rank,
+        main thread (elsewhere Python cannot set handlers; then nothing happens)."""
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in self.signals:
@@ -120,7 +103,7 @@ class PreemptionHandler:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if not self.active:  # a late signal: do what the process would have done without us
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

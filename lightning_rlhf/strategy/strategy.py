@@ -1,25 +1,9 @@
 """``RLHFStrategy``: Lightning's FSDP2 strategy turned into HybridFlow's hybrid controller.
 
-What it changes in Lightning's ``ModelParallelStrategy``:
-
-- **setup**: loads nothing itself (``configure_model`` does), attaches the rollout engine its factory builds to
-  each role that asks for one, then shards every role's model with FSDP2 over its pool's ranks before the
-  optimizers exist.
-- **training_step**: rank 0 runs the module's ``training_step`` as the single controller; the other ranks
-  serve its role calls (:class:`~lightning_rlhf.controller.controller.Controller`). One call = one RL iteration,
-  so ``global_step`` counts iterations however many optimizer steps the roles took.
-- **validation_step**: routed the same way (Lightning's validation loop, its interval and sanity check work
-  unchanged); with ``ValidationConfig.before_train`` one validation also runs before the first step.
-- **data**: every rank iterates the same loader (no distributed sampler); only the controller's copy of a
-  batch is used, and the transfer protocols split it.
-- **placement**: roles may live on rank pools of their own (``placement=``, resolved by ``lightning_rlhf/placement``):
-  each pool gets its own FSDP mesh, a role's calls go to its pool's ranks only, ranks outside a pool never load
-  that role's weights, and checkpoints save each role from the ranks that hold it (``checkpoint/pooled.py``).
-- **faults**: a dead rank is named on the others (``controller/liveness.py``); SIGTERM/SIGUSR1 on any rank stop
-  every rank after the same step, save a checkpoint and exit with ``128 + signum`` (``preemption.py``); checkpoints
-  are renamed into place only once complete, and a missing or incomplete ``ckpt_path`` is refused before anything
-  loads (``checkpoint_io.py``, ``controller/launcher.py``).
-"""
+Rank 0 runs the module's ``training_step`` (and ``validation_step``) as the single controller and the other ranks
+serve its role calls, so one ``training_step`` is one RL iteration. How it sets up, loads, shards, places roles on
+rank pools, reads data and checkpoints: docs/architecture.md and docs/placement.md; faults and preemption:
+docs/faults.md."""
 
 from __future__ import annotations
 
@@ -79,21 +63,13 @@ if TYPE_CHECKING:
 
 __all__ = ["RLHFStrategy"]
 
-_EXIT_HOOK: list[bool] = []
-
 
 def shutdown_process_groups(grace_s: float = 0.2) -> None:
-    """Destroy every process group, then leave gloo's worker threads ``grace_s`` seconds, with the GIL free, to
-    drop the work objects they still hold, before the interpreter finalises.
-
-    Runs on: every rank, last thing before it exits (the strategy's exit hook; scripts that start their own group).
-    A gloo worker thread releases a finished collective's work object after it has woken the caller; the work's
-    tensors have Python objects, so that release takes the GIL. If the interpreter is already finalising, CPython
-    ends the thread with ``pthread_exit``, whose unwinding through the work's ``noexcept`` destructor aborts the
-    process ("terminate called without an active exception", exit -6) after a run that succeeded: a core dump of
-    such an exit shows exactly that stack (``ProcessGroupGloo::AsyncWork::~AsyncWork`` -> ``decref_pyobject`` ->
-    ``take_gil`` -> ``PyThread_exit_thread``): here, one of 18 consecutive runs of a two-rank test script.
-    """
+    """Destroy every process group, then leave gloo's worker threads ``grace_s`` seconds, with the GIL free, to drop the
+    work objects they still hold, before the interpreter finalises. Runs on: every rank, last thing before it exits (the
+    strategy's exit hook; scripts that start their own group). A gloo worker thread that releases a finished
+    collective's work object while the interpreter finalises aborts the process (exit -6) after a run that succeeded;
+    the core dump and the runs that measured it are in docs/faults-log.md ("A successful run that exits -6")."""
     import gc
 
     import torch.distributed as dist
@@ -106,22 +82,16 @@ def shutdown_process_groups(grace_s: float = 0.2) -> None:
     time.sleep(grace_s)
 
 
+@functools.cache
 def _destroy_process_group_at_exit() -> None:
-    """Destroy the process groups when the interpreter exits, while it is still whole
-    (:func:`shutdown_process_groups`).
-
-    Runs on: every rank, registered once per process at set-up. Lightning leaves the group alive (a later ``fit``
-    reuses it), so the last moment is ``atexit``. With a vLLM engine in the process, vLLM's exit hook (which runs
-    after this one) destroys its own groups and the default one; destroying them here first would make it raise.
-    """
-    if _EXIT_HOOK:
-        return
-    _EXIT_HOOK.append(True)
+    """Destroy the process groups when the interpreter exits, while it is still whole (:func:`shutdown_process_groups`).
+    Runs on: every rank, registered once per process at set-up. Lightning leaves the group alive (a later ``fit`` reuses
+    it), so the last moment is ``atexit``. With a vLLM engine in the process, vLLM's exit hook (which runs after this
+    one) destroys its own groups and the default one; destroying them here first would make it raise."""
 
     def destroy() -> None:
-        if model_parallel_initialized():
-            return  # a vLLM engine's own exit hook destroys its groups and then the default one
-        shutdown_process_groups()
+        if not model_parallel_initialized():
+            shutdown_process_groups()
 
     atexit.register(destroy)
 
@@ -168,7 +138,6 @@ class RLHFStrategy(ModelParallelStrategy):
             on every rank first.
         worker_error_timeout_s: after a rank reports an error, how long another may stay blocked in a collective
             before it ends itself (no hang when a rank dies mid-collective).
-        timeout: process-group timeout for collectives.
         process_group_backend: the default group's backend, as Lightning's (None: NCCL on GPUs, gloo on CPU).
         save_distributed_checkpoint: sharded checkpoints (a folder, one file per rank); False: one file on rank 0.
         preemption_checkpoint: when a preemption signal reaches any rank, save a checkpoint after the current step
@@ -328,11 +297,8 @@ class RLHFStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Give each role what it declares it needs (a rollout engine; float32 master weights computed in
-        ``param_dtype`` when trainable), shard its model with FSDP2 and load this rank's shards, then let
-        Lightning make the optimizers.
-
-        Runs on: every rank, after ``configure_model``.
-        """
+        ``param_dtype`` when trainable), shard its model with FSDP2 and load this rank's shards, then let Lightning make
+        the optimizers. Runs on: every rank, after ``configure_model``."""
         module = self._rlhf_module()
         # Frozen roles (reference, reward model) are in eval mode on purpose.
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
@@ -463,11 +429,9 @@ class RLHFStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """On the stop that every rank agreed on: save the preemption checkpoint (all ranks, a collective), then
-        make the exit status ``128 + signum`` (Lightning's ``SIGTERMException`` would exit with 0).
-
-        Runs on: every rank, when Lightning's loop raises ``SIGTERMException`` at the end of the stopping step.
-        """
+        """On the stop that every rank agreed on: save the preemption checkpoint (all ranks, a collective), then make
+        the exit status ``128 + signum`` (Lightning's ``SIGTERMException`` would exit with 0). Runs on: every rank, when
+        Lightning's loop raises ``SIGTERMException`` at the end of the stopping step."""
         super().on_exception(exception)
         if not (self._stopping and isinstance(exception, SIGTERMException)):
             return
@@ -481,8 +445,7 @@ class RLHFStrategy(ModelParallelStrategy):
     ) -> None:
         """Write into ``<filepath>.tmp-<token>`` on every rank (with what ``checkpoint.pooled.complete_checkpoint``
         adds), then rank 0 syncs it and renames it to ``filepath`` after a barrier: a run killed while saving never
-        leaves a checkpoint that resume accepts. Runs on: every rank (``trainer.save_checkpoint`` is collective).
-        """
+        leaves a checkpoint that resume accepts. Runs on: every rank (``trainer.save_checkpoint`` is collective)."""
         path = Path(self.broadcast(os.fspath(filepath)))
         tmp = temporary_sibling(path, self.broadcast(uuid.uuid4().hex[:12]))
         complete_checkpoint(checkpoint, self._rlhf_module(), self._pools if self._placed else None)
@@ -496,17 +459,17 @@ class RLHFStrategy(ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state for a checkpoint; with a placement, only what this rank holds, and with LoRA, no frozen
         base weights (``checkpoint.pooled``). Runs on: every rank."""
-        if not self._by_role:
-            return super().lightning_module_state_dict()
-        return pooled_model_state(self._rlhf_module())
+        return pooled_model_state(self._rlhf_module()) if self._by_role else super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """One optimizer's state for a checkpoint; with a placement, relative to its role's model (empty on a rank
         outside the role's pool). Runs on: every rank."""
-        if not self._by_role:
-            return super().optimizer_state(optimizer)
-        return pooled_optimizer_state(self._rlhf_module(), optimizer)
+        return (
+            pooled_optimizer_state(self._rlhf_module(), optimizer)
+            if self._by_role
+            else super().optimizer_state(optimizer)
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
