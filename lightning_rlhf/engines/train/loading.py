@@ -6,21 +6,11 @@ they hold no memory, then let each rank read only its own rows from the safetens
     shard_model(model, mesh)                         # fully_shard on meta: nothing allocated yet
     report = materialize(model, device=device)       # this rank's rows, straight from the file
 
-Without sharding, :func:`materialize` fills whole tensors (each "shard" is the full tensor). Buffers are built
-for real (e.g. Qwen2's rotary ``inv_freq``, a non-persistent buffer computed in ``__init__``) and survive.
-
-Why not ``from_pretrained`` then shard: every rank then holds the whole model in float32 at once (4 bytes per
-parameter, times the number of ranks on a node) before FSDP2 frees all but its shard. Here a rank's peak is its
-shard plus one tensor's rows in flight. The files are read with the safetensors library: ``safe_open`` parses
-and validates the headers, and ``get_slice(key)[first:last]`` gives this rank's rows as a view of the file's
-memory map (only those pages are read), copied, and cast if need be, straight into the rank's storage. The pages
-of a memory map count in the resident size until it is unmapped, so every tensor is read through its own
-``safe_open`` and the map is dropped before the next one: at most one tensor's rows are mapped at a time.
-
-Why not torch's ``HuggingFaceStorageReader`` (``torch.distributed.checkpoint``): it opens each file once for all
-the tensors read from it (so a rank's rows of a whole multi-GB file stay mapped, and count, until the file is
-done), needs a state dict keyed by checkpoint names and a load plan (a collective, where ``materialize`` has
-none), while the name matching (base-model prefix, tied weights, new heads) would still be ours.
+Why not ``from_pretrained`` then shard: every rank would hold the whole model in float32 at once before FSDP2
+frees all but its shard; here a rank's peak is its shard plus one tensor's rows in flight (docs/architecture.md).
+Why not torch's ``HuggingFaceStorageReader``: it keeps a rank's rows of a whole file mapped (and counted in the
+resident size) until the file is done, and needs a load plan (a collective), while the name matching would
+still be ours.
 """
 
 from __future__ import annotations
@@ -88,19 +78,12 @@ class _Entry:
     shape: tuple[int, ...]
 
     @property
-    def rows(self) -> int:
-        """Rows (dimension 0); a 0-dim tensor is one row."""
+    def rows(self) -> int:  # a 0-dim tensor is one row
         return self.shape[0] if self.shape else 1
 
     @property
-    def row_bytes(self) -> int:
-        """Bytes of one row in the file."""
+    def row_bytes(self) -> int:  # in the file
         return (math.prod(self.shape[1:]) if self.shape else 1) * self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole tensor in the file."""
-        return self.rows * self.row_bytes
 
 
 @dataclass(frozen=True)
@@ -125,10 +108,9 @@ class LoadReport:
         tensors: Parameters and buffers filled from the checkpoint.
         seconds: Wall time of the call (allocation included).
         fresh: Names of the parameters initialised fresh (absent from the checkpoint, e.g. a new ``score`` head).
-        local_bytes: Bytes of this rank's parameter storage (its FSDP2 shards, or whole tensors unsharded).
+        local_bytes: Bytes of this rank's parameter storage.
         largest_tensor_bytes: Bytes of the largest full parameter, in the model's dtype.
-        checkpoint_bytes: Bytes, in the checkpoint, of all the tensors the model takes from it (what one rank
-            would read without sharding).
+        checkpoint_bytes: Bytes, in the checkpoint, of all the tensors the model takes from it.
     """
 
     bytes_read: int = 0
@@ -143,9 +125,7 @@ class LoadReport:
 @contextmanager
 def deferred_loading(enabled: bool = True) -> Iterator[None]:
     """Inside this context :func:`load_pretrained` (with ``deferred=None``) builds models on the meta device.
-
-    Runs on: every worker rank (the strategy enters it around the roles' ``load``). Nests; restores on exit.
-    """
+    Runs on: every worker rank (the strategy enters it around the roles' ``load``). Nests; restores on exit."""
     token = _DEFERRED.set(bool(enabled))
     try:
         yield
@@ -166,38 +146,24 @@ def rename_source(
 ) -> None:
     """Carry the checkpoint plan of a deferred ``base`` model over to ``wrapped`` (the same modules under other names,
     e.g. a ``peft`` model): each of ``wrapped``'s tensors reads the entry of ``to_base(name)``; its parameters that
-    map to nothing of ``base`` (adapters) start fresh, from ``fresh_value(name, param)`` where it gives a value (the
-    same on every rank). Nothing happens for a model loaded whole.
-
-    Runs on: every process (a role's ``load``, before sharding).
+    map to nothing of ``base`` (adapters) start fresh, from ``fresh_value(name, param)`` where it gives a value.
+    Nothing happens for a model loaded whole. Runs on: every process (a role's ``load``, before sharding).
     """
     source: _Source | None = base.__dict__.get(_SOURCE_ATTR)
     if source is None:
         return
-    entries = {
-        name: source.entries[to_base(name)] for name, _ in wrapped.named_buffers() if to_base(name) in source.entries
-    }
-    fresh: list[str] = []
-    for name, _ in wrapped.named_parameters():
-        original = to_base(name)
-        if original in source.entries:
-            entries[name] = source.entries[original]
-        else:  # a fresh head of the base, or a parameter the base does not have
-            fresh.append(name)
-    renamed = dataclasses.replace(source, entries=entries, fresh=tuple(fresh), fresh_value=fresh_value)
+    tensors = [*wrapped.named_buffers(), *wrapped.named_parameters()]
+    entries = {name: source.entries[to_base(name)] for name, _ in tensors if to_base(name) in source.entries}
+    # a fresh head of the base, or a parameter the base does not have (an adapter)
+    fresh = tuple(name for name, _ in wrapped.named_parameters() if to_base(name) not in source.entries)
+    renamed = dataclasses.replace(source, entries=entries, fresh=fresh, fresh_value=fresh_value)
     setattr(wrapped, _SOURCE_ATTR, renamed)
 
 
 def needs_materialize(model: nn.Module) -> bool:
-    """True when ``model`` came from a deferred :func:`load_pretrained` and still has parameters on meta.
-
-    Runs on: any process.
-    """
+    """True when ``model`` came from a deferred :func:`load_pretrained` and still has parameters on meta. Runs on:
+    any process."""
     return getattr(model, _SOURCE_ATTR, None) is not None and any(p.is_meta for p in model.parameters())
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Checkpoint files and headers
 
 
 def _open(file: str, *, setting: str) -> safe_open:
@@ -244,10 +210,11 @@ def _locate(path: str, name: str) -> str | None:
 
 def safetensors_index(path: str, *, setting: str = "model") -> dict[str, _Entry]:
     """Every tensor of the checkpoint at ``path`` (sharded via ``model.safetensors.index.json``, or one file):
-    key -> file, dtype and shape. Reads only the headers (through ``safetensors.safe_open``).
+    key -> file, dtype and shape, from the headers only. Runs on: any process.
 
-    Runs on: any process. Raises FileNotFoundError (naming ``setting``) when there are no safetensors files, and
-    ValueError when a file is not a complete safetensors file or holds a dtype not read here.
+    Raises:
+        FileNotFoundError: no safetensors files there (naming ``setting``).
+        ValueError: a file is not a complete safetensors file, or holds a dtype not read here.
     """
     index = _locate(path, "model.safetensors.index.json")
     if index is not None:
@@ -272,10 +239,6 @@ def safetensors_index(path: str, *, setting: str = "model") -> dict[str, _Entry]
             "safe_serialization=True), or load it without deferred loading."
         )
     return _read_header(single, setting=f"{setting}={path!r}")
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Building with parameters on meta
 
 
 @contextmanager
@@ -391,14 +354,11 @@ def load_pretrained(
     Runs on: every worker rank (each builds its own copy; deferred, nothing is read but the headers).
 
     Args:
-        auto_class: ``AutoModelForCausalLM``, ``AutoModelForTokenClassification``, ... (or a model class).
-        path: A local folder (or a cached hub id) with ``config.json`` and safetensors files.
         setting: The user setting that named ``path`` (e.g. ``"CriticRole(path=...)"``), for error messages.
         dtype: Storage dtype of the parameters (the checkpoint's tensors are converted to it as they are read).
         deferred: None follows :func:`loading_deferred`. False: ``auto_class.from_pretrained(path, dtype=dtype,
-            **kwargs)``, bit-identical to calling it directly. True: ``AutoConfig.from_pretrained(path, **kwargs)``
-            then ``auto_class.from_config(config, dtype=dtype)`` with every parameter on the meta device (buffers
-            real), in eval mode like ``from_pretrained``; call :func:`materialize` (after sharding) before use.
+            **kwargs)``. True: ``auto_class.from_config`` with every parameter on the meta device (buffers real),
+            in eval mode like ``from_pretrained``; call :func:`materialize` (after sharding) before use.
         **kwargs: As for ``from_pretrained`` (e.g. ``num_labels=1``); ``attn_implementation`` and
             ``trust_remote_code`` go to ``from_config``, the rest update the config.
 
@@ -432,10 +392,6 @@ def load_pretrained(
     return model.eval()
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Materialising this rank's rows
-
-
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``(local tensor, first row, row count)`` of this rank: FSDP2 ``Shard(0)`` rows, or the whole tensor."""
     if not isinstance(param, DTensor):
@@ -467,12 +423,9 @@ def _fresh_full(model: nn.Module, name: str, param: torch.Tensor, std: float) ->
 
 def _read_rows(entry: _Entry, first: int, count: int, dest: torch.Tensor, *, setting: str) -> int:
     """Fill ``dest`` (``count`` rows, any dtype and device) with rows ``[first, first+count)`` of ``entry``;
-    returns the bytes read from the file.
-
-    The rows come from ``safe_open(...).get_slice(key)[first:first+count]``: a view of the file's memory map, so
-    only those pages are read, and ``copy_`` casts them to ``dest``'s dtype. The file is opened for this one
-    tensor and the view dropped before it closes, which unmaps it: mapped pages count in the resident size, and
-    this way no more than one tensor's rows are ever mapped.
+    returns the bytes read from the file. The rows are a view of the file's memory map (only those pages are read),
+    cast by ``copy_``. The file is opened for this one tensor and unmapped before the next: mapped pages count in
+    the resident size, and this way no more than one tensor's rows are ever mapped.
     """
     nbytes = count * entry.row_bytes
     if nbytes == 0:
@@ -532,11 +485,10 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> LoadReport:
 
     Call after ``fully_shard`` (:func:`~lightning_rlhf.engines.train.fsdp.shard_model`) and before the first
     forward, or on an unsharded model (whole tensors). A DTensor parameter (FSDP2 ``Shard(0)``) gets rows
-    ``[r*ceil(n/w), min((r+1)*ceil(n/w), n))``, copied from the file's memory map (``safetensors.safe_open``,
-    ``get_slice``) into the shard and cast on the way when the dtypes differ (as ``from_pretrained(dtype=...)``
-    casts). Parameters the checkpoint lacks (a new head) get a deterministic full initial value, the same on
-    every rank (weights normal(0, ``config.initializer_range``), biases zeros, norm weights ones), then this
-    rank's rows. Buffers keep the values they were built with (persistent ones in the checkpoint are read whole).
+    ``[r*ceil(n/w), min((r+1)*ceil(n/w), n))``, cast on the way as ``from_pretrained(dtype=...)`` casts. Parameters
+    the checkpoint lacks (a new head) get a deterministic full initial value, the same on every rank (weights
+    normal(0, ``config.initializer_range``), biases zeros, norm weights ones), then this rank's rows. Buffers keep
+    the values they were built with (persistent ones in the checkpoint are read whole).
 
     Runs on: every worker rank (no collective; every rank reads its own rows).
 
@@ -552,7 +504,9 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> LoadReport:
             "HINT: load it with load_pretrained inside deferred_loading(), or do not call materialize on it."
         )
     _allocate(model, torch.device(device))
-    report = LoadReport(fresh=list(source.fresh), checkpoint_bytes=sum(e.nbytes for e in source.entries.values()))
+    report = LoadReport(
+        fresh=list(source.fresh), checkpoint_bytes=sum(e.rows * e.row_bytes for e in source.entries.values())
+    )
     setting = f"{source.setting}={source.path!r}"
     with torch.no_grad():
         for name, param in model.named_parameters():
