@@ -70,8 +70,6 @@ class HybridEngine:
     Runs on: every rank of the role's pool (each holds its engine, or its share of a TP engine).
 
     Args:
-        rollout: the sampling settings (``verify_every`` thins the hand-off checks).
-        tokenizer: the policy's tokenizer (pad and EOS ids).
         model_path: the policy's folder or hub id (its ``generation_config.json`` EOS ids; the adapter's base).
         trainer: the training side it is colocated with (the actor); None for a generation-only pool, whose weights
             come over a bridge (:meth:`receive`).
@@ -88,14 +86,10 @@ class HybridEngine:
         self.weights_version = 0  # bumped whenever the trainer's weights change (mark_changed)
         self.engine_version = 0 if trainer is not None else -1
         """The version the engine holds (a pool's: the number of updates behind it, -1 before the first)."""
-        self.sent_version: int | None = None
-        """The version the generation-only pool holds (None: nothing valid)."""
-        self.wait_s = 0.0
-        """Seconds the last hand-off waited for the other ranks to arrive (the shared store's entry barrier)."""
-        self.engine_bytes = 0
-        """Bytes this rank's engine took in the last hand-off (``perf/weight_sync_bytes``)."""
-        self.verify_s = 0.0
-        """Seconds the last hand-off's check took (``perf/weight_verify_s``; 0 when it was not checked)."""
+        self.sent_version: int | None = None  # the version the generation-only pool holds (None: nothing valid)
+        self.wait_s = 0.0  # seconds the last hand-off waited for the other ranks (the shared store's entry barrier)
+        self.engine_bytes = 0  # bytes this rank's engine took in the last hand-off (perf/weight_sync_bytes)
+        self.verify_s = 0.0  # seconds the last hand-off's check took (perf/weight_verify_s; 0: not checked)
         self._hand_offs = 0
         self._adapter_root: str | None = None
         self._shared: tuple[Any, Any, WeightStore | None] | None = None
@@ -112,7 +106,8 @@ class HybridEngine:
 
         Runs on: every rank of the role's pool, each on its share of the prompts.
         """
-        engine, pool = self.rollout_engine, self.trainer is None
+        engine = self.rollout_engine
+        pool = self.trainer is None
         if pool and (self.engine_version < 0 or engine.weights_discarded):
             raise RuntimeError(
                 "RolloutRole.generate: the engine has no weights yet. HINT: hand the actor's weights over first "
@@ -156,12 +151,9 @@ class HybridEngine:
 
     def release_device_memory(self) -> None:
         """Give the device memory the trainer does not need while the engine generates back to the device: FSDP
-        units left unsharded are resharded (FSDP2 keeps the root's parameters unsharded after a forward without
-        backward, e.g. ``log_prob``), and on a GPU ``torch.cuda.empty_cache()`` returns PyTorch's cached blocks,
-        which vLLM's sleep-mode allocator, outside PyTorch's cache, could not otherwise use.
-
-        Runs on: every worker rank (no collective: resharding frees the local copy only).
-        """
+        units left unsharded (the root, after a forward without backward) are resharded, and on a GPU
+        ``empty_cache()`` returns PyTorch's cached blocks, which vLLM's sleep-mode allocator could not otherwise use.
+        Runs on: every worker rank (no collective: resharding frees the local copy only)."""
         trainer = self._trainer()
         if trainer.model is None:
             return
@@ -173,11 +165,9 @@ class HybridEngine:
 
     def sync(self) -> tuple[float, int]:
         """Hand the trainer's latest weights to the colocated engine (if they changed, or the engine lost its own),
-        then check them when due (:meth:`verify`). The one place that decides how: the LoRA adapters alone, for an
-        engine that takes them (``takes_adapters``: vLLM with ``VLLMConfig.lora_handoff="adapter"``); the host's
-        shared store of the device layer (``weight_store``: one copy of the weights per host); else a stream out of
-        the FSDP shards (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`: full tensors, a
-        tensor-parallel engine's slices, or merged LoRA weights).
+        then check them when due (:meth:`verify`). The one place that decides how: the LoRA adapters alone
+        (``VLLMConfig.lora_handoff="adapter"``); the device layer's shared store (one copy per host); else a stream
+        out of the FSDP shards (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`).
 
         Runs on: every worker rank (the gathers are collectives, in the same order everywhere). Returns ``(seconds,
         bytes this rank received from the other ranks)``; the seconds leave out the wait for the other ranks to
@@ -191,7 +181,8 @@ class HybridEngine:
         assert model is not None
         t0 = time.perf_counter()
         received, taken = [0], [0]  # taken: what the engine takes, perf/weight_sync_bytes
-        lora, due = self._trainer().lora is not None, self._due()
+        lora = self._trainer().lora is not None
+        due = self._due()
         if self._shared is None or self._shared[0] is not engine or self._shared[1] is not model:
             # LoRA streams merged weights (the base's names): no store shares the trainer's own tensors then.
             self._shared = (engine, model, None if lora else layer.weight_store(engine, model))
@@ -255,10 +246,8 @@ class HybridEngine:
 
     def verify(self, expected: dict[str, Fingerprint] | None = None) -> None:
         """Check the hand-off just made (:meth:`sync` calls it when ``RolloutConfig.verify_every`` says it is due):
-        the sums of a few rows of each tensor the engine reports (its ``fingerprint``) against ``expected`` (the
-        fingerprints of a stream the trainer made: merged LoRA weights), else against
-        :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of the rows this rank trains (of this
-        rank's TP slices for a tensor-parallel engine). The seconds go to :attr:`verify_s`.
+        the engine's ``fingerprint`` against ``expected`` (of a stream the trainer made: merged LoRA weights), else
+        against :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of the rows this rank trains.
 
         Runs on: every worker rank of the trainer (no collective where the model is row-sharded).
 
@@ -385,9 +374,8 @@ def _slicer(engine: Any, model: nn.Module) -> Slicer | None:
 def _tapped(
     stream: Iterator[tuple[str, Tensor]], prints: dict[str, Fingerprint], slicer: Slicer | None, tp_size: int
 ) -> Iterator[tuple[str, Tensor]]:
-    """``stream`` (full tensors) unchanged, the fingerprint of each put in ``prints`` by name as it passes (the first,
-    middle and last rows, all of a one-dimensional one; of this rank's TP slice with a ``slicer``): the trainer's side
-    of a hand-off whose tensors are computed on the way (merged LoRA weights). Runs on: every worker rank."""
+    """``stream`` (full tensors) unchanged, the fingerprint of each (of this rank's TP slice with a ``slicer``) put in
+    ``prints`` as it passes: the trainer's side of a hand-off computed on the way. Runs on: every worker rank."""
     for name, tensor in stream:
         region = slicer(name, tuple(tensor.shape), world()[0] % tp_size) if slicer is not None else None
         held = tensor if region is None else tensor.narrow(region.dim, region.start, region.length)
@@ -399,8 +387,7 @@ def _tapped(
 
 def _gathered(prints: dict[str, Fingerprint], model: nn.Module, dst: int) -> dict[str, Fingerprint]:
     """Every rank's :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of ``model``, merged on rank
-    ``dst`` (the rows of each rank's shard: together, the fingerprints of the full tensors); ``{}`` elsewhere. Runs
-    on: every rank of the model's mesh (a gather over it)."""
+    ``dst`` (together, the fingerprints of the full tensors); ``{}`` elsewhere. Runs on: every rank of the mesh."""
     from torch import distributed as dist
 
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
@@ -412,10 +399,9 @@ def _gathered(prints: dict[str, Fingerprint], model: nn.Module, dst: int) -> dic
         return {}
     merged: dict[str, Fingerprint] = {}
     for name in prints:
-        parts = [p[name] for p in everyone]
-        k = [len(rows) for rows, _ in parts]
-        values = [sums[:n] for (_, sums), n in zip(parts, k, strict=True)]
-        scales = [sums[n:] for (_, sums), n in zip(parts, k, strict=True)]
+        parts = [p[name] for p in everyone]  # each rank's (rows, its sums then its scales)
+        values = [sums[: len(rows)] for rows, sums in parts]
+        scales = [sums[len(rows) :] for rows, sums in parts]
         merged[name] = ([r for rows, _ in parts for r in rows], torch.cat(values + scales))
     return merged
 
@@ -445,8 +431,8 @@ def sample_rollout(
     n = 1 if greedy else (n or cfg.n)
     stops = {tokenizer.eos_token_id, *cfg.stop_token_ids, *(generation_eos_ids(model_path) if model_path else ())}
     stops.discard(None)
-    rank, _ = world()
     step = int(batch.meta.get("step", 0))
+    sampling_round = int(batch.meta.get("sampling_round", 0))
     params = SamplingParams(
         n=n,
         temperature=cfg.temperature if temperature is None else temperature,
@@ -455,11 +441,7 @@ def sample_rollout(
         max_new_tokens=cfg.max_new_tokens,
         min_new_tokens=cfg.min_new_tokens,
         stop_token_ids=tuple(sorted(stops)),
-        seed=cfg.seed * 1_000_003
-        + step * 7919
-        + rank
-        + int(batch.meta.get("sampling_round", 0)) * 104_729
-        + seed_offset,
+        seed=cfg.seed * 1_000_003 + step * 7919 + world()[0] + sampling_round * 104_729 + seed_offset,
         greedy=greedy,
     )
     if episodes is not None:  # multi-turn episodes with the module's environment (lightning_rlhf.agents)

@@ -45,14 +45,12 @@ def forward_response(
     group_size: int = 1,
     kernels: TokenKernels | None = None,
 ) -> dict[str, Tensor]:
-    """Run ``model`` on the batch and return outputs aligned with ``responses`` (``[B, R]`` each).
+    """Run ``model`` on the batch and return outputs aligned with ``responses`` (``[B, R]`` each). The causal LM
+    computes logits only at the positions that predict response tokens (``logits_to_keep``, inside the model's own
+    forward, so FSDP's hooks see one root call); log-probs and entropy come from
+    :func:`~lightning_rlhf.algorithms.functional.logprobs_and_entropy`, block by block in float32.
 
     Runs on: worker (every rank of the role together: the model is FSDP-sharded).
-
-    The causal LM computes logits only at the ``R`` positions that predict response tokens (a tensor
-    ``logits_to_keep``, inside the model's own forward, so FSDP's hooks see one root call); log-probs and entropy
-    come from :func:`~lightning_rlhf.algorithms.functional.logprobs_and_entropy`, block by block in float32, so
-    no second ``[B, R, V]`` tensor is made (no upcast copy, no tempered copy, no ``log_softmax``).
 
     Args:
         model: a causal LM (``output="logprobs"``) or a token classifier with one label (``"values"``).

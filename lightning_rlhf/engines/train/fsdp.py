@@ -121,9 +121,8 @@ def full_tensors(
     assembled at once.
 
     Runs on: every worker rank, in the same order (the gathers are collectives). Row-sharded parameters go a bucket
-    of up to ``bucket_bytes`` at a time (one exchange per bucket instead of one per parameter: on gloo that is most
-    of a small model's hand-off); other DTensors one by one. With ``dtype`` the shards are cast before they are sent.
-    ``received[0]`` grows by the bytes this rank gets from the others.
+    of up to ``bucket_bytes`` at a time (one exchange per parameter was most of a small model's hand-off on gloo).
+    With ``dtype`` the shards are cast before they are sent. ``received[0]`` grows by the bytes from the others.
 
     Args:
         transport: how a bucket moves. ``"collective"``: one ``all_gather_into_tensor``. ``"shared"``: through
@@ -180,8 +179,7 @@ _Item = tuple[str, torch.Tensor] | list[RowShard]
 
 
 def _plan(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> Iterator[_Item]:
-    """The hand-off's steps in parameter order: a bucket of row-sharded parameters (a list), or one other
-    parameter ``(name, tensor)``."""
+    """The hand-off's steps in order: a bucket of row-sharded parameters (a list), or one other ``(name, tensor)``."""
     positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}  # per mesh: (group, size, rank); asking is slow
     bucket: list[RowShard] = []
     size = 0
@@ -237,8 +235,8 @@ def _shared_buffer(
 def _share_bucket(
     bucket: list[RowShard], received: list[int] | None, dtype: torch.dtype | None, buffer: HostBuffer, views: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each rank writes its rows of the bucket's parameters into place in the full tensors laid end to end in
-    the buffer's next half (cast on the way), one barrier, then each full tensor is read where it lies."""
+    """Each rank writes its rows of the bucket's parameters into place in the buffer's next half (cast on the way),
+    one barrier, then each full tensor is read where it lies."""
     out_dtype = dtype or bucket[0].local.dtype
     numels = [s.shape.numel() for s in bucket]
     flat = buffer.next_half(sum(numels) * out_dtype.itemsize).view(out_dtype)

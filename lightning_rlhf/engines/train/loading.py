@@ -101,17 +101,9 @@ class _Source:
 
 @dataclass
 class LoadReport:
-    """What one :func:`materialize` call did on this rank.
-
-    Attributes:
-        bytes_read: Bytes read from the checkpoint files (only this rank's rows).
-        tensors: Parameters and buffers filled from the checkpoint.
-        seconds: Wall time of the call (allocation included).
-        fresh: Names of the parameters initialised fresh (absent from the checkpoint, e.g. a new ``score`` head).
-        local_bytes: Bytes of this rank's parameter storage.
-        largest_tensor_bytes: Bytes of the largest full parameter, in the model's dtype.
-        checkpoint_bytes: Bytes, in the checkpoint, of all the tensors the model takes from it.
-    """
+    """What one :func:`materialize` call did on this rank: the bytes it read (this rank's rows), the parameters
+    and buffers it filled, its wall time, the parameters initialised fresh (e.g. a new ``score`` head), the bytes of
+    this rank's parameter storage, of the largest full parameter, and of all the model's tensors in the checkpoint."""
 
     bytes_read: int = 0
     tensors: int = 0
@@ -167,8 +159,8 @@ def needs_materialize(model: nn.Module) -> bool:
 
 
 def _open(file: str, *, setting: str) -> safe_open:
-    """``safe_open(file, framework="pt")`` (memory-maps the file, reads and validates its header), with the
-    library's error for a file that is not a complete safetensors file turned into one naming the setting."""
+    """``safe_open(file, framework="pt")``, a file that is not a complete safetensors file refused naming the
+    setting."""
     try:
         return safe_open(file, framework="pt")
     except SafetensorError as err:
@@ -243,11 +235,9 @@ def safetensors_index(path: str, *, setting: str = "model") -> dict[str, _Entry]
 
 @contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside goes to the meta device (buffers stay where they are built).
-
-    Not thread-safe: patches ``nn.Module.register_parameter`` for the duration. A parameter already on meta is
-    registered as is, so weight tying (``lm_head.weight = embed_tokens.weight``) keeps one shared parameter.
-    """
+    """Every parameter registered inside goes to the meta device (buffers stay where they are built). Not
+    thread-safe: patches ``nn.Module.register_parameter``. A parameter already on meta is registered as is, so weight
+    tying keeps one shared parameter."""
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -263,18 +253,9 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS}
-    model_kwargs = {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS}
-    if "trust_remote_code" in kwargs:
-        config_kwargs["trust_remote_code"] = kwargs["trust_remote_code"]
-    return config_kwargs, model_kwargs
-
-
 def _checkpoint_keys(model: nn.Module, name: str) -> list[str]:
-    """The keys under which a checkpoint may hold model tensor ``name``: itself, with or without the base model's
-    prefix (a token classifier's ``model.*`` = a causal LM's ``model.*``; a bare ``Qwen2Model`` checkpoint has
-    ``layers.*``), and the names of parameters tied to it."""
+    """The keys under which a checkpoint may hold model tensor ``name``: itself and the names of parameters tied to
+    it, each with or without the base model's prefix (a bare ``Qwen2Model`` checkpoint has ``layers.*``)."""
     names = [name]
     tied: dict[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
     names += [target for target, source in tied.items() if source == name]
@@ -297,9 +278,8 @@ def _is_head(model: nn.Module, name: str) -> bool:
 def _plan(
     model: nn.Module, entries: dict[str, _Entry], *, path: str, setting: str
 ) -> tuple[dict[str, _Entry], list[str]]:
-    """Matches every parameter and persistent buffer of ``model`` to a checkpoint tensor; raises ValueError naming
-    the setting, the path and what is missing or mis-shaped. Parameters of a task head that the checkpoint's
-    architecture does not have (e.g. ``score.*`` from a causal-LM checkpoint) are returned as fresh."""
+    """Match every parameter and persistent buffer of ``model`` to a checkpoint tensor (ValueError naming what is
+    missing or mis-shaped); a task head the checkpoint's architecture lacks (e.g. ``score.*``) is returned fresh."""
     config = getattr(model, "config", None)
     architectures = list(getattr(config, "architectures", None) or [])
     new_head = type(model).__name__ not in architectures  # built as another class than the checkpoint was saved as
@@ -349,7 +329,7 @@ def load_pretrained(
     deferred: bool | None = None,
     **kwargs: Any,
 ) -> nn.Module:
-    """Load a transformers model: whole (today's ``from_pretrained``), or deferred with parameters on meta.
+    """Load a transformers model: whole (``from_pretrained``), or deferred with parameters on meta.
 
     Runs on: every worker rank (each builds its own copy; deferred, nothing is read but the headers).
 
@@ -364,8 +344,8 @@ def load_pretrained(
 
     Raises:
         FileNotFoundError: deferred, and ``path`` has no safetensors checkpoint.
-        ValueError: deferred, and the checkpoint lacks a tensor the model needs (other than a new task head's, or
-            a tied parameter's), or holds one with another shape. Both are raised before any weight is allocated.
+        ValueError: deferred, and the checkpoint lacks a tensor the model needs (other than a new task head's), or
+            holds one with another shape. Both are raised before any weight is allocated.
     """
     if deferred is None:
         deferred = loading_deferred()
@@ -375,7 +355,8 @@ def load_pretrained(
     from transformers import AutoConfig, GenerationConfig
 
     entries = safetensors_index(path, setting=setting)  # the files exist and their headers parse
-    config_kwargs, model_kwargs = _split_kwargs(kwargs)
+    config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS or k == "trust_remote_code"}
+    model_kwargs = {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS}
     config = AutoConfig.from_pretrained(path, **config_kwargs)
     with _parameters_on_meta():
         model = auto_class.from_config(config, dtype=dtype, **model_kwargs)  # type: ignore[attr-defined]
@@ -409,8 +390,8 @@ def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def _fresh_full(model: nn.Module, name: str, param: torch.Tensor, std: float) -> torch.Tensor:
-    """The full initial value of a parameter the checkpoint lacks: same on every rank (seeded by its name).
-    Biases zeros; norm weights ones; other weights normal(0, std)."""
+    """The full initial value of a parameter the checkpoint lacks, the same on every rank (seeded by its name):
+    biases zeros, norm weights ones, other weights normal(0, std)."""
     owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "bias":
@@ -493,8 +474,7 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> LoadReport:
     Runs on: every worker rank (no collective; every rank reads its own rows).
 
     Raises:
-        ValueError: ``model`` did not come from a deferred :func:`load_pretrained`, or a checkpoint file changed
-            since (no longer a safetensors file, or without a tensor it had).
+        ValueError: ``model`` did not come from a deferred :func:`load_pretrained`, or a checkpoint file changed since.
     """
     began = time.perf_counter()
     source: _Source | None = getattr(model, _SOURCE_ATTR, None)

@@ -80,9 +80,8 @@ def resolve_lora(
 
     Raises:
         ValueError: an unknown field, a rank that is not a positive integer, dropout outside [0, 1), a ``bias``
-            other than ``none`` (a trained base bias would be one more full-size thing to hand off), a folder
-            without a peft LoRA adapter, or (with ``model``) targets that match no linear layer or a rank larger
-            than a targeted layer takes.
+            other than ``none``, a folder without a peft LoRA adapter, or (with ``model``) targets that match no
+            linear layer or a rank larger than a targeted layer takes.
     """
     if lora is None:
         return None
@@ -145,8 +144,7 @@ def _saved_adapter_config(folder: str, *, setting: str) -> Any:
 
 
 def adapter_start(config: Any) -> str | None:
-    """The saved adapter folder whose weights ``config``'s adapters start from (``lora="folder"``), or None: fresh
-    adapters. Runs on: any process."""
+    """The saved adapter folder ``config``'s adapters start from, or None: fresh adapters. Runs on: any process."""
     return getattr(config, _START_ATTR, None)
 
 
@@ -191,7 +189,7 @@ def check_lora_model(config: Any, model: str, *, setting: str) -> None:
 
 def _check_targets(model: nn.Module, config: Any, *, setting: str) -> None:
     """Fail, naming the setting and the fix, when ``config`` targets no linear layer of ``model`` or its rank exceeds
-    the smaller dimension of a targeted layer (the bound given is the smallest over every targeted layer)."""
+    the smaller dimension of a targeted layer."""
     targets = target_layers(model, config)
     if not targets:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})

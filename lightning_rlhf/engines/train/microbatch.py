@@ -123,10 +123,9 @@ def plan_micro_batches(lengths: Lengths, *, max_rows: int, max_tokens: int) -> l
     """Row indices of each micro-batch: rows sorted by length (stable: ties keep their order), packed greedily
     into micro-batches of at most ``max_rows`` rows and at most ``max_tokens`` padded tokens.
 
-    Runs on: any process (every worker rank, on its own rows; deterministic). The padded tokens of a micro-batch are
-    its rows x its longest row; with tuple lengths (segments padded separately, e.g. ``(prompt, response)``) its
-    rows x the sum of each segment's longest, which is exactly what a forward of the trimmed micro-batch costs.
-    A row that alone costs more than ``max_tokens`` gets a micro-batch of its own.
+    Runs on: any process (deterministic). A micro-batch's padded tokens are its rows x its longest row; with tuple
+    lengths (segments padded separately, e.g. ``(prompt, response)``) its rows x the sum of each segment's longest:
+    what a forward of the trimmed micro-batch costs. A row over ``max_tokens`` alone gets a micro-batch of its own.
 
     Raises:
         ValueError: ``max_rows`` or ``max_tokens`` below 1, a negative length, or rows of different segment counts.

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat.transformers import attention_implementation
@@ -99,20 +101,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> T
     return torch.matmul(weights, v.contiguous())
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The packed attention builds its own masks from the layout."""
-    return None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTENTION_NAME, _attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
-
-
-_register()
+AttentionInterface.register(ATTENTION_NAME, _attention)
+AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)  # the attention makes its own masks
 
 
 def shares_prompts(model: nn.Module, batch: Batch, group_size: int) -> bool:
