@@ -1,10 +1,8 @@
 """The hybrid engine: one generating role's rollout engine, its memory phases, its weight hand-offs and its version.
 
-A generating role (the actor, with its colocated engine; a generation-only rollout pool) keeps one
-:class:`HybridEngine`: it drives the memory phases of a colocated rollout, decides how weights reach the engine
-(:meth:`HybridEngine.sync`, or a pool's :meth:`HybridEngine.send` / :meth:`HybridEngine.receive`), verifies every
-hand-off (``RolloutConfig.verify_every``) and counts the policy versions. See docs/hybrid-engine.md ("Memory phases",
-"Every hand-off is checked"). It sits above the rollout engines and the agents, below the roles.
+A generating role (the actor; a generation-only rollout pool) keeps one :class:`HybridEngine`: it drives the memory
+phases of a colocated rollout, decides how weights reach the engine, verifies every hand-off and counts the policy
+versions (docs/hybrid-engine.md). It sits above the rollout engines and the agents, below the roles.
 """
 
 from __future__ import annotations
@@ -169,9 +167,8 @@ class HybridEngine:
         (``VLLMConfig.lora_handoff="adapter"``); the device layer's shared store (one copy per host); else a stream
         out of the FSDP shards (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`).
 
-        Runs on: every worker rank (the gathers are collectives, in the same order everywhere). Returns ``(seconds,
-        bytes this rank received from the other ranks)``; the seconds leave out the wait for the other ranks to
-        arrive at the shared store (:attr:`wait_s`) and the check (:attr:`verify_s`).
+        Runs on: every worker rank (the gathers are collectives). Returns ``(seconds, bytes this rank received from
+        the other ranks)``; the seconds leave out the wait at the shared store (:attr:`wait_s`) and the check.
         """
         engine, model = self.rollout_engine, self._trainer().model
         layer = self._trainer().train_engine.layer  # the device layer the strategy chose (the CPU's shared store)
@@ -282,8 +279,7 @@ class HybridEngine:
         trainer = self._trainer()
         model = trainer.model
         assert model is not None
-        held = self.sent_version
-        send = held is None or version + lag - held > max_staleness
+        send = self.sent_version is None or version + lag - self.sent_version > max_staleness
         t0 = time.perf_counter()
         received = [0]
         dtype, layer = trainer.train_engine.param_dtype or torch.float32, trainer.train_engine.layer

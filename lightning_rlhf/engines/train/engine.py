@@ -139,8 +139,7 @@ def make_optimizer(
 class TrainEngine:
     """One role model's engine: shard and materialise it, run it in micro-batches, step its optimizer.
 
-    Runs on: every worker rank (one engine per role model per process; all ranks call its methods together,
-    since the forwards are FSDP collectives).
+    Runs on: every worker rank (one engine per role model per process; all ranks call its methods together).
 
     Args:
         micro_batch_size: rows per forward (and backward) on one rank.
@@ -481,9 +480,7 @@ def _kept_whole(model: nn.Module, whole: bool, *, backward: bool) -> Iterator[li
     """``whole`` (``TrainEngine.reshard_in_update`` off): the FSDP modules of ``model`` set to stay unsharded after
     forward (and, for an update, after backward) for the call's duration, and resharded afterwards; else no modules.
     Runs on: every worker rank."""
-    units: list[FSDPModule] = []
-    if whole:
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)] if whole else []
     inner = [unit for unit in units if unit is not model]  # the root does not reshard after forward anyway
     for unit in inner:
         unit.set_reshard_after_forward(False, recurse=False)

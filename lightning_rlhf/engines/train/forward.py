@@ -60,8 +60,7 @@ def forward_response(
             skips its term).
         chunk_elements: logits handled at once by the log-prob/entropy blocks (memory/speed only).
         group_size: rows come in consecutive groups of this many samples of one prompt (a rollout's ``n``): when
-            they do (checked) and the model is Llama-family, each group's prompt is computed once
-            (:mod:`~lightning_rlhf.engines.train.prefix`). 1: per row.
+            they do and the model is Llama-family, each prompt is computed once (``engines/train/prefix.py``).
         kernels: the token log-prob kernels to try (``train_engine.layer.token_kernels()``); None: PyTorch's ops.
 
     Raises:

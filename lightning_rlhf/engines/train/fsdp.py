@@ -62,11 +62,9 @@ def _clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     """Forward hook of every FSDP unit, run just before FSDP2's post-forward hook (which registers the unit's
     pre-backward hook on each output that requires a gradient): such an output that is a view is replaced by a copy.
 
-    Runs on: worker (inside the unit's forward, with gradients enabled; otherwise it does nothing). An in-place op
-    on a returned view would detach FSDP2's hook from the graph, and FSDP2 warns about every such output. Our
-    forwards modify no output in place (``tests/unit/test_fsdp_backward_hooks.py``); the copy keeps it so for any
-    other code. On the default path nothing is copied: oneDNN's linear layers return no views; ``F.linear`` with a
-    bias on a 3-D input does (a critic's ``[B, T, 1]`` value head: a small copy).
+    Runs on: worker (inside the unit's forward, with gradients enabled). An in-place op on a returned view would
+    detach FSDP2's hook from the graph (and FSDP2 warns about every such output). On the default path nothing is
+    copied but a critic's small ``[B, T, 1]`` value head (``F.linear`` with a bias on a 3-D input returns a view).
     """
     if not torch.is_grad_enabled():
         return None

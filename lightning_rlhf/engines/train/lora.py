@@ -1,13 +1,9 @@
 """LoRA adapters on a role's model, through ``peft`` (docs/lora.md).
 
 :func:`apply_lora` wraps the transformers model in a ``peft.PeftModel`` before FSDP2 shards it, so only the adapters
-(and a critic's value head) require gradients. Deferred loading still reads the base from the checkpoint (the
-wrapped names mapped back) and starts the adapters as ``peft`` does, seeded by their names so every rank builds the
-same values. The rollout engines take plain weights: :func:`merged_weights` merges ``W + scale * B @ A`` on the fly.
+(and a critic's value head) require gradients; deferred loading starts the adapters as ``peft`` does, seeded by
+their names so every rank builds the same values. The rollout engines take plain weights (:func:`merged_weights`).
 What this relies on of peft beyond its public API lives in :mod:`lightning_rlhf.compat.peft`.
-
-Runs on: the launching process (:func:`resolve_lora`), every process (the roles' ``load``) and every worker rank
-(the hand-off).
 """
 
 from __future__ import annotations

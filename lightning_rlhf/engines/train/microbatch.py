@@ -1,9 +1,8 @@
 """Micro-batches without padding: trim the columns that are padding in every row, pack rows by a token budget,
 and balance rows over data-parallel ranks by their tokens.
 
-A rollout batch pads every row to the widest prompt (on the left) and the longest response (on the right) of the
-whole batch, and a training forward costs rows x padded width. :func:`trim_padding` drops the columns that are
-padding in every row (the forward gives the same outputs at every real token, up to float summation order);
+A training forward costs rows x padded width. :func:`trim_padding` drops the columns that are padding in every row
+(the forward gives the same outputs at every real token, up to float summation order);
 :func:`plan_micro_batches` packs rows of similar lengths under a row cap and a padded-token budget;
 :func:`split_to_count` evens the number of forwards over ranks (FSDP's collectives need that);
 :func:`balanced_partition` (from :mod:`lightning_rlhf.controller.dispatch`, re-exported) balances the ranks' tokens.
@@ -105,10 +104,6 @@ def trim_padding(batch: Batch, *, responses: bool = True) -> Batch:
     return Batch(tensors, batch.columns, batch.meta)
 
 
-def _cost(rows: int, widths: list[int]) -> int:
-    return rows * sum(widths)
-
-
 def _as_tuples(lengths: Lengths) -> list[tuple[int, ...]]:
     rows = [(x,) if isinstance(x, int) else tuple(x) for x in lengths]
     for i, row in enumerate(rows):
@@ -120,12 +115,10 @@ def _as_tuples(lengths: Lengths) -> list[tuple[int, ...]]:
 
 
 def plan_micro_batches(lengths: Lengths, *, max_rows: int, max_tokens: int) -> list[list[int]]:
-    """Row indices of each micro-batch: rows sorted by length (stable: ties keep their order), packed greedily
-    into micro-batches of at most ``max_rows`` rows and at most ``max_tokens`` padded tokens.
-
-    Runs on: any process (deterministic). A micro-batch's padded tokens are its rows x its longest row; with tuple
-    lengths (segments padded separately, e.g. ``(prompt, response)``) its rows x the sum of each segment's longest:
-    what a forward of the trimmed micro-batch costs. A row over ``max_tokens`` alone gets a micro-batch of its own.
+    """Row indices of each micro-batch: rows sorted by length (stable), packed greedily into micro-batches of at most
+    ``max_rows`` rows and ``max_tokens`` padded tokens: rows x the longest row, or with tuple lengths (segments
+    padded separately, e.g. ``(prompt, response)``) rows x the sum of each segment's longest. A row over
+    ``max_tokens`` alone gets a micro-batch of its own. Runs on: any process (deterministic).
 
     Raises:
         ValueError: ``max_rows`` or ``max_tokens`` below 1, a negative length, or rows of different segment counts.
@@ -141,7 +134,7 @@ def plan_micro_batches(lengths: Lengths, *, max_rows: int, max_tokens: int) -> l
     widths: list[int] = []
     for i in order:
         grown = [max(w, v) for w, v in zip(widths, rows[i], strict=True)] if current else list(rows[i])
-        if current and (len(current) + 1 > max_rows or _cost(len(current) + 1, grown) > max_tokens):
+        if current and (len(current) + 1 > max_rows or (len(current) + 1) * sum(grown) > max_tokens):
             plan.append(current)
             current, grown = [], list(rows[i])
         current.append(i)
@@ -171,7 +164,7 @@ def split_to_count(plan: list[list[int]], lengths: Lengths, count: int) -> list[
     out = [list(g) for g in plan]
 
     def cost(group: list[int]) -> int:
-        return _cost(len(group), [max(col) for col in zip(*(rows[i] for i in group), strict=True)])
+        return len(group) * sum(max(col) for col in zip(*(rows[i] for i in group), strict=True))  # padded tokens
 
     while len(out) < count:
         k = max((k for k in range(len(out)) if len(out[k]) > 1), key=lambda k: (cost(out[k]), -k))
