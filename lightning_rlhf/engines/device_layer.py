@@ -1,9 +1,7 @@
 """What the engines ask of a device's speed layer, and PyTorch's own answer (the default, what a GPU run gets).
 
-The strategy chooses one :class:`DeviceLayer` at set-up (``RLHFStrategy(cpu_kernels=...)``: the CPU speed layer,
-:class:`lightning_rlhf.cpu.CPULayer`, on a CPU run) and hands it to the training engine (``TrainEngine.layer``),
-the weight transport (``full_tensors(layer=...)``) and the rollout engines (``make_rollout_engine(layer=...)``).
-Nothing in ``engines/``, ``algorithms/`` or ``roles/`` imports the CPU layer (``tests/unit/test_layers.py``).
+The strategy chooses one :class:`DeviceLayer` at set-up (the CPU speed layer, :class:`lightning_rlhf.cpu.CPULayer`,
+on a CPU run) and hands it to the training engine, the weight transport and the rollout engines (docs/architecture.md).
 Every operation here may decline (0, None): the caller then takes PyTorch's own path, with the same results up to
 float rounding.
 """

@@ -1,25 +1,8 @@
 """The hybrid engine: one generating role's rollout engine, its memory phases, its weight hand-offs and its version.
 
-A generating role (the actor, with its colocated engine; the generation-only rollout pool) keeps one
-:class:`HybridEngine`. It is the one place that
-
-- drives the memory phases of a colocated rollout (docs/hybrid-engine.md, "Memory phases"): the trainer's
-  optimizer state and leftovers leave the device, the engine's weights wake, the new weights come in, the hand-off's
-  buffers go, the KV cache wakes, the engine generates and sleeps again;
-- decides how weights reach an engine (:meth:`HybridEngine.sync`): the LoRA adapters alone (``VLLMConfig.
-  lora_handoff="adapter"``), the host's shared store (the device layer's ``weight_store``), or a stream of full
-  tensors, TP slices or merged LoRA weights (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`); or, for a
-  generation-only pool, the broadcast over a :class:`~lightning_rlhf.engines.rollout.bridge.WeightBridge`
-  (:meth:`HybridEngine.send`, :meth:`HybridEngine.receive`);
-- verifies every hand-off (``RolloutConfig.verify_every``): a fingerprint of the weights the engine holds is
-  compared with one computed from the trainer's shards (:func:`~lightning_rlhf.engines.rollout.reshard.
-  shard_fingerprints`), and a mismatch raises :class:`~lightning_rlhf.engines.rollout.base.WeightSyncError` naming
-  the tensor;
-- counts the policy versions: the trainer's (bumped by every update), the one the engine holds, the one a
-  generation-only pool was last sent, and whether the staleness bound lets the pool keep its weights.
-
-It sits above the rollout engines and the agents (it samples episodes) and below the roles, which say what to
-compute and call it.
+A generating role (the actor; a generation-only rollout pool) keeps one :class:`HybridEngine`: it drives the memory
+phases of a colocated rollout, decides how weights reach the engine, verifies every hand-off and counts the policy
+versions (docs/hybrid-engine.md). It sits above the rollout engines and the agents, below the roles.
 """
 
 from __future__ import annotations
@@ -72,8 +55,7 @@ __all__ = ["HybridEngine", "Trainer", "sample_rollout"]
 
 
 class Trainer(Protocol):
-    """The training side a colocated hybrid engine feeds from (the actor role): its model (FSDP2 shards, maybe
-    LoRA-wrapped), its training engine (device, optimizer offload) and its LoRA config."""
+    """The training side a colocated hybrid engine feeds from (the actor role)."""
 
     model: nn.Module | None
     train_engine: Any
@@ -86,8 +68,6 @@ class HybridEngine:
     Runs on: every rank of the role's pool (each holds its engine, or its share of a TP engine).
 
     Args:
-        rollout: the sampling settings (``verify_every`` thins the hand-off checks).
-        tokenizer: the policy's tokenizer (pad and EOS ids).
         model_path: the policy's folder or hub id (its ``generation_config.json`` EOS ids; the adapter's base).
         trainer: the training side it is colocated with (the actor); None for a generation-only pool, whose weights
             come over a bridge (:meth:`receive`).
@@ -100,21 +80,14 @@ class HybridEngine:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.trainer = trainer
-        self.engine: RolloutEngine | None = None
-        """The rollout engine (attached by the strategy at set-up)."""
-        self.weights_version = 0
-        """Bumped whenever the trainer's weights change (:meth:`mark_changed`)."""
+        self.engine: RolloutEngine | None = None  # attached by the strategy at set-up
+        self.weights_version = 0  # bumped whenever the trainer's weights change (mark_changed)
         self.engine_version = 0 if trainer is not None else -1
         """The version the engine holds (a pool's: the number of updates behind it, -1 before the first)."""
-        self.sent_version: int | None = None
-        """The version the generation-only pool holds (None: nothing valid)."""
-        self.wait_s = 0.0
-        """Seconds the last hand-off waited for the other ranks to arrive (the shared store's entry barrier)."""
-        self.engine_bytes = 0
-        """Bytes this rank's engine took in the last hand-off (``perf/weight_sync_bytes``): the full or merged
-        weights (its TP slices), or the adapters (plus the base, once); with the shared store, the store's weights."""
-        self.verify_s = 0.0
-        """Seconds the last hand-off's check took (``perf/weight_verify_s``; 0 when it was not checked)."""
+        self.sent_version: int | None = None  # the version the generation-only pool holds (None: nothing valid)
+        self.wait_s = 0.0  # seconds the last hand-off waited for the other ranks (the shared store's entry barrier)
+        self.engine_bytes = 0  # bytes this rank's engine took in the last hand-off (perf/weight_sync_bytes)
+        self.verify_s = 0.0  # seconds the last hand-off's check took (perf/weight_verify_s; 0: not checked)
         self._hand_offs = 0
         self._adapter_root: str | None = None
         self._shared: tuple[Any, Any, WeightStore | None] | None = None
@@ -124,51 +97,35 @@ class HybridEngine:
         """The trainer's weights changed: the next rollout hands them over first. Runs on: every rank."""
         self.weights_version += 1
 
-    # ------------------------------------------------------------------------------------ generation
     def generate(self, batch: Batch, *, episodes: EpisodeRunner | None = None, **sampling: Any) -> Batch:
         """Sample ``batch`` (:func:`sample_rollout`'s arguments in ``sampling``): colocated, through the memory
-        phases around the hand-off (:meth:`awake`), the hand-off's timings and bytes in the rollout's ``meta``; on a
+        phases around the hand-off (:meth:`awake`), the hand-off's metrics in the rollout's ``meta``; on a
         generation-only pool, with the weights last received, each sample's ``weight_version`` recording them.
 
         Runs on: every rank of the role's pool, each on its share of the prompts.
         """
         engine = self.rollout_engine
-        if self.trainer is None:
-            if self.engine_version < 0 or engine.weights_discarded:
-                raise RuntimeError(
-                    "RolloutRole.generate: the engine has no weights yet. HINT: hand the actor's weights over first "
-                    "(RLHFModule.sync_rollout_weights; RLHFModule.generate_rollout does it)."
-                )
-            rollout = self.sample(batch, episodes=episodes, **sampling)
-            rollout["weight_version"] = torch.full((len(rollout),), self.engine_version, dtype=torch.long)
-            return rollout
-        with self.awake() as handoff:
-            rollout = self.sample(batch, episodes=episodes, **sampling)
+        pool = self.trainer is None
+        if pool and (self.engine_version < 0 or engine.weights_discarded):
+            raise RuntimeError(
+                "RolloutRole.generate: the engine has no weights yet. HINT: hand the actor's weights over first "
+                "(RLHFModule.sync_rollout_weights; RLHFModule.generate_rollout does it)."
+            )
+        phases: contextlib.AbstractContextManager[dict[str, Any]] = contextlib.nullcontext({}) if pool else self.awake()
+        with phases as handoff:
+            rollout = sample_rollout(
+                engine, batch, self.rollout, self.tokenizer, model_path=self.model_path, episodes=episodes, **sampling
+            )
         rollout.meta.update(handoff)
+        if pool:
+            rollout["weight_version"] = torch.full((len(rollout),), self.engine_version, dtype=torch.long)
         return rollout
-
-    def sample(self, batch: Batch, *, episodes: EpisodeRunner | None = None, **sampling: Any) -> Batch:
-        """:func:`sample_rollout` with this engine and the role's settings. Runs on: a rank holding the engine."""
-        return sample_rollout(
-            self.rollout_engine,
-            batch,
-            self.rollout,
-            self.tokenizer,
-            model_path=self.model_path,
-            episodes=episodes,
-            **sampling,
-        )
 
     @contextlib.contextmanager
     def awake(self) -> Iterator[dict[str, float]]:
         """The colocated engine awake around the block, in the order that never holds two full copies of the weights
-        beside the trainer's shards (docs/hybrid-engine.md, "Memory phases"): the optimizer state moves to host
-        memory if the engine asks for it, the trainer releases what it holds (:meth:`release_device_memory`), the
-        engine's weights wake (``wake_up(tags=["weights"])``), the weights of the latest update are handed over if
-        any (:meth:`sync`), the trainer releases the hand-off's buffers, the KV cache wakes; after the block the
-        engine sleeps and the optimizer state comes back. Yields the hand-off's metrics (``timing_s/update_weights``,
-        ``timing_s/update_weights_wait``, ``perf/weight_sync_bytes``, ``perf/weight_sync_gathered_bytes``,
-        ``perf/weight_verify_s``).
+        beside the trainer's shards (docs/hybrid-engine.md, "Memory phases"); after the block the engine sleeps and
+        the optimizer state comes back. Yields the hand-off's metrics.
 
         Runs on: every worker rank of the trainer.
         """
@@ -191,17 +148,10 @@ class HybridEngine:
         trainer.train_engine.onload_optimizer()
 
     def release_device_memory(self) -> None:
-        """Give the device memory the trainer does not need while the engine generates back to the device, for the
-        engine's next phase: FSDP units left unsharded are resharded (FSDP2 keeps the root's parameters -- the
-        embedding, the head, the final norm -- unsharded after a forward without backward, e.g. ``log_prob``), and
-        on a GPU ``torch.cuda.empty_cache()`` returns PyTorch's cached blocks (the hand-off's gathered buckets, an
-        offloaded optimizer state, the last update's activations), which vLLM's sleep-mode allocator, outside
-        PyTorch's cache, could not otherwise use. Nothing of the hand-off is kept alive: its stream is consumed
-        and dropped inside :meth:`sync` (the transformers engines' shared store on CPU is the engines' weights
-        themselves, not a buffer).
-
-        Runs on: every worker rank (no collective: resharding frees the local copy only).
-        """
+        """Give the device memory the trainer does not need while the engine generates back to the device: FSDP
+        units left unsharded (the root, after a forward without backward) are resharded, and on a GPU
+        ``empty_cache()`` returns PyTorch's cached blocks, which vLLM's sleep-mode allocator could not otherwise use.
+        Runs on: every worker rank (no collective: resharding frees the local copy only)."""
         trainer = self._trainer()
         if trainer.model is None:
             return
@@ -211,19 +161,14 @@ class HybridEngine:
         if trainer.train_engine.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ------------------------------------------------------------------------ colocated hand-off
     def sync(self) -> tuple[float, int]:
         """Hand the trainer's latest weights to the colocated engine (if they changed, or the engine lost its own),
-        then check them (:meth:`verify`). The one place that decides how: the LoRA adapters alone, for an engine
-        that takes them (``takes_adapters``: vLLM with ``VLLMConfig.lora_handoff="adapter"``); the host's shared
-        store, where the engines of one host can read one copy of the weights (the device layer's
-        ``weight_store``: transformers engines on CPU with the CPU speed layer on; each rank writes only its own rows
-        there); else a stream out of the FSDP shards (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`:
-        full tensors gathered in buckets, a tensor-parallel engine's slices, or merged LoRA weights).
+        then check them when due (:meth:`verify`). The one place that decides how: the LoRA adapters alone
+        (``VLLMConfig.lora_handoff="adapter"``); the device layer's shared store (one copy per host); else a stream
+        out of the FSDP shards (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`).
 
-        Runs on: every worker rank (the gathers are collectives, in the same order everywhere). Returns ``(seconds,
-        bytes this rank received from the other ranks)``; the seconds leave out the wait for the other ranks to
-        arrive at the shared store (:attr:`wait_s`) and the check (:attr:`verify_s`).
+        Runs on: every worker rank (the gathers are collectives). Returns ``(seconds, bytes this rank received from
+        the other ranks)``; the seconds leave out the wait at the shared store (:attr:`wait_s`) and the check.
         """
         engine, model = self.rollout_engine, self._trainer().model
         layer = self._trainer().train_engine.layer  # the device layer the strategy chose (the CPU's shared store)
@@ -234,11 +179,13 @@ class HybridEngine:
         t0 = time.perf_counter()
         received, taken = [0], [0]  # taken: what the engine takes, perf/weight_sync_bytes
         lora = self._trainer().lora is not None
+        due = self._due()
         if self._shared is None or self._shared[0] is not engine or self._shared[1] is not model:
             # LoRA streams merged weights (the base's names): no store shares the trainer's own tensors then.
             self._shared = (engine, model, None if lora else layer.weight_store(engine, model))
         store = self._shared[2]
-        expected: dict[str, Fingerprint] = {}  # LoRA: the fingerprints of what the stream carries
+        # LoRA: the fingerprints of what the stream carries, taken on the way only when this hand-off is checked
+        expected: dict[str, Fingerprint] | None = {} if lora and due else None
         if lora and getattr(engine, "takes_adapters", False):
             self._hand_off_adapters(engine, model, received, taken, expected)
         elif store is not None:
@@ -246,25 +193,40 @@ class HybridEngine:
             taken[0] = perf.full_bytes(model, engine.dtype)
         else:
             stream = weights_for(engine, model, received, into_engine=True, layer=layer)
-            tapped = _tapped(stream, expected, _slicer(engine, model), engine.tp_size) if lora else stream
-            engine.load_weights(perf.counted_bytes(tapped, taken))
+            if expected is not None:
+                stream = _tapped(stream, expected, _slicer(engine, model), engine.tp_size)
+            engine.load_weights(perf.counted_bytes(stream, taken))
         self.engine_bytes = taken[0]
         self.engine_version = self.weights_version
         perf.device_wait()  # the hand-off's device copies count as its own seconds, not the check's
         seconds = time.perf_counter() - t0 - self.wait_s
-        self.verify(expected if lora else None)
+        if due:
+            self.verify(expected)
         return seconds, received[0]
 
+    def _due(self) -> bool:
+        """Count a hand-off; whether ``RolloutConfig.verify_every`` has it checked (the first, then every k-th)."""
+        every = self.rollout.verify_every
+        self._hand_offs += 1
+        return bool(every) and (self._hand_offs - 1) % every == 0
+
     def _hand_off_adapters(
-        self, engine: Any, model: nn.Module, received: list[int], taken: list[int], expected: dict[str, Fingerprint]
+        self,
+        engine: Any,
+        model: nn.Module,
+        received: list[int],
+        taken: list[int],
+        expected: dict[str, Fingerprint] | None,
     ) -> None:
         """``VLLMConfig.lora_handoff="adapter"``: the base weights once (while the engine holds none), then the
-        adapters only, written as a peft folder that the engine loads (vLLM's LoRA support). ``expected`` gets the
-        base weights' fingerprints when they are sent. Runs on: every worker rank (the gathers are collectives over
-        the trainer's ranks)."""
+        adapters only, written as a peft folder that the engine loads. ``expected`` (a dict, or None when this
+        hand-off is not checked) gets the base weights' fingerprints when they are sent. Runs on: every worker rank
+        (the gathers are collectives over the trainer's ranks)."""
         if engine.weights_discarded:
             base = base_weights(full_tensors(model, received, layer=self._trainer().train_engine.layer), engine.dtype)
-            engine.load_weights(perf.counted_bytes(_tapped(base, expected, None, 1), taken))
+            if expected is not None:
+                base = _tapped(base, expected, None, 1)
+            engine.load_weights(perf.counted_bytes(base, taken))
         state = adapter_tensors(model, received)
         taken[0] += sum(t.numel() * t.element_size() for t in state.values())
         if self._adapter_root is None:
@@ -280,21 +242,15 @@ class HybridEngine:
                 shutil.rmtree(os.path.join(self._adapter_root, old), ignore_errors=True)
 
     def verify(self, expected: dict[str, Fingerprint] | None = None) -> None:
-        """Check the hand-off just made, when ``RolloutConfig.verify_every`` says this one is due (the first, then
-        every k-th): the sums of a few rows of each tensor the engine reports (its ``fingerprint``) against
-        ``expected`` (the fingerprints of a stream the trainer made: merged LoRA weights), else against
-        :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of the rows this rank trains (of this
-        rank's TP slices for a tensor-parallel engine). The seconds go to :attr:`verify_s`.
+        """Check the hand-off just made (:meth:`sync` calls it when ``RolloutConfig.verify_every`` says it is due):
+        the engine's ``fingerprint`` against ``expected`` (of a stream the trainer made: merged LoRA weights), else
+        against :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of the rows this rank trains.
 
         Runs on: every worker rank of the trainer (no collective where the model is row-sharded).
 
         Raises:
             WeightSyncError: naming the first tensor whose weights differ (and the TP rank).
         """
-        every = self.rollout.verify_every
-        self._hand_offs += 1
-        if not every or (self._hand_offs - 1) % every:
-            return
         t0 = time.perf_counter()
         engine = self.rollout_engine
         if getattr(engine, "fingerprint", None) is None or expected == {}:
@@ -309,32 +265,26 @@ class HybridEngine:
         _check(engine, expected, tp_rank=world()[0] % engine.tp_size)
         self.verify_s = time.perf_counter() - t0
 
-    # --------------------------------------------------------------------- generation-only pool
     def send(self, bridge: WeightBridge, *, version: int, lag: int, max_staleness: int) -> dict[str, float]:
         """Hand the trainer's weights to a generation-only pool over ``bridge``, unless the staleness bound allows
         it to keep the ones it has: samples it generates now are trained on ``lag`` updates later, and must then be
         at most ``max_staleness`` updates old. A hand-off that is due to be checked carries the fingerprints of every
         rank's rows in its header (gathered to the source; :meth:`receive` compares).
 
-        Runs on: every rank of the trainer's pool (the FSDP gathers); the pool's first rank broadcasts. Returns
-        ``timing_s/update_weights``, ``perf/weight_sync_bytes`` (what the pool was sent),
-        ``perf/weight_sync_gathered_bytes`` (what the FSDP gathers brought this rank) and ``rollout/weight_version``
-        (what the pool holds after the call); every rank of the pool decides the same way, from the same counters.
+        Runs on: every rank of the trainer's pool (the FSDP gathers); the pool's first rank broadcasts. Every rank
+        decides the same way, from the same counters. Returns the hand-off's metrics.
         """
         from torch import distributed as dist
 
         trainer = self._trainer()
         model = trainer.model
         assert model is not None
-        held = self.sent_version
-        send = held is None or version + lag - held > max_staleness
+        send = self.sent_version is None or version + lag - self.sent_version > max_staleness
         t0 = time.perf_counter()
         received = [0]
         dtype, layer = trainer.train_engine.param_dtype or torch.float32, trainer.train_engine.layer
         lora = has_lora(model)  # LoRA: the pool's engine takes the merged weights, by the base's names
-        every = self.rollout.verify_every
-        self._hand_offs += int(send)
-        check = send and bool(every) and not lora and (self._hand_offs - 1) % every == 0
+        check = send and self._due() and not lora
         prints = _gathered(shard_fingerprints(model, dtype=dtype), model, bridge.src) if check else {}
         if lora:
             tensors = merged_weights(model, full_tensors(model, received, layer=layer), dtype) if send else iter(())
@@ -365,10 +315,9 @@ class HybridEngine:
 
     def receive(self, bridge: WeightBridge) -> dict[str, float]:
         """Take the trainer's weights from ``bridge`` (or the source's word that the current ones stay) into the
-        engine, and check them against the fingerprints the header carries.
+        engine, and check them against the fingerprints the header carries; returns the hand-off's metrics.
 
         Runs on: every rank of a generation-only pool, in the same ``concurrently()`` block as :meth:`send`.
-        Returns ``timing_s/receive_weights``, ``perf/weight_receive_bytes`` and ``perf/weight_verify_s``.
         """
         engine = self.rollout_engine
         t0 = time.perf_counter()
@@ -388,7 +337,6 @@ class HybridEngine:
             "perf/weight_verify_s": self.verify_s,
         }
 
-    # ------------------------------------------------------------------------------------ helpers
     @property
     def rollout_engine(self) -> Any:
         """The attached engine. Runs on: every rank of the role's pool, after set-up."""
@@ -422,9 +370,8 @@ def _slicer(engine: Any, model: nn.Module) -> Slicer | None:
 def _tapped(
     stream: Iterator[tuple[str, Tensor]], prints: dict[str, Fingerprint], slicer: Slicer | None, tp_size: int
 ) -> Iterator[tuple[str, Tensor]]:
-    """``stream`` (full tensors) unchanged, the fingerprint of each put in ``prints`` by name as it passes (the first,
-    middle and last rows, all of a one-dimensional one; of this rank's TP slice with a ``slicer``): the trainer's side
-    of a hand-off whose tensors are computed on the way (merged LoRA weights). Runs on: every worker rank."""
+    """``stream`` (full tensors) unchanged, the fingerprint of each (of this rank's TP slice with a ``slicer``) put in
+    ``prints`` as it passes: the trainer's side of a hand-off computed on the way. Runs on: every worker rank."""
     for name, tensor in stream:
         region = slicer(name, tuple(tensor.shape), world()[0] % tp_size) if slicer is not None else None
         held = tensor if region is None else tensor.narrow(region.dim, region.start, region.length)
@@ -436,8 +383,7 @@ def _tapped(
 
 def _gathered(prints: dict[str, Fingerprint], model: nn.Module, dst: int) -> dict[str, Fingerprint]:
     """Every rank's :func:`~lightning_rlhf.engines.rollout.reshard.shard_fingerprints` of ``model``, merged on rank
-    ``dst`` (the rows of each rank's shard: together, the fingerprints of the full tensors); ``{}`` elsewhere. Runs
-    on: every rank of the model's mesh (a gather over it)."""
+    ``dst`` (together, the fingerprints of the full tensors); ``{}`` elsewhere. Runs on: every rank of the mesh."""
     from torch import distributed as dist
 
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
@@ -449,10 +395,9 @@ def _gathered(prints: dict[str, Fingerprint], model: nn.Module, dst: int) -> dic
         return {}
     merged: dict[str, Fingerprint] = {}
     for name in prints:
-        parts = [p[name] for p in everyone]
-        k = [len(rows) for rows, _ in parts]
-        values = [sums[:n] for (_, sums), n in zip(parts, k, strict=True)]
-        scales = [sums[n:] for (_, sums), n in zip(parts, k, strict=True)]
+        parts = [p[name] for p in everyone]  # each rank's (rows, its sums then its scales)
+        values = [sums[: len(rows)] for rows, sums in parts]
+        scales = [sums[len(rows) :] for rows, sums in parts]
         merged[name] = ([r for rows, _ in parts for r in rows], torch.cat(values + scales))
     return merged
 
@@ -471,11 +416,9 @@ def sample_rollout(
     episodes: EpisodeRunner | None = None,
 ) -> Batch:
     """Sample with ``engine`` for this rank's prompts: one row per sample with ``responses``, ``response_mask``,
-    ``response_truncated``, ``rollout_logprobs`` (when the engine reports them) and the input columns repeated; the
-    generation's seconds in ``meta["gen_s"]``. The arguments are :meth:`ActorRole.generate`'s; ``model_path``
-    (the policy's checkpoint) adds its ``generation_config.json``'s EOS ids to the ids that end a response, as
-    transformers' ``generate`` and vLLM do (the tokenizer's EOS and ``RolloutConfig.stop_token_ids`` always end one).
-    ``episodes``: run multi-turn episodes with the module's environment instead
+    ``response_truncated``, ``rollout_logprobs`` (when the engine reports them) and the input columns repeated.
+    ``model_path`` adds its ``generation_config.json``'s EOS ids to the ids that end a response, as transformers'
+    ``generate`` and vLLM do. ``episodes``: run multi-turn episodes with the module's environment instead
     (:func:`~lightning_rlhf.agents.rollout.sample_episodes`).
 
     Runs on: a worker rank holding a rollout engine (the actor's colocated one, or a rollout pool's). The seeds
@@ -484,8 +427,8 @@ def sample_rollout(
     n = 1 if greedy else (n or cfg.n)
     stops = {tokenizer.eos_token_id, *cfg.stop_token_ids, *(generation_eos_ids(model_path) if model_path else ())}
     stops.discard(None)
-    rank, _ = world()
     step = int(batch.meta.get("step", 0))
+    sampling_round = int(batch.meta.get("sampling_round", 0))
     params = SamplingParams(
         n=n,
         temperature=cfg.temperature if temperature is None else temperature,
@@ -494,11 +437,7 @@ def sample_rollout(
         max_new_tokens=cfg.max_new_tokens,
         min_new_tokens=cfg.min_new_tokens,
         stop_token_ids=tuple(sorted(stops)),
-        seed=cfg.seed * 1_000_003
-        + step * 7919
-        + rank
-        + int(batch.meta.get("sampling_round", 0)) * 104_729
-        + seed_offset,
+        seed=cfg.seed * 1_000_003 + step * 7919 + world()[0] + sampling_round * 104_729 + seed_offset,
         greedy=greedy,
     )
     if episodes is not None:  # multi-turn episodes with the module's environment (lightning_rlhf.agents)

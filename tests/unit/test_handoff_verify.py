@@ -19,13 +19,14 @@ from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, OptimConfig, 
 from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
 from lightning_rlhf.engines.rollout.base import WeightSyncError, check_fingerprints, tensor_fingerprints
 from lightning_rlhf.engines.rollout.reshard import TPSlice, shard_fingerprints
+from lightning_rlhf.engines.train.lora import resolve_lora, unadapted_copy
 from lightning_rlhf.roles import ActorRole
 from tests.unit.test_actor_update import rollout_batch
 
 DROPPED = "model.layers.0.mlp.down_proj.weight"
 
 
-def _actor(path: str, *, verify_every: int = 1) -> ActorRole:
+def _actor(path: str, *, verify_every: int = 1, lora: dict[str, Any] | None = None) -> ActorRole:
     tok = AutoTokenizer.from_pretrained(path)
     actor = ActorRole(
         path,
@@ -33,12 +34,16 @@ def _actor(path: str, *, verify_every: int = 1) -> ActorRole:
         rollout=RolloutConfig(n=2, max_new_tokens=4, verify_every=verify_every),
         algorithm=AlgorithmConfig(batching=BatchingConfig(micro_batch_size=3)),
         optim=OptimConfig(lr=1e-2),
+        lora=resolve_lora(lora, setting="lora", task_type="CAUSAL_LM"),
     )
     actor.load()
     actor.configure_optimizer(total_steps=10)
     actor.attach_engine(
         HFRolloutEngine(
-            actor.model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device=torch.device("cpu")
+            actor.model if lora is None else unadapted_copy(actor.model),
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            device=torch.device("cpu"),
         )
     )
     return actor
@@ -106,6 +111,29 @@ def test_verify_every_thins_the_checks_and_zero_turns_them_off(
     assert off.hybrid.verify_s == 0
     with pytest.raises(ValueError, match=r"RolloutConfig.verify_every=-1 is invalid: expected an integer >= 0"):
         RolloutConfig(verify_every=-1)
+
+
+def test_a_lora_hand_off_fingerprints_the_merged_weights_only_when_it_is_checked(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merged stream is fingerprinted on the way (``_tapped``) on the hand-offs ``verify_every`` checks only:
+    with ``verify_every=2``, the 1st and the 3rd."""
+    calls = [0]
+    real = hybrid_module.part_sums  # the fingerprint's sums, which only the tap computes in this module
+
+    def counted(*args: Any, **kwargs: Any) -> Tensor:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid_module, "part_sums", counted)
+    actor = _actor(tiny_model, verify_every=2, lora={"r": 4})
+    seen = []
+    for step in range(3):
+        actor.update(rollout_batch(step))
+        before = calls[0]
+        actor.generate(_prompts())
+        seen.append((calls[0] > before, actor.hybrid.verify_s > 0))
+    assert seen == [(True, True), (False, False), (True, True)]
 
 
 def test_the_trainers_fingerprint_of_a_tp_slice_is_the_slices_own() -> None:

@@ -1,11 +1,7 @@
 """The training engine: how one role's model is sharded, loaded, looped over in micro-batches and stepped.
 
-Roles say *what* to compute (a forward that returns log-probs or values, a loss over one micro-batch); the
-engine says *how*: which rows go into which micro-batch, under which gradient mode, how each micro-batch's loss
-is scaled so that the summed gradients equal the whole mini-batch's (the aggregation rules live in the algorithm
-registry, :class:`~lightning_rlhf.algorithms.MicroBatchAggregation`), when the optimizer steps, where its state
-lives while a rollout engine generates, and how full weights stream out for the hand-off. Every role with a model
-has one engine; frozen roles (reference, reward model) use it without an optimizer.
+Roles say *what* to compute (a forward, a loss over one micro-batch); the engine says *how* (micro-batches, loss
+scaling, optimizer steps and where the optimizer state lives). Frozen roles use it without an optimizer.
 """
 
 from __future__ import annotations
@@ -54,10 +50,7 @@ LossFn = Callable[[Batch, MicroBatchAggregation], tuple[Tensor, dict[str, Tensor
 
 def world() -> tuple[int, int]:
     """``(rank, world_size)`` of the data-parallel group: the role's pool while a role call runs, else all ranks
-    (``(0, 1)`` without torch.distributed).
-
-    Runs on: any process.
-    """
+    (``(0, 1)`` without torch.distributed). Runs on: any process."""
     if dist.is_available() and dist.is_initialized():
         group = current_group()
         return dist.get_rank(group), dist.get_world_size(group)
@@ -80,8 +73,7 @@ def _reduce_device() -> torch.device:
 def minibatches(batch: Batch, *, mini_batch_size: int, epochs: int) -> Iterator[Batch]:
     """This rank's mini-batches for all epochs. ``mini_batch_size`` counts samples over all ranks.
 
-    Runs on: every worker rank. Every rank yields the same number of mini-batches (the batch arithmetic was
-    checked before training), which keeps the FSDP collectives in step.
+    Runs on: every worker rank, each yielding as many (the batch arithmetic was checked before training).
     """
     local = mini_batch_size // world()[1]
     for _ in range(epochs):
@@ -90,11 +82,7 @@ def minibatches(batch: Batch, *, mini_batch_size: int, epochs: int) -> Iterator[
 
 def _reduce(key: str, values: Tensor) -> Tensor:
     """Metrics named ``*_max`` / ``*_min`` keep their extreme; the others are averaged."""
-    if key.endswith("_max"):
-        return values.max()
-    if key.endswith("_min"):
-        return values.min()
-    return values.mean()
+    return values.max() if key.endswith("_max") else values.min() if key.endswith("_min") else values.mean()
 
 
 class MetricAccumulator:
@@ -124,12 +112,11 @@ class MetricAccumulator:
 def make_optimizer(
     params: list[nn.Parameter], cfg: OptimConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW and a per-RL-step schedule (warm-up, then constant / linear / cosine decay).
+    """AdamW and a per-RL-step schedule (warm-up, then constant / linear / cosine decay). On CPUs and CUDA GPUs
+    AdamW runs fused (the same update up to float rounding): on the vs-TRL small model's 2-rank CPU update the step
+    took 9.4 ms against 23.8 ms with PyTorch's per-tensor CPU default.
 
-    Runs on: every process, in ``configure_optimizers`` (after sharding, so ``params`` are the shards). On CPUs and
-    CUDA GPUs AdamW runs fused (one kernel per parameter instead of a dozen element-wise passes; the same update up to
-    float rounding). On the vs-TRL small model's 2-rank CPU update the optimizer step (with the clip and zero_grad)
-    took 9.4 ms against 23.8 ms with the per-tensor loop that is PyTorch's CPU default.
+    Runs on: every process, in ``configure_optimizers`` (after sharding, so ``params`` are the shards).
     """
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     opt = torch.optim.AdamW(
@@ -152,25 +139,21 @@ def make_optimizer(
 class TrainEngine:
     """One role model's engine: shard and materialise it, run it in micro-batches, step its optimizer.
 
-    Runs on: every worker rank (one engine per role model per process; all ranks call its methods together,
-    since the forwards are FSDP collectives).
+    Runs on: every worker rank (one engine per role model per process; all ranks call its methods together).
 
     Args:
         micro_batch_size: rows per forward (and backward) on one rank.
-        micro_batch_tokens: None: micro-batches of ``micro_batch_size`` consecutive rows, padded to the batch's
-            widths. An integer: rollout batches are packed by :meth:`micro_batches` (rows sorted by length, at most
-            ``micro_batch_size`` rows and this many padded tokens each, padding trimmed), and the role's
+        micro_batch_tokens: None: micro-batches of ``micro_batch_size`` consecutive rows. An integer: rollout
+            batches are packed by :meth:`micro_batches` under this many padded tokens each, and the role's
             ``DP_SPLIT`` calls balance rows over ranks by tokens (``AlgorithmConfig.batching.micro_batch_tokens``).
         optim: optimizer settings; None for a frozen model (no optimizer, no ``train``).
         setting: how the user names this role's model in errors, e.g. ``"ActorRole(path=...)"``.
         fused_norms: switch the bound model's Llama-family RMS norms to the layer's fused RMS norm (the CPU
-            layer's: the same forward, bitwise; a closed-form backward, docs/performance-log.md, "Levers measured one
-            by one on the small model's step"). Other architectures are left as they are.
+            layer's: the same forward, bitwise; docs/performance-log.md).
         onednn_linears: switch the bound model's ``nn.Linear`` layers to the layer's products (the CPU layer's:
-            oneDNN's float32 products instead of MKL's, 2-2.4x faster on AMD CPUs with AVX-512). Both only where the
-            layer and its piece are on.
+            oneDNN's float32 products, 2-2.4x faster than MKL's on AMD CPUs with AVX-512).
         layer: the device layer (:class:`~lightning_rlhf.engines.device_layer.DeviceLayer`, PyTorch's own by
-            default); the strategy hands the one it chose at set-up (:attr:`layer`).
+            default); the strategy hands the one it chose at set-up.
     """
 
     def __init__(
@@ -194,8 +177,7 @@ class TrainEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.sharded = False
-        self.param_dtype: torch.dtype | None = None
-        """The compute dtype the model was sharded with (None: its own)."""
+        self.param_dtype: torch.dtype | None = None  # the compute dtype the model was sharded with (None: its own)
         self._offloaded = False
         self._attn_implementation: str | None = None
         self.fused_norms = fused_norms
@@ -231,16 +213,11 @@ class TrainEngine:
         """``(rows, micro-batch)`` pairs covering ``batch``.
 
         Runs on: every worker rank, each on its own rows (with several ranks, one all-reduce of the plan's length).
-        Without a token budget (or for a batch without the rollout layout: SFT examples, reward-model texts) they
-        are ``micro_batch_size`` consecutive rows, untouched, with ``rows=None``. With ``micro_batch_tokens`` set,
-        the rows (indices into ``batch``) come from
-        :func:`~lightning_rlhf.engines.train.microbatch.plan_micro_batches` over each row's
-        ``(prompt, response)`` span, split further by
-        :func:`~lightning_rlhf.engines.train.microbatch.split_to_count` until every rank has as many micro-batches
-        as the rank with the most (each forward is an FSDP collective), and each micro-batch is
-        :func:`~lightning_rlhf.engines.train.microbatch.trim_padding`-ed (its response side too unless
-        ``trim_responses`` is False). ``equalize=False`` leaves the plan as this rank's rows give it (no collective:
-        the caller evens the counts out).
+        Without a token budget (or for a batch without the rollout layout) they are ``micro_batch_size``
+        consecutive rows with ``rows=None``. With ``micro_batch_tokens`` set, the rows (indices into ``batch``) are
+        planned by :mod:`~lightning_rlhf.engines.train.microbatch`, split until every rank has as many micro-batches
+        (each forward is an FSDP collective; ``equalize=False``: not, the caller evens the counts out), and trimmed
+        of padding (the response side too unless ``trim_responses`` is False).
         """
         if self._micro_batch_tokens is None or not has_rollout_layout(batch):
             return [(None, micro) for micro in batch.split(self.micro_batch_size)]
@@ -253,9 +230,8 @@ class TrainEngine:
 
     @property
     def layer(self) -> DeviceLayer:
-        """The device layer: the model's forwards (:meth:`bind`), its FSDP collectives (:meth:`shard`), its token
-        log-prob kernels (``forward_response(kernels=engine.layer.token_kernels())``). Set by the strategy at
-        set-up, before the model is sharded; a model already bound is prepared by the new layer then."""
+        """The device layer of the model's forwards, FSDP collectives and token log-prob kernels. Set by the
+        strategy at set-up, before the model is sharded; a model already bound is prepared by the new layer."""
         return self._layer
 
     @layer.setter
@@ -264,13 +240,10 @@ class TrainEngine:
         if self.model is not None:
             layer.prepare_model(self.model, norms=self.fused_norms, linears=self.onednn_linears)
 
-    # ------------------------------------------------------------------------------ model, shards, loading
     def bind(self, model: nn.Module | None) -> None:
-        """Make ``model`` the engine's model (the role keeps it as a submodule, for checkpoints), with the
-        engine's ``attn_implementation`` if one is set and, with ``fused_norms``, its RMS norms and, with
-        ``onednn_linears``, its linear layers switched to the layer's forwards
-        (:meth:`~lightning_rlhf.engines.device_layer.DeviceLayer.prepare_model`). Runs on: every process, when the
-        role's model is built (before sharding)."""
+        """Make ``model`` the engine's model, with the engine's ``attn_implementation`` if one is set and the
+        layer's forwards (:meth:`~lightning_rlhf.engines.device_layer.DeviceLayer.prepare_model`). Runs on: every
+        process, when the role's model is built (before sharding)."""
         self.model = model
         self._apply_attn_implementation()
         if model is not None:
@@ -313,11 +286,9 @@ class TrainEngine:
         return next(self.model.parameters()).device
 
     def shard(self, mesh: DeviceMesh, *, param_dtype: torch.dtype | None) -> None:
-        """Shard the model with FSDP2 over ``mesh`` (on the meta device when its loading was deferred).
-
-        Runs on: every worker rank, at set-up. Raises before any weight is read when the model has fewer rows in
-        its largest parameter than ``mesh`` has ranks (most ranks would then hold nothing of it).
-        """
+        """Shard the model with FSDP2 over ``mesh`` (on the meta device when its loading was deferred). Runs on:
+        every worker rank, at set-up. Raises ValueError when the model's largest parameter has fewer rows than
+        ``mesh`` has ranks."""
         if self.model is None or self.sharded:
             return
         ranks = mesh.size()
@@ -334,10 +305,7 @@ class TrainEngine:
 
     def materialize(self, device: torch.device) -> None:
         """Give the model real storage on ``device``: read this rank's shard rows from the checkpoint when its
-        loading was deferred (parameters on the meta device), else move it there.
-
-        Runs on: every worker rank, at set-up, after :meth:`shard`.
-        """
+        loading was deferred, else move it there. Runs on: every worker rank, at set-up, after :meth:`shard`."""
         if self.model is None:
             return
         from lightning_rlhf.engines.train.loading import materialize, needs_materialize
@@ -347,16 +315,12 @@ class TrainEngine:
         else:
             self.model.to(device)
 
-    # ---------------------------------------------------------------------------------------- forwards
     def infer(self, batch: Batch, forward: Callable[[nn.Module, Batch], dict[str, Tensor]]) -> dict[str, Tensor]:
         """Run ``forward(model, micro_batch)`` over ``batch`` in micro-batches without gradients; each output
-        concatenated over micro-batches on the host, in the rows' order in ``batch``.
+        concatenated on the host, in the rows' order in ``batch``. With ``micro_batch_tokens`` set, every output must
+        have one row per micro-batch row (ValueError), and one as wide as the trimmed responses is padded back with 0.
 
-        Runs on: every worker rank (FSDP forwards). With ``micro_batch_tokens`` set, a rollout batch goes in the
-        trimmed micro-batches of :meth:`micro_batches`: every output must then have one row per micro-batch row
-        (it is put back at its row's place), and an output whose dim 1 is the micro-batch's trimmed response width
-        is padded back to the batch's response width with 0 (positions past every row's response, which any
-        consumer masks out).
+        Runs on: every worker rank (FSDP forwards).
         """
         assert self.model is not None, f"{self.setting}: no model loaded"
         parts: dict[str, list[Tensor]] = defaultdict(list)
@@ -365,13 +329,9 @@ class TrainEngine:
         with torch.no_grad(), _kept_whole(self.model, not self.reshard_in_update, backward=False):
             for rows, micro in self.micro_batches(batch):
                 outputs = forward(self.model, micro)
-                if rows is None:
-                    for key, value in outputs.items():
-                        parts[key].append(value.cpu())
-                    continue
-                width = micro["response_mask"].shape[1]
+                width = -1 if rows is None else micro["response_mask"].shape[1]  # rows None: as they are
                 for key, value in outputs.items():
-                    if value.dim() == 0 or value.shape[0] != len(rows):
+                    if rows is not None and (value.dim() == 0 or value.shape[0] != len(rows)):
                         raise ValueError(
                             f"{self.setting}: the forward's output {key!r} has shape {tuple(value.shape)} for a "
                             f"micro-batch of {len(rows)} rows; with micro_batch_tokens={self._micro_batch_tokens} "
@@ -381,7 +341,7 @@ class TrainEngine:
                     parts[key].append(
                         _pad_dim1(value.cpu(), full) if value.dim() >= 2 and value.shape[1] == width else value.cpu()
                     )
-                order.extend(rows)
+                order.extend(rows or ())
         out = {key: torch.cat(values) for key, values in parts.items()}
         if order:
             restore = torch.argsort(torch.tensor(order))
@@ -403,33 +363,22 @@ class TrainEngine:
         """Epochs x mini-batches x micro-batches of forward-backward, one clipped optimizer step per mini-batch.
 
         Runs on: every worker rank. Each micro-batch's loss comes from ``loss_fn`` with a
-        :class:`~lightning_rlhf.algorithms.MicroBatchAggregation` for ``aggregation`` (the global token count of
-        the mini-batch, from ``count_mask``, when the mode needs it); its metrics, ``grad_norm`` and
-        ``update_skipped`` (1 when the norm was not finite and the step was skipped) are accumulated.
+        :class:`~lightning_rlhf.algorithms.MicroBatchAggregation` for ``aggregation`` (with the mini-batch's global
+        token count, from ``count_mask``, when the mode needs it); its metrics, ``grad_norm`` and ``update_skipped``
+        (1 when the norm was not finite and the step was skipped) are accumulated.
 
         Args:
-            batch: this rank's rows.
-            loss_fn: the role's loss over one micro-batch.
-            aggregation: a ``LOSS_AGGREGATIONS`` name.
             count_mask: the tokens that count in the loss of a batch (e.g. ``response_mask``).
             mini_batch_size: rows per optimizer step over all ranks; None: the whole batch (one step per epoch).
-            epochs: passes over the batch.
             max_len: the constant length of ``"seq-mean-token-sum-norm"``.
             trainable: per row of a mini-batch, whether its loss can have a nonzero gradient (``[B]`` bool). Rows
-                it rules out are left out of the forwards and backwards but still count in the aggregation (the
-                global token count, each micro-batch's share of the mini-batch's rows), so the gradient is the one
-                of the whole mini-batch up to float rounding. The caller must know the loss of such a row is
-                constant (e.g. a policy loss whose advantages are all 0, with no KL or entropy term). Reported as
-                ``skipped_rows`` (the fraction of this rank's rows left out). A mini-batch in which no rank has a
-                row to train is trained whole.
+                it rules out are left out of the forwards and backwards but still count in the aggregation, so the
+                gradient is the whole mini-batch's up to float rounding: the caller must know the loss of such a row
+                is constant (e.g. advantages all 0, no KL or entropy term). Reported as ``skipped_rows``. A
+                mini-batch in which no rank has a row to train is trained whole.
 
-        With ``micro_batch_tokens`` set, each mini-batch goes in the trimmed micro-batches of :meth:`micro_batches`
-        (unequal row counts: each is weighted by its share of the mini-batch's rows, which keeps the per-sequence
-        aggregations exact, ``"seq-mean-token-mean"`` as long as every row has a loss token, as with fixed
-        micro-batches; ``"token-mean"`` divides by the mini-batch's token count whatever the micro-batches).
-        ``"seq-mean-token-sum-norm"`` without ``max_len`` divides by the response width, so there the response
-        columns are not trimmed (the prompts still are); with ``max_len`` the loss must pass it on (as
-        ``agg.loss_kwargs`` and ``agg.aggregate`` do).
+        With ``micro_batch_tokens`` set, each micro-batch is weighted by its share of the mini-batch's rows (exact
+        aggregations); ``"seq-mean-token-sum-norm"`` without ``max_len`` keeps the response columns untrimmed.
         """
         assert self.model is not None, f"{self.setting}: no model loaded"
         mini_size = mini_batch_size or len(batch) * world()[1]
@@ -462,15 +411,12 @@ class TrainEngine:
     def _training_micro_batches(
         self, mini: Batch, trainable: Callable[[Batch], Tensor] | None, trim_responses: bool
     ) -> tuple[list[tuple[Batch, bool]], int]:
-        """``([(micro-batch, real)], rows left out)`` for one mini-batch of :meth:`train`.
+        """``([(micro-batch, real)], rows left out)`` for one mini-batch of :meth:`train`: the micro-batches of the
+        rows ``trainable`` keeps (all rows without it). Every rank runs as many forwards and backwards (each is an
+        FSDP collective), so a rank with fewer repeats its first row as a stand-in (``real=False``: its loss times
+        0). When no rank keeps a row, the whole mini-batch is trained, so its metrics are still measured.
 
-        Runs on: every worker rank (with several ranks, one all-reduce of a count). Without ``trainable``:
-        :meth:`micro_batches` of the whole mini-batch, all real. With it, the micro-batches of the rows it keeps.
-        Every rank must run as many forwards and backwards as the others (each is an FSDP collective), so a rank
-        with fewer micro-batches than the longest plan repeats its mini-batch's first row as a stand-in
-        (``real=False``: its loss is multiplied by 0). When no rank keeps a row, the whole mini-batch is trained as
-        without ``trainable``: its gradient is 0 either way, and its metrics (e.g. the log-prob agreement with the
-        rollout engine) are still measured.
+        Runs on: every worker rank (with several ranks, one all-reduce of a count).
         """
         if trainable is not None:
             keep = trainable(mini).reshape(-1).nonzero().flatten().tolist()
@@ -486,14 +432,10 @@ class TrainEngine:
                 return plan, len(mini) - len(keep)
         return [(micro, True) for _, micro in self.micro_batches(mini, trim_responses=trim_responses)], 0
 
-    # --------------------------------------------------------------------------------------- optimizer
     def configure_optimizer(
         self, total_steps: int
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        """Create AdamW and its schedule over this rank's shards.
-
-        Runs on: every process, in ``configure_optimizers``, after sharding.
-        """
+        """Create AdamW and its schedule over this rank's shards. Runs on: every process, after sharding."""
         if self.optim is None or self.model is None:
             raise TypeError(f"{self.setting} is not trainable: it has no optimizer to configure.")
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -501,10 +443,8 @@ class TrainEngine:
         return self.optimizer, self.scheduler
 
     def step(self) -> tuple[Tensor, bool]:
-        """Clip, step and zero the optimizer; skip the step when the gradient norm is not finite.
-
-        Runs on: every worker rank (the norm is a collective). Returns ``(grad_norm, stepped)``.
-        """
+        """Clip, step and zero the optimizer; skip the step when the gradient norm is not finite. Returns
+        ``(grad_norm, stepped)``. Runs on: every worker rank (the norm is a collective)."""
         assert self.optimizer is not None and self.model is not None and self.optim is not None
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = clip_grad_norm(params, self.optim.grad_clip)
@@ -522,10 +462,8 @@ class TrainEngine:
         return lr
 
     def offload_optimizer(self) -> None:
-        """Move the optimizer state to host memory (while a rollout engine needs the device's memory).
-
-        Runs on: every worker rank (local shards, no collective).
-        """
+        """Move the optimizer state to host memory (while a rollout engine needs the device's memory). Runs on:
+        every worker rank (local shards, no collective)."""
         if self.optimizer is not None and not self._offloaded:
             move_optimizer_state(self.optimizer, "cpu")
             self._offloaded = True
@@ -540,11 +478,9 @@ class TrainEngine:
 @contextlib.contextmanager
 def _kept_whole(model: nn.Module, whole: bool, *, backward: bool) -> Iterator[list[FSDPModule]]:
     """``whole`` (``TrainEngine.reshard_in_update`` off): the FSDP modules of ``model`` set to stay unsharded after
-    forward (and, for an update, after backward) for the call's duration, and resharded afterwards (an update's with
-    their gradients synchronised again); else no modules. Runs on: every worker rank."""
-    units: list[FSDPModule] = []
-    if whole:
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    forward (and, for an update, after backward) for the call's duration, and resharded afterwards; else no modules.
+    Runs on: every worker rank."""
+    units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)] if whole else []
     inner = [unit for unit in units if unit is not model]  # the root does not reshard after forward anyway
     for unit in inner:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -564,10 +500,9 @@ def _kept_whole(model: nn.Module, whole: bool, *, backward: bool) -> Iterator[li
 
 
 def _share_of(mini: Batch, aggregation: str, count_mask: Callable[[Batch], Tensor]) -> Callable[[Batch], float]:
-    """A micro-batch's share of ``mini`` for :class:`MicroBatchAggregation`: its rows over the mini-batch's, or, for
-    ``"seq-mean-token-mean"`` (a mean over the rows that have a loss token), its rows with a loss token over the
-    mini-batch's. Then the micro-batch losses sum to the mini-batch's loss whichever rows each one holds (rows left
-    out by ``trainable``, or truncated rows with an empty ``loss_mask``)."""
+    """A micro-batch's share of ``mini`` for :class:`MicroBatchAggregation`: its rows over the mini-batch's (for
+    ``"seq-mean-token-mean"``: its rows with a loss token over the mini-batch's), so the micro-batch losses sum to
+    the mini-batch's loss whichever rows each one holds."""
     if aggregation != "seq-mean-token-mean":
         return lambda micro: len(micro) / len(mini)
     total = max(int(count_mask(mini).bool().any(dim=-1).sum()), 1)
@@ -595,9 +530,7 @@ _DTYPES |= {"float16": torch.float16, "fp16": torch.float16}
 
 def resolve_dtype(value: str | torch.dtype | None, *, setting: str) -> torch.dtype | None:
     """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` (and float32, float16) as a ``torch.dtype``; None stays None.
-
-    Runs on: any process, when settings are made. Raises naming ``setting`` for anything else.
-    """
+    Runs on: any process, when settings are made. Raises ValueError naming ``setting`` for anything else."""
     if value is None or isinstance(value, torch.dtype):
         if value is not None and value not in _DTYPES.values():
             raise ValueError(f"{setting}={value} is not supported. HINT: use torch.float32 or torch.bfloat16.")
@@ -611,11 +544,9 @@ def resolve_dtype(value: str | torch.dtype | None, *, setting: str) -> torch.dty
 
 
 def check_compute_dtype(dtype: torch.dtype | None, device: torch.device, *, setting: str) -> None:
-    """Refuse a dtype that ``device`` cannot compute the models in, before any model loads.
-
-    Runs on: every process, at set-up. float16 is refused on CPUs (several of the kernels the models need have no
-    float16 CPU version); bfloat16 on a GPU without it (before Ampere).
-    """
+    """Refuse (ValueError) a dtype that ``device`` cannot compute the models in, before any model loads: float16 on
+    CPUs (several kernels the models need have no float16 CPU version), bfloat16 on a GPU without it. Runs on: every
+    process, at set-up."""
     if dtype is None or dtype == torch.float32:
         return
     if device.type == "cpu" and dtype == torch.float16:

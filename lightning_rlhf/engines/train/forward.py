@@ -25,10 +25,8 @@ RESPONSE_INPUTS = ("prompts", "prompt_mask", "responses", "response_mask")
 
 
 def sequence_inputs(batch: Batch, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
-    """``input_ids``, ``attention_mask`` and ``position_ids`` (all ``[B, P + R]``) of a rollout batch.
-
-    Runs on: worker.
-    """
+    """``input_ids``, ``attention_mask`` and ``position_ids`` (all ``[B, P + R]``) of a rollout batch. Runs on:
+    worker."""
     input_ids = torch.cat([batch["prompts"], batch["responses"]], dim=1).to(device)
     attention_mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).to(device)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -47,28 +45,26 @@ def forward_response(
     group_size: int = 1,
     kernels: TokenKernels | None = None,
 ) -> dict[str, Tensor]:
-    """Run ``model`` on the batch and return outputs aligned with ``responses`` (``[B, R]`` each).
+    """Run ``model`` on the batch and return outputs aligned with ``responses`` (``[B, R]`` each). The causal LM
+    computes logits only at the positions that predict response tokens (``logits_to_keep``, inside the model's own
+    forward, so FSDP's hooks see one root call); log-probs and entropy come from
+    :func:`~lightning_rlhf.algorithms.functional.logprobs_and_entropy`, block by block in float32.
 
     Runs on: worker (every rank of the role together: the model is FSDP-sharded).
 
-    The causal LM computes logits only at the ``R`` positions that predict response tokens (a tensor
-    ``logits_to_keep``, inside the model's own forward, so FSDP's hooks see one root call); log-probs and entropy
-    come from :func:`~lightning_rlhf.algorithms.functional.logprobs_and_entropy`, block by block in float32, so
-    no second ``[B, R, V]`` tensor is made (no upcast copy, no tempered copy, no ``log_softmax``).
-
     Args:
         model: a causal LM (``output="logprobs"``) or a token classifier with one label (``"values"``).
-        batch: a rollout batch (see the module docstring).
         output: ``"logprobs"`` gives ``logprobs`` (and ``entropy`` if asked); ``"values"`` gives ``values``.
         temperature: logits are divided by it, matching how the rollout was sampled.
-        with_entropy: also return the per-token entropy of the (tempered) distribution.
-        entropy_grad: whether that entropy is differentiable; pass False when the loss does not use it
-            (``entropy_coef == 0``): it is then a reported number and the backward skips its term.
+        entropy_grad: whether the entropy is differentiable; False when the loss does not use it (the backward then
+            skips its term).
         chunk_elements: logits handled at once by the log-prob/entropy blocks (memory/speed only).
         group_size: rows come in consecutive groups of this many samples of one prompt (a rollout's ``n``): when
-            they do (checked) and the model is Llama-family, each group's prompt is computed once
-            (:mod:`~lightning_rlhf.engines.train.prefix`; the same log-probs up to float rounding). 1: per row.
+            they do and the model is Llama-family, each prompt is computed once (``engines/train/prefix.py``).
         kernels: the token log-prob kernels to try (``train_engine.layer.token_kernels()``); None: PyTorch's ops.
+
+    Raises:
+        ValueError: ``batch["prompts"]`` has no column.
     """
     input_ids, attention_mask, position_ids = sequence_inputs(batch, next(model.parameters()).device)
     if output == "values":
@@ -112,12 +108,9 @@ def _response_logits(
     attention_mask: Tensor,
     position_ids: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The causal LM's logits at the positions that predict response tokens, their labels, and ``real``.
-
-    Runs on: worker. ``real`` is None for a per-row forward (logits ``[B, R, V]``, labels ``[B, R]``); for a
-    packed one (rows share their prompt, see :func:`forward_response`'s ``group_size``) it is the ``[B, R]`` mask
-    of where the packed ``[1, N]`` tokens sit (the packed forward skips response padding).
-    """
+    """The causal LM's logits at the positions that predict response tokens, their labels, and ``real``: None for
+    a per-row forward (logits ``[B, R, V]``), else the ``[B, R]`` mask of where the packed ``[1, N]`` tokens sit.
+    Runs on: worker."""
     prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     real: Tensor | None = None
     labels = input_ids[:, prompt_len:]

@@ -42,21 +42,12 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_model(
     model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None, layer: DeviceLayer = PLAIN
 ) -> nn.Module:
-    """Apply FSDP2 (``fully_shard``) per decoder layer, then to the root. In place; returns ``model``.
+    """Apply FSDP2 (``fully_shard``) per decoder layer, then to the root, over the 1-D data-parallel ``mesh``. In
+    place; returns ``model``. ``param_dtype``: the compute dtype (gradients are reduced in float32; None keeps the
+    model's). On CPU the units' collectives are the ``layer``'s. Each unit returns no view that requires a gradient
+    (:func:`_clone_view_outputs`), so its pre-backward hook cannot be detached.
 
     Runs on: every worker rank (collective-free, but all ranks must shard the same way).
-
-    Args:
-        model: a transformers model (causal LM, token- or sequence-classifier).
-        mesh: the 1-D data-parallel device mesh.
-        param_dtype: compute dtype for forward/backward (e.g. ``torch.bfloat16``); gradients are reduced in
-            float32. None keeps the model's dtype.
-        layer: the device layer; on CPU the units' all-gathers and reduce-scatters take its collectives (the CPU
-            layer's go through the host's shared memory where the ranks share one; gloo's collectives elsewhere).
-
-    Each
-    unit returns no view that requires a gradient (:func:`_clone_view_outputs`), so its pre-backward hook cannot be
-    detached.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for unit in [*_decoder_layers(model), model]:
@@ -69,16 +60,11 @@ def shard_model(
 
 def _clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     """Forward hook of every FSDP unit, run just before FSDP2's post-forward hook (which registers the unit's
-    pre-backward hook, the one that gathers its parameters again for backward, on each output that requires a
-    gradient): such an output that is a view of another tensor is replaced by a copy; the others are left alone.
+    pre-backward hook on each output that requires a gradient): such an output that is a view is replaced by a copy.
 
-    Runs on: worker (inside the unit's forward, with gradients enabled; otherwise it does nothing). An in-place op
-    on a returned view would detach FSDP2's hook from the graph, and FSDP2 warns about every such output ("returned
-    a view tensor ... will silently drop the pre-backward hook"). Our forwards modify no output in place, so no hook
-    was ever dropped (``tests/unit/test_fsdp_backward_hooks.py``); the copy keeps it so for any other code, and
-    FSDP2 has nothing left to warn about. On the default path nothing is copied: oneDNN's linear layers
-    return no views (``lightning_rlhf/cpu/onednn.py``, ``matmul_nt``); ``F.linear`` with a bias on a 3-D input
-    does (a critic's ``[B, T, 1]`` value head in bfloat16 or with ``LIGHTNING_RLHF_ONEDNN=0``: a small copy).
+    Runs on: worker (inside the unit's forward, with gradients enabled). An in-place op on a returned view would
+    detach FSDP2's hook from the graph (and FSDP2 warns about every such output). On the default path nothing is
+    copied but a critic's small ``[B, T, 1]`` value head (``F.linear`` with a bias on a 3-D input returns a view).
     """
     if not torch.is_grad_enabled():
         return None
@@ -103,10 +89,8 @@ def _cloned_views(value: Any) -> Any:
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global gradient norm over all ranks, clipping to ``max_norm`` when it is > 0 and finite.
-
-    Runs on: every worker rank (a collective when the gradients are sharded). Returns the norm before clipping.
-    """
+    """Global gradient norm over all ranks (returned, before clipping), clipping to ``max_norm`` when it is > 0 and
+    finite. Runs on: every worker rank (a collective when the gradients are sharded)."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(norm, DTensor):
@@ -134,20 +118,19 @@ def full_tensors(
     """Yield ``(name, full tensor)`` per parameter, in ``named_parameters()`` order; the whole model is never
     assembled at once.
 
-    Runs on: every worker rank, in the same order (the gathers are collectives). Row-sharded parameters (FSDP2's
-    ``Shard(0)``) go a bucket at a time: the local shards of consecutive parameters, up to ``bucket_bytes``, in
-    one exchange (one per bucket instead of one per parameter: on gloo that is most of a small model's hand-off).
-    Other DTensors are gathered one by one (``full_tensor``). With ``dtype`` the shards are cast before they are
-    sent (e.g. to a bfloat16 engine: half the bytes). When ``received`` is given, ``received[0]`` grows by the
-    bytes this rank gets from the others.
+    Runs on: every worker rank, in the same order (the gathers are collectives). Row-sharded parameters go a bucket
+    of up to ``bucket_bytes`` at a time (one exchange per parameter was most of a small model's hand-off on gloo).
+    With ``dtype`` the shards are cast before they are sent. ``received[0]`` grows by the bytes from the others.
 
     Args:
         transport: how a bucket moves. ``"collective"``: one ``all_gather_into_tensor``. ``"shared"``: through
-            the ``layer``'s host buffer (the CPU layer's piece ``hand_off``: each rank writes its rows into place in
-            the full tensors, one barrier); raises when there is none. ``"auto"``: shared for CPU tensors whose
-            ranks share a host and where the layer has a buffer, else collective.
-        views: the consumer copies each tensor before it takes the next one (an engine's ``load_weights``), so the
-            shared transport may yield views of its buffer instead of copies (valid until the next bucket).
+            the ``layer``'s host buffer (each rank writes its rows into place, one barrier); raises when there is
+            none. ``"auto"``: shared for CPU tensors where the layer has a buffer, else collective.
+        views: the consumer copies each tensor before it takes the next one, so the shared transport may yield views
+            of its buffer (valid until the next bucket).
+
+    Raises:
+        ValueError: an unknown ``transport``.
     """
     if transport not in ("auto", "shared", "collective"):  # checked at the call, before any rank starts exchanging
         raise ValueError(f"full_tensors: transport={transport!r}; use 'auto', 'shared' or 'collective'")
@@ -175,20 +158,26 @@ def _full_tensors(
                 yield from _gather_bucket(item, received, dtype)
             continue
         name, data = item
-        if isinstance(data, DTensor):
-            local = data.to_local()
-            data = data.full_tensor()
-            if received is not None:
-                received[0] += (data.numel() - local.numel()) * data.element_size()
+        data = whole(data, received)
         yield name, data if dtype is None else data.to(dtype)
+
+
+def whole(data: torch.Tensor, received: list[int] | None) -> torch.Tensor:
+    """``data`` whole (a DTensor's ``full_tensor()``, gathered: ``received[0]`` grows by the bytes the other ranks
+    sent). Runs on: every rank of a DTensor's mesh together."""
+    if isinstance(data, DTensor):
+        local = data.to_local()
+        data = data.full_tensor()
+        if received is not None:
+            received[0] += (data.numel() - local.numel()) * data.element_size()
+    return data
 
 
 _Item = tuple[str, torch.Tensor] | list[RowShard]
 
 
 def _plan(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int) -> Iterator[_Item]:
-    """The hand-off's steps in parameter order: a bucket of row-sharded parameters (a list), or one other
-    parameter ``(name, tensor)``."""
+    """The hand-off's steps in order: a bucket of row-sharded parameters (a list), or one other ``(name, tensor)``."""
     positions: dict[int, tuple[dist.ProcessGroup, int, int]] = {}  # per mesh: (group, size, rank); asking is slow
     bucket: list[RowShard] = []
     size = 0
@@ -244,8 +233,8 @@ def _shared_buffer(
 def _share_bucket(
     bucket: list[RowShard], received: list[int] | None, dtype: torch.dtype | None, buffer: HostBuffer, views: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each rank writes its rows of the bucket's parameters into place in the full tensors laid end to end in
-    the buffer's next half (cast on the way), one barrier, then each full tensor is read where it lies."""
+    """Each rank writes its rows of the bucket's parameters into place in the buffer's next half (cast on the way),
+    one barrier, then each full tensor is read where it lies."""
     out_dtype = dtype or bucket[0].local.dtype
     numels = [s.shape.numel() for s in bucket]
     flat = buffer.next_half(sum(numels) * out_dtype.itemsize).view(out_dtype)
@@ -296,11 +285,8 @@ def _gather_bucket(
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Move every tensor of the optimizer's state (e.g. Adam moments) to ``device``, in place.
-
-    Runs on: every worker rank (local shards only, no collective). Used to free accelerator memory for the
-    rollout engine while it generates.
-    """
+    """Move every tensor of the optimizer's state (e.g. Adam moments) to ``device``, in place. Runs on: every worker
+    rank (local shards only, no collective)."""
     for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":

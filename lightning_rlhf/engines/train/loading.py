@@ -6,21 +6,11 @@ they hold no memory, then let each rank read only its own rows from the safetens
     shard_model(model, mesh)                         # fully_shard on meta: nothing allocated yet
     report = materialize(model, device=device)       # this rank's rows, straight from the file
 
-Without sharding, :func:`materialize` fills whole tensors (each "shard" is the full tensor). Buffers are built
-for real (e.g. Qwen2's rotary ``inv_freq``, a non-persistent buffer computed in ``__init__``) and survive.
-
-Why not ``from_pretrained`` then shard: every rank then holds the whole model in float32 at once (4 bytes per
-parameter, times the number of ranks on a node) before FSDP2 frees all but its shard. Here a rank's peak is its
-shard plus one tensor's rows in flight. The files are read with the safetensors library: ``safe_open`` parses
-and validates the headers, and ``get_slice(key)[first:last]`` gives this rank's rows as a view of the file's
-memory map (only those pages are read), copied, and cast if need be, straight into the rank's storage. The pages
-of a memory map count in the resident size until it is unmapped, so every tensor is read through its own
-``safe_open`` and the map is dropped before the next one: at most one tensor's rows are mapped at a time.
-
-Why not torch's ``HuggingFaceStorageReader`` (``torch.distributed.checkpoint``): it opens each file once for all
-the tensors read from it (so a rank's rows of a whole multi-GB file stay mapped, and count, until the file is
-done), needs a state dict keyed by checkpoint names and a load plan (a collective, where ``materialize`` has
-none), while the name matching (base-model prefix, tied weights, new heads) would still be ours.
+Why not ``from_pretrained`` then shard: every rank would hold the whole model in float32 at once before FSDP2
+frees all but its shard; here a rank's peak is its shard plus one tensor's rows in flight (docs/architecture.md).
+Why not torch's ``HuggingFaceStorageReader``: it keeps a rank's rows of a whole file mapped (and counted in the
+resident size) until the file is done, and needs a load plan (a collective), while the name matching would
+still be ours.
 """
 
 from __future__ import annotations
@@ -88,19 +78,12 @@ class _Entry:
     shape: tuple[int, ...]
 
     @property
-    def rows(self) -> int:
-        """Rows (dimension 0); a 0-dim tensor is one row."""
+    def rows(self) -> int:  # a 0-dim tensor is one row
         return self.shape[0] if self.shape else 1
 
     @property
-    def row_bytes(self) -> int:
-        """Bytes of one row in the file."""
+    def row_bytes(self) -> int:  # in the file
         return (math.prod(self.shape[1:]) if self.shape else 1) * self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole tensor in the file."""
-        return self.rows * self.row_bytes
 
 
 @dataclass(frozen=True)
@@ -118,18 +101,9 @@ class _Source:
 
 @dataclass
 class LoadReport:
-    """What one :func:`materialize` call did on this rank.
-
-    Attributes:
-        bytes_read: Bytes read from the checkpoint files (only this rank's rows).
-        tensors: Parameters and buffers filled from the checkpoint.
-        seconds: Wall time of the call (allocation included).
-        fresh: Names of the parameters initialised fresh (absent from the checkpoint, e.g. a new ``score`` head).
-        local_bytes: Bytes of this rank's parameter storage (its FSDP2 shards, or whole tensors unsharded).
-        largest_tensor_bytes: Bytes of the largest full parameter, in the model's dtype.
-        checkpoint_bytes: Bytes, in the checkpoint, of all the tensors the model takes from it (what one rank
-            would read without sharding).
-    """
+    """What one :func:`materialize` call did on this rank: the bytes it read (this rank's rows), the parameters
+    and buffers it filled, its wall time, the parameters initialised fresh (e.g. a new ``score`` head), the bytes of
+    this rank's parameter storage, of the largest full parameter, and of all the model's tensors in the checkpoint."""
 
     bytes_read: int = 0
     tensors: int = 0
@@ -143,9 +117,7 @@ class LoadReport:
 @contextmanager
 def deferred_loading(enabled: bool = True) -> Iterator[None]:
     """Inside this context :func:`load_pretrained` (with ``deferred=None``) builds models on the meta device.
-
-    Runs on: every worker rank (the strategy enters it around the roles' ``load``). Nests; restores on exit.
-    """
+    Runs on: every worker rank (the strategy enters it around the roles' ``load``). Nests; restores on exit."""
     token = _DEFERRED.set(bool(enabled))
     try:
         yield
@@ -166,43 +138,29 @@ def rename_source(
 ) -> None:
     """Carry the checkpoint plan of a deferred ``base`` model over to ``wrapped`` (the same modules under other names,
     e.g. a ``peft`` model): each of ``wrapped``'s tensors reads the entry of ``to_base(name)``; its parameters that
-    map to nothing of ``base`` (adapters) start fresh, from ``fresh_value(name, param)`` where it gives a value (the
-    same on every rank). Nothing happens for a model loaded whole.
-
-    Runs on: every process (a role's ``load``, before sharding).
+    map to nothing of ``base`` (adapters) start fresh, from ``fresh_value(name, param)`` where it gives a value.
+    Nothing happens for a model loaded whole. Runs on: every process (a role's ``load``, before sharding).
     """
     source: _Source | None = base.__dict__.get(_SOURCE_ATTR)
     if source is None:
         return
-    entries = {
-        name: source.entries[to_base(name)] for name, _ in wrapped.named_buffers() if to_base(name) in source.entries
-    }
-    fresh: list[str] = []
-    for name, _ in wrapped.named_parameters():
-        original = to_base(name)
-        if original in source.entries:
-            entries[name] = source.entries[original]
-        else:  # a fresh head of the base, or a parameter the base does not have
-            fresh.append(name)
-    renamed = dataclasses.replace(source, entries=entries, fresh=tuple(fresh), fresh_value=fresh_value)
+    tensors = [*wrapped.named_buffers(), *wrapped.named_parameters()]
+    entries = {name: source.entries[to_base(name)] for name, _ in tensors if to_base(name) in source.entries}
+    # a fresh head of the base, or a parameter the base does not have (an adapter)
+    fresh = tuple(name for name, _ in wrapped.named_parameters() if to_base(name) not in source.entries)
+    renamed = dataclasses.replace(source, entries=entries, fresh=fresh, fresh_value=fresh_value)
     setattr(wrapped, _SOURCE_ATTR, renamed)
 
 
 def needs_materialize(model: nn.Module) -> bool:
-    """True when ``model`` came from a deferred :func:`load_pretrained` and still has parameters on meta.
-
-    Runs on: any process.
-    """
+    """True when ``model`` came from a deferred :func:`load_pretrained` and still has parameters on meta. Runs on:
+    any process."""
     return getattr(model, _SOURCE_ATTR, None) is not None and any(p.is_meta for p in model.parameters())
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Checkpoint files and headers
-
-
 def _open(file: str, *, setting: str) -> safe_open:
-    """``safe_open(file, framework="pt")`` (memory-maps the file, reads and validates its header), with the
-    library's error for a file that is not a complete safetensors file turned into one naming the setting."""
+    """``safe_open(file, framework="pt")``, a file that is not a complete safetensors file refused naming the
+    setting."""
     try:
         return safe_open(file, framework="pt")
     except SafetensorError as err:
@@ -244,10 +202,11 @@ def _locate(path: str, name: str) -> str | None:
 
 def safetensors_index(path: str, *, setting: str = "model") -> dict[str, _Entry]:
     """Every tensor of the checkpoint at ``path`` (sharded via ``model.safetensors.index.json``, or one file):
-    key -> file, dtype and shape. Reads only the headers (through ``safetensors.safe_open``).
+    key -> file, dtype and shape, from the headers only. Runs on: any process.
 
-    Runs on: any process. Raises FileNotFoundError (naming ``setting``) when there are no safetensors files, and
-    ValueError when a file is not a complete safetensors file or holds a dtype not read here.
+    Raises:
+        FileNotFoundError: no safetensors files there (naming ``setting``).
+        ValueError: a file is not a complete safetensors file, or holds a dtype not read here.
     """
     index = _locate(path, "model.safetensors.index.json")
     if index is not None:
@@ -274,17 +233,11 @@ def safetensors_index(path: str, *, setting: str = "model") -> dict[str, _Entry]
     return _read_header(single, setting=f"{setting}={path!r}")
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Building with parameters on meta
-
-
 @contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside goes to the meta device (buffers stay where they are built).
-
-    Not thread-safe: patches ``nn.Module.register_parameter`` for the duration. A parameter already on meta is
-    registered as is, so weight tying (``lm_head.weight = embed_tokens.weight``) keeps one shared parameter.
-    """
+    """Every parameter registered inside goes to the meta device (buffers stay where they are built). Not
+    thread-safe: patches ``nn.Module.register_parameter``. A parameter already on meta is registered as is, so weight
+    tying keeps one shared parameter."""
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -300,18 +253,9 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS}
-    model_kwargs = {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS}
-    if "trust_remote_code" in kwargs:
-        config_kwargs["trust_remote_code"] = kwargs["trust_remote_code"]
-    return config_kwargs, model_kwargs
-
-
 def _checkpoint_keys(model: nn.Module, name: str) -> list[str]:
-    """The keys under which a checkpoint may hold model tensor ``name``: itself, with or without the base model's
-    prefix (a token classifier's ``model.*`` = a causal LM's ``model.*``; a bare ``Qwen2Model`` checkpoint has
-    ``layers.*``), and the names of parameters tied to it."""
+    """The keys under which a checkpoint may hold model tensor ``name``: itself and the names of parameters tied to
+    it, each with or without the base model's prefix (a bare ``Qwen2Model`` checkpoint has ``layers.*``)."""
     names = [name]
     tied: dict[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
     names += [target for target, source in tied.items() if source == name]
@@ -334,9 +278,8 @@ def _is_head(model: nn.Module, name: str) -> bool:
 def _plan(
     model: nn.Module, entries: dict[str, _Entry], *, path: str, setting: str
 ) -> tuple[dict[str, _Entry], list[str]]:
-    """Matches every parameter and persistent buffer of ``model`` to a checkpoint tensor; raises ValueError naming
-    the setting, the path and what is missing or mis-shaped. Parameters of a task head that the checkpoint's
-    architecture does not have (e.g. ``score.*`` from a causal-LM checkpoint) are returned as fresh."""
+    """Match every parameter and persistent buffer of ``model`` to a checkpoint tensor (ValueError naming what is
+    missing or mis-shaped); a task head the checkpoint's architecture lacks (e.g. ``score.*``) is returned fresh."""
     config = getattr(model, "config", None)
     architectures = list(getattr(config, "architectures", None) or [])
     new_head = type(model).__name__ not in architectures  # built as another class than the checkpoint was saved as
@@ -386,26 +329,23 @@ def load_pretrained(
     deferred: bool | None = None,
     **kwargs: Any,
 ) -> nn.Module:
-    """Load a transformers model: whole (today's ``from_pretrained``), or deferred with parameters on meta.
+    """Load a transformers model: whole (``from_pretrained``), or deferred with parameters on meta.
 
     Runs on: every worker rank (each builds its own copy; deferred, nothing is read but the headers).
 
     Args:
-        auto_class: ``AutoModelForCausalLM``, ``AutoModelForTokenClassification``, ... (or a model class).
-        path: A local folder (or a cached hub id) with ``config.json`` and safetensors files.
         setting: The user setting that named ``path`` (e.g. ``"CriticRole(path=...)"``), for error messages.
         dtype: Storage dtype of the parameters (the checkpoint's tensors are converted to it as they are read).
         deferred: None follows :func:`loading_deferred`. False: ``auto_class.from_pretrained(path, dtype=dtype,
-            **kwargs)``, bit-identical to calling it directly. True: ``AutoConfig.from_pretrained(path, **kwargs)``
-            then ``auto_class.from_config(config, dtype=dtype)`` with every parameter on the meta device (buffers
-            real), in eval mode like ``from_pretrained``; call :func:`materialize` (after sharding) before use.
+            **kwargs)``. True: ``auto_class.from_config`` with every parameter on the meta device (buffers real),
+            in eval mode like ``from_pretrained``; call :func:`materialize` (after sharding) before use.
         **kwargs: As for ``from_pretrained`` (e.g. ``num_labels=1``); ``attn_implementation`` and
             ``trust_remote_code`` go to ``from_config``, the rest update the config.
 
     Raises:
         FileNotFoundError: deferred, and ``path`` has no safetensors checkpoint.
-        ValueError: deferred, and the checkpoint lacks a tensor the model needs (other than a new task head's, or
-            a tied parameter's), or holds one with another shape. Both are raised before any weight is allocated.
+        ValueError: deferred, and the checkpoint lacks a tensor the model needs (other than a new task head's), or
+            holds one with another shape. Both are raised before any weight is allocated.
     """
     if deferred is None:
         deferred = loading_deferred()
@@ -415,7 +355,8 @@ def load_pretrained(
     from transformers import AutoConfig, GenerationConfig
 
     entries = safetensors_index(path, setting=setting)  # the files exist and their headers parse
-    config_kwargs, model_kwargs = _split_kwargs(kwargs)
+    config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS or k == "trust_remote_code"}
+    model_kwargs = {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS}
     config = AutoConfig.from_pretrained(path, **config_kwargs)
     with _parameters_on_meta():
         model = auto_class.from_config(config, dtype=dtype, **model_kwargs)  # type: ignore[attr-defined]
@@ -430,10 +371,6 @@ def load_pretrained(
             generation = GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
         model.generation_config = generation  # type: ignore[assignment]
     return model.eval()
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Materialising this rank's rows
 
 
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -453,8 +390,8 @@ def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def _fresh_full(model: nn.Module, name: str, param: torch.Tensor, std: float) -> torch.Tensor:
-    """The full initial value of a parameter the checkpoint lacks: same on every rank (seeded by its name).
-    Biases zeros; norm weights ones; other weights normal(0, std)."""
+    """The full initial value of a parameter the checkpoint lacks, the same on every rank (seeded by its name):
+    biases zeros, norm weights ones, other weights normal(0, std)."""
     owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "bias":
@@ -467,12 +404,9 @@ def _fresh_full(model: nn.Module, name: str, param: torch.Tensor, std: float) ->
 
 def _read_rows(entry: _Entry, first: int, count: int, dest: torch.Tensor, *, setting: str) -> int:
     """Fill ``dest`` (``count`` rows, any dtype and device) with rows ``[first, first+count)`` of ``entry``;
-    returns the bytes read from the file.
-
-    The rows come from ``safe_open(...).get_slice(key)[first:first+count]``: a view of the file's memory map, so
-    only those pages are read, and ``copy_`` casts them to ``dest``'s dtype. The file is opened for this one
-    tensor and the view dropped before it closes, which unmaps it: mapped pages count in the resident size, and
-    this way no more than one tensor's rows are ever mapped.
+    returns the bytes read from the file. The rows are a view of the file's memory map (only those pages are read),
+    cast by ``copy_``. The file is opened for this one tensor and unmapped before the next: mapped pages count in
+    the resident size, and this way no more than one tensor's rows are ever mapped.
     """
     nbytes = count * entry.row_bytes
     if nbytes == 0:
@@ -532,17 +466,15 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> LoadReport:
 
     Call after ``fully_shard`` (:func:`~lightning_rlhf.engines.train.fsdp.shard_model`) and before the first
     forward, or on an unsharded model (whole tensors). A DTensor parameter (FSDP2 ``Shard(0)``) gets rows
-    ``[r*ceil(n/w), min((r+1)*ceil(n/w), n))``, copied from the file's memory map (``safetensors.safe_open``,
-    ``get_slice``) into the shard and cast on the way when the dtypes differ (as ``from_pretrained(dtype=...)``
-    casts). Parameters the checkpoint lacks (a new head) get a deterministic full initial value, the same on
-    every rank (weights normal(0, ``config.initializer_range``), biases zeros, norm weights ones), then this
-    rank's rows. Buffers keep the values they were built with (persistent ones in the checkpoint are read whole).
+    ``[r*ceil(n/w), min((r+1)*ceil(n/w), n))``, cast on the way as ``from_pretrained(dtype=...)`` casts. Parameters
+    the checkpoint lacks (a new head) get a deterministic full initial value, the same on every rank (weights
+    normal(0, ``config.initializer_range``), biases zeros, norm weights ones), then this rank's rows. Buffers keep
+    the values they were built with (persistent ones in the checkpoint are read whole).
 
     Runs on: every worker rank (no collective; every rank reads its own rows).
 
     Raises:
-        ValueError: ``model`` did not come from a deferred :func:`load_pretrained`, or a checkpoint file changed
-            since (no longer a safetensors file, or without a tensor it had).
+        ValueError: ``model`` did not come from a deferred :func:`load_pretrained`, or a checkpoint file changed since.
     """
     began = time.perf_counter()
     source: _Source | None = getattr(model, _SOURCE_ATTR, None)
@@ -552,7 +484,9 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> LoadReport:
             "HINT: load it with load_pretrained inside deferred_loading(), or do not call materialize on it."
         )
     _allocate(model, torch.device(device))
-    report = LoadReport(fresh=list(source.fresh), checkpoint_bytes=sum(e.nbytes for e in source.entries.values()))
+    report = LoadReport(
+        fresh=list(source.fresh), checkpoint_bytes=sum(e.rows * e.row_bytes for e in source.entries.values())
+    )
     setting = f"{source.setting}={source.path!r}"
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -1,24 +1,9 @@
-"""LoRA adapters on a role's model, through ``peft`` (the field's maintained implementation).
+"""LoRA adapters on a role's model, through ``peft`` (docs/lora.md).
 
-A trained role (the actor, the critic) can train low-rank adapters instead of every weight: :func:`apply_lora` wraps
-the transformers model in a ``peft.PeftModel`` before FSDP2 shards it, so only the adapters (and a critic's value
-head) require gradients and get optimizer state, while the frozen base weights are sharded and gathered as before.
-Deferred (sharded) loading still reads the base from the checkpoint: the wrapped model's parameter names are mapped
-back to the checkpoint's (``base_model.model.`` and ``.base_layer`` removed), and the adapters start as ``peft``
-starts them (``lora_B`` zeros, so the wrapped model computes exactly the base model at step 0; ``lora_A``
-Kaiming-uniform), seeded by their names so every rank builds the same values. What this relies on of peft beyond its
-public API (those names, those values, the merge) lives in :mod:`lightning_rlhf.compat.peft`.
-
-The rollout engines take plain transformers weights: :func:`merged_weights` turns the stream of the wrapped model's
-full tensors into the base model's names with each adapted weight merged (``W + scale * B @ A``, computed on the
-fly, in float32; the trainer's base weights are not changed).
-
-A run may also start from adapters trained before (an SFT LoRA run's, verl's ``lora_adapter_path``):
-``lora="path/to/adapter"`` reads the folder's ``adapter_config.json`` (peft's :class:`~peft.LoraConfig`) and starts
-the adapters from its ``adapter_model.safetensors`` (read with peft's ``load_peft_weights``) instead of fresh values.
-
-Runs on: the launching process (:func:`resolve_lora` with ``model``: the targets and the rank checked against the
-model's ``config.json``, no weights), every process (the roles' ``load``) and every worker rank (the hand-off).
+:func:`apply_lora` wraps the transformers model in a ``peft.PeftModel`` before FSDP2 shards it, so only the adapters
+(and a critic's value head) require gradients; deferred loading starts the adapters as ``peft`` does, seeded by
+their names so every rank builds the same values. The rollout engines take plain weights (:func:`merged_weights`).
+What this relies on of peft beyond its public API lives in :mod:`lightning_rlhf.compat.peft`.
 """
 
 from __future__ import annotations
@@ -41,6 +26,7 @@ from lightning_rlhf.compat.peft import (
     saved_key,
     target_layers,
 )
+from lightning_rlhf.engines.train.fsdp import whole
 
 __all__ = [
     "adapter_start",
@@ -78,25 +64,20 @@ def resolve_lora(
     modules_to_save: list[str] | None = None,
     model: str | None = None,
 ) -> Any:
-    """A ``peft.LoraConfig`` for a role from what the user gave (None, a ``LoraConfig``, its fields as a dict, as a
-    recipe writes them, or the folder of a saved peft adapter to start from), checked before any model is built;
-    None when ``lora`` is None.
+    """A ``peft.LoraConfig`` for a role from what the user gave (None, a ``LoraConfig``, its fields as a dict, or the
+    folder of a saved peft adapter to start from), checked before any model is built; None when ``lora`` is None.
 
-    ``target_modules`` not given (a dict without it, or a ``LoraConfig`` whose ``target_modules`` is None) is
-    ``"all-linear"``; a dict without ``lora_alpha`` gets ``2 * r`` (peft's own default is 8 whatever the rank).
-    A folder (``lora="runs/sft/actor/adapter"``) takes the saved adapter's settings and, at load, its weights as the
-    trainable starting point (:func:`adapter_start`).
+    ``target_modules`` not given is ``"all-linear"``; a dict without ``lora_alpha`` gets ``2 * r`` (peft's own
+    default is 8 whatever the rank). A folder takes the saved adapter's settings and, at load, its weights as the
+    starting point (:func:`adapter_start`). ``task_type``: ``CAUSAL_LM`` (actor) or ``TOKEN_CLS`` (critic).
+    ``model``: the role's model, whose ``config.json`` the targets and the rank are checked against.
 
-    Runs on: the launching process (the module's constructor), before any process starts. ``task_type``:
-    ``CAUSAL_LM`` (actor) or ``TOKEN_CLS`` (critic, whose ``modules_to_save`` keeps its value head fully trained).
-    ``model``: the folder or hub id of the role's model: the targets and the rank are then checked against its
-    ``config.json`` (:func:`check_lora_model`: no weights are read).
+    Runs on: the launching process (the module's constructor), before any process starts.
 
     Raises:
         ValueError: an unknown field, a rank that is not a positive integer, dropout outside [0, 1), a ``bias``
-            other than ``none`` (a trained base bias would be one more full-size thing to hand off), a folder
-            without a peft LoRA adapter, or (with ``model``) targets that match no linear layer or a rank larger
-            than a targeted layer takes.
+            other than ``none``, a folder without a peft LoRA adapter, or (with ``model``) targets that match no
+            linear layer or a rank larger than a targeted layer takes.
     """
     if lora is None:
         return None
@@ -159,15 +140,13 @@ def _saved_adapter_config(folder: str, *, setting: str) -> Any:
 
 
 def adapter_start(config: Any) -> str | None:
-    """The saved adapter folder whose weights ``config``'s adapters start from (``lora="folder"``), or None: fresh
-    adapters. Runs on: any process."""
+    """The saved adapter folder ``config``'s adapters start from, or None: fresh adapters. Runs on: any process."""
     return getattr(config, _START_ATTR, None)
 
 
 def _start_values(wrapped: nn.Module, folder: str, *, setting: str) -> dict[str, Tensor]:
-    """The saved adapter's ``lora_A``/``lora_B`` tensors by the wrapped model's parameter names (peft's
-    ``load_peft_weights`` reads them); every adapter parameter of ``wrapped`` must have one. A saved
-    ``modules_to_save`` copy is not used: those layers start from the model, as in a fresh run."""
+    """The saved adapter's ``lora_A``/``lora_B`` tensors by the wrapped model's parameter names; every adapter
+    parameter of ``wrapped`` must have one. A saved ``modules_to_save`` copy is not used (as in a fresh run)."""
     from peft import load_peft_weights
 
     saved = load_peft_weights(folder, device="cpu")
@@ -188,10 +167,8 @@ def _start_values(wrapped: nn.Module, folder: str, *, setting: str) -> dict[str,
 
 
 def check_lora_model(config: Any, model: str, *, setting: str) -> None:
-    """Check ``config``'s targets and rank against the model at ``model`` (a folder or hub id) without its weights:
-    the architecture is built from its ``config.json`` on the meta device.
-
-    Runs on: the launching process (the module's constructor), before any process starts or any weight loads.
+    """Check ``config``'s targets and rank against the model at ``model`` (a folder or hub id), built from its
+    ``config.json`` on the meta device. Runs on: the launching process, before any weight loads.
 
     Raises:
         ValueError: as :func:`apply_lora` does (no target matched; a rank larger than a targeted layer takes).
@@ -208,7 +185,7 @@ def check_lora_model(config: Any, model: str, *, setting: str) -> None:
 
 def _check_targets(model: nn.Module, config: Any, *, setting: str) -> None:
     """Fail, naming the setting and the fix, when ``config`` targets no linear layer of ``model`` or its rank exceeds
-    the smaller dimension of a targeted layer (the bound given is the smallest over every targeted layer)."""
+    the smaller dimension of a targeted layer."""
     targets = target_layers(model, config)
     if not targets:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
@@ -231,15 +208,14 @@ def _check_targets(model: nn.Module, config: Any, *, setting: str) -> None:
 
 def apply_lora(model: nn.Module, config: Any, *, setting: str) -> nn.Module:
     """``model`` wrapped in a ``peft.PeftModel`` with ``config``'s adapters (only they, and ``modules_to_save``,
-    require gradients); a model on the meta device (deferred loading) keeps its checkpoint plan, renamed. The
-    adapters start fresh (``lora_B`` zero), or from the saved adapter of :func:`adapter_start`.
+    require gradients); a deferred model keeps its checkpoint plan, renamed. The adapters start fresh (``lora_B``
+    zero), or from the saved adapter of :func:`adapter_start`.
 
     Runs on: every process (a role's ``load``, before FSDP2 shards the model).
 
     Raises:
-        ValueError: ``target_modules`` selects no linear layer of the model, or the rank exceeds the smaller
-            dimension of a selected layer (the adapter would not be low-rank), naming both and the fix; a saved
-            adapter that does not fit the model.
+        ValueError: ``target_modules`` selects no linear layer, or the rank exceeds the smaller dimension of a
+            selected layer; a saved adapter that does not fit the model.
     """
     from peft import get_peft_model
 
@@ -273,22 +249,21 @@ def has_lora(model: nn.Module | None) -> bool:
 def merged_weights(
     model: nn.Module, stream: Iterator[tuple[str, Tensor]], dtype: torch.dtype | None
 ) -> Iterator[tuple[str, Tensor]]:
-    """The base model's weights, by the base model's names, from ``stream`` (the wrapped model's full tensors in
-    ``named_parameters`` order, in its own dtype): each adapted weight merged as ``W + scale * B @ A`` in float32,
-    then cast to ``dtype``; adapters themselves are not yielded. Runs on: every worker rank (the hand-off)."""
+    """The base model's weights, by its names, from ``stream`` (the wrapped model's full tensors in order): each
+    adapted weight merged as ``W + scale * B @ A`` in float32, then cast to ``dtype``. Runs on: every worker rank."""
     return merge_stream(stream, layer_scales(model), dtype)
 
 
 def merged_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of each tensor :func:`merged_weights` yields for ``model``, in its order (a layer's bias
-    comes before its merged weight). Runs on: any process (no data: meta tensors)."""
+    """``(name, shape)`` of each tensor :func:`merged_weights` yields for ``model``, in its order. Runs on: any
+    process (no data: meta tensors)."""
     meta = ((name, torch.empty(p.shape, device="meta")) for name, p in model.named_parameters())
     return [(name, tuple(t.shape)) for name, t in merged_weights(model, meta, None)]
 
 
 def base_weights(stream: Iterator[tuple[str, Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
-    """The base model's own weights (adapters left out, not merged) by the base's names, from a wrapped model's
-    full tensors: what an engine that takes the adapters separately loads once. Runs on: every worker rank."""
+    """The base model's own weights (adapters left out, not merged) by its names, from a wrapped model's full
+    tensors. Runs on: every worker rank."""
     for name, tensor in stream:
         if LORA_MARK not in name:
             yield base_name(name), tensor if dtype is None else tensor.to(dtype)
@@ -297,27 +272,13 @@ def base_weights(stream: Iterator[tuple[str, Tensor]], dtype: torch.dtype | None
 def adapter_tensors(model: nn.Module, received: list[int] | None = None) -> dict[str, Tensor]:
     """The adapters' full tensors by the wrapped model's names (an all-gather per sharded adapter, in the same
     order on every rank of the role). Runs on: every worker rank of the role."""
-    from torch.distributed.tensor import DTensor
-
-    out: dict[str, Tensor] = {}
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if LORA_MARK not in name:
-                continue
-            data = param.data
-            if isinstance(data, DTensor):
-                local = data.to_local()
-                data = data.full_tensor()
-                if received is not None:
-                    received[0] += (data.numel() - local.numel()) * data.element_size()
-            out[name] = data.detach().cpu()
-    return out
+        return {n: whole(p.data, received).detach().cpu() for n, p in model.named_parameters() if LORA_MARK in n}
 
 
 def write_adapter(folder: str, adapter_config: Mapping[str, Any], state: Mapping[str, Tensor]) -> None:
-    """Write ``state``'s adapters as peft saves them into ``folder``: ``adapter_config.json`` and
-    ``adapter_model.safetensors`` (what ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load). Runs on:
-    any process."""
+    """Write ``state``'s adapters into ``folder`` as peft saves them (what ``PeftModel.from_pretrained`` and vLLM's
+    ``LoRARequest`` load). Runs on: any process."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
@@ -328,9 +289,8 @@ def write_adapter(folder: str, adapter_config: Mapping[str, Any], state: Mapping
 
 
 def unadapted_copy(model: nn.Module) -> nn.Module:
-    """A copy of a wrapped model's base transformers model without its adapters (the base's parameter names, the
-    base weights as the wrapper holds them; on the meta device before loading, with the checkpoint plan). What a
-    rollout engine is built from: it takes merged weights by those names. Runs on: every worker rank, at set-up."""
+    """A copy of a wrapped model's base model without its adapters (the base's names and weights; on the meta
+    device before loading): what a rollout engine is built from. Runs on: every worker rank, at set-up."""
     import copy
 
     unloaded: nn.Module = copy.deepcopy(model).unload()  # type: ignore[operator]

@@ -1,35 +1,17 @@
 """Micro-batches without padding: trim the columns that are padding in every row, pack rows by a token budget,
 and balance rows over data-parallel ranks by their tokens.
 
-A rollout batch (see :mod:`lightning_rlhf.engines.train.forward`) pads every row to the widest prompt (on the left)
-and the longest response (on the right) of the *whole* batch. A training forward costs (rows x padded width)
-tokens, however many of them are real. These pure, deterministic functions remove that waste:
+A training forward costs rows x padded width. :func:`trim_padding` drops the columns that are padding in every row
+(the forward gives the same outputs at every real token, up to float summation order);
+:func:`plan_micro_batches` packs rows of similar lengths under a row cap and a padded-token budget;
+:func:`split_to_count` evens the number of forwards over ranks (FSDP's collectives need that);
+:func:`balanced_partition` (from :mod:`lightning_rlhf.controller.dispatch`, re-exported) balances the ranks' tokens.
 
-- :func:`trim_padding` drops the leading prompt columns and the trailing response columns that are padding in
-  every row of a (micro-)batch. Position ids follow the attention mask, padded keys are masked out, and causal
-  attention never lets a real token see a later one, so the forward of the trimmed batch gives the same outputs at
-  every real token (up to float summation order).
-- :func:`plan_micro_batches` sorts rows by length and packs them greedily under a row cap and a padded-token budget,
-  so that rows of similar lengths share a micro-batch and trimming removes most of the padding.
-- :func:`split_to_count` splits a plan's costliest micro-batches until every rank runs as many forwards (FSDP's
-  collectives need that).
-- :func:`balanced_partition` splits rows into equal-size groups (one per rank) with balanced token sums, so no rank
-  waits for the one that got all the long responses. It lives in :mod:`controller.dispatch` (a leaf that may
-  import only :mod:`lightning_rlhf.batch`, and the controller's split uses it) and is re-exported here.
-
-Which columns are cut (the rule :func:`trim_padding` applies):
-
-- *prompt-aligned*: tensor columns whose name starts with ``"prompt"`` (``prompts``, ``prompt_mask``) and whose
-  dim 1 is the prompt width ``P``: their leading columns are cut;
-- *response-aligned*: every other tensor column with at least 2 dims whose dim 1 is the response width ``R``
-  (``responses``, ``response_mask``, ``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs``, ``values``,
-  ``cost_values``, ``token_rewards``, ``advantages``, ``returns``, ``cost_returns``, ``loss_mask``, ...): their
-  trailing columns are cut;
-- everything else (per-row tensors such as ``scores`` or ``uid``, list columns, ``meta``) is kept as it is.
-
-Prompt columns are recognised by name first, so a batch whose prompts and responses have the same width
-(``P == R``) is not misread. A column of some other meaning whose dim 1 happens to equal ``R`` would be cut too:
-name it ``prompt...`` or give it another width.
+Which columns :func:`trim_padding` cuts: *prompt-aligned* ones (the name starts with ``"prompt"`` and dim 1 is the
+prompt width ``P``) lose their leading columns; *response-aligned* ones (every other tensor column with at least 2
+dims whose dim 1 is the response width ``R``: ``responses``, ``old_logprobs``, ``advantages``, ...) their trailing
+columns; everything else (per-row tensors, list columns, ``meta``) is kept. Prompt columns are recognised by name
+first, so ``P == R`` is not misread; a column of another meaning whose dim 1 happens to equal ``R`` would be cut too.
 """
 
 from __future__ import annotations
@@ -59,10 +41,7 @@ on its own (prompt and response: ``(prompt_len, response_len)``)."""
 
 def has_rollout_layout(batch: Batch) -> bool:
     """Whether ``batch`` has the rollout layout: 2-D ``prompts``/``prompt_mask`` ``[B, P]`` and
-    ``responses``/``response_mask`` ``[B, R]`` tensors.
-
-    Runs on: any process.
-    """
+    ``responses``/``response_mask`` ``[B, R]`` tensors. Runs on: any process."""
     keys = ("prompts", "prompt_mask", "responses", "response_mask")
     return all(key in batch.tensors and batch.tensors[key].dim() == 2 for key in keys)
 
@@ -72,10 +51,8 @@ def _prompt_aligned(key: str, value: Tensor, prompt_width: int) -> bool:
 
 
 def response_aligned(batch: Batch) -> list[str]:
-    """Names of the response-aligned tensor columns of a rollout batch (the rule in the module docstring).
-
-    Runs on: any process.
-    """
+    """Names of the response-aligned tensor columns of a rollout batch (the rule in the module docstring). Runs on:
+    any process."""
     prompt_width = batch["prompt_mask"].shape[1]
     width = batch["response_mask"].shape[1]
     return [
@@ -87,11 +64,8 @@ def response_aligned(batch: Batch) -> list[str]:
 
 def row_spans(batch: Batch) -> list[tuple[int, int]]:
     """``(prompt span, response span)`` of each row of a rollout batch: the prompt columns from the row's first real
-    prompt token to the end, and the response columns up to and including its last real response token.
-
-    Runs on: any process. For the usual layout (left-padded prompts, right-padded responses) these are the numbers
-    of real tokens; a trimmed micro-batch is as wide as its widest spans.
-    """
+    prompt token to the end, and the response columns up to and including its last real response token. Runs on:
+    any process."""
     prompt_mask = batch["prompt_mask"].bool()
     response_mask = batch["response_mask"].bool()
     width_p, width_r = prompt_mask.shape[1], response_mask.shape[1]
@@ -104,18 +78,12 @@ def row_spans(batch: Batch) -> list[tuple[int, int]]:
 
 
 def trim_padding(batch: Batch, *, responses: bool = True) -> Batch:
-    """``batch`` without the leading prompt columns and the trailing response columns that are padding in every row.
+    """``batch`` without the leading prompt columns and the trailing response columns that are padding in every row
+    (the rule in the module docstring). At least one prompt and one response column stay (a position must predict
+    the first response token). A batch without the rollout layout comes back as it is. ``responses=False`` cuts
+    only the prompt side (for a loss that depends on the response width).
 
-    Runs on: any process (a worker, before each forward). At least one prompt and one response column stay (the
-    forward needs a position that predicts the first response token). Prompt-aligned columns lose their leading
-    columns, response-aligned ones their trailing columns (see the module docstring for the rule); other columns and
-    ``meta`` are kept. A batch without the rollout layout (an SFT batch, texts for a reward model) comes back as it
-    is.
-
-    Args:
-        batch: a rollout batch (or any batch).
-        responses: also cut the response columns; False cuts only the prompt side (for a loss whose result depends
-            on the response width, e.g. ``"seq-mean-token-sum-norm"`` without a fixed ``max_len``).
+    Runs on: any process (a worker, before each forward).
     """
     if not has_rollout_layout(batch) or not len(batch):
         return batch
@@ -136,10 +104,6 @@ def trim_padding(batch: Batch, *, responses: bool = True) -> Batch:
     return Batch(tensors, batch.columns, batch.meta)
 
 
-def _cost(rows: int, widths: list[int]) -> int:
-    return rows * sum(widths)
-
-
 def _as_tuples(lengths: Lengths) -> list[tuple[int, ...]]:
     rows = [(x,) if isinstance(x, int) else tuple(x) for x in lengths]
     for i, row in enumerate(rows):
@@ -151,19 +115,13 @@ def _as_tuples(lengths: Lengths) -> list[tuple[int, ...]]:
 
 
 def plan_micro_batches(lengths: Lengths, *, max_rows: int, max_tokens: int) -> list[list[int]]:
-    """Row indices of each micro-batch: rows sorted by length (stable: ties keep their order), packed greedily
-    into micro-batches of at most ``max_rows`` rows and at most ``max_tokens`` padded tokens.
+    """Row indices of each micro-batch: rows sorted by length (stable), packed greedily into micro-batches of at most
+    ``max_rows`` rows and ``max_tokens`` padded tokens: rows x the longest row, or with tuple lengths (segments
+    padded separately, e.g. ``(prompt, response)``) rows x the sum of each segment's longest. A row over
+    ``max_tokens`` alone gets a micro-batch of its own. Runs on: any process (deterministic).
 
-    Runs on: any process (every worker rank, on its own rows; deterministic). The padded tokens of a micro-batch are
-    its rows x its longest row; with tuple lengths (segments padded separately, e.g. ``(prompt, response)``) its
-    rows x the sum of each segment's longest, which is exactly what a forward of the trimmed micro-batch costs.
-    A row that alone costs more than ``max_tokens`` gets a micro-batch of its own. Every row is in exactly one
-    micro-batch; the indices in each are ascending by length.
-
-    Args:
-        lengths: per row, its length (int) or its segment lengths (tuple).
-        max_rows: rows per micro-batch at most (``AlgorithmConfig.batching.micro_batch_size``).
-        max_tokens: padded tokens per micro-batch at most (``AlgorithmConfig.batching.micro_batch_tokens``).
+    Raises:
+        ValueError: ``max_rows`` or ``max_tokens`` below 1, a negative length, or rows of different segment counts.
     """
     if max_rows < 1:
         raise ValueError(f"plan_micro_batches: max_rows={max_rows} must be >= 1. HINT: micro_batch_size >= 1.")
@@ -176,7 +134,7 @@ def plan_micro_batches(lengths: Lengths, *, max_rows: int, max_tokens: int) -> l
     widths: list[int] = []
     for i in order:
         grown = [max(w, v) for w, v in zip(widths, rows[i], strict=True)] if current else list(rows[i])
-        if current and (len(current) + 1 > max_rows or _cost(len(current) + 1, grown) > max_tokens):
+        if current and (len(current) + 1 > max_rows or (len(current) + 1) * sum(grown) > max_tokens):
             plan.append(current)
             current, grown = [], list(rows[i])
         current.append(i)
@@ -189,16 +147,12 @@ def plan_micro_batches(lengths: Lengths, *, max_rows: int, max_tokens: int) -> l
 def split_to_count(plan: list[list[int]], lengths: Lengths, count: int) -> list[list[int]]:
     """``plan`` with its micro-batches split until there are ``count`` of them.
 
-    Runs on: every worker rank. FSDP makes every forward a collective, so all ranks must run the same number of
-    micro-batches; a rank whose plan is shorter than the longest one splits its costliest micro-batch (padded
-    tokens, see :func:`plan_micro_batches`; ties: the first) of two rows or more into halves (the first half gets
-    the extra row), until the counts agree. Splitting never raises a micro-batch's cost, so both caps still hold.
-    Deterministic.
+    Runs on: every worker rank. The costliest micro-batch (padded tokens, see :func:`plan_micro_batches`; ties: the
+    first) of two rows or more is split into halves (the first half gets the extra row) until the counts agree.
+    Splitting never raises a micro-batch's cost, so both caps still hold. Deterministic.
 
-    Args:
-        plan: micro-batches of row indices (from :func:`plan_micro_batches`).
-        lengths: the lengths the plan was made from.
-        count: the number of micro-batches wanted (at least ``len(plan)``, at most the number of rows).
+    Raises:
+        ValueError: ``count`` is below ``len(plan)`` or above the number of rows.
     """
     rows = _as_tuples(lengths)
     total = sum(len(g) for g in plan)
@@ -210,7 +164,7 @@ def split_to_count(plan: list[list[int]], lengths: Lengths, count: int) -> list[
     out = [list(g) for g in plan]
 
     def cost(group: list[int]) -> int:
-        return _cost(len(group), [max(col) for col in zip(*(rows[i] for i in group), strict=True)])
+        return len(group) * sum(max(col) for col in zip(*(rows[i] for i in group), strict=True))  # padded tokens
 
     while len(out) < count:
         k = max((k for k in range(len(out)) if len(out[k]) > 1), key=lambda k: (cost(out[k]), -k))

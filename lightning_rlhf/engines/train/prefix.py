@@ -1,20 +1,14 @@
 """Training forwards that compute each group's prompt once (a shared prefix).
 
-GRPO-style rollouts hold ``n`` samples per prompt, consecutive, with the same prompt tokens. A training forward over
-them runs the prompt ``n`` times. Here the rows of a micro-batch are packed into one sequence: every group's prompt
-once, then every response's real tokens, without their padding (responses of one batch differ in length: a tool
-episode's mean is about 60% of the longest, so the padded layout ran the layers on 40% padding); a custom attention
-lets each prompt attend causally within itself, and each response attend to its group's prompt and causally to itself
-(inside the attention only, the responses are laid out padded again, one row each, in chunks of rows of similar
-lengths, each padded to its own longest: the tool task's update 0.474 -> 0.426 s in isolation). The model is called once
-(FSDP's hooks see one forward), the prompt's activations are shared by its ``n`` responses, and autograd sums their
-gradients. Log-probs equal the per-row forward's up to float rounding (``tests/unit/test_shared_prefix.py``); the
-vs-TRL workload's update, whose 11 prompt tokens are 15% of its decoder tokens, takes about 8% less time
-(``benchmarks/bench_shared_prefix.py``).
-
-The packed attention is registered with transformers' ``AttentionInterface`` under :data:`ATTENTION_NAME`; the
-model's attention points to it only for the duration of a packed call
-(:func:`lightning_rlhf.compat.transformers.attention_implementation`).
+GRPO-style rollouts hold ``n`` consecutive samples per prompt. Here the rows of a micro-batch are packed into one
+sequence: every group's prompt once, then every response's real tokens without padding (a tool episode's mean
+response is about 60% of the longest); a custom attention lets each prompt attend causally within itself, and each
+response to its group's prompt and causally to itself (inside the attention the responses are padded again, in
+chunks of rows of similar lengths: the tool task's update 0.474 -> 0.426 s in isolation). The model is called once
+(FSDP's hooks see one forward). Log-probs equal the per-row forward's up to float rounding; the vs-TRL workload's
+update, whose 11 prompt tokens are 15% of its decoder tokens, takes about 8% less time
+(``benchmarks/bench_shared_prefix.py``). The attention is registered with transformers' ``AttentionInterface``
+under :data:`ATTENTION_NAME`, and the model points to it only during a packed call.
 """
 
 from __future__ import annotations
@@ -27,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat.transformers import attention_implementation
@@ -105,20 +101,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> T
     return torch.matmul(weights, v.contiguous())
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The packed attention builds its own masks from the layout."""
-    return None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTENTION_NAME, _attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
-
-
-_register()
+AttentionInterface.register(ATTENTION_NAME, _attention)
+AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)  # the attention makes its own masks
 
 
 def shares_prompts(model: nn.Module, batch: Batch, group_size: int) -> bool:
@@ -158,10 +142,9 @@ longest (a tool episode batch's lengths spread from about 60 to 203 tokens)."""
 
 
 def _response_chunks(lengths: Tensor, pmask: Tensor, n: int, device: torch.device) -> dict[str, Any]:
-    """The responses' attention in chunks of rows of similar lengths: per chunk its rows' groups (whose prompt they
-    attend to), where each padded slot reads its token in the packed responses (a padding slot reads token 0: it
-    attends to itself only, and its output is dropped), which slots are real, and the mask (the group's prompt, then
-    causal over the row itself); ``order`` puts the chunks' real tokens back in the rows' order."""
+    """The responses' attention in chunks of rows of similar lengths: per chunk its rows' groups, where each padded
+    slot reads its token in the packed responses (a padding slot reads token 0, attends to itself only, and its
+    output is dropped), which slots are real, and the mask; ``order`` puts the real tokens back in the rows' order."""
     lp = pmask.shape[1]
     starts = torch.cumsum(lengths, 0) - lengths  # each response's first packed position
     by_length = torch.argsort(lengths, descending=True, stable=True)
@@ -189,9 +172,8 @@ def _response_chunks(lengths: Tensor, pmask: Tensor, n: int, device: torch.devic
 def packed_response_logits(
     model: nn.Module, batch: Batch, group_size: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
-    """``(logits, real)``: the logits ``[1, T, V]`` at the positions that predict each real response token (``T``
-    of them: the rows' tokens in order, without padding) and ``real`` ``[B, R]``, the response mask as booleans (where
-    those tokens sit), with every group's prompt computed once and no layer running on response padding (``batch``
+    """``(logits, real)``: the logits ``[1, T, V]`` at the positions that predict each real response token (in the
+    rows' order) and ``real`` ``[B, R]``, where those tokens sit, with every group's prompt computed once (``batch``
     must pass :func:`shares_prompts`). Runs on: worker (one forward of the FSDP-sharded model)."""
     n = group_size
     prompts = batch["prompts"][::n].to(device)
