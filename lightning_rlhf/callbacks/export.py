@@ -29,14 +29,10 @@ class ExportActor(Callback):
     """Export the actor to ``dirpath`` (default ``<run folder>/actor``) at the end of ``fit``, and store its
     config and tokenizer files in every checkpoint so that ``lightning-rlhf export CKPT OUT`` needs nothing else.
 
-    With ``monitor``, the folder holds the weights of the best validation instead of the last step's, as
-    ``ModelCheckpoint(monitor=..., mode=..., save_top_k=1)`` keeps the best checkpoint: after each validation
-    whose ``monitor`` value beats the best so far (strictly; a non-finite value never does), the live actor is
-    exported at once, and ``fit``'s end does not overwrite it. The log says which step was exported and why
-    (also in :attr:`export_reason`); a resumed run keeps the best value and step of the run before it.
-
-    The folder loads with ``AutoModelForCausalLM.from_pretrained`` and with vLLM. The command line adds this
-    callback by default (settings under ``export_actor:``).
+    With ``monitor``, the folder holds the weights of the best validation instead of the last step's: after each
+    validation whose ``monitor`` value beats the best so far (strictly; a non-finite value never does), the live
+    actor is exported at once (docs/sft.md, "Which weights are exported"). The command line adds this callback by
+    default (settings under ``export_actor:``).
 
     Runs on: every process (the export gathers the actor's shards; rank 0 writes).
 

@@ -79,13 +79,7 @@ class MetricHistory(L.Callback):
         """Record this step's values. Runs on: every rank; only rank 0 records."""
         if not trainer.is_global_zero:
             return
-        step, metrics = step_of(trainer), trainer.callback_metrics
-        for key in self.keys:
-            if key in metrics:
-                series = self.history.setdefault(key, [])
-                if series and series[-1][0] == step:  # the same step twice (a restarted batch): keep the last
-                    series.pop()
-                series.append((step, float(metrics[key])))
+        record(self.history, self.keys, step_of(trainer), trainer.callback_metrics)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -94,3 +88,14 @@ class MetricHistory(L.Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = {k: [(int(s), float(v)) for s, v in pairs] for k, pairs in state_dict["history"].items()}
+
+
+def record(series: dict[str, list[tuple[int, float]]], keys: Iterable[str], step: int, metrics: Any) -> None:
+    """Append each of ``keys`` found in ``metrics`` to ``series`` at ``step``; a step recorded twice (a restarted
+    batch, two validations at one step) keeps the last value. Runs on: rank 0."""
+    for key in keys:
+        if key in metrics:
+            pairs = series.setdefault(key, [])
+            if pairs and pairs[-1][0] == step:
+                pairs.pop()
+            pairs.append((step, float(metrics[key])))

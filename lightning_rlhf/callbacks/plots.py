@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 
@@ -50,11 +51,8 @@ def plot_curve(steps: Sequence[int], values: Sequence[float], out_png: str, *, m
 
 
 def _moving_average(values: Sequence[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
+    sums = [0.0, *itertools.accumulate(values)]
+    return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(values))]
 
 
 class MetricPlots(MetricHistory):

@@ -65,11 +65,10 @@ def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]
 
 
 class RolloutSamples(L.Callback):
-    """After every ``every_n_steps``-th step (the steps ``n-1, 2n-1, ...`` of ``metrics.csv``, as Lightning's
-    ``log_every_n_steps``), append ``num_samples`` of its rollouts to ``<run folder>/samples.jsonl`` (one JSON
-    object per line: ``step``, ``prompt``, ``completion``, ``reward``; for episodes also ``episode``, the whole
-    conversation, ``turns`` and ``tool_calls``) and, when a ``WandbLogger`` is attached, log them as a
-    ``wandb.Table`` under ``table_key`` (episodes add a ``conversation`` column, the messages as text).
+    """After every ``every_n_steps``-th step (the steps ``n-1, 2n-1, ...`` of ``metrics.csv``), append
+    ``num_samples`` of its rollouts (:func:`sample_rows`) to ``<run folder>/samples.jsonl``, one JSON object per
+    line, and, with a ``WandbLogger``, log them as a ``wandb.Table`` under ``table_key`` (episodes add a
+    ``conversation`` column, the messages as text).
 
     Runs on: every rank; rank 0 writes. Reads ``last_rollout``, which ``RLHFModule.log_step`` sets on the
     controller: a custom ``training_step`` that does not call ``log_step`` must set it (a ``Batch`` with

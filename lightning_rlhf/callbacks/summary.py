@@ -10,7 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_rlhf.callbacks.history import MetricHistory, first_last, run_folder
+from lightning_rlhf.callbacks.history import MetricHistory, first_last, record, run_folder
 
 __all__ = ["REWARD_KEYS", "SUMMARY_KEYS", "VALIDATION_KEYS", "RunSummary", "checkpoint_line"]
 
@@ -57,12 +57,8 @@ class RunSummary(MetricHistory):
           exported model: /abs/runs/hf
 
     Runs on: every rank; rank 0 records and prints (to stdout), in the ``teardown`` hook of ``fit``: after every
-    callback's ``on_fit_end``, whatever the order of the callbacks, and only when ``fit`` ended without an
-    error. The validation line appears when validation ran (``val/score/mean``, else ``val/loss``): its first and
-    last value, each at the step of the weights it measured (step 0 with ``ValidationConfig(before_train=True)``
-    is "before training"). The checkpoint line appears when a ``ModelCheckpoint`` saved something (see
-    :func:`checkpoint_line`: "best" only with a ``monitor``, else "latest"), the export line
-    when a callback has a non-empty ``last_export`` attribute (``ExportActor``).
+    callback's ``on_fit_end``, and only when ``fit`` ended without an error. The validation, checkpoint
+    (:func:`checkpoint_line`) and export lines appear when there is something to say (docs/quickstart.md).
 
     Args:
         reward_keys: the reward metric (or a supervised run's loss), the first of these that was logged.
@@ -89,15 +85,8 @@ class RunSummary(MetricHistory):
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Record the validation's metrics at the current ``global_step``. Runs on: every rank; rank 0 records."""
-        if not trainer.is_global_zero or trainer.sanity_checking:
-            return
-        for key in VALIDATION_KEYS:
-            if key in trainer.callback_metrics:
-                series = self.validations.setdefault(key, [])
-                step = trainer.global_step
-                if series and series[-1][0] == step:  # validated twice at one step: keep the last
-                    series.pop()
-                series.append((step, float(trainer.callback_metrics[key])))
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            record(self.validations, VALIDATION_KEYS, trainer.global_step, trainer.callback_metrics)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -49,12 +49,7 @@ def check_sampling(*, temperature: float, top_p: float, top_k: int, owner: str) 
     """Refuse sampling settings that an engine would change or refuse, naming ``owner``'s field and the fix.
 
     Runs on: any process (the configs call it when they are made, both engines before every generation).
-
-    Args:
-        temperature: 0 for greedy decoding, else in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``.
-        top_p: nucleus mass in ``(0, 1]``.
-        top_k: 0 (off) or the number of tokens kept.
-        owner: what holds the settings, e.g. ``"RolloutConfig"``; errors read ``f"{owner}.temperature=..."``.
+    ``owner`` is what holds the settings (``"RolloutConfig"``: errors read ``RolloutConfig.temperature=...``).
 
     Raises:
         ValueError: naming the setting, its value, and the fix.
@@ -97,17 +92,11 @@ def check_sequence_length(
     """Refuse a prompt length plus ``max_new_tokens`` above the positions an engine (or a model) serves.
 
     Runs on: any process (at set-up with ``max_prompt_length``, before any model loads; in ``generate`` with
-    each prompt's length). Both engines call it, and ``SFTDataModule`` (whole examples, ``max_new_tokens=0``).
-
-    Args:
-        prompt_length: tokens of the (longest) prompt.
-        max_new_tokens: ``RolloutConfig.max_new_tokens`` (0: nothing is generated, not named in the message).
-        limit: the longest sequence the engine serves (vLLM's ``max_model_len``, the model's
-            ``max_position_embeddings`` for transformers).
-        engine: words for the limit, e.g. ``"the vLLM engine's max_model_len"``.
-        prompt_setting: words for the prompt length, e.g. ``"max_prompt_length=60"``.
-        subject: what the sequences are, e.g. ``"Examples"`` for SFT.
-        hint: the fix.
+    each prompt's length). Both engines call it, and ``SFTDataModule`` (whole examples, ``max_new_tokens=0``, then
+    left out of the message). ``limit``: vLLM's ``max_model_len``, or the model's ``max_position_embeddings`` for
+    transformers; ``engine``, ``prompt_setting``, ``subject`` and ``hint`` are the message's words for the limit
+    (``"the vLLM engine's max_model_len"``), the prompt length (``"max_prompt_length=60"``), the sequences
+    (``"Examples"`` for SFT) and the fix.
 
     Raises:
         ValueError: naming the settings and the fix.
@@ -140,14 +129,11 @@ class _Grouped:
     """
 
     def __init__(self, **values: Any) -> None:
-        cls, flat = type(self), flat_names(type(self))
-        moved: dict[str, dict[str, Any]] = {}
+        flat, moved = flat_names(type(self)), dict[str, dict[str, Any]]()
         for key in [k for k in values if k in flat]:
-            value = values.pop(key)
-            if value is not None:
-                group, name = flat[key]
-                _warn_flat(cls, key, group, name, stacklevel=3)
-                moved.setdefault(group, {})[name] = value
+            if (value := values.pop(key)) is not None:
+                _warn_flat(type(self), key, *flat[key], stacklevel=3)
+                moved.setdefault(flat[key][0], {})[flat[key][1]] = value
         for f in dataclasses.fields(self):
             if f.name in values:
                 value = values.pop(f.name)
@@ -159,7 +145,7 @@ class _Grouped:
                 value = dataclasses.replace(value, **moved[f.name])
             object.__setattr__(self, f.name, value)
         if values:
-            raise TypeError(f"{cls.__name__}() got unexpected keyword arguments: {', '.join(sorted(values))}")
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments: {', '.join(sorted(values))}")
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -167,26 +153,22 @@ class _Grouped:
 
     def __getattr__(self, key: str) -> Any:
         """A group's setting read by its flat name (``config.kl_coef``), with the same ``DeprecationWarning``."""
-        group, name = flat_names(type(self)).get(key) or (None, None)
-        if group is None or name is None:
+        flat = flat_names(type(self))
+        if key not in flat:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
-        _warn_flat(type(self), key, group, name, stacklevel=2)
-        return getattr(getattr(self, group), name)
+        _warn_flat(type(self), key, *flat[key], stacklevel=2)
+        return getattr(getattr(self, flat[key][0]), flat[key][1])
 
 
 def _warn_flat(cls: type, key: str, group: str, name: str, stacklevel: int) -> None:
     """Warn that the flat name ``key`` of a grouped config ``cls`` is deprecated, naming the nested spelling."""
+    group_class = {f.name: f.default_factory for f in dataclasses.fields(cls)}[group].__name__  # type: ignore[union-attr]
     warnings.warn(
         f"{cls.__name__}.{key} is deprecated: the setting is {cls.__name__}.{group}.{name}. HINT: "
-        f"{cls.__name__}({group}={_group_class(cls, group)}({name}=...)), in YAML {group}: {{{name}: ...}}.",
+        f"{cls.__name__}({group}={group_class}({name}=...)), in YAML {group}: {{{name}: ...}}.",
         DeprecationWarning,
         stacklevel=stacklevel + 1,
     )
-
-
-def _group_class(cls: Any, group: str) -> str:
-    """The class name of ``cls``'s group ``group`` (``"KLConfig"``)."""
-    return next(typing.cast(Any, f.default_factory).__name__ for f in dataclasses.fields(cls) if f.name == group)
 
 
 def flat_names(cls: Any) -> dict[str, tuple[str, str]]:
@@ -213,8 +195,8 @@ def _unchecked(group: Any) -> Any:
 
 
 def _grouped(cls: type[_G]) -> type[_G]:
-    """Give a grouped config its own ``__init__`` whose signature lists every field and flat name, for the command
-    line (jsonargparse reads it) and ``help()``."""
+    """Give a grouped config its ``__init__`` (see ``_Grouped``), whose signature lists every field and flat name,
+    for the command line (jsonargparse reads it) and ``help()``."""
     hints = typing.get_type_hints(cls)
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
     for f in dataclasses.fields(cls):

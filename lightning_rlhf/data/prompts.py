@@ -402,11 +402,7 @@ class PromptDataModule(L.LightningDataModule):
         assert self._rows is not None, "call setup('fit') first"
         if self._loader is None:
             self._loader = PromptLoader(
-                self._rows,
-                batch_size=self.batch_size,
-                collate=self.collate,
-                shuffle=self.shuffle,
-                seed=self.seed,
+                self._rows, batch_size=self.batch_size, collate=self.collate, shuffle=self.shuffle, seed=self.seed
             )
         return self._loader
 

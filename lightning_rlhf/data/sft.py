@@ -50,25 +50,6 @@ def encode_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list
     return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
 
 
-def _render(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    *,
-    generation_prompt: bool,
-    tools: list[Any] | None = None,
-    chat_kwargs: dict[str, Any] | None = None,
-) -> str:
-    return str(
-        tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-            **(chat_kwargs or {}),
-        )
-    )
-
-
 def tool_turns(messages: list[dict[str, Any]], tools: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
     """A chat's tool turns as chat templates take them: each tool call's ``arguments`` a dict (datasets often store
     them as JSON text, since Arrow would merge the argument keys of different tools into one struct), ``tools`` a
@@ -144,24 +125,22 @@ def encode_chat(
     mask: list[int] = []
     done = ""  # the text tokenized so far
 
-    def add(text: str, weight: int) -> list[int]:
-        part = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-        ids.extend(part)
-        mask.extend([weight] * len(part))
-        return part
+    def render(chat: list[dict[str, Any]], generation_prompt: bool) -> str:
+        kwargs = {"add_generation_prompt": generation_prompt, **(chat_template_kwargs or {})}
+        return str(tokenizer.apply_chat_template(chat, tools=tools or None, tokenize=False, **kwargs))
 
     for i in turns:
-        prompt = _render(tokenizer, messages[:i], generation_prompt=True, tools=tools, chat_kwargs=chat_template_kwargs)
-        full = _render(
-            tokenizer, messages[: i + 1], generation_prompt=False, tools=tools, chat_kwargs=chat_template_kwargs
-        )
+        prompt, full = render(messages[:i], True), render(messages[: i + 1], False)
         if not prompt.startswith(done) or not full.startswith(prompt):
             raise ValueError(
                 f"SFT data: the chat template is not prefix-stable at message {i} (it renders earlier turns "
                 "differently once later ones follow), so the assistant turns cannot be located. HINT: keep one "
                 "assistant turn per row (split long chats into one row per turn)."
             )
-        add(prompt[len(done) :], 0)
+        context = prompt[len(done) :]
+        part = list(tokenizer(context, add_special_tokens=False)["input_ids"]) if context else []
+        ids.extend(part)
+        mask.extend([0] * len(part))
         answer = list(tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"])
         end = answer.index(eos) + 1 if eos in answer else len(answer)
         trained = answer[:end] if eos in answer else [*answer, eos]
@@ -195,16 +174,14 @@ class SFTDataModule(PromptDataModule):
     """Supervised examples for :class:`~lightning_rlhf.modules.SFTModule`: prompt/answer columns or chats.
 
     Runs on: every process. Sources, splits, ``val_size``, shuffling and the resumable loader are those of
-    :class:`~lightning_rlhf.data.PromptDataModule`; every check happens in ``setup``, before any model loads.
+    :class:`~lightning_rlhf.data.PromptDataModule`, and so are the arguments not listed here; every check happens
+    in ``setup``, before any model loads.
 
     Args:
         train: the training examples (a ``datasets`` object, a ``.jsonl``/``.json``/``.parquet``/``.csv`` file,
             a folder, or a hub dataset name).
         val: held-out examples for ``val/loss``, in any of the same forms; None: ``val_size`` or no validation.
-        val_size: split held-out examples off ``train`` instead (a row count or a fraction, seeded).
         batch_size: examples per training step (one optimizer step), a multiple of the number of processes.
-        val_batch_size: examples per validation batch; None: ``batch_size``.
-        prompt_column: the column holding the prompt text.
         answer_column: the column holding the answer the model learns to write after the prompt (an EOS
             token is appended).
         messages_column: the column holding each example as a chat (``[{"role": ..., "content": ...}, ...]``,
@@ -218,16 +195,8 @@ class SFTDataModule(PromptDataModule):
             (``max_position_embeddings``). A value above them is refused in ``setup``, before any data or model
             loads (a model does not train past its positions).
         overlong: what to do with examples over ``max_length``.
-        tokenizer: tokenizer path; None takes the LightningModule's tokenizer.
         chat_template: render each prompt/answer pair as a user and an assistant message with the tokenizer's
             chat template (for instruct models that RL will prompt with ``chat_template=True``).
-        chat_template_kwargs: extra template variables for every render (``{"enable_thinking": False}``), as RL's
-            ``PromptDataModule(chat_template_kwargs=...)`` renders its prompts.
-        dataset_config: configuration name of a hub dataset or folder; None: its default.
-        train_split: split of a hub dataset, folder or ``DatasetDict`` to train on.
-        val_split: split of ``val`` when it is a hub dataset, folder or ``DatasetDict``.
-        shuffle: reshuffle every epoch (seeded).
-        seed: shuffling seed, and the seed of the ``val_size`` split.
     """
 
     def __init__(
@@ -322,10 +291,9 @@ class SFTDataModule(PromptDataModule):
         """Check ``dataset``'s columns and rows, tokenize each example with its loss mask, drop (or reject)
         overlong ones. Runs on: every process, in ``setup``."""
         chat = self.messages_column is not None
-        needed = [self.messages_column] if chat else [self.prompt_column, self.answer_column]
-        for col, setting in zip(
-            needed, ["messages_column"] if chat else ["prompt_column", "answer_column"], strict=True
-        ):
+        needed = {"messages_column": self.messages_column} if chat else {}
+        needed = needed or {"prompt_column": self.prompt_column, "answer_column": self.answer_column}
+        for setting, col in needed.items():
             if col not in dataset.column_names:
                 raise KeyError(
                     f"SFTDataModule({setting}={col!r}): the {which} data has no such column. Columns: "
