@@ -89,10 +89,7 @@ class ExportActor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The best value, its step and folder, and the validations counted (with ``monitor``).
-
-        Runs on: every process (Lightning saves it in every checkpoint).
-        """
+        """The best value, its step and folder, and the validations counted (with ``monitor``). Runs on: every rank."""
         if self.monitor is None:
             return {}
         return {
@@ -161,10 +158,7 @@ class ExportActor(Callback):
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Export the actor (without ``monitor``), or say which step the folder holds (with it).
-
-        Runs on: every process (collective gathers; rank 0 writes).
-        """
+        """Export the actor (without ``monitor``), or say which step the folder holds. Runs on: every process."""
         if not self.export_on_fit_end:
             return
         last = trainer.global_step

@@ -18,10 +18,10 @@ __all__ = ["MetricHistory", "first_last", "run_folder", "step_of"]
 
 
 def run_folder(trainer: L.Trainer) -> str:
-    """The run's folder, as ``trainer.log_dir`` names it, without its broadcast (so one rank may ask).
+    """The run's folder, as ``trainer.log_dir`` names it, without its broadcast (so one rank may ask): the first
+    logger's ``log_dir`` (CSV, TensorBoard) or ``save_dir`` (others), else ``trainer.default_root_dir``.
 
-    The first logger's ``log_dir`` for a CSV or TensorBoard logger, its ``save_dir`` for another logger (e.g.
-    wandb), else ``trainer.default_root_dir``. Runs on: rank 0 (any process gets its own logger's answer).
+    Runs on: rank 0 (any process gets its own logger's answer).
     """
     folder: str | None = None
     if trainer.loggers:
@@ -31,18 +31,13 @@ def run_folder(trainer: L.Trainer) -> str:
 
 
 def step_of(trainer: L.Trainer) -> int:
-    """The step the loggers give the batch that just ran (the ``step`` column of ``metrics.csv``, from 0).
-
-    Valid in ``on_train_batch_end``; Lightning's ``LearningRateMonitor`` reads the same counter. Runs on: any.
-    """
+    """The step the loggers give the batch that just ran (``metrics.csv``'s ``step``, from 0), in
+    ``on_train_batch_end``. Runs on: any."""
     return batches_that_stepped(trainer)
 
 
 def first_last(values: Sequence[float], fraction: float = 0.1) -> tuple[float, float]:
-    """Means of the first and the last ``fraction`` of ``values`` (at least one value each).
-
-    Runs on: any (pure).
-    """
+    """Means of the first and the last ``fraction`` of ``values`` (at least one value each). Runs on: any."""
     if not values:
         raise ValueError("first_last: no values. HINT: call it once at least one step was logged.")
     k = max(1, int(len(values) * fraction))
@@ -53,10 +48,8 @@ class MetricHistory(L.Callback):
     """Records, after every training step, the latest value of each metric in ``keys`` that the module logged.
 
     Runs on: rank 0 records (the controller logged the values there); other ranks keep nothing. The history
-    is part of the callback's state in checkpoints, so it covers the whole run after a resume.
-
-    Args:
-        keys: metric names to record; a metric never logged is simply absent.
+    is in the callback's checkpointed state, so it covers the whole run after a resume. A ``keys`` metric never
+    logged is simply absent.
     """
 
     def __init__(self, keys: Iterable[str]) -> None:

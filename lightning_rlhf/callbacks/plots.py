@@ -24,9 +24,9 @@ DEFAULT_PANELS: dict[str, tuple[str, ...]] = {
 
 
 def plot_curve(steps: Sequence[int], values: Sequence[float], out_png: str, *, metric: str, title: str) -> None:
-    """Plot ``values`` per RL step into ``out_png`` (with a moving average once there are 20 points or more).
+    """Plot ``values`` per RL step into ``out_png`` (with a moving average from 20 points on).
 
-    Runs on: rank 0. Uses matplotlib's Agg backend (no display needed).
+    Runs on: rank 0 (matplotlib's Agg backend: no display needed).
     """
     import matplotlib
 
@@ -60,8 +60,7 @@ class MetricPlots(MetricHistory):
     run folder at the end of ``fit``, and every ``every_n_steps`` steps if set. A panel none of whose metrics
     was logged (e.g. ``kl`` without a KL term) is skipped.
 
-    Runs on: every rank; rank 0 records the controller's logged values and draws. Works with any logger, or
-    none (the values come from ``trainer.callback_metrics``, not from a logger's files).
+    Runs on: every rank; rank 0 records the controller's logged values (``trainer.callback_metrics``) and draws.
 
     Args:
         panels: file stem -> candidate metric names; the first one logged is plotted.

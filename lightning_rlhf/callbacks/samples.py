@@ -34,12 +34,9 @@ def conversation_text(messages: list[dict[str, Any]]) -> str:
 
 
 def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]]:
-    """``count`` rows spread evenly over ``rollout`` (so several prompts, not one prompt's group), as dicts
-    with :data:`SAMPLE_COLUMNS`. A missing ``prompt`` or ``completion`` column gives empty strings. Episodes
-    (a rollout with the ``episode`` column) add ``episode`` (the messages, tool calls and results included),
-    ``turns`` and ``tool_calls``.
-
-    Runs on: controller (rank 0).
+    """``count`` rows spread evenly over ``rollout`` (several prompts, not one prompt's group), as dicts with
+    :data:`SAMPLE_COLUMNS` (empty strings for a missing column); episodes add ``episode`` (the messages), ``turns``
+    and ``tool_calls``. Runs on: controller (rank 0).
     """
     size = len(rollout)
     count = min(count, size)

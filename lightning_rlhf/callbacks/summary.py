@@ -24,11 +24,8 @@ VALIDATION_KEYS = ("val/score/mean", "val/loss")
 
 def checkpoint_line(ckpt: Any) -> str | None:
     """``checkpoints: <folder> (best (<monitor>=<value>): <path>, last: <path>)``, or None when ``ckpt`` is not a
-    ``ModelCheckpoint`` or saved nothing.
-
-    "best" only names a checkpoint that a monitored metric chose (``ModelCheckpoint(monitor=...)``). Without a
-    monitor, Lightning's ``best_model_path`` is merely the newest checkpoint kept, named "latest" here. "last"
-    is ``save_last``'s ``last.ckpt``. Runs on: rank 0.
+    ``ModelCheckpoint`` or saved nothing. Without a ``monitor``, Lightning's ``best_model_path`` is merely the newest
+    checkpoint kept, named "latest" here. Runs on: rank 0.
     """
     if not isinstance(ckpt, ModelCheckpoint) or not (ckpt.best_model_path or ckpt.last_model_path):
         return None

@@ -1,18 +1,9 @@
 """Export the trained actor as a transformers model folder (safetensors, config, generation config, tokenizer).
 
-    lightning-rlhf export runs/grpo_gsm8k/version_0/checkpoints/step=200.ckpt out/actor --dtype bfloat16
-    lightning-rlhf export runs/sft/checkpoints/last.ckpt out/actor --best        # ModelCheckpoint's best instead
-    lightning-rlhf export runs/grpo_lora/version_0/checkpoints/step=200.ckpt out/merged --merge  # LoRA: merged
-
-Two sources: a live module at the end of training (:func:`export_actor`; FSDP2 shards are gathered to rank 0 one
-tensor at a time) and a checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy``
-(:func:`export_checkpoint`; a sharded folder of ``torch.distributed.checkpoint`` files or a single file, read on
-CPU in one process). Either way the folder loads with ``AutoModelForCausalLM.from_pretrained`` and with vLLM.
-
-A checkpoint holds the weights; the model's config and tokenizer come from the ``ExportActor`` callback, which
-stores their files in every checkpoint (the command line adds it), or from ``base=`` (the model the run started
-from). A LoRA run's checkpoint always carries its adapter settings and the base model's name (``RLHFStrategy``
-adds them, :func:`lora_files`), so it exports with or without the callback.
+Two sources: a live module at the end of training (:func:`export_actor`, what ``ExportActor`` calls) and a
+checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy`` (:func:`export_checkpoint`, the
+``lightning-rlhf export`` command). docs/cli.md ("export") says what the folder holds and where a checkpoint's
+config, tokenizer and LoRA settings come from.
 """
 
 from __future__ import annotations
@@ -135,16 +126,9 @@ def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torc
 
     Runs on: every process when the actor is sharded (each parameter's ``full_tensor`` is an all-gather over the
     actor's ranks, taken in the same order everywhere, one tensor at a time); only the lowest rank of the actor's
-    pool (rank 0 without a placement) keeps the gathered tensors and writes. All ranks return when the folder is
-    complete.
-
-    Args:
-        module: the trained module (its ``actor`` role).
-        out: folder to write (created; files in it are replaced).
-        dtype: weight dtype of the folder (``"bfloat16"``, ``torch.float16``, ...); None keeps the training dtype.
-
-    Returns:
-        ``out`` as a string.
+    pool (rank 0 without a placement) keeps the gathered tensors and writes. All ranks return ``out`` when the
+    folder is complete (created; files in it are replaced). ``dtype``: ``"bfloat16"``, ``torch.float16``, ...;
+    None keeps the training dtype.
     """
     distributed = dist.is_available() and dist.is_initialized()
     if not module.holds_role("actor"):  # placed on other ranks: they gather and write
@@ -269,23 +253,15 @@ def export_checkpoint(
     states are never loaded.
 
     Args:
-        checkpoint: a checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy``: a sharded folder
-            (``save_distributed_checkpoint=True``, the default) or a single file.
-        out: folder to write (created; files in it are replaced).
-        dtype: weight dtype of the folder: ``bfloat16``, ``float16`` or ``float32``; None keeps the saved dtype.
-        base: folder or hub id of the model the run started from, for the config and tokenizer; needed only when
-            the checkpoint was saved without the ``ExportActor`` callback (which stores them). A LoRA run's merge
-            reads the base weights from it (default: the model the run started from, which the checkpoint names;
-            a sharded LoRA checkpoint holds only the adapters).
-        best: export the best checkpoint by the metric a ``ModelCheckpoint(monitor=...)`` watched, which
-            ``checkpoint`` (any checkpoint of the run, e.g. ``last.ckpt``) names (:func:`best_checkpoint`).
-        merge: for a LoRA run, write the merged model (``W + scale * B @ A`` per adapted weight: a transformers
-            folder that vLLM loads) instead of the adapter folder (``adapter_config.json``,
-            ``adapter_model.safetensors``: what ``peft.PeftModel.from_pretrained(base, out)`` loads). A full-weight
-            run's folder is the same either way.
-
-    Returns:
-        ``out``.
+        checkpoint: a sharded folder (``save_distributed_checkpoint=True``, the default) or a single file.
+        out: folder to write (created; files in it are replaced); returned.
+        dtype: weight dtype of the folder; None keeps the saved dtype.
+        base: folder or hub id of the model the run started from, for the config and tokenizer of a checkpoint
+            saved without ``ExportActor``, and the base weights a LoRA merge reads (default: the base the
+            checkpoint names).
+        best: export the best checkpoint that ``checkpoint`` names (:func:`best_checkpoint`).
+        merge: for a LoRA run, write the merged model (``W + scale * B @ A`` per adapted weight) instead of the
+            adapter folder that ``peft.PeftModel.from_pretrained(base, out)`` loads.
     """
     if best:
         checkpoint = best_checkpoint(checkpoint).path

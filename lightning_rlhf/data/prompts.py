@@ -61,7 +61,6 @@ class PromptLoader:
     """
 
     rows: list[dict[str, Any]] = dataclasses.field(repr=False)
-    """The prepared prompt rows."""
     _: dataclasses.KW_ONLY
     batch_size: int
     collate: Callable[[list[dict[str, Any]]], Batch] = dataclasses.field(repr=False)
@@ -128,12 +127,9 @@ class PromptDataModule(L.LightningDataModule):
     """Prompts for training and validation, from ``datasets`` objects, local files or folders, or hub datasets.
 
     Runs on: every process. Every check (files, columns, chat shapes, empty prompts, length limit, rows left)
-    happens in ``setup``, on the training and the validation data alike, before any model is loaded.
-
-    With an environment on the module (docs/agents.md), a row's prompt is the episode's first prompt: the
-    environment's ``reset(row)`` messages rendered by the chat template with the system turn and the tools' schemas;
-    that is what ``max_prompt_length`` bounds, measured in ``setup``. The prompt column is then optional (a TRL-style
-    environment's ``reset`` may return the prompt), and so is the data itself (``train=None``).
+    happens in ``setup``, on the training and the validation data alike, before any model is loaded. With an
+    environment on the module, a row's prompt is the episode's first prompt as rendered, and the prompt column is
+    optional (docs/agents.md).
 
     Args:
         train: the training prompts: a ``datasets.Dataset`` or ``DatasetDict``, the path of a
@@ -244,10 +240,7 @@ class PromptDataModule(L.LightningDataModule):
         self._tokenizer: Any = None
 
     def setup(self, stage: str) -> None:
-        """Load, check and tokenize the training and validation prompts.
-
-        Runs on: every process, before models are loaded (Lightning calls it before ``configure_model``).
-        """
+        """Load, check and tokenize the training and validation prompts. Runs on: every process, before models load."""
         if self._rows is not None:
             return
         self._tokenizer = self._resolve_tokenizer()

@@ -1,12 +1,8 @@
 """Supervised (SFT) data: prompt/answer pairs or chats, tokenized with a loss mask on the answers only.
 
 Each SFT batch is a :class:`~lightning_rlhf.batch.Batch` with ``input_ids``, ``attention_mask`` and ``loss_mask``
-(``[B, T]``, right-padded) and every dataset column as a Python list. ``loss_mask`` is 1 on the tokens the model
-is trained to write (the answer and its EOS, or each assistant turn) and 0 on the prompt and the padding.
-
-Prompts are tokenized exactly as :class:`~lightning_rlhf.data.PromptDataModule` tokenizes them for RL, and the
-answer separately after them (the rollout engine also writes its tokens after the prompt's), so a model
-warm-started here sees the same prompt tokens when RL begins.
+(``[B, T]``, right-padded; the loss mask 1 on the tokens the model is trained to write) and every dataset column as
+a Python list. Prompts are tokenized as RL tokenizes them, and the answer after them (docs/sft.md).
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ def _eos_id(tokenizer: Any) -> int:
 def encode_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of ``prompt + answer + EOS``, with the loss on the answer and the EOS only.
 
-    Runs on: any process (pure). The prompt is ``tokenizer(prompt, add_special_tokens=True)`` (as RL prompts
-    are), the answer ``tokenizer(answer, add_special_tokens=False)`` followed by the EOS id.
+    Runs on: any process (pure). The prompt has the tokenizer's special tokens (as RL prompts), the answer none.
     """
     prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     answer_ids = [*tokenizer(answer, add_special_tokens=False)["input_ids"], _eos_id(tokenizer)]
@@ -51,10 +46,10 @@ def encode_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list
 
 
 def tool_turns(messages: list[dict[str, Any]], tools: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
-    """A chat's tool turns as chat templates take them: each tool call's ``arguments`` a dict (datasets often store
-    them as JSON text, since Arrow would merge the argument keys of different tools into one struct), ``tools`` a
-    list of JSON schemas (a JSON text column is read). Runs on: any process (pure). Raises ValueError for arguments
-    or tools that are not valid JSON."""
+    """A chat's tool turns as chat templates take them: each tool call's ``arguments`` a dict (datasets store them
+    as JSON text, since Arrow would merge different tools' argument keys), ``tools`` a list of JSON schemas.
+
+    Runs on: any process (pure). Raises ValueError for arguments or tools that are not valid JSON."""
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
@@ -93,15 +88,12 @@ def encode_chat(
     tools: list[Any] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)`` of a chat rendered with the tokenizer's chat template, with the loss on every
-    assistant turn (its content, its tool calls and the template's end-of-turn token, up to the first EOS) and on
-    nothing else: the user's, the system's and the tools' turns are context. ``tools``: the JSON schemas the
-    template renders (``apply_chat_template(tools=...)``, as an agentic rollout renders its prompts).
-    ``chat_template_kwargs``: extra template variables (``{"enable_thinking": False}``), given to every render.
+    """``(input_ids, loss_mask)`` of a chat rendered with the tokenizer's chat template (with the JSON schemas
+    ``tools`` and the extra variables ``chat_template_kwargs``), with the loss on every assistant turn (its content,
+    tool calls and end-of-turn token, up to the first EOS; appended when missing) and nothing else.
 
     Runs on: any process (pure). Each assistant turn's prompt is the template of the turns before it with the
-    generation prompt (as :class:`~lightning_rlhf.data.PromptDataModule` renders chat prompts for RL); its
-    answer is what the template adds for the turn. An answer without the EOS token gets one appended.
+    generation prompt (as RL renders chat prompts); its answer is what the template adds for the turn.
 
     Raises:
         ValueError: the tokenizer has no chat template, the chat has no assistant turn or starts with one, or
@@ -153,10 +145,7 @@ def encode_chat(
 
 
 def collate_sft(rows: list[dict[str, Any]], *, pad_token_id: int) -> Batch:
-    """Right-pad the ``input_ids`` / ``loss_mask`` of ``rows`` into a Batch (plus the other columns as lists).
-
-    Runs on: every process.
-    """
+    """Right-pad the ``input_ids`` / ``loss_mask`` of ``rows`` into a Batch (other columns as lists). Runs on: any."""
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -252,13 +241,10 @@ class SFTDataModule(PromptDataModule):
     def setup(self, stage: str) -> None:
         """Check ``max_length`` against the model's positions, then load, check and tokenize the examples.
 
-        Runs on: every process, before any model loads (Lightning calls it before ``configure_model``); the length
-        check reads only the model's config and comes before the data is read.
+        Runs on: every process, before any model loads (the length check reads only the model's config).
 
         Raises:
-            ValueError: ``max_length`` exceeds the model's ``max_position_embeddings`` (the same check as an RL
-                prompt length plus ``max_new_tokens``: :func:`~lightning_rlhf.config.
-                check_sequence_length`).
+            ValueError: ``max_length`` exceeds the model's ``max_position_embeddings``.
         """
         if self._rows is None:
             self._check_model_positions()
