@@ -19,10 +19,8 @@ __all__ = ["MetricHistory", "first_last", "run_folder", "step_of"]
 
 def run_folder(trainer: L.Trainer) -> str:
     """The run's folder, as ``trainer.log_dir`` names it, without its broadcast (so one rank may ask): the first
-    logger's ``log_dir`` (CSV, TensorBoard) or ``save_dir`` (others), else ``trainer.default_root_dir``.
-
-    Runs on: rank 0 (any process gets its own logger's answer).
-    """
+    logger's ``log_dir`` (CSV, TensorBoard) or ``save_dir`` (others), else ``trainer.default_root_dir``. Runs on: rank 0
+    (any process gets its own logger's answer)."""
     folder: str | None = None
     if trainer.loggers:
         first = trainer.loggers[0]
@@ -47,9 +45,8 @@ def first_last(values: Sequence[float], fraction: float = 0.1) -> tuple[float, f
 class MetricHistory(L.Callback):
     """Records, after every training step, the latest value of each metric in ``keys`` that the module logged.
 
-    Runs on: rank 0 records (the controller logged the values there); other ranks keep nothing. The history
-    is in the callback's checkpointed state, so it covers the whole run after a resume. A ``keys`` metric never
-    logged is simply absent.
+    Runs on: rank 0 records (the controller logged the values there). The history is in the callback's checkpointed
+    state, so it covers the whole run after a resume; a metric never logged is simply absent.
     """
 
     def __init__(self, keys: Iterable[str]) -> None:

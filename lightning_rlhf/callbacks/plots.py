@@ -24,10 +24,8 @@ DEFAULT_PANELS: dict[str, tuple[str, ...]] = {
 
 
 def plot_curve(steps: Sequence[int], values: Sequence[float], out_png: str, *, metric: str, title: str) -> None:
-    """Plot ``values`` per RL step into ``out_png`` (with a moving average from 20 points on).
-
-    Runs on: rank 0 (matplotlib's Agg backend: no display needed).
-    """
+    """Plot ``values`` per RL step into ``out_png`` (with a moving average from 20 points on). Runs on: rank 0
+    (matplotlib's Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,10 +55,8 @@ def _moving_average(values: Sequence[float], window: int) -> list[float]:
 
 class MetricPlots(MetricHistory):
     """Write one PNG per panel (``reward.png``, ``response_length.png``, ``kl.png``, ``entropy.png``) into the
-    run folder at the end of ``fit``, and every ``every_n_steps`` steps if set. A panel none of whose metrics
-    was logged (e.g. ``kl`` without a KL term) is skipped.
-
-    Runs on: every rank; rank 0 records the controller's logged values (``trainer.callback_metrics``) and draws.
+    run folder at the end of ``fit``, and every ``every_n_steps`` steps if set; a panel without a logged metric (e.g.
+    ``kl`` without a KL term) is skipped. Runs on: every rank; rank 0 records (``trainer.callback_metrics``) and draws.
 
     Args:
         panels: file stem -> candidate metric names; the first one logged is plotted.

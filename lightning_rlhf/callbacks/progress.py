@@ -28,8 +28,7 @@ class RLHFProgressBar(TQDMProgressBar):
 
     Args:
         short_names: logged name -> name on the bar; other metrics keep their names.
-        **kwargs: passed to ``TQDMProgressBar`` (``refresh_rate``: redraw every this many steps; ``leave`` has
-            no effect on the training bar, which is one bar for the run).
+        **kwargs: passed to ``TQDMProgressBar`` (``refresh_rate``: redraw every this many steps).
     """
 
     def __init__(self, short_names: dict[str, str] | None = None, **kwargs: Any) -> None:

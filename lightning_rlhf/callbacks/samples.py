@@ -1,7 +1,5 @@
-"""``RolloutSamples``: every n steps, a few of the step's rollouts (prompt, completion, reward; for episodes the
-whole conversation) in a jsonl file in the run folder and, with a ``WandbLogger``, as a ``wandb.Table`` (what TRL
-logs as its completions table).
-"""
+"""``RolloutSamples``: every n steps, a few of the step's rollouts in a jsonl file in the run folder and, with a
+``WandbLogger``, as a ``wandb.Table`` (what TRL logs as its completions table)."""
 
 from __future__ import annotations
 
@@ -35,9 +33,8 @@ def conversation_text(messages: list[dict[str, Any]]) -> str:
 
 def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]]:
     """``count`` rows spread evenly over ``rollout`` (several prompts, not one prompt's group), as dicts with
-    :data:`SAMPLE_COLUMNS` (empty strings for a missing column); episodes add ``episode`` (the messages), ``turns``
-    and ``tool_calls``. Runs on: controller (rank 0).
-    """
+    :data:`SAMPLE_COLUMNS` (empty strings for a missing column); episodes add ``episode`` (the messages), ``turns`` and
+    ``tool_calls``. Runs on: controller (rank 0)."""
     size = len(rollout)
     count = min(count, size)
     index = [i * size // count for i in range(count)]

@@ -25,8 +25,7 @@ VALIDATION_KEYS = ("val/score/mean", "val/loss")
 def checkpoint_line(ckpt: Any) -> str | None:
     """``checkpoints: <folder> (best (<monitor>=<value>): <path>, last: <path>)``, or None when ``ckpt`` is not a
     ``ModelCheckpoint`` or saved nothing. Without a ``monitor``, Lightning's ``best_model_path`` is merely the newest
-    checkpoint kept, named "latest" here. Runs on: rank 0.
-    """
+    checkpoint kept, named "latest" here. Runs on: rank 0."""
     if not isinstance(ckpt, ModelCheckpoint) or not (ckpt.best_model_path or ckpt.last_model_path):
         return None
     parts = []
@@ -42,20 +41,12 @@ def checkpoint_line(ckpt: Any) -> str | None:
 
 
 class RunSummary(MetricHistory):
-    """Print a summary of the run when ``fit`` ends::
-
-        lightning_rlhf run summary
-          reward (critic/score/mean): 0.312 (first 10% of steps) -> 0.875 (last 10%)
-          validation (val/score/mean): 0.410 before training (step 0) -> 0.870 at step 250
-          steps: 250 in 312s (1.23 s/step)
-          throughput: 1,204 tokens/s per rank, 2,408 tokens/s over 2 ranks (perf/throughput, mean)
-          run folder: /abs/runs/demo/version_0
-          checkpoints: /abs/runs/ckpt (best (val/score/mean=0.87): ..., last: ...)
-          exported model: /abs/runs/hf
+    """Print a summary of the run when ``fit`` ends: reward start -> end, validation, steps and time, throughput,
+    the run folder, checkpoints and the exported model, each line when there is something to say (an example is in
+    docs/quickstart.md).
 
     Runs on: every rank; rank 0 records and prints (to stdout), in the ``teardown`` hook of ``fit``: after every
-    callback's ``on_fit_end``, and only when ``fit`` ended without an error. The validation, checkpoint
-    (:func:`checkpoint_line`) and export lines appear when there is something to say (docs/quickstart.md).
+    callback's ``on_fit_end``, and only when ``fit`` ended without an error.
 
     Args:
         reward_keys: the reward metric (or a supervised run's loss), the first of these that was logged.

@@ -31,6 +31,7 @@ from lightning_rlhf.compat.peft import (
     merge_stream,
     wrapped_name,
 )
+from lightning_rlhf.config.models import resolve_model_path
 from lightning_rlhf.engines.train.lora import has_lora, merged_weights, write_adapter
 
 if TYPE_CHECKING:
@@ -58,10 +59,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``; None stays None.
-
-    Runs on: any process.
-    """
+    """A dtype name (``"bfloat16"``, ``"torch.bfloat16"``) or dtype -> its ``torch.dtype``; None: None. Runs on: any."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     name = dtype.removeprefix("torch.")
@@ -71,19 +69,15 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def actor_files(module: RLHFModule) -> dict[str, bytes]:
-    """The actor's ``config.json``, ``generation_config.json`` (if any) and tokenizer files, as bytes.
-
-    Runs on: any process (reads the module's model config and reloads its tokenizer from its path, so the
-    training-time padding side is not saved). Stored in checkpoints so they export without the original model.
-    """
+    """The actor's ``config.json``, ``generation_config.json`` (if any) and tokenizer files (reloaded from its path: not
+    the training-time padding side), as bytes, for checkpoints to export without the original model. Runs on: any
+    process."""
     from transformers import AutoTokenizer
 
     model = module.actor.model
     config = getattr(model, "config", None)
     if config is None and not module.holds_role("actor"):  # placed on other ranks: read its configuration
         from transformers import AutoConfig
-
-        from lightning_rlhf.config.models import resolve_model_path
 
         path = resolve_model_path(module.actor.path, setting="ActorRole(path=...)")
         config = AutoConfig.from_pretrained(path)
@@ -100,13 +94,9 @@ def actor_files(module: RLHFModule) -> dict[str, bytes]:
 
 
 def lora_files(module: RLHFModule) -> dict[str, bytes]:
-    """What ``export`` needs to save a LoRA actor's adapters for peft or to merge them: peft's
-    ``adapter_config.json`` naming the base model (``base_model_name_or_path``, the model the run started from);
-    ``{}`` for a full-weight actor. ``RLHFStrategy.save_checkpoint`` stores it in every checkpoint of a LoRA run
-    (``ExportActor`` stores it with the config and tokenizer files).
-
-    Runs on: every process (no model needed: the role's settings only).
-    """
+    """What ``export`` needs to save a LoRA actor's adapters or merge them: peft's ``adapter_config.json`` naming the
+    model the run started from; ``{}`` for a full-weight actor. Stored in every checkpoint of a LoRA run. Runs on: every
+    process (no model needed: the role's settings only)."""
     lora = getattr(getattr(module, "actor", None), "lora", None)
     if lora is None:
         return {}
@@ -121,15 +111,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None) -> str:
-    """Write the live actor as a transformers folder at ``out``. A LoRA actor's folder holds the merged model
-    (``W + scale * B @ A`` per adapted weight) and, in ``out/adapter``, the adapters as ``peft`` saves them.
-
-    Runs on: every process when the actor is sharded (each parameter's ``full_tensor`` is an all-gather over the
-    actor's ranks, taken in the same order everywhere, one tensor at a time); only the lowest rank of the actor's
-    pool (rank 0 without a placement) keeps the gathered tensors and writes. All ranks return ``out`` when the
-    folder is complete (created; files in it are replaced). ``dtype``: ``"bfloat16"``, ``torch.float16``, ...;
-    None keeps the training dtype.
-    """
+    """Write the live actor as a transformers folder at ``out`` in ``dtype`` (None: as trained); a LoRA actor's holds
+    the merged model and, in ``out/adapter``, the adapters as ``peft`` saves them. Runs on: every process when the
+    actor is sharded (one all-gather per tensor, in the same order everywhere); only the lowest rank of the actor's
+    pool (rank 0 without a placement) keeps the gathered tensors and writes. All ranks return ``out`` when the folder
+    is complete (created; files in it are replaced)."""
     distributed = dist.is_available() and dist.is_initialized()
     if not module.holds_role("actor"):  # placed on other ranks: they gather and write
         if distributed:
@@ -191,9 +177,8 @@ class BestCheckpoint:
 def best_checkpoint(checkpoint: str) -> BestCheckpoint:
     """The best checkpoint by the metric a ``ModelCheckpoint(monitor=...)`` watched, as recorded in ``checkpoint``.
 
-    Runs on: one process, on CPU (reads the non-tensor part of two checkpoints). ``ModelCheckpoint`` stores its
-    ``best_model_path`` in every checkpoint it writes, so any checkpoint of the run (``last.ckpt``, the latest one)
-    names the best of those saved up to it. A path that moved with its run folder is found beside ``checkpoint``.
+    Runs on: one process, on CPU. Any checkpoint of the run (``last.ckpt``) names the best of those saved up to it
+    (``ModelCheckpoint`` stores its ``best_model_path`` in each); one that moved with its run folder is found beside.
 
     Raises:
         ValueError: no monitoring ``ModelCheckpoint`` saved ``checkpoint``, or several did (with the paths).
@@ -314,8 +299,6 @@ def _write_model_folder(
     the model ``named`` (a folder or hub id), or (None) those the checkpoint stored (``files``)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from lightning_rlhf.config.models import resolve_model_path
-
     with tempfile.TemporaryDirectory() as tmp:
         source = named if named is None else resolve_model_path(named, setting="export_checkpoint(base=...)")
         if source is None:
@@ -385,8 +368,6 @@ def _base_weights(origin: str, adapted: set[str]) -> dict[str, torch.Tensor]:
     """The base model's weights in float32 under a LoRA model's names (``base_model.model.<name>``, an adapted
     layer's under ``<layer>.base_layer``), for merging adapters from a checkpoint that left the base out."""
     from transformers import AutoModelForCausalLM
-
-    from lightning_rlhf.config.models import resolve_model_path
 
     source = resolve_model_path(origin, setting="export_checkpoint(base=...)")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)

@@ -1,11 +1,9 @@
 """Checkpoints of a run whose roles live on rank pools of their own (``RLHFStrategy(placement=...)``), and the
 sharded checkpoints of a LoRA run (its frozen base weights left out).
 
-Lightning's FSDP2 strategy asks the whole module for its state on every rank; with pools, a rank holds only its
-pool's roles, so each rank writes what it holds into one torch.distributed.checkpoint folder: its roles' shards
-under the module's own names (``actor.model.<...>``, so ``lightning-rlhf export`` reads either kind), the module's
-state outside the roles, and one optimizer state per trainable role (a rank outside the role's pool lists a
-stand-in that contributes nothing). docs/placement.md and docs/lora.md describe what a checkpoint holds.
+With pools, a rank holds only its pool's roles, so each rank writes what it holds into one
+torch.distributed.checkpoint folder, under the module's own names (``lightning-rlhf export`` reads either kind);
+docs/placement.md and docs/lora.md describe what a checkpoint holds.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ __all__ = [
     "load_pooled_checkpoint",
     "pooled_model_state",
     "pooled_optimizer_state",
-    "schedules_from_holders",
 ]
 
 
@@ -56,12 +53,9 @@ def _outside_roles(module: RLHFModule, state: Mapping[str, Any]) -> dict[str, An
 
 
 def _model_state(module: RLHFModule, options: Any = None) -> dict[str, Any]:
-    """This rank's model state: its roles' (``get_model_state_dict(options=options)``) under the module's names
-    (``<role>.model.<key>``), without a LoRA role's frozen weights, and the module's state outside the roles.
-
-    A tied weight is frozen under each of its names (``StateDictOptions(ignore_frozen_params=True)`` would keep a
-    tied head), so frozen weights are dropped by name here.
-    """
+    """This rank's model state: its roles' under the module's names (``<role>.model.<key>``), without a LoRA role's
+    frozen weights (dropped by name: ``StateDictOptions(ignore_frozen_params=True)`` would keep a tied head), and
+    the module's state outside the roles."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = _outside_roles(module, module.state_dict())
@@ -76,10 +70,8 @@ def _model_state(module: RLHFModule, options: Any = None) -> dict[str, Any]:
 
 
 def pooled_model_state(module: RLHFModule) -> dict[str, Any]:
-    """This rank's part of the model state: its roles' shards and the module's state outside the roles.
-
-    Runs on: every rank, when Lightning collects a checkpoint (``lightning_module_state_dict``).
-    """
+    """This rank's part of the model state: its roles' shards and the module's state outside the roles. Runs on: every
+    rank, when Lightning collects a checkpoint (``lightning_module_state_dict``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return _model_state(module, StateDictOptions(full_state_dict=False, cpu_offload=True))
@@ -99,8 +91,7 @@ def _owner(module: RLHFModule, optimizer: Any) -> torch.nn.Module:
 def pooled_optimizer_state(module: RLHFModule, optimizer: Any) -> dict[str, Any]:
     """One optimizer's state on this rank, keyed by names relative to its role's model; empty for a stand-in.
 
-    Runs on: every rank, when Lightning collects a checkpoint (``optimizer_state``).
-    """
+    Runs on: every rank, when Lightning collects a checkpoint (``optimizer_state``)."""
     if is_placeholder(optimizer):
         return {}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -114,48 +105,28 @@ def complete_checkpoint(
     checkpoint: dict[str, Any], module: RLHFModule, pools: Mapping[str, Sequence[int]] | None
 ) -> None:
     """Add to a checkpoint what Lightning's leaves out: a LoRA run's adapter settings and base model's name (for
-    ``lightning-rlhf export``, unless an ``ExportActor`` put them there), and with rank pools (``pools``; None:
-    every role on every rank) each learning-rate schedule as its role's pool has it (rank 0 writes them).
-
-    Runs on: every rank, before the checkpoint is written.
-    """
+    ``lightning-rlhf export``, unless an ``ExportActor`` put them there), and with rank pools (``pools``; None: every
+    role on every rank) each learning-rate schedule as its role's pool has it (rank 0's copy of a role it does not
+    hold was never stepped). Runs on: every rank (one broadcast per schedule), before the checkpoint is written."""
     lora = {} if CHECKPOINT_KEY in checkpoint else lora_files(module)
     if lora:
         checkpoint[CHECKPOINT_KEY] = lora
     if pools is not None and "lr_schedulers" in checkpoint:
         owners = [name for name, role in module.roles().items() if role.trainable]
-        checkpoint["lr_schedulers"] = schedules_from_holders(checkpoint["lr_schedulers"], owners, pools)
-
-
-def schedules_from_holders(
-    schedules: Sequence[Any], owners: Sequence[str], pools: Mapping[str, Sequence[int]]
-) -> list[Any]:
-    """Each learning-rate schedule's state as a rank of its role's pool has it (rank 0's copy of a role it does not
-    hold was never stepped).
-
-    Runs on: every rank (one broadcast per schedule, in order), before rank 0 writes the checkpoint's metadata.
-
-    Args:
-        schedules: this rank's ``lr_schedulers`` states, in ``trainer.optimizers`` order.
-        owners: the trainable role of each, in the same order.
-        pools: each role's ranks.
-    """
-    fixed = []
-    for state, role in zip(schedules, owners, strict=True):
-        box = [state]
-        dist.broadcast_object_list(box, src=min(pools[role]))
-        fixed.append(box[0])
-    return fixed
+        fixed = []
+        for state, role in zip(checkpoint["lr_schedulers"], owners, strict=True):
+            box = [state]
+            dist.broadcast_object_list(box, src=min(pools[role]))
+            fixed.append(box[0])
+        checkpoint["lr_schedulers"] = fixed
 
 
 def load_pooled_checkpoint(
     path: Path, module: RLHFModule, optimizers: Sequence[Any], *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
     """Read this rank's part of a pooled checkpoint into its roles' shards and optimizers; return the rest of the
-    checkpoint (loops, callbacks, schedules) for Lightning to restore.
-
-    Runs on: every rank (a collective read), in ``RLHFStrategy.load_checkpoint``.
-    """
+    checkpoint (loops, callbacks, schedules) for Lightning to restore. Runs on: every rank (a collective read), in
+    ``RLHFStrategy.load_checkpoint``."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

@@ -70,16 +70,13 @@ class _EmbeddedModels(Mapping[str, _Entry]):
 
 
 EMBEDDED_MODELS = _EmbeddedModels()
-"""Embedded models by name: ``(build(cache_dir) -> folder, description)``. Built on first use (about a second,
-on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy. The first read
-imports the modules that register them (:mod:`lightning_rlhf.demo.catalogue`, standard library only); this module
-is a leaf layer and imports none of them before a name is looked up."""
+"""Embedded models by name: ``(build(cache_dir) -> folder, description)``, built on first use into
+:func:`embedded_cache_dir` (shared by concurrent processes). The first read imports the modules that register them."""
 
 
 def register_embedded_model(name: str, build: Callable[[str], str], description: str) -> None:
-    """Serve ``name`` (under :data:`EMBEDDED_PREFIX`) as an embedded model that ``build(cache_dir)`` makes.
-
-    Runs on: any process (at import of a module that provides embedded models, e.g. the demo's ``catalogue``).
+    """Serve ``name`` (under :data:`EMBEDDED_PREFIX`) as an embedded model that ``build(cache_dir)`` makes. Runs on:
+    any process (at import of a module that provides embedded models, e.g. the demo's ``catalogue``).
 
     Raises:
         ValueError: when ``name`` does not start with :data:`EMBEDDED_PREFIX`.
@@ -94,11 +91,8 @@ def register_embedded_model(name: str, build: Callable[[str], str], description:
 
 @functools.lru_cache(maxsize=4)
 def hub_reachable(endpoint: str | None = None, timeout_s: float = HUB_TIMEOUT_S) -> bool:
-    """Whether the hub at ``endpoint`` (default ``huggingface_hub``'s: ``HF_ENDPOINT``, else huggingface.co) answers
-    one HEAD request within ``timeout_s`` seconds with any HTTP answer, even an error status (asked once per process).
-
-    Runs on: any process.
-    """
+    """Whether the hub at ``endpoint`` (default ``huggingface_hub``'s: ``HF_ENDPOINT``, else huggingface.co) answers one
+    HEAD request within ``timeout_s`` seconds, even with an error status (asked once per process). Runs on: any."""
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
 
@@ -148,12 +142,10 @@ def _resolve_embedded(name: str, *, setting: str) -> str:
 def resolve_model_path(path: str, *, setting: str, tokenizer_only: bool = False) -> str:
     """Turns a model setting's value into what ``from_pretrained`` loads, or fails at once naming the setting.
 
-    Runs on: any process, before models load (builds an embedded model on first use; reads no weights).
-
-    ``path`` is a local folder, an embedded name (:data:`EMBEDDED_MODELS`) or a hub id; ``setting`` names it in
-    errors (``"RLHFModule(actor=...)"``); with ``tokenizer_only`` a local folder needs a tokenizer file rather than
-    ``config.json``. Returns a local folder (a folder or an embedded name) or the hub id (in the local cache, or the
-    hub answers; transformers then loads it as usual).
+    Runs on: any process, before models load (builds an embedded model on first use; reads no weights). ``path``:
+    a local folder, an embedded name (:data:`EMBEDDED_MODELS`) or a hub id; ``setting`` names it in errors
+    (``"RLHFModule(actor=...)"``); with ``tokenizer_only`` a folder needs a tokenizer file, not ``config.json``.
+    Returns a local folder, or the hub id when it is in the local cache or the hub answers.
 
     Raises:
         FileNotFoundError: A folder that does not exist or holds no model/tokenizer; a hub id that is not in the
@@ -212,11 +204,8 @@ def resolve_model_path(path: str, *, setting: str, tokenizer_only: bool = False)
 def ensure_pad_token(tokenizer: Any, *, source: str) -> None:
     """Gives a tokenizer without a pad token its end-of-sequence token for padding, with a warning saying so.
 
-    Padding positions are masked out everywhere (attention mask, response mask), so which token fills them does
-    not change the math; but the choice is made for the user, so it is logged, naming the tokenizer and the token.
-
-    Runs on: any process (every rank loads the tokenizer and logs the same line). ``tokenizer`` is changed in place;
-    ``source`` (its folder or hub id) is named in the message.
+    Padded positions are masked out everywhere, so the token changes no result; the choice is logged, naming
+    ``source`` (the folder or hub id), because it is made for the user. Runs on: any process (every rank logs it).
 
     Raises:
         ValueError: The tokenizer has neither a pad token nor an end-of-sequence token.

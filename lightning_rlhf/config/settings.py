@@ -1,8 +1,5 @@
-"""Settings, as frozen keyword-only dataclasses validated when they are made.
-
-Every field says why it has its default. Bad values raise ``ValueError`` naming the class, the field, the value
-and the fix, before any model is loaded.
-"""
+"""Settings, as frozen keyword-only dataclasses validated when they are made: every field says why it has its
+default, and a bad value raises ``ValueError`` naming the class, the field, the value and the fix."""
 
 from __future__ import annotations
 
@@ -90,12 +87,10 @@ def check_sequence_length(
 ) -> None:
     """Refuse a prompt length plus ``max_new_tokens`` above the positions an engine (or a model) serves.
 
-    Runs on: any process (at set-up with ``max_prompt_length``, before any model loads; in ``generate`` with
-    each prompt's length). Both engines call it, and ``SFTDataModule`` (whole examples, ``max_new_tokens=0``, then
-    left out of the message). ``limit``: vLLM's ``max_model_len``, or the model's ``max_position_embeddings`` for
-    transformers; ``engine``, ``prompt_setting``, ``subject`` and ``hint`` are the message's words for the limit
-    (``"the vLLM engine's max_model_len"``), the prompt length (``"max_prompt_length=60"``), the sequences
-    (``"Examples"`` for SFT) and the fix.
+    Runs on: any process (at set-up, before any model loads; in ``generate`` with each prompt's length); both
+    engines and ``SFTDataModule`` (``max_new_tokens=0``) call it. ``limit``: vLLM's ``max_model_len`` or the model's
+    ``max_position_embeddings``; ``engine``, ``prompt_setting``, ``subject`` and ``hint`` are the message's words for
+    the limit, the prompt length (``"max_prompt_length=60"``), the sequences (``"Examples"``) and the fix.
 
     Raises:
         ValueError: naming the settings and the fix.
@@ -121,9 +116,8 @@ class _Grouped:
     """A config whose settings are grouped by concern in nested configs (its fields whose default is a config).
 
     A group's setting may also be passed flat, under its name from before the grouping (``kl_coef=0.1`` is
-    ``kl=KLConfig(coef=0.1)``), set in its group over a group passed alongside, with a ``DeprecationWarning``. A flat
-    ``None`` leaves the group's value (the command line passes every flat name, as None). A group may be a dict.
-    """
+    ``kl=KLConfig(coef=0.1)``), over a group passed alongside, with a ``DeprecationWarning``; a flat ``None`` (the
+    command line passes every flat name) leaves the group's value. A group may be a dict."""
 
     def __init__(self, **values: Any) -> None:
         flat, moved = flat_names(type(self)), dict[str, dict[str, Any]]()
@@ -628,11 +622,9 @@ class AlgorithmConfig(_Grouped):
         return not self.on_policy or (self.kl.in_reward and self.kl.coef > 0)
 
     def check_batch(self, *, prompts: int, n: int, world_size: int) -> int:
-        """Validate the batch arithmetic of one step and return the mini-batch size (samples, all ranks).
-
-        Runs on: every process, before training starts. Prompts are split over ranks for generation, samples
-        (``prompts * n``) for everything after it, mini-batches for each optimizer step.
-        """
+        """Validate the batch arithmetic of one step and return the mini-batch size (samples, all ranks). Runs on: every
+        process, before training starts. Prompts are split over ranks for generation, samples (``prompts * n``) for
+        everything after it, mini-batches for each optimizer step."""
         samples = prompts * n
         mini = self.batching.mini_batch_size or samples
         problems = []

@@ -12,9 +12,8 @@ _SHAPE = "a non-empty list of {'role': str, 'content': str} dicts with at least 
 
 
 def check_messages(value: Any, *, column: str, row: int, which: str) -> list[dict[str, Any]]:
-    """``value`` if it is a chat (see ``_SHAPE``) whose last user message has text; else a ``ValueError`` that
-    names the column, the row and what is wrong with it. Runs on: any process.
-    """
+    """``value`` if it is a chat (see ``_SHAPE``) whose last user message has text; else a ``ValueError`` that names the
+    column, the row and what is wrong with it. Runs on: any process."""
     problem = None
     if isinstance(value, str):
         problem = "it is a string (a csv column or JSON text?)"
@@ -70,12 +69,9 @@ def render_chat(
     which: str,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template (and ``chat_template_kwargs``), ending
-    with the generation prompt (the model's turn starts next).
-
-    Runs on: any process. Raises ``ValueError`` when the tokenizer has no chat template or the template rejects
-    the conversation (many insist that roles alternate).
-    """
+    """Token ids of ``messages`` rendered with the tokenizer's chat template (and ``chat_template_kwargs``), ending with
+    the generation prompt (the model's turn starts next). Runs on: any process. Raises ``ValueError`` when the tokenizer
+    has no chat template or the template rejects the conversation (many insist that roles alternate)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"PromptDataModule: the {which} prompts are chats (messages_column, or chat_template=True), but the "

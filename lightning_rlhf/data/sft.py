@@ -1,8 +1,7 @@
-"""Supervised (SFT) data: prompt/answer pairs or chats, tokenized with a loss mask on the answers only.
+"""Supervised (SFT) data: prompt/answer pairs or chats, tokenized with a loss mask on the answers only (docs/sft.md).
 
 Each SFT batch is a :class:`~lightning_rlhf.batch.Batch` with ``input_ids``, ``attention_mask`` and ``loss_mask``
-(``[B, T]``, right-padded; the loss mask 1 on the tokens the model is trained to write) and every dataset column as
-a Python list. Prompts are tokenized as RL tokenizes them, and the answer after them (docs/sft.md).
+(``[B, T]``, right-padded) and every dataset column as a Python list.
 """
 
 from __future__ import annotations
@@ -38,18 +37,16 @@ def _eos_id(tokenizer: Any) -> int:
 def encode_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of ``prompt + answer + EOS``, with the loss on the answer and the EOS only.
 
-    Runs on: any process (pure). The prompt has the tokenizer's special tokens (as RL prompts), the answer none.
-    """
+    Runs on: any process (pure). The prompt has the tokenizer's special tokens (as RL prompts), the answer none."""
     prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     answer_ids = [*tokenizer(answer, add_special_tokens=False)["input_ids"], _eos_id(tokenizer)]
     return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
 
 
 def tool_turns(messages: list[dict[str, Any]], tools: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
-    """A chat's tool turns as chat templates take them: each tool call's ``arguments`` a dict (datasets store them
-    as JSON text, since Arrow would merge different tools' argument keys), ``tools`` a list of JSON schemas.
-
-    Runs on: any process (pure). Raises ValueError for arguments or tools that are not valid JSON."""
+    """A chat's tool turns as chat templates take them: each tool call's ``arguments`` a dict (datasets store them as
+    JSON text, since Arrow would merge different tools' argument keys), ``tools`` a list of JSON schemas. Runs on: any
+    process (pure). Raises ValueError for arguments or tools that are not valid JSON."""
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
@@ -162,28 +159,21 @@ def collate_sft(rows: list[dict[str, Any]], *, pad_token_id: int) -> Batch:
 class SFTDataModule(PromptDataModule):
     """Supervised examples for :class:`~lightning_rlhf.modules.SFTModule`: prompt/answer columns or chats.
 
-    Runs on: every process. Sources, splits, ``val_size``, shuffling and the resumable loader are those of
-    :class:`~lightning_rlhf.data.PromptDataModule`, and so are the arguments not listed here; every check happens
-    in ``setup``, before any model loads.
+    Runs on: every process. Sources, splits, shuffling, the resumable loader and the arguments not listed here are
+    those of :class:`~lightning_rlhf.data.PromptDataModule`; every check happens in ``setup``, before any model loads.
 
     Args:
-        train: the training examples (a ``datasets`` object, a ``.jsonl``/``.json``/``.parquet``/``.csv`` file,
-            a folder, or a hub dataset name).
+        train: the training examples, in any of ``PromptDataModule``'s forms.
         val: held-out examples for ``val/loss``, in any of the same forms; None: ``val_size`` or no validation.
         batch_size: examples per training step (one optimizer step), a multiple of the number of processes.
-        answer_column: the column holding the answer the model learns to write after the prompt (an EOS
-            token is appended).
+        answer_column: the column holding the answer the model learns to write after the prompt (EOS appended).
         messages_column: the column holding each example as a chat (``[{"role": ..., "content": ...}, ...]``,
-            assistant turns may carry ``tool_calls`` and ``tool`` turns results), trained on its assistant turns;
-            ``prompt_column`` and ``answer_column`` are then unused. Needs a tokenizer with a chat template. A
-            ``tools`` column, when the data has one (TRL's convention), gives each row's tool schemas to the
-            template (a list of schemas, or its JSON text); a tool call's ``arguments`` may be a dict or its JSON
-            text; an assistant turn that only calls tools may have ``content`` None.
-        max_length: longest example (prompt + answer) in tokens; longer ones are dropped (``overlong="filter"``,
-            logged with a count) or rejected (``overlong="error"``). None: the model's positions
-            (``max_position_embeddings``). A value above them is refused in ``setup``, before any data or model
-            loads (a model does not train past its positions).
-        overlong: what to do with examples over ``max_length``.
+            with ``tool_calls`` and ``tool`` turns if any), trained on its assistant turns instead of the prompt and
+            answer columns; needs a chat template. A ``tools`` column (TRL's convention) gives each row's tool
+            schemas to the template; schemas and arguments may be JSON text (:func:`tool_turns`).
+        max_length: longest example (prompt + answer) in tokens; None: the model's positions, which a value above
+            is refused in ``setup``, before any data or model loads (a model does not train past its positions).
+        overlong: examples over ``max_length`` are dropped (``"filter"``, counted in the log) or refused (``"error"``).
         chat_template: render each prompt/answer pair as a user and an assistant message with the tokenizer's
             chat template (for instruct models that RL will prompt with ``chat_template=True``).
     """
@@ -274,8 +264,7 @@ class SFTDataModule(PromptDataModule):
         )
 
     def _prepare(self, dataset: Any, which: str, *, min_rows: int) -> list[dict[str, Any]]:
-        """Check ``dataset``'s columns and rows, tokenize each example with its loss mask, drop (or reject)
-        overlong ones. Runs on: every process, in ``setup``."""
+        """Check ``dataset``'s columns and rows, tokenize each example with its loss mask, drop overlong ones."""
         chat = self.messages_column is not None
         needed = {"messages_column": self.messages_column} if chat else {}
         needed = needed or {"prompt_column": self.prompt_column, "answer_column": self.answer_column}

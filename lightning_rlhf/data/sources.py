@@ -1,9 +1,6 @@
-"""Where prompts come from: a ``datasets`` object, a local file or folder, or a hub dataset name; and the
-validation rows split off the training data.
-
-Runs on: every process (each rank loads the same rows; ``datasets`` locks its cache, so concurrent loads of one
-hub dataset download it once).
-"""
+"""Where prompts come from (a ``datasets`` object, a local file or folder, or a hub dataset name), and the
+validation rows split off the training data. Runs on: every process (``datasets`` locks its cache, so concurrent
+loads of one hub dataset download it once)."""
 
 from __future__ import annotations
 
@@ -86,12 +83,9 @@ def load_prompt_dataset(source: Any, *, setting: str, config: str | None = None,
 
 
 def split_off(dataset: Any, size: float | int, *, seed: int) -> tuple[Any, Any]:
-    """Split ``size`` rows (an int) or a fraction of the rows (a float in (0, 1)) off ``dataset``, at random
-    with ``seed``: the same rows on every rank and in every run with that seed.
-
-    Runs on: any process. Returns ``(train, val)``; nothing is written to the ``datasets`` cache (ranks would race
-    on its files).
-    """
+    """Split ``size`` rows (an int) or a fraction of the rows (a float in (0, 1)) off ``dataset``, at random with
+    ``seed``: the same rows on every rank and in every run with that seed. Runs on: any process. Returns ``(train,
+    val)``; nothing is written to the ``datasets`` cache (ranks would race on its files)."""
     total = len(dataset)
     count = size if isinstance(size, int) else math.ceil(size * total)  # datasets rounds the test part up
     if count < 1 or count >= total:
