@@ -22,9 +22,7 @@ class RLHFProgressBar(TQDMProgressBar):
 
     Lightning's bars start again at every epoch; an RL run is measured in steps, so the training bar is one bar
     for the run: ``trainer.global_step`` out of ``trainer.estimated_stepping_batches`` (no total when the run has
-    no end), a resumed run starting where it stopped. The validation bar is Lightning's.
-
-    Runs on: every rank; Lightning draws the bar on rank 0 only.
+    no end), a resumed run starting where it stopped. Runs on: every rank; Lightning draws the bar on rank 0 only.
 
     Args:
         short_names: logged name -> name on the bar; other metrics keep their names.

@@ -333,8 +333,7 @@ class VLLMConfig:
     tensor_parallel_size: int = 1
     """Ranks per engine (a TP group inside a node); ``world_size / tensor_parallel_size`` data-parallel engines."""
     weight_bucket_mb: float = 256.0
-    """Size of one weight hand-off call after an update; groups vLLM fuses (q/k/v, gate/up) are never split,
-    so a bucket may exceed this when one group alone is larger."""
+    """Megabytes per weight hand-off call; a group vLLM fuses (q/k/v, gate/up) is never split, so may exceed it."""
     weight_transfer: Literal["slices", "full"] = "slices"
     """``slices``: each rank receives only the part of each tensor its TP shard loads (FSDP2 rows already in place
     do not move); ``full``: every rank gathers every full tensor (as verl/TRL; the same at TP=1, and always for

@@ -22,10 +22,9 @@ def load_prompt_dataset(source: Any, *, setting: str, config: str | None = None,
     Runs on: any process, before any model is loaded.
 
     Args:
-        source: a ``datasets.Dataset``; a ``datasets.DatasetDict`` (``split`` is taken); the path of a
-            ``.jsonl``/``.json``/``.parquet``/``.csv`` file; a local folder (data files named by split, e.g.
-            ``train.jsonl`` and ``test.jsonl``, or a folder written by ``save_to_disk``); or a hub dataset name
-            such as ``"openai/gsm8k"``, loaded with ``datasets.load_dataset(source, config, split=split)``.
+        source: a ``datasets.Dataset``; a ``datasets.DatasetDict`` (``split`` is taken); a ``.jsonl``/``.json``/
+            ``.parquet``/``.csv`` file; a local folder (data files named by split, e.g. ``train.jsonl``, or written by
+            ``save_to_disk``); or a hub dataset name: ``datasets.load_dataset(source, config, split=split)``.
         setting: the argument it came from, for error messages (``"train"`` or ``"val"``).
         split: any ``datasets`` split expression (``"test[:200]"``); single files have one split and ignore it.
 
