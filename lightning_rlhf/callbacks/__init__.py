@@ -1,8 +1,5 @@
-"""What a user sees while a run trains: the progress bar, a summary at the end, metric plots, sample rollouts.
-
-Every callback works with any logger (or none); the files go into the run folder (the first logger's
-``log_dir``). ``RunSummary``, ``MetricPlots`` and ``RolloutSamples`` write on rank 0 only.
-"""
+"""What a user sees while a run trains: the progress bar, a summary at the end, metric plots, sample rollouts, with
+any logger or none (docs/quickstart.md). Their files go into the run folder, written on rank 0."""
 
 from lightning_rlhf.callbacks.export import ExportActor
 from lightning_rlhf.callbacks.history import MetricHistory, run_folder

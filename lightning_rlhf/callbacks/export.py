@@ -29,25 +29,17 @@ class ExportActor(Callback):
     """Export the actor to ``dirpath`` (default ``<run folder>/actor``) at the end of ``fit``, and store its
     config and tokenizer files in every checkpoint so that ``lightning-rlhf export CKPT OUT`` needs nothing else.
 
-    With ``monitor``, the folder holds the weights of the best validation instead of the last step's, as
-    ``ModelCheckpoint(monitor=..., mode=..., save_top_k=1)`` keeps the best checkpoint: after each validation
-    whose ``monitor`` value beats the best so far (strictly; a non-finite value never does), the live actor is
-    exported at once, and ``fit``'s end does not overwrite it. The log says which step was exported and why
-    (also in :attr:`export_reason`); a resumed run keeps the best value and step of the run before it.
-
-    The folder loads with ``AutoModelForCausalLM.from_pretrained`` and with vLLM. The command line adds this
-    callback by default (settings under ``export_actor:``).
-
-    Runs on: every process (the export gathers the actor's shards; rank 0 writes).
+    With ``monitor``, the folder holds the weights of the best validation instead of the last step's: after each
+    validation whose ``monitor`` value beats the best so far (strictly; a non-finite value never does), the live
+    actor is exported at once (docs/sft.md, "Which weights are exported"). The command line adds this callback by
+    default (settings under ``export_actor:``). Runs on: every process (the export gathers the shards; rank 0 writes).
 
     Args:
-        dirpath: folder to write; None: ``actor`` inside the run folder (``trainer.log_dir``, else
-            ``trainer.default_root_dir``).
+        dirpath: folder to write; None: ``actor`` inside the run folder (``trainer.log_dir``).
         dtype: weight dtype of the folder (``bfloat16``, ``float16``, ``float32``); None: the strategy's
             ``param_dtype`` if it has one (the dtype the model computed in), else the training dtype (float32).
         export_on_fit_end: write the folder when ``fit`` ends; False only stores the files in checkpoints.
-        monitor: a validation metric (``val/loss`` for SFT, ``val/score/mean`` for RL) that picks the exported
-            weights; None exports the last step's.
+        monitor: a validation metric that picks the exported weights (``val/loss``, ``val/score/mean``); None: the last.
         mode: ``"min"`` (the lowest ``monitor`` value is best, e.g. a loss) or ``"max"`` (e.g. a score).
     """
 
@@ -81,8 +73,7 @@ class ExportActor(Callback):
         self.best_step: int | None = None
         """With ``monitor``: the ``global_step`` whose weights had :attr:`best_score` (those in the folder)."""
         self.export_reason: str | None = None
-        """Which step the folder holds and why, e.g. ``"step 50, the best val/loss (min) of 3 validations:
-        0.3900"`` (set on every rank when the folder is written)."""
+        """Which step the folder holds and why (``"step 50, the best val/loss (min) of 3 validations: 0.3900"``)."""
         self._validations = 0
 
     @property
@@ -93,10 +84,7 @@ class ExportActor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The best value, its step and folder, and the validations counted (with ``monitor``).
-
-        Runs on: every process (Lightning saves it in every checkpoint).
-        """
+        """The best value, its step and folder, and the validations counted (with ``monitor``). Runs on: every rank."""
         if self.monitor is None:
             return {}
         return {
@@ -165,10 +153,7 @@ class ExportActor(Callback):
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Export the actor (without ``monitor``), or say which step the folder holds (with it).
-
-        Runs on: every process (collective gathers; rank 0 writes).
-        """
+        """Export the actor (without ``monitor``), or say which step the folder holds. Runs on: every process."""
         if not self.export_on_fit_end:
             return
         last = trainer.global_step

@@ -18,11 +18,9 @@ __all__ = ["MetricHistory", "first_last", "run_folder", "step_of"]
 
 
 def run_folder(trainer: L.Trainer) -> str:
-    """The run's folder, as ``trainer.log_dir`` names it, without its broadcast (so one rank may ask).
-
-    The first logger's ``log_dir`` for a CSV or TensorBoard logger, its ``save_dir`` for another logger (e.g.
-    wandb), else ``trainer.default_root_dir``. Runs on: rank 0 (any process gets its own logger's answer).
-    """
+    """The run's folder, as ``trainer.log_dir`` names it, without its broadcast (so one rank may ask): the first
+    logger's ``log_dir`` (CSV, TensorBoard) or ``save_dir`` (others), else ``trainer.default_root_dir``. Runs on: rank 0
+    (any process gets its own logger's answer)."""
     folder: str | None = None
     if trainer.loggers:
         first = trainer.loggers[0]
@@ -31,18 +29,13 @@ def run_folder(trainer: L.Trainer) -> str:
 
 
 def step_of(trainer: L.Trainer) -> int:
-    """The step the loggers give the batch that just ran (the ``step`` column of ``metrics.csv``, from 0).
-
-    Valid in ``on_train_batch_end``; Lightning's ``LearningRateMonitor`` reads the same counter. Runs on: any.
-    """
+    """The step the loggers give the batch that just ran (``metrics.csv``'s ``step``, from 0), in
+    ``on_train_batch_end``. Runs on: any."""
     return batches_that_stepped(trainer)
 
 
 def first_last(values: Sequence[float], fraction: float = 0.1) -> tuple[float, float]:
-    """Means of the first and the last ``fraction`` of ``values`` (at least one value each).
-
-    Runs on: any (pure).
-    """
+    """Means of the first and the last ``fraction`` of ``values`` (at least one value each). Runs on: any."""
     if not values:
         raise ValueError("first_last: no values. HINT: call it once at least one step was logged.")
     k = max(1, int(len(values) * fraction))
@@ -52,11 +45,8 @@ def first_last(values: Sequence[float], fraction: float = 0.1) -> tuple[float, f
 class MetricHistory(L.Callback):
     """Records, after every training step, the latest value of each metric in ``keys`` that the module logged.
 
-    Runs on: rank 0 records (the controller logged the values there); other ranks keep nothing. The history
-    is part of the callback's state in checkpoints, so it covers the whole run after a resume.
-
-    Args:
-        keys: metric names to record; a metric never logged is simply absent.
+    Runs on: rank 0 records (the controller logged the values there). The history is in the callback's checkpointed
+    state, so it covers the whole run after a resume; a metric never logged is simply absent.
     """
 
     def __init__(self, keys: Iterable[str]) -> None:
@@ -79,13 +69,7 @@ class MetricHistory(L.Callback):
         """Record this step's values. Runs on: every rank; only rank 0 records."""
         if not trainer.is_global_zero:
             return
-        step, metrics = step_of(trainer), trainer.callback_metrics
-        for key in self.keys:
-            if key in metrics:
-                series = self.history.setdefault(key, [])
-                if series and series[-1][0] == step:  # the same step twice (a restarted batch): keep the last
-                    series.pop()
-                series.append((step, float(metrics[key])))
+        record(self.history, self.keys, step_of(trainer), trainer.callback_metrics)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -94,3 +78,14 @@ class MetricHistory(L.Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = {k: [(int(s), float(v)) for s, v in pairs] for k, pairs in state_dict["history"].items()}
+
+
+def record(series: dict[str, list[tuple[int, float]]], keys: Iterable[str], step: int, metrics: Any) -> None:
+    """Append each of ``keys`` found in ``metrics`` to ``series`` at ``step``; a step recorded twice (a restarted
+    batch, two validations at one step) keeps the last value. Runs on: rank 0."""
+    for key in keys:
+        if key in metrics:
+            pairs = series.setdefault(key, [])
+            if pairs and pairs[-1][0] == step:
+                pairs.pop()
+            pairs.append((step, float(metrics[key])))

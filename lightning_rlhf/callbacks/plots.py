@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 
@@ -23,10 +24,8 @@ DEFAULT_PANELS: dict[str, tuple[str, ...]] = {
 
 
 def plot_curve(steps: Sequence[int], values: Sequence[float], out_png: str, *, metric: str, title: str) -> None:
-    """Plot ``values`` per RL step into ``out_png`` (with a moving average once there are 20 points or more).
-
-    Runs on: rank 0. Uses matplotlib's Agg backend (no display needed).
-    """
+    """Plot ``values`` per RL step into ``out_png`` (with a moving average from 20 points on). Runs on: rank 0
+    (matplotlib's Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,20 +49,14 @@ def plot_curve(steps: Sequence[int], values: Sequence[float], out_png: str, *, m
 
 
 def _moving_average(values: Sequence[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
+    sums = [0.0, *itertools.accumulate(values)]
+    return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(values))]
 
 
 class MetricPlots(MetricHistory):
     """Write one PNG per panel (``reward.png``, ``response_length.png``, ``kl.png``, ``entropy.png``) into the
-    run folder at the end of ``fit``, and every ``every_n_steps`` steps if set. A panel none of whose metrics
-    was logged (e.g. ``kl`` without a KL term) is skipped.
-
-    Runs on: every rank; rank 0 records the controller's logged values and draws. Works with any logger, or
-    none (the values come from ``trainer.callback_metrics``, not from a logger's files).
+    run folder at the end of ``fit``, and every ``every_n_steps`` steps if set; a panel without a logged metric (e.g.
+    ``kl`` without a KL term) is skipped. Runs on: every rank; rank 0 records (``trainer.callback_metrics``) and draws.
 
     Args:
         panels: file stem -> candidate metric names; the first one logged is plotted.

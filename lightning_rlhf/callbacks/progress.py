@@ -18,22 +18,15 @@ SHORT_NAMES = {"critic/score/mean": "reward", "response_length/mean": "len", "ti
 
 class RLHFProgressBar(TQDMProgressBar):
     """Lightning's ``TQDMProgressBar`` counting RL steps over the whole run, ``step 37/150``, and showing
-    ``reward=0.61, len=4.2, s/step=1.3`` rather than the full metric names (``critic/score/mean``,
-    ``response_length/mean``, ``timing_s/step``).
+    ``reward=0.61, len=4.2, s/step=1.3`` rather than the full metric names (docs/quickstart.md).
 
-    Lightning's bars count the batches of each epoch and start again at every epoch (``Epoch 37``; its rich bar
-    adds ``/<max_epochs - 1>``, which reads ``Epoch 37/-2`` in a ``max_steps`` run). An RL run is measured in
-    steps and its epochs mean little, so the training bar is one bar for the run: ``trainer.global_step`` out
-    of ``trainer.estimated_stepping_batches`` (``max_steps``, or the steps of ``max_epochs`` epochs when that
-    comes first; no total when the run has no end), resumed runs starting where they stopped. The validation
-    bar is Lightning's.
-
-    Runs on: every rank; Lightning draws the bar on rank 0 only.
+    Lightning's bars start again at every epoch; an RL run is measured in steps, so the training bar is one bar
+    for the run: ``trainer.global_step`` out of ``trainer.estimated_stepping_batches`` (no total when the run has
+    no end), a resumed run starting where it stopped. Runs on: every rank; Lightning draws the bar on rank 0 only.
 
     Args:
         short_names: logged name -> name on the bar; other metrics keep their names.
-        **kwargs: passed to ``TQDMProgressBar`` (``refresh_rate``: redraw every this many steps; ``leave`` has
-            no effect on the training bar, which is one bar for the run).
+        **kwargs: passed to ``TQDMProgressBar`` (``refresh_rate``: redraw every this many steps).
     """
 
     def __init__(self, short_names: dict[str, str] | None = None, **kwargs: Any) -> None:

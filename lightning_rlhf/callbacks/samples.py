@@ -1,7 +1,5 @@
-"""``RolloutSamples``: every n steps, a few of the step's rollouts (prompt, completion, reward; for episodes the
-whole conversation) in a jsonl file in the run folder and, with a ``WandbLogger``, as a ``wandb.Table`` (what TRL
-logs as its completions table).
-"""
+"""``RolloutSamples``: every n steps, a few of the step's rollouts in a jsonl file in the run folder and, with a
+``WandbLogger``, as a ``wandb.Table`` (what TRL logs as its completions table)."""
 
 from __future__ import annotations
 
@@ -34,13 +32,9 @@ def conversation_text(messages: list[dict[str, Any]]) -> str:
 
 
 def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]]:
-    """``count`` rows spread evenly over ``rollout`` (so several prompts, not one prompt's group), as dicts
-    with :data:`SAMPLE_COLUMNS`. A missing ``prompt`` or ``completion`` column gives empty strings. Episodes
-    (a rollout with the ``episode`` column) add ``episode`` (the messages, tool calls and results included),
-    ``turns`` and ``tool_calls``.
-
-    Runs on: controller (rank 0).
-    """
+    """``count`` rows spread evenly over ``rollout`` (several prompts, not one prompt's group), as dicts with
+    :data:`SAMPLE_COLUMNS` (empty strings for a missing column); episodes add ``episode`` (the messages), ``turns`` and
+    ``tool_calls``. Runs on: controller (rank 0)."""
     size = len(rollout)
     count = min(count, size)
     index = [i * size // count for i in range(count)]
@@ -65,11 +59,10 @@ def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]
 
 
 class RolloutSamples(L.Callback):
-    """After every ``every_n_steps``-th step (the steps ``n-1, 2n-1, ...`` of ``metrics.csv``, as Lightning's
-    ``log_every_n_steps``), append ``num_samples`` of its rollouts to ``<run folder>/samples.jsonl`` (one JSON
-    object per line: ``step``, ``prompt``, ``completion``, ``reward``; for episodes also ``episode``, the whole
-    conversation, ``turns`` and ``tool_calls``) and, when a ``WandbLogger`` is attached, log them as a
-    ``wandb.Table`` under ``table_key`` (episodes add a ``conversation`` column, the messages as text).
+    """After every ``every_n_steps``-th step (the steps ``n-1, 2n-1, ...`` of ``metrics.csv``), append
+    ``num_samples`` of its rollouts (:func:`sample_rows`) to ``<run folder>/samples.jsonl``, one JSON object per
+    line, and, with a ``WandbLogger``, log them as a ``wandb.Table`` under ``table_key`` (episodes add a
+    ``conversation`` column, the messages as text).
 
     Runs on: every rank; rank 0 writes. Reads ``last_rollout``, which ``RLHFModule.log_step`` sets on the
     controller: a custom ``training_step`` that does not call ``log_step`` must set it (a ``Batch`` with

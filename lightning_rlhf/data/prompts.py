@@ -1,9 +1,7 @@
-"""Prompt data: a LightningDataModule of training and validation prompts (text or chats, from ``datasets``
-objects, files, folders or hub names) and a loader whose position resumes exactly.
+"""Prompt data: a LightningDataModule of training and validation prompts and a loader whose position resumes exactly.
 
 Each batch is a :class:`~lightning_rlhf.batch.Batch` with ``prompts`` / ``prompt_mask`` (left-padded token ids),
-``uid`` (the prompt's index in the batch, used to group samples) and every dataset column as a Python list
-(``prompt`` text, reference answers, ...), which reward functions receive by name.
+``uid`` (the prompt's index in the batch) and every dataset column as a list, which reward functions get by name.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.config.models import resolve_model_path
 from lightning_rlhf.data.chat import chat_prompt_text, check_messages, render_chat, template_kwargs
 from lightning_rlhf.data.sources import load_prompt_dataset, split_off
 
@@ -54,18 +53,15 @@ RESERVED_COLUMNS = frozenset(
 class PromptLoader:
     """Shuffled (per epoch, seeded) batches of prompt rows, with a resumable position.
 
-    Runs on: every process (all ranks read the same batches; only the controller's copy is used).
-    Lightning saves :meth:`state_dict` in checkpoints and calls :meth:`load_state_dict` on resume. The
-    position is that of the last batch the *trainer consumed* (the strategy reports it via
-    :meth:`mark_consumed`), not of the last one fetched: Lightning fetches one batch ahead.
+    Runs on: every process (all ranks read the same batches; only the controller's copy is used). The position
+    saved in checkpoints is that of the last batch the *trainer consumed* (:meth:`mark_consumed`), not of the last
+    one fetched: Lightning fetches one batch ahead.
     """
 
     rows: list[dict[str, Any]] = dataclasses.field(repr=False)
-    """The prepared prompt rows."""
     _: dataclasses.KW_ONLY
     batch_size: int
     collate: Callable[[list[dict[str, Any]]], Batch] = dataclasses.field(repr=False)
-    """Rows -> the batch a step takes."""
     shuffle: bool = True
     """Reshuffle every epoch (seeded by ``seed`` and the epoch)."""
     seed: int = 0
@@ -97,9 +93,8 @@ class PromptLoader:
     def sample(self, count: int, *, key: int) -> Batch:
         """``count`` prompt rows drawn at random, outside the epoch's order (DAPO's extra sampling rounds).
 
-        Runs on: controller. The draw depends only on ``seed`` and ``key`` (the caller passes step and round),
-        so a resumed run draws the same rows, and the epoch's position is not moved.
-        """
+        Runs on: controller. The draw depends only on ``seed`` and ``key`` (the caller passes step and round), so a
+        resumed run draws the same rows, and the epoch's position is not moved."""
         if count > len(self.rows):
             raise ValueError(f"PromptLoader.sample: {count} rows asked, the dataset has {len(self.rows)}.")
         gen = torch.Generator().manual_seed(self.seed * 100_003 + 1_000_000_007 * (key + 1))
@@ -128,39 +123,31 @@ class PromptDataModule(L.LightningDataModule):
     """Prompts for training and validation, from ``datasets`` objects, local files or folders, or hub datasets.
 
     Runs on: every process. Every check (files, columns, chat shapes, empty prompts, length limit, rows left)
-    happens in ``setup``, on the training and the validation data alike, before any model is loaded.
-
-    With an environment on the module (docs/agents.md), a row's prompt is the episode's first prompt: the
-    environment's ``reset(row)`` messages rendered by the chat template with the system turn and the tools' schemas;
-    that is what ``max_prompt_length`` bounds, measured in ``setup``. The prompt column is then optional (a TRL-style
-    environment's ``reset`` may return the prompt), and so is the data itself (``train=None``).
+    happens in ``setup``, on the training and the validation data alike, before any model is loaded. With an
+    environment on the module, a row's prompt is the episode's first prompt as rendered, and the prompt column is
+    optional (docs/agents.md).
 
     Args:
-        train: the training prompts: a ``datasets.Dataset`` or ``DatasetDict``, the path of a
-            ``.jsonl``/``.json``/``.parquet``/``.csv`` file or of a folder, or a hub dataset name (``"openai/gsm8k"``).
-            None, with an environment that makes its own prompts (TRL's dataset-free ``environment_factory``):
-            ``batch_size`` placeholder rows without a prompt, each episode's prompt being what ``reset`` returns;
-            the run's length is then ``Trainer(max_steps=...)``.
+        train: a ``datasets.Dataset`` or ``DatasetDict``, a ``.jsonl``/``.json``/``.parquet``/``.csv`` file, a
+            folder, or a hub dataset name (``"openai/gsm8k"``). None, with an environment whose ``reset`` makes the
+            prompts: ``batch_size`` placeholder rows, the run's length being ``Trainer(max_steps=...)``.
         val: the validation prompts, in any of the same forms; None: ``val_size`` or no validation.
-        val_size: split validation prompts off ``train`` instead: a row count (int) or a fraction (float in
-            (0, 1)), drawn with ``seed`` before any filtering, so the same rows in every run and on every rank.
+        val_size: split validation prompts off ``train`` instead: a row count or a fraction in (0, 1), drawn with
+            ``seed`` before any filtering (the same rows in every run and on every rank).
         batch_size: prompts per RL step (the samples per step are ``batch_size * RolloutConfig.n``).
-        val_batch_size: prompts per validation batch; None: ``batch_size``. The last batch may be smaller.
+        val_batch_size: prompts per validation batch (the last may be smaller); None: ``batch_size``.
         prompt_column: the column holding the prompt text.
         messages_column: the column holding each prompt as a chat (``[{"role": "user", "content": ...}, ...]``),
-            rendered with the tokenizer's chat template and ``add_generation_prompt=True``; ``prompt_column`` is
-            then unused. Reward functions get the last user message's content as the ``prompt`` (and the chat
-            itself under this column's name, unless it is ``"prompt"``).
-        max_prompt_length: longest prompt in tokens (with an environment: the episode's rendered first prompt,
-            system turn and tool schemas included); longer ones are dropped (``overlong="filter"``, logged with a
-            count) or rejected (``overlong="error"``).
-        overlong: what to do with prompts over ``max_prompt_length``.
+            rendered with the chat template and the generation prompt, instead of ``prompt_column``. Reward
+            functions get the last user message as the ``prompt``, and the chat under this column's name.
+        max_prompt_length: longest prompt in tokens (with an environment: the episode's rendered first prompt).
+        overlong: prompts over ``max_prompt_length`` are dropped (``"filter"``, counted in the log) or refused
+            (``"error"``).
         tokenizer: tokenizer path; None takes the LightningModule's tokenizer.
         chat_template: render each text prompt as one user message with the tokenizer's chat template (for
             instruct models); reward functions still receive the plain prompt text.
-        chat_template_kwargs: extra variables for the chat template wherever it renders this data (TRL's
-            ``chat_template_kwargs``), e.g. ``{"enable_thinking": False}`` for Qwen3: the prompts here, the
-            episodes' prompts and observations, SFT examples (``SFTDataModule``) and a reward model's chats.
+        chat_template_kwargs: extra variables for the chat template wherever it renders this data (e.g.
+            ``{"enable_thinking": False}`` for Qwen3): prompts, episodes, SFT examples and a reward model's chats.
         dataset_config: configuration name of a hub dataset or folder (``"main"`` for GSM8K); None: its default.
         train_split: split of a hub dataset, folder or ``DatasetDict`` to train on (``"train[:1000]"`` works too).
         val_split: split of ``val`` when it is a hub dataset, folder or ``DatasetDict``.
@@ -244,10 +231,7 @@ class PromptDataModule(L.LightningDataModule):
         self._tokenizer: Any = None
 
     def setup(self, stage: str) -> None:
-        """Load, check and tokenize the training and validation prompts.
-
-        Runs on: every process, before models are loaded (Lightning calls it before ``configure_model``).
-        """
+        """Load, check and tokenize the training and validation prompts. Runs on: every process, before models load."""
         if self._rows is not None:
             return
         self._tokenizer = self._resolve_tokenizer()
@@ -299,8 +283,7 @@ class PromptDataModule(L.LightningDataModule):
         return datasets.Dataset.from_dict({"prompt": [""] * self.batch_size})
 
     def _prepare(self, dataset: Any, which: str, *, min_rows: int) -> list[dict[str, Any]]:
-        """Check ``dataset``'s columns and rows, tokenize the prompts (with an environment: render each row's
-        episode prompt), drop (or reject) overlong ones."""
+        """Check ``dataset``'s columns and rows, tokenize (or render) the prompts, drop (or reject) overlong ones."""
         chat = self.messages_column is not None
         col = self.messages_column or self.prompt_column
         setting = "messages_column" if chat else "prompt_column"
@@ -368,8 +351,6 @@ class PromptDataModule(L.LightningDataModule):
         if self.tokenizer_path is not None:
             from transformers import AutoTokenizer
 
-            from lightning_rlhf.config.models import resolve_model_path
-
             setting = "PromptDataModule(tokenizer=...)"
             path = resolve_model_path(self.tokenizer_path, setting=setting, tokenizer_only=True)
             return AutoTokenizer.from_pretrained(path)
@@ -402,18 +383,13 @@ class PromptDataModule(L.LightningDataModule):
         assert self._rows is not None, "call setup('fit') first"
         if self._loader is None:
             self._loader = PromptLoader(
-                self._rows,
-                batch_size=self.batch_size,
-                collate=self.collate,
-                shuffle=self.shuffle,
-                seed=self.seed,
+                self._rows, batch_size=self.batch_size, collate=self.collate, shuffle=self.shuffle, seed=self.seed
             )
         return self._loader
 
     def val_dataloader(self) -> PromptLoader | list[Any]:
-        """The validation prompts in order, every one of them (the last batch may be smaller); an empty list
-        (Lightning then skips validation) when there are none. Its position is never saved: each validation
-        reads all of it. Runs on: every process."""
+        """Every validation prompt, in order (its position is never saved); an empty list (Lightning then skips
+        validation) when there are none. Runs on: every process."""
         if self._val_rows is None:
             return []
         return PromptLoader(
@@ -439,10 +415,9 @@ def keep_within(
     min_rows: int,
 ) -> list[dict[str, Any]]:
     """The rows of ``items`` (``(row index, length, row)``) no longer than ``limit`` tokens: a longer one is dropped
-    (``module.overlong="filter"``, counted in one log line) or refused (``"error"``), and fewer than ``min_rows``
-    left is refused. ``setting`` names the limit (``max_length=512``), ``knob`` the setting to raise (with a note:
-    ``max_length (up to the model's positions)``), ``tokens`` what was counted, ``rows`` what a row is
-    (``prompts``), in the messages. Runs on: every process, in a data module's ``setup``.
+    (``module.overlong="filter"``, counted in one log line) or refused (``"error"``), as are fewer than ``min_rows``
+    left. ``setting``, ``knob``, ``tokens`` and ``rows`` are the messages' words for the limit (``max_length=512``),
+    the setting to raise, what was counted and what a row is. Runs on: every process, in a data module's ``setup``.
 
     Raises:
         ValueError: a row over the limit with ``overlong="error"``, or too few rows left, naming the fix.

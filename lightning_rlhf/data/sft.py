@@ -1,12 +1,7 @@
-"""Supervised (SFT) data: prompt/answer pairs or chats, tokenized with a loss mask on the answers only.
+"""Supervised (SFT) data: prompt/answer pairs or chats, tokenized with a loss mask on the answers only (docs/sft.md).
 
 Each SFT batch is a :class:`~lightning_rlhf.batch.Batch` with ``input_ids``, ``attention_mask`` and ``loss_mask``
-(``[B, T]``, right-padded) and every dataset column as a Python list. ``loss_mask`` is 1 on the tokens the model
-is trained to write (the answer and its EOS, or each assistant turn) and 0 on the prompt and the padding.
-
-Prompts are tokenized exactly as :class:`~lightning_rlhf.data.PromptDataModule` tokenizes them for RL, and the
-answer separately after them (the rollout engine also writes its tokens after the prompt's), so a model
-warm-started here sees the same prompt tokens when RL begins.
+(``[B, T]``, right-padded) and every dataset column as a Python list.
 """
 
 from __future__ import annotations
@@ -42,38 +37,16 @@ def _eos_id(tokenizer: Any) -> int:
 def encode_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of ``prompt + answer + EOS``, with the loss on the answer and the EOS only.
 
-    Runs on: any process (pure). The prompt is ``tokenizer(prompt, add_special_tokens=True)`` (as RL prompts
-    are), the answer ``tokenizer(answer, add_special_tokens=False)`` followed by the EOS id.
-    """
+    Runs on: any process (pure). The prompt has the tokenizer's special tokens (as RL prompts), the answer none."""
     prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     answer_ids = [*tokenizer(answer, add_special_tokens=False)["input_ids"], _eos_id(tokenizer)]
     return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
 
 
-def _render(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    *,
-    generation_prompt: bool,
-    tools: list[Any] | None = None,
-    chat_kwargs: dict[str, Any] | None = None,
-) -> str:
-    return str(
-        tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-            **(chat_kwargs or {}),
-        )
-    )
-
-
 def tool_turns(messages: list[dict[str, Any]], tools: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
-    """A chat's tool turns as chat templates take them: each tool call's ``arguments`` a dict (datasets often store
-    them as JSON text, since Arrow would merge the argument keys of different tools into one struct), ``tools`` a
-    list of JSON schemas (a JSON text column is read). Runs on: any process (pure). Raises ValueError for arguments
-    or tools that are not valid JSON."""
+    """A chat's tool turns as chat templates take them: each tool call's ``arguments`` a dict (datasets store them as
+    JSON text, since Arrow would merge different tools' argument keys), ``tools`` a list of JSON schemas. Runs on: any
+    process (pure). Raises ValueError for arguments or tools that are not valid JSON."""
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
@@ -112,15 +85,12 @@ def encode_chat(
     tools: list[Any] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)`` of a chat rendered with the tokenizer's chat template, with the loss on every
-    assistant turn (its content, its tool calls and the template's end-of-turn token, up to the first EOS) and on
-    nothing else: the user's, the system's and the tools' turns are context. ``tools``: the JSON schemas the
-    template renders (``apply_chat_template(tools=...)``, as an agentic rollout renders its prompts).
-    ``chat_template_kwargs``: extra template variables (``{"enable_thinking": False}``), given to every render.
+    """``(input_ids, loss_mask)`` of a chat rendered with the tokenizer's chat template (with the JSON schemas
+    ``tools`` and the extra variables ``chat_template_kwargs``), with the loss on every assistant turn (its content,
+    tool calls and end-of-turn token, up to the first EOS; appended when missing) and nothing else.
 
     Runs on: any process (pure). Each assistant turn's prompt is the template of the turns before it with the
-    generation prompt (as :class:`~lightning_rlhf.data.PromptDataModule` renders chat prompts for RL); its
-    answer is what the template adds for the turn. An answer without the EOS token gets one appended.
+    generation prompt (as RL renders chat prompts); its answer is what the template adds for the turn.
 
     Raises:
         ValueError: the tokenizer has no chat template, the chat has no assistant turn or starts with one, or
@@ -144,24 +114,22 @@ def encode_chat(
     mask: list[int] = []
     done = ""  # the text tokenized so far
 
-    def add(text: str, weight: int) -> list[int]:
-        part = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-        ids.extend(part)
-        mask.extend([weight] * len(part))
-        return part
+    def render(chat: list[dict[str, Any]], generation_prompt: bool) -> str:
+        kwargs = {"add_generation_prompt": generation_prompt, **(chat_template_kwargs or {})}
+        return str(tokenizer.apply_chat_template(chat, tools=tools or None, tokenize=False, **kwargs))
 
     for i in turns:
-        prompt = _render(tokenizer, messages[:i], generation_prompt=True, tools=tools, chat_kwargs=chat_template_kwargs)
-        full = _render(
-            tokenizer, messages[: i + 1], generation_prompt=False, tools=tools, chat_kwargs=chat_template_kwargs
-        )
+        prompt, full = render(messages[:i], True), render(messages[: i + 1], False)
         if not prompt.startswith(done) or not full.startswith(prompt):
             raise ValueError(
                 f"SFT data: the chat template is not prefix-stable at message {i} (it renders earlier turns "
                 "differently once later ones follow), so the assistant turns cannot be located. HINT: keep one "
                 "assistant turn per row (split long chats into one row per turn)."
             )
-        add(prompt[len(done) :], 0)
+        context = prompt[len(done) :]
+        part = list(tokenizer(context, add_special_tokens=False)["input_ids"]) if context else []
+        ids.extend(part)
+        mask.extend([0] * len(part))
         answer = list(tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"])
         end = answer.index(eos) + 1 if eos in answer else len(answer)
         trained = answer[:end] if eos in answer else [*answer, eos]
@@ -174,10 +142,7 @@ def encode_chat(
 
 
 def collate_sft(rows: list[dict[str, Any]], *, pad_token_id: int) -> Batch:
-    """Right-pad the ``input_ids`` / ``loss_mask`` of ``rows`` into a Batch (plus the other columns as lists).
-
-    Runs on: every process.
-    """
+    """Right-pad the ``input_ids`` / ``loss_mask`` of ``rows`` into a Batch (other columns as lists). Runs on: any."""
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -194,40 +159,23 @@ def collate_sft(rows: list[dict[str, Any]], *, pad_token_id: int) -> Batch:
 class SFTDataModule(PromptDataModule):
     """Supervised examples for :class:`~lightning_rlhf.modules.SFTModule`: prompt/answer columns or chats.
 
-    Runs on: every process. Sources, splits, ``val_size``, shuffling and the resumable loader are those of
-    :class:`~lightning_rlhf.data.PromptDataModule`; every check happens in ``setup``, before any model loads.
+    Runs on: every process. Sources, splits, shuffling, the resumable loader and the arguments not listed here are
+    those of :class:`~lightning_rlhf.data.PromptDataModule`; every check happens in ``setup``, before any model loads.
 
     Args:
-        train: the training examples (a ``datasets`` object, a ``.jsonl``/``.json``/``.parquet``/``.csv`` file,
-            a folder, or a hub dataset name).
+        train: the training examples, in any of ``PromptDataModule``'s forms.
         val: held-out examples for ``val/loss``, in any of the same forms; None: ``val_size`` or no validation.
-        val_size: split held-out examples off ``train`` instead (a row count or a fraction, seeded).
         batch_size: examples per training step (one optimizer step), a multiple of the number of processes.
-        val_batch_size: examples per validation batch; None: ``batch_size``.
-        prompt_column: the column holding the prompt text.
-        answer_column: the column holding the answer the model learns to write after the prompt (an EOS
-            token is appended).
+        answer_column: the column holding the answer the model learns to write after the prompt (EOS appended).
         messages_column: the column holding each example as a chat (``[{"role": ..., "content": ...}, ...]``,
-            assistant turns may carry ``tool_calls`` and ``tool`` turns results), trained on its assistant turns;
-            ``prompt_column`` and ``answer_column`` are then unused. Needs a tokenizer with a chat template. A
-            ``tools`` column, when the data has one (TRL's convention), gives each row's tool schemas to the
-            template (a list of schemas, or its JSON text); a tool call's ``arguments`` may be a dict or its JSON
-            text; an assistant turn that only calls tools may have ``content`` None.
-        max_length: longest example (prompt + answer) in tokens; longer ones are dropped (``overlong="filter"``,
-            logged with a count) or rejected (``overlong="error"``). None: the model's positions
-            (``max_position_embeddings``). A value above them is refused in ``setup``, before any data or model
-            loads (a model does not train past its positions).
-        overlong: what to do with examples over ``max_length``.
-        tokenizer: tokenizer path; None takes the LightningModule's tokenizer.
+            with ``tool_calls`` and ``tool`` turns if any), trained on its assistant turns instead of the prompt and
+            answer columns; needs a chat template. A ``tools`` column (TRL's convention) gives each row's tool
+            schemas to the template; schemas and arguments may be JSON text (:func:`tool_turns`).
+        max_length: longest example (prompt + answer) in tokens; None: the model's positions, which a value above
+            is refused in ``setup``, before any data or model loads (a model does not train past its positions).
+        overlong: examples over ``max_length`` are dropped (``"filter"``, counted in the log) or refused (``"error"``).
         chat_template: render each prompt/answer pair as a user and an assistant message with the tokenizer's
             chat template (for instruct models that RL will prompt with ``chat_template=True``).
-        chat_template_kwargs: extra template variables for every render (``{"enable_thinking": False}``), as RL's
-            ``PromptDataModule(chat_template_kwargs=...)`` renders its prompts.
-        dataset_config: configuration name of a hub dataset or folder; None: its default.
-        train_split: split of a hub dataset, folder or ``DatasetDict`` to train on.
-        val_split: split of ``val`` when it is a hub dataset, folder or ``DatasetDict``.
-        shuffle: reshuffle every epoch (seeded).
-        seed: shuffling seed, and the seed of the ``val_size`` split.
     """
 
     def __init__(
@@ -283,13 +231,10 @@ class SFTDataModule(PromptDataModule):
     def setup(self, stage: str) -> None:
         """Check ``max_length`` against the model's positions, then load, check and tokenize the examples.
 
-        Runs on: every process, before any model loads (Lightning calls it before ``configure_model``); the length
-        check reads only the model's config and comes before the data is read.
+        Runs on: every process, before any model loads (the length check reads only the model's config).
 
         Raises:
-            ValueError: ``max_length`` exceeds the model's ``max_position_embeddings`` (the same check as an RL
-                prompt length plus ``max_new_tokens``: :func:`~lightning_rlhf.config.
-                check_sequence_length`).
+            ValueError: ``max_length`` exceeds the model's ``max_position_embeddings``.
         """
         if self._rows is None:
             self._check_model_positions()
@@ -319,13 +264,11 @@ class SFTDataModule(PromptDataModule):
         )
 
     def _prepare(self, dataset: Any, which: str, *, min_rows: int) -> list[dict[str, Any]]:
-        """Check ``dataset``'s columns and rows, tokenize each example with its loss mask, drop (or reject)
-        overlong ones. Runs on: every process, in ``setup``."""
+        """Check ``dataset``'s columns and rows, tokenize each example with its loss mask, drop overlong ones."""
         chat = self.messages_column is not None
-        needed = [self.messages_column] if chat else [self.prompt_column, self.answer_column]
-        for col, setting in zip(
-            needed, ["messages_column"] if chat else ["prompt_column", "answer_column"], strict=True
-        ):
+        needed = {"messages_column": self.messages_column} if chat else {}
+        needed = needed or {"prompt_column": self.prompt_column, "answer_column": self.answer_column}
+        for setting, col in needed.items():
             if col not in dataset.column_names:
                 raise KeyError(
                     f"SFTDataModule({setting}={col!r}): the {which} data has no such column. Columns: "

@@ -1,9 +1,6 @@
-"""Where prompts come from: a ``datasets`` object, a local file or folder, or a hub dataset name; and the
-validation rows split off the training data.
-
-Runs on: every process (each rank loads the same rows; ``datasets`` locks its cache, so concurrent loads of one
-hub dataset download it once).
-"""
+"""Where prompts come from (a ``datasets`` object, a local file or folder, or a hub dataset name), and the
+validation rows split off the training data. Runs on: every process (``datasets`` locks its cache, so concurrent
+loads of one hub dataset download it once)."""
 
 from __future__ import annotations
 
@@ -25,17 +22,11 @@ def load_prompt_dataset(source: Any, *, setting: str, config: str | None = None,
     Runs on: any process, before any model is loaded.
 
     Args:
-        source: a ``datasets.Dataset``; a ``datasets.DatasetDict`` (``split`` is taken); the path of a
-            ``.jsonl``/``.json``/``.parquet``/``.csv`` file; a local folder (data files named by split, e.g.
-            ``train.jsonl`` and ``test.jsonl``, or a folder written by ``save_to_disk``); or a hub dataset name
-            such as ``"openai/gsm8k"``, loaded with ``datasets.load_dataset(source, config, split=split)``.
+        source: a ``datasets.Dataset``; a ``datasets.DatasetDict`` (``split`` is taken); a ``.jsonl``/``.json``/
+            ``.parquet``/``.csv`` file; a local folder (data files named by split, e.g. ``train.jsonl``, or written by
+            ``save_to_disk``); or a hub dataset name: ``datasets.load_dataset(source, config, split=split)``.
         setting: the argument it came from, for error messages (``"train"`` or ``"val"``).
-        config: configuration name of a hub dataset or folder (``"main"`` for GSM8K); None: the default.
-        split: split of a hub dataset, folder or ``DatasetDict`` (any ``datasets`` split expression, such as
-            ``"test[:200]"``). Single files have one split and ignore it.
-
-    Returns:
-        The dataset.
+        split: any ``datasets`` split expression (``"test[:200]"``); single files have one split and ignore it.
 
     Raises:
         FileNotFoundError: a data file that does not exist, or a name that is neither a local path nor a hub
@@ -91,14 +82,9 @@ def load_prompt_dataset(source: Any, *, setting: str, config: str | None = None,
 
 
 def split_off(dataset: Any, size: float | int, *, seed: int) -> tuple[Any, Any]:
-    """Split ``size`` rows (an int) or a fraction of the rows (a float in (0, 1)) off ``dataset``, at random
-    with ``seed``: the same rows on every rank and in every run with that seed.
-
-    Runs on: any process. Nothing is written to the ``datasets`` cache (ranks would race on its files).
-
-    Returns:
-        ``(train, val)``.
-    """
+    """Split ``size`` rows (an int) or a fraction of the rows (a float in (0, 1)) off ``dataset``, at random with
+    ``seed``: the same rows on every rank and in every run with that seed. Runs on: any process. Returns ``(train,
+    val)``; nothing is written to the ``datasets`` cache (ranks would race on its files)."""
     total = len(dataset)
     count = size if isinstance(size, int) else math.ceil(size * total)  # datasets rounds the test part up
     if count < 1 or count >= total:
