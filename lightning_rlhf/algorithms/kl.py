@@ -62,17 +62,9 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, estimator: str = "k3") -> Tensor:
-    """Per-token KL estimate using the estimator registered as ``estimator``.
+    """Per-token KL estimate with the :data:`KLEstimator` registered as ``estimator``.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        logprobs: ``[B, T]`` policy log-probabilities of the sampled tokens.
-        ref_logprobs: ``[B, T]`` reference log-probabilities of the same tokens.
-        estimator: One of ``KL_ESTIMATORS.names()`` (``"k1"``, ``"k2"``, ``"k3"``).
-
-    Returns:
-        ``[B, T]`` per-token KL estimate (not masked).
 
     Raises:
         ValueError: If ``estimator`` is unknown.
@@ -94,12 +86,9 @@ class KLController(Protocol):
 
 
 class FixedKLController:
-    """A KL coefficient that never changes; same interface as ``AdaptiveKLController``.
+    """A KL coefficient ``kl_coef`` (>= 0) that never changes; a :class:`KLController`.
 
     Runs on: controller (a Python float, no tensors).
-
-    Args:
-        kl_coef: The coefficient (>= 0).
 
     Raises:
         ValueError: If ``kl_coef < 0``.
@@ -116,15 +105,7 @@ class FixedKLController:
         return self._value
 
     def update(self, current_kl: float, n_steps: int) -> float:
-        """Leaves the coefficient unchanged.
-
-        Args:
-            current_kl: Ignored.
-            n_steps: Ignored.
-
-        Returns:
-            The (unchanged) coefficient.
-        """
+        """Returns the coefficient, unchanged."""
         del current_kl, n_steps
         return self._value
 
@@ -142,18 +123,10 @@ class FixedKLController:
 
 class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al., 2019, "Fine-Tuning Language Models from Human
-    Preferences"), a proportional controller steering the observed KL towards ``target_kl``.
-
-    After each step with observed KL ``current_kl`` over ``n_steps`` samples:
-    ``error = clip(current_kl / target_kl - 1, -0.2, 0.2)`` and
-    ``value <- value * (1 + error * n_steps / horizon)``.
+    Preferences"), a proportional controller steering the observed KL towards ``target_kl`` (> 0), from
+    ``init_kl_coef`` (>= 0); ``horizon`` (> 0, in samples): larger adapts slower.
 
     Runs on: controller (a Python float, no tensors; pass the KL already reduced to a float).
-
-    Args:
-        init_kl_coef: Initial coefficient (>= 0).
-        target_kl: Target KL (> 0).
-        horizon: Controller horizon in samples (> 0); larger means slower adaptation.
 
     Raises:
         ValueError: If an argument is out of range.
@@ -181,23 +154,14 @@ class AdaptiveKLController:
         return self._value
 
     def update(self, current_kl: float, n_steps: int) -> float:
-        """Moves the coefficient towards the target after one step.
-
-        Args:
-            current_kl: KL observed in this step (e.g. the masked mean per-token KL times the sequence
-                length, whichever quantity ``target_kl`` refers to).
-            n_steps: Number of samples (sequences) in this step.
-
-        Returns:
-            The updated coefficient.
-        """
+        """``value *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon`` after a step of
+        ``n_steps`` samples whose KL (the quantity ``target_kl`` refers to) was ``current_kl``; returns it."""
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self._value *= 1.0 + error * n_steps / self.horizon
         return self._value
 
     def state_dict(self) -> dict[str, float]:
-        """Returns ``{"value": coefficient}`` for checkpointing (the target and horizon come from the
-        constructor, i.e. the configuration)."""
+        """Returns ``{"value": coefficient}`` for checkpointing (target and horizon are configuration)."""
         return {"value": self._value}
 
     def load_state_dict(self, state: Mapping[str, float]) -> None:
