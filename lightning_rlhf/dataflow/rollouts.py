@@ -26,9 +26,8 @@ def keep_informative_groups(
     draw: Callable[[int, int], Batch],
     generate: Callable[[Batch], Batch],
 ) -> Batch:
-    """DAPO's dynamic sampling over ``rollout`` (``batch`` generated and scored, ``n`` samples a prompt): see
-    :meth:`RLHFModule.keep_informative_groups`. ``draw(count, key)`` gives more prompts (:func:`extra_prompts`),
-    ``generate`` generates and scores them. Runs on: controller."""
+    """DAPO's dynamic sampling (:meth:`RLHFModule.keep_informative_groups`) over ``rollout``, ``batch`` generated
+    and scored; ``draw(count, key)`` gives more prompts, ``generate`` generates and scores them. Runs on: controller."""
     want = len(batch)
     kept: list[Batch] = []  # per round: the rows of its informative groups (n consecutive rows a group)
     dropped: list[Batch] = []
