@@ -85,7 +85,26 @@ class KLController(Protocol):
     def load_state_dict(self, state: Mapping[str, float]) -> None: ...
 
 
-class FixedKLController:
+class _Coefficient:
+    """The coefficient, as a property and in checkpoints (``{"value": coefficient}``; the rest is configuration)."""
+
+    _value: float
+
+    @property
+    def value(self) -> float:
+        """The current KL coefficient."""
+        return self._value
+
+    def state_dict(self) -> dict[str, float]:
+        """Returns ``{"value": coefficient}`` for checkpointing."""
+        return {"value": self._value}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        """Restores the coefficient saved by ``state_dict``."""
+        self._value = float(state["value"])
+
+
+class FixedKLController(_Coefficient):
     """A KL coefficient ``kl_coef`` (>= 0) that never changes; a :class:`KLController`.
 
     Runs on: controller (a Python float, no tensors).
@@ -99,29 +118,16 @@ class FixedKLController:
             raise ValueError(f"`kl_coef` must be >= 0, got {kl_coef}.")
         self._value = float(kl_coef)
 
-    @property
-    def value(self) -> float:
-        """The current KL coefficient."""
-        return self._value
-
     def update(self, current_kl: float, n_steps: int) -> float:
         """Returns the coefficient, unchanged."""
         del current_kl, n_steps
         return self._value
 
-    def state_dict(self) -> dict[str, float]:
-        """Returns ``{"value": coefficient}`` for checkpointing."""
-        return {"value": self._value}
-
-    def load_state_dict(self, state: Mapping[str, float]) -> None:
-        """Restores the coefficient saved by ``state_dict``."""
-        self._value = float(state["value"])
-
     def __repr__(self) -> str:
         return f"FixedKLController(value={self._value})"
 
 
-class AdaptiveKLController:
+class AdaptiveKLController(_Coefficient):
     """Adaptive KL coefficient (Ziegler et al., 2019, "Fine-Tuning Language Models from Human
     Preferences"), a proportional controller steering the observed KL towards ``target_kl`` (> 0), from
     ``init_kl_coef`` (>= 0); ``horizon`` (> 0, in samples): larger adapts slower.
@@ -148,25 +154,12 @@ class AdaptiveKLController:
         self.target_kl = float(target_kl)
         self.horizon = horizon
 
-    @property
-    def value(self) -> float:
-        """The current KL coefficient."""
-        return self._value
-
     def update(self, current_kl: float, n_steps: int) -> float:
         """``value *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon`` after a step of
         ``n_steps`` samples whose KL (the quantity ``target_kl`` refers to) was ``current_kl``; returns it."""
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self._value *= 1.0 + error * n_steps / self.horizon
         return self._value
-
-    def state_dict(self) -> dict[str, float]:
-        """Returns ``{"value": coefficient}`` for checkpointing (target and horizon are configuration)."""
-        return {"value": self._value}
-
-    def load_state_dict(self, state: Mapping[str, float]) -> None:
-        """Restores the coefficient saved by ``state_dict``."""
-        self._value = float(state["value"])
 
     def __repr__(self) -> str:
         return f"AdaptiveKLController(value={self._value}, target_kl={self.target_kl}, horizon={self.horizon})"

@@ -137,8 +137,7 @@ def check_rollout_probs_diff(module: Any, metrics: dict[str, float], *, step: in
 
 
 def samples_of(rollout: Batch, *, step: int) -> Batch:
-    """What a step keeps of its rollout for the callbacks (``RLHFModule.last_rollout``): ``prompt``, ``completion``
-    and ``scores``, and for episodes ``episode`` (the messages), ``turns`` and ``tool_calls``. Runs on: controller."""
+    """What a step keeps of its rollout for the callbacks (``RLHFModule.last_rollout``). Runs on: controller."""
     episodes = ("turns", "tool_calls") if "episode" in rollout else ()  # multi-turn: the whole conversations
     return Batch(
         {"scores": rollout["scores"].detach().float().cpu()} | {k: rollout[k].cpu() for k in episodes},

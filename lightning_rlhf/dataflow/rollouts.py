@@ -1,5 +1,4 @@
-"""The rollouts of a step beyond one generation: DAPO's dynamic sampling (more prompts until enough groups are
-informative), and the rollout an asynchronous run keeps for its next step, as a checkpoint stores it."""
+"""DAPO's dynamic sampling, and the rollout an asynchronous run keeps for its next step, as a checkpoint stores it."""
 
 from __future__ import annotations
 

@@ -33,9 +33,8 @@ class RolloutEngineRequest:
 
 
 class EpisodesMixin:
-    """A generating role: its ``generate``, run by its :class:`~lightning_rlhf.engines.hybrid.HybridEngine`, and its
-    episodes: with an ``environment`` (set by the module), ``generate`` runs multi-turn episodes
-    (:mod:`lightning_rlhf.agents`) through the role's :attr:`episode_runner`."""
+    """A generating role: ``generate`` runs on its :class:`~lightning_rlhf.engines.hybrid.HybridEngine`, with an
+    ``environment`` (set by the module) as multi-turn episodes (:mod:`lightning_rlhf.agents`)."""
 
     hybrid: HybridEngine
     environment: Any = None
@@ -93,8 +92,8 @@ class EpisodesMixin:
         return episode_prompt_ids(self.environment, tokenizer, rows, chat_template_kwargs=chat_template_kwargs)
 
     def close(self) -> None:
-        """End the environment's tool workers (the strategy's teardown closes every role; a later fit starts them
-        again). Idempotent. Runs on: every rank, at teardown."""
+        """End the environment's tool workers (idempotent; a later fit starts them again). Runs on: every rank, at
+        teardown."""
         if self._episodes is not None:
             self._episodes.close()
             self._episodes = None
