@@ -156,29 +156,26 @@ class _TokenLogprobs(torch.autograd.Function):
         if compiled is not None:  # CPU: one pass per position (the same formulas)
             logp, lse, entropy_or_none, mean = compiled
             entropy = entropy_or_none if entropy_or_none is not None else torch.empty(0, dtype=torch.float32)
-            if not differentiable_entropy:
-                ctx.mark_non_differentiable(entropy)
-            ctx.save_for_backward(logits, labels, lse, mean if differentiable_entropy else None)
-            return logp, entropy
-        batch, length, vocab = logits.shape
-        float_kw: dict[str, Any] = {"dtype": torch.float32, "device": logits.device}
-        logp = torch.empty(batch, length, **float_kw)
-        lse = torch.empty(batch, length, 1, **float_kw)
-        entropy = torch.empty(batch, length, **float_kw) if with_entropy else torch.empty(0, **float_kw)
-        mean = torch.empty(batch, length, 1, **float_kw) if with_entropy else None
-        for rows, cols in _blocks(batch, length, vocab, chunk_elements):
-            z = _tempered(logits[rows, cols], temperature)
-            top = z.amax(dim=-1, keepdim=True)
-            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows of -inf stay -inf, not nan
-            exp = torch.sub(z, top).exp_()
-            total = exp.sum(dim=-1, keepdim=True)
-            block_lse = total.log().add_(top)
-            lse[rows, cols] = block_lse
-            logp[rows, cols] = (z.gather(-1, labels[rows, cols].long().unsqueeze(-1)) - block_lse).squeeze(-1)
-            if mean is not None:
-                block_mean = exp.mul_(z).sum(dim=-1, keepdim=True).div_(total)  # E_p[z]; H = lse - E_p[z]
-                mean[rows, cols] = block_mean
-                entropy[rows, cols] = (block_lse - block_mean).squeeze(-1)
+        else:
+            batch, length, vocab = logits.shape
+            float_kw: dict[str, Any] = {"dtype": torch.float32, "device": logits.device}
+            logp = torch.empty(batch, length, **float_kw)
+            lse = torch.empty(batch, length, 1, **float_kw)
+            entropy = torch.empty(batch, length, **float_kw) if with_entropy else torch.empty(0, **float_kw)
+            mean = torch.empty(batch, length, 1, **float_kw) if with_entropy else None
+            for rows, cols in _blocks(batch, length, vocab, chunk_elements):
+                z = _tempered(logits[rows, cols], temperature)
+                top = z.amax(dim=-1, keepdim=True)
+                top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows of -inf stay -inf, not nan
+                exp = torch.sub(z, top).exp_()
+                total = exp.sum(dim=-1, keepdim=True)
+                block_lse = total.log().add_(top)
+                lse[rows, cols] = block_lse
+                logp[rows, cols] = (z.gather(-1, labels[rows, cols].long().unsqueeze(-1)) - block_lse).squeeze(-1)
+                if mean is not None:
+                    block_mean = exp.mul_(z).sum(dim=-1, keepdim=True).div_(total)  # E_p[z]; H = lse - E_p[z]
+                    mean[rows, cols] = block_mean
+                    entropy[rows, cols] = (block_lse - block_mean).squeeze(-1)
         if not differentiable_entropy:
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(logits, labels, lse, mean if differentiable_entropy else None)

@@ -48,12 +48,9 @@ def rollout_metrics(
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(rollout["response_truncated"].float().mean()),
     }
-    if "advantages" in rollout:
-        out["critic/advantages/mean"] = float(masked_mean(rollout["advantages"], rollout["response_mask"]))
-    if "returns" in rollout:
-        out["critic/returns/mean"] = float(masked_mean(rollout["returns"], rollout["response_mask"]))
-    if "values" in rollout:
-        out["critic/values/mean"] = float(masked_mean(rollout["values"], rollout["response_mask"]))
+    for key in ("advantages", "returns", "values"):
+        if key in rollout:
+            out[f"critic/{key}/mean"] = float(masked_mean(rollout[key], rollout["response_mask"]))
     for role in module.roles().values():  # each reward's components: reward/<name>/mean, reward/<name>/failed
         if isinstance(role, RewardRole):
             out |= role.metrics(rollout)
