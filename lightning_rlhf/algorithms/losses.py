@@ -38,10 +38,9 @@ __all__ = [
 
 
 class LossAggregation(Protocol):
-    """Signature shared by all registered loss aggregations: a ``[B, T]`` per-token ``loss`` and the ``[B, T]``
-    binary ``mask`` of valid tokens in, a scalar loss out. The keywords serve one aggregation each (the others
-    ignore them): ``num_tokens`` the global token count of ``"token-mean"``, ``max_len`` the constant divisor of
-    ``"seq-mean-token-sum-norm"``. Each runs on the controller or a worker (pure functions)."""
+    """Signature shared by all registered loss aggregations: ``[B, T]`` per-token ``loss`` and binary ``mask`` in, a
+    scalar out. ``num_tokens`` serves ``"token-mean"``, ``max_len`` ``"seq-mean-token-sum-norm"`` (the others ignore
+    them). Each runs on the controller or a worker (pure functions)."""
 
     def __call__(
         self, loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
@@ -72,9 +71,7 @@ def seq_mean_token_sum(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
     """Per-sequence sum over valid tokens, then mean over all ``B`` sequences (``0`` if ``B == 0``).
-
-    Runs on: controller or worker (pure function).
-    """
+    Runs on: controller or worker (pure function)."""
     del num_tokens, max_len
     seq_losses = masked_sum(loss, mask, dim=-1)  # [B]
     return seq_losses.sum() / max(seq_losses.shape[0], 1)
@@ -84,11 +81,8 @@ def seq_mean_token_sum(
 def seq_mean_token_mean(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Per-sequence mean over valid tokens, then mean over sequences with a non-empty mask (``0`` if every mask
-    row is empty).
-
-    Runs on: controller or worker (pure function).
-    """
+    """Per-sequence mean over valid tokens, then mean over sequences with a non-empty mask (``0`` if none).
+    Runs on: controller or worker (pure function)."""
     del num_tokens, max_len
     seq_means = masked_mean(loss, mask, dim=-1)  # [B]
     non_empty = mask.bool().any(dim=-1)  # [B]

@@ -311,10 +311,9 @@ class ActorRole(EpisodesMixin, Role):
             per_rank[:] = [agg.num_tokens]
             return agg.aggregate(token_loss, mask), {}
 
-        def loss_tokens(b: Batch) -> Tensor:
-            return b["loss_mask"][:, 1:]
-
-        acc = self.train_engine.train(batch, loss_fn, aggregation="token-mean", count_mask=loss_tokens)
+        acc = self.train_engine.train(
+            batch, loss_fn, aggregation="token-mean", count_mask=lambda b: b["loss_mask"][:, 1:]
+        )
         metrics = acc.result("sft")
         lr = self.train_engine.step_scheduler()
         self.mark_weights_changed()
