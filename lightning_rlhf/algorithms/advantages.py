@@ -63,7 +63,7 @@ class AdvantageInputs:
     """Added to the group std (GRPO)."""
 
     def need(self, name: str, estimator: str) -> Tensor:
-        """The optional input ``name``, which estimator ``estimator`` requires.
+        """The optional input ``name``, which ``estimator`` requires.
 
         Raises:
             ValueError: it is None, naming the estimator, the input and its shape."""
@@ -104,8 +104,8 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 
 def _backward_scan(rewards: Tensor, mask: Tensor, *, gamma: float, lam: float, values: Tensor | None) -> Tensor:
     """``A_t = r_t + gamma * V_{t+1} - V_t + gamma * lam * A_{t+1}`` backwards over time (``V = 0`` without
-    ``values``: the discounted return), where ``t + 1`` is the next *valid* token: masked-out positions are
-    skipped (contribute nothing) and the last valid token has next value and advantage ``0``. Zero on padding."""
+    ``values``: the discounted return ``G_t = r_t + gamma * G_{t+1}``), where ``t + 1`` is the next *valid* token
+    (padding is skipped); the last valid token has next value and advantage ``0``. Zero on padding."""
     zero_row = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
     next_value, next_adv = zero_row, zero_row
     out = torch.zeros_like(rewards)
@@ -142,12 +142,8 @@ def _broadcast(per_seq: Tensor, mask: Tensor) -> Tensor:
 
 @ADVANTAGE_ESTIMATORS.register("gae")
 def gae_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation (Schulman et al., 2016), computed backwards over time.
-
-    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``, where
-    ``t + 1`` is the next *valid* token: masked-out positions are skipped (contribute nothing), and the
-    last valid token has next value ``0``. ``returns = A + V`` before whitening; the advantages are then
-    whitened over valid tokens (``masked_whiten``, always: ``norm_by_std`` and ``eps`` are not read).
+    """Generalised advantage estimation (Schulman et al., 2016; :func:`_backward_scan`). ``returns = A + V``
+    before whitening; the advantages are then whitened over valid tokens (always: ``norm_by_std`` is not read).
 
     Runs on: controller or worker (pure function). Reads ``values`` (required), ``gamma``, ``lam``.
     """
@@ -163,16 +159,10 @@ def gae_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
-    """Group-relative advantages (GRPO, Shao et al., 2024), outcome supervision.
-
-    Each sequence's score is its masked reward sum; the advantage is ``(score - mean_g) / (std_g + eps)``
-    (or ``score - mean_g`` without ``norm_by_std``) with the mean and unbiased std of its group ``g``.
-    A group of size 1 uses mean 0 and std 1, i.e. its advantage is its score. The advantage is
-    broadcast to all valid tokens. Vectorised with ``index_add_``; computed without gradient.
-
-    Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") needs no estimator of its own: it
-    is this estimator with ``norm_by_std=False`` together with the ``"seq-mean-token-sum-norm"`` loss
-    aggregation (see ``LOSS_AGGREGATIONS``).
+    """Group-relative advantages (GRPO, Shao et al., 2024), outcome supervision: ``(score - mean_g) / (std_g +
+    eps)`` (``score - mean_g`` without ``norm_by_std``), with the mean and unbiased std of the sequence's group
+    ``g`` (a group of size 1: mean 0, std 1), on every valid token. Dr.GRPO is this with ``norm_by_std=False`` and
+    the ``"seq-mean-token-sum-norm"`` loss aggregation.
 
     Runs on: controller or worker (pure function). Reads ``group_ids`` (required), ``norm_by_std``, ``eps``;
     ``returns`` equals ``advantages``.
@@ -196,13 +186,9 @@ def grpo_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     """REINFORCE Leave-One-Out advantages (RLOO; Ahmadian et al., 2024, "Back to Basics: Revisiting
-    REINFORCE Style Optimization for Learning from Human Feedback in LLMs").
-
-    Each sequence's score ``s_i`` is its masked reward sum. With ``k`` samples in its group, the baseline
-    is the mean score of the *other* ``k - 1`` samples: ``A_i = s_i - (sum_g - s_i) / (k - 1)``
-    (equivalently ``k / (k - 1) * (s_i - mean_g)``). A group of size 1 has no other sample, hence no
-    baseline, and gets advantage ``0`` (it contributes no gradient). No std normalisation. The advantage
-    is broadcast to all valid tokens. Computed without gradient.
+    REINFORCE Style Optimization for Learning from Human Feedback in LLMs"): the baseline is the mean score of the
+    group's *other* ``k - 1`` samples, ``A_i = s_i - (sum_g - s_i) / (k - 1)``, on every valid token; ``0`` for a
+    group of size 1 (no baseline). No std normalisation.
 
     Runs on: controller or worker (pure function). Reads ``group_ids`` (required); ``returns`` equals
     ``advantages``.
@@ -221,19 +207,10 @@ def rloo_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
 def reinforce_plus_plus_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     """REINFORCE++ advantages (Hu, 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
-    Large Language Models"): critic-free discounted returns, normalised over the whole batch.
-
-    ``G_t = r_t + gamma * G_{t+1}`` computed backwards, where ``t + 1`` is the next *valid* token
-    (masked-out positions are skipped and contribute nothing; the last valid token has ``G_{t+1} = 0``).
-    ``token_rewards`` are used as given, so they should already contain any per-token KL penalty. The
-    advantages are ``G`` whitened with the mean and unbiased std of all valid tokens of the batch
-    (``masked_whiten``), then zeroed on padding. Computed without gradient.
+    Large Language Models"): the discounted returns ``G`` (:func:`_backward_scan`; ``token_rewards`` should hold
+    any per-token KL penalty), whitened over the batch's valid tokens; ``returns`` is ``G`` unwhitened.
 
     Runs on: controller or worker (pure function). Reads ``gamma``.
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``: whitened advantages and the un-whitened discounted
-        returns ``G``; both zero where the mask is 0.
     """
     with torch.no_grad():
         mask = inputs.mask
@@ -244,20 +221,10 @@ def reinforce_plus_plus_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
-    """REINFORCE++-baseline advantages (Hu, 2025, "REINFORCE++: A Simple and Efficient Approach for
-    Aligning Large Language Models"): group-mean baseline, then batch-level normalisation.
-
-    Each sequence's score is its masked reward sum; its group's mean score is subtracted (no division
-    by the group std) and the result is broadcast to all valid tokens. As in ``"grpo"``, a group of size
-    1 uses mean 0, i.e. its centred score is its score. The advantages are these centred values whitened
-    with the mean and unbiased std of all valid tokens of the batch (``masked_whiten``), then zeroed on
-    padding. Computed without gradient.
+    """REINFORCE++-baseline advantages (Hu, 2025): ``score - mean_g`` (a group of size 1: mean 0) on every valid
+    token as ``returns``, whitened over the batch's valid tokens as the advantages.
 
     Runs on: controller or worker (pure function). Reads ``group_ids`` (required).
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``: whitened advantages, and as ``returns`` the group-centred
-        scores *before* whitening; both zero where the mask is 0.
     """
     group_ids = inputs.need("group_ids", "reinforce_plus_plus_baseline")
     with torch.no_grad():
@@ -273,12 +240,9 @@ def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs, /) -> tuple
 @ADVANTAGE_ESTIMATORS.register("remax")
 def remax_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
     """ReMax advantages (Li et al., 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement
-    Learning Method for Aligning Large Language Models").
-
-    Each sequence's score ``s_i`` is its masked reward sum; the baseline is the score ``b_i`` of the
-    greedy (argmax) response to the same prompt, so ``A_i = s_i - b_i``, broadcast to all valid tokens.
-    ``baselines`` is subtracted as given: score it the same way as the samples (e.g. include the same
-    KL penalty if ``token_rewards`` contain one). No normalisation. Computed without gradient.
+    Learning Method for Aligning Large Language Models"): ``A_i = s_i - b_i`` on every valid token, ``b_i`` the
+    score of the greedy response to the same prompt, subtracted as given (score it as the samples). No
+    normalisation.
 
     Runs on: controller or worker (pure function). Reads ``baselines`` (required); ``returns`` equals
     ``advantages``.
@@ -304,17 +268,9 @@ def estimator_inputs(name: str) -> frozenset[str]:
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs | None = None, /, **given: Any) -> tuple[Tensor, Tensor]:
-    """Runs the advantage estimator registered as ``name``.
+    """Runs the :class:`AdvantageEstimator` registered as ``name`` on ``inputs``, or on their fields as keywords.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        name: Registered estimator name (see ``ADVANTAGE_ESTIMATORS.names()``).
-        inputs: the estimator's inputs; or, instead, their fields as keywords (``token_rewards``,
-            ``response_mask``, ...).
-
-    Returns:
-        ``(advantages [B, T], returns [B, T])``.
 
     Raises:
         ValueError: If ``name`` is unknown or required inputs are missing.

@@ -18,13 +18,8 @@ def informative_groups(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tenso
     """DAPO's dynamic-sampling test: a group whose samples all got the same score has zero group-relative
     advantage everywhere, so it adds no gradient; such groups are dropped and more prompts are sampled.
 
-    Args:
-        scores: ``[B]`` one score per sample.
-        group_ids: ``[B]`` the prompt (group) each sample belongs to.
-
-    Returns:
-        ``(groups, informative)``: ``[G]`` the distinct group ids in first-seen order, and ``[G]`` bool, True
-        where the group's scores are not all equal.
+    Returns ``(groups, informative)`` of ``[B]`` ``scores`` and ``group_ids``: ``[G]`` the distinct group ids in
+    first-seen order, and ``[G]`` bool, True where the group's scores are not all equal.
     """
     groups, inverse = torch.unique(group_ids, sorted=False, return_inverse=True)
     # first-seen order, so the caller keeps prompts in the order they were generated
@@ -41,15 +36,7 @@ def lagrangian_advantages(reward_advantages: Tensor, cost_advantages: Tensor, *,
     """Safe-RLHF's combined advantage ``(A_r - lambda * A_c) / (1 + lambda)`` (Dai et al., 2024, eq. 12).
 
     Dividing by ``1 + lambda`` keeps the advantage's scale fixed as the multiplier grows, so the PPO clip and
-    the learning rate keep their meaning.
-
-    Args:
-        reward_advantages: ``[B, T]`` advantages of the reward.
-        cost_advantages: ``[B, T]`` advantages of the cost (higher = less safe).
-        multiplier: the Lagrange multiplier ``lambda >= 0``.
-
-    Returns:
-        ``[B, T]`` combined advantages.
+    the learning rate keep their meaning. ``A_c``: the cost's advantages (higher = less safe).
     """
     return (reward_advantages - multiplier * cost_advantages) / (1.0 + multiplier)
 

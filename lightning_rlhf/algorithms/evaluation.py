@@ -13,28 +13,18 @@ __all__ = ["mean_at_n", "pass_at_k"]
 
 
 def mean_at_n(scores: Tensor) -> Tensor:
-    """Mean score of each prompt's N samples.
-
-    Args:
-        scores: ``[P, N]`` scores, one row per prompt.
-
-    Returns:
-        ``[P]`` float32.
-    """
+    """``[P]`` float32 mean score of each prompt's N samples (``scores`` ``[P, N]``)."""
     return scores.float().mean(-1)
 
 
 def pass_at_k(passed: Tensor, *, k: int) -> Tensor:
     """Unbiased estimate, per prompt, of the chance that at least one of k samples drawn (without replacement)
     from its N passes: ``1 - C(N - c, k) / C(N, k)`` with c passing samples, computed as Chen et al.'s stable
-    product ``1 - prod_{i = N-c+1}^{N} (1 - k / i)`` (exactly 1 when ``N - c < k``).
+    product ``1 - prod_{i = N-c+1}^{N} (1 - k / i)`` (exactly 1 when ``N - c < k``). ``passed``: ``[P, N]`` bool;
+    returns ``[P]`` float32 (``k=1``: the share of passing samples).
 
-    Args:
-        passed: ``[P, N]`` bool, whether each sample passes (e.g. ``scores > threshold``).
-        k: samples per attempt, ``1 <= k <= N``.
-
-    Returns:
-        ``[P]`` float32; ``pass_at_k(passed, k=1)`` is the share of passing samples.
+    Raises:
+        ValueError: If ``k`` is not in ``1..N``.
     """
     n = passed.shape[-1]
     if not 1 <= k <= n:

@@ -57,17 +57,9 @@ def _bool_mask(mask: Tensor, like: Tensor) -> Tensor:
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
-    """Sum of ``x`` over positions where ``mask`` is set.
+    """Sum of ``x`` over positions where ``mask`` (broadcastable to ``x``) is set, over ``dim`` (None: a scalar).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        x: Values, any shape ``[...]``.
-        mask: Binary mask broadcastable to ``x.shape``.
-        dim: Dimension(s) to reduce; ``None`` reduces everything to a scalar.
-
-    Returns:
-        ``x`` summed over ``dim`` ignoring masked-out entries (scalar if ``dim`` is ``None``).
     """
     kept = torch.where(_bool_mask(mask, x), x, torch.zeros((), dtype=x.dtype, device=x.device))
     return kept.sum() if dim is None else kept.sum(dim=dim)
@@ -83,18 +75,10 @@ def masked_mean(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of ``x`` over all positions where ``mask`` is set.
+    """Scalar variance of ``x`` over all positions where ``mask`` is set (``0`` if none). ``unbiased``: Bessel's
+    correction ``n / (n - 1)``, skipped when ``n <= 1`` (no host sync to raise an error).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        x: Values, any shape ``[...]``.
-        mask: Binary mask broadcastable to ``x.shape``.
-        unbiased: Apply Bessel's correction ``n / (n - 1)``. Skipped when ``n <= 1`` (no host sync
-            is done to raise an error).
-
-    Returns:
-        Scalar variance (``0`` if fewer than one element is selected).
     """
     m = _bool_mask(mask, x)
     mean = masked_mean(x, m)
@@ -106,19 +90,10 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """Normalises ``x`` to unit variance (and zero mean) using masked statistics.
+    """``(x - mean) * rsqrt(var + eps)`` with the mean and unbiased variance of the entries where ``mask`` is set
+    (``shift_mean=False`` adds the mean back). Masked-out positions are transformed too, not zeroed.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        x: Values, any shape ``[...]``, typically ``[B, T]``.
-        mask: Binary mask broadcastable to ``x.shape``; only these entries define mean and variance.
-        shift_mean: If ``False``, the mean is added back (only the scale is normalised).
-        eps: Added to the variance before ``rsqrt``.
-
-    Returns:
-        Whitened tensor with the shape of ``x``. Masked-out positions are transformed too (not zeroed);
-        multiply by the mask if zeros are needed there.
     """
     mean = masked_mean(x, mask)
     var = masked_var(x, mask, unbiased=True)
@@ -181,29 +156,26 @@ class _TokenLogprobs(torch.autograd.Function):
         if compiled is not None:  # CPU: one pass per position (the same formulas)
             logp, lse, entropy_or_none, mean = compiled
             entropy = entropy_or_none if entropy_or_none is not None else torch.empty(0, dtype=torch.float32)
-            if not differentiable_entropy:
-                ctx.mark_non_differentiable(entropy)
-            ctx.save_for_backward(logits, labels, lse, mean if differentiable_entropy else None)
-            return logp, entropy
-        batch, length, vocab = logits.shape
-        float_kw: dict[str, Any] = {"dtype": torch.float32, "device": logits.device}
-        logp = torch.empty(batch, length, **float_kw)
-        lse = torch.empty(batch, length, 1, **float_kw)
-        entropy = torch.empty(batch, length, **float_kw) if with_entropy else torch.empty(0, **float_kw)
-        mean = torch.empty(batch, length, 1, **float_kw) if with_entropy else None
-        for rows, cols in _blocks(batch, length, vocab, chunk_elements):
-            z = _tempered(logits[rows, cols], temperature)
-            top = z.amax(dim=-1, keepdim=True)
-            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows of -inf stay -inf, not nan
-            exp = torch.sub(z, top).exp_()
-            total = exp.sum(dim=-1, keepdim=True)
-            block_lse = total.log().add_(top)
-            lse[rows, cols] = block_lse
-            logp[rows, cols] = (z.gather(-1, labels[rows, cols].long().unsqueeze(-1)) - block_lse).squeeze(-1)
-            if mean is not None:
-                block_mean = exp.mul_(z).sum(dim=-1, keepdim=True).div_(total)  # E_p[z]; H = lse - E_p[z]
-                mean[rows, cols] = block_mean
-                entropy[rows, cols] = (block_lse - block_mean).squeeze(-1)
+        else:
+            batch, length, vocab = logits.shape
+            float_kw: dict[str, Any] = {"dtype": torch.float32, "device": logits.device}
+            logp = torch.empty(batch, length, **float_kw)
+            lse = torch.empty(batch, length, 1, **float_kw)
+            entropy = torch.empty(batch, length, **float_kw) if with_entropy else torch.empty(0, **float_kw)
+            mean = torch.empty(batch, length, 1, **float_kw) if with_entropy else None
+            for rows, cols in _blocks(batch, length, vocab, chunk_elements):
+                z = _tempered(logits[rows, cols], temperature)
+                top = z.amax(dim=-1, keepdim=True)
+                top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows of -inf stay -inf, not nan
+                exp = torch.sub(z, top).exp_()
+                total = exp.sum(dim=-1, keepdim=True)
+                block_lse = total.log().add_(top)
+                lse[rows, cols] = block_lse
+                logp[rows, cols] = (z.gather(-1, labels[rows, cols].long().unsqueeze(-1)) - block_lse).squeeze(-1)
+                if mean is not None:
+                    block_mean = exp.mul_(z).sum(dim=-1, keepdim=True).div_(total)  # E_p[z]; H = lse - E_p[z]
+                    mean[rows, cols] = block_mean
+                    entropy[rows, cols] = (block_lse - block_mean).squeeze(-1)
         if not differentiable_entropy:
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(logits, labels, lse, mean if differentiable_entropy else None)
@@ -273,21 +245,14 @@ def logprobs_and_entropy(
     ``kernels`` (the CPU layer's, for contiguous float32/bfloat16 logits on CPU) both run as compiled kernels
     instead, one pass per position (the same formulas, sums in double; ``chunk_elements`` unused).
 
+    ``logits`` ``[B, T, V]`` (not modified), ``labels`` ``[B, T]``; returns ``(logprobs, entropy)``, ``[B, T]``
+    float32 each (``entropy`` None unless ``with_entropy``). ``entropy_grad=False`` makes the entropy a plain
+    number (the backward then skips its term); results do not depend on ``chunk_elements``.
+
     Runs on: controller or worker (pure function).
 
-    Args:
-        logits: ``[B, T, V]`` unnormalised scores (any floating dtype; not modified).
-        labels: ``[B, T]`` integer token ids in ``[0, V)``.
-        temperature: the logits are divided by it (> 0).
-        with_entropy: also return the per-position entropy.
-        entropy_grad: whether the entropy is differentiable; False computes it as a plain number (the backward
-            then needs no extra statistics and skips its term).
-        chunk_elements: logits per block (memory/speed trade-off; results do not depend on it).
-        kernels: compiled kernels to try first (a device layer's ``token_kernels()``); None: PyTorch's ops.
-
-    Returns:
-        ``(logprobs, entropy)``: ``[B, T]`` float32 each (``entropy`` None unless ``with_entropy``);
-        ``logprobs`` is differentiable w.r.t. ``logits``.
+    Raises:
+        ValueError: If the shapes do not fit, ``temperature`` is not positive, or ``chunk_elements < 1``.
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(
@@ -308,36 +273,14 @@ def logprobs_and_entropy(
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
-    """Log-probabilities of ``labels`` under ``softmax(logits)``, computed in float32.
-
-    Block-wise ``logit[label] - logsumexp(logits)`` (see :func:`logprobs_and_entropy`): no extra ``[B, T, V]``
-    tensor is materialised, forward or backward; low-precision logits are upcast one block at a time.
-
-    Runs on: controller or worker (pure function).
-
-    Args:
-        logits: ``[B, T, V]`` unnormalised scores.
-        labels: ``[B, T]`` integer token ids in ``[0, V)``.
-
-    Returns:
-        ``[B, T]`` float32 log-probabilities (differentiable w.r.t. ``logits``).
-    """
+    """``[B, T]`` float32 log-probabilities of ``labels`` under ``softmax(logits)``, block by block
+    (:func:`logprobs_and_entropy`). Runs on: controller or worker (pure function)."""
     return logprobs_and_entropy(logits, labels)[0]
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of ``softmax(logits)`` along the vocabulary, computed stably in float32, block by block.
-
-    Uses ``H = logsumexp(l) - E_p[l]`` (see :func:`logprobs_and_entropy`).
-
-    Runs on: controller or worker (pure function).
-
-    Args:
-        logits: ``[B, T, V]`` unnormalised scores.
-
-    Returns:
-        ``[B, T]`` float32 entropies (differentiable w.r.t. ``logits``).
-    """
+    """``[B, T]`` float32 entropies of ``softmax(logits)``, block by block (:func:`logprobs_and_entropy`).
+    Runs on: controller or worker (pure function)."""
     labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
     entropy = logprobs_and_entropy(logits, labels, with_entropy=True)[1]
     assert entropy is not None
@@ -345,18 +288,10 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
-    """Places each sequence-level score on the last valid response token.
+    """``[B, T]`` token rewards: each ``[B]`` score on the last valid token of ``response_mask``, zeros elsewhere
+    (and on an empty row); in the float dtype of ``scores`` (float32 if integral).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        scores: ``[B]`` sequence-level rewards.
-        response_mask: ``[B, T]`` binary mask of response tokens.
-
-    Returns:
-        ``[B, T]`` token rewards: ``scores[b]`` at the last ``t`` with ``response_mask[b, t] == 1``,
-        zeros elsewhere; an all-zero row if the mask row is empty. Float dtype of ``scores``
-        (float32 if ``scores`` is integral).
     """
     dtype = scores.dtype if scores.is_floating_point() else torch.float32
     mask = response_mask.bool()
@@ -373,22 +308,14 @@ def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
 
 
 def overlong_reward_penalty(lengths: Tensor, *, max_len: int, buffer: int, penalty: float = 1.0) -> Tensor:
-    """DAPO's soft overlong punishment (Yu et al., 2025): a reward term that grows linearly more negative over
-    the last ``buffer`` tokens before ``max_len``.
-
-    ``0`` for ``L <= max_len - buffer``; ``-penalty * (L - (max_len - buffer)) / buffer`` up to ``max_len``;
-    ``-penalty`` beyond it.
+    """DAPO's soft overlong punishment (Yu et al., 2025): ``[B]`` float32 penalties (<= 0) to add to the scores of
+    responses of ``lengths`` tokens: ``0`` for ``L <= max_len - buffer``, ``-penalty * (L - (max_len - buffer)) /
+    buffer`` up to ``max_len`` (``RolloutConfig.max_new_tokens``), ``-penalty`` beyond.
 
     Runs on: controller or worker (pure function).
 
-    Args:
-        lengths: ``[B]`` response lengths in tokens.
-        max_len: the longest allowed response (``RolloutConfig.max_new_tokens``).
-        buffer: length of the penalised zone; must be in ``(0, max_len]``.
-        penalty: the penalty at ``max_len``.
-
-    Returns:
-        ``[B]`` float32 penalties (<= 0), to add to the scores.
+    Raises:
+        ValueError: If ``buffer`` is not in ``(0, max_len]``.
     """
     if not 0 < buffer <= max_len:
         raise ValueError(f"overlong buffer must be in (0, max_len={max_len}], got {buffer}.")

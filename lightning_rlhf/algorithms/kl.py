@@ -62,17 +62,9 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, estimator: str = "k3") -> Tensor:
-    """Per-token KL estimate using the estimator registered as ``estimator``.
+    """Per-token KL estimate with the :data:`KLEstimator` registered as ``estimator``.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        logprobs: ``[B, T]`` policy log-probabilities of the sampled tokens.
-        ref_logprobs: ``[B, T]`` reference log-probabilities of the same tokens.
-        estimator: One of ``KL_ESTIMATORS.names()`` (``"k1"``, ``"k2"``, ``"k3"``).
-
-    Returns:
-        ``[B, T]`` per-token KL estimate (not masked).
 
     Raises:
         ValueError: If ``estimator`` is unknown.
@@ -93,39 +85,14 @@ class KLController(Protocol):
     def load_state_dict(self, state: Mapping[str, float]) -> None: ...
 
 
-class FixedKLController:
-    """A KL coefficient that never changes; same interface as ``AdaptiveKLController``.
+class _Coefficient:
+    """The coefficient, as a property and in checkpoints (``{"value": coefficient}``; the rest is configuration)."""
 
-    Runs on: controller (a Python float, no tensors).
-
-    Args:
-        kl_coef: The coefficient (>= 0).
-
-    Raises:
-        ValueError: If ``kl_coef < 0``.
-    """
-
-    def __init__(self, *, kl_coef: float) -> None:
-        if kl_coef < 0:
-            raise ValueError(f"`kl_coef` must be >= 0, got {kl_coef}.")
-        self._value = float(kl_coef)
+    _value: float
 
     @property
     def value(self) -> float:
         """The current KL coefficient."""
-        return self._value
-
-    def update(self, current_kl: float, n_steps: int) -> float:
-        """Leaves the coefficient unchanged.
-
-        Args:
-            current_kl: Ignored.
-            n_steps: Ignored.
-
-        Returns:
-            The (unchanged) coefficient.
-        """
-        del current_kl, n_steps
         return self._value
 
     def state_dict(self) -> dict[str, float]:
@@ -136,24 +103,36 @@ class FixedKLController:
         """Restores the coefficient saved by ``state_dict``."""
         self._value = float(state["value"])
 
+
+class FixedKLController(_Coefficient):
+    """A KL coefficient ``kl_coef`` (>= 0) that never changes; a :class:`KLController`.
+
+    Runs on: controller (a Python float, no tensors).
+
+    Raises:
+        ValueError: If ``kl_coef < 0``.
+    """
+
+    def __init__(self, *, kl_coef: float) -> None:
+        if kl_coef < 0:
+            raise ValueError(f"`kl_coef` must be >= 0, got {kl_coef}.")
+        self._value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Returns the coefficient, unchanged."""
+        del current_kl, n_steps
+        return self._value
+
     def __repr__(self) -> str:
         return f"FixedKLController(value={self._value})"
 
 
-class AdaptiveKLController:
+class AdaptiveKLController(_Coefficient):
     """Adaptive KL coefficient (Ziegler et al., 2019, "Fine-Tuning Language Models from Human
-    Preferences"), a proportional controller steering the observed KL towards ``target_kl``.
-
-    After each step with observed KL ``current_kl`` over ``n_steps`` samples:
-    ``error = clip(current_kl / target_kl - 1, -0.2, 0.2)`` and
-    ``value <- value * (1 + error * n_steps / horizon)``.
+    Preferences"), a proportional controller steering the observed KL towards ``target_kl`` (> 0), from
+    ``init_kl_coef`` (>= 0); ``horizon`` (> 0, in samples): larger adapts slower.
 
     Runs on: controller (a Python float, no tensors; pass the KL already reduced to a float).
-
-    Args:
-        init_kl_coef: Initial coefficient (>= 0).
-        target_kl: Target KL (> 0).
-        horizon: Controller horizon in samples (> 0); larger means slower adaptation.
 
     Raises:
         ValueError: If an argument is out of range.
@@ -175,34 +154,12 @@ class AdaptiveKLController:
         self.target_kl = float(target_kl)
         self.horizon = horizon
 
-    @property
-    def value(self) -> float:
-        """The current KL coefficient."""
-        return self._value
-
     def update(self, current_kl: float, n_steps: int) -> float:
-        """Moves the coefficient towards the target after one step.
-
-        Args:
-            current_kl: KL observed in this step (e.g. the masked mean per-token KL times the sequence
-                length, whichever quantity ``target_kl`` refers to).
-            n_steps: Number of samples (sequences) in this step.
-
-        Returns:
-            The updated coefficient.
-        """
+        """``value *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon`` after a step of
+        ``n_steps`` samples whose KL (the quantity ``target_kl`` refers to) was ``current_kl``; returns it."""
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self._value *= 1.0 + error * n_steps / self.horizon
         return self._value
-
-    def state_dict(self) -> dict[str, float]:
-        """Returns ``{"value": coefficient}`` for checkpointing (the target and horizon come from the
-        constructor, i.e. the configuration)."""
-        return {"value": self._value}
-
-    def load_state_dict(self, state: Mapping[str, float]) -> None:
-        """Restores the coefficient saved by ``state_dict``."""
-        self._value = float(state["value"])
 
     def __repr__(self) -> str:
         return f"AdaptiveKLController(value={self._value}, target_kl={self.target_kl}, horizon={self.horizon})"

@@ -38,10 +38,9 @@ __all__ = [
 
 
 class LossAggregation(Protocol):
-    """Signature shared by all registered loss aggregations: a ``[B, T]`` per-token ``loss`` and the ``[B, T]``
-    binary ``mask`` of valid tokens in, a scalar loss out. The keywords serve one aggregation each (the others
-    ignore them): ``num_tokens`` the global token count of ``"token-mean"``, ``max_len`` the constant divisor of
-    ``"seq-mean-token-sum-norm"``. Each runs on the controller or a worker (pure functions)."""
+    """Signature shared by all registered loss aggregations: ``[B, T]`` per-token ``loss`` and binary ``mask`` in, a
+    scalar out. ``num_tokens`` serves ``"token-mean"``, ``max_len`` ``"seq-mean-token-sum-norm"`` (the others ignore
+    them). Each runs on the controller or a worker (pure functions)."""
 
     def __call__(
         self, loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
@@ -55,11 +54,8 @@ LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry("loss aggregation")
 def token_mean(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Sum of valid-token losses divided by the number of tokens (``num_tokens``; default ``mask.sum()``, clamped
-    to at least 1).
-
-    Pass the global token count of the whole (mini-)batch as ``num_tokens`` when summing losses of
-    several micro-batches / data-parallel ranks, so the result is the exact global token mean.
+    """Sum of valid-token losses over ``num_tokens`` (default ``mask.sum()``; at least 1). With the global token
+    count of the (mini-)batch as ``num_tokens``, the losses of micro-batches and ranks sum to the exact global mean.
 
     Runs on: controller or worker (pure function).
     """
@@ -75,9 +71,7 @@ def seq_mean_token_sum(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
     """Per-sequence sum over valid tokens, then mean over all ``B`` sequences (``0`` if ``B == 0``).
-
-    Runs on: controller or worker (pure function).
-    """
+    Runs on: controller or worker (pure function)."""
     del num_tokens, max_len
     seq_losses = masked_sum(loss, mask, dim=-1)  # [B]
     return seq_losses.sum() / max(seq_losses.shape[0], 1)
@@ -87,11 +81,8 @@ def seq_mean_token_sum(
 def seq_mean_token_mean(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Per-sequence mean over valid tokens, then mean over sequences with a non-empty mask (``0`` if every mask
-    row is empty).
-
-    Runs on: controller or worker (pure function).
-    """
+    """Per-sequence mean over valid tokens, then mean over sequences with a non-empty mask (``0`` if none).
+    Runs on: controller or worker (pure function)."""
     del num_tokens, max_len
     seq_means = masked_mean(loss, mask, dim=-1)  # [B]
     non_empty = mask.bool().any(dim=-1)  # [B]
@@ -102,15 +93,9 @@ def seq_mean_token_mean(
 def seq_mean_token_sum_norm(
     loss: Tensor, mask: Tensor, *, num_tokens: Tensor | float | None = None, max_len: int | None = None
 ) -> Tensor:
-    """Per-sequence sum over valid tokens divided by a constant ``max_len``, then mean over all ``B``
-    sequences: the length-unbiased aggregation of Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like
-    Training: A Critical Perspective"), ``1/B * sum_i 1/max_len * sum_t loss_{i,t}``.
-
-    Unlike ``"seq-mean-token-mean"`` no sequence is divided by its own length, so long and short
-    responses are not weighted differently per token. With micro-batches of varying padded length, pass
-    the same ``max_len`` (e.g. the rollout's maximum response length) everywhere so the constant is
-    the same for every micro-batch. ``max_len``: the constant divisor (> 0); defaults to ``T``
-    (``mask.shape[-1]``, at least 1). ``0`` if ``B == 0``.
+    """Dr.GRPO's length-unbiased aggregation (Liu et al., 2025, "Understanding R1-Zero-Like Training"):
+    ``1/B * sum_i 1/max_len * sum_t loss_{i,t}``, no sequence divided by its own length. Pass the same ``max_len``
+    (e.g. the rollout's maximum response length) to every micro-batch; default ``T`` (at least 1). ``0`` if ``B == 0``.
 
     Runs on: controller or worker (pure function).
 
@@ -133,19 +118,9 @@ def aggregate_loss(
     num_tokens: Tensor | float | None = None,
     max_len: int | None = None,
 ) -> Tensor:
-    """Reduces a per-token loss to a scalar with the aggregation registered as ``mode``.
+    """Reduces a ``[B, T]`` per-token loss to a scalar with the :class:`LossAggregation` registered as ``mode``.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        loss: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` binary mask of valid tokens.
-        mode: One of ``LOSS_AGGREGATIONS.names()``.
-        num_tokens: Optional global token count (used by ``"token-mean"``).
-        max_len: Optional constant sequence-length divisor (used by ``"seq-mean-token-sum-norm"``).
-
-    Returns:
-        Scalar loss.
 
     Raises:
         ValueError: If ``mode`` is unknown.
@@ -153,18 +128,14 @@ def aggregate_loss(
     return LOSS_AGGREGATIONS.get(mode)(loss, mask, num_tokens=num_tokens, max_len=max_len)
 
 
-_GLOBAL_TOKEN_COUNT = {"token-mean": True}
-"""Aggregations that divide by the token count of the whole mini-batch over all ranks (a collective per
-mini-batch); the others average per-sequence values, so each micro-batch is weighted by its share of rows."""
-
-
 def uses_global_token_count(mode: str) -> bool:
-    """Whether aggregation ``mode`` divides by the mini-batch's token count over all ranks (``"token-mean"``).
+    """Whether aggregation ``mode`` divides by the mini-batch's token count over all ranks (``"token-mean"``: a
+    collective per mini-batch); the others average per-sequence values, each micro-batch weighted by its rows.
 
     Runs on: any process. Raises the registry's error for an unknown mode.
     """
     LOSS_AGGREGATIONS.get(mode)
-    return _GLOBAL_TOKEN_COUNT.get(mode, False)
+    return mode == "token-mean"
 
 
 @dataclass(frozen=True)
@@ -275,12 +246,9 @@ def _clipped_loss(
 def policy_loss_clipped(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate objective (Schulman et al., 2017), with asymmetric clip range: a :class:`PolicyLoss`.
-
-    ``ratio = exp(clamp(logprobs - old_logprobs, -20, 20))`` and the per-token loss is
-    ``max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))``. DAPO's "clip-higher"
-    (Yu et al., 2025) is this loss with ``clip_high > clip_low``; no separate loss is needed. ``clip_ratio_c`` is
-    not read (see ``"dual_clip"``).
+    """PPO clipped surrogate objective (Schulman et al., 2017) with ``ratio = exp(clamp(logprobs - old_logprobs,
+    -20, 20))`` and an asymmetric clip range: a :class:`PolicyLoss`. DAPO's "clip-higher" (Yu et al., 2025) is this
+    loss with ``clip_high > clip_low``.
 
     Runs on: controller or worker (pure function).
     """
@@ -294,14 +262,9 @@ def policy_loss_dual_clip(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Dual-clip PPO (Ye et al., 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
-    Learning"): PPO's clipped loss, additionally bounded for negative advantages; a :class:`PolicyLoss`.
-
-    With ``ppo = max(-A * r, -A * clamp(r, 1 - clip_low, 1 + clip_high))`` as in ``"vanilla"``, the
-    per-token loss is ``min(ppo, -A * clip_ratio_c)`` where ``A < 0`` and ``ppo`` elsewhere, so a token
-    whose ratio has grown far beyond ``clip_ratio_c`` under a negative advantage cannot produce an
-    unbounded loss (its gradient is zero once the bound is active). One more metric,
-    ``"pg_clipfrac_lower"``: the fraction of valid tokens where ``A < 0`` and the dual bound is strictly smaller
-    than the PPO loss.
+    Learning"): ``"vanilla"``'s loss bounded by ``-A * clip_ratio_c`` where ``A < 0``, so a ratio grown far beyond
+    ``clip_ratio_c`` under a negative advantage gives a bounded loss (zero gradient); a :class:`PolicyLoss`. One
+    more metric, ``"pg_clipfrac_lower"``: the fraction of valid tokens where ``A < 0`` and the bound is active.
 
     Runs on: controller or worker (pure function).
 
@@ -320,21 +283,14 @@ def policy_loss_dual_clip(
 def policy_loss_gspo(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Group Sequence Policy Optimization (GSPO; Zheng et al., 2025): PPO clipping on a sequence-level,
-    length-normalised importance ratio; a :class:`PolicyLoss`.
+    """Group Sequence Policy Optimization (GSPO; Zheng et al., 2025): PPO clipping on the sequence ratio
+    ``s_i = exp(mean_t (logprobs - old_logprobs))`` (geometric mean over valid tokens); a :class:`PolicyLoss`.
 
-    The sequence ratio is the geometric mean of the token ratios,
-    ``s_i = exp(mean_t (logprobs - old_logprobs))`` over the sequence's valid tokens. The token-level
-    form ``s_{i,t} = sg[s_i] * exp(logprobs_t - sg[logprobs_t])`` (``sg`` = stop-gradient) has value
-    ``s_i`` on every token, while its gradient flows through each token's own log-probability; with
-    ``agg="seq-mean-token-mean"`` this reproduces the paper's objective and gradient
-    ``s_i * A_i * mean_t grad(logprobs_t)`` exactly (the paper's GSPO-token variant is the same loss
-    with token-level advantages). The per-token loss is PPO's
-    ``max(-A * s, -A * clamp(s, 1 - clip_low, 1 + clip_high))``; the log of ``sg[s_i]`` is clamped to
-    ``[-20, 20]``. GSPO uses much smaller clip ranges than token-level PPO (the paper: ``clip_low=3e-4``,
-    ``clip_high=4e-4``); they are not changed here. ``advantages`` are normally the sequence advantage broadcast
-    over its tokens. As the ratio is shared by a sequence's tokens, ``"pg_clipfrac"`` is the fraction of clipped
-    sequences weighted by their token counts; ``"ppo_kl"`` stays token-level.
+    The token form ``s_{i,t} = sg[s_i] * exp(logprobs_t - sg[logprobs_t])`` (``sg``: stop-gradient; ``log sg[s_i]``
+    clamped to ``[-20, 20]``) has value ``s_i`` and each token's own gradient: with ``agg="seq-mean-token-mean"``
+    it is the paper's objective and gradient ``s_i * A_i * mean_t grad(logprobs_t)`` exactly (GSPO-token: the same
+    with token-level advantages). GSPO's clip ranges are much smaller (the paper: ``clip_low=3e-4``,
+    ``clip_high=4e-4``), not set here. ``"pg_clipfrac"`` counts clipped sequences by their tokens.
 
     Runs on: controller or worker (pure function).
     """
@@ -352,20 +308,9 @@ def compute_policy_loss(
     response_mask: Tensor,
     **kwargs: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Runs the policy loss registered as ``name``.
+    """Runs the :class:`PolicyLoss` registered as ``name`` (``kwargs``: :class:`PolicySettings`).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        name: Registered policy loss (see ``POLICY_LOSSES.names()``: ``"vanilla"``, ``"dual_clip"``, ...).
-        logprobs: ``[B, T]`` current policy log-probabilities (requires grad).
-        old_logprobs: ``[B, T]`` log-probabilities of the behaviour policy.
-        advantages: ``[B, T]`` advantages.
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        **kwargs: Keyword arguments of the loss (``clip_low``, ``clip_high``, ``clip_ratio_c``, ``agg``, ...).
-
-    Returns:
-        ``(loss, metrics)``: differentiable scalar loss and detached scalar metrics.
 
     Raises:
         ValueError: If ``name`` is unknown or an argument is invalid.
@@ -384,26 +329,11 @@ def value_loss_clipped(
     num_tokens: Tensor | float | None = None,
     max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value-function loss as in PPO implementations.
-
-    ``v_clipped = old_values + clamp(values - old_values, -clip, clip)`` and the per-token loss is
-    ``0.5 * max((values - returns) ** 2, (v_clipped - returns) ** 2)``.
+    """Clipped value loss ``0.5 * max((values - returns) ** 2, (v_clipped - returns) ** 2)`` with ``v_clipped =
+    old_values + clamp(values - old_values, -clip, clip)``, all ``[B, T]``; aggregated as :class:`PolicySettings`.
+    Returns ``(loss, {"vf_clipfrac": share of valid tokens where the clipped term is strictly larger})``.
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        values: ``[B, T]`` current critic values (requires grad).
-        old_values: ``[B, T]`` critic values at rollout time.
-        returns: ``[B, T]`` value targets.
-        response_mask: ``[B, T]`` binary mask of valid response tokens.
-        clip: Clip range for the value update.
-        agg: Loss aggregation mode (see ``LOSS_AGGREGATIONS``).
-        num_tokens: Optional global token count for ``"token-mean"``.
-        max_len: Optional constant length divisor for ``"seq-mean-token-sum-norm"``.
-
-    Returns:
-        ``(loss, metrics)``: differentiable scalar loss and detached scalar metric ``"vf_clipfrac"``
-        (fraction of valid tokens where the clipped loss is strictly larger).
     """
     v_clipped = old_values + (values - old_values).clamp(-clip, clip)
     unclipped = (values - returns) ** 2

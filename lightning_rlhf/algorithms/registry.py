@@ -12,12 +12,9 @@ __all__ = ["Registry"]
 
 
 class Registry(Generic[F]):
-    """Maps string names to callables of one kind (e.g. advantage estimators).
+    """Maps string names to callables of one ``kind`` (e.g. ``"advantage estimator"``, as errors name it).
 
     Runs on: controller or worker (pure function).
-
-    Args:
-        kind: Human-readable kind used in error messages, e.g. ``"advantage estimator"``.
 
     Example:
         >>> REG: Registry[Callable[[int], int]] = Registry("doubler")
@@ -33,13 +30,7 @@ class Registry(Generic[F]):
         self._entries: dict[str, F] = {}
 
     def register(self, name: str) -> Callable[[F], F]:
-        """Returns a decorator that registers a callable under ``name``.
-
-        Args:
-            name: Registry key.
-
-        Returns:
-            A decorator returning the callable unchanged.
+        """Returns a decorator that registers a callable under ``name`` (and returns it unchanged).
 
         Raises:
             ValueError: If ``name`` is already registered.
@@ -54,21 +45,13 @@ class Registry(Generic[F]):
         return decorator
 
     def get(self, name: str) -> F:
-        """Looks up a registered callable.
-
-        Args:
-            name: Registry key.
-
-        Returns:
-            The registered callable.
+        """The callable registered as ``name``.
 
         Raises:
             ValueError: If ``name`` is unknown; the message lists valid names and a close match if any.
         """
-        try:
+        if name in self._entries:
             return self._entries[name]
-        except KeyError:
-            pass
         valid = ", ".join(self.names())
         msg = f"Unknown {self.kind} '{name}'. Valid: {valid}."
         close = difflib.get_close_matches(name, self.names(), n=1)

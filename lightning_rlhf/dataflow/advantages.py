@@ -1,6 +1,5 @@
-"""The advantage step of a dataflow: token rewards shaped from the scores (overlong penalty, KL penalty in the
-reward, truncated samples masked), and the configured estimator over them. ``RLHFModule.compute_advantages`` and
-``estimate_advantages`` run them (a subclass overrides those hooks)."""
+"""The advantage step of a dataflow (``RLHFModule.compute_advantages``, ``estimate_advantages``): token rewards
+shaped from the scores, and the configured estimator over them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """The standard metrics of a step's rollout (names as in verl), and the warning when the engine's sampling
-distribution drifts from the trainer's. ``RLHFModule.log_step`` logs them; a custom dataflow may call them.
-
-``module`` is the :class:`~lightning_rlhf.RLHFModule` whose step it is (its roles, settings and trainer).
-"""
+distribution drifts from the trainer's; ``module`` is the :class:`~lightning_rlhf.RLHFModule` whose step it is."""
 
 from __future__ import annotations
 
@@ -38,14 +35,8 @@ REPLAYED_LOG_ARGS = ("prog_bar", "logger", "on_step", "on_epoch", "batch_size", 
 def rollout_metrics(
     module: Any, rollout: Batch, step_seconds: float | None = None, *, timings: Mapping[str, float] | None = None
 ) -> dict[str, float]:
-    """The standard per-step metrics of a scored rollout (names as in verl). With ``timings`` (the step's
-    ``timing_s/*``, as :meth:`RLHFModule.log_step` passes them) also the performance metrics of
-    :func:`lightning_rlhf.perf.step_perf_metrics`: ``timing_per_token_ms/*``, ``perf/mfu/actor`` (and
-    ``perf/mfu/critic``), every rank's memory peaks (``perf/cpu_memory_peak_gb``, CUDA:
-    ``perf/max_memory_allocated_gb``) and ``perf/cpu_memory_used_gb``.
-
-    Runs on: controller.
-    """
+    """The standard per-step metrics of a scored rollout (names as in verl); with ``timings`` (the step's
+    ``timing_s/*``) also :func:`lightning_rlhf.perf.step_perf_metrics`. Runs on: controller."""
     mask = rollout["response_mask"].float()
     lengths = mask.sum(-1)
     scores = rollout["scores"].float()
@@ -57,12 +48,9 @@ def rollout_metrics(
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(rollout["response_truncated"].float().mean()),
     }
-    if "advantages" in rollout:
-        out["critic/advantages/mean"] = float(masked_mean(rollout["advantages"], rollout["response_mask"]))
-    if "returns" in rollout:
-        out["critic/returns/mean"] = float(masked_mean(rollout["returns"], rollout["response_mask"]))
-    if "values" in rollout:
-        out["critic/values/mean"] = float(masked_mean(rollout["values"], rollout["response_mask"]))
+    for key in ("advantages", "returns", "values"):
+        if key in rollout:
+            out[f"critic/{key}/mean"] = float(masked_mean(rollout[key], rollout["response_mask"]))
     for role in module.roles().values():  # each reward's components: reward/<name>/mean, reward/<name>/failed
         if isinstance(role, RewardRole):
             out |= role.metrics(rollout)
@@ -102,11 +90,8 @@ def rollout_metrics(
 
 def check_rollout_probs_diff(module: Any, metrics: dict[str, float], *, step: int) -> None:
     """Warn, once per run, the first time ``training/rollout_probs_diff_max`` exceeds
-    ``RolloutConfig.max_probs_diff``: the engine then sampled from another distribution than the one the
-    trainer scores, and the warning names the likely causes, this run's own settings first.
-
-    Runs on: controller (from :meth:`RLHFModule.log_step`; a custom dataflow logging by hand may call it).
-    """
+    ``RolloutConfig.max_probs_diff``, naming the likely causes, this run's own settings first.
+    Runs on: controller (from :meth:`RLHFModule.log_step`)."""
     bound = module.rollout_config.max_probs_diff
     value = metrics.get("training/rollout_probs_diff_max")
     if bound is None or value is None or module._probs_diff_warned or not value > bound:
@@ -149,8 +134,7 @@ def check_rollout_probs_diff(module: Any, metrics: dict[str, float], *, step: in
 
 
 def samples_of(rollout: Batch, *, step: int) -> Batch:
-    """What a step keeps of its rollout for the callbacks (``RLHFModule.last_rollout``): ``prompt``, ``completion``
-    and ``scores``, and for episodes ``episode`` (the messages), ``turns`` and ``tool_calls``. Runs on: controller."""
+    """What a step keeps of its rollout for the callbacks (``RLHFModule.last_rollout``). Runs on: controller."""
     episodes = ("turns", "tool_calls") if "episode" in rollout else ()  # multi-turn: the whole conversations
     return Batch(
         {"scores": rollout["scores"].detach().float().cpu()} | {k: rollout[k].cpu() for k in episodes},

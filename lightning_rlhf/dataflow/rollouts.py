@@ -1,5 +1,4 @@
-"""The rollouts of a step beyond one generation: DAPO's dynamic sampling (more prompts until enough groups are
-informative), and the rollout an asynchronous run keeps for its next step, as a checkpoint stores it."""
+"""DAPO's dynamic sampling, and the rollout an asynchronous run keeps for its next step, as a checkpoint stores it."""
 
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ def keep_informative_groups(
     draw: Callable[[int, int], Batch],
     generate: Callable[[Batch], Batch],
 ) -> Batch:
-    """DAPO's dynamic sampling over ``rollout`` (``batch`` generated and scored, ``n`` samples a prompt): see
-    :meth:`RLHFModule.keep_informative_groups`. ``draw(count, key)`` gives more prompts (:func:`extra_prompts`),
-    ``generate`` generates and scores them. Runs on: controller."""
+    """DAPO's dynamic sampling (:meth:`RLHFModule.keep_informative_groups`) over ``rollout``, ``batch`` generated
+    and scored; ``draw(count, key)`` gives more prompts, ``generate`` generates and scores them. Runs on: controller."""
     want = len(batch)
     kept: list[Batch] = []  # per round: the rows of its informative groups (n consecutive rows a group)
     dropped: list[Batch] = []

@@ -1,7 +1,5 @@
 """Validation of an RL run: the held-out prompts generated with ``ValidationConfig``'s settings, scored, and
-measured (``val/*``). ``RLHFModule.validation_step`` runs them; ``module`` is that
-:class:`~lightning_rlhf.RLHFModule`.
-"""
+measured (``val/*``), for ``RLHFModule.validation_step`` (``module``)."""
 
 from __future__ import annotations
 
@@ -17,12 +15,8 @@ __all__ = ["validation_metrics", "validation_rollout"]
 
 
 def validation_rollout(module: Any, batch: Batch, batch_idx: int = 0) -> Batch:
-    """The validation prompts generated (``ValidationConfig.n`` samples each, or one greedy answer) and
-    scored: ``len(batch) * n`` rows, prompt-major.
-
-    Runs on: controller. A batch whose prompts do not split evenly over the ranks (the last one) is padded
-    with copies of its first prompt for the role calls; their samples are dropped before returning.
-    """
+    """The validation prompts generated (``ValidationConfig.n`` samples each) and scored: ``len(batch) * n`` rows,
+    prompt-major (a batch padded to split over the ranks drops the padding's samples). Runs on: controller."""
     cfg, size = module.validation_config, len(batch)
     pad = -size % module.trainer.world_size
     if pad:
@@ -38,13 +32,11 @@ def validation_rollout(module: Any, batch: Batch, batch_idx: int = 0) -> Batch:
 
 
 def validation_metrics(module: Any, rollout: Batch) -> dict[str, float]:
-    """``val/score/mean`` (over samples), ``val/mean@N`` (mean over prompts of each prompt's mean score over
-    its N samples), ``val/pass@k`` for each k (unbiased estimator; a sample passes when its score is above
-    ``ValidationConfig.pass_threshold``) and ``val/response_length/mean``, of one validation rollout; and,
-    as training logs them, each reward component's ``val/reward/<name>/mean`` (before its weight, so a
-    weight-0 component is measured too) and ``val/reward/<name>/failed``.
+    """``val/score/mean``, ``val/mean@N``, ``val/pass@k`` for each k (a sample passes when its score is above
+    ``ValidationConfig.pass_threshold``), ``val/response_length/mean`` and each reward component's
+    ``val/reward/<name>/mean`` and ``/failed`` of one validation rollout (N consecutive samples per prompt).
 
-    Runs on: controller. ``rollout`` holds N = ``ValidationConfig.n`` consecutive samples per prompt.
+    Runs on: controller.
     """
     cfg = module.validation_config
     scores = rollout["scores"].float().view(-1, cfg.n)  # [P, N]

@@ -1,9 +1,6 @@
 """Ready algorithm modules: each is an RLHFModule whose ``training_step`` is the algorithm's dataflow
-(``SFTModule``: supervised fine-tuning, the warm start before RL).
-
-A module's own default ``algorithm`` (and ``rollout``) applies when the argument is missing or None: the
-command line passes every argument, unset ones as None.
-"""
+(``SFTModule``: supervised fine-tuning, the warm start before RL); its own default ``algorithm`` (and ``rollout``)
+applies when the argument is missing or None (the command line passes unset ones as None)."""
 
 from lightning_rlhf.modules.grpo import GRPOModule
 from lightning_rlhf.modules.ppo import PPOModule

@@ -1,12 +1,9 @@
 """A ready module's own ``AlgorithmConfig``, and how one that a user passes is merged over it.
 
-A passed ``algorithm`` does not replace a module's default whole: ``DrGRPOModule(algorithm=AlgorithmConfig(
-batching=BatchingConfig(micro_batch_size=8)))`` must stay Dr.GRPO. A config cannot say which fields were set, and
-the command line passes every field, so a field counts as set when it differs from ``AlgorithmConfig``'s own default.
-Fields left at that default take the module's value; the penalty sizes ``kl_coef`` and ``overlong_buffer`` are
-always the passed config's (their default, 0, turns the term off: a module's own value applies only when no
-``algorithm`` is passed). A set field that contradicts the module's algorithm is refused, naming the fix.
-
+A passed ``algorithm`` does not replace a module's default whole (``DrGRPOModule(algorithm=AlgorithmConfig(
+batching=...))`` stays Dr.GRPO). A config cannot say which fields were set, and the command line passes every
+field, so a field counts as set when it differs from ``AlgorithmConfig``'s own default; unset ones take the module's
+value (but :data:`PASSED_AS_GIVEN`). A set field that contradicts the module's algorithm is refused, naming the fix.
 Settings are named by their path in the nested config: ``"advantage"``, ``"kl.coef"``, ``"loss.loss_agg"``.
 """
 
@@ -60,14 +57,8 @@ def set_fields(config: AlgorithmConfig) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """What a module's algorithm needs of one field of the merged config.
-
-    Attributes:
-        field: the ``AlgorithmConfig`` setting, by its path (``"loss.loss_agg"``).
-        accepts: ``accepts(value, config)`` is True when the merged ``config``'s ``value`` fits the algorithm.
-        needs: what it needs, in words (``"'rloo'"``, ``"above clip_ratio_low (clip-higher)"``).
-        fix: what to do instead, for the error's HINT.
-    """
+    """What a module's algorithm needs of one ``field`` (by path) of the merged config: ``accepts(value, config)``
+    is True when it fits; ``needs`` says what in words, ``fix`` what to do instead (the error's HINT)."""
 
     field: str
     accepts: Callable[[Any, AlgorithmConfig], bool]
@@ -95,14 +86,8 @@ def critic_free(module: str) -> Rule:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmDefaults:
-    """A ready module's default ``AlgorithmConfig`` (``values``) and the rules its algorithm imposes.
-
-    Attributes:
-        module: the module's name, for errors.
-        values: the module's default fields; a value may be a function of the ``RolloutConfig``
-            (DAPO's overlong buffer is a quarter of ``max_new_tokens``).
-        rules: what a passed config's fields must fit, checked on the merged config.
-    """
+    """A ready module's default ``AlgorithmConfig`` fields (``values``; one may be a function of the
+    ``RolloutConfig``, as DAPO's overlong buffer) and the ``rules`` its algorithm imposes on the merged config."""
 
     module: str
     values: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -14,9 +14,8 @@ __all__ = ["GRPOModule"]
 
 class GRPOModule(RLHFModule):
     """GRPO. Same arguments as :class:`RLHFModule`; the default algorithm is GRPO with a k3 KL loss
-    (coefficient 0.001, so a reference model is loaded unless ``kl_coef=0``). A passed ``algorithm`` is merged over
-    it (:mod:`lightning_rlhf.modules.defaults`: its ``kl_coef`` is used as given); an estimator that needs a
-    critic's values or ReMax's baselines is refused.
+    (coefficient 0.001, so a reference model is loaded unless ``kl_coef=0``), merged under a passed ``algorithm``
+    (:mod:`lightning_rlhf.modules.defaults`); an estimator that needs a critic or ReMax's baselines is refused.
 
     Runs on: every process; ``training_step`` on the controller.
     """
@@ -35,12 +34,8 @@ class GRPOModule(RLHFModule):
     ASYNC_ROLLOUTS = True
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
-        """Generate n samples per prompt, score (with dynamic sampling: keep only prompts whose samples disagree),
-        normalise within each group, update the actor. With ``AlgorithmConfig.asynchronous.max_staleness >= 1`` and a
-        rollout pool, the step trains on the previous step's rollout while the rollout pool generates this one.
-
-        Runs on: controller.
-        """
+        """Generate n samples per prompt, then :meth:`train_on` them (asynchronous, with a rollout pool: the previous
+        step's rollout, while the pool generates this one). Runs on: controller."""
         t0, metrics = time.perf_counter(), dict[str, float]()
         with self.rollouts(batch, metrics) as rollout:
             if rollout is not None:
@@ -48,15 +43,13 @@ class GRPOModule(RLHFModule):
         self.log_step(rollout, metrics, started=t0)
 
     def train_on(self, batch: Batch, rollout: Batch, metrics: dict[str, float]) -> Batch:
-        """Score ``rollout``, compute group advantages, update the actor; returns the scored rollout. ``batch`` is
-        the step's prompts: dynamic sampling draws its extra rounds after it (synchronous runs only; asynchronous,
-        ``rollout`` came from the previous step's batch). Runs on: controller."""
+        """Score ``rollout`` (dynamic sampling: keep the prompts whose samples disagree, drawing more after
+        ``batch``), compute group advantages, update the actor; returns the scored rollout. Runs on: controller."""
         rollout = self.reward.score(rollout)
         if self.algorithm.filtering.dynamic_sampling:  # DAPO: only the prompts whose samples disagree, more rounds
             with self.timer("dynamic_sampling", metrics):
                 rollout = self.keep_informative_groups(batch, rollout, metrics)
-        # Old log-probs (else the update's own detached log-probs are the old ones) and the reference's: one stage,
-        # at the same time where the actor and the reference are on disjoint rank pools.
+        # Old log-probs (else the update's own detached ones) and the reference's: one stage, on disjoint pools at once
         with self.timer("stage_score", metrics), self.concurrently():
             reads = {
                 "old_log_prob": self.actor.log_prob(rollout) if self.algorithm.needs_old_logprobs else None,

@@ -45,14 +45,8 @@ class PPOModule(RLHFModule):
     ASYNC_ROLLOUTS = True
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
-        """Generate; then score, reference and old log-probs and values (one stage: independent reads of the
-        rollout); GAE; then update critic and actor (one stage). Calls of one stage run at the same time where
-        their roles are on disjoint rank pools (``RLHFStrategy(placement=...)``), one after another otherwise. With
-        ``AlgorithmConfig.asynchronous.max_staleness >= 1`` and a rollout pool, the step trains on the previous step's
-        rollout while the rollout pool generates this one.
-
-        Runs on: controller.
-        """
+        """Generate, then :meth:`train_on` the rollout (asynchronous, with a rollout pool: the previous step's,
+        while the pool generates this one). Runs on: controller."""
         t0, metrics = time.perf_counter(), dict[str, float]()
         with self.rollouts(batch, metrics) as rollout:
             if rollout is not None:
@@ -60,7 +54,9 @@ class PPOModule(RLHFModule):
         self.log_step(rollout, metrics, started=t0)
 
     def train_on(self, rollout: Batch, metrics: dict[str, float]) -> Batch:
-        """Score, GAE and the two updates on ``rollout``; returns it scored. Runs on: controller."""
+        """Score, reference and old log-probs and values (one stage), GAE, then the critic's and actor's updates (one
+        stage) on ``rollout``; a stage's calls run at the same time where their roles are on disjoint rank pools
+        (``RLHFStrategy(placement=...)``). Returns the rollout scored. Runs on: controller."""
         assert self.critic is not None
         with self.timer("stage_score", metrics), self.concurrently():
             reads = {

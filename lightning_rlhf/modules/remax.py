@@ -31,9 +31,7 @@ class ReMaxModule(RLHFModule):
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
         """Sample, decode greedily for the baseline, score both, advantage = reward - greedy reward, update.
-
-        Runs on: controller.
-        """
+        Runs on: controller."""
         t0, metrics = time.perf_counter(), dict[str, float]()
         with self.timer("gen", metrics):
             rollout = self.generate_rollout(batch)

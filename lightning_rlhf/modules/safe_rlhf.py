@@ -1,8 +1,5 @@
-"""Safe-RLHF (Dai et al., 2024): maximise the reward subject to ``E[cost] <= cost_limit`` (PPO-Lagrangian).
-
-One of HybridFlow's three benchmarks, and the dataflow with an extra role: a cost model (or cost function)
-scores every rollout beside the reward, and, with GAE, a second critic learns the cost's values.
-"""
+"""Safe-RLHF (Dai et al., 2024): maximise the reward subject to ``E[cost] <= cost_limit`` (PPO-Lagrangian), with an
+extra role: a cost model (or function) scores every rollout, and, with GAE, a second critic learns its values."""
 
 from __future__ import annotations
 
@@ -92,10 +89,7 @@ class SafeRLHFModule(RLHFModule):
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
         """Generate; score reward and cost; log-probs and values; advantages of both, combined with the
-        multiplier; step the multiplier on the mean cost; update the critics and the actor.
-
-        Runs on: controller.
-        """
+        multiplier; step the multiplier on the mean cost; update the critics and the actor. Runs on: controller."""
         t0, metrics = time.perf_counter(), dict[str, float]()
         with self.timer("gen", metrics):
             rollout = self.generate_rollout(batch)

@@ -1,13 +1,5 @@
-"""``SFTModule``: supervised fine-tuning (a warm start before RL) on the same roles, strategy and checkpoints.
-
-    module = SFTModule("path/or/hub-id", optim=OptimConfig(lr=1e-5), micro_batch_size=8)
-    data = SFTDataModule("train.jsonl", batch_size=32, val_size=64)   # columns: prompt, answer (or messages)
-    L.Trainer(strategy=RLHFStrategy(), max_steps=200).fit(module, datamodule=data)
-
-Only the actor role exists: FSDP2-sharded by :class:`~lightning_rlhf.RLHFStrategy` like in RL, exported by
-:class:`~lightning_rlhf.callbacks.ExportActor`, checkpointed and resumed like any module. No rollout engine is
-made (SFT never generates).
-"""
+"""``SFTModule``: supervised fine-tuning (a warm start before RL) on the same roles, strategy and checkpoints; only
+the actor role exists, and no rollout engine is made."""
 
 from __future__ import annotations
 
@@ -38,10 +30,8 @@ class SFTModule(RLHFModule):
     (token mean over the whole validation set). Use it with :class:`~lightning_rlhf.data.SFTDataModule`.
 
     Args:
-        actor: local folder, hub id or embedded name (``lightning-rlhf/tiny-random``) of the model to fine-tune
-            (a transformers causal LM).
-        tokenizer: tokenizer path; defaults to the actor's.
-        optim: optimizer and schedule (AdamW; ``lr`` 1e-5 by default, a usual SFT rate for 0.5B-7B models).
+        actor: local folder, hub id or embedded name (``lightning-rlhf/tiny-random``) of the causal LM.
+        optim: AdamW and schedule (``lr`` 1e-5 by default, a usual SFT rate for 0.5B-7B models).
         micro_batch_size: examples per forward/backward pass on each rank (gradients accumulate over them).
         validate_before_train: compute ``val/loss`` once before the first step (the starting point).
         lora: train LoRA adapters instead of every weight, as ``RLHFModule(lora=...)`` (docs/lora.md).
@@ -87,11 +77,8 @@ class SFTModule(RLHFModule):
 
     @property
     def max_sequence_length(self) -> int | None:
-        """The longest example the actor's positions cover (``max_position_embeddings``; None: its config states
-        none). :class:`~lightning_rlhf.data.SFTDataModule` checks its ``max_length`` against it in ``setup``.
-
-        Runs on: every process (reads the model's ``config.json`` once; no weights).
-        """
+        """The longest example the actor's positions cover (None: its config states none), for
+        :class:`~lightning_rlhf.data.SFTDataModule`'s check. Runs on: every process (reads ``config.json`` once)."""
         if self._max_sequence_length is None:
             from transformers import AutoConfig
 
@@ -122,10 +109,9 @@ class SFTModule(RLHFModule):
 
     def validation_step(self, batch: Batch, batch_idx: int = 0) -> None:  # type: ignore[override]
         """Log ``val/loss`` of a validation batch, weighted by its loss tokens (Lightning's epoch mean is then
-        the token mean of the whole validation set), at ``global_step`` (``RLHFModule.on_validation_start``).
+        the token mean of the whole validation set); a batch is padded to split over the ranks with rows of no token.
 
-        Runs on: the controller (rank 0); the forward passes run on every rank. A batch that does not split
-        evenly over the ranks is padded with rows that count no token.
+        Runs on: the controller (rank 0); the forward passes run on every rank.
         """
         world, size = self.trainer.world_size, len(batch)
         pad = -size % world

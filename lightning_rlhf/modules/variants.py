@@ -1,8 +1,5 @@
-"""Critic-free algorithms that share GRPO's dataflow and differ only in settings (registered math parts).
-
-Each sets ``ALGORITHM``: its default ``AlgorithmConfig`` and the choices that define it. A passed ``algorithm`` is
-merged over the default, and one that contradicts a defining choice is refused (:mod:`lightning_rlhf.modules.defaults`).
-"""
+"""Critic-free algorithms that share GRPO's dataflow and differ only in settings: each ``ALGORITHM`` is its default
+``AlgorithmConfig`` and the choices that define it (:mod:`lightning_rlhf.modules.defaults`)."""
 
 from __future__ import annotations
 

@@ -24,15 +24,10 @@ __all__ = ["ActorRole", "rollout_is_weights"]
 class ActorRole(EpisodesMixin, Role):
     """Trainable causal LM. ``generate`` samples rollouts, ``log_prob`` scores them, ``update`` trains on them.
 
-    Runs on: every process; its methods are called by the controller and run on all ranks.
+    ``path``: local folder or hub id of a transformers causal LM; ``lora``: a ``peft.LoraConfig`` to train LoRA
+    adapters on the frozen model (``RLHFModule(lora=...)``).
 
-    Args:
-        path: local folder or hub id of a transformers causal LM.
-        tokenizer: the tokenizer of the actor (pad and EOS ids).
-        rollout: sampling settings.
-        algorithm: loss settings and batch splitting.
-        optim: optimizer settings.
-        lora: a ``peft.LoraConfig``: train LoRA adapters on the frozen model (``RLHFModule(lora=...)``).
+    Runs on: every process; its methods are called by the controller and run on all ranks.
     """
 
     name = "actor"
@@ -109,7 +104,6 @@ class ActorRole(EpisodesMixin, Role):
     @property
     def policy_version(self) -> int:
         """The number of updates behind the current weights (the schedule's step count: restored on resume).
-
         Runs on: a rank that holds the actor (0 elsewhere)."""
         scheduler = self.train_engine.scheduler
         return int(scheduler.last_epoch) if scheduler is not None and self.model is not None else 0
@@ -118,14 +112,10 @@ class ActorRole(EpisodesMixin, Role):
     def send_weights(self, *, lag: int = 0, max_staleness: int = 0) -> dict[str, float]:
         """Hand the weights to the generation-only pool (:meth:`HybridEngine.send
         <lightning_rlhf.engines.hybrid.HybridEngine.send>`), unless the staleness bound allows to keep the ones it
-        has: samples it generates now are trained on ``lag`` updates later, and must then be at most
-        ``max_staleness`` updates old.
+        has: samples it generates now are trained on ``lag`` updates later, at most ``max_staleness`` updates old.
 
-        Runs on: every rank of the actor's pool (the FSDP gathers); the pool's first rank broadcasts. Its receiving
-        half is the rollout role's ``receive_weights``, in the same ``concurrently()`` block. Returns
-        ``timing_s/update_weights``, ``perf/weight_sync_bytes`` (what the pool was sent),
-        ``perf/weight_sync_gathered_bytes`` (what the FSDP gathers brought this rank) and ``rollout/weight_version``
-        (what the pool holds after the call); every rank of the pool decides the same way, from the same counters.
+        Runs on: every rank of the actor's pool (the FSDP gathers); the pool's first rank broadcasts to the rollout
+        role's ``receive_weights``, in the same ``concurrently()`` block.
         """
         if self.weight_bridge is None:
             raise RuntimeError(
@@ -138,9 +128,7 @@ class ActorRole(EpisodesMixin, Role):
     @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("old_logprobs",))
     def log_prob(self, batch: Batch) -> Batch:
         """Log-probs of the sampled responses under the current weights, as ``old_logprobs`` ``[B, R]``.
-
-        Runs on: every worker rank (FSDP forward, micro-batched).
-        """
+        Runs on: every worker rank (FSDP forward, micro-batched)."""
         temperature = self.logprob_temperature
         group = self._group_size(batch)
         kernels = self.train_engine.layer.token_kernels()
@@ -158,9 +146,8 @@ class ActorRole(EpisodesMixin, Role):
         """PPO-style policy update: clipped loss (+ KL loss, - entropy bonus) over epochs and mini-batches.
 
         Runs on: every worker rank. Needs ``advantages`` (and ``ref_logprobs`` when the KL is in the loss).
-        Without ``old_logprobs`` the update must be on-policy (one epoch, one mini-batch): the rollout policy is
-        then the current one, and its log-probs are the detached ones of this very forward pass (exact, and
-        it saves the separate ``log_prob`` pass). Returns the rank's metrics (the controller averages them over ranks).
+        Without ``old_logprobs`` the update must be on-policy (one epoch, one mini-batch): the old log-probs are then
+        the detached ones of this very forward pass (exact, and it saves the ``log_prob`` pass).
         """
         algo = self.algorithm
         use_kl_loss = algo.kl.coef > 0 and not algo.kl.in_reward
@@ -198,12 +185,11 @@ class ActorRole(EpisodesMixin, Role):
         return acc.result("actor") | diffs.result("training") | extra
 
     def split_costs(self, method: str, batch: Batch) -> list[int] | None:
-        """Per-row costs by which the controller balances a ``DP_SPLIT`` call's rows over ranks (read by
-        :func:`~lightning_rlhf.controller.dispatch.role_method`), or None for the usual split.
+        """Per-row costs by which the controller balances a ``DP_SPLIT`` call's rows over ranks, or None for the
+        usual split: for :meth:`update` when it skips zero-advantage samples and is one mini-batch, a row's tokens
+        if it trains, else 0, so every rank trains about as many tokens (GRPO's groups kept whole).
 
-        Runs on: the controller. For :meth:`update` when it skips zero-advantage samples and is one mini-batch: a
-        row's tokens if it trains, else 0. Every rank then trains about as many tokens (each rank still gets as
-        many rows, GRPO's groups kept whole), instead of one rank waiting for another that drew fewer zero groups.
+        Runs on: the controller (:func:`~lightning_rlhf.controller.dispatch.role_method`).
         """
         algo = self.algorithm
         one_mini_batch = algo.batching.mini_batch_size is None or algo.batching.mini_batch_size >= len(batch)
@@ -217,14 +203,13 @@ class ActorRole(EpisodesMixin, Role):
         return (tokens * _advantage_rows(batch)).tolist()
 
     def _skips_zero_advantage(self, use_kl_loss: bool) -> bool:
-        """Whether a sample whose advantages are all 0 has a zero gradient
-        (``AlgorithmConfig.batching.skip_zero_advantage``): the built-in policy losses are ``-A * (clipped ratio)`` per
-        token, so with no entropy bonus and no KL in the loss such a sample's loss is the constant 0. Never for a
-        subclass with a loss of its own (``_policy_loss`` overridden): it may add a term that does not vanish."""
+        """Whether a sample whose advantages are all 0 has a zero gradient and may be skipped
+        (``AlgorithmConfig.batching.skip_zero_advantage``): with a built-in policy loss (``-A * (clipped ratio)``),
+        no entropy bonus and no KL in the loss; never with an overridden ``_policy_loss``."""
         algo = self.algorithm
         return (
             algo.batching.skip_zero_advantage
-            and type(self)._policy_loss is ActorRole._policy_loss  # a subclass's loss may add a term
+            and type(self)._policy_loss is ActorRole._policy_loss  # an overridden loss may add a term
             and algo.loss.policy_loss in ZERO_AT_ZERO_ADVANTAGE
             and algo.loss.entropy_coef == 0
             and not use_kl_loss
@@ -235,9 +220,8 @@ class ActorRole(EpisodesMixin, Role):
         return int(batch.meta.get("group_size", 1)) if self.algorithm.batching.shared_prefix else 1
 
     def _staleness(self, batch: Batch) -> dict[str, float] | None:
-        """How many updates old this rank's samples are (``weight_version`` from a generation-only pool), checked
-        against ``AlgorithmConfig.asynchronous.max_staleness``; None when the samples carry no version (the colocated
-        engine)."""
+        """How many updates old this rank's samples are (``weight_version`` from a generation-only pool; None: no
+        version), checked against ``AlgorithmConfig.asynchronous.max_staleness``."""
         if "weight_version" not in batch:
             return None
         lag = (self.policy_version - batch["weight_version"]).float()
@@ -311,17 +295,13 @@ class ActorRole(EpisodesMixin, Role):
     @role_method(Dispatch.DP_SPLIT)
     def sft_step(self, batch: Batch) -> dict[str, float]:
         """One supervised optimizer step: the cross-entropy of every token whose ``loss_mask`` is 1 given the
-        tokens before it, micro-batched by ``algorithm.batching.micro_batch_size``, as a token mean over the whole batch
-        (sum of the token losses of all ranks / their total count), then one clipped AdamW step and one
-        scheduler step.
+        tokens before it, as a token mean over the whole batch (all ranks), then one AdamW and one scheduler step.
 
         Runs on: every worker rank, on its share of the examples (``input_ids``, ``attention_mask``,
-        ``loss_mask`` ``[B, T]``, right-padded, from :class:`~lightning_rlhf.data.SFTDataModule`). Returns
-        ``sft/loss``, ``sft/grad_norm``, ``sft/lr``, ``sft/tokens`` (loss tokens over all ranks) and
-        ``sft/update_skipped``; averaged over ranks by the controller, ``sft/loss`` is the batch's token mean.
+        ``loss_mask`` ``[B, T]``, right-padded, from :class:`~lightning_rlhf.data.SFTDataModule`); ``sft/tokens``
+        counts the loss tokens of all ranks.
         """
         sums: list[Tensor] = []
-
         per_rank: list[Tensor] = []  # the engine's per-rank share of the global loss-token count (one all-reduce)
 
         def loss_fn(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
@@ -331,10 +311,9 @@ class ActorRole(EpisodesMixin, Role):
             per_rank[:] = [agg.num_tokens]
             return agg.aggregate(token_loss, mask), {}
 
-        def loss_tokens(b: Batch) -> Tensor:
-            return b["loss_mask"][:, 1:]
-
-        acc = self.train_engine.train(batch, loss_fn, aggregation="token-mean", count_mask=loss_tokens)
+        acc = self.train_engine.train(
+            batch, loss_fn, aggregation="token-mean", count_mask=lambda b: b["loss_mask"][:, 1:]
+        )
         metrics = acc.result("sft")
         lr = self.train_engine.step_scheduler()
         self.mark_weights_changed()
@@ -350,11 +329,7 @@ class ActorRole(EpisodesMixin, Role):
     @role_method(Dispatch.DP_SPLIT)
     def sft_loss(self, batch: Batch) -> dict[str, float]:
         """The summed token loss (``loss_sum``) and the loss-token count (``tokens``) of this rank's share of an
-        SFT batch, without gradients (validation). Averaged over ranks by the controller, their ratio is the
-        token mean over the whole batch.
-
-        Runs on: every worker rank (FSDP forward, micro-batched).
-        """
+        SFT batch, without gradients (validation). Runs on: every worker rank (FSDP forward, micro-batched)."""
 
         def sums(model: torch.nn.Module, micro: Batch) -> dict[str, Tensor]:
             token_loss, mask = self._sft_token_losses(micro)
@@ -380,10 +355,8 @@ class ActorRole(EpisodesMixin, Role):
 def rollout_is_weights(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, level: str, cap: float
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Truncated importance weights ``min(pi_old / pi_rollout, cap)`` ``[B, T]`` (detached) for samples generated
-    with other weights than the ones ``old_logprobs`` come from: per token, or per sequence (the product over its
-    tokens, the same weight on each of them); and their metrics ``rollout_is_mean`` and ``rollout_is_clipfrac``
-    (share of tokens truncated) over ``mask``.
+    """Truncated importance weights ``min(pi_old / pi_rollout, cap)`` ``[B, T]`` (detached), per token or per
+    sequence (the product over its tokens), and their metrics ``rollout_is_mean`` and ``rollout_is_clipfrac``.
 
     Runs on: a worker, inside the actor's loss (pure function).
     """
@@ -406,11 +379,10 @@ def rollout_is_weights(
 
 
 def rollout_probs_diff(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """How far the rollout engine's distribution is from the trainer's on the tokens it sampled, over response
-    tokens: ``rollout_probs_diff_max``/``_mean``, of ``|p_train - p_rollout|`` (verl's; in probability space, so it
-    shrinks with the vocabulary: every token of a 150k vocabulary is unlikely); ``rollout_logprob_diff_max``/``_mean``,
-    of ``|log p_train - log p_rollout|`` (the same at any vocabulary size); and ``rollout_kl``, the k3 estimate of
-    KL(rollout || train) from the sampled tokens, ``mean(r - 1 - log r)`` with ``r = p_train / p_rollout``.
+    """How far the rollout engine's distribution is from the trainer's on the sampled response tokens:
+    ``rollout_probs_diff_max``/``_mean`` of ``|p_train - p_rollout|`` (verl's; it shrinks with the vocabulary),
+    ``rollout_logprob_diff_max``/``_mean`` of ``|log p_train - log p_rollout|``, and ``rollout_kl``, the k3
+    estimate of KL(rollout || train), ``mean(r - 1 - log r)`` with ``r = p_train / p_rollout``.
 
     Runs on: a worker (the on-policy update) or the controller (:meth:`RLHFModule.rollout_metrics`); pure.
     """

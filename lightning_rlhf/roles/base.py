@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_rlhf.agents.rollout import EpisodeRunner, episode_prompt_ids
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig, RolloutConfig
+from lightning_rlhf.config.models import resolve_model_path
 from lightning_rlhf.controller.dispatch import Dispatch, role_method
 from lightning_rlhf.engines.hybrid import HybridEngine
 from lightning_rlhf.engines.train import TrainEngine, make_optimizer
@@ -32,9 +33,8 @@ class RolloutEngineRequest:
 
 
 class EpisodesMixin:
-    """A generating role: its ``generate``, run by its :class:`~lightning_rlhf.engines.hybrid.HybridEngine`, and its
-    episodes: with an ``environment`` (set by the module), ``generate`` runs multi-turn episodes
-    (:mod:`lightning_rlhf.agents`) through the role's :attr:`episode_runner`."""
+    """A generating role: ``generate`` runs on its :class:`~lightning_rlhf.engines.hybrid.HybridEngine`, with an
+    ``environment`` (set by the module) as multi-turn episodes (:mod:`lightning_rlhf.agents`)."""
 
     hybrid: HybridEngine
     environment: Any = None
@@ -64,19 +64,15 @@ class EpisodesMixin:
         temperature: float | None = None,
         seed_offset: int = 0,
     ) -> Batch:
-        """Sample ``n`` (default ``rollout.n``) responses per prompt; ``greedy`` decodes one deterministic response
-        per prompt instead (e.g. ReMax's baseline). ``temperature`` overrides the rollout's (validation; 0 decodes
-        greedily, ``n`` identical responses per prompt), checked like ``RolloutConfig.temperature``; ``seed_offset``
-        moves the sampling seeds off the training stream's, so other generations at the same step draw their own
-        samples. ``log_prob`` and ``update`` score at ``RolloutConfig.temperature`` (1 when it is 0), whatever was
-        sampled here.
+        """Sample ``n`` (default ``rollout.n``) responses per prompt; ``greedy``: one deterministic response per
+        prompt (e.g. ReMax's baseline). ``temperature`` overrides the rollout's (validation; 0 decodes greedily);
+        ``seed_offset`` moves the sampling seeds off the training stream's. ``log_prob`` and ``update`` score at
+        ``RolloutConfig.temperature`` (1 when it is 0), whatever was sampled here.
 
-        Runs on: every worker rank, each on its share of the prompts. Input: ``prompts``/``prompt_mask``
-        (left-padded) and ``uid``; output: one row per sample with ``responses``, ``response_mask``,
-        ``response_truncated`` (no stop token within ``max_new_tokens``) and the input columns repeated. The actor's
-        colocated engine goes through its memory phases around the hand-off (:meth:`HybridEngine.awake
-        <lightning_rlhf.engines.hybrid.HybridEngine.awake>`); a generation-only pool samples with the weights it last
-        received, each sample's ``weight_version`` recording them.
+        Runs on: every worker rank, on its share of the prompts (``prompts``/``prompt_mask``, left-padded, and
+        ``uid``); one row per sample out, with ``responses``, ``response_mask``, ``response_truncated`` (no stop token
+        within ``max_new_tokens``) and the input columns repeated. A generation-only pool samples with the weights it
+        last received, each sample's ``weight_version`` recording them.
         """
         return self.hybrid.generate(
             batch,
@@ -96,8 +92,8 @@ class EpisodesMixin:
         return episode_prompt_ids(self.environment, tokenizer, rows, chat_template_kwargs=chat_template_kwargs)
 
     def close(self) -> None:
-        """End the environment's tool workers (the strategy's teardown closes every role; a later fit starts them
-        again). Idempotent. Runs on: every rank, at teardown."""
+        """End the environment's tool workers (idempotent; a later fit starts them again). Runs on: every rank, at
+        teardown."""
         if self._episodes is not None:
             self._episodes.close()
             self._episodes = None
@@ -109,19 +105,12 @@ class Role(nn.Module):
     a :class:`~lightning_rlhf.engines.train.TrainEngine` (sharding, loading, micro-batches, optimizer).
 
     A role declares what it needs and the strategy provides it, without knowing the role by name:
-    ``needs_rollout_engine`` (the strategy attaches one), ``trainable``
-    (an optimizer, from ``configure_optimizers``) and ``dtype`` (how its weights are held: float32 master
-    weights for trainable roles; a frozen role may be held in bfloat16).
+    ``needs_rollout_engine`` (the strategy attaches one), ``trainable`` (``optim`` given: an optimizer, from
+    ``configure_optimizers``) and ``dtype`` (float32 master weights for trainable roles; a frozen role may be held
+    in bfloat16). ``setting`` names the role's model in errors (``"ActorRole(path=...)"``); ``lora`` (a
+    ``peft.LoraConfig``) trains LoRA adapters on its frozen model.
 
     Runs on: every process (each holds its shards of the role's model).
-
-    Args:
-        micro_batch_size: rows per forward on one rank.
-        optim: optimizer settings (trainable roles); None for a frozen role.
-        dtype: the dtype the weights are held in.
-        setting: how errors name this role's model (e.g. ``"ActorRole(path=...)"``).
-        lora: a ``peft.LoraConfig`` (from :func:`~lightning_rlhf.engines.train.lora.resolve_lora`): the role trains
-            LoRA adapters on its frozen model.
     """
 
     name: str = "role"
@@ -153,11 +142,8 @@ class Role(nn.Module):
 
     # ------------------------------------------------------------------------------------------ model
     def load(self) -> None:
-        """Load the model (roles without a model do nothing). Inside the strategy's set-up the parameters stay on
-        the meta device until :meth:`materialize` reads this rank's shards; elsewhere the full weights load.
-
-        Runs on: every process.
-        """
+        """Load the model (none: nothing); inside the strategy's set-up on the meta device until :meth:`materialize`.
+        Runs on: every process."""
 
     def set_model(self, model: nn.Module | None) -> None:
         """Install ``model`` as the role's model (a submodule, for checkpoints) and its engine's."""
@@ -195,10 +181,8 @@ class Role(nn.Module):
         raise TypeError(f"{type(self).__name__} borrows no model.")
 
     def rollout_engine_request(self) -> RolloutEngineRequest | None:
-        """What the strategy builds this role's rollout engine from, with the role's model (None: it needs none).
-
-        Runs on: every process, at set-up (before the models load, to check the settings, and after).
-        """
+        """What the strategy builds this role's rollout engine from (None: it needs none). Runs on: every process,
+        at set-up (before the models load, to check the settings, and after)."""
         return None
 
     def attach_engine(self, engine: Any) -> None:
@@ -233,9 +217,7 @@ class Role(nn.Module):
         self, total_steps: int
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         """Create AdamW and its schedule over this rank's shards (trainable roles).
-
-        Runs on: every process, in ``configure_optimizers``, after sharding.
-        """
+        Runs on: every process, in ``configure_optimizers``, after sharding."""
         if not self.trainable or self.model is None:
             raise TypeError(f"{type(self).__name__} is not trainable: it has no optimizer to configure.")
         return self.train_engine.configure_optimizer(total_steps)
@@ -243,9 +225,8 @@ class Role(nn.Module):
     def placeholder_optimizer(
         self, total_steps: int
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        """The stand-in a rank outside this role's pool lists in the role's place: the role's optimizer settings and
-        schedule over one empty tensor, so that every rank has the same optimizers in the same order (checkpoints
-        and Lightning address them by index). It is never stepped, and checkpoints skip it.
+        """The stand-in a rank outside this role's pool lists in the role's place (the role's optimizer over one
+        empty tensor), so every rank has the same optimizers in the same order; never stepped, checkpoints skip it.
 
         Runs on: every process that does not hold the role, in ``configure_optimizers``.
         """
@@ -259,14 +240,11 @@ class Role(nn.Module):
 def load_model(
     auto_class: type, path: str, *, setting: str, dtype: torch.dtype, lora: Any = None, **kwargs: Any
 ) -> nn.Module:
-    """Load a transformers model for a role, with dropout off: its parameters on the meta device inside the
-    strategy's deferred loading (the shards are read at :meth:`Role.materialize`), else the full weights. With
-    ``lora`` (a ``peft.LoraConfig``), the model comes wrapped with its adapters
-    (:mod:`lightning_rlhf.engines.train.lora`).
+    """Load a transformers model for a role, with dropout off (on the meta device inside the strategy's deferred
+    loading) and, with ``lora``, wrapped with its adapters.
 
     Runs on: every process. Fails before building when the checkpoint misses a tensor the model needs.
     """
-    from lightning_rlhf.config.models import resolve_model_path
     from lightning_rlhf.engines.train.loading import load_pretrained
     from lightning_rlhf.engines.train.lora import apply_lora
 
@@ -279,17 +257,9 @@ def load_model(
     return model
 
 
-def check_pretrained(path: str, *, setting: str) -> str:
-    """Fail fast, with the setting's name, when ``path`` is neither a local model folder, an embedded model's name
-    (``lightning-rlhf/...``) nor a loadable hub id; returns what ``from_pretrained`` should load.
-
-    Same as :func:`lightning_rlhf.config.models.resolve_model_path` (kept under this name for existing callers).
-
-    Runs on: any process, before models are loaded (reads ``config.json`` only; builds an embedded model once).
-    """
-    from lightning_rlhf.config.models import resolve_model_path
-
-    return resolve_model_path(path, setting=setting)
+check_pretrained = resolve_model_path
+"""Fail fast, naming ``setting``, when ``path`` is no model folder, embedded name or hub id; else what
+``from_pretrained`` should load (:func:`lightning_rlhf.config.models.resolve_model_path`, under its older name)."""
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -20,16 +20,10 @@ class CriticRole(Role):
     """Value model loaded as ``AutoModelForTokenClassification(num_labels=1)`` from a causal-LM checkpoint
     (the backbone's weights are reused, the one-output head starts fresh), as TRL and verl do.
 
-    Runs on: every process; its methods run on all ranks.
+    ``prefix``: of the columns it writes and trains on (``values``, ``returns``; Safe-RLHF's cost critic:
+    ``"cost_"``). ``lora``: a ``peft.LoraConfig`` whose ``modules_to_save`` holds the value head (``score``).
 
-    Args:
-        path: local folder or hub id (usually the actor's initial checkpoint or a reward model).
-        algorithm: value-clip and batch splitting settings.
-        optim: optimizer settings (critics usually take a higher learning rate than the actor).
-        prefix: prefix of the columns it writes and trains on (``values``, ``returns``); a second critic, e.g.
-            Safe-RLHF's cost critic, uses ``prefix="cost_"`` (``cost_values``, ``cost_returns``).
-        lora: a ``peft.LoraConfig`` whose ``modules_to_save`` holds the value head (``score``): LoRA adapters on
-            the backbone, the head trained whole.
+    Runs on: every process; its methods run on all ranks.
     """
 
     name = "critic"
@@ -88,14 +82,11 @@ class CriticRole(Role):
             )
             return loss, {"vf_loss": agg.report(loss, mask), **metrics}
 
-        def response_tokens(b: Batch) -> Tensor:
-            return sampled_mask(b)
-
         acc = self.train_engine.train(
             batch,
             loss_fn,
             aggregation=algo.loss.loss_agg,
-            count_mask=response_tokens,
+            count_mask=sampled_mask,
             mini_batch_size=algo.batching.mini_batch_size,
             epochs=algo.batching.ppo_epochs,
         )

@@ -19,11 +19,8 @@ class ReferenceRole(Role):
     """Frozen causal LM. Runs on: every process; ``log_prob`` runs on all ranks.
 
     Args:
-        path: local folder or hub id (normally the actor's initial checkpoint).
         temperature: the rollout temperature: log-probs are taken at it, as the actor's are (at 1, the raw
             policy's, for greedy rollouts at temperature 0).
-        micro_batch_size: samples per forward on one rank.
-        dtype: the dtype its weights are held and computed in (float32, or bfloat16 to halve its memory).
         shared_prefix: compute each group's prompt once (``AlgorithmConfig.batching.shared_prefix``).
         adapters_of: with LoRA, the actor whose base model is the reference: ``log_prob`` runs the actor's model
             with its adapters disabled, and no second model is loaded (``path`` is then the actor's).

@@ -42,17 +42,11 @@ _REWARD_MODEL_HOWTO = (
 def check_reward_model(path: str, *, setting: str) -> None:
     """Refuse a reward-model checkpoint that is not a sequence classifier with one output, before any weight loads.
 
-    Reads the checkpoint's ``config.json`` only, as transformers does (``AutoConfig``): its architecture must be a
-    ``...ForSequenceClassification`` class when it names one (a causal LM's checkpoint would get a new, random
-    score head: every reward would be noise), and ``num_labels`` must be 1 (transformers saves no labels for its
-    default of 2, and reads a config without them as 2). A config that cannot be read is left to the loader, which
-    reports it.
+    Reads ``config.json`` only (``AutoConfig``): a named architecture must be ``...ForSequenceClassification`` (a
+    causal LM would get a new, random score head), and ``num_labels`` must be 1 (transformers reads a config
+    without labels as 2). A config that cannot be read is left to the loader, which reports it.
 
     Runs on: every process, when the reward role is built (in the module's ``__init__``).
-
-    Args:
-        path: The reward model's folder, hub id or embedded name.
-        setting: The setting that named it, for the message.
 
     Raises:
         ValueError: The checkpoint is not a sequence classifier, or has another number of outputs than one.
@@ -83,21 +77,14 @@ class RewardRole(Role):
 
     Runs on: every process; ``score`` runs on all ranks, each on its share of the rollouts.
 
-    Besides the combined score, ``score`` writes each component's scores to ``<role name>/<component>`` ``[B]``
-    and the samples that got the fallback score to ``<role name>/<component>/failed`` ``[B]`` (bool), which
-    :meth:`metrics` turns into ``reward/<component>/mean`` and ``reward/<component>/failed``.
-
     Args:
         reward: a reward function, the path / hub id of a sequence-classification model with one output, or
             ``{name: function or model path}`` (any number of functions, at most one model), combined as
             ``sum(weight * score)`` with ``config.weights``.
         tokenizer: the actor's tokenizer, to decode responses.
-        micro_batch_size: samples per forward of a reward model on one rank.
-        key: the column the scores go to (``scores``; a Safe-RLHF cost role writes ``costs``).
-        config: how functions are called (timeout, fallback, batches) and the weights. None: functions are
-            called in-process, without a timeout (``RLHFModule`` passes its ``reward_config``, whose functions
-            run in reward worker processes).
-        dtype: the dtype a reward model is held and computed in (float32, or bfloat16 to halve its memory).
+        key: the column the scores go to (a Safe-RLHF cost role writes ``costs``).
+        config: how functions are called (timeout, fallback, batches) and the weights. None: in-process, without a
+            timeout (``RLHFModule`` passes its ``reward_config``: reward worker processes).
     """
 
     name = "reward"
@@ -125,10 +112,7 @@ class RewardRole(Role):
 
     def load(self) -> None:
         """Load the reward model, if a component is one, and start the reward functions' worker processes
-        (with ``config.timeout_s`` set), which then load their functions while the models load.
-
-        Runs on: every rank, before sharding.
-        """
+        (with ``config.timeout_s`` set), which load their functions meanwhile. Runs on: every rank, before sharding."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if self.config.timeout_s is not None:
@@ -156,10 +140,10 @@ class RewardRole(Role):
     @role_method(Dispatch.DP_SPLIT)
     def score(self, batch: Batch) -> Batch:
         """Decode the responses into ``completion``, score them with every component and write the weighted
-        sum into ``scores`` (or the role's ``key``), each component's scores and failures beside it.
+        sum into ``scores`` (or the role's ``key``), each component's scores to ``<role name>/<component>`` ``[B]``
+        and its samples that got the fallback score to ``<role name>/<component>/failed`` ``[B]`` (bool).
 
-        Runs on: every worker rank. Functions run as ``RewardConfig`` says (in reward worker processes, with a
-        timeout, by default in ``RLHFModule``); the model runs here, ``micro_batch_size`` texts per forward.
+        Runs on: every worker rank. Functions run as ``RewardConfig`` says; the model runs here.
         """
         completions = [
             self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True)
@@ -194,11 +178,8 @@ class RewardRole(Role):
         return batch
 
     def close(self) -> None:
-        """End the worker processes of this role's reward functions. Idempotent; they are started again if
-        the role scores afterwards.
-
-        Runs on: every rank, at teardown (interpreter exit closes them too).
-        """
+        """End the worker processes of this role's reward functions (idempotent; scoring again restarts them).
+        Runs on: every rank, at teardown (interpreter exit closes them too)."""
         close_reward_pools([c.source for c in self.components if not isinstance(c.source, str)])
 
     @staticmethod
@@ -210,9 +191,8 @@ class RewardRole(Role):
     def metrics(self, batch: Batch) -> dict[str, float]:
         """Each component's mean score and failed-sample count over a scored batch (all ranks' samples).
 
-        Runs on: controller. Keys: ``<role name>/<component>/mean`` and ``<role name>/<component>/failed``
-        (samples that got ``RewardConfig.fallback_score`` because their call timed out or crashed).
-        """
+        Runs on: controller. Keys: ``<role name>/<component>/mean`` and ``<role name>/<component>/failed`` (samples
+        that got ``RewardConfig.fallback_score``: their call timed out or crashed)."""
         out: dict[str, float] = {}
         for c in self.components:
             column = f"{self.name}/{c.name}"
@@ -224,13 +204,9 @@ class RewardRole(Role):
     _no_template_warned = False
 
     def _model_texts(self, batch: Batch, prompts: list[str], completions: list[str]) -> tuple[list[str], bool]:
-        """The texts the reward model scores and whether its tokenizer adds its special tokens to them.
-
-        Runs on: every worker rank. Chat prompts (``PromptDataModule(messages_column=...)`` or
-        ``chat_template=True``, marked in ``batch.meta``) are rendered as the conversation with the completion as
-        the assistant's turn, by the reward model's own chat template, whose special tokens the text then holds
-        (as TRL and verl score them); text prompts, and chats when the reward tokenizer has no template, are scored
-        as ``prompt + completion`` with the tokenizer's special tokens."""
+        """The texts the reward model scores and whether its tokenizer adds its special tokens to them: chat prompts
+        (marked in ``batch.meta``) rendered with the completion as the assistant's turn by the reward model's own
+        chat template (as TRL and verl score them); else ``prompt + completion``. Runs on: every worker rank."""
         tok = self._model_tokenizer
         if not batch.meta.get("chat_prompt"):
             return [p + c for p, c in zip(prompts, completions, strict=True)], True

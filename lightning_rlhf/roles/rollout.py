@@ -27,12 +27,9 @@ class RolloutRole(EpisodesMixin, Role):
     (``weights_from``). Each sample carries ``weight_version``, the number of actor updates behind the weights
     that generated it.
 
-    Runs on: the ranks of its pool.
+    ``path``, ``tokenizer`` and ``rollout`` are the actor's.
 
-    Args:
-        path: the actor's folder or hub id (its configuration; its weights come from the actor).
-        tokenizer: the actor's tokenizer.
-        rollout: the sampling settings (the actor's).
+    Runs on: the ranks of its pool.
     """
 
     name = "rollout"
