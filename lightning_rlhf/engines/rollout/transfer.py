@@ -18,7 +18,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from lightning_rlhf.compat.vllm import finish_layerwise_reload, start_layerwise_reload
 
 __all__ = ["BACKEND", "InProcessTransfer"]
 
@@ -54,7 +55,7 @@ class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
 
     def start_weight_update(self) -> None:
         """Open one layerwise reload for the whole sync. Runs on: vLLM worker."""
-        initialize_layerwise_reload(self.model)
+        start_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load one bucket. vLLM's default ends with ``torch.accelerator.synchronize()``, which raises on a machine
@@ -73,7 +74,7 @@ class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
 
     def finish_weight_update(self) -> None:
         """Process the layers not processed yet and close the reload. Runs on: vLLM worker."""
-        finalize_layerwise_reload(self.model, self.model_config)
+        finish_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         """Nothing to release. Runs on: vLLM worker."""
