@@ -1,20 +1,12 @@
 """Rollouts on a transformers model: the reference engine, and the one used where vLLM is absent.
 
-On a CPU, Llama-family models (Qwen2, Qwen3, Llama, Mistral) are sampled with the CPU layer's own loop (handed
-in as ``decode_loop``, :mod:`lightning_rlhf.cpu.decode`: a preallocated key/value cache and an inverse-CDF sampler
-around the model's own modules, 2-3x faster than ``generate`` on small models); other architectures, every model
-on a GPU, and an engine given no loop, with transformers' ``generate``. ``HFRolloutEngine(decode="loop" |
-"generate")`` (``RolloutConfig.decode``) forces one or the other.
-
-It keeps its own unsharded copy of the actor in inference layout, so each rank generates for its own prompts
-without any collective (ranks finish at different lengths without waiting for one another). After every
-actor update the copy is refreshed one parameter at a time from the FSDP shards (``load_weights``). On a GPU
-the copy is moved to host memory while training runs (``sleep``).
-
-Sampling follows :class:`SamplingParams` only: the copy's ``generation_config`` is reset, so a model's own
-``generation_config.json`` (a ``repetition_penalty``, ``top_k``, ...) cannot change what is sampled behind the
-trainer's back, as it does not in vLLM. Like vLLM, the engine reports the log-prob of each sampled token
-(:func:`~lightning_rlhf.engines.rollout.base.processed_logprobs`), recorded during generation.
+It keeps its own unsharded copy of the actor in inference layout, refreshed from the FSDP shards after every actor
+update (``load_weights``) and moved to host memory while training runs on a GPU (``sleep``), so each rank generates
+for its own prompts without any collective. On a CPU, Llama-family models are sampled with the CPU layer's own loop
+(``decode_loop``, :mod:`lightning_rlhf.cpu.decode`, 2-3x faster than ``generate`` on small models), anything else
+with transformers' ``generate`` (``RolloutConfig.decode`` forces one). Only :class:`SamplingParams` decide what is
+sampled (the copy's ``generation_config`` is reset), and the engine reports each sampled token's log-prob
+(:func:`~lightning_rlhf.engines.rollout.base.processed_logprobs`), as vLLM does.
 """
 
 from __future__ import annotations
@@ -94,41 +86,28 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
 
 
 class HFRolloutEngine:
-    """Rollout engine on a transformers causal LM.
+    """Rollout engine on a deep copy of a transformers causal LM ``model`` (the actor before sharding). A model
+    whose parameters are on the meta device gives a copy with empty storage on ``device`` (rotary frequencies
+    recomputed, tied weights tied) that reports ``weights_discarded=True`` until the first complete hand-off.
 
     Runs on: every worker rank.
 
-    The engine deep-copies ``model``. When the model's parameters are on the meta device (a role built before
-    its weights exist), the copy gets empty storage on ``device`` and the engine reports
-    ``weights_discarded=True`` until the first complete hand-off; its non-persistent buffers (rotary
-    frequencies) are recomputed, and tied weights stay tied.
-
     Args:
-        model: the actor before sharding (real or meta parameters); the engine deep-copies it.
-        pad_token_id: padding id of the tokenizer.
-        eos_token_id: end-of-sequence id of the tokenizer.
-        device: where to generate.
         generation_batch_size: prompts per ``generate`` call.
-        dtype: dtype of the engine's copy (the training compute dtype, e.g. bfloat16 on GPUs); None keeps the
-            actor's.
-        decode: ``"auto"`` samples with ``decode_loop`` on a CPU where the model's architecture is one it knows,
-            else (and on any GPU) with transformers' ``generate``; ``"loop"`` always uses the loop (a ``ValueError``
-            for a model it does not know, or without a loop); ``"generate"`` always uses ``generate``
-            (``RolloutConfig.decode``).
-        decode_loop: the device layer's sampling loop
-            (:meth:`~lightning_rlhf.engines.device_layer.DeviceLayer.decode_loop`; None: ``generate`` only).
+        dtype: dtype of the engine's copy (the training compute dtype); None keeps the actor's.
+        decode: ``"auto"`` samples with ``decode_loop`` on a CPU where the loop knows the model, else with
+            transformers' ``generate``; ``"loop"`` always uses the loop; ``"generate"`` always uses ``generate``.
+        decode_loop: the device layer's sampling loop (None: ``generate`` only).
+
+    Raises:
+        ValueError: an unknown ``decode``, or ``"loop"`` for a model the loop does not know (or without a loop).
     """
 
     tp_size: int = 1
-    """Every rank runs a whole engine."""
     slicer: Slicer | None = None
-    """Hand-offs carry full tensors."""
     copies_each_weight: bool = True
-    """``load_weights`` copies each tensor into its parameter before it takes the next one from the stream, so a
-    hand-off may lend it views of a buffer it reuses (the host's shared buffer: no copy out of it)."""
     offload_optimizer: bool = False
-    """The optimizer state stays on the device while this engine generates (as before the protocol: only the vLLM
-    engine, which reserves a KV cache, asks for the offload)."""
+    """Only the vLLM engine, which reserves a KV cache, asks for the optimizer state's offload."""
 
     def __init__(
         self,
@@ -169,23 +148,17 @@ class HFRolloutEngine:
             pad_token_id=pad_token_id,
         )
         self.model: Any = engine_model
-        self.max_length = model_max_length(self.model.config)
-        """Longest prompt + response the model's positions cover (None: unknown, not checked)."""
+        self.max_length = model_max_length(self.model.config)  # None: unknown, not checked
         self._params = dict(self.model.named_parameters())
         self._check = HandoffCheck(type(self).__name__, self._params, tied_aliases(self.model))
         self.param_names: list[str] = list(self._params)
-        """What a complete hand-off contains: ``named_parameters()`` of the model (a tied head counts as its
-        embedding; ``lm_head.weight`` is accepted for it too)."""
         self.dtype: torch.dtype = next(iter(self._params.values())).dtype
-        """The dtype of the engine's copy."""
         self.weights_discarded = on_meta
-        """True while the copy holds no valid weights: built from meta parameters, or after a failed hand-off."""
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.device = device
         self.generation_batch_size = generation_batch_size
         self.decode = decode
-        """``"auto"``, ``"loop"`` or ``"generate"`` (see the class arguments)."""
         self.loop = decode_loop
         self._bound_to: dict[str, Tensor] | None = None
         """The tensors given to :meth:`bind_weights` whose views the parameters are (None: the engine's own storage);
@@ -229,10 +202,7 @@ class HFRolloutEngine:
         limits: Sequence[int] | None = None,
         on_done: Callable[[int, list[int], list[float]], None] | None = None,
     ) -> RolloutOutput:
-        """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker.
-
-        Greedy decoding (``temperature=0`` or ``greedy=True``) decodes each prompt once and repeats the response
-        ``n`` times (transformers, like vLLM, decodes greedily only one sequence per prompt).
+        """Sample ``params.n`` responses per prompt (greedy: one, repeated ``n`` times). Runs on: worker.
 
         ``continues`` (one key per prompt, or None) names a sequence kept by an earlier call that the prompt goes on
         from: the decoding loop then runs only the prompt's tokens past it (taken, so each kept sequence serves once).
