@@ -47,9 +47,8 @@ def make_rollout_engine(
     Args:
         dtype: the training compute dtype; None keeps the actor's (hf) or float32 (vLLM).
         max_model_len: the vLLM engine's length limit, from ``check_vllm_settings`` (unused for ``"hf"``).
-        pool: the global ranks of the role that generates (None: every rank). A vLLM engine for a pool of part of
-            the world runs in a server process of its own (:mod:`~lightning_rlhf.engines.rollout.vllm_server`; vLLM's
-            external launcher spans the whole world); ``pool_group``: the pool's process group.
+        pool: the global ranks of the role that generates (None: every rank); a vLLM engine for a pool of part of
+            the world runs in a server process (:mod:`~lightning_rlhf.engines.rollout.vllm_server`).
 
     Raises:
         ValueError: an unknown ``kind``, a tokenizer without padding or end-of-sequence id, or (vLLM) a

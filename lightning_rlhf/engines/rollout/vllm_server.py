@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -264,11 +265,7 @@ def _shut_down(proc: subprocess.Popen[bytes], held: dict[str, Any], folder: Path
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    for path in sorted(folder.glob("*")):
-        with contextlib.suppress(OSError):
-            path.unlink()
-    with contextlib.suppress(OSError):
-        folder.rmdir()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------- server side
