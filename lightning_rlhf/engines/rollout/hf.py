@@ -1,20 +1,11 @@
 """Rollouts on a transformers model: the reference engine, and the one used where vLLM is absent.
 
-On a CPU, Llama-family models (Qwen2, Qwen3, Llama, Mistral) are sampled with the CPU layer's own loop (handed
-in as ``decode_loop``, :mod:`lightning_rlhf.cpu.decode`: a preallocated key/value cache and an inverse-CDF sampler
-around the model's own modules, 2-3x faster than ``generate`` on small models); other architectures, every model
-on a GPU, and an engine given no loop, with transformers' ``generate``. ``HFRolloutEngine(decode="loop" |
-"generate")`` (``RolloutConfig.decode``) forces one or the other.
-
-It keeps its own unsharded copy of the actor in inference layout, so each rank generates for its own prompts
-without any collective (ranks finish at different lengths without waiting for one another). After every
-actor update the copy is refreshed one parameter at a time from the FSDP shards (``load_weights``). On a GPU
-the copy is moved to host memory while training runs (``sleep``).
-
-Sampling follows :class:`SamplingParams` only: the copy's ``generation_config`` is reset, so a model's own
-``generation_config.json`` (a ``repetition_penalty``, ``top_k``, ...) cannot change what is sampled behind the
-trainer's back, as it does not in vLLM. Like vLLM, the engine reports the log-prob of each sampled token
-(:func:`~lightning_rlhf.engines.rollout.base.processed_logprobs`), recorded during generation.
+Each rank keeps an unsharded copy of the actor, refreshed after every actor update (``load_weights``), and generates
+for its own prompts without any collective. On a CPU, Llama-family models are sampled with the CPU layer's own loop
+(``decode_loop``, :mod:`lightning_rlhf.cpu.decode`, 2-3x faster than ``generate`` on small models), anything else
+with transformers' ``generate`` (``RolloutConfig.decode`` forces one). Only :class:`SamplingParams` decide what is
+sampled (the copy's ``generation_config`` is reset), and the engine reports each sampled token's log-prob
+(:func:`~lightning_rlhf.engines.rollout.base.processed_logprobs`), as vLLM does.
 """
 
 from __future__ import annotations
@@ -60,12 +51,10 @@ def model_max_length(config: Any) -> int | None:
 
 
 def check_hf_settings(model_path: str, *, max_prompt_length: int | None, max_new_tokens: int) -> int | None:
-    """Check that prompts of ``max_prompt_length`` tokens plus ``max_new_tokens`` fit the model's positions,
-    reading only its config: the transformers engine's counterpart of ``check_vllm_settings`` (both call
-    :func:`~lightning_rlhf.engines.rollout.base.check_sequence_length`).
+    """Check that prompts of ``max_prompt_length`` tokens plus ``max_new_tokens`` fit the model's positions, reading
+    only its config; returns the model's length limit (None: the config states none, nothing is checked).
 
-    Runs on: every process, at set-up, before any model is loaded. Returns the model's length limit (None:
-    the config states none, nothing is checked). Raises ``ValueError`` naming the settings to change.
+    Runs on: every process, at set-up. Raises ``ValueError`` naming the settings to change.
     """
     from transformers import AutoConfig
 
@@ -94,41 +83,26 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
 
 
 class HFRolloutEngine:
-    """Rollout engine on a transformers causal LM.
-
-    Runs on: every worker rank.
-
-    The engine deep-copies ``model``. When the model's parameters are on the meta device (a role built before
-    its weights exist), the copy gets empty storage on ``device`` and the engine reports
-    ``weights_discarded=True`` until the first complete hand-off; its non-persistent buffers (rotary
-    frequencies) are recomputed, and tied weights stay tied.
+    """Rollout engine on a deep copy of a transformers causal LM ``model`` (the actor before sharding). A model
+    whose parameters are on the meta device gives a copy with empty storage on ``device`` (rotary frequencies
+    recomputed, tied weights tied) that reports ``weights_discarded=True`` until the first complete hand-off. Runs on:
+    every worker rank.
 
     Args:
-        model: the actor before sharding (real or meta parameters); the engine deep-copies it.
-        pad_token_id: padding id of the tokenizer.
-        eos_token_id: end-of-sequence id of the tokenizer.
-        device: where to generate.
-        generation_batch_size: prompts per ``generate`` call.
-        dtype: dtype of the engine's copy (the training compute dtype, e.g. bfloat16 on GPUs); None keeps the
-            actor's.
-        decode: ``"auto"`` samples with ``decode_loop`` on a CPU where the model's architecture is one it knows,
-            else (and on any GPU) with transformers' ``generate``; ``"loop"`` always uses the loop (a ``ValueError``
-            for a model it does not know, or without a loop); ``"generate"`` always uses ``generate``
-            (``RolloutConfig.decode``).
-        decode_loop: the device layer's sampling loop
-            (:meth:`~lightning_rlhf.engines.device_layer.DeviceLayer.decode_loop`; None: ``generate`` only).
+        dtype: dtype of the engine's copy (the training compute dtype); None keeps the actor's.
+        decode: ``"auto"`` samples with ``decode_loop`` on a CPU where the loop knows the model, else with
+            transformers' ``generate``; ``"loop"`` always uses the loop; ``"generate"`` always uses ``generate``.
+        decode_loop: the device layer's sampling loop (None: ``generate`` only).
+
+    Raises:
+        ValueError: an unknown ``decode``, or ``"loop"`` for a model the loop does not know (or without a loop).
     """
 
     tp_size: int = 1
-    """Every rank runs a whole engine."""
     slicer: Slicer | None = None
-    """Hand-offs carry full tensors."""
     copies_each_weight: bool = True
-    """``load_weights`` copies each tensor into its parameter before it takes the next one from the stream, so a
-    hand-off may lend it views of a buffer it reuses (the host's shared buffer: no copy out of it)."""
     offload_optimizer: bool = False
-    """The optimizer state stays on the device while this engine generates (as before the protocol: only the vLLM
-    engine, which reserves a KV cache, asks for the offload)."""
+    """Only the vLLM engine, which reserves a KV cache, asks for the optimizer state's offload."""
 
     def __init__(
         self,
@@ -169,30 +143,20 @@ class HFRolloutEngine:
             pad_token_id=pad_token_id,
         )
         self.model: Any = engine_model
-        self.max_length = model_max_length(self.model.config)
-        """Longest prompt + response the model's positions cover (None: unknown, not checked)."""
+        self.max_length = model_max_length(self.model.config)  # None: unknown, not checked
         self._params = dict(self.model.named_parameters())
         self._check = HandoffCheck(type(self).__name__, self._params, tied_aliases(self.model))
         self.param_names: list[str] = list(self._params)
-        """What a complete hand-off contains: ``named_parameters()`` of the model (a tied head counts as its
-        embedding; ``lm_head.weight`` is accepted for it too)."""
         self.dtype: torch.dtype = next(iter(self._params.values())).dtype
-        """The dtype of the engine's copy."""
         self.weights_discarded = on_meta
-        """True while the copy holds no valid weights: built from meta parameters, or after a failed hand-off."""
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.device = device
         self.generation_batch_size = generation_batch_size
         self.decode = decode
-        """``"auto"``, ``"loop"`` or ``"generate"`` (see the class arguments)."""
         self.loop = decode_loop
-        self._bound_to: dict[str, Tensor] | None = None
-        """The tensors given to :meth:`bind_weights` whose views the parameters are (None: the engine's own storage);
-        a bind to the same dict again checks nothing."""
-        self._pasts: dict[Hashable, Any] = {}
-        """What the decoding loop kept of each sequence named in ``generate(..., keep_as=...)``, until the sequence's
-        next call takes it, :meth:`forget` or new weights."""
+        self._bound_to: dict[str, Tensor] | None = None  # what bind_weights bound the parameters to (None: own)
+        self._pasts: dict[Hashable, Any] = {}  # the decoding loop's kept sequences (generate's keep_as)
 
     def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
         """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
@@ -229,20 +193,14 @@ class HFRolloutEngine:
         limits: Sequence[int] | None = None,
         on_done: Callable[[int, list[int], list[float]], None] | None = None,
     ) -> RolloutOutput:
-        """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker.
+        """Sample ``params.n`` responses per prompt (greedy: one, repeated ``n`` times). Runs on: worker.
 
-        Greedy decoding (``temperature=0`` or ``greedy=True``) decodes each prompt once and repeats the response
-        ``n`` times (transformers, like vLLM, decodes greedily only one sequence per prompt).
-
-        ``continues`` (one key per prompt, or None) names a sequence kept by an earlier call that the prompt goes on
-        from: the decoding loop then runs only the prompt's tokens past it (taken, so each kept sequence serves once).
-        ``keep_as`` (one key per response, ``len(prompts) * n``) keeps each response's sequence for a later call.
-        Both only with the decoding loop; ``generate``'s path ignores them. ``limits`` (one per prompt, each at most
-        ``params.max_new_tokens``): each prompt's own bound on its responses' tokens, so that prompts near the end of
-        the model's context share a call with the others (the context bounds each prompt plus its own limit).
-        ``on_done(index, response, logprobs)``: called with a response as soon as the decoding loop has stopped it
-        (``index`` into the responses; what the call returns holds the same), while the others still decode;
-        responses cut by ``params.max_new_tokens`` are only returned.
+        With the decoding loop only: ``continues`` (a key per prompt, or None) names a sequence kept by an earlier call
+        that the prompt goes on from (only its new tokens run; each kept sequence serves once), ``keep_as`` (a key per
+        response) keeps each response's sequence for a later call, and ``on_done(index, response, logprobs)`` gets
+        each response the loop stopped before ``max_new_tokens`` while the others still decode. ``limits``: each
+        prompt's own bound on its responses' tokens (at most ``params.max_new_tokens``), so that prompts near the end
+        of the model's context share a call with the others.
         """
         params.check()
         if limits is not None:
@@ -358,13 +316,10 @@ class HFRolloutEngine:
         return self.device.type == "cpu"
 
     def bind_weights(self, tensors: dict[str, Tensor]) -> None:
-        """Make every parameter's data ``tensors[name]`` (full tensors of its shape and the engine's dtype, e.g. views
-        of a store every engine of the host reads), so that the engine generates with whatever they hold from now on.
-
-        Runs on: worker, after the tensors were written. Parameters already bound to them are left as they are; the
-        same dict as the last bind's (a hand-off through the same store) is taken as it is (0.1 ms a check of the
-        small vs-TRL model). Raises ``WeightSyncError`` for a missing name or a tensor of another shape or dtype.
-        """
+        """Make every parameter's data ``tensors[name]`` (e.g. views of a store every engine of the host reads), so that
+        the engine generates with whatever they hold from now on; the same dict as the last bind's is taken unchecked
+        (the check costs 0.1 ms on the small vs-TRL model). Runs on: worker, after the tensors were written. Raises
+        ``WeightSyncError`` for a missing name or a tensor of another shape or dtype."""
         self._pasts.clear()  # new weights: kept keys and values are the old model's
         if tensors is self._bound_to:
             self.weights_discarded = False
@@ -394,8 +349,7 @@ class HFRolloutEngine:
         self._bound_to = None
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
-        """Copy new weights in by transformers name, then check that the hand-off held every parameter; returns
-        the bytes received. Runs on: worker.
+        """Copy new weights in by transformers name; returns the bytes received. Runs on: worker.
 
         Raises:
             WeightSyncError: an unknown or repeated name, a tensor of another shape than its parameter, or a
@@ -441,14 +395,9 @@ class HFRolloutEngine:
             self.model.to("cpu")
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Bring the weights back to the device when ``tags`` names ``"weights"`` (or is None). The engine keeps
-        no KV cache between rollouts (each ``generate`` allocates its own; the sequences it keeps live within one
-        rollout's episodes), so ``"kv_cache"`` is accepted and wakes nothing; on CPU nothing ever sleeps.
-        Runs on: worker.
-
-        Raises:
-            ValueError: a tag not in :data:`~lightning_rlhf.engines.rollout.base.MEMORY_TAGS`.
-        """
+        """Bring the weights back to the device when ``tags`` names ``"weights"`` (or is None); ``"kv_cache"`` wakes
+        nothing (each ``generate`` allocates its own). Runs on: worker. Raises ``ValueError`` for a tag not in
+        ``MEMORY_TAGS``."""
         if WEIGHTS in wake_tags(tags, owner=type(self).__name__) and self.device.type != "cpu":
             self.model.to(self.device)
 
@@ -457,11 +406,8 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     """Give a model whose parameters are on the meta device empty storage on ``device``, in place: parameters
     hold garbage until the first hand-off; tied parameters are tied again (``to_empty`` makes one tensor per
     registration); buffers that held values keep them, meta buffers are recomputed by the model's own
-    initialisation (transformers' ``_init_weights``: rotary frequencies).
-
-    Runs on: every worker rank (engine construction). Raises ``ValueError`` for a meta buffer nothing can
-    recompute.
-    """
+    initialisation (transformers' ``_init_weights``: rotary frequencies). Runs on: every worker rank (engine
+    construction). Raises ``ValueError`` for a meta buffer nothing can recompute."""
     aliases = tied_aliases(model)
     kept = {name: buf for name, buf in model.named_buffers() if not buf.is_meta}
     owners = {name.rpartition(".")[0] for name, buf in model.named_buffers() if buf.is_meta}
@@ -525,19 +471,13 @@ def _reporter(
 
 def _cut_at_stop(row: list[int], stops: set[int]) -> list[int]:
     """Keep tokens up to and including the first stop token (the rest is padding)."""
-    for i, tok in enumerate(row):
-        if tok in stops:
-            return row[: i + 1]
-    return row
+    return next((row[: i + 1] for i, tok in enumerate(row) if tok in stops), row)
 
 
 class _TokenLogprobs(LogitsProcessor):
-    """Records the engine's log-prob of every generated token while ``generate`` runs, keeping one step's
-    distribution at a time: at step ``t`` the token chosen at ``t - 1`` is the last input id.
-
-    It runs before transformers' temperature/top-k/top-p warpers, on the raw logits (the engine's
-    ``generation_config`` adds no other processor), and applies them itself (:func:`processed_logprobs`).
-    """
+    """Records the engine's log-prob of every generated token while ``generate`` runs (at step ``t`` the token chosen
+    at ``t - 1`` is the last input id). It runs on the raw logits, before transformers' warpers (the engine's
+    ``generation_config`` adds no other processor), and applies them itself (:func:`processed_logprobs`)."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params

@@ -1,23 +1,12 @@
-"""FSDP2 -> tensor-parallel resharding: each rank receives only the slice of each tensor its TP shard needs.
+"""FSDP2 -> tensor-parallel resharding: each rank receives only the slice of each tensor its TP shard needs
+(docs/hybrid-engine.md, "Each rank receives only its TP slices").
 
-The peers gather every full tensor on every rank before handing it to vLLM, so each rank receives
-``(W-1)/W`` of the model after every update. With FSDP2's ``Shard(0)`` over W ranks and TP = W on the same
-ranks, most of a decoder layer is already where tensor parallelism needs it: q, k, v, gate and up (and the
-vocabulary rows of the embedding and the head) are row-sliced by TP exactly as FSDP2 slices them, so
-nothing moves; o_proj and down_proj are column-sliced (each rank receives the column block of its TP rank
-from the other ranks' rows); only replicated tensors (norms, biases of row-parallel layers) are gathered.
-
-How it works, per parameter, in the same order on every rank:
-
-1. :func:`tp_slice` says which region ``(dim, start, length)`` of the full tensor TP rank ``r`` loads, with
-   the same rules as vLLM's parameter loaders (Llama/Qwen2/Qwen3/Mistral naming; anything else: whole).
-2. :func:`exchange` sends each destination rank the intersection of the local FSDP rows with the rows it
-   needs (restricted to its columns), in one ``all_to_all_single``; a rank that already holds its region
-   receives nothing.
-3. vLLM's loaders expect the full tensor and ``narrow`` it themselves. :class:`SliceHolder` stands in for the
-   full tensor: it has the full shape but holds only the slice, and answers exactly the ``narrow`` the loader
-   will ask for; any other access raises, so a loader whose slicing differs fails loudly instead of loading
-   wrong values.
+Per parameter, in the same order on every rank: :func:`tp_slice` says which region of the full tensor TP rank ``r``
+loads (vLLM's loaders' rules, Llama/Qwen2/Qwen3/Mistral naming; anything else: whole); :func:`exchange` sends each
+rank that region's rows and columns from the others' FSDP rows in one ``all_to_all_single`` (row-sliced tensors,
+q/k/v/gate/up and the vocabulary rows, mostly do not move); and a :class:`SliceHolder` stands in for the full tensor
+vLLM's loaders expect, answering exactly the ``narrow`` the loader will ask for, so that a loader whose slicing
+differs fails loudly instead of loading wrong values.
 """
 
 from __future__ import annotations
@@ -62,10 +51,8 @@ _SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def tp_slice(name: str, shape: tuple[int, ...], *, config: Any, tp_size: int, tp_rank: int) -> TPSlice | None:
-    """The region of ``name`` (full ``shape``) that vLLM's loader on TP rank ``tp_rank`` keeps; None = all.
-
-    Runs on: any process (pure).
-    """
+    """The region of ``name`` (full ``shape``) that vLLM's loader on TP rank ``tp_rank`` keeps; None = all. Runs on:
+    any process (pure)."""
     if tp_size == 1:
         return None
     parts = name.split(".")
@@ -97,24 +84,16 @@ def tp_slice(name: str, shape: tuple[int, ...], *, config: Any, tp_size: int, tp
 
 
 def tp_slicer(config: Any, tp_size: int) -> Slicer | None:
-    """A :data:`Slicer` for this model, or None when its architecture is not covered (whole tensors then).
-
-    Runs on: any process.
-    """
+    """A :data:`Slicer` for this model, or None when its architecture is not covered (whole tensors then). Runs on:
+    any process."""
     if tp_size == 1 or getattr(config, "model_type", None) not in _SUPPORTED:
         return None
-
-    def slicer(name: str, shape: tuple[int, ...], tp_rank: int) -> TPSlice | None:
-        return tp_slice(name, shape, config=config, tp_size=tp_size, tp_rank=tp_rank)
-
-    return slicer
+    return lambda name, shape, tp_rank: tp_slice(name, shape, config=config, tp_size=tp_size, tp_rank=tp_rank)
 
 
 class SliceHolder(torch.Tensor):
-    """Stands in for a full tensor of which only ``region`` is held; answers only ``narrow(region)``.
-
-    Handed to vLLM's parameter loaders, which ``narrow`` the full checkpoint tensor to their TP slice.
-    """
+    """Stands in for a full tensor of which only ``region`` is held; answers only ``narrow(region)`` (vLLM's
+    parameter loaders ``narrow`` the full checkpoint tensor to their TP slice)."""
 
     _held: Tensor
     _region: TPSlice
@@ -181,11 +160,8 @@ def _block(local: Tensor, first: int, count: int, need: TPSlice | None) -> Tenso
 
 
 def exchange(param: Tensor, needs: list[TPSlice | None], *, dtype: torch.dtype | None = None) -> tuple[Tensor, int]:
-    """Give each rank ``d`` the region ``needs[d]`` of the full tensor behind ``param`` (an FSDP2 DTensor).
-
-    Runs on: every worker rank, collectively (one ``all_to_all_single`` of exactly the bytes that move).
-    Returns ``(this rank's region, bytes received from other ranks)``.
-    """
+    """Give each rank ``d`` the region ``needs[d]`` of the full tensor behind ``param`` (an FSDP2 DTensor); returns
+    ``(this rank's region, bytes received from other ranks)``. Runs on: every worker rank, collectively."""
     world, rank = dist.get_world_size(), dist.get_rank()
     local, first, count = _local_rows(param.data, rank, world)
     if dtype is not None:
@@ -195,19 +171,13 @@ def exchange(param: Tensor, needs: list[TPSlice | None], *, dtype: torch.dtype |
     # What every source rank sends to every destination: known everywhere from the shapes alone.
     chunk = math.ceil(full_shape[0] / world) if full_shape else 1
 
-    def block_shape(src: int, dst: int) -> tuple[int, ...]:
+    def block_shape(src: int) -> tuple[int, ...]:  # _block of a meta tensor of the source's rows
         s_first = min(src * chunk, full_shape[0])
         s_count = min(s_first + chunk, full_shape[0]) - s_first
-        need = needs[dst]
-        if need is None:
-            return (s_count, *trailing)
-        if need.dim == 0:
-            lo, hi = max(s_first, need.start), min(s_first + s_count, need.start + need.length)
-            return (max(0, hi - lo), *trailing)
-        return (s_count, need.length, *trailing[1:])
+        return tuple(_block(torch.empty(s_count, *trailing, device="meta"), s_first, s_count, needs[rank]).shape)
 
     send = [_block(local, first, count, needs[d]).contiguous() for d in range(world)]
-    recv_shapes = [block_shape(s, rank) for s in range(world)]
+    recv_shapes = [block_shape(s) for s in range(world)]
     recv_sizes = [math.prod(s) for s in recv_shapes]
     out = torch.empty(sum(recv_sizes), dtype=local.dtype, device=local.device)
     dist.all_to_all_single(
@@ -226,10 +196,8 @@ def sliced_tensors(
     model: nn.Module, slicer: Slicer, *, tp_size: int, received: list[int] | None = None, dtype: torch.dtype
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(name, weight)`` per parameter for this rank's TP engine: a :class:`SliceHolder` where TP slices
-    the tensor, the full tensor where it is replicated. Runs on: every worker rank, in the same order.
-
-    ``received[0]`` grows by the bytes this rank receives from the others.
-    """
+    the tensor, the full tensor where it is replicated; ``received[0]`` grows by the bytes this rank receives from
+    the others. Runs on: every worker rank, in the same order."""
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
@@ -258,11 +226,10 @@ def weights_for(
     (:func:`~lightning_rlhf.engines.train.lora.merged_weights`, full tensors for any engine). Runs on: every worker
     rank.
 
-    ``transport``: how full tensors move (``full_tensors``: ``"auto"``, ``"shared"``, ``"collective"``), ``layer``:
-    the device layer whose host buffer the shared transport uses (the trainer's ``train_engine.layer``).
-    ``into_engine=True`` says the stream goes straight into ``engine.load_weights`` (``load_weights(weights_for(...,
-    into_engine=True))``): an engine that copies each tensor before it takes the next (``copies_each_weight``) then
-    gets views of the host's shared buffer, which later buckets overwrite; any other use gets tensors of its own.
+    ``transport``: how full tensors move (``full_tensors``'s), through ``layer``'s host buffer for ``"shared"``.
+    ``into_engine=True``: the stream goes straight into ``engine.load_weights``, so an engine that copies each tensor
+    before it takes the next (``copies_each_weight``) may get views of the shared buffer, which later buckets
+    overwrite; any other use gets tensors of its own.
     """
     from lightning_rlhf.engines.train import full_tensors
     from lightning_rlhf.engines.train.lora import has_lora, merged_weights
@@ -280,11 +247,9 @@ def shard_fingerprints(
     model: nn.Module, *, dtype: torch.dtype, slicer: Slicer | None = None, tp_size: int = 1
 ) -> dict[str, Fingerprint]:
     """The trainer's side of a verified hand-off, from this rank's FSDP2 rows alone (no collective for a row-sharded
-    parameter): per parameter, the rows of the tensor this rank's engine holds (the full tensor, or with a ``slicer``
-    its TP rank's slice, in the slice's own row numbers) that lie in this rank's shard -- its first, middle and last
-    row, all of them for a one-dimensional tensor (:func:`~lightning_rlhf.engines.rollout.base.fingerprint_ranges`)
-    -- and their float64 sums in ``dtype`` (as the engine holds them), then the sums of their absolute values. So
-    each rank checks its own engine against the rows it trains.
+    parameter): per parameter, the rows :func:`~lightning_rlhf.engines.rollout.base.fingerprint_ranges` picks of
+    the tensor this rank's engine holds (with a ``slicer``: its TP rank's slice, in its own row numbers) that lie in
+    this rank's shard, and their float64 sums in ``dtype``, then the sums of their absolute values.
 
     Runs on: every worker rank of the model's mesh, at the same point (a parameter that is not row-sharded is made
     whole: a collective).

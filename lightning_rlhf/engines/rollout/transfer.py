@@ -1,9 +1,7 @@
-"""Our weight hand-off as an engine of vLLM's weight-transfer protocol, registered as :data:`BACKEND` on import.
-
-vLLM's NCCL and CUDA-IPC engines move tensors from a trainer to an engine in another process; ours are in the
-engine's own process, so :class:`InProcessTransfer` hands each bucket's tensors (full tensors or a TP rank's
-:class:`~lightning_rlhf.engines.rollout.reshard.SliceHolder` slices) to the model's ``load_weights`` by reference,
-inside one layerwise reload per sync (docs/hybrid-engine.md, "vLLM's weight-transfer protocol"). Imports vLLM.
+"""Our weight hand-off as an engine of vLLM's weight-transfer protocol, registered as :data:`BACKEND` on import: the
+tensors are in the engine's own process, so each bucket (full tensors or TP slices) goes to the model's
+``load_weights`` by reference, inside one layerwise reload per sync (docs/hybrid-engine.md, "vLLM's weight-transfer
+protocol"). Imports vLLM.
 """
 
 from __future__ import annotations
@@ -18,7 +16,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from lightning_rlhf.compat.vllm import finish_layerwise_reload, start_layerwise_reload
 
 __all__ = ["BACKEND", "InProcessTransfer"]
 
@@ -39,11 +38,8 @@ class _Update(WeightTransferUpdateInfo):
 
 
 class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
-    """vLLM worker-side engine that loads tensors handed over in the worker's own process.
-
-    Runs on: inside the vLLM worker (the colocated engine's, or an engine server's), driven by the controller-side
-    calls of :meth:`~lightning_rlhf.engines.rollout.vllm.VLLMRolloutEngine.load_weights`.
-    """
+    """vLLM worker-side engine that loads tensors handed over in the worker's own process. Runs on: inside the vLLM
+    worker, driven by :meth:`~lightning_rlhf.engines.rollout.vllm.VLLMRolloutEngine.load_weights`."""
 
     init_info_cls = _Init
     update_info_cls = _Update
@@ -54,7 +50,7 @@ class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
 
     def start_weight_update(self) -> None:
         """Open one layerwise reload for the whole sync. Runs on: vLLM worker."""
-        initialize_layerwise_reload(self.model)
+        start_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load one bucket. vLLM's default ends with ``torch.accelerator.synchronize()``, which raises on a machine
@@ -67,13 +63,12 @@ class InProcessTransfer(WeightTransferEngine[_Init, _Update]):
             raise
 
     def receive_weights(self, update_info: _Update) -> None:
-        """The model's own ``load_weights`` (its loaders narrow each tensor to the rank's slice). Runs on: vLLM
-        worker."""
+        """The model's own ``load_weights`` (its loaders narrow each tensor to the rank's slice). Runs on: worker."""
         self.model.load_weights(update_info.weights)  # type: ignore[operator]
 
     def finish_weight_update(self) -> None:
         """Process the layers not processed yet and close the reload. Runs on: vLLM worker."""
-        finalize_layerwise_reload(self.model, self.model_config)
+        finish_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         """Nothing to release. Runs on: vLLM worker."""

