@@ -1,26 +1,12 @@
-"""The single controller and the worker loop that serves it.
+"""The single controller and the worker loop that serves it (docs/architecture.md: "One controller, W workers",
+"Control plane and data plane", "Failures").
 
-During one training step, rank 0 runs the module's ``training_step`` (the RL dataflow) as a plain sequential
-program. Each role call it makes is sent over a dedicated gloo group (the *control plane*) to the ranks of the
-role's pool (every rank unless ``RLHFStrategy(placement=...)`` says otherwise): they run the role method together
-(FSDP collectives inside it use the pool's group, the *data plane*) and send their results back. Ranks other than
-0 sit in :meth:`Controller.serve` for the whole step. Each exchange carries a list of calls per rank: the calls of
-a ``concurrently()`` block go out together, so calls to disjoint pools run at the same time.
-
-Background calls (``in_background()``, e.g. HybridFlow's asynchronous rollouts): each rank starts its part in a
-thread and replies at once; the controller goes on with other pools and later sends a join, which the ranks answer
-with the part's result once the thread has finished. Until then no other call may go to those ranks.
-
-Failures: a role method that raises on any rank is caught there; its traceback travels back with the
-results and the controller raises :class:`WorkerError`. The failing rank also posts the error to the
-rendezvous store, so if the other ranks are stuck in a collective that the failed rank will never join, a
-watchdog thread on every rank prints the error and ends the process after ``error_timeout_s``: the run
-fails loudly instead of hanging. A rank whose process dies (SIGKILL, a crash) is named on the others by
-:class:`~lightning_rlhf.controller.liveness.RankDiedError` (rank, pid, signal or exit code, role call): see
-``liveness.py``.
-
-Stops: the end-of-step message carries rank 0's decision to stop after this step (a preemption signal seen on
-any rank), so every rank stops at the same step boundary.
+During a step, rank 0 runs the module's ``training_step`` as a plain program; each role call goes over a gloo group
+(the control plane) to the ranks of the role's pool, which run it together and send back their results, while the
+other ranks sit in :meth:`Controller.serve`. Each exchange carries a list of calls per rank, so the calls of a
+``concurrently()`` block to disjoint pools run at the same time; a background call (``in_background()``) runs in a
+thread on each rank until the controller sends its join. A role method that raises becomes :class:`WorkerError` on
+the controller; the error is also posted to the rendezvous store for the watchdog (:mod:`.liveness`).
 """
 
 from __future__ import annotations
@@ -56,7 +42,6 @@ from lightning_rlhf.controller.liveness import ERROR_KEY, STOP_KEY, Liveness, Ra
 
 __all__ = ["Controller", "ControllerError", "RankDiedError", "WorkerError"]
 
-_ERROR_KEY = ERROR_KEY
 _COMM_ERROR_WORDS = ("connection", "gloo", "nccl", "socket", "broken pipe", "timed out", "peer")
 
 
@@ -143,16 +128,16 @@ def _post_error(store: Any, message: str, failure: _Failure | None = None) -> No
         return
     payload = pickle.dumps((message, failure))
     with contextlib.suppress(Exception):  # the store may already be gone at shutdown
-        store.compare_set(_ERROR_KEY, "", payload)
+        store.compare_set(ERROR_KEY, "", payload)
 
 
 def _first_posted_failure(store: Any) -> _Failure | None:
     if store is None:
         return None
     try:
-        if not store.check([_ERROR_KEY]):
+        if not store.check([ERROR_KEY]):
             return None
-        _, failure = pickle.loads(store.get(_ERROR_KEY))
+        _, failure = pickle.loads(store.get(ERROR_KEY))
     except Exception:
         return None
     return failure if isinstance(failure, _Failure) else None
@@ -205,19 +190,13 @@ class _BackgroundParts:
 class Controller:
     """Routes role calls from rank 0 to all ranks and back. One instance per process.
 
-    Args:
-        roles: resolves a role name to this process's role object.
-        rank: this process's global rank.
-        world_size: number of processes.
-        error_timeout_s: how long a rank may stay blocked after another rank posted an error before the
-            watchdog ends the process; also how long a rank on another host may miss heartbeats.
-        children: this process's child processes that are ranks (Lightning's launcher makes ranks 1.. children
-            of rank 0): their exit status names how they died.
-        stop_requested: returns the signal number of a stop asked of this rank (0 if none).
-        pools: each role's ranks (a role not named is on every rank).
-        groups: each role's data-parallel process group on this rank (None or absent: all ranks).
-        reply_stats: what each rank reports with every reply (kept per rank in :attr:`memory_peaks`; the strategy
-            passes :func:`lightning_rlhf.perf.memory_peaks`).
+    ``roles`` resolves a role name to this process's role object. ``error_timeout_s``: how long a rank may stay
+    blocked after another rank posted an error before the watchdog ends the process; also how long a rank on another
+    host may miss heartbeats. ``children``: this process's child processes that are ranks (their exit status names
+    how they died). ``stop_requested``: the signal number of a stop asked of this rank (0 if none). ``pools``: each
+    role's ranks (a role not named is on every rank); ``groups``: each role's data-parallel process group on this
+    rank (absent: all ranks). ``reply_stats``: what each rank reports with every reply (kept per rank in
+    :attr:`memory_peaks`).
     """
 
     def __init__(
@@ -234,7 +213,7 @@ class Controller:
         reply_stats: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self._roles = roles
-        self._reply_stats = reply_stats  # read on every rank with each reply (the strategy's: memory peaks)
+        self._reply_stats = reply_stats
         self._pools = {role: tuple(ranks) for role, ranks in (pools or {}).items()}
         self._groups = dict(groups or {})
         self.rank = rank
@@ -320,11 +299,9 @@ class Controller:
         if signum or self._store is None:
             return signum
         try:
-            if self._store.check([STOP_KEY]):
-                return int(self._store.get(STOP_KEY))
+            return int(self._store.get(STOP_KEY)) if self._store.check([STOP_KEY]) else 0
         except Exception:
             return 0
-        return 0
 
     def pool(self, role: str) -> tuple[int, ...]:
         """The ranks that hold ``role``. Runs on: any rank."""
@@ -357,11 +334,9 @@ class Controller:
         """
         messages, plans, where = self._plan(calls, background=True)
         self._exchange(messages, len(calls), where)
-        tokens = []
-        for index, plan in enumerate(plans):
-            token = self._next_token + index
-            self._in_flight[token] = (f"{calls[index][0].name}.{calls[index][1]}", plan)
-            tokens.append(token)
+        tokens = list(range(self._next_token, self._next_token + len(calls)))
+        for token, (role, method, *_), plan in zip(tokens, calls, plans, strict=True):
+            self._in_flight[token] = (f"{role.name}.{method}", plan)
         self._next_token += len(calls)
         return tokens
 
@@ -538,8 +513,6 @@ class Controller:
         """Run a control-plane exchange; a failure caused by a dead rank becomes :class:`RankDiedError`."""
         try:
             return fn()
-        except RankDiedError:
-            raise
         except Exception as err:
             died = self._dead_peer(err)
             if died is not None:

@@ -1,19 +1,10 @@
 """Transfer protocols: how a role method's data is split across the workers and gathered back.
 
-A role method declares its protocol once, where it is defined::
-
-    class ActorRole(Role):
-        @role_method(Dispatch.DP_SPLIT)
-        def log_prob(self, batch: Batch) -> Batch: ...
-
-On the controller, during a training step, calling ``self.actor.log_prob(batch)`` sends the call to every
-worker rank, splits ``batch`` by data-parallel rank, runs the method on all ranks as one SPMD program and
-returns the concatenated result. Anywhere else (a single process, a worker executing the call, a unit test)
-the decorated method is a plain method call.
-
-Calls made inside ``with concurrently():`` return :class:`RoleFuture` objects and go out together when the block
-ends: calls to roles on disjoint rank pools run at the same time, calls to roles on the same pool one after
-another, in the order they were written.
+A role method declares its protocol where it is defined (``@role_method(Dispatch.DP_SPLIT)``). On the controller,
+inside a step, a call goes to the ranks of the role's pool, split by the protocol, and their results come back
+merged; anywhere else the method is a plain call. Calls made inside ``with concurrently():`` return
+:class:`RoleFuture` objects and go out together when the block ends. docs/architecture.md ("Transfer protocols")
+has the table of protocols.
 """
 
 from __future__ import annotations
@@ -87,8 +78,6 @@ class _Controller(Protocol):
 
     def call_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]: ...
 
-
-class _Background(Protocol):
     def start_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]: ...
 
     def join(self, handle: Any) -> tuple[Any, float]: ...
@@ -114,22 +103,26 @@ def current_controller() -> _Controller | None:
 
     Runs on: any process. Only rank 0 has one, and only inside the strategy's training or validation step.
     """
-    active = _STACKS.active
-    return active[-1] if active else None
+    return _STACKS.active[-1] if _STACKS.active else None
 
 
 @contextlib.contextmanager
-def data_parallel_group(group: Any) -> Iterator[None]:
+def _pushed(stack: list[Any], value: Any) -> Iterator[Any]:
+    """``value`` on top of ``stack`` (one of this thread's :class:`_Stacks`) inside the block."""
+    stack.append(value)
+    try:
+        yield value
+    finally:
+        stack.pop()
+
+
+def data_parallel_group(group: Any) -> contextlib.AbstractContextManager[Any]:
     """Make ``group`` (a process group; None: all ranks) the data-parallel group of the role call that runs inside.
 
     Runs on: a worker rank, around one role method (the controller's worker loop enters it with the role's pool,
     so the training engine's ``world()`` and all-reduces count only the ranks that hold the role).
     """
-    _STACKS.groups.append(group)
-    try:
-        yield
-    finally:
-        _STACKS.groups.pop()
+    return _pushed(_STACKS.groups, group)
 
 
 def current_group() -> Any:
@@ -137,18 +130,10 @@ def current_group() -> Any:
     return _STACKS.groups[-1] if _STACKS.groups else None
 
 
-class controller_active:
+def controller_active(controller: _Controller | None) -> contextlib.AbstractContextManager[Any]:
     """Route role-method calls through ``controller`` (rank 0, inside a step); ``None`` makes them local
-    again (while a role method itself runs, its calls to other role methods are plain calls)."""
-
-    def __init__(self, controller: _Controller | None) -> None:
-        self._controller = controller
-
-    def __enter__(self) -> None:
-        _STACKS.active.append(self._controller)
-
-    def __exit__(self, *exc: object) -> None:
-        _STACKS.active.pop()
+    again (while a role method itself runs, its calls to other role methods are plain calls). Runs on: any rank."""
+    return _pushed(_STACKS.active, controller)
 
 
 class RoleFuture:
@@ -163,7 +148,7 @@ class RoleFuture:
         """How long the call ran on its slowest rank (set with the result)."""
         self._done = False
         self._value: Any = None
-        self._join: tuple[_Background, Any] | None = None  # a call running in the background: how to wait for it
+        self._join: tuple[_Controller, Any] | None = None  # a call running in the background: how to wait for it
 
     def set_result(self, value: Any) -> None:
         """Resolve the future (the block's end does this). Runs on: the controller."""
@@ -224,15 +209,9 @@ class _Recorder:
         return future
 
 
-@contextlib.contextmanager
-def _recording() -> Iterator[_Recorder]:
+def _recording() -> contextlib.AbstractContextManager[_Recorder]:
     """Collect the role calls made inside the block (on this thread) in a :class:`_Recorder`."""
-    recorder = _Recorder(current_controller())
-    _STACKS.recorders.append(recorder)
-    try:
-        yield recorder
-    finally:
-        _STACKS.recorders.pop()
+    return _pushed(_STACKS.recorders, _Recorder(current_controller()))
 
 
 @contextlib.contextmanager
@@ -280,7 +259,7 @@ def in_background() -> Iterator[None]:
     with _recording() as recorder:
         yield
     if recorder.calls:
-        controller = cast(_Background, recorder.controller)
+        controller = cast(_Controller, recorder.controller)
         for future, handle in zip(recorder.futures, controller.start_many(recorder.calls), strict=True):
             future._join = (controller, handle)
 
@@ -352,15 +331,9 @@ def role_method(
             if controller is None:
                 return fn(self, *args, **kwargs) if recorder is None else recorder.add(self, fn, args, kwargs)
             if dispatch is Dispatch.DP_SPLIT and args and isinstance(args[0], Batch):
-                costs = getattr(self, "split_costs", None)
-                args = (
-                    _mark_balance(
-                        args[0],
-                        bool(getattr(self, "balances_ranks", False)),
-                        costs(fn.__name__, args[0]) if costs is not None else None,
-                    ),
-                    *args[1:],
-                )
+                split_costs = getattr(self, "split_costs", None)
+                costs = split_costs(fn.__name__, args[0]) if split_costs is not None else None
+                args = (_mark_balance(args[0], bool(getattr(self, "balances_ranks", False)), costs), *args[1:])
             if recorder is not None:
                 return recorder.add(self, fn, args, kwargs)
             return controller.call(self, fn.__name__, args, kwargs)

@@ -161,13 +161,12 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
         prompts=wl.prompts, n=wl.n, prompt_len=prompt_len, response_len=response_len,
         micro_tokens=min(wl.micro_tokens, 1024),
     )  # fmt: skip
-    head_dim = model.hidden // model.heads
     config = Qwen2Config(
         vocab_size=shape.vocab, hidden_size=model.hidden, intermediate_size=model.intermediate,
         num_hidden_layers=layers, num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
         max_position_embeddings=wl.prompt_len + wl.response_len + 1, tie_word_embeddings=False,
     )  # fmt: skip
-    config.head_dim = head_dim
+    config.head_dim = model.hidden // model.heads
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     net = Qwen2ForCausalLM(config)
@@ -246,25 +245,26 @@ CALL_COSTS_FILE = "placement_call_costs.json"
 leaves the call costs it fitted, for ``plan --device-type cpu`` and ``placement="auto"`` on the same machine."""
 
 
-def _call_costs_key(model: ModelShape, processes: int) -> str:
+def _call_costs_entry(model: ModelShape, processes: int, cache_dir: str | None) -> tuple[str, str]:
+    """The file of the saved call costs, and the key of ``model``'s on this CPU with ``processes`` ranks."""
+    import os
+
+    from lightning_rlhf.config.models import embedded_cache_dir
     from lightning_rlhf.perf import cpu_model_name
 
-    return (
-        f"{cpu_model_name()} | processes={processes} | {model.layers}x{model.hidden}x{model.intermediate}x{model.vocab}"
-    )
+    shape = f"{model.layers}x{model.hidden}x{model.intermediate}x{model.vocab}"
+    key = f"{cpu_model_name()} | processes={processes} | {shape}"
+    return os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE), key
 
 
 def save_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_dir: str | None = None) -> str:
     """Keep ``hw``'s fitted ``call_s`` and ``train_call_s`` for ``model`` on this CPU with ``processes`` ranks; returns
     the file. Runs on: the calibration run's driver."""
-    import os
-
-    from lightning_rlhf.config.models import embedded_cache_dir
     from lightning_rlhf.perf import read_json, write_json
 
-    path = os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)
+    path, key = _call_costs_entry(model, processes, cache_dir)
     table = read_json(path)
-    table[_call_costs_key(model, processes)] = {"call_s": hw.call_s, "train_call_s": hw.train_call_s}
+    table[key] = {"call_s": hw.call_s, "train_call_s": hw.train_call_s}
     write_json(path, table)
     return path
 
@@ -272,14 +272,10 @@ def save_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_di
 def with_saved_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_dir: str | None = None) -> Hardware:
     """``hw`` with the call costs a calibration run left for ``model`` on this CPU with ``processes`` ranks, if it
     left any (else ``hw`` as it is). Runs on: the planning process (``plan --device-type cpu``, ``"auto"``)."""
-    import os
-
-    from lightning_rlhf.config.models import embedded_cache_dir
     from lightning_rlhf.perf import read_json
 
-    entry = read_json(os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)).get(
-        _call_costs_key(model, processes)
-    )
+    path, key = _call_costs_entry(model, processes, cache_dir)
+    entry = read_json(path).get(key)
     if not isinstance(entry, dict):
         return hw
     return dataclasses.replace(

@@ -1,47 +1,12 @@
 """Auto-mapping: choose where each role runs from a cost model (HybridFlow's third idea, issue 12).
 
-A *placement* splits the roles of a dataflow into groups. The roles of a group are colocated: they time-share
-the same devices. Each group gets a pool of its own, and pools are disjoint. Roles on disjoint pools can run
-their calls of one stage at the same time. Roles that share a pool run them one after another. The planner
-enumerates:
+A placement splits the roles of a dataflow into colocated groups, each on a disjoint pool of devices. The planner
+enumerates every set partition of the roles, every split of the devices into pools and the actor's rollout
+tensor-parallel size, predicts each pool's memory and each stage's time, and returns the fastest plan that fits.
+docs/placement.md ("The planner") describes the cost model: compute, communication, memory, shared CPU cores.
 
-1. every set partition of the roles (which roles to colocate);
-2. for each, every split of the devices into pools (in units of a node, coarsened for large clusters);
-3. for each, the actor's rollout tensor-parallel size (its replicas fill the actor's pool).
-
-For each candidate it predicts the memory of every pool and the time of every stage of the dataflow, and it
-returns the fastest plan that fits. Training roles are FSDP-sharded over their whole pool.
-
-The cost model:
-
-- Compute: FLOPs / (devices x peak x efficiency), counting the parameters of the matmuls (all but the input
-  embedding, a lookup).
-  - Training is 6 x parameters x tokens, plus causal attention.
-  - Forwards and prefill are 2 x parameters x tokens.
-  - Decoding is the larger of compute and reading the weights and the KV cache from memory, per decoding step.
-  - Tensor parallelism adds two all-reduces per layer per decoding step.
-- Communication: FSDP's all-gathers and reduce-scatter, overlapped with compute (the step takes the longer of
-  the two), over NVLink inside a node and over the network across nodes.
-- Memory, per device:
-  - a trainable role holds 16 bytes per parameter over its pool (float32 weights, gradients, two Adam moments);
-  - a frozen role holds 2 bytes per parameter (bfloat16);
-  - the rollout engine holds 2 bytes per parameter over its tensor-parallel group, plus the KV cache in
-    whatever memory is left; the KV cache bounds how many sequences decode at once (more waves when it is
-    small).
-
-- CPU processes that need more cores than the machine gives them (:attr:`Hardware.cores`) time-share them: in each
-  stage, every call of a busy pool takes ``1 / core_share`` as long (:func:`core_share`).
-
-The constants come from published datasheets for GPUs (:data:`HARDWARE`) or from this machine's measured
-matmul peak and memory bandwidth (:func:`cpu_hardware`).
-
-What is not modelled yet:
-
-- offloading (optimizer state moved to host memory while the engine generates);
-- pipeline parallelism;
-- asynchronous (off-policy) stages;
-- the calibration of the efficiency factors against measured runs. The GPU factors are the usual
-  large-model figures, and they are a planner's assumptions, not measurements.
+Not modelled yet: offloading, pipeline parallelism, asynchronous (off-policy) stages, and the calibration of the GPU
+efficiency factors against measured runs (they are the usual large-model figures, a planner's assumptions).
 """
 
 from __future__ import annotations
@@ -105,8 +70,7 @@ class Hardware:
     forward_eff: float = 0.55
     """Fraction of the peak a no-grad forward or a prefill reaches."""
     decode_eff: float | None = None
-    """Fraction of the peak a decoding step's compute reaches (None: ``forward_eff``). Decoding's matmuls are
-    ``[sequences, hidden]`` thin; on CPUs, where a step is compute-bound, they reach less than a forward's."""
+    """Fraction of the peak a decoding step's (thin) matmuls reach (None: ``forward_eff``)."""
     bw_eff: float = 0.7
     """Fraction of the memory bandwidth decoding reaches."""
     latency_s: float = 10e-6
@@ -125,15 +89,13 @@ class Hardware:
     train_call_s: float = 0.0
     """Host time a training call adds to ``call_s`` (the optimizer step, gradient clipping, the update's metrics)."""
     cores: float | None = None
-    """CPU cores the run's processes share (:func:`lightning_rlhf.perf.available_cores`); None for devices that do
-    not share their compute (GPUs). The figures above are one process's with ``threads`` cores to itself."""
+    """CPU cores the run's processes share; None for devices that do not share their compute (GPUs). The figures
+    above are one process's with ``threads`` cores to itself."""
     threads: int = 1
-    """Compute threads of each process (torch's intra-op threads); with ``cores``, how many processes fit on the
-    cores before they time-share them (:func:`core_share`)."""
+    """Compute threads of each process (torch's intra-op threads), for :func:`core_share`."""
     server_copy_bw: float = 25e9
-    """Bytes/s of an engine server's hand-off copies: a vLLM actor on part of the ranks generates in a server
-    process per rank, whose weights travel through a shared-memory file (written by the trainer, cloned by the
-    server). GPUs: host copies over PCIe; CPUs: the measured memcpy bandwidth."""
+    """Bytes/s of a vLLM engine server's hand-off copies through its shared-memory file (GPUs: host copies over
+    PCIe; CPUs: the measured memcpy bandwidth)."""
     server_call_s: float = 1e-3
     """Host time one engine-server request adds (pickling the prompts and the results over a Unix socket)."""
 
@@ -171,12 +133,9 @@ def hardware_for(device_type: str) -> Hardware:
 
 def core_share(*, cores: float | None, processes: int, threads: int) -> float:
     """The fraction of its own compute one CPU process gets while ``processes`` processes of ``threads`` threads
-    each run at once on ``cores`` cores: ``min(1, cores / (processes x threads))`` (1 when ``cores`` is None:
-    devices that do not share compute).
-
-    Runs on: any process (arithmetic). The operating system time-slices oversubscribed cores, so each process runs
-    every part of its work (matmuls, Python, copies) ``1 / share`` times as long as it would with its ``threads``
-    cores to itself: 4 single-threaded processes on 2 cores get 0.5 each; 2 of them get 1.
+    each run at once on ``cores`` cores: ``min(1, cores / (processes x threads))`` (1 when ``cores`` is None), as
+    the operating system time-slices oversubscribed cores. Runs on: any process. Raises ``ValueError`` for counts
+    below 1.
     """
     if cores is None:
         return 1.0
@@ -204,12 +163,10 @@ def cpu_hardware(
 ) -> Hardware:
     """This machine as a pool of ``processes`` CPU workers, from measured figures: ``flops`` (one process's
     matmul rate with ``threads`` threads), ``memcpy_bw`` (bytes/s), ``memory`` (bytes per process), and the
-    ``cores`` the processes share (:func:`lightning_rlhf.perf.available_cores`; None: as if each had ``threads``
-    cores of its own).
+    ``cores`` the processes share (None: as if each had ``threads`` cores of its own).
 
     Runs on: any process. ``collective_bw`` defaults to half the memcpy bandwidth (gloo copies through shared
     memory twice). CPU kernels on small shapes reach less of the peak than GPUs do: training 0.7, forward 0.6.
-    A stage whose busy processes need more cores than there are runs each call ``1 / core_share`` times as long.
     """
     bw = collective_bw if collective_bw is not None else memcpy_bw / 2
     return Hardware(
@@ -370,12 +327,12 @@ class Plan:
         }
 
 
-def _flow(algorithm: str | list[list[Call]]) -> list[list[Call]]:
-    if not isinstance(algorithm, str):
-        return algorithm
-    if algorithm not in DATAFLOWS:
+def _inputs(hardware: Hardware | str, algorithm: str | list[list[Call]]) -> tuple[Hardware, list[list[Call]]]:
+    """``hardware`` (a device type: its datasheet's) and the stages of ``algorithm`` (a name: its dataflow's)."""
+    hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
+    if isinstance(algorithm, str) and algorithm not in DATAFLOWS:
         raise InfeasiblePlacementError(f"algorithm={algorithm!r}: expected one of {sorted(DATAFLOWS)}.")
-    return DATAFLOWS[algorithm]
+    return hardware, DATAFLOWS[algorithm] if isinstance(algorithm, str) else algorithm
 
 
 def set_partitions(items: Sequence[str]) -> Iterator[list[list[str]]]:
@@ -512,8 +469,7 @@ def predict(
     role of the dataflow in no pool or in two, a TP size that does not divide the actor's pool, or a pool whose
     roles do not fit in its memory (the message names the pool and the bytes).
     """
-    hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
-    flow = _flow(algorithm)
+    hardware, flow = _inputs(hardware, algorithm)
     needed = sorted({role for stage in flow for role, _ in stage})
     placed = [role for group in groups for role in group]
     if sorted(placed) != needed:
@@ -586,8 +542,7 @@ def plan(
     pool has this many devices. ``engine_servers``: the rollout engine is vLLM (an actor pool smaller than
     ``devices`` pays its engine servers' hand-off copies, requests and memory; see :func:`predict`).
     """
-    hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
-    flow = _flow(algorithm)
+    hardware, flow = _inputs(hardware, algorithm)
     roles = sorted({role for stage in flow for role, _ in stage})
     if unit is None:
         unit = hardware.devices_per_node if devices >= hardware.devices_per_node else 1

@@ -1,18 +1,9 @@
 """Where each role runs: rank pools (HybridFlow's placement), checked before any model loads.
 
-``RLHFStrategy(placement=...)`` takes:
-
-- ``None`` (the default): every role on every rank (colocated, time-sharing all devices);
-- a mapping from each role's name to its ranks (on 4 processes: the policy and its reward on ranks 0 and 1, the
-  critic and the reference on ranks 2 and 3; docs/placement.md has the code). Roles with the same ranks are
-  colocated; roles on disjoint ranks run their calls at the same time inside
-  :meth:`~lightning_rlhf.module.RLHFModule.concurrently`;
-- ``"auto"``: the planner (:mod:`placement.cost_model`) chooses the mapping from its cost model, calibrated on
-  this machine (CPU) or from the device's datasheet (GPU).
-
-A pool is a set of ranks. Two pools are either the same set or disjoint: a rank that served two different pools
-would run both pools' calls one after another and stall the other ranks of each, so a partial overlap is refused.
-Each role's FSDP mesh spans its pool, and a ``DP_SPLIT`` call splits its batch by the pool's size.
+``RLHFStrategy(placement=...)`` takes None (every role on every rank), a mapping from each role's name to its ranks,
+or ``"auto"`` (the planner's, :mod:`.auto`); docs/placement.md shows each. Two pools are either the same ranks or
+disjoint: a rank in two different pools would run both pools' calls one after another and stall the other ranks of
+each. Each role's FSDP mesh spans its pool, and a ``DP_SPLIT`` call splits its batch by the pool's size.
 """
 
 from __future__ import annotations
@@ -72,13 +63,8 @@ def resolve_placement(spec: Mapping[str, Sequence[int]] | None, roles: Sequence[
     Runs on: every process, in the strategy's ``setup_environment`` (before any model loads; every rank computes the
     same answer from the same arguments). Raises ``ValueError`` naming the setting, its value and the fix for: a
     role of the module with no pool, a pool naming a role the module lacks, a rank beyond the world (a pool larger
-    than the world), and two pools that overlap without being the same ranks.
-
-    Args:
-        spec: ``None`` (every role on every rank) or a mapping ``role -> ranks`` (already through
-            :func:`check_placement_spec`).
-        roles: the module's role names.
-        world_size: the number of processes.
+    than the world), and two pools that overlap without being the same ranks (and a malformed ``spec``, as
+    :func:`check_placement_spec` does).
     """
     everyone = tuple(range(world_size))
     if spec is None:
@@ -144,15 +130,10 @@ def check_vllm_pools(
 
     A role on every rank gets the colocated engine (in the training process); a role on part of the ranks gets one
     engine server per rank, and the servers of a tensor-parallel group (consecutive ranks of the pool) meet on
-    their host: the group must divide the pool and sit on one node. Runs on: the launching process (before any
-    rank starts) and every rank at set-up, before any model loads.
-
-    Args:
-        pools: each role's ranks (:func:`resolve_placement`).
-        generating: the roles that build a rollout engine (the actor, or the generation-only ``rollout`` pool).
-        world_size: the number of processes.
-        tp_size: ``VLLMConfig.tensor_parallel_size``.
-        processes_per_node: ranks per node (a node holds ranks ``[k * n, (k + 1) * n)``).
+    their host: the group must divide the pool and sit on one node. ``generating``: the roles that build a rollout
+    engine; ``tp_size``: ``VLLMConfig.tensor_parallel_size``; a node holds ranks ``[k * n, (k + 1) * n)`` for ``n =
+    processes_per_node``. Runs on: the launching process (before any rank starts) and every rank at set-up, before
+    any model loads.
     """
     for name in generating:
         ranks = list(pools[name])

@@ -1,9 +1,6 @@
 """A module's roles on a placement: the roles a placement adds or removes (a generation-only ``rollout`` pool), which
 roles take their weights from another and which build a rollout engine, the checks made before any rank starts, and
 the placement resolved at set-up (pools checked against the world and the memory, weight bridges between pools).
-
-``module`` is the :class:`~lightning_rlhf.RLHFModule` being placed; the strategy calls these with the world it
-knows and gets back the resolved pools.
 """
 
 from __future__ import annotations
@@ -232,10 +229,8 @@ def pool_meshes(pools: Pools, whole: Any, *, rank: int) -> dict[str, Any]:
 
     meshes = {}
     for pool in pool_groups(pools):
-        size = whole.size()
-        meshes[pool] = (
-            whole
-            if len(pool) == size
-            else DeviceMesh(whole.device_type, torch.tensor(pool), mesh_dim_names=("data_parallel",))
-        )
+        if len(pool) == whole.size():
+            meshes[pool] = whole
+        else:
+            meshes[pool] = DeviceMesh(whole.device_type, torch.tensor(pool), mesh_dim_names=("data_parallel",))
     return {name: meshes[pool] for name, pool in pools.items() if rank in pool}
