@@ -164,8 +164,7 @@ class _BackgroundParts:
                 with torch.set_grad_enabled(grad):
                     result = execute()
             except BaseException as err:  # e.g. a dead peer: the join reports it like a failed call
-                where = f"{call.role}.{call.method}"
-                result = _Failure(rank, where, "".join(traceback.format_exception(err)))
+                result = _Failure(rank, f"{call.role}.{call.method}", "".join(traceback.format_exception(err)))
             box.append((result, time.perf_counter() - started))
 
         thread = threading.Thread(target=run, name=f"lightning_rlhf {call.role}.{call.method}", daemon=True)
@@ -190,13 +189,11 @@ class _BackgroundParts:
 class Controller:
     """Routes role calls from rank 0 to all ranks and back. One instance per process.
 
-    ``roles`` resolves a role name to this process's role object. ``error_timeout_s``: how long a rank may stay
-    blocked after another rank posted an error before the watchdog ends the process; also how long a rank on another
-    host may miss heartbeats. ``children``: this process's child processes that are ranks (their exit status names
-    how they died). ``stop_requested``: the signal number of a stop asked of this rank (0 if none). ``pools``: each
-    role's ranks (a role not named is on every rank); ``groups``: each role's data-parallel process group on this
-    rank (absent: all ranks). ``reply_stats``: what each rank reports with every reply (kept per rank in
-    :attr:`memory_peaks`).
+    ``error_timeout_s``: how long a rank may stay blocked after another rank posted an error before the watchdog
+    ends the process; also how long a rank on another host may miss heartbeats. ``children``: this process's child
+    processes that are ranks (their exit status names how they died). ``pools``: each role's ranks (a role not named
+    is on every rank); ``groups``: each role's data-parallel group on this rank. ``reply_stats``: what each rank
+    reports with every reply (kept per rank in :attr:`memory_peaks`).
     """
 
     def __init__(
@@ -264,11 +261,8 @@ class Controller:
         self, step_fn: Callable[[], Any], logs: list[tuple[str, float, dict[str, Any]]], *, track_stop: bool = False
     ) -> Any:
         """Run ``step_fn`` (the module's training or validation step) as the controller, then release the workers.
-
-        Runs on: controller (rank 0). ``logs`` is filled by the module while the step runs and is replayed
-        on the workers, so every rank sees the same logged metrics (callbacks that monitor them work). With
-        ``track_stop`` (training steps) the end-of-step message carries the stop decision (``stop_signum``).
-        """
+        Runs on: controller (rank 0). ``logs``, filled by the module during the step, is replayed on the workers; with
+        ``track_stop`` (training steps) the end-of-step message carries the stop decision (``stop_signum``)."""
         self._last_where = None
         try:
             with controller_active(self):
@@ -281,13 +275,8 @@ class Controller:
                 raise
             if self.world_size > 1 and not isinstance(err, WorkerError):
                 _post_error(self._store, f"controller (rank 0) failed:\n{traceback.format_exc()}")
-            try:
-                self._scatter([_Abort(repr(err))] * self.world_size)
-            except Exception as abort_err:
-                died = self._dead_peer(abort_err)
-                if died is not None:
-                    raise died from err
-                raise
+            abort = [_Abort(repr(err))] * self.world_size
+            self._communicate(lambda: self._scatter(abort))
             raise
         self.stop_signum = self._decide_stop() if track_stop else 0
         self._communicate(lambda: self._scatter([_EndStep(logs, self.stop_signum)] * self.world_size))
@@ -309,29 +298,23 @@ class Controller:
 
     def call(self, role: Role, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Distribute one role call by its declared protocol over the role's pool and return the merged result.
-
-        Runs on: controller (rank 0), from inside a role method called in a training or validation step.
-        """
+        Runs on: controller (rank 0), from inside a role method called in a training or validation step."""
         return self.call_many([(role, method, args, kwargs)])[0]
 
     def call_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-        """Run several role calls in one exchange and return their merged results, in order.
+        """Run several role calls in one exchange (each rank runs its parts in order) and return their merged results.
 
-        Runs on: controller (rank 0), at the end of a ``concurrently()`` block (or for one call). Each rank gets the
-        list of its parts of the calls whose role it holds and runs them in order: calls to disjoint pools run at
-        the same time, calls to one pool one after another. A failure on any rank raises :class:`WorkerError`
-        after every rank has answered. ``last_seconds`` then holds each call's time on its slowest rank.
+        Runs on: controller (rank 0), at the end of a ``concurrently()`` block (or for one call). A failure on any rank
+        raises :class:`WorkerError` after every rank has answered. ``last_seconds`` then holds each call's time on its
+        slowest rank.
         """
         messages, plans, where = self._plan(calls, background=False)
         by_call, self.last_seconds = self._exchange(messages, len(calls), where)
         return [plan.merge([by_call[index][rank] for rank in plan.ranks]) for index, plan in enumerate(plans)]
 
     def start_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[int]:
-        """Start role calls in the background (``in_background()``): each rank starts its parts in threads and
-        replies at once. Returns one handle per call for :meth:`join`.
-
-        Runs on: controller (rank 0). The ranks of a started call take no other call until it is joined.
-        """
+        """Start role calls in the background (``in_background()``); one handle per call for :meth:`join`. Runs on:
+        controller (rank 0). The ranks of a started call take no other call until it is joined."""
         messages, plans, where = self._plan(calls, background=True)
         self._exchange(messages, len(calls), where)
         tokens = list(range(self._next_token, self._next_token + len(calls)))
@@ -342,9 +325,7 @@ class Controller:
 
     def join(self, token: int) -> tuple[Any, float]:
         """Wait for a background call on every rank of its pool; its merged result and its time on the slowest rank.
-
-        Runs on: controller (rank 0), from :meth:`~lightning_rlhf.controller.dispatch.RoleFuture.result`.
-        """
+        Runs on: controller (rank 0), from :meth:`~lightning_rlhf.controller.dispatch.RoleFuture.result`."""
         where, plan = self._in_flight.pop(token)
         messages: list[list[Any]] = [[] for _ in range(self.world_size)]
         for rank in plan.ranks:
@@ -359,7 +340,6 @@ class Controller:
         busy = {rank: where for where, plan in self._in_flight.values() for rank in plan.ranks}
         messages: list[list[Any]] = [[] for _ in range(self.world_size)]
         plans: list[_Plan] = []
-        wheres = []
         for index, (role, method, args, kwargs) in enumerate(calls):
             where = f"{role.name}.{method}"
             dispatch = dispatch_of(role, method)
@@ -384,16 +364,14 @@ class Controller:
             if caller is not None:  # as it is now: columns set on it before a background call is read stay out
                 caller = Batch(caller.tensors, caller.columns, caller.meta)
             plans.append(_Plan(dispatch, ranks, caller, writes))
-            wheres.append(where)
-        return messages, plans, " + ".join(wheres)
+        return messages, plans, " + ".join(f"{role.name}.{method}" for role, method, *_ in calls)
 
     def _exchange(self, messages: list[list[Any]], count: int, where: str) -> tuple[list[dict[int, Any]], list[float]]:
         """Send each rank its list, run rank 0's own part, gather the replies: per call, each rank's result; per
         call, its time on its slowest rank. Raises :class:`WorkerError` when any rank failed."""
 
         def exchange() -> list[Any]:
-            mine = self._scatter(messages)
-            return self._gather((self._execute_all(mine), self._reply_stats()))
+            return self._gather((self._execute_all(self._scatter(messages)), self._reply_stats()))
 
         self.where = where
         try:
@@ -432,10 +410,8 @@ class Controller:
 
     # ---------------------------------------------------------------------------------------- worker
     def serve(self, replay_log: Callable[[str, float, dict[str, Any]], None]) -> None:
-        """Serve the controller's role calls until it ends the step.
-
-        Runs on: workers (ranks > 0), once per training step and once per validation batch.
-        """
+        """Serve the controller's role calls until it ends the step. Runs on: workers (ranks > 0), once per training
+        step and once per validation batch."""
         self._last_where = None
         while True:
             with self._busy():
@@ -560,9 +536,7 @@ class Controller:
         return None if self._liveness is None else self._liveness.death
 
     def close(self) -> None:
-        """Stop the watchdog, unless a rank died: then it stays to end this process if the shutdown hangs.
-
-        Runs on: every rank, at teardown.
-        """
+        """Stop the watchdog, unless a rank died: then it stays to end this process if the shutdown hangs. Runs on:
+        every rank, at teardown."""
         if self._watchdog is not None and self.death is None:
             self._watchdog.stop()

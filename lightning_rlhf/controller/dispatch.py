@@ -42,13 +42,11 @@ __all__ = [
 ]
 
 BALANCE_KEY = "dp_split_by_tokens"
-"""``Batch.meta`` flag set by :func:`role_method` on the batch of a ``DP_SPLIT`` call to a role whose
-``balances_ranks`` is true (a token budget for its micro-batches): :func:`split_args` then balances the rows over
-ranks by tokens instead of cutting contiguous chunks."""
+"""``Batch.meta`` flag set by :func:`role_method` on a ``DP_SPLIT`` call's batch when the role ``balances_ranks``:
+:func:`split_args` then balances the rows over ranks by tokens instead of cutting contiguous chunks."""
 COSTS_KEY = "dp_split_costs"
-"""``Batch.meta`` entry set by :func:`role_method` on the batch of a ``DP_SPLIT`` call when the role's
-``split_costs(method, batch)`` gives one cost per row: :func:`split_args` then balances the rows over ranks by those
-costs (whole groups of ``meta["group_size"]`` rows at a time when they divide evenly), before any token balance."""
+"""``Batch.meta`` entry set by :func:`role_method` from the role's ``split_costs(method, batch)`` (one cost per row):
+:func:`split_args` then balances the rows over ranks by those costs, before any token balance."""
 ROWS_KEY = "dp_split_rows"
 """``Batch.meta`` entry of each rank's part of a balanced split: the part's row indices in the caller's batch, which
 :func:`merge_results` uses to put the results back in the caller's order."""
@@ -84,9 +82,8 @@ class _Controller(Protocol):
 
 
 class _Stacks(threading.local):
-    """Per thread: the controllers routing role calls, the open ``concurrently()`` blocks and the data-parallel
-    groups of the role calls running (a role call that runs in the background on a worker runs in a thread of its
-    own, with its own stacks)."""
+    """Per thread (a background role call on a worker has its own): the controllers routing role calls, the open
+    ``concurrently()`` blocks and the data-parallel groups of the role calls running."""
 
     def __init__(self) -> None:
         self.active: list[_Controller | None] = []
@@ -99,10 +96,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def current_controller() -> _Controller | None:
-    """The controller that is running a training step in this process, if any.
-
-    Runs on: any process. Only rank 0 has one, and only inside the strategy's training or validation step.
-    """
+    """The controller that is running a training step in this process, if any: only rank 0 has one, only inside
+    the strategy's training or validation step. Runs on: any process."""
     return _STACKS.active[-1] if _STACKS.active else None
 
 
@@ -117,11 +112,9 @@ def _pushed(stack: list[Any], value: Any) -> Iterator[Any]:
 
 
 def data_parallel_group(group: Any) -> contextlib.AbstractContextManager[Any]:
-    """Make ``group`` (a process group; None: all ranks) the data-parallel group of the role call that runs inside.
-
-    Runs on: a worker rank, around one role method (the controller's worker loop enters it with the role's pool,
-    so the training engine's ``world()`` and all-reduces count only the ranks that hold the role).
-    """
+    """Make ``group`` (a process group; None: all ranks) the data-parallel group of the role call that runs inside,
+    so the training engine's ``world()`` and all-reduces count only the ranks of the role's pool. Runs on: a worker
+    rank, around one role method."""
     return _pushed(_STACKS.groups, group)
 
 
@@ -138,9 +131,7 @@ def controller_active(controller: _Controller | None) -> contextlib.AbstractCont
 
 class RoleFuture:
     """The result of a role call made inside :func:`concurrently`; :meth:`result` gives it once the block has ended.
-
-    Runs on: the controller (or the single process of a run without workers).
-    """
+    Runs on: the controller (or the single process of a run without workers)."""
 
     def __init__(self, where: str) -> None:
         self.where = where
@@ -155,8 +146,7 @@ class RoleFuture:
         self._value, self._done = value, True
 
     def done(self) -> bool:
-        """Whether the result is here (a background call counts once :meth:`result` has waited for it).
-        Runs on: the controller."""
+        """Whether the result is here (a background call's once :meth:`result` waited for it). Runs on: controller."""
         return self._done
 
     def result(self) -> Any:
@@ -218,10 +208,9 @@ def _recording() -> contextlib.AbstractContextManager[_Recorder]:
 def concurrently() -> Iterator[None]:
     """Run the role calls made inside the block together; each returns a :class:`RoleFuture`.
 
-    Runs on: the controller, inside a training or validation step (without workers the calls run one by one as they
-    are made). When the block ends, all its calls go to the workers in one exchange: calls to roles on disjoint rank
-    pools run at the same time, calls to roles on the same pool one after another in the order written. A call may
-    not take another call's future from the same block (the calls are independent by construction)::
+    Runs on: the controller, inside a training or validation step (without workers the calls run as they are made).
+    When the block ends, its calls go out in one exchange: calls to disjoint rank pools run at the same time, calls to
+    one pool in the order written. A call may not take another call's future from the same block::
 
         with self.concurrently():
             ref = self.reference.log_prob(rollout)   # pool {2, 3}
@@ -245,11 +234,10 @@ def in_background() -> Iterator[None]:
     """Start the role calls made inside the block and go on without waiting for them; each returns a
     :class:`RoleFuture` whose :meth:`~RoleFuture.result` waits for it.
 
-    Runs on: the controller, inside a training or validation step (without workers the calls run at once, one by
-    one). When the block ends, its calls go to their pools in one exchange and each rank starts its parts in a thread
-    of its own; the controller then goes on with the step. Calls to roles on other pools run meanwhile; a call to a
-    rank that is still busy with a background call is refused (read the result first), and every background call
-    must be read before the step ends. HybridFlow's asynchronous rollouts are one such call::
+    Runs on: the controller, inside a training or validation step (without workers the calls run at once). When the
+    block ends, each rank of the calls' pools starts its parts in a thread, and the step goes on. A call to a rank
+    still busy with a background call is refused (read the result first), and every background call must be read
+    before the step ends. HybridFlow's asynchronous rollouts are one such call::
 
         with self.in_background():
             next_rollout = self.rollout.generate(batch)   # the rollout pool samples the next batch ...
@@ -269,8 +257,7 @@ def collect(rollout: Batch, futures: Mapping[str, Any], metrics: dict[str, float
     metrics merged into one, and each call's time on its slowest rank logged as ``timing_s/<name>``.
 
     Runs on: the controller, after the block (``RLHFModule.collect``). ``None`` entries (a call not made) are
-    skipped. (Role methods are typed by what they return outside a block; inside one they return
-    :class:`RoleFuture`.)
+    skipped; anything else that is not a :class:`RoleFuture` raises ``TypeError``.
     """
     merged: dict[str, float] = {}
     for name, future in futures.items():
@@ -297,23 +284,17 @@ def role_method(
     reads: Sequence[str] | None = None,
     writes: Sequence[str] | Callable[[Any], Sequence[str]] | None = None,
 ) -> Callable[[F], F]:
-    """Declare a role method's transfer protocol, and for a ``DP_SPLIT`` method over a :class:`Batch` which of its
-    columns travel.
+    """Declare a role method's transfer protocol (``dispatch``), and for a ``DP_SPLIT`` method over a
+    :class:`Batch` which of its columns travel.
 
-    Runs on: import time (decorator). The wrapped method runs on the controller (which distributes it) or
-    locally on a worker. On the controller, a ``DP_SPLIT`` call's batch is marked with :data:`BALANCE_KEY` when the
-    role's ``balances_ranks`` is true (the mark is on a shallow copy; the caller's batch is not changed).
+    Runs on: import time (decorator). The wrapped method runs on the controller (which distributes it) or locally on
+    a worker. On the controller, a ``DP_SPLIT`` call's batch is marked with :data:`BALANCE_KEY` when the role's
+    ``balances_ranks`` is true (on a shallow copy). Raises ``ValueError`` for columns declared on another protocol.
 
-    Args:
-        dispatch: the protocol used when the controller calls this method.
-        reads: the columns the method reads (those the batch lacks are skipped): only they go to the workers, with
-            the batch's ``meta``. None: every column.
-        writes: the columns the method adds (or the role's own, from a function of the role, e.g. a name with the
-            role's prefix): only they come back, and the controller returns the caller's batch (a shallow copy, its
-            columns shared) with them set. The method must return its input batch, one row per input row, with
-            these columns set and no other column changed or added (checked on the worker where it can be: a
-            column added but not declared, or a row count changed, is an error). None: the whole batch comes
-            back.
+    ``reads``: the columns the method reads (those the batch lacks are skipped); only they go to the workers, with
+    the batch's ``meta``. ``writes``: the columns the method adds (or a function of the role that gives them): only
+    they come back, set on a shallow copy of the caller's batch. The method must then return its input batch, one
+    row per input row, with no other column changed or added (checked on the worker). None: every column.
     """
     if (reads is not None or writes is not None) and dispatch is not Dispatch.DP_SPLIT:
         raise ValueError(
@@ -347,8 +328,7 @@ def role_method(
 
 def dispatch_of(role: Role, method: str) -> Dispatch:
     """The protocol declared on ``role.method``; a clear error if the method has none."""
-    fn = getattr(type(role), method, None)
-    proto = getattr(fn, "__rlhf_dispatch__", None)
+    proto = getattr(getattr(type(role), method, None), "__rlhf_dispatch__", None)
     if proto is None:
         raise TypeError(
             f"`{type(role).__name__}.{method}` has no transfer protocol. "
@@ -358,9 +338,7 @@ def dispatch_of(role: Role, method: str) -> Dispatch:
 
 
 def columns_of(role: Role, method: str) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
-    """The columns ``role.method`` declares it reads and writes (:func:`role_method`; None: all).
-
-    Runs on: controller and workers."""
+    """The columns ``role.method`` declares it reads and writes (None: all). Runs on: controller and workers."""
     reads, writes = getattr(getattr(type(role), method, None), "__rlhf_columns__", (None, None))
     if callable(writes):
         writes = writes(role)
@@ -369,11 +347,9 @@ def columns_of(role: Role, method: str) -> tuple[tuple[str, ...] | None, tuple[s
 
 def only_written(where: str, inputs: Mapping[str, Any], result: Any, writes: Sequence[str]) -> Batch:
     """What a worker sends back of a ``DP_SPLIT`` call that declares ``writes``: those columns of ``result`` (and its
-    meta). ``inputs`` are the columns of the batch the method was given, as they were before the call. Raises when
-    ``result`` does not have one row per input row, or adds or replaces a column it does not declare (it would be
-    lost on the way back; a tensor changed in place cannot be seen).
-
-    Runs on: worker."""
+    meta). ``inputs`` are the columns of the batch the method was given, as they were before the call. Runs on: worker.
+    Raises when ``result`` does not have one row per input row, or adds or replaces a column it does not declare (it
+    would be lost on the way back; a tensor changed in place cannot be seen)."""
     rows = len(next(iter(inputs.values()))) if inputs else 0
     if not isinstance(result, Batch) or len(result) != rows:
         got = f"{len(result)} rows" if isinstance(result, Batch) else type(result).__name__
@@ -417,10 +393,7 @@ def split_args(
     reads: Sequence[str] | None = None,
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]] | None]:
     """Arguments for each rank (``None``: the rank skips the call); a ``DP_SPLIT`` batch holds only the columns in
-    ``reads`` (None: all).
-
-    Runs on: controller.
-    """
+    ``reads`` (None: all). Runs on: controller. Raises for a ``DP_SPLIT`` call without a batch that splits evenly."""
     if dispatch is Dispatch.ONE_TO_ALL:
         return [(args, kwargs)] * world_size
     if dispatch is Dispatch.RANK_ZERO:
@@ -502,18 +475,14 @@ def _grouped_partition(costs: list[int], group: int, parts: int) -> list[list[in
 
 
 def balanced_partition(lengths: Sequence[int] | Sequence[tuple[int, ...]], parts: int) -> list[list[int]]:
-    """Split rows into ``parts`` groups of equal size whose token sums are balanced.
+    """Split rows (``lengths``: each row's tokens, or its segments' tokens) into ``parts`` groups of equal size whose
+    token sums are balanced.
 
     Runs on: the controller (splitting a ``DP_SPLIT`` rollout batch over ranks) or any process; deterministic.
-    Rows go in descending order of their length (a tuple counts its sum; ties: lower index first) to the group
-    with the fewest tokens that still has room (ties: lower group): the longest-processing-time rule with a room
-    limit per group. Each group's indices come back ascending, so within a rank the rows keep the batch's order
-    (mini-batches still take rows in that order). Also exported by
-    :mod:`lightning_rlhf.engines.train.microbatch`, beside the micro-batch planner.
-
-    Args:
-        lengths: per row, its tokens (int) or its segments' tokens (tuple).
-        parts: number of groups; ``len(lengths)`` must be divisible by it.
+    Rows go in descending order of their length (ties: lower index first) to the group with the fewest tokens that
+    still has room (ties: lower group): the longest-processing-time rule with a room limit per group. Each group's
+    indices come back ascending, so within a rank the rows keep the batch's order. Raises ``ValueError`` when
+    ``parts`` does not divide the rows.
     """
     totals = [int(x) if isinstance(x, int) else int(sum(x)) for x in lengths]
     if parts < 1 or len(totals) % parts:
@@ -532,21 +501,18 @@ def balanced_partition(lengths: Sequence[int] | Sequence[tuple[int, ...]], parts
 
 
 def merge_results(dispatch: Dispatch, results: Sequence[Any]) -> Any:
-    """Combine per-rank results into the controller's return value.
-
-    Runs on: controller. Batches are concatenated in rank order, then, when the split was balanced by tokens
-    (each part's ``meta[ROWS_KEY]``), put back in the caller's row order; dicts of numbers are averaged over ranks
-    (``*_max``/``*_min`` keys keep their extreme; a key is averaged over the ranks that report it); anything else
-    comes from rank 0.
+    """Combine per-rank results into the controller's return value: batches concatenated (in the caller's row order
+    after a balanced split), dicts of numbers averaged over the ranks that report each key (``*_max``/``*_min`` keys
+    keep their extreme), anything else rank 0's. Runs on: controller.
     """
     if dispatch is not Dispatch.DP_SPLIT:
         return results[0]
     first = results[0]
     if isinstance(first, Batch):
         return _merge_batches(list(results))
-    if len(results) == 1:
-        return first
-    if isinstance(first, dict):  # a key some ranks lack (e.g. one that trained no sample) comes from the others
+    if (
+        isinstance(first, dict) and len(results) > 1
+    ):  # a key some ranks lack (e.g. one that trained no sample) comes from the others
         keys = dict.fromkeys(k for r in results if isinstance(r, dict) for k in r)
         return {k: _reduce(k, [r[k] for r in results if isinstance(r, dict) and k in r]) for k in keys}
     return first

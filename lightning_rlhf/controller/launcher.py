@@ -51,10 +51,8 @@ def _run_checks(
 
 
 class RLHFLauncher(SubprocessScriptLauncher):
-    """Lightning's subprocess launcher with a child observer that defers to the strategy's watchdog.
-
-    Runs on: rank 0 (it starts ranks 1.. as its children).
-    """
+    """Lightning's subprocess launcher with a child observer that defers to the strategy's watchdog. Runs on: rank 0
+    (it starts ranks 1.. as its children)."""
 
     def __init__(self, *args: Any, checks: Sequence[LaunchCheck] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

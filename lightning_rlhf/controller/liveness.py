@@ -35,10 +35,8 @@ _EXPECTED_EXIT = threading.Event()
 
 
 def expect_exit() -> None:
-    """Mark this process as shutting down on purpose (a preemption): peers that exit now are not a fault.
-
-    Runs on: any rank.
-    """
+    """Mark this process as shutting down on purpose (a preemption): peers that exit now are not a fault. Runs on:
+    any rank."""
     _EXPECTED_EXIT.set()
 
 
@@ -94,12 +92,9 @@ class RankDiedError(RuntimeError):
 
 
 def machine_id() -> str:
-    """Identify where this process's pids mean something: ``host|boot id|pid namespace``.
-
-    Two processes with the same value see the same pids (``os.kill(pid, 0)`` and ``/proc/<pid>`` are about the
-    same process); any other pair must not compare pids. Parts that cannot be read (not Linux) are left empty.
-
-    Runs on: any process.
+    """Identify where this process's pids mean something: ``host|boot id|pid namespace``. Two processes with the same
+    value see the same pids; any other pair must not compare pids. Parts that cannot be read (not Linux) are left
+    empty. Runs on: any process.
     """
     boot = ""
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
@@ -127,11 +122,8 @@ def _is_alive_locally(pid: int) -> bool:
 
 
 class Liveness:
-    """Knows every rank's pid, host and machine (:func:`machine_id`) and tells whether one of them died.
-
-    ``children``: this process's child processes, e.g. the ranks Lightning launched. ``heartbeat_timeout_s``: a rank
-    on another machine whose heartbeat has not moved for this long is dead.
-    """
+    """Knows every rank's pid, host and machine (:func:`machine_id`) and tells whether one of them died (a rank on
+    another machine: when its heartbeat has not moved for ``heartbeat_timeout_s``)."""
 
     def __init__(
         self,
@@ -158,11 +150,8 @@ class Liveness:
         self.where: Callable[[], str | None] = lambda: None
 
     def publish(self) -> None:
-        """Publish this rank's pid, host and machine, then read every other rank's (blocks until all have
-        published).
-
-        Runs on: every rank, at set-up (after the process group exists).
-        """
+        """Publish this rank's pid, host and machine, then read every other rank's (blocks until all have published).
+        Runs on: every rank, at set-up (after the process group exists)."""
         info = {"pid": os.getpid(), "host": self.host, "machine": self.machine}
         self._store.set(_RANK_KEY.format(self.rank), json.dumps(info))
         for r in range(self.world_size):
@@ -180,10 +169,8 @@ class Liveness:
         self._store.add(_BEAT_KEY.format(self.rank), 1)
 
     def check(self) -> Death | None:
-        """One look at every other rank; returns (and remembers) the first death found.
-
-        Runs on: any rank (watchdog thread, or the main thread after a failed collective).
-        """
+        """One look at every other rank; returns (and remembers) the first death found. Runs on: any rank (watchdog
+        thread, or the main thread after a failed collective)."""
         with self._lock:
             if self.death is None:
                 self.death = self._find_death()
@@ -203,9 +190,7 @@ class Liveness:
         if posted is not None:
             return posted
         for r, (pid, host) in self.peers.items():
-            if r == self.rank:
-                continue
-            death = self._death_of(r, pid, host)
+            death = None if r == self.rank else self._death_of(r, pid, host)
             if death is not None:
                 # Rank 0 and first-hand observers (its parent, or any rank on its machine, which saw its pid go)
                 # tell the others: ranks on other machines would only notice its heartbeat stop, much later.
@@ -267,8 +252,8 @@ class Watchdog:
     After an error is posted, a rank blocked in a control-plane exchange (``busy``) is ended after ``timeout_s``
     (``RLHFStrategy(worker_error_timeout_s=...)``), any other rank after three times that. After a death, the main
     thread gets ``grace_s`` to raise :class:`RankDiedError` and exit on its own; then the watchdog prints the error
-    and exits with 1. ``liveness``: None watches posted errors only. ``stop_flag``: the signal number of a stop this
-    rank was asked for (0 if none), posted to the store so rank 0 sees it.
+    and exits with 1. ``stop_flag``: the signal number of a stop this rank was asked for (0 if none), posted to the
+    store so rank 0 sees it.
     """
 
     def __init__(
@@ -277,8 +262,8 @@ class Watchdog:
         rank: int,
         timeout_s: float,
         *,
-        liveness: Liveness | None = None,
-        stop_flag: Callable[[], int] | None = None,
+        liveness: Liveness,
+        stop_flag: Callable[[], int],
         grace_s: float = 10.0,
         poll_s: float = 0.5,
     ) -> None:
@@ -304,7 +289,7 @@ class Watchdog:
 
     def post_stop(self) -> None:
         """Post this rank's stop request (a preemption signal) once, for rank 0 to read. Runs on: any rank."""
-        signum = self._stop_flag() if self._stop_flag is not None else 0
+        signum = self._stop_flag()
         if signum and not self._stop_posted:
             with contextlib.suppress(Exception):
                 self._store.compare_set(STOP_KEY, "", str(signum))
@@ -315,7 +300,7 @@ class Watchdog:
         death_seen_at: float | None = None
         while not self._stop.wait(self._poll_s):
             self.post_stop()
-            if self._liveness is not None and not exit_expected():
+            if not exit_expected():
                 with contextlib.suppress(Exception):
                     self._liveness.beat()
                 death = self._liveness.check()
@@ -326,10 +311,8 @@ class Watchdog:
                     continue
             try:
                 posted = self._store.check([ERROR_KEY])
-            except Exception:  # rank 0's store is gone: the run is over, do not linger
+            except Exception:  # rank 0's store is gone: a death the liveness check names, or a posted error
                 posted = error_seen_at is not None
-                if not posted and self._liveness is None:
-                    return
             if not posted:
                 continue
             error_seen_at = error_seen_at or time.monotonic()
@@ -347,6 +330,5 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
-        if self._liveness is not None:
-            self._liveness.kill_children()
+        self._liveness.kill_children()
         os._exit(1)

@@ -49,10 +49,8 @@ def role_state_bytes(role: Role) -> float:
 
 
 def rank_memory_bytes(device: torch.device, processes_per_node: int) -> float:
-    """The memory one rank may use: its GPU's, or this machine's RAM shared by the node's processes.
-
-    Runs on: every process, at set-up.
-    """
+    """The memory one rank may use: its GPU's, or this machine's RAM shared by the node's processes. Runs on: every
+    process, at set-up."""
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -78,14 +76,12 @@ def _hardware(world_size: int, shape: cost_model.ModelShape, workload: cost_mode
 
 
 def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int]]:
-    """The planner's fastest placement of ``module``'s roles on ``world_size`` ranks (role -> ranks).
-
-    Runs on: rank 0, in the strategy's ``setup_environment`` (the strategy broadcasts the answer), before any model
-    loads. Raises :class:`~lightning_rlhf.placement.cost_model.InfeasiblePlacementError` when nothing fits in memory.
+    """The planner's fastest placement of ``module``'s roles on ``world_size`` ranks (role -> ranks). Runs on: rank 0,
+    in the strategy's ``setup_environment``, before any model loads. Raises
+    :class:`~lightning_rlhf.placement.cost_model.InfeasiblePlacementError` when nothing fits in memory.
     """
     roles = module.roles()
-    actor = roles.get("actor")
-    path = getattr(actor, "path", None)
+    path = getattr(roles.get("actor"), "path", None)
     if not isinstance(path, str):
         raise ValueError("RLHFStrategy(placement='auto') plans around the actor's model: the module has no actor path.")
     planned = [name for name, role in roles.items() if name in cost_model.ROLES and role_params(role) is not None]
