@@ -231,13 +231,12 @@ def concurrently() -> Iterator[None]:
 
 @contextlib.contextmanager
 def in_background() -> Iterator[None]:
-    """Start the role calls made inside the block and go on without waiting for them; each returns a
-    :class:`RoleFuture` whose :meth:`~RoleFuture.result` waits for it.
+    """Start the role calls made inside the block (in a thread on each rank of their pools) and go on without waiting;
+    each returns a :class:`RoleFuture` whose :meth:`~RoleFuture.result` waits for it.
 
-    Runs on: the controller, inside a training or validation step (without workers the calls run at once). When the
-    block ends, each rank of the calls' pools starts its parts in a thread, and the step goes on. A call to a rank
-    still busy with a background call is refused (read the result first), and every background call must be read
-    before the step ends. HybridFlow's asynchronous rollouts are one such call::
+    Runs on: the controller, inside a training or validation step (without workers the calls run at once). A call to
+    a rank still busy with a background call is refused, and every background call must be read before the step
+    ends. HybridFlow's asynchronous rollouts are one such call::
 
         with self.in_background():
             next_rollout = self.rollout.generate(batch)   # the rollout pool samples the next batch ...
@@ -478,11 +477,9 @@ def balanced_partition(lengths: Sequence[int] | Sequence[tuple[int, ...]], parts
     """Split rows (``lengths``: each row's tokens, or its segments' tokens) into ``parts`` groups of equal size whose
     token sums are balanced.
 
-    Runs on: the controller (splitting a ``DP_SPLIT`` rollout batch over ranks) or any process; deterministic.
-    Rows go in descending order of their length (ties: lower index first) to the group with the fewest tokens that
-    still has room (ties: lower group): the longest-processing-time rule with a room limit per group. Each group's
-    indices come back ascending, so within a rank the rows keep the batch's order. Raises ``ValueError`` when
-    ``parts`` does not divide the rows.
+    Runs on: any process; deterministic. The longest-processing-time rule with a room limit per group: rows in
+    descending order of length (ties: lower index) go to the group with the fewest tokens that has room (ties: lower
+    group). Each group's indices come back ascending. Raises ``ValueError`` when ``parts`` does not divide the rows.
     """
     totals = [int(x) if isinstance(x, int) else int(sum(x)) for x in lengths]
     if parts < 1 or len(totals) % parts:
@@ -525,9 +522,7 @@ def _merge_batches(results: list[Any]) -> Batch:
     merged = results[0] if len(results) == 1 else Batch.cat(results)
     if any(r is not None for r in rows):
         bad = [
-            rank
-            for rank, (r, part) in enumerate(zip(rows, results, strict=True))
-            if r is None or not isinstance(part, Batch) or len(r) != len(part)
+            rank for rank, (r, part) in enumerate(zip(rows, results, strict=True)) if r is None or len(r) != len(part)
         ]
         if bad:
             raise RuntimeError(

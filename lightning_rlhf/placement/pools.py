@@ -61,9 +61,8 @@ def resolve_placement(spec: Mapping[str, Sequence[int]] | None, roles: Sequence[
     naming a role the module lacks, a rank beyond the world, pools that overlap without being the same ranks, and
     a malformed ``spec`` (:func:`check_placement_spec`).
     """
-    everyone = tuple(range(world_size))
     if spec is None:
-        return {role: everyone for role in roles}
+        return {role: tuple(range(world_size)) for role in roles}
     check_placement_spec(spec)
     unknown = sorted(set(spec) - set(roles))
     if unknown:
