@@ -1,26 +1,12 @@
-"""The single controller and the worker loop that serves it.
+"""The single controller and the worker loop that serves it (docs/architecture.md: "One controller, W workers",
+"Control plane and data plane", "Failures").
 
-During one training step, rank 0 runs the module's ``training_step`` (the RL dataflow) as a plain sequential
-program. Each role call it makes is sent over a dedicated gloo group (the *control plane*) to the ranks of the
-role's pool (every rank unless ``RLHFStrategy(placement=...)`` says otherwise): they run the role method together
-(FSDP collectives inside it use the pool's group, the *data plane*) and send their results back. Ranks other than
-0 sit in :meth:`Controller.serve` for the whole step. Each exchange carries a list of calls per rank: the calls of
-a ``concurrently()`` block go out together, so calls to disjoint pools run at the same time.
-
-Background calls (``in_background()``, e.g. HybridFlow's asynchronous rollouts): each rank starts its part in a
-thread and replies at once; the controller goes on with other pools and later sends a join, which the ranks answer
-with the part's result once the thread has finished. Until then no other call may go to those ranks.
-
-Failures: a role method that raises on any rank is caught there; its traceback travels back with the
-results and the controller raises :class:`WorkerError`. The failing rank also posts the error to the
-rendezvous store, so if the other ranks are stuck in a collective that the failed rank will never join, a
-watchdog thread on every rank prints the error and ends the process after ``error_timeout_s``: the run
-fails loudly instead of hanging. A rank whose process dies (SIGKILL, a crash) is named on the others by
-:class:`~lightning_rlhf.controller.liveness.RankDiedError` (rank, pid, signal or exit code, role call): see
-``liveness.py``.
-
-Stops: the end-of-step message carries rank 0's decision to stop after this step (a preemption signal seen on
-any rank), so every rank stops at the same step boundary.
+During a step, rank 0 runs the module's ``training_step`` as a plain program; each role call goes over a gloo group
+(the control plane) to the ranks of the role's pool, which run it together and send back their results, while the
+other ranks sit in :meth:`Controller.serve`. Each exchange carries a list of calls per rank, so the calls of a
+``concurrently()`` block to disjoint pools run at the same time; a background call (``in_background()``) runs in a
+thread on each rank until the controller sends its join. A role method that raises becomes :class:`WorkerError` on
+the controller; the error is also posted to the rendezvous store for the watchdog (:mod:`.liveness`).
 """
 
 from __future__ import annotations
@@ -56,7 +42,6 @@ from lightning_rlhf.controller.liveness import ERROR_KEY, STOP_KEY, Liveness, Ra
 
 __all__ = ["Controller", "ControllerError", "RankDiedError", "WorkerError"]
 
-_ERROR_KEY = ERROR_KEY
 _COMM_ERROR_WORDS = ("connection", "gloo", "nccl", "socket", "broken pipe", "timed out", "peer")
 
 
@@ -143,16 +128,16 @@ def _post_error(store: Any, message: str, failure: _Failure | None = None) -> No
         return
     payload = pickle.dumps((message, failure))
     with contextlib.suppress(Exception):  # the store may already be gone at shutdown
-        store.compare_set(_ERROR_KEY, "", payload)
+        store.compare_set(ERROR_KEY, "", payload)
 
 
 def _first_posted_failure(store: Any) -> _Failure | None:
     if store is None:
         return None
     try:
-        if not store.check([_ERROR_KEY]):
+        if not store.check([ERROR_KEY]):
             return None
-        _, failure = pickle.loads(store.get(_ERROR_KEY))
+        _, failure = pickle.loads(store.get(ERROR_KEY))
     except Exception:
         return None
     return failure if isinstance(failure, _Failure) else None
@@ -179,8 +164,7 @@ class _BackgroundParts:
                 with torch.set_grad_enabled(grad):
                     result = execute()
             except BaseException as err:  # e.g. a dead peer: the join reports it like a failed call
-                where = f"{call.role}.{call.method}"
-                result = _Failure(rank, where, "".join(traceback.format_exception(err)))
+                result = _Failure(rank, f"{call.role}.{call.method}", "".join(traceback.format_exception(err)))
             box.append((result, time.perf_counter() - started))
 
         thread = threading.Thread(target=run, name=f"lightning_rlhf {call.role}.{call.method}", daemon=True)
@@ -205,19 +189,11 @@ class _BackgroundParts:
 class Controller:
     """Routes role calls from rank 0 to all ranks and back. One instance per process.
 
-    Args:
-        roles: resolves a role name to this process's role object.
-        rank: this process's global rank.
-        world_size: number of processes.
-        error_timeout_s: how long a rank may stay blocked after another rank posted an error before the
-            watchdog ends the process; also how long a rank on another host may miss heartbeats.
-        children: this process's child processes that are ranks (Lightning's launcher makes ranks 1.. children
-            of rank 0): their exit status names how they died.
-        stop_requested: returns the signal number of a stop asked of this rank (0 if none).
-        pools: each role's ranks (a role not named is on every rank).
-        groups: each role's data-parallel process group on this rank (None or absent: all ranks).
-        reply_stats: what each rank reports with every reply (kept per rank in :attr:`memory_peaks`; the strategy
-            passes :func:`lightning_rlhf.perf.memory_peaks`).
+    ``error_timeout_s``: how long a rank may stay blocked after another rank posted an error before the watchdog
+    ends the process; also how long a rank on another host may miss heartbeats. ``children``: this process's child
+    processes that are ranks (their exit status names how they died). ``pools``: each role's ranks (a role not named
+    is on every rank); ``groups``: each role's data-parallel group on this rank. ``reply_stats``: what each rank
+    reports with every reply (kept per rank in :attr:`memory_peaks`).
     """
 
     def __init__(
@@ -234,7 +210,7 @@ class Controller:
         reply_stats: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self._roles = roles
-        self._reply_stats = reply_stats  # read on every rank with each reply (the strategy's: memory peaks)
+        self._reply_stats = reply_stats
         self._pools = {role: tuple(ranks) for role, ranks in (pools or {}).items()}
         self._groups = dict(groups or {})
         self.rank = rank
@@ -285,11 +261,8 @@ class Controller:
         self, step_fn: Callable[[], Any], logs: list[tuple[str, float, dict[str, Any]]], *, track_stop: bool = False
     ) -> Any:
         """Run ``step_fn`` (the module's training or validation step) as the controller, then release the workers.
-
-        Runs on: controller (rank 0). ``logs`` is filled by the module while the step runs and is replayed
-        on the workers, so every rank sees the same logged metrics (callbacks that monitor them work). With
-        ``track_stop`` (training steps) the end-of-step message carries the stop decision (``stop_signum``).
-        """
+        Runs on: controller (rank 0). ``logs``, filled by the module during the step, is replayed on the workers; with
+        ``track_stop`` (training steps) the end-of-step message carries the stop decision (``stop_signum``)."""
         self._last_where = None
         try:
             with controller_active(self):
@@ -302,13 +275,8 @@ class Controller:
                 raise
             if self.world_size > 1 and not isinstance(err, WorkerError):
                 _post_error(self._store, f"controller (rank 0) failed:\n{traceback.format_exc()}")
-            try:
-                self._scatter([_Abort(repr(err))] * self.world_size)
-            except Exception as abort_err:
-                died = self._dead_peer(abort_err)
-                if died is not None:
-                    raise died from err
-                raise
+            abort = [_Abort(repr(err))] * self.world_size
+            self._communicate(lambda: self._scatter(abort))
             raise
         self.stop_signum = self._decide_stop() if track_stop else 0
         self._communicate(lambda: self._scatter([_EndStep(logs, self.stop_signum)] * self.world_size))
@@ -320,11 +288,9 @@ class Controller:
         if signum or self._store is None:
             return signum
         try:
-            if self._store.check([STOP_KEY]):
-                return int(self._store.get(STOP_KEY))
+            return int(self._store.get(STOP_KEY)) if self._store.check([STOP_KEY]) else 0
         except Exception:
             return 0
-        return 0
 
     def pool(self, role: str) -> tuple[int, ...]:
         """The ranks that hold ``role``. Runs on: any rank."""
@@ -332,44 +298,34 @@ class Controller:
 
     def call(self, role: Role, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Distribute one role call by its declared protocol over the role's pool and return the merged result.
-
-        Runs on: controller (rank 0), from inside a role method called in a training or validation step.
-        """
+        Runs on: controller (rank 0), from inside a role method called in a training or validation step."""
         return self.call_many([(role, method, args, kwargs)])[0]
 
     def call_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-        """Run several role calls in one exchange and return their merged results, in order.
+        """Run several role calls in one exchange (each rank runs its parts in order) and return their merged results.
 
-        Runs on: controller (rank 0), at the end of a ``concurrently()`` block (or for one call). Each rank gets the
-        list of its parts of the calls whose role it holds and runs them in order: calls to disjoint pools run at
-        the same time, calls to one pool one after another. A failure on any rank raises :class:`WorkerError`
-        after every rank has answered. ``last_seconds`` then holds each call's time on its slowest rank.
+        Runs on: controller (rank 0), at the end of a ``concurrently()`` block (or for one call). A failure on any rank
+        raises :class:`WorkerError` after every rank has answered. ``last_seconds`` then holds each call's time on its
+        slowest rank.
         """
         messages, plans, where = self._plan(calls, background=False)
         by_call, self.last_seconds = self._exchange(messages, len(calls), where)
         return [plan.merge([by_call[index][rank] for rank in plan.ranks]) for index, plan in enumerate(plans)]
 
     def start_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[int]:
-        """Start role calls in the background (``in_background()``): each rank starts its parts in threads and
-        replies at once. Returns one handle per call for :meth:`join`.
-
-        Runs on: controller (rank 0). The ranks of a started call take no other call until it is joined.
-        """
+        """Start role calls in the background (``in_background()``); one handle per call for :meth:`join`. Runs on:
+        controller (rank 0). The ranks of a started call take no other call until it is joined."""
         messages, plans, where = self._plan(calls, background=True)
         self._exchange(messages, len(calls), where)
-        tokens = []
-        for index, plan in enumerate(plans):
-            token = self._next_token + index
-            self._in_flight[token] = (f"{calls[index][0].name}.{calls[index][1]}", plan)
-            tokens.append(token)
+        tokens = list(range(self._next_token, self._next_token + len(calls)))
+        for token, (role, method, *_), plan in zip(tokens, calls, plans, strict=True):
+            self._in_flight[token] = (f"{role.name}.{method}", plan)
         self._next_token += len(calls)
         return tokens
 
     def join(self, token: int) -> tuple[Any, float]:
         """Wait for a background call on every rank of its pool; its merged result and its time on the slowest rank.
-
-        Runs on: controller (rank 0), from :meth:`~lightning_rlhf.controller.dispatch.RoleFuture.result`.
-        """
+        Runs on: controller (rank 0), from :meth:`~lightning_rlhf.controller.dispatch.RoleFuture.result`."""
         where, plan = self._in_flight.pop(token)
         messages: list[list[Any]] = [[] for _ in range(self.world_size)]
         for rank in plan.ranks:
@@ -384,7 +340,6 @@ class Controller:
         busy = {rank: where for where, plan in self._in_flight.values() for rank in plan.ranks}
         messages: list[list[Any]] = [[] for _ in range(self.world_size)]
         plans: list[_Plan] = []
-        wheres = []
         for index, (role, method, args, kwargs) in enumerate(calls):
             where = f"{role.name}.{method}"
             dispatch = dispatch_of(role, method)
@@ -409,16 +364,14 @@ class Controller:
             if caller is not None:  # as it is now: columns set on it before a background call is read stay out
                 caller = Batch(caller.tensors, caller.columns, caller.meta)
             plans.append(_Plan(dispatch, ranks, caller, writes))
-            wheres.append(where)
-        return messages, plans, " + ".join(wheres)
+        return messages, plans, " + ".join(f"{role.name}.{method}" for role, method, *_ in calls)
 
     def _exchange(self, messages: list[list[Any]], count: int, where: str) -> tuple[list[dict[int, Any]], list[float]]:
         """Send each rank its list, run rank 0's own part, gather the replies: per call, each rank's result; per
         call, its time on its slowest rank. Raises :class:`WorkerError` when any rank failed."""
 
         def exchange() -> list[Any]:
-            mine = self._scatter(messages)
-            return self._gather((self._execute_all(mine), self._reply_stats()))
+            return self._gather((self._execute_all(self._scatter(messages)), self._reply_stats()))
 
         self.where = where
         try:
@@ -457,10 +410,8 @@ class Controller:
 
     # ---------------------------------------------------------------------------------------- worker
     def serve(self, replay_log: Callable[[str, float, dict[str, Any]], None]) -> None:
-        """Serve the controller's role calls until it ends the step.
-
-        Runs on: workers (ranks > 0), once per training step and once per validation batch.
-        """
+        """Serve the controller's role calls until it ends the step. Runs on: workers (ranks > 0), once per training
+        step and once per validation batch."""
         self._last_where = None
         while True:
             with self._busy():
@@ -538,8 +489,6 @@ class Controller:
         """Run a control-plane exchange; a failure caused by a dead rank becomes :class:`RankDiedError`."""
         try:
             return fn()
-        except RankDiedError:
-            raise
         except Exception as err:
             died = self._dead_peer(err)
             if died is not None:
@@ -587,9 +536,7 @@ class Controller:
         return None if self._liveness is None else self._liveness.death
 
     def close(self) -> None:
-        """Stop the watchdog, unless a rank died: then it stays to end this process if the shutdown hangs.
-
-        Runs on: every rank, at teardown.
-        """
+        """Stop the watchdog, unless a rank died: then it stays to end this process if the shutdown hangs. Runs on:
+        every rank, at teardown."""
         if self._watchdog is not None and self.death is None:
             self._watchdog.stop()

@@ -1,19 +1,10 @@
 """Transfer protocols: how a role method's data is split across the workers and gathered back.
 
-A role method declares its protocol once, where it is defined::
-
-    class ActorRole(Role):
-        @role_method(Dispatch.DP_SPLIT)
-        def log_prob(self, batch: Batch) -> Batch: ...
-
-On the controller, during a training step, calling ``self.actor.log_prob(batch)`` sends the call to every
-worker rank, splits ``batch`` by data-parallel rank, runs the method on all ranks as one SPMD program and
-returns the concatenated result. Anywhere else (a single process, a worker executing the call, a unit test)
-the decorated method is a plain method call.
-
-Calls made inside ``with concurrently():`` return :class:`RoleFuture` objects and go out together when the block
-ends: calls to roles on disjoint rank pools run at the same time, calls to roles on the same pool one after
-another, in the order they were written.
+A role method declares its protocol where it is defined (``@role_method(Dispatch.DP_SPLIT)``). On the controller,
+inside a step, a call goes to the ranks of the role's pool, split by the protocol, and their results come back
+merged; anywhere else the method is a plain call. Calls made inside ``with concurrently():`` return
+:class:`RoleFuture` objects and go out together when the block ends. docs/architecture.md ("Transfer protocols")
+has the table of protocols.
 """
 
 from __future__ import annotations
@@ -51,13 +42,11 @@ __all__ = [
 ]
 
 BALANCE_KEY = "dp_split_by_tokens"
-"""``Batch.meta`` flag set by :func:`role_method` on the batch of a ``DP_SPLIT`` call to a role whose
-``balances_ranks`` is true (a token budget for its micro-batches): :func:`split_args` then balances the rows over
-ranks by tokens instead of cutting contiguous chunks."""
+"""``Batch.meta`` flag set by :func:`role_method` on a ``DP_SPLIT`` call's batch when the role ``balances_ranks``:
+:func:`split_args` then balances the rows over ranks by tokens instead of cutting contiguous chunks."""
 COSTS_KEY = "dp_split_costs"
-"""``Batch.meta`` entry set by :func:`role_method` on the batch of a ``DP_SPLIT`` call when the role's
-``split_costs(method, batch)`` gives one cost per row: :func:`split_args` then balances the rows over ranks by those
-costs (whole groups of ``meta["group_size"]`` rows at a time when they divide evenly), before any token balance."""
+"""``Batch.meta`` entry set by :func:`role_method` from the role's ``split_costs(method, batch)`` (one cost per row):
+:func:`split_args` then balances the rows over ranks by those costs, before any token balance."""
 ROWS_KEY = "dp_split_rows"
 """``Batch.meta`` entry of each rank's part of a balanced split: the part's row indices in the caller's batch, which
 :func:`merge_results` uses to put the results back in the caller's order."""
@@ -87,17 +76,14 @@ class _Controller(Protocol):
 
     def call_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]: ...
 
-
-class _Background(Protocol):
     def start_many(self, calls: Sequence[tuple[Role, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]: ...
 
     def join(self, handle: Any) -> tuple[Any, float]: ...
 
 
 class _Stacks(threading.local):
-    """Per thread: the controllers routing role calls, the open ``concurrently()`` blocks and the data-parallel
-    groups of the role calls running (a role call that runs in the background on a worker runs in a thread of its
-    own, with its own stacks)."""
+    """Per thread (a background role call on a worker has its own): the controllers routing role calls, the open
+    ``concurrently()`` blocks and the data-parallel groups of the role calls running."""
 
     def __init__(self) -> None:
         self.active: list[_Controller | None] = []
@@ -110,26 +96,26 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def current_controller() -> _Controller | None:
-    """The controller that is running a training step in this process, if any.
-
-    Runs on: any process. Only rank 0 has one, and only inside the strategy's training or validation step.
-    """
-    active = _STACKS.active
-    return active[-1] if active else None
+    """The controller that is running a training step in this process, if any: only rank 0 has one, only inside
+    the strategy's training or validation step. Runs on: any process."""
+    return _STACKS.active[-1] if _STACKS.active else None
 
 
 @contextlib.contextmanager
-def data_parallel_group(group: Any) -> Iterator[None]:
-    """Make ``group`` (a process group; None: all ranks) the data-parallel group of the role call that runs inside.
-
-    Runs on: a worker rank, around one role method (the controller's worker loop enters it with the role's pool,
-    so the training engine's ``world()`` and all-reduces count only the ranks that hold the role).
-    """
-    _STACKS.groups.append(group)
+def _pushed(stack: list[Any], value: Any) -> Iterator[Any]:
+    """``value`` on top of ``stack`` (one of this thread's :class:`_Stacks`) inside the block."""
+    stack.append(value)
     try:
-        yield
+        yield value
     finally:
-        _STACKS.groups.pop()
+        stack.pop()
+
+
+def data_parallel_group(group: Any) -> contextlib.AbstractContextManager[Any]:
+    """Make ``group`` (a process group; None: all ranks) the data-parallel group of the role call that runs inside,
+    so the training engine's ``world()`` and all-reduces count only the ranks of the role's pool. Runs on: a worker
+    rank, around one role method."""
+    return _pushed(_STACKS.groups, group)
 
 
 def current_group() -> Any:
@@ -137,25 +123,15 @@ def current_group() -> Any:
     return _STACKS.groups[-1] if _STACKS.groups else None
 
 
-class controller_active:
+def controller_active(controller: _Controller | None) -> contextlib.AbstractContextManager[Any]:
     """Route role-method calls through ``controller`` (rank 0, inside a step); ``None`` makes them local
-    again (while a role method itself runs, its calls to other role methods are plain calls)."""
-
-    def __init__(self, controller: _Controller | None) -> None:
-        self._controller = controller
-
-    def __enter__(self) -> None:
-        _STACKS.active.append(self._controller)
-
-    def __exit__(self, *exc: object) -> None:
-        _STACKS.active.pop()
+    again (while a role method itself runs, its calls to other role methods are plain calls). Runs on: any rank."""
+    return _pushed(_STACKS.active, controller)
 
 
 class RoleFuture:
     """The result of a role call made inside :func:`concurrently`; :meth:`result` gives it once the block has ended.
-
-    Runs on: the controller (or the single process of a run without workers).
-    """
+    Runs on: the controller (or the single process of a run without workers)."""
 
     def __init__(self, where: str) -> None:
         self.where = where
@@ -163,15 +139,14 @@ class RoleFuture:
         """How long the call ran on its slowest rank (set with the result)."""
         self._done = False
         self._value: Any = None
-        self._join: tuple[_Background, Any] | None = None  # a call running in the background: how to wait for it
+        self._join: tuple[_Controller, Any] | None = None  # a call running in the background: how to wait for it
 
     def set_result(self, value: Any) -> None:
         """Resolve the future (the block's end does this). Runs on: the controller."""
         self._value, self._done = value, True
 
     def done(self) -> bool:
-        """Whether the result is here (a background call counts once :meth:`result` has waited for it).
-        Runs on: the controller."""
+        """Whether the result is here (a background call's once :meth:`result` waited for it). Runs on: controller."""
         return self._done
 
     def result(self) -> Any:
@@ -224,25 +199,18 @@ class _Recorder:
         return future
 
 
-@contextlib.contextmanager
-def _recording() -> Iterator[_Recorder]:
+def _recording() -> contextlib.AbstractContextManager[_Recorder]:
     """Collect the role calls made inside the block (on this thread) in a :class:`_Recorder`."""
-    recorder = _Recorder(current_controller())
-    _STACKS.recorders.append(recorder)
-    try:
-        yield recorder
-    finally:
-        _STACKS.recorders.pop()
+    return _pushed(_STACKS.recorders, _Recorder(current_controller()))
 
 
 @contextlib.contextmanager
 def concurrently() -> Iterator[None]:
     """Run the role calls made inside the block together; each returns a :class:`RoleFuture`.
 
-    Runs on: the controller, inside a training or validation step (without workers the calls run one by one as they
-    are made). When the block ends, all its calls go to the workers in one exchange: calls to roles on disjoint rank
-    pools run at the same time, calls to roles on the same pool one after another in the order written. A call may
-    not take another call's future from the same block (the calls are independent by construction)::
+    Runs on: the controller, inside a training or validation step (without workers the calls run as they are made).
+    When the block ends, its calls go out in one exchange: calls to disjoint rank pools run at the same time, calls to
+    one pool in the order written. A call may not take another call's future from the same block::
 
         with self.concurrently():
             ref = self.reference.log_prob(rollout)   # pool {2, 3}
@@ -263,14 +231,12 @@ def concurrently() -> Iterator[None]:
 
 @contextlib.contextmanager
 def in_background() -> Iterator[None]:
-    """Start the role calls made inside the block and go on without waiting for them; each returns a
-    :class:`RoleFuture` whose :meth:`~RoleFuture.result` waits for it.
+    """Start the role calls made inside the block (in a thread on each rank of their pools) and go on without waiting;
+    each returns a :class:`RoleFuture` whose :meth:`~RoleFuture.result` waits for it.
 
-    Runs on: the controller, inside a training or validation step (without workers the calls run at once, one by
-    one). When the block ends, its calls go to their pools in one exchange and each rank starts its parts in a thread
-    of its own; the controller then goes on with the step. Calls to roles on other pools run meanwhile; a call to a
-    rank that is still busy with a background call is refused (read the result first), and every background call
-    must be read before the step ends. HybridFlow's asynchronous rollouts are one such call::
+    Runs on: the controller, inside a training or validation step (without workers the calls run at once). A call to
+    a rank still busy with a background call is refused, and every background call must be read before the step
+    ends. HybridFlow's asynchronous rollouts are one such call::
 
         with self.in_background():
             next_rollout = self.rollout.generate(batch)   # the rollout pool samples the next batch ...
@@ -280,7 +246,7 @@ def in_background() -> Iterator[None]:
     with _recording() as recorder:
         yield
     if recorder.calls:
-        controller = cast(_Background, recorder.controller)
+        controller = cast(_Controller, recorder.controller)
         for future, handle in zip(recorder.futures, controller.start_many(recorder.calls), strict=True):
             future._join = (controller, handle)
 
@@ -290,8 +256,7 @@ def collect(rollout: Batch, futures: Mapping[str, Any], metrics: dict[str, float
     metrics merged into one, and each call's time on its slowest rank logged as ``timing_s/<name>``.
 
     Runs on: the controller, after the block (``RLHFModule.collect``). ``None`` entries (a call not made) are
-    skipped. (Role methods are typed by what they return outside a block; inside one they return
-    :class:`RoleFuture`.)
+    skipped; anything else that is not a :class:`RoleFuture` raises ``TypeError``.
     """
     merged: dict[str, float] = {}
     for name, future in futures.items():
@@ -318,23 +283,17 @@ def role_method(
     reads: Sequence[str] | None = None,
     writes: Sequence[str] | Callable[[Any], Sequence[str]] | None = None,
 ) -> Callable[[F], F]:
-    """Declare a role method's transfer protocol, and for a ``DP_SPLIT`` method over a :class:`Batch` which of its
-    columns travel.
+    """Declare a role method's transfer protocol (``dispatch``), and for a ``DP_SPLIT`` method over a
+    :class:`Batch` which of its columns travel.
 
-    Runs on: import time (decorator). The wrapped method runs on the controller (which distributes it) or
-    locally on a worker. On the controller, a ``DP_SPLIT`` call's batch is marked with :data:`BALANCE_KEY` when the
-    role's ``balances_ranks`` is true (the mark is on a shallow copy; the caller's batch is not changed).
+    Runs on: import time (decorator). The wrapped method runs on the controller (which distributes it) or locally on
+    a worker. On the controller, a ``DP_SPLIT`` call's batch is marked with :data:`BALANCE_KEY` when the role's
+    ``balances_ranks`` is true (on a shallow copy). Raises ``ValueError`` for columns declared on another protocol.
 
-    Args:
-        dispatch: the protocol used when the controller calls this method.
-        reads: the columns the method reads (those the batch lacks are skipped): only they go to the workers, with
-            the batch's ``meta``. None: every column.
-        writes: the columns the method adds (or the role's own, from a function of the role, e.g. a name with the
-            role's prefix): only they come back, and the controller returns the caller's batch (a shallow copy, its
-            columns shared) with them set. The method must return its input batch, one row per input row, with
-            these columns set and no other column changed or added (checked on the worker where it can be: a
-            column added but not declared, or a row count changed, is an error). None: the whole batch comes
-            back.
+    ``reads``: the columns the method reads (those the batch lacks are skipped); only they go to the workers, with
+    the batch's ``meta``. ``writes``: the columns the method adds (or a function of the role that gives them): only
+    they come back, set on a shallow copy of the caller's batch. The method must then return its input batch, one
+    row per input row, with no other column changed or added (checked on the worker). None: every column.
     """
     if (reads is not None or writes is not None) and dispatch is not Dispatch.DP_SPLIT:
         raise ValueError(
@@ -352,15 +311,9 @@ def role_method(
             if controller is None:
                 return fn(self, *args, **kwargs) if recorder is None else recorder.add(self, fn, args, kwargs)
             if dispatch is Dispatch.DP_SPLIT and args and isinstance(args[0], Batch):
-                costs = getattr(self, "split_costs", None)
-                args = (
-                    _mark_balance(
-                        args[0],
-                        bool(getattr(self, "balances_ranks", False)),
-                        costs(fn.__name__, args[0]) if costs is not None else None,
-                    ),
-                    *args[1:],
-                )
+                split_costs = getattr(self, "split_costs", None)
+                costs = split_costs(fn.__name__, args[0]) if split_costs is not None else None
+                args = (_mark_balance(args[0], bool(getattr(self, "balances_ranks", False)), costs), *args[1:])
             if recorder is not None:
                 return recorder.add(self, fn, args, kwargs)
             return controller.call(self, fn.__name__, args, kwargs)
@@ -374,8 +327,7 @@ def role_method(
 
 def dispatch_of(role: Role, method: str) -> Dispatch:
     """The protocol declared on ``role.method``; a clear error if the method has none."""
-    fn = getattr(type(role), method, None)
-    proto = getattr(fn, "__rlhf_dispatch__", None)
+    proto = getattr(getattr(type(role), method, None), "__rlhf_dispatch__", None)
     if proto is None:
         raise TypeError(
             f"`{type(role).__name__}.{method}` has no transfer protocol. "
@@ -385,9 +337,7 @@ def dispatch_of(role: Role, method: str) -> Dispatch:
 
 
 def columns_of(role: Role, method: str) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
-    """The columns ``role.method`` declares it reads and writes (:func:`role_method`; None: all).
-
-    Runs on: controller and workers."""
+    """The columns ``role.method`` declares it reads and writes (None: all). Runs on: controller and workers."""
     reads, writes = getattr(getattr(type(role), method, None), "__rlhf_columns__", (None, None))
     if callable(writes):
         writes = writes(role)
@@ -396,11 +346,9 @@ def columns_of(role: Role, method: str) -> tuple[tuple[str, ...] | None, tuple[s
 
 def only_written(where: str, inputs: Mapping[str, Any], result: Any, writes: Sequence[str]) -> Batch:
     """What a worker sends back of a ``DP_SPLIT`` call that declares ``writes``: those columns of ``result`` (and its
-    meta). ``inputs`` are the columns of the batch the method was given, as they were before the call. Raises when
-    ``result`` does not have one row per input row, or adds or replaces a column it does not declare (it would be
-    lost on the way back; a tensor changed in place cannot be seen).
-
-    Runs on: worker."""
+    meta). ``inputs`` are the columns of the batch the method was given, as they were before the call. Runs on: worker.
+    Raises when ``result`` does not have one row per input row, or adds or replaces a column it does not declare (it
+    would be lost on the way back; a tensor changed in place cannot be seen)."""
     rows = len(next(iter(inputs.values()))) if inputs else 0
     if not isinstance(result, Batch) or len(result) != rows:
         got = f"{len(result)} rows" if isinstance(result, Batch) else type(result).__name__
@@ -444,10 +392,7 @@ def split_args(
     reads: Sequence[str] | None = None,
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]] | None]:
     """Arguments for each rank (``None``: the rank skips the call); a ``DP_SPLIT`` batch holds only the columns in
-    ``reads`` (None: all).
-
-    Runs on: controller.
-    """
+    ``reads`` (None: all). Runs on: controller. Raises for a ``DP_SPLIT`` call without a batch that splits evenly."""
     if dispatch is Dispatch.ONE_TO_ALL:
         return [(args, kwargs)] * world_size
     if dispatch is Dispatch.RANK_ZERO:
@@ -529,18 +474,12 @@ def _grouped_partition(costs: list[int], group: int, parts: int) -> list[list[in
 
 
 def balanced_partition(lengths: Sequence[int] | Sequence[tuple[int, ...]], parts: int) -> list[list[int]]:
-    """Split rows into ``parts`` groups of equal size whose token sums are balanced.
+    """Split rows (``lengths``: each row's tokens, or its segments' tokens) into ``parts`` groups of equal size whose
+    token sums are balanced.
 
-    Runs on: the controller (splitting a ``DP_SPLIT`` rollout batch over ranks) or any process; deterministic.
-    Rows go in descending order of their length (a tuple counts its sum; ties: lower index first) to the group
-    with the fewest tokens that still has room (ties: lower group): the longest-processing-time rule with a room
-    limit per group. Each group's indices come back ascending, so within a rank the rows keep the batch's order
-    (mini-batches still take rows in that order). Also exported by
-    :mod:`lightning_rlhf.engines.train.microbatch`, beside the micro-batch planner.
-
-    Args:
-        lengths: per row, its tokens (int) or its segments' tokens (tuple).
-        parts: number of groups; ``len(lengths)`` must be divisible by it.
+    Runs on: any process; deterministic. The longest-processing-time rule with a room limit per group: rows in
+    descending order of length (ties: lower index) go to the group with the fewest tokens that has room (ties: lower
+    group). Each group's indices come back ascending. Raises ``ValueError`` when ``parts`` does not divide the rows.
     """
     totals = [int(x) if isinstance(x, int) else int(sum(x)) for x in lengths]
     if parts < 1 or len(totals) % parts:
@@ -559,21 +498,18 @@ def balanced_partition(lengths: Sequence[int] | Sequence[tuple[int, ...]], parts
 
 
 def merge_results(dispatch: Dispatch, results: Sequence[Any]) -> Any:
-    """Combine per-rank results into the controller's return value.
-
-    Runs on: controller. Batches are concatenated in rank order, then, when the split was balanced by tokens
-    (each part's ``meta[ROWS_KEY]``), put back in the caller's row order; dicts of numbers are averaged over ranks
-    (``*_max``/``*_min`` keys keep their extreme; a key is averaged over the ranks that report it); anything else
-    comes from rank 0.
+    """Combine per-rank results into the controller's return value: batches concatenated (in the caller's row order
+    after a balanced split), dicts of numbers averaged over the ranks that report each key (``*_max``/``*_min`` keys
+    keep their extreme), anything else rank 0's. Runs on: controller.
     """
     if dispatch is not Dispatch.DP_SPLIT:
         return results[0]
     first = results[0]
     if isinstance(first, Batch):
         return _merge_batches(list(results))
-    if len(results) == 1:
-        return first
-    if isinstance(first, dict):  # a key some ranks lack (e.g. one that trained no sample) comes from the others
+    if (
+        isinstance(first, dict) and len(results) > 1
+    ):  # a key some ranks lack (e.g. one that trained no sample) comes from the others
         keys = dict.fromkeys(k for r in results if isinstance(r, dict) for k in r)
         return {k: _reduce(k, [r[k] for r in results if isinstance(r, dict) and k in r]) for k in keys}
     return first
@@ -586,9 +522,7 @@ def _merge_batches(results: list[Any]) -> Batch:
     merged = results[0] if len(results) == 1 else Batch.cat(results)
     if any(r is not None for r in rows):
         bad = [
-            rank
-            for rank, (r, part) in enumerate(zip(rows, results, strict=True))
-            if r is None or not isinstance(part, Batch) or len(r) != len(part)
+            rank for rank, (r, part) in enumerate(zip(rows, results, strict=True)) if r is None or len(r) != len(part)
         ]
         if bad:
             raise RuntimeError(

@@ -1,11 +1,9 @@
 """Process launchers: Lightning's, minus the observer that SIGKILLs rank 0 when a child dies, plus the checks the
 strategy hands them (the resume path, the placement), run before anything starts.
 
-Lightning's ``_SubprocessScriptLauncher`` runs a thread that, within 5 s of a child rank exiting non-zero,
-SIGKILLs every process including rank 0, so nothing could name the dead rank. Here that thread defers to the
-strategy's watchdog (which names the rank and the role call, then ends the run) while the watchdog is running,
-and stands aside during a preemption exit; outside those times it does what Lightning's does. The Lightning
-internals involved live in :mod:`lightning_rlhf.compat.lightning`.
+Lightning's child observer SIGKILLs every process within 5 s of a child rank exiting non-zero, so nothing could name
+the dead rank; here it defers to the strategy's watchdog while that runs, and stands aside during a preemption exit
+(docs/faults.md). The Lightning internals involved live in :mod:`lightning_rlhf.compat.lightning`.
 """
 
 from __future__ import annotations
@@ -52,16 +50,9 @@ def _run_checks(
         check(arguments, fitting)
 
 
-def _observer_defers() -> bool:
-    """Whether Lightning's child observer should stand aside now. Runs on: rank 0 (the observer thread)."""
-    return _WATCHDOG_RUNNING[0] or exit_expected()
-
-
 class RLHFLauncher(SubprocessScriptLauncher):
-    """Lightning's subprocess launcher with a child observer that defers to the strategy's watchdog.
-
-    Runs on: rank 0 (it starts ranks 1.. as its children).
-    """
+    """Lightning's subprocess launcher with a child observer that defers to the strategy's watchdog. Runs on: rank 0
+    (it starts ranks 1.. as its children)."""
 
     def __init__(self, *args: Any, checks: Sequence[LaunchCheck] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,7 +63,8 @@ class RLHFLauncher(SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         _run_checks(self.checks, function, args, kwargs, trainer)
-        start_subprocess_ranks(self, defer_observer=_observer_defers)
+        # Lightning's child observer (a thread of rank 0) stands aside while the watchdog runs or the run is exiting.
+        start_subprocess_ranks(self, defer_observer=lambda: _WATCHDOG_RUNNING[0] or exit_expected())
         return function(*args, **kwargs)
 
 

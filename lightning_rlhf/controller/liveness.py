@@ -1,24 +1,9 @@
 """Which ranks are alive, and the watchdog thread that ends a process that can no longer make progress.
 
-At set-up every rank publishes its pid and host in the rendezvous store. The watchdog thread of every rank then
-polls, twice a second:
-
-- the error another rank posted (a role method raised while this rank may be stuck in a collective);
-- whether each other rank is still alive: a rank that is this process's child (Lightning's launcher makes ranks
-  1.. children of rank 0) by ``Popen.poll``, which gives its real exit status or signal; a rank on the same machine
-  by its pid (gone, or a zombie); a rank on another machine by its heartbeat key in the store; and, on a worker,
-  rank 0 by the store itself (it lives in rank 0's process, or in torchrun's agent on node 0).
-
-"The same machine" means the same host name, kernel boot and pid namespace (:func:`machine_id`), not the host name
-alone: two containers, or two nodes with the same host name, must not compare each other's pids. Several "nodes"
-on one machine (torchrun on loopback) do share pids, so there their ranks are checked by pid, but a rank is taken
-for this process's child only if it runs on this machine and its pid is one this process started.
-
-A dead rank is recorded once (``Death``) and posted to the store for the other ranks. The main thread, whose
-collective fails with gloo's "Connection closed by peer", asks :meth:`Liveness.wait_for_death` and raises
-:class:`RankDiedError` naming the rank, its pid, how it died and the role call in flight. If the main thread
-stays blocked (NCCL, or a collective that never errors), the watchdog prints the same message and ends the
-process with exit code 1 after a grace period.
+Every rank publishes its pid and machine (:func:`machine_id`) in the rendezvous store; the watchdog polls twice a
+second for an error another rank posted and for a dead rank (a child by ``Popen.poll``, a rank on this machine by
+its pid, one elsewhere by its heartbeat). The main thread raises :class:`RankDiedError` when its collective fails;
+if it stays blocked, the watchdog prints the error and exits after a grace period. docs/faults.md has the details.
 """
 
 from __future__ import annotations
@@ -50,10 +35,8 @@ _EXPECTED_EXIT = threading.Event()
 
 
 def expect_exit() -> None:
-    """Mark this process as shutting down on purpose (a preemption): peers that exit now are not a fault.
-
-    Runs on: any rank.
-    """
+    """Mark this process as shutting down on purpose (a preemption): peers that exit now are not a fault. Runs on:
+    any rank."""
     _EXPECTED_EXIT.set()
 
 
@@ -64,24 +47,15 @@ def exit_expected() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Death:
-    """How a rank died, as known to the rank that saw it.
-
-    Attributes:
-        rank: the dead rank.
-        pid: its process id.
-        host: its host name.
-        signal: the signal that killed it (from its parent's ``waitpid``), if known.
-        exit_code: its exit status, if it exited and this is known.
-        how: how the death was seen when neither status is known (e.g. "its process is gone").
-        where: the role call the observer had in flight, if any.
-    """
+    """How a rank died, as known to the rank that saw it: its rank, pid and host name, and the role call the
+    observer had in flight (``where``), if any."""
 
     rank: int
     pid: int
     host: str
-    signal: int | None = None
-    exit_code: int | None = None
-    how: str = "its process is gone; its exit status is known only to its parent process"
+    signal: int | None = None  # the signal that killed it (from its parent's ``waitpid``), if known
+    exit_code: int | None = None  # its exit status, if it exited and this is known
+    how: str = "its process is gone; its exit status is known only to its parent process"  # when neither is known
     where: str | None = None
 
     def describe(self) -> str:
@@ -103,11 +77,8 @@ def _signal_name(signum: int) -> str:
 
 class RankDiedError(RuntimeError):
     """Another rank's process died while this one needed it; raised instead of the backend's connection error.
-
-    Attributes:
-        death: what is known of the dead rank (:class:`Death`).
-        where: the role call this rank had in flight (or was waiting after).
-    """
+    ``death``: what is known of the dead rank; ``where``: the role call this rank had in flight (or was waiting
+    after)."""
 
     def __init__(self, death: Death, where: str | None) -> None:
         self.death = death
@@ -121,12 +92,9 @@ class RankDiedError(RuntimeError):
 
 
 def machine_id() -> str:
-    """Identify where this process's pids mean something: ``host|boot id|pid namespace``.
-
-    Two processes with the same value see the same pids (``os.kill(pid, 0)`` and ``/proc/<pid>`` are about the
-    same process); any other pair must not compare pids. Parts that cannot be read (not Linux) are left empty.
-
-    Runs on: any process.
+    """Identify where this process's pids mean something: ``host|boot id|pid namespace``. Two processes with the same
+    value see the same pids; any other pair must not compare pids. Parts that cannot be read (not Linux) are left
+    empty. Runs on: any process.
     """
     boot = ""
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
@@ -154,15 +122,8 @@ def _is_alive_locally(pid: int) -> bool:
 
 
 class Liveness:
-    """Knows every rank's pid, host and machine (:func:`machine_id`) and tells whether one of them died.
-
-    Args:
-        store: the rendezvous store (``torch.distributed`` ``Store``).
-        rank: this process's rank.
-        world_size: number of ranks.
-        children: this process's child processes (``subprocess.Popen``), e.g. the ranks Lightning launched.
-        heartbeat_timeout_s: a rank on another machine whose heartbeat has not moved for this long is dead.
-    """
+    """Knows every rank's pid, host and machine (:func:`machine_id`) and tells whether one of them died (a rank on
+    another machine: when its heartbeat has not moved for ``heartbeat_timeout_s``)."""
 
     def __init__(
         self,
@@ -189,11 +150,8 @@ class Liveness:
         self.where: Callable[[], str | None] = lambda: None
 
     def publish(self) -> None:
-        """Publish this rank's pid, host and machine, then read every other rank's (blocks until all have
-        published).
-
-        Runs on: every rank, at set-up (after the process group exists).
-        """
+        """Publish this rank's pid, host and machine, then read every other rank's (blocks until all have published).
+        Runs on: every rank, at set-up (after the process group exists)."""
         info = {"pid": os.getpid(), "host": self.host, "machine": self.machine}
         self._store.set(_RANK_KEY.format(self.rank), json.dumps(info))
         for r in range(self.world_size):
@@ -211,10 +169,8 @@ class Liveness:
         self._store.add(_BEAT_KEY.format(self.rank), 1)
 
     def check(self) -> Death | None:
-        """One look at every other rank; returns (and remembers) the first death found.
-
-        Runs on: any rank (watchdog thread, or the main thread after a failed collective).
-        """
+        """One look at every other rank; returns (and remembers) the first death found. Runs on: any rank (watchdog
+        thread, or the main thread after a failed collective)."""
         with self._lock:
             if self.death is None:
                 self.death = self._find_death()
@@ -234,9 +190,7 @@ class Liveness:
         if posted is not None:
             return posted
         for r, (pid, host) in self.peers.items():
-            if r == self.rank:
-                continue
-            death = self._death_of(r, pid, host)
+            death = None if r == self.rank else self._death_of(r, pid, host)
             if death is not None:
                 # Rank 0 and first-hand observers (its parent, or any rank on its machine, which saw its pid go)
                 # tell the others: ranks on other machines would only notice its heartbeat stop, much later.
@@ -295,19 +249,11 @@ class Liveness:
 class Watchdog:
     """Ends this process if it cannot make progress: another rank posted an error, or died.
 
-    After an error is posted, a rank blocked in a control-plane exchange (``busy``) is ended after
-    ``timeout_s``, any other rank after three times that. After a death, the main thread gets ``grace_s`` to
-    raise :class:`RankDiedError` and exit on its own; then the watchdog prints the error and exits with 1.
-
-    Args:
-        store: the rendezvous store.
-        rank: this process's rank.
-        timeout_s: see above (``RLHFStrategy(worker_error_timeout_s=...)``).
-        liveness: the dead-rank detector, or None to watch posted errors only.
-        stop_flag: returns the signal number of a stop this rank was asked for (0 if none); posted to the
-            store so rank 0 sees it.
-        grace_s: see above.
-        poll_s: polling period.
+    After an error is posted, a rank blocked in a control-plane exchange (``busy``) is ended after ``timeout_s``
+    (``RLHFStrategy(worker_error_timeout_s=...)``), any other rank after three times that. After a death, the main
+    thread gets ``grace_s`` to raise :class:`RankDiedError` and exit on its own; then the watchdog prints the error
+    and exits with 1. ``stop_flag``: the signal number of a stop this rank was asked for (0 if none), posted to the
+    store so rank 0 sees it.
     """
 
     def __init__(
@@ -316,8 +262,8 @@ class Watchdog:
         rank: int,
         timeout_s: float,
         *,
-        liveness: Liveness | None = None,
-        stop_flag: Callable[[], int] | None = None,
+        liveness: Liveness,
+        stop_flag: Callable[[], int],
         grace_s: float = 10.0,
         poll_s: float = 0.5,
     ) -> None:
@@ -343,7 +289,7 @@ class Watchdog:
 
     def post_stop(self) -> None:
         """Post this rank's stop request (a preemption signal) once, for rank 0 to read. Runs on: any rank."""
-        signum = self._stop_flag() if self._stop_flag is not None else 0
+        signum = self._stop_flag()
         if signum and not self._stop_posted:
             with contextlib.suppress(Exception):
                 self._store.compare_set(STOP_KEY, "", str(signum))
@@ -354,7 +300,7 @@ class Watchdog:
         death_seen_at: float | None = None
         while not self._stop.wait(self._poll_s):
             self.post_stop()
-            if self._liveness is not None and not exit_expected():
+            if not exit_expected():
                 with contextlib.suppress(Exception):
                     self._liveness.beat()
                 death = self._liveness.check()
@@ -365,10 +311,8 @@ class Watchdog:
                     continue
             try:
                 posted = self._store.check([ERROR_KEY])
-            except Exception:  # rank 0's store is gone: the run is over, do not linger
+            except Exception:  # rank 0's store is gone: a death the liveness check names, or a posted error
                 posted = error_seen_at is not None
-                if not posted and self._liveness is None:
-                    return
             if not posted:
                 continue
             error_seen_at = error_seen_at or time.monotonic()
@@ -386,6 +330,5 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
-        if self._liveness is not None:
-            self._liveness.kill_children()
+        self._liveness.kill_children()
         os._exit(1)

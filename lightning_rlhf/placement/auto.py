@@ -1,12 +1,9 @@
 """``RLHFStrategy(placement="auto")``: the planner's placement for this run, and the sizes the placement checks use.
 
-The planner (:mod:`placement.cost_model`) predicts the step time of every colocation choice and device split from
-a cost model. Here it gets this run's inputs: the module's model roles (the actor, and a critic, reference or reward
-that is a model), the actor's shape from its ``config.json``, one step's workload from the data module and the
-rollout settings, and the hardware. On a CPU machine the hardware is calibrated here (matmul peak of one process,
-memory bandwidth, host time per layer and per role call, what the actor's own shapes reach of the peak, and the
-cores the ranks share: a few seconds); on a GPU it comes from the datasheet of the device's model. Roles the planner
-does not model (a reward function, a role a subclass added) go with the actor.
+The planner (:mod:`.cost_model`) gets this run's model roles, the actor's shape from its ``config.json``, one step's
+workload from the data module and the rollout settings, and the hardware: calibrated here on CPUs (a few seconds),
+from the device's datasheet on GPUs. Roles the planner does not model (a reward function, a role a subclass added)
+go with the actor.
 """
 
 from __future__ import annotations
@@ -46,17 +43,14 @@ def role_state_bytes(role: Role) -> float:
     params = role_params(role)
     if params is None or getattr(role, "base", None) is not None:  # LoRA's reference: the actor's base, adapters off
         return 0.0
-    if getattr(role, "lora", None) is not None:  # a frozen base; the adapters' state is a small share of it
-        return float(torch.finfo(role.dtype).bits // 8) * params
-    per = 16.0 if role.trainable else float(torch.finfo(role.dtype).bits // 8)
-    return per * params
+    if getattr(role, "lora", None) is None and role.trainable:  # LoRA: a frozen base (the adapters are a small share)
+        return 16.0 * params
+    return float(torch.finfo(role.dtype).bits // 8) * params
 
 
 def rank_memory_bytes(device: torch.device, processes_per_node: int) -> float:
-    """The memory one rank may use: its GPU's, or this machine's RAM shared by the node's processes.
-
-    Runs on: every process, at set-up.
-    """
+    """The memory one rank may use: its GPU's, or this machine's RAM shared by the node's processes. Runs on: every
+    process, at set-up."""
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -82,14 +76,12 @@ def _hardware(world_size: int, shape: cost_model.ModelShape, workload: cost_mode
 
 
 def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int]]:
-    """The planner's fastest placement of ``module``'s roles on ``world_size`` ranks (role -> ranks).
-
-    Runs on: rank 0, in the strategy's ``setup_environment`` (the strategy broadcasts the answer), before any model
-    loads. Raises :class:`~lightning_rlhf.placement.cost_model.InfeasiblePlacementError` when nothing fits in memory.
+    """The planner's fastest placement of ``module``'s roles on ``world_size`` ranks (role -> ranks). Runs on: rank 0,
+    in the strategy's ``setup_environment``, before any model loads. Raises
+    :class:`~lightning_rlhf.placement.cost_model.InfeasiblePlacementError` when nothing fits in memory.
     """
     roles = module.roles()
-    actor = roles.get("actor")
-    path = getattr(actor, "path", None)
+    path = getattr(roles.get("actor"), "path", None)
     if not isinstance(path, str):
         raise ValueError("RLHFStrategy(placement='auto') plans around the actor's model: the module has no actor path.")
     planned = [name for name, role in roles.items() if name in cost_model.ROLES and role_params(role) is not None]
@@ -119,13 +111,9 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
         engine_servers=getattr(module.trainer.strategy, "rollout", None) == "vllm",
     )
     # The actor's pool first, so that it starts at rank 0, beside the controller (exports, sample logs).
-    order = sorted(range(len(best.groups)), key=lambda i: "actor" not in best.groups[i])
-    best = dataclasses.replace(
-        best,
-        groups=tuple(best.groups[i] for i in order),
-        devices=tuple(best.devices[i] for i in order),
-        memory=tuple(best.memory[i] for i in order),
-    )
+    pools = sorted(zip(best.groups, best.devices, best.memory, strict=True), key=lambda pool: "actor" not in pool[0])
+    groups, devices, memory = zip(*pools, strict=True)
+    best = dataclasses.replace(best, groups=groups, devices=devices, memory=memory)
     placement: dict[str, list[int]] = best.to_json()["placement"]
     chosen = {name: placement.get(name, placement["actor"]) for name in roles}
     print(

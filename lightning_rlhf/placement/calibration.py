@@ -62,14 +62,10 @@ def measure_host_overheads(repeats: int = 5, *, timer: Callable[[], float] = tim
     (the transformers engine's own loop) and of one training micro-batch (forward and backward), from the
     difference between a 1-layer and a 5-layer random Qwen2 of width 32, where the arithmetic is negligible.
 
-    Runs on: the calling process (about 2 s). The default clock is the calling thread's CPU time
-    (``time.thread_time``: a width-32 model's operations, backward included, run on the calling thread), so the
-    time other jobs take the cores away is not counted: the figures are those of a process with a core to itself,
-    as the cost model wants them (:func:`core_share` accounts for the run's own processes sharing cores). Each size
-    is timed ``repeats`` times, the two sizes in turn (a burst of load falls on both alike), and each keeps its
-    fastest time (load only ever adds time). A cost is never negative: should the 5-layer model still come out
-    faster, that cost is taken as 0 with a warning. ``timer``: the clock in seconds (a parameter, so that tests can
-    give the timings).
+    Runs on: the calling process (about 2 s). ``timer`` defaults to the thread's CPU time, so time other jobs take
+    is not counted (the cost model wants a process with a core to itself). Each size is timed ``repeats`` times, the
+    two in turn (a burst of load falls on both alike), keeping its fastest time; a negative cost is taken as 0 with
+    a warning. Raises ``ValueError`` for ``repeats`` below 1.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -137,11 +133,8 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     vocabulary, timed (best of ``repeats``), the per-layer host time subtracted, and divided by their FLOPs at
     ``hw.flops``.
 
-    Runs on: the calling process, on CPUs (its thread count is the one measured; a second or two for models of a
-    few million parameters, growing with the width). The large-matmul peak overstates what a small model's shapes
-    reach, which is what these factors correct. With one torch thread the timings are the thread's CPU time (other
-    jobs on the machine do not lower the factors); with more, wall time. Returns a new :class:`Hardware`; ``hw`` is
-    unchanged.
+    Runs on: the calling process, on CPUs, with its thread count (seconds). These factors correct what the
+    large-matmul peak overstates of a small model's shapes. Returns a new :class:`Hardware`.
     """
 
     import torch
@@ -161,13 +154,12 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
         prompts=wl.prompts, n=wl.n, prompt_len=prompt_len, response_len=response_len,
         micro_tokens=min(wl.micro_tokens, 1024),
     )  # fmt: skip
-    head_dim = model.hidden // model.heads
     config = Qwen2Config(
         vocab_size=shape.vocab, hidden_size=model.hidden, intermediate_size=model.intermediate,
         num_hidden_layers=layers, num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
         max_position_embeddings=wl.prompt_len + wl.response_len + 1, tie_word_embeddings=False,
     )  # fmt: skip
-    config.head_dim = head_dim
+    config.head_dim = model.hidden // model.heads
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     net = Qwen2ForCausalLM(config)
@@ -225,10 +217,8 @@ def fit_call_costs(
     call (``forward_s``) and each training call (``train_s``) took beyond what the cost model gives its compute,
     all calls of the run on one pool of ``devices``.
 
-    Runs on: any process (arithmetic). The calibration step of ``benchmarks/placement_validation.py``: it fits on a
-    colocated run and predicts the other placements. On oversubscribed CPU cores (:func:`core_share` of the
-    ``devices`` busy processes below 1) the measured times are scaled back to a process with its cores to itself,
-    as :func:`predict` scales them up. Returns a new :class:`Hardware`; the costs are never negative.
+    Runs on: any process (arithmetic). Times measured on oversubscribed CPU cores are scaled back by
+    :func:`core_share`. Returns a new :class:`Hardware`; the costs are never negative.
     """
     import statistics
 
@@ -246,25 +236,26 @@ CALL_COSTS_FILE = "placement_call_costs.json"
 leaves the call costs it fitted, for ``plan --device-type cpu`` and ``placement="auto"`` on the same machine."""
 
 
-def _call_costs_key(model: ModelShape, processes: int) -> str:
+def _call_costs_entry(model: ModelShape, processes: int, cache_dir: str | None) -> tuple[str, str]:
+    """The file of the saved call costs, and the key of ``model``'s on this CPU with ``processes`` ranks."""
+    import os
+
+    from lightning_rlhf.config.models import embedded_cache_dir
     from lightning_rlhf.perf import cpu_model_name
 
-    return (
-        f"{cpu_model_name()} | processes={processes} | {model.layers}x{model.hidden}x{model.intermediate}x{model.vocab}"
-    )
+    shape = f"{model.layers}x{model.hidden}x{model.intermediate}x{model.vocab}"
+    key = f"{cpu_model_name()} | processes={processes} | {shape}"
+    return os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE), key
 
 
 def save_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_dir: str | None = None) -> str:
     """Keep ``hw``'s fitted ``call_s`` and ``train_call_s`` for ``model`` on this CPU with ``processes`` ranks; returns
     the file. Runs on: the calibration run's driver."""
-    import os
-
-    from lightning_rlhf.config.models import embedded_cache_dir
     from lightning_rlhf.perf import read_json, write_json
 
-    path = os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)
+    path, key = _call_costs_entry(model, processes, cache_dir)
     table = read_json(path)
-    table[_call_costs_key(model, processes)] = {"call_s": hw.call_s, "train_call_s": hw.train_call_s}
+    table[key] = {"call_s": hw.call_s, "train_call_s": hw.train_call_s}
     write_json(path, table)
     return path
 
@@ -272,14 +263,10 @@ def save_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_di
 def with_saved_call_costs(hw: Hardware, model: ModelShape, processes: int, *, cache_dir: str | None = None) -> Hardware:
     """``hw`` with the call costs a calibration run left for ``model`` on this CPU with ``processes`` ranks, if it
     left any (else ``hw`` as it is). Runs on: the planning process (``plan --device-type cpu``, ``"auto"``)."""
-    import os
-
-    from lightning_rlhf.config.models import embedded_cache_dir
     from lightning_rlhf.perf import read_json
 
-    entry = read_json(os.path.join(cache_dir or embedded_cache_dir(), CALL_COSTS_FILE)).get(
-        _call_costs_key(model, processes)
-    )
+    path, key = _call_costs_entry(model, processes, cache_dir)
+    entry = read_json(path).get(key)
     if not isinstance(entry, dict):
         return hw
     return dataclasses.replace(
@@ -290,11 +277,8 @@ def with_saved_call_costs(hw: Hardware, model: ModelShape, processes: int, *, ca
 def measure_call_overhead(rows: int = 64, length: int = 48, repeats: int = 5) -> float:
     """Seconds of host work one role call costs besides its compute, on this machine: what the control plane does to
     a rollout batch of ``rows`` x ``length`` tokens for 2 ranks (split it, pickle each part and unpickle it, as the
-    scatter does; pickle and unpickle the results, as the gather does; merge them), best of ``repeats``.
-
-    Runs on: the calling process (a fraction of a second). Timed in the calling thread's CPU time (the work is
-    Python on one thread), so other jobs on the machine do not inflate it. The transport itself (gloo over shared
-    memory) is not in it: the validation in ``benchmarks/placement_validation.py`` shows what that leaves out.
+    scatter does; pickle and unpickle the results, as the gather does; merge them), best of ``repeats``, in the
+    thread's CPU time; not the transport itself. Runs on: the calling process (a fraction of a second).
     """
     import pickle
 
@@ -328,12 +312,10 @@ def calibrated_cpu_hardware(
     model: ModelShape, wl: Workload, *, processes: int, memory: float, threads: int
 ) -> Hardware:
     """This machine as the cost model sees it for ``processes`` processes of ``threads`` threads (each with
-    ``memory`` bytes) running ``model`` on ``wl``: the matmul peak of one process (with the threads it has now), the
-    memory bandwidth, the host time per layer and per role call, what the model's shapes reach of the peak
-    (:func:`calibrate_for_shape`), the cores the processes share (oversubscribed ones time-share them,
-    :func:`~.cost_model.core_share`), and the per-call costs a calibration run saved here, if any.
-
-    Runs on: the ``plan`` command's process, or rank 0 for ``placement="auto"`` (a few seconds).
+    ``memory`` bytes) running ``model`` on ``wl``: the matmul peak of one process, the memory bandwidth, the host time
+    per layer and per role call, what the model's shapes reach of the peak, the cores the processes share, and the
+    per-call costs a calibration run saved here, if any. Runs on: the ``plan`` command's process, or rank 0 for
+    ``placement="auto"`` (a few seconds).
     """
     import torch
 

@@ -1,47 +1,12 @@
 """Auto-mapping: choose where each role runs from a cost model (HybridFlow's third idea, issue 12).
 
-A *placement* splits the roles of a dataflow into groups. The roles of a group are colocated: they time-share
-the same devices. Each group gets a pool of its own, and pools are disjoint. Roles on disjoint pools can run
-their calls of one stage at the same time. Roles that share a pool run them one after another. The planner
-enumerates:
+A placement splits the roles of a dataflow into colocated groups, each on a disjoint pool of devices. The planner
+enumerates every set partition of the roles, every split of the devices into pools and the actor's rollout
+tensor-parallel size, predicts each pool's memory and each stage's time, and returns the fastest plan that fits.
+docs/placement.md ("The planner") describes the cost model: compute, communication, memory, shared CPU cores.
 
-1. every set partition of the roles (which roles to colocate);
-2. for each, every split of the devices into pools (in units of a node, coarsened for large clusters);
-3. for each, the actor's rollout tensor-parallel size (its replicas fill the actor's pool).
-
-For each candidate it predicts the memory of every pool and the time of every stage of the dataflow, and it
-returns the fastest plan that fits. Training roles are FSDP-sharded over their whole pool.
-
-The cost model:
-
-- Compute: FLOPs / (devices x peak x efficiency), counting the parameters of the matmuls (all but the input
-  embedding, a lookup).
-  - Training is 6 x parameters x tokens, plus causal attention.
-  - Forwards and prefill are 2 x parameters x tokens.
-  - Decoding is the larger of compute and reading the weights and the KV cache from memory, per decoding step.
-  - Tensor parallelism adds two all-reduces per layer per decoding step.
-- Communication: FSDP's all-gathers and reduce-scatter, overlapped with compute (the step takes the longer of
-  the two), over NVLink inside a node and over the network across nodes.
-- Memory, per device:
-  - a trainable role holds 16 bytes per parameter over its pool (float32 weights, gradients, two Adam moments);
-  - a frozen role holds 2 bytes per parameter (bfloat16);
-  - the rollout engine holds 2 bytes per parameter over its tensor-parallel group, plus the KV cache in
-    whatever memory is left; the KV cache bounds how many sequences decode at once (more waves when it is
-    small).
-
-- CPU processes that need more cores than the machine gives them (:attr:`Hardware.cores`) time-share them: in each
-  stage, every call of a busy pool takes ``1 / core_share`` as long (:func:`core_share`).
-
-The constants come from published datasheets for GPUs (:data:`HARDWARE`) or from this machine's measured
-matmul peak and memory bandwidth (:func:`cpu_hardware`).
-
-What is not modelled yet:
-
-- offloading (optimizer state moved to host memory while the engine generates);
-- pipeline parallelism;
-- asynchronous (off-policy) stages;
-- the calibration of the efficiency factors against measured runs. The GPU factors are the usual
-  large-model figures, and they are a planner's assumptions, not measurements.
+Not modelled yet: offloading, pipeline parallelism, asynchronous (off-policy) stages, and the calibration of the GPU
+efficiency factors against measured runs (they are the usual large-model figures, a planner's assumptions).
 """
 
 from __future__ import annotations
@@ -105,8 +70,7 @@ class Hardware:
     forward_eff: float = 0.55
     """Fraction of the peak a no-grad forward or a prefill reaches."""
     decode_eff: float | None = None
-    """Fraction of the peak a decoding step's compute reaches (None: ``forward_eff``). Decoding's matmuls are
-    ``[sequences, hidden]`` thin; on CPUs, where a step is compute-bound, they reach less than a forward's."""
+    """Fraction of the peak a decoding step's (thin) matmuls reach (None: ``forward_eff``)."""
     bw_eff: float = 0.7
     """Fraction of the memory bandwidth decoding reaches."""
     latency_s: float = 10e-6
@@ -125,15 +89,13 @@ class Hardware:
     train_call_s: float = 0.0
     """Host time a training call adds to ``call_s`` (the optimizer step, gradient clipping, the update's metrics)."""
     cores: float | None = None
-    """CPU cores the run's processes share (:func:`lightning_rlhf.perf.available_cores`); None for devices that do
-    not share their compute (GPUs). The figures above are one process's with ``threads`` cores to itself."""
+    """CPU cores the run's processes share; None for devices that do not share their compute (GPUs). The figures
+    above are one process's with ``threads`` cores to itself."""
     threads: int = 1
-    """Compute threads of each process (torch's intra-op threads); with ``cores``, how many processes fit on the
-    cores before they time-share them (:func:`core_share`)."""
+    """Compute threads of each process (torch's intra-op threads), for :func:`core_share`."""
     server_copy_bw: float = 25e9
-    """Bytes/s of an engine server's hand-off copies: a vLLM actor on part of the ranks generates in a server
-    process per rank, whose weights travel through a shared-memory file (written by the trainer, cloned by the
-    server). GPUs: host copies over PCIe; CPUs: the measured memcpy bandwidth."""
+    """Bytes/s of a vLLM engine server's hand-off copies through its shared-memory file (GPUs: host copies over
+    PCIe; CPUs: the measured memcpy bandwidth)."""
     server_call_s: float = 1e-3
     """Host time one engine-server request adds (pickling the prompts and the results over a Unix socket)."""
 
@@ -171,12 +133,9 @@ def hardware_for(device_type: str) -> Hardware:
 
 def core_share(*, cores: float | None, processes: int, threads: int) -> float:
     """The fraction of its own compute one CPU process gets while ``processes`` processes of ``threads`` threads
-    each run at once on ``cores`` cores: ``min(1, cores / (processes x threads))`` (1 when ``cores`` is None:
-    devices that do not share compute).
-
-    Runs on: any process (arithmetic). The operating system time-slices oversubscribed cores, so each process runs
-    every part of its work (matmuls, Python, copies) ``1 / share`` times as long as it would with its ``threads``
-    cores to itself: 4 single-threaded processes on 2 cores get 0.5 each; 2 of them get 1.
+    each run at once on ``cores`` cores: ``min(1, cores / (processes x threads))`` (1 when ``cores`` is None), as
+    the operating system time-slices oversubscribed cores. Runs on: any process. Raises ``ValueError`` for counts
+    below 1.
     """
     if cores is None:
         return 1.0
@@ -195,23 +154,19 @@ def cpu_hardware(
     memcpy_bw: float,
     memory: float,
     processes: int,
-    collective_bw: float | None = None,
     layer_step_s: float = 0.0,
     layer_micro_s: float = 0.0,
     call_s: float = 0.0,
     cores: float | None = None,
     threads: int = 1,
 ) -> Hardware:
-    """This machine as a pool of ``processes`` CPU workers, from measured figures: ``flops`` (one process's
-    matmul rate with ``threads`` threads), ``memcpy_bw`` (bytes/s), ``memory`` (bytes per process), and the
-    ``cores`` the processes share (:func:`lightning_rlhf.perf.available_cores`; None: as if each had ``threads``
-    cores of its own).
-
-    Runs on: any process. ``collective_bw`` defaults to half the memcpy bandwidth (gloo copies through shared
-    memory twice). CPU kernels on small shapes reach less of the peak than GPUs do: training 0.7, forward 0.6.
-    A stage whose busy processes need more cores than there are runs each call ``1 / core_share`` times as long.
+    """This machine as a pool of ``processes`` CPU workers, from measured figures: ``flops`` (one process's matmul
+    rate with ``threads`` threads), ``memcpy_bw`` (bytes/s), ``memory`` (bytes per process), and the ``cores`` the
+    processes share (None: as if each had ``threads`` cores of its own). Runs on: any process. Collectives get half
+    the memcpy bandwidth (gloo copies through shared memory twice); CPU kernels on small shapes reach less of the
+    peak than GPUs do: training 0.7, forward 0.6.
     """
-    bw = collective_bw if collective_bw is not None else memcpy_bw / 2
+    bw = memcpy_bw / 2
     return Hardware(
         "cpu", flops=flops, memory=memory, hbm_bw=memcpy_bw, intra_bw=bw, inter_bw=bw,
         devices_per_node=processes, train_eff=0.7, forward_eff=0.6, bw_eff=1.0, latency_s=200e-6,
@@ -253,9 +208,9 @@ class ModelShape:
         sides = (self.hidden + q) * 2 + (self.hidden + kv) * 2 + 3 * (self.hidden + self.intermediate)
         return float(rank * self.layers * sides)
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> float:
-        """Bytes of keys and values one token keeps in the KV cache. Runs on: any process."""
-        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * dtype_bytes
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of keys and values (bfloat16) one token keeps in the KV cache. Runs on: any process."""
+        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * 2
 
 
 MODELS: dict[str, ModelShape] = {
@@ -302,9 +257,8 @@ def dataflow_for(roles: Sequence[str], *, old_logprobs: bool | None = None) -> l
     """The stages of a step with these model roles: the actor generates; the reference, reward model and critic
     score the rollout, and the actor computes the old log-probs when the algorithm needs them (independent calls: one
     stage); the actor and the critic update (both read only the scored batch: one stage). ``old_logprobs`` None:
-    when there is a critic (PPO; GRPO's single on-policy update reuses its own detached log-probs).
-
-    Runs on: any process. Raises :class:`InfeasiblePlacementError` without an actor or for an unknown role."""
+    when there is a critic (PPO; GRPO's single on-policy update reuses its own detached log-probs). Runs on: any
+    process. Raises :class:`InfeasiblePlacementError` without an actor or for an unknown role."""
     unknown = sorted(set(roles) - set(ROLES))
     if "actor" not in roles or unknown:
         raise InfeasiblePlacementError(
@@ -346,10 +300,6 @@ class Plan:
         """Predicted seconds per RL step. Runs on: any process."""
         return sum(self.stage_s)
 
-    def pool_of(self, role: str) -> int:
-        """Index of the pool that holds ``role``. Runs on: any process."""
-        return next(i for i, group in enumerate(self.groups) if role in group)
-
     def to_json(self) -> dict[str, Any]:
         """``placement`` (role -> ranks), ``parallel`` (role -> FSDP size, rollout TP and replicas) and
         ``predicted_step_s``, as the ``plan`` command prints them. Runs on: any process."""
@@ -370,12 +320,12 @@ class Plan:
         }
 
 
-def _flow(algorithm: str | list[list[Call]]) -> list[list[Call]]:
-    if not isinstance(algorithm, str):
-        return algorithm
-    if algorithm not in DATAFLOWS:
+def _inputs(hardware: Hardware | str, algorithm: str | list[list[Call]]) -> tuple[Hardware, list[list[Call]]]:
+    """``hardware`` (a device type: its datasheet's) and the stages of ``algorithm`` (a name: its dataflow's)."""
+    hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
+    if isinstance(algorithm, str) and algorithm not in DATAFLOWS:
         raise InfeasiblePlacementError(f"algorithm={algorithm!r}: expected one of {sorted(DATAFLOWS)}.")
-    return DATAFLOWS[algorithm]
+    return hardware, DATAFLOWS[algorithm] if isinstance(algorithm, str) else algorithm
 
 
 def set_partitions(items: Sequence[str]) -> Iterator[list[list[str]]]:
@@ -486,10 +436,9 @@ def _pool_memory(
     training = any(role in TRAINABLE for role in roles)
     activations = wl.micro_tokens * model.hidden * (2.0 * model.layers + 34.0) if training else 0.0
     engine = 2.0 * model.params / tp if "actor" in roles else 0.0
-    budget = hw.memory * hw.usable_memory
     # A colocated engine's weights and training's activations take turns; an engine server's stay.
     fixed = states + (activations + engine if server else max(activations, engine))
-    return fixed, budget - states - engine
+    return fixed, hw.memory * hw.usable_memory - states - engine
 
 
 def predict(
@@ -503,17 +452,15 @@ def predict(
     algorithm: str | list[list[Call]] = "ppo",
     engine_servers: bool = False,
 ) -> Plan:
-    """The cost model's prediction for one placement (``algorithm``: a name in :data:`DATAFLOWS` or the stages
-    of :func:`dataflow_for`; ``hardware``: a :class:`Hardware` or a device type of :data:`HARDWARE`, any case;
-    ``engine_servers``: the rollout engine is vLLM, which serves an actor on part of the devices from one engine
-    server process per device, :mod:`lightning_rlhf.engines.rollout.vllm_server`).
+    """The cost model's prediction for one placement (``algorithm``: a name in :data:`DATAFLOWS` or the stages of
+    :func:`dataflow_for`; ``hardware``: a :class:`Hardware` or a device type, any case; ``engine_servers``: the
+    rollout engine is vLLM, which serves an actor on part of the devices from one engine server per device).
 
     Runs on: any process (the controller, before any model loads). Raises :class:`InfeasiblePlacementError` for a
     role of the dataflow in no pool or in two, a TP size that does not divide the actor's pool, or a pool whose
-    roles do not fit in its memory (the message names the pool and the bytes).
+    roles do not fit in its memory.
     """
-    hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
-    flow = _flow(algorithm)
+    hardware, flow = _inputs(hardware, algorithm)
     needed = sorted({role for stage in flow for role, _ in stage})
     placed = [role for group in groups for role in group]
     if sorted(placed) != needed:
@@ -524,7 +471,8 @@ def predict(
         )
     if len(devices) != len(groups) or any(d < 1 for d in devices):
         raise InfeasiblePlacementError(f"devices {list(devices)}: one positive count per pool ({len(groups)}).")
-    actor_pool = next(i for i, g in enumerate(groups) if "actor" in g)
+    pool_of = {role: i for i, group in enumerate(groups) for role in group}
+    actor_pool = pool_of["actor"]
     if devices[actor_pool] % rollout_tp:
         raise InfeasiblePlacementError(
             f"rollout_tp={rollout_tp} does not divide the actor's pool of {devices[actor_pool]} devices. HINT: pick "
@@ -532,10 +480,10 @@ def predict(
         )
     served = engine_servers and devices[actor_pool] < sum(devices)
     memory, free = [], []
+    budget = hardware.memory * hardware.usable_memory
+    kv_one = model.kv_bytes_per_token() * (workload.prompt_len + workload.response_len) / rollout_tp
     for group, n in zip(groups, devices, strict=True):
         fixed, left = _pool_memory(group, model, workload, hardware, n, rollout_tp, server=served and "actor" in group)
-        budget = hardware.memory * hardware.usable_memory
-        kv_one = model.kv_bytes_per_token() * (workload.prompt_len + workload.response_len) / rollout_tp
         if fixed > budget or ("actor" in group and left < kv_one):
             raise InfeasiblePlacementError(
                 f"pool {list(group)} on {n} x {hardware.name}: needs {fixed / GB:.3g} GB per device (+ KV cache) of "
@@ -545,12 +493,12 @@ def predict(
         free.append(left)
     stage_s = []
     for stage in flow:
-        busy = sorted({next(j for j, g in enumerate(groups) if role in g) for role, _ in stage})
+        busy = {pool_of[role] for role, _ in stage}
         # CPU processes of the pools busy in this stage time-share the cores when they need more than there are.
         share = core_share(cores=hardware.cores, processes=sum(devices[j] for j in busy), threads=hardware.threads)
         per_pool: dict[int, float] = {}
         for role, kind in stage:
-            i = next(j for j, g in enumerate(groups) if role in g)
+            i = pool_of[role]
             n = devices[i]
             if kind == "generate":
                 t = generate_seconds(model, workload, hardware, n, rollout_tp, free[i], server=served)
@@ -573,21 +521,16 @@ def plan(
     algorithm: str | list[list[Call]] = "ppo",
     tp_sizes: Sequence[int] = (1, 2, 4, 8),
     unit: int | None = None,
-    actor_devices: int | None = None,
     engine_servers: bool = False,
 ) -> Plan:
     """The fastest placement that fits: every colocation choice x device split x rollout TP size.
 
     Runs on: any process (the controller, before any model loads). Ties go to fewer pools, then to the order of
-    enumeration. Raises :class:`InfeasiblePlacementError` when nothing fits, with the smallest shortfall.
-    ``hardware``: a :class:`Hardware` or a device type of :data:`HARDWARE` (any case: ``"H100"``).
-    ``unit``: devices per pool step (None: a whole node once there is more than one; 1 splits single processes,
-    as ``RLHFStrategy(placement="auto")`` does for CPU processes). ``actor_devices``: only placements whose actor
-    pool has this many devices. ``engine_servers``: the rollout engine is vLLM (an actor pool smaller than
-    ``devices`` pays its engine servers' hand-off copies, requests and memory; see :func:`predict`).
+    enumeration. Raises :class:`InfeasiblePlacementError` when nothing fits, naming the last candidate's shortfall.
+    ``unit``: devices per pool step (None: a whole node once there is more than one; 1 splits single processes, as
+    ``RLHFStrategy(placement="auto")`` does for CPU processes). ``hardware``, ``engine_servers``: see :func:`predict`.
     """
-    hardware = hardware_for(hardware) if isinstance(hardware, str) else hardware
-    flow = _flow(algorithm)
+    hardware, flow = _inputs(hardware, algorithm)
     roles = sorted({role for stage in flow for role, _ in stage})
     if unit is None:
         unit = hardware.devices_per_node if devices >= hardware.devices_per_node else 1
@@ -603,8 +546,6 @@ def plan(
                 actor_n = split[next(i for i, g in enumerate(groups) if "actor" in g)]
                 if actor_n % tp or tp > hardware.devices_per_node:
                     continue
-                if actor_devices is not None and actor_n != actor_devices:
-                    continue
                 try:
                     candidate = predict(
                         groups, split, tp, model=model, hardware=hardware, workload=workload, algorithm=flow,
@@ -613,8 +554,7 @@ def plan(
                 except InfeasiblePlacementError as err:
                     last_error = err
                     continue
-                key = (candidate.step_s, len(candidate.groups))
-                if best is None or key < (best.step_s, len(best.groups)):
+                if best is None or (candidate.step_s, len(candidate.groups)) < (best.step_s, len(best.groups)):
                     best = candidate
     if best is None:
         raise InfeasiblePlacementError(
@@ -639,14 +579,9 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
 
 
 def shape_of(model: str, *, override: str | None = None) -> ModelShape:
-    """The shape of the actor ``model`` of a recipe. Resolution order:
-
-    1. ``override``: a name in :data:`MODELS`;
-    2. a local folder, or an embedded model, with a ``config.json``;
-    3. :data:`KNOWN_SHAPES`.
-
-    Runs on: the ``plan`` command's process. Raises :class:`InfeasiblePlacementError` naming ``--model-shape`` when
-    none of them applies.
+    """The shape of the actor ``model`` of a recipe: ``override`` (a name in :data:`MODELS`), else a local folder's
+    or an embedded model's ``config.json``, else :data:`KNOWN_SHAPES`. Runs on: the ``plan`` command's process.
+    Raises :class:`InfeasiblePlacementError` naming ``--model-shape`` when none of them applies.
     """
     if override is not None:
         if override not in MODELS:

@@ -28,12 +28,10 @@ __all__ = ["main", "recipe_inputs"]
 
 
 def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[list[Call]], ModelShape, Workload]:
-    """The dataflow, the actor's shape and one step's workload a recipe describes: its module's model roles
-    (a ``critic``; a ``reference``; a ``reward`` that is a model path rather than a function's import path), the
-    data module's ``batch_size`` and ``max_prompt_length``, and ``rollout.n`` and ``rollout.max_new_tokens`` (the
-    defaults of :class:`~lightning_rlhf.config.RolloutConfig` when the recipe leaves them out).
-
-    Runs on: the ``plan`` command's process, before any model loads.
+    """The dataflow, the actor's shape and one step's workload a recipe describes: its module's model roles (a
+    ``reward`` that is a model path, not a function's), the data module's ``batch_size`` and ``max_prompt_length``,
+    and ``rollout.n`` and ``rollout.max_new_tokens`` (:class:`~lightning_rlhf.config.RolloutConfig`'s defaults when
+    the recipe leaves them out). Runs on: the ``plan`` command's process. Raises for a recipe without an actor.
     """
     import yaml
 
@@ -45,11 +43,7 @@ def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[
     data = (config.get("data") or {}).get("init_args") or {}
     if "actor" not in module:
         raise InfeasiblePlacementError(f"{recipe}: no model.init_args.actor. HINT: pass an RLHF recipe.")
-    roles = ["actor"]
-    if module.get("critic"):
-        roles.append("critic")
-    if module.get("reference"):
-        roles.append("reference")
+    roles = ["actor", *(role for role in ("critic", "reference") if module.get(role))]
     reward = module.get("reward")
     if isinstance(reward, str) and (Path(reward).is_dir() or reward.count("/") == 1):  # a folder or "org/name"
         roles.append("reward")
@@ -70,12 +64,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     the fastest placement of the recipe's roles, the predicted time of each stage and, as the last line, one JSON
     object (``placement``, ``parallel``, ``predicted_step_s``, ...). Returns that object.
 
-    Runs on: one process; loads no model. ``--device-type`` takes any case (``H100``). ``--device-type cpu``
-    calibrates on this machine: the matmul peak of one process with the threads Lightning gives each of
-    ``--devices`` processes, the memory bandwidth, the host time per layer and per role call, what the actor's
-    shapes reach of the peak, and the cores the processes share (:func:`.calibration.calibrated_cpu_hardware`): a
-    stage whose busy processes need more cores than there are runs proportionally slower
-    (:func:`.cost_model.core_share`).
+    Runs on: one process; loads no model. ``--device-type`` takes any case (``H100``); ``cpu`` calibrates on this
+    machine (:func:`.calibration.calibrated_cpu_hardware`).
     """
     import argparse
     import json
@@ -102,18 +92,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--devices {args.devices}: expected at least 1")
     flow, shape, workload = recipe_inputs(args.config, model_shape=args.model_shape)
     if args.device_type == "cpu":
-        import os
-
         import torch
 
         from lightning_rlhf.perf import threads_per_process
+        from lightning_rlhf.placement.auto import rank_memory_bytes
 
         threads = threads_per_process(args.devices)  # what Lightning gives each process of the run
         torch.set_num_threads(threads)
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        hardware = calibrated_cpu_hardware(
-            shape, workload, processes=args.devices, memory=total / args.devices, threads=threads
-        )
+        memory = rank_memory_bytes(torch.device("cpu"), args.devices)
+        hardware = calibrated_cpu_hardware(shape, workload, processes=args.devices, memory=memory, threads=threads)
         cores = hardware.cores
         share = core_share(cores=cores, processes=args.devices, threads=threads)
         print(

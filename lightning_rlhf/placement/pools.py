@@ -1,18 +1,9 @@
 """Where each role runs: rank pools (HybridFlow's placement), checked before any model loads.
 
-``RLHFStrategy(placement=...)`` takes:
-
-- ``None`` (the default): every role on every rank (colocated, time-sharing all devices);
-- a mapping from each role's name to its ranks (on 4 processes: the policy and its reward on ranks 0 and 1, the
-  critic and the reference on ranks 2 and 3; docs/placement.md has the code). Roles with the same ranks are
-  colocated; roles on disjoint ranks run their calls at the same time inside
-  :meth:`~lightning_rlhf.module.RLHFModule.concurrently`;
-- ``"auto"``: the planner (:mod:`placement.cost_model`) chooses the mapping from its cost model, calibrated on
-  this machine (CPU) or from the device's datasheet (GPU).
-
-A pool is a set of ranks. Two pools are either the same set or disjoint: a rank that served two different pools
-would run both pools' calls one after another and stall the other ranks of each, so a partial overlap is refused.
-Each role's FSDP mesh spans its pool, and a ``DP_SPLIT`` call splits its batch by the pool's size.
+``RLHFStrategy(placement=...)`` takes None (every role on every rank), a mapping from each role's name to its ranks,
+or ``"auto"`` (the planner's, :mod:`.auto`); docs/placement.md shows each. Two pools are either the same ranks or
+disjoint: a rank in two different pools would run both pools' calls one after another and stall the other ranks of
+each. Each role's FSDP mesh spans its pool, and a ``DP_SPLIT`` call splits its batch by the pool's size.
 """
 
 from __future__ import annotations
@@ -36,9 +27,7 @@ Pools = dict[str, tuple[int, ...]]
 
 def check_placement_spec(spec: Any) -> None:
     """Fail on a placement that is malformed whatever the run (types, negative or repeated ranks, empty pools).
-
-    Runs on: every process, in ``RLHFStrategy.__init__`` (before any process group or model exists).
-    """
+    Runs on: every process, in ``RLHFStrategy.__init__`` (before any process group or model exists)."""
     if spec is None or spec == "auto":
         return
     if isinstance(spec, str):
@@ -67,22 +56,13 @@ def check_placement_spec(spec: Any) -> None:
 
 
 def resolve_placement(spec: Mapping[str, Sequence[int]] | None, roles: Sequence[str], world_size: int) -> Pools:
-    """Each role's pool, checked against the module's roles and the world.
-
-    Runs on: every process, in the strategy's ``setup_environment`` (before any model loads; every rank computes the
-    same answer from the same arguments). Raises ``ValueError`` naming the setting, its value and the fix for: a
-    role of the module with no pool, a pool naming a role the module lacks, a rank beyond the world (a pool larger
-    than the world), and two pools that overlap without being the same ranks.
-
-    Args:
-        spec: ``None`` (every role on every rank) or a mapping ``role -> ranks`` (already through
-            :func:`check_placement_spec`).
-        roles: the module's role names.
-        world_size: the number of processes.
+    """Each role's pool, checked against the module's roles and the world. Runs on: every process, in the strategy's
+    ``setup_environment`` (every rank computes the same answer). Raises ``ValueError`` for a role with no pool, a pool
+    naming a role the module lacks, a rank beyond the world, pools that overlap without being the same ranks, and
+    a malformed ``spec`` (:func:`check_placement_spec`).
     """
-    everyone = tuple(range(world_size))
     if spec is None:
-        return {role: everyone for role in roles}
+        return {role: tuple(range(world_size)) for role in roles}
     check_placement_spec(spec)
     unknown = sorted(set(spec) - set(roles))
     if unknown:
@@ -121,11 +101,8 @@ def resolve_placement(spec: Mapping[str, Sequence[int]] | None, roles: Sequence[
 
 
 def check_weight_sources(pools: Pools, sources: Mapping[str, str]) -> None:
-    """Refuse a role that takes another role's weights over collectives (``sources``: receiver -> source, a
-    generation-only pool's ``weights_from``) on ranks of the source's pool.
-
-    Runs on: the launching process (before any rank starts) and every rank at set-up.
-    """
+    """Refuse a role that takes another role's weights over collectives (``sources``: receiver -> source) on ranks
+    of the source's pool. Runs on: the launching process (before any rank starts) and every rank at set-up."""
     for name, source in sources.items():
         senders, receivers = pools[source], pools[name]
         if set(senders) & set(receivers):
@@ -142,17 +119,9 @@ def check_vllm_pools(
 ) -> None:
     """Refuse a vLLM engine whose tensor-parallel groups a pool cannot form.
 
-    A role on every rank gets the colocated engine (in the training process); a role on part of the ranks gets one
-    engine server per rank, and the servers of a tensor-parallel group (consecutive ranks of the pool) meet on
-    their host: the group must divide the pool and sit on one node. Runs on: the launching process (before any
-    rank starts) and every rank at set-up, before any model loads.
-
-    Args:
-        pools: each role's ranks (:func:`resolve_placement`).
-        generating: the roles that build a rollout engine (the actor, or the generation-only ``rollout`` pool).
-        world_size: the number of processes.
-        tp_size: ``VLLMConfig.tensor_parallel_size``.
-        processes_per_node: ranks per node (a node holds ranks ``[k * n, (k + 1) * n)``).
+    A role on part of the ranks gets one engine server per rank, and the servers of a tensor-parallel group
+    (``tp_size`` consecutive ranks of the pool) meet on their host: the group must divide the pool and sit on one
+    node of ``processes_per_node`` ranks. Runs on: the launching process and every rank at set-up.
     """
     for name in generating:
         ranks = list(pools[name])
@@ -171,18 +140,14 @@ def check_vllm_pools(
 
 
 def pool_groups(pools: Pools) -> list[tuple[int, ...]]:
-    """The distinct pools, in a fixed order (every rank builds their process groups in this order).
-
-    Runs on: every process, at set-up.
-    """
+    """The distinct pools, in a fixed order (every rank builds their process groups in this order). Runs on: every
+    process, at set-up."""
     return sorted(set(pools.values()))
 
 
 def check_divides(pools: Pools, *, role: str, size: int, setting: str) -> None:
-    """Fail when ``size`` (e.g. a rollout TP size) does not divide the pool of ``role``.
-
-    Runs on: every process, at set-up, before any model loads.
-    """
+    """Fail when ``size`` (e.g. a rollout TP size) does not divide the pool of ``role``. Runs on: every process, at
+    set-up, before any model loads."""
     n = len(pools[role])
     if n % size:
         fits = [d for d in range(1, n + 1) if n % d == 0]
@@ -193,12 +158,9 @@ def check_divides(pools: Pools, *, role: str, size: int, setting: str) -> None:
 
 
 def check_memory(pools: Pools, role_bytes: Mapping[str, float], *, budget: float, where: str) -> None:
-    """Fail when the roles placed on a rank need more memory than it has.
-
-    Runs on: every process, at set-up, before any model loads. ``role_bytes`` is each role's whole-model state
-    (weights, and for trainable roles gradients and two Adam moments), which FSDP spreads over the role's pool;
-    ``budget`` is the memory one rank may use.
-    """
+    """Fail when the roles placed on a rank need more memory (``budget``) than it has. ``role_bytes``: each role's
+    whole-model state, which FSDP spreads over the role's pool. Runs on: every process, at set-up, before any model
+    loads."""
     for pool in pool_groups(pools):
         held = [role for role, ranks in pools.items() if ranks == pool]
         need = sum(role_bytes.get(role, 0.0) / len(pool) for role in held)

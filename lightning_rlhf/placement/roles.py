@@ -1,9 +1,6 @@
 """A module's roles on a placement: the roles a placement adds or removes (a generation-only ``rollout`` pool), which
 roles take their weights from another and which build a rollout engine, the checks made before any rank starts, and
 the placement resolved at set-up (pools checked against the world and the memory, weight bridges between pools).
-
-``module`` is the :class:`~lightning_rlhf.RLHFModule` being placed; the strategy calls these with the world it
-knows and gets back the resolved pools.
 """
 
 from __future__ import annotations
@@ -57,11 +54,8 @@ def _rollout_pool_change(module: RLHFModule, placed: list[str]) -> str | None:
 
 
 def prepare_roles(module: RLHFModule, placed: list[str]) -> None:
-    """Add the roles a placement asks for by name: ``rollout`` gets a generation-only
-    :class:`~lightning_rlhf.roles.RolloutRole` (the actor then builds no engine of its own).
-
-    Runs on: every process, in the strategy's set-up, before the placement is resolved.
-    """
+    """Add the roles a placement asks for by name: ``rollout`` gets a generation-only :class:`RolloutRole` (the actor
+    then builds no engine of its own). Runs on: every process, in the strategy's set-up."""
     change = _rollout_pool_change(module, placed)
     if change == "add":
         module.rollout = RolloutRole(module.actor.path, tokenizer=module.tokenizer, rollout=module.rollout_config)
@@ -101,12 +95,9 @@ def engine_roles(roles: Mapping[str, Role], names: list[str]) -> list[str]:
 
 
 def check_asynchronous(module: RLHFModule, *, rollout_pool: bool) -> None:
-    """Refuse ``AlgorithmConfig.asynchronous.max_staleness >= 1`` without a rollout pool (``rollout_pool``: whether the
-    placement gives generation ranks of its own) or with a ``training_step`` that does not run
-    ``RLHFModule.rollouts``.
-
-    Runs on: the launching process (before any rank starts) and every process at set-up, for a fit.
-    """
+    """Refuse ``AlgorithmConfig.asynchronous.max_staleness >= 1`` without a rollout pool (``rollout_pool``) or with a
+    ``training_step`` that does not run ``RLHFModule.rollouts``. Runs on: the launching process (before any rank
+    starts) and every process at set-up, for a fit."""
     staleness = module.algorithm.asynchronous.max_staleness
     if not staleness:
         return
@@ -130,13 +121,9 @@ def check_asynchronous(module: RLHFModule, *, rollout_pool: bool) -> None:
 def check_before_launch(
     module: Any, fitting: bool, *, spec: Spec, world_size: int, processes_per_node: int, vllm_tp: int | None
 ) -> None:
-    """What the ranks would refuse at set-up, checked before any rank starts: an explicit placement against
-    ``module``'s roles and the world, a generation-only pool on the ranks of the role that feeds it, a colocated vLLM
-    engine (``vllm_tp``: its tensor-parallel size; None: no vLLM) for a role on part of the ranks, and (``fitting``)
-    ``AlgorithmConfig.asynchronous.max_staleness`` without a rollout pool or a step that can overlap.
-
-    Runs on: the launching process (rank 0, before it starts ranks 1..). A module other than an ``RLHFModule`` (no
-    ``roles()``) is left alone.
+    """What the ranks would refuse at set-up (:func:`place_roles`), checked before any rank starts (``vllm_tp``: the
+    vLLM engine's tensor-parallel size; None: no vLLM). Runs on: the launching process (rank 0, before it starts
+    ranks 1..). A module other than an ``RLHFModule`` (no ``roles()``) is left alone.
     """
     if not callable(getattr(module, "roles", None)):
         return
@@ -145,10 +132,8 @@ def check_before_launch(
         pools = resolve_placement(spec, names, world_size)
         check_weight_sources(pools, weight_sources(module.roles(), names))
         if vllm_tp is not None:
-            check_vllm_pools(
-                pools, engine_roles(module.roles(), names), world_size,
-                tp_size=vllm_tp, processes_per_node=processes_per_node,
-            )  # fmt: skip
+            generating = engine_roles(module.roles(), names)
+            check_vllm_pools(pools, generating, world_size, tp_size=vllm_tp, processes_per_node=processes_per_node)
     if fitting:  # a generation-only pool is a role that takes another's weights
         check_asynchronous(module, rollout_pool=bool(weight_sources(module.roles(), names)))
 
@@ -166,11 +151,10 @@ def place_roles(
     fitting: bool,
 ) -> Pools:
     """Resolve the placement (the planner's, for ``"auto"``), add the roles it names, and check it against the
-    world and the memory, before any model loads: each role's ranks. A borrowed model (LoRA's reference) placed
-    apart from its lender gets a model of its own.
-
-    Runs on: every rank, in the strategy's ``setup_environment`` (``broadcast``: rank 0's value to every rank).
-    For a fit (``fitting``), an asynchronous run is checked to have a rollout pool and a step that can overlap.
+    world, the vLLM engine's tensor-parallel groups, the memory and (``fitting``) the asynchronous settings, before
+    any model loads: each role's ranks. A borrowed model (LoRA's reference) placed apart from its lender gets a model
+    of its own. Runs on: every rank, in the strategy's ``setup_environment`` (``broadcast``: rank 0's value to every
+    rank).
     """
     prepare_roles(module, _named(spec))  # e.g. a generation-only pool's role
     roles = module.roles()
@@ -189,12 +173,9 @@ def place_roles(
     if any(len(ranks) < world_size for ranks in pools.values()):
         from lightning_rlhf.placement.auto import rank_memory_bytes, role_state_bytes
 
-        check_memory(
-            pools,
-            {name: role_state_bytes(role) for name, role in roles.items()},
-            budget=rank_memory_bytes(device, processes_per_node),
-            where="RLHFStrategy(placement=...)",
-        )
+        states = {name: role_state_bytes(role) for name, role in roles.items()}
+        budget = rank_memory_bytes(device, processes_per_node)
+        check_memory(pools, states, budget=budget, where="RLHFStrategy(placement=...)")
     if fitting:
         check_asynchronous(module, rollout_pool=module.rollout_role is not None)
     return pools
@@ -202,10 +183,8 @@ def place_roles(
 
 def bridge_pools(roles: Mapping[str, Role], pools: Pools, *, rank: int, device: torch.device) -> None:
     """Join each role that takes another role's weights (its ``weights_from``) to that role's pool: one process
-    group, the source pool's first rank and the receiving pool's ranks (:class:`WeightBridge`).
-
-    Runs on: every rank, at set-up (``new_group`` is collective over the world: every rank makes every group, in
-    role order, member or not).
+    group, the source pool's first rank and the receiving pool's ranks (:class:`WeightBridge`). Runs on: every rank,
+    at set-up (``new_group`` is collective: every rank makes every group, in role order, member or not).
     """
     import torch.distributed as dist
 
@@ -215,8 +194,7 @@ def bridge_pools(roles: Mapping[str, Role], pools: Pools, *, rank: int, device: 
     check_weight_sources(pools, sources)
     for name, source in sources.items():
         senders, receivers = pools[source], pools[name]
-        members = sorted({senders[0], *receivers})
-        group = dist.new_group(members, backend="gloo" if device.type == "cpu" else None)
+        group = dist.new_group(sorted({senders[0], *receivers}), backend="gloo" if device.type == "cpu" else None)
         bridge = WeightBridge(group=group, src=senders[0])
         if rank in receivers:
             roles[name].weight_bridge = bridge  # type: ignore[assignment]
@@ -232,10 +210,8 @@ def pool_meshes(pools: Pools, whole: Any, *, rank: int) -> dict[str, Any]:
 
     meshes = {}
     for pool in pool_groups(pools):
-        size = whole.size()
-        meshes[pool] = (
-            whole
-            if len(pool) == size
-            else DeviceMesh(whole.device_type, torch.tensor(pool), mesh_dim_names=("data_parallel",))
-        )
+        if len(pool) == whole.size():
+            meshes[pool] = whole
+        else:
+            meshes[pool] = DeviceMesh(whole.device_type, torch.tensor(pool), mesh_dim_names=("data_parallel",))
     return {name: meshes[pool] for name, pool in pools.items() if rank in pool}

@@ -159,16 +159,6 @@ def test_colocating_everything_wins_on_small_clusters_and_splitting_on_large_one
     assert large.step_s < colocated.step_s
 
 
-def test_actor_devices_keeps_the_actor_on_every_device() -> None:
-    """``plan(actor_devices=...)``: what ``placement="auto"`` asks for with a colocated vLLM engine, which spans
-    every rank (a split actor pool would be refused at set-up)."""
-    large = plan(model=MODELS["34b"], hardware=HARDWARE["a100"], devices=1024, workload=Workload())
-    assert large.devices[large.pool_of("actor")] < 1024  # free to choose, the planner splits the actor off
-    kept = plan(model=MODELS["34b"], hardware=HARDWARE["a100"], devices=1024, workload=Workload(), actor_devices=1024)
-    assert kept.devices[kept.pool_of("actor")] == 1024
-    assert kept.step_s >= large.step_s
-
-
 def test_recipe_inputs_and_the_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     flow, shape, wl = recipe_inputs(str(ROOT / "recipes" / "ppo.yaml"))
     assert [sorted(r for r, _ in stage) for stage in flow] == [
