@@ -215,9 +215,9 @@ def fingerprint_ranges(start: int, stop: int, *, one_dim: bool) -> RowRanges:
 
 def range_pieces(rows: Tensor, ranges: RowRanges, offset: int = 0) -> tuple[list[Tensor], list[int]]:
     """The values of row ranges ``ranges`` of ``rows`` (shifted by ``offset``) as flat pieces, and the length of each
-    range's values, for :func:`part_sums`. Each piece is a slice, a view of ``rows`` (no copy, no index tensor sent to
-    the device: on a GPU a list index costs a host-to-device copy per tensor). Runs on: worker."""
-    pieces = [rows[a + offset : b + offset].reshape(-1) for a, b in ranges if b > a]
+    range's values, for :func:`part_sums`. Each piece is a row or a slice, a view of ``rows`` (no copy, no index tensor
+    sent to the device: on a GPU a list index costs a host-to-device copy per tensor). Runs on: worker."""
+    pieces = [rows[a + offset] if b - a == 1 else rows[a + offset : b + offset].reshape(-1) for a, b in ranges if b > a]
     return pieces, [(b - a) * rows.shape[1] for a, b in ranges if b > a]
 
 
