@@ -195,3 +195,19 @@ def test_a_generation_only_pool_checks_what_it_received(tiny_model: str, monkeyp
     monkeypatch.setattr(hybrid_module, "receive_weights", received(None))
     metrics = pool.receive(bridge)
     assert pool.engine_version == 3 and metrics["perf/weight_verify_s"] > 0
+
+
+def test_the_trainers_fingerprints_follow_new_values_and_new_parameters() -> None:
+    """Which rows to read is planned once per model; the values are read at every call, and a parameter replaced by
+    a new object (a reload) makes a new plan."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    first = shard_fingerprints(model, dtype=torch.float32)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # in place: the same parameter object
+    doubled = shard_fingerprints(model, dtype=torch.float32)
+    assert torch.allclose(doubled["0.weight"][1], 2 * first["0.weight"][1])
+    assert torch.equal(doubled["1.weight"][1], first["1.weight"][1])
+    model[1].weight = torch.nn.Parameter(torch.zeros(3, 6))  # a new object
+    replaced = shard_fingerprints(model, dtype=torch.float32)
+    assert torch.equal(replaced["1.weight"][1], torch.zeros(6))  # three rows' sums, then their absolute sums

@@ -563,18 +563,30 @@ class VLLMRolloutEngine:
         parameter cut into its members at the rows vLLM's loader put them, the vocabulary's padding rows left out.
         Runs on: worker (each rank reads its own vLLM worker's model; no collective)."""
         sums = vllm_compat.row_sums(self.llm, self.dtype)
-        out: dict[str, Tensor] = {}
+        offsets: dict[str, int] = {}  # where each parameter's running sums start in `running`
+        running: list[Tensor] = []
+        lo: list[int] = []
+        hi: list[int] = []
+        counts: dict[str, int] = {}
         for name, wanted in ranges.items():
             module, _, kind = name.rpartition(".")
             key = f"{fusion_group(name)}.{kind}"
             if key not in sums:
                 continue  # check_fingerprints names it
             rows, _, sizes = sums[key]
+            if key not in offsets:  # one running sum per parameter, shared by a fused parameter's members
+                offsets[key] = sum(len(r) for r in running)
+                running += [rows.new_zeros(1), rows.cumsum(0)]
             member = _FUSED_ORDER.get(module.rpartition(".")[2], 0) if len(sizes) > 1 else 0
-            start = sum(sizes[:member])
-            total = torch.cat([rows.new_zeros(1), rows[start : start + sizes[member]].cumsum(0)])
-            out[name] = torch.stack([total[b] - total[a] for a, b in wanted]) if wanted else rows.new_zeros(0)
-        return out
+            start = offsets[key] + sum(sizes[:member])
+            lo += [start + a for a, _ in wanted]
+            hi += [start + b for _, b in wanted]
+            counts[name] = len(wanted)
+        if not counts:
+            return {}
+        total = torch.cat(running)  # every range's sum in two gathers, whatever the number of tensors
+        values = (total[hi] - total[lo]).split(list(counts.values()))
+        return dict(zip(counts, values, strict=True))
 
 
 def _prepare_process() -> None:
