@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -219,3 +220,18 @@ _START_ORDER = ("tests/e2e/", "tests/vllm/", "tests/distributed/", "tests/unit/t
 
 def _start_order(item: pytest.Item) -> int:
     return next(i for i, prefix in enumerate(_START_ORDER) if item.nodeid.startswith(prefix) or prefix == "tests/")
+
+
+def demo_rows(proc: subprocess.CompletedProcess[str]) -> list[dict[str, str]]:
+    """The steps (rows with a reward) of the metrics.csv of a finished demo run, whose last printed line names the
+    run folder; a failed run fails the test with its output."""
+    assert proc.returncode == 0, failure_text(proc)
+    run = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run folder: "))
+    with open(run / "metrics.csv") as f:
+        return [r for r in csv.DictReader(f) if r.get("critic/score/mean")]
+
+
+def first_last(scores: list[float]) -> tuple[float, float]:
+    """The mean of the first and of the last 10% of ``scores`` (a learning test's bound compares them)."""
+    k = max(1, len(scores) // 10)
+    return sum(scores[:k]) / k, sum(scores[-k:]) / k

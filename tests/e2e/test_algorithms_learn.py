@@ -9,7 +9,6 @@ engine: both engines have learning tests, and the suite stays short (each vLLM s
 
 from __future__ import annotations
 
-import csv
 import math
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, failure_text
+from tests.conftest import ROOT, demo_rows, first_last
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +40,10 @@ def test_algorithm_learns_addition(algo: str, placement: str, demo_model: str, t
     cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--algo", algo, "--steps", "120", *where]
     cmd += ["--out", str(tmp_path), "--cache", cache, "--rollout", "auto" if algo == "remax" else "hf"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
-    assert proc.returncode == 0, failure_text(proc)
-    run = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run folder: "))
-    with open(run / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("critic/score/mean")]
+    rows = demo_rows(proc)
     scores = [float(r["critic/score/mean"]) for r in rows]
     assert len(scores) == (119 if placement == "async" else 120)  # the first asynchronous step only generates
-    k = len(scores) // 10
-    first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
+    first, last = first_last(scores)
     assert last >= first + 0.2, (algo, first, last)
     if algo == "ppo":
         assert all(0 < float(r["critic/vf_loss"]) < math.inf for r in rows)  # a squared error, never exact

@@ -4,7 +4,6 @@ samples; the last 10% of steps score at least 0.3 above the first 10% (the demo'
 
 from __future__ import annotations
 
-import csv
 import math
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, failure_text
+from tests.conftest import ROOT, demo_rows, first_last
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -25,13 +24,9 @@ def test_demo_learns_with_generate_in_bf16_on_a_gpu(demo_model: str, tmp_path: P
     cmd += ["--rollout", "hf", "--decode", "generate", "--cpu-layer", "off", "--precision", "bf16"]
     cmd += ["--steps", str(STEPS), "--out", str(tmp_path / "runs"), "--cache", str(Path(demo_model).parent)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=str(ROOT))
-    assert proc.returncode == 0, failure_text(proc)
-    run = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run folder: "))
-    with open(run / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("critic/score/mean")]
+    rows = demo_rows(proc)
     scores = [float(r["critic/score/mean"]) for r in rows]
     assert len(scores) == STEPS
-    k = STEPS // 10
-    first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
+    first, last = first_last(scores)
     assert last >= first + 0.3, (first, last)
     assert all(math.isfinite(float(r["training/rollout_logprob_diff_max"])) for r in rows)
