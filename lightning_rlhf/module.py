@@ -9,7 +9,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import lightning as L
@@ -86,6 +86,9 @@ class RLHFModule(L.LightningModule):
             dict (``{"r": 16, "lora_alpha": 32}``; ``target_modules`` defaults to ``"all-linear"``). It applies to
             the actor and the critic (whose value head is trained whole); with ``reference=True`` the reference is
             the actor's base model with its adapters disabled, not a second copy.
+        activation_checkpointing: each transformer block keeps only its input in the forward and recomputes the
+            rest in the backward (less activation memory, one more forward per update): True for the trained roles
+            (actor and critic), or the names of the roles. The gradients are the same.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class RLHFModule(L.LightningModule):
         attn_implementation: str | None = None,
         environment: Any = None,
         lora: Any = None,
+        activation_checkpointing: bool | Sequence[str] = False,
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -125,6 +129,7 @@ class RLHFModule(L.LightningModule):
         ensure_pad_token(self.tokenizer, source=tokenizer or actor)
         self.tokenizer.padding_side = "left"
         self.attn_implementation = attn_implementation
+        self.activation_checkpointing = activation_checkpointing
         frozen = resolve_dtype(frozen_dtype, setting="RLHFModule.frozen_dtype")
         assert frozen is not None
         self.frozen_dtype, self.lora, micro = frozen, lora, algo.batching.micro_batch_size
@@ -189,9 +194,11 @@ class RLHFModule(L.LightningModule):
         """Check the batch arithmetic against the world size before any model loads, and give every role's engine
         ``AlgorithmConfig.batching.micro_batch_tokens`` and ``attn_implementation`` (roles a subclass added included).
         Runs on: every process."""
-        for role in self.roles().values():
+        checkpointed = _checkpointed_roles(getattr(self, "activation_checkpointing", False), self.roles())
+        for name, role in self.roles().items():
             role.train_engine.micro_batch_tokens = self.algorithm.batching.micro_batch_tokens
             role.train_engine.attn_implementation = getattr(self, "attn_implementation", None)
+            role.train_engine.activation_checkpointing = name in checkpointed
         if stage == "fit":
             check_log_interval(self.trainer)
         batch_size = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
@@ -488,3 +495,20 @@ def _run_length(steps: float, roles: Mapping[str, Role]) -> int:
             "HINT: set Trainer(max_steps=...) or max_epochs, or schedule='constant'."
         )
     return 1
+
+
+def _checkpointed_roles(setting: bool | Sequence[str], roles: Mapping[str, Any]) -> set[str]:
+    """The roles whose blocks ``RLHFModule(activation_checkpointing=...)`` checkpoints: True, the trained ones (actor
+    and critic); a list, those named. Runs on: every process. Raises ValueError naming an unknown role."""
+    if setting is True:
+        return {name for name in ("actor", "critic") if name in roles}
+    if setting is False or setting is None:
+        return set()
+    names = [setting] if isinstance(setting, str) else list(setting)
+    unknown = sorted(set(names) - set(roles))
+    if unknown:
+        raise ValueError(
+            f"RLHFModule(activation_checkpointing={setting!r}) names {unknown}, not roles of this module "
+            f"({sorted(roles)}). HINT: True (the actor and the critic), False, or a list of role names."
+        )
+    return set(names)

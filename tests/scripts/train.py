@@ -212,6 +212,7 @@ def main() -> None:
     p.add_argument("--no-preemption-checkpoint", action="store_true", help="RLHFStrategy(preemption_checkpoint=False)")
     p.add_argument("--placement", default=None, help="RLHFStrategy(placement=...): JSON role -> ranks, or 'auto'")
     p.add_argument("--lora-rank", type=int, default=None, help="RLHFModule(lora={'r': R, 'lora_alpha': 2R})")
+    p.add_argument("--activation-checkpointing", action="store_true", help="RLHFModule(activation_checkpointing=True)")
     p.add_argument("--lora-handoff", default="adapter", choices=["merged", "adapter"], help="VLLMConfig.lora_handoff")
     args = p.parse_args()
     if args.signal_at or args.kill_during_save is not None:
@@ -244,6 +245,7 @@ def main() -> None:
         ),
         actor_optim=OptimConfig(lr=1e-3, warmup_steps=2),
         lora={"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank} if args.lora_rank else None,
+        activation_checkpointing=args.activation_checkpointing,
     )
     if tools:
         common["environment"] = CalculatorEnvironment
@@ -360,6 +362,11 @@ def main() -> None:
         info = {
             "global_step": trainer.global_step,
             "param_checksum": float(first.detach().full_tensor().double().sum()),
+            "checkpointed_blocks": {  # transformer blocks that recompute their forward in the backward, per role
+                name: sum(getattr(m, "gradient_checkpointing", False) is True for m in role.model.modules())
+                for name, role in module.roles().items()
+                if getattr(role, "model", None) is not None
+            },
         }
         if args.ux_callbacks:
             info["progress_bar_metrics"] = sorted(trainer.progress_bar_metrics)

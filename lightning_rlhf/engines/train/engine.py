@@ -180,6 +180,7 @@ class TrainEngine:
         self.param_dtype: torch.dtype | None = None  # the compute dtype the model was sharded with (None: its own)
         self._offloaded = False
         self._attn_implementation: str | None = None
+        self._checkpointing = False
         self.fused_norms = fused_norms
         self.onednn_linears = onednn_linears
         self._layer = layer
@@ -246,6 +247,7 @@ class TrainEngine:
         process, when the role's model is built (before sharding)."""
         self.model = model
         self._apply_attn_implementation()
+        self.activation_checkpointing = self._checkpointing
         if model is not None:
             self._layer.prepare_model(model, norms=self.fused_norms, linears=self.onednn_linears)
 
@@ -264,6 +266,20 @@ class TrainEngine:
             )
         self._attn_implementation = value
         self._apply_attn_implementation()
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether each transformer block of the model keeps only its input in the forward and recomputes the rest
+        in the backward (:mod:`~lightning_rlhf.engines.train.checkpointing`): less memory, one more forward."""
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, value: bool) -> None:
+        from lightning_rlhf.engines.train.checkpointing import enable_activation_checkpointing
+
+        self._checkpointing = value
+        if value and self.model is not None:
+            enable_activation_checkpointing(self.model, setting=self.setting)
 
     def _apply_attn_implementation(self) -> None:
         """Switch the bound model to ``attn_implementation`` (transformers checks the name and the kernel)."""

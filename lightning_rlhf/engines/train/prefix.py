@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat.transformers import attention_implementation
 
-__all__ = ["ATTENTION_NAME", "MODEL_TYPES", "packed_response_logits", "shares_prompts"]
+__all__ = ["ATTENTION_NAME", "MODEL_TYPES", "packed_response_logits", "recompute_context", "shares_prompts"]
 
 ATTENTION_NAME = "lightning_rlhf_shared_prefix"
 MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -134,6 +134,28 @@ def _packed(model: nn.Module, layout: dict[str, Any]) -> Iterator[None]:
             yield
     finally:
         _LAYOUT.value = None
+
+
+def recompute_context(config: Any) -> Any:
+    """A ``context_fn`` for torch's non-reentrant checkpoint of a model whose config is ``config``: each checkpointed
+    call captures the packed layout and the attention name in force, and its recompute in the backward runs with
+    them again (the packed call's context has ended by then, on another thread on a GPU). Runs on: worker."""
+
+    def context_fn() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        return contextlib.nullcontext(), _restored(config, _LAYOUT.value, config._attn_implementation)
+
+    return context_fn
+
+
+@contextlib.contextmanager
+def _restored(config: Any, layout: dict[str, Any] | None, attention: str) -> Iterator[None]:
+    previous = _LAYOUT.value
+    _LAYOUT.value = layout
+    try:
+        with attention_implementation(config, attention):
+            yield
+    finally:
+        _LAYOUT.value = previous
 
 
 CHUNK_ROWS = 16
