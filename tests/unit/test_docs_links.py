@@ -126,11 +126,11 @@ MIGRATION_KEYS: dict[str, str | None] = {
     "tools": "agents.md",
     "environment_factory": "agents.md",
     "chat_template_kwargs": "data.md",
-    "gradient_checkpointing": None,
+    "gradient_checkpointing": "performance.md",
     "steps_per_generation": None,
     "lora_rank": "lora.md",
     "multi_turn": "agents.md",
-    "enable_gradient_checkpointing": None,
+    "enable_gradient_checkpointing": "performance.md",
     "param_offload": None,
     "ulysses_sequence_parallel_size": None,
 }
