@@ -10,6 +10,8 @@ import csv
 import statistics
 import sys
 
+from lightning_rlhf.callbacks.history import first_last
+
 
 def summary(path: str) -> str:
     """One line about the run whose metrics are at ``path``."""
@@ -22,12 +24,12 @@ def summary(path: str) -> str:
         return [float(r[name]) for r in rows if r.get(name)]
 
     verify, step = statistics.median(col("perf/weight_verify_s")), statistics.median(col("timing_s/step"))
-    scores, k = col("critic/score/mean"), max(1, len(rows) // 10)
+    first, last = first_last(col("critic/score/mean"))
     return (
         f"{path}: {len(rows)} steps, check {verify * 1e3:.2f} ms of a {step * 1e3:.1f} ms step ({verify / step:.1%}); "
         f"log-prob diff mean {max(col('training/rollout_logprob_diff_mean')):.2e} (worst step), "
         f"max {max(col('training/rollout_logprob_diff_max')):.2e}; "
-        f"score {sum(scores[:k]) / k:.3f} -> {sum(scores[-k:]) / k:.3f}"
+        f"score {first:.3f} -> {last:.3f}"
     )
 
 

@@ -229,9 +229,3 @@ def demo_rows(proc: subprocess.CompletedProcess[str]) -> list[dict[str, str]]:
     run = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run folder: "))
     with open(run / "metrics.csv") as f:
         return [r for r in csv.DictReader(f) if r.get("critic/score/mean")]
-
-
-def first_last(scores: list[float]) -> tuple[float, float]:
-    """The mean of the first and of the last 10% of ``scores`` (a learning test's bound compares them)."""
-    k = max(1, len(scores) // 10)
-    return sum(scores[:k]) / k, sum(scores[-k:]) / k

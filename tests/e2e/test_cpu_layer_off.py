@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, demo_rows, first_last
+from lightning_rlhf.callbacks.history import first_last
+from tests.conftest import ROOT, demo_rows
 
 pytestmark = pytest.mark.slow
 

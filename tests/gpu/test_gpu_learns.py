@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, demo_rows, first_last
+from lightning_rlhf.callbacks.history import first_last
+from tests.conftest import ROOT, demo_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -12,7 +12,6 @@ differs fails loudly instead of loading wrong values.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_rlhf.compat.torch import local_tensor
 from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.base import (
     Fingerprint,
@@ -251,25 +249,35 @@ def shard_fingerprints(
     """The trainer's side of a verified hand-off, from this rank's FSDP2 rows alone (no collective for a row-sharded
     parameter): per parameter, the rows :func:`~lightning_rlhf.engines.rollout.base.fingerprint_ranges` picks of
     the tensor this rank's engine holds (with a ``slicer``: its TP rank's slice, in its own row numbers) that lie in
-    this rank's shard, and their float64 sums in ``dtype``, then the sums of their absolute values. Which rows to
-    read is worked out once per model and slicer (:func:`_fingerprint_plan`); each call reads them.
+    this rank's shard, and their float64 sums in ``dtype``, then the sums of their absolute values.
 
     Runs on: every worker rank of the model's mesh, at the same point (a parameter that is not row-sharded is made
     whole: a collective).
     """
+    from lightning_rlhf.compat.sharding import row_shard
+
+    positions: dict[int, tuple[Any, int, int]] = {}
     tp_rank = (dist.get_rank() if dist.is_initialized() else 0) % tp_size
     ranges: dict[str, RowRanges] = {}
     pieces: list[Tensor] = []
     lengths: list[int] = []
-    for name, param, sharded, columns, offset, mine in _fingerprint_plan(model, slicer, tp_size, tp_rank):
-        if sharded:
-            rows = as_rows(local_tensor(param))  # read each time: the CPU layer may swap a shard's storage
+    for name, param in model.named_parameters():
+        shape, data = tuple(param.shape), param  # read under no_grad: a DTensor's detach costs a dispatch per tensor
+        shard = row_shard(name, data, positions)
+        if shard is not None:
+            rows, first = as_rows(shard.local), shard.rank * shard.chunk_rows
         else:  # not row-sharded: made whole (a collective for a DTensor)
-            rows = as_rows(param.full_tensor() if isinstance(param, DTensor) else param)
-        if columns is not None:  # a column block (a row-parallel layer's weight)
-            rows = rows[:, columns[0] : columns[1]]
+            rows, first = as_rows(data.full_tensor() if isinstance(data, DTensor) else data), 0
+        region = slicer(name, shape, tp_rank) if slicer is not None and shape else None
+        start, count = 0, shape[0] if shape else 1
+        if region is not None and region.dim == 1:  # a column block (a row-parallel layer's weight)
+            rows = rows[:, region.start : region.start + region.length]
+        elif region is not None:
+            start, count = region.start, region.length
+        lo, hi = max(start, first), min(start + count, first + len(rows))  # this rank's rows of the region
+        mine = fingerprint_ranges(lo - start, hi - start, one_dim=rows.shape[1] == 1)
         ranges[name] = mine
-        got = range_pieces(rows, mine, offset)
+        got = range_pieces(rows, mine, start - first)
         pieces += got[0]
         lengths += got[1]
     values, scales = part_sums(pieces, lengths, dtype, with_scale=True).split(len(lengths))
@@ -278,40 +286,3 @@ def shard_fingerprints(
         name: (rows, torch.cat([v, s]))
         for (name, rows), v, s in zip(ranges.items(), values.split(counts), scales.split(counts), strict=True)
     }
-
-
-_PlanStep = tuple[str, nn.Parameter, bool, tuple[int, int] | None, int, RowRanges]
-_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], list[_PlanStep]]] = weakref.WeakKeyDictionary()
-
-
-def _fingerprint_plan(model: nn.Module, slicer: Slicer | None, tp_size: int, tp_rank: int) -> list[_PlanStep]:
-    """Per parameter of ``model``: its name, the parameter, whether it is row-sharded (else made whole), the column
-    block a slicer cuts, the offset of the region's rows in this rank's rows, and the row ranges to sum. Kept per
-    model while the same parameter objects, slicer and TP layout come back (the plan holds them, so an ``id`` is
-    never reused while it is kept). Runs on: every worker rank."""
-    from lightning_rlhf.compat.sharding import row_shard
-
-    params = list(model.named_parameters())
-    key = (slicer, tp_size, tp_rank, *(id(p) for _, p in params))
-    kept = _PLANS.get(model)
-    if kept is not None and kept[0] == key:  # the same slicer (compared by identity) and parameter objects
-        return kept[1]
-    positions: dict[int, tuple[Any, int, int]] = {}
-    steps: list[_PlanStep] = []
-    for name, param in params:
-        shape = tuple(param.shape)
-        shard = row_shard(name, param, positions)
-        width = math.prod(shape[1:]) if len(shape) > 1 else 1
-        held = shard.rows_of(shard.rank) if shard is not None else (shape[0] if shape else 1)
-        first = shard.rank * shard.chunk_rows if shard is not None else 0
-        region = slicer(name, shape, tp_rank) if slicer is not None and shape else None
-        start, count, columns = 0, shape[0] if shape else 1, None
-        if region is not None and region.dim == 1:
-            columns, width = (region.start, region.start + region.length), region.length
-        elif region is not None:
-            start, count = region.start, region.length
-        lo, hi = max(start, first), min(start + count, first + held)  # this rank's rows of the region
-        mine = fingerprint_ranges(lo - start, hi - start, one_dim=width == 1)
-        steps.append((name, param, shard is not None, columns, start - first, mine))
-    _PLANS[model] = (key, steps)
-    return steps
