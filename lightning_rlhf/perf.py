@@ -15,6 +15,7 @@ counted, as usual for MFU)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +34,7 @@ __all__ = [
     "PEAK_ENV",
     "GPUPeak",
     "available_cores",
+    "call_memory_metrics",
     "counted_bytes",
     "cpu_matmul_peak",
     "cpu_memory_used_gb",
@@ -41,7 +44,9 @@ __all__ = [
     "gpu_peak",
     "gpu_peak_flops",
     "measure_matmul_flops",
+    "memory_census",
     "memory_peaks",
+    "memory_window",
     "mfu",
     "per_token_ms",
     "rank_memory_metrics",
@@ -451,18 +456,109 @@ def full_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     return sum(p.numel() * (fixed or p.element_size()) for p in model.parameters())
 
 
+_EARLIER_PEAKS = {"cpu": 0.0, "cuda": 0.0}
+"""GiB: this process's peaks before the current :func:`memory_window` reset them (the since-start peak is the larger
+of this and the current window's)."""
+
+
+def _status_gb() -> tuple[float, float] | None:
+    """``(VmRSS, VmHWM)`` of ``/proc/self/status`` (the resident size, and its peak since start or the last reset),
+    GiB; None off Linux. One raw read (tens of microseconds): it runs around every role call."""
+    try:
+        fd = os.open("/proc/self/status", os.O_RDONLY)
+        try:
+            text = os.read(fd, 8192)
+        finally:
+            os.close(fd)
+        rss, hwm = (
+            int(text[text.index(key) + 6 : text.index(b"kB", text.index(key))]) for key in (b"VmRSS:", b"VmHWM:")
+        )
+        return rss * 1024 / GIB, hwm * 1024 / GIB
+    except (OSError, ValueError):
+        return None
+
+
 def peak_rss_gb() -> float:
     """This process's peak resident memory since it started (``VmHWM`` of ``/proc/self/status`` on Linux, which a
-    process started by exec does not inherit; else ``resource.getrusage``'s ``ru_maxrss``), GiB. Runs on: any
-    process."""
+    process started by exec does not inherit, and the peaks before any :func:`memory_window` reset it; else
+    ``resource.getrusage``'s ``ru_maxrss``), GiB. Runs on: any process."""
+    status = _status_gb()
+    return max(_EARLIER_PEAKS["cpu"], status[1]) if status is not None else _rusage_peak_gb()
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+@contextlib.contextmanager
+def memory_window() -> Iterator[dict[str, float]]:
+    """Measure the memory of the block: the dict it yields holds afterwards ``before`` (RSS at the start, GiB) and
+    ``peak`` (the process's peak RSS within the block: the kernel's peak counter is reset at the start by writing 5
+    to ``/proc/self/clear_refs``; :func:`peak_rss_gb` keeps the since-start peak), and on CUDA ``cuda_before`` and
+    ``cuda_peak`` (allocated bytes). Off Linux (no reset) the CPU keys stay out. Runs on: any process (a worker
+    around each role call)."""
+    out: dict[str, float] = {}
+    status = _status_gb()
+    reset = status is not None
+    if status is not None:
+        _EARLIER_PEAKS["cpu"] = max(_EARLIER_PEAKS["cpu"], status[1])
+        try:
+            fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
+            try:
+                os.write(fd, b"5")
+            finally:
+                os.close(fd)
+        except OSError:
+            reset = False
+    cuda = _cuda_in_use()
+    if cuda:
+        cuda_before = torch.cuda.memory_allocated() / GIB
+        _EARLIER_PEAKS["cuda"] = max(_EARLIER_PEAKS["cuda"], torch.cuda.max_memory_allocated() / GIB)
+        torch.cuda.reset_peak_memory_stats()
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / GIB  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return _rusage_peak_gb()
+        yield out
+    finally:
+        after = _status_gb() if reset else None
+        if status is not None and after is not None:
+            out |= {"before": status[0], "peak": after[1]}
+        if cuda:
+            out |= {"cuda_before": cuda_before, "cuda_peak": torch.cuda.max_memory_allocated() / GIB}
+
+
+CENSUS_PREFIX = "held/"
+"""Prefix of :func:`memory_census`'s parts in a rank's reply statistics."""
+
+
+def memory_census(roles: Mapping[str, Any]) -> dict[str, float]:
+    """GiB of tensors this process holds for each role, by part: ``held/<role>/params`` (its model's local parameter
+    shards, or whole parameters while FSDP keeps them gathered, e.g. the root's after a forward), ``<role>/grads``
+    and ``<role>/optimizer`` (the optimizer's state), each tensor counted once (a reference that borrows the
+    actor's model counts nothing again). What the RSS holds beyond these is the rollout
+    engine (weights, KV cache), the libraries and the allocator's slack. Runs on: every rank (with its replies, when
+    ``RLHFStrategy(memory_census=True)``)."""
+    seen: set[int] = set()
+
+    def held(tensors: Iterator[Tensor]) -> float:
+        total = 0
+        for t in tensors:
+            local = getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+            if local.data_ptr() not in seen:  # a tied or borrowed weight once (shards may share one buffer)
+                seen.add(local.data_ptr())
+                total += local.numel() * local.element_size()
+        return total / GIB
+
+    out: dict[str, float] = {}
+    for name, role in roles.items():
+        model = getattr(role, "model", None)
+        if isinstance(model, nn.Module):
+            params = list(model.parameters())
+            out[f"{name}/params"] = held(iter(params))
+            out[f"{name}/grads"] = held(p.grad for p in params if p.grad is not None)
+        optimizer = getattr(role, "optimizer", None)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            state = (v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
+            out[f"{name}/optimizer"] = held(state)
+    return {CENSUS_PREFIX + k: v for k, v in out.items() if v > 0}
 
 
 def memory_peaks() -> dict[str, float]:
@@ -470,8 +566,8 @@ def memory_peaks() -> dict[str, float]:
     ``cuda`` (``torch.cuda.max_memory_allocated`` of the current device). A few microseconds: the controller's
     exchanges carry every rank's. Runs on: every rank (with each reply to the controller)."""
     peaks = {"cpu": peak_rss_gb()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        peaks["cuda"] = torch.cuda.max_memory_allocated() / GIB
+    if _cuda_in_use():
+        peaks["cuda"] = max(_EARLIER_PEAKS["cuda"], torch.cuda.max_memory_allocated() / GIB)
     return peaks
 
 
@@ -486,6 +582,31 @@ def rank_memory_metrics(peaks: Mapping[int, Mapping[str, float]]) -> dict[str, f
         if by_rank:
             out[name] = max(by_rank.values())
             out |= {f"{name}/rank{rank}": value for rank, value in by_rank.items()}
+    for p in peaks.values():  # memory_census() parts (RLHFStrategy(memory_census=True)): the largest over ranks
+        for key, value in p.items():
+            if key.startswith(CENSUS_PREFIX):
+                name = f"perf/memory_held_gb/{key.removeprefix(CENSUS_PREFIX)}"
+                out[name] = max(out.get(name, 0.0), float(value))
+    return out
+
+
+def call_memory_metrics(calls: Mapping[str, Mapping[int, Mapping[str, float]]]) -> dict[str, float]:
+    """Each role call's memory (the controller's record of every rank's :func:`memory_window` around it), the
+    largest over ranks: ``perf/memory_peak_gb/<role>.<method>`` (peak RSS during the call) and
+    ``perf/memory_added_gb/<role>.<method>`` (that peak over the RSS at its start: what the call's own work took,
+    e.g. activations, gathered parameters, logits), and on CUDA ``perf/cuda_memory_peak_gb/<role>.<method>``
+    (allocated bytes). Runs on: controller."""
+    out: dict[str, float] = {}
+    for where, ranks in calls.items():
+        for memory in ranks.values():
+            figures = {}
+            if "peak" in memory:
+                figures = {"memory_peak_gb": memory["peak"], "memory_added_gb": memory["peak"] - memory["before"]}
+            if "cuda_peak" in memory:
+                figures["cuda_memory_peak_gb"] = memory["cuda_peak"]
+            for kind, value in figures.items():
+                name = f"perf/{kind}/{where}"
+                out[name] = max(out.get(name, float("-inf")), float(value))
     return out
 
 
@@ -515,12 +636,14 @@ def step_perf_metrics(
     dtype: torch.dtype,
     world_size: int,
     rank_peaks: Mapping[int, Mapping[str, float]] | None = None,
+    call_memory: Mapping[str, Mapping[int, Mapping[str, float]]] | None = None,
 ) -> dict[str, float]:
     """One step's performance metrics from what the controller already holds (no collective), as docs/metrics.md defines
     them: ``timing_per_token_ms/<stage>`` (:data:`PER_TOKEN_STAGES`), ``perf/mfu/<role>`` for each role of ``params``
     (trainable parameter counts, e.g. ``{"actor": N}``) whose update was timed, every rank's memory peaks
-    (:func:`rank_memory_metrics` of ``rank_peaks``, the controller's latest :func:`memory_peaks` of each rank) and
-    ``perf/cpu_memory_used_gb``. Runs on: controller."""
+    (:func:`rank_memory_metrics` of ``rank_peaks``, the controller's latest :func:`memory_peaks` of each rank), each
+    role call's (:func:`call_memory_metrics` of ``call_memory``) and ``perf/cpu_memory_used_gb``. Runs on:
+    controller."""
     tokens = {"response": response_tokens, "all": prompt_tokens + response_tokens}
     out: dict[str, float] = {}
     for stage, counted in PER_TOKEN_STAGES.items():
@@ -535,6 +658,7 @@ def step_perf_metrics(
             if peak is not None and seconds > 0 and params.get(role, 0) > 0:
                 flops = training_flops(params[role], tokens["all"], epochs=epochs)
                 out[f"perf/mfu/{role}"] = mfu(flops, seconds, peak, max(1, world_size))
-    out |= rank_memory_metrics({**(rank_peaks or {}), 0: memory_peaks()})  # the controller's own: read now
+    out |= rank_memory_metrics({**(rank_peaks or {}), 0: {**(rank_peaks or {}).get(0, {}), **memory_peaks()}})
+    out |= call_memory_metrics(call_memory or {})
     out["perf/cpu_memory_used_gb"] = cpu_memory_used_gb()
     return out

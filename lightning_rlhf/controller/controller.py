@@ -186,6 +186,10 @@ class _BackgroundParts:
         self._threads.clear()
 
 
+_NO_WINDOW = contextlib.nullcontext[dict[str, float]]({})
+"""The default ``call_window``: measures nothing (its dict stays empty)."""
+
+
 class Controller:
     """Routes role calls from rank 0 to all ranks and back. One instance per process.
 
@@ -193,7 +197,8 @@ class Controller:
     ends the process; also how long a rank on another host may miss heartbeats. ``children``: this process's child
     processes that are ranks (their exit status names how they died). ``pools``: each role's ranks (a role not named
     is on every rank); ``groups``: each role's data-parallel group on this rank. ``reply_stats``: what each rank
-    reports with every reply (kept per rank in :attr:`memory_peaks`).
+    reports with every reply (kept per rank in :attr:`memory_peaks`); ``call_window``: a context manager around each
+    role call on each rank, whose dict (the call's memory) the controller keeps in :attr:`call_memory`.
     """
 
     def __init__(
@@ -208,9 +213,11 @@ class Controller:
         pools: Mapping[str, Sequence[int]] | None = None,
         groups: Mapping[str, Any] | None = None,
         reply_stats: Callable[[], dict[str, float]] = dict,
+        call_window: Callable[[], contextlib.AbstractContextManager[dict[str, float]]] = lambda: _NO_WINDOW,
     ) -> None:
         self._roles = roles
         self._reply_stats = reply_stats
+        self._call_window = call_window
         self._pools = {role: tuple(ranks) for role, ranks in (pools or {}).items()}
         self._groups = dict(groups or {})
         self.rank = rank
@@ -225,6 +232,8 @@ class Controller:
         self.stop_signum = 0  # set after each step: the stop every rank agreed on (0: go on)
         self.last_seconds: list[float] = []  # each call of the last exchange: its time on its slowest rank
         self.memory_peaks: dict[int, dict[str, float]] = {}  # each rank's reply_stats(), at its latest reply
+        # each role call ("actor.update") -> rank -> its perf.memory_window(), since the metrics last took them
+        self.call_memory: dict[str, dict[int, dict[str, float]]] = {}
         # controller: each background call -> where, its plan
         self._in_flight: dict[int, tuple[str, _Plan]] = {}
         self._next_token = 0
@@ -382,9 +391,14 @@ class Controller:
         by_call: list[dict[int, Any]] = [{} for _ in range(count)]
         seconds = [0.0] * count
         failures = []
+        names = where.split(" + ")
         for rank, (reply, peaks) in enumerate(replies):
             self.memory_peaks[rank] = peaks
-            for index, result, took in reply or []:
+            for index, result, took, memory in reply or []:
+                if memory and len(names) == count:  # the call's peak on this rank (the highest if called again)
+                    kept = self.call_memory.setdefault(names[index], {}).get(rank)
+                    if kept is None or memory.get("peak", 0.0) >= kept.get("peak", 0.0):
+                        self.call_memory[names[index]][rank] = memory
                 if isinstance(result, _Failure):
                     failures.append(result)
                 by_call[index][rank] = result
@@ -433,11 +447,11 @@ class Controller:
                 self._communicate(functools.partial(self._gather, (result, self._reply_stats())))
 
     # -------------------------------------------------------------------------------------- plumbing
-    def _execute_all(self, calls: list[Any]) -> list[tuple[int, Any, float]]:
+    def _execute_all(self, calls: list[Any]) -> list[tuple[int, Any, float, dict[str, float]]]:
         """Run this rank's parts of an exchange's calls in order (a background part starts in a thread; a join waits
         for one); after a failure the rest are skipped (the other ranks of that pool learn of it from the posted
         error)."""
-        results: list[tuple[int, Any, float]] = []
+        results: list[tuple[int, Any, float, dict[str, float]]] = []
         for call in calls:
             if isinstance(call, _Join):
                 result, took = self._background.join(call.token)
@@ -445,15 +459,16 @@ class Controller:
                     _post_error(
                         self._store, f"rank {self.rank} failed in `{result.where}`:\n{result.traceback}", result
                     )
-                results.append((call.index, result, took))
+                results.append((call.index, result, took, {}))
             elif call.token is not None:
                 self._background.start(call, functools.partial(self._execute, call, background=True), self.rank)
-                results.append((call.index, _STARTED, 0.0))
+                results.append((call.index, _STARTED, 0.0, {}))
                 continue
             else:
                 started = time.perf_counter()
-                result = self._execute(call)
-                results.append((call.index, result, time.perf_counter() - started))
+                with self._call_window() as memory:  # a background call's memory is not told apart from the others'
+                    result = self._execute(call)
+                results.append((call.index, result, time.perf_counter() - started, memory))
             if isinstance(result, _Failure):
                 break
         return results

@@ -68,6 +68,8 @@ def rollout_metrics(
     if timings is not None:  # parameter counts: DTensor numel is the full tensor's, so no collective
         trainer = attached_trainer(module)
         strategy = getattr(trainer, "strategy", None)
+        take_memory = getattr(strategy, "take_memory", None)
+        rank_peaks, call_memory = take_memory() if take_memory is not None else ({}, {})
         critics = [r.model for r in module.roles().values() if isinstance(r, CriticRole) and r.trainable]
         out |= perf.step_perf_metrics(
             prompt_tokens=float(rollout["prompt_mask"].sum()),
@@ -83,7 +85,8 @@ def rollout_metrics(
             device=getattr(strategy, "root_device", None) or torch.device("cpu"),
             dtype=getattr(strategy, "param_dtype", None) or torch.float32,
             world_size=trainer.world_size if trainer is not None else 1,
-            rank_peaks=getattr(strategy, "memory_peaks", None),
+            rank_peaks=rank_peaks,
+            call_memory=call_memory,
         )
     return out
 

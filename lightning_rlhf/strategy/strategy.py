@@ -52,7 +52,7 @@ from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.factory import RolloutEngineFactory
 from lightning_rlhf.engines.train import check_compute_dtype, resolve_dtype
 from lightning_rlhf.engines.train.loading import deferred_loading
-from lightning_rlhf.perf import memory_peaks
+from lightning_rlhf.perf import memory_census, memory_peaks, memory_window
 from lightning_rlhf.placement.pools import Pools, check_placement_spec
 from lightning_rlhf.placement.roles import bridge_pools, check_before_launch, place_roles, pool_meshes
 from lightning_rlhf.strategy.checkpoint_io import check_ckpt_argument, publish, temporary_sibling
@@ -119,6 +119,12 @@ def _checked_arguments(
     return vllm
 
 
+def _reply_stats(module: Any) -> dict[str, float]:
+    """What a rank sends with each reply: its memory peaks and, when ``module`` is given (``memory_census=True``),
+    its census of the module's roles. Runs on: every rank."""
+    return memory_peaks() | (memory_census(module.roles()) if module is not None else {})
+
+
 class RLHFStrategy(ModelParallelStrategy):
     """Single controller on rank 0, FSDP2 workers on every rank.
 
@@ -155,6 +161,10 @@ class RLHFStrategy(ModelParallelStrategy):
             (PyTorch's own ops: the same results up to float rounding); True forces it on.
         engine_factory: what builds the rollout engines the roles ask for (it also checks their settings first);
             None: a :class:`~lightning_rlhf.engines.rollout.RolloutEngineFactory` of ``rollout`` and ``vllm``.
+        memory_census: every rank reports, with each reply, the bytes of each role's parameters, gradients and
+            optimizer state it holds (``perf/memory_held_gb/<role>/<part>``; docs/metrics.md): about a microsecond
+            a tensor, so off unless asked. Each role call's peak (``perf/memory_peak_gb/<role>.<method>``) is
+            always reported.
     """
 
     def __init__(
@@ -175,6 +185,7 @@ class RLHFStrategy(ModelParallelStrategy):
         placement: Mapping[str, Sequence[int]] | Literal["auto"] | None = None,
         cpu_kernels: bool | None = None,
         engine_factory: RolloutEngineFactory | None = None,
+        memory_census: bool = False,
     ) -> None:
         check_lightning_version()  # the internals this strategy uses (compat.lightning) are checked per version
         vllm = _checked_arguments(rollout, vllm, worker_error_timeout_s, placement, save_distributed_checkpoint)
@@ -204,6 +215,7 @@ class RLHFStrategy(ModelParallelStrategy):
         self._logger_step: int | None = None  # the loggers' step counter while a validation runs
         self.placement = placement
         self.cpu_kernels = cpu_kernels
+        self.memory_census = memory_census
         self._pools: Pools = {}
         self._placed = False  # whether some role is not on every rank (checkpoints then save each from its pool)
         self._meshes: dict[str, Any] = {}  # role -> the FSDP mesh of its pool (roles this rank holds)
@@ -265,7 +277,8 @@ class RLHFStrategy(ModelParallelStrategy):
             error_timeout_s=self.worker_error_timeout_s, stop_requested=lambda: self._preemption.requested,
             children=list(launcher.procs) if isinstance(launcher, RLHFLauncher) else None, pools=self._pools,
             groups={role: mesh.get_group() for role, mesh in self._meshes.items() if mesh.size() < self.world_size},
-            reply_stats=memory_peaks,
+            reply_stats=functools.partial(_reply_stats, module if self.memory_census else None),
+            call_window=memory_window,
         )  # fmt: skip
         watchdog_running(self.world_size > 1)
 
@@ -496,11 +509,15 @@ class RLHFStrategy(ModelParallelStrategy):
         self._layer.release()
         super().teardown()
 
-    @property
-    def memory_peaks(self) -> dict[int, dict[str, float]]:
-        """Each rank's memory peaks (:func:`lightning_rlhf.perf.memory_peaks`, GiB) as of its latest reply to the
-        controller; empty before the first role call. Runs on: controller (other ranks: empty)."""
-        return dict(self._controller.memory_peaks) if self._controller is not None else {}
+    def take_memory(self) -> tuple[dict[int, dict[str, float]], dict[str, dict[int, dict[str, float]]]]:
+        """Each rank's memory peaks (:func:`lightning_rlhf.perf.memory_peaks`, GiB, with its
+        :func:`~lightning_rlhf.perf.memory_census` when ``memory_census=True``) as of its latest reply, and each role
+        call's memory on each rank since the last take (:func:`~lightning_rlhf.perf.memory_window`); empty before the
+        first role call. Runs on: controller (other ranks: empty)."""
+        if self._controller is None:
+            return {}, {}
+        calls, self._controller.call_memory = self._controller.call_memory, {}
+        return dict(self._controller.memory_peaks), calls
 
     def _rlhf_module(self) -> Any:
         """The module, an ``RLHFModule`` (known by its ``roles()``: the strategy does not import the module)."""

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import failure_text, run_script
 
@@ -26,7 +27,7 @@ def _run(model: str, out: Path, *extra: str) -> tuple[list[dict[str, str]], dict
 
 def test_checkpointed_ppo_equals_the_plain_run(demo_model: str, tmp_path: Path) -> None:
     plain, plain_end = _run(demo_model, tmp_path / "plain")
-    checkpointed, end = _run(demo_model, tmp_path / "checkpointed", "--activation-checkpointing")
+    checkpointed, end = _run(demo_model, tmp_path / "checkpointed", "--activation-checkpointing", "--memory-census")
     assert len(plain) == len(checkpointed) == 2
     for a, b in zip(plain, checkpointed, strict=True):
         for key in COMPARED:
@@ -36,3 +37,16 @@ def test_checkpointed_ppo_equals_the_plain_run(demo_model: str, tmp_path: Path) 
     # the comparison means something: the checkpointed run's actor and critic blocks did recompute
     assert end["checkpointed_blocks"]["actor"] > 0 and end["checkpointed_blocks"]["critic"] > 0, end
     assert not any(plain_end["checkpointed_blocks"].values()), plain_end
+    # the memory figures of a run: each rank holds half of each model's float32 parameters (FSDP2 over 2 ranks; the
+    # root's, which FSDP keeps gathered after a forward, whole), its trained roles' AdamW state twice the half; each
+    # role call's peak is the process's peak within it
+    full_gb = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(demo_model).parameters()) * 4 / 2**30
+    for row in checkpointed:
+        for role in ("actor", "reference"):
+            assert full_gb / 2 * 0.99 < float(row[f"perf/memory_held_gb/{role}/params"]) < full_gb * 0.75, role
+        assert float(row["perf/memory_held_gb/actor/optimizer"]) == pytest.approx(full_gb, rel=0.02)
+        assert float(row["perf/memory_held_gb/critic/optimizer"]) > 0
+        for call in ("actor.update", "critic.update", "reference.log_prob"):
+            peak, added = float(row[f"perf/memory_peak_gb/{call}"]), float(row[f"perf/memory_added_gb/{call}"])
+            assert 0 <= added < peak <= float(row["perf/cpu_memory_peak_gb"]) * 1.001, (call, peak, added)
+    assert not any(key.startswith("perf/memory_held_gb") for key in plain[0]), "the census is off by default"

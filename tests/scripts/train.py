@@ -213,6 +213,7 @@ def main() -> None:
     p.add_argument("--placement", default=None, help="RLHFStrategy(placement=...): JSON role -> ranks, or 'auto'")
     p.add_argument("--lora-rank", type=int, default=None, help="RLHFModule(lora={'r': R, 'lora_alpha': 2R})")
     p.add_argument("--activation-checkpointing", action="store_true", help="RLHFModule(activation_checkpointing=True)")
+    p.add_argument("--memory-census", action="store_true", help="RLHFStrategy(memory_census=True)")
     p.add_argument("--lora-handoff", default="adapter", choices=["merged", "adapter"], help="VLLMConfig.lora_handoff")
     args = p.parse_args()
     if args.signal_at or args.kill_during_save is not None:
@@ -332,6 +333,7 @@ def main() -> None:
             worker_error_timeout_s=args.error_timeout,
             param_dtype=torch.bfloat16 if args.bf16 else None,
             preemption_checkpoint=not args.no_preemption_checkpoint,
+            memory_census=args.memory_census,
             preemption_path=args.preemption_path,
             placement=None
             if args.placement is None

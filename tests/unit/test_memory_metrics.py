@@ -35,6 +35,42 @@ def test_the_peak_counts_memory_freed_before_it_is_sampled() -> None:
     assert figures["peak"] - figures["used"] > 0.3, figures  # the 0.375 GiB tensor, gone from the RSS
 
 
+WINDOW_SCRIPT = """
+import gc, json, torch
+from lightning_rlhf import perf
+x = torch.ones(128 * 2**20)  # 512 MiB before the window: the since-start peak
+del x
+gc.collect()
+with perf.memory_window() as first:
+    y = torch.ones(64 * 2**20)  # 256 MiB inside it, freed before it ends
+    del y
+    gc.collect()
+with perf.memory_window() as second:
+    pass
+print(json.dumps({"first": first, "second": second, "since_start": perf.peak_rss_gb()}))
+"""
+
+
+def test_a_window_measures_its_own_peak_and_the_since_start_peak_stays() -> None:
+    """What each role call's ``perf/memory_peak_gb/<role>.<method>`` rests on."""
+    out = subprocess.run([sys.executable, "-c", WINDOW_SCRIPT], capture_output=True, text=True, timeout=120, check=True)
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    first, second = figures["first"], figures["second"]
+    assert 0.2 < first["peak"] - first["before"] < 0.45, first  # the 0.25 GiB tensor, not the 0.5 GiB one before
+    assert second["peak"] - second["before"] < 0.05, second  # a new window: the earlier peaks are not in it
+    assert figures["since_start"] - first["before"] > 0.45, figures  # the 0.5 GiB peak before any window, kept
+
+
+def test_call_memory_takes_the_largest_over_ranks() -> None:
+    calls = {"actor.update": {0: {"before": 1.0, "peak": 3.0}, 1: {"before": 2.5, "peak": 3.5}}, "critic.values": {}}
+    assert perf.call_memory_metrics(calls) == {
+        "perf/memory_peak_gb/actor.update": 3.5,
+        "perf/memory_added_gb/actor.update": 2.0,
+    }
+    census = {0: {"cpu": 1.0, "held/actor/params": 0.5}, 1: {"cpu": 1.0, "held/actor/params": 0.75}}
+    assert perf.rank_memory_metrics(census)["perf/memory_held_gb/actor/params"] == 0.75
+
+
 def test_every_ranks_peak_is_reported_with_the_largest() -> None:
     out = perf.rank_memory_metrics({1: {"cpu": 2.5, "cuda": 7.0}, 0: {"cpu": 3.0, "cuda": 5.0}, 2: {"cpu": 1.0}})
     assert out == {
