@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
+import os
 import pickle
 import subprocess
 import threading
@@ -186,6 +188,22 @@ class _BackgroundParts:
         self._threads.clear()
 
 
+log = logging.getLogger(__name__)
+CALL_LOG_ENV = "LIGHTNING_RLHF_CALL_LOG"
+"""Environment variable: a file each rank appends a line to per role call (rank, call, start and end time, memory),
+for lining up samples taken from outside the processes (``benchmarks/rss_sampler.py``)."""
+
+
+def _log_calls_to(path: str | None) -> None:
+    """Send this module's DEBUG lines (one per role call) to ``path`` (appended; once per process)."""
+    if not path or any(getattr(h, "baseFilename", None) == os.path.abspath(path) for h in log.handlers):
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+
+
 _NO_WINDOW = contextlib.nullcontext[dict[str, float]]({})
 """The default ``call_window``: measures nothing (its dict stays empty)."""
 
@@ -216,6 +234,7 @@ class Controller:
         call_window: Callable[[], contextlib.AbstractContextManager[dict[str, float]]] = lambda: _NO_WINDOW,
     ) -> None:
         self._roles = roles
+        _log_calls_to(os.environ.get(CALL_LOG_ENV))
         self._reply_stats = reply_stats
         self._call_window = call_window
         self._pools = {role: tuple(ranks) for role, ranks in (pools or {}).items()}
@@ -465,10 +484,14 @@ class Controller:
                 results.append((call.index, _STARTED, 0.0, {}))
                 continue
             else:
-                started = time.perf_counter()
+                started, wall = time.perf_counter(), time.time()
                 with self._call_window() as memory:  # a background call's memory is not told apart from the others'
                     result = self._execute(call)
-                results.append((call.index, result, time.perf_counter() - started, memory))
+                took = time.perf_counter() - started
+                results.append((call.index, result, took, memory))
+                if log.isEnabledFor(logging.DEBUG):  # what benchmarks/rss_sampler.py lines its samples up with
+                    where = f"{call.role}.{call.method}"
+                    log.debug("rank %d ran %s from %.3f to %.3f %s", self.rank, where, wall, wall + took, memory)
             if isinstance(result, _Failure):
                 break
         return results
