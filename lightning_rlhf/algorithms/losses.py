@@ -146,8 +146,9 @@ class MicroBatchAggregation:
     - ``"token-mean"``: each micro-batch divides its token sum by ``num_tokens``, the per-rank share of the
       mini-batch's global token count (FSDP averages over ranks); the losses are then summed unscaled.
     - per-sequence modes: each micro-batch's loss is a mean over its rows, scaled by ``share`` (its rows over
-      the mini-batch's rows on this rank; for ``"seq-mean-token-mean"``, which averages over the rows with a loss
-      token, its rows with one over the mini-batch's rows with one).
+      the mini-batch's rows on this rank, as many on every rank; for ``"seq-mean-token-mean"``, which averages over
+      the rows with a loss token, its rows with one over the per-rank share of the mini-batch's rows with one on all
+      ranks, which the ranks need not hold as many of).
 
     Runs on: every worker rank (the training engine makes one per micro-batch; the role's loss uses it).
     """
@@ -156,8 +157,8 @@ class MicroBatchAggregation:
     num_tokens: Tensor | None
     """Per-rank share of the mini-batch's global token count (``"token-mean"``), else None."""
     share: float
-    """Rows of this micro-batch over rows of its mini-batch on this rank (rows with a loss token, for
-    ``"seq-mean-token-mean"``)."""
+    """Rows of this micro-batch over rows of its mini-batch on this rank (for ``"seq-mean-token-mean"``: its rows
+    with a loss token over the per-rank share of the mini-batch's on all ranks)."""
     max_len: int | None = None
     """The constant length of ``"seq-mean-token-sum-norm"`` (e.g. the rollout's ``max_new_tokens``)."""
     counts: bool = True

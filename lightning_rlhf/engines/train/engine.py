@@ -517,11 +517,12 @@ def _kept_whole(model: nn.Module, whole: bool, *, backward: bool) -> Iterator[li
 
 def _share_of(mini: Batch, aggregation: str, count_mask: Callable[[Batch], Tensor]) -> Callable[[Batch], float]:
     """A micro-batch's share of ``mini`` for :class:`MicroBatchAggregation`: its rows over the mini-batch's (for
-    ``"seq-mean-token-mean"``: its rows with a loss token over the mini-batch's), so the micro-batch losses sum to
-    the mini-batch's loss whichever rows each one holds."""
+    ``"seq-mean-token-mean"``: its rows with a loss token over the mini-batch's on all ranks per rank, an all-reduce:
+    the ranks can hold unequal numbers of them), so the micro-batch losses sum to the mini-batch's loss whichever
+    rows each one holds."""
     if aggregation != "seq-mean-token-mean":
         return lambda micro: len(micro) / len(mini)
-    total = max(int(count_mask(mini).bool().any(dim=-1).sum()), 1)
+    total = float(global_token_count(count_mask(mini).bool().any(dim=-1))) / world()[1] or 1.0
     return lambda micro: int(count_mask(micro).bool().any(dim=-1).sum()) / total
 
 

@@ -1,0 +1,319 @@
+"""The loss and its gradients do not depend on how a mini-batch is cut (rows per micro-batch, the token budget's
+packing and trimming, gradient accumulation, data-parallel ranks), for every registered loss aggregation.
+
+Each case updates a role over one mini-batch of 8 rows (4 prompts x 2 samples, left-padded prompts of 2 to 5
+tokens, responses of 1 to 6, 21 of the 28 response tokens in the first half) and records the gradients its
+optimizer step gets. The reference computes the same loss from the aggregation's definition, each row's sequence
+run alone and unpadded, and differentiates it through an unsharded copy of the model. Cases:
+
+- ``actor``: clipped PPO + k3 KL - entropy bonus (each term aggregated); one row's ``loss_mask`` is all 0 (DAPO's
+  overlong filter), so the rows with a loss token are uneven over the ranks;
+- ``actor-skip``: the policy loss alone with ``skip_zero_advantage``: the three groups whose advantages are 0 are
+  left out of the forwards (``TrainEngine.train``'s ``trainable``; on 2 ranks one rank runs stand-ins only) and
+  still count in the aggregation;
+- ``critic``: the clipped value loss over a ``sampled_mask`` with holes (as a multi-turn episode's).
+
+On one process ``tests/unit/test_loss_aggregation.py`` imports these parts. Under torchrun (2 processes, gloo)
+:func:`main` splits the batch over the ranks as the controller does (contiguous, by tokens with the token budget,
+by costs for ``actor-skip``) and prints ``RESULT <rank> <case> <aggregation> <layout> <error>`` per case,
+aggregation and layout of :data:`TWO_RANKS` (error: the largest gradient difference over the largest gradient);
+``tests/distributed/test_loss_aggregation_runs.py`` checks them.
+
+A new way to cut the batch joins as a field of :class:`Layout` (sequence parallelism: the ranks of a group hold
+parts of every sequence; the data-parallel split then goes over ``ranks // sequence_parallel`` groups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import sys
+import warnings
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import lightning_rlhf.cpu as cpu
+from lightning_rlhf.algorithms import LOSS_AGGREGATIONS
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, KLConfig, LossConfig, OptimConfig, RolloutConfig
+from lightning_rlhf.controller.dispatch import Dispatch, _mark_balance, split_args
+from lightning_rlhf.roles import ActorRole, CriticRole
+from lightning_rlhf.roles.base import Role
+
+CASES = ("actor", "actor-skip", "critic")
+AGGREGATIONS = tuple(LOSS_AGGREGATIONS.names())
+ROWS, GROUP, PROMPT, RESPONSE = 8, 2, 5, 6
+PROMPT_LENGTHS = (5, 2, 4, 3)  # per group (prompt)
+RESPONSE_LENGTHS = (6, 5, 6, 4, 1, 2, 1, 3)
+MAX_NEW_TOKENS = 8  # the actor's Dr.GRPO constant: wider than the batch's responses, which are trimmed
+KL_COEF, ENTROPY_COEF, CLIP = 0.1, 0.01, 0.2
+TOLERANCE = 1e-4
+"""Largest gradient difference allowed, over the largest gradient: float32 rounding stays near 1e-6; a micro-batch
+or rank weighted wrongly moves gradients by percents."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one mini-batch is cut: rows per micro-batch, the token budget (None: off), data-parallel ranks."""
+
+    micro_batch_size: int
+    micro_batch_tokens: int | None = None
+    ranks: int = 1
+
+    def __str__(self) -> str:
+        return f"dp{self.ranks}-rows{self.micro_batch_size}-tokens{self.micro_batch_tokens or 'off'}"
+
+
+# 16 padded tokens: one or two long rows per forward, several short ones; trimmed to each micro-batch's widths
+ONE_RANK = tuple(Layout(rows, tokens) for rows in (1, 3, ROWS) for tokens in (None, 16))
+TWO_RANKS = tuple(Layout(rows, tokens, ranks=2) for rows in (1, ROWS // 2) for tokens in (None, 16))
+
+
+def make_role(case: str, path: str) -> Role:
+    """The case's role with the full weights loaded (same seed on every rank: the critic's new value head) and the
+    CPU layer the strategy hands on a CPU; not sharded."""
+    torch.manual_seed(0)
+    regularised = case == "actor"
+    algorithm = AlgorithmConfig(
+        loss=LossConfig(entropy_coef=ENTROPY_COEF if regularised else 0.0, clip_ratio_low=CLIP, value_clip=CLIP),
+        kl=KLConfig(coef=KL_COEF if regularised else 0.0),
+        batching=BatchingConfig(skip_zero_advantage=case == "actor-skip"),
+    )
+    role: Role
+    if case == "critic":
+        role = CriticRole(path, algorithm=algorithm, optim=OptimConfig(lr=1e-3))
+    else:
+        from transformers import AutoTokenizer
+
+        rollout = RolloutConfig(n=GROUP, max_new_tokens=MAX_NEW_TOKENS)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        role = ActorRole(path, tokenizer=tokenizer, rollout=rollout, algorithm=algorithm, optim=OptimConfig(lr=1e-3))
+    role.train_engine.layer = cpu.device_layer(None, "cpu")
+    role.load()
+    return role
+
+
+def rollout(seed: int = 0) -> Batch:
+    """The rollout columns of the mini-batch: grouped prompts (left-padded), ragged responses, advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.tensor(PROMPT_LENGTHS).repeat_interleave(GROUP)
+    prompt_mask = (torch.arange(PROMPT)[None, :] >= PROMPT - prompt_len[:, None]).long()
+    prompts = torch.randint(4, 200, (ROWS // GROUP, PROMPT), generator=g).repeat_interleave(GROUP, 0)
+    response_mask = (torch.arange(RESPONSE)[None, :] < torch.tensor(RESPONSE_LENGTHS)[:, None]).long()
+    batch = Batch(
+        {
+            "prompts": prompts * prompt_mask,
+            "prompt_mask": prompt_mask,
+            "responses": torch.randint(4, 200, (ROWS, RESPONSE), generator=g) * response_mask,
+            "response_mask": response_mask,
+            "advantages": torch.randn(ROWS, 1, generator=g).expand(ROWS, RESPONSE) * response_mask,
+        }
+    )
+    batch.meta["group_size"] = GROUP
+    return batch
+
+
+def prepared(case: str, model: nn.Module, seed: int = 1) -> Batch:
+    """:func:`rollout` with the columns the case's update reads: old (and reference) log-probs, or old values and
+    returns, near the model's own (so some ratios are clipped, most not), and the case's masks."""
+    batch = rollout()
+    g = torch.Generator().manual_seed(seed)
+    mask = batch["response_mask"]
+    with torch.no_grad():
+        own = torch.zeros(ROWS, RESPONSE)
+        for i, (out, _) in enumerate(row_outputs(case, model, batch)):
+            own[i, : len(out)] = out
+
+    def near(scale: float) -> Tensor:
+        return (own + scale * torch.randn(ROWS, RESPONSE, generator=g)) * mask
+
+    if case == "critic":
+        batch["values"], batch["returns"] = near(0.1), near(1.0)
+        sampled = mask.clone()
+        sampled[[0, 0, 1, 3], [2, 3, 2, 1]] = 0  # tool output inside the responses
+        batch["sampled_mask"] = sampled
+        return batch
+    batch["old_logprobs"], batch["ref_logprobs"] = near(0.15), near(0.3)
+    if case == "actor":
+        loss_mask = mask.clone()
+        loss_mask[2] = 0  # an overlong response, filtered out
+        batch["loss_mask"] = loss_mask
+    else:
+        # three groups with equal rewards: split over 2 ranks by the tokens they train, one rank trains no row
+        batch["advantages"][GROUP:] = 0.0
+    return batch
+
+
+def row_outputs(case: str, model: nn.Module, batch: Batch) -> list[tuple[Tensor, Tensor | None]]:
+    """Per row, at its response tokens: ``(log-probs, entropies)`` (actor) or ``(values, None)`` (critic), each
+    row's prompt and response run alone, without padding."""
+    outputs: list[tuple[Tensor, Tensor | None]] = []
+    for i in range(len(batch)):
+        prompt = batch["prompts"][i][batch["prompt_mask"][i].bool()]
+        response = batch["responses"][i][batch["response_mask"][i].bool()]
+        ids = torch.cat([prompt, response])[None]
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : len(ids[0]) - 1].float()
+        if case == "critic":
+            outputs.append((logits[:, 0], None))
+            continue
+        logp = torch.log_softmax(logits, dim=-1)
+        outputs.append((logp.gather(-1, response[:, None])[:, 0], -(logp.exp() * logp).sum(-1)))
+    return outputs
+
+
+def reference_aggregate(rows: list[Tensor], mode: str, max_len: int) -> Tensor:
+    """The aggregation's definition over the counted tokens' values of each row of the mini-batch."""
+    total = sum((row.sum() for row in rows), torch.tensor(0.0))
+    if mode == "token-mean":
+        return total / max(sum(row.numel() for row in rows), 1)
+    if mode == "seq-mean-token-sum":
+        return total / len(rows)
+    if mode == "seq-mean-token-mean":
+        kept = [row.mean() for row in rows if row.numel()]
+        return sum(kept, torch.tensor(0.0)) / max(len(kept), 1)
+    if mode == "seq-mean-token-sum-norm":
+        return total / (len(rows) * max_len)
+    raise KeyError(f"No reference for the loss aggregation {mode!r}: write its definition in reference_aggregate.")
+
+
+def reference_loss(case: str, model: nn.Module, batch: Batch, mode: str) -> Tensor:
+    """The case's loss over the whole mini-batch at once, written from the losses' and the aggregation's
+    definitions."""
+    terms: dict[str, list[Tensor]] = {"main": [], "entropy": [], "kl": []}
+    counted = batch["sampled_mask" if case == "critic" else "loss_mask" if "loss_mask" in batch else "response_mask"]
+    for i, (out, entropy) in enumerate(row_outputs(case, model, batch)):
+        n, keep = len(out), counted[i, : len(out)].bool()
+        if case == "critic":
+            old, returns = batch["values"][i, :n], batch["returns"][i, :n]
+            clipped = old + (out - old).clamp(-CLIP, CLIP)
+            terms["main"].append((0.5 * torch.maximum((out - returns) ** 2, (clipped - returns) ** 2))[keep])
+            continue
+        assert entropy is not None
+        ratio, advantage = torch.exp(out - batch["old_logprobs"][i, :n]), batch["advantages"][i, :n]
+        pg = torch.maximum(-advantage * ratio, -advantage * ratio.clamp(1 - CLIP, 1 + CLIP))
+        log_ref = batch["ref_logprobs"][i, :n] - out
+        terms["main"].append(pg[keep])
+        terms["entropy"].append(entropy[keep])
+        terms["kl"].append((torch.exp(log_ref) - log_ref - 1)[keep])
+    max_len = RESPONSE if case == "critic" else MAX_NEW_TOKENS  # the critic passes none: the batch's width
+    loss = reference_aggregate(terms["main"], mode, max_len)
+    if case == "actor":
+        entropy_term = reference_aggregate(terms["entropy"], mode, max_len)
+        loss = loss - ENTROPY_COEF * entropy_term + KL_COEF * reference_aggregate(terms["kl"], mode, max_len)
+    return loss
+
+
+def reference_gradients(case: str, model: nn.Module, batch: Batch, mode: str) -> dict[str, Tensor]:
+    """The gradients of :func:`reference_loss` by parameter name."""
+    model.zero_grad(set_to_none=True)
+    reference_loss(case, model, batch, mode).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def use_layout(role: Role, layout: Layout, mode: str) -> None:
+    """Cut the role's next update as ``layout`` says, aggregated with ``mode`` (as ``RLHFModule`` sets them)."""
+    role.train_engine.micro_batch_size = layout.micro_batch_size
+    role.train_engine.micro_batch_tokens = layout.micro_batch_tokens
+    algorithm = role.algorithm  # type: ignore[attr-defined]
+    role.algorithm = dataclasses.replace(algorithm, loss=dataclasses.replace(algorithm.loss, loss_agg=mode))  # type: ignore[attr-defined]
+
+
+def rank_part(role: Role, batch: Batch, ranks: int, rank: int) -> Batch:
+    """This rank's part of ``batch`` as the controller splits a ``DP_SPLIT`` call over ``ranks``."""
+    if ranks == 1:
+        return batch
+    costs = role.split_costs("update", batch) if isinstance(role, ActorRole) else None
+    marked = _mark_balance(batch, role.balances_ranks, costs)
+    part = split_args(Dispatch.DP_SPLIT, (marked,), {}, ranks, where="update")[rank]
+    assert part is not None
+    return part[0][0]
+
+
+def update_gradients(role: Role, batch: Batch) -> dict[str, Tensor]:
+    """The gradients ``role.update(batch)`` hands its optimizer step, gathered whole by parameter name; the step is
+    not taken (the weights stay as they are for the next layout). All ranks call it together."""
+    engine = role.train_engine
+    assert engine.model is not None
+    grads: list[dict[str, Tensor]] = []
+
+    def step() -> tuple[Tensor, bool]:
+        assert engine.model is not None
+        found = {}
+        for name, p in engine.model.named_parameters():
+            if p.grad is not None:
+                found[name] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+        grads.append(found)
+        engine.model.zero_grad(set_to_none=True)
+        return torch.tensor(1.0), True
+
+    engine.step = step  # type: ignore[method-assign]
+    try:
+        with warnings.catch_warnings():  # the schedule steps after an optimizer that did not
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+            role.update(batch)  # type: ignore[attr-defined]
+    finally:
+        del engine.step
+    assert len(grads) == 1, f"expected one optimizer step, got {len(grads)}"
+    return grads[0]
+
+
+def error(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
+    """The largest difference between the two gradients over the largest reference gradient."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    largest = max(float(g.abs().max()) for g in want.values())
+    assert largest > 1e-4, "the reference gradients are all but 0"
+    return max(float((got[name] - g).abs().max()) for name, g in want.items()) / largest
+
+
+def check(case: str, path: str, layouts: Iterable[Layout], rank: int = 0) -> Iterable[tuple[str, Layout, float]]:
+    """``(aggregation, layout, error)`` of the case's update for every aggregation and layout; every layout has
+    ``ranks`` equal to the processes of the default group (the model is sharded over them when more than 1)."""
+    role = make_role(case, path)
+    assert role.model is not None
+    reference = copy.deepcopy(role.model)
+    batch = prepared(case, reference)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        role.shard(init_device_mesh("cpu", (world,)), param_dtype=None)
+        role.materialize(torch.device("cpu"))
+    role.configure_optimizer(10)
+    for mode in AGGREGATIONS:
+        want = reference_gradients(case, reference, batch, mode)
+        for layout in layouts:
+            assert layout.ranks == world, (layout, world)
+            use_layout(role, layout, mode)
+            yield mode, layout, error(update_gradients(role, rank_part(role, batch, world, rank)), want)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    layouts = [layout for layout in TWO_RANKS if layout.ranks == dist.get_world_size()]
+    lines = []
+    for case in CASES:
+        for mode, layout, err in check(case, args.model, layouts, rank):
+            lines.append(f"RESULT {rank} {case} {mode} {layout} {err:.3e}\n")
+    sys.stdout.write("".join(lines))  # one write: the ranks share stdout
+    sys.stdout.flush()
+    dist.barrier()
+    from lightning_rlhf.strategy.strategy import shutdown_process_groups
+
+    shutdown_process_groups()  # as fsdp_backward_check.py: no interpreter finalisation under gloo's threads
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
