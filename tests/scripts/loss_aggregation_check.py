@@ -1,10 +1,11 @@
 """The loss and its gradients do not depend on how a mini-batch is cut (rows per micro-batch, the token budget's
 packing and trimming, gradient accumulation, data-parallel ranks), for every registered loss aggregation.
 
-Each case updates a role over one mini-batch of 8 rows (4 prompts x 2 samples, left-padded prompts of 2 to 5
-tokens, responses of 1 to 6, 21 of the 28 response tokens in the first half) and records the gradients its
-optimizer step gets. The reference computes the same loss from the aggregation's definition, each row's sequence
-run alone and unpadded, and differentiates it through an unsharded copy of the model. Cases:
+Each case updates a role over a batch of 8 rows (4 prompts x 2 samples, left-padded prompts of 2 to 5 tokens,
+responses of 1 to 6, 21 of the 28 response tokens in the first half), as one mini-batch or two, and records the
+gradients each optimizer step gets (taking none). The reference computes each mini-batch's loss from the
+aggregation's definition, each row's sequence run alone and unpadded, and differentiates it through an unsharded
+copy of the model. Cases:
 
 - ``actor``: clipped PPO + k3 KL - entropy bonus (each term aggregated); one row's ``loss_mask`` is all 0 (DAPO's
   overlong filter), so the rows with a loss token are uneven over the ranks;
@@ -15,8 +16,9 @@ run alone and unpadded, and differentiates it through an unsharded copy of the m
 
 On one process ``tests/unit/test_loss_aggregation.py`` imports these parts. Under torchrun (2 processes, gloo)
 :func:`main` splits the batch over the ranks as the controller does (contiguous, by tokens with the token budget,
-by costs for ``actor-skip``) and prints ``RESULT <rank> <case> <aggregation> <layout> <error>`` per case,
-aggregation and layout of :data:`TWO_RANKS` (error: the largest gradient difference over the largest gradient);
+by trained tokens for ``actor-skip``) and prints ``RESULT <rank> <case> <aggregation> <layout> <error>`` per case,
+aggregation and layout of :data:`TWO_RANKS` (error: the largest gradient difference over the largest gradient, the
+worst of the layout's mini-batches);
 ``tests/distributed/test_loss_aggregation_runs.py`` checks them.
 
 A new way to cut the batch joins as a field of :class:`Layout` (sequence parallelism: the ranks of a group hold
@@ -31,7 +33,7 @@ import dataclasses
 import os
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,7 +45,7 @@ import lightning_rlhf.cpu as cpu
 from lightning_rlhf.algorithms import LOSS_AGGREGATIONS
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, KLConfig, LossConfig, OptimConfig, RolloutConfig
-from lightning_rlhf.controller.dispatch import Dispatch, _mark_balance, split_args
+from lightning_rlhf.controller.dispatch import ROWS_KEY, Dispatch, _mark_balance, split_args
 from lightning_rlhf.roles import ActorRole, CriticRole
 from lightning_rlhf.roles.base import Role
 
@@ -61,19 +63,29 @@ or rank weighted wrongly moves gradients by percents."""
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How one mini-batch is cut: rows per micro-batch, the token budget (None: off), data-parallel ranks."""
+    """How the batch is cut: rows per micro-batch, the token budget (None: off), data-parallel ranks, and optimizer
+    steps (mini-batches) per update."""
 
     micro_batch_size: int
     micro_batch_tokens: int | None = None
     ranks: int = 1
+    mini_batches: int = 1
 
     def __str__(self) -> str:
-        return f"dp{self.ranks}-rows{self.micro_batch_size}-tokens{self.micro_batch_tokens or 'off'}"
+        tokens = self.micro_batch_tokens or "off"
+        return f"dp{self.ranks}-rows{self.micro_batch_size}-tokens{tokens}-minibatches{self.mini_batches}"
 
 
 # 16 padded tokens: one or two long rows per forward, several short ones; trimmed to each micro-batch's widths
-ONE_RANK = tuple(Layout(rows, tokens) for rows in (1, 3, ROWS) for tokens in (None, 16))
-TWO_RANKS = tuple(Layout(rows, tokens, ranks=2) for rows in (1, ROWS // 2) for tokens in (None, 16))
+ONE_RANK = (
+    *(Layout(rows, tokens) for rows in (1, 3, ROWS) for tokens in (None, 16)),
+    Layout(3, mini_batches=2),
+    Layout(1, 16, mini_batches=2),
+)
+TWO_RANKS = (
+    *(Layout(rows, tokens, ranks=2) for rows in (1, ROWS // 2) for tokens in (None, 16)),
+    Layout(1, 16, ranks=2, mini_batches=2),
+)
 
 
 def make_role(case: str, path: str) -> Role:
@@ -224,23 +236,34 @@ def use_layout(role: Role, layout: Layout, mode: str) -> None:
     role.train_engine.micro_batch_size = layout.micro_batch_size
     role.train_engine.micro_batch_tokens = layout.micro_batch_tokens
     algorithm = role.algorithm  # type: ignore[attr-defined]
-    role.algorithm = dataclasses.replace(algorithm, loss=dataclasses.replace(algorithm.loss, loss_agg=mode))  # type: ignore[attr-defined]
+    loss = dataclasses.replace(algorithm.loss, loss_agg=mode)
+    mini_batch_size = None if layout.mini_batches == 1 else ROWS // layout.mini_batches
+    batching = dataclasses.replace(algorithm.batching, mini_batch_size=mini_batch_size)
+    role.algorithm = dataclasses.replace(algorithm, loss=loss, batching=batching)  # type: ignore[attr-defined]
 
 
-def rank_part(role: Role, batch: Batch, ranks: int, rank: int) -> Batch:
-    """This rank's part of ``batch`` as the controller splits a ``DP_SPLIT`` call over ``ranks``."""
+def rank_parts(role: Role, batch: Batch, ranks: int) -> list[Batch]:
+    """Each rank's part of ``batch`` as the controller splits a ``DP_SPLIT`` call (after :func:`use_layout`)."""
     if ranks == 1:
-        return batch
+        return [batch]
     costs = role.split_costs("update", batch) if isinstance(role, ActorRole) else None
     marked = _mark_balance(batch, role.balances_ranks, costs)
-    part = split_args(Dispatch.DP_SPLIT, (marked,), {}, ranks, where="update")[rank]
-    assert part is not None
-    return part[0][0]
+    parts = split_args(Dispatch.DP_SPLIT, (marked,), {}, ranks, where="update")
+    return [part[0][0] for part in parts if part is not None]
 
 
-def update_gradients(role: Role, batch: Batch) -> dict[str, Tensor]:
-    """The gradients ``role.update(batch)`` hands its optimizer step, gathered whole by parameter name; the step is
-    not taken (the weights stay as they are for the next layout). All ranks call it together."""
+def mini_batch_rows(parts: list[Batch], mini_batches: int) -> list[list[int]]:
+    """The rows of the whole batch that make up each optimizer step's mini-batch: each rank cuts its part into
+    ``mini_batches`` in order (``TrainEngine.train``)."""
+    size = len(parts[0])
+    rows = [part.meta.get(ROWS_KEY, list(range(r * size, (r + 1) * size))) for r, part in enumerate(parts)]
+    local = size // mini_batches
+    return [[i for own in rows for i in own[k * local : (k + 1) * local]] for k in range(mini_batches)]
+
+
+def update_gradients(role: Role, batch: Batch) -> list[dict[str, Tensor]]:
+    """The gradients ``role.update(batch)`` hands each optimizer step, gathered whole by parameter name; no step is
+    taken (the weights stay as they are, for the next mini-batch and layout). All ranks call it together."""
     engine = role.train_engine
     assert engine.model is not None
     grads: list[dict[str, Tensor]] = []
@@ -262,36 +285,50 @@ def update_gradients(role: Role, batch: Batch) -> dict[str, Tensor]:
             role.update(batch)  # type: ignore[attr-defined]
     finally:
         del engine.step
-    assert len(grads) == 1, f"expected one optimizer step, got {len(grads)}"
-    return grads[0]
+    return grads
 
 
 def error(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
-    """The largest difference between the two gradients over the largest reference gradient."""
+    """The largest difference between the two gradients over the largest reference gradient (absolute where the
+    reference is 0: a mini-batch whose advantages are all 0)."""
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     largest = max(float(g.abs().max()) for g in want.values())
-    assert largest > 1e-4, "the reference gradients are all but 0"
-    return max(float((got[name] - g).abs().max()) for name, g in want.items()) / largest
+    return max(float((got[name] - g).abs().max()) for name, g in want.items()) / (largest or 1.0)
 
 
-def check(case: str, path: str, layouts: Iterable[Layout], rank: int = 0) -> Iterable[tuple[str, Layout, float]]:
-    """``(aggregation, layout, error)`` of the case's update for every aggregation and layout; every layout has
-    ``ranks`` equal to the processes of the default group (the model is sharded over them when more than 1)."""
+def layout_errors(
+    case: str, role: Role, reference: nn.Module, batch: Batch, mode: str, layouts: Iterable[Layout], rank: int = 0
+) -> Iterator[tuple[Layout, float]]:
+    """``(layout, error)`` of the role's update of ``batch`` cut as each layout says, aggregated with ``mode``, against
+    the reference gradients of each mini-batch (the worst of them); every layout's ``ranks`` is the role's world."""
+    wants: dict[tuple[int, ...], dict[str, Tensor]] = {}
+    for layout in layouts:
+        use_layout(role, layout, mode)
+        parts = rank_parts(role, batch, layout.ranks)
+        steps = [tuple(rows) for rows in mini_batch_rows(parts, layout.mini_batches)]
+        for rows in steps:
+            if rows not in wants:
+                wants[rows] = reference_gradients(case, reference, batch.select(list(rows)), mode)
+        got = update_gradients(role, parts[rank])
+        assert len(got) == len(steps), f"{layout}: {len(got)} optimizer steps"
+        yield layout, max(error(g, wants[rows]) for g, rows in zip(got, steps, strict=True))
+
+
+def check(case: str, path: str, layouts: list[Layout], rank: int) -> Iterator[tuple[str, Layout, float]]:
+    """``(aggregation, layout, error)`` for every aggregation and layout, the model sharded over the processes of
+    the default group (each layout's ``ranks``)."""
     role = make_role(case, path)
     assert role.model is not None
     reference = copy.deepcopy(role.model)
     batch = prepared(case, reference)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        role.shard(init_device_mesh("cpu", (world,)), param_dtype=None)
-        role.materialize(torch.device("cpu"))
+    world = dist.get_world_size()
+    assert all(layout.ranks == world for layout in layouts), (layouts, world)
+    role.shard(init_device_mesh("cpu", (world,)), param_dtype=None)
+    role.materialize(torch.device("cpu"))
     role.configure_optimizer(10)
     for mode in AGGREGATIONS:
-        want = reference_gradients(case, reference, batch, mode)
-        for layout in layouts:
-            assert layout.ranks == world, (layout, world)
-            use_layout(role, layout, mode)
-            yield mode, layout, error(update_gradients(role, rank_part(role, batch, world, rank)), want)
+        for layout, err in layout_errors(case, role, reference, batch, mode, layouts, rank):
+            yield mode, layout, err
 
 
 def main() -> None:
