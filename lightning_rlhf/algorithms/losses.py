@@ -164,6 +164,9 @@ class MicroBatchAggregation:
     counts: bool = True
     """False for a stand-in micro-batch that only keeps a rank's FSDP collectives in step with the others (its loss
     is multiplied by 0): the loss should not report metrics from it."""
+    parts: int | None = 1
+    """The micro-batches of this rank's mini-batch that count: the mean of their :meth:`report` values is the
+    mini-batch's value on this rank. None where rows were left out (``trainable``): each reports its own mean."""
 
     def aggregate(self, loss: Tensor, mask: Tensor) -> Tensor:
         """``loss`` ``[B, T]`` reduced to this micro-batch's part of the mini-batch loss (before ``scale``)."""
@@ -180,11 +183,14 @@ class MicroBatchAggregation:
         return 1.0 if self.num_tokens is not None else self.share
 
     def report(self, value: Tensor, mask: Tensor) -> Tensor:
-        """A detached aggregated value as this micro-batch's own mean (comparable across batch sizes)."""
+        """A detached aggregated value as a metric: this micro-batch's part of the mini-batch's value times ``parts``,
+        so that the mean over the micro-batches, and then over the ranks, is the whole mini-batch's value however it
+        is cut; with ``parts`` None, this micro-batch's own value."""
+        if self.parts is not None:
+            return value.detach() * (self.scale * self.parts)
         if self.num_tokens is None:
             return value.detach()
-        local = mask.sum().clamp(min=1) / self.num_tokens
-        return value.detach() / local
+        return value.detach() / (mask.sum().clamp(min=1) / self.num_tokens)
 
 
 @dataclass(frozen=True)

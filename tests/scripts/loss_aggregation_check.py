@@ -16,9 +16,10 @@ copy of the model. Cases:
 
 On one process ``tests/unit/test_loss_aggregation.py`` imports these parts. Under torchrun (2 processes, gloo)
 :func:`main` splits the batch over the ranks as the controller does (contiguous, by tokens with the token budget,
-by trained tokens for ``actor-skip``) and prints ``RESULT <rank> <case> <aggregation> <layout> <error>`` per case,
-aggregation and layout of :data:`TWO_RANKS` (error: the largest gradient difference over the largest gradient, the
-worst of the layout's mini-batches);
+by trained tokens for ``actor-skip``) and prints ``RESULT <rank> <case> <aggregation> <layout> <gradient error> <loss
+error>`` per case, aggregation and layout of :data:`TWO_RANKS` (the largest gradient difference over the largest
+gradient, the worst of the layout's mini-batches; the largest relative difference of the loss metrics, averaged
+over the ranks);
 ``tests/distributed/test_loss_aggregation_runs.py`` checks them.
 
 A new way to cut the batch joins as a field of :class:`Layout` (sequence parallelism: the ranks of a group hold
@@ -195,9 +196,9 @@ def reference_aggregate(rows: list[Tensor], mode: str, max_len: int) -> Tensor:
     raise KeyError(f"No reference for the loss aggregation {mode!r}: write its definition in reference_aggregate.")
 
 
-def reference_loss(case: str, model: nn.Module, batch: Batch, mode: str) -> Tensor:
-    """The case's loss over the whole mini-batch at once, written from the losses' and the aggregation's
-    definitions."""
+def reference_terms(case: str, model: nn.Module, batch: Batch, mode: str) -> dict[str, Tensor]:
+    """The case's loss terms over the whole mini-batch at once, written from the losses' and the aggregation's
+    definitions, by the name of the metric that reports each."""
     terms: dict[str, list[Tensor]] = {"main": [], "entropy": [], "kl": []}
     counted = batch["sampled_mask" if case == "critic" else "loss_mask" if "loss_mask" in batch else "response_mask"]
     for i, (out, entropy) in enumerate(row_outputs(case, model, batch)):
@@ -215,11 +216,23 @@ def reference_loss(case: str, model: nn.Module, batch: Batch, mode: str) -> Tens
         terms["entropy"].append(entropy[keep])
         terms["kl"].append((torch.exp(log_ref) - log_ref - 1)[keep])
     max_len = RESPONSE if case == "critic" else MAX_NEW_TOKENS  # the critic passes none: the batch's width
-    loss = reference_aggregate(terms["main"], mode, max_len)
+    if case == "critic":
+        return {"critic/vf_loss": reference_aggregate(terms["main"], mode, max_len)}
+    out = {"actor/pg_loss": reference_aggregate(terms["main"], mode, max_len)}
     if case == "actor":
-        entropy_term = reference_aggregate(terms["entropy"], mode, max_len)
-        loss = loss - ENTROPY_COEF * entropy_term + KL_COEF * reference_aggregate(terms["kl"], mode, max_len)
-    return loss
+        out["actor/entropy"] = reference_aggregate(terms["entropy"], mode, max_len)
+        out["actor/kl_loss"] = reference_aggregate(terms["kl"], mode, max_len)
+    return out
+
+
+def reference_loss(case: str, model: nn.Module, batch: Batch, mode: str) -> Tensor:
+    """The case's loss over the whole mini-batch at once."""
+    terms = reference_terms(case, model, batch, mode)
+    if case == "critic":
+        return terms["critic/vf_loss"]
+    if case == "actor":
+        return terms["actor/pg_loss"] - ENTROPY_COEF * terms["actor/entropy"] + KL_COEF * terms["actor/kl_loss"]
+    return terms["actor/pg_loss"]
 
 
 def reference_gradients(case: str, model: nn.Module, batch: Batch, mode: str) -> dict[str, Tensor]:
@@ -229,6 +242,13 @@ def reference_gradients(case: str, model: nn.Module, batch: Batch, mode: str) ->
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
+
+
+def reference_metrics(case: str, model: nn.Module, batches: list[Batch], mode: str) -> dict[str, float]:
+    """The loss metrics of an update over ``batches`` (one per optimizer step): each term's mean over them."""
+    with torch.no_grad():
+        terms = [reference_terms(case, model, batch, mode) for batch in batches]
+    return {key: sum(float(t[key]) for t in terms) / len(terms) for key in terms[0]}
 
 
 def use_layout(role: Role, layout: Layout, mode: str) -> None:
@@ -261,9 +281,10 @@ def mini_batch_rows(parts: list[Batch], mini_batches: int) -> list[list[int]]:
     return [[i for own in rows for i in own[k * local : (k + 1) * local]] for k in range(mini_batches)]
 
 
-def update_gradients(role: Role, batch: Batch) -> list[dict[str, Tensor]]:
-    """The gradients ``role.update(batch)`` hands each optimizer step, gathered whole by parameter name; no step is
-    taken (the weights stay as they are, for the next mini-batch and layout). All ranks call it together."""
+def update_gradients(role: Role, batch: Batch) -> tuple[list[dict[str, Tensor]], dict[str, float]]:
+    """The gradients ``role.update(batch)`` hands each optimizer step, gathered whole by parameter name, and the
+    metrics it returns (this rank's); no step is taken (the weights stay as they are, for the next mini-batch and
+    layout). All ranks call it together."""
     engine = role.train_engine
     assert engine.model is not None
     grads: list[dict[str, Tensor]] = []
@@ -282,10 +303,24 @@ def update_gradients(role: Role, batch: Batch) -> list[dict[str, Tensor]]:
     try:
         with warnings.catch_warnings():  # the schedule steps after an optimizer that did not
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
-            role.update(batch)  # type: ignore[attr-defined]
+            metrics = role.update(batch)  # type: ignore[attr-defined]
     finally:
         del engine.step
-    return grads
+    return grads, metrics
+
+
+def rank_mean(metrics: dict[str, float], keys: Iterable[str], ranks: int) -> dict[str, float]:
+    """``metrics[key]`` averaged over the ranks, as the controller merges a ``DP_SPLIT`` call's results."""
+    keys = sorted(keys)
+    values = torch.tensor([metrics[key] for key in keys], dtype=torch.float64)
+    if ranks > 1:
+        dist.all_reduce(values)
+    return dict(zip(keys, (values / ranks).tolist(), strict=True))
+
+
+def metric_error(got: dict[str, float], want: dict[str, float]) -> float:
+    """The largest relative difference of the loss metrics (0 when none is compared)."""
+    return max((abs(got[key] - value) / max(abs(value), 1e-3) for key, value in want.items()), default=0.0)
 
 
 def error(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
@@ -298,9 +333,11 @@ def error(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
 
 def layout_errors(
     case: str, role: Role, reference: nn.Module, batch: Batch, mode: str, layouts: Iterable[Layout], rank: int = 0
-) -> Iterator[tuple[Layout, float]]:
-    """``(layout, error)`` of the role's update of ``batch`` cut as each layout says, aggregated with ``mode``, against
-    the reference gradients of each mini-batch (the worst of them); every layout's ``ranks`` is the role's world."""
+) -> Iterator[tuple[Layout, float, float]]:
+    """``(layout, gradient error, loss metric error)`` of the role's update of ``batch`` cut as each layout says,
+    aggregated with ``mode``, against the reference of each mini-batch (the worst of them); every layout's
+    ``ranks`` is the role's world. The metrics of an update that leaves rows out (``actor-skip``) average the
+    trained rows: not compared."""
     wants: dict[tuple[int, ...], dict[str, Tensor]] = {}
     for layout in layouts:
         use_layout(role, layout, mode)
@@ -309,14 +346,19 @@ def layout_errors(
         for rows in steps:
             if rows not in wants:
                 wants[rows] = reference_gradients(case, reference, batch.select(list(rows)), mode)
-        got = update_gradients(role, parts[rank])
+        got, metrics = update_gradients(role, parts[rank])
         assert len(got) == len(steps), f"{layout}: {len(got)} optimizer steps"
-        yield layout, max(error(g, wants[rows]) for g, rows in zip(got, steps, strict=True))
+        want_metrics = reference_metrics(case, reference, [batch.select(list(rows)) for rows in steps], mode)
+        if case == "actor-skip":
+            want_metrics = {}
+        got_metrics = rank_mean(metrics, want_metrics, layout.ranks)
+        grad_error = max(error(g, wants[rows]) for g, rows in zip(got, steps, strict=True))
+        yield layout, grad_error, metric_error(got_metrics, want_metrics)
 
 
-def check(case: str, path: str, layouts: list[Layout], rank: int) -> Iterator[tuple[str, Layout, float]]:
-    """``(aggregation, layout, error)`` for every aggregation and layout, the model sharded over the processes of
-    the default group (each layout's ``ranks``)."""
+def check(case: str, path: str, layouts: list[Layout], rank: int) -> Iterator[tuple[str, Layout, float, float]]:
+    """``(aggregation, layout, gradient error, metric error)`` for every aggregation and layout, the model sharded
+    over the processes of the default group (each layout's ``ranks``)."""
     role = make_role(case, path)
     assert role.model is not None
     reference = copy.deepcopy(role.model)
@@ -327,8 +369,8 @@ def check(case: str, path: str, layouts: list[Layout], rank: int) -> Iterator[tu
     role.materialize(torch.device("cpu"))
     role.configure_optimizer(10)
     for mode in AGGREGATIONS:
-        for layout, err in layout_errors(case, role, reference, batch, mode, layouts, rank):
-            yield mode, layout, err
+        for layout, grad_error, loss_error in layout_errors(case, role, reference, batch, mode, layouts, rank):
+            yield mode, layout, grad_error, loss_error
 
 
 def main() -> None:
@@ -341,8 +383,8 @@ def main() -> None:
     layouts = [layout for layout in TWO_RANKS if layout.ranks == dist.get_world_size()]
     lines = []
     for case in CASES:
-        for mode, layout, err in check(case, args.model, layouts, rank):
-            lines.append(f"RESULT {rank} {case} {mode} {layout} {err:.3e}\n")
+        for mode, layout, grad_error, loss_error in check(case, args.model, layouts, rank):
+            lines.append(f"RESULT {rank} {case} {mode} {layout} {grad_error:.3e} {loss_error:.3e}\n")
     sys.stdout.write("".join(lines))  # one write: the ranks share stdout
     sys.stdout.flush()
     dist.barrier()
