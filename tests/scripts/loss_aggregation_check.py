@@ -58,8 +58,8 @@ RESPONSE_LENGTHS = (6, 5, 6, 4, 1, 2, 1, 3)
 MAX_NEW_TOKENS = 8  # the actor's Dr.GRPO constant: wider than the batch's responses, which are trimmed
 KL_COEF, ENTROPY_COEF, CLIP = 0.1, 0.01, 0.2
 TOLERANCE = 1e-4
-"""Largest gradient difference allowed, over the largest gradient: float32 rounding stays near 1e-6; a micro-batch
-or rank weighted wrongly moves gradients by percents."""
+"""Largest gradient difference allowed, over the largest gradient (and relative difference of a loss metric):
+float32 rounding stays near 1e-6; a micro-batch or rank weighted wrongly moves them by percents."""
 
 
 @dataclasses.dataclass(frozen=True)
