@@ -146,8 +146,9 @@ class MicroBatchAggregation:
     - ``"token-mean"``: each micro-batch divides its token sum by ``num_tokens``, the per-rank share of the
       mini-batch's global token count (FSDP averages over ranks); the losses are then summed unscaled.
     - per-sequence modes: each micro-batch's loss is a mean over its rows, scaled by ``share`` (its rows over
-      the mini-batch's rows on this rank; for ``"seq-mean-token-mean"``, which averages over the rows with a loss
-      token, its rows with one over the mini-batch's rows with one).
+      the mini-batch's rows on this rank, as many on every rank; for ``"seq-mean-token-mean"``, which averages over
+      the rows with a loss token, its rows with one over the per-rank share of the mini-batch's rows with one on all
+      ranks, which the ranks need not hold as many of).
 
     Runs on: every worker rank (the training engine makes one per micro-batch; the role's loss uses it).
     """
@@ -156,13 +157,16 @@ class MicroBatchAggregation:
     num_tokens: Tensor | None
     """Per-rank share of the mini-batch's global token count (``"token-mean"``), else None."""
     share: float
-    """Rows of this micro-batch over rows of its mini-batch on this rank (rows with a loss token, for
-    ``"seq-mean-token-mean"``)."""
+    """Rows of this micro-batch over rows of its mini-batch on this rank (for ``"seq-mean-token-mean"``: its rows
+    with a loss token over the per-rank share of the mini-batch's on all ranks)."""
     max_len: int | None = None
     """The constant length of ``"seq-mean-token-sum-norm"`` (e.g. the rollout's ``max_new_tokens``)."""
     counts: bool = True
     """False for a stand-in micro-batch that only keeps a rank's FSDP collectives in step with the others (its loss
     is multiplied by 0): the loss should not report metrics from it."""
+    parts: int | None = 1
+    """The micro-batches of this rank's mini-batch that count: the mean of their :meth:`report` values is the
+    mini-batch's value on this rank. None where rows were left out (``trainable``): each reports its own mean."""
 
     def aggregate(self, loss: Tensor, mask: Tensor) -> Tensor:
         """``loss`` ``[B, T]`` reduced to this micro-batch's part of the mini-batch loss (before ``scale``)."""
@@ -179,11 +183,14 @@ class MicroBatchAggregation:
         return 1.0 if self.num_tokens is not None else self.share
 
     def report(self, value: Tensor, mask: Tensor) -> Tensor:
-        """A detached aggregated value as this micro-batch's own mean (comparable across batch sizes)."""
+        """A detached aggregated value as a metric: this micro-batch's part of the mini-batch's value times ``parts``,
+        so that the mean over the micro-batches, and then over the ranks, is the whole mini-batch's value however it
+        is cut; with ``parts`` None, this micro-batch's own value."""
+        if self.parts is not None:
+            return value.detach() * (self.scale * self.parts)
         if self.num_tokens is None:
             return value.detach()
-        local = mask.sum().clamp(min=1) / self.num_tokens
-        return value.detach() / local
+        return value.detach() / (mask.sum().clamp(min=1) / self.num_tokens)
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,11 @@ class MetricAccumulator:
         for k, v in metrics.items():
             self._values[k].append(v.detach().float().reshape(()))
 
+    def add_means(self, other: MetricAccumulator) -> None:
+        """Record one value per metric of ``other``: its mean (or extreme) over the values ``other`` holds."""
+        for k, values in other._values.items():
+            self._values[k].append(_reduce(k, torch.stack([v.to(values[0].device) for v in values])))
+
     def result(self, prefix: str) -> dict[str, float]:
         """Means as Python floats named ``<prefix>/<metric>`` (one host sync per update, not per micro-batch)."""
         if not self._values:
@@ -407,15 +412,18 @@ class TrainEngine:
                 num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
                 share = _share_of(mini, aggregation, count_mask)
                 plan, skipped = self._training_micro_batches(mini, trainable, trim_responses)
+                parts = None if skipped else sum(real for _, real in plan)  # see MicroBatchAggregation.report
+                per_mini = MetricAccumulator()  # the mini-batches weigh the same in the metrics
                 for k, (micro, real) in enumerate(plan):
                     for unit in units:  # kept whole through the update: gradients reduced with the last one only
                         unit.set_requires_gradient_sync(k == len(plan) - 1, recurse=False)
-                    agg = MicroBatchAggregation(aggregation, num_tokens, share(micro), max_len, counts=real)
+                    agg = MicroBatchAggregation(aggregation, num_tokens, share(micro), max_len, real, parts)
                     loss, metrics = loss_fn(micro, agg)
                     # A stand-in micro-batch (see _training_micro_batches) only keeps the FSDP collectives in step.
                     (loss * (agg.scale if real else 0.0)).backward()
                     if real:
-                        acc.add(metrics)
+                        per_mini.add(metrics)
+                acc.add_means(per_mini)
                 if trainable is not None:
                     acc.add({"skipped_rows": torch.tensor(skipped / max(len(mini), 1))})
                 for unit in units:  # the step updates the shards, which the next gather reads
@@ -517,11 +525,12 @@ def _kept_whole(model: nn.Module, whole: bool, *, backward: bool) -> Iterator[li
 
 def _share_of(mini: Batch, aggregation: str, count_mask: Callable[[Batch], Tensor]) -> Callable[[Batch], float]:
     """A micro-batch's share of ``mini`` for :class:`MicroBatchAggregation`: its rows over the mini-batch's (for
-    ``"seq-mean-token-mean"``: its rows with a loss token over the mini-batch's), so the micro-batch losses sum to
-    the mini-batch's loss whichever rows each one holds."""
+    ``"seq-mean-token-mean"``: its rows with a loss token over the mini-batch's on all ranks per rank, an all-reduce:
+    the ranks can hold unequal numbers of them), so the micro-batch losses sum to the mini-batch's loss whichever
+    rows each one holds."""
     if aggregation != "seq-mean-token-mean":
         return lambda micro: len(micro) / len(mini)
-    total = max(int(count_mask(mini).bool().any(dim=-1).sum()), 1)
+    total = float(global_token_count(count_mask(mini).bool().any(dim=-1))) / world()[1] or 1.0
     return lambda micro: int(count_mask(micro).bool().any(dim=-1).sum()) / total
 
 
