@@ -112,15 +112,15 @@ def finish_layerwise_reload(model: Any, model_config: Any) -> None:
 
 
 def row_sums(llm: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor, int, list[int]]]:
-    """Per parameter of the model of this rank's vLLM worker: the float64 sum of each of its rows as the model
-    computes with them (a linear layer's weight through its kernel on a row of ones: vLLM's CPU linears are repacked
-    and keep no weight), the values a row has, and the rows of each member of a fused parameter (the vocabulary's
-    padding rows left out).
+    """Per parameter of the model of this rank's vLLM worker: the sum of each of its rows (float64; a float32 weight's
+    accumulated in float32) as the model computes with them (a linear layer's weight through its kernel on a row of
+    ones: vLLM's CPU linears are repacked and keep no weight), the values a row has, and the rows of each member of a
+    fused parameter (the vocabulary's padding rows left out).
 
     Relies on: ``LLM.collective_rpc`` of a function, the worker's ``model_runner.model``, and vLLM's layers
     (``LinearBase``'s ``input_size_per_partition``, ``output_partition_sizes`` and ``quant_method.apply(layer, x)``,
-    ``VocabParallelEmbedding``'s ``shard_indices.num_org_elements``, ``ParallelLMHead``), checked with vLLM 0.32.
-    Runs on: worker (each rank reads its own vLLM worker's model)."""
+    ``VocabParallelEmbedding``'s ``shard_indices.num_org_elements``, ``ParallelLMHead``), checked with vLLM 0.32. Runs
+    on: worker (each rank reads its own vLLM worker's model)."""
     return llm.collective_rpc(_worker_row_sums, args=(dtype,))[0]  # type: ignore[no-any-return]
 
 
@@ -148,7 +148,10 @@ def _worker_row_sums(worker: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor,
                 sizes = parts or [len(flat)]
                 if isinstance(module, VocabParallelEmbedding) and name == "weight":
                     sizes = [module.shard_indices.num_org_elements]
-                out[f"{prefix}.{name}"] = (flat.double().sum(1).cpu(), flat.shape[1], sizes)
+                # float32 sums in float32 (3e-8 of the row's absolute sum; a float64 copy of the vocabulary took
+                # 25x as long), 16-bit ones in float64
+                sums = flat.sum(1) if flat.dtype == torch.float32 else flat.double().sum(1)
+                out[f"{prefix}.{name}"] = (sums.double().cpu(), flat.shape[1], sizes)
     return out
 
 

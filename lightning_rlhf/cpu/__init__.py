@@ -154,10 +154,26 @@ _shm_ident: list[str] = []  # this process's engine's tag (one engine per proces
 
 
 def _refresh_tied_head(worker: Any) -> None:
-    """vLLM's CPU backend packs ``lm_head`` separately; with tied embeddings a reload of the embedding leaves that copy
-    stale (measured: log-probs off by up to 40 nats), so re-pack it. Runs inside the vLLM worker."""
+    """vLLM's CPU backend packs ``lm_head``'s weight for its product (``cpu_linear``) apart from the embedding's; with
+    tied embeddings a reload processes the embedding only, which leaves the head's packed copy stale (measured:
+    log-probs off by up to 40 nats). The reload has just packed the same weight for the embedding (whose own product
+    nothing calls): the head takes that one. Packing is ~8x a memcpy (oneDNN's blocked layout), and the vocabulary
+    is most of the bytes at a real width (docs/performance-log.md, "The hand-off at Qwen3's width"). The head is
+    packed anew only where the embedding's product was not rebuilt since the last time. Runs inside the vLLM
+    worker."""
     head = worker.model_runner.model.lm_head
-    head.quant_method.process_weights_after_loading(head)
+    packed = next(
+        (
+            module.cpu_linear
+            for module in worker.model_runner.model.modules()
+            if module is not head and getattr(module, "weight", None) is head.weight and hasattr(module, "cpu_linear")
+        ),
+        None,
+    )
+    if packed is not None and packed is not getattr(head, "cpu_linear", None):
+        head.cpu_linear = packed
+    else:
+        head.quant_method.process_weights_after_loading(head)
 
 
 def restore_model(model: nn.Module) -> int:

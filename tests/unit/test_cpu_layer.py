@@ -5,6 +5,7 @@ the layer off every piece stands aside and the callers run PyTorch's own ops."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,3 +202,27 @@ def test_a_vllm_engine_on_cpu_refuses_a_layer_without_vllm_cpus_workarounds() ->
             "unused", param_names=[], config=VLLMConfig(), dtype=torch.float32, device=torch.device("cpu"),
             max_model_len=64, layer=PLAIN,
         )  # fmt: skip
+
+
+def test_the_tied_head_takes_the_embeddings_packed_product_instead_of_packing_the_vocabulary_again() -> None:
+    """After a hand-off vLLM's reload has packed the tied weight for the embedding; the head takes that product (the
+    vocabulary, most of the bytes at a real width, is packed once, not twice), and packs its own only where the
+    embedding's was not rebuilt since the head last took it."""
+    packed: list[torch.nn.Module] = []
+
+    class Method:
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            packed.append(layer)
+            layer.cpu_linear = object()
+
+    weight = torch.nn.Parameter(torch.zeros(4, 2))
+    embed, head, model = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    embed.weight, head.weight = weight, weight
+    embed.cpu_linear, head.cpu_linear, head.quant_method = object(), object(), Method()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens, model.lm_head = embed, head
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+    cpu._refresh_tied_head(worker)
+    assert head.cpu_linear is embed.cpu_linear and packed == []
+    cpu._refresh_tied_head(worker)  # the embedding's product is the one the head holds: not rebuilt, so pack
+    assert packed == [head] and head.cpu_linear is not embed.cpu_linear
