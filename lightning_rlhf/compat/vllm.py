@@ -25,6 +25,7 @@ __all__ = [
     "cpu_attention_head_sizes",
     "finish_layerwise_reload",
     "has_unfinished_requests",
+    "load_in_place",
     "model_parallel_initialized",
     "reload_weights",
     "remove_lora",
@@ -109,6 +110,22 @@ def finish_layerwise_reload(model: Any, model_config: Any) -> None:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     finalize_layerwise_reload(model, model_config)
+
+
+def load_in_place(layer: Any) -> None:
+    """Take ``layer`` out of the layerwise reload :func:`start_layerwise_reload` opened: its own tensors back in place,
+    with their own loaders, so the hand-off copies its weights straight into them (no layer materialised in fresh
+    memory, no copy back) and vLLM does not process it (the caller does what processing it needs).
+
+    Relies on: ``vllm.model_executor.model_loader.reload.layerwise.get_layerwise_info(layer)`` (``can_load()``,
+    ``kernel_tensors``, ``reset()``) and its ``_place_kernel_tensors(layer, info)``, checked with vLLM 0.32. Runs on:
+    vLLM worker, between the reload's start and its first bucket."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    info = layerwise.get_layerwise_info(layer)
+    if info.can_load() and info.kernel_tensors is not None:
+        layerwise._place_kernel_tensors(layer, info)
+        info.reset()
 
 
 def row_sums(llm: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor, int, list[int]]]:

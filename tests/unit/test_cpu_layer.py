@@ -204,10 +204,10 @@ def test_a_vllm_engine_on_cpu_refuses_a_layer_without_vllm_cpus_workarounds() ->
         )  # fmt: skip
 
 
-def test_the_tied_head_takes_the_embeddings_packed_product_instead_of_packing_the_vocabulary_again() -> None:
-    """After a hand-off vLLM's reload has packed the tied weight for the embedding; the head takes that product (the
-    vocabulary, most of the bytes at a real width, is packed once, not twice), and packs its own only where the
-    embedding's was not rebuilt since the head last took it."""
+def test_a_tied_vocabulary_is_packed_once_a_hand_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first hand-off vLLM's reload has packed the tied weight for the embedding: the head takes that
+    product. From the next on, the embedding loads in place (outside the reload, unpacked) and the head packs it:
+    the vocabulary, most of the bytes at a real width, is packed once a hand-off, never twice."""
     packed: list[torch.nn.Module] = []
 
     class Method:
@@ -224,5 +224,9 @@ def test_the_tied_head_takes_the_embeddings_packed_product_instead_of_packing_th
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
     cpu._refresh_tied_head(worker)
     assert head.cpu_linear is embed.cpu_linear and packed == []
-    cpu._refresh_tied_head(worker)  # the embedding's product is the one the head holds: not rebuilt, so pack
-    assert packed == [head] and head.cpu_linear is not embed.cpu_linear
+    loaded: list[torch.nn.Module] = []
+    monkeypatch.setattr(cpu.vllm_compat, "load_in_place", loaded.append)
+    cpu._tied_embedding_in_place(worker)  # the next hand-off: the embedding loads in place, not packed by vLLM
+    assert loaded == [embed] and embed.cpu_linear is head.cpu_linear
+    cpu._refresh_tied_head(worker)  # so the head packs the vocabulary, once, and the embedding shares its product
+    assert packed == [head] and embed.cpu_linear is head.cpu_linear
