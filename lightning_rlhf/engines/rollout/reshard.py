@@ -212,8 +212,9 @@ def sliced_tensors(
     model: nn.Module, slicer: Slicer, *, tp_size: int, received: list[int] | None = None, dtype: torch.dtype
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(name, weight)`` per parameter for this rank's TP engine: a :class:`SliceHolder` where TP slices
-    the tensor, the full tensor where it is replicated; ``received[0]`` grows by the bytes this rank receives from
-    the others. Runs on: every worker rank, in the same order."""
+    the tensor (holding a view of this rank's shard where the slice lies in its rows: :func:`exchange`), the full
+    tensor where it is replicated; ``received[0]`` grows by the bytes this rank receives from the others. Runs on:
+    every worker rank, in the same order."""
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
@@ -245,7 +246,8 @@ def weights_for(
     ``transport``: how full tensors move (``full_tensors``'s), through ``layer``'s host buffer for ``"shared"``.
     ``into_engine=True``: the stream goes straight into ``engine.load_weights``, so an engine that copies each tensor
     before it takes the next (``copies_each_weight``) may get views of the shared buffer, which later buckets
-    overwrite; any other use gets tensors of its own.
+    overwrite; any other use gets full tensors of its own. TP slices already in a rank's rows are views of its
+    shards in either case (valid until the next update).
     """
     from lightning_rlhf.engines.train import full_tensors
     from lightning_rlhf.engines.train.lora import has_lora, merged_weights
