@@ -25,6 +25,7 @@ __all__ = [
     "cpu_attention_head_sizes",
     "finish_layerwise_reload",
     "has_unfinished_requests",
+    "load_in_place",
     "model_parallel_initialized",
     "reload_weights",
     "remove_lora",
@@ -111,16 +112,32 @@ def finish_layerwise_reload(model: Any, model_config: Any) -> None:
     finalize_layerwise_reload(model, model_config)
 
 
+def load_in_place(layer: Any) -> None:
+    """Take ``layer`` out of the layerwise reload :func:`start_layerwise_reload` opened: its own tensors back in place,
+    with their own loaders, so the hand-off copies its weights straight into them (no layer materialised in fresh
+    memory, no copy back) and vLLM does not process it (the caller does what processing it needs).
+
+    Relies on: ``vllm.model_executor.model_loader.reload.layerwise.get_layerwise_info(layer)`` (``can_load()``,
+    ``kernel_tensors``, ``reset()``) and its ``_place_kernel_tensors(layer, info)``, checked with vLLM 0.32. Runs on:
+    vLLM worker, between the reload's start and its first bucket."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    info = layerwise.get_layerwise_info(layer)
+    if info.can_load() and info.kernel_tensors is not None:
+        layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+
+
 def row_sums(llm: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor, int, list[int]]]:
-    """Per parameter of the model of this rank's vLLM worker: the float64 sum of each of its rows as the model
-    computes with them (a linear layer's weight through its kernel on a row of ones: vLLM's CPU linears are repacked
-    and keep no weight), the values a row has, and the rows of each member of a fused parameter (the vocabulary's
-    padding rows left out).
+    """Per parameter of the model of this rank's vLLM worker: the sum of each of its rows (float64; a float32 weight's
+    accumulated in float32) as the model computes with them (a linear layer's weight through its kernel on a row of
+    ones: vLLM's CPU linears are repacked and keep no weight), the values a row has, and the rows of each member of a
+    fused parameter (the vocabulary's padding rows left out).
 
     Relies on: ``LLM.collective_rpc`` of a function, the worker's ``model_runner.model``, and vLLM's layers
     (``LinearBase``'s ``input_size_per_partition``, ``output_partition_sizes`` and ``quant_method.apply(layer, x)``,
-    ``VocabParallelEmbedding``'s ``shard_indices.num_org_elements``, ``ParallelLMHead``), checked with vLLM 0.32.
-    Runs on: worker (each rank reads its own vLLM worker's model)."""
+    ``VocabParallelEmbedding``'s ``shard_indices.num_org_elements``, ``ParallelLMHead``), checked with vLLM 0.32. Runs
+    on: worker (each rank reads its own vLLM worker's model)."""
     return llm.collective_rpc(_worker_row_sums, args=(dtype,))[0]  # type: ignore[no-any-return]
 
 
@@ -148,7 +165,10 @@ def _worker_row_sums(worker: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor,
                 sizes = parts or [len(flat)]
                 if isinstance(module, VocabParallelEmbedding) and name == "weight":
                     sizes = [module.shard_indices.num_org_elements]
-                out[f"{prefix}.{name}"] = (flat.double().sum(1).cpu(), flat.shape[1], sizes)
+                # float32 sums in float32 (3e-8 of the row's absolute sum; a float64 copy of the vocabulary took
+                # 25x as long), 16-bit ones in float64
+                sums = flat.sum(1) if flat.dtype == torch.float32 else flat.double().sum(1)
+                out[f"{prefix}.{name}"] = (sums.double().cpu(), flat.shape[1], sizes)
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+import lightning_rlhf.compat.vllm as vllm_compat
 from lightning_rlhf.cpu import host_share, kernels, native, onednn
 from lightning_rlhf.cpu.switches import ENV, OFF_ENV, PIECES, configure, enabled, pieces_off, setting
 from lightning_rlhf.engines.device_layer import PLAIN, DecodeLoop, DeviceLayer, HostBuffer, WeightStore
@@ -140,6 +142,10 @@ class CPULayer(DeviceLayer):
             make_group_name._lightning_rlhf = True  # type: ignore[attr-defined]
             shm_class.make_group_name = staticmethod(make_group_name)  # type: ignore[method-assign]
 
+    def vllm_reload_started(self, llm: Any) -> None:
+        """:func:`_tied_embedding_in_place` in every vLLM worker."""
+        llm.collective_rpc(_tied_embedding_in_place)
+
     def vllm_weights_loaded(self, llm: Any) -> None:
         """:func:`_refresh_tied_head` in every vLLM worker."""
         llm.collective_rpc(_refresh_tied_head)
@@ -153,11 +159,48 @@ _SHM_PREFIX = "lrlhf"
 _shm_ident: list[str] = []  # this process's engine's tag (one engine per process)
 
 
+_TIED: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+"""Per vLLM model with a tied head: its embedding (found after a hand-off, while the two share one weight)."""
+
+
+def _tied_embedding_in_place(worker: Any) -> None:
+    """The tied embedding loads in place (:func:`~lightning_rlhf.compat.vllm.load_in_place`): the reload would
+    materialise it in fresh memory, copy it in, pack it and copy it back; at Qwen3's width the vocabulary is 83% of
+    the bytes, and a copy into fresh memory took 6x one into the engine's own tensors here. Its product is then the
+    head's, which :func:`_refresh_tied_head` packs anew. Runs inside the vLLM worker, once the reload has opened."""
+    model = worker.model_runner.model
+    embed = _TIED.get(model)
+    if embed is not None:
+        vllm_compat.load_in_place(embed)
+        embed.cpu_linear = model.lm_head.cpu_linear  # not rebuilt: the head packs its own after the hand-off
+
+
 def _refresh_tied_head(worker: Any) -> None:
-    """vLLM's CPU backend packs ``lm_head`` separately; with tied embeddings a reload of the embedding leaves that copy
-    stale (measured: log-probs off by up to 40 nats), so re-pack it. Runs inside the vLLM worker."""
-    head = worker.model_runner.model.lm_head
-    head.quant_method.process_weights_after_loading(head)
+    """vLLM's CPU backend packs ``lm_head``'s weight for its product (``cpu_linear``) apart from the embedding's; with
+    tied embeddings a reload leaves the head's packed copy stale (measured: log-probs off by up to 40 nats). Where
+    the reload has just packed the same weight for the embedding (whose own product nothing calls), the head takes
+    that one; else (the embedding loaded in place, :func:`_tied_embedding_in_place`) the head is packed anew and the
+    embedding shares it. Packing is ~7x a memcpy (oneDNN's blocked layout): the vocabulary is packed once a hand-off,
+    not twice (docs/performance-log.md, "The hand-off at Qwen3's width"). Runs inside the vLLM worker."""
+    model = worker.model_runner.model
+    head = model.lm_head
+    embed = next(
+        (
+            m
+            for m in model.modules()
+            if m is not head and getattr(m, "weight", None) is head.weight and hasattr(m, "cpu_linear")
+        ),
+        None,
+    )
+    packed = getattr(embed, "cpu_linear", None)
+    if packed is not None and packed is not getattr(head, "cpu_linear", None):
+        head.cpu_linear = packed
+    else:
+        head.quant_method.process_weights_after_loading(head)
+        if embed is not None:
+            embed.cpu_linear = head.cpu_linear  # the old product goes
+    if embed is not None and hasattr(embed, "cpu_linear"):
+        _TIED[model] = embed
 
 
 def restore_model(model: nn.Module) -> int:

@@ -91,6 +91,9 @@ class DeviceLayer:
     def vllm_tp_group(self, tp_group: Any, tp_rank: int) -> None:
         """Prepare vLLM for this engine's tensor-parallel group (on every rank of it, before the engine is built)."""
 
+    def vllm_reload_started(self, llm: Any) -> None:
+        """Prepare the vLLM engine ``llm`` for a hand-off whose reload has just opened. Runs on: worker."""
+
     def vllm_weights_loaded(self, llm: Any) -> None:
         """Fix up the vLLM engine ``llm`` after a hand-off whose tied embedding it packs twice. Runs on: worker."""
 

@@ -1,8 +1,8 @@
 """Checks ``exchange`` (FSDP2 rows -> any rank's region) under torchrun with 2 processes; the test launches it.
 
-Each rank must end with exactly its region of the full tensor, and receive exactly the bytes that are not
-already local. Prints ``OK <rank> <bytes received per case>`` at the end.
-"""
+Each rank must end with exactly its region of the full tensor, and receive exactly the bytes that are not already local;
+a region that is already local is the shard itself, not a copy. Prints ``OK <rank> <bytes received per case>`` at the
+end."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def main() -> None:
         mine = needs[rank]
         want = full if mine is None else full.narrow(mine.dim, mine.start, mine.length)
         assert torch.equal(region, want), (rank, needs, region, want)
+        # rows that are already local are not copied: the region is the shard itself (no gather, no concatenation)
+        shared = region.untyped_storage().data_ptr() == param.to_local().untyped_storage().data_ptr()
+        assert shared == (needs == cases[1]), (rank, needs, "a view of the shard" if shared else "a copy")
         received.append(got)
     half = torch.float16
     region, _ = exchange(param, [TPSlice(1, 0, 3), TPSlice(1, 3, 3)], dtype=half)  # cast before sending

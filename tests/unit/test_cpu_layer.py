@@ -5,6 +5,7 @@ the layer off every piece stands aside and the callers run PyTorch's own ops."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,3 +202,31 @@ def test_a_vllm_engine_on_cpu_refuses_a_layer_without_vllm_cpus_workarounds() ->
             "unused", param_names=[], config=VLLMConfig(), dtype=torch.float32, device=torch.device("cpu"),
             max_model_len=64, layer=PLAIN,
         )  # fmt: skip
+
+
+def test_a_tied_vocabulary_is_packed_once_a_hand_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first hand-off vLLM's reload has packed the tied weight for the embedding: the head takes that
+    product. From the next on, the embedding loads in place (outside the reload, unpacked) and the head packs it:
+    the vocabulary, most of the bytes at a real width, is packed once a hand-off, never twice."""
+    packed: list[torch.nn.Module] = []
+
+    class Method:
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            packed.append(layer)
+            layer.cpu_linear = object()
+
+    weight = torch.nn.Parameter(torch.zeros(4, 2))
+    embed, head, model = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    embed.weight, head.weight = weight, weight
+    embed.cpu_linear, head.cpu_linear, head.quant_method = object(), object(), Method()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens, model.lm_head = embed, head
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+    cpu._refresh_tied_head(worker)
+    assert head.cpu_linear is embed.cpu_linear and packed == []
+    loaded: list[torch.nn.Module] = []
+    monkeypatch.setattr(cpu.vllm_compat, "load_in_place", loaded.append)
+    cpu._tied_embedding_in_place(worker)  # the next hand-off: the embedding loads in place, not packed by vLLM
+    assert loaded == [embed] and embed.cpu_linear is head.cpu_linear
+    cpu._refresh_tied_head(worker)  # so the head packs the vocabulary, once, and the embedding shares its product
+    assert packed == [head] and embed.cpu_linear is head.cpu_linear

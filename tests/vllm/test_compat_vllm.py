@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm")
 
@@ -51,6 +52,23 @@ def test_the_layerwise_reload_takes_the_model_and_its_config() -> None:
     assert parameters(initialize_layerwise_reload) == ["model"]
     assert parameters(finalize_layerwise_processing) == ["model", "model_config"]
     assert "finalize_layerwise_processing(*args, **kwargs)" in inspect.getsource(finalize_layerwise_reload)
+
+
+def test_a_layer_taken_out_of_the_reload_gets_its_own_tensors_back_and_is_not_processed() -> None:
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from lightning_rlhf.compat.vllm import load_in_place
+
+    layer = torch.nn.Linear(4, 3, bias=False)
+    kernel = layer.weight
+    layerwise.record_metadata_for_reloading(layer)
+    layerwise.initialize_layerwise_reload(layer)
+    assert layer.weight.is_meta and layerwise.get_layerwise_info(layer).can_load()
+    load_in_place(layer)
+    assert layer.weight is kernel and not layerwise.get_layerwise_info(layer).can_load()
+    layer.weight.data.copy_(torch.ones(3, 4))  # what the layer's own loader does
+    layerwise.finalize_layerwise_processing(layer, None)  # skipped: neither processed nor put back
+    assert layer.weight is kernel and torch.equal(layer.weight, torch.ones(3, 4))
 
 
 def test_the_row_sums_read_the_layers_attributes_they_name() -> None:

@@ -65,8 +65,23 @@ def transfer_main(path: str, out: str) -> None:
     report: dict[str, object] = {"backend": engine.llm.llm_engine.vllm_config.weight_transfer_config.backend}
     buckets = list(weight_buckets(params, [n for n, _ in params], engine.bucket_bytes))
     report["buckets"] = len(buckets)
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packs: list[str] = []  # the vocabulary packed for oneDNN (embedding or tied head), in the last hand-off
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def counted(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if isinstance(layer, VocabParallelEmbedding):
+            packs.append(type(layer).__name__)
+        dispatch(layer, remove_weight)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = counted
     for _ in range(2):
+        packs.clear()
         engine.load_weights(params)
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
+    report["vocabulary_packs"] = packs
     report["complete"], warnings[:] = list(warnings), []
     prompts = [tok(p)["input_ids"] for p in ("3+4=", "12+7=", "5+5=")]
     greedy = SamplingParams(n=1, max_new_tokens=6, greedy=True)
@@ -110,6 +125,8 @@ def test_handoff_logs_no_false_load_failures_and_the_weights_arrive(tiny_model: 
     assert not [w for w in report["complete"] if any(f in w for f in FALSE_FAILURES)], report["complete"]
     assert report["vllm_greedy"] == report["hf_greedy"]
     assert len({tuple(r) for r in report["vllm_greedy"]}) > 1
+    # the tied vocabulary is packed once a hand-off, for the head (the embedding loads in place, unpacked)
+    assert report["vocabulary_packs"] == ["ParallelLMHead"]
     # a real failure stays loud: the error names the tensor, and vLLM reports the layers that got nothing: the one
     # missing its v_proj, and the final norm (the stream raised before its last bucket left)
     assert f"['{MISSING}']" in report["missing_error"]

@@ -159,17 +159,33 @@ def _block(local: Tensor, first: int, count: int, need: TPSlice | None) -> Tenso
     return local[:, need.start : need.start + need.length]
 
 
+def _in_own_rows(need: TPSlice | None, rank: int, chunk: int, rows: int) -> bool:
+    """Whether region ``need`` is a block of rows inside FSDP2 rank ``rank``'s rows (``chunk`` a rank, ``rows`` in
+    all)."""
+    first = min(rank * chunk, rows)
+    last = min(first + chunk, rows)
+    return need is not None and need.dim == 0 and first <= need.start and need.start + need.length <= last
+
+
 def exchange(param: Tensor, needs: list[TPSlice | None], *, dtype: torch.dtype | None = None) -> tuple[Tensor, int]:
     """Give each rank ``d`` the region ``needs[d]`` of the full tensor behind ``param`` (an FSDP2 DTensor); returns
-    ``(this rank's region, bytes received from other ranks)``. Runs on: every worker rank, collectively."""
+    ``(this rank's region, bytes received from other ranks)``. Where every rank's region lies in its own FSDP2 rows
+    (q/k/v, gate/up and the vocabulary when the TP and FSDP2 groups are the same ranks) nothing moves: the region is
+    a view of this rank's shard (cast to ``dtype`` where it differs), which the caller must not keep past the next
+    update. Runs on: every worker rank, collectively (the same decision on every rank, from the shapes alone)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     local, first, count = _local_rows(param.data, rank, world)
-    if dtype is not None:
-        local = local.to(dtype)
     full_shape = tuple(param.shape)
     trailing = full_shape[1:]
     # What every source rank sends to every destination: known everywhere from the shapes alone.
     chunk = math.ceil(full_shape[0] / world) if full_shape else 1
+    if full_shape and all(_in_own_rows(needs[d], d, chunk, full_shape[0]) for d in range(world)):
+        mine = needs[rank]
+        assert mine is not None
+        region = local[mine.start - first : mine.start - first + mine.length]
+        return (region if dtype is None else region.to(dtype)), 0
+    if dtype is not None:
+        local = local.to(dtype)
 
     def block_shape(src: int) -> tuple[int, ...]:  # _block of a meta tensor of the source's rows
         s_first = min(src * chunk, full_shape[0])
@@ -196,8 +212,9 @@ def sliced_tensors(
     model: nn.Module, slicer: Slicer, *, tp_size: int, received: list[int] | None = None, dtype: torch.dtype
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(name, weight)`` per parameter for this rank's TP engine: a :class:`SliceHolder` where TP slices
-    the tensor, the full tensor where it is replicated; ``received[0]`` grows by the bytes this rank receives from
-    the others. Runs on: every worker rank, in the same order."""
+    the tensor (holding a view of this rank's shard where the slice lies in its rows: :func:`exchange`), the full
+    tensor where it is replicated; ``received[0]`` grows by the bytes this rank receives from the others. Runs on:
+    every worker rank, in the same order."""
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
@@ -229,7 +246,8 @@ def weights_for(
     ``transport``: how full tensors move (``full_tensors``'s), through ``layer``'s host buffer for ``"shared"``.
     ``into_engine=True``: the stream goes straight into ``engine.load_weights``, so an engine that copies each tensor
     before it takes the next (``copies_each_weight``) may get views of the shared buffer, which later buckets
-    overwrite; any other use gets tensors of its own.
+    overwrite; any other use gets full tensors of its own. TP slices already in a rank's rows are views of its
+    shards in either case (valid until the next update).
     """
     from lightning_rlhf.engines.train import full_tensors
     from lightning_rlhf.engines.train.lora import has_lora, merged_weights

@@ -505,6 +505,8 @@ class VLLMRolloutEngine:
         self.llm.start_weight_update()
         open_update = True
         try:
+            if self._refresh_head:
+                self._layer.vllm_reload_started(self.llm)
             for bucket in weight_buckets(counted(), self.param_names, self.bucket_bytes):
                 open_update = False  # a bucket vLLM fails to load ends the update in vLLM
                 self.llm.update_weights({"update_info": {"weights": bucket}})
