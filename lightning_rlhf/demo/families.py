@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, models, processors
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from lightning_rlhf.demo import chat_templates
 from lightning_rlhf.demo.tiny import SPECIAL_TOKENS, _qwen2_pipeline, _trained_vocab_and_merges
@@ -328,6 +329,7 @@ def family_config(name: str, *, layers: int | None = None) -> PretrainedConfig:
     ids = {k: fam.specials.get(v) if v else None for k, v in (("bos", fam.bos), ("pad", fam.pad))}
     return AutoConfig.for_model(
         fam.model_type,
+        architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[fam.model_type]],
         **fam.config,
         **extra,
         num_hidden_layers=depth,

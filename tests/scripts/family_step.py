@@ -32,9 +32,10 @@ ROOT = SCRIPTS.parents[1]
 
 def _tree_rss(proc: psutil.Process) -> int:
     total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
-            total += p.memory_info().rss
+    with contextlib.suppress(psutil.Error):  # the command ended meanwhile
+        for p in [proc, *proc.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):  # a process of it ended meanwhile
+                total += p.memory_info().rss
     return total
 
 
