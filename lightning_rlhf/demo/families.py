@@ -262,8 +262,8 @@ def _family(name: str) -> Family:
 
 
 def _vocab(fam: Family) -> dict[str, int]:
-    """The trained BPE's tokens placed around the family's special and added tokens (at their published ids), the
-    gap up to the highest of them filled with never-produced ``<|reserved_N|>`` entries."""
+    """The trained BPE's tokens placed around the family's special and added tokens (at their published ids), every
+    other id of the model's vocabulary a never-produced ``<|reserved_N|>`` entry: any id a model samples decodes."""
     fixed = {**fam.specials, **fam.added}
     taken = set(fixed.values())
     trained = [t for t in _trained_vocab_and_merges_list() if t not in fixed]
@@ -271,8 +271,6 @@ def _vocab(fam: Family) -> dict[str, int]:
     for token in trained:
         vocab[token] = next(free)
     for i in free:
-        if i > max(taken):
-            break
         vocab[f"<|reserved_{i}|>"] = i
     return vocab
 

@@ -54,7 +54,7 @@ def test_vllm_settings_of_each_family_at_tp1_and_tp2(tmp_path: Path) -> None:
             # 2 layers): the engine serves what it holds instead of refusing the model.
             positions = FAMILIES[name].config["max_position_embeddings"]
             assert 1024 <= length <= positions
-            assert (length < positions) == (name in ("qwen3-0.6b", "llama-3.2-1b"))
+            assert length < positions if name in ("qwen3-0.6b", "llama-3.2-1b") else length > positions - 256
 
 
 def _family_step(family: str, work: Path, tp: int, stages: str) -> dict:

@@ -155,7 +155,8 @@ def check_vllm_settings(
         )
     kv_bytes = config.kv_cache_memory_bytes or (_CPU_DEFAULT_KV_BYTES if device_type == "cpu" else None)
     per_token = 2 * int(hf.num_hidden_layers) * max(1, kv_heads // tp) * head_dim * dtype.itemsize
-    held = None if kv_bytes is None else kv_bytes // per_token
+    # vLLM's blocks (128 tokens on CPU), one of them kept back: what its own estimate says the cache holds
+    held = None if kv_bytes is None else (kv_bytes // (per_token * 128) - 1) * 128
     if config.max_model_len is None and held is not None and held >= (max_prompt_length or 0) + max_new_tokens:
         max_model_len = min(max_model_len, held)  # None: what the KV cache holds (Qwen3's 40,960 positions on CPU)
     if max_prompt_length is not None:
