@@ -1,23 +1,20 @@
 """The model families at full width (lightning_rlhf.demo.families) through vLLM on CPU: the engine's log-probs
 against the trainer's, a GRPO step colocated with vLLM at TP 1 and TP 2, the export loaded by vLLM, a LoRA step.
 Each family runs tests/scripts/family_step.py (every stage in processes of its own); the stages a family runs are
-what fits the 7 GB a test may take on the 24 GiB machine (docs/models.md has the table and the reasons).
+what fits the 7 GB a test may take on the 24 GiB machine (docs/models.md has the table and the reasons). The long
+tier (3-6 min a family); test_family_settings.py checks each family's vLLM settings in CI.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from lightning_rlhf.config import VLLMConfig
-from lightning_rlhf.demo.families import FAMILIES, family_config
-from lightning_rlhf.engines.rollout.vllm import check_vllm_settings, vllm_available
+from lightning_rlhf.engines.rollout.vllm import vllm_available
 from tests.conftest import ROOT, SCRIPTS
 
 pytestmark = [
@@ -36,25 +33,6 @@ MATRIX: dict[str, tuple[str, str]] = {
     "gemma-3-1b": ("logprob,lora", ""),
     "mistral-7b-v0.3": ("logprob,lora", ""),
 }
-
-
-def test_vllm_settings_of_each_family_at_tp1_and_tp2(tmp_path: Path) -> None:
-    for name in FAMILIES:
-        folder = tmp_path / name
-        family_config(name).save_pretrained(folder)  # the config alone: the check loads no weights
-        for tp in (1, 2):
-            check = functools.partial(check_vllm_settings, str(folder), VLLMConfig(tensor_parallel_size=tp))
-            kw = {"dtype": torch.float32, "device_type": "cpu", "world_size": tp, "max_prompt_length": 512}
-            if tp == 2 and name == "smollm2-360m":  # 15 attention heads, 5 KV heads: no even split
-                with pytest.raises(ValueError, match=r"does not split .* 15 attention heads and 5 KV heads"):
-                    check(**kw, max_new_tokens=512)
-                continue
-            length = check(**kw, max_new_tokens=512)
-            # The default 256 MiB KV cache on CPU cannot hold Qwen3's 40,960 positions or Llama 3's 131,072 (even at
-            # 2 layers): the engine serves what it holds instead of refusing the model.
-            positions = FAMILIES[name].config["max_position_embeddings"]
-            assert 1024 <= length <= positions
-            assert length < positions if name in ("qwen3-0.6b", "llama-3.2-1b") else length > positions - 256
 
 
 def _family_step(family: str, work: Path, tp: int, stages: str) -> dict:
@@ -84,7 +62,6 @@ def check_stages(report: dict) -> None:
         assert greedy["vllm"] == greedy["hf"]
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("family", sorted(MATRIX))
 def test_family_runs_with_vllm_at_tp1_and_tp2(family: str, tmp_path: Path) -> None:
     for tp, stages in enumerate(MATRIX[family], start=1):
