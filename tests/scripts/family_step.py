@@ -83,6 +83,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--stages", default="logprob,grpo,export,lora")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--logprob-dtypes", default="float32,bfloat16")
     args = p.parse_args()
     work = Path(args.work)
     model = work / "model"
@@ -96,7 +97,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         if stage == "logprob":
             cmd = [sys.executable, str(SCRIPTS / "logprob_agreement.py"), "--model", str(model), "--engine", "vllm",
-                   "--out", str(out)]  # fmt: skip
+                   "--out", str(out), "--dtypes", args.logprob_dtypes]  # fmt: skip
         elif stage == "grpo":
             cmd = _train(str(model), out, args.tp, "--save-ckpt", str(work / f"ckpt_tp{args.tp}"))
         elif stage == "lora":
