@@ -170,3 +170,20 @@ def test_llama3_json_calls_are_read_and_a_broken_one_is_named() -> None:
     assert parse_json_calls("The answer is 7.").calls == ()
     (broken,) = parse_json_calls('{"name": "a", "param').calls
     assert broken.error is not None and "not valid JSON" in broken.error
+
+
+class TeacherWithSystem(Teacher):
+    def reset(self, row):
+        return [{"role": "system", "content": "Be brief."}, *super().reset(row)]
+
+
+def test_mistral_episode_keeps_the_system_message_where_the_model_read_it() -> None:
+    # Mistral v0.3's template writes the system message into the user turn that is the *last message*: rendering the
+    # whole conversation (it ends with an answer) drops it. The episode trains on what the model was prompted with.
+    tok = tokenizer("mistral-7b-v0.3")
+    script = lambda text: " " + ("1517." if "Again" in text else "1500?")  # noqa: E731
+    batch = run(tok, TeacherWithSystem, RolloutConfig(max_new_tokens=64, episode=EpisodeConfig(max_turns=4)), script)
+    text = tok.decode(_conversation_ids(batch))
+    assert text.startswith("<s>[INST] Be brief.\n\n37*41=?[/INST] 1500?</s>[INST] Not quite")
+    whole = tok.decode(render_chat(tok, batch["episode"][0], generation=False))
+    assert whole.startswith("<s>[INST] 37*41=?[/INST] 1500?</s>[INST] Not quite") and "Be brief" not in whole
