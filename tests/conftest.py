@@ -187,6 +187,12 @@ LONG_TIER: dict[str, str] = {
         "equal the trainer's after every hand-off (this file, test_vllm_engine)"
     ),
     "tests/e2e/test_recipes.py::test_recipe_runs_two_steps[rloo]": "CI: the demo, PPO and SFT recipes",
+    "tests/vllm/test_families.py": (
+        "the real families at full width through vLLM (3-6 min each): in CI each family's vLLM settings at TP 1 "
+        "and 2 (test_family_settings) and its template's token-in/token-out (test_family_templates); the tiny "
+        "model's log-probs, hand-offs, export and LoRA with vLLM (test_vllm_engine, test_vllm_lora, "
+        "test_export_round_trip)"
+    ),
 }
 """Tests that ``make test`` (CI) leaves to ``make test-all``, each with what covers its path in CI. ``make test``
 stays under 20 minutes on 2 cores; ``make test-all`` (about 45) runs before a release and in sessions that change

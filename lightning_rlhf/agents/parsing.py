@@ -22,6 +22,7 @@ __all__ = [
     "ToolCall",
     "get_tool_parser",
     "parse_hermes",
+    "parse_json_calls",
     "parse_with_template",
     "register_tool_parser",
     "resolve_tool_parser",
@@ -84,6 +85,26 @@ def parse_hermes(text: str) -> ParsedTurn:
     return ParsedTurn(content, calls)
 
 
+def parse_json_calls(text: str) -> ParsedTurn:
+    """Llama 3's format (vLLM's ``llama3_json``): a turn that is a JSON call ``{"name": ..., "parameters": {...}}``
+    (after an optional ``<|python_tag|>``), several separated by ``;``; any other turn is prose with no call.
+    Runs on: the process that runs the rollout (a worker)."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return ParsedTurn(text.strip())
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError as err:
+            calls.append(ToolCall("", raw=body[at:], error=f"the tool call is not valid JSON ({err.msg})"))
+            break
+        calls.append(_checked_call(obj, body[at:end]))
+        rest = body[end:].lstrip().removeprefix(";").lstrip()
+        at = len(body) - len(rest)
+    return ParsedTurn("", tuple(calls))
+
+
 def parse_with_template(
     tokenizer: Any, turn: list[int], prefix: list[int], tools: list[dict[str, Any]] | None = None
 ) -> ParsedTurn:
@@ -122,7 +143,7 @@ def resolve_tool_parser(name: str, tokenizer: Any) -> str:
 
 
 ToolParser = Callable[[str], ParsedTurn]
-_PARSERS: dict[str, ToolParser] = {"hermes": parse_hermes}
+_PARSERS: dict[str, ToolParser] = {"hermes": parse_hermes, "llama3_json": parse_json_calls}
 
 
 def register_tool_parser(name: str, parser: ToolParser) -> None:

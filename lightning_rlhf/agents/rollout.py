@@ -457,7 +457,7 @@ def _tools_and_delta(
     arguments (the template checked)."""
     tools = ToolSet(env.tools)
     kwargs = dict(chat_kwargs or {}) | ({"tools": tools.schemas} if len(tools) else {})
-    return tools, check_chat_template(tokenizer, **kwargs)
+    return tools, check_chat_template(tokenizer, tool_turns=len(tools) > 0, **kwargs)
 
 
 def _model_context(model_path: str | None) -> int | None:

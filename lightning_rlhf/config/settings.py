@@ -339,7 +339,8 @@ class VLLMConfig:
     do not move); ``full``: every rank gathers every full tensor (as verl/TRL; the same at TP=1, and always for
     models outside the Llama/Qwen2/Qwen3/Mistral family)."""
     max_model_len: int | None = None
-    """Longest prompt + response the engine serves; None takes the model's ``max_position_embeddings``."""
+    """Longest prompt + response the engine serves; None takes the model's ``max_position_embeddings``, capped at
+    what ``kv_cache_memory_bytes`` holds when that is set (on CPU, always)."""
     kv_cache_memory_bytes: int | None = None
     """KV cache size per engine. None: 256 MiB on CPU (vLLM's default takes most of the RAM), else vLLM's sizing."""
     gpu_memory_utilization: float = 0.5

@@ -84,12 +84,12 @@ def _gaps(
     return (train - sampled).abs()[batch["response_mask"].bool()].tolist(), len({tuple(r) for r in out.responses})
 
 
-def agreement(kind: str, path: str) -> dict[str, dict[str, object]]:
+def agreement(kind: str, path: str, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict[str, dict[str, object]]:
     """Per dtype: the largest and mean gap, the number of sampled tokens and of distinct responses (module doc)."""
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     report: dict[str, dict[str, object]] = {}
-    for name in ("float32", "bfloat16"):
+    for name in dtypes:
         dtype = getattr(torch, name)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         engine = _engine(kind, path, model, tok, dtype)
@@ -108,9 +108,11 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--engine", required=True, choices=["loop", "generate", "vllm"])
     p.add_argument("--out", required=True)
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32 alone takes half the memory")
     args = p.parse_args()
+    report = agreement(args.engine, args.model, tuple(args.dtypes.split(",")))
     with open(os.path.join(args.out, "agreement.json"), "w") as f:
-        json.dump(agreement(args.engine, args.model), f)
+        json.dump(report, f)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,11 @@ def _rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def chars_reward(prompts, completions, **kw):
+    """The number of distinct characters of a completion, over 10: differs between a random model's samples."""
+    return [len(set(c)) / 10 for c in completions]
+
+
 def failing_reward(prompts, completions, answer, **kw):
     """Raises on rank 1 only: the clean error path (every rank reaches the gather)."""
     if _rank() == 1:
@@ -198,7 +203,12 @@ def main() -> None:
     p.add_argument("--val-prompts", type=int, default=6, help="prompts in the validation set")
     p.add_argument("--val-batch-size", type=int, default=4)
     p.add_argument("--val-n", type=int, default=1, help="ValidationConfig.n: 1 is greedy, more sample at 1.0")
-    p.add_argument("--reward", choices=["addition", "hang"], default="addition", help="hang: rank 1's 2nd call hangs")
+    p.add_argument(
+        "--reward",
+        choices=["addition", "hang", "chars"],
+        default="addition",
+        help="hang: rank 1's 2nd call hangs; chars: distinct characters (random models get rewards that differ)",
+    )
     p.add_argument(
         "--task",
         choices=["addition", "tools"],
@@ -233,7 +243,7 @@ def main() -> None:
         kl_coef=args.kl_coef,
         max_staleness=args.max_staleness,
     )
-    reward = failing_reward if args.fault == "reward" else addition_reward
+    reward = failing_reward if args.fault == "reward" else chars_reward if args.reward == "chars" else addition_reward
     tools = args.task == "tools"
     common = dict(
         reward=None if tools else hanging_reward(args.out) if args.reward == "hang" else reward,

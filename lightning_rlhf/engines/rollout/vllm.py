@@ -153,6 +153,12 @@ def check_vllm_settings(
             f"VLLMConfig(max_model_len={max_model_len}) exceeds the model's max_position_embeddings={positions}. "
             "HINT: leave max_model_len=None."
         )
+    kv_bytes = config.kv_cache_memory_bytes or (_CPU_DEFAULT_KV_BYTES if device_type == "cpu" else None)
+    per_token = 2 * int(hf.num_hidden_layers) * max(1, kv_heads // tp) * head_dim * dtype.itemsize
+    # vLLM's blocks (128 tokens on CPU), one of them kept back: what its own estimate says the cache holds
+    held = None if kv_bytes is None else (kv_bytes // (per_token * 128) - 1) * 128
+    if config.max_model_len is None and held is not None and held >= (max_prompt_length or 0) + max_new_tokens:
+        max_model_len = min(max_model_len, held)  # None: what the KV cache holds (Qwen3's 40,960 positions on CPU)
     if max_prompt_length is not None:
         check_sequence_length(
             prompt_length=max_prompt_length,
@@ -161,9 +167,7 @@ def check_vllm_settings(
             engine="the engine's max_model_len",
             prompt_setting=f"up to max_prompt_length={max_prompt_length}",
         )
-    kv_bytes = config.kv_cache_memory_bytes or (_CPU_DEFAULT_KV_BYTES if device_type == "cpu" else None)
     if kv_bytes is not None:
-        per_token = 2 * int(hf.num_hidden_layers) * max(1, kv_heads // tp) * head_dim * dtype.itemsize
         needed = per_token * max_model_len
         if kv_bytes < needed:
             raise ValueError(
