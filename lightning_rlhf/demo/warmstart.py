@@ -153,7 +153,7 @@ def _warm_start_here(
     return {"first": losses[0], "last": losses[-1], "steps": float(len(losses))}
 
 
-def _build_once(cache_dir: str, name: str, build: Callable[[str], str]) -> str:
+def build_once(cache_dir: str, name: str, build: Callable[[str], str]) -> str:
     """``cache_dir/name``, made by ``build(tmp_folder) -> model folder`` on first use in a temporary folder inside
     ``cache_dir`` that is then renamed into place, so concurrent callers never see a partial model (the first
     rename wins; the others find a complete folder)."""
@@ -182,7 +182,7 @@ def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
 
     The model lives in ``cache_dir/demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}``, reused as is once it
     has a ``config.json``. Otherwise a tiny model is built (:func:`save_tiny`, ``seed``) and warm-started
-    (:func:`warm_start`: ``warm_start_steps`` SFT steps in a child process), see :func:`_build_once`. Call it before
+    (:func:`warm_start`: ``warm_start_steps`` SFT steps in a child process), see :func:`build_once`. Call it before
     starting a multi-process ``fit``: the other ranks then find the model cached. Runs on: any process (plain function).
     """
 
@@ -190,7 +190,7 @@ def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
         base = save_tiny(os.path.join(tmp, "base"), seed=seed)
         return warm_start(base, os.path.join(tmp, "model"), steps=warm_start_steps, seed=seed)
 
-    return _build_once(cache_dir, f"demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
+    return build_once(cache_dir, f"demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
 TOOL_WARM_START_STEPS = 150
@@ -215,7 +215,7 @@ def prepare_tool_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
             base, os.path.join(tmp, "model"), steps=warm_start_steps, seed=seed, task="tools", batch_size=32
         )
 
-    return _build_once(cache_dir, f"tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
+    return build_once(cache_dir, f"tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
 def tiny_addition_model(cache_dir: str) -> str:
@@ -228,7 +228,7 @@ def tiny_random_model(cache_dir: str) -> str:
     """The embedded model ``lightning-rlhf/tiny-random``: the demo's tiny model untrained (:func:`save_tiny`, seed
     0), cached in ``cache_dir/tiny-random-{CACHE_VERSION}-seed0``; concurrent callers share one copy. Runs on: any
     process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
-    return _build_once(
+    return build_once(
         cache_dir, f"tiny-random-{CACHE_VERSION}-seed0", lambda tmp: save_tiny(os.path.join(tmp, "model"), seed=0)
     )
 

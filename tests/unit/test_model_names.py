@@ -14,6 +14,7 @@ import pytest
 from lightning_rlhf import GRPOModule
 from lightning_rlhf.config.models import EMBEDDED_MODELS, hub_reachable, resolve_model_path
 from lightning_rlhf.demo import addition_reward, prepare_demo_model
+from lightning_rlhf.demo.families import FAMILIES
 from tests.conftest import failure_text, run_cli
 
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, so a connection is refused at once
@@ -96,10 +97,12 @@ def test_local_folders(tmp_path: Path, tiny_model: str) -> None:
 
 
 def test_embedded_names_build_once_and_resolve_to_the_cached_folder(cache_dir: Path) -> None:
+    families = {f"lightning-rlhf/random-{name}" for name in FAMILIES}  # built at a real size: by the real-size run
     assert set(EMBEDDED_MODELS) == {
         "lightning-rlhf/tiny-addition",
         "lightning-rlhf/tiny-random",
         "lightning-rlhf/tiny-tools",
+        *families,
     }  # the tool model (a minute of warm start) is built by the tool task's tests
     path = resolve_model_path("lightning-rlhf/tiny-addition", setting="s")
     assert path == prepare_demo_model(str(cache_dir)) and os.path.isfile(os.path.join(path, "config.json"))
