@@ -125,6 +125,11 @@ def run_cli(*args: str, timeout: float = 300, module: bool = False) -> subproces
 
 # ------------------------------------------------------------------------------------------------ the two tiers
 LONG_TIER: dict[str, str] = {
+    "tests/e2e/test_real_size.py": (
+        "a 0.5B model's 4 steps, checkpoint, resume and export (about half an hour, ~10 GiB a process): in CI the "
+        "same recipe runs with the demo's model (test_recipes, real_size_cpu), the memory figures with PPO "
+        "(test_activation_checkpointing_runs) and the families' shapes through vLLM (test_family_settings)"
+    ),
     "tests/e2e/test_documented_commands.py::test_documented_commands_run_as_printed": (
         "every printed command, 20 launches: CI parses every command (test_the_commands_are_read_from_the_pages) "
         "and runs the demo, recipe and CLI paths they use"
