@@ -133,6 +133,8 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         validation=C.ValidationConfig(before_train=True),  # greedy answers to the held-out prompts, before RL
         attn_implementation=args.attn_implementation,
         lora={"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank} if args.lora_rank else None,
+        activation_checkpointing=args.activation_checkpointing,
+        sequence_parallel=args.sequence_parallel,
         **extra,
     )
     data = PromptDataModule(
@@ -288,6 +290,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="train LoRA adapters of this rank (alpha = 2 x rank, every linear layer) instead of every weight",
+    )
+    add(
+        "--activation-checkpointing",
+        action="store_true",
+        help="RLHFModule(activation_checkpointing=True): the trained roles' blocks recompute their forward in the "
+        "backward",
+    )
+    add(
+        "--sequence-parallel",
+        type=int,
+        default=1,
+        help="RLHFModule(sequence_parallel=N): N ranks share each sequence of the actor's (and critic's) forwards "
+        "(DeepSpeed-Ulysses); it must divide --devices",
     )
     add(
         "--placement",
