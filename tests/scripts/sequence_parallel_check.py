@@ -6,7 +6,7 @@ with FSDP2 over both ranks by the training engine. One global batch (left-padded
 through the engine twice: DP=2 (each rank half the rows, no sequence group) and SP=2 (both ranks all rows, each half
 of every sequence). Per model: the scoring forward's outputs (``infer``: log-probs and entropy, values) and the
 weight change of one ``train`` step (AdamW with a large ``eps``: the change is the learning rate times the gradient
-over ``eps``, linear in the gradient). Rank 0 writes the largest relative differences, the loss metrics and how many
+over ``eps``, linear in the gradient). Rank 0 writes the relative differences, the loss metrics and how many
 times the Ulysses attention ran to ``--out`` (JSON).
 
 Usage: torchrun --nproc-per-node 2 tests/scripts/sequence_parallel_check.py --out F [--kv-heads 1] [--checkpointing]
@@ -40,10 +40,13 @@ def _counted(module: nn.Module, *args: object, **kwargs: object) -> object:
     return ulysses._attention(module, *args, **kwargs)  # type: ignore[arg-type]
 
 
-def rollout(rows: int = 8, prompt: int = 6, response: int = 9) -> Batch:
-    """Left-padded prompts, right-padded responses of ragged lengths, advantages (the same on every rank)."""
+def rollout(rows: int = 8, prompt: int = 6, response: int = 9, *, left_padded: bool = True) -> Batch:
+    """Left-padded prompts (else all of ``prompt`` tokens), right-padded responses of ragged lengths, per-token
+    targets (the same on every rank)."""
     g = torch.Generator().manual_seed(1)
     prompt_len = torch.randint(2, prompt + 1, (rows,), generator=g)
+    if not left_padded:
+        prompt_len = torch.full((rows,), prompt)
     prompt_mask = (torch.arange(prompt)[None] >= prompt - prompt_len[:, None]).long()
     resp_len = torch.randint(1, response + 1, (rows,), generator=g)
     response_mask = (torch.arange(response)[None] < resp_len[:, None]).long()
@@ -71,7 +74,7 @@ def build(kind: str, kv_heads: int) -> nn.Module:
         num_labels=1,
     )
     torch.manual_seed(0)
-    cls = Qwen2ForCausalLM if kind == "actor" else Qwen2ForTokenClassification
+    cls = Qwen2ForTokenClassification if kind == "critic" else Qwen2ForCausalLM
     model = cls(config).float()
     disable_dropout(model)  # as the roles do (the classifier's head has dropout)
     return model
@@ -81,7 +84,7 @@ def loss_fn(kind: str, engine: TrainEngine) -> LossFn:
     def loss(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
         assert engine.model is not None
         mask = micro["response_mask"].float()
-        if kind == "actor":
+        if kind != "critic":
             out = forward_response(engine.model, micro, output="logprobs", with_entropy=True)
             per_token = -out["logprobs"] * micro["targets"] - 0.01 * out["entropy"]
         else:
@@ -107,9 +110,9 @@ def run(kind: str, kv_heads: int, sp: int, checkpointing: bool, group: object) -
     engine.configure_optimizer(10)
     assert engine.model is not None
     before = [p.full_tensor().detach().clone() for p in engine.model.parameters()]
-    batch = rollout()
+    batch = rollout(left_padded=kind != "actor-causal")
     rows = batch if sp == 2 else batch.chunk(2)[rank]
-    output = "logprobs" if kind == "actor" else "values"
+    output = "values" if kind == "critic" else "logprobs"
     with data_parallel_group(None, group if sp == 2 else None):
         scored = engine.infer(rows, lambda m, micro: forward_response(m, micro, output=output, with_entropy=True))
         acc = engine.train(
@@ -143,9 +146,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     AttentionInterface.register(ulysses.ATTENTION_NAME, _counted)
     group = dist.new_group([0, 1])
-    mask = rollout()["response_mask"].bool()
+    mask = rollout()["response_mask"].bool()  # the same responses with and without left padding
     report: dict[str, object] = {}
-    for kind in ("actor", "critic"):
+    # actor-causal: prompts without left padding, where sdpa runs its causal kernels without a mask
+    for kind in ("actor", "critic", "actor-causal"):
         dp = run(kind, args.kv_heads, 1, args.checkpointing, None)
         calls = CALLS[0]
         sp = run(kind, args.kv_heads, 2, args.checkpointing, group)

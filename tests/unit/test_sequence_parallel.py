@@ -20,7 +20,7 @@ from lightning_rlhf.controller.dispatch import (
     sequence_parallel_of,
     split_args,
 )
-from lightning_rlhf.engines.train.ulysses import SequenceShard, check_model, check_size, full_mask
+from lightning_rlhf.engines.train.ulysses import SequenceShard, causal_suffices, check_model, check_size, full_mask
 from lightning_rlhf.module import _sequence_parallel_roles
 
 
@@ -60,6 +60,12 @@ def test_the_whole_sequence_mask_is_causal_without_padding_keys_and_no_empty_row
     assert torch.equal(mask[0, 0, 0], torch.tensor([True, False, False, False, False, False]))
     assert torch.equal(mask[0, 0, 3], torch.tensor([False, False, True, True, False, False]))
     assert torch.equal(mask[0, 0, 5], torch.tensor([False, False, True, True, True, False]))
+
+
+def test_sdpa_runs_causal_without_a_mask_only_when_no_row_is_left_padded() -> None:
+    assert causal_suffices(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))  # right padding only (and the pad to N)
+    assert not causal_suffices(torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))  # a left-padded prompt
+    assert not causal_suffices(torch.tensor([[1, 0, 1, 1]]))  # a hole
 
 
 class _Scorer:

@@ -256,14 +256,25 @@ def full_mask(attention_mask: Tensor) -> Tensor:
     return (allowed | (empty & torch.eye(t, dtype=torch.bool, device=device))).unsqueeze(1)
 
 
-def _mask(state: dict[Any, Any], dtype: torch.dtype) -> Tensor:
-    """The whole sequence's mask as the inner kernel takes it: boolean for sdpa, additive in ``dtype`` for eager
-    (made once per forward)."""
+def causal_suffices(attention_mask: Tensor) -> bool:
+    """Whether every row of ``attention_mask`` is ones then zeros (no left padding): then the causal mask alone gives
+    every real position the keys it should see (a right-padding position attends to the real ones before it, and its
+    output is never used), and sdpa runs its causal kernels without a ``[T, T]`` mask. Runs on: worker."""
+    return bool(attention_mask[:, 0].all()) and torch.equal(attention_mask.cummin(dim=1).values, attention_mask)
+
+
+def _mask(state: dict[Any, Any], dtype: torch.dtype) -> Tensor | None:
+    """The whole sequence's mask as the inner kernel takes it: for sdpa boolean, or None when causal suffices; for
+    eager additive in ``dtype`` (made once per forward)."""
     if state["inner_name"] == "sdpa":
+        if state["causal"]:
+            return None
+        if "allowed" not in state:
+            state["allowed"] = full_mask(state["attention_mask"])
         return state["allowed"]
     key = ("additive", dtype)
     if key not in state:
-        allowed = state["allowed"]
+        allowed = full_mask(state["attention_mask"])
         state[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min
         )
@@ -288,7 +299,8 @@ def sharded(model: nn.Module, shard: SequenceShard, attention_mask: Tensor) -> I
         "size": shard.size,
         "inner": _inner_attention(layer_type, inner_name),
         "inner_name": inner_name,
-        "allowed": full_mask(attention_mask),
+        "attention_mask": attention_mask,
+        "causal": inner_name == "sdpa" and causal_suffices(attention_mask),
     }
     previous = _STATE.value
     _STATE.value = state
