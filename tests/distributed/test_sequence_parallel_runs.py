@@ -3,9 +3,10 @@ against data parallelism on the same global batch.
 
 CI: ``tests/scripts/sequence_parallel_check.py`` under torchrun, a model with 1 key/value head (replicated to the
 group) and activation checkpointing: the actor's log-probs and entropy, the critic's values, and the weight change of
-one update of each equal the data-parallel run's; also without left padding (sdpa's causal kernels, no mask). Long
-tier: two PPO runs through the whole trainer (controller dispatch, reference, critic, actor), SP=2 with activation
-checkpointing against SP=1: equal losses, gradient norms and weights at every step.
+one update of each equal the data-parallel run's; also without left padding (sdpa's causal kernels, no mask) and with
+the model's eager attention. Long tier: two PPO runs through the whole trainer (controller dispatch, reference,
+critic, actor), SP=2 with activation checkpointing against SP=1: equal losses, gradient norms and weights at every
+step.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def test_sequence_parallel_equals_data_parallel_with_one_kv_head_and_checkpointi
     proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ))
     assert proc.returncode == 0, failure_text(proc)
     report = json.loads(out.read_text())
-    for kind, outputs in (("actor", ("logprobs", "entropy")), ("critic", ("values",)), ("actor-causal", ("logprobs",))):
+    cases = {"actor": ("logprobs", "entropy"), "critic": ("values",), "actor-causal": ("logprobs",)}
+    for kind, outputs in (cases | {"actor-eager": ("logprobs",)}).items():
         got = report[kind]
         assert set(got["outputs"]) >= set(outputs), got
         assert all(got["outputs"][k] < TOLERANCE for k in outputs), (kind, got["outputs"])

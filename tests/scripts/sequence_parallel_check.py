@@ -70,7 +70,7 @@ def build(kind: str, kv_heads: int) -> nn.Module:
         num_attention_heads=4,
         num_key_value_heads=kv_heads,
         max_position_embeddings=64,
-        attn_implementation="sdpa",
+        attn_implementation="eager" if kind == "actor-eager" else "sdpa",
         num_labels=1,
     )
     torch.manual_seed(0)
@@ -148,8 +148,9 @@ def main() -> None:
     group = dist.new_group([0, 1])
     mask = rollout()["response_mask"].bool()  # the same responses with and without left padding
     report: dict[str, object] = {}
-    # actor-causal: prompts without left padding, where sdpa runs its causal kernels without a mask
-    for kind in ("actor", "critic", "actor-causal"):
+    # actor-causal: prompts without left padding, where sdpa runs its causal kernels without a mask; actor-eager:
+    # the model's eager attention inside the wrapper (an additive mask)
+    for kind in ("actor", "critic", "actor-causal", "actor-eager"):
         dp = run(kind, args.kv_heads, 1, args.checkpointing, None)
         calls = CALLS[0]
         sp = run(kind, args.kv_heads, 2, args.checkpointing, group)
