@@ -315,7 +315,7 @@ def role_method(
     if (reads is not None or writes is not None or sequence_parallel) and dispatch is not Dispatch.DP_SPLIT:
         raise ValueError(
             f"role_method({dispatch}, reads=..., writes=...): column declarations apply to Dispatch.DP_SPLIT methods "
-            "(a Batch split over ranks) only."
+            "(a Batch split over ranks) only, and so does sequence_parallel=True."
         )
 
     def decorate(fn: F) -> F:
@@ -455,10 +455,11 @@ def split_args(
         batch = trimmed
     groups = world_size // sequence_parallel
     if len(batch) % groups:
+        shared = f" ({world_size} / sequence_parallel={sequence_parallel})" if sequence_parallel > 1 else ""
         raise ValueError(
-            f"{where}: a batch of {len(batch)} rows cannot be split evenly over {groups} data-parallel ranks. "
-            "HINT: make the batch size (prompts per step, and prompts x samples per prompt) a multiple of the "
-            "number of ranks divided by sequence_parallel."
+            f"{where}: a batch of {len(batch)} rows cannot be split evenly over {groups} ranks{shared}"
+            ". HINT: make the batch size (prompts per step, and prompts x samples per prompt) a multiple of the "
+            "number of ranks."
         )
     parts = _dp_parts(batch, groups)
     if sequence_parallel > 1:  # each rank of a group gets its own shallow copy (a method may set columns on it)

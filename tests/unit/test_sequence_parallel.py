@@ -93,7 +93,7 @@ def test_a_sequence_parallel_call_gives_each_group_the_same_rows_and_keeps_its_f
     results = [Batch({"y": torch.tensor([r, r])}) for r in range(4)]
     merged = _Plan(Dispatch.DP_SPLIT, [0, 1, 2, 3], sequence_parallel=2).merge(results)
     assert merged["y"].tolist() == [0, 0, 2, 2]
-    with pytest.raises(ValueError, match="6 rows cannot be split evenly over 4 data-parallel ranks"):
+    with pytest.raises(ValueError, match=r"6 rows cannot be split evenly over 4 ranks \(8 / sequence_parallel=2\)"):
         split_args(Dispatch.DP_SPLIT, (Batch({"x": torch.arange(6)}),), {}, 8, where="s", sequence_parallel=2)
 
 

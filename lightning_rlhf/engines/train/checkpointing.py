@@ -11,6 +11,7 @@ checkpoint's ``context_fn`` restores both around each recompute (without it the 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -53,7 +54,9 @@ def _context_fn(config: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _both(first: contextlib.AbstractContextManager[None], second: contextlib.AbstractContextManager[None]) -> Any:
+def _both(
+    first: contextlib.AbstractContextManager[None], second: contextlib.AbstractContextManager[None]
+) -> Iterator[None]:
     with first, second:
         yield
 

@@ -68,7 +68,7 @@ def sequence_parallel_size() -> int:
 def global_token_count(mask: Tensor) -> Tensor:
     """Number of masked-in tokens summed over the data-parallel group. Runs on: every worker rank (an all-reduce)."""
     count = mask.sum().float()
-    if world()[1] > 1 or sequence_parallel_size() > 1:
+    if world()[1] > 1:
         count = count.to(_reduce_device())
         dist.all_reduce(count, group=current_group())
         count = count / sequence_parallel_size()  # the ranks of a sequence-parallel group hold the same rows
