@@ -285,25 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--micro-batch-tokens", type=int, default=None, help="token budget per micro-batch (packs rows, no padding)")
     add("--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (fp32 master weights either way)")
     add("--attn-implementation", default=None, help="transformers attention kernel, e.g. eager")
-    add(
-        "--lora-rank",
-        type=int,
-        default=None,
-        help="train LoRA adapters of this rank (alpha = 2 x rank, every linear layer) instead of every weight",
-    )
-    add(
-        "--activation-checkpointing",
-        action="store_true",
-        help="RLHFModule(activation_checkpointing=True): the trained roles' blocks recompute their forward in the "
-        "backward",
-    )
-    add(
-        "--sequence-parallel",
-        type=int,
-        default=1,
-        help="RLHFModule(sequence_parallel=N): N ranks share each sequence of the actor's (and critic's) forwards "
-        "(DeepSpeed-Ulysses); it must divide --devices",
-    )
+    lora_help = "train LoRA adapters of this rank (alpha = 2 x rank, every linear layer) instead of every weight"
+    add("--lora-rank", type=int, default=None, help=lora_help)
+    add("--activation-checkpointing", action="store_true", help="RLHFModule(activation_checkpointing=True)")
+    add("--sequence-parallel", type=int, default=1, help="RLHFModule(sequence_parallel=N), N dividing --devices")
     add(
         "--placement",
         default="colocate",

@@ -1,5 +1,6 @@
 """Sequence parallelism (``engines/train/ulysses.py``) against data parallelism on 2 ranks (gloo, float32), under
-torchrun; ``tests/distributed/test_sequence_parallel_runs.py`` launches it.
+torchrun; ``tests/distributed/test_sequence_parallel_runs.py`` launches it. On 4 ranks it compares SP=2 x DP=2 with
+DP=4.
 
 A tiny Qwen2 causal LM and a token classifier (the critic's shape) are built from one seed on both ranks and sharded
 with FSDP2 over both ranks by the training engine. One global batch (left-padded prompts, ragged responses) goes
@@ -99,8 +100,8 @@ def loss_fn(kind: str, engine: TrainEngine) -> LossFn:
 def run(kind: str, kv_heads: int, sp: int, checkpointing: bool, group: object) -> dict[str, object]:
     """Score and train one model on the global batch with sequence-parallel size ``sp``; the outputs of every row
     and the change of every weight (full tensors)."""
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2,))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
     engine = TrainEngine(micro_batch_size=2, optim=OptimConfig(lr=100.0, eps=1e4, weight_decay=0.0, grad_clip=1e9))
     engine.bind(build(kind, kv_heads))
     engine.activation_checkpointing = checkpointing
@@ -111,17 +112,16 @@ def run(kind: str, kv_heads: int, sp: int, checkpointing: bool, group: object) -
     assert engine.model is not None
     before = [p.full_tensor().detach().clone() for p in engine.model.parameters()]
     batch = rollout(left_padded=kind != "actor-causal")
-    rows = batch if sp == 2 else batch.chunk(2)[rank]
+    rows = batch.chunk(world // sp)[rank // sp]  # a sequence-parallel group's ranks get the same rows
     output = "values" if kind == "critic" else "logprobs"
-    with data_parallel_group(None, group if sp == 2 else None):
+    with data_parallel_group(None, group if sp > 1 else None):
         scored = engine.infer(rows, lambda m, micro: forward_response(m, micro, output=output, with_entropy=True))
         acc = engine.train(
             rows, loss_fn(kind, engine), aggregation="token-mean", count_mask=lambda b: b["response_mask"]
         )
-    if sp == 1:  # both halves, in row order
-        halves: list[dict[str, Tensor] | None] = [None, None]
-        dist.all_gather_object(halves, scored)
-        scored = {k: torch.cat([h[k] for h in halves if h is not None]) for k in scored}
+    parts: list[dict[str, Tensor] | None] = [None] * world
+    dist.all_gather_object(parts, scored)  # every part, in row order: the first rank's of each group
+    scored = {k: torch.cat([h[k] for h in parts[::sp] if h is not None]) for k in scored}
     after = [p.full_tensor().detach() for p in engine.model.parameters()]
     return {
         "scored": scored,
@@ -145,7 +145,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     AttentionInterface.register(ulysses.ATTENTION_NAME, _counted)
-    group = dist.new_group([0, 1])
+    world = dist.get_world_size()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank makes every group
+    group = pairs[dist.get_rank() // 2]
     mask = rollout()["response_mask"].bool()  # the same responses with and without left padding
     report: dict[str, object] = {}
     # actor-causal: prompts without left padding, where sdpa runs its causal kernels without a mask; actor-eager:
