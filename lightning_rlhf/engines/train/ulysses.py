@@ -46,7 +46,8 @@ __all__ = [
 
 ATTENTION_NAME = "lightning_rlhf_ulysses"
 INNER_ATTENTIONS = ("sdpa", "eager")
-"""The attention kernels the wrapper calls on the whole sequence (each takes an explicit mask)."""
+"""The attention kernels the wrapper calls on the whole sequence, with a mask of it (sdpa with none, running its
+causal kernels, when no row is left-padded)."""
 
 
 def check_size(value: Any, *, setting: str) -> int:
@@ -132,9 +133,9 @@ class SequenceShard:
         return lo, max(lo, hi)
 
     def gather(self, local: Tensor, lo: int, hi: int) -> Tensor:
-        """The group's outputs for global columns ``[first, stop)`` from each rank's ``local`` outputs at its
-        :meth:`kept` columns ``[lo, hi)`` (``[B, hi - lo]``); every rank returns the same ``[B, padded]``, whose
-        backward keeps this rank's columns. Runs on: every rank of the group together (an all-gather)."""
+        """The group's outputs ``[B, padded]`` (0 where no rank computed one) from each rank's ``local`` outputs at
+        its :meth:`kept` columns ``[lo, hi)`` (``[B, hi - lo]``); every rank returns the same, whose backward keeps
+        this rank's columns. Runs on: every rank of the group together (an all-gather)."""
         placed = (
             F.pad(local, [lo - self.start, self.stop - hi])
             if hi > lo
@@ -166,8 +167,8 @@ class _State(threading.local):
 _STATE = _State()
 
 
-def _exchange(x: Tensor, group: Any, size: int) -> Tensor:
-    """All-to-all of dim 0 (``size`` equal parts: part ``i`` goes to rank ``i``), with autograd."""
+def _exchange(x: Tensor, group: Any) -> Tensor:
+    """All-to-all of dim 0 (equal parts, one per rank of ``group``: part ``i`` goes to rank ``i``), with autograd."""
     return _AllToAll.apply(x, group)
 
 
@@ -211,7 +212,7 @@ def _attention(
         return t.reshape(b, n, t.shape[1] // n, width, t.shape[-1]).transpose(0, 1)
 
     # One all-to-all for q, k and v together: [n, B, (H + 2 Hkv)/n, L, d] -> each rank's head part, all columns.
-    mixed = _exchange(torch.cat([split(query), split(key), split(value)], dim=2), group, n)
+    mixed = _exchange(torch.cat([split(query), split(key), split(value)], dim=2), group)
     mixed = mixed.permute(1, 2, 0, 3, 4).reshape(b, (heads + 2 * kv) // n, n * width, d)
     q, k, v = mixed.split([heads // n, kv // n, kv // n], dim=1)
     previous = getattr(module, "num_key_value_groups", None)
@@ -223,7 +224,7 @@ def _attention(
         if previous is not None:
             setattr(module, "num_key_value_groups", previous)  # noqa: B010
     # Back: column part i to rank i, each rank then holds all heads of its own columns.
-    back = _exchange(out.reshape(b, n, width, heads // n, d).transpose(0, 1), group, n)
+    back = _exchange(out.reshape(b, n, width, heads // n, d).transpose(0, 1), group)
     return back.permute(1, 2, 0, 3, 4).reshape(b, width, heads, d), None
 
 
