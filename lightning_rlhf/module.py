@@ -23,7 +23,13 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.compat.lightning import attached_trainer
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RewardConfig, RolloutConfig, ValidationConfig
 from lightning_rlhf.config.models import ensure_pad_token, resolve_model_path
-from lightning_rlhf.controller.dispatch import RoleFuture, collect, concurrently, in_background
+from lightning_rlhf.controller.dispatch import (
+    RoleFuture,
+    collect,
+    concurrently,
+    declares_sequence_parallel,
+    in_background,
+)
 from lightning_rlhf.dataflow.metrics import (
     REPLAYED_LOG_ARGS,
     check_log_interval,
@@ -36,6 +42,7 @@ from lightning_rlhf.dataflow.rollouts import extra_prompts, keep_informative_gro
 from lightning_rlhf.dataflow.validation import validation_metrics, validation_rollout
 from lightning_rlhf.engines.train import resolve_dtype
 from lightning_rlhf.engines.train.lora import resolve_lora
+from lightning_rlhf.engines.train.ulysses import check_size
 from lightning_rlhf.rewards import RewardSpec, reward_components
 from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role, RolloutRole
 from lightning_rlhf.roles.base import check_pretrained
@@ -89,6 +96,9 @@ class RLHFModule(L.LightningModule):
         activation_checkpointing: each transformer block keeps only its input in the forward and recomputes the
             rest in the backward (less activation memory, one more forward per update): True for the trained roles
             (actor and critic), or the names of the roles. The gradients are the same.
+        sequence_parallel: ranks that share each sequence in the forwards of the actor, critic and reference
+            (DeepSpeed-Ulysses: each holds ``1/N`` of the columns, attention exchanges heads; docs/performance.md).
+            It must divide each of their pools and the models' attention heads; the data-parallel size is pool / N.
     """
 
     def __init__(
@@ -110,6 +120,7 @@ class RLHFModule(L.LightningModule):
         environment: Any = None,
         lora: Any = None,
         activation_checkpointing: bool | Sequence[str] = False,
+        sequence_parallel: int = 1,
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -130,6 +141,7 @@ class RLHFModule(L.LightningModule):
         self.tokenizer.padding_side = "left"
         self.attn_implementation = attn_implementation
         self.activation_checkpointing = activation_checkpointing
+        self.sequence_parallel = check_size(sequence_parallel, setting="RLHFModule(sequence_parallel)")
         frozen = resolve_dtype(frozen_dtype, setting="RLHFModule.frozen_dtype")
         assert frozen is not None
         self.frozen_dtype, self.lora, micro = frozen, lora, algo.batching.micro_batch_size
@@ -195,16 +207,18 @@ class RLHFModule(L.LightningModule):
         ``AlgorithmConfig.batching.micro_batch_tokens`` and ``attn_implementation`` (roles a subclass added included).
         Runs on: every process."""
         checkpointed = _checkpointed_roles(getattr(self, "activation_checkpointing", False), self.roles())
+        pools = getattr(self.trainer.strategy, "pools", None) or {}
+        split_sequences = _sequence_parallel_roles(getattr(self, "sequence_parallel", 1), self.roles(), pools, self)
         for name, role in self.roles().items():
             role.train_engine.micro_batch_tokens = self.algorithm.batching.micro_batch_tokens
             role.train_engine.attn_implementation = getattr(self, "attn_implementation", None)
             role.train_engine.activation_checkpointing = name in checkpointed
+            role.train_engine.sequence_parallel = split_sequences.get(name, 1)
         if stage == "fit":
             check_log_interval(self.trainer)
         batch_size = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
         if stage == "fit" and batch_size:
             # With rank pools (RLHFStrategy(placement=...)) each pool splits the batch by its own size.
-            pools = getattr(self.trainer.strategy, "pools", None) or {}
             split = math.lcm(*{len(ranks) for ranks in pools.values()}) if pools else self.trainer.world_size
             self.algorithm.check_batch(prompts=batch_size, n=self.rollout_config.n, world_size=split)
 
@@ -512,3 +526,27 @@ def _checkpointed_roles(setting: bool | Sequence[str], roles: Mapping[str, Any])
             f"({sorted(roles)}). HINT: True (the actor and the critic), False, or a list of role names."
         )
     return set(names)
+
+
+def _sequence_parallel_roles(
+    size: int, roles: Mapping[str, Any], pools: Mapping[str, Any], module: Any
+) -> dict[str, int]:
+    """The roles ``RLHFModule(sequence_parallel=size)`` splits sequences for (those with a method declared
+    ``sequence_parallel=True``: actor, critic, reference), each mapped to ``size``. Runs on: every process, before
+    any model loads. Raises ValueError when ``size`` does not divide a role's pool."""
+    if size == 1:
+        return {}
+    world_size = getattr(getattr(module, "trainer", None), "world_size", 1)
+    out = {}
+    for name, role in roles.items():
+        if not declares_sequence_parallel(role):
+            continue
+        ranks = len(pools.get(name, range(world_size)))
+        if ranks % size:
+            raise ValueError(
+                f"RLHFModule(sequence_parallel={size}) must divide the ranks of every role it applies to; role "
+                f"{name!r} runs on {ranks}. HINT: use a divisor of {ranks}, or give the role a pool of a multiple "
+                f"of {size} ranks (RLHFStrategy(placement=...))."
+            )
+        out[name] = size
+    return out

@@ -37,6 +37,8 @@ from lightning_rlhf.controller.dispatch import (
     dispatch_of,
     merge_results,
     only_written,
+    sequence_group_of,
+    sequence_parallel_of,
     split_args,
     with_written,
 )
@@ -83,10 +85,11 @@ class _Plan:
     ranks: list[int]
     caller: Batch | None = None
     writes: tuple[str, ...] | None = None
+    sequence_parallel: int = 1  # each group of this many consecutive ranks had the same rows: its first rank's counts
 
     def merge(self, results: Sequence[Any]) -> Any:
         """The controller's result from the ranks' results, in :attr:`ranks` order."""
-        merged = merge_results(self.dispatch, results)
+        merged = merge_results(self.dispatch, list(results)[:: self.sequence_parallel])
         if self.writes is None or self.caller is None:
             return merged
         return with_written(self.caller, merged, self.writes)
@@ -380,7 +383,8 @@ class Controller:
                     "disjoint ranks."
                 )
             reads, writes = columns_of(role, method)  # declared on DP_SPLIT methods only (role_method checks)
-            per_rank = split_args(dispatch, args, kwargs, len(pool), where=where, reads=reads)
+            sp = sequence_parallel_of(role, method)
+            per_rank = split_args(dispatch, args, kwargs, len(pool), where=where, reads=reads, sequence_parallel=sp)
             ranks = [rank for rank, part in zip(pool, per_rank, strict=True) if part is not None]
             token = self._next_token + index if background else None
             if background:  # one background call per rank at a time
@@ -391,7 +395,7 @@ class Controller:
             caller = _batch_argument(args) if writes is not None else None
             if caller is not None:  # as it is now: columns set on it before a background call is read stay out
                 caller = Batch(caller.tensors, caller.columns, caller.meta)
-            plans.append(_Plan(dispatch, ranks, caller, writes))
+            plans.append(_Plan(dispatch, ranks, caller, writes, sp))
         return messages, plans, " + ".join(f"{role.name}.{method}" for role, method, *_ in calls)
 
     def _exchange(self, messages: list[list[Any]], count: int, where: str) -> tuple[list[dict[int, Any]], list[float]]:
@@ -506,7 +510,10 @@ class Controller:
             _, writes = columns_of(role, call.method)
             part = _batch_argument(call.args) if writes is not None else None
             inputs = {**part.tensors, **part.columns} if part is not None else {}  # the columns before the call
-            with controller_active(None), data_parallel_group(self._groups.get(call.role)):
+            with (
+                controller_active(None),
+                data_parallel_group(self._groups.get(call.role), sequence_group_of(role, call.method)),
+            ):
                 result = fn(role, *call.args, **call.kwargs)
             if writes is not None and part is not None:  # only what the method wrote goes back
                 result = only_written(where, inputs, result, writes)

@@ -32,11 +32,15 @@ __all__ = [
     "concurrently",
     "current_controller",
     "current_group",
+    "current_sequence_group",
     "data_parallel_group",
+    "declares_sequence_parallel",
     "in_background",
     "merge_results",
     "only_written",
     "role_method",
+    "sequence_group_of",
+    "sequence_parallel_of",
     "split_args",
     "with_written",
 ]
@@ -89,6 +93,7 @@ class _Stacks(threading.local):
         self.active: list[_Controller | None] = []
         self.recorders: list[_Recorder] = []
         self.groups: list[Any] = []
+        self.sequence: list[Any] = []
 
 
 _STACKS = _Stacks()
@@ -111,16 +116,24 @@ def _pushed(stack: list[Any], value: Any) -> Iterator[Any]:
         stack.pop()
 
 
-def data_parallel_group(group: Any) -> contextlib.AbstractContextManager[Any]:
-    """Make ``group`` (a process group; None: all ranks) the data-parallel group of the role call that runs inside,
-    so the training engine's ``world()`` and all-reduces count only the ranks of the role's pool. Runs on: a worker
-    rank, around one role method."""
-    return _pushed(_STACKS.groups, group)
+@contextlib.contextmanager
+def data_parallel_group(group: Any, sequence: Any = None) -> Iterator[None]:
+    """Make ``group`` (a process group; None: all ranks) the group of the role call that runs inside, so the training
+    engine's ``world()`` and all-reduces count only the ranks of the role's pool; ``sequence``: this rank's
+    sequence-parallel group within it, for a method declared ``sequence_parallel=True`` (None: none). Runs on: a
+    worker rank, around one role method."""
+    with _pushed(_STACKS.groups, group), _pushed(_STACKS.sequence, sequence):
+        yield
 
 
 def current_group() -> Any:
-    """The data-parallel group of the role call running in this process (None: all ranks). Runs on: any process."""
+    """The pool's group of the role call running in this process (None: all ranks). Runs on: any process."""
     return _STACKS.groups[-1] if _STACKS.groups else None
+
+
+def current_sequence_group() -> Any:
+    """The sequence-parallel group of the role call running in this process (None: none). Runs on: any process."""
+    return _STACKS.sequence[-1] if _STACKS.sequence else None
 
 
 def controller_active(controller: _Controller | None) -> contextlib.AbstractContextManager[Any]:
@@ -282,6 +295,7 @@ def role_method(
     *,
     reads: Sequence[str] | None = None,
     writes: Sequence[str] | Callable[[Any], Sequence[str]] | None = None,
+    sequence_parallel: bool = False,
 ) -> Callable[[F], F]:
     """Declare a role method's transfer protocol (``dispatch``), and for a ``DP_SPLIT`` method over a
     :class:`Batch` which of its columns travel.
@@ -294,11 +308,14 @@ def role_method(
     the batch's ``meta``. ``writes``: the columns the method adds (or a function of the role that gives them): only
     they come back, set on a shallow copy of the caller's batch. The method must then return its input batch, one
     row per input row, with no other column changed or added (checked on the worker). None: every column.
+    ``sequence_parallel``: the method's forwards split each sequence over the role's sequence-parallel groups
+    (``role.sequence_parallel`` ranks each, consecutive in the pool): each group's ranks get the same rows, and the
+    result is the first rank's of each group.
     """
-    if (reads is not None or writes is not None) and dispatch is not Dispatch.DP_SPLIT:
+    if (reads is not None or writes is not None or sequence_parallel) and dispatch is not Dispatch.DP_SPLIT:
         raise ValueError(
             f"role_method({dispatch}, reads=..., writes=...): column declarations apply to Dispatch.DP_SPLIT methods "
-            "(a Batch split over ranks) only."
+            "(a Batch split over ranks) only, and so does sequence_parallel=True."
         )
 
     def decorate(fn: F) -> F:
@@ -320,6 +337,7 @@ def role_method(
 
         wrapper.__rlhf_dispatch__ = dispatch  # type: ignore[attr-defined]
         wrapper.__rlhf_columns__ = (None if reads is None else tuple(reads), writes)  # type: ignore[attr-defined]
+        wrapper.__rlhf_sequence__ = sequence_parallel  # type: ignore[attr-defined]
         return cast(F, wrapper)
 
     return decorate
@@ -334,6 +352,25 @@ def dispatch_of(role: Role, method: str) -> Dispatch:
             "HINT: decorate it with `@role_method(Dispatch.DP_SPLIT)` (or ONE_TO_ALL / RANK_ZERO)."
         )
     return cast(Dispatch, proto)
+
+
+def sequence_parallel_of(role: Role, method: str) -> int:
+    """The ranks that share each row of a ``role.method`` call: the role's ``sequence_parallel`` for a method declared
+    ``sequence_parallel=True``, else 1. Runs on: controller."""
+    declared = getattr(getattr(type(role), method, None), "__rlhf_sequence__", False)
+    return int(getattr(role, "sequence_parallel", 1)) if declared else 1
+
+
+def declares_sequence_parallel(role: Role) -> bool:
+    """Whether any method of ``role`` is declared ``sequence_parallel=True``. Runs on: any process."""
+    cls = type(role)
+    return any(getattr(getattr(cls, name, None), "__rlhf_sequence__", False) for name in dir(cls))
+
+
+def sequence_group_of(role: Role, method: str) -> Any:
+    """This rank's sequence-parallel group for a ``role.method`` call (None: the method or role has none). Runs on:
+    worker."""
+    return getattr(role, "sequence_group", None) if sequence_parallel_of(role, method) > 1 else None
 
 
 def columns_of(role: Role, method: str) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
@@ -390,9 +427,11 @@ def split_args(
     *,
     where: str,
     reads: Sequence[str] | None = None,
+    sequence_parallel: int = 1,
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]] | None]:
     """Arguments for each rank (``None``: the rank skips the call); a ``DP_SPLIT`` batch holds only the columns in
-    ``reads`` (None: all). Runs on: controller. Raises for a ``DP_SPLIT`` call without a batch that splits evenly."""
+    ``reads`` (None: all), split into ``world_size / sequence_parallel`` parts, each given to that many consecutive
+    ranks. Runs on: controller. Raises for a ``DP_SPLIT`` call without a batch that splits evenly."""
     if dispatch is Dispatch.ONE_TO_ALL:
         return [(args, kwargs)] * world_size
     if dispatch is Dispatch.RANK_ZERO:
@@ -414,13 +453,18 @@ def split_args(
                 "HINT: pass the batch the method expects (e.g. a rollout with prompts and responses)."
             )
         batch = trimmed
-    if len(batch) % world_size:
+    groups = world_size // sequence_parallel
+    if len(batch) % groups:
+        shared = f" ({world_size} / sequence_parallel={sequence_parallel})" if sequence_parallel > 1 else ""
         raise ValueError(
-            f"{where}: a batch of {len(batch)} rows cannot be split evenly over {world_size} ranks. "
-            "HINT: make the batch size (prompts per step, and prompts x samples per prompt) a multiple of the "
+            f"{where}: a batch of {len(batch)} rows cannot be split evenly over {groups} ranks{shared}"
+            ". HINT: make the batch size (prompts per step, and prompts x samples per prompt) a multiple of the "
             "number of ranks."
         )
-    return [((part, *args[1:]), kwargs) for part in _dp_parts(batch, world_size)]
+    parts = _dp_parts(batch, groups)
+    if sequence_parallel > 1:  # each rank of a group gets its own shallow copy (a method may set columns on it)
+        parts = [Batch(p.tensors, p.columns, p.meta) for p in parts for _ in range(sequence_parallel)]
+    return [((part, *args[1:]), kwargs) for part in parts]
 
 
 def _mark_balance(batch: Batch, balance: bool, costs: list[int] | None = None) -> Batch:

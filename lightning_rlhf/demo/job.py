@@ -133,6 +133,8 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         validation=C.ValidationConfig(before_train=True),  # greedy answers to the held-out prompts, before RL
         attn_implementation=args.attn_implementation,
         lora={"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank} if args.lora_rank else None,
+        activation_checkpointing=args.activation_checkpointing,
+        sequence_parallel=args.sequence_parallel,
         **extra,
     )
     data = PromptDataModule(
@@ -283,12 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--micro-batch-tokens", type=int, default=None, help="token budget per micro-batch (packs rows, no padding)")
     add("--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (fp32 master weights either way)")
     add("--attn-implementation", default=None, help="transformers attention kernel, e.g. eager")
-    add(
-        "--lora-rank",
-        type=int,
-        default=None,
-        help="train LoRA adapters of this rank (alpha = 2 x rank, every linear layer) instead of every weight",
-    )
+    lora_help = "train LoRA adapters of this rank (alpha = 2 x rank, every linear layer) instead of every weight"
+    add("--lora-rank", type=int, default=None, help=lora_help)
+    add("--activation-checkpointing", action="store_true", help="RLHFModule(activation_checkpointing=True)")
+    add("--sequence-parallel", type=int, default=1, help="RLHFModule(sequence_parallel=N), N dividing --devices")
     add(
         "--placement",
         default="colocate",

@@ -125,7 +125,7 @@ class ActorRole(EpisodesMixin, Role):
         return self.hybrid.send(self.weight_bridge, version=self.policy_version, lag=lag, max_staleness=max_staleness)
 
     # ------------------------------------------------------------------------------------- training
-    @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("old_logprobs",))
+    @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("old_logprobs",), sequence_parallel=True)
     def log_prob(self, batch: Batch) -> Batch:
         """Log-probs of the sampled responses under the current weights, as ``old_logprobs`` ``[B, R]``.
         Runs on: every worker rank (FSDP forward, micro-batched)."""
@@ -141,7 +141,7 @@ class ActorRole(EpisodesMixin, Role):
         batch["old_logprobs"] = out["logprobs"]
         return batch
 
-    @role_method(Dispatch.DP_SPLIT)
+    @role_method(Dispatch.DP_SPLIT, sequence_parallel=True)
     def update(self, batch: Batch) -> dict[str, float]:
         """PPO-style policy update: clipped loss (+ KL loss, - entropy bonus) over epochs and mini-batches.
 

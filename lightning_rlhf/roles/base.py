@@ -166,6 +166,17 @@ class Role(nn.Module):
         return self.train_engine.balances_ranks
 
     @property
+    def sequence_parallel(self) -> int:
+        """Ranks that share each sequence in this role's forwards (read by the controller for the methods declared
+        ``sequence_parallel=True``)."""
+        return self.train_engine.sequence_parallel
+
+    @property
+    def sequence_group(self) -> Any:
+        """This rank's sequence-parallel group (None: none). Runs on: worker."""
+        return self.train_engine.sequence_group
+
+    @property
     def sharded(self) -> bool:
         """Whether the model is already sharded (a second ``fit`` on the same module reuses the shards)."""
         return self.train_engine.sharded

@@ -53,14 +53,16 @@ class CriticRole(Role):
             )
             self.set_model(model.train())  # from_pretrained returns eval mode; dropout is off anyway
 
-    @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=lambda role: (f"{role.prefix}values",))
+    @role_method(
+        Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=lambda role: (f"{role.prefix}values",), sequence_parallel=True
+    )
     def values(self, batch: Batch) -> Batch:
         """Per-token values of the responses, as ``<prefix>values`` ``[B, R]``. Runs on: every worker rank."""
         out = self.train_engine.infer(batch, lambda model, micro: forward_response(model, micro, output="values"))
         batch[f"{self.prefix}values"] = out["values"]
         return batch
 
-    @role_method(Dispatch.DP_SPLIT)
+    @role_method(Dispatch.DP_SPLIT, sequence_parallel=True)
     def update(self, batch: Batch) -> dict[str, float]:
         """Clipped value regression on ``<prefix>returns`` over epochs and mini-batches; metrics are named after the
         role (``critic/vf_loss``, ``cost_critic/vf_loss``). Runs on: every worker rank."""

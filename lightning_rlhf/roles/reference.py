@@ -67,7 +67,7 @@ class ReferenceRole(Role):
             model = load_model(AutoModelForCausalLM, self.path, setting="ReferenceRole(path=...)", dtype=self.dtype)
             self.set_model(model.eval().requires_grad_(False))
 
-    @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("ref_logprobs",))
+    @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("ref_logprobs",), sequence_parallel=True)
     def log_prob(self, batch: Batch) -> Batch:
         """Reference log-probs of the responses, as ``ref_logprobs`` ``[B, R]``. Runs on: every worker rank."""
         temperature = self.temperature

@@ -52,6 +52,7 @@ from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.factory import RolloutEngineFactory
 from lightning_rlhf.engines.train import check_compute_dtype, resolve_dtype
 from lightning_rlhf.engines.train.loading import deferred_loading
+from lightning_rlhf.engines.train.ulysses import give_sequence_groups
 from lightning_rlhf.perf import memory_census, memory_peaks, memory_window
 from lightning_rlhf.placement.pools import Pools, check_placement_spec
 from lightning_rlhf.placement.roles import bridge_pools, check_before_launch, place_roles, pool_meshes
@@ -317,6 +318,7 @@ class RLHFStrategy(ModelParallelStrategy):
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
         # Every rank logs the controller's values (replayed), so epoch-level metrics need no sync_dist.
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True\)`")
+        give_sequence_groups(module.roles(), self._pools, world_size=self.world_size, rank=self.global_rank)
         for name, role in module.roles().items():
             if role.model is None or role.sharded:  # a second fit() on the same module reuses the shards
                 continue

@@ -162,6 +162,22 @@ class ProfileStep(L.Callback):
             self.prof = None
 
 
+ULYSSES_CALLS = [0]
+
+
+def count_ulysses_calls() -> None:
+    """Count the sequence-parallel attention's calls in this process (``result.json``'s ``ulysses_calls``)."""
+    from transformers import AttentionInterface
+
+    from lightning_rlhf.engines.train import ulysses
+
+    def counted(*args, **kwargs):
+        ULYSSES_CALLS[0] += 1
+        return ulysses._attention(*args, **kwargs)
+
+    AttentionInterface.register(ulysses.ATTENTION_NAME, counted)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -224,6 +240,7 @@ def main() -> None:
     p.add_argument("--lora-rank", type=int, default=None, help="RLHFModule(lora={'r': R, 'lora_alpha': 2R})")
     p.add_argument("--activation-checkpointing", action="store_true", help="RLHFModule(activation_checkpointing=True)")
     p.add_argument("--memory-census", action="store_true", help="RLHFStrategy(memory_census=True)")
+    p.add_argument("--sequence-parallel", type=int, default=1, help="RLHFModule(sequence_parallel=N)")
     p.add_argument("--lora-handoff", default="adapter", choices=["merged", "adapter"], help="VLLMConfig.lora_handoff")
     args = p.parse_args()
     if args.signal_at or args.kill_during_save is not None:
@@ -233,6 +250,8 @@ def main() -> None:
     if args.fault == "handoff":
         lose_one_tensor_in_hand_offs()
 
+    if args.sequence_parallel > 1:
+        count_ulysses_calls()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     algo_kwargs = dict(
@@ -257,6 +276,7 @@ def main() -> None:
         actor_optim=OptimConfig(lr=1e-3, warmup_steps=2),
         lora={"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank} if args.lora_rank else None,
         activation_checkpointing=args.activation_checkpointing,
+        sequence_parallel=args.sequence_parallel,
     )
     if tools:
         common["environment"] = CalculatorEnvironment
@@ -374,6 +394,7 @@ def main() -> None:
         info = {
             "global_step": trainer.global_step,
             "param_checksum": float(first.detach().full_tensor().double().sum()),
+            "ulysses_calls": ULYSSES_CALLS[0],  # sequence-parallel attention calls on rank 0
             "checkpointed_blocks": {  # transformer blocks that recompute their forward in the backward, per role
                 name: sum(getattr(m, "gradient_checkpointing", False) is True for m in role.model.modules())
                 for name, role in module.roles().items()

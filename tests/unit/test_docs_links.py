@@ -116,7 +116,6 @@ def _package_has(pattern: str) -> bool:
 NOT_YET: dict[str, str] = {
     "gradient_checkpointing": r"gradient_checkpointing|checkpoint_wrapper|activation_checkpointing",
     "enable_gradient_checkpointing": r"gradient_checkpointing|checkpoint_wrapper|activation_checkpointing",
-    "ulysses_sequence_parallel_size": r"(?i)ulysses|sequence_parallel",
     "param_offload": r"param_offload|offload_param|OffloadPolicy",
 }
 
@@ -132,7 +131,7 @@ MIGRATION_KEYS: dict[str, str | None] = {
     "multi_turn": "agents.md",
     "enable_gradient_checkpointing": "performance.md",
     "param_offload": None,
-    "ulysses_sequence_parallel_size": None,
+    "ulysses_sequence_parallel_size": "performance.md",
 }
 
 

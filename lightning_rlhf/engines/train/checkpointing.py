@@ -3,16 +3,20 @@
 Each decoder layer keeps only its input in the forward and recomputes the rest in the backward: transformers' own
 ``gradient_checkpointing_enable`` with torch's non-reentrant checkpoint (the form that composes with FSDP2, as
 verl uses it). The shared-prefix forward runs its attention through a function the model points to only during the
-call (:mod:`~lightning_rlhf.engines.train.prefix`); a layer recomputed in the backward must see the same, so the
-checkpoint's ``context_fn`` restores it around each recompute (without it the gradients would be silently wrong).
+call (:mod:`~lightning_rlhf.engines.train.prefix`), and so does a sequence-parallel forward
+(:mod:`~lightning_rlhf.engines.train.ulysses`); a layer recomputed in the backward must see the same, so the
+checkpoint's ``context_fn`` restores both around each recompute (without it the gradients would be silently wrong).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
+from lightning_rlhf.engines.train import ulysses
 from lightning_rlhf.engines.train.prefix import recompute_context
 
 __all__ = ["enable_activation_checkpointing"]
@@ -33,8 +37,28 @@ def enable_activation_checkpointing(model: nn.Module, *, setting: str) -> None:
         )
     if getattr(target, "is_gradient_checkpointing", False):
         return
-    kwargs: dict[str, Any] = {"use_reentrant": False, "context_fn": recompute_context(target.config)}
+    kwargs: dict[str, Any] = {"use_reentrant": False, "context_fn": _context_fn(target.config)}
     target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _context_fn(config: Any) -> Any:
+    """The checkpoint's ``context_fn``: the shared-prefix layout and attention name (:func:`recompute_context`) and
+    the sequence-parallel state in force at each checkpointed call, restored around its recompute."""
+    prefix = recompute_context(config)
+
+    def context_fn() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        forward, recompute = prefix()
+        return forward, _both(recompute, ulysses.restored(ulysses.captured()))
+
+    return context_fn
+
+
+@contextlib.contextmanager
+def _both(
+    first: contextlib.AbstractContextManager[None], second: contextlib.AbstractContextManager[None]
+) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def _transformers_model(model: nn.Module) -> Any:

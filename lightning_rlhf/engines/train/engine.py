@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_rlhf.algorithms import MicroBatchAggregation, uses_global_token_count
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
-from lightning_rlhf.controller.dispatch import current_group
+from lightning_rlhf.controller.dispatch import current_group, current_sequence_group
 from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.train.fsdp import clip_grad_norm, move_optimizer_state, shard_model
 from lightning_rlhf.engines.train.microbatch import (
@@ -50,11 +50,19 @@ LossFn = Callable[[Batch, MicroBatchAggregation], tuple[Tensor, dict[str, Tensor
 
 def world() -> tuple[int, int]:
     """``(rank, world_size)`` of the data-parallel group: the role's pool while a role call runs, else all ranks
-    (``(0, 1)`` without torch.distributed). Runs on: any process."""
+    (``(0, 1)`` without torch.distributed); in a sequence-parallel call, each group of ranks that share the rows
+    counts once. Runs on: any process."""
     if dist.is_available() and dist.is_initialized():
         group = current_group()
-        return dist.get_rank(group), dist.get_world_size(group)
+        n = sequence_parallel_size()
+        return dist.get_rank(group) // n, dist.get_world_size(group) // n
     return 0, 1
+
+
+def sequence_parallel_size() -> int:
+    """The ranks that share each row of the role call running here (1: no sequence parallelism). Runs on: any."""
+    group = current_sequence_group()
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def global_token_count(mask: Tensor) -> Tensor:
@@ -63,6 +71,7 @@ def global_token_count(mask: Tensor) -> Tensor:
     if world()[1] > 1:
         count = count.to(_reduce_device())
         dist.all_reduce(count, group=current_group())
+        count = count / sequence_parallel_size()  # the ranks of a sequence-parallel group hold the same rows
     return count.to(mask.device)
 
 
@@ -186,6 +195,11 @@ class TrainEngine:
         self._offloaded = False
         self._attn_implementation: str | None = None
         self._checkpointing = False
+        self.sequence_parallel = 1
+        """Ranks that share each sequence in the model's forwards (:mod:`~lightning_rlhf.engines.train.ulysses`),
+        each holding ``1/N`` of the columns; 1: off. Set by ``RLHFModule(sequence_parallel=...)``."""
+        self.sequence_group: object | None = None
+        """This rank's sequence-parallel group (set by the strategy at set-up when ``sequence_parallel > 1``)."""
         self.fused_norms = fused_norms
         self.onednn_linears = onednn_linears
         self._layer = layer

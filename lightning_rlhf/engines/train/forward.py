@@ -8,14 +8,16 @@ prompt sees the positions it saw during generation.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from lightning_rlhf.algorithms.functional import CHUNK_ELEMENTS, TokenKernels, logprobs_and_entropy
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.controller.dispatch import current_sequence_group
 from lightning_rlhf.engines.train.prefix import packed_response_logits, shares_prompts
+from lightning_rlhf.engines.train.ulysses import SequenceShard, sharded
 
 __all__ = ["RESPONSE_INPUTS", "forward_response", "sequence_inputs"]
 
@@ -63,10 +65,17 @@ def forward_response(
             they do and the model is Llama-family, each prompt is computed once (``engines/train/prefix.py``).
         kernels: the token log-prob kernels to try (``train_engine.layer.token_kernels()``); None: PyTorch's ops.
 
+    In a sequence-parallel role call (``RLHFModule(sequence_parallel=N)``) each rank of the group computes its
+    ``1/N`` of the columns and the outputs are gathered (:mod:`~lightning_rlhf.engines.train.ulysses`); the
+    shared-prefix forward is then off.
+
     Raises:
         ValueError: ``batch["prompts"]`` has no column.
     """
     input_ids, attention_mask, position_ids = sequence_inputs(batch, next(model.parameters()).device)
+    group = current_sequence_group()
+    if group is not None and output == "values":
+        return _sharded_values(model, _shard(group, input_ids), batch, input_ids, attention_mask, position_ids)
     if output == "values":
         resp_len = batch["responses"].shape[1]
         logits = model(
@@ -79,16 +88,18 @@ def forward_response(
             "forward_response: batch['prompts'] has 0 columns, so no position predicts the first response token. "
             "HINT: every row needs at least one prompt token (e.g. BOS)."
         )
-    logits, labels, real = _response_logits(model, batch, group_size, input_ids, attention_mask, position_ids)
-    logprobs, entropy = logprobs_and_entropy(
-        logits,
-        labels,
+    token_kwargs = dict(
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
         chunk_elements=chunk_elements,
         kernels=kernels,
     )
+    if group is not None:
+        shard = _shard(group, input_ids)
+        return _sharded_logprobs(model, shard, batch, input_ids, attention_mask, position_ids, token_kwargs)
+    logits, labels, real = _response_logits(model, batch, group_size, input_ids, attention_mask, position_ids)
+    logprobs, entropy = logprobs_and_entropy(logits, labels, **token_kwargs)  # type: ignore[arg-type]
     out = {"logprobs": logprobs}
     if entropy is not None:
         out["entropy"] = entropy
@@ -133,3 +144,63 @@ def _response_logits(
             "positions. HINT: the causal LM must accept transformers' `logits_to_keep` as a tensor of positions."
         )
     return logits, labels, real
+
+
+def _shard(group: Any, input_ids: Tensor) -> SequenceShard:
+    """This rank's columns of ``input_ids``'s sequences in the sequence-parallel ``group``."""
+    import torch.distributed as dist
+
+    return SequenceShard(input_ids.shape[1], dist.get_world_size(group), dist.get_rank(group), group)
+
+
+def _sharded_values(
+    model: nn.Module,
+    shard: SequenceShard,
+    batch: Batch,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+) -> dict[str, Tensor]:
+    """:func:`forward_response`'s values with each sequence split over ``shard``'s group. Runs on: every rank of
+    the group together."""
+    first = input_ids.shape[1] - batch["responses"].shape[1] - 1
+    with sharded(model, shard, shard.pad(attention_mask)):
+        logits = model(input_ids=shard.local(input_ids), position_ids=shard.local(position_ids), use_cache=False).logits
+    values = shard.gather(logits[..., 0].float(), shard.start, shard.stop)
+    return {"values": values[:, first : first + batch["responses"].shape[1]]}
+
+
+def _sharded_logprobs(
+    model: nn.Module,
+    shard: SequenceShard,
+    batch: Batch,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    token_kwargs: dict[str, Any],
+) -> dict[str, Tensor]:
+    """:func:`forward_response`'s log-probs (and entropy) with each sequence split over ``shard``'s group: this
+    rank's logits only at the positions it holds that predict a response token (a rank that holds none computes one
+    and sends zeros: its backward must still run the collectives). Runs on: every rank of the group together."""
+    prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
+    first = prompt_len - 1  # position p predicts token p + 1
+    lo, hi = shard.kept(first, first + resp_len)
+    padded = shard.pad(input_ids)
+    if hi > lo:
+        keep = torch.arange(lo - shard.start, hi - shard.start, device=input_ids.device)
+        labels = padded[:, lo + 1 : hi + 1]
+    else:
+        keep = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+        labels = torch.zeros(len(input_ids), 1, dtype=input_ids.dtype, device=input_ids.device)
+    with sharded(model, shard, shard.pad(attention_mask)):
+        logits = model(
+            input_ids=shard.local(input_ids),
+            position_ids=shard.local(position_ids),
+            logits_to_keep=keep,
+            use_cache=False,
+        ).logits
+    logprobs, entropy = logprobs_and_entropy(logits, labels, **token_kwargs)  # type: ignore[arg-type]
+    out = {"logprobs": shard.gather(logprobs, lo, hi)[:, first : first + resp_len]}
+    if entropy is not None:
+        out["entropy"] = shard.gather(entropy, lo, hi)[:, first : first + resp_len]
+    return out

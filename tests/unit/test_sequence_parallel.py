@@ -1,0 +1,144 @@
+"""Sequence parallelism's arithmetic and errors, in one process: the column slices, the mask of the whole sequence,
+the dispatch of a sequence-parallel call (each group's ranks get the same rows; the first rank's result counts) and
+the settings refused before training. The forwards themselves run on 2 ranks:
+``tests/distributed/test_sequence_parallel_runs.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.controller.controller import _Plan
+from lightning_rlhf.controller.dispatch import (
+    Dispatch,
+    declares_sequence_parallel,
+    role_method,
+    sequence_parallel_of,
+    split_args,
+)
+from lightning_rlhf.engines.train.ulysses import SequenceShard, causal_suffices, check_model, check_size, full_mask
+from lightning_rlhf.module import _sequence_parallel_roles
+
+
+def test_columns_are_padded_to_the_group_and_sliced_contiguously() -> None:
+    shards = [SequenceShard(11, 3, rank) for rank in range(3)]
+    assert [(s.padded, s.width, s.start, s.stop) for s in shards] == [(12, 4, 0, 4), (12, 4, 4, 8), (12, 4, 8, 12)]
+    ids = torch.arange(22).reshape(2, 11)
+    parts = [s.local(ids) for s in shards]
+    assert torch.equal(torch.cat(parts, dim=1)[:, :11], ids) and torch.equal(parts[2][:, -1], torch.zeros(2).long())
+    # the positions predicting 5 response tokens after a 6-token prompt are 5..9: each rank keeps its own
+    assert [s.kept(5, 10) for s in shards] == [(5, 5), (5, 8), (8, 10)]
+
+
+def test_gather_in_a_group_of_one_places_the_kept_columns_and_scales_the_gradient() -> None:
+    torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        shard = SequenceShard(6, 1, 0, None)
+        local = torch.tensor([[1.0, 2.0]], requires_grad=True)
+        out = shard.gather(local, 2, 4)
+        assert torch.equal(out, torch.tensor([[0.0, 0.0, 1.0, 2.0, 0.0, 0.0]]))
+        out.sum().backward()
+        assert torch.equal(local.grad, torch.ones(1, 2))  # times the group size (1)
+        # a rank that keeps no column still sends zeros connected to its graph (its backward runs the collectives)
+        none = shard.gather(local, 3, 3)
+        assert torch.equal(none, torch.zeros(1, 6)) and none.requires_grad
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_whole_sequence_mask_is_causal_without_padding_keys_and_no_empty_row() -> None:
+    attention = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    mask = full_mask(attention)
+    assert mask.shape == (2, 1, 6, 6) and bool(mask.any(dim=-1).all())
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert torch.equal(mask[1, 0], causal)
+    # left padding attends to itself only; real positions never see padding; right padding sees the real tokens
+    assert torch.equal(mask[0, 0, 0], torch.tensor([True, False, False, False, False, False]))
+    assert torch.equal(mask[0, 0, 3], torch.tensor([False, False, True, True, False, False]))
+    assert torch.equal(mask[0, 0, 5], torch.tensor([False, False, True, True, True, False]))
+
+
+def test_sdpa_runs_causal_without_a_mask_only_when_no_row_is_left_padded() -> None:
+    assert causal_suffices(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))  # right padding only (and the pad to N)
+    assert not causal_suffices(torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))  # a left-padded prompt
+    assert not causal_suffices(torch.tensor([[1, 0, 1, 1]]))  # a hole
+
+
+class _Scorer:
+    name = "scorer"
+    sequence_parallel = 2
+
+    @role_method(Dispatch.DP_SPLIT, sequence_parallel=True)
+    def score(self, batch: Batch) -> Batch:
+        return batch
+
+    @role_method(Dispatch.DP_SPLIT)
+    def generate(self, batch: Batch) -> Batch:
+        return batch
+
+
+def test_a_sequence_parallel_call_gives_each_group_the_same_rows_and_keeps_its_first_result() -> None:
+    role = _Scorer()
+    assert sequence_parallel_of(role, "score") == 2 and sequence_parallel_of(role, "generate") == 1
+    assert declares_sequence_parallel(role) and not declares_sequence_parallel(SimpleNamespace())
+    batch = Batch({"x": torch.arange(8)})
+    parts = split_args(Dispatch.DP_SPLIT, (batch,), {}, 4, where="scorer.score", sequence_parallel=2)
+    rows = [part[0][0]["x"].tolist() for part in parts if part is not None]
+    assert rows == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
+    assert parts[0][0][0] is not parts[1][0][0]  # a batch of its own on each rank
+    results = [Batch({"y": torch.tensor([r, r])}) for r in range(4)]
+    merged = _Plan(Dispatch.DP_SPLIT, [0, 1, 2, 3], sequence_parallel=2).merge(results)
+    assert merged["y"].tolist() == [0, 0, 2, 2]
+    with pytest.raises(ValueError, match=r"6 rows cannot be split evenly over 4 ranks \(8 / sequence_parallel=2\)"):
+        split_args(Dispatch.DP_SPLIT, (Batch({"x": torch.arange(6)}),), {}, 8, where="s", sequence_parallel=2)
+
+
+def test_sequence_parallel_is_declared_on_dp_split_methods_only() -> None:
+    with pytest.raises(ValueError, match="DP_SPLIT"):
+        role_method(Dispatch.ONE_TO_ALL, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("value", [0, -2, True, 1.5, "2"])
+def test_a_size_that_is_not_an_integer_of_at_least_one_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match=r"RLHFModule\(sequence_parallel\)=.*integer >= 1"):
+        check_size(value, setting="RLHFModule(sequence_parallel)")
+    assert check_size(3, setting="x") == 3
+
+
+def _tiny(heads: int = 4, kv: int = 1, attention: str = "sdpa") -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        attn_implementation=attention,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def test_models_the_wrapper_cannot_split_are_refused_with_the_rule() -> None:
+    check_model(_tiny(kv=1), 2, setting="ActorRole")  # 1 key/value head: replicated to the group, accepted
+    check_model(_tiny(attention="eager"), 4, setting="ActorRole")
+    with pytest.raises(ValueError, match="sequence_parallel=3 must divide the model's num_attention_heads=4"):
+        check_model(_tiny(), 3, setting="ActorRole")
+    model = _tiny()
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match=r"attn_implementation in .*'flex_attention'"):
+        check_model(model, 2, setting="ActorRole")
+    with pytest.raises(ValueError, match="attention interface; Linear has none"):
+        check_model(torch.nn.Linear(2, 2), 2, setting="CriticRole")
+
+
+def test_the_size_must_divide_the_pool_of_every_role_it_applies_to() -> None:
+    roles = {"actor": _Scorer(), "reward": SimpleNamespace()}
+    module = SimpleNamespace(trainer=SimpleNamespace(world_size=4))
+    assert _sequence_parallel_roles(2, roles, {}, module) == {"actor": 2}  # the reward model's calls do not split
+    assert _sequence_parallel_roles(1, roles, {}, module) == {}
+    with pytest.raises(ValueError, match="role 'actor' runs on 3"):
+        _sequence_parallel_roles(2, roles, {"actor": [0, 1, 2]}, module)
