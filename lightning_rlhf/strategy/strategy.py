@@ -133,8 +133,7 @@ class RLHFStrategy(ModelParallelStrategy):
         rollout: rollout engine: ``"vllm"`` (colocated vLLM, tensor-parallel inside each node), ``"hf"``
             (transformers ``generate``), or ``"auto"``: vLLM when a supported version is installed, else hf.
         vllm: settings of the vLLM engine (a :class:`~lightning_rlhf.config.VLLMConfig` or a dict of its fields).
-        param_dtype: compute dtype of the sharded models (e.g. ``torch.bfloat16`` on GPUs); None keeps
-            float32. Gradients are reduced in float32 either way.
+        param_dtype: compute dtype of the sharded models (e.g. ``torch.bfloat16``); None: float32 (gradients: float32).
         reshard_in_update: True (FSDP2's default, ZeRO-3): every forward and backward of an update gathers each
             layer's parameters and frees them after; every micro-batch's backward reduce-scatters its gradients.
             False: an update (and a scoring call, for all its micro-batches) gathers each layer once and keeps the
@@ -162,10 +161,8 @@ class RLHFStrategy(ModelParallelStrategy):
             (PyTorch's own ops: the same results up to float rounding); True forces it on.
         engine_factory: what builds the rollout engines the roles ask for (it also checks their settings first);
             None: a :class:`~lightning_rlhf.engines.rollout.RolloutEngineFactory` of ``rollout`` and ``vllm``.
-        memory_census: every rank reports, with each reply, the bytes of each role's parameters, gradients and
-            optimizer state it holds (``perf/memory_held_gb/<role>/<part>``; docs/metrics.md): about a microsecond
-            a tensor, so off unless asked. Each role call's peak (``perf/memory_peak_gb/<role>.<method>``) is
-            always reported.
+        memory_census: each rank reports the bytes of each role's parameters, gradients and optimizer state
+            (``perf/memory_held_gb/<role>/<part>``, docs/metrics.md; a microsecond a tensor, so off unless asked).
     """
 
     def __init__(
@@ -512,10 +509,8 @@ class RLHFStrategy(ModelParallelStrategy):
         super().teardown()
 
     def take_memory(self) -> tuple[dict[int, dict[str, float]], dict[str, dict[int, dict[str, float]]]]:
-        """Each rank's memory peaks (:func:`lightning_rlhf.perf.memory_peaks`, GiB, with its
-        :func:`~lightning_rlhf.perf.memory_census` when ``memory_census=True``) as of its latest reply, and each role
-        call's memory on each rank since the last take (:func:`~lightning_rlhf.perf.memory_window`); empty before the
-        first role call. Runs on: controller (other ranks: empty)."""
+        """Each rank's :func:`~lightning_rlhf.perf.memory_peaks` (and census) at its latest reply, and each role
+        call's :func:`~lightning_rlhf.perf.memory_window` per rank since the last take. Runs on: controller."""
         if self._controller is None:
             return {}, {}
         calls, self._controller.call_memory = self._controller.call_memory, {}
