@@ -5,7 +5,6 @@ roles on a number of devices, from the cost model (:mod:`.cost_model`), calibrat
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,10 @@ from lightning_rlhf.placement.cost_model import (
     HARDWARE,
     MODELS,
     Call,
+    Hardware,
     InfeasiblePlacementError,
     ModelShape,
+    Plan,
     Workload,
     core_share,
     dataflow_for,
@@ -63,8 +64,54 @@ def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[
     return dataflow_for(roles), shape_of(str(module["actor"]), override=model_shape), workload
 
 
-def _parser() -> argparse.ArgumentParser:
-    """The ``plan`` command's arguments."""
+def _hardware(device_type: str, devices: int, shape: ModelShape, workload: Workload) -> Hardware:
+    """The datasheet's device, or this machine calibrated for ``devices`` CPU processes."""
+    if device_type != "cpu":
+        return hardware_for(device_type)
+    import torch
+
+    from lightning_rlhf.perf import threads_per_process
+    from lightning_rlhf.placement.auto import rank_memory_bytes
+
+    threads = threads_per_process(devices)  # what Lightning gives each process of the run
+    torch.set_num_threads(threads)
+    memory = rank_memory_bytes(torch.device("cpu"), devices)
+    hardware = calibrated_cpu_hardware(shape, workload, processes=devices, memory=memory, threads=threads)
+    cores = hardware.cores
+    share = core_share(cores=cores, processes=devices, threads=threads)
+    print(
+        f"cpu: {cores:g} cores for {devices} processes of {threads} thread(s): each gets {share:.2f} of its "
+        "compute while every process is busy"
+    )
+    return hardware
+
+
+def _print_turned_on(best: Plan, workload: Workload) -> None:
+    """Say which memory setting the planner turned on to fit, if any."""
+    chosen = [
+        f"{setting}={value}"
+        for setting, value, asked in (
+            ("activation_checkpointing", best.activation_checkpointing, workload.activation_checkpointing),
+            ("sequence_parallel", best.sequence_parallel, workload.sequence_parallel),
+        )
+        if value != asked
+    ]
+    if chosen:
+        print(f"  fits only with RLHFModule({', '.join(chosen)}) (the planner turned it on)")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """``lightning-rlhf plan --config RECIPE --devices N --device-type TYPE [--model-shape S] [--rollout E]
+    [--activation-checkpointing] [--sequence-parallel N] [--fixed-memory-settings]``: print the fastest placement
+    of the recipe's roles, the predicted time of each stage and, as the last line, one JSON object (``placement``,
+    ``parallel``, ``activation_checkpointing``, ``sequence_parallel``, ``predicted_step_s``, ...). Returns it.
+
+    Runs on: one process; loads no model. ``--device-type`` takes any case (``H100``); ``cpu`` calibrates on this
+    machine (:func:`.calibration.calibrated_cpu_hardware`).
+    """
+    import argparse
+    import json
+
     parser = argparse.ArgumentParser(
         prog="lightning-rlhf plan", description="the fastest placement of a recipe's roles on a number of devices"
     )
@@ -91,21 +138,6 @@ def _parser() -> argparse.ArgumentParser:
         help="the rollout engine: vllm (an actor on part of the devices pays its engine servers' hand-off copies "
         "and memory) or hf",
     )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """``lightning-rlhf plan --config RECIPE --devices N --device-type TYPE [--model-shape S] [--rollout E]
-    [--activation-checkpointing] [--sequence-parallel N] [--fixed-memory-settings]``: print the fastest placement
-    of the recipe's roles, the predicted time of each stage and, as the last line, one JSON object (``placement``,
-    ``parallel``, ``activation_checkpointing``, ``sequence_parallel``, ``predicted_step_s``, ...). Returns it.
-
-    Runs on: one process; loads no model. ``--device-type`` takes any case (``H100``); ``cpu`` calibrates on this
-    machine (:func:`.calibration.calibrated_cpu_hardware`).
-    """
-    import json
-
-    parser = _parser()
     args = parser.parse_args(argv)
     if args.devices < 1:
         parser.error(f"--devices {args.devices}: expected at least 1")
@@ -118,24 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sequence_parallel=args.sequence_parallel or workload.sequence_parallel,
         activation_dtype_bytes=4 if args.device_type == "cpu" else 2,  # CPU runs train in float32
     )
-    if args.device_type == "cpu":
-        import torch
-
-        from lightning_rlhf.perf import threads_per_process
-        from lightning_rlhf.placement.auto import rank_memory_bytes
-
-        threads = threads_per_process(args.devices)  # what Lightning gives each process of the run
-        torch.set_num_threads(threads)
-        memory = rank_memory_bytes(torch.device("cpu"), args.devices)
-        hardware = calibrated_cpu_hardware(shape, workload, processes=args.devices, memory=memory, threads=threads)
-        cores = hardware.cores
-        share = core_share(cores=cores, processes=args.devices, threads=threads)
-        print(
-            f"cpu: {cores:g} cores for {args.devices} processes of {threads} thread(s): each gets {share:.2f} of its "
-            "compute while every process is busy"
-        )
-    else:
-        hardware = hardware_for(args.device_type)
+    hardware = _hardware(args.device_type, args.devices, shape, workload)
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     # CPU processes are split one by one, as placement="auto" does: the machine is one "node" of all of them, and
     # whole-node pools would leave colocation as the only choice.
@@ -153,16 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  pool {i}: {n} devices, {', '.join(group)} (peak {best.memory[i] / GB:.2f} GB per device)")
     for stage, seconds in zip(flow, best.stage_s, strict=True):
         print(f"  stage {' + '.join(f'{role}.{kind}' for role, kind in stage)}: {seconds:.3f} s")
-    chosen = [
-        f"{setting}={value}"
-        for setting, value, asked in (
-            ("activation_checkpointing", best.activation_checkpointing, workload.activation_checkpointing),
-            ("sequence_parallel", best.sequence_parallel, workload.sequence_parallel),
-        )
-        if value != asked
-    ]
-    if chosen:
-        print(f"  fits only with RLHFModule({', '.join(chosen)}) (the planner turned it on)")
+    _print_turned_on(best, workload)
     out = best.to_json() | {"devices": args.devices, "device_type": hardware.name}
     print(f"  predicted step: {best.step_s:.3f} s (rollout TP {best.rollout_tp})")
     print(json.dumps(out))
