@@ -637,7 +637,10 @@ def plan(
             return _fastest(model, hardware, devices, wl, flow, tp_sizes, unit, engine_servers)
         except InfeasiblePlacementError as err:
             error = err
-    raise error
+    if len(tried) == 1:
+        raise error
+    settings = ", ".join(f"checkpointing={w.activation_checkpointing} sp={w.sequence_parallel}" for w in tried)
+    raise InfeasiblePlacementError(f"{error} Tried each of: {settings}.")
 
 
 def _fastest(
