@@ -408,15 +408,15 @@ def _micro_batches(wl: Workload, n: int) -> int:
 def activation_bytes(model: ModelShape, wl: Workload) -> float:
     """Peak bytes of a training micro-batch's activations on one rank: ``wl.micro_tokens`` tokens or one sequence,
     whichever is longer (/ the sequence parallel size), each keeping the decoder's saved activations
-    (:meth:`ModelShape.saved_activations`), the backward's blocks in flight (one block's worth; two checkpointed:
-    the recomputed block and its gradients), ``2 x vocab`` elements for the logits and their gradient and, with
-    sequence parallelism, the all-to-all's send and receive buffers of one attention (``2 x (2 h + 2 kv)``). The
-    in-flight term is fitted to the peaks docs/sizing.md measured. Runs on: any process."""
+    (:meth:`ModelShape.saved_activations`), plus the larger of the logits with their gradient (``2 x vocab``
+    elements, at the start of the backward) and one block's worth in flight later (its gradients, or checkpointed
+    its recomputed activations) and, with sequence parallelism, the all-to-all's send and receive buffers of one
+    attention (``2 x (2 h + 2 kv)``). Tensors' bytes, as docs/sizing.md measured them; the allocator's own
+    overhead is ``Hardware.usable_memory``'s share. Runs on: any process."""
     kv = model.kv_heads * model.dim
     exchange = 2 * (2 * model.hidden + 2 * kv) if wl.sequence_parallel > 1 else 0
     saved = model.saved_activations(checkpointing=wl.activation_checkpointing)
-    in_flight = (2 if wl.activation_checkpointing else 1) * model.block_activations()
-    per_token = saved + in_flight + 2 * model.vocab + exchange
+    per_token = saved + max(2 * model.vocab, model.block_activations()) + exchange
     tokens = max(wl.micro_tokens, wl.prompt_len + wl.response_len)  # a sequence is never split across micro-batches
     return tokens / wl.sequence_parallel * per_token * wl.activation_dtype_bytes
 

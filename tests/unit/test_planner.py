@@ -518,17 +518,18 @@ def test_engine_servers_cost_their_copies_requests_and_memory() -> None:
 
 
 def test_the_plan_command_names_the_rollout_engine(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--rollout hf`` plans without engine servers. 70B PPO on 64 H100s (it fits with activation checkpointing and
-    sequence parallelism of 2, which the planner picks): vLLM's engine servers keep the engine's weights beside
-    training's activations on the actor's pool and add their copies, so the vLLM plan predicts a longer step."""
+    """``--rollout hf`` plans without engine servers. 70B PPO on 64 H100s (it fits with activation checkpointing,
+    which the planner turns on): the transformers engine splits the critic off; vLLM's engine servers would keep the
+    engine's weights beside training's activations on the actor's pool, which then no longer fits, so the vLLM plan
+    colocates and predicts a longer step."""
     args = ["plan", "--config", str(ROOT / "recipes" / "ppo.yaml"), "--devices", "64", "--device-type", "h100"]
     args += ["--model-shape", "70b"]
     steps = {}
     for engine in ("vllm", "hf"):
         cli_main([*args, "--rollout", engine])
         steps[engine] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for plan_ in steps.values():
-        assert plan_["activation_checkpointing"] and plan_["sequence_parallel"] == 2
+    assert all(plan_["activation_checkpointing"] for plan_ in steps.values())
+    assert len(steps["vllm"]["placement"]["actor"]) == 64 and len(steps["hf"]["placement"]["actor"]) < 64
     assert steps["vllm"]["predicted_step_s"] > steps["hf"]["predicted_step_s"]
 
 
@@ -608,7 +609,10 @@ def test_saved_activations_are_what_torch_keeps(
 def test_checkpointing_and_sequence_parallelism_shrink_the_activations_and_cost_their_time() -> None:
     wl = Workload(prompts=8, n=1, prompt_len=16, response_len=4096, micro_tokens=1024)
     plain = activation_bytes(SHAPE, wl)
-    assert plain == 4112 * 2 * (SHAPE.saved_activations(checkpointing=False) + SHAPE.block_activations() + 200)
+    block = SHAPE.block_activations()  # 8 x 64 + 2 x 32 + 4 x 128 = 1,088, more than the logits' 2 x 100
+    assert plain == 4112 * 2 * (SHAPE.saved_activations(checkpointing=False) + block)
+    bigger_vocab = dataclasses.replace(SHAPE, vocab=5000)
+    assert activation_bytes(bigger_vocab, wl) == 4112 * 2 * (SHAPE.saved_activations(checkpointing=False) + 10000)
     checkpointed = activation_bytes(SHAPE, dataclasses.replace(wl, activation_checkpointing=True))
     assert checkpointed < plain
     split = dataclasses.replace(wl, activation_checkpointing=True, sequence_parallel=2)
@@ -628,10 +632,10 @@ def test_checkpointing_and_sequence_parallelism_shrink_the_activations_and_cost_
 
 
 def test_the_planner_turns_on_checkpointing_then_sequence_parallelism_to_fit() -> None:
-    """A 7B actor on 4 x 80 GB with 64k-token responses fits with neither setting on, checkpointing alone is not
+    """A 7B actor on 4 x 80 GB with 96k-token responses fits with neither setting on, checkpointing alone is not
     enough, and sequence parallelism of 2 on top fits; without the levers the plan is refused."""
     kw = {"model": MODELS["7b"], "hardware": "a100", "devices": 4, "algorithm": "grpo"}
-    long = Workload(prompts=8, n=8, prompt_len=512, response_len=65536, micro_tokens=4096)
+    long = Workload(prompts=8, n=8, prompt_len=512, response_len=98304, micro_tokens=4096)
     with pytest.raises(InfeasiblePlacementError, match="needs"):
         plan(workload=long, memory_levers=False, **kw)
     with pytest.raises(InfeasiblePlacementError, match="needs"):
@@ -660,7 +664,7 @@ def test_auto_placement_names_the_memory_setting_it_needed() -> None:
     from lightning_rlhf.placement.auto import _check_memory_settings
 
     fitted = plan(model=MODELS["7b"], hardware="a100", devices=4, algorithm="grpo",
-                  workload=Workload(prompts=8, n=8, prompt_len=512, response_len=65536, micro_tokens=4096))  # fmt: skip
+                  workload=Workload(prompts=8, n=8, prompt_len=512, response_len=98304, micro_tokens=4096))  # fmt: skip
     with pytest.raises(InfeasiblePlacementError, match=r"only with RLHFModule\(activation_checkpointing=True, "):
         _check_memory_settings(fitted, Workload(), world_size=4)
     _check_memory_settings(fitted, Workload(activation_checkpointing=True, sequence_parallel=2), world_size=4)
