@@ -2,6 +2,7 @@
 
     python benchmarks/bench_lengths.py                                  # 1k .. 16k, off and on, 3 repeats
     python benchmarks/bench_lengths.py --lengths 1024 4096 --repeats 2 --budget-gb 6
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/bench_lengths.py    # the peak of live tensors (see below)
 
 Model: the vs-TRL benchmark's ``small`` shape (benchmarks/vs_trl/workload.py: Qwen2, hidden 256, 4 layers, 4/2 heads,
 head_dim 64, MLP 704, vocabulary 4,096, tied embeddings; 4,002,048 parameters), float32, built locally with random
@@ -13,7 +14,9 @@ Each measurement is a child process of its own that loads the actor, runs a warm
 (kernel set-up and AdamW's moments), then ``--updates`` measured updates, and exits; the parent reads the child's peak
 resident memory from outside (``os.wait4``'s ``ru_maxrss``) and subtracts the peak of a child that does the same but
 the measured updates (the baseline: the loaded model, its gradients and optimizer state). One measured update of
-one row is one forward/backward: more of them make glibc's heap keep freed blocks, which the peak would count. Off
+one row is one forward/backward: more of them make glibc's heap keep freed blocks, which the peak would count (it
+keeps blocks under 32 MB freed within one update too; a fixed ``MALLOC_MMAP_THRESHOLD_`` gives every large tensor
+a mapping of its own, returned when freed, so that the peak is the live tensors'). Off
 and on alternate child by child (a busy moment of this shared machine hits both alike); the time is the median over
 ``--repeats`` children of each child's last update, in the process's CPU time (time other jobs take on a shared
 machine is not counted; with one thread it is the update's compute) and in wall time. A point whose prediction
