@@ -47,7 +47,11 @@ def main() -> None:
                 for tp in (1, 2, 4, 8):
                     try:
                         roles = [sorted({r for g in best.groups for r in g})]
-                        kw = {"model": shape, "hardware": hw, "workload": wl, "algorithm": algorithm}
+                        same = dataclasses.replace(  # the memory settings the plan needed
+                            wl, activation_checkpointing=best.activation_checkpointing,
+                            sequence_parallel=best.sequence_parallel,
+                        )  # fmt: skip
+                        kw = {"model": shape, "hardware": hw, "workload": same, "algorithm": algorithm}
                         together.append(predict(roles, [devices], tp, **kw).step_s)
                     except InfeasiblePlacementError:
                         pass

@@ -97,6 +97,9 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
         n=rollout.n,
         prompt_len=int(getattr(datamodule, "max_prompt_length", None) or 512),
         response_len=rollout.max_new_tokens,
+        activation_checkpointing=bool(getattr(module, "activation_checkpointing", False)),
+        sequence_parallel=int(getattr(module, "sequence_parallel", 1) or 1),
+        activation_dtype_bytes=2 if torch.cuda.is_available() else 4,  # CPU runs train in float32
     )
     shape = cost_model.shape_of(path)
     best = cost_model.plan(
@@ -110,6 +113,7 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
         # vLLM on part of the ranks runs engine servers: their hand-off copies and memory are part of the cost.
         engine_servers=getattr(module.trainer.strategy, "rollout", None) == "vllm",
     )
+    _check_memory_settings(best, workload, world_size)
     # The actor's pool first, so that it starts at rank 0, beside the controller (exports, sample logs).
     pools = sorted(zip(best.groups, best.devices, best.memory, strict=True), key=lambda pool: "actor" not in pool[0])
     groups, devices, memory = zip(*pools, strict=True)
@@ -122,3 +126,18 @@ def auto_placement(module: RLHFModule, *, world_size: int) -> dict[str, list[int
         flush=True,
     )
     return chosen
+
+
+def _check_memory_settings(best: cost_model.Plan, workload: cost_model.Workload, world_size: int) -> None:
+    """Raise when the planner fitted the roles only by turning on a memory setting the module has off: every rank
+    reads the module's settings, so rank 0's planner cannot change them for the run."""
+    needed = {
+        "activation_checkpointing": (best.activation_checkpointing, workload.activation_checkpointing),
+        "sequence_parallel": (best.sequence_parallel, workload.sequence_parallel),
+    }
+    missing = [f"{name}={value!r}" for name, (value, asked) in needed.items() if value != asked]
+    if missing:
+        raise cost_model.InfeasiblePlacementError(
+            f"RLHFStrategy(placement='auto'): the roles fit on {world_size} ranks only with "
+            f"RLHFModule({', '.join(missing)}). HINT: set {' and '.join(missing)} on the module, or use more ranks."
+        )

@@ -157,9 +157,9 @@ def calibrate_for_shape(hw: Hardware, model: ModelShape, wl: Workload, repeats: 
     config = Qwen2Config(
         vocab_size=shape.vocab, hidden_size=model.hidden, intermediate_size=model.intermediate,
         num_hidden_layers=layers, num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
-        max_position_embeddings=wl.prompt_len + wl.response_len + 1, tie_word_embeddings=False,
+        max_position_embeddings=wl.prompt_len + wl.response_len + 1, tie_word_embeddings=model.tied,
     )  # fmt: skip
-    config.head_dim = model.hidden // model.heads
+    config.head_dim = model.dim
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     net = Qwen2ForCausalLM(config)

@@ -28,6 +28,7 @@ __all__ = [
     "ModelShape",
     "Plan",
     "Workload",
+    "activation_bytes",
     "attention_flops",
     "core_share",
     "cpu_hardware",
@@ -185,32 +186,57 @@ class ModelShape:
     heads: int
     kv_heads: int
     vocab: int
+    tied: bool = False
+    """The output head is the input embedding (``tie_word_embeddings``): one vocab x hidden matrix, not two."""
+    head_dim: int | None = None
+    """Width of one attention head (None: ``hidden // heads``; Qwen3 and Gemma set their own)."""
+    qkv_bias: bool = False
+    """The q, k and v projections have biases (Qwen2)."""
+
+    @property
+    def dim(self) -> int:
+        """Width of one attention head. Runs on: any process."""
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def params(self) -> float:
-        """Parameter count (untied embedding and head). Runs on: any process."""
-        head_dim = self.hidden // self.heads
-        attn = self.hidden * head_dim * (2 * self.heads + 2 * self.kv_heads)
+        """Parameter count (the embedding once when tied). Runs on: any process."""
+        q, kv = self.heads * self.dim, self.kv_heads * self.dim
+        attn = self.hidden * (2 * q + 2 * kv) + ((q + 2 * kv) if self.qkv_bias else 0)
         mlp = 3 * self.hidden * self.intermediate
-        return self.layers * (attn + mlp + 2 * self.hidden) + 2 * self.vocab * self.hidden + self.hidden
+        embeddings = (1 if self.tied else 2) * self.vocab * self.hidden
+        return self.layers * (attn + mlp + 2 * self.hidden) + embeddings + self.hidden
 
     @property
     def matmul_params(self) -> float:
-        """Parameters that take part in a token's matmuls: all but the input embedding, which is a lookup (the
-        FLOP counts use it; memory and communication use :attr:`params`). Runs on: any process."""
-        return self.params - self.vocab * self.hidden
+        """Parameters that take part in a token's matmuls: all but an untied input embedding, which is a lookup (a
+        tied one is also the head's matmul; the FLOP counts use this, memory and communication :attr:`params`).
+        Runs on: any process."""
+        return self.params - (0 if self.tied else self.vocab * self.hidden)
 
     def lora_params(self, rank: int) -> float:
         """Parameters of rank-``rank`` LoRA adapters on every linear layer of the decoder (``r * (in + out)`` per
         projection: q, k, v, o, gate, up, down). Runs on: any process."""
-        head_dim = self.hidden // self.heads
-        q, kv = self.heads * head_dim, self.kv_heads * head_dim
+        q, kv = self.heads * self.dim, self.kv_heads * self.dim
         sides = (self.hidden + q) * 2 + (self.hidden + kv) * 2 + 3 * (self.hidden + self.intermediate)
         return float(rank * self.layers * sides)
 
+    def block_activations(self) -> int:
+        """Elements one token keeps for the backward of one decoder block: ``8 h + 2 kv + 4 I`` (``kv``: the key
+        and value width), counted from what torch saves in a Llama-family block with sdpa attention. Runs on: any
+        process."""
+        return 8 * self.hidden + 2 * self.kv_heads * self.dim + 4 * self.intermediate
+
+    def saved_activations(self, *, checkpointing: bool) -> int:
+        """Elements one token keeps for the backward of the decoder (the head's logits aside): every block's
+        (:meth:`block_activations`) or, checkpointed, one hidden vector per block; ``2 h`` for the final norm. Runs
+        on: any process."""
+        per_block = self.hidden if checkpointing else self.block_activations()
+        return self.layers * per_block + 2 * self.hidden
+
     def kv_bytes_per_token(self) -> float:
         """Bytes of keys and values (bfloat16) one token keeps in the KV cache. Runs on: any process."""
-        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * 2
+        return 2 * self.layers * self.kv_heads * self.dim * 2
 
 
 MODELS: dict[str, ModelShape] = {
@@ -235,6 +261,14 @@ class Workload:
     lora_rank: int = 0
     """LoRA adapters of this rank on every linear layer of the trained roles (``RLHFModule(lora=...)``); 0: full
     fine-tuning."""
+    activation_checkpointing: bool = False
+    """The trained roles keep one hidden vector per block and token, recomputing a block's activations in the
+    backward (``RLHFModule(activation_checkpointing=True)``): less memory, one more forward."""
+    sequence_parallel: int = 1
+    """Ranks that split each sequence (Ulysses; ``RLHFModule(sequence_parallel=N)``): activations per rank / N, plus
+    the all-to-all exchanges of every attention."""
+    activation_dtype_bytes: int = 2
+    """Bytes of one activation element: 2 (bfloat16, GPUs), 4 (float32, CPU runs)."""
 
     @property
     def sequences(self) -> int:
@@ -294,6 +328,10 @@ class Plan:
     """Predicted seconds of each stage of the dataflow."""
     memory: tuple[float, ...]
     """Predicted peak bytes per device of each pool."""
+    activation_checkpointing: bool = False
+    """The trained roles checkpoint their blocks (the workload's setting, or the planner's choice to fit)."""
+    sequence_parallel: int = 1
+    """Ranks per sequence (the workload's setting, or the planner's choice to fit)."""
 
     @property
     def step_s(self) -> float:
@@ -315,6 +353,8 @@ class Plan:
         return {
             "placement": placement,
             "parallel": parallel,
+            "activation_checkpointing": self.activation_checkpointing,
+            "sequence_parallel": self.sequence_parallel,
             "predicted_step_s": round(self.step_s, 4),
             "stage_s": [round(s, 4) for s in self.stage_s],
         }
@@ -357,22 +397,41 @@ def device_splits(total: int, parts: int, unit: int, max_choices: int = 16) -> I
 def attention_flops(model: ModelShape, wl: Workload) -> float:
     """Forward FLOPs of causal attention's two matmuls over one step's sequences. Runs on: any process."""
     length = wl.prompt_len + wl.response_len
-    return 2.0 * model.layers * model.hidden * length * length * wl.sequences
+    return 2.0 * model.layers * model.heads * model.dim * length * length * wl.sequences
 
 
 def _micro_batches(wl: Workload, n: int) -> int:
     """Training micro-batches per device and step."""
-    return math.ceil(wl.tokens / (n * wl.micro_tokens))
+    return math.ceil(wl.tokens * wl.sequence_parallel / (n * wl.micro_tokens))
+
+
+def activation_bytes(model: ModelShape, wl: Workload) -> float:
+    """Peak bytes of a training micro-batch's activations on one rank: ``wl.micro_tokens`` tokens or one sequence,
+    whichever is longer (/ the sequence parallel size), each keeping the decoder's saved activations
+    (:meth:`ModelShape.saved_activations`), plus the larger of the logits with their gradient (``2 x vocab``
+    elements, at the start of the backward) and one block's worth in flight later (its gradients, or checkpointed
+    its recomputed activations) and, with sequence parallelism, the all-to-all's send and receive buffers of one
+    attention (``2 x (2 h + 2 kv)``). Tensors' bytes, as docs/sizing.md measured them; the allocator's own
+    overhead is ``Hardware.usable_memory``'s share. Runs on: any process."""
+    kv = model.kv_heads * model.dim
+    exchange = 2 * (2 * model.hidden + 2 * kv) if wl.sequence_parallel > 1 else 0
+    saved = model.saved_activations(checkpointing=wl.activation_checkpointing)
+    per_token = saved + max(2 * model.vocab, model.block_activations()) + exchange
+    tokens = max(wl.micro_tokens, wl.prompt_len + wl.response_len)  # a sequence is never split across micro-batches
+    return tokens / wl.sequence_parallel * per_token * wl.activation_dtype_bytes
 
 
 def train_seconds(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
     """Seconds of one step's training call of ``model`` over ``n`` devices: compute or FSDP's transfers, whichever
-    is longer, plus the host time per micro-batch and layer. Runs on: any process."""
+    is longer, plus the host time per micro-batch and layer and the sequence-parallel all-to-alls. Runs on: any
+    process."""
     # LoRA: the frozen base gets no weight gradients (the backward's weight products, a third of the FLOPs) and
-    # FSDP2 reduce-scatters none of its gradients (2 of the 3 weight transfers are the gathers).
-    weight_passes = 4.0 if wl.lora_rank else 6.0
-    flops = weight_passes * model.matmul_params * wl.tokens + 3 * attention_flops(model, wl)
-    compute = flops / (n * hw.flops * hw.train_eff)
+    # FSDP2 reduce-scatters none of its gradients (2 of the 3 weight transfers are the gathers). Activation
+    # checkpointing runs every block's forward a second time in the backward.
+    weight_passes = (4.0 if wl.lora_rank else 6.0) + (2.0 if wl.activation_checkpointing else 0.0)
+    attention_passes = 4 if wl.activation_checkpointing else 3
+    flops = weight_passes * model.matmul_params * wl.tokens + attention_passes * attention_flops(model, wl)
+    compute = flops / (n * hw.flops * hw.train_eff) + _all_to_all_seconds(model, wl, hw, n, attention_passes - 1)
     transfers = 2 if wl.lora_rank else 3
     comm = 0.0 if n == 1 else transfers * 2.0 * model.params * (n - 1) / n / hw.bandwidth(n)
     comm += 0.0 if n == 1 else transfers * model.layers * hw.latency_s
@@ -380,11 +439,23 @@ def train_seconds(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> floa
     return max(compute, comm) + host
 
 
+def _all_to_all_seconds(model: ModelShape, wl: Workload, hw: Hardware, n: int, passes: int) -> float:
+    """Seconds of the sequence-parallel all-to-alls of ``passes`` passes over one step's tokens on ``n`` devices:
+    each attention sends q, k, v and gets its output back, ``(N - 1) / N`` of them leaving each rank."""
+    sp = wl.sequence_parallel
+    if sp == 1:
+        return 0.0
+    kv = model.kv_heads * model.dim
+    per_token = (2 * model.hidden + 2 * kv) * wl.activation_dtype_bytes * (sp - 1) / sp
+    exchanges = passes * model.layers * 2 * _micro_batches(wl, n)
+    return passes * model.layers * per_token * wl.tokens / n / hw.bandwidth(sp) + exchanges * hw.latency_s
+
+
 def forward_seconds(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
     """Seconds of one step's scoring forward of ``model`` over ``n`` devices (log-probs, values). Runs on: any
     process."""
     flops = 2.0 * model.matmul_params * wl.tokens + attention_flops(model, wl)
-    compute = flops / (n * hw.flops * hw.forward_eff)
+    compute = flops / (n * hw.flops * hw.forward_eff) + _all_to_all_seconds(model, wl, hw, n, 1)
     comm = 0.0 if n == 1 else 2.0 * model.params * (n - 1) / n / hw.bandwidth(n) + model.layers * hw.latency_s
     host = _micro_batches(wl, n) * model.layers * hw.layer_micro_s / 3
     return max(compute, comm) + host
@@ -434,7 +505,7 @@ def _pool_memory(
     engine lives in its own process and keeps its weights while training runs)."""
     states = sum(_state_bytes(role, roles, model, wl) / n for role in roles)
     training = any(role in TRAINABLE for role in roles)
-    activations = wl.micro_tokens * model.hidden * (2.0 * model.layers + 34.0) if training else 0.0
+    activations = activation_bytes(model, wl) if training else 0.0
     engine = 2.0 * model.params / tp if "actor" in roles else 0.0
     # A colocated engine's weights and training's activations take turns; an engine server's stay.
     fixed = states + (activations + engine if server else max(activations, engine))
@@ -478,6 +549,13 @@ def predict(
             f"rollout_tp={rollout_tp} does not divide the actor's pool of {devices[actor_pool]} devices. HINT: pick "
             "a TP size that divides it."
         )
+    sp = workload.sequence_parallel
+    for group, n in zip(groups, devices, strict=True):
+        if sp > 1 and (n % sp or model.heads % sp) and any(role in TRAINABLE for role in group):
+            raise InfeasiblePlacementError(
+                f"sequence_parallel={sp} on pool {list(group)} of {n} devices: it must divide the pool's devices and "
+                f"the model's {model.heads} attention heads. HINT: a size that divides both."
+            )
     served = engine_servers and devices[actor_pool] < sum(devices)
     memory, free = [], []
     budget = hardware.memory * hardware.usable_memory
@@ -509,7 +587,10 @@ def predict(
             t += hardware.call_s + (hardware.train_call_s if kind == "train" else 0.0)
             per_pool[i] = per_pool.get(i, 0.0) + t / share  # calls on one pool run one after another
         stage_s.append(max(per_pool.values()))  # pools run their calls at the same time
-    return Plan(tuple(tuple(g) for g in groups), tuple(devices), rollout_tp, tuple(stage_s), tuple(memory))
+    return Plan(
+        tuple(tuple(g) for g in groups), tuple(devices), rollout_tp, tuple(stage_s), tuple(memory),
+        workload.activation_checkpointing, sp,
+    )  # fmt: skip
 
 
 def plan(
@@ -522,22 +603,58 @@ def plan(
     tp_sizes: Sequence[int] = (1, 2, 4, 8),
     unit: int | None = None,
     engine_servers: bool = False,
+    memory_levers: bool = True,
 ) -> Plan:
     """The fastest placement that fits: every colocation choice x device split x rollout TP size.
 
     Runs on: any process (the controller, before any model loads). Ties go to fewer pools, then to the order of
-    enumeration. Raises :class:`InfeasiblePlacementError` when nothing fits, naming the last candidate's shortfall.
-    ``unit``: devices per pool step (None: a whole node once there is more than one; 1 splits single processes, as
-    ``RLHFStrategy(placement="auto")`` does for CPU processes). ``hardware``, ``engine_servers``: see :func:`predict`.
+    enumeration. ``memory_levers``: when nothing fits with the workload's own settings, try activation
+    checkpointing, then sequence parallelism of 2, 4, 8 (with checkpointing), and return the first that fits (the
+    plan says which). Raises :class:`InfeasiblePlacementError` when nothing fits, naming the last candidate's
+    shortfall. ``unit``: devices per pool step (None: a whole node once there is more than one; 1 splits single
+    processes, as ``RLHFStrategy(placement="auto")`` does for CPU processes). ``hardware``, ``engine_servers``: see
+    :func:`predict`.
     """
     hardware, flow = _inputs(hardware, algorithm)
-    roles = sorted({role for stage in flow for role, _ in stage})
     if unit is None:
         unit = hardware.devices_per_node if devices >= hardware.devices_per_node else 1
     if devices % unit:
         raise InfeasiblePlacementError(
             f"devices={devices}: not a whole number of {unit}-device nodes. HINT: plan for whole nodes."
         )
+    tried = [workload]
+    if memory_levers:
+        checkpointed = dataclasses.replace(workload, activation_checkpointing=True)
+        tried += [checkpointed] * (not workload.activation_checkpointing)
+        tried += [
+            dataclasses.replace(checkpointed, sequence_parallel=sp)
+            for sp in (2, 4, 8)
+            if sp > workload.sequence_parallel and sp <= min(devices, hardware.devices_per_node)
+        ]
+    error = InfeasiblePlacementError("no candidate")
+    for wl in tried:
+        try:
+            return _fastest(model, hardware, devices, wl, flow, tp_sizes, unit, engine_servers)
+        except InfeasiblePlacementError as err:
+            error = err
+    if len(tried) == 1:
+        raise error
+    settings = ", ".join(f"checkpointing={w.activation_checkpointing} sp={w.sequence_parallel}" for w in tried)
+    raise InfeasiblePlacementError(f"{error} Tried each of: {settings}.")
+
+
+def _fastest(
+    model: ModelShape,
+    hardware: Hardware,
+    devices: int,
+    workload: Workload,
+    flow: list[list[Call]],
+    tp_sizes: Sequence[int],
+    unit: int,
+    engine_servers: bool,
+) -> Plan:
+    """The fastest placement that fits with ``workload``'s settings (:func:`plan`'s search)."""
+    roles = sorted({role for stage in flow for role, _ in stage})
     best: Plan | None = None
     last_error: InfeasiblePlacementError | None = None
     for groups in set_partitions(roles):
@@ -566,13 +683,16 @@ def plan(
 
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "Qwen/Qwen2.5-0.5B-Instruct": ModelShape(
-        layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936
+        layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936, tied=True, qkv_bias=True
     ),
     "Qwen/Qwen2.5-1.5B-Instruct": ModelShape(
-        layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, vocab=151936
+        layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, vocab=151936, tied=True, qkv_bias=True
     ),
     "Qwen/Qwen2.5-7B-Instruct": ModelShape(
-        layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064
+        layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064, qkv_bias=True
+    ),
+    "meta-llama/Llama-3.2-1B-Instruct": ModelShape(
+        layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256, tied=True
     ),
 }
 """Shapes of hub models the recipes name (their ``config.json``), for planning without downloading them."""
@@ -597,7 +717,8 @@ def shape_of(model: str, *, override: str | None = None) -> ModelShape:
         return ModelShape(
             layers=c.num_hidden_layers, hidden=c.hidden_size, intermediate=c.intermediate_size,
             heads=c.num_attention_heads, kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-            vocab=c.vocab_size,
+            vocab=c.vocab_size, tied=bool(getattr(c, "tie_word_embeddings", False)),
+            head_dim=getattr(c, "head_dim", None), qkv_bias=bool(getattr(c, "attention_bias", c.model_type == "qwen2")),
         )  # fmt: skip
     if model in KNOWN_SHAPES:
         return KNOWN_SHAPES[model]

@@ -5,6 +5,7 @@ roles on a number of devices, from the cost model (:mod:`.cost_model`), calibrat
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,10 @@ from lightning_rlhf.placement.cost_model import (
     HARDWARE,
     MODELS,
     Call,
+    Hardware,
     InfeasiblePlacementError,
     ModelShape,
+    Plan,
     Workload,
     core_share,
     dataflow_for,
@@ -55,14 +58,53 @@ def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[
         prompt_len=int(data.get("max_prompt_length") or 512),
         response_len=int(rollout.get("max_new_tokens", defaults.max_new_tokens)),
         lora_rank=int((module.get("lora") or {}).get("r", 8)) if module.get("lora") else 0,
+        activation_checkpointing=bool(module.get("activation_checkpointing", False)),
+        sequence_parallel=int(module.get("sequence_parallel") or 1),
     )
     return dataflow_for(roles), shape_of(str(module["actor"]), override=model_shape), workload
 
 
+def _hardware(device_type: str, devices: int, shape: ModelShape, workload: Workload) -> Hardware:
+    """The datasheet's device, or this machine calibrated for ``devices`` CPU processes."""
+    if device_type != "cpu":
+        return hardware_for(device_type)
+    import torch
+
+    from lightning_rlhf.perf import threads_per_process
+    from lightning_rlhf.placement.auto import rank_memory_bytes
+
+    threads = threads_per_process(devices)  # what Lightning gives each process of the run
+    torch.set_num_threads(threads)
+    memory = rank_memory_bytes(torch.device("cpu"), devices)
+    hardware = calibrated_cpu_hardware(shape, workload, processes=devices, memory=memory, threads=threads)
+    cores = hardware.cores
+    share = core_share(cores=cores, processes=devices, threads=threads)
+    print(
+        f"cpu: {cores:g} cores for {devices} processes of {threads} thread(s): each gets {share:.2f} of its "
+        "compute while every process is busy"
+    )
+    return hardware
+
+
+def _print_turned_on(best: Plan, workload: Workload) -> None:
+    """Say which memory setting the planner turned on to fit, if any."""
+    chosen = [
+        f"{setting}={value}"
+        for setting, value, asked in (
+            ("activation_checkpointing", best.activation_checkpointing, workload.activation_checkpointing),
+            ("sequence_parallel", best.sequence_parallel, workload.sequence_parallel),
+        )
+        if value != asked
+    ]
+    if chosen:
+        print(f"  fits only with RLHFModule({', '.join(chosen)}) (the planner turned it on)")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """``lightning-rlhf plan --config RECIPE --devices N --device-type TYPE [--model-shape S] [--rollout E]``: print
-    the fastest placement of the recipe's roles, the predicted time of each stage and, as the last line, one JSON
-    object (``placement``, ``parallel``, ``predicted_step_s``, ...). Returns that object.
+    """``lightning-rlhf plan --config RECIPE --devices N --device-type TYPE [--model-shape S] [--rollout E]
+    [--activation-checkpointing] [--sequence-parallel N] [--fixed-memory-settings]``: print the fastest placement
+    of the recipe's roles, the predicted time of each stage and, as the last line, one JSON object (``placement``,
+    ``parallel``, ``activation_checkpointing``, ``sequence_parallel``, ``predicted_step_s``, ...). Returns it.
 
     Runs on: one process; loads no model. ``--device-type`` takes any case (``H100``); ``cpu`` calibrates on this
     machine (:func:`.calibration.calibrated_cpu_hardware`).
@@ -71,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import json
 
     parser = argparse.ArgumentParser(
-        prog="lightning-rlhf plan", description=main.__doc__.splitlines()[0] if main.__doc__ else None
+        prog="lightning-rlhf plan", description="the fastest placement of a recipe's roles on a number of devices"
     )
     parser.add_argument("--config", required=True, help="an RLHF recipe (YAML)")
     parser.add_argument("--devices", type=int, required=True, help="devices (GPUs, or CPU processes) to plan for")
@@ -80,6 +122,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--model-shape", choices=sorted(MODELS), help="plan for this shape instead of the actor's")
     parser.add_argument("--tp-sizes", default="1,2,4,8", help="rollout tensor-parallel sizes to consider")
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="the trained roles checkpoint their blocks"
+    )
+    parser.add_argument("--sequence-parallel", type=int, help="ranks per sequence (Ulysses); default: the recipe's")
+    parser.add_argument(
+        "--fixed-memory-settings",
+        action="store_true",
+        help="do not turn on activation checkpointing or sequence parallelism when nothing fits without them",
+    )
     parser.add_argument(
         "--rollout",
         choices=["vllm", "hf"],
@@ -90,32 +141,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.devices < 1:
         parser.error(f"--devices {args.devices}: expected at least 1")
+    if args.sequence_parallel is not None and args.sequence_parallel < 1:
+        parser.error(f"--sequence-parallel {args.sequence_parallel}: expected at least 1")
     flow, shape, workload = recipe_inputs(args.config, model_shape=args.model_shape)
-    if args.device_type == "cpu":
-        import torch
-
-        from lightning_rlhf.perf import threads_per_process
-        from lightning_rlhf.placement.auto import rank_memory_bytes
-
-        threads = threads_per_process(args.devices)  # what Lightning gives each process of the run
-        torch.set_num_threads(threads)
-        memory = rank_memory_bytes(torch.device("cpu"), args.devices)
-        hardware = calibrated_cpu_hardware(shape, workload, processes=args.devices, memory=memory, threads=threads)
-        cores = hardware.cores
-        share = core_share(cores=cores, processes=args.devices, threads=threads)
-        print(
-            f"cpu: {cores:g} cores for {args.devices} processes of {threads} thread(s): each gets {share:.2f} of its "
-            "compute while every process is busy"
-        )
-    else:
-        hardware = hardware_for(args.device_type)
+    workload = dataclasses.replace(
+        workload,
+        activation_checkpointing=workload.activation_checkpointing or args.activation_checkpointing,
+        sequence_parallel=args.sequence_parallel or workload.sequence_parallel,
+        activation_dtype_bytes=4 if args.device_type == "cpu" else 2,  # CPU runs train in float32
+    )
+    hardware = _hardware(args.device_type, args.devices, shape, workload)
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     # CPU processes are split one by one, as placement="auto" does: the machine is one "node" of all of them, and
     # whole-node pools would leave colocation as the only choice.
     unit = 1 if args.device_type == "cpu" else None
     best = plan(
         model=shape, hardware=hardware, devices=args.devices, workload=workload, algorithm=flow, tp_sizes=tp_sizes,
-        unit=unit, engine_servers=args.rollout == "vllm",
+        unit=unit, engine_servers=args.rollout == "vllm", memory_levers=not args.fixed_memory_settings,
     )  # fmt: skip
     tokens = f"{workload.prompt_len} + {workload.response_len} tokens"
     print(
@@ -126,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  pool {i}: {n} devices, {', '.join(group)} (peak {best.memory[i] / GB:.2f} GB per device)")
     for stage, seconds in zip(flow, best.stage_s, strict=True):
         print(f"  stage {' + '.join(f'{role}.{kind}' for role, kind in stage)}: {seconds:.3f} s")
+    _print_turned_on(best, workload)
     out = best.to_json() | {"devices": args.devices, "device_type": hardware.name}
     print(f"  predicted step: {best.step_s:.3f} s (rollout TP {best.rollout_tp})")
     print(json.dumps(out))

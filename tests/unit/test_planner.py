@@ -3,6 +3,7 @@ hand-computed cases, the placement rules, the errors, and the ``plan`` command."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_rlhf import perf
@@ -25,11 +27,14 @@ from lightning_rlhf.placement.calibration import (
 )
 from lightning_rlhf.placement.cost_model import (
     HARDWARE,
+    KNOWN_SHAPES,
     MODELS,
     Hardware,
     InfeasiblePlacementError,
     ModelShape,
     Workload,
+    activation_bytes,
+    attention_flops,
     core_share,
     dataflow_for,
     device_splits,
@@ -37,6 +42,8 @@ from lightning_rlhf.placement.cost_model import (
     plan,
     predict,
     set_partitions,
+    shape_of,
+    train_seconds,
 )
 from lightning_rlhf.placement.plan import recipe_inputs
 
@@ -78,6 +85,39 @@ def test_parameter_count_is_transformers_own() -> None:
     assert MODELS["7b"].params == pytest.approx(6.74e9, rel=0.01)  # Llama 2 7B
     assert MODELS["70b"].params == pytest.approx(68.98e9, rel=0.01)  # Llama 2 70B
     assert SHAPE.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 2  # keys and values, layers, kv heads, head_dim, bf16
+
+
+@pytest.mark.parametrize(
+    ("family", "fields"),
+    [
+        ("llama", {"tie_word_embeddings": False}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"tie_word_embeddings": True, "head_dim": 32}),  # wider heads than hidden / heads (Qwen3, Gemma)
+        ("qwen2", {"tie_word_embeddings": True}),  # q, k, v biases (Qwen2.5's small models: tied)
+    ],
+)
+def test_the_shape_read_from_a_config_counts_transformers_parameters(
+    tmp_path: Path, family: str, fields: dict[str, object]
+) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        family, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, **fields,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_config(config)
+    shape = shape_of(str(tmp_path))
+    assert shape.tied == fields["tie_word_embeddings"]
+    assert shape.params == sum(p.numel() for p in model.parameters())  # parameters() counts a tied matrix once
+    head = model.get_output_embeddings().weight.numel()
+    assert shape.matmul_params == shape.params - (0 if shape.tied else head)
+
+
+def test_llama_3_2_1b_counts_its_tied_embedding_once() -> None:
+    shape = KNOWN_SHAPES["meta-llama/Llama-3.2-1B-Instruct"]
+    assert shape.params == pytest.approx(1.236e9, rel=0.005)  # the model card's 1.23B; twice the embedding: 1.50B
+    assert KNOWN_SHAPES["Qwen/Qwen2.5-0.5B-Instruct"].params == pytest.approx(0.494e9, rel=0.005)  # its card: 0.49B
 
 
 def test_stage_times_by_hand_colocated_and_split() -> None:
@@ -147,14 +187,15 @@ def test_placement_errors_name_the_setting() -> None:
 def test_colocating_everything_wins_on_small_clusters_and_splitting_on_large_ones() -> None:
     """The trend HybridFlow reports: colocating all models is best on few GPUs; on many GPUs, separate pools run
     independent calls (the critic's and the actor's updates) at the same time."""
-    small = plan(model=MODELS["7b"], hardware=HARDWARE["a100"], devices=16, workload=Workload())
+    wl = Workload(activation_checkpointing=True)  # 16k tokens per micro-batch: HybridFlow's runs checkpoint
+    small = plan(model=MODELS["7b"], hardware=HARDWARE["a100"], devices=16, workload=wl)
     assert small.groups == (("actor", "critic", "reference", "reward"),)
-    large = plan(model=MODELS["34b"], hardware=HARDWARE["a100"], devices=1024, workload=Workload())
+    large = plan(model=MODELS["34b"], hardware=HARDWARE["a100"], devices=1024, workload=wl)
     assert len(large.groups) > 1
     assert sum(large.devices) == 1024
     colocated = predict(
         [["actor", "critic", "reference", "reward"]], [1024], large.rollout_tp, model=MODELS["34b"],
-        hardware=HARDWARE["a100"], workload=Workload(),
+        hardware=HARDWARE["a100"], workload=wl,
     )  # fmt: skip
     assert large.step_s < colocated.step_s
 
@@ -301,7 +342,7 @@ def test_device_types_are_taken_in_any_case(capsys: pytest.CaptureFixture[str]) 
     assert upper == lower and upper["device_type"] == "h100"
     # The planner's API takes a device type in any case too.
     assert hardware_for("A100") is hardware_for(" a100 ") is HARDWARE["a100"]
-    wl = Workload(prompts=64, n=1, prompt_len=128, response_len=128)
+    wl = Workload(prompts=64, n=1, prompt_len=128, response_len=128, activation_checkpointing=True)
     by_name = plan(model=MODELS["7b"], hardware="H200", devices=8, workload=wl)
     assert by_name == plan(model=MODELS["7b"], hardware=HARDWARE["h200"], devices=8, workload=wl)
     groups = [["actor", "critic", "reference", "reward"]]
@@ -462,7 +503,7 @@ def test_engine_servers_cost_their_copies_requests_and_memory() -> None:
     """A vLLM actor on part of the devices generates in engine servers (one process per device): the planner adds
     two host copies of each device's weights and one request to its generation, and keeps the engine's weights
     beside training's activations. A colocated actor (every device) pays nothing of it."""
-    wl = Workload()
+    wl = Workload(activation_checkpointing=True)
     hw = HARDWARE["h100"]
     kw = {"model": MODELS["7b"], "hardware": hw, "workload": wl, "algorithm": "ppo"}
     groups, devices = [["actor", "reference"], ["critic", "reward"]], [8, 8]
@@ -477,15 +518,17 @@ def test_engine_servers_cost_their_copies_requests_and_memory() -> None:
 
 
 def test_the_plan_command_names_the_rollout_engine(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--rollout hf`` plans without engine servers. 70B PPO on 64 H100s: the transformers engine splits the critic
-    off; vLLM's engine servers would keep the engine's weights beside training's activations on the actor's pool,
-    which then no longer fits, so the vLLM plan colocates and predicts a longer step."""
+    """``--rollout hf`` plans without engine servers. 70B PPO on 64 H100s (it fits with activation checkpointing,
+    which the planner turns on): the transformers engine splits the critic off; vLLM's engine servers would keep the
+    engine's weights beside training's activations on the actor's pool, which then no longer fits, so the vLLM plan
+    colocates and predicts a longer step."""
     args = ["plan", "--config", str(ROOT / "recipes" / "ppo.yaml"), "--devices", "64", "--device-type", "h100"]
     args += ["--model-shape", "70b"]
     steps = {}
     for engine in ("vllm", "hf"):
         cli_main([*args, "--rollout", engine])
         steps[engine] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert all(plan_["activation_checkpointing"] for plan_ in steps.values())
     assert len(steps["vllm"]["placement"]["actor"]) == 64 and len(steps["hf"]["placement"]["actor"]) < 64
     assert steps["vllm"]["predicted_step_s"] > steps["hf"]["predicted_step_s"]
 
@@ -517,6 +560,7 @@ def test_lora_adapters_are_counted_like_peft_and_fit_on_fewer_devices() -> None:
 
     for name in ("7b", "70b"):
         assert fewest(lora, MODELS[name]) < fewest(wl, MODELS[name]), name
+    lora = dataclasses.replace(lora, activation_checkpointing=True)
     together = predict([["actor", "critic", "reference", "reward"]], [8], 1, model=MODELS["7b"], hardware="a100",
                        workload=lora)  # fmt: skip
     apart = predict([["actor", "critic", "reward"], ["reference"]], [4, 4], 1, model=MODELS["7b"], hardware="a100",
@@ -524,3 +568,103 @@ def test_lora_adapters_are_counted_like_peft_and_fit_on_fewer_devices() -> None:
     assert together.memory[0] < apart.memory[0] + apart.memory[1]  # the reference beside the actor costs nothing
     _, _, from_recipe = recipe_inputs(str(ROOT / "recipes" / "grpo_lora.yaml"))
     assert from_recipe.lora_rank == 8
+
+
+# ------------------------------------------------------------- activations: checkpointing, sequence parallelism
+def saved_per_token(model: torch.nn.Module, tokens: int) -> float:
+    """Elements per token that torch keeps for the backward of ``model``'s decoder (the parameters aside)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=torch.randint(0, 100, (1, tokens)))  # type: ignore[operator]
+    return sum(kept.values()) / tokens / 4  # float32
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize(("hidden", "intermediate", "heads", "kv_heads"), [(64, 160, 4, 2), (128, 160, 8, 8)])
+def test_saved_activations_are_what_torch_keeps(
+    checkpointing: bool, hidden: int, intermediate: int, heads: int, kv_heads: int
+) -> None:
+    shape = ModelShape(layers=3, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads, vocab=100)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=3,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    counted = saved_per_token(model, 64)
+    assert counted == pytest.approx(shape.saved_activations(checkpointing=checkpointing), rel=0.02)
+    if checkpointing:  # one hidden vector per block (+ the final norm's)
+        assert shape.saved_activations(checkpointing=True) == 3 * hidden + 2 * hidden
+
+
+def test_checkpointing_and_sequence_parallelism_shrink_the_activations_and_cost_their_time() -> None:
+    wl = Workload(prompts=8, n=1, prompt_len=16, response_len=4096, micro_tokens=1024)
+    plain = activation_bytes(SHAPE, wl)
+    block = SHAPE.block_activations()  # 8 x 64 + 2 x 32 + 4 x 128 = 1,088, more than the logits' 2 x 100
+    assert plain == 4112 * 2 * (SHAPE.saved_activations(checkpointing=False) + block)
+    bigger_vocab = dataclasses.replace(SHAPE, vocab=5000)
+    assert activation_bytes(bigger_vocab, wl) == 4112 * 2 * (SHAPE.saved_activations(checkpointing=False) + 10000)
+    checkpointed = activation_bytes(SHAPE, dataclasses.replace(wl, activation_checkpointing=True))
+    assert checkpointed < plain
+    split = dataclasses.replace(wl, activation_checkpointing=True, sequence_parallel=2)
+    exchange = 2 * (2 * 64 + 2 * 32)  # the all-to-all's buffers: q, k, v and the output, sent and received
+    assert activation_bytes(SHAPE, split) == pytest.approx(checkpointed / 2 + 4112 / 2 * exchange * 2)
+    # Time: checkpointing runs each block's forward again (8 weight passes instead of 6, 4 attention passes
+    # instead of 3); sequence parallelism adds its all-to-alls, on one device the same compute.
+    base = train_seconds(SHAPE, wl, UNIT, 1)
+    again = train_seconds(SHAPE, dataclasses.replace(wl, activation_checkpointing=True), UNIT, 1)
+    attention = attention_flops(SHAPE, wl)
+    assert again - base == pytest.approx((2 * SHAPE.matmul_params * wl.tokens + attention) / UNIT.flops)
+    slow = dataclasses.replace(UNIT, intra_bw=1e9)
+    sp_seconds = train_seconds(SHAPE, dataclasses.replace(wl, sequence_parallel=2), slow, 2)
+    per_token = (2 * 64 + 2 * 32) * 2 * (1 / 2)  # bf16, half of it leaves each rank
+    expected = train_seconds(SHAPE, wl, slow, 2) + 2 * SHAPE.layers * per_token * wl.tokens / 2 / 1e9
+    assert sp_seconds == pytest.approx(expected)
+
+
+def test_the_planner_turns_on_checkpointing_then_sequence_parallelism_to_fit() -> None:
+    """A 7B actor on 4 x 80 GB with 96k-token responses fits with neither setting on, checkpointing alone is not
+    enough, and sequence parallelism of 2 on top fits; without the levers the plan is refused."""
+    kw = {"model": MODELS["7b"], "hardware": "a100", "devices": 4, "algorithm": "grpo"}
+    long = Workload(prompts=8, n=8, prompt_len=512, response_len=98304, micro_tokens=4096)
+    with pytest.raises(InfeasiblePlacementError, match="needs"):
+        plan(workload=long, memory_levers=False, **kw)
+    with pytest.raises(InfeasiblePlacementError, match="needs"):
+        plan(workload=dataclasses.replace(long, activation_checkpointing=True), memory_levers=False, **kw)
+    chosen = plan(workload=long, **kw)
+    assert (chosen.activation_checkpointing, chosen.sequence_parallel) == (True, 2)
+    assert chosen.to_json()["sequence_parallel"] == 2
+    short = dataclasses.replace(long, response_len=1024)
+    assert plan(workload=short, **kw).activation_checkpointing is False  # nothing turned on that is not needed
+    with pytest.raises(InfeasiblePlacementError, match=r"sequence_parallel=3 .* must divide the pool's devices"):
+        predict([["actor", "reference"]], [4], 1, model=MODELS["7b"], hardware="a100", algorithm="grpo",
+                workload=dataclasses.replace(short, sequence_parallel=3))  # fmt: skip
+
+
+def test_the_plan_command_takes_the_memory_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--config", str(ROOT / "recipes" / "grpo_gsm8k.yaml"), "--devices", "8", "--device-type", "h100"]
+    cli_main([*args, "--activation-checkpointing", "--sequence-parallel", "2"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["activation_checkpointing"] is True and out["sequence_parallel"] == 2
+    with pytest.raises(SystemExit):
+        cli_main([*args, "--sequence-parallel", "0"])
+    assert "--sequence-parallel 0: expected at least 1" in capsys.readouterr().err
+
+
+def test_auto_placement_names_the_memory_setting_it_needed() -> None:
+    from lightning_rlhf.placement.auto import _check_memory_settings
+
+    fitted = plan(model=MODELS["7b"], hardware="a100", devices=4, algorithm="grpo",
+                  workload=Workload(prompts=8, n=8, prompt_len=512, response_len=98304, micro_tokens=4096))  # fmt: skip
+    with pytest.raises(InfeasiblePlacementError, match=r"only with RLHFModule\(activation_checkpointing=True, "):
+        _check_memory_settings(fitted, Workload(), world_size=4)
+    _check_memory_settings(fitted, Workload(activation_checkpointing=True, sequence_parallel=2), world_size=4)
