@@ -268,7 +268,10 @@ class Workload:
     """Ranks that split each sequence (Ulysses; ``RLHFModule(sequence_parallel=N)``): activations per rank / N, plus
     the all-to-all exchanges of every attention."""
     activation_dtype_bytes: int = 2
-    """Bytes of one activation element: 2 (bfloat16, GPUs), 4 (float32, CPU runs)."""
+    """Bytes of one element of the compute dtype (``RLHFStrategy(param_dtype=...)``): activations and the rollout
+    engine's weights; 2 (bfloat16, GPUs), 4 (float32, the default and CPU runs)."""
+    frozen_dtype_bytes: int = 2
+    """Bytes per parameter of a frozen role (``RLHFModule(frozen_dtype=...)``, float32 by default: 4)."""
 
     @property
     def sequences(self) -> int:
@@ -486,16 +489,17 @@ def generate_seconds(
 
 def _state_bytes(role: str, pool: Sequence[str], model: ModelShape, wl: Workload) -> float:
     """Bytes of one role's weights and training state over its pool. Full fine-tuning: 16 per parameter for a
-    trainable role (float32 weights, gradients, two Adam moments), 2 for a frozen one (bfloat16). LoRA: a trainable
-    role keeps its frozen float32 base (4 per parameter) and 16 per adapter parameter; the reference is the actor's
-    base with its adapters off, nothing of its own, where it shares the actor's pool (elsewhere it needs a copy)."""
+    trainable role (float32 weights, gradients, two Adam moments), ``wl.frozen_dtype_bytes`` for a frozen one.
+    LoRA: a trainable role keeps its frozen float32 base (4 per parameter) and 16 per adapter parameter; the
+    reference is the actor's base with its adapters off, nothing of its own, where it shares the actor's pool
+    (elsewhere it needs a copy)."""
     if not wl.lora_rank:
-        return (16.0 if role in TRAINABLE else 2.0) * model.params
+        return (16.0 if role in TRAINABLE else wl.frozen_dtype_bytes) * model.params
     if role in TRAINABLE:
         return 4.0 * model.params + 16.0 * model.lora_params(wl.lora_rank)
     if role == "reference" and "actor" in pool:
         return 0.0
-    return 2.0 * model.params
+    return wl.frozen_dtype_bytes * model.params
 
 
 def _pool_memory(
@@ -506,7 +510,7 @@ def _pool_memory(
     states = sum(_state_bytes(role, roles, model, wl) / n for role in roles)
     training = any(role in TRAINABLE for role in roles)
     activations = activation_bytes(model, wl) if training else 0.0
-    engine = 2.0 * model.params / tp if "actor" in roles else 0.0
+    engine = wl.activation_dtype_bytes * model.params / tp if "actor" in roles else 0.0
     # A colocated engine's weights and training's activations take turns; an engine server's stay.
     fixed = states + (activations + engine if server else max(activations, engine))
     return fixed, hw.memory * hw.usable_memory - states - engine

@@ -30,15 +30,22 @@ from lightning_rlhf.placement.cost_model import (
 __all__ = ["main", "recipe_inputs"]
 
 
+def _dtype_bytes(name: str | None) -> int:
+    """Bytes per element of a recipe's dtype setting (None: float32, the default)."""
+    return 2 if str(name).removeprefix("torch.") in ("bfloat16", "float16", "bf16", "fp16", "half") else 4
+
+
 def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[list[Call]], ModelShape, Workload]:
     """The dataflow, the actor's shape and one step's workload a recipe describes: its module's model roles (a
     ``reward`` that is a model path, not a function's), the data module's ``batch_size`` and ``max_prompt_length``,
-    and ``rollout.n`` and ``rollout.max_new_tokens`` (:class:`~lightning_rlhf.config.RolloutConfig`'s defaults when
-    the recipe leaves them out). Runs on: the ``plan`` command's process. Raises for a recipe without an actor.
+    ``rollout.n`` and ``rollout.max_new_tokens`` (:class:`~lightning_rlhf.config.RolloutConfig`'s defaults when
+    the recipe leaves them out), the micro-batch (rows x sequence, or ``micro_batch_tokens``) and the dtypes
+    (``param_dtype``, ``frozen_dtype``; float32 when left out). Runs on: the ``plan`` command's process. Raises for
+    a recipe without an actor.
     """
     import yaml
 
-    from lightning_rlhf.config import RolloutConfig
+    from lightning_rlhf.config import BatchingConfig, RolloutConfig
 
     with open(recipe) as f:
         config = yaml.safe_load(f) or {}
@@ -52,11 +59,19 @@ def recipe_inputs(recipe: str, *, model_shape: str | None = None) -> tuple[list[
         roles.append("reward")
     rollout = module.get("rollout") or {}
     defaults = RolloutConfig()
+    prompt_len = int(data.get("max_prompt_length") or 512)
+    response_len = int(rollout.get("max_new_tokens", defaults.max_new_tokens))
+    batching = (module.get("algorithm") or {}).get("batching") or {}
+    rows = int(batching.get("micro_batch_size") or BatchingConfig().micro_batch_size)
+    strategy = ((config.get("trainer") or {}).get("strategy") or {}).get("init_args") or {}
     workload = Workload(
         prompts=int(data.get("batch_size", 8)),
         n=int(rollout.get("n", defaults.n)),
-        prompt_len=int(data.get("max_prompt_length") or 512),
-        response_len=int(rollout.get("max_new_tokens", defaults.max_new_tokens)),
+        prompt_len=prompt_len,
+        response_len=response_len,
+        micro_tokens=int(batching.get("micro_batch_tokens") or rows * (prompt_len + response_len)),
+        activation_dtype_bytes=_dtype_bytes(strategy.get("param_dtype")),
+        frozen_dtype_bytes=_dtype_bytes(module.get("frozen_dtype")),
         lora_rank=int((module.get("lora") or {}).get("r", 8)) if module.get("lora") else 0,
         activation_checkpointing=bool(module.get("activation_checkpointing", False)),
         sequence_parallel=int(module.get("sequence_parallel") or 1),

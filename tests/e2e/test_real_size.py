@@ -58,7 +58,7 @@ def test_a_half_billion_parameter_model_trains_resumes_and_exports(tmp_path: Pat
     assert sum(p.numel() for p in model.parameters()) == 494_032_768  # Qwen2.5-0.5B, the tied embedding once
 
     # the planner's peak per device for this recipe against the sampled peaks of both runs (within 25%)
-    plan = run_cli("plan", "--config", RECIPE, "--devices", "2", "--device-type", "cpu", timeout=900)
+    plan = run_cli("plan", "--config", RECIPE, "--devices", "2", "--device-type", "cpu", "--tp-sizes", "2", timeout=900)
     assert plan.returncode == 0, failure_text(plan)
     predicted = float(re.search(r"peak ([\d.]+) GB per device", plan.stdout)[1])  # type: ignore[index]
     ranks = [(name, gib) for r in (first, resumed) for name, gib in r["peaks_gb"].items() if name.startswith("rank")]
