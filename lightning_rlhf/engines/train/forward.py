@@ -19,7 +19,7 @@ from lightning_rlhf.controller.dispatch import current_sequence_group
 from lightning_rlhf.engines.train.prefix import packed_response_logits, shares_prompts
 from lightning_rlhf.engines.train.ulysses import SequenceShard, sharded
 
-__all__ = ["RESPONSE_INPUTS", "forward_response", "sequence_inputs"]
+__all__ = ["RESPONSE_INPUTS", "forward_response", "left_aligned", "sequence_inputs"]
 
 RESPONSE_INPUTS = ("prompts", "prompt_mask", "responses", "response_mask")
 """The columns :func:`forward_response` reads (with the batch's ``meta``): what a scoring role method declares in
@@ -66,8 +66,8 @@ def forward_response(
         kernels: the token log-prob kernels to try (``train_engine.layer.token_kernels()``); None: PyTorch's ops.
 
     In a sequence-parallel role call (``RLHFModule(sequence_parallel=N)``) each rank of the group computes its
-    ``1/N`` of the columns and the outputs are gathered (:mod:`~lightning_rlhf.engines.train.ulysses`); the
-    shared-prefix forward is then off.
+    ``1/N`` of the columns of the rows left-aligned (:func:`left_aligned`) and the outputs are gathered
+    (:mod:`~lightning_rlhf.engines.train.ulysses`); the shared-prefix forward is then off.
 
     Raises:
         ValueError: ``batch["prompts"]`` has no column.
@@ -153,6 +153,29 @@ def _shard(group: Any, input_ids: Tensor) -> SequenceShard:
     return SequenceShard(input_ids.shape[1], dist.get_world_size(group), dist.get_rank(group), group)
 
 
+def left_aligned(
+    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows moved left by their leading padding, so each starts with its real tokens (prompt, then response)
+    and all padding follows: ``input_ids``, ``attention_mask``, ``position_ids`` (a real token keeps its position;
+    padding gets its column) and ``shift`` ``[B]`` (column ``c`` of the aligned row is column ``c + shift`` of the
+    original). A causal model then needs no padding mask: no real token has padding before it. Runs on: worker."""
+    t = attention_mask.shape[1]
+    shift = (attention_mask.cumsum(1) == 0).sum(1) % t  # % t: a row of padding only stays as it is
+    cols = torch.arange(t, device=attention_mask.device)
+    index = (cols[None] + shift[:, None]) % t
+    mask = attention_mask.gather(1, index)
+    positions = torch.where(mask.bool(), position_ids.gather(1, index), cols[None])
+    return input_ids.gather(1, index), mask, positions, shift
+
+
+def _to_responses(out: Tensor, shift: Tensor, first: int, resp_len: int) -> Tensor:
+    """The response columns ``[B, resp_len]`` of per-position outputs ``out`` ``[B, >= first + resp_len]`` of
+    left-aligned rows: response column ``r`` of a row sits at aligned column ``first + r - shift``."""
+    index = first + torch.arange(resp_len, device=out.device)[None] - shift[:, None]
+    return out.gather(1, index.clamp(min=0))
+
+
 def _sharded_values(
     model: nn.Module,
     shard: SequenceShard,
@@ -161,13 +184,14 @@ def _sharded_values(
     attention_mask: Tensor,
     position_ids: Tensor,
 ) -> dict[str, Tensor]:
-    """:func:`forward_response`'s values with each sequence split over ``shard``'s group. Runs on: every rank of
-    the group together."""
+    """:func:`forward_response`'s values with each (left-aligned) sequence split over ``shard``'s group. Runs on:
+    every rank of the group together."""
     first = input_ids.shape[1] - batch["responses"].shape[1] - 1
+    input_ids, attention_mask, position_ids, shift = left_aligned(input_ids, attention_mask, position_ids)
     with sharded(model, shard, shard.pad(attention_mask)):
         logits = model(input_ids=shard.local(input_ids), position_ids=shard.local(position_ids), use_cache=False).logits
     values = shard.gather(logits[..., 0].float(), shard.start, shard.stop)
-    return {"values": values[:, first : first + batch["responses"].shape[1]]}
+    return {"values": _to_responses(values, shift, first, batch["responses"].shape[1])}
 
 
 def _sharded_logprobs(
@@ -179,12 +203,15 @@ def _sharded_logprobs(
     position_ids: Tensor,
     token_kwargs: dict[str, Any],
 ) -> dict[str, Tensor]:
-    """:func:`forward_response`'s log-probs (and entropy) with each sequence split over ``shard``'s group: this
-    rank's logits only at the positions it holds that predict a response token (a rank that holds none computes one
-    and sends zeros: its backward must still run the collectives). Runs on: every rank of the group together."""
+    """:func:`forward_response`'s log-probs (and entropy) with each sequence left-aligned (:func:`left_aligned`:
+    sdpa then runs causal, without a ``[T, T]`` mask) and split over ``shard``'s group: this rank's logits only at
+    the positions it holds that predict a response token of some row (a rank that holds none computes one and sends
+    zeros: its backward must still run the collectives). Runs on: every rank of the group together."""
     prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     first = prompt_len - 1  # position p predicts token p + 1
-    lo, hi = shard.kept(first, first + resp_len)
+    input_ids, attention_mask, position_ids, shift = left_aligned(input_ids, attention_mask, position_ids)
+    start = max(0, first - int(shift.max()))  # the aligned columns predicting some row's response tokens
+    lo, hi = shard.kept(start, first + resp_len - int(shift.min()))
     padded = shard.pad(input_ids)
     if hi > lo:
         keep = torch.arange(lo - shard.start, hi - shard.start, device=input_ids.device)
@@ -200,7 +227,7 @@ def _sharded_logprobs(
             use_cache=False,
         ).logits
     logprobs, entropy = logprobs_and_entropy(logits, labels, **token_kwargs)  # type: ignore[arg-type]
-    out = {"logprobs": shard.gather(logprobs, lo, hi)[:, first : first + resp_len]}
+    out = {"logprobs": _to_responses(shard.gather(logprobs, lo, hi), shift, first, resp_len)}
     if entropy is not None:
-        out["entropy"] = shard.gather(entropy, lo, hi)[:, first : first + resp_len]
+        out["entropy"] = _to_responses(shard.gather(entropy, lo, hi), shift, first, resp_len)
     return out
