@@ -12,9 +12,9 @@ is sharded with FSDP2 over both ranks by the training engine. The global batch i
 ``--tokens`` tokens (16 prompt columns, the rest response), ``--rows-per-micro`` rows per micro-batch: with ``--sp 1``
 each rank trains its half of the rows; with ``--sp 2`` both ranks train all rows, each half of every sequence. With
 ``--left-pad K`` every other row's prompt is ``K`` tokens shorter (left padding in the micro-batch: what a rollout
-batch holds; a micro-batch of one row has its padding columns cut before the forward). Two
-updates (forward, backward, AdamW step); each rank prints its peak resident memory over them (``VmHWM`` after them
-minus ``VmRSS`` before: the process's high-water mark, so each configuration runs in a fresh launch) and the second
+batch holds; a micro-batch of one row has its padding columns cut before the forward). ``--updates`` (2) updates
+(forward, backward, AdamW step); each rank prints its peak resident memory over them (``VmHWM`` after them minus
+``VmRSS`` before: the process's high-water mark, so each configuration runs in a fresh launch) and the last
 update's seconds, as one JSON line per rank.
 """
 
@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--rows-per-micro", type=int, default=1)
     p.add_argument("--left-pad", type=int, default=0)
+    p.add_argument("--updates", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -101,7 +102,7 @@ def main() -> None:
 
     resting = _status("VmRSS")
     seconds = []
-    for _ in range(2):
+    for _ in range(args.updates):
         started = time.perf_counter()
         with data_parallel_group(None, group if args.sp == 2 else None):
             engine.train(rows, loss_fn, aggregation="token-mean", count_mask=lambda b: b["response_mask"])

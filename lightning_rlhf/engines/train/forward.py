@@ -6,7 +6,7 @@ Layout of a rollout batch (same as the rollout engines produce):
 prompt sees the positions it saw during generation. Before the forward each row is left-aligned (:func:`left_aligned`:
 its real tokens from column 0, all padding after), so no real token has padding before it and the causal kernels
 need no ``[T, T]`` padding mask (sdpa's ``is_causal``; flash attention); the outputs are mapped back to the response
-columns. On rows of 4k tokens this made the forward and backward 1.6x faster and 0.6x the memory; at the demo's
+columns. On rows of 4k tokens this made the forward and backward 1.6x faster and 0.66x the memory; at the demo's
 20-token rows it changed neither.
 """
 
