@@ -1,18 +1,20 @@
 """Memory per rank of one actor update on long sequences, with and without sequence parallelism (2 ranks, gloo).
 
     MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 2 benchmarks/bench_sequence_parallel.py \
-        --sp 2 --tokens 8192 [--checkpointing]
+        --sp 2 --tokens 8192 [--checkpointing] [--rows-per-micro 2 --left-pad 8]
 
 (the fixed mmap threshold makes glibc return each freed block of the forward and backward to the system, so the
 resident high-water mark measures live memory, not the allocator's fragmentation: without it the same runs read
 1.18 against 0.99 GiB).
 
 The vs-TRL ``small`` model (Qwen2-shaped, 4.0M parameters, 4 query / 2 key-value heads, float32, built locally)
-is sharded with FSDP2 over both ranks by the training engine. The global batch is 2 rows of ``--tokens`` tokens
-(16 prompt tokens, the rest response, no padding), one row per micro-batch: with ``--sp 1`` each rank trains one
-whole row; with ``--sp 2`` both ranks train both rows, one after the other, each half of every sequence. Two
-updates (forward, backward, AdamW step); each rank prints its peak resident memory over them (``VmHWM`` after them
-minus ``VmRSS`` before: the process's high-water mark, so each configuration runs in a fresh launch) and the second
+is sharded with FSDP2 over both ranks by the training engine. The global batch is ``2 * --rows-per-micro`` rows of
+``--tokens`` tokens (16 prompt columns, the rest response), ``--rows-per-micro`` rows per micro-batch: with ``--sp 1``
+each rank trains its half of the rows; with ``--sp 2`` both ranks train all rows, each half of every sequence. With
+``--left-pad K`` every other row's prompt is ``K`` tokens shorter (left padding in the micro-batch: what a rollout
+batch holds; a micro-batch of one row has its padding columns cut before the forward). ``--updates`` (2) updates
+(forward, backward, AdamW step); each rank prints its peak resident memory over them (``VmHWM`` after them minus
+``VmRSS`` before: the process's high-water mark, so each configuration runs in a fresh launch) and the last
 update's seconds, as one JSON line per rank.
 """
 
@@ -49,6 +51,9 @@ def main() -> None:
     p.add_argument("--sp", type=int, default=2)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--rows-per-micro", type=int, default=1)
+    p.add_argument("--left-pad", type=int, default=0)
+    p.add_argument("--updates", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -67,7 +72,7 @@ def main() -> None:
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    engine = TrainEngine(micro_batch_size=1, optim=OptimConfig(lr=1e-6))
+    engine = TrainEngine(micro_batch_size=args.rows_per_micro, optim=OptimConfig(lr=1e-6))
     engine.bind(Qwen2ForCausalLM(config).float())
     engine.activation_checkpointing = args.checkpointing
     engine.sequence_parallel = args.sp
@@ -75,14 +80,16 @@ def main() -> None:
     engine.materialize(torch.device("cpu"))
     engine.configure_optimizer(10)
     g = torch.Generator().manual_seed(0)
-    prompt, response = 16, args.tokens - 16
+    n_rows, prompt, response = 2 * args.rows_per_micro, 16, args.tokens - 16
+    prompt_mask = torch.ones(n_rows, prompt, dtype=torch.long)
+    prompt_mask[1::2, : args.left_pad] = 0
     batch = Batch(
         {
-            "prompts": torch.randint(1, 4096, (2, prompt), generator=g),
-            "prompt_mask": torch.ones(2, prompt, dtype=torch.long),
-            "responses": torch.randint(1, 4096, (2, response), generator=g),
-            "response_mask": torch.ones(2, response, dtype=torch.long),
-            "advantages": torch.randn(2, response, generator=g),
+            "prompts": torch.randint(1, 4096, (n_rows, prompt), generator=g) * prompt_mask,
+            "prompt_mask": prompt_mask,
+            "responses": torch.randint(1, 4096, (n_rows, response), generator=g),
+            "response_mask": torch.ones(n_rows, response, dtype=torch.long),
+            "advantages": torch.randn(n_rows, response, generator=g),
         }
     )
     rows = batch if args.sp == 2 else batch.chunk(2)[rank]
@@ -95,13 +102,14 @@ def main() -> None:
 
     resting = _status("VmRSS")
     seconds = []
-    for _ in range(2):
+    for _ in range(args.updates):
         started = time.perf_counter()
         with data_parallel_group(None, group if args.sp == 2 else None):
             engine.train(rows, loss_fn, aggregation="token-mean", count_mask=lambda b: b["response_mask"])
         seconds.append(time.perf_counter() - started)
     peak = _status("VmHWM")
     row = {"rank": rank, "sp": args.sp, "tokens": args.tokens, "checkpointing": args.checkpointing}
+    row |= {"rows_per_micro": args.rows_per_micro, "left_pad": args.left_pad}
     print(json.dumps(row | {"peak_over_resting_mib": round(peak - resting), "update_s": round(seconds[-1], 2)}))
     dist.destroy_process_group()
 

@@ -3,10 +3,10 @@ against data parallelism on the same global batch.
 
 CI: ``tests/scripts/sequence_parallel_check.py`` under torchrun, a model with 1 key/value head (replicated to the
 group) and activation checkpointing: the actor's log-probs and entropy, the critic's values, and the weight change of
-one update of each equal the data-parallel run's; also without left padding (sdpa's causal kernels, no mask) and with
-the model's eager attention. Long tier: two PPO runs through the whole trainer (controller dispatch, reference,
-critic, actor), SP=2 with activation checkpointing against SP=1: equal losses, gradient norms and weights at every
-step.
+one update of each equal the data-parallel run's, with no ``[T, T]`` mask built (rows are left-aligned, sdpa runs
+causal); also without left padding and with the model's eager attention (which takes a mask). Long tier: two PPO
+runs through the whole trainer (controller dispatch, reference, critic, actor), SP=2 with activation checkpointing
+against SP=1: equal losses, gradient norms and weights at every step.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def test_sequence_parallel_equals_data_parallel_with_one_kv_head_and_checkpointi
         assert got["delta_norm"] > 1e-3, got  # the update changed the weights: the comparison means something
         # the SP run went through the Ulysses attention (2 layers x forwards and recomputes); the DP run never
         assert got["ulysses_calls"]["sp"] > 0 and got["ulysses_calls"]["dp"] == 0, got["ulysses_calls"]
+        # rows are left-aligned: sdpa runs causal with no [T, T] mask even for left-padded prompts; eager needs one
+        assert (got["masks_built"] > 0) == (kind == "actor-eager"), (kind, got["masks_built"])
 
 
 COMPARED = ("actor/grad_norm", "actor/pg_loss", "critic/grad_norm", "critic/vf_loss")

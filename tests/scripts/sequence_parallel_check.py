@@ -8,7 +8,7 @@ through the engine twice: DP=2 (each rank half the rows, no sequence group) and 
 of every sequence). Per model: the scoring forward's outputs (``infer``: log-probs and entropy, values) and the
 weight change of one ``train`` step (AdamW with a large ``eps``: the change is the learning rate times the gradient
 over ``eps``, linear in the gradient). Rank 0 writes the relative differences, the loss metrics and how many
-times the Ulysses attention ran to ``--out`` (JSON).
+times the Ulysses attention ran and built a ``[T, T]`` mask to ``--out`` (JSON).
 
 Usage: torchrun --nproc-per-node 2 tests/scripts/sequence_parallel_check.py --out F [--kv-heads 1] [--checkpointing]
 """
@@ -34,6 +34,13 @@ from lightning_rlhf.roles.base import disable_dropout
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
 CALLS = [0]
+MASKS = [0]  # [T, T] masks built by the Ulysses attention
+_full_mask = ulysses.full_mask
+
+
+def _counted_mask(attention_mask: Tensor) -> Tensor:
+    MASKS[0] += 1
+    return _full_mask(attention_mask)
 
 
 def _counted(module: nn.Module, *args: object, **kwargs: object) -> object:
@@ -145,6 +152,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     AttentionInterface.register(ulysses.ATTENTION_NAME, _counted)
+    ulysses.full_mask = _counted_mask  # type: ignore[assignment]
     world = dist.get_world_size()
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank makes every group
     group = pairs[dist.get_rank() // 2]
@@ -162,8 +170,9 @@ def main() -> None:
             "delta_norm": float(dp["delta"].norm()),  # type: ignore[union-attr]
             "metrics": {"dp": dp["metrics"], "sp": sp["metrics"]},
             "ulysses_calls": {"dp": calls, "sp": CALLS[0] - calls},
+            "masks_built": MASKS[0],
         }
-        CALLS[0] = 0
+        CALLS[0] = MASKS[0] = 0
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

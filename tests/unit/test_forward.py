@@ -66,14 +66,15 @@ def test_forward_response_equals_the_plain_forward(tiny_model: str, temperature:
     ref = AutoModelForCausalLM.from_pretrained(tiny_model).train()
     batch = rollout_batch()
     g = torch.Generator().manual_seed(1)
-    w_lp, w_ent = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    real = batch["response_mask"].bool()  # padding's outputs are arbitrary (rows are left-aligned, no mask)
+    w_lp, w_ent = torch.randn(6, 4, generator=g) * real, torch.randn(6, 4, generator=g) * real
 
     out = forward_response(
         new, batch, output="logprobs", temperature=temperature, with_entropy=True, entropy_grad=entropy_grad
     )
     ref_logp, ref_ent = plain_forward(ref, batch, temperature)
-    close(out["logprobs"], ref_logp)
-    close(out["entropy"], ref_ent)
+    close(out["logprobs"][real], ref_logp[real])
+    close(out["entropy"][real], ref_ent[real])
     assert out["logprobs"].dtype == out["entropy"].dtype == torch.float32
     assert out["entropy"].requires_grad is entropy_grad
 

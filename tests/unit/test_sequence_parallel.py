@@ -9,19 +9,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from torch import Tensor
+from transformers import AttentionInterface, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.controller.controller import _Plan
 from lightning_rlhf.controller.dispatch import (
     Dispatch,
+    data_parallel_group,
     declares_sequence_parallel,
     role_method,
     sequence_parallel_of,
     split_args,
 )
+from lightning_rlhf.engines.train import forward_response, sequence_inputs, ulysses
+from lightning_rlhf.engines.train.forward import left_aligned
 from lightning_rlhf.engines.train.ulysses import SequenceShard, causal_suffices, check_model, check_size, full_mask
 from lightning_rlhf.module import _sequence_parallel_roles
+from tests.unit.test_forward import rollout_batch
 
 
 def test_columns_are_padded_to_the_group_and_sliced_contiguously() -> None:
@@ -64,8 +69,63 @@ def test_the_whole_sequence_mask_is_causal_without_padding_keys_and_no_empty_row
 
 def test_sdpa_runs_causal_without_a_mask_only_when_no_row_is_left_padded() -> None:
     assert causal_suffices(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))  # right padding only (and the pad to N)
+    assert causal_suffices(torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]]))  # a row of padding only
     assert not causal_suffices(torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))  # a left-padded prompt
     assert not causal_suffices(torch.tensor([[1, 0, 1, 1]]))  # a hole
+
+
+def test_left_alignment_moves_each_rows_real_tokens_to_column_zero_keeping_their_positions() -> None:
+    batch = Batch(
+        {
+            "prompts": torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10], [0, 0, 0, 0]]),
+            "prompt_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]]),
+            "responses": torch.tensor([[11, 0], [12, 13], [0, 0]]),
+            "response_mask": torch.tensor([[1, 0], [1, 1], [0, 0]]),
+        }
+    )
+    ids, mask, positions, shift = left_aligned(*sequence_inputs(batch, "cpu"))
+    assert shift.tolist() == [2, 0, 0]
+    assert ids.tolist() == [[5, 6, 11, 0, 0, 0], [7, 8, 9, 10, 12, 13], [0] * 6]
+    assert mask.tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6, [0] * 6] and causal_suffices(mask)
+    assert positions.tolist() == [list(range(6))] * 3  # real tokens: 0.. as before; padding: its column
+
+
+def test_a_left_padded_sequence_parallel_forward_builds_no_whole_sequence_mask(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ragged left padding in one micro-batch, in a sequence group of one rank: the attention goes through the
+    Ulysses wrapper, sdpa gets no mask, and the outputs equal the plain forward's."""
+    seen: list[object] = []
+    inner = ulysses._attention
+
+    def counted(module: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: object, **kw: object) -> object:
+        seen.append(mask)
+        return inner(module, q, k, v, mask, **kw)
+
+    def refused(*args: object) -> None:
+        raise AssertionError("a [T, T] mask was built")
+
+    monkeypatch.setattr(ulysses, "full_mask", refused)
+    AttentionInterface.register(ulysses.ATTENTION_NAME, counted)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    batch = rollout_batch()
+    assert not causal_suffices(sequence_inputs(batch, "cpu")[1])  # left-padded as given
+    torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        with torch.no_grad(), data_parallel_group(None, torch.distributed.group.WORLD):
+            split = {
+                k: forward_response(model, batch, output="logprobs", with_entropy=True)[k]
+                for k in ("logprobs", "entropy")
+            }
+        with torch.no_grad():
+            whole = forward_response(model, batch, output="logprobs", with_entropy=True)
+    finally:
+        AttentionInterface.register(ulysses.ATTENTION_NAME, inner)
+        torch.distributed.destroy_process_group()
+    assert seen and all(m is None for m in seen)  # every layer's inner sdpa ran causal, without a mask
+    real = batch["response_mask"].bool()
+    for key in ("logprobs", "entropy"):
+        torch.testing.assert_close(split[key][real], whole[key][real], rtol=1e-5, atol=1e-6)
 
 
 class _Scorer:

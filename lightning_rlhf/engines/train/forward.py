@@ -3,11 +3,16 @@
 Layout of a rollout batch (same as the rollout engines produce):
 ``prompts [B, P]`` left-padded with ``prompt_mask``; ``responses [B, R]`` right-padded with
 ``response_mask`` (1 up to and including the EOS). Position ids follow the attention mask, so a left-padded
-prompt sees the positions it saw during generation.
+prompt sees the positions it saw during generation. Before the forward each row is left-aligned (:func:`left_aligned`:
+its real tokens from column 0, all padding after), so no real token has padding before it and the causal kernels
+need no ``[T, T]`` padding mask (sdpa's ``is_causal``; flash attention); the outputs are mapped back to the response
+columns. On rows of 4k tokens this made the forward and backward 1.6x faster and 0.66x the memory; at the demo's
+20-token rows it changed neither.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -17,9 +22,9 @@ from lightning_rlhf.algorithms.functional import CHUNK_ELEMENTS, TokenKernels, l
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.controller.dispatch import current_sequence_group
 from lightning_rlhf.engines.train.prefix import packed_response_logits, shares_prompts
-from lightning_rlhf.engines.train.ulysses import SequenceShard, sharded
+from lightning_rlhf.engines.train.ulysses import SequenceShard, causal_suffices, sharded
 
-__all__ = ["RESPONSE_INPUTS", "forward_response", "sequence_inputs"]
+__all__ = ["RESPONSE_INPUTS", "forward_response", "left_aligned", "sequence_inputs"]
 
 RESPONSE_INPUTS = ("prompts", "prompt_mask", "responses", "response_mask")
 """The columns :func:`forward_response` reads (with the batch's ``meta``): what a scoring role method declares in
@@ -66,8 +71,8 @@ def forward_response(
         kernels: the token log-prob kernels to try (``train_engine.layer.token_kernels()``); None: PyTorch's ops.
 
     In a sequence-parallel role call (``RLHFModule(sequence_parallel=N)``) each rank of the group computes its
-    ``1/N`` of the columns and the outputs are gathered (:mod:`~lightning_rlhf.engines.train.ulysses`); the
-    shared-prefix forward is then off.
+    ``1/N`` of the columns of the rows left-aligned (:func:`left_aligned`) and the outputs are gathered
+    (:mod:`~lightning_rlhf.engines.train.ulysses`); the shared-prefix forward is then off.
 
     Raises:
         ValueError: ``batch["prompts"]`` has no column.
@@ -78,11 +83,11 @@ def forward_response(
         return _sharded_values(model, _shard(group, input_ids), batch, input_ids, attention_mask, position_ids)
     if output == "values":
         resp_len = batch["responses"].shape[1]
-        logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits
+        input_ids, attention_mask, position_ids, shift = left_aligned(input_ids, attention_mask, position_ids)
+        mask = None if causal_suffices(attention_mask) else attention_mask
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
         # The value of the state before response token t sits at the position that predicts t.
-        return {"values": logits[:, -resp_len - 1 : -1, 0].float()}
+        return {"values": _to_responses(logits[..., 0].float(), shift, input_ids.shape[1] - resp_len - 1, resp_len)}
     if batch["prompts"].shape[1] == 0:
         raise ValueError(
             "forward_response: batch['prompts'] has 0 columns, so no position predicts the first response token. "
@@ -98,16 +103,11 @@ def forward_response(
     if group is not None:
         shard = _shard(group, input_ids)
         return _sharded_logprobs(model, shard, batch, input_ids, attention_mask, position_ids, token_kwargs)
-    logits, labels, real = _response_logits(model, batch, group_size, input_ids, attention_mask, position_ids)
+    logits, labels, place = _response_logits(model, batch, group_size, input_ids, attention_mask, position_ids)
     logprobs, entropy = logprobs_and_entropy(logits, labels, **token_kwargs)  # type: ignore[arg-type]
-    out = {"logprobs": logprobs}
+    out = {"logprobs": place(logprobs)}
     if entropy is not None:
-        out["entropy"] = entropy
-    if real is not None:  # packed real tokens -> [B, R], 0 on padding
-        out = {
-            k: torch.zeros(real.shape, dtype=v.dtype, device=v.device).masked_scatter(real, v[0])
-            for k, v in out.items()
-        }
+        out["entropy"] = place(entropy)
     return out
 
 
@@ -118,32 +118,41 @@ def _response_logits(
     input_ids: Tensor,
     attention_mask: Tensor,
     position_ids: Tensor,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The causal LM's logits at the positions that predict response tokens, their labels, and ``real``: None for
-    a per-row forward (logits ``[B, R, V]``), else the ``[B, R]`` mask of where the packed ``[1, N]`` tokens sit.
-    Runs on: worker."""
+) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """The causal LM's logits at the positions that predict response tokens, their labels, and ``place``: turns the
+    per-position outputs into ``[B, R]``. Rows shared by a group's prompt go packed (``[1, N]`` real tokens, 0 on
+    padding); others left-aligned (:func:`left_aligned`, no padding mask: the causal kernels alone), the kept
+    positions those of any row's response. Runs on: worker."""
     prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
-    real: Tensor | None = None
-    labels = input_ids[:, prompt_len:]
     if shares_prompts(model, batch, group_size):
         logits, real = packed_response_logits(model, batch, group_size, input_ids.device)
-        labels = labels[real][None]
+        labels = input_ids[:, prompt_len:][real][None]
+
+        def place(v: Tensor) -> Tensor:
+            return torch.zeros(real.shape, dtype=v.dtype, device=v.device).masked_scatter(real, v[0])
+
     else:
-        # Position p predicts token p + 1: the response tokens are predicted by positions P - 1 .. P + R - 2.
-        keep = torch.arange(prompt_len - 1, prompt_len + resp_len - 1, device=input_ids.device)
+        first = prompt_len - 1  # position p predicts token p + 1
+        input_ids, attention_mask, position_ids, shift = left_aligned(input_ids, attention_mask, position_ids)
+        start, stop = max(0, first - int(shift.max())), first + resp_len - int(shift.min())
         logits = model(  # use_cache=False: a scoring forward must not build a KV cache (transformers' default does)
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=None if causal_suffices(attention_mask) else attention_mask,
             position_ids=position_ids,
-            logits_to_keep=keep,
+            logits_to_keep=torch.arange(start, stop, device=input_ids.device),
             use_cache=False,
         ).logits
+        labels = input_ids[:, start + 1 : stop + 1]
+
+        def place(v: Tensor) -> Tensor:
+            return _to_responses(v, shift, first - start, resp_len)
+
     if logits.shape[:2] != labels.shape:
         raise RuntimeError(
-            f"forward_response: {type(model).__name__} returned logits {tuple(logits.shape)} for {resp_len} kept "
-            "positions. HINT: the causal LM must accept transformers' `logits_to_keep` as a tensor of positions."
+            f"forward_response: {type(model).__name__} returned logits {tuple(logits.shape)} for {labels.shape[1]} "
+            "kept positions. HINT: the causal LM must accept transformers' `logits_to_keep` as a tensor of positions."
         )
-    return logits, labels, real
+    return logits, labels, place
 
 
 def _shard(group: Any, input_ids: Tensor) -> SequenceShard:
@@ -151,6 +160,29 @@ def _shard(group: Any, input_ids: Tensor) -> SequenceShard:
     import torch.distributed as dist
 
     return SequenceShard(input_ids.shape[1], dist.get_world_size(group), dist.get_rank(group), group)
+
+
+def left_aligned(
+    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows moved left by their leading padding, so each starts with its real tokens (prompt, then response)
+    and all padding follows: ``input_ids``, ``attention_mask``, ``position_ids`` (a real token keeps its position;
+    padding gets its column) and ``shift`` ``[B]`` (column ``c`` of the aligned row is column ``c + shift`` of the
+    original). A causal model then needs no padding mask: no real token has padding before it. Runs on: worker."""
+    t = attention_mask.shape[1]
+    shift = (attention_mask.cumsum(1) == 0).sum(1) % t  # % t: a row of padding only stays as it is
+    cols = torch.arange(t, device=attention_mask.device)
+    index = (cols[None] + shift[:, None]) % t
+    mask = attention_mask.gather(1, index)
+    positions = torch.where(mask.bool(), position_ids.gather(1, index), cols[None])
+    return input_ids.gather(1, index), mask, positions, shift
+
+
+def _to_responses(out: Tensor, shift: Tensor, first: int, resp_len: int) -> Tensor:
+    """The response columns ``[B, resp_len]`` of per-position outputs ``out`` ``[B, >= first + resp_len]`` of
+    left-aligned rows: response column ``r`` of a row sits at aligned column ``first + r - shift``."""
+    index = first + torch.arange(resp_len, device=out.device)[None] - shift[:, None]
+    return out.gather(1, index.clamp(min=0))
 
 
 def _sharded_values(
@@ -161,13 +193,14 @@ def _sharded_values(
     attention_mask: Tensor,
     position_ids: Tensor,
 ) -> dict[str, Tensor]:
-    """:func:`forward_response`'s values with each sequence split over ``shard``'s group. Runs on: every rank of
-    the group together."""
+    """:func:`forward_response`'s values with each (left-aligned) sequence split over ``shard``'s group. Runs on:
+    every rank of the group together."""
     first = input_ids.shape[1] - batch["responses"].shape[1] - 1
+    input_ids, attention_mask, position_ids, shift = left_aligned(input_ids, attention_mask, position_ids)
     with sharded(model, shard, shard.pad(attention_mask)):
         logits = model(input_ids=shard.local(input_ids), position_ids=shard.local(position_ids), use_cache=False).logits
     values = shard.gather(logits[..., 0].float(), shard.start, shard.stop)
-    return {"values": values[:, first : first + batch["responses"].shape[1]]}
+    return {"values": _to_responses(values, shift, first, batch["responses"].shape[1])}
 
 
 def _sharded_logprobs(
@@ -179,12 +212,15 @@ def _sharded_logprobs(
     position_ids: Tensor,
     token_kwargs: dict[str, Any],
 ) -> dict[str, Tensor]:
-    """:func:`forward_response`'s log-probs (and entropy) with each sequence split over ``shard``'s group: this
-    rank's logits only at the positions it holds that predict a response token (a rank that holds none computes one
-    and sends zeros: its backward must still run the collectives). Runs on: every rank of the group together."""
+    """:func:`forward_response`'s log-probs (and entropy) with each sequence left-aligned (:func:`left_aligned`:
+    sdpa then runs causal, without a ``[T, T]`` mask) and split over ``shard``'s group: this rank's logits only at
+    the positions it holds that predict a response token of some row (a rank that holds none computes one and sends
+    zeros: its backward must still run the collectives). Runs on: every rank of the group together."""
     prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     first = prompt_len - 1  # position p predicts token p + 1
-    lo, hi = shard.kept(first, first + resp_len)
+    input_ids, attention_mask, position_ids, shift = left_aligned(input_ids, attention_mask, position_ids)
+    start = max(0, first - int(shift.max()))  # the aligned columns predicting some row's response tokens
+    lo, hi = shard.kept(start, first + resp_len - int(shift.min()))
     padded = shard.pad(input_ids)
     if hi > lo:
         keep = torch.arange(lo - shard.start, hi - shard.start, device=input_ids.device)
@@ -200,7 +236,7 @@ def _sharded_logprobs(
             use_cache=False,
         ).logits
     logprobs, entropy = logprobs_and_entropy(logits, labels, **token_kwargs)  # type: ignore[arg-type]
-    out = {"logprobs": shard.gather(logprobs, lo, hi)[:, first : first + resp_len]}
+    out = {"logprobs": _to_responses(shard.gather(logprobs, lo, hi), shift, first, resp_len)}
     if entropy is not None:
-        out["entropy"] = shard.gather(entropy, lo, hi)[:, first : first + resp_len]
+        out["entropy"] = _to_responses(shard.gather(entropy, lo, hi), shift, first, resp_len)
     return out

@@ -3,8 +3,10 @@
 The ``N`` ranks of a sequence-parallel group get the same rows; each runs the model on its contiguous ``1/N`` of the
 columns (input ids and positions computed on the whole sequence first, then sliced). Every attention layer goes
 through :data:`ATTENTION_NAME`: an all-to-all turns ``q``/``k``/``v`` of the local columns and all heads into the
-whole sequence and ``H/N`` heads, the model's own attention (``sdpa`` or ``eager``) runs with a causal and padding
-mask of the whole sequence, and a second all-to-all brings the output back. The per-token outputs (log-probs,
+whole sequence and ``H/N`` heads, the model's own attention runs on it, and a second all-to-all brings the output
+back. The forwards left-align every row first (``forward.left_aligned``: real tokens from column 0, padding after),
+so ``sdpa`` runs its causal kernels with no mask; a ``[T, T]`` mask of the whole sequence (:func:`full_mask`) is built
+only for ``eager`` attention or a row with padding between real tokens. The per-token outputs (log-probs,
 values) are gathered along the sequence, so every rank of the group computes the same loss; the gather's backward
 keeps this rank's columns of the gradient, times ``N``, since FSDP averages the gradients over all ``N * D`` ranks of
 the pool while the group's ``N`` ranks each hold one part of one sample's gradient.
@@ -46,8 +48,8 @@ __all__ = [
 
 ATTENTION_NAME = "lightning_rlhf_ulysses"
 INNER_ATTENTIONS = ("sdpa", "eager")
-"""The attention kernels the wrapper calls on the whole sequence, with a mask of it (sdpa with none, running its
-causal kernels, when no row is left-padded)."""
+"""The attention kernels the wrapper calls on the whole sequence: sdpa with no mask (its causal kernels) when every
+row is real tokens then padding (:func:`causal_suffices`), else with a mask of it."""
 
 
 def check_size(value: Any, *, setting: str) -> int:
@@ -258,10 +260,11 @@ def full_mask(attention_mask: Tensor) -> Tensor:
 
 
 def causal_suffices(attention_mask: Tensor) -> bool:
-    """Whether every row of ``attention_mask`` is ones then zeros (no left padding): then the causal mask alone gives
-    every real position the keys it should see (a right-padding position attends to the real ones before it, and its
-    output is never used), and sdpa runs its causal kernels without a ``[T, T]`` mask. Runs on: worker."""
-    return bool(attention_mask[:, 0].all()) and torch.equal(attention_mask.cummin(dim=1).values, attention_mask)
+    """Whether every row of ``attention_mask`` is ones then zeros (no left padding; all zeros: a row of padding only):
+    then the causal mask alone gives every real position the keys it should see (a padding position attends to what
+    precedes it, and its output is never used), and sdpa runs its causal kernels without a ``[T, T]`` mask. Runs on:
+    worker."""
+    return torch.equal(attention_mask.cummin(dim=1).values, attention_mask)
 
 
 def _mask(state: dict[Any, Any], dtype: torch.dtype) -> Tensor | None:
