@@ -2,6 +2,7 @@
 
     python benchmarks/bench_update_width.py                      # 3 rounds, actor and plain alternating
     python benchmarks/bench_update_width.py --rounds 1 --profile # and a torch.profiler op table of each, rank 0
+    python benchmarks/bench_update_width.py --modes actor --alt-micro-batch-size 16  # and micro-batches of 16
 
 Model: Qwen3-0.6B's published configuration cut to 2 layers (vocabulary 151,936, tied; 187M parameters, random
 weights, float32; ``bench_handoff.build``). Two processes (torchrun, gloo, one thread each), 32 samples of 10 prompt +
@@ -62,7 +63,7 @@ def batch_rows(rank: int, world: int, vocab: int) -> Any:
     return full.select(list(range(rank * per, (rank + 1) * per)))
 
 
-def actor_calls(path: str, batch: Any) -> tuple[Any, dict[str, Any]]:
+def actor_calls(path: str, batch: Any, alt_micro: int = 0) -> tuple[Any, dict[str, Any]]:
     """The actor role, sharded as the strategy shards it; its update, timed as it is now (``actor``) and as it was
     (``before``: the root unit gathered and reduced per micro-batch), alternating in the same processes. Runs on:
     each rank."""
@@ -88,10 +89,11 @@ def actor_calls(path: str, batch: Any) -> tuple[Any, dict[str, Any]]:
     actor.train_engine.materialize(torch.device("cpu"))
     actor.configure_optimizer(total_steps=1000)
     params = sum(p.numel() for p in actor.model.parameters())  # DTensors: the full count
-    keeps = layer.keeps_root_in_update
+    keeps, default_micro = layer.keeps_root_in_update, actor.train_engine.micro_batch_size
 
-    def update(before: bool) -> float:
+    def update(before: bool, micro: int = 0) -> float:
         layer.keeps_root_in_update = (lambda: False) if before else keeps  # type: ignore[method-assign]
+        actor.train_engine.micro_batch_size = micro or default_micro
         dist.barrier()
         return _timed(lambda: actor.update(batch))
 
@@ -101,6 +103,8 @@ def actor_calls(path: str, batch: Any) -> tuple[Any, dict[str, Any]]:
         calls[0] += 1
         order = (True, False) if calls[0] % 2 else (False, True)
         times = {("before" if b else "actor"): update(b) for b in order}
+        if alt_micro:  # and the update as now with another micro-batch size
+            times[f"micro{alt_micro}"] = update(False, alt_micro)
         return times | {"total": times["actor"]}
 
     call.profiled = lambda: update(False)  # type: ignore[attr-defined]
@@ -152,7 +156,10 @@ def worker(args: argparse.Namespace) -> None:
 
     vocab = AutoConfig.from_pretrained(args.worker).vocab_size
     batch = batch_rows(rank, world, vocab)
-    call, info = (plain_calls if args.mode == "plain" else actor_calls)(args.worker, batch)
+    if args.mode == "plain":
+        call, info = plain_calls(args.worker, batch)
+    else:
+        call, info = actor_calls(args.worker, batch, args.alt_micro_batch_size)
     call()  # warm-up
     runs = []
     for _ in range(args.repeats):
@@ -182,6 +189,7 @@ def launch(path: str, mode: str, args: argparse.Namespace, out: str) -> dict[str
     """One pair of processes of ``mode``. Runs on: the launcher."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
     cmd += ["--worker", path, "--mode", mode, "--repeats", str(args.repeats), "--out", out]
+    cmd += ["--alt-micro-batch-size", str(args.alt_micro_batch_size)]
     cmd += ["--profile", "--profile-rows", str(args.profile_rows)] if args.profile else []
     cmd += ["--profile-shapes"] if args.profile_shapes else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
@@ -197,6 +205,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--modes", nargs="+", default=["actor", "plain"], choices=["actor", "plain"])
+    p.add_argument("--alt-micro-batch-size", type=int, default=0, help="also time the actor with this micro-batch")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-rows", type=int, default=30)
     p.add_argument("--profile-shapes", action="store_true", help="the op table by input shapes")
