@@ -87,6 +87,11 @@ class CPULayer(DeviceLayer):
 
         return use_host_collectives(model)
 
+    def keeps_root_in_update(self) -> bool:
+        """Piece ``collectives``: at a real vocabulary the root unit is most of the model (Qwen3-0.6B's width cut to
+        2 layers: 156M of 187M parameters), and each of its gathers and reductions costs several passes over it."""
+        return enabled("collectives")
+
     def host_buffer(self, group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
         """Piece ``hand_off`` (None: off, other hosts, no room in ``/dev/shm``, one rank)."""
         return host_share.host_buffer(group, half_bytes) if enabled("hand_off") else None

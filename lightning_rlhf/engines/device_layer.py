@@ -69,6 +69,11 @@ class DeviceLayer:
         worker rank, after ``fully_shard``."""
         return 0
 
+    def keeps_root_in_update(self) -> bool:
+        """Whether an update keeps the FSDP root unit (embeddings, head) gathered over its micro-batches and reduces
+        its gradient once, before the optimizer step, instead of once per micro-batch. Runs on: worker."""
+        return False
+
     def host_buffer(self, group: dist.ProcessGroup, half_bytes: int) -> HostBuffer | None:
         """Shared memory for a hand-off's buckets among ``group``'s ranks, or None (the collective serves). Runs on:
         every rank of ``group`` together."""

@@ -421,7 +421,8 @@ class TrainEngine:
         trim_responses = not (aggregation == "seq-mean-token-sum-norm" and max_len is None)
         acc = MetricAccumulator()
         self.model.train()
-        with _kept_whole(self.model, not self.reshard_in_update, backward=True) as units:
+        root = self._layer.keeps_root_in_update()
+        with _kept_whole(self.model, not self.reshard_in_update, backward=True, root=root) as units:
             for mini in minibatches(batch, mini_batch_size=mini_size, epochs=epochs):
                 num_tokens = global_token_count(count_mask(mini)) / world()[1] if global_tokens else None
                 share = _share_of(mini, aggregation, count_mask)
@@ -514,11 +515,14 @@ class TrainEngine:
 
 
 @contextlib.contextmanager
-def _kept_whole(model: nn.Module, whole: bool, *, backward: bool) -> Iterator[list[FSDPModule]]:
+def _kept_whole(model: nn.Module, whole: bool, *, backward: bool, root: bool = False) -> Iterator[list[FSDPModule]]:
     """``whole`` (``TrainEngine.reshard_in_update`` off): the FSDP modules of ``model`` set to stay unsharded after
-    forward (and, for an update, after backward) for the call's duration, and resharded afterwards; else no modules.
+    forward (and, for an update, after backward) for the call's duration, and resharded afterwards; else no modules,
+    or with ``root`` and ``backward`` the root unit alone (the device layer's ``keeps_root_in_update``).
     Runs on: every worker rank."""
     units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)] if whole else []
+    if not units and root and backward and isinstance(model, FSDPModule):
+        units = [model]
     inner = [unit for unit in units if unit is not model]  # the root does not reshard after forward anyway
     for unit in inner:
         unit.set_reshard_after_forward(False, recurse=False)
