@@ -11,7 +11,6 @@ against SP=1: equal losses, gradient norms and weights at every step.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -20,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SCRIPTS, failure_text, run_script
+from tests.conftest import ROOT, SCRIPTS, failure_text
+from tests.distributed.test_activation_checkpointing_runs import COMPARED
+from tests.distributed.test_activation_checkpointing_runs import _run as _ppo
 
 TOLERANCE = 1e-5  # relative, float32
 
@@ -43,18 +44,6 @@ def test_sequence_parallel_equals_data_parallel_with_one_kv_head_and_checkpointi
         assert got["ulysses_calls"]["sp"] > 0 and got["ulysses_calls"]["dp"] == 0, got["ulysses_calls"]
         # rows are left-aligned: sdpa runs causal with no [T, T] mask even for left-padded prompts; eager needs one
         assert (got["masks_built"] > 0) == (kind == "actor-eager"), (kind, got["masks_built"])
-
-
-COMPARED = ("actor/grad_norm", "actor/pg_loss", "critic/grad_norm", "critic/vf_loss")
-
-
-def _ppo(model: str, out: Path, *extra: str) -> tuple[list[dict[str, str]], dict[str, object]]:
-    args = ["--model", model, "--out", str(out), "--algo", "ppo", "--steps", "2", "--n", "4", "--kl-coef", "0.01"]
-    proc = run_script("train.py", *args, *extra)
-    assert proc.returncode == 0, failure_text(proc)
-    with open(out / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("actor/grad_norm")]
-    return rows, json.loads((out / "result.json").read_text())
 
 
 @pytest.mark.long  # about 80 s; CI: the engine-level check above (same forwards, losses and FSDP reduction)
