@@ -4,11 +4,22 @@ every parameter sharded again after the update."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from lightning_rlhf.cpu import CPULayer
+from lightning_rlhf.engines.train import forward_response
+
+
+def all_sharded(actor: Any, world: int) -> bool:
+    """Whether every parameter of the actor's model is a shard (none left gathered)."""
+    return all(
+        type(p.data).__name__ == "DTensor" and p.data.to_local().shape[0] < p.shape[0]
+        for p in actor.model.parameters()
+        if p.dim() and p.shape[0] >= world
+    )
 
 
 def _rank(rank: int, world: int, init: str, path: str, out: str) -> None:
@@ -32,12 +43,11 @@ def _rank(rank: int, world: int, init: str, path: str, out: str) -> None:
             actor.update(batch)
             saved[f"gathers{keep}"] = stop()
             saved[f"grads{keep}"] = grads
-            saved[f"sharded{keep}"] = all(
-                type(p.data).__name__ == "DTensor" and p.data.to_local().shape[0] < p.shape[0]
-                for p in actor.model.parameters()
-                if p.dim() and p.shape[0] >= world
-            )
-            saved[f"after{keep}"] = scores(actor, batch)  # after: a no-grad forward leaves the root whole
+            saved[f"sharded{keep}"] = all_sharded(actor, world)
+            saved[f"after{keep}"] = scores(actor, batch)  # a no-grad forward, which FSDP2 ends with the root whole
+            assert not all_sharded(actor, world)
+            actor.train_engine.infer(batch, functools.partial(forward_response, output="logprobs"))
+            saved[f"sharded_after_scoring{keep}"] = all_sharded(actor, world)  # ... the engine's infer reshards it
         torch.save(saved, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -58,3 +68,4 @@ def test_the_cpu_layer_keeps_the_root_gathered_over_an_update(tiny_model: str, t
     torch.testing.assert_close(r0["afterTrue"], r0["afterFalse"], rtol=0, atol=1e-5)
     assert r0["gathersFalse"] - r0["gathersTrue"] == 3  # the root: once instead of once per micro-batch (4)
     assert r0["shardedTrue"] and r0["shardedFalse"]
+    assert r0["sharded_after_scoringTrue"] and r0["sharded_after_scoringFalse"]

@@ -517,12 +517,13 @@ class TrainEngine:
 @contextlib.contextmanager
 def _kept_whole(model: nn.Module, whole: bool, *, backward: bool, root: bool = False) -> Iterator[list[FSDPModule]]:
     """``whole`` (``TrainEngine.reshard_in_update`` off): the FSDP modules of ``model`` set to stay unsharded after
-    forward (and, for an update, after backward) for the call's duration, and resharded afterwards; else no modules,
-    or with ``root`` and ``backward`` the root unit alone (the device layer's ``keeps_root_in_update``).
+    forward (and, for an update, after backward) for the call's duration, and resharded afterwards; else the root unit
+    alone for a call without backward (FSDP2 keeps the root's embedding and head whole after a forward: a scoring
+    role would hold them between steps) or with ``root`` (the device layer's ``keeps_root_in_update``), else none.
     Runs on: every worker rank."""
     units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)] if whole else []
-    if not units and root and backward and isinstance(model, FSDPModule):
-        units = [model]
+    if not units and (root or not backward) and isinstance(model, FSDPModule):
+        units = [model]  # FSDP2 leaves the root whole after a forward: a no-grad call reshards it when done
     inner = [unit for unit in units if unit is not model]  # the root does not reshard after forward anyway
     for unit in inner:
         unit.set_reshard_after_forward(False, recurse=False)

@@ -18,9 +18,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_rlhf.algorithms.functional import CHUNK_ELEMENTS, TokenKernels, logprobs_and_entropy
+from lightning_rlhf.algorithms.functional import CHUNK_ELEMENTS, TokenKernels
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.controller.dispatch import current_sequence_group
+from lightning_rlhf.engines.train.head import TokenHead
 from lightning_rlhf.engines.train.prefix import packed_response_logits, shares_prompts
 from lightning_rlhf.engines.train.ulysses import SequenceShard, causal_suffices, sharded
 
@@ -103,30 +104,35 @@ def forward_response(
     if group is not None:
         shard = _shard(group, input_ids)
         return _sharded_logprobs(model, shard, batch, input_ids, attention_mask, position_ids, token_kwargs)
-    logits, labels, place = _response_logits(model, batch, group_size, input_ids, attention_mask, position_ids)
-    logprobs, entropy = logprobs_and_entropy(logits, labels, **token_kwargs)  # type: ignore[arg-type]
+    logprobs, entropy, place = _response_logprobs(
+        model, batch, group_size, input_ids, attention_mask, position_ids, token_kwargs
+    )
     out = {"logprobs": place(logprobs)}
     if entropy is not None:
         out["entropy"] = place(entropy)
     return out
 
 
-def _response_logits(
+def _response_logprobs(
     model: nn.Module,
     batch: Batch,
     group_size: int,
     input_ids: Tensor,
     attention_mask: Tensor,
     position_ids: Tensor,
-) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
-    """The causal LM's logits at the positions that predict response tokens, their labels, and ``place``: turns the
+    token_kwargs: dict[str, Any],
+) -> tuple[Tensor, Tensor | None, Callable[[Tensor], Tensor]]:
+    """The log-probs (and entropies) at the positions that predict response tokens, and ``place``: turns the
     per-position outputs into ``[B, R]``. Rows shared by a group's prompt go packed (``[1, N]`` real tokens, 0 on
     padding); others left-aligned (:func:`left_aligned`, no padding mask: the causal kernels alone), the kept
-    positions those of any row's response. Runs on: worker."""
+    positions those of any row's response. The head computes them in blocks at a large vocabulary
+    (:class:`~lightning_rlhf.engines.train.head.TokenHead`). Runs on: worker."""
     prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     if shares_prompts(model, batch, group_size):
-        logits, real = packed_response_logits(model, batch, group_size, input_ids.device)
-        labels = input_ids[:, prompt_len:][real][None]
+        real = batch["response_mask"].to(input_ids.device).bool()
+        head = TokenHead(model, input_ids[:, prompt_len:][real][None], **token_kwargs)
+        with head.installed():
+            logits, real = packed_response_logits(model, batch, group_size, input_ids.device)
 
         def place(v: Tensor) -> Tensor:
             return torch.zeros(real.shape, dtype=v.dtype, device=v.device).masked_scatter(real, v[0])
@@ -135,24 +141,27 @@ def _response_logits(
         first = prompt_len - 1  # position p predicts token p + 1
         input_ids, attention_mask, position_ids, shift = left_aligned(input_ids, attention_mask, position_ids)
         start, stop = max(0, first - int(shift.max())), first + resp_len - int(shift.min())
-        logits = model(  # use_cache=False: a scoring forward must not build a KV cache (transformers' default does)
-            input_ids=input_ids,
-            attention_mask=None if causal_suffices(attention_mask) else attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=torch.arange(start, stop, device=input_ids.device),
-            use_cache=False,
-        ).logits
-        labels = input_ids[:, start + 1 : stop + 1]
+        head = TokenHead(model, input_ids[:, start + 1 : stop + 1], **token_kwargs)
+        with head.installed():
+            logits = model(  # use_cache=False: a scoring forward must not build a KV cache (transformers' default)
+                input_ids=input_ids,
+                attention_mask=None if causal_suffices(attention_mask) else attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=torch.arange(start, stop, device=input_ids.device),
+                use_cache=False,
+            ).logits
 
         def place(v: Tensor) -> Tensor:
             return _to_responses(v, shift, first - start, resp_len)
 
-    if logits.shape[:2] != labels.shape:
+    if logits.shape[:2] != head.labels.shape:
         raise RuntimeError(
-            f"forward_response: {type(model).__name__} returned logits {tuple(logits.shape)} for {labels.shape[1]} "
-            "kept positions. HINT: the causal LM must accept transformers' `logits_to_keep` as a tensor of positions."
+            f"forward_response: {type(model).__name__} returned logits {tuple(logits.shape)} for "
+            f"{head.labels.shape[1]} kept positions. HINT: the causal LM must accept transformers' `logits_to_keep` "
+            "as a tensor of positions."
         )
-    return logits, labels, place
+    logprobs, entropy = head.read(logits)
+    return logprobs, entropy, place
 
 
 def _shard(group: Any, input_ids: Tensor) -> SequenceShard:
@@ -228,14 +237,15 @@ def _sharded_logprobs(
     else:
         keep = torch.zeros(1, dtype=torch.long, device=input_ids.device)
         labels = torch.zeros(len(input_ids), 1, dtype=input_ids.dtype, device=input_ids.device)
-    with sharded(model, shard, shard.pad(attention_mask)):
+    head = TokenHead(model, labels, **token_kwargs)
+    with sharded(model, shard, shard.pad(attention_mask)), head.installed():
         logits = model(
             input_ids=shard.local(input_ids),
             position_ids=shard.local(position_ids),
             logits_to_keep=keep,
             use_cache=False,
         ).logits
-    logprobs, entropy = logprobs_and_entropy(logits, labels, **token_kwargs)  # type: ignore[arg-type]
+    logprobs, entropy = head.read(logits)
     out = {"logprobs": _to_responses(shard.gather(logprobs, lo, hi), shift, first, resp_len)}
     if entropy is not None:
         out["entropy"] = _to_responses(shard.gather(entropy, lo, hi), shift, first, resp_len)
