@@ -4,10 +4,11 @@ micro-batch never exist whole.
 At a real vocabulary the logits dominate a training forward's memory once the blocks are checkpointed: Qwen2.5's
 151,936-token head gives 0.6 GB of float32 logits for two 512-token rows, and their gradient as much again.
 :class:`TokenHead` replaces the head's ``forward`` for one model call, so the log-probs (and entropies) are computed
-inside the model's own forward, ``HEAD_CHUNK_ELEMENTS`` logits at a time; under gradients each block is checkpointed
-(its logits recomputed in the backward: one more head matmul per token). What the model returns in ``.logits`` is
-then ``[B, K, 1]`` (log-probs) or ``[B, K, 2]`` (log-probs, entropies): going back through the model's output keeps
-FSDP2's pre-backward hook on it, so the head's weight is gathered when the backward reaches it.
+inside the model's own forward, ``HEAD_CHUNK_ELEMENTS`` logits at a time; the backward recomputes each block's
+logits (one more head matmul per token) and adds its share into one gradient of the head's weight. What the model
+returns in ``.logits`` is then ``[B, K, 1]`` (log-probs) or ``[B, K, 2]`` (log-probs, entropies): going back through
+the model's output keeps FSDP2's pre-backward hook on it, so the head's weight is gathered when the backward reaches
+it.
 
 The same role in verl is its optional fused kernels (hidden states to log-probs); here the blocks reuse the
 project's own token log-prob function (:func:`~lightning_rlhf.algorithms.functional.logprobs_and_entropy`), so the
@@ -23,7 +24,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 from lightning_rlhf.algorithms.functional import logprobs_and_entropy
 
@@ -93,10 +93,14 @@ class TokenHead:
         whole logits."""
         if self.linear is None:
             return logprobs_and_entropy(out, self.labels, **self.token_kwargs)
-        return out[..., 0], (out[..., 1] if self.token_kwargs.get("with_entropy") else None)
+        if not self.token_kwargs.get("with_entropy"):
+            return out[..., 0], None
+        entropy = out[..., 1]
+        return out[..., 0], (entropy if self.token_kwargs.get("entropy_grad", True) else entropy.detach())
 
     def _forward(self, hidden: Tensor) -> Tensor:
         """The head's replacement: ``hidden`` ``[B, K, H]`` to ``[B, K, 1 or 2]`` float32 (log-prob, entropy)."""
+        assert self.linear is not None
         flat = hidden.reshape(-1, hidden.shape[-1])
         labels = self.labels.reshape(-1).to(hidden.device)
         if flat.shape[0] != labels.shape[0]:
@@ -104,22 +108,69 @@ class TokenHead:
                 f"TokenHead: the head got {flat.shape[0]} positions for {labels.shape[0]} labels. HINT: the model "
                 "must pass `logits_to_keep`'s positions alone to its head."
             )
-        recompute = torch.is_grad_enabled() and (flat.requires_grad or self.linear.weight.requires_grad)  # type: ignore[union-attr]
-        blocks = []
-        for start in range(0, flat.shape[0], self.block_rows):
-            rows = slice(start, start + self.block_rows)
-            if recompute:  # keep the block's input only; its logits come back in the backward
-                blocks.append(checkpoint(self._block, flat[rows], labels[rows], use_reentrant=False))
-            else:
-                blocks.append(self._block(flat[rows], labels[rows]))
-        return torch.cat(blocks).view(*hidden.shape[:-1], -1)
+        out = _HeadLogprobs.apply(flat, self.linear.weight, labels, self.block_rows, self.token_kwargs)
+        return out.view(*hidden.shape[:-1], -1)
 
-    def _block(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """One block: its logits, then their log-probs (and entropies) as ``[n, 1 or 2]``."""
-        assert self.linear is not None
-        logits = F.linear(hidden, self.linear.weight)
-        logp, entropy = logprobs_and_entropy(logits[None], labels[None], **self.token_kwargs)
-        return logp[0, :, None] if entropy is None else torch.stack([logp[0], entropy[0]], dim=-1)
+
+class _HeadLogprobs(torch.autograd.Function):
+    """``[N, 1 or 2]`` log-probs (and entropies) of ``labels`` under ``hidden @ weight.T``, ``rows`` positions at a
+    time. Saves the inputs only; the backward recomputes each block's logits, takes their gradient from
+    :func:`logprobs_and_entropy`'s own backward, and adds the block's share into one gradient of the weight (float32
+    when the weight is 16-bit) and of the hidden states."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, rows: int, token_kwargs: dict[str, Any]
+    ) -> Tensor:
+        ctx.rows, ctx.token_kwargs = rows, token_kwargs
+        ctx.save_for_backward(hidden, weight, labels)
+        blocks = []
+        for start in range(0, hidden.shape[0], rows):
+            logp, entropy = _block(hidden[start : start + rows], weight, labels[start : start + rows], token_kwargs)
+            blocks.append(logp[:, None] if entropy is None else torch.stack([logp, entropy], dim=-1))
+        return torch.cat(blocks)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden, weight, labels = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        if grad_out is None or not (need_hidden or need_weight):
+            return None, None, None, None, None
+        kwargs = ctx.token_kwargs
+        entropy_grad = bool(kwargs.get("with_entropy")) and kwargs.get("entropy_grad", True)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        wide = weight.dtype if weight.dtype == torch.float32 else torch.float32
+        grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.rows):
+            rows = slice(start, start + ctx.rows)
+            h = hidden[rows]
+            with torch.enable_grad():
+                logits = F.linear(h, weight).detach().requires_grad_()
+                logp, entropy = logprobs_and_entropy(logits[None], labels[None, rows], **kwargs)
+                outputs, grads = [logp[0]], [grad_out[rows, 0]]
+                if entropy_grad and entropy is not None:
+                    outputs.append(entropy[0])
+                    grads.append(grad_out[rows, 1])
+                (grad_logits,) = torch.autograd.grad(outputs, logits, grads)
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])
+            if grad_weight is not None:
+                if grad_weight.dtype == grad_logits.dtype:
+                    grad_weight.addmm_(grad_logits.t(), h)
+                else:
+                    grad_weight.add_(grad_logits.t().mm(h))
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _block(
+    hidden: Tensor, weight: Tensor, labels: Tensor, token_kwargs: dict[str, Any]
+) -> tuple[Tensor, Tensor | None]:
+    """One block without gradients: its logits, then their log-probs (and entropies), ``[n]`` each."""
+    with torch.no_grad():
+        logp, entropy = logprobs_and_entropy(F.linear(hidden, weight)[None], labels[None], **token_kwargs)
+    return logp[0], (entropy[0] if entropy is not None else None)
 
 
 def _plain_head(model: nn.Module) -> nn.Linear | None:
