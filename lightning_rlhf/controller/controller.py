@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.compat.glibc import release_free_heap
 from lightning_rlhf.controller.dispatch import (
     Dispatch,
     Role,
@@ -43,6 +42,7 @@ from lightning_rlhf.controller.dispatch import (
     split_args,
     with_written,
 )
+from lightning_rlhf.controller.host_memory import release_free_heap
 from lightning_rlhf.controller.liveness import ERROR_KEY, STOP_KEY, Liveness, RankDiedError, Watchdog
 
 __all__ = ["Controller", "ControllerError", "RankDiedError", "WorkerError"]
@@ -492,7 +492,7 @@ class Controller:
                 started, wall = time.perf_counter(), time.time()
                 with self._call_window() as memory:  # a background call's memory is not told apart from the others'
                     result = self._execute(call)
-                    release_free_heap()  # the call's freed host memory back to the system (compat/glibc.py)
+                    release_free_heap()  # the call's freed host memory back to the system (controller/host_memory.py)
                 took = time.perf_counter() - started
                 results.append((call.index, result, took, memory))
                 if log.isEnabledFor(logging.DEBUG):  # what benchmarks/rss_sampler.py lines its samples up with

@@ -1,4 +1,4 @@
-"""``compat/glibc.py``: freed heap memory goes back to the system; the controller calls it after each role call."""
+"""``controller/host_memory.py``: freed heap goes back to the system; the worker loop calls it after each call."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from lightning_rlhf.compat import glibc
+from lightning_rlhf.controller import host_memory as glibc
 
 CHILD = """
 import torch
-from lightning_rlhf.compat.glibc import release_free_heap
+from lightning_rlhf.controller.host_memory import release_free_heap
 
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
