@@ -16,24 +16,37 @@ batch holds; a micro-batch of one row has its padding columns cut before the for
 (forward, backward, AdamW step); each rank prints its peak resident memory over them (``VmHWM`` after them minus
 ``VmRSS`` before: the process's high-water mark, so each configuration runs in a fresh launch) and the last
 update's seconds, as one JSON line per rank.
+
+On two GPUs (``gpu_check.sh``'s ``size`` part, issue 45)::
+
+    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_sequence_parallel.py --device cuda --bf16 \
+        --family qwen2.5-0.5b --layers 24 --sp 2 --tokens 8192 --checkpointing
+
+``--device cuda``: NCCL, one GPU per rank; the peak is ``torch.cuda.max_memory_allocated`` over the updates less the
+memory allocated before them (the sharded weights and, after the first update, nothing else: AdamW's state is created
+in the first update, so it counts). ``--family NAME --layers N``: that family's model
+(``lightning_rlhf/demo/families.py``, random weights, built in memory on every rank) instead of the small one;
+``--bf16``: computed in bfloat16 (FSDP2's ``param_dtype``; float32 weights and gradient reduction).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2Config
 
 from lightning_rlhf.algorithms import MicroBatchAggregation
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig
 from lightning_rlhf.controller.dispatch import data_parallel_group
+from lightning_rlhf.demo.families import family_config
 from lightning_rlhf.engines.train import TrainEngine, forward_response
 
 
@@ -46,20 +59,13 @@ def _status(field: str) -> float:
     return 0.0
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--sp", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--checkpointing", action="store_true")
-    p.add_argument("--rows-per-micro", type=int, default=1)
-    p.add_argument("--left-pad", type=int, default=0)
-    p.add_argument("--updates", type=int, default=2)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    group = dist.new_group([0, 1])
-    config = Qwen2Config(
+def _config(args: argparse.Namespace) -> PretrainedConfig:
+    """The model's configuration: ``--family`` at ``--layers``, or the vs-TRL small model."""
+    if args.family:
+        config = family_config(args.family, layers=args.layers)
+        config.max_position_embeddings = max(config.max_position_embeddings, args.tokens)
+        return config
+    return Qwen2Config(
         vocab_size=4096,
         hidden_size=256,
         intermediate_size=704,
@@ -71,13 +77,37 @@ def main() -> None:
         tie_word_embeddings=True,
         attn_implementation="sdpa",
     )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sp", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--rows-per-micro", type=int, default=1)
+    p.add_argument("--left-pad", type=int, default=0)
+    p.add_argument("--updates", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--family", default="", help="a family of lightning_rlhf/demo/families.py, e.g. qwen2.5-0.5b")
+    p.add_argument("--layers", type=int, default=None, help="the family's depth (default: its test cut)")
+    p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (FSDP2's param_dtype)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
     torch.manual_seed(0)
     engine = TrainEngine(micro_batch_size=args.rows_per_micro, optim=OptimConfig(lr=1e-6))
-    engine.bind(Qwen2ForCausalLM(config).float())
+    engine.bind(AutoModelForCausalLM.from_config(_config(args), dtype=torch.float32, attn_implementation="sdpa"))
     engine.activation_checkpointing = args.checkpointing
     engine.sequence_parallel = args.sp
-    engine.shard(init_device_mesh("cpu", (2,)), param_dtype=None)
-    engine.materialize(torch.device("cpu"))
+    engine.shard(init_device_mesh(args.device, (2,)), param_dtype=torch.bfloat16 if args.bf16 else None)
+    engine.materialize(device)
     engine.configure_optimizer(10)
     g = torch.Generator().manual_seed(0)
     n_rows, prompt, response = 2 * args.rows_per_micro, 16, args.tokens - 16
@@ -97,18 +127,26 @@ def main() -> None:
     def loss_fn(micro: Batch, agg: MicroBatchAggregation) -> tuple[Tensor, dict[str, Tensor]]:
         assert engine.model is not None
         out = forward_response(engine.model, micro, output="logprobs")
-        value = agg.aggregate(-out["logprobs"] * micro["advantages"], micro["response_mask"].float())
+        logp = out["logprobs"]
+        advantages, mask = micro["advantages"].to(logp.device), micro["response_mask"].to(logp.device)
+        value = agg.aggregate(-logp * advantages, mask.float())
         return value, {}
 
-    resting = _status("VmRSS")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    resting = torch.cuda.memory_allocated() / 2**20 if cuda else _status("VmRSS")
     seconds = []
     for _ in range(args.updates):
         started = time.perf_counter()
         with data_parallel_group(None, group if args.sp == 2 else None):
             engine.train(rows, loss_fn, aggregation="token-mean", count_mask=lambda b: b["response_mask"])
+        if cuda:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
-    peak = _status("VmHWM")
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _status("VmHWM")
     row = {"rank": rank, "sp": args.sp, "tokens": args.tokens, "checkpointing": args.checkpointing}
+    row |= {"device": args.device, "family": args.family or "small", "bf16": args.bf16}
     row |= {"rows_per_micro": args.rows_per_micro, "left_pad": args.left_pad}
     print(json.dumps(row | {"peak_over_resting_mib": round(peak - resting), "update_s": round(seconds[-1], 2)}))
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU checks, in one call of a lent GPU machine (about 9 minutes; the machine has torch, Lightning and
+# The GPU checks, in one call of a lent GPU machine (about 11 minutes; the machine has torch, Lightning and
 # transformers but no datasets or TRL, and no network). Here, first: `make gpu-wheels` (fills .whl/, ignored by
 # git); then run this script there from the repository root with `.whl` carried. What it does:
 #   1. installs the carried wheels (datasets, TRL 1.16 and their missing dependencies) into /tmp/site;
@@ -13,12 +13,17 @@
 #   7. handoff (issue 44): every weight hand-off on CUDA fingerprinted (FSDP2 -> transformers engine, bf16), a lost
 #      tensor failing its step; the check's share of the step;
 #   8. learn (issue 44): the demo with transformers' generate in bf16, 100 steps, gain >= 0.3.
-# PARTS="handoff learn" (names: tests profile tools bench lora handoff learn) runs only those; all by default.
+#   9. size (issue 45): a GRPO-style actor step (forward + backward) of Qwen2.5-0.5B's shape at its full 24 layers
+#      (random weights, built here), bf16, one row of 66 prompt + 512 / 2048 / 8192 response tokens, activation
+#      checkpointing off/on x the blocked token head off/on: peak max_memory_allocated and step time of each (OOM
+#      reported, not fatal; benchmarks/bench_token_head.py), size.txt; with 2+ GPUs also SP 1 against SP 2 at 8192
+#      tokens (benchmarks/bench_sequence_parallel.py, size_sp1.txt / size_sp2.txt), else says why not (size_sp.txt).
+# PARTS="handoff learn" (names: tests profile tools bench lora handoff learn size) runs only those; all by default.
 # Every part has its own time limit; logs and tables go to $OUT (the device tool's folder), or ./gpu_out.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-PARTS=${PARTS:-tests profile tools bench lora handoff learn}
+PARTS=${PARTS:-tests profile tools bench lora handoff learn size}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 if ! python3 -c "import matplotlib" 2>/dev/null; then  # the demo's plots
@@ -51,6 +56,21 @@ if want learn; then
   tail -3 "$OUT/gpu_learn.txt"
   for f in /tmp/pt_learn/*/runs/*/*/metrics.csv; do cp "$f" "$OUT/learn_metrics.csv"; done
   python3 benchmarks/verify_share.py "$OUT/learn_metrics.csv" | tee "$OUT/learn_verify_share.txt"
+fi
+if want size; then  # about 1-2 minutes: the model is built and loaded once, 12 measurements of 3 passes
+  step size 150 python3 benchmarks/bench_token_head.py --device cuda --dtype bf16 --layers 24 --rows 1 \
+    --resp-len 512,2048,8192 --activation-checkpointing both --passes train --repeats 2 --threads 8
+  grep -v "Loading weights" "$OUT/size.txt" | tail -16
+  NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  if [ "${NGPU:-0}" -ge 2 ]; then
+    for sp in 1 2; do
+      step "size_sp$sp" 120 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_sequence_parallel.py \
+        --device cuda --bf16 --family qwen2.5-0.5b --layers 24 --sp "$sp" --tokens 8192 --checkpointing
+      grep '^{' "$OUT/size_sp$sp.txt"
+    done
+  else
+    echo "size: SP 2 needs two GPUs; this machine has ${NGPU:-0}, so SP 1 vs SP 2 is skipped" | tee "$OUT/size_sp.txt"
+  fi
 fi
 want profile || want tools || want bench || want lora || exit 0
 MODEL=$(python3 -c "from lightning_rlhf.demo import prepare_demo_model; print(prepare_demo_model('/tmp/cache'))" 2>/dev/null | tail -1)
