@@ -4,7 +4,9 @@ against data parallelism on the same global batch.
 CI: ``tests/scripts/sequence_parallel_check.py`` under torchrun, a model with 1 key/value head (replicated to the
 group) and activation checkpointing: the actor's log-probs and entropy, the critic's values, and the weight change of
 one update of each equal the data-parallel run's, with no ``[T, T]`` mask built (rows are left-aligned, sdpa runs
-causal); also without left padding and with the model's eager attention (which takes a mask). Long tier: two PPO
+causal); also without left padding, with the model's eager attention (which takes a mask), and with LoRA adapters
+on the actor (peft; every ``lora_B`` non-zero): the adapters' update equals the data-parallel one, ``lora_A``
+included, and the frozen base does not move. Long tier: two PPO
 runs through the whole trainer (controller dispatch, reference, critic, actor), SP=2 with activation checkpointing
 against SP=1: equal losses, gradient norms and weights at every step.
 """
@@ -34,6 +36,7 @@ def test_sequence_parallel_equals_data_parallel_with_one_kv_head_and_checkpointi
     assert proc.returncode == 0, failure_text(proc)
     report = json.loads(out.read_text())
     cases = {"actor": ("logprobs", "entropy"), "critic": ("values",), "actor-causal": ("logprobs",)}
+    cases |= {"actor-lora": ("logprobs", "entropy")}
     for kind, outputs in (cases | {"actor-eager": ("logprobs",)}).items():
         got = report[kind]
         assert set(got["outputs"]) >= set(outputs), got
@@ -44,6 +47,11 @@ def test_sequence_parallel_equals_data_parallel_with_one_kv_head_and_checkpointi
         assert got["ulysses_calls"]["sp"] > 0 and got["ulysses_calls"]["dp"] == 0, got["ulysses_calls"]
         # rows are left-aligned: sdpa runs causal with no [T, T] mask even for left-padded prompts; eager needs one
         assert (got["masks_built"] > 0) == (kind == "actor-eager"), (kind, got["masks_built"])
+        for moved in got["moved"].values():  # every trained tensor changed (lora_A too), no frozen one
+            assert all(n == total for key, (n, total) in moved.items() if key != "frozen"), (kind, moved)
+            assert moved.get("frozen", [0])[0] == 0, (kind, moved)
+        kinds = {"lora_A", "lora_B", "frozen"} if kind == "actor-lora" else {"trained"}
+        assert set(got["moved"]["sp"]) == kinds, (kind, got["moved"])
 
 
 @pytest.mark.long  # about 80 s; CI: the engine-level check above (same forwards, losses and FSDP reduction)

@@ -7,8 +7,11 @@ with FSDP2 over both ranks by the training engine. One global batch (left-padded
 through the engine twice: DP=2 (each rank half the rows, no sequence group) and SP=2 (both ranks all rows, each half
 of every sequence). Per model: the scoring forward's outputs (``infer``: log-probs and entropy, values) and the
 weight change of one ``train`` step (AdamW with a large ``eps``: the change is the learning rate times the gradient
-over ``eps``, linear in the gradient). Rank 0 writes the relative differences, the loss metrics and how many
-times the Ulysses attention ran and built a ``[T, T]`` mask to ``--out`` (JSON).
+over ``eps``, linear in the gradient). ``actor-lora``: the actor with LoRA adapters (``RLHFModule(lora=...)``,
+rank 4 on every linear layer, peft), every ``lora_B`` set non-zero so that ``lora_A`` gets a gradient; only the
+adapters train. Rank 0 writes the relative differences, the loss metrics, which weights moved (``lora_A``,
+``lora_B``, other trained, frozen) and how many times the Ulysses attention ran and built a ``[T, T]`` mask to
+``--out`` (JSON).
 
 Usage: torchrun --nproc-per-node 2 tests/scripts/sequence_parallel_check.py --out F [--kv-heads 1] [--checkpointing]
 """
@@ -30,6 +33,7 @@ from lightning_rlhf.config import OptimConfig
 from lightning_rlhf.controller.dispatch import data_parallel_group
 from lightning_rlhf.engines.train import TrainEngine, forward_response, ulysses
 from lightning_rlhf.engines.train.engine import LossFn
+from lightning_rlhf.engines.train.lora import apply_lora, resolve_lora
 from lightning_rlhf.roles.base import disable_dropout
 from lightning_rlhf.strategy.strategy import shutdown_process_groups
 
@@ -85,7 +89,26 @@ def build(kind: str, kv_heads: int) -> nn.Module:
     cls = Qwen2ForTokenClassification if kind == "critic" else Qwen2ForCausalLM
     model = cls(config).float()
     disable_dropout(model)  # as the roles do (the classifier's head has dropout)
-    return model
+    return with_adapters(model) if kind == "actor-lora" else model
+
+
+def with_adapters(model: nn.Module) -> nn.Module:
+    """``model`` wrapped with LoRA adapters as ``RLHFModule(lora={"r": 4})`` gives the actor (every linear layer),
+    every ``lora_B`` then set to the same non-zero values on every rank: they start at zero, which leaves ``lora_A``
+    without a gradient."""
+    setting = "RLHFModule(lora=...)"
+    wrapped = apply_lora(model, resolve_lora({"r": 4}, setting=setting, task_type="CAUSAL_LM"), setting=setting)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    return wrapped
+
+
+def part(name: str, trained: bool) -> str:
+    """Which kind of weight ``name`` is: ``lora_A``, ``lora_B``, another ``trained`` weight, or ``frozen``."""
+    return next((k for k in ("lora_A", "lora_B") if k in name), "trained" if trained else "frozen")
 
 
 def loss_fn(kind: str, engine: TrainEngine) -> LossFn:
@@ -117,7 +140,8 @@ def run(kind: str, kv_heads: int, sp: int, checkpointing: bool, group: object) -
     engine.materialize(torch.device("cpu"))
     engine.configure_optimizer(10)
     assert engine.model is not None
-    before = [p.full_tensor().detach().clone() for p in engine.model.parameters()]
+    named = list(engine.model.named_parameters())
+    before = [p.full_tensor().detach().clone() for _, p in named]
     batch = rollout(left_padded=kind != "actor-causal")
     rows = batch.chunk(world // sp)[rank // sp]  # a sequence-parallel group's ranks get the same rows
     output = "values" if kind == "critic" else "logprobs"
@@ -129,11 +153,17 @@ def run(kind: str, kv_heads: int, sp: int, checkpointing: bool, group: object) -
     parts: list[dict[str, Tensor] | None] = [None] * world
     dist.all_gather_object(parts, scored)  # every part, in row order: the first rank's of each group
     scored = {k: torch.cat([h[k] for h in parts[::sp] if h is not None]) for k in scored}
-    after = [p.full_tensor().detach() for p in engine.model.parameters()]
+    after = [p.full_tensor().detach() for _, p in named]
+    moved: dict[str, list[int]] = {}  # kind of weight -> [tensors that changed, tensors]
+    for (name, param), a, b in zip(named, after, before, strict=True):
+        count = moved.setdefault(part(name, param.requires_grad), [0, 0])
+        count[0] += int(not torch.equal(a, b))
+        count[1] += 1
     return {
         "scored": scored,
         "delta": torch.cat([(a - b).flatten() for a, b in zip(after, before, strict=True)]),
         "metrics": acc.result(kind),
+        "moved": moved,
     }
 
 
@@ -159,8 +189,8 @@ def main() -> None:
     mask = rollout()["response_mask"].bool()  # the same responses with and without left padding
     report: dict[str, object] = {}
     # actor-causal: prompts without left padding, where sdpa runs its causal kernels without a mask; actor-eager:
-    # the model's eager attention inside the wrapper (an additive mask)
-    for kind in ("actor", "critic", "actor-causal", "actor-eager"):
+    # the model's eager attention inside the wrapper (an additive mask); actor-lora: LoRA adapters on the actor
+    for kind in ("actor", "critic", "actor-causal", "actor-eager", "actor-lora"):
         dp = run(kind, args.kv_heads, 1, args.checkpointing, None)
         calls = CALLS[0]
         sp = run(kind, args.kv_heads, 2, args.checkpointing, group)
@@ -169,6 +199,7 @@ def main() -> None:
             "delta": relative(sp["delta"], dp["delta"]),  # type: ignore[arg-type]
             "delta_norm": float(dp["delta"].norm()),  # type: ignore[union-attr]
             "metrics": {"dp": dp["metrics"], "sp": sp["metrics"]},
+            "moved": {"dp": dp["moved"], "sp": sp["moved"]},
             "ulysses_calls": {"dp": calls, "sp": CALLS[0] - calls},
             "masks_built": MASKS[0],
         }
