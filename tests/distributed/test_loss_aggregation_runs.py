@@ -1,10 +1,12 @@
-"""The loss and its gradients do not depend on the number of data-parallel ranks: ``loss_aggregation_check.py``
-under torchrun (2 processes, gloo, FSDP2) splits one mini-batch over the ranks as the controller does (contiguous
-halves with 21 and 7 response tokens; balanced by tokens with the token budget; by trained tokens when
-zero-advantage rows are skipped, which leaves one rank none; once as two mini-batches) and compares the gathered
-gradients of the actor's and the critic's updates, and the loss metrics they report, with those of each
-mini-batch's loss written from each aggregation's definition (the one-rank updates are compared with the same
-reference in ``tests/unit/test_loss_aggregation.py``)."""
+"""The loss and its gradients do not depend on the number of data-parallel ranks or on sequence parallelism:
+``loss_aggregation_check.py`` under torchrun (2 processes, gloo, FSDP2) splits one mini-batch over the ranks as the
+controller does (contiguous halves with 21 and 7 response tokens; balanced by tokens with the token budget; by
+trained tokens when zero-advantage rows are skipped, which leaves one rank none; once as two mini-batches), or
+gives both ranks every row as one sequence-parallel group (SP=2: each rank runs half of every sequence, through
+the Ulysses attention; 3 rows per micro-batch, and one row with the token budget over two mini-batches), and
+compares the gathered gradients of the actor's and the critic's updates, and the loss metrics they report, with
+those of each mini-batch's loss written from each aggregation's definition (the one-rank updates are compared with
+the same reference in ``tests/unit/test_loss_aggregation.py``)."""
 
 from __future__ import annotations
 

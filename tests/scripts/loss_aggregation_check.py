@@ -1,5 +1,6 @@
 """The loss and its gradients do not depend on how a mini-batch is cut (rows per micro-batch, the token budget's
-packing and trimming, gradient accumulation, data-parallel ranks), for every registered loss aggregation.
+packing and trimming, gradient accumulation, data-parallel ranks, sequence parallelism), for every registered loss
+aggregation.
 
 Each case updates a role over a batch of 8 rows (4 prompts x 2 samples, left-padded prompts of 2 to 5 tokens,
 responses of 1 to 6, 21 of the 28 response tokens in the first half), as one mini-batch or two, and records the
@@ -16,14 +17,14 @@ copy of the model. Cases:
 
 On one process ``tests/unit/test_loss_aggregation.py`` imports these parts. Under torchrun (2 processes, gloo)
 :func:`main` splits the batch over the ranks as the controller does (contiguous, by tokens with the token budget,
-by trained tokens for ``actor-skip``) and prints ``RESULT <rank> <case> <aggregation> <layout> <gradient error> <loss
-error>`` per case, aggregation and layout of :data:`TWO_RANKS` (the largest gradient difference over the largest
-gradient, the worst of the layout's mini-batches; the largest relative difference of the loss metrics, averaged
-over the ranks);
+by trained tokens for ``actor-skip``; with sequence parallelism over the groups: a group's ranks get the same rows,
+each runs half of every sequence, and the group's first rank's metrics count) and prints ``RESULT <rank> <case>
+<aggregation> <layout> <gradient error> <loss error>`` per case, aggregation and layout of :data:`TWO_RANKS` (the
+largest gradient difference over the largest gradient, the worst of the layout's mini-batches; the largest relative
+difference of the loss metrics, averaged over the data-parallel groups);
 ``tests/distributed/test_loss_aggregation_runs.py`` checks them.
 
-A new way to cut the batch joins as a field of :class:`Layout` (sequence parallelism: the ranks of a group hold
-parts of every sequence; the data-parallel split then goes over ``ranks // sequence_parallel`` groups).
+A new way to cut the batch joins as a field of :class:`Layout`, as sequence parallelism did.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from transformers import AttentionInterface
 
 import lightning_rlhf.cpu as cpu
 from lightning_rlhf.algorithms import LOSS_AGGREGATIONS
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, BatchingConfig, KLConfig, LossConfig, OptimConfig, RolloutConfig
-from lightning_rlhf.controller.dispatch import ROWS_KEY, Dispatch, _mark_balance, split_args
+from lightning_rlhf.controller.dispatch import ROWS_KEY, Dispatch, _mark_balance, data_parallel_group, split_args
+from lightning_rlhf.engines.train import ulysses
 from lightning_rlhf.roles import ActorRole, CriticRole
 from lightning_rlhf.roles.base import Role
 
@@ -57,6 +60,8 @@ PROMPT_LENGTHS = (5, 2, 4, 3)  # per group (prompt)
 RESPONSE_LENGTHS = (6, 5, 6, 4, 1, 2, 1, 3)
 MAX_NEW_TOKENS = 8  # the actor's Dr.GRPO constant: wider than the batch's responses, which are trimmed
 KL_COEF, ENTROPY_COEF, CLIP = 0.1, 0.01, 0.2
+ULYSSES_CALLS = [0]
+"""Calls of the sequence-parallel attention (counted under torchrun: :func:`main`)."""
 TOLERANCE = 1e-4
 """Largest gradient difference allowed, over the largest gradient (and relative difference of a loss metric):
 float32 rounding stays near 1e-6; a micro-batch or rank weighted wrongly moves them by percents."""
@@ -64,17 +69,25 @@ float32 rounding stays near 1e-6; a micro-batch or rank weighted wrongly moves t
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How the batch is cut: rows per micro-batch, the token budget (None: off), data-parallel ranks, and optimizer
-    steps (mini-batches) per update."""
+    """How the batch is cut: rows per micro-batch, the token budget (None: off), ranks, optimizer steps
+    (mini-batches) per update, and the ranks that share each sequence (``RLHFModule(sequence_parallel=...)``:
+    the data-parallel split goes over ``ranks // sequence_parallel`` groups)."""
 
     micro_batch_size: int
     micro_batch_tokens: int | None = None
     ranks: int = 1
     mini_batches: int = 1
+    sequence_parallel: int = 1
+
+    @property
+    def groups(self) -> int:
+        """Data-parallel groups: each takes its own rows."""
+        return self.ranks // self.sequence_parallel
 
     def __str__(self) -> str:
         tokens = self.micro_batch_tokens or "off"
-        return f"dp{self.ranks}-rows{self.micro_batch_size}-tokens{tokens}-minibatches{self.mini_batches}"
+        sp = f"-sp{self.sequence_parallel}" if self.sequence_parallel > 1 else ""
+        return f"dp{self.groups}{sp}-rows{self.micro_batch_size}-tokens{tokens}-minibatches{self.mini_batches}"
 
 
 # 16 padded tokens: one or two long rows per forward, several short ones; trimmed to each micro-batch's widths
@@ -83,9 +96,12 @@ ONE_RANK = (
     Layout(3, mini_batches=2),
     Layout(1, 16, mini_batches=2),
 )
+# sequence parallelism: both ranks one group, each half of every sequence of every row
 TWO_RANKS = (
     *(Layout(rows, tokens, ranks=2) for rows in (1, ROWS // 2) for tokens in (None, 16)),
     Layout(1, 16, ranks=2, mini_batches=2),
+    Layout(3, ranks=2, sequence_parallel=2),
+    Layout(1, 16, ranks=2, mini_batches=2, sequence_parallel=2),
 )
 
 
@@ -255,6 +271,7 @@ def use_layout(role: Role, layout: Layout, mode: str) -> None:
     """Cut the role's next update as ``layout`` says, aggregated with ``mode`` (as ``RLHFModule`` sets them)."""
     role.train_engine.micro_batch_size = layout.micro_batch_size
     role.train_engine.micro_batch_tokens = layout.micro_batch_tokens
+    role.train_engine.sequence_parallel = layout.sequence_parallel
     algorithm = role.algorithm  # type: ignore[attr-defined]
     loss = dataclasses.replace(algorithm.loss, loss_agg=mode)
     mini_batch_size = None if layout.mini_batches == 1 else ROWS // layout.mini_batches
@@ -262,29 +279,47 @@ def use_layout(role: Role, layout: Layout, mode: str) -> None:
     role.algorithm = dataclasses.replace(algorithm, loss=loss, batching=batching)  # type: ignore[attr-defined]
 
 
-def rank_parts(role: Role, batch: Batch, ranks: int) -> list[Batch]:
-    """Each rank's part of ``batch`` as the controller splits a ``DP_SPLIT`` call (after :func:`use_layout`)."""
+def rank_parts(role: Role, batch: Batch, ranks: int, sequence_parallel: int = 1) -> list[Batch]:
+    """Each rank's part of ``batch`` as the controller splits a ``DP_SPLIT`` call (after :func:`use_layout`); with
+    ``sequence_parallel``, the ranks of each group get the same part."""
     if ranks == 1:
         return [batch]
     costs = role.split_costs("update", batch) if isinstance(role, ActorRole) else None
     marked = _mark_balance(batch, role.balances_ranks, costs)
-    parts = split_args(Dispatch.DP_SPLIT, (marked,), {}, ranks, where="update")
+    parts = split_args(Dispatch.DP_SPLIT, (marked,), {}, ranks, where="update", sequence_parallel=sequence_parallel)
     return [part[0][0] for part in parts if part is not None]
 
 
+_SEQUENCE_GROUPS: dict[int, object] = {}
+
+
+def sequence_group(size: int) -> object:
+    """This rank's sequence-parallel group of ``size`` consecutive ranks (made once, on every rank together, as
+    ``ulysses.give_sequence_groups`` does at set-up); None for 1."""
+    if size == 1:
+        return None
+    if size not in _SEQUENCE_GROUPS:
+        groups = [dist.new_group(list(range(r, r + size))) for r in range(0, dist.get_world_size(), size)]
+        _SEQUENCE_GROUPS[size] = groups[dist.get_rank() // size]
+    return _SEQUENCE_GROUPS[size]
+
+
 def mini_batch_rows(parts: list[Batch], mini_batches: int) -> list[list[int]]:
-    """The rows of the whole batch that make up each optimizer step's mini-batch: each rank cuts its part into
-    ``mini_batches`` in order (``TrainEngine.train``)."""
+    """The rows of the whole batch that make up each optimizer step's mini-batch: each data-parallel group's part
+    (``parts``: one per group) cut into ``mini_batches`` in order (``TrainEngine.train``)."""
     size = len(parts[0])
     rows = [part.meta.get(ROWS_KEY, list(range(r * size, (r + 1) * size))) for r, part in enumerate(parts)]
     local = size // mini_batches
     return [[i for own in rows for i in own[k * local : (k + 1) * local]] for k in range(mini_batches)]
 
 
-def update_gradients(role: Role, batch: Batch) -> tuple[list[dict[str, Tensor]], dict[str, float]]:
+def update_gradients(
+    role: Role, batch: Batch, sequence: object = None
+) -> tuple[list[dict[str, Tensor]], dict[str, float]]:
     """The gradients ``role.update(batch)`` hands each optimizer step, gathered whole by parameter name, and the
     metrics it returns (this rank's); no step is taken (the weights stay as they are, for the next mini-batch and
-    layout). All ranks call it together."""
+    layout). ``sequence``: this rank's sequence-parallel group (the controller's call context for a method declared
+    ``sequence_parallel=True``). All ranks call it together."""
     engine = role.train_engine
     assert engine.model is not None
     grads: list[dict[str, Tensor]] = []
@@ -303,19 +338,24 @@ def update_gradients(role: Role, batch: Batch) -> tuple[list[dict[str, Tensor]],
     try:
         with warnings.catch_warnings():  # the schedule steps after an optimizer that did not
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
-            metrics = role.update(batch)  # type: ignore[attr-defined]
+            with data_parallel_group(None, sequence):
+                metrics = role.update(batch)  # type: ignore[attr-defined]
     finally:
         del engine.step
     return grads, metrics
 
 
-def rank_mean(metrics: dict[str, float], keys: Iterable[str], ranks: int) -> dict[str, float]:
-    """``metrics[key]`` averaged over the ranks, as the controller merges a ``DP_SPLIT`` call's results."""
+def rank_mean(
+    metrics: dict[str, float], keys: Iterable[str], ranks: int, sequence_parallel: int = 1
+) -> dict[str, float]:
+    """``metrics[key]`` averaged over the ranks, as the controller merges a ``DP_SPLIT`` call's results: with
+    ``sequence_parallel``, the first rank's of each group."""
     keys = sorted(keys)
     values = torch.tensor([metrics[key] for key in keys], dtype=torch.float64)
     if ranks > 1:
+        values *= float(dist.get_rank() % sequence_parallel == 0)
         dist.all_reduce(values)
-    return dict(zip(keys, (values / ranks).tolist(), strict=True))
+    return dict(zip(keys, (values / (ranks // sequence_parallel)).tolist(), strict=True))
 
 
 def metric_error(got: dict[str, float], want: dict[str, float]) -> float:
@@ -341,17 +381,20 @@ def layout_errors(
     wants: dict[tuple[int, ...], dict[str, Tensor]] = {}
     for layout in layouts:
         use_layout(role, layout, mode)
-        parts = rank_parts(role, batch, layout.ranks)
-        steps = [tuple(rows) for rows in mini_batch_rows(parts, layout.mini_batches)]
+        parts = rank_parts(role, batch, layout.ranks, layout.sequence_parallel)
+        steps = [tuple(rows) for rows in mini_batch_rows(parts[:: layout.sequence_parallel], layout.mini_batches)]
         for rows in steps:
             if rows not in wants:
                 wants[rows] = reference_gradients(case, reference, batch.select(list(rows)), mode)
-        got, metrics = update_gradients(role, parts[rank])
+        calls = ULYSSES_CALLS[0]
+        got, metrics = update_gradients(role, parts[rank], sequence_group(layout.sequence_parallel))
+        split = ULYSSES_CALLS[0] - calls  # the update split its sequences exactly when the layout says so
+        assert (split > 0) == (layout.sequence_parallel > 1), f"{layout}: {split} sequence-parallel attention calls"
         assert len(got) == len(steps), f"{layout}: {len(got)} optimizer steps"
         want_metrics = reference_metrics(case, reference, [batch.select(list(rows)) for rows in steps], mode)
         if case == "actor-skip":
             want_metrics = {}
-        got_metrics = rank_mean(metrics, want_metrics, layout.ranks)
+        got_metrics = rank_mean(metrics, want_metrics, layout.ranks, layout.sequence_parallel)
         grad_error = max(error(g, wants[rows]) for g, rows in zip(got, steps, strict=True))
         yield layout, grad_error, metric_error(got_metrics, want_metrics)
 
@@ -373,12 +416,18 @@ def check(case: str, path: str, layouts: list[Layout], rank: int) -> Iterator[tu
             yield mode, layout, grad_error, loss_error
 
 
+def _counted(*args: object, **kwargs: object) -> object:
+    ULYSSES_CALLS[0] += 1
+    return ulysses._attention(*args, **kwargs)  # type: ignore[arg-type]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    AttentionInterface.register(ulysses.ATTENTION_NAME, _counted)
     torch.set_num_threads(1)
     layouts = [layout for layout in TWO_RANKS if layout.ranks == dist.get_world_size()]
     lines = []
