@@ -309,6 +309,8 @@ class Workload:
 Call = tuple[str, str]
 """``(role, kind)``, kind one of ``generate``, ``forward``, ``train``."""
 TRAINABLE = frozenset({"actor", "critic"})
+SEQUENCE_PARALLEL = frozenset({"actor", "critic", "reference"})
+"""The roles whose forwards ``RLHFModule(sequence_parallel=N)`` splits: N must divide each one's pool."""
 ROLES = ("actor", "critic", "reference", "reward")
 
 
@@ -571,7 +573,8 @@ def predict(
     rollout engine is vLLM, which serves an actor on part of the devices from one engine server per device).
 
     Runs on: any process (the controller, before any model loads). Raises :class:`InfeasiblePlacementError` for a
-    role of the dataflow in no pool or in two, a TP size that does not divide the actor's pool, or a pool whose
+    role of the dataflow in no pool or in two, a TP size that does not divide the actor's pool, a sequence-parallel
+    size that does not divide the pool of a role it splits (:data:`SEQUENCE_PARALLEL`) or the heads, or a pool whose
     roles do not fit in its memory.
     """
     hardware, flow = _inputs(hardware, algorithm)
@@ -594,7 +597,7 @@ def predict(
         )
     sp = workload.sequence_parallel
     for group, n in zip(groups, devices, strict=True):
-        if sp > 1 and (n % sp or model.heads % sp) and any(role in TRAINABLE for role in group):
+        if sp > 1 and (n % sp or model.heads % sp) and any(role in SEQUENCE_PARALLEL for role in group):
             raise InfeasiblePlacementError(
                 f"sequence_parallel={sp} on pool {list(group)} of {n} devices: it must divide the pool's devices and "
                 f"the model's {model.heads} attention heads. HINT: a size that divides both."

@@ -655,6 +655,22 @@ def test_the_planner_turns_on_checkpointing_then_sequence_parallelism_to_fit() -
                 workload=dataclasses.replace(short, sequence_parallel=3))  # fmt: skip
 
 
+def test_sequence_parallelism_divides_the_pool_of_every_role_it_splits_the_reference_included() -> None:
+    """``RLHFModule(sequence_parallel=2)`` splits the reference's forwards too (its ``log_prob`` is declared
+    ``sequence_parallel=True``), and the strategy refuses a reference pool of 1 rank before any model loads: the
+    planner must not choose one. It did: PPO on 5 A100s put the reference and the reward model on 1 device, GRPO on 3
+    the reference alone; now PPO's 1-device pool holds the reward model only, and GRPO on 3 has no placement."""
+    wl = Workload(prompts=8, n=8, prompt_len=512, response_len=1024, micro_tokens=4096, sequence_parallel=2)
+    kw = {"model": MODELS["7b"], "hardware": "a100", "workload": wl}
+    with pytest.raises(InfeasiblePlacementError, match=r"sequence_parallel=2 on pool \['reference'\] of 1 devices"):
+        predict([["actor"], ["reference"]], [2, 1], 1, algorithm="grpo", **kw)
+    chosen = plan(devices=5, unit=1, algorithm="ppo", **kw)
+    split = {role: n for group, n in zip(chosen.groups, chosen.devices, strict=True) for role in group}
+    assert all(split[role] % 2 == 0 for role in ("actor", "critic", "reference")), chosen.groups
+    with pytest.raises(InfeasiblePlacementError, match=r"sequence_parallel=2 on pool .* of 3 devices"):
+        plan(devices=3, unit=1, algorithm="grpo", memory_levers=False, **kw)
+
+
 def test_the_plan_command_takes_the_memory_settings(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--config", str(ROOT / "recipes" / "grpo_gsm8k.yaml"), "--devices", "8", "--device-type", "h100"]
     cli_main([*args, "--activation-checkpointing", "--sequence-parallel", "2"])
