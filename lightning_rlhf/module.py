@@ -27,7 +27,6 @@ from lightning_rlhf.controller.dispatch import (
     RoleFuture,
     collect,
     concurrently,
-    declares_sequence_parallel,
     in_background,
 )
 from lightning_rlhf.dataflow.metrics import (
@@ -43,6 +42,7 @@ from lightning_rlhf.dataflow.validation import validation_metrics, validation_ro
 from lightning_rlhf.engines.train import resolve_dtype
 from lightning_rlhf.engines.train.lora import resolve_lora
 from lightning_rlhf.engines.train.ulysses import check_size
+from lightning_rlhf.placement.roles import sequence_parallel_roles
 from lightning_rlhf.rewards import RewardSpec, reward_components
 from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role, RolloutRole
 from lightning_rlhf.roles.base import check_pretrained
@@ -208,7 +208,9 @@ class RLHFModule(L.LightningModule):
         Runs on: every process."""
         checkpointed = _checkpointed_roles(getattr(self, "activation_checkpointing", False), self.roles())
         pools = getattr(self.trainer.strategy, "pools", None) or {}
-        split_sequences = _sequence_parallel_roles(getattr(self, "sequence_parallel", 1), self.roles(), pools, self)
+        split_sequences = sequence_parallel_roles(
+            getattr(self, "sequence_parallel", 1), self.roles(), pools, world_size=self.trainer.world_size
+        )
         for name, role in self.roles().items():
             role.train_engine.micro_batch_tokens = self.algorithm.batching.micro_batch_tokens
             role.train_engine.attn_implementation = getattr(self, "attn_implementation", None)
@@ -526,27 +528,3 @@ def _checkpointed_roles(setting: bool | Sequence[str], roles: Mapping[str, Any])
             f"({sorted(roles)}). HINT: True (the actor and the critic), False, or a list of role names."
         )
     return set(names)
-
-
-def _sequence_parallel_roles(
-    size: int, roles: Mapping[str, Any], pools: Mapping[str, Any], module: Any
-) -> dict[str, int]:
-    """The roles ``RLHFModule(sequence_parallel=size)`` splits sequences for (those with a method declared
-    ``sequence_parallel=True``: actor, critic, reference), each mapped to ``size``. Runs on: every process, before
-    any model loads. Raises ValueError when ``size`` does not divide a role's pool."""
-    if size == 1:
-        return {}
-    world_size = getattr(getattr(module, "trainer", None), "world_size", 1)
-    out = {}
-    for name, role in roles.items():
-        if not declares_sequence_parallel(role):
-            continue
-        ranks = len(pools.get(name, range(world_size)))
-        if ranks % size:
-            raise ValueError(
-                f"RLHFModule(sequence_parallel={size}) must divide the ranks of every role it applies to; role "
-                f"{name!r} runs on {ranks}. HINT: use a divisor of {ranks}, or give the role a pool of a multiple "
-                f"of {size} ranks (RLHFStrategy(placement=...))."
-            )
-        out[name] = size
-    return out

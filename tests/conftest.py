@@ -169,7 +169,10 @@ LONG_TIER: dict[str, str] = {
     "tests/distributed/test_async_rollouts.py::test_four_ranks_sharded_actor_feeds_a_two_rank_rollout_pool": (
         "CI: 2-rank generation-only pools (this file)"
     ),
-    "tests/distributed/test_placement_runs.py::test_four_ranks_two_pools": "CI: split PPO on 2 ranks (this file)",
+    "tests/distributed/test_placement_runs.py::test_four_ranks_two_pools": (
+        "CI: split PPO on 2 ranks (this file); with sequence parallelism, the groups made within each pool "
+        "(tests/unit/test_sequence_parallel.py) and a pool smaller than the size refused before launch (this file)"
+    ),
     "tests/vllm/test_vllm_engine.py::test_handoff_gives_the_weights_of_the_trained_model[2-full,slices-0.001]": (
         "CI: TP 2 rollouts match the trainer's probabilities (this file), the TP 1 hand-off"
     ),

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_rlhf.controller.dispatch import declares_sequence_parallel
 from lightning_rlhf.placement.pools import (
     Pools,
     check_memory,
@@ -32,6 +33,7 @@ __all__ = [
     "placed_role_names",
     "pool_meshes",
     "prepare_roles",
+    "sequence_parallel_roles",
     "weight_sources",
 ]
 
@@ -118,6 +120,41 @@ def check_asynchronous(module: RLHFModule, *, rollout_pool: bool) -> None:
         )
 
 
+def sequence_parallel_roles(
+    size: int, roles: Mapping[str, Any], pools: Mapping[str, Sequence[int]], *, world_size: int
+) -> dict[str, int]:
+    """The roles ``RLHFModule(sequence_parallel=size)`` splits sequences for (those with a method declared
+    ``sequence_parallel=True``: actor, critic, reference), each mapped to ``size``, checked against each one's ranks
+    (its pool in ``pools``; without one, all ``world_size``): a group is ``size`` consecutive ranks of the pool.
+    Runs on: the launching process (before any rank starts), and every process at set-up, before any model loads.
+
+    Raises:
+        ValueError: ``size`` does not divide a role's ranks (e.g. a pool smaller than ``size``), naming the role,
+            its ranks and the fix.
+    """
+    if size == 1:
+        return {}
+    out = {}
+    for name, role in roles.items():
+        if not declares_sequence_parallel(role):
+            continue
+        ranks = list(pools.get(name, range(world_size)))
+        n = len(ranks)
+        if n % size:
+            fits = [d for d in range(1, n + 1) if n % d == 0]
+            if name in pools and n < world_size:
+                where = f"the pool {ranks}"
+                fix = f"give {name!r} a pool of a multiple of {size} ranks (RLHFStrategy(placement=...))"
+            else:
+                where, fix = f"all {n} ranks of the run", f"run a multiple of {size} processes (Trainer(devices=...))"
+            raise ValueError(
+                f"RLHFModule(sequence_parallel={size}) splits every sequence of {name!r} over {size} of its ranks, so "
+                f"it must divide them; {name!r} runs on {where}. HINT: {fix}, or sequence_parallel in {fits} (1: off)."
+            )
+        out[name] = size
+    return out
+
+
 def check_before_launch(
     module: Any, fitting: bool, *, spec: Spec, world_size: int, processes_per_node: int, vllm_tp: int | None
 ) -> None:
@@ -128,12 +165,15 @@ def check_before_launch(
     if not callable(getattr(module, "roles", None)):
         return
     names = placed_role_names(module, _named(spec))
+    pools: Pools = {}
     if isinstance(spec, Mapping):
         pools = resolve_placement(spec, names, world_size)
         check_weight_sources(pools, weight_sources(module.roles(), names))
         if vllm_tp is not None:
             generating = engine_roles(module.roles(), names)
             check_vllm_pools(pools, generating, world_size, tp_size=vllm_tp, processes_per_node=processes_per_node)
+    if spec != "auto":  # the planner gives each role it splits a pool of a multiple of the size
+        sequence_parallel_roles(getattr(module, "sequence_parallel", 1), module.roles(), pools, world_size=world_size)
     if fitting:  # a generation-only pool is a role that takes another's weights
         check_asynchronous(module, rollout_pool=bool(weight_sources(module.roles(), names)))
 
@@ -163,6 +203,7 @@ def place_roles(
 
         spec = broadcast(auto_placement(module, world_size=world_size) if rank == 0 else None)
     pools = resolve_placement(spec, list(roles), world_size)  # type: ignore[arg-type]
+    sequence_parallel_roles(getattr(module, "sequence_parallel", 1), roles, pools, world_size=world_size)
     for name, role in roles.items():  # a borrowed model (LoRA's reference) is only where the lender's shards are
         lender = next((key for key, other in roles.items() if other is role.borrows_model()), None)
         if lender is not None and pools[name] != pools[lender]:

@@ -84,10 +84,13 @@ def test_lora_with_the_reference_apart_from_the_actor_resumes_exactly(demo_model
 
 def test_four_ranks_two_pools(demo_model: str, tmp_path: Path) -> None:
     """GRPO with a reference on 4 processes: actor + reward FSDP-sharded over ranks {0, 1}, the reference over
-    {2, 3}; every batch is split by its pool's size."""
+    {2, 3}; every batch is split by its pool's size. Then with ``sequence_parallel=2``: each pool is one group of 2
+    ranks (made within the pool: the reference's on ranks 2 and 3, neither of them the controller's), every rank
+    runs the Ulysses attention, and the run equals the plain one (losses, gradient norms and KL at every step within
+    1e-5, the weights at the end)."""
     placement = json.dumps({"actor": [0, 1], "reward": [0, 1], "reference": [2, 3]})
-    out = tmp_path / "run"
     args = ["--model", demo_model, "--devices", "4", "--kl-coef", "0.05", "--steps", "3", "--placement", placement]
+    out, split = tmp_path / "run", tmp_path / "sp"
     check_ok(run_script("train.py", *args, "--out", str(out), timeout=420))
     rows = read_metrics(out)
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
@@ -98,16 +101,30 @@ def test_four_ranks_two_pools(demo_model: str, tmp_path: Path) -> None:
     assert kl[0] == pytest.approx(0.0, abs=1e-6) and all(k > 0 for k in kl[1:]), kl
     assert json.loads((out / "result.json").read_text())["global_step"] == 3
 
+    check_ok(run_script("train.py", *args, "--out", str(split), "--sequence-parallel", "2", timeout=420))
+    calls = [int((split / f"ulysses_calls.{rank}").read_text()) for rank in range(4)]
+    assert all(c > 0 for c in calls), calls  # the actor's pool (0, 1) and the reference's (2, 3) split sequences
+    for a, b in zip(rows, read_metrics(split), strict=True):
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss"):
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-5, abs=1e-7), (a["step"], key)
+    ends = [json.loads((run / "result.json").read_text())["param_checksum"] for run in (out, split)]
+    assert ends[1] == pytest.approx(ends[0], rel=1e-6)
+
 
 @pytest.mark.parametrize(
-    ("placement", "words"),
+    ("placement", "extra", "words"),
     [
-        ({"actor": [0], "reward": [0, 2]}, ["names rank 2", "2 processes"]),
-        ({"actor": [0]}, ["gives no ranks to ['reward']"]),
+        ({"actor": [0], "reward": [0, 2]}, [], ["names rank 2", "2 processes"]),
+        ({"actor": [0]}, [], ["gives no ranks to ['reward']"]),
+        (  # a pool smaller than the sequence-parallel size
+            {"actor": [0], "reward": [1]},
+            ["--sequence-parallel", "2"],
+            ["RLHFModule(sequence_parallel=2)", "'actor' runs on the pool [0]", "a multiple of 2 ranks"],
+        ),
     ],
 )
 def test_a_bad_placement_fails_before_any_model_loads(
-    demo_model: str, tmp_path: Path, placement: dict, words: list[str]
+    demo_model: str, tmp_path: Path, placement: dict, extra: list[str], words: list[str]
 ) -> None:
     proc = run_script(
         "train.py",
@@ -119,6 +136,7 @@ def test_a_bad_placement_fails_before_any_model_loads(
         str(tmp_path),
         "--placement",
         json.dumps(placement),
+        *extra,
     )
     assert proc.returncode != 0
     text = failure_text(proc)

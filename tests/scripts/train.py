@@ -389,6 +389,9 @@ def main() -> None:
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
+    if args.sequence_parallel > 1:  # every rank's count: a pool without rank 0 splits its sequences too
+        with open(os.path.join(args.out, f"ulysses_calls.{trainer.global_rank}"), "w") as f:
+            f.write(str(ULYSSES_CALLS[0]))
     if trainer.global_rank == 0:
         first = next(p for p in module.actor.model.parameters() if p.requires_grad)  # LoRA: an adapter
         info = {

@@ -1,6 +1,6 @@
 """Sequence parallelism's arithmetic and errors, in one process: the column slices, the mask of the whole sequence,
-the dispatch of a sequence-parallel call (each group's ranks get the same rows; the first rank's result counts) and
-the settings refused before training. The forwards themselves run on 2 ranks:
+the dispatch of a sequence-parallel call (each group's ranks get the same rows; the first rank's result counts), the
+groups made within each role's pool, and the settings refused before training. The forwards themselves run on 2 ranks:
 ``tests/distributed/test_sequence_parallel_runs.py``."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lightning_rlhf.controller.dispatch import (
 from lightning_rlhf.engines.train import forward_response, sequence_inputs, ulysses
 from lightning_rlhf.engines.train.forward import left_aligned
 from lightning_rlhf.engines.train.ulysses import SequenceShard, causal_suffices, check_model, check_size, full_mask
-from lightning_rlhf.module import _sequence_parallel_roles
+from lightning_rlhf.placement.roles import sequence_parallel_roles
 from tests.unit.test_forward import rollout_batch
 
 
@@ -196,9 +196,43 @@ def test_models_the_wrapper_cannot_split_are_refused_with_the_rule() -> None:
 
 
 def test_the_size_must_divide_the_pool_of_every_role_it_applies_to() -> None:
+    """The roles declaring sequence-parallel methods get the size; a pool (or a run) it does not divide is refused,
+    naming the setting, the role's ranks and the fix."""
     roles = {"actor": _Scorer(), "reward": SimpleNamespace()}
-    module = SimpleNamespace(trainer=SimpleNamespace(world_size=4))
-    assert _sequence_parallel_roles(2, roles, {}, module) == {"actor": 2}  # the reward model's calls do not split
-    assert _sequence_parallel_roles(1, roles, {}, module) == {}
-    with pytest.raises(ValueError, match="role 'actor' runs on 3"):
-        _sequence_parallel_roles(2, roles, {"actor": [0, 1, 2]}, module)
+    assert sequence_parallel_roles(2, roles, {}, world_size=4) == {"actor": 2}  # the reward model's calls do not split
+    assert sequence_parallel_roles(2, roles, {"actor": [2, 3], "reward": [0]}, world_size=4) == {"actor": 2}
+    assert sequence_parallel_roles(1, roles, {}, world_size=3) == {}
+    with pytest.raises(ValueError, match=r"sequence_parallel=2\) .* 'actor' runs on the pool \[0, 1, 2\]\. HINT: give "
+                       r"'actor' a pool of a multiple of 2 ranks .* or sequence_parallel in \[1, 3\]"):  # fmt: skip
+        sequence_parallel_roles(2, roles, {"actor": [0, 1, 2]}, world_size=4)
+    with pytest.raises(ValueError, match=r"'actor' runs on the pool \[1\]\. .* sequence_parallel in \[1\] \(1: off\)"):
+        sequence_parallel_roles(2, roles, {"actor": [1], "reward": [0]}, world_size=2)
+    with pytest.raises(ValueError, match=r"runs on all 3 ranks of the run\. HINT: run a multiple of 2 processes"):
+        sequence_parallel_roles(2, roles, {}, world_size=3)
+
+
+def test_each_role_gets_the_group_of_consecutive_ranks_of_its_own_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``give_sequence_groups`` on every rank of 4: the actor's pool [0, 1] and the reference's [2, 3], SP=2. Every
+    rank makes the same groups in the same order (a new group is collective), one per distinct set of ranks; a rank
+    gets the group within each pool it is in, none for a pool it is not in."""
+    made: list[list[list[int]]] = []
+
+    def new_group(ranks: list[int]) -> tuple[int, ...]:
+        made[-1].append(ranks)
+        return tuple(ranks)
+
+    monkeypatch.setattr(ulysses.dist, "new_group", new_group)
+    pools = {"actor": (0, 1), "reward": (0, 1), "reference": (2, 3)}
+    got = []
+    for rank in range(4):
+        made.append([])
+        roles = {
+            name: SimpleNamespace(train_engine=SimpleNamespace(sequence_parallel=n, sequence_group=None, model=None))
+            for name, n in (("actor", 2), ("reward", 1), ("reference", 2))
+        }
+        ulysses.give_sequence_groups(roles, pools, world_size=4, rank=rank)
+        got.append({name: role.train_engine.sequence_group for name, role in roles.items()})
+    assert all(groups == [[0, 1], [2, 3]] for groups in made), made
+    assert got[0]["actor"] == got[1]["actor"] == (0, 1) and got[2]["actor"] is None and got[3]["actor"] is None
+    assert got[2]["reference"] == got[3]["reference"] == (2, 3) and got[0]["reference"] is None
+    assert all(g["reward"] is None for g in got)
