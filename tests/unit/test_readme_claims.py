@@ -58,6 +58,8 @@ LANDED: dict[str, str] = {
     "supervised": "docs/sft.md",
     "placement": "docs/placement.md",
     "export": "docs/cli.md",
+    "activation checkpointing": "docs/performance.md",
+    "sequence parallelism": "docs/performance.md",
 }
 
 #: Inline-code class names that are not the package's (none yet).
