@@ -28,6 +28,7 @@ from lightning_rlhf.controller.dispatch import (
     collect,
     concurrently,
     in_background,
+    sequence_parallel_roles,
 )
 from lightning_rlhf.dataflow.metrics import (
     REPLAYED_LOG_ARGS,
@@ -42,7 +43,6 @@ from lightning_rlhf.dataflow.validation import validation_metrics, validation_ro
 from lightning_rlhf.engines.train import resolve_dtype
 from lightning_rlhf.engines.train.lora import resolve_lora
 from lightning_rlhf.engines.train.ulysses import check_size
-from lightning_rlhf.placement.roles import sequence_parallel_roles
 from lightning_rlhf.rewards import RewardSpec, reward_components
 from lightning_rlhf.roles import ActorRole, CriticRole, ReferenceRole, RewardRole, Role, RolloutRole
 from lightning_rlhf.roles.base import check_pretrained

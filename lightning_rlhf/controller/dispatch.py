@@ -41,6 +41,7 @@ __all__ = [
     "role_method",
     "sequence_group_of",
     "sequence_parallel_of",
+    "sequence_parallel_roles",
     "split_args",
     "with_written",
 ]
@@ -365,6 +366,41 @@ def declares_sequence_parallel(role: Role) -> bool:
     """Whether any method of ``role`` is declared ``sequence_parallel=True``. Runs on: any process."""
     cls = type(role)
     return any(getattr(getattr(cls, name, None), "__rlhf_sequence__", False) for name in dir(cls))
+
+
+def sequence_parallel_roles(
+    size: int, roles: Mapping[str, Any], pools: Mapping[str, Sequence[int]], *, world_size: int
+) -> dict[str, int]:
+    """The roles ``RLHFModule(sequence_parallel=size)`` splits sequences for (those with a method declared
+    ``sequence_parallel=True``: actor, critic, reference), each mapped to ``size``, checked against each one's ranks
+    (its pool in ``pools``; without one, all ``world_size``): a group is ``size`` consecutive ranks of the pool.
+    Runs on: the launching process (before any rank starts), and every process at set-up, before any model loads.
+
+    Raises:
+        ValueError: ``size`` does not divide a role's ranks (e.g. a pool smaller than ``size``), naming the role,
+            its ranks and the fix.
+    """
+    if size == 1:
+        return {}
+    out = {}
+    for name, role in roles.items():
+        if not declares_sequence_parallel(role):
+            continue
+        ranks = list(pools.get(name, range(world_size)))
+        n = len(ranks)
+        if n % size:
+            fits = [d for d in range(1, n + 1) if n % d == 0]
+            if name in pools and n < world_size:
+                where = f"the pool {ranks}"
+                fix = f"give {name!r} a pool of a multiple of {size} ranks (RLHFStrategy(placement=...))"
+            else:
+                where, fix = f"all {n} ranks of the run", f"run a multiple of {size} processes (Trainer(devices=...))"
+            raise ValueError(
+                f"RLHFModule(sequence_parallel={size}) splits every sequence of {name!r} over {size} of its ranks, so "
+                f"it must divide them; {name!r} runs on {where}. HINT: {fix}, or sequence_parallel in {fits} (1: off)."
+            )
+        out[name] = size
+    return out
 
 
 def sequence_group_of(role: Role, method: str) -> Any:

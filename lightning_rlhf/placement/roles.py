@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_rlhf.controller.dispatch import declares_sequence_parallel
+from lightning_rlhf.controller.dispatch import sequence_parallel_roles
 from lightning_rlhf.placement.pools import (
     Pools,
     check_memory,
@@ -33,7 +33,6 @@ __all__ = [
     "placed_role_names",
     "pool_meshes",
     "prepare_roles",
-    "sequence_parallel_roles",
     "weight_sources",
 ]
 
@@ -118,41 +117,6 @@ def check_asynchronous(module: RLHFModule, *, rollout_pool: bool) -> None:
             "HINT: max_staleness=0, GRPOModule or PPOModule, or write the step with `rollouts` and set "
             "ASYNC_ROLLOUTS = True."
         )
-
-
-def sequence_parallel_roles(
-    size: int, roles: Mapping[str, Any], pools: Mapping[str, Sequence[int]], *, world_size: int
-) -> dict[str, int]:
-    """The roles ``RLHFModule(sequence_parallel=size)`` splits sequences for (those with a method declared
-    ``sequence_parallel=True``: actor, critic, reference), each mapped to ``size``, checked against each one's ranks
-    (its pool in ``pools``; without one, all ``world_size``): a group is ``size`` consecutive ranks of the pool.
-    Runs on: the launching process (before any rank starts), and every process at set-up, before any model loads.
-
-    Raises:
-        ValueError: ``size`` does not divide a role's ranks (e.g. a pool smaller than ``size``), naming the role,
-            its ranks and the fix.
-    """
-    if size == 1:
-        return {}
-    out = {}
-    for name, role in roles.items():
-        if not declares_sequence_parallel(role):
-            continue
-        ranks = list(pools.get(name, range(world_size)))
-        n = len(ranks)
-        if n % size:
-            fits = [d for d in range(1, n + 1) if n % d == 0]
-            if name in pools and n < world_size:
-                where = f"the pool {ranks}"
-                fix = f"give {name!r} a pool of a multiple of {size} ranks (RLHFStrategy(placement=...))"
-            else:
-                where, fix = f"all {n} ranks of the run", f"run a multiple of {size} processes (Trainer(devices=...))"
-            raise ValueError(
-                f"RLHFModule(sequence_parallel={size}) splits every sequence of {name!r} over {size} of its ranks, so "
-                f"it must divide them; {name!r} runs on {where}. HINT: {fix}, or sequence_parallel in {fits} (1: off)."
-            )
-        out[name] = size
-    return out
 
 
 def check_before_launch(

@@ -20,12 +20,12 @@ from lightning_rlhf.controller.dispatch import (
     declares_sequence_parallel,
     role_method,
     sequence_parallel_of,
+    sequence_parallel_roles,
     split_args,
 )
 from lightning_rlhf.engines.train import forward_response, sequence_inputs, ulysses
 from lightning_rlhf.engines.train.forward import left_aligned
 from lightning_rlhf.engines.train.ulysses import SequenceShard, causal_suffices, check_model, check_size, full_mask
-from lightning_rlhf.placement.roles import sequence_parallel_roles
 from tests.unit.test_forward import rollout_batch
 
 
