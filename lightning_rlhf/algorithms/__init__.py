@@ -5,13 +5,14 @@ Every public name of the submodules is importable from here (their ``__all__``).
 Runs on: controller or worker (pure functions, no config objects, no host syncs).
 """
 
-from lightning_rlhf.algorithms import advantages, constrained, evaluation, functional, kl, losses, registry
+from lightning_rlhf.algorithms import advantages, constrained, evaluation, functional, kl, losses, mismatch, registry
 from lightning_rlhf.algorithms.advantages import *  # noqa: F403
 from lightning_rlhf.algorithms.constrained import *  # noqa: F403
 from lightning_rlhf.algorithms.evaluation import *  # noqa: F403
 from lightning_rlhf.algorithms.functional import *  # noqa: F403
 from lightning_rlhf.algorithms.kl import *  # noqa: F403
 from lightning_rlhf.algorithms.losses import *  # noqa: F403
+from lightning_rlhf.algorithms.mismatch import *  # noqa: F403
 from lightning_rlhf.algorithms.registry import *  # noqa: F403
 
 __all__ = sorted(
@@ -22,6 +23,7 @@ __all__ = sorted(
         *functional.__all__,
         *kl.__all__,
         *losses.__all__,
+        *mismatch.__all__,
         *registry.__all__,
     }
 )

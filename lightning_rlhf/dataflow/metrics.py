@@ -13,11 +13,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 import lightning_rlhf.perf as perf
 from lightning_rlhf.agents.rollout import episode_metrics
-from lightning_rlhf.algorithms import masked_mean
+from lightning_rlhf.algorithms import masked_mean, rollout_probs_diff
 from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.compat.lightning import attached_trainer
 from lightning_rlhf.roles import CriticRole, RewardRole
-from lightning_rlhf.roles.actor import rollout_probs_diff
 
 __all__ = [
     "REPLAYED_LOG_ARGS",
