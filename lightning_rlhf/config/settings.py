@@ -550,6 +550,24 @@ class AsyncConfig:
     sequence's product (``"sequence"``). ``"auto"``: ``"token"`` when ``max_staleness >= 1``, else none."""
     rollout_is_cap: float = 2.0
     """The truncation ``C`` of ``rollout_is`` weights (> 1)."""
+    rollout_mask: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Masking (rejection) of the samples the rollout policy drew too far from the trained one, by the ratio
+    ``r = pi_old / pi_rollout`` of each response token (``pi_rollout``: the engine's ``rollout_logprobs``, older
+    weights with asynchronous rollouts; ``pi_old``: the trainer's before the update). ``"token"``: a token is left
+    out when its own ``r`` is outside ``[rollout_mask_low, rollout_mask_high]``; ``"sequence"``: every token of a
+    response when the product of its ratios is (TRL's ``vllm_importance_sampling_mode="sequence_mask"``);
+    ``"geometric"``: when their geometric mean ``exp(mean log r)`` is (SkyRL's ``geo_mask``; it does not grow with
+    the length). A left-out token is a response token the actor's loss does not see: no policy-gradient, entropy
+    or KL term, so no gradient; it still counts in the loss's token count, as in TRL, so masking does not make the
+    kept tokens weigh more. Composes with ``rollout_is`` (the kept tokens keep their truncated weights). Logged:
+    ``rollout/masked_fraction`` (and, on every step with ``rollout_logprobs``, ``rollout/mismatch_kl``,
+    ``rollout/ess``, ``rollout/ratio_max``). ``"none"``: no mask."""
+    rollout_mask_low: float | None = None
+    """The lower bound of ``rollout_mask`` on the ratio (``0 <= low < 1``; 0: none); None: the mode's default,
+    0.125 per token (prime-rl), 0 per sequence (TRL), 0.99 for the geometric mean (SkyRL)."""
+    rollout_mask_high: float | None = None
+    """The upper bound of ``rollout_mask`` on the ratio (> 1); None: the mode's default, 8.0 per token (prime-rl),
+    3.0 per sequence (TRL's cap), 1.01 for the geometric mean (SkyRL)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
@@ -558,6 +576,41 @@ class AsyncConfig:
             _fail(self, "rollout_is", self.rollout_is, "one of 'auto', 'token', 'sequence', 'none'")
         if not self.rollout_is_cap > 1:
             _fail(self, "rollout_is_cap", self.rollout_is_cap, "a truncation > 1 (2.0 is usual)")
+        self._check_mask()
+
+    def _check_mask(self) -> None:
+        """Refuse an unknown ``rollout_mask``, bounds that are not numbers, that mask a token the two policies
+        agree on (ratio 1), or bounds without a mask."""
+        modes = ("none", "token", "sequence", "geometric")
+        if self.rollout_mask not in modes:
+            _fail(self, "rollout_mask", self.rollout_mask, f"one of {', '.join(map(repr, modes))}")
+        for name, value in (("rollout_mask_low", self.rollout_mask_low), ("rollout_mask_high", self.rollout_mask_high)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                _fail(self, name, value, "None (the mode's default) or a number")
+            if value is not None and self.rollout_mask == "none":
+                _fail(
+                    self,
+                    name,
+                    value,
+                    "None with rollout_mask='none' (set rollout_mask='token', 'sequence' or 'geometric')",
+                )
+        low, high = self.rollout_mask_bounds
+        if not 0 <= low < 1:
+            _fail(self, "rollout_mask_low", low, "a bound in [0, 1) on pi_old / pi_rollout (0: none; 1 is agreement)")
+        if not high > 1:
+            _fail(self, "rollout_mask_high", high, "a bound > 1 on pi_old / pi_rollout (1 is agreement)")
+
+    @property
+    def rollout_mask_bounds(self) -> tuple[float, float]:
+        """``(low, high)`` of ``rollout_mask`` in force: the settings, or the mode's defaults (``(0, inf)`` without
+        a mask)."""
+        from lightning_rlhf.algorithms.mismatch import ROLLOUT_MASKS
+
+        low, high = ROLLOUT_MASKS.get(self.rollout_mask, (0.0, math.inf))
+        return (
+            low if self.rollout_mask_low is None else float(self.rollout_mask_low),
+            high if self.rollout_mask_high is None else float(self.rollout_mask_high),
+        )
 
 
 @_grouped

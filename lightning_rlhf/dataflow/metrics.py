@@ -123,7 +123,7 @@ def check_rollout_probs_diff(module: Any, metrics: dict[str, float], *, step: in
     ]
     listed = "; ".join(f"({i}) {c}" for i, c in enumerate(causes, 1))
     logs = [
-        f", {k}={metrics[k]:.3g}" for k in ("training/rollout_logprob_diff_max", "training/rollout_kl") if k in metrics
+        f", {k}={metrics[k]:.3g}" for k in ("training/rollout_logprob_diff_max", "rollout/mismatch_kl") if k in metrics
     ]
     rank_zero_warn(
         f"Step {step}: training/rollout_probs_diff_max={value:.3g}{''.join(logs)} exceeds "

@@ -11,9 +11,13 @@ from lightning_rlhf.algorithms import (
     MicroBatchAggregation,
     compute_policy_loss,
     kl_penalty,
+    mismatch_metrics,
     rollout_is_weights,
+    rollout_log_ratio,
+    rollout_mask,
     rollout_probs_diff,
 )
+from lightning_rlhf.algorithms.mismatch import MISMATCH_METRICS
 from lightning_rlhf.batch import Batch, sampled_mask
 from lightning_rlhf.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from lightning_rlhf.controller.dispatch import Dispatch, role_method
@@ -51,6 +55,13 @@ class ActorRole(EpisodesMixin, Role):
         super().__init__(
             micro_batch_size=algorithm.batching.micro_batch_size, optim=optim, setting="ActorRole(path=...)", lora=lora
         )
+        if algorithm.asynchronous.rollout_mask != "none" and algorithm.loss.policy_loss not in ZERO_AT_ZERO_ADVANTAGE:
+            raise ValueError(
+                f"AlgorithmConfig.asynchronous.rollout_mask={algorithm.asynchronous.rollout_mask!r} with "
+                f"loss.policy_loss={algorithm.loss.policy_loss!r}: the mask leaves a token out by zeroing its "
+                f"advantage, which gives no gradient only with a built-in loss ({sorted(ZERO_AT_ZERO_ADVANTAGE)}). "
+                "HINT: use one of those, or rollout_mask='none'."
+            )
         self.path = path
         self.tokenizer = tokenizer
         self.rollout = rollout
@@ -188,7 +199,8 @@ class ActorRole(EpisodesMixin, Role):
         acc.add({"lr": torch.tensor(self.train_engine.step_scheduler())})
         self.mark_weights_changed()
         extra = {f"training/{k}": v for k, v in (staleness or {}).items()}
-        return acc.result("actor") | diffs.result("training") | extra
+        result = {_metric_name(k): v for k, v in acc.result("actor").items()}
+        return result | diffs.result("training") | extra
 
     def split_costs(self, method: str, batch: Batch) -> list[int] | None:
         """Per-row costs by which the controller balances a ``DP_SPLIT`` call's rows over ranks, or None for the
@@ -260,17 +272,7 @@ class ActorRole(EpisodesMixin, Role):
         )
         mask = _loss_mask(micro).to(device)
         old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else out["logprobs"].detach()
-        advantages = micro["advantages"].to(device)
-        is_metrics: dict[str, Tensor] = {}
-        if algo.rollout_is_level != "none" and "rollout_logprobs" in micro:
-            weights, is_metrics = rollout_is_weights(
-                old,
-                micro["rollout_logprobs"].to(device),
-                mask,
-                level=algo.rollout_is_level,
-                cap=algo.asynchronous.rollout_is_cap,
-            )
-            advantages = advantages * weights  # weights > 0 commute with the clipped losses' max/min
+        advantages, keep, is_metrics = self._rollout_correction(micro, old, mask, micro["advantages"].to(device))
         pg_loss, metrics = compute_policy_loss(
             algo.loss.policy_loss,
             out["logprobs"],
@@ -282,7 +284,7 @@ class ActorRole(EpisodesMixin, Role):
             clip_ratio_c=algo.loss.clip_ratio_c,
             **agg.loss_kwargs,
         )
-        entropy = agg.aggregate(out["entropy"], mask)
+        entropy = agg.aggregate(out["entropy"] if keep is None else out["entropy"] * keep, mask)
         loss = pg_loss - algo.loss.entropy_coef * entropy
         report = {
             "pg_loss": agg.report(pg_loss, mask),
@@ -292,10 +294,35 @@ class ActorRole(EpisodesMixin, Role):
         }
         if use_kl_loss:
             kl = kl_penalty(out["logprobs"], micro["ref_logprobs"].to(device), estimator=algo.kl.estimator)
-            kl_loss = agg.aggregate(kl, mask)
+            kl_loss = agg.aggregate(kl if keep is None else kl * keep, mask)
             loss = loss + algo.kl.coef * kl_loss
             report["kl_loss"] = agg.report(kl_loss, mask)
         return loss, report, out["logprobs"].detach()
+
+    def _rollout_correction(
+        self, micro: Batch, old: Tensor, mask: Tensor, advantages: Tensor
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        """The correction for the gap between the rollout policy and the trained one, on a micro-batch with
+        ``rollout_logprobs`` (else nothing): the advantages scaled by the truncated importance weights
+        (``rollout_is``) and zeroed on the tokens ``rollout_mask`` leaves out (so is their policy-gradient term and
+        gradient), the tokens kept (None: all) and the metrics, ``rollout_is_*`` and
+        :data:`~lightning_rlhf.algorithms.mismatch.MISMATCH_METRICS` (logged as ``rollout/*`` by :meth:`update`)."""
+        if "rollout_logprobs" not in micro:
+            return advantages, None, {}
+        settings = self.algorithm.asynchronous
+        rollout = micro["rollout_logprobs"].to(mask.device)
+        metrics: dict[str, Tensor] = {}
+        if self.algorithm.rollout_is_level != "none":
+            level, cap = self.algorithm.rollout_is_level, settings.rollout_is_cap
+            weights, metrics = rollout_is_weights(old, rollout, mask, level=level, cap=cap)
+            advantages = advantages * weights  # weights > 0 commute with the clipped losses' max/min
+        log_ratio = rollout_log_ratio(old, rollout, mask)
+        keep = None
+        if settings.rollout_mask != "none":
+            low, high = settings.rollout_mask_bounds
+            keep = rollout_mask(log_ratio, mask, mode=settings.rollout_mask, low=low, high=high)
+            advantages = advantages * keep  # a zero advantage: the built-in losses give 0 and no gradient
+        return advantages, keep, metrics | mismatch_metrics(log_ratio, mask, keep)
 
     # ------------------------------------------------------------------------------- supervised (SFT)
     @role_method(Dispatch.DP_SPLIT)
@@ -360,6 +387,12 @@ class ActorRole(EpisodesMixin, Role):
 
 ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "dual_clip", "gspo"})
 """Registered policy losses whose loss, and so gradient, is 0 for a sample whose advantages are all 0."""
+
+
+def _metric_name(key: str) -> str:
+    """``rollout/<name>`` for the update's ``actor/<name>`` of the rollout-mismatch metrics, else ``key``."""
+    name = key.removeprefix("actor/")
+    return f"rollout/{name}" if name in MISMATCH_METRICS else key
 
 
 def _advantage_rows(batch: Batch) -> Tensor:

@@ -46,6 +46,8 @@ from lightning_rlhf.config import (
         (LossConfig, {"clip_ratio_c": 1.0}, r"LossConfig.clip_ratio_c=1.0"),
         (FilteringConfig, {"max_sampling_rounds": 0}, r"FilteringConfig.max_sampling_rounds=0"),
         (AsyncConfig, {"rollout_is_cap": 1.0}, r"AsyncConfig.rollout_is_cap=1.0"),
+        (AsyncConfig, {"rollout_mask": "tokens"}, r"AsyncConfig.rollout_mask='tokens' is invalid: expected one of"),
+        (AsyncConfig, {"rollout_mask": "token", "rollout_mask_high": 0.9}, r"AsyncConfig.rollout_mask_high=0.9"),
         (EpisodeConfig, {"max_turns": 0}, r"EpisodeConfig.max_turns=0 is invalid"),
         (EpisodeConfig, {"tool_timeout_s": 0}, r"EpisodeConfig.tool_timeout_s=0 is invalid"),
     ],

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from lightning_rlhf.algorithms import mismatch_metrics, rollout_log_ratio
 from lightning_rlhf.roles.actor import rollout_probs_diff
 
 
@@ -22,7 +23,10 @@ def test_a_gap_between_unlikely_tokens_shows_in_log_space_not_in_probabilities()
     assert out["rollout_logprob_diff_max"] == pytest.approx(0.5, abs=1e-5)
     assert out["rollout_logprob_diff_mean"] == pytest.approx(0.5 / 5, abs=1e-5)  # over the 5 response tokens
     d = -0.5  # log(p_train / p_engine) on that token; k3 = r - 1 - log r, averaged over the tokens
-    assert out["rollout_kl"] == pytest.approx((math.exp(d) - 1 - d) / 5, rel=1e-4)
+    kl = mismatch_metrics(rollout_log_ratio(train, engine, mask), mask)["mismatch_kl"]  # rollout/mismatch_kl
+    assert float(kl) == pytest.approx((math.exp(d) - 1 - d) / 5, rel=1e-4)
+    assert "rollout_kl" not in out  # one KL of the gap, rollout/mismatch_kl, logged on every step
     same = rollout_probs_diff(train, train.clone(), mask)
-    assert float(same["rollout_logprob_diff_max"]) == 0 and float(same["rollout_kl"]) == 0
+    assert float(same["rollout_logprob_diff_max"]) == 0
+    assert float(mismatch_metrics(rollout_log_ratio(train, train.clone(), mask), mask)["mismatch_kl"]) == 0
     assert rollout_probs_diff(train, engine, torch.zeros_like(mask)) == {}  # no response token: nothing to report
