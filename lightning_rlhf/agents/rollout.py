@@ -295,13 +295,16 @@ class EpisodeRunner:
         # episode's turn by the episode's own limit, so episodes near the context's end share the others' call.
         continues = bool(getattr(engine, "continues_sequences", False))
         number = {id(ep): k for k, ep in enumerate(episodes)}
+        # at TP > 1 each engine call is collective: the ranks of the TP group agree on each round's number of calls
+        # (a rank with fewer, or with no episode left, makes the rest with no prompts) and end together
+        shared = engine.tp_size > 1
         if continues:
             engine.forget()  # type: ignore[attr-defined]
         while True:
             waiting = [ep for ep in episodes if ep.pending]
             if cfg.episode.async_episodes:
                 ready += [ep for ep in waiting if self._ready(ep)]
-                if not ready and waiting:
+                if not ready and waiting and not shared:
                     _wait_any(waiting)
                     continue
             elif not ready:
@@ -309,17 +312,26 @@ class EpisodeRunner:
             for ep in [ep for ep in ready if ep.pending]:
                 self._observe(ep)
             ready = [ep for ep in ready if not ep.done]
-            if not ready:
-                if any(ep.pending for ep in episodes):
-                    continue
-                break
             limits = [min(cfg.max_new_tokens, self._room(ep)) for ep in ready]
             # other engines: calls whose longest sequence and largest limit fit the context
-            groups = [list(range(len(ready)))] if continues else _fitting_calls(ready, limits, context)
-            for group in groups:
+            groups = [list(range(len(ready)))] if continues else _fitting_calls(ready, limits, context) if ready else []
+            rounds, busy = len(groups), bool(ready) or any(ep.pending for ep in episodes)
+            if shared:
+                rounds, busy = engine.agree(rounds, busy)
+            if not busy:
+                break
+            if not rounds:  # tools still run (here or, at TP > 1, on another rank of the group)
+                waiting = [ep for ep in episodes if ep.pending]
+                if waiting and cfg.episode.async_episodes:
+                    _wait_any(waiting)
+                continue
+            for k in range(rounds):
                 seed = (params.seed + calls * _TURN_SEED) % (1 << 62)
                 calls += 1
-                eps, bounds = [ready[i] for i in group], [limits[i] for i in group]
+                if k >= len(groups):  # the other ranks' calls of this round (TP > 1)
+                    engine.generate([], dataclasses.replace(params, seed=seed))
+                    continue
+                eps, bounds = [ready[i] for i in groups[k]], [limits[i] for i in groups[k]]
                 gen_s += self._turns(engine, eps, bounds, params, seed, stops, number if continues else None)
             ready = []
         if continues:

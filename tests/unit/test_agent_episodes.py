@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -75,6 +76,11 @@ class ScriptedEngine:
                 f"The answer is {text.split('1517')[0] and 1517}." if "1517" in text else f"Let me compute.\n{CALL}"
             )
         )
+
+    tp_size = 1  # a whole engine per rank
+
+    def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
+        return calls, busy
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         self.calls.append(len(prompts) * params.n)  # episodes served
@@ -506,3 +512,63 @@ def test_a_call_samples_n_per_prompt_only_where_every_prompt_has_n_episodes() ->
     assert _samples_of_one_prompt([0, 1], ready, sampled) == ([0, 1], 1)  # all distinct
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
     assert _samples_of_one_prompt([0, 2], ready, greedy) == ([0, 2], 1)
+
+
+class GroupEngine(ScriptedEngine):
+    """Rank ``rank`` of a TP-2 engine whose other rank is a thread: each ``agree`` and ``generate`` is collective, as
+    vLLM's ``all_gather`` of the group's prompts is (a barrier; the rank that makes a call the other never makes
+    breaks it at its timeout: a failure, not a hang)."""
+
+    tp_size = 2
+
+    def __init__(self, tokenizer, script, rank: int, meet: threading.Barrier, shared: dict) -> None:
+        super().__init__(tokenizer, script)
+        self.rank, self.meet, self.shared = rank, meet, shared
+        self.collectives: list[str] = []
+
+    def _together(self, kind: str, value: object) -> list:
+        """Both ranks' ``value`` of their n-th collective call; both must be of ``kind``."""
+        n = len(self.collectives)
+        self.collectives.append(kind)
+        self.shared.setdefault(n, {})[self.rank] = (kind, value)
+        self.meet.wait()
+        met = self.shared[n]
+        assert {k for k, _ in met.values()} == {kind}, met  # the same call on both ranks
+        return [v for _, v in met.values()]
+
+    def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
+        both = self._together("agree", (calls, busy))
+        return max(c for c, _ in both), any(b for _, b in both)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        self._together("generate", len(prompts))
+        return super().generate(prompts, params)
+
+
+@pytest.mark.parametrize("async_episodes", [False, True])
+def test_the_ranks_of_a_tp_group_make_the_same_collective_calls_when_their_episodes_differ(
+    async_episodes: bool,
+) -> None:
+    tok = build_tiny_tokenizer()
+    meet, shared = threading.Barrier(2, timeout=30), {}
+    answers_at_once = GroupEngine(tok, lambda text: "The answer is 5.", 0, meet, shared)  # one turn per episode
+    uses_the_tool = GroupEngine(tok, None, 1, meet, shared)  # a tool call, then the answer: two turns
+    cfg = RolloutConfig(max_new_tokens=128, episode=EpisodeConfig(max_turns=4, async_episodes=async_episodes))
+    results: dict[int, Batch] = {}
+
+    def rank(k: int, engine: GroupEngine, texts: list[str]) -> None:
+        results[k], _ = run(tok, ToolEnvironment(tools=[calculator]), cfg, texts=texts, engine=engine)
+
+    threads = [
+        threading.Thread(target=rank, args=(0, answers_at_once, ["2+3=?"])),
+        threading.Thread(target=rank, args=(1, uses_the_tool, ["37*41=?", "37*41=?"])),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not meet.broken and len(results) == 2, "a rank waited for a collective call the other never made"
+    assert results[0]["turns"].tolist() == [1] and results[1]["turns"].tolist() == [2, 2]
+    # the same collective calls in the same order; the rank whose episode ended made its second call with no prompts
+    assert answers_at_once.collectives == uses_the_tool.collectives
+    assert answers_at_once.prompts_read[-1] == 0 and uses_the_tool.prompts_read[-1] > 0

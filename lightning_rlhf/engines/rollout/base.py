@@ -439,6 +439,13 @@ class RolloutEngine(Protocol):
         :class:`WeightSyncError` while ``weights_discarded`` is True."""
         ...
 
+    def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
+        """For callers that make a varying number of :meth:`generate` calls (multi-turn episodes): the most calls any
+        rank of this engine's TP group makes in the coming round, and whether any of them still has work. At TP > 1
+        every call is collective, so a rank with fewer calls makes the rest with no prompts; at TP 1 the rank's own
+        ``(calls, busy)``."""
+        ...
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Take new weights: ``(transformers parameter name, full tensor or TP slice)`` for every name in
         ``param_names``, each once; returns the bytes received. Clears ``weights_discarded``. Raises

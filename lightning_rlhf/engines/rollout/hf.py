@@ -183,6 +183,10 @@ class HFRolloutEngine:
         """Drop every kept sequence (``generate(..., keep_as=...)``). Runs on: worker."""
         self._pasts.clear()
 
+    def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
+        """One rank per engine: its own ``(calls, busy)`` (``RolloutEngine.agree``). Runs on: worker."""
+        return calls, busy
+
     def generate(
         self,
         prompts: list[list[int]],

@@ -373,21 +373,25 @@ class VLLMRolloutEngine:
                 "queue the requests without ever running them. HINT: wake_up() first (ActorRole.generate wakes "
                 "tags=['weights'], hands the weights over, then wakes tags=['kv_cache'])."
             )
-        greedy = params.is_greedy
-        copies = params.n if greedy else 1
-        parts: list[tuple[int, list[list[int]]]] = [(params.seed, prompts)]
+        copies = params.n if params.is_greedy else 1
+        # each rank's prompts with its own settings: the ranks of a TP group run one batch, and a multi-turn episode
+        # loop calls with its own bounds (and with no prompts while another rank's episodes still run)
+        parts: list[tuple[SamplingParams, list[list[int]]]] = [(params, prompts)]
         if self._tp_group is not None:
             gathered: list[Any] = [None] * self.tp_size
             dist.all_gather_object(gathered, parts[0], group=self._tp_group)
             parts = gathered
         # after the gather: every rank of a TP group checks the same prompts and raises with the others (a rank
         # raising alone would leave the others waiting in the next gather)
-        self._check_prompts([p for _, group in parts for p in group], params)
+        for part_params, group_prompts in parts:
+            if group_prompts:
+                self._check_prompts(group_prompts, part_params)
         requests, sampling = [], []
-        for seed, group_prompts in parts:
+        for part_params, group_prompts in parts:
             for i, p in enumerate(group_prompts):
+                seed = (part_params.seed * 1_000_003 + i * part_params.n) % (1 << 62)
                 requests.append(TokensPrompt(prompt_token_ids=p))
-                sampling.append(self._vllm_params(params, (seed * 1_000_003 + i * params.n) % (1 << 62)))
+                sampling.append(self._vllm_params(part_params, seed))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora) if requests else []
         start = sum(len(p) for _, p in parts[: self._tp_rank])
         responses: list[list[int]] = []
@@ -437,6 +441,16 @@ class VLLMRolloutEngine:
             detokenize=False,
             **extra,
         )
+
+    def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
+        """What the ranks of this engine's TP group agree on before a round of calls: the most calls any of them makes
+        (a rank with fewer makes calls without prompts, since each call is collective) and whether any still has work.
+        One rank (TP 1): its own. Runs on: worker (all ranks of a TP group together)."""
+        if self._tp_group is None:
+            return calls, busy
+        both = torch.tensor([calls, int(busy)])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._tp_group)
+        return int(both[0]), bool(both[1])
 
     # ------------------------------------------------------------------------------- requests as they come
     @property

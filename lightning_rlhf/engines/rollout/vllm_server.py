@@ -194,6 +194,11 @@ class VLLMServerEngine:
         every rank of the pool together (the servers of a TP group gather their prompts)."""
         return self._call("generate", prompts, params)  # type: ignore[no-any-return]
 
+    def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
+        """``RolloutEngine.agree``, by the servers of the TP group (one rank: its own). Runs on: every rank of the
+        pool's TP group together."""
+        return self._call("agree", calls, busy) if self.tp_size > 1 else (calls, busy)  # type: ignore[no-any-return]
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Stream a complete hand-off to the server through shared memory; returns the bytes handed in. Runs on:
         every rank of the pool. Raises :class:`WeightSyncError` (the server's check: an unknown, repeated or missing
@@ -365,6 +370,8 @@ class _Server:
                     self.reply("ok", self.engine.generate(*message[1:]))
                 elif op == "load_begin":
                     self.load()
+                elif op == "agree":
+                    self.reply("ok", self.engine.agree(*message[1:]))
                 elif op in ("sleep", "wake_up"):
                     args, kwargs = message[1:]
                     self.reply("ok", getattr(self.engine, op)(*args, **kwargs))
