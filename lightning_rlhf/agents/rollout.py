@@ -285,7 +285,7 @@ class EpisodeRunner:
         cfg, self._context = self.cfg, context
         stops = set(params.stop_token_ids)
         episodes = [self._start(row) for row in rows]
-        if cfg.episode.async_episodes and getattr(engine, "streams_requests", False):
+        if cfg.episode.async_episodes and engine.abilities.streams_requests:
             return episodes, self._run_streaming(engine, episodes, params, stops)
         ready = list(episodes)
         calls = 0
@@ -293,7 +293,7 @@ class EpisodeRunner:
         # The transformers engine keeps each episode's keys and values between its turns: a turn runs only the tokens
         # past what the episode's previous turn ran (the last turn's tail and the observation); and it bounds each
         # episode's turn by the episode's own limit, so episodes near the context's end share the others' call.
-        continues = bool(getattr(engine, "continues_sequences", False))
+        continues = engine.abilities.continues_sequences
         number = {id(ep): k for k, ep in enumerate(episodes)}
         # at TP > 1 each engine call is collective: the ranks of the TP group agree on each round's number of calls
         # (a rank with fewer, or with no episode left, makes the rest with no prompts) and end together

@@ -102,7 +102,7 @@ class SharedWeights:
         that cannot bind shared memory, a model not row-sharded on one CPU mesh (or not the engine's), ranks that
         cannot map one store (other hosts, no room in ``/dev/shm``). Runs on: every worker rank of the model's mesh,
         at the same point (collective when the store is made: the ranks agree on the answer)."""
-        if not getattr(engine, "binds_shared_weights", False) or getattr(engine, "slicer", None) is not None:
+        if not engine.abilities.binds_shared_weights or engine.slicer is not None:
             return None
         params = dict(model.named_parameters())
         meshes = {id(p.device_mesh): p.device_mesh for p in params.values() if isinstance(p, DTensor)}

@@ -186,7 +186,7 @@ class HybridEngine:
         store = self._shared[2]
         # LoRA: the fingerprints of what the stream carries, taken on the way only when this hand-off is checked
         expected: dict[str, Fingerprint] | None = {} if lora and due else None
-        if lora and getattr(engine, "takes_adapters", False):
+        if lora and engine.abilities.takes_adapters:
             self._hand_off_adapters(engine, model, received, taken, expected)
         elif store is not None:
             self.wait_s = store.hand_off(received)
@@ -194,7 +194,7 @@ class HybridEngine:
         else:
             stream = weights_for(engine, model, received, into_engine=True, layer=layer)
             if expected is not None:
-                stream = _tapped(stream, expected, _slicer(engine, model), engine.tp_size)
+                stream = _tapped(stream, expected, _slicer(engine, model), engine.tp_rank)
             engine.load_weights(perf.counted_bytes(stream, taken))
         self.engine_bytes = taken[0]
         self.engine_version = self.weights_version
@@ -225,7 +225,7 @@ class HybridEngine:
         if engine.weights_discarded:
             base = base_weights(full_tensors(model, received, layer=self._trainer().train_engine.layer), engine.dtype)
             if expected is not None:
-                base = _tapped(base, expected, None, 1)
+                base = _tapped(base, expected, None, 0)
             engine.load_weights(perf.counted_bytes(base, taken))
         state = adapter_tensors(model, received)
         taken[0] += sum(t.numel() * t.element_size() for t in state.values())
@@ -253,16 +253,18 @@ class HybridEngine:
         """
         t0 = time.perf_counter()
         engine = self.rollout_engine
-        if getattr(engine, "fingerprint", None) is None or expected == {}:
-            return  # an engine that cannot say what it holds (a vLLM engine server), or only adapters were sent
+        if expected == {}:
+            return  # only adapters were sent
         model = self._trainer().model
         assert model is not None
         slicer = _slicer(engine, model)
         if engine.tp_size > 1 and slicer is None:
             return  # an architecture whose TP slices are not known here: nothing to compare with
         if expected is None:
-            expected = shard_fingerprints(model, dtype=engine.dtype, slicer=slicer, tp_size=engine.tp_size)
-        _check(engine, expected, tp_rank=world()[0] % engine.tp_size)
+            expected = shard_fingerprints(
+                model, dtype=engine.dtype, slicer=slicer, tp_size=engine.tp_size, tp_rank=engine.tp_rank
+            )
+        _check(engine, expected, tp_rank=engine.tp_rank)
         self.verify_s = time.perf_counter() - t0
 
     def send(self, bridge: WeightBridge, *, version: int, lag: int, max_staleness: int) -> dict[str, float]:
@@ -321,12 +323,12 @@ class HybridEngine:
         """
         engine = self.rollout_engine
         t0 = time.perf_counter()
-        header, tensors = receive_weights(bridge, torch.device(getattr(engine, "device", "cpu")))
+        header, tensors = receive_weights(bridge, torch.device(engine.device))
         received = engine.load_weights(tensors) if header.send else 0
         self.verify_s = 0.0
         if header.send:
             self.engine_version = header.version
-        if header.fingerprints and getattr(engine, "fingerprint", None) is not None:
+        if header.fingerprints and engine.tp_size == 1:  # the header's are of full tensors, not of TP slices
             perf.device_wait()
             start = time.perf_counter()
             _check(engine, header.fingerprints)
@@ -368,12 +370,13 @@ def _slicer(engine: Any, model: nn.Module) -> Slicer | None:
 
 
 def _tapped(
-    stream: Iterator[tuple[str, Tensor]], prints: dict[str, Fingerprint], slicer: Slicer | None, tp_size: int
+    stream: Iterator[tuple[str, Tensor]], prints: dict[str, Fingerprint], slicer: Slicer | None, tp_rank: int
 ) -> Iterator[tuple[str, Tensor]]:
-    """``stream`` (full tensors) unchanged, the fingerprint of each (of this rank's TP slice with a ``slicer``) put in
-    ``prints`` as it passes: the trainer's side of a hand-off computed on the way. Runs on: every worker rank."""
+    """``stream`` (full tensors) unchanged, the fingerprint of each (with a ``slicer``: of the slice TP rank ``tp_rank``
+    holds) put in ``prints`` as it passes: the trainer's side of a hand-off computed on the way. Runs on: every worker
+    rank."""
     for name, tensor in stream:
-        region = slicer(name, tuple(tensor.shape), world()[0] % tp_size) if slicer is not None else None
+        region = slicer(name, tuple(tensor.shape), tp_rank) if slicer is not None else None
         held = tensor if region is None else tensor.narrow(region.dim, region.start, region.length)
         rows = as_rows(held.detach())
         ranges = fingerprint_ranges(0, len(rows), one_dim=rows.shape[1] == 1)

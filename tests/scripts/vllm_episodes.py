@@ -54,7 +54,7 @@ def main() -> None:
         hf_config=model.config, layer=CPULayer(),
     )  # fmt: skip
     rows = [{"prompt": f"{a}+{b}="} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
-    report: dict[str, Any] = {"streams": engine.streams_requests}
+    report: dict[str, Any] = {"streams": engine.abilities.streams_requests}
 
     runner = EpisodeRunner(OneTurn, tok, RolloutConfig(max_new_tokens=8, episode=EpisodeConfig(max_turns=1)))
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=8, stop_token_ids=(tok.eos_token_id,), seed=11)

@@ -28,7 +28,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, EpisodeConfig, KLConfig, RolloutConfig
 from lightning_rlhf.demo import addition_reward
 from lightning_rlhf.demo.tiny import build_tiny_tokenizer
-from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams
+from lightning_rlhf.engines.rollout.base import EngineAbilities, RolloutOutput, SamplingParams
 from tests.agent_tools import calculator, nap
 
 # A chat template in Qwen2.5's layout (written here from its documented rendering): turns between <|im_start|>ROLE
@@ -78,6 +78,7 @@ class ScriptedEngine:
         )
 
     tp_size = 1  # a whole engine per rank
+    abilities = EngineAbilities()  # no request stream, no kept sequences: the lock-step rounds
 
     def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
         return calls, busy

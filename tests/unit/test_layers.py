@@ -229,6 +229,40 @@ def test_the_strategy_knows_roles_only_by_what_they_declare() -> None:
     assert not hits, "the strategy names a role:\n" + "\n".join(hits)
 
 
+def _engine_probes(path: Path) -> list[str]:
+    """``line: call`` of every ``getattr``/``hasattr`` in ``path`` whose object is an engine (a name or attribute
+    ending in ``engine``: ``engine``, ``self.engine``, ``rollout_engine``, ...)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+            continue
+        target = node.args[0]
+        name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
+        if node.func.id in ("getattr", "hasattr") and name.endswith("engine"):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_engine_ability_is_probed() -> None:
+    """What an engine offers is declared (``RolloutEngine.abilities``, the Protocol's members), never probed: no
+    ``getattr(engine, ...)`` or ``hasattr(engine, ...)`` in the package."""
+    hits = [
+        f"{path.relative_to(PACKAGE.parent)}:{hit}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for hit in _engine_probes(path)
+    ]
+    assert not hits, "an engine is probed (declare it in EngineAbilities or the Protocol):\n" + "\n".join(hits)
+
+
+def test_the_probe_rule_sees_every_form(tmp_path: Path) -> None:
+    probes = tmp_path / "probes.py"
+    probes.write_text(
+        "getattr(engine, 'x', False)\nhasattr(self.rollout_engine, 'y')\ngetattr(self.engine, op)\n"
+        "getattr(engine_model.config, 'bos_token_id', None)\nengine.abilities.streams_requests\n"
+    )
+    assert [hit.split(":")[0] for hit in _engine_probes(probes)] == ["1", "2", "3"]
+
+
 CPU = PACKAGE / "cpu"
 
 

@@ -6,10 +6,17 @@
 - an engine built from a meta-device model holds no weights until the first hand-off, then computes exactly what
   the real model computes (its rotary buffers recomputed, its head still tied to the embedding);
 - ``make_rollout_engine`` builds the engine the strategy asks for, refusing bad settings first;
-- ``weights_for`` streams full tensors to an engine without a slicer.
+- ``weights_for`` streams full tensors to an engine without a slicer;
+- every engine class (vLLM's read off the class, not built) declares the whole protocol, ``abilities`` included, and
+  the engine server forwards ``fingerprint`` and a failed check's discard.
 """
 
 from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
 
 import pytest
 import torch
@@ -17,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rlhf.config import RolloutConfig, VLLMConfig
 from lightning_rlhf.engines.rollout import (
+    EngineAbilities,
     HandoffCheck,
     HFRolloutEngine,
     RolloutEngine,
@@ -178,3 +186,117 @@ def test_factory_builds_the_hf_engine_and_refuses_bad_settings(tiny_model: str) 
         make_rollout_engine("hf", tokenizer=tok, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"max_model_len=0\).*HINT"):
         make_rollout_engine("vllm", tokenizer=tok, **kwargs)  # type: ignore[arg-type]
+
+
+def _protocol_members() -> dict[str, object]:
+    """Every member :class:`RolloutEngine` declares (properties and methods), by name."""
+    return {name: value for name, value in vars(RolloutEngine).items() if not name.startswith("_")}
+
+
+def _instance_attributes(cls: type) -> set[str]:
+    """The names ``cls.__init__`` assigns on ``self`` (``self.x = ...``, ``self.x: T = ...``, tuple targets)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))  # type: ignore[misc]
+    targets: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets += node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets.append(node.target)
+    names = set()
+    for target in targets:
+        for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                names.add(t.attr)
+    return names
+
+
+@pytest.mark.parametrize("name", ["HFRolloutEngine", "VLLMRolloutEngine", "VLLMServerEngine"])
+def test_every_engine_class_declares_the_whole_protocol(name: str) -> None:
+    """Read off the classes (vLLM is not built): every member of ``RolloutEngine`` is a class attribute, a property,
+    a method taking the Protocol's arguments, or an attribute ``__init__`` sets; ``abilities`` is declared by the class
+    itself (an :class:`EngineAbilities`, or a property returning one), never left to a probe."""
+    from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
+    from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
+
+    cls = {"HFRolloutEngine": HFRolloutEngine, "VLLMRolloutEngine": VLLMRolloutEngine}.get(name, VLLMServerEngine)
+    assigned = _instance_attributes(cls)
+    missing = [m for m in _protocol_members() if not hasattr(cls, m) and m not in assigned]
+    assert not missing, f"{name} lacks {missing}"
+    for member, declared in _protocol_members().items():
+        if not inspect.isfunction(declared):
+            continue
+        own = inspect.signature(getattr(cls, member)).parameters
+        takes_any = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in own.values())
+        lacking = [p for p in inspect.signature(declared).parameters if p not in own and not takes_any]
+        assert not lacking, f"{name}.{member} does not take {lacking}"
+    abilities = inspect.getattr_static(cls, "abilities")
+    assert isinstance(abilities, EngineAbilities) or (
+        isinstance(abilities, property) and inspect.signature(abilities.fget).return_annotation == "EngineAbilities"
+    ), f"{name}.abilities is {abilities!r}"
+
+
+def test_each_engine_declares_what_it_offers(tiny_model: str) -> None:
+    """The abilities the callers read (they probed the engines' attributes before): the transformers engine keeps
+    sequences, copies each weight and, on CPU, binds shared weights; vLLM streams requests at TP 1 only and takes
+    adapters where built for LoRA; the engine server copies each weight and forwards nothing else."""
+    from types import SimpleNamespace
+
+    from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
+    from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
+
+    eng = _engine(AutoModelForCausalLM.from_pretrained(tiny_model), tiny_model)
+    assert eng.abilities == EngineAbilities(
+        continues_sequences=True, copies_each_weight=True, binds_shared_weights=True
+    )
+    assert (eng.device, eng.tp_rank) == (CPU, 0)
+    vllm_abilities = inspect.getattr_static(VLLMRolloutEngine, "abilities").fget
+    assert vllm_abilities(SimpleNamespace(_tp_group=None, _takes_adapters=False)) == EngineAbilities(
+        streams_requests=True
+    )
+    assert vllm_abilities(SimpleNamespace(_tp_group=object(), _takes_adapters=True)) == EngineAbilities(
+        takes_adapters=True
+    )
+    assert VLLMServerEngine.abilities == EngineAbilities(copies_each_weight=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        VLLMServerEngine.abilities.takes_adapters = True  # type: ignore[misc]
+
+
+class _HeldEngine:
+    """What the server's side asks of its engine for a fingerprint and a discard."""
+
+    weights_discarded = False
+
+    def fingerprint(self, ranges: dict[str, list[tuple[int, int]]]) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.tensor([0.1 + a + b / 3 for a, b in rows], dtype=torch.float64) for name, rows in ranges.items()
+        }
+
+
+def test_the_engine_server_answers_fingerprints_and_takes_a_discard() -> None:
+    """The client of an engine server forwards ``fingerprint`` (its sums exact, as float64 tensors) and a failed
+    check's ``weights_discarded = True`` (the server's engine then refuses to generate), over a pipe to the server's
+    own loop (no vLLM: the server's engine is a stand-in)."""
+    import multiprocessing
+    import threading
+    from types import SimpleNamespace
+
+    from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine, _Server
+
+    ours, theirs = multiprocessing.Pipe()
+    server = _Server(theirs)
+    server.engine = _HeldEngine()
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    client = object.__new__(VLLMServerEngine)
+    client._conn, client._discarded = ours, False
+    client._proc = SimpleNamespace(poll=lambda: None, pid=0)  # type: ignore[assignment]
+    ranges = {"a.weight": [(0, 2), (5, 6)], "b.bias": [(0, 1)]}
+    held = client.fingerprint(ranges)
+    assert held.keys() == ranges.keys()
+    assert all(t.dtype == torch.float64 for t in held.values())
+    assert torch.equal(held["a.weight"], _HeldEngine().fingerprint(ranges)["a.weight"])
+    client.weights_discarded = True
+    assert server.engine.weights_discarded and client.weights_discarded
+    ours.send(("close",))
+    thread.join(timeout=10)
+    assert not thread.is_alive()

@@ -1,6 +1,7 @@
 """Rollout engines: generate responses from prompts, and take new weights after each actor update."""
 
 from lightning_rlhf.engines.rollout.base import (
+    EngineAbilities,
     HandoffCheck,
     RolloutEngine,
     RolloutOutput,
@@ -12,6 +13,7 @@ from lightning_rlhf.engines.rollout.factory import RolloutEngineFactory, make_ro
 from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
 
 __all__ = [
+    "EngineAbilities",
     "HFRolloutEngine",
     "HandoffCheck",
     "RolloutEngine",

@@ -25,6 +25,7 @@ __all__ = [
     "MEMORY_TAGS",
     "MIN_TEMPERATURE",
     "WEIGHTS",
+    "EngineAbilities",
     "Fingerprint",
     "HandoffCheck",
     "RolloutEngine",
@@ -184,6 +185,31 @@ class RolloutOutput:
 
     responses: list[list[int]]
     logprobs: list[list[float]] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineAbilities:
+    """What a rollout engine offers beyond the members every :class:`RolloutEngine` has: each engine declares its own
+    (``RolloutEngine.abilities``), and the callers read it instead of probing the engine for attributes. An ability
+    left out is not offered (every field defaults to False)."""
+
+    streams_requests: bool = False
+    """Requests can join the engine while others decode (``add_requests`` / ``step_requests`` / ``has_requests``):
+    multi-turn episodes with ``EpisodeConfig.async_episodes`` submit each episode's next turn as soon as its
+    observation is ready (the vLLM engine at TP 1)."""
+    continues_sequences: bool = False
+    """``generate`` takes ``continues`` / ``keep_as`` / ``limits`` / ``on_done`` and the engine has ``forget()``: a
+    multi-turn episode's next turn runs only its new tokens through the model, each episode bounded by its own limit
+    (the transformers engine keeps each sequence's keys and values between calls)."""
+    copies_each_weight: bool = False
+    """``load_weights`` copies each tensor before it takes the next one from the stream, so ``weights_for`` may hand it
+    views of a reused buffer (the transformers engine, the vLLM engine server)."""
+    takes_adapters: bool = False
+    """A LoRA actor hands over its adapters (``load_adapter``) rather than merged weights (vLLM built with
+    ``lora_rank``)."""
+    binds_shared_weights: bool = False
+    """``bind_weights`` may give the engine's parameters memory it shares with the host's other engines (a device
+    layer's ``weight_store``; ``weight_layout`` says how it is laid out): the transformers engine on CPU."""
 
 
 class WeightSyncError(RuntimeError):
@@ -382,23 +408,40 @@ class HandoffCheck:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the actor role, the resharding code and the strategy need from a generator; both engines implement every
-    member (:func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine` builds them). Runs on: every worker.
+    """What the actor role, the resharding code and the strategy need from a generator; every engine (transformers,
+    vLLM, the vLLM engine server) implements every member
+    (:func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine` builds them). Runs on: every worker.
 
-    Optional: ``copies_each_weight = True`` says that ``load_weights`` copies each tensor before it takes the next
-    one from the stream; ``weights_for`` may then hand it views of a reused buffer (``HFRolloutEngine`` does).
+    Abilities: what an engine offers beyond these members it declares in ``abilities`` (:class:`EngineAbilities`:
+    continuous requests, kept sequences, views of a reused buffer in ``load_weights``, LoRA adapters, shared
+    weights); the callers read it and never probe the engine for attributes. An engine of one's own
+    (``RLHFStrategy(engine_factory=...)``) declares ``abilities = EngineAbilities()`` when it offers none of them.
 
-    Verified hand-offs: ``fingerprint(ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]`` says what the engine
-    holds: per name, the float64 sums of those rows of the tensor (:func:`as_rows`; at TP > 1 of this rank's slice);
-    ``fingerprint_rtol: float`` how closely they agree with the trainer's (relative to the sums of absolute values:
-    to rounding, or to the precision of the kernels an engine reads them through, vLLM's repacked CPU linears). An
-    engine without them (the vLLM engine server) gets the names' check only.
+    Verified hand-offs: :meth:`fingerprint` says what the engine holds and ``fingerprint_rtol`` how closely that
+    agrees with the trainer's (``HybridEngine`` checks hand-offs with them; "Every hand-off is checked").
 
     Memory phases (docs/hybrid-engine.md, "Memory phases"): the actor calls ``wake_up(tags=["weights"])``,
     ``load_weights(...)`` (when needed), releases the trainer's memory, then ``wake_up(tags=["kv_cache"])``,
     ``generate(...)`` and ``sleep()``, so that a device never holds two full copies of the weights beside the trainer's
     shards. An engine that cannot free a kind of memory accepts its tag and does nothing for it.
     """
+
+    @property
+    def abilities(self) -> EngineAbilities:
+        """What the engine offers beyond the members every engine has (:class:`EngineAbilities`)."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """The device the engine generates on (a hand-off's tensors are received there)."""
+        ...
+
+    @property
+    def fingerprint_rtol(self) -> float:
+        """How closely :meth:`fingerprint` agrees with the trainer's sums, relative to the sums of absolute values: to
+        rounding, or to the precision of the kernels an engine reads its weights through (vLLM's repacked CPU
+        linears)."""
+        ...
 
     @property
     def weights_discarded(self) -> bool:
@@ -415,6 +458,12 @@ class RolloutEngine(Protocol):
     @property
     def tp_size(self) -> int:
         """Ranks per tensor-parallel engine (1: every rank runs a whole engine)."""
+        ...
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its engine's TP group (0 at TP 1): which slice of each tensor its engine holds (a
+        checked hand-off compares the trainer's sums of the same slice)."""
         ...
 
     @property
@@ -444,6 +493,12 @@ class RolloutEngine(Protocol):
         rank of this engine's TP group makes in the coming round, and whether any of them still has work. At TP > 1
         every call is collective, so a rank with fewer calls makes the rest with no prompts; at TP 1 the rank's own
         ``(calls, busy)``."""
+        ...
+
+    def fingerprint(self, ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]:
+        """What the engine holds: per name, the float64 sums of those rows of the tensor (:func:`as_rows`; at TP > 1
+        of this rank's slice), as :func:`tensor_fingerprints` takes them of tensors. A name the engine does not hold
+        is left out (:func:`check_fingerprints` names it)."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:

@@ -21,6 +21,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from lightning_rlhf.engines.rollout.base import (
     WEIGHTS,
+    EngineAbilities,
     HandoffCheck,
     RolloutOutput,
     RowRanges,
@@ -99,8 +100,8 @@ class HFRolloutEngine:
     """
 
     tp_size: int = 1
+    tp_rank: int = 0
     slicer: Slicer | None = None
-    copies_each_weight: bool = True
     offload_optimizer: bool = False
     """Only the vLLM engine, which reserves a KV cache, asks for the optimizer state's offload."""
 
@@ -175,9 +176,15 @@ class HFRolloutEngine:
             )
         return why is None
 
-    continues_sequences: bool = True
-    """``generate`` takes ``continues``/``keep_as``: a multi-turn episode's next turn runs only its new tokens through
-    the model (the decoding loop keeps each sequence's keys and values between calls, as vLLM's prefix cache does)."""
+    @property
+    def abilities(self) -> EngineAbilities:
+        """Kept sequences (``generate`` takes ``continues``/``keep_as``: a multi-turn episode's next turn runs only its
+        new tokens through the model, the decoding loop keeping each sequence's keys and values between calls as
+        vLLM's prefix cache does), each weight copied as it arrives, and on CPU weights bound to a store the host's
+        engines share (:meth:`bind_weights`). Runs on: worker."""
+        return EngineAbilities(
+            continues_sequences=True, copies_each_weight=True, binds_shared_weights=self.device.type == "cpu"
+        )
 
     def forget(self) -> None:
         """Drop every kept sequence (``generate(..., keep_as=...)``). Runs on: worker."""
@@ -312,12 +319,6 @@ class HFRolloutEngine:
                 responses[i * n : (i + 1) * n] = out.responses[k * n : (k + 1) * n]
                 logprobs[i * n : (i + 1) * n] = lps[k * n : (k + 1) * n]
         return RolloutOutput(responses=responses, logprobs=logprobs)
-
-    @property
-    def binds_shared_weights(self) -> bool:
-        """Whether :meth:`bind_weights` may give this engine's parameters memory it shares with the host's other
-        engines (a device layer's ``weight_store``, laid out as the CPU layer's loop fuses them): on CPU."""
-        return self.device.type == "cpu"
 
     def bind_weights(self, tensors: dict[str, Tensor]) -> None:
         """Make every parameter's data ``tensors[name]`` (e.g. views of a store every engine of the host reads), so that

@@ -245,9 +245,9 @@ def weights_for(
 
     ``transport``: how full tensors move (``full_tensors``'s), through ``layer``'s host buffer for ``"shared"``.
     ``into_engine=True``: the stream goes straight into ``engine.load_weights``, so an engine that copies each tensor
-    before it takes the next (``copies_each_weight``) may get views of the shared buffer, which later buckets
-    overwrite; any other use gets full tensors of its own. TP slices already in a rank's rows are views of its
-    shards in either case (valid until the next update).
+    before it takes the next (``engine.abilities.copies_each_weight``) may get views of the shared buffer, which
+    later buckets overwrite; any other use gets full tensors of its own. TP slices already in a rank's rows are views
+    of its shards in either case (valid until the next update).
     """
     from lightning_rlhf.engines.train import full_tensors
     from lightning_rlhf.engines.train.lora import has_lora, merged_weights
@@ -255,19 +255,20 @@ def weights_for(
     if has_lora(model):  # LoRA: the base's names, each adapted weight merged on the fly (full tensors, float32)
         return merged_weights(model, full_tensors(model, received, transport=transport, layer=layer), engine.dtype)
     if engine.slicer is None:
-        views = into_engine and bool(getattr(engine, "copies_each_weight", False))
+        views = into_engine and engine.abilities.copies_each_weight
         return full_tensors(model, received, dtype=engine.dtype, transport=transport, views=views, layer=layer)
     return sliced_tensors(model, engine.slicer, tp_size=engine.tp_size, received=received, dtype=engine.dtype)
 
 
 @torch.no_grad()
 def shard_fingerprints(
-    model: nn.Module, *, dtype: torch.dtype, slicer: Slicer | None = None, tp_size: int = 1
+    model: nn.Module, *, dtype: torch.dtype, slicer: Slicer | None = None, tp_size: int = 1, tp_rank: int | None = None
 ) -> dict[str, Fingerprint]:
     """The trainer's side of a verified hand-off, from this rank's FSDP2 rows alone (no collective for a row-sharded
     parameter): per parameter, the rows :func:`~lightning_rlhf.engines.rollout.base.fingerprint_ranges` picks of
     the tensor this rank's engine holds (with a ``slicer``: its TP rank's slice, in its own row numbers) that lie in
-    this rank's shard, and their float64 sums in ``dtype``, then the sums of their absolute values.
+    this rank's shard, and their float64 sums in ``dtype``, then the sums of their absolute values. ``tp_rank``: the
+    engine's (``RolloutEngine.tp_rank``; None: this rank's in the world, modulo ``tp_size``).
 
     Runs on: every worker rank of the model's mesh, at the same point (a parameter that is not row-sharded is made
     whole: a collective).
@@ -275,7 +276,8 @@ def shard_fingerprints(
     from lightning_rlhf.compat.sharding import row_shard
 
     positions: dict[int, tuple[Any, int, int]] = {}
-    tp_rank = (dist.get_rank() if dist.is_initialized() else 0) % tp_size
+    if tp_rank is None:
+        tp_rank = (dist.get_rank() if dist.is_initialized() else 0) % tp_size
     ranges: dict[str, RowRanges] = {}
     pieces: list[Tensor] = []
     lengths: list[int] = []

@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from lightning_rlhf.config import VLLMConfig
 from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.base import (
     MEMORY_TAGS,
+    EngineAbilities,
     HandoffCheck,
     RolloutOutput,
     RowRanges,
@@ -321,18 +322,18 @@ class VLLMRolloutEngine:
         self._asleep: set[str] = set()  # memory tags vLLM holds asleep
         self.weights_discarded = config.load_format == "dummy"
         self.tp_size: int = config.tensor_parallel_size
-        self._tp_group, self._tp_rank = self._make_tp_group(self.tp_size)
+        self._tp_group, self.tp_rank = self._make_tp_group(self.tp_size)  # tp_rank: this rank's place in the group
         # add_requests' running requests: our name and vLLM's id (the same or not, by vLLM's version) each -> (the
         # caller's key, the other one), so a finished request leaves no entry behind
         self._requests: dict[str, tuple[int, str]] = {}
         self._request_counter = itertools.count()
         self._layer = layer
         if on_cpu and self._tp_group is not None:
-            layer.vllm_tp_group(self._tp_group, self._tp_rank)
+            layer.vllm_tp_group(self._tp_group, self.tp_rank)
         self.slicer: Slicer | None = (
             tp_slicer(hf_config, self.tp_size) if config.weight_transfer == "slices" and hf_config is not None else None
         )
-        self.takes_adapters = lora_rank is not None  # the actor hands over its adapters (load_adapter), not merged
+        self._takes_adapters = lora_rank is not None  # the actor hands over its adapters (load_adapter), not merged
         self._lora: Any = None  # the LoRARequest of the adapters the next requests use
         self.llm = _build_llm(_engine_args(model_path, config, dtype, device, max_model_len, seed, lora_rank))
         self.llm.init_weight_transfer_engine({"init_info": {}})
@@ -393,7 +394,7 @@ class VLLMRolloutEngine:
                 requests.append(TokensPrompt(prompt_token_ids=p))
                 sampling.append(self._vllm_params(part_params, seed))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora) if requests else []
-        start = sum(len(p) for _, p in parts[: self._tp_rank])
+        start = sum(len(p) for _, p in parts[: self.tp_rank])
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         for out in outputs[start : start + len(prompts)]:
@@ -454,10 +455,11 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------------------- requests as they come
     @property
-    def streams_requests(self) -> bool:
-        """Whether requests can join the engine while others decode (:meth:`add_requests`): an engine of one rank
-        (TP 1), whose ranks need not agree on each scheduling step. Runs on: worker."""
-        return self._tp_group is None
+    def abilities(self) -> EngineAbilities:
+        """Requests join the engine while others decode (:meth:`add_requests`) in an engine of one rank (TP 1), whose
+        ranks need not agree on each scheduling step; built with ``lora_rank``, it takes the actor's adapters
+        (:meth:`load_adapter`) rather than merged weights. Runs on: worker."""
+        return EngineAbilities(streams_requests=self._tp_group is None, takes_adapters=self._takes_adapters)
 
     def add_requests(self, requests: list[tuple[int, list[int]]], params: SamplingParams) -> None:
         """Queue one single-sample request per ``(key, prompt ids)``; they decode with the requests already running
@@ -465,7 +467,7 @@ class VLLMRolloutEngine:
         observation is ready). Checked as :meth:`generate` checks its prompts. Runs on: worker (TP 1)."""
         from vllm.inputs import TokensPrompt
 
-        if not self.streams_requests:
+        if not self.abilities.streams_requests:
             raise RuntimeError("VLLMRolloutEngine.add_requests: needs TP 1 (a TP group generates in lock step).")
         params.check()
         if self._asleep or self.weights_discarded:
@@ -578,7 +580,7 @@ class VLLMRolloutEngine:
         accumulation, and in a 16-bit engine a 16-bit result."""
         return 1e-5 if self.dtype == torch.float32 else 2e-2
 
-    def fingerprint(self, ranges: dict[str, RowRanges]) -> dict[str, Tensor]:
+    def fingerprint(self, ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]:
         """The float64 sums of those rows of each tensor this rank's engine holds (its slice at TP > 1): each fused
         parameter cut into its members at the rows vLLM's loader put them, the vocabulary's padding rows left out.
         Runs on: worker (each rank reads its own vLLM worker's model; no collective)."""

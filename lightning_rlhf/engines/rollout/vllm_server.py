@@ -21,7 +21,7 @@ import tempfile
 import time
 import traceback
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rlhf.config import VLLMConfig
-from lightning_rlhf.engines.rollout.base import RolloutOutput, SamplingParams, WeightSyncError
+from lightning_rlhf.engines.rollout.base import (
+    EngineAbilities,
+    RolloutOutput,
+    RowRanges,
+    SamplingParams,
+    WeightSyncError,
+)
 
 __all__ = ["EngineServerError", "VLLMServerEngine"]
 
@@ -62,7 +68,9 @@ class VLLMServerEngine:
     ``start_timeout_s``: how long the server may take to build its engine. Runs on: every rank of the role's pool
     (all together: at TP > 1 they exchange the servers' rendezvous)."""
 
-    copies_each_weight = True
+    abilities = EngineAbilities(copies_each_weight=True)
+    """Each weight is copied into shared memory as it arrives; requests, kept sequences and adapters are not forwarded
+    (the engine in the server has them)."""
 
     def __init__(
         self,
@@ -82,8 +90,8 @@ class VLLMServerEngine:
         self.param_names: list[str] = [n for n in engine_kwargs["param_names"] if n not in tied]
         self.offload_optimizer = bool(config.offload_optimizer and self.device.type == "cuda")
         self.bucket_bytes = max(1, int(config.weight_bucket_mb * (1 << 20)))
-        self.weights_discarded = True
-        self._tp_rank = pool_rank % self.tp_size
+        self._discarded = True
+        self.tp_rank = pool_rank % self.tp_size  # the pool's ranks, not the world's, make the TP groups
         self._folder = Path(tempfile.mkdtemp(prefix="lightning_rlhf_vllm_"))
         self.log_path = self._folder / "server.log"
         address = str(self._folder / "socket")
@@ -94,9 +102,9 @@ class VLLMServerEngine:
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         device_ids = self._gather(self.device.index if self.device.type == "cuda" else None, pool_group)
         if self.device.type == "cuda":  # the server sees its TP group's devices, its own as LOCAL_RANK
-            first = pool_rank - self._tp_rank
+            first = pool_rank - self.tp_rank
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in device_ids[first : first + self.tp_size])
-            engine_kwargs = engine_kwargs | {"device": torch.device("cuda", self._tp_rank)}
+            engine_kwargs = engine_kwargs | {"device": torch.device("cuda", self.tp_rank)}
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "lightning_rlhf.engines.rollout.vllm_server"],
@@ -111,12 +119,12 @@ class VLLMServerEngine:
         self._closer = weakref.finalize(self, _shut_down, self._proc, self._held, self._folder)
         try:
             self._conn = self._held["conn"] = self._connect(address, key, start_timeout_s)
-            self._send(("init", model_path, engine_kwargs, self._tp_rank, self.tp_size, torch.get_num_threads()))
+            self._send(("init", model_path, engine_kwargs, self.tp_rank, self.tp_size, torch.get_num_threads()))
             if self.tp_size > 1:  # the first server of each TP group hosts the group's store; the others join it
-                port = self._receive(start_timeout_s) if self._tp_rank == 0 else None
+                port = self._receive(start_timeout_s) if self.tp_rank == 0 else None
                 ports = self._gather(port, pool_group)
-                self._send(("store", ports[pool_rank - self._tp_rank]))
-            self._receive(start_timeout_s)  # the engine is built
+                self._send(("store", ports[pool_rank - self.tp_rank]))
+            self.fingerprint_rtol: float = self._receive(start_timeout_s)  # the engine is built; its tolerance
         except BaseException:
             self._closer()
             raise
@@ -177,12 +185,26 @@ class VLLMServerEngine:
             self._check_alive("while serving a request")
             raise self._failure("closed its socket") from None
         kind, value, discarded = reply
-        self.weights_discarded = discarded
+        self._discarded = discarded
         if kind == "error":
             type_name, message, trace = value
             raised = _RAISED_AS_IS.get(type_name, EngineServerError)
             raise raised(f"{message}\n(in the vLLM engine server, pid {self._proc.pid}:)\n{trace}")
         return value
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Whether the server's engine holds no valid weights (as its last reply said). Runs on: every rank of the
+        pool."""
+        return self._discarded
+
+    @weights_discarded.setter
+    def weights_discarded(self, value: bool) -> None:
+        """Set by the caller (a failed fingerprint check): True is passed on, so that the server's engine refuses to
+        generate until a complete hand-off, as a colocated engine does. Runs on: every rank of the pool."""
+        if value and not self._discarded:
+            self._call("discard")
+        self._discarded = value
 
     def _call(self, op: str, *args: Any) -> Any:
         self._send((op, *args))
@@ -199,11 +221,17 @@ class VLLMServerEngine:
         pool's TP group together."""
         return self._call("agree", calls, busy) if self.tp_size > 1 else (calls, busy)  # type: ignore[no-any-return]
 
+    def fingerprint(self, ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]:
+        """The server's engine's ``fingerprint`` (``VLLMRolloutEngine.fingerprint``: at TP > 1 of its slice), its sums
+        crossing the socket as numbers. Runs on: every rank of the pool (no collective)."""
+        sums: dict[str, list[float]] = self._call("fingerprint", dict(ranges))
+        return {name: torch.tensor(values, dtype=torch.float64) for name, values in sums.items()}
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Stream a complete hand-off to the server through shared memory; returns the bytes handed in. Runs on:
         every rank of the pool. Raises :class:`WeightSyncError` (the server's check: an unknown, repeated or missing
         name), and leaves ``weights_discarded`` True, as the colocated engine does."""
-        self.weights_discarded = True
+        self._discarded = True
         self._send(("load_begin",))
         specs: list[tuple[str, str, tuple[int, ...], int]] = []
         used = 0
@@ -223,7 +251,7 @@ class VLLMServerEngine:
         except BaseException:  # the stream failed on this side: end the server's stream, drop its reply
             with contextlib.suppress(Exception):
                 self._call("load_end")
-            self.weights_discarded = True
+            self._discarded = True
             raise
         return self._call("load_end")  # type: ignore[no-any-return]
 
@@ -315,7 +343,7 @@ class _Server:
         from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine
 
         self.engine = VLLMRolloutEngine(model_path, **kwargs)
-        self.reply("ok", None)
+        self.reply("ok", self.engine.fingerprint_rtol)
 
     def stream(self) -> Iterator[tuple[str, Tensor]]:
         """The hand-off's tensors, chunk by chunk, each copied out of shared memory before the chunk is acknowledged
@@ -372,9 +400,18 @@ class _Server:
                     self.load()
                 elif op == "agree":
                     self.reply("ok", self.engine.agree(*message[1:]))
-                elif op in ("sleep", "wake_up"):
+                elif op == "discard":
+                    self.engine.weights_discarded = True
+                    self.reply("ok", None)
+                elif op == "fingerprint":  # plain numbers: a tensor would cross as a handle to shared memory
+                    sums = self.engine.fingerprint(*message[1:])
+                    self.reply("ok", {name: values.tolist() for name, values in sums.items()})
+                elif op == "sleep":
                     args, kwargs = message[1:]
-                    self.reply("ok", getattr(self.engine, op)(*args, **kwargs))
+                    self.reply("ok", self.engine.sleep(*args, **kwargs))
+                elif op == "wake_up":
+                    args, kwargs = message[1:]
+                    self.reply("ok", self.engine.wake_up(*args, **kwargs))
                 else:
                     raise ValueError(f"unknown request {op!r}")
             except Exception as exc:  # every failure goes back to the client with its traceback
