@@ -6,7 +6,8 @@
   server behind;
 - training: a generation-only ``rollout`` pool samples with vLLM one step off-policy (``max_staleness=1``); an
   actor placed apart from the critic generates with its own server, its weights handed over every step (the
-  engine's token probabilities equal the trainer's).
+  engine's token probabilities equal the trainer's); both check every hand-off by value (the server answers its
+  engine's fingerprint).
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def test_a_rollout_pool_generates_with_vllm_one_step_off_policy(demo_model: str,
     for row in rows[1:]:
         assert float(row["training/rollout_probs_diff_max"]) < 1e-5
         assert 0 < float(row["actor/rollout_is_mean"]) <= 2.0 and float(row["actor/grad_norm"]) > 0
+    for row in rows:  # each hand-off checked by value: the server answers its engine's fingerprint
+        assert (float(row["perf/weight_verify_s"]) > 0) == (float(row["perf/weight_receive_bytes"]) > 0), row
 
 
 def test_an_actor_placed_apart_generates_with_its_own_engine_server(demo_model: str, tmp_path: Path) -> None:
@@ -116,4 +119,5 @@ def test_an_actor_placed_apart_generates_with_its_own_engine_server(demo_model: 
     for row in read_metrics(tmp_path):
         assert float(row["training/rollout_probs_diff_max"]) < 1e-5  # the weights handed over every step
         assert float(row["timing_s/update_weights"]) > 0  # (one rank: nothing to gather, no bytes received)
+        assert float(row["perf/weight_verify_s"]) > 0  # checked by value: the server answers its engine's fingerprint
         assert float(row["critic/vf_loss"]) > 0 and float(row["actor/grad_norm"]) > 0
