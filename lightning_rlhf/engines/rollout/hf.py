@@ -152,7 +152,7 @@ class HFRolloutEngine:
         self.weights_discarded = on_meta
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
-        self.device = device
+        self.device = torch.device(device)
         self.generation_batch_size = generation_batch_size
         self.decode = decode
         self.loop = decode_loop
