@@ -125,15 +125,15 @@ def main() -> None:
         cfg = RolloutConfig(
             max_new_tokens=96, max_turns=3, tool_workers=args.tool_workers, async_episodes=mode == "async"
         )
-        runner = EpisodeRunner(SlowCalculator, tok, cfg, model_path=model_dir)
+        runner = EpisodeRunner(SlowCalculator, tok, cfg)
         try:
-            runner.run(engine, rows, params, context=runner.context)  # warm-up: worker start, engine caches
+            runner.run(engine, rows, params)  # warm-up: worker start, engine caches
             walls, calls, gens, tools = [], [], [], []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                episodes, gen_s = runner.run(engine, rows, params, context=runner.context)
+                episodes, _, driver = runner.run(engine, rows, params)
                 walls.append(time.perf_counter() - t0)
-                gens.append(gen_s)
+                gens.append(driver.engine_s)
                 tools.append(sum(ep.tool_s for ep in episodes))
                 calls.append(sum(ep.info.tool_calls for ep in episodes) / len(episodes))
         finally:

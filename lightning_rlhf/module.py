@@ -156,7 +156,8 @@ class RLHFModule(L.LightningModule):
         )
         self.actor.environment = environment_factory(self.environment) if self.environment is not None else None
         if self.actor.environment is not None:  # the tools' schemas and the chat template, before any process starts
-            check_environment(self.actor.environment, self.tokenizer, self.rollout_config.episode.tool_parser)
+            episode = self.rollout_config.episode
+            check_environment(self.actor.environment, self.tokenizer, episode.tool_parser, episode.agent_loop)
         self.critic: CriticRole | None = None
         if critic is not None:
             critic_lora = lora_of(task_type="TOKEN_CLS", modules_to_save=["score"], model=critic)

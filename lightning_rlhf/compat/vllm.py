@@ -21,10 +21,10 @@ from torch import Tensor
 __all__ = [
     "LOADER_LOGGERS",
     "SUPPORTED_VLLM",
+    "abort_requests",
     "add_request",
     "cpu_attention_head_sizes",
     "finish_layerwise_reload",
-    "has_unfinished_requests",
     "load_in_place",
     "model_parallel_initialized",
     "reload_weights",
@@ -69,11 +69,12 @@ def step(llm: Any) -> list[Any]:
     return list(llm.llm_engine.step())
 
 
-def has_unfinished_requests(llm: Any) -> bool:
-    """Whether a request queued by :func:`add_request` is still running.
+def abort_requests(llm: Any, request_ids: list[str]) -> None:
+    """End requests queued by :func:`add_request`, by vLLM's own ids of them (what :func:`add_request` returned); their
+    outputs never come.
 
-    Relies on: ``LLMEngine.has_unfinished_requests()``. Runs on: worker."""
-    return bool(llm.llm_engine.has_unfinished_requests())
+    Relies on: ``LLMEngine.abort_request(request_ids, internal=True)``. Runs on: worker."""
+    llm.llm_engine.abort_request(request_ids, internal=True)
 
 
 def remove_lora(llm: Any, lora_id: int) -> None:

@@ -233,6 +233,13 @@ class EpisodeConfig:
     async_episodes: bool = True
     """Each engine call takes every episode whose observation is ready, while other episodes' tools still run (one
     slow tool does not hold the batch). False: lock-step turns, each waiting for every episode's tools."""
+    agent_loop: str = "tools"
+    """The registered agent loop that runs each episode (``lightning_rlhf.agents.register_agent_loop``); ``"tools"``:
+    the model's turns, its tool calls and their results until it answers (``ToolLoop``)."""
+    episode_timeout_s: float = 600.0
+    """Seconds an episode's loop may run, or await something of its own, at a stretch (time waiting for the engine
+    and for tools, which have their own timeout, does not count); past it the episode is cut, truncated and counted
+    (``rollout/episode_timeout``)."""
 
     def __post_init__(self) -> None:
         _counts(self, "max_turns", "tool_workers", "max_tool_response_chars")
@@ -240,6 +247,10 @@ class EpisodeConfig:
             _fail(self, "max_episode_tokens", self.max_episode_tokens, "an integer >= 2, or None")
         if not self.tool_timeout_s > 0:
             _fail(self, "tool_timeout_s", self.tool_timeout_s, "seconds > 0")
+        if not self.episode_timeout_s > 0:
+            _fail(self, "episode_timeout_s", self.episode_timeout_s, "seconds > 0")
+        if not isinstance(self.agent_loop, str) or not self.agent_loop:
+            _fail(self, "agent_loop", self.agent_loop, "the name of a registered agent loop")
 
 
 @_grouped

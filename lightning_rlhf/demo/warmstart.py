@@ -308,12 +308,10 @@ def tool_success(
         decode_loop=CPULayer().decode_loop(),  # as the demo's CPU run samples
     )
     cfg = RolloutConfig(max_new_tokens=max_new_tokens, episode=EpisodeConfig(max_turns=max_turns, tool_workers=1))
-    runner = EpisodeRunner(
-        CalculatorEnvironment if with_tool else NoToolEnvironment, tokenizer, cfg, model_path=model_dir
-    )
+    runner = EpisodeRunner(CalculatorEnvironment if with_tool else NoToolEnvironment, tokenizer, cfg)
     params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
     try:
-        episodes, _ = runner.run(engine, [dict(row) for row in rows], params, context=runner.context)
+        episodes, _, _ = runner.run(engine, [dict(row) for row in rows], params)
     finally:
         runner.close()
     scores = [ep.env.reward(ep.info) or 0.0 for ep in episodes]

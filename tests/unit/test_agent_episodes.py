@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import shutil
 import threading
@@ -29,6 +30,7 @@ from lightning_rlhf.config import AlgorithmConfig, EpisodeConfig, KLConfig, Roll
 from lightning_rlhf.demo import addition_reward
 from lightning_rlhf.demo.tiny import build_tiny_tokenizer
 from lightning_rlhf.engines.rollout.base import EngineAbilities, RolloutOutput, SamplingParams
+from lightning_rlhf.engines.rollout.requests import BatchedRequestQueue
 from tests.agent_tools import calculator, nap
 
 # A chat template in Qwen2.5's layout (written here from its documented rendering): turns between <|im_start|>ROLE
@@ -78,7 +80,12 @@ class ScriptedEngine:
         )
 
     tp_size = 1  # a whole engine per rank
-    abilities = EngineAbilities()  # no request stream, no kept sequences: the lock-step rounds
+    abilities = EngineAbilities()
+    context_length: int | None = None
+
+    @functools.cached_property
+    def requests(self) -> BatchedRequestQueue:  # rounds of generate calls
+        return BatchedRequestQueue(self)
 
     def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
         return calls, busy
@@ -188,12 +195,12 @@ def test_episodes_end_truncated_at_max_turns_and_the_budget() -> None:
 class BoundedEngine(ScriptedEngine):
     """Refuses a call whose longest prompt plus ``max_new_tokens`` passes the context, as both real engines do."""
 
-    context = 256
+    context_length = 256
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         longest = max(map(len, prompts))
-        if longest + params.max_new_tokens > self.context:
-            raise ValueError(f"{longest} + {params.max_new_tokens} > {self.context}")
+        if longest + params.max_new_tokens > self.context_length:
+            raise ValueError(f"{longest} + {params.max_new_tokens} > {self.context_length}")
         return super().generate(prompts, params)
 
 
@@ -209,7 +216,6 @@ def test_episodes_at_the_context_bound_end_truncated_without_cutting_the_others(
             episode=EpisodeConfig(max_turns=10, max_episode_tokens=10_000, async_episodes=async_episodes),
         ),
     )
-    runner.context = engine.context
     texts = ["1+1", "Please add these numbers for me, then say the sum: " * 3]  # the second is 84 tokens longer
     try:
         stops = (check_chat_template(tok).end_of_turn_id,)
@@ -222,7 +228,9 @@ def test_episodes_at_the_context_bound_end_truncated_without_cutting_the_others(
     assert short > long >= 1  # the long prompt met the bound first; the short one went on in calls of its own
     for i in range(2):
         used = int(batch["prompt_mask"][i].sum() + batch["response_mask"][i].sum())
-        assert engine.context - 100 < used <= engine.context  # it ran until less than a turn and its observation fit
+        assert (
+            engine.context_length - 100 < used <= engine.context_length
+        )  # it ran until less than a turn and its observation fit
 
 
 def test_bad_calls_and_failing_tools_become_error_observations() -> None:
@@ -494,25 +502,6 @@ def test_rollout_config_refuses_bad_episode_settings() -> None:
         with pytest.raises(ValueError, match=rf"EpisodeConfig.{field}={value}"):
             RolloutConfig(episode={field: value})
     assert dataclasses.replace(RolloutConfig(), episode=EpisodeConfig(max_turns=2)).episode.max_turns == 2
-
-
-def test_a_call_samples_n_per_prompt_only_where_every_prompt_has_n_episodes() -> None:
-    """Episodes with the same tokens so far share one prompt and ``n`` samples in the engine call, ordered prompt by
-    prompt; uneven copies, all distinct, or greedy decoding keep one prompt per episode."""
-    from types import SimpleNamespace
-
-    from lightning_rlhf.agents.rollout import _samples_of_one_prompt
-
-    def live(*tokens: int) -> SimpleNamespace:
-        return SimpleNamespace(prompt=[7, 8], ids=list(tokens))
-
-    sampled = SamplingParams(max_new_tokens=4, temperature=1.0)
-    ready = [live(1), live(2), live(1), live(2)]
-    assert _samples_of_one_prompt([0, 1, 2, 3], ready, sampled) == ([0, 2, 1, 3], 2)
-    assert _samples_of_one_prompt([0, 1, 2], ready, sampled) == ([0, 1, 2], 1)  # 2 copies of one, 1 of the other
-    assert _samples_of_one_prompt([0, 1], ready, sampled) == ([0, 1], 1)  # all distinct
-    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
-    assert _samples_of_one_prompt([0, 2], ready, greedy) == ([0, 2], 1)
 
 
 class GroupEngine(ScriptedEngine):

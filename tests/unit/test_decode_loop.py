@@ -619,7 +619,7 @@ def test_each_prompt_near_the_context_end_is_bounded_by_its_own_limit(decode: st
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine.generate(prompts, params)
-    out = engine.generate(prompts, params, limits=limits)
+    out = engine.sample(prompts, params, limits=limits)
     for row, response in enumerate(out.responses):  # the third prompt: 20, the call's max_new_tokens
         bound = min(limits[row // 2], 20)
         assert len(response) == bound or (len(response) < bound and response[-1] == 1), (row, response)
@@ -662,7 +662,7 @@ def test_responses_are_reported_as_they_stop_while_the_others_decode(
         assert index not in got
         got[index] = (response, logprobs, forwards)
 
-    out = engine.generate(PROMPTS, params, limits=[12, 12, 6, 12], on_done=on_done)
+    out = engine.sample(PROMPTS, params, limits=[12, 12, 6, 12], on_done=on_done)
     assert got and min(at for _, _, at in got.values()) < forwards  # reported while others still decoded
     for i, (response, lps, _) in got.items():
         assert out.responses[i] == response and out.logprobs is not None and out.logprobs[i] == lps

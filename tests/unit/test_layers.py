@@ -258,7 +258,7 @@ def test_the_probe_rule_sees_every_form(tmp_path: Path) -> None:
     probes = tmp_path / "probes.py"
     probes.write_text(
         "getattr(engine, 'x', False)\nhasattr(self.rollout_engine, 'y')\ngetattr(self.engine, op)\n"
-        "getattr(engine_model.config, 'bos_token_id', None)\nengine.abilities.streams_requests\n"
+        "getattr(engine_model.config, 'bos_token_id', None)\nengine.abilities.takes_adapters\n"
     )
     assert [hit.split(":")[0] for hit in _engine_probes(probes)] == ["1", "2", "3"]
 

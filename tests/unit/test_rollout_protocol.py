@@ -33,6 +33,7 @@ from lightning_rlhf.engines.rollout import (
     make_rollout_engine,
     tied_aliases,
 )
+from lightning_rlhf.engines.rollout.hf_requests import HFRequestQueue
 from lightning_rlhf.engines.rollout.reshard import weights_for
 
 CPU = torch.device("cpu")
@@ -237,7 +238,7 @@ def test_every_engine_class_declares_the_whole_protocol(name: str) -> None:
 
 def test_each_engine_declares_what_it_offers(tiny_model: str) -> None:
     """The abilities the callers read (they probed the engines' attributes before): the transformers engine keeps
-    sequences, copies each weight and, on CPU, binds shared weights; vLLM streams requests at TP 1 only and takes
+    copies each weight and, on CPU, binds shared weights, and serves its requests with kept sessions; vLLM takes
     adapters where built for LoRA; the engine server copies each weight and forwards nothing else."""
     from types import SimpleNamespace
 
@@ -245,14 +246,12 @@ def test_each_engine_declares_what_it_offers(tiny_model: str) -> None:
     from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
 
     eng = _engine(AutoModelForCausalLM.from_pretrained(tiny_model), tiny_model)
-    assert eng.abilities == EngineAbilities(
-        continues_sequences=True, copies_each_weight=True, binds_shared_weights=True
-    )
+    assert eng.abilities == EngineAbilities(copies_each_weight=True, binds_shared_weights=True)
     assert (eng.device, eng.tp_rank) == (CPU, 0)
+    assert isinstance(eng.requests, HFRequestQueue) and eng.requests is eng.requests  # one queue, kept
+    assert eng.context_length == AutoConfig.from_pretrained(tiny_model).max_position_embeddings
     vllm_abilities = inspect.getattr_static(VLLMRolloutEngine, "abilities").fget
-    assert vllm_abilities(SimpleNamespace(_tp_group=None, _takes_adapters=False)) == EngineAbilities(
-        streams_requests=True
-    )
+    assert vllm_abilities(SimpleNamespace(_tp_group=None, _takes_adapters=False)) == EngineAbilities()
     assert vllm_abilities(SimpleNamespace(_tp_group=object(), _takes_adapters=True)) == EngineAbilities(
         takes_adapters=True
     )

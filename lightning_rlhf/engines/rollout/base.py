@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rlhf.config import MAX_TEMPERATURE, MIN_TEMPERATURE, check_sampling, check_sequence_length
+from lightning_rlhf.engines.rollout.requests import RequestQueue, RolloutOutput, SamplingParams
 
 __all__ = [
     "KV_CACHE",
@@ -146,61 +147,11 @@ def check_prompt_tokens(prompts: list[list[int]], *, vocab_size: int | None, eng
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """Sampling settings of one generate call (checked by :func:`check_sampling` in every engine). ``temperature=0``
-    or ``greedy=True`` decode greedily: every one of the ``n`` samples of a prompt is the same response."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 256
-    min_new_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0
-    greedy: bool = False
-
-    @property
-    def is_greedy(self) -> bool:
-        """Greedy decoding: ``greedy=True`` or ``temperature=0``."""
-        return self.greedy or self.temperature == 0
-
-    @property
-    def sampling_temperature(self) -> float:
-        """The temperature the engine uses: 0 for greedy decoding."""
-        return 0.0 if self.is_greedy else self.temperature
-
-    def check(self) -> None:
-        """:func:`check_sampling` on these settings. Runs on: worker (each engine, before generating)."""
-        check_sampling(
-            temperature=self.sampling_temperature, top_p=self.top_p, top_k=self.top_k, owner=type(self).__name__
-        )
-
-
-@dataclasses.dataclass
-class RolloutOutput:
-    """Responses of one generate call, ``n`` consecutive samples per prompt: ``responses[i]`` holds the generated token
-    ids up to and including the first stop token, or ``max_new_tokens`` ids if none came; ``logprobs[i]`` the engine's
-    log-probabilities of those tokens under the distribution it sampled from (:func:`processed_logprobs`)."""
-
-    responses: list[list[int]]
-    logprobs: list[list[float]] | None = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineAbilities:
     """What a rollout engine offers beyond the members every :class:`RolloutEngine` has: each engine declares its own
     (``RolloutEngine.abilities``), and the callers read it instead of probing the engine for attributes. An ability
     left out is not offered (every field defaults to False)."""
 
-    streams_requests: bool = False
-    """Requests can join the engine while others decode (``add_requests`` / ``step_requests`` / ``has_requests``):
-    multi-turn episodes with ``EpisodeConfig.async_episodes`` submit each episode's next turn as soon as its
-    observation is ready (the vLLM engine at TP 1)."""
-    continues_sequences: bool = False
-    """``generate`` takes ``continues`` / ``keep_as`` / ``limits`` / ``on_done`` and the engine has ``forget()``: a
-    multi-turn episode's next turn runs only its new tokens through the model, each episode bounded by its own limit
-    (the transformers engine keeps each sequence's keys and values between calls)."""
     copies_each_weight: bool = False
     """``load_weights`` copies each tensor before it takes the next one from the stream, so ``weights_for`` may hand it
     views of a reused buffer (the transformers engine, the vLLM engine server)."""
@@ -413,9 +364,10 @@ class RolloutEngine(Protocol):
     (:func:`~lightning_rlhf.engines.rollout.factory.make_rollout_engine` builds them). Runs on: every worker.
 
     Abilities: what an engine offers beyond these members it declares in ``abilities`` (:class:`EngineAbilities`:
-    continuous requests, kept sequences, views of a reused buffer in ``load_weights``, LoRA adapters, shared
-    weights); the callers read it and never probe the engine for attributes. An engine of one's own
-    (``RLHFStrategy(engine_factory=...)``) declares ``abilities = EngineAbilities()`` when it offers none of them.
+    views of a reused buffer in ``load_weights``, LoRA adapters, shared weights); the callers read it and never probe
+    the engine for attributes. An engine of one's own (``RLHFStrategy(engine_factory=...)``) declares
+    ``abilities = EngineAbilities()`` when it offers none of them, and may serve ``requests`` through its ``generate``
+    (``requests = BatchedRequestQueue(self)``).
 
     Verified hand-offs: :meth:`fingerprint` says what the engine holds and ``fingerprint_rtol`` how closely that
     agrees with the trainer's (``HybridEngine`` checks hand-offs with them; "Every hand-off is checked").
@@ -429,6 +381,18 @@ class RolloutEngine(Protocol):
     @property
     def abilities(self) -> EngineAbilities:
         """What the engine offers beyond the members every engine has (:class:`EngineAbilities`)."""
+        ...
+
+    @property
+    def requests(self) -> RequestQueue:
+        """The engine's requests (:class:`~lightning_rlhf.engines.rollout.requests.RequestQueue`): what multi-turn
+        episodes submit their turns to. An engine of one's own may serve them through its ``generate``
+        (:class:`~lightning_rlhf.engines.rollout.requests.BatchedRequestQueue`)."""
+        ...
+
+    @property
+    def context_length(self) -> int | None:
+        """The most tokens a prompt and its response may hold together (None: unbounded, or not known)."""
         ...
 
     @property
@@ -489,10 +453,10 @@ class RolloutEngine(Protocol):
         ...
 
     def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
-        """For callers that make a varying number of :meth:`generate` calls (multi-turn episodes): the most calls any
-        rank of this engine's TP group makes in the coming round, and whether any of them still has work. At TP > 1
-        every call is collective, so a rank with fewer calls makes the rest with no prompts; at TP 1 the rank's own
-        ``(calls, busy)``."""
+        """For callers that make a varying number of :meth:`generate` calls (a queue's rounds of requests): the most
+        calls any rank of this engine's TP group makes in the coming round, and whether any of them still has work. At
+        TP > 1 every call is collective, so a rank with fewer calls makes the rest with no prompts; at TP 1 the rank's
+        own ``(calls, busy)``."""
         ...
 
     def fingerprint(self, ranges: Mapping[str, RowRanges]) -> dict[str, Tensor]:

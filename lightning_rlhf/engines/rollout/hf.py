@@ -33,6 +33,7 @@ from lightning_rlhf.engines.rollout.base import (
     tied_aliases,
     wake_tags,
 )
+from lightning_rlhf.engines.rollout.hf_requests import HFRequestQueue
 
 if TYPE_CHECKING:
     from lightning_rlhf.engines.device_layer import DecodeLoop
@@ -157,7 +158,8 @@ class HFRolloutEngine:
         self.decode = decode
         self.loop = decode_loop
         self._bound_to: dict[str, Tensor] | None = None  # what bind_weights bound the parameters to (None: own)
-        self._pasts: dict[Hashable, Any] = {}  # the decoding loop's kept sequences (generate's keep_as)
+        self._pasts: dict[Hashable, Any] = {}  # the decoding loop's kept sequences (sample's keep_as), by session
+        self._requests = HFRequestQueue(self)
 
     def decodes_with_loop(self, prompts: list[list[int]], params: SamplingParams) -> bool:
         """Whether :meth:`generate` samples these prompts with the engine's own loop rather than transformers'
@@ -178,23 +180,38 @@ class HFRolloutEngine:
 
     @property
     def abilities(self) -> EngineAbilities:
-        """Kept sequences (``generate`` takes ``continues``/``keep_as``: a multi-turn episode's next turn runs only its
-        new tokens through the model, the decoding loop keeping each sequence's keys and values between calls as
-        vLLM's prefix cache does), each weight copied as it arrives, and on CPU weights bound to a store the host's
-        engines share (:meth:`bind_weights`). Runs on: worker."""
-        return EngineAbilities(
-            continues_sequences=True, copies_each_weight=True, binds_shared_weights=self.device.type == "cpu"
-        )
+        """Each weight copied as it arrives, and on CPU weights bound to a store the host's engines share
+        (:meth:`bind_weights`). Runs on: worker."""
+        return EngineAbilities(copies_each_weight=True, binds_shared_weights=self.device.type == "cpu")
 
-    def forget(self) -> None:
-        """Drop every kept sequence (``generate(..., keep_as=...)``). Runs on: worker."""
-        self._pasts.clear()
+    @property
+    def context_length(self) -> int | None:
+        """The model's positions (None: its config states none). Runs on: worker."""
+        return self.max_length
+
+    @property
+    def requests(self) -> HFRequestQueue:
+        """The engine's requests: a session's next turn runs only its new tokens through the decoding loop (its keys
+        and values kept between turns, as vLLM's prefix cache does), and a request that ends is handed on while the
+        others still decode (:class:`~lightning_rlhf.engines.rollout.hf_requests.HFRequestQueue`). Runs on: worker."""
+        return self._requests
+
+    def drop_sessions(self, sessions: Iterable[Hashable] | None = None) -> None:
+        """Drop the kept sequences of ``sessions`` (None: all of them). Runs on: worker."""
+        if sessions is None:
+            self._pasts.clear()
+        for key in sessions or ():
+            self._pasts.pop(key, None)
 
     def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
         """One rank per engine: its own ``(calls, busy)`` (``RolloutEngine.agree``). Runs on: worker."""
         return calls, busy
 
-    def generate(
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """Sample ``params.n`` responses per prompt (greedy: one, repeated ``n`` times). Runs on: worker."""
+        return self.sample(prompts, params)
+
+    def sample(
         self,
         prompts: list[list[int]],
         params: SamplingParams,
@@ -204,7 +221,7 @@ class HFRolloutEngine:
         limits: Sequence[int] | None = None,
         on_done: Callable[[int, list[int], list[float]], None] | None = None,
     ) -> RolloutOutput:
-        """Sample ``params.n`` responses per prompt (greedy: one, repeated ``n`` times). Runs on: worker.
+        """:meth:`generate` with what the engine's request queue asks of it. Runs on: worker.
 
         With the decoding loop only: ``continues`` (a key per prompt, or None) names a sequence kept by an earlier call
         that the prompt goes on from (only its new tokens run; each kept sequence serves once), ``keep_as`` (a key per

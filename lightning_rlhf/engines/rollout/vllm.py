@@ -12,9 +12,7 @@ Importing this module does not import vLLM.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.metadata
-import itertools
 import logging
 import os
 from collections import defaultdict
@@ -40,7 +38,9 @@ from lightning_rlhf.engines.rollout.base import (
     check_sequence_length,
     wake_tags,
 )
+from lightning_rlhf.engines.rollout.requests import BatchedRequestQueue, RequestQueue
 from lightning_rlhf.engines.rollout.reshard import SliceHolder, Slicer, tp_slicer
+from lightning_rlhf.engines.rollout.vllm_requests import VLLMRequestQueue, vllm_ids_and_logprobs
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -323,10 +323,6 @@ class VLLMRolloutEngine:
         self.weights_discarded = config.load_format == "dummy"
         self.tp_size: int = config.tensor_parallel_size
         self._tp_group, self.tp_rank = self._make_tp_group(self.tp_size)  # tp_rank: this rank's place in the group
-        # add_requests' running requests: our name and vLLM's id (the same or not, by vLLM's version) each -> (the
-        # caller's key, the other one), so a finished request leaves no entry behind
-        self._requests: dict[str, tuple[int, str]] = {}
-        self._request_counter = itertools.count()
         self._layer = layer
         if on_cpu and self._tp_group is not None:
             layer.vllm_tp_group(self._tp_group, self.tp_rank)
@@ -334,9 +330,10 @@ class VLLMRolloutEngine:
             tp_slicer(hf_config, self.tp_size) if config.weight_transfer == "slices" and hf_config is not None else None
         )
         self._takes_adapters = lora_rank is not None  # the actor hands over its adapters (load_adapter), not merged
-        self._lora: Any = None  # the LoRARequest of the adapters the next requests use
+        self.lora: Any = None  # the LoRARequest of the adapters the next requests use
         self.llm = _build_llm(_engine_args(model_path, config, dtype, device, max_model_len, seed, lora_rank))
         self.llm.init_weight_transfer_engine({"init_info": {}})
+        self._requests: RequestQueue = VLLMRequestQueue(self) if self._tp_group is None else BatchedRequestQueue(self)
         if on_cpu and config.sleep_level > 0:
             log.info("vLLM on CPU cannot sleep: the engine keeps its KV cache and weights while training runs.")
         self.sleep()
@@ -386,28 +383,28 @@ class VLLMRolloutEngine:
         # raising alone would leave the others waiting in the next gather)
         for part_params, group_prompts in parts:
             if group_prompts:
-                self._check_prompts(group_prompts, part_params)
+                self.check_prompts(group_prompts, part_params)
         requests, sampling = [], []
         for part_params, group_prompts in parts:
             for i, p in enumerate(group_prompts):
                 seed = (part_params.seed * 1_000_003 + i * part_params.n) % (1 << 62)
                 requests.append(TokensPrompt(prompt_token_ids=p))
-                sampling.append(self._vllm_params(part_params, seed))
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora) if requests else []
+                sampling.append(self.vllm_params(part_params, seed))
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.lora) if requests else []
         start = sum(len(p) for _, p in parts[: self.tp_rank])
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         for out in outputs[start : start + len(prompts)]:
             for sample in sorted(out.outputs, key=lambda c: c.index):
-                ids, token_lps = _ids_and_logprobs(sample)
+                ids, token_lps = vllm_ids_and_logprobs(sample)
                 for _ in range(copies):
                     responses.append(list(ids))
                     logprobs.append(list(token_lps))
         return RolloutOutput(responses=responses, logprobs=logprobs)
 
-    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """What vLLM would fail on at step k, refused now: the longest prompt plus ``max_new_tokens`` past
-        ``max_model_len``, an empty prompt, a token id outside the vocabulary."""
+        ``max_model_len``, an empty prompt, a token id outside the vocabulary. Runs on: worker."""
         longest = max((len(p) for p in prompts), default=0)  # the longest prompt decides
         check_sequence_length(
             prompt_length=longest,
@@ -418,8 +415,9 @@ class VLLMRolloutEngine:
         )
         check_prompt_tokens(prompts, vocab_size=vllm_compat.vocab_size(self.llm), engine=type(self).__name__)
 
-    def _vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
-        """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index)."""
+    def vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
+        """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index). Runs on:
+        worker."""
         from vllm import SamplingParams as VSamplingParams
 
         greedy = params.is_greedy
@@ -456,49 +454,26 @@ class VLLMRolloutEngine:
     # ------------------------------------------------------------------------------- requests as they come
     @property
     def abilities(self) -> EngineAbilities:
-        """Requests join the engine while others decode (:meth:`add_requests`) in an engine of one rank (TP 1), whose
-        ranks need not agree on each scheduling step; built with ``lora_rank``, it takes the actor's adapters
-        (:meth:`load_adapter`) rather than merged weights. Runs on: worker."""
-        return EngineAbilities(streams_requests=self._tp_group is None, takes_adapters=self._takes_adapters)
+        """Built with ``lora_rank``, the engine takes the actor's adapters (:meth:`load_adapter`) rather than merged
+        weights. Runs on: worker."""
+        return EngineAbilities(takes_adapters=self._takes_adapters)
 
-    def add_requests(self, requests: list[tuple[int, list[int]]], params: SamplingParams) -> None:
-        """Queue one single-sample request per ``(key, prompt ids)``; they decode with the requests already running
-        from the next :meth:`step_requests` on (multi-turn episodes submit each episode's next turn as soon as its
-        observation is ready). Checked as :meth:`generate` checks its prompts. Runs on: worker (TP 1)."""
-        from vllm.inputs import TokensPrompt
+    @property
+    def requests(self) -> RequestQueue:
+        """The engine's requests: at TP 1 they join the running ones at each scheduling step
+        (:class:`~lightning_rlhf.engines.rollout.vllm_requests.VLLMRequestQueue`); a TP group serves them in rounds of
+        collective ``generate`` calls. Runs on: worker."""
+        return self._requests
 
-        if not self.abilities.streams_requests:
-            raise RuntimeError("VLLMRolloutEngine.add_requests: needs TP 1 (a TP group generates in lock step).")
-        params.check()
-        if self._asleep or self.weights_discarded:
-            raise RuntimeError("VLLMRolloutEngine.add_requests: the engine is asleep or holds no weights.")
-        self._check_prompts([ids for _, ids in requests], params)
-        for key, ids in requests:
-            seed = (params.seed * 1_000_003 + key) % (1 << 62)
-            sampling = self._vllm_params(dataclasses.replace(params, n=1), seed, final_only=True)
-            name = f"lrlhf-{key}-{next(self._request_counter)}"
-            prompt = TokensPrompt(prompt_token_ids=ids)
-            internal = vllm_compat.add_request(self.llm, name, prompt, sampling, self._lora)
-            self._requests[name] = (key, internal)
-            self._requests[internal] = (key, name)
+    @property
+    def context_length(self) -> int:
+        """``max_model_len``: a prompt and its new tokens fit within it. Runs on: worker."""
+        return self.max_model_len
 
-    def step_requests(self) -> list[tuple[int, list[int], list[float]]]:
-        """One scheduling step of every running request; returns the requests that finished in it as ``(key,
-        sampled ids, their log-probs)``. Runs on: worker (TP 1)."""
-        finished = []
-        for out in vllm_compat.step(self.llm):
-            if not out.finished:
-                continue
-            key, other = self._requests.pop(str(out.request_id))
-            self._requests.pop(other, None)
-            samples: Any = out.outputs  # a generation request's completions (pooling requests are never added)
-            ids, lps = _ids_and_logprobs(samples[0])
-            finished.append((key, ids, lps))
-        return finished
-
-    def has_requests(self) -> bool:
-        """Whether a request added by :meth:`add_requests` is still running. Runs on: worker."""
-        return vllm_compat.has_unfinished_requests(self.llm)
+    @property
+    def asleep(self) -> bool:
+        """Whether some of the engine's memory is asleep (it cannot generate until woken). Runs on: worker."""
+        return bool(self._asleep)
 
     # ------------------------------------------------------------------------------ weight hand-off
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
@@ -547,8 +522,8 @@ class VLLMRolloutEngine:
         ``version + 1``; the previous adapters are dropped. Runs on: worker (the actor's hand-off)."""
         from vllm.lora.request import LoRARequest
 
-        old = self._lora
-        self._lora = LoRARequest(f"actor-{version}", version + 1, folder)
+        old = self.lora
+        self.lora = LoRARequest(f"actor-{version}", version + 1, folder)
         if old is not None and old.lora_int_id != version + 1:
             vllm_compat.remove_lora(self.llm, old.lora_int_id)
 
@@ -700,10 +675,3 @@ _FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj"
 def _vllm_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
     return next((r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
-
-
-def _ids_and_logprobs(sample: Any) -> tuple[list[int], list[float]]:
-    """A vLLM sample's token ids and the engine's log-prob of each (``logprobs=0``: the sampled token's only)."""
-    ids = list(sample.token_ids)
-    steps: list[Any] = list(sample.logprobs or [])
-    return ids, [float(step[tok].logprob) for step, tok in zip(steps, ids, strict=True)]

@@ -38,6 +38,7 @@ from lightning_rlhf.engines.rollout.base import (
     SamplingParams,
     WeightSyncError,
 )
+from lightning_rlhf.engines.rollout.requests import BatchedRequestQueue
 
 __all__ = ["EngineServerError", "VLLMServerEngine"]
 
@@ -69,8 +70,8 @@ class VLLMServerEngine:
     (all together: at TP > 1 they exchange the servers' rendezvous)."""
 
     abilities = EngineAbilities(copies_each_weight=True)
-    """Each weight is copied into shared memory as it arrives; requests, kept sequences and adapters are not forwarded
-    (the engine in the server has them)."""
+    """Each weight is copied into shared memory as it arrives; adapters are not forwarded, and requests are served in
+    rounds of ``generate`` calls (:class:`~lightning_rlhf.engines.rollout.requests.BatchedRequestQueue`)."""
 
     def __init__(
         self,
@@ -85,6 +86,8 @@ class VLLMServerEngine:
         self.device: torch.device = engine_kwargs["device"]
         self.dtype: torch.dtype = engine_kwargs["dtype"]
         self.tp_size: int = config.tensor_parallel_size
+        self.context_length: int = engine_kwargs["max_model_len"]
+        self.requests = BatchedRequestQueue(self)  # rounds of generate calls in the server
         self.slicer = None  # full tensors: each server's vLLM loaders keep their own TP slices
         tied = engine_kwargs.get("tied_names") or {}
         self.param_names: list[str] = [n for n in engine_kwargs["param_names"] if n not in tied]
