@@ -15,12 +15,12 @@ from typing import Any, Protocol
 
 from lightning_rlhf.agents.driver import RequestDriver
 from lightning_rlhf.agents.env import Environment, Episode, Message
-from lightning_rlhf.agents.executor import ToolExecutor, ToolResult
 from lightning_rlhf.agents.parsing import ParsedTurn, ToolCall, parse_with_template
 from lightning_rlhf.agents.tokens import ChatDelta
 from lightning_rlhf.agents.tools import ToolSet
 from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.engines.rollout.requests import Request, SamplingParams
+from lightning_rlhf.sandbox.tools import ToolExecutor, ToolResult
 
 __all__ = ["TOOL_ERROR_KINDS", "EpisodeContext", "EpisodeHost", "Turn"]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_rlhf.rewards.pool import IN_PROCESS
+from lightning_rlhf.sandbox import IN_PROCESS
 
 __all__ = [
     "ENVIRONMENT_COLUMN",

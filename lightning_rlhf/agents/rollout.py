@@ -25,7 +25,6 @@ import torch
 from lightning_rlhf.agents.context import TOOL_ERROR_KINDS, EpisodeContext
 from lightning_rlhf.agents.driver import AgentLoopError, EpisodeOutcome, RequestDriver
 from lightning_rlhf.agents.env import Environment, EnvironmentChoice, Episode, Message, scores_episodes
-from lightning_rlhf.agents.executor import ToolExecutor, ToolResult, tool_result
 from lightning_rlhf.agents.loops import agent_loop
 from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, resolve_tool_parser
 from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template, render_chat
@@ -33,6 +32,7 @@ from lightning_rlhf.agents.tools import ToolSet
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.engines.rollout.base import RolloutEngine, SamplingParams
+from lightning_rlhf.sandbox.tools import ToolExecutor, ToolResult, tool_result
 
 __all__ = [
     "PROBLEM_KINDS",
@@ -283,7 +283,7 @@ def _episode_score(ep: EpisodeContext, reward: Any) -> float:
 
 def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> ToolResult:
     """A stateful tool (a TRL-style environment's method) in a thread of the rollout's process."""
-    from lightning_rlhf.rewards.pool import tool_answer
+    from lightning_rlhf.sandbox.worker import tool_answer
 
     start = time.monotonic()
     try:

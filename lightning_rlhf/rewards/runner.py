@@ -13,16 +13,8 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_rlhf.rewards.pool import (
-    IN_PROCESS,
-    RewardPool,
-    ScoresError,
-    as_scores,
-    awaited,
-    close_reward_pools,
-    raised_message,
-    reward_pool,
-)
+from lightning_rlhf.rewards.pool import RewardPool, close_reward_pools, reward_pool
+from lightning_rlhf.sandbox import IN_PROCESS, ScoresError, as_scores, awaited, raised_message
 
 __all__ = [
     "IN_PROCESS",
@@ -162,7 +154,7 @@ def reward_workers(fn: RewardFn, *, name: str | None = None) -> RewardPool:
 
 
 def check_scores(values: Any, *, name: str, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
-    """``values`` as one finite float per completion (as :func:`~lightning_rlhf.rewards.pool.as_scores` reads them),
+    """``values`` as one finite float per completion (as :func:`~lightning_rlhf.sandbox.as_scores` reads them),
     or a :class:`RewardFunctionError` saying what is wrong.
 
     Runs on: wherever the reward function ran (the worker, or its reward worker process).

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_rlhf.agents.executor import ToolExecutor
 from lightning_rlhf.agents.parsing import ParsedTurn, ToolCall, get_tool_parser, parse_hermes, register_tool_parser
 from lightning_rlhf.agents.tools import ToolSet, tool_schema
+from lightning_rlhf.sandbox.tools import ToolExecutor
 from tests.agent_tools import (
     async_dies,
     async_raises,
@@ -166,9 +166,9 @@ def test_async_tools_run_side_by_side_in_one_worker() -> None:
 
 
 def test_async_tools_fail_into_observations_and_the_worker_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_rlhf.agents import executor as executor_module
+    from lightning_rlhf.sandbox import tools as tools_module
 
-    monkeypatch.setattr(executor_module, "_COROUTINE_GRACE_S", 10.0)  # a busy machine answers a cancel late
+    monkeypatch.setattr(tools_module, "_COROUTINE_GRACE_S", 10.0)  # a busy machine answers a cancel late
     tools = {f.__name__: f for f in (nap, blocks_the_loop, async_raises, async_unreadable, async_dies)}
     executor = ToolExecutor(tools, timeout_s=1.0, num_workers=1, max_chars=20)
     try:

@@ -15,6 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_rlhf"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("sandbox (worker processes for reward functions and tools; standard library only)", ("sandbox",)),
     ("leaves", ("batch", "compat", "config.models", "lazy")),
     ("plumbing", ("controller.dispatch",)),
     ("controller (worker loop, liveness, launch: no RL)", ("controller",)),

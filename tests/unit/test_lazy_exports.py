@@ -25,6 +25,7 @@ HEAVY = ("torch", "transformers", "lightning", "numpy")
         "lightning_rlhf.demo.task",
         "lightning_rlhf.rewards.math",
         "lightning_rlhf.rewards.pool",
+        "lightning_rlhf.sandbox",
     ],
 )
 def test_worker_side_imports_stay_light(module: str) -> None:

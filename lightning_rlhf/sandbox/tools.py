@@ -1,9 +1,10 @@
-"""Tool calls in worker processes, each with a timeout, that never crash or stall a rollout.
+"""Tool calls in sandbox worker processes, each with a timeout, that never crash or stall a rollout.
 
-Tools run in tool workers, the reward workers' program (:mod:`lightning_rlhf.rewards.pool`) serving a mapping of
-tool names to functions: one worker per executor thread, and one more whose event loop runs every ``async def``
-tool call at once (docs/architecture.md). A tool that raises, returns something with no text form, hangs past
-``timeout_s`` or kills its process gives an error observation (the worker is replaced); the result says which.
+Tools run in tool workers, the sandbox's worker program (:mod:`lightning_rlhf.sandbox.worker`, the one reward
+functions run in) serving a mapping of tool names to functions: one worker per executor thread, and one more whose
+event loop runs every ``async def`` tool call at once (docs/architecture.md). A tool that raises, returns something
+with no text form, hangs past ``timeout_s`` or kills its process gives an error observation (the worker is
+replaced); the result says which.
 """
 
 from __future__ import annotations
@@ -22,12 +23,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from subprocess import Popen
-from typing import Any
+from typing import Any, Protocol
 
-from lightning_rlhf.agents.parsing import ToolCall
-from lightning_rlhf.rewards.pool import STARTUP_TIMEOUT_S, Worker, kill_worker, spawn_worker, worker_payload
+from lightning_rlhf.sandbox.process import STARTUP_TIMEOUT_S, Worker, kill_worker, spawn_worker, worker_payload
 
-__all__ = ["ToolExecutor", "ToolResult", "tool_result"]
+__all__ = ["ToolCallLike", "ToolExecutor", "ToolResult", "tool_result"]
+
+
+class ToolCallLike(Protocol):
+    """A call the model wrote, as the executor reads it: the tool's ``name`` and its ``arguments`` (already checked).
+    ``lightning_rlhf.agents.ToolCall`` is one; the sandbox does not import the agents."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def arguments(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,8 @@ class _CoroutineWorker:
             return self._live
 
     def submit(self, name: str, arguments: dict[str, Any]) -> Future[ToolResult]:
+        """Send one call to the live process (started if there is none); its reader sets the future. Runs on: the
+        rollout's process, any thread."""
         future: Future[ToolResult] = Future()
         future.set_running_or_notify_cancel()
         with self._lock:
@@ -110,6 +123,8 @@ class _CoroutineWorker:
         return future
 
     def close(self) -> None:
+        """Ask the live process to end and wait for its reader (which kills a blocked one). Runs on: the rollout's
+        process."""
         with self._lock:
             live, self._live = self._live, None
         if live is not None:
@@ -234,7 +249,7 @@ class ToolExecutor:
         if self._coroutines is not None:
             self._coroutines.process()
 
-    def submit(self, call: ToolCall) -> Future[ToolResult]:
+    def submit(self, call: ToolCallLike) -> Future[ToolResult]:
         """Run ``call`` (its arguments already checked) in a tool worker; the future never raises.
         Runs on: the rollout's process, any thread."""
         if self.closed:
