@@ -63,7 +63,7 @@ def main() -> None:
     engine.requests.add(requests)
     done: dict[str, Completion] = {}
     steps = 0
-    while engine.requests.pending():
+    while engine.requests.pending() and steps < 100:  # 8 tokens at most: 9 steps
         engine.requests.step(lambda c: done.setdefault(c.id, c), True)
         steps += 1
     direct = [engine.generate([p], dataclasses.replace(params, seed=11 + k)) for k, p in enumerate(prompts)]
@@ -95,7 +95,8 @@ def main() -> None:
             for ep in episodes
         ]
     report["multi"] = multi
-    report["requests_left"] = engine.requests.pending()  # every finished request's entries removed
+    queue: Any = engine.requests
+    report["requests_left"] = queue.pending() + len(queue._ours)  # every finished request's entries removed
     with open(os.path.join(args.out, "episodes.json"), "w") as f:
         json.dump(report, f)
 

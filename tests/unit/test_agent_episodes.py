@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from lightning_rlhf import GRPOModule
-from lightning_rlhf.agents import Environment, Episode, ToolEnvironment
+from lightning_rlhf.agents import Environment, Episode, EpisodeContext, ToolEnvironment, register_agent_loop
+from lightning_rlhf.agents.driver import AgentLoopError
 from lightning_rlhf.agents.env import environment_factory
-from lightning_rlhf.agents.rollout import EpisodeRunner, sample_episodes
+from lightning_rlhf.agents.rollout import EpisodeRunner, episode_metrics, sample_episodes
 from lightning_rlhf.agents.tokens import check_chat_template
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import AlgorithmConfig, EpisodeConfig, KLConfig, RolloutConfig
@@ -562,3 +563,131 @@ def test_the_ranks_of_a_tp_group_make_the_same_collective_calls_when_their_episo
     # the same collective calls in the same order; the rank whose episode ended made its second call with no prompts
     assert answers_at_once.collectives == uses_the_tool.collectives
     assert answers_at_once.prompts_read[-1] == 0 and uses_the_tool.prompts_read[-1] > 0
+
+
+# ------------------------------------------------------------------------------------------------ agent loops
+def loop_run(tok, loop: str, timeout_s: float = 600.0, texts=("37*41=?",), engine=None) -> Batch:
+    cfg = RolloutConfig(max_new_tokens=64, episode=EpisodeConfig(agent_loop=loop, episode_timeout_s=timeout_s))
+    return run(tok, ToolEnvironment(tools=[calculator]), cfg, texts=texts, engine=engine)[0]
+
+
+@register_agent_loop("test-critique")
+class Critique:
+    """A loop of its own: the model answers, a fixed user turn asks it to check, it answers again (no tools)."""
+
+    async def run(self, episode: EpisodeContext) -> None:
+        turn = await episode.generate()
+        if turn.truncated:
+            return
+        assert episode.observe([{"role": "user", "content": "Check it."}])
+        await episode.generate()
+
+
+def test_a_registered_loop_of_ones_own_runs_its_turns_with_the_librarys_tokens_and_masks() -> None:
+    tok = build_tiny_tokenizer()
+    engine = ScriptedEngine(tok, script=lambda text: "It is 5." if "Check" not in text else "Checked: 5.")
+    batch = loop_run(tok, "test-critique", engine=engine)
+    messages = batch["episode"][0]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[-1]["content"] == "Checked: 5." and batch["turns"].tolist() == [2]
+    r = batch["response_mask"][0].bool()
+    sampled = batch["sampled_mask"][0][r].bool()
+    eot = check_chat_template(tok).end_of_turn_id
+    turn = [*tok.encode("It is 5.", add_special_tokens=False), eot]
+    assert batch["responses"][0][r][sampled].tolist() == [
+        *turn,
+        *tok.encode("Checked: 5.", add_special_tokens=False),
+        eot,
+    ]
+    assert "Check it." in tok.decode(batch["responses"][0][r][~sampled].tolist())
+    assert batch["tool_calls"].tolist() == [0] and batch["episode_timeout"].tolist() == [False]
+
+
+@register_agent_loop("test-raises")
+async def raises(episode: EpisodeContext) -> None:
+    await episode.generate()
+    raise KeyError("no such thing")
+
+
+@register_agent_loop("test-returns")
+async def returns(episode: EpisodeContext) -> list[int]:
+    turn = await episode.generate()
+    return turn.ids
+
+
+@register_agent_loop("test-hangs")
+async def hangs(episode: EpisodeContext) -> None:
+    if "slow" in episode.opening:
+        await asyncio.Event().wait()  # never set
+    await episode.generate()
+
+
+@register_agent_loop("test-waits")
+async def waits(episode: EpisodeContext) -> None:
+    if "slow" in episode.opening:
+        await episode.wait(asyncio.sleep(0.5))  # the engine goes on with the other episode meanwhile
+    await episode.generate()
+    await episode.generate()
+
+
+def test_a_loop_that_raises_or_returns_a_value_stops_the_rollout_with_its_name() -> None:
+    tok = build_tiny_tokenizer()
+    with pytest.raises(AgentLoopError, match=r"'test-raises' \(_FunctionLoop\) raised in episode .*KeyError"):
+        loop_run(tok, "test-raises")
+    with pytest.raises(AgentLoopError, match=r"'test-returns' .* returned \[.*an agent loop returns None"):
+        loop_run(tok, "test-returns")
+
+
+def test_a_loop_that_never_returns_is_cut_and_counted_while_the_others_finish() -> None:
+    tok = build_tiny_tokenizer()
+    engine = ScriptedEngine(tok, script=lambda text: "ok.")
+    batch = loop_run(tok, "test-hangs", timeout_s=0.5, texts=("slow", "fast"), engine=engine)
+    assert batch["episode_timeout"].tolist() == [True, False]
+    assert batch["response_truncated"].tolist() == [True, False] and batch["turns"].tolist() == [0, 1]
+    assert "episode_timeout_s=0.5" in batch["episode_problems"][0]["episode_timeout"]
+    assert episode_metrics(batch)["rollout/episode_timeout"] == 1.0
+
+
+def test_awaiting_through_the_episode_lets_the_engine_go_on_with_the_others() -> None:
+    tok = build_tiny_tokenizer()
+    engine = ScriptedEngine(tok, script=lambda text: "ok.")
+    batch = loop_run(tok, "test-waits", texts=("slow", "fast"), engine=engine)
+    assert batch["turns"].tolist() == [2, 2]
+    assert engine.calls == [1, 1, 1, 1]  # the fast episode's two turns ran while the slow one waited
+
+
+def test_agent_loop_settings_are_checked_when_the_module_is_built(tiny_model: str) -> None:
+    with pytest.raises(
+        ValueError, match=r"agent_loop='nope'\) names no registered agent loop; registered: \[.*'tools'"
+    ):
+        GRPOModule(
+            tiny_model,
+            environment=ToolEnvironment,
+            reward=addition_reward,
+            rollout=RolloutConfig(episode=EpisodeConfig(agent_loop="nope")),
+            reference=False,
+            algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0)),
+        )
+    with pytest.raises(ValueError, match="episode_timeout_s"):
+        EpisodeConfig(episode_timeout_s=0)
+    with pytest.raises(ValueError, match="not an `async def` method"):
+
+        @register_agent_loop("test-sync")
+        class Sync:
+            def run(self, episode: EpisodeContext) -> None: ...
+
+    with pytest.raises(ValueError, match="the name is taken by"):
+        register_agent_loop("tools")(Critique)
+
+
+class FailingQueue(BatchedRequestQueue):
+    def step(self, done, busy: bool) -> bool:
+        raise RuntimeError("the engine broke")
+
+
+def test_an_engine_that_fails_mid_rollout_fails_the_rollout_without_a_hang() -> None:
+    tok = build_tiny_tokenizer()
+    engine = ScriptedEngine(tok)
+    engine.__dict__["requests"] = FailingQueue(engine)
+    with pytest.raises(RuntimeError, match="the engine broke"):
+        loop_run(tok, "tools", texts=("a", "b"), engine=engine)

@@ -49,8 +49,9 @@ class VLLMRequestQueue:
 
     def __init__(self, engine: VLLMEngine) -> None:
         self.engine = engine
-        # running requests: our id -> (vLLM's id, the request); vLLM's id -> ours
-        self._running: dict[str, tuple[str, Request]] = {}
+        # running requests: our id -> ((the name we gave vLLM, vLLM's own id), the request); each of the two names (the
+        # same or not, by vLLM's version; its outputs carry one of them) -> ours
+        self._running: dict[str, tuple[tuple[str, str], Request]] = {}
         self._ours: dict[str, str] = {}
         self._counter = itertools.count()
 
@@ -69,8 +70,8 @@ class VLLMRequestQueue:
             internal = vllm_compat.add_request(
                 engine.llm, name, TokensPrompt(prompt_token_ids=request.prompt), sampling, engine.lora
             )
-            self._running[request.id] = (internal, request)
-            self._ours[internal] = request.id
+            self._running[request.id] = ((name, internal), request)
+            self._ours[internal] = self._ours[name] = request.id
 
     def step(self, done: Done, busy: bool) -> bool:
         """One scheduling step of the running requests (none: nothing runs); each that finished to ``done``. Runs on:
@@ -80,10 +81,10 @@ class VLLMRequestQueue:
         for out in vllm_compat.step(self.engine.llm):
             if not out.finished:
                 continue
-            ours = self._ours.pop(str(out.request_id), None)
-            if ours is None:  # aborted meanwhile
+            ours = self._ours.get(str(out.request_id))
+            if ours is None or ours not in self._running:  # aborted meanwhile
                 continue
-            _, request = self._running.pop(ours)
+            request = self._forget(ours)
             samples: Any = out.outputs  # a generation request's completions (pooling requests are never added)
             ids, lps = vllm_ids_and_logprobs(samples[0])
             done(Completion(request.id, ids, lps, "length" if samples[0].finish_reason == "length" else "stop"))
@@ -92,12 +93,20 @@ class VLLMRequestQueue:
     def abort(self, ids: Iterable[str]) -> list[Completion]:
         """End running requests ``ids`` in vLLM (their tokens so far are not read back). Runs on: the rollout's
         process."""
-        gone = [(ours, *self._running.pop(ours)) for ours in ids if ours in self._running]
-        for _, internal, _ in gone:
-            self._ours.pop(internal, None)
+        gone = [ours for ours in ids if ours in self._running]
+        internal = [self._running[ours][0][1] for ours in gone]
+        for ours in gone:
+            self._forget(ours)
         if gone:
-            vllm_compat.abort_requests(self.engine.llm, [internal for _, internal, _ in gone])
-        return [Completion(ours, [], [], "abort") for ours, _, _ in gone]
+            vllm_compat.abort_requests(self.engine.llm, internal)
+        return [Completion(ours, [], [], "abort") for ours in gone]
+
+    def _forget(self, ours: str) -> Request:
+        """Drop request ``ours`` and both its names; returns it."""
+        names, request = self._running.pop(ours)
+        for name in names:
+            self._ours.pop(name, None)
+        return request
 
     def pending(self) -> int:
         """How many requests run. Runs on: the rollout's process."""
