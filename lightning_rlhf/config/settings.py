@@ -555,6 +555,18 @@ class AsyncConfig:
     ``RLHFStrategy(placement=...)``, >= 1 makes it generate the step's batch while the actor's pool trains on the
     previous one (one update off-policy); larger values also skip hand-offs while every sample stays within this many
     updates of the weights being trained. 0: synchronous."""
+    stream: bool = False
+    """Streamed rollouts (fully asynchronous; verl's ``fully_async_policy``, AReaL): the rollout pool admits each
+    step's prompts and generates continuously in a thread of its own, between and during the controller's calls; a
+    step trains on the oldest complete groups (the first step trains nothing, so one batch is always in flight) while
+    the rest go on. New weights wait for the requests in the engine to finish. Needs ``max_staleness >= 1`` and a
+    rollout pool; a group with a token more than ``max_staleness`` updates old is sampled again. The in-flight groups
+    are not checkpointed (a resumed run admits its prompts afresh)."""
+    partial_rollouts: bool = False
+    """Streamed rollouts (as ``stream``) whose hand-offs do not wait for the slowest requests: the running requests are
+    interrupted, the new weights handed over, and they go on from their tokens so far with the new policy; each token
+    records the version that sampled it (``rollout_versions``), and the staleness bound counts its oldest token. Needs
+    an engine that interrupts (the transformers engine on the rollout pool)."""
     rollout_is: Literal["auto", "token", "sequence", "none"] = "auto"
     """Truncated importance sampling (Yao et al., 2025) for the gap between the weights that generated a sample and
     the loss's: advantages scaled by ``min(pi_old / pi_rollout, rollout_is_cap)`` per token (``"token"``) or by the
@@ -583,11 +595,22 @@ class AsyncConfig:
     def __post_init__(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             _fail(self, "max_staleness", self.max_staleness, "an integer >= 0 (1: one-step off-policy rollouts)")
+        for name in ("stream", "partial_rollouts"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(self, name, getattr(self, name), "True or False")
+        if self.streams and self.max_staleness < 1:
+            which = "partial_rollouts" if self.partial_rollouts else "stream"
+            _fail(self, which, True, "with max_staleness >= 1 (the bound on how old a streamed token may be)")
         if self.rollout_is not in ("auto", "token", "sequence", "none"):
             _fail(self, "rollout_is", self.rollout_is, "one of 'auto', 'token', 'sequence', 'none'")
         if not self.rollout_is_cap > 1:
             _fail(self, "rollout_is_cap", self.rollout_is_cap, "a truncation > 1 (2.0 is usual)")
         self._check_mask()
+
+    @property
+    def streams(self) -> bool:
+        """Whether rollouts are streamed (``stream`` or ``partial_rollouts``)."""
+        return self.stream or self.partial_rollouts
 
     def _check_mask(self) -> None:
         """Refuse an unknown ``rollout_mask``, bounds that are not numbers, that mask a token the two policies

@@ -550,6 +550,7 @@ def sample_loop(
     keep: list[Past] | None = None,
     limits: list[int] | None = None,
     finished: Callable[[list[int], Tensor, Tensor], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sample one response per prompt (greedy) or ``params.n`` per prompt, consecutively.
 
@@ -565,6 +566,8 @@ def sample_loop(
     stops there as at a stop token, and what follows it is junk as after one. ``finished``: called, between decoding
     steps, with the rows that have just stopped (at a stop token or their limit) and their tokens and log-probs so
     far, so that a caller can act on a response while the others still decode (a multi-turn episode's tool call).
+    ``stop``: asked between decoding steps; True ends the loop there, every row that has not stopped holding the tokens
+    it has so far (an interrupted request, continued later from its prefix).
     """
     cache, linears, logits, position = _prompt_pass(model, prompts, params, pad_token_id, device, pasts)
     n = cache.n
@@ -596,7 +599,7 @@ def sample_loop(
             finished(ended.tolist(), tokens[ended, : step + 1], logprobs[ended, : step + 1])
         done |= stopped
         running = int(done.numel() - done.sum())
-        if step + 1 == params.max_new_tokens or running == 0:
+        if step + 1 == params.max_new_tokens or running == 0 or (stop is not None and stop()):
             steps = step + 1
             break
         if done.numel() >= KEEP_ROWS_FROM and 2 * running <= done.numel():  # finished rows leave the batch

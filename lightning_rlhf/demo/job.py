@@ -126,7 +126,9 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
             batching=C.BatchingConfig(
                 micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens
             ),
-            asynchronous=C.AsyncConfig(max_staleness=args.max_staleness),
+            asynchronous=C.AsyncConfig(
+                max_staleness=args.max_staleness, stream=args.stream, partial_rollouts=args.partial_rollouts
+            ),
             **settings,
         ),
         actor_optim=C.OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="linear", min_lr_ratio=0.1),
@@ -303,6 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="AlgorithmConfig.asynchronous.max_staleness: 1 generates the next batch on the rollout pool while the "
         "actor trains (asynchronous; needs --placement rollout)",
+    )
+    add(
+        "--stream",
+        action="store_true",
+        help="AsyncConfig.stream: the rollout pool generates continuously; each step trains on the oldest complete "
+        "groups (needs --placement rollout and --max-staleness >= 1)",
+    )
+    add(
+        "--partial-rollouts",
+        action="store_true",
+        help="AsyncConfig.partial_rollouts: streamed rollouts whose hand-offs interrupt the running requests, which go "
+        "on with the new weights (needs --placement rollout and --max-staleness >= 1)",
     )
     add("--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)")
     add("--seed", type=int, default=0)

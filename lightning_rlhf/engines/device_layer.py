@@ -46,7 +46,7 @@ class DecodeLoop(Protocol):
     """``(model, *, max_length)``: why the loop cannot run ``model`` for sequences of up to ``max_length`` tokens;
     None when it can."""
     sample_loop: Callable[..., tuple[Tensor, Tensor]]
-    """``(model, prompts, params, *, stops, pad_token_id, device, pasts, keep, limits, finished)``: ``(tokens,
+    """``(model, prompts, params, *, stops, pad_token_id, device, pasts, keep, limits, finished, stop)``: ``(tokens,
     logprobs)`` of ``params.n`` samples per prompt."""
 
 

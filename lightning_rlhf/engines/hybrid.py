@@ -51,7 +51,7 @@ from lightning_rlhf.engines.train.lora import (
     write_adapter,
 )
 
-__all__ = ["HybridEngine", "Trainer", "sample_rollout"]
+__all__ = ["HybridEngine", "Trainer", "prompt_ids", "rollout_params", "sample_rollout"]
 
 
 class Trainer(Protocol):
@@ -405,6 +405,42 @@ def _gathered(prints: dict[str, Fingerprint], model: nn.Module, dst: int) -> dic
     return merged
 
 
+def rollout_params(
+    batch: Batch,
+    cfg: RolloutConfig,
+    tokenizer: Any,
+    *,
+    n: int | None = None,
+    greedy: bool = False,
+    temperature: float | None = None,
+    seed_offset: int = 0,
+    model_path: str | None = None,
+) -> SamplingParams:
+    """The sampling settings of a rollout of ``batch`` (see :func:`sample_rollout`): its stop ids (EOS, the
+    configured ones, the model's ``generation_config.json``'s) and a seed from the step, the rank in the calling role's
+    pool, the sampling round and ``seed_offset``. Runs on: a worker rank holding a rollout engine."""
+    stops = {tokenizer.eos_token_id, *cfg.stop_token_ids, *(generation_eos_ids(model_path) if model_path else ())}
+    stops.discard(None)
+    step = int(batch.meta.get("step", 0))
+    sampling_round = int(batch.meta.get("sampling_round", 0))
+    return SamplingParams(
+        n=1 if greedy else (n or cfg.n),
+        temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens,
+        stop_token_ids=tuple(sorted(stops)),
+        seed=cfg.seed * 1_000_003 + step * 7919 + world()[0] + sampling_round * 104_729 + seed_offset,
+        greedy=greedy,
+    )
+
+
+def prompt_ids(batch: Batch) -> list[list[int]]:
+    """Each row's prompt ids, without its padding. Runs on: any process."""
+    return [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
+
+
 def sample_rollout(
     engine: RolloutEngine,
     batch: Batch,
@@ -427,25 +463,20 @@ def sample_rollout(
     Runs on: a worker rank holding a rollout engine (the actor's colocated one, or a rollout pool's). The seeds
     depend on the step, the rank in the calling role's pool, the sampling round and ``seed_offset`` only.
     """
-    n = 1 if greedy else (n or cfg.n)
-    stops = {tokenizer.eos_token_id, *cfg.stop_token_ids, *(generation_eos_ids(model_path) if model_path else ())}
-    stops.discard(None)
-    step = int(batch.meta.get("step", 0))
-    sampling_round = int(batch.meta.get("sampling_round", 0))
-    params = SamplingParams(
+    params = rollout_params(
+        batch,
+        cfg,
+        tokenizer,
         n=n,
-        temperature=cfg.temperature if temperature is None else temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        max_new_tokens=cfg.max_new_tokens,
-        min_new_tokens=cfg.min_new_tokens,
-        stop_token_ids=tuple(sorted(stops)),
-        seed=cfg.seed * 1_000_003 + step * 7919 + world()[0] + sampling_round * 104_729 + seed_offset,
         greedy=greedy,
+        temperature=temperature,
+        seed_offset=seed_offset,
+        model_path=model_path,
     )
+    n, stops = params.n, set(params.stop_token_ids)
     if episodes is not None:  # multi-turn episodes with the module's environment (lightning_rlhf.agents)
         return sample_episodes(engine, batch, episodes, params, n=n, pad_id=tokenizer.pad_token_id)
-    prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
+    prompts = prompt_ids(batch)
     t0 = time.perf_counter()
     out = engine.generate(prompts, params)
     gen_s = time.perf_counter() - t0

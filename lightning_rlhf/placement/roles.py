@@ -95,13 +95,17 @@ def engine_roles(roles: Mapping[str, Role], names: list[str]) -> list[str]:
     return [n for n in names if n in roles and (roles[n].needs_rollout_engine or (n == "actor" and "rollout" in roles))]
 
 
-def check_asynchronous(module: RLHFModule, *, rollout_pool: bool) -> None:
+def check_asynchronous(module: RLHFModule, *, rollout_pool: bool, vllm: bool = False) -> None:
     """Refuse ``AlgorithmConfig.asynchronous.max_staleness >= 1`` without a rollout pool (``rollout_pool``) or with a
-    ``training_step`` that does not run ``RLHFModule.rollouts``. Runs on: the launching process (before any rank
-    starts) and every process at set-up, for a fit."""
-    staleness = module.algorithm.asynchronous.max_staleness
+    ``training_step`` that does not run ``RLHFModule.rollouts``, and streamed rollouts with what they do not serve
+    (episodes, dynamic sampling; partial rollouts on an engine that cannot interrupt, ``vllm``). Runs on: the launching
+    process (before any rank starts) and every process at set-up, for a fit."""
+    settings = module.algorithm.asynchronous
+    staleness = settings.max_staleness
     if not staleness:
         return
+    if settings.streams:
+        check_streamed(module, vllm=vllm)
     if not rollout_pool:
         raise ValueError(
             f"AlgorithmConfig.asynchronous.max_staleness={staleness} generates on a rollout pool while "
@@ -116,6 +120,32 @@ def check_asynchronous(module: RLHFModule, *, rollout_pool: bool) -> None:
             "overlap generation with training. "
             "HINT: max_staleness=0, GRPOModule or PPOModule, or write the step with `rollouts` and set "
             "ASYNC_ROLLOUTS = True."
+        )
+
+
+def check_streamed(module: RLHFModule, *, vllm: bool) -> None:
+    """Refuse streamed rollouts (``AsyncConfig.stream`` / ``partial_rollouts``) with multi-turn episodes or dynamic
+    sampling, and partial rollouts on a vLLM rollout pool (``vllm``: its engine server serves rounds of ``generate``
+    calls, which cannot be interrupted). Runs on: the launching process and every process at set-up."""
+    which = "partial_rollouts" if module.algorithm.asynchronous.partial_rollouts else "stream"
+    if getattr(module, "environment", None) is not None:
+        raise ValueError(
+            f"AsyncConfig({which}=True) streams single-turn groups; the module runs multi-turn episodes (it has an "
+            "environment), which are not streamed yet. HINT: AsyncConfig(stream=False, partial_rollouts=False): "
+            "episodes run on the rollout pool one step off-policy."
+        )
+    if module.algorithm.filtering.dynamic_sampling:
+        raise ValueError(
+            f"AsyncConfig({which}=True) with FilteringConfig(dynamic_sampling=True): a streamed step trains on the "
+            "groups the stream completed, not on the step's prompts, so it cannot draw more of them. HINT: "
+            "dynamic_sampling=False, or stream=False and partial_rollouts=False."
+        )
+    if vllm and which == "partial_rollouts":
+        raise ValueError(
+            "AsyncConfig(partial_rollouts=True) interrupts the rollout pool's requests at each hand-off, but a vLLM "
+            "rollout pool (its engine server) serves rounds of generate calls, which cannot be interrupted. HINT: "
+            "RLHFStrategy(rollout='hf') for the pool's transformers engine, or AsyncConfig(stream=True, "
+            "partial_rollouts=False) to stream without interrupting."
         )
 
 
@@ -139,7 +169,7 @@ def check_before_launch(
     if spec != "auto":  # the planner gives each role it splits a pool of a multiple of the size
         sequence_parallel_roles(getattr(module, "sequence_parallel", 1), module.roles(), pools, world_size=world_size)
     if fitting:  # a generation-only pool is a role that takes another's weights
-        check_asynchronous(module, rollout_pool=bool(weight_sources(module.roles(), names)))
+        check_asynchronous(module, rollout_pool=bool(weight_sources(module.roles(), names)), vllm=vllm_tp is not None)
 
 
 def place_roles(
@@ -182,7 +212,7 @@ def place_roles(
         budget = rank_memory_bytes(device, processes_per_node)
         check_memory(pools, states, budget=budget, where="RLHFStrategy(placement=...)")
     if fitting:
-        check_asynchronous(module, rollout_pool=module.rollout_role is not None)
+        check_asynchronous(module, rollout_pool=module.rollout_role is not None, vllm=vllm_tp is not None)
     return pools
 
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.controller.dispatch import Dispatch, role_method
-from lightning_rlhf.engines.hybrid import HybridEngine
+from lightning_rlhf.engines.hybrid import HybridEngine, prompt_ids, rollout_params
 from lightning_rlhf.engines.rollout import RolloutEngine
 from lightning_rlhf.engines.rollout.bridge import WeightBridge
+from lightning_rlhf.engines.stream import RolloutStream
 from lightning_rlhf.roles.base import EpisodesMixin, Role, RolloutEngineRequest, load_model
 
 __all__ = ["RolloutRole"]
@@ -45,6 +48,7 @@ class RolloutRole(EpisodesMixin, Role):
         self.hybrid = HybridEngine(rollout=rollout, tokenizer=tokenizer, model_path=path)
         """The engine and the version of the weights it holds (not an nn.Module attribute: stays out of checkpoints)."""
         self.weight_bridge: WeightBridge | None = None
+        self._stream: RolloutStream | None = None  # streamed rollouts (AsyncConfig.stream / partial_rollouts)
 
     @property
     def weight_version(self) -> int:
@@ -91,4 +95,43 @@ class RolloutRole(EpisodesMixin, Role):
         """
         if self.weight_bridge is None:
             raise RuntimeError("RolloutRole.receive_weights: no weight bridge (the strategy makes one at set-up).")
-        return self.hybrid.receive(self.weight_bridge)
+        if self._stream is None:
+            return self.hybrid.receive(self.weight_bridge)
+        t0 = time.perf_counter()
+        self._stream.pause()  # the engine idle (its running requests interrupted, with partial rollouts)
+        paused_s = time.perf_counter() - t0
+        try:
+            figures = self.hybrid.receive(self.weight_bridge)
+        finally:
+            self._stream.resume(self.weight_version)
+        return figures | {"timing_s/stream_pause": paused_s}
+
+    @role_method(Dispatch.DP_SPLIT)
+    def stream(self, batch: Batch, *, take: bool, interrupt: bool, max_staleness: int) -> Batch:
+        """Admit ``batch``'s prompts to the pool's stream (:class:`~lightning_rlhf.engines.stream.RolloutStream`, made
+        on first use) and, with ``take``, return as many of its oldest complete groups (``rollout.n`` samples each),
+        the stream's figures in ``meta["stream"]``; without, an empty batch. ``interrupt``: hand-offs interrupt the
+        running requests (partial rollouts). Runs on: every rank of the pool, on its share of the prompts."""
+        if self._stream is None:
+            if self.weight_version < 0:
+                raise RuntimeError("RolloutRole.stream: no weights yet. HINT: RLHFModule.sync_rollout_weights first.")
+            self._stream = RolloutStream(
+                self.engine, interrupt=interrupt, max_staleness=max_staleness, pad_id=self.tokenizer.pad_token_id
+            )
+            self._stream.resume(self.weight_version)
+        params = rollout_params(batch, self.rollout, self.tokenizer, model_path=self.path)
+        self._stream.submit(batch, prompt_ids(batch), params)
+        if not take:
+            return batch.select([])
+        t0 = time.perf_counter()
+        rows, figures = self._stream.take(len(batch), version=self.weight_version)
+        rows.meta |= {"gen_s": time.perf_counter() - t0, "stream": figures}
+        return rows
+
+    def close(self) -> None:
+        """End the stream's thread and the environment's tool workers (idempotent). Runs on: every rank of the pool,
+        at teardown."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        super().close()

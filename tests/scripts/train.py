@@ -200,6 +200,9 @@ def main() -> None:
     p.add_argument(
         "--max-staleness", type=int, default=0, help="AlgorithmConfig.asynchronous.max_staleness (async rollouts)"
     )
+    p.add_argument("--stream", action="store_true", help="AsyncConfig.stream (streamed rollouts)")
+    p.add_argument("--min-new-tokens", type=int, default=0, help="RolloutConfig.min_new_tokens (long responses)")
+    p.add_argument("--partial-rollouts", action="store_true", help="AsyncConfig.partial_rollouts")
     p.add_argument("--save-ckpt", default=None, help="save a checkpoint here at the end")
     p.add_argument("--resume", default=None, help="resume from this checkpoint")
     p.add_argument("--wandb", action="store_true")
@@ -261,6 +264,8 @@ def main() -> None:
         ppo_epochs=args.ppo_epochs,
         kl_coef=args.kl_coef,
         max_staleness=args.max_staleness,
+        stream=args.stream,
+        partial_rollouts=args.partial_rollouts,
     )
     reward = failing_reward if args.fault == "reward" else chars_reward if args.reward == "chars" else addition_reward
     tools = args.task == "tools"
@@ -269,7 +274,9 @@ def main() -> None:
         reward_config=RewardConfig(timeout_s=args.reward_timeout),
         rollout=RolloutConfig(n=args.n, max_new_tokens=96, seed=0, episode=EpisodeConfig(max_turns=3, tool_workers=1))
         if tools
-        else RolloutConfig(n=args.n, max_new_tokens=5, seed=0),
+        else RolloutConfig(
+            n=args.n, max_new_tokens=max(5, args.min_new_tokens), min_new_tokens=args.min_new_tokens, seed=0
+        ),
         validation=ValidationConfig(
             n=args.val_n, temperature=1.0 if args.val_n > 1 else 0.0, before_train=args.val_before_train
         ),

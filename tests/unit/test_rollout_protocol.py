@@ -246,7 +246,7 @@ def test_each_engine_declares_what_it_offers(tiny_model: str) -> None:
     from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
 
     eng = _engine(AutoModelForCausalLM.from_pretrained(tiny_model), tiny_model)
-    assert eng.abilities == EngineAbilities(copies_each_weight=True, binds_shared_weights=True)
+    assert eng.abilities == EngineAbilities(interrupts=True, copies_each_weight=True, binds_shared_weights=True)
     assert (eng.device, eng.tp_rank) == (CPU, 0)
     assert isinstance(eng.requests, HFRequestQueue) and eng.requests is eng.requests  # one queue, kept
     assert eng.context_length == AutoConfig.from_pretrained(tiny_model).max_position_embeddings

@@ -152,6 +152,10 @@ class EngineAbilities:
     (``RolloutEngine.abilities``), and the callers read it instead of probing the engine for attributes. An ability
     left out is not offered (every field defaults to False)."""
 
+    interrupts: bool = False
+    """Its request queue's ``interrupt`` ends a running step at the next decoding step, each request keeping its
+    tokens so far, so that new weights need not wait for the slowest requests (partial rollouts): the transformers
+    engine."""
     copies_each_weight: bool = False
     """``load_weights`` copies each tensor before it takes the next one from the stream, so ``weights_for`` may hand it
     views of a reused buffer (the transformers engine, the vLLM engine server)."""

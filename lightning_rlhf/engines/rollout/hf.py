@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from lightning_rlhf.engines.rollout.base import (
     WEIGHTS,
@@ -180,9 +186,9 @@ class HFRolloutEngine:
 
     @property
     def abilities(self) -> EngineAbilities:
-        """Each weight copied as it arrives, and on CPU weights bound to a store the host's engines share
-        (:meth:`bind_weights`). Runs on: worker."""
-        return EngineAbilities(copies_each_weight=True, binds_shared_weights=self.device.type == "cpu")
+        """Requests interrupted between decoding steps, each weight copied as it arrives, and on CPU weights bound to a
+        store the host's engines share (:meth:`bind_weights`). Runs on: worker."""
+        return EngineAbilities(interrupts=True, copies_each_weight=True, binds_shared_weights=self.device.type == "cpu")
 
     @property
     def context_length(self) -> int | None:
@@ -220,6 +226,7 @@ class HFRolloutEngine:
         keep_as: Sequence[Hashable] | None = None,
         limits: Sequence[int] | None = None,
         on_done: Callable[[int, list[int], list[float]], None] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> RolloutOutput:
         """:meth:`generate` with what the engine's request queue asks of it. Runs on: worker.
 
@@ -228,13 +235,14 @@ class HFRolloutEngine:
         response) keeps each response's sequence for a later call, and ``on_done(index, response, logprobs)`` gets
         each response the loop stopped before ``max_new_tokens`` while the others still decode. ``limits``: each
         prompt's own bound on its responses' tokens (at most ``params.max_new_tokens``), so that prompts near the end
-        of the model's context share a call with the others.
+        of the model's context share a call with the others. ``stop``: asked between decoding steps (either path); True
+        ends the call there, each response not ended by then holding the tokens it has so far.
         """
         params.check()
         if limits is not None:
             limits = [min(b, params.max_new_tokens) for b in limits]
             if not self.decodes_with_loop(prompts, params):  # transformers' generate: one bound a call
-                return self._by_limit(prompts, params, limits)
+                return self._by_limit(prompts, params, limits, stop)
         bounds = [params.max_new_tokens] * len(prompts) if limits is None else list(limits)
         self._check_can_generate(prompts, bounds)
         stops = {self.eos_token_id, *params.stop_token_ids}
@@ -250,6 +258,10 @@ class HFRolloutEngine:
             seed(params.seed)
             for start in range(0, len(prompts), self.generation_batch_size):
                 chunk = prompts[start : start + self.generation_batch_size]
+                if stop is not None and stop():  # interrupted before this chunk began: no tokens
+                    responses += [[] for _ in range(len(chunk) * params.n)]
+                    logprobs += [[] for _ in range(len(chunk) * params.n)]
+                    continue
                 if loop:
                     pasts = None if continues is None else [
                         None if key is None else self._pasts.pop(key, None)
@@ -261,14 +273,14 @@ class HFRolloutEngine:
                     generated, token_lps = self.loop.sample_loop(
                         self.model, chunk, params, stops=stops, pad_token_id=self.pad_token_id, device=self.device,
                         pasts=pasts, keep=kept, limits=None if limits is None else bounds[start : start + len(chunk)],
-                        finished=report,
+                        finished=report, stop=stop,
                     )  # fmt: skip
                     if kept is not None and keep_as is not None:  # n responses a prompt (greedy: one, copied)
                         keys = keep_as[start * params.n : (start + len(chunk)) * params.n]
                         repeated = [past for past in kept for _ in range(copies)]
                         self._pasts.update(zip(keys, repeated, strict=True))
                 else:
-                    generated, token_lps = self._sample_with_generate(chunk, params, stops)
+                    generated, token_lps = self._sample_with_generate(chunk, params, stops, stop)
                 rows = range(len(generated))
                 for _, response, lps in _responses(rows, generated, token_lps, start, params.n, copies, bounds, stops):
                     responses.append(response)
@@ -295,7 +307,7 @@ class HFRolloutEngine:
             )
 
     def _sample_with_generate(
-        self, chunk: list[list[int]], params: SamplingParams, stops: set[int]
+        self, chunk: list[list[int]], params: SamplingParams, stops: set[int], stop: Callable[[], bool] | None = None
     ) -> tuple[Tensor, Tensor]:
         """Sample ``chunk``'s responses with transformers' ``generate`` (inside :meth:`generate`'s seeded RNG):
         the tokens ``[rows, steps]`` (junk after a row's stop) and their log-probs."""
@@ -318,11 +330,18 @@ class HFRolloutEngine:
             attention_mask=mask.long(),
             generation_config=config,
             logits_processor=LogitsProcessorList([recorder]),
+            stopping_criteria=StoppingCriteriaList([_Interrupt(stop)] if stop is not None else []),
         )
         generated = out[:, ids.shape[1] :]
         return generated, recorder.result(generated)
 
-    def _by_limit(self, prompts: list[list[int]], params: SamplingParams, limits: Sequence[int]) -> RolloutOutput:
+    def _by_limit(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        limits: Sequence[int],
+        stop: Callable[[], bool] | None = None,
+    ) -> RolloutOutput:
         """:meth:`generate` with a bound per prompt on transformers' ``generate`` path: one call per distinct bound,
         the responses put back in the prompts' order."""
         n = params.n
@@ -330,7 +349,7 @@ class HFRolloutEngine:
         logprobs: list[list[float]] = [[] for _ in range(len(prompts) * n)]
         for bound in sorted(set(limits)):
             which = [i for i, b in enumerate(limits) if b == bound]
-            out = self.generate([prompts[i] for i in which], dataclasses.replace(params, max_new_tokens=bound))
+            out = self.sample([prompts[i] for i in which], dataclasses.replace(params, max_new_tokens=bound), stop=stop)
             lps = out.logprobs or [[] for _ in out.responses]
             for k, i in enumerate(which):
                 responses[i * n : (i + 1) * n] = out.responses[k * n : (k + 1) * n]
@@ -520,3 +539,13 @@ class _TokenLogprobs(LogitsProcessor):
         if not self._picked:
             return torch.zeros(generated.shape, dtype=torch.float32)
         return torch.cat(self._picked, dim=1).float().cpu()
+
+
+class _Interrupt(StoppingCriteria):
+    """Ends transformers' ``generate`` for every row once ``stop()`` says so (an interrupted request)."""
+
+    def __init__(self, stop: Callable[[], bool]) -> None:
+        self.stop = stop
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.stop(), dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]

@@ -6,6 +6,7 @@ multi-turn episode starts its tools at once)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Protocol
 
@@ -35,12 +36,18 @@ class SessionEngine(Generator, Protocol):
         keep_as: Sequence[Hashable] | None = None,
         limits: Sequence[int] | None = None,
         on_done: Callable[[int, list[int], list[float]], None] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> RolloutOutput:
-        """``generate`` with kept sessions, a bound per prompt and early completions."""
+        """``generate`` with kept sessions, a bound per prompt, early completions and an interrupt."""
         ...
 
     def drop_sessions(self, sessions: Iterable[Hashable] | None = None) -> None:
         """Drop the kept sequences of ``sessions``."""
+        ...
+
+    @property
+    def eos_token_id(self) -> int:
+        """The id that ends every response."""
         ...
 
 
@@ -51,6 +58,22 @@ class HFRequestQueue(BatchedRequestQueue):
     next step. Runs on: the rollout's process."""
 
     engine: SessionEngine
+
+    def __init__(self, engine: SessionEngine) -> None:
+        super().__init__(engine)
+        self._stop = threading.Event()
+
+    def interrupt(self) -> None:
+        """End the running step at its next decoding step (see ``RequestQueue.interrupt``). Runs on: any thread."""
+        self._stop.set()
+
+    def step(self, done: Done, busy: bool) -> bool:
+        """One call of the decoding loop per sampling setting over everything queued (see the class). Runs on: the
+        rollout's process."""
+        try:
+            return super().step(done, busy)
+        finally:
+            self._stop.clear()
 
     def calls(self, requests: list[Request]) -> list[tuple[list[Request], SamplingParams]]:  # type: ignore[override]
         """One call per sampling setting, bounded by its largest request. Runs on: the rollout's process."""
@@ -81,11 +104,18 @@ class HFRequestQueue(BatchedRequestQueue):
             keep_as=None if None in sessions else sessions,
             limits=[r.params.max_new_tokens for r in heads],
             on_done=early,
+            stop=self._stop.is_set,
         )
         logprobs = out.logprobs or [[] for _ in out.responses]
+        interrupted = self._stop.is_set()
         for k, (ids, lps) in enumerate(zip(out.responses, logprobs, strict=True)):
-            if k not in handed:
-                done(completion_of(group[k], ids, lps))
+            if k in handed:
+                continue
+            completion = completion_of(group[k], ids, lps)
+            ended = bool(ids) and ids[-1] in {self.engine.eos_token_id, *group[k].params.stop_token_ids}
+            if interrupted and not ended and len(ids) < group[k].params.max_new_tokens:  # cut by the interrupt
+                completion = dataclasses.replace(completion, reason="abort")
+            done(completion)
 
     def end_sessions(self, sessions: Iterable[Hashable]) -> None:
         """Drop the keys and values kept for ``sessions``. Runs on: the rollout's process."""

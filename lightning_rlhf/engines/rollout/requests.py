@@ -90,12 +90,14 @@ class Request:
 class Completion:
     """What a request sampled: ``ids`` (up to and including the stop token that ended it), their ``logprobs`` under the
     distribution sampled from, and ``reason``: ``"stop"`` (a stop token or the end of sequence), ``"length"`` (its
-    ``max_new_tokens``), ``"abort"`` (aborted: the ids so far)."""
+    ``max_new_tokens``), ``"abort"`` (aborted or interrupted: the ids so far)."""
 
     id: str
     ids: list[int]
     logprobs: list[float]
     reason: Literal["stop", "length", "abort"]
+    versions: list[int] = dataclasses.field(default_factory=list)
+    """Per token, the version of the weights that sampled it (stamped by the episodes' driver; empty from a queue)."""
 
 
 Done = Callable[[Completion], None]
@@ -126,6 +128,12 @@ class RequestQueue(Protocol):
 
     def pending(self) -> int:
         """How many requests are queued or running."""
+        ...
+
+    def interrupt(self) -> None:
+        """Thread-safe: end the running step at its next decoding step, each request still running completing with
+        reason ``"abort"`` and the tokens it has so far (a queue whose engine cannot, ``EngineAbilities.interrupts``
+        False, lets the step run to its end)."""
         ...
 
     def end_sessions(self, sessions: Iterable[Hashable]) -> None:
@@ -216,6 +224,9 @@ class BatchedRequestQueue:
 
     def end_sessions(self, sessions: Iterable[Hashable]) -> None:
         """Nothing is kept between calls. Runs on: the rollout's process."""
+
+    def interrupt(self) -> None:
+        """A ``generate`` call cannot be interrupted: the step runs to its end. Runs on: any thread."""
 
     def step(self, done: Done, busy: bool) -> bool:
         """One round of calls over everything queued (see the class). Runs on: the rollout's process (at TP > 1 every

@@ -112,6 +112,10 @@ class VLLMRequestQueue:
         """How many requests run. Runs on: the rollout's process."""
         return len(self._running)
 
+    def interrupt(self) -> None:
+        """Not offered (the tokens of an aborted request are not read back): a step is one scheduling step, so a
+        pause waits at most that long. Runs on: any thread."""
+
     def end_sessions(self, sessions: Iterable[Hashable]) -> None:
         """Nothing is kept per session (vLLM's prefix cache serves a session's next turn). Runs on: the rollout's
         process."""
