@@ -61,6 +61,47 @@ def test_asynchronous_rollouts_are_one_step_off_policy_and_resume_exactly(demo_m
     assert end_full == pytest.approx(end_resumed, rel=1e-6)
 
 
+def test_partial_rollouts_stream_the_pool_and_train_within_the_staleness_bound(demo_model: str, tmp_path: Path) -> None:
+    """max_staleness=2 with partial rollouts: the pool generates continuously; step 0 only admits its prompts, every
+    later step trains on the oldest complete groups while the next batch stays in flight, each hand-off pausing the
+    stream; no sample is older than the bound and the rollout carries per-token versions."""
+    out = tmp_path / "run"
+    args = ["--model", demo_model, "--devices", "2", "--rollout", "hf", "--max-staleness", "2", "--partial-rollouts"]
+    args += ["--placement", ROLLOUT_POOL, "--steps", "4", "--samples-every", "1"]
+    check_ok(run_script("train.py", *args, "--out", str(out)))
+    rows = read_metrics(out)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    assert rows[0].get("actor/grad_norm", "") == ""  # the first step admits its prompts and trains nothing
+    for row in rows[1:]:
+        assert float(row["actor/grad_norm"]) > 0 and float(row["response_length/mean"]) > 0
+        assert 0 <= float(row["training/staleness_max"]) <= 2
+        assert float(row["rollout/stream/in_flight"]) > 0  # the next batch generates while this one trains
+        assert float(row["timing_s/stream_pause"]) >= 0 and row["rollout/stream/mixed_versions"] != ""
+    assert float(rows[-1]["rollout/weight_version"]) >= 2  # every update handed over
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--task", "tools"], ["AsyncConfig(partial_rollouts=True) streams single-turn groups", "not streamed yet"]),
+        (["--rollout", "vllm"], ["cannot be interrupted", "RLHFStrategy(rollout='hf')"]),
+    ],
+)
+def test_partial_rollouts_with_what_they_cannot_serve_fail_before_any_rank_starts(
+    demo_model: str, tmp_path: Path, extra: list[str], words: list[str]
+) -> None:
+    if "vllm" in extra and not vllm_available():
+        pytest.skip("needs vLLM (the refusal names its engine server)")
+    args = ["--model", demo_model, "--devices", "2", "--rollout", "hf", "--max-staleness", "2", "--partial-rollouts"]
+    proc = run_script(
+        "train.py", *args, "--placement", ROLLOUT_POOL, *extra, "--out", str(tmp_path / "bad"), timeout=240
+    )
+    assert proc.returncode != 0
+    for word in words:
+        assert word in proc.stderr, failure_text(proc)
+    assert "Initializing distributed" not in proc.stderr, failure_text(proc)
+
+
 def test_episodes_with_tools_run_on_a_rollout_pool_one_step_off_policy(tool_model: str, tmp_path: Path) -> None:
     """Multi-turn episodes of the tool task on a rollout pool of its own (vLLM's engine server when installed),
     asynchronous (max_staleness=1): turns, tool calls and observations in every step, the engine/trainer check over
