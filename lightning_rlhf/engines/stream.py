@@ -72,6 +72,7 @@ class RolloutStream:
         self._thread.start()
         self._started.wait()
         self.restarted = 0  # groups sampled again because they grew too stale
+        self._engine_s = 0.0  # the driver's engine seconds at the last take
 
     # ------------------------------------------------------------------------------------------ worker's side
     def submit(self, rows: Batch, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -109,8 +110,10 @@ class RolloutStream:
                     break
                 self._done.wait(timeout=1.0)
         in_flight = [g for g in self._groups.values() if not g.complete]
+        engine_s, self._engine_s = self.driver.engine_s - self._engine_s, self.driver.engine_s
         figures = {
             "rollout/stream/in_flight": float(len(in_flight)),
+            "rollout/stream/engine_s": engine_s,
             "rollout/stream/restarted": float(self.restarted),
             "rollout/stream/mixed_versions": _mixed(taken),
         }

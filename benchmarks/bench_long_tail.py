@@ -1,0 +1,139 @@
+"""Asynchronous rollouts on a long-tail workload: one step off-policy, streamed, and partial rollouts (transformers
+engine; vLLM's engine server for the first two), steps per second and the rollout pool's idle share.
+
+    python benchmarks/bench_long_tail.py [--steps 14] [--engines hf,vllm] [--quick]
+
+The workload: a tiny random model (the demo's width) samples nearly uniformly, and a sixteenth of its vocabulary
+ends a response, so response lengths are geometric (mean 16 tokens, capped at 128 = 8x the mean: the long tail);
+GRPO, 16 prompts x 8 samples a step, 2 processes (the actor and the reward on rank 0, a rollout pool on rank 1),
+``max_staleness=2``. A run's figure is the median of its steps after the third; the pool's idle share is 1 - its
+engine's busy seconds / the step (one step off: ``timing_s/gen``; streamed: ``rollout/stream/engine_s``). Each mode
+runs in its own child process (``--run``). Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+MODES = {
+    "one_step_off": {"max_staleness": 1},
+    "stream": {"max_staleness": 2, "stream": True},
+    "partial": {"max_staleness": 2, "partial_rollouts": True},
+}
+STOP_SHARE = 16  # one id in this many ends a response
+
+
+def short_answer(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """1 for a completion under 40 characters: a reward that varies within a group, so that GRPO updates."""
+    return [float(len(c) < 40) for c in completions]
+
+
+def run(mode: str, engine: str, steps: int, out: str, model: str) -> None:
+    """One run on 2 processes (this script relaunched by Lightning for rank 1). Runs on: every rank."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+    from transformers import AutoConfig
+
+    from lightning_rlhf import (
+        AlgorithmConfig,
+        AsyncConfig,
+        GRPOModule,
+        KLConfig,
+        PromptDataModule,
+        RLHFStrategy,
+        RolloutConfig,
+    )
+    from lightning_rlhf.demo import addition_dataset
+
+    torch.set_num_threads(1)
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    stops = tuple(range(vocab - vocab // STOP_SHARE, vocab))
+    module = GRPOModule(
+        model,
+        reward=short_answer,
+        reference=False,
+        rollout=RolloutConfig(n=8, max_new_tokens=8 * STOP_SHARE, stop_token_ids=stops, seed=0),
+        algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0), asynchronous=AsyncConfig(**MODES[mode])),
+    )
+    data = PromptDataModule(addition_dataset(num_prompts=100), batch_size=16, max_prompt_length=32, seed=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=RLHFStrategy(engine, placement={"actor": [0], "reward": [0], "rollout": [1]}),
+        max_steps=steps,
+        logger=CSVLogger(out, name="", version=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(module, datamodule=data)
+
+
+def figures(out: str, mode: str) -> dict[str, float]:
+    """Steps per second and the pool's idle share of a finished run (its steps after the third)."""
+    with open(os.path.join(out, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("timing_s/step") and r.get("actor/grad_norm")][2:]
+    step = statistics.median(float(r["timing_s/step"]) for r in rows)
+    busy_key = "timing_s/gen" if mode == "one_step_off" else "rollout/stream/engine_s"
+    busy = statistics.median(float(r[busy_key]) / float(r["timing_s/step"]) for r in rows)
+    lengths = [float(r["response_length/mean"]) for r in rows]
+    return {
+        "s_per_step": round(step, 3),
+        "steps_per_s": round(1 / step, 2),
+        "pool_idle": round(max(0.0, 1 - busy), 3),
+        "response_length_mean": round(statistics.mean(lengths), 1),
+        "staleness_max": max(float(r["training/staleness_max"]) for r in rows),
+        "mixed_versions": round(statistics.mean(float(r.get("rollout/stream/mixed_versions") or 0) for r in rows), 3),
+    }
+
+
+def main() -> None:
+    """Run every mode in a child, alternating, and print the table. Runs on: the benchmark's process."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--engines", default="hf,vllm")
+    p.add_argument("--quick", action="store_true", help="5 steps, the transformers engine only (a smoke run)")
+    p.add_argument("--run", choices=sorted(MODES), help=argparse.SUPPRESS)
+    p.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.run:
+        run(args.run, args.engine, args.steps, args.out, args.model)
+        return
+    from lightning_rlhf.demo.tiny import save_tiny
+    from lightning_rlhf.engines.rollout.vllm import vllm_available
+
+    steps, engines = (5, ["hf"]) if args.quick else (args.steps, args.engines.split(","))
+    engines = [e for e in engines if e != "vllm" or vllm_available()]
+    work = tempfile.mkdtemp(prefix="bench_long_tail_")
+    model = save_tiny(os.path.join(work, "model"), seed=0)
+    report: dict[str, Any] = {"steps": steps}
+    for engine in engines:
+        for mode in MODES:
+            if mode == "partial" and engine == "vllm":
+                continue  # refused: vLLM's engine server cannot interrupt its requests
+            out = os.path.join(work, f"{engine}-{mode}")
+            command = [sys.executable, __file__, "--run", mode, "--engine", engine, "--steps", str(steps)]
+            proc = subprocess.run([*command, "--out", out, "--model", model], capture_output=True, text=True)
+            if proc.returncode != 0:
+                report[f"{engine}/{mode}"] = {"error": (proc.stdout + proc.stderr)[-2000:]}
+                print(f"{engine:>5} {mode:>13}: failed\n{report[f'{engine}/{mode}']['error']}", flush=True)
+                continue
+            report[f"{engine}/{mode}"] = found = figures(out, mode)
+            print(f"{engine:>5} {mode:>13}: {json.dumps(found)}", flush=True)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
