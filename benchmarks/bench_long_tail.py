@@ -3,8 +3,8 @@ engine; vLLM's engine server for the first two), steps per second and the rollou
 
     python benchmarks/bench_long_tail.py [--steps 14] [--engines hf,vllm] [--quick]
 
-The workload: a tiny random model (the demo's width) samples nearly uniformly, and a sixteenth of its vocabulary
-ends a response, so response lengths are geometric (mean 16 tokens, capped at 128 = 8x the mean: the long tail);
+The workload: a tiny random model (the demo's width) samples nearly uniformly, and one id in ``--mean-tokens`` of its
+vocabulary ends a response, so response lengths are geometric (mean 16 tokens by default, capped at 8x the mean);
 GRPO, 16 prompts x 8 samples a step, 2 processes (the actor and the reward on rank 0, a rollout pool on rank 1),
 ``max_staleness=2``. A run's figure is the median of its steps after the third; the pool's idle share is 1 - its
 engine's busy seconds / the step (one step off: ``timing_s/gen``; streamed: ``rollout/stream/engine_s``). Each mode
@@ -28,7 +28,6 @@ MODES = {
     "stream": {"max_staleness": 2, "stream": True},
     "partial": {"max_staleness": 2, "partial_rollouts": True},
 }
-STOP_SHARE = 16  # one id in this many ends a response
 
 
 def short_answer(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
@@ -36,7 +35,7 @@ def short_answer(prompts: list[str], completions: list[str], **_: Any) -> list[f
     return [float(len(c) < 40) for c in completions]
 
 
-def run(mode: str, engine: str, steps: int, out: str, model: str) -> None:
+def run(mode: str, engine: str, steps: int, out: str, model: str, mean: int) -> None:
     """One run on 2 processes (this script relaunched by Lightning for rank 1). Runs on: every rank."""
     import lightning as L
     import torch
@@ -56,12 +55,12 @@ def run(mode: str, engine: str, steps: int, out: str, model: str) -> None:
 
     torch.set_num_threads(1)
     vocab = AutoConfig.from_pretrained(model).vocab_size
-    stops = tuple(range(vocab - vocab // STOP_SHARE, vocab))
+    stops = tuple(range(vocab - vocab // mean, vocab))  # one id in ``mean`` ends a response
     module = GRPOModule(
         model,
         reward=short_answer,
         reference=False,
-        rollout=RolloutConfig(n=8, max_new_tokens=8 * STOP_SHARE, stop_token_ids=stops, seed=0),
+        rollout=RolloutConfig(n=8, max_new_tokens=8 * mean, stop_token_ids=stops, seed=0),
         algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0), asynchronous=AsyncConfig(**MODES[mode])),
     )
     data = PromptDataModule(addition_dataset(num_prompts=100), batch_size=16, max_prompt_length=32, seed=0)
@@ -102,6 +101,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--engines", default="hf,vllm")
+    p.add_argument("--mean-tokens", type=int, default=16, help="the responses' mean length (the cap is 8x)")
     p.add_argument("--quick", action="store_true", help="5 steps, the transformers engine only (a smoke run)")
     p.add_argument("--run", choices=sorted(MODES), help=argparse.SUPPRESS)
     p.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
@@ -109,7 +109,7 @@ def main() -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.run:
-        run(args.run, args.engine, args.steps, args.out, args.model)
+        run(args.run, args.engine, args.steps, args.out, args.model, args.mean_tokens)
         return
     from lightning_rlhf.demo.tiny import save_tiny
     from lightning_rlhf.engines.rollout.vllm import vllm_available
@@ -118,13 +118,14 @@ def main() -> None:
     engines = [e for e in engines if e != "vllm" or vllm_available()]
     work = tempfile.mkdtemp(prefix="bench_long_tail_")
     model = save_tiny(os.path.join(work, "model"), seed=0)
-    report: dict[str, Any] = {"steps": steps}
+    report: dict[str, Any] = {"steps": steps, "mean_tokens": args.mean_tokens}
     for engine in engines:
         for mode in MODES:
             if mode == "partial" and engine == "vllm":
                 continue  # refused: vLLM's engine server cannot interrupt its requests
             out = os.path.join(work, f"{engine}-{mode}")
             command = [sys.executable, __file__, "--run", mode, "--engine", engine, "--steps", str(steps)]
+            command += ["--mean-tokens", str(args.mean_tokens)]
             proc = subprocess.run([*command, "--out", out, "--model", model], capture_output=True, text=True)
             if proc.returncode != 0:
                 report[f"{engine}/{mode}"] = {"error": (proc.stdout + proc.stderr)[-2000:]}

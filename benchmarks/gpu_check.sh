@@ -18,12 +18,15 @@
 #      checkpointing off/on x the blocked token head off/on: peak max_memory_allocated and step time of each (OOM
 #      reported, not fatal; benchmarks/bench_token_head.py), size.txt; with 2+ GPUs also SP 1 against SP 2 at 8192
 #      tokens (benchmarks/bench_sequence_parallel.py, size_sp1.txt / size_sp2.txt), else says why not (size_sp.txt).
-# PARTS="handoff learn" (names: tests profile tools bench lora handoff learn size) runs only those; all by default.
+#  10. partial (issue 46): partial rollouts on CUDA: the transformers engine's generate interrupted by a pause, the
+#      requests going on after it from their tokens (tests/gpu/test_gpu_partial.py): partial.txt.
+# PARTS="handoff learn" (names: tests profile tools bench lora handoff learn size partial) runs only those; all by
+# default.
 # Every part has its own time limit; logs and tables go to $OUT (the device tool's folder), or ./gpu_out.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-PARTS=${PARTS:-tests profile tools bench lora handoff learn size}
+PARTS=${PARTS:-tests profile tools bench lora handoff learn size partial}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 if ! python3 -c "import matplotlib" 2>/dev/null; then  # the demo's plots
@@ -94,3 +97,7 @@ want lora && for run in full lora; do
     --devices 1 --bf16 --kl-coef 0.05 --steps 6 --prompts 16 --n 4 --micro-batch-size 16 "${extra[@]}"
   python3 -c "import csv; r=list(csv.DictReader(open('/tmp/lora_$run/metrics.csv'))); print('$run', max(float(x['perf/max_memory_allocated_gb']) for x in r if x.get('perf/max_memory_allocated_gb')), r[-1].get('timing_s/step'), r[-1].get('timing_s/update_actor'), r[-1].get('timing_s/update_weights'))" 2>/dev/null
 done
+if want partial; then  # under a minute
+  step partial 60 python3 -m pytest -q tests/gpu/test_gpu_partial.py -p no:cacheprovider
+  tail -3 "$OUT/partial.txt"
+fi

@@ -10,7 +10,7 @@ import asyncio
 import concurrent.futures as cf
 import dataclasses
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Protocol
 
 from lightning_rlhf.agents.driver import RequestDriver
@@ -22,7 +22,7 @@ from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.engines.rollout.requests import Request, SamplingParams
 from lightning_rlhf.sandbox.tools import ToolExecutor, ToolResult
 
-__all__ = ["TOOL_ERROR_KINDS", "EpisodeContext", "EpisodeHost", "Turn"]
+__all__ = ["TOOL_ERROR_KINDS", "EpisodeContext", "EpisodeHost", "RolloutResources", "Turn"]
 
 TOOL_ERROR_KINDS = ("malformed", "raised", "timeout", "crash", "invalid_result")
 """How a tool call can fail (each kind explained in docs/agents.md, "What you see")."""
@@ -33,6 +33,31 @@ written of the reply already, such as an opening think tag) with room to spare."
 
 _TURN_SEED = 15_485_863  # primes: the seeds of an episode's turns and of the episodes never meet
 _EPISODE_SEED = 1_000_003
+
+
+class RolloutResources:
+    """What a rollout's episodes share, made by the first that asks and closed (``aclose()``) when the rollout ends: an
+    HTTP agent's endpoint. Runs on: the rollout's process (its event loop)."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, Any] = {}
+        self._making: dict[str, asyncio.Future[Any]] = {}
+
+    async def get(self, key: str, make: Callable[[], Awaitable[Any]]) -> Any:
+        """The resource ``key``, made by ``await make()`` the first time (the others wait for it)."""
+        if key in self._made:
+            return self._made[key]
+        if key not in self._making:
+            self._making[key] = asyncio.ensure_future(make())
+        made = await asyncio.shield(self._making[key])
+        self._made[key] = made
+        return made
+
+    async def aclose(self) -> None:
+        """Close every resource made (``await resource.aclose()``), newest first."""
+        made, self._made, self._making = self._made, {}, {}
+        for resource in reversed(list(made.values())):
+            await resource.aclose()
 
 
 class EpisodeHost(Protocol):
@@ -47,6 +72,12 @@ class EpisodeHost(Protocol):
     """Tokens an episode may hold after its prompt."""
     context: int | None
     """The engine's context length (None: unbounded)."""
+    resources: RolloutResources
+    """What the rollout's episodes share (closed when it ends)."""
+    chat_template_kwargs: dict[str, Any]
+    """The data module's extra chat template arguments."""
+    model_name: str
+    """The name agents over HTTP ask for (the actor's path)."""
 
     def executor_of(self, env: Environment) -> ToolExecutor | None:
         """The tool workers of ``env``'s tools (None: none, or in this process)."""

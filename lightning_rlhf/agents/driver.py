@@ -113,6 +113,11 @@ class RequestDriver:
         future.add_done_callback(lambda _: self._set(episode, "running"))
         return await future
 
+    def waits_on_its_own(self, episode: Hashable) -> None:
+        """Mark ``episode`` as waiting on something of its own (an HTTP agent thinking between its requests), so that
+        the engine goes on with the others; its next request marks it again. Runs on: the driver's loop."""
+        self._set(episode, "other")
+
     # ----------------------------------------------------------------------------------------------- the loop
     async def run(self, episodes: dict[Hashable, Coroutine[Any, Any, Any]]) -> dict[Hashable, EpisodeOutcome]:
         """Run ``episodes`` (a coroutine per episode) to their ends, stepping the engine; returns how each ended.

@@ -17,12 +17,12 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from typing import Any, cast
 
 import torch
 
-from lightning_rlhf.agents.context import TOOL_ERROR_KINDS, EpisodeContext
+from lightning_rlhf.agents.context import TOOL_ERROR_KINDS, EpisodeContext, RolloutResources
 from lightning_rlhf.agents.driver import AgentLoopError, EpisodeOutcome, RequestDriver
 from lightning_rlhf.agents.env import Environment, EnvironmentChoice, Episode, Message, scores_episodes
 from lightning_rlhf.agents.loops import agent_loop
@@ -45,10 +45,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PROBLEM_KINDS = (*TOOL_ERROR_KINDS, "observation_overflow", "episode_timeout")
+PROBLEM_KINDS = (*TOOL_ERROR_KINDS, "observation_overflow", "episode_timeout", "agent_failed", "http_diverged")
 """The kinds of problem an episode reports: the tool errors, ``observation_overflow`` (an observation did not fit the
-room the episode had left, so it ended truncated) and ``episode_timeout`` (its loop ran past
-``EpisodeConfig.episode_timeout_s``)."""
+room the episode had left, so it ended truncated), ``episode_timeout`` (its loop ran past
+``EpisodeConfig.episode_timeout_s``), and for agents over HTTP ``agent_failed`` (the program exited with an error) and
+``http_diverged`` (a request's conversation was not the session's)."""
 
 
 class EpisodeRunner:
@@ -59,8 +60,11 @@ class EpisodeRunner:
     Runs on: the process that runs the rollout (a worker rank with a rollout engine).
     """
 
-    def __init__(self, make_env: Callable[[], Environment], tokenizer: Any, cfg: RolloutConfig) -> None:
+    def __init__(
+        self, make_env: Callable[[], Environment], tokenizer: Any, cfg: RolloutConfig, *, model_name: str = "policy"
+    ) -> None:
         self.make_env = make_env
+        self.model_name = model_name  # what agents over HTTP ask for (the actor's path)
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.loop = agent_loop(cfg.episode.agent_loop)
@@ -73,6 +77,7 @@ class EpisodeRunner:
         self.chat_template_kwargs: dict[str, Any] = {}
         self.max_prompt_length: int | None = None
         self._rollouts = itertools.count()
+        self.resources = RolloutResources()  # what a rollout's episodes share (an HTTP agent's endpoint)
         self._threads = cf.ThreadPoolExecutor(max(1, cfg.episode.tool_workers), thread_name_prefix="lightning-rlhf-env")
 
     def close(self) -> None:
@@ -176,7 +181,7 @@ class EpisodeRunner:
             f"{rollout}.{k}": self._start(driver, f"{rollout}.{k}", k, row, params) for k, row in enumerate(rows)
         }
         try:
-            outcomes = asyncio.run(driver.run({key: self._run_one(ep) for key, ep in episodes.items()}))
+            outcomes = asyncio.run(self._rollout(driver, {key: self._run_one(ep) for key, ep in episodes.items()}))
         finally:
             engine.requests.end_sessions(episodes)
         for key, outcome in outcomes.items():
@@ -188,6 +193,14 @@ class EpisodeRunner:
                     f"its loop ran past EpisodeConfig(episode_timeout_s={episode.episode_timeout_s:g})",
                 )
         return list(episodes.values()), outcomes, driver
+
+    async def _rollout(
+        self, driver: RequestDriver, coros: dict[Hashable, Coroutine[Any, Any, None]]
+    ) -> dict[Hashable, EpisodeOutcome]:
+        try:
+            return await driver.run(coros)
+        finally:
+            await self.resources.aclose()
 
     async def _run_one(self, episode: EpisodeContext) -> None:
         try:
@@ -432,5 +445,7 @@ def _log_problems(problems: list[dict[str, str]]) -> None:
                 "EpisodeConfig(episode_timeout_s=), or await slow calls of your own with `await episode.wait(...)`.",
                 len(met), len(problems), met[0],
             )  # fmt: skip
-        else:
+        elif kind in TOOL_ERROR_KINDS:
             log.warning("tool calls failed (%s) in %d of %d episodes; first: %s", kind, len(met), len(problems), met[0])
+        else:
+            log.warning("%s in %d of %d episodes; first: %s", kind, len(met), len(problems), met[0])

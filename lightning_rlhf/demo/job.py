@@ -189,9 +189,13 @@ def _choices(args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any],
         from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
 
         extra |= {"environment": CalculatorEnvironment}
-        rollout = C.RolloutConfig(
-            **sampling, max_new_tokens=TOOL_TURN_TOKENS, episode=C.EpisodeConfig(max_turns=3, tool_workers=1)
-        )
+        loop = "tools"
+        if args.agent == "http":  # an agent written against the openai client drives each episode
+            import lightning_rlhf.demo.http_agent  # noqa: F401  (registers "http-calculator" in every process)
+
+            loop = "http-calculator"
+        episode = C.EpisodeConfig(max_turns=3, tool_workers=1, agent_loop=loop)
+        rollout = C.RolloutConfig(**sampling, max_new_tokens=TOOL_TURN_TOKENS, episode=episode)
         splits = tool_splits()
     else:
         rollout = C.RolloutConfig(**sampling, max_new_tokens=6)
@@ -306,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="AlgorithmConfig.asynchronous.max_staleness: 1 generates the next batch on the rollout pool while the "
         "actor trains (asynchronous; needs --placement rollout)",
+    )
+    add(
+        "--agent",
+        choices=["builtin", "http"],
+        default="builtin",
+        help="--task tools: builtin (the tool loop) or http (a small agent written against the openai client talks "
+        "to the policy through an OpenAI-compatible endpoint on each rank)",
     )
     add(
         "--stream",

@@ -51,7 +51,7 @@ class EpisodesMixin:
         if self.environment is None:
             return None
         if self._episodes is None:
-            self._episodes = EpisodeRunner(self.environment, self.tokenizer, self.rollout)
+            self._episodes = EpisodeRunner(self.environment, self.tokenizer, self.rollout, model_name=self.path)
         return self._episodes
 
     @role_method(Dispatch.DP_SPLIT)
