@@ -64,8 +64,8 @@ $(RUN_STAMP): pyproject.toml
 	@touch $@
 
 $(DEV_STAMP): $(RUN_STAMP)
-	@$(BIN)/python -m pip install -q -e ".[dev,docs]" 2>&1 | $(QUIET_PIP)
-	@$(BIN)/python -c "import pytest, ruff, mypy, build, mkdocs"
+	@$(BIN)/python -m pip install -q -e ".[dev,docs,agents-http]" 2>&1 | $(QUIET_PIP)
+	@$(BIN)/python -c "import pytest, ruff, mypy, build, mkdocs, fastapi, uvicorn, openai"
 	@touch $@
 
 demo: setup-run  ## Run the embedded default job (tiny model learns addition by GRPO, 2 CPU processes)

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("measurements", ("perf",)),
     ("agents (multi-turn episodes, tools)", ("agents",)),
     ("hybrid engine (memory phases, hand-offs, policy versions; samples episodes)", ("engines.hybrid",)),
+    ("a rollout pool's stream (drives requests as the episodes do)", ("engines.stream",)),
     ("roles", ("roles",)),
     ("the dataflow's helpers (rollouts, metrics, validation)", ("dataflow",)),
     ("RLHFModule and the cost model's calibration", ("module", "placement.calibration")),
