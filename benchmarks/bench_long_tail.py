@@ -117,7 +117,7 @@ def main() -> None:
     steps, engines = (5, ["hf"]) if args.quick else (args.steps, args.engines.split(","))
     engines = [e for e in engines if e != "vllm" or vllm_available()]
     work = tempfile.mkdtemp(prefix="bench_long_tail_")
-    model = save_tiny(os.path.join(work, "model"), seed=0)
+    model = save_tiny(os.path.join(work, "model"), seed=0, max_positions=max(256, 8 * args.mean_tokens + 64))
     report: dict[str, Any] = {"steps": steps, "mean_tokens": args.mean_tokens}
     for engine in engines:
         for mode in MODES:
