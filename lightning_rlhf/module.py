@@ -38,7 +38,13 @@ from lightning_rlhf.dataflow.metrics import (
     samples_of,
     timer,
 )
-from lightning_rlhf.dataflow.rollouts import extra_prompts, keep_informative_groups, pack_rollout, unpack_rollout
+from lightning_rlhf.dataflow.rollouts import (
+    extra_prompts,
+    keep_informative_groups,
+    pack_rollout,
+    streamed_rollout,
+    unpack_rollout,
+)
 from lightning_rlhf.dataflow.validation import validation_metrics, validation_rollout
 from lightning_rlhf.engines.train import resolve_dtype
 from lightning_rlhf.engines.train.lora import resolve_lora
@@ -278,6 +284,9 @@ class RLHFModule(L.LightningModule):
         out.meta |= {key: handoff[key] for key in _HANDOFF_METRICS if key in handoff}
         return out
 
+    _streamed_steps = 0
+    """Streamed rollouts: the steps that admitted prompts to the stream (the first takes none)."""
+
     _pending_rollout: Batch | None = None
     """Asynchronous mode: the rollout generated during the last step, trained on in the next (in checkpoints)."""
 
@@ -298,7 +307,8 @@ class RLHFModule(L.LightningModule):
         assert rollout_role is not None
         settings = self.algorithm.asynchronous
         if settings.streams:
-            yield self._streamed(batch, metrics)
+            self._streamed_steps += 1
+            yield streamed_rollout(self, batch, metrics, take=self._streamed_steps > 1)
             return
         metrics |= self.sync_rollout_weights(lag=1, max_staleness=self.algorithm.asynchronous.max_staleness)
         with in_background():
@@ -307,32 +317,6 @@ class RLHFModule(L.LightningModule):
         with self.timer("wait_rollout", metrics):
             self._pending_rollout = cast(RoleFuture, future).result()
         metrics["timing_s/gen"] = cast(RoleFuture, future).seconds
-
-    _streamed_steps = 0
-    """Streamed rollouts: the steps that admitted prompts to the stream (the first takes none)."""
-
-    def _streamed(self, batch: Batch, metrics: dict[str, float]) -> Batch | None:
-        """Streamed rollouts (``AsyncConfig.stream`` / ``partial_rollouts``): the newest weights to the pool (pausing
-        its stream), this step's prompts admitted, and the oldest complete groups taken (none at the first step, so a
-        batch is always in flight). Runs on: the controller."""
-        rollout_role = self.rollout_role
-        assert rollout_role is not None
-        settings = self.algorithm.asynchronous
-        metrics |= self.sync_rollout_weights(lag=0, max_staleness=0)  # every update's weights, at once
-        take = self._streamed_steps > 0
-        self._streamed_steps += 1
-        with self.timer("wait_rollout", metrics):
-            rollout = cast(
-                Batch,
-                rollout_role.stream(
-                    batch, take=take, interrupt=settings.partial_rollouts, max_staleness=settings.max_staleness
-                ),
-            )
-        if not take:
-            return None
-        metrics |= rollout.meta.pop("stream", {})
-        metrics["timing_s/gen"] = float(rollout.meta.get("gen_s", 0.0))
-        return rollout
 
     def training_step(self, batch: Batch) -> None:  # type: ignore[override]
         """The RL dataflow of one step. Runs on: the controller (rank 0). Override it (see ``GRPOModule``)."""

@@ -91,3 +91,25 @@ def unpack_rollout(state: dict[str, Any] | None, *, asynchronous: bool) -> Batch
         return None
     columns, meta = pickle.loads(state["rest"].numpy().tobytes())
     return Batch(state["tensors"], columns, meta)
+
+
+def streamed_rollout(module: Any, batch: Batch, metrics: dict[str, float], *, take: bool) -> Batch | None:
+    """A step of streamed rollouts (``AsyncConfig.stream`` / ``partial_rollouts``): the newest weights to the rollout
+    pool (pausing its stream), ``batch``'s prompts admitted, and, with ``take``, the stream's oldest complete groups
+    (the first step takes none, so a batch is always in flight); the stream's figures go to ``metrics``. Runs on: the
+    controller (``RLHFModule.rollouts``)."""
+    rollout_role = module.rollout_role
+    settings = module.algorithm.asynchronous
+    metrics |= module.sync_rollout_weights(lag=0, max_staleness=0)  # every update's weights, at once
+    with module.timer("wait_rollout", metrics):
+        rollout = cast(
+            Batch,
+            rollout_role.stream(
+                batch, take=take, interrupt=settings.partial_rollouts, max_staleness=settings.max_staleness
+            ),
+        )
+    if not take:
+        return None
+    metrics |= rollout.meta.pop("stream", {})
+    metrics["timing_s/gen"] = float(rollout.meta.get("gen_s", 0.0))
+    return rollout

@@ -107,6 +107,27 @@ class RolloutRole(EpisodesMixin, Role):
         return figures | {"timing_s/stream_pause": paused_s}
 
     @role_method(Dispatch.DP_SPLIT)
+    def generate(
+        self,
+        batch: Batch,
+        *,
+        n: int | None = None,
+        greedy: bool = False,
+        temperature: float | None = None,
+        seed_offset: int = 0,
+    ) -> Batch:
+        """``EpisodesMixin.generate`` (validation, a synchronous step), the stream paused meanwhile when there is one
+        (the engine serves one caller at a time). Runs on: every rank of the pool, on its share of the prompts."""
+        sampling = {"n": n, "greedy": greedy, "temperature": temperature, "seed_offset": seed_offset}
+        if self._stream is None:
+            return self.hybrid.generate(batch, episodes=self.episode_runner, **sampling)
+        self._stream.pause()
+        try:
+            return self.hybrid.generate(batch, episodes=self.episode_runner, **sampling)
+        finally:
+            self._stream.resume(self.weight_version)
+
+    @role_method(Dispatch.DP_SPLIT)
     def stream(self, batch: Batch, *, take: bool, interrupt: bool, max_staleness: int) -> Batch:
         """Admit ``batch``'s prompts to the pool's stream (:class:`~lightning_rlhf.engines.stream.RolloutStream`, made
         on first use) and, with ``take``, return as many of its oldest complete groups (``rollout.n`` samples each),

@@ -64,12 +64,13 @@ def test_asynchronous_rollouts_are_one_step_off_policy_and_resume_exactly(demo_m
 def test_partial_rollouts_stream_the_pool_and_train_within_the_staleness_bound(demo_model: str, tmp_path: Path) -> None:
     """max_staleness=2 with partial rollouts: the pool generates continuously; step 0 only admits its prompts, every
     later step trains on the oldest complete groups while the next batch stays in flight, each hand-off pausing the
-    stream; no sample is older than the bound and the rollout carries per-token versions."""
+    stream (and validation generating on the pool pauses it); no sample is older than the bound."""
     out = tmp_path / "run"
     args = ["--model", demo_model, "--devices", "2", "--rollout", "hf", "--max-staleness", "2", "--partial-rollouts"]
-    args += ["--placement", ROLLOUT_POOL, "--steps", "4", "--samples-every", "1"]
+    args += ["--placement", ROLLOUT_POOL, "--steps", "4", "--samples-every", "1", "--val-every", "2"]
     check_ok(run_script("train.py", *args, "--out", str(out)))
-    rows = read_metrics(out)
+    logged = read_metrics(out)
+    rows = [r for r in logged if r.get("timing_s/step")]
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
     assert rows[0].get("actor/grad_norm", "") == ""  # the first step admits its prompts and trains nothing
     for row in rows[1:]:
@@ -78,6 +79,7 @@ def test_partial_rollouts_stream_the_pool_and_train_within_the_staleness_bound(d
         assert float(row["rollout/stream/in_flight"]) > 0  # the next batch generates while this one trains
         assert float(row["timing_s/stream_pause"]) >= 0 and row["rollout/stream/mixed_versions"] != ""
     assert float(rows[-1]["rollout/weight_version"]) >= 2  # every update handed over
+    assert any(r.get("val/score/mean") for r in logged)  # validation generated on the pool between the stream's steps
 
 
 @pytest.mark.parametrize(
