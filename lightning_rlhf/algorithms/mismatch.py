@@ -105,9 +105,8 @@ def mismatch_metrics(log_ratio: Tensor, mask: Tensor, keep: Tensor | None = None
     ratio = torch.exp(lr.clamp(-20.0, 20.0))
     masked = (keep[m] == 0).float().mean() if keep is not None else ratio.new_zeros(())
     return {
-        "mismatch_kl": kl_k3(
-            torch.zeros_like(lr), lr
-        ).mean(),  # kl_k3(log pi_rollout, log pi_old), both - log pi_rollout
+        # kl_k3(log pi_rollout, log pi_old), both - log pi_rollout; each term is >= 0 but for float32 rounding
+        "mismatch_kl": kl_k3(torch.zeros_like(lr), lr).clamp(min=0).mean(),
         "ess": ratio.sum().square() / (ratio.numel() * ratio.square().sum()).clamp(min=1e-30),
         "ratio_max": ratio.max(),
         "masked_fraction": masked,
