@@ -82,6 +82,23 @@ def test_partial_rollouts_stream_the_pool_and_train_within_the_staleness_bound(d
     assert any(r.get("val/score/mean") for r in logged)  # validation generated on the pool between the stream's steps
 
 
+def test_a_resumed_streaming_run_admits_its_prompts_afresh(demo_model: str, tmp_path: Path) -> None:
+    """The groups in flight are not checkpointed (docs/placement.md): a streamed run resumed from its checkpoint goes on
+    from the saved step with the saved weights, its first step admitting prompts (no training), the next training
+    within the bound."""
+    first, second, ckpt = tmp_path / "first", tmp_path / "second", tmp_path / "ckpt"
+    common = ["--model", demo_model, "--devices", "2", "--rollout", "hf", "--max-staleness", "2", "--stream"]
+    common += ["--placement", ROLLOUT_POOL]
+    check_ok(run_script("train.py", *common, "--out", str(first), "--steps", "3", "--save-ckpt", str(ckpt)))
+    check_ok(run_script("train.py", *common, "--out", str(second), "--steps", "5", "--resume", str(ckpt)))
+    rows = [r for r in read_metrics(second) if r.get("timing_s/step")]
+    assert [int(r["step"]) for r in rows] == [3, 4]
+    assert rows[0].get("actor/grad_norm", "") == "" and float(rows[1]["actor/grad_norm"]) > 0
+    assert (
+        float(rows[1]["training/staleness_max"]) <= 2 and float(rows[1]["rollout/weight_version"]) == 2
+    )  # 2 updates saved
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
