@@ -129,6 +129,7 @@ class EpisodeContext:
         self.params = params
         self.opening = opening  # the last user message of reset's messages
         self.ids: list[int] = []
+        self.versions: list[int] = []  # per id: the weights' version that sampled it (-1: an observation)
         self.sampled: list[int] = []
         self.logprobs: list[float] = []
         self.last_id: int | None = None
@@ -176,6 +177,7 @@ class EpisodeContext:
         turn = done.ids[:limit]
         logprobs = list(done.logprobs[: len(turn)]) + [0.0] * (len(turn) - len(done.logprobs))
         self.ids += turn
+        self.versions += list(done.versions[: len(turn)]) or [self.driver.version] * len(turn)
         self.sampled += [1] * len(turn)
         self.logprobs += logprobs
         self.last_id = turn[-1] if turn else None
@@ -257,6 +259,7 @@ class EpisodeContext:
             )
             return False
         self.ids += obs
+        self.versions += [-1] * len(obs)
         self.sampled += [0] * len(obs)
         self.logprobs += [0.0] * len(obs)
         self.observation_tokens += len(obs)

@@ -40,6 +40,7 @@ __all__ = [
     "check_environment",
     "episode_metrics",
     "episode_prompt_ids",
+    "episode_rows",
     "sample_episodes",
 ]
 
@@ -87,6 +88,20 @@ class EpisodeRunner:
                 executor.close()
         self._toolsets.clear()
         self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def take_meta(self, batch: Batch) -> None:
+        """The data module's chat template arguments and prompt bound, from ``batch``'s meta, for the episodes started
+        next. Runs on: the rollout's process."""
+        self.chat_template_kwargs = dict(batch.meta.get("chat_template_kwargs") or {})
+        self.max_prompt_length = batch.meta.get("max_prompt_length")
+
+    def start(
+        self, driver: RequestDriver, key: str, number: int, row: dict[str, Any], params: SamplingParams
+    ) -> tuple[EpisodeContext, Coroutine[Any, Any, None]]:
+        """Episode ``key`` of ``row`` on ``driver`` and the coroutine that runs it with the agent loop (a stream adds it
+        to its driver). Runs on: the rollout's process."""
+        episode = self._start(driver, key, number, row, params)
+        return episode, self._run_one(episode)
 
     def executor_of(self, env: Environment) -> ToolExecutor | None:
         """The tool workers of ``env``'s tools (None: it has none, or they run in this process). Runs on: the
@@ -345,11 +360,20 @@ def sample_episodes(
     """
     rollout = batch.select(torch.arange(len(batch)).repeat_interleave(n))
     rows = [{k: v[i] for k, v in rollout.columns.items()} for i in range(len(rollout))]
-    runner.chat_template_kwargs = dict(batch.meta.get("chat_template_kwargs") or {})
-    runner.max_prompt_length = batch.meta.get("max_prompt_length")
+    runner.take_meta(batch)
     t0 = time.perf_counter()
     episodes, outcomes, driver = runner.run(engine, rows, params)
     wall_s = time.perf_counter() - t0
+    rollout = episode_rows(rollout, episodes, [outcome.timed_out for outcome in outcomes.values()], pad_id=pad_id)
+    rollout.meta.update(gen_s=driver.engine_s, episodes_s=wall_s, group_size=n, engine_steps=driver.steps)
+    return rollout
+
+
+def episode_rows(
+    rollout: Batch, episodes: Sequence[EpisodeContext], timed_out: Sequence[bool], *, pad_id: int
+) -> Batch:
+    """``rollout`` (a row per episode, the input columns) with the episodes' columns (see :func:`sample_episodes`).
+    Runs on: a worker rank holding a rollout engine."""
     rwidth = max(1, max(len(ep.ids) for ep in episodes))
     rollout["prompts"] = _padded([ep.prompt for ep in episodes], pad_id, left=True)
     rollout["prompt_mask"] = _padded([[1] * len(ep.prompt) for ep in episodes], 0, left=True)
@@ -365,7 +389,7 @@ def sample_episodes(
     for kind in TOOL_ERROR_KINDS:
         rollout[f"tool_errors/{kind}"] = torch.tensor([ep.errors.get(kind, 0) for ep in episodes])
     rollout["observation_overflow"] = torch.tensor(["observation_overflow" in ep.problems for ep in episodes])
-    rollout["episode_timeout"] = torch.tensor([outcome.timed_out for outcome in outcomes.values()])
+    rollout["episode_timeout"] = torch.tensor(list(timed_out))
     rewards = _settled([ep.env.reward(ep.info) for ep in episodes])
     rollout["env_reward"] = [_episode_score(ep, r) for ep, r in zip(episodes, rewards, strict=True)]
     rollout["turn_rewards"] = [list(ep.info.turn_rewards) for ep in episodes]
@@ -376,7 +400,6 @@ def sample_episodes(
             p if isinstance(p, str) and p.strip() else ep.opening
             for p, ep in zip(rollout["prompt"], episodes, strict=True)
         ]
-    rollout.meta.update(gen_s=driver.engine_s, episodes_s=wall_s, group_size=n, engine_steps=driver.steps)
     return rollout
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Coroutine, Hashable
+from typing import Any, cast
 
 import torch
 
-from lightning_rlhf.agents.driver import RequestDriver
+from lightning_rlhf.agents.context import EpisodeContext
+from lightning_rlhf.agents.driver import EpisodeOutcome, RequestDriver
+from lightning_rlhf.agents.rollout import EpisodeRunner, episode_rows
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.engines.rollout.base import RolloutEngine
 from lightning_rlhf.engines.rollout.requests import Completion, Request, SamplingParams
@@ -28,13 +30,15 @@ _SAMPLE_SEED = 1_000_003
 
 @dataclasses.dataclass
 class _Group:
-    """One prompt's ``n`` samples: the prompt's row (a one-row batch), its ids, the completions as they come."""
+    """One prompt's ``n`` samples: the prompt's row (a one-row batch), its ids, the samples as they end (a completion,
+    or an episode and whether it was cut)."""
 
     number: int
     row: Batch
     prompt: list[int]
     params: SamplingParams
-    samples: list[Completion | None]
+    samples: list[Completion | EpisodeContext | None]
+    timed_out: list[bool] = dataclasses.field(default_factory=list)
     restarts: int = 0
 
     @property
@@ -42,8 +46,8 @@ class _Group:
         return all(s is not None for s in self.samples)
 
     def oldest(self) -> int:
-        """The oldest version of the weights behind any of its tokens (-1: none sampled)."""
-        versions = [v for s in self.samples if s is not None for v in s.versions]
+        """The oldest version of the weights behind any of its sampled tokens (-1: none sampled)."""
+        versions = [v for s in self.samples if s is not None for v in s.versions if v >= 0]
         return min(versions, default=-1)
 
 
@@ -55,10 +59,21 @@ class RolloutStream:
     generation on the stream's own)."""
 
     def __init__(
-        self, engine: RolloutEngine, *, interrupt: bool, max_staleness: int, pad_id: int, timeout_s: float = 600.0
+        self,
+        engine: RolloutEngine,
+        *,
+        interrupt: bool,
+        max_staleness: int,
+        pad_id: int,
+        timeout_s: float = 600.0,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.engine = engine
         self.pad_id = pad_id
+        self.episodes = episodes  # multi-turn episodes with the module's environment (None: single-turn samples)
+        if episodes is not None:
+            episodes.context = engine.context_length
+            timeout_s = episodes.cfg.episode.episode_timeout_s
         self.interrupt = interrupt
         self.max_staleness = max_staleness
         self.driver = RequestDriver(engine.requests, lockstep=False, shared=engine.tp_size > 1, timeout_s=timeout_s)
@@ -78,9 +93,11 @@ class RolloutStream:
     def submit(self, rows: Batch, prompts: list[list[int]], params: SamplingParams) -> None:
         """Admit one group per row of ``rows`` (``prompts``: its ids; ``params``: ``n`` samples each, its seed the
         step's). Runs on: the worker's thread."""
+        if self.episodes is not None:
+            self.episodes.take_meta(rows)
         groups = []
         for i, prompt in enumerate(prompts):
-            group = _Group(self._numbers, rows.select([i]), prompt, params, [None] * params.n)
+            group = _Group(self._numbers, rows.select([i]), prompt, params, [None] * params.n, [False] * params.n)
             self._numbers += 1
             self._groups[group.number] = group
             groups.append(group)
@@ -148,7 +165,11 @@ class RolloutStream:
         serving = self._loop.create_task(self.driver.serve())
         await asyncio.sleep(0)  # the driver's loop state is set before anyone adds to it
         self._started.set()
-        await serving
+        try:
+            await serving
+        finally:
+            if self.episodes is not None:  # what the episodes shared (an HTTP agent's endpoint)
+                await self.episodes.resources.aclose()
 
     def _call(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -160,7 +181,29 @@ class RolloutStream:
             key = f"{group.number}.{j}.{group.restarts}"
             seed = (group.params.seed + group.number * _SAMPLE_SEED + j + group.restarts * 7919) % (1 << 62)
             params = dataclasses.replace(group.params, n=1, seed=seed)
-            self.driver.add(key, self._sample(key, group, j, Request(id=key, prompt=group.prompt, params=params)))
+            if self.episodes is None:
+                self.driver.add(key, self._sample(key, group, j, Request(id=key, prompt=group.prompt, params=params)))
+                continue
+            row = {k: v[0] for k, v in group.row.columns.items()}
+            episode, coro = self.episodes.start(self.driver, key, group.number * group.params.n + j, row, params)
+            outcome: list[EpisodeOutcome] = []
+            outcome.append(self.driver.add(key, self._episode(group, j, episode, coro, outcome)))
+
+    async def _episode(
+        self,
+        group: _Group,
+        j: int,
+        episode: EpisodeContext,
+        coro: Coroutine[Any, Any, None],
+        outcome: list[EpisodeOutcome],
+    ) -> None:
+        try:
+            await coro
+        finally:  # ended, or cut by its timeout (then cancelled here): the group holds it either way
+            with self._done:
+                group.samples[j] = episode
+                group.timed_out[j] = bool(outcome) and outcome[0].timed_out
+                self._done.notify_all()
 
     async def _sample(self, key: Hashable, group: _Group, j: int, request: Request) -> None:
         completion = await self.driver.request(key, request)
@@ -171,8 +214,9 @@ class RolloutStream:
     def _restart(self, group: _Group) -> None:
         """Sample ``group`` again from its prompt (worker's thread, holding the lock)."""
         self.restarted += 1
+        n = group.params.n
         again = dataclasses.replace(
-            group, number=self._numbers, samples=[None] * group.params.n, restarts=group.restarts + 1
+            group, number=self._numbers, samples=[None] * n, timed_out=[False] * n, restarts=group.restarts + 1
         )
         self._numbers += 1
         self._groups[again.number] = again
@@ -191,7 +235,16 @@ class RolloutStream:
             raise ValueError("RolloutStream.take: no groups to take")
         n = groups[0].params.n
         rows = Batch.cat([g.row.select([0] * n) for g in groups])
-        samples = [s for g in groups for s in g.samples if s is not None]
+        if self.episodes is not None:
+            episodes = [cast(EpisodeContext, s) for g in groups for s in g.samples]
+            rows = episode_rows(rows, episodes, [t for g in groups for t in g.timed_out], pad_id=self.pad_id)
+            width = rows["responses"].shape[1]
+            rows["rollout_versions"] = _padded([ep.versions for ep in episodes], -1, width, torch.long)
+            oldest = [min((v for v in ep.versions if v >= 0), default=-1) for ep in episodes]
+            rows["weight_version"] = torch.tensor(oldest, dtype=torch.long)
+            rows.meta["group_size"] = n
+            return rows
+        samples = [cast(Completion, s) for g in groups for s in g.samples]
         width = max(1, max(len(s.ids) for s in samples))
         rows["responses"] = _padded([s.ids for s in samples], self.pad_id, width, torch.long)
         rows["response_mask"] = _padded([[1] * len(s.ids) for s in samples], 0, width, torch.long)
@@ -214,4 +267,4 @@ def _padded(rows: list[list[Any]], fill: Any, width: int, dtype: torch.dtype) ->
 def _mixed(groups: list[_Group]) -> float:
     """The fraction of samples whose tokens come from more than one version of the weights."""
     samples = [s for g in groups for s in g.samples if s is not None]
-    return sum(len(set(s.versions)) > 1 for s in samples) / max(1, len(samples))
+    return sum(len({v for v in s.versions if v >= 0}) > 1 for s in samples) / max(1, len(samples))

@@ -98,7 +98,7 @@ def engine_roles(roles: Mapping[str, Role], names: list[str]) -> list[str]:
 def check_asynchronous(module: RLHFModule, *, rollout_pool: bool, vllm: bool = False) -> None:
     """Refuse ``AlgorithmConfig.asynchronous.max_staleness >= 1`` without a rollout pool (``rollout_pool``) or with a
     ``training_step`` that does not run ``RLHFModule.rollouts``, and streamed rollouts with what they do not serve
-    (episodes, dynamic sampling; partial rollouts on an engine that cannot interrupt, ``vllm``). Runs on: the launching
+    (partial rollouts on an engine that cannot interrupt, ``vllm``). Runs on: the launching
     process (before any rank starts) and every process at set-up, for a fit."""
     settings = module.algorithm.asynchronous
     staleness = settings.max_staleness
@@ -124,23 +124,9 @@ def check_asynchronous(module: RLHFModule, *, rollout_pool: bool, vllm: bool = F
 
 
 def check_streamed(module: RLHFModule, *, vllm: bool) -> None:
-    """Refuse streamed rollouts (``AsyncConfig.stream`` / ``partial_rollouts``) with multi-turn episodes or dynamic
-    sampling, and partial rollouts on a vLLM rollout pool (``vllm``: its engine server serves rounds of ``generate``
+    """Refuse partial rollouts on a vLLM rollout pool (``vllm``: its engine server serves rounds of ``generate``
     calls, which cannot be interrupted). Runs on: the launching process and every process at set-up."""
-    which = "partial_rollouts" if module.algorithm.asynchronous.partial_rollouts else "stream"
-    if getattr(module, "environment", None) is not None:
-        raise ValueError(
-            f"AsyncConfig({which}=True) streams single-turn groups; the module runs multi-turn episodes (it has an "
-            "environment), which are not streamed yet. HINT: AsyncConfig(stream=False, partial_rollouts=False): "
-            "episodes run on the rollout pool one step off-policy."
-        )
-    if module.algorithm.filtering.dynamic_sampling:
-        raise ValueError(
-            f"AsyncConfig({which}=True) with FilteringConfig(dynamic_sampling=True): a streamed step trains on the "
-            "groups the stream completed, not on the step's prompts, so it cannot draw more of them. HINT: "
-            "dynamic_sampling=False, or stream=False and partial_rollouts=False."
-        )
-    if vllm and which == "partial_rollouts":
+    if vllm and module.algorithm.asynchronous.partial_rollouts:
         raise ValueError(
             "AsyncConfig(partial_rollouts=True) interrupts the rollout pool's requests at each hand-off, but a vLLM "
             "rollout pool (its engine server) serves rounds of generate calls, which cannot be interrupted. HINT: "

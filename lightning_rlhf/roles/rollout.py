@@ -137,7 +137,11 @@ class RolloutRole(EpisodesMixin, Role):
             if self.weight_version < 0:
                 raise RuntimeError("RolloutRole.stream: no weights yet. HINT: RLHFModule.sync_rollout_weights first.")
             self._stream = RolloutStream(
-                self.engine, interrupt=interrupt, max_staleness=max_staleness, pad_id=self.tokenizer.pad_token_id
+                self.engine,
+                interrupt=interrupt,
+                max_staleness=max_staleness,
+                pad_id=self.tokenizer.pad_token_id,
+                episodes=self.episode_runner,
             )
             self._stream.resume(self.weight_version)
         params = rollout_params(batch, self.rollout, self.tokenizer, model_path=self.path)

@@ -99,10 +99,23 @@ def test_a_resumed_streaming_run_admits_its_prompts_afresh(demo_model: str, tmp_
     )  # 2 updates saved
 
 
+def test_episodes_with_tools_stream_on_the_pool_with_partial_rollouts(tool_model: str, tmp_path: Path) -> None:
+    """Multi-turn episodes streamed (partial rollouts): every trained step's episodes call the tool and go on over
+    several turns, their sampled tokens stamped with versions within the bound."""
+    out = tmp_path / "run"
+    args = ["--model", tool_model, "--devices", "2", "--rollout", "hf", "--task", "tools", "--max-staleness", "2"]
+    args += ["--partial-rollouts", "--placement", ROLLOUT_POOL, "--steps", "3", "--prompts", "4", "--n", "2"]
+    check_ok(run_script("train.py", *args, "--out", str(out)))
+    rows = [r for r in read_metrics(out) if r.get("timing_s/step")]
+    assert rows[0].get("actor/pg_loss", "") == ""  # the first step admits its prompts
+    for row in rows[1:]:
+        assert float(row["rollout/turns/mean"]) > 1 and float(row["rollout/tool_calls/mean"]) > 0
+        assert float(row["training/staleness_max"]) <= 2 and row["actor/pg_loss"] != ""
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        (["--task", "tools"], ["AsyncConfig(partial_rollouts=True) streams single-turn groups", "not streamed yet"]),
         (["--rollout", "vllm"], ["cannot be interrupted", "RLHFStrategy(rollout='hf')"]),
     ],
 )
