@@ -139,6 +139,15 @@ LONG_TIER: dict[str, str] = {
         "(test_recipes, agent_tools), on a rollout pool one step off-policy (test_async_rollouts), and its parts "
         "have unit tests (test_tool_task, test_agent_episodes)"
     ),
+    "tests/e2e/test_demo_learns.py::test_demo_learns_with_partial_rollouts": (
+        "the demo's 250 steps with partial rollouts on a rollout pool (about 1 min of training after the warm start): "
+        "in CI the stream's mechanics (test_stream), a partial-rollout run on the pool with validation, episodes "
+        "streamed and a resumed stream (test_async_rollouts)"
+    ),
+    "tests/e2e/test_demo_learns.py::test_tool_demo_learns_with_an_agent_over_http": (
+        "the tool task's 60 steps with the openai-client agent (about 3 min): in CI the endpoint against the real "
+        "openai client, the same episodes as the built-in loop, the refusals (test_agent_http)"
+    ),
     "tests/e2e/test_algorithms_learn.py": (
         "120-step learning runs of five more algorithms: in CI, GRPO learns with vLLM (test_demo_learns), GRPO and "
         "PPO with transformers' generate and the CPU layer off (test_cpu_layer_off); every algorithm's maths has unit "

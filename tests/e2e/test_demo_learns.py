@@ -73,3 +73,44 @@ def test_tool_demo_learns_to_use_the_calculator(tmp_path: Path) -> None:
     assert table["before RL, without the tool"]["success"] <= 0.1
     assert table["after RL, without the tool"]["success"] <= 0.1
     assert "held-out success" in proc.stdout
+
+
+def _demo(tmp_path: Path, *args: str, timeout: int = 900) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """A demo run with ``args``: the process and its metrics rows."""
+    command = [sys.executable, "-m", "lightning_rlhf.demo", *args]
+    proc = subprocess.run(
+        [*command, "--out", str(tmp_path / "runs"), "--cache", str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(ROOT),
+    )
+    assert proc.returncode == 0, failure_text(proc)
+    run = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run folder: "))
+    with open(run / "metrics.csv") as f:
+        return proc, list(csv.DictReader(f))
+
+
+def test_demo_learns_with_partial_rollouts(tmp_path: Path) -> None:
+    """``--placement rollout --max-staleness 2 --partial-rollouts``: the rollout pool streams, hand-offs interrupt it,
+    and the demo still learns (the training reward's gain >= 0.3, the held-out score's >= 0.2: the thresholds of the
+    colocated run's)."""
+    _, rows = _demo(tmp_path, "--placement", "rollout", "--max-staleness", "2", "--partial-rollouts")
+    scores = [float(r["critic/score/mean"]) for r in rows if r.get("critic/score/mean")]
+    k = len(scores) // 10
+    assert sum(scores[-k:]) / k >= sum(scores[:k]) / k + 0.3, scores
+    val = [float(r["val/score/mean"]) for r in rows if r.get("val/score/mean")]
+    assert val[-1] >= val[0] + 0.2, val
+    assert all(float(r["training/staleness_max"]) <= 2 for r in rows if r.get("training/staleness_max"))
+
+
+def test_tool_demo_learns_with_an_agent_over_http(tmp_path: Path) -> None:
+    """``--task tools --agent http``: an agent written against the openai client drives every episode through the
+    endpoint; the training reward rises by 0.1 and every step's episodes call the calculator over several turns."""
+    proc, rows = _demo(tmp_path, "--task", "tools", "--agent", "http", timeout=1500)
+    scores = [float(r["critic/score/mean"]) for r in rows if r.get("critic/score/mean")]
+    assert len(scores) == 60
+    k = len(scores) // 10
+    assert sum(scores[-k:]) / k >= sum(scores[:k]) / k + 0.1, scores
+    assert min(float(r["rollout/turns/mean"]) for r in rows if r.get("rollout/turns/mean")) > 1.5
+    assert "held-out success" in proc.stdout
