@@ -83,7 +83,6 @@ class RequestDriver:
         self._closed = False
         self._pausing = threading.Event()  # set by pause(): no new step starts
         self._idle = threading.Event()  # set by the loop while paused: the engine is not stepping
-        self._resumed: asyncio.Event | None = None
         self._gathering = 0  # requests gathered in the window before the coming step
 
     # -------------------------------------------------------------------------------------- what episodes call
@@ -178,7 +177,6 @@ class RequestDriver:
     def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
-        self._resumed = asyncio.Event()
 
     def _wake(self) -> None:
         loop, changed = self._loop, self._changed
@@ -311,6 +309,7 @@ class RequestDriver:
         future.set_result(whole)
 
     def _forget(self, known: str) -> None:
+        self._origin.pop(known, None)
         self._futures.pop(known, None)
         self._requests.pop(known, None)
         self._parts.pop(known, None)

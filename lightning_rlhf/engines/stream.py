@@ -119,7 +119,8 @@ class RolloutStream:
                     if not group.complete:
                         continue
                     del self._groups[group.number]
-                    if version - group.oldest() > self.max_staleness:  # sampled again from its prompt
+                    oldest = group.oldest()
+                    if oldest >= 0 and version - oldest > self.max_staleness:  # sampled again from its prompt
                         self._restart(group)
                     else:
                         taken.append(group)
@@ -134,7 +135,7 @@ class RolloutStream:
             "rollout/stream/restarted": float(self.restarted),
             "rollout/stream/mixed_versions": _mixed(taken),
         }
-        return self._rows(taken), figures
+        return self._rows(taken, version), figures
 
     def pause(self) -> None:
         """Stop generating (interrupting the running requests, with ``interrupt``) and return once the engine is idle:
@@ -229,8 +230,9 @@ class RolloutStream:
             ) from self._error
 
     # ------------------------------------------------------------------------------------------------- rows
-    def _rows(self, groups: list[_Group]) -> Batch:
-        """The groups' samples as rows: each group's row repeated ``n`` times, then its responses."""
+    def _rows(self, groups: list[_Group], version: int) -> Batch:
+        """The groups' samples as rows: each group's row repeated ``n`` times, then its responses (``version``: the
+        ``weight_version`` of a sample without a sampled token, an episode cut before its first turn)."""
         if not groups:
             raise ValueError("RolloutStream.take: no groups to take")
         n = groups[0].params.n
@@ -240,7 +242,7 @@ class RolloutStream:
             rows = episode_rows(rows, episodes, [t for g in groups for t in g.timed_out], pad_id=self.pad_id)
             width = rows["responses"].shape[1]
             rows["rollout_versions"] = _padded([ep.versions for ep in episodes], -1, width, torch.long)
-            oldest = [min((v for v in ep.versions if v >= 0), default=-1) for ep in episodes]
+            oldest = [min((v for v in ep.versions if v >= 0), default=version) for ep in episodes]
             rows["weight_version"] = torch.tensor(oldest, dtype=torch.long)
             rows.meta["group_size"] = n
             return rows
@@ -252,7 +254,7 @@ class RolloutStream:
         rows["rollout_versions"] = _padded([s.versions for s in samples], -1, width, torch.long)
         stops = set(groups[0].params.stop_token_ids)
         rows["response_truncated"] = torch.tensor([not s.ids or s.ids[-1] not in stops for s in samples])
-        rows["weight_version"] = torch.tensor([min(s.versions, default=-1) for s in samples], dtype=torch.long)
+        rows["weight_version"] = torch.tensor([min(s.versions, default=version) for s in samples], dtype=torch.long)
         rows.meta["group_size"] = n
         return rows
 
