@@ -7,6 +7,7 @@ default is :class:`ToolLoop`. A loop of one's own: :func:`register_agent_loop` (
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -51,7 +52,7 @@ def register_agent_loop(name: str) -> Callable[[L], L]:
                 "nor an `async def` function of the episode."
             )
         known = _LOOPS.get(name)
-        if known is not None and _qualname(known) != _qualname(make):
+        if known is not None and _identity(known) != _identity(make):  # the same definition imported again is fine
             raise ValueError(
                 f"register_agent_loop({name!r}): the name is taken by {_qualname(known)}. HINT: choose another name."
             )
@@ -81,6 +82,17 @@ def agent_loop(name: str) -> AgentLoop:
 def _qualname(make: Any) -> str:
     fn = getattr(make, "fn", make)
     return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def _identity(make: Any) -> tuple[str, str]:
+    """A loop's definition: its qualified name in its source file (a module imported under two names, as a script's
+    ``__main__`` and by its path, defines the same loop twice)."""
+    fn = getattr(make, "fn", make)
+    try:
+        where = os.path.realpath(inspect.getfile(fn))
+    except TypeError:  # defined where no file is known (a REPL)
+        where = fn.__module__
+    return fn.__qualname__, where
 
 
 class _FunctionLoop:

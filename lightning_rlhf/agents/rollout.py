@@ -25,7 +25,7 @@ import torch
 from lightning_rlhf.agents.context import TOOL_ERROR_KINDS, EpisodeContext, RolloutResources
 from lightning_rlhf.agents.driver import AgentLoopError, EpisodeOutcome, RequestDriver
 from lightning_rlhf.agents.env import Environment, EnvironmentChoice, Episode, Message, scores_episodes
-from lightning_rlhf.agents.loops import agent_loop
+from lightning_rlhf.agents.loops import ToolLoop, agent_loop
 from lightning_rlhf.agents.parsing import ToolCall, get_tool_parser, resolve_tool_parser
 from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template, render_chat
 from lightning_rlhf.agents.tools import ToolSet
@@ -223,10 +223,14 @@ class EpisodeRunner:
         except (asyncio.CancelledError, AgentLoopError):
             raise
         except Exception as err:
-            raise AgentLoopError(
+            where = (
                 f"the agent loop {self.cfg.episode.agent_loop!r} ({type(self.loop).__name__}) raised in episode "
-                f"{episode.key} ({type(episode.env).__name__}, turn {episode.info.turns}): {type(err).__name__}: {err}"
-            ) from err
+                f"{episode.key} ({type(episode.env).__name__}, turn {episode.info.turns})"
+            )
+            if isinstance(self.loop, ToolLoop):  # the built-in loop: the environment's own error, as it was raised
+                err.add_note(where)
+                raise
+            raise AgentLoopError(f"{where}: {type(err).__name__}: {err}") from err
         if returned is not None:
             raise AgentLoopError(
                 f"the agent loop {self.cfg.episode.agent_loop!r} ({type(self.loop).__name__}).run returned "

@@ -2,7 +2,7 @@
 episode's rendered prompt is what ``max_prompt_length`` bounds, TRL >= 1.9's ``environment_factory`` semantics,
 per-turn rewards, tool errors by kind in metrics and the log, and observations that overflow the context.
 
-The engine is the scripted stand-in of test_agent_episodes.py; the data modules run their ``setup`` against a
+The engine is the scripted stand-in of tests/scripted.py; the data modules run their ``setup`` against a
 stand-in trainer (the module's tokenizer and environment factory), as Lightning calls it before any model loads.
 """
 
@@ -29,7 +29,7 @@ from lightning_rlhf.demo.tool_task import TOOL_CHAT_TEMPLATE
 from lightning_rlhf.roles.base import EpisodesMixin
 from lightning_rlhf.roles.reward import RewardRole
 from tests.agent_tools import calculator, dies, flood, sleepy, unreadable
-from tests.unit.test_agent_episodes import ScriptedEngine, run
+from tests.scripted import ScriptedEngine, run
 
 NO_THINK = "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
 # The demo's tool template, reading `enable_thinking` (as Qwen3's does) at the start of every render and in every

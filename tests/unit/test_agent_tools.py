@@ -89,7 +89,7 @@ JSON_CALLS = {
 
 def test_a_tokenizers_response_template_reads_the_calls() -> None:
     from lightning_rlhf.agents.parsing import parse_with_template, resolve_tool_parser
-    from tests.unit.test_agent_episodes import qwen_style_tokenizer
+    from tests.scripted import qwen_style_tokenizer
 
     tok = qwen_style_tokenizer()
     assert resolve_tool_parser("auto", tok) == "hermes"

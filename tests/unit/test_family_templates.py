@@ -1,7 +1,7 @@
 """The model families' catalogue (lightning_rlhf.demo.families): published shapes, tokenizers that reload as
 themselves, and multi-turn token-in/token-out on each family's real chat template: the ids an episode trains on are
 the ids the template gives the whole conversation (tool-call turns included), the re-tokenisation drift at tool
-boundaries that peers keep finding. The engine is test_agent_episodes.py's scripted stand-in; no model is built.
+boundaries that peers keep finding. The engine is tests/scripted.py's stand-in; no model is built.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lightning_rlhf.config.models import ensure_pad_token
 from lightning_rlhf.demo.families import FAMILIES, build_family_tokenizer, family_config
 from lightning_rlhf.engines.rollout.base import SamplingParams
 from tests.agent_tools import calculator
-from tests.unit.test_agent_episodes import ScriptedEngine, prompt_batch
+from tests.scripted import ScriptedEngine, prompt_batch
 
 tokenizer = functools.lru_cache(maxsize=None)(build_family_tokenizer)
 
@@ -69,7 +69,7 @@ def test_family_tokenizer_has_the_published_special_ids_and_reloads_as_itself(na
 
 
 class FamilyEngine(ScriptedEngine):
-    """test_agent_episodes.py's scripted engine, for templates without a tool turn too."""
+    """tests/scripted.py's engine, for templates without a tool turn too."""
 
     def __init__(self, tok, script) -> None:
         self.tok, self.script, self.calls, self.prompts_read = tok, script, [], []

