@@ -5,6 +5,8 @@ be checked token by token, and the helpers that run episodes with it."""
 from __future__ import annotations
 
 import functools
+import threading
+from typing import Any
 
 import torch
 
@@ -110,3 +112,44 @@ def run(
         ), engine
     finally:
         runner.close()
+
+
+def tiny_engine(device: str = "cpu", *, decode: str = "loop") -> Any:
+    """A transformers engine on the demo's tiny model: its decoding loop on CPU, transformers' ``generate`` (fp32) on a
+    GPU."""
+    from lightning_rlhf.cpu import CPULayer
+    from lightning_rlhf.demo.tiny import build_tiny_model
+    from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
+
+    tok = build_tiny_tokenizer()
+    return HFRolloutEngine(
+        build_tiny_model(tok),
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        device=torch.device(device),
+        dtype=torch.float32,
+        decode=decode,
+        decode_loop=CPULayer().decode_loop() if decode == "loop" else None,
+    )
+
+
+def interrupt_at(engine: Any, check: int) -> threading.Event:
+    """Make ``engine``'s next request step wait, at its ``check``-th interrupt check (the chunk's, then one per
+    decoding step), until its queue is interrupted (a pause), so that a test pauses a stream at a known token; the
+    event is set when the step waits there."""
+    reached, sample, queue = threading.Event(), engine.sample, engine.requests
+
+    def waiting(*args: Any, stop: Any = None, **kwargs: Any) -> Any:
+        checks = [0]
+
+        def wrapped() -> bool:
+            checks[0] += 1
+            if checks[0] == check and not reached.is_set():
+                reached.set()
+                assert queue._stop.wait(timeout=60), "the pause never interrupted the step"
+            return bool(stop())
+
+        return sample(*args, stop=wrapped, **kwargs)
+
+    engine.sample = waiting
+    return reached

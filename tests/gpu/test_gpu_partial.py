@@ -5,16 +5,13 @@ vLLM is not on the lent GPU machines; tests/unit/test_stream.py checks the same 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.demo.tiny import build_tiny_model, build_tiny_tokenizer
-from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
 from lightning_rlhf.engines.rollout.requests import SamplingParams
 from lightning_rlhf.engines.stream import RolloutStream
+from tests.scripted import interrupt_at, tiny_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,34 +19,12 @@ TOKENS = 48
 
 
 def test_a_pause_interrupts_transformers_generate_on_cuda_and_the_requests_go_on() -> None:
-    tok = build_tiny_tokenizer()
-    engine = HFRolloutEngine(
-        build_tiny_model(tok),
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        device=torch.device("cuda"),
-        dtype=torch.float32,
-        decode="generate",
-    )
+    engine = tiny_engine("cuda", decode="generate")
     greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=TOKENS, min_new_tokens=TOKENS, stop_token_ids=(1,))
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     uninterrupted = engine.generate(prompts, greedy).responses
-    reached, sample, queue = threading.Event(), engine.sample, engine.requests
-
-    def stop_after_five(*args, stop=None, **kwargs):
-        checks = [0]
-
-        def wrapped() -> bool:
-            checks[0] += 1
-            if checks[0] == 5 and not reached.is_set():
-                reached.set()
-                assert queue._stop.wait(timeout=60), "the pause never interrupted the step"
-            return stop()
-
-        return sample(*args, stop=wrapped, **kwargs)
-
-    engine.sample = stop_after_five  # type: ignore[method-assign]
-    stream = RolloutStream(engine, interrupt=True, max_staleness=2, pad_id=tok.pad_token_id)
+    reached = interrupt_at(engine, 5)
+    stream = RolloutStream(engine, interrupt=True, max_staleness=2, pad_id=0)
     try:
         stream.resume(0)
         stream.submit(Batch({"uid": torch.arange(2)}, {}), prompts, greedy)

@@ -4,11 +4,7 @@ samples of a group; the transformers engine's queue against its own ``generate``
 
 from __future__ import annotations
 
-import torch
-
-from lightning_rlhf.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from lightning_rlhf.engines.rollout.base import EngineAbilities, RolloutOutput, SamplingParams
-from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
 from lightning_rlhf.engines.rollout.requests import (
     BatchedRequestQueue,
     Completion,
@@ -16,6 +12,7 @@ from lightning_rlhf.engines.rollout.requests import (
     completion_of,
     shared_prompts,
 )
+from tests.scripted import tiny_engine
 
 
 class Recorder:
@@ -100,17 +97,7 @@ def test_an_aborted_request_never_reaches_the_engine() -> None:
 def test_the_transformers_queue_continues_a_session_and_samples_what_generate_samples() -> None:
     """A session's second turn runs through the kept keys and values and samples the same ids as a fresh call of the
     same conversation (greedy); a request that ends early is handed on before the step's others end."""
-    from lightning_rlhf.cpu import CPULayer
-
-    tok = build_tiny_tokenizer()
-    engine = HFRolloutEngine(
-        build_tiny_model(tok),
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        device=torch.device("cpu"),
-        decode="loop",
-        decode_loop=CPULayer().decode_loop(),
-    )
+    engine = tiny_engine()
     greedy = SamplingParams(temperature=0.0, max_new_tokens=5)
     first = Request(id="a", prompt=[3, 4, 5], params=greedy, session="s")
     short = Request(id="b", prompt=[6, 7], params=SamplingParams(temperature=0.0, max_new_tokens=2), session="t")

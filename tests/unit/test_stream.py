@@ -5,34 +5,21 @@ again; a failure in the stream's thread reaches the caller."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from lightning_rlhf.batch import Batch
-from lightning_rlhf.cpu import CPULayer
-from lightning_rlhf.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from lightning_rlhf.engines.rollout.hf import HFRolloutEngine
 from lightning_rlhf.engines.rollout.requests import SamplingParams
 from lightning_rlhf.engines.stream import RolloutStream
+from tests.scripted import interrupt_at, tiny_engine
 
 TOKENS = 48
 
 
 def engine_and_rows() -> tuple[HFRolloutEngine, Batch, list[list[int]]]:
-    tok = build_tiny_tokenizer()
-    engine = HFRolloutEngine(
-        build_tiny_model(tok),
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        device=torch.device("cpu"),
-        decode="loop",
-        decode_loop=CPULayer().decode_loop(),
-    )
-    prompts = [[5, 6, 7, 8], [9, 10, 11]]
     rows = Batch({"uid": torch.arange(2)}, {"prompt": ["a", "b"]})
-    return engine, rows, prompts
+    return tiny_engine(), rows, [[5, 6, 7, 8], [9, 10, 11]]
 
 
 GREEDY = SamplingParams(n=2, temperature=0.0, max_new_tokens=TOKENS, min_new_tokens=TOKENS, stop_token_ids=(1,))
@@ -41,22 +28,7 @@ GREEDY = SamplingParams(n=2, temperature=0.0, max_new_tokens=TOKENS, min_new_tok
 def test_a_pause_interrupts_the_running_requests_which_go_on_from_their_tokens_with_the_new_version() -> None:
     engine, rows, prompts = engine_and_rows()
     uninterrupted = engine.generate(prompts, GREEDY).responses  # what the same weights sample without a pause
-    reached, sample = threading.Event(), engine.sample
-    queue = engine.requests
-
-    def stop_after_five(*args, stop=None, **kwargs):  # the 5th check (the chunk, then each token) waits for the pause
-        checks = [0]
-
-        def wrapped() -> bool:
-            checks[0] += 1
-            if checks[0] == 5 and not reached.is_set():
-                reached.set()
-                assert queue._stop.wait(timeout=60), "the pause never interrupted the step"
-            return stop()
-
-        return sample(*args, stop=wrapped, **kwargs)
-
-    engine.sample = stop_after_five  # type: ignore[method-assign]
+    reached = interrupt_at(engine, 5)  # the chunk's check, then 4 tokens
     stream = RolloutStream(engine, interrupt=True, max_staleness=2, pad_id=0)
     try:
         stream.resume(0)
