@@ -7,7 +7,10 @@ The workload: a tiny random model (the demo's width) samples nearly uniformly, a
 vocabulary ends a response, so response lengths are geometric (mean 16 tokens by default, capped at 8x the mean);
 GRPO, 16 prompts x 8 samples a step, 2 processes (the actor and the reward on rank 0, a rollout pool on rank 1),
 ``max_staleness=2``. A run's figure is the median of its steps after the third; the pool's idle share is 1 - its
-engine's busy seconds / the step (one step off: ``timing_s/gen``; streamed: ``rollout/stream/engine_s``). Each mode
+engine's busy seconds / the step (one step off: ``timing_s/gen``, the pool's whole call, an episode's tool time included;
+streamed: ``rollout/stream/engine_s``, the engine's steps only). ``--workload tools``: the tool task's episodes (its
+warm-started model, 16 x 8 a step, up to 3 turns) with a calculator whose latency is lognormal (median 40 ms, a tenth
+of the calls over 200 ms). Each mode
 runs in its own child process (``--run``). Prints a table and, last, one JSON line.
 """
 
@@ -35,11 +38,46 @@ def short_answer(prompts: list[str], completions: list[str], **_: Any) -> list[f
     return [float(len(c) < 40) for c in completions]
 
 
+def slow_calculator(expression: str) -> str:
+    """Evaluate an integer arithmetic expression with +, - and *, taking a while (lognormal latency: median 40 ms, a
+    tenth of the calls over 200 ms).
+
+    Args:
+        expression: The expression, e.g. "482+397".
+    """
+    import random
+    import time
+
+    from lightning_rlhf.demo.calculator import calculator
+
+    time.sleep(min(2.0, random.lognormvariate(-3.2, 1.25)))
+    return calculator(expression)
+
+
+def tool_module(mode: str) -> tuple[Any, Any]:
+    """The tool task with a slow calculator: its module (GRPO, 16 x 8 episodes) and data module."""
+    from lightning_rlhf import AlgorithmConfig, AsyncConfig, GRPOModule, KLConfig, PromptDataModule, RolloutConfig
+    from lightning_rlhf.config import EpisodeConfig
+    from lightning_rlhf.config.models import embedded_cache_dir
+    from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
+    from lightning_rlhf.demo.warmstart import prepare_tool_model
+
+    class SlowCalculatorEnvironment(CalculatorEnvironment):
+        tools = (slow_calculator,)
+
+    module = GRPOModule(
+        prepare_tool_model(embedded_cache_dir()),
+        environment=SlowCalculatorEnvironment,
+        reference=False,
+        rollout=RolloutConfig(n=8, max_new_tokens=96, episode=EpisodeConfig(max_turns=3, tool_workers=4)),
+        algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0), asynchronous=AsyncConfig(**MODES[mode])),
+    )
+    return module, PromptDataModule(tool_splits()["train"], batch_size=16, max_prompt_length=64, seed=0)
+
+
 def run(mode: str, engine: str, steps: int, out: str, model: str, mean: int) -> None:
     """One run on 2 processes (this script relaunched by Lightning for rank 1). Runs on: every rank."""
-    import lightning as L
     import torch
-    from lightning.pytorch.loggers import CSVLogger
     from transformers import AutoConfig
 
     from lightning_rlhf import (
@@ -48,12 +86,15 @@ def run(mode: str, engine: str, steps: int, out: str, model: str, mean: int) -> 
         GRPOModule,
         KLConfig,
         PromptDataModule,
-        RLHFStrategy,
         RolloutConfig,
     )
     from lightning_rlhf.demo import addition_dataset
 
     torch.set_num_threads(1)
+    if model == "tools":  # episodes of the tool task, the calculator slow and uneven
+        module, data = tool_module(mode)
+        _fit(module, data, engine, steps, out)
+        return
     vocab = AutoConfig.from_pretrained(model).vocab_size
     stops = tuple(range(vocab - vocab // mean, vocab))  # one id in ``mean`` ends a response
     module = GRPOModule(
@@ -64,6 +105,15 @@ def run(mode: str, engine: str, steps: int, out: str, model: str, mean: int) -> 
         algorithm=AlgorithmConfig(kl=KLConfig(coef=0.0), asynchronous=AsyncConfig(**MODES[mode])),
     )
     data = PromptDataModule(addition_dataset(num_prompts=100), batch_size=16, max_prompt_length=32, seed=0)
+    _fit(module, data, engine, steps, out)
+
+
+def _fit(module: Any, data: Any, engine: str, steps: int, out: str) -> None:
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_rlhf import RLHFStrategy
+
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -102,6 +152,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--engines", default="hf,vllm")
     p.add_argument("--mean-tokens", type=int, default=16, help="the responses' mean length (the cap is 8x)")
+    p.add_argument(
+        "--workload",
+        choices=["lengths", "tools"],
+        default="lengths",
+        help="lengths: geometric response lengths; tools: the tool task's episodes with a slow, uneven calculator",
+    )
     p.add_argument("--quick", action="store_true", help="5 steps, the transformers engine only (a smoke run)")
     p.add_argument("--run", choices=sorted(MODES), help=argparse.SUPPRESS)
     p.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
@@ -117,8 +173,10 @@ def main() -> None:
     steps, engines = (5, ["hf"]) if args.quick else (args.steps, args.engines.split(","))
     engines = [e for e in engines if e != "vllm" or vllm_available()]
     work = tempfile.mkdtemp(prefix="bench_long_tail_")
-    model = save_tiny(os.path.join(work, "model"), seed=0, max_positions=max(256, 8 * args.mean_tokens + 64))
-    report: dict[str, Any] = {"steps": steps, "mean_tokens": args.mean_tokens}
+    model = "tools"
+    if args.workload == "lengths":
+        model = save_tiny(os.path.join(work, "model"), seed=0, max_positions=max(256, 8 * args.mean_tokens + 64))
+    report: dict[str, Any] = {"steps": steps, "workload": args.workload, "mean_tokens": args.mean_tokens}
     for engine in engines:
         for mode in MODES:
             if mode == "partial" and engine == "vllm":
