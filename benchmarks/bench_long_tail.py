@@ -8,9 +8,9 @@ vocabulary ends a response, so response lengths are geometric (mean 16 tokens by
 GRPO, 16 prompts x 8 samples a step, 2 processes (the actor and the reward on rank 0, a rollout pool on rank 1),
 ``max_staleness=2``. A run's figure is the median of its steps after the third; the pool's idle share is 1 - its
 engine's busy seconds / the step (one step off: ``timing_s/gen``, the pool's whole call, an episode's tool time
-included; streamed: ``rollout/stream/engine_s``, the engine's steps only). ``--workload tools``: the tool task's episodes (its
-warm-started model, 16 x 8 a step, up to 3 turns) with a calculator whose latency is lognormal (median 40 ms, a tenth
-of the calls over 200 ms). Each mode
+included; streamed: ``rollout/stream/engine_s``, the engine's steps only). ``--workload tools``: the tool task's
+episodes (its warm-started model, 16 x 8 a step, up to 3 turns) with a calculator whose latency is lognormal (median
+40 ms, a tenth of the calls over 200 ms). Each mode
 runs in its own child process (``--run``). Prints a table and, last, one JSON line.
 """
 
