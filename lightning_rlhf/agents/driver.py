@@ -41,7 +41,6 @@ class EpisodeOutcome:
     """How an episode's coroutine ended: normally, or cut by ``EpisodeConfig.episode_timeout_s``."""
 
     timed_out: bool = False
-    done: bool = False
 
 
 class RequestDriver:
@@ -327,7 +326,6 @@ class RequestDriver:
                 self._fail(TypeError(f"returned {returned!r:.200}; an agent loop returns None"))
         finally:
             self._set(key, "done")
-            outcome.done = True
 
     async def _watchdog(self) -> None:
         """Cancel an episode that has run, or waited on something of its own, for longer than ``timeout_s``."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -95,16 +97,9 @@ class RolloutRole(EpisodesMixin, Role):
         """
         if self.weight_bridge is None:
             raise RuntimeError("RolloutRole.receive_weights: no weight bridge (the strategy makes one at set-up).")
-        if self._stream is None:
-            return self.hybrid.receive(self.weight_bridge)
-        t0 = time.perf_counter()
-        self._stream.pause()  # the engine idle (its running requests interrupted, with partial rollouts)
-        paused_s = time.perf_counter() - t0
-        try:
+        with self._stream_paused() as paused:
             figures = self.hybrid.receive(self.weight_bridge)
-        finally:
-            self._stream.resume(self.weight_version)
-        return figures | {"timing_s/stream_pause": paused_s}
+        return figures | paused
 
     @role_method(Dispatch.DP_SPLIT)
     def generate(
@@ -119,11 +114,21 @@ class RolloutRole(EpisodesMixin, Role):
         """``EpisodesMixin.generate`` (validation, a synchronous step), the stream paused meanwhile when there is one
         (the engine serves one caller at a time). Runs on: every rank of the pool, on its share of the prompts."""
         sampling = {"n": n, "greedy": greedy, "temperature": temperature, "seed_offset": seed_offset}
-        if self._stream is None:
+        with self._stream_paused():
             return self.hybrid.generate(batch, episodes=self.episode_runner, **sampling)
+
+    @contextlib.contextmanager
+    def _stream_paused(self) -> Iterator[dict[str, float]]:
+        """The stream (if any) paused around the block, the engine idle (its running requests interrupted, with
+        partial rollouts); resumed with the weights the engine then holds. Yields the pause's wait
+        (``timing_s/stream_pause``; nothing without a stream)."""
+        if self._stream is None:
+            yield {}
+            return
+        t0 = time.perf_counter()
         self._stream.pause()
         try:
-            return self.hybrid.generate(batch, episodes=self.episode_runner, **sampling)
+            yield {"timing_s/stream_pause": time.perf_counter() - t0}
         finally:
             self._stream.resume(self.weight_version)
 
