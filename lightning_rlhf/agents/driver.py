@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import contextlib
 import dataclasses
 import threading
 import time
@@ -26,9 +25,6 @@ __all__ = ["AgentLoopError", "EpisodeOutcome", "RequestDriver"]
 
 T = TypeVar("T")
 State = Literal["running", "engine", "tools", "other", "done"]
-
-GATHER_S = 0.005
-"""How long the engine waits for one more request when episodes wait on their own (agents over HTTP)."""
 
 
 class AgentLoopError(RuntimeError):
@@ -82,7 +78,6 @@ class RequestDriver:
         self._closed = False
         self._pausing = threading.Event()  # set by pause(): no new step starts
         self._idle = threading.Event()  # set by the loop while paused: the engine is not stepping
-        self._gathering = 0  # requests gathered in the window before the coming step
 
     # -------------------------------------------------------------------------------------- what episodes call
     async def request(self, episode: Hashable, request: Request) -> Completion:
@@ -217,8 +212,6 @@ class RequestDriver:
                 await self._until(lambda: not self._pausing.is_set() or self._closed)
                 continue
             release = not self._pausing.is_set() and (not self.lockstep or not (waiting or in_engine))
-            if release and self._new and not in_engine and await self._gathered():
-                continue  # an agent's request came within the window: look again with it
             requests: list[Request] = []
             if release:
                 requests, self._new = self._new, []
@@ -234,25 +227,6 @@ class RequestDriver:
                 return
             self._changed.clear()
             await self._changed.wait()
-
-    async def _gathered(self) -> bool:
-        """Episodes waiting on their own (agents over HTTP, between two requests) often ask within a few milliseconds
-        of each other: wait up to :data:`GATHER_S` for one more request before a step, so that they share it.
-        Returns whether one came. Runs on: the driver's loop."""
-        others = sum(s == "other" for s in self._states.values())
-        if not others or self._gathering >= others:
-            self._gathering = 0
-            return False
-        asked = len(self._new)
-        assert self._changed is not None
-        self._changed.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), GATHER_S)
-        if len(self._new) > asked:
-            self._gathering += 1
-            return True
-        self._gathering = 0
-        return False
 
     def _step(self, requests: list[Request], aborts: list[str], busy: bool) -> bool:
         """One engine step (in the engine's thread): the new requests queued, the aborted ones ended, one step."""
