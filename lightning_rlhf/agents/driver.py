@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from lightning_rlhf.engines.rollout.requests import Completion, Request, RequestQueue
+from lightning_rlhf.engines.rollout.requests import Completion, Request, RequestQueue, SamplingParams
 
 __all__ = ["AgentLoopError", "EpisodeOutcome", "RequestDriver"]
 
@@ -263,7 +263,7 @@ class RequestDriver:
             again = Request(
                 id=f"{known}+{len(parts)}",
                 prompt=request.prompt + so_far,
-                params=dataclasses.replace(request.params, max_new_tokens=room, seed=request.params.seed + len(so_far)),
+                params=continued(request.params, len(so_far)),
                 session=request.session,
             )
             self._origin[again.id] = known
@@ -343,3 +343,14 @@ class RequestDriver:
                 return
             self._changed.clear()
             await self._changed.wait()
+
+
+def continued(params: SamplingParams, sampled: int) -> SamplingParams:
+    """The sampling settings of a request's continuation once it has ``sampled`` tokens: its bounds less those, its
+    draws from a seed of their own. Runs on: the rollout's process."""
+    return dataclasses.replace(
+        params,
+        max_new_tokens=params.max_new_tokens - sampled,
+        min_new_tokens=max(0, params.min_new_tokens - sampled),
+        seed=params.seed + sampled,
+    )

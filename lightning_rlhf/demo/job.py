@@ -148,8 +148,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         accelerator=args.accelerator,
         devices=args.devices,
         strategy=RLHFStrategy(
-            # auto: vLLM when installed, on every placement; partial rollouts interrupt the transformers engine's
-            "hf" if args.partial_rollouts and args.rollout == "auto" else args.rollout,
+            args.rollout,  # auto: vLLM when installed, on every placement
             param_dtype=None if args.precision == "fp32" else args.precision,
             placement=placement,
             cpu_kernels=_CPU_LAYER[args.cpu_layer],
@@ -328,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--partial-rollouts",
         action="store_true",
         help="AsyncConfig.partial_rollouts: streamed rollouts whose hand-offs interrupt the running requests, which go "
-        "on with the new weights (needs --placement rollout and --max-staleness >= 1; --rollout auto is then hf)",
+        "on with the new weights (needs --placement rollout and --max-staleness >= 1)",
     )
     add("--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)")
     add("--seed", type=int, default=0)

@@ -95,17 +95,17 @@ def engine_roles(roles: Mapping[str, Role], names: list[str]) -> list[str]:
     return [n for n in names if n in roles and (roles[n].needs_rollout_engine or (n == "actor" and "rollout" in roles))]
 
 
-def check_asynchronous(module: RLHFModule, *, rollout_pool: bool, vllm: bool = False) -> None:
+def check_asynchronous(module: RLHFModule, *, rollout_pool: bool, vllm_tp: int | None = None) -> None:
     """Refuse ``AlgorithmConfig.asynchronous.max_staleness >= 1`` without a rollout pool (``rollout_pool``) or with a
     ``training_step`` that does not run ``RLHFModule.rollouts``, and streamed rollouts with what they do not serve
-    (partial rollouts on an engine that cannot interrupt, ``vllm``). Runs on: the launching
+    (partial rollouts on an engine that cannot interrupt: vLLM at ``vllm_tp`` > 1). Runs on: the launching
     process (before any rank starts) and every process at set-up, for a fit."""
     settings = module.algorithm.asynchronous
     staleness = settings.max_staleness
     if not staleness:
         return
     if settings.streams:
-        check_streamed(module, vllm=vllm)
+        check_streamed(module, vllm_tp=vllm_tp)
     if not rollout_pool:
         raise ValueError(
             f"AlgorithmConfig.asynchronous.max_staleness={staleness} generates on a rollout pool while "
@@ -123,15 +123,17 @@ def check_asynchronous(module: RLHFModule, *, rollout_pool: bool, vllm: bool = F
         )
 
 
-def check_streamed(module: RLHFModule, *, vllm: bool) -> None:
-    """Refuse partial rollouts on a vLLM rollout pool (``vllm``: its engine server serves rounds of ``generate``
-    calls, which cannot be interrupted). Runs on: the launching process and every process at set-up."""
-    if vllm and module.algorithm.asynchronous.partial_rollouts:
+def check_streamed(module: RLHFModule, *, vllm_tp: int | None) -> None:
+    """Refuse partial rollouts on a vLLM rollout pool at tensor parallel > 1 (``vllm_tp``: its TP group serves rounds
+    of collective ``generate`` calls, which cannot be interrupted). Runs on: the launching process and every process
+    at set-up."""
+    if vllm_tp is not None and vllm_tp > 1 and module.algorithm.asynchronous.partial_rollouts:
         raise ValueError(
-            "AsyncConfig(partial_rollouts=True) interrupts the rollout pool's requests at each hand-off, but a vLLM "
-            "rollout pool (its engine server) serves rounds of generate calls, which cannot be interrupted. HINT: "
-            "RLHFStrategy(rollout='hf') for the pool's transformers engine, or AsyncConfig(stream=True, "
-            "partial_rollouts=False) to stream without interrupting."
+            f"AsyncConfig(partial_rollouts=True) interrupts the rollout pool's requests at each hand-off, but a vLLM "
+            f"rollout pool at VLLMConfig(tensor_parallel_size={vllm_tp}) serves rounds of collective generate calls, "
+            "which cannot be interrupted. HINT: tensor_parallel_size=1 (each pool rank's engine interrupts its own "
+            "requests), RLHFStrategy(rollout='hf'), or AsyncConfig(stream=True, partial_rollouts=False) to stream "
+            "without interrupting."
         )
 
 
@@ -155,7 +157,7 @@ def check_before_launch(
     if spec != "auto":  # the planner gives each role it splits a pool of a multiple of the size
         sequence_parallel_roles(getattr(module, "sequence_parallel", 1), module.roles(), pools, world_size=world_size)
     if fitting:  # a generation-only pool is a role that takes another's weights
-        check_asynchronous(module, rollout_pool=bool(weight_sources(module.roles(), names)), vllm=vllm_tp is not None)
+        check_asynchronous(module, rollout_pool=bool(weight_sources(module.roles(), names)), vllm_tp=vllm_tp)
 
 
 def place_roles(
@@ -198,7 +200,7 @@ def place_roles(
         budget = rank_memory_bytes(device, processes_per_node)
         check_memory(pools, states, budget=budget, where="RLHFStrategy(placement=...)")
     if fitting:
-        check_asynchronous(module, rollout_pool=module.rollout_role is not None, vllm=vllm_tp is not None)
+        check_asynchronous(module, rollout_pool=module.rollout_role is not None, vllm_tp=vllm_tp)
     return pools
 
 

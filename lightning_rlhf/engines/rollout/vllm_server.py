@@ -38,7 +38,8 @@ from lightning_rlhf.engines.rollout.base import (
     SamplingParams,
     WeightSyncError,
 )
-from lightning_rlhf.engines.rollout.requests import BatchedRequestQueue
+from lightning_rlhf.engines.rollout.requests import BatchedRequestQueue, Completion, Request, RequestQueue
+from lightning_rlhf.engines.rollout.vllm_requests import ServerRequestQueue
 
 __all__ = ["EngineServerError", "VLLMServerEngine"]
 
@@ -69,10 +70,6 @@ class VLLMServerEngine:
     ``start_timeout_s``: how long the server may take to build its engine. Runs on: every rank of the role's pool
     (all together: at TP > 1 they exchange the servers' rendezvous)."""
 
-    abilities = EngineAbilities(copies_each_weight=True)
-    """Each weight is copied into shared memory as it arrives; adapters are not forwarded, and requests are served in
-    rounds of ``generate`` calls (:class:`~lightning_rlhf.engines.rollout.requests.BatchedRequestQueue`)."""
-
     def __init__(
         self,
         model_path: str,
@@ -87,7 +84,7 @@ class VLLMServerEngine:
         self.dtype: torch.dtype = engine_kwargs["dtype"]
         self.tp_size: int = config.tensor_parallel_size
         self.context_length: int = engine_kwargs["max_model_len"]
-        self.requests = BatchedRequestQueue(self)  # rounds of generate calls in the server
+        self.requests: RequestQueue = ServerRequestQueue(self) if self.tp_size == 1 else BatchedRequestQueue(self)
         self.slicer = None  # full tensors: each server's vLLM loaders keep their own TP slices
         tied = engine_kwargs.get("tied_names") or {}
         self.param_names: list[str] = [n for n in engine_kwargs["param_names"] if n not in tied]
@@ -218,6 +215,20 @@ class VLLMServerEngine:
         """Sample ``params.n`` responses per prompt in the server (see ``VLLMRolloutEngine.generate``). Runs on:
         every rank of the pool together (the servers of a TP group gather their prompts)."""
         return self._call("generate", prompts, params)  # type: ignore[no-any-return]
+
+    @property
+    def abilities(self) -> EngineAbilities:
+        """Each weight is copied into shared memory as it arrives; adapters are not forwarded. At TP 1 requests join
+        the server's running ones at each scheduling step and can be interrupted
+        (:class:`~lightning_rlhf.engines.rollout.vllm_requests.ServerRequestQueue`); a TP group serves them in rounds
+        of ``generate`` calls (:class:`~lightning_rlhf.engines.rollout.requests.BatchedRequestQueue`). Runs on: the
+        pool."""
+        return EngineAbilities(copies_each_weight=True, interrupts=self.tp_size == 1)
+
+    def step_requests(self, new: list[Request], aborts: list[str], interrupt: bool) -> list[Completion]:
+        """One step of the server's request queue (``ServerRequestQueue``'s round trip). Runs on: the rollout's
+        process (TP 1)."""
+        return self._call("requests", new, aborts, interrupt)  # type: ignore[no-any-return]
 
     def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
         """``RolloutEngine.agree``, by the servers of the TP group (one rank: its own). Runs on: every rank of the
@@ -385,6 +396,17 @@ class _Server:
             pass
         self.reply("ok", handed)
 
+    def step_requests(self, new: list[Any], aborts: list[str], interrupt: bool) -> list[Any]:
+        """One step of the engine's request queue, for the client's ``ServerRequestQueue``."""
+        queue = self.engine.requests
+        queue.abort(aborts)
+        queue.add(new)
+        if interrupt:
+            queue.interrupt()
+        ended: list[Any] = []
+        queue.step(ended.append, True)
+        return ended
+
     def serve(self) -> None:
         while True:
             try:
@@ -399,6 +421,8 @@ class _Server:
                     self.start(message)
                 elif op == "generate":
                     self.reply("ok", self.engine.generate(*message[1:]))
+                elif op == "requests":
+                    self.reply("ok", self.step_requests(*message[1:]))
                 elif op == "load_begin":
                     self.load()
                 elif op == "agree":
