@@ -1,5 +1,5 @@
 """Asynchronous rollouts on a long-tail workload: one step off-policy, streamed, and partial rollouts (transformers
-engine; vLLM's engine server for the first two), steps per second and the rollout pool's idle share.
+engine, vLLM's engine server), steps per second and the rollout pool's idle share.
 
     python benchmarks/bench_long_tail.py [--steps 14] [--engines hf,vllm] [--quick]
 
@@ -179,8 +179,6 @@ def main() -> None:
     report: dict[str, Any] = {"steps": steps, "workload": args.workload, "mean_tokens": args.mean_tokens}
     for engine in engines:
         for mode in MODES:
-            if mode == "partial" and engine == "vllm":
-                continue  # refused: vLLM's engine server cannot interrupt its requests
             out = os.path.join(work, f"{engine}-{mode}")
             command = [sys.executable, __file__, "--run", mode, "--engine", engine, "--steps", str(steps)]
             command += ["--mean-tokens", str(args.mean_tokens)]

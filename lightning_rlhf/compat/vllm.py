@@ -30,6 +30,7 @@ __all__ = [
     "reload_weights",
     "remove_lora",
     "row_sums",
+    "sampled_so_far",
     "start_layerwise_reload",
     "step",
     "vocab_size",
@@ -75,6 +76,20 @@ def abort_requests(llm: Any, request_ids: list[str]) -> None:
 
     Relies on: ``LLMEngine.abort_request(request_ids, internal=True)``. Runs on: worker."""
     llm.llm_engine.abort_request(request_ids, internal=True)
+
+
+def sampled_so_far(llm: Any, request_id: str) -> tuple[list[int], list[Any]]:
+    """The tokens a running request queued by :func:`add_request` has sampled so far (``request_id``: vLLM's own id of
+    it), and the log-probs entry of each (one ``{token: Logprob}`` per token, as its outputs carry): read before
+    :func:`abort_requests`, so that a request whose outputs are ``FINAL_ONLY`` can be cut with what it has.
+
+    Relies on: ``LLMEngine.output_processor.request_states[id]``, its ``detokenizer.output_token_ids`` (kept with
+    ``detokenize=False`` too) and ``logprobs_processor.logprobs`` (accumulated whatever the output kind). Runs on:
+    worker."""
+    state = llm.llm_engine.output_processor.request_states.get(request_id)
+    if state is None or state.detokenizer is None or state.logprobs_processor is None:
+        return [], []
+    return list(state.detokenizer.output_token_ids), list(state.logprobs_processor.logprobs or [])
 
 
 def remove_lora(llm: Any, lora_id: int) -> None:

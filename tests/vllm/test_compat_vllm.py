@@ -32,6 +32,17 @@ def test_the_engine_methods_the_step_by_step_requests_use_are_there() -> None:
     assert parameters(LLMEngine.abort_request) == ["self", "request_ids", "internal"]
     assert parameters(LLMEngine.remove_lora) == ["self", "lora_id"]
     assert "get_vocab_size" in dir(vllm.config.ModelConfig)
+    # sampled_so_far reads a running request's state (the engine test cuts requests with it)
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
+
+    assert "self.output_processor = OutputProcessor(" in inspect.getsource(LLMEngine.__init__)
+    assert "self.request_states" in inspect.getsource(OutputProcessor.__init__)
+    assert "self.detokenizer = " in inspect.getsource(RequestState.__init__)
+    assert "self.logprobs_processor = " in inspect.getsource(RequestState.__init__)
+    assert isinstance(inspect.getattr_static(IncrementalDetokenizer, "output_token_ids"), property)
+    assert "logprobs" in {f.name for f in __import__("dataclasses").fields(LogprobsProcessor)}
 
 
 def test_the_workers_reload_weights_takes_a_weights_iterator() -> None:

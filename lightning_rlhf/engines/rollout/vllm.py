@@ -396,7 +396,7 @@ class VLLMRolloutEngine:
         logprobs: list[list[float]] = []
         for out in outputs[start : start + len(prompts)]:
             for sample in sorted(out.outputs, key=lambda c: c.index):
-                ids, token_lps = vllm_ids_and_logprobs(sample)
+                ids, token_lps = vllm_ids_and_logprobs(sample.token_ids, sample.logprobs)
                 for _ in range(copies):
                     responses.append(list(ids))
                     logprobs.append(list(token_lps))
@@ -415,19 +415,19 @@ class VLLMRolloutEngine:
         )
         check_prompt_tokens(prompts, vocab_size=vllm_compat.vocab_size(self.llm), engine=type(self).__name__)
 
-    def vllm_params(self, params: SamplingParams, seed: int, *, delta: bool = False) -> Any:
-        """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index); ``delta``: each
-        scheduling step's outputs carry the tokens it sampled (a request's own, stepped by ``VLLMRequestQueue``).
-        Runs on: worker."""
+    def vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
+        """vLLM's sampling settings for ``params`` (one request; its ``n`` samples use seed + index); ``final_only``:
+        a request's outputs come once, when it finishes (a request stepped by ``VLLMRequestQueue``). Runs on:
+        worker."""
         from vllm import SamplingParams as VSamplingParams
 
         greedy = params.is_greedy
         stops = sorted({*params.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
         extra: dict[str, Any] = {}
-        if delta:
+        if final_only:
             from vllm.sampling_params import RequestOutputKind
 
-            extra["output_kind"] = RequestOutputKind.DELTA
+            extra["output_kind"] = RequestOutputKind.FINAL_ONLY
         return VSamplingParams(
             n=1 if greedy else params.n,
             temperature=params.sampling_temperature,

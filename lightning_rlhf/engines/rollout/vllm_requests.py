@@ -1,7 +1,8 @@
 """The vLLM engine's requests at TP 1: each request joins the running ones at vLLM's next scheduling step (an episode's
 next turn starts as soon as its observation is ready), and each step hands on the requests that finished in it.
-Outputs come as deltas, so a request's tokens so far are known at every step: an interrupt ends every running request
-at the next step with them (partial rollouts). vLLM's in-process engine is stepped here rather than through its
+An interrupt ends every running request at the next step with the tokens it has so far, read from vLLM's request
+state before the abort (partial rollouts); outputs stay ``FINAL_ONLY`` (per-step outputs cost ~10% of a decoding
+step of a tiny model, docs/performance-log.md). vLLM's in-process engine is stepped here rather than through its
 ``AsyncLLM`` (docs/architecture.md, "Rollouts as requests")."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class VLLMEngine(Protocol):
         """Refuse what vLLM would fail on later."""
         ...
 
-    def vllm_params(self, params: SamplingParams, seed: int, *, delta: bool = False) -> Any:
+    def vllm_params(self, params: SamplingParams, seed: int, *, final_only: bool = False) -> Any:
         """vLLM's sampling settings for ``params``."""
         ...
 
@@ -55,7 +56,6 @@ class VLLMRequestQueue:
         # same or not, by vLLM's version; its outputs carry one of them) -> ours
         self._running: dict[str, tuple[tuple[str, str], Request]] = {}
         self._ours: dict[str, str] = {}
-        self._so_far: dict[str, tuple[list[int], list[float]]] = {}  # our id -> the ids and log-probs it has sampled
         self._counter = itertools.count()
         self._interrupt = threading.Event()
 
@@ -69,14 +69,13 @@ class VLLMRequestQueue:
             request.params.check()
             engine.check_prompts([request.prompt], request.params)
             params = dataclasses.replace(request.params, n=1)
-            sampling = engine.vllm_params(params, params.seed, delta=True)
+            sampling = engine.vllm_params(params, params.seed, final_only=True)
             name = f"lrlhf-{request.id}-{next(self._counter)}"
             internal = vllm_compat.add_request(
                 engine.llm, name, TokensPrompt(prompt_token_ids=request.prompt), sampling, engine.lora
             )
             self._running[request.id] = ((name, internal), request)
             self._ours[internal] = self._ours[name] = request.id
-            self._so_far[request.id] = ([], [])
 
     def step(self, done: Done, busy: bool) -> bool:
         """One scheduling step of the running requests (none: nothing runs); each that finished to ``done``. After an
@@ -90,17 +89,15 @@ class VLLMRequestQueue:
                 done(completion)
             return busy
         for out in vllm_compat.step(self.engine.llm):
+            if not out.finished:
+                continue
             ours = self._ours.get(str(out.request_id))
             if ours is None or ours not in self._running:  # aborted meanwhile
                 continue
+            self._forget(ours)
             samples: Any = out.outputs  # a generation request's completions (pooling requests are never added)
-            ids, lps = vllm_ids_and_logprobs(samples[0])  # the tokens of this step
-            so_far = self._so_far[ours]
-            so_far[0].extend(ids)
-            so_far[1].extend(lps)
-            if out.finished:
-                self._forget(ours)
-                done(Completion(ours, *so_far, "length" if samples[0].finish_reason == "length" else "stop"))
+            ids, lps = vllm_ids_and_logprobs(samples[0].token_ids, samples[0].logprobs)
+            done(Completion(ours, ids, lps, "length" if samples[0].finish_reason == "length" else "stop"))
         return busy
 
     def abort(self, ids: Iterable[str]) -> list[Completion]:
@@ -108,17 +105,21 @@ class VLLMRequestQueue:
         process."""
         gone = [ours for ours in ids if ours in self._running]
         internal = [self._running[ours][0][1] for ours in gone]
-        ended = [Completion(ours, *self._forget(ours), "abort") for ours in gone]
+        ended = [
+            Completion(ours, *vllm_ids_and_logprobs(*vllm_compat.sampled_so_far(self.engine.llm, name)), "abort")
+            for ours, name in zip(gone, internal, strict=True)
+        ]
+        for ours in gone:
+            self._forget(ours)
         if gone:
             vllm_compat.abort_requests(self.engine.llm, internal)
         return ended
 
-    def _forget(self, ours: str) -> tuple[list[int], list[float]]:
-        """Drop request ``ours`` and both its names; returns its tokens so far and their log-probs."""
+    def _forget(self, ours: str) -> None:
+        """Drop request ``ours`` and both its names."""
         names, _ = self._running.pop(ours)
         for name in names:
             self._ours.pop(name, None)
-        return self._so_far.pop(ours)
 
     def pending(self) -> int:
         """How many requests run. Runs on: the rollout's process."""
@@ -212,9 +213,9 @@ def engine_ready(engine: VLLMEngine) -> VLLMEngine:
     return engine
 
 
-def vllm_ids_and_logprobs(sample: Any) -> tuple[list[int], list[float]]:
-    """A vLLM sample's token ids and the engine's log-prob of each (``logprobs=0``: the sampled token's only). Runs on:
-    the rollout's process."""
-    ids = list(sample.token_ids)
-    steps: list[Any] = list(sample.logprobs or [])
+def vllm_ids_and_logprobs(token_ids: Iterable[int], logprobs: Iterable[Any] | None) -> tuple[list[int], list[float]]:
+    """A vLLM sample's token ids and the engine's log-prob of each, from its ``token_ids`` and ``logprobs`` (sampled
+    with ``logprobs=0``: one ``{token: Logprob}`` per token). Runs on: the rollout's process."""
+    ids = list(token_ids)
+    steps: list[Any] = list(logprobs or [])
     return ids, [float(step[tok].logprob) for step, tok in zip(steps, ids, strict=True)]
