@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE (PPO), group-relative (GRPO, RLOO, REINFORCE++-baseline), REINFORCE++, ReMax.
+"""Advantage estimators: GAE (PPO), group-relative (GRPO, GPG, RLOO, REINFORCE++-baseline), REINFORCE++, ReMax.
 
 Every estimator takes one :class:`AdvantageInputs` so a trainer can switch by name::
 
@@ -24,6 +24,7 @@ __all__ = [
     "compute_advantages",
     "estimator_inputs",
     "gae_advantages",
+    "gpg_advantages",
     "grpo_advantages",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
@@ -180,6 +181,28 @@ def grpo_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
         if inputs.norm_by_std:
             centred = centred / torch.where(is_group, group_std[inverse] + inputs.eps, torch.ones_like(scores))
         advantages = _broadcast(centred, mask)
+    return advantages, advantages.clone()
+
+
+@ADVANTAGE_ESTIMATORS.register("gpg")
+def gpg_advantages(inputs: AdvantageInputs, /) -> tuple[Tensor, Tensor]:
+    """GPG's advantages (Group Policy Gradient; Chu et al., 2025, arXiv:2504.02546): GRPO's group-relative
+    advantages scaled by ``alpha = B / B_valid``, where ``B_valid`` counts the samples of groups whose scores differ
+    (the others have advantage 0 and give no gradient but still count in the loss's normalisation, which ``alpha``
+    undoes). ``norm_by_std`` divides by the group's std as GRPO does (GPG's ``F_norm``; False: 1). A step whose groups
+    all agree has ``alpha = 1`` (and advantages 0).
+
+    Runs on: controller or worker (pure function). Reads ``group_ids`` (required), ``norm_by_std``, ``eps``;
+    ``returns`` equals ``advantages``.
+    """
+    group_ids = inputs.need("group_ids", "gpg")
+    advantages, _ = grpo_advantages(inputs)
+    with torch.no_grad():
+        inverse, counts, sums = _groups(inputs.scores, group_ids)
+        spread = torch.zeros_like(counts).index_add_(0, inverse, (inputs.scores - (sums / counts)[inverse]).abs())
+        valid = (spread > 0)[inverse]  # [B]: the sample's group has scores that differ
+        alpha = valid.numel() / max(int(valid.sum()), 1) if bool(valid.any()) else 1.0
+        advantages = advantages * alpha
     return advantages, advantages.clone()
 
 

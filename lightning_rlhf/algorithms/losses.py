@@ -1,4 +1,5 @@
-"""Policy losses (PPO clip, dual clip, GSPO), the clipped value loss, and loss aggregation modes.
+"""Policy losses (PPO clip, dual clip, GSPO, CISPO, SAPO, GPG, DPPO), the clipped value loss, and loss aggregation
+modes.
 
 Policy losses share one signature so a trainer can switch by name::
 
@@ -25,9 +26,14 @@ __all__ = [
     "PolicySettings",
     "aggregate_loss",
     "compute_policy_loss",
+    "policy_loss_cispo",
     "policy_loss_clipped",
+    "policy_loss_dppo_kl",
+    "policy_loss_dppo_tv",
     "policy_loss_dual_clip",
+    "policy_loss_gpg",
     "policy_loss_gspo",
+    "policy_loss_sapo",
     "seq_mean_token_mean",
     "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
@@ -204,6 +210,14 @@ class PolicySettings:
     """Upper clip ``epsilon`` (ratio <= ``1 + clip_high``); ``> clip_low`` is DAPO's clip-higher."""
     clip_ratio_c: float = 3.0
     """Dual-clip constant ``c`` (``"dual_clip"`` only; > 1, the paper uses 3)."""
+    tau_pos: float = 1.0
+    """SAPO's gate temperature on tokens with a positive advantage (``"sapo"`` only; > 0)."""
+    tau_neg: float = 1.05
+    """SAPO's gate temperature on tokens with a negative advantage (``"sapo"`` only; > 0)."""
+    dppo_kl_threshold: float = 0.05
+    """DPPO's bound on the binary KL of a token's probability (``"dppo_kl"`` only; > 0)."""
+    dppo_tv_threshold: float = 0.2
+    """DPPO's bound on the change of a token's probability (``"dppo_tv"`` only; in (0, 1))."""
     agg: str = "token-mean"
     """Loss aggregation mode (see ``LOSS_AGGREGATIONS``)."""
     num_tokens: Tensor | float | None = None
@@ -305,6 +319,162 @@ def policy_loss_gspo(
     seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1).detach().clamp(-20.0, 20.0)  # [B]
     ratio = torch.exp(seq_log_ratio.unsqueeze(-1) + (logprobs - logprobs.detach()))  # value s_i, grad per token
     return _clipped_loss(ratio, log_ratio, advantages, response_mask, PolicySettings(**settings))
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, settings: PolicySettings) -> Tensor:
+    return aggregate_loss(per_token, mask, mode=settings.agg, num_tokens=settings.num_tokens, max_len=settings.max_len)
+
+
+def _ratio(logprobs: Tensor, old_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """``(ratio, log_ratio)``: ``exp(clamp(logprobs - old_logprobs, -20, 20))`` and the log-ratio itself."""
+    log_ratio = logprobs - old_logprobs
+    return torch.exp(log_ratio.clamp(-20.0, 20.0)), log_ratio
+
+
+@POLICY_LOSSES.register("cispo")
+def policy_loss_cispo(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025, arXiv:2506.13585): the importance weight is clipped and detached, never the token's
+    gradient: ``loss_t = -sg(clamp(r_t, 1 - clip_low, 1 + clip_high)) * A_t * logprobs_t``, so every token keeps the
+    gradient ``-clip(r_t) * A_t * grad(logprobs_t)``, where PPO's clip would zero it; a :class:`PolicyLoss`. The paper
+    bounds the weight above only: ``clip_low=1`` removes the lower bound (with ``clip_low < 1``, as verl's, both).
+    ``"pg_clipfrac"``: the fraction of tokens whose weight was clipped.
+
+    Runs on: controller or worker (pure function).
+    """
+    config = PolicySettings(**settings)
+    ratio, log_ratio = _ratio(logprobs, old_logprobs)
+    weight = ratio.detach().clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    loss = _aggregate(-advantages * weight * logprobs, response_mask, config)
+    with torch.no_grad():
+        clipped = (weight != ratio.detach()).to(logprobs.dtype)
+        metrics = {"pg_clipfrac": masked_mean(clipped, response_mask), "ppo_kl": masked_mean(-log_ratio, response_mask)}
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("sapo")
+def policy_loss_sapo(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Soft Adaptive Policy Optimization; Gao et al., 2025, arXiv:2511.20347): a smooth gate in place of the
+    hard clip, ``loss_t = -f(r_t) * A_t`` with ``f(r) = (4 / tau) * sigmoid(tau * (r - 1))`` and ``tau = tau_pos``
+    where ``A_t > 0``, else ``tau_neg``; a :class:`PolicyLoss`. On-policy (``r = 1``) its gradient is the policy
+    gradient (``f'(1) = 1``); off-policy it decays as ``4 s (1 - s)`` with ``s = sigmoid(tau (r - 1))``, faster for
+    negative advantages (``tau_neg > tau_pos``). The paper aggregates ``"seq-mean-token-mean"``. ``"pg_clipfrac"``: the
+    fraction of tokens whose gate weight fell below one half.
+
+    Runs on: controller or worker (pure function).
+
+    Raises:
+        ValueError: If ``tau_pos`` or ``tau_neg`` is not positive.
+    """
+    config = PolicySettings(**settings)
+    if not (config.tau_pos > 0 and config.tau_neg > 0):
+        raise ValueError(
+            f"Policy loss 'sapo' requires tau_pos > 0 and tau_neg > 0, got {config.tau_pos}, {config.tau_neg}."
+        )
+    ratio, log_ratio = _ratio(logprobs, old_logprobs)
+    tau = torch.where(advantages > 0, config.tau_pos, config.tau_neg).to(logprobs.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = _aggregate(-advantages * gate * (4.0 / tau), response_mask, config)
+    with torch.no_grad():
+        weak = (4.0 * gate * (1.0 - gate) < 0.5).to(logprobs.dtype)  # the gradient's weight, d f / d r = 4 s (1 - s)
+        metrics = {"pg_clipfrac": masked_mean(weak, response_mask), "ppo_kl": masked_mean(-log_ratio, response_mask)}
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gpg")
+def policy_loss_gpg(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG (Group Policy Gradient; Chu et al., 2025, arXiv:2504.02546): the plain policy gradient, no ratio and no
+    clip, ``loss_t = -A_t * logprobs_t``; a :class:`PolicyLoss` (pair it with the ``"gpg"`` advantage estimator). It
+    is on-policy: with stale samples (``ppo_epochs > 1``, asynchronous rollouts) nothing corrects for their age.
+    ``"pg_clipfrac"`` is 0.
+
+    Runs on: controller or worker (pure function).
+    """
+    config = PolicySettings(**settings)
+    loss = _aggregate(-advantages * logprobs, response_mask, config)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
+            "ppo_kl": masked_mean(old_logprobs - logprobs, response_mask),
+        }
+    return loss, metrics
+
+
+def _dppo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: PolicySettings,
+    divergence: Tensor,
+    threshold: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO's masked objective: ``-r_t * A_t`` except on tokens whose ``divergence`` passed ``threshold`` in the
+    direction the advantage pushes (``A > 0`` and ``r > 1``, or ``A < 0`` and ``r < 1``): those give no gradient and
+    still count in the aggregation."""
+    ratio, log_ratio = _ratio(logprobs, old_logprobs)
+    with torch.no_grad():
+        pushed = ((advantages > 0) & (ratio > 1.0)) | ((advantages < 0) & (ratio < 1.0))
+        blocked = (divergence > threshold) & pushed
+    loss = _aggregate(torch.where(blocked, torch.zeros_like(ratio), -advantages * ratio), mask, config)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean(blocked.to(logprobs.dtype), mask),
+            "ppo_kl": masked_mean(-log_ratio, mask),
+        }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("dppo_kl")
+def policy_loss_dppo_kl(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-KL (Divergence PPO; "Rethinking the Trust Region in LLM Reinforcement Learning", 2026,
+    arXiv:2602.04879): the trust region is a bound on how far the sampled token's probability moved, not on the
+    ratio. With ``p = exp(old_logprobs)`` and ``q = exp(logprobs)``, the binary KL ``D = p log(p/q) + (1 - p)
+    log((1 - p)/(1 - q))``; a token with ``D > dppo_kl_threshold`` moved in its advantage's direction gives no
+    gradient, the others ``-r_t * A_t``; a :class:`PolicyLoss`. Unlike the ratio, ``D`` is small for a rare token whose
+    probability doubles and large for a likely one that loses a little. ``"pg_clipfrac"``: the masked fraction.
+
+    Runs on: controller or worker (pure function).
+
+    Raises:
+        ValueError: If ``dppo_kl_threshold`` is not positive.
+    """
+    config = PolicySettings(**settings)
+    if not config.dppo_kl_threshold > 0:
+        raise ValueError(f"Policy loss 'dppo_kl' requires dppo_kl_threshold > 0, got {config.dppo_kl_threshold}.")
+    with torch.no_grad():
+        tiny = torch.finfo(torch.float32).tiny
+        p = old_logprobs.float().exp().clamp(tiny, 1 - 1e-7)
+        q = logprobs.detach().float().exp().clamp(tiny, 1 - 1e-7)
+        divergence = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+    return _dppo(logprobs, old_logprobs, advantages, response_mask, config, divergence, config.dppo_kl_threshold)
+
+
+@POLICY_LOSSES.register("dppo_tv")
+def policy_loss_dppo_tv(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, **settings: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-TV (see ``"dppo_kl"``): the divergence is the change of the sampled token's probability,
+    ``|exp(logprobs) - exp(old_logprobs)|``, bounded by ``dppo_tv_threshold``; a :class:`PolicyLoss`.
+
+    Runs on: controller or worker (pure function).
+
+    Raises:
+        ValueError: If ``dppo_tv_threshold`` is not in (0, 1).
+    """
+    config = PolicySettings(**settings)
+    if not 0 < config.dppo_tv_threshold < 1:
+        raise ValueError(f"Policy loss 'dppo_tv' requires 0 < dppo_tv_threshold < 1, got {config.dppo_tv_threshold}.")
+    with torch.no_grad():
+        divergence = (logprobs.detach().float().exp() - old_logprobs.float().exp()).abs()
+    return _dppo(logprobs, old_logprobs, advantages, response_mask, config, divergence, config.dppo_tv_threshold)
 
 
 def compute_policy_loss(

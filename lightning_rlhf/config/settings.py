@@ -432,13 +432,22 @@ class LossConfig:
     """The actor's and the critic's losses (``AlgorithmConfig(loss=...)``)."""
 
     policy_loss: str = "vanilla"
-    """Registered policy loss (``POLICY_LOSSES``): 'vanilla' (clipped PPO), 'dual_clip', 'gspo'."""
+    """Registered policy loss (``POLICY_LOSSES``): 'vanilla' (clipped PPO), 'dual_clip', 'gspo', 'cispo', 'sapo',
+    'gpg', 'dppo_kl', 'dppo_tv' (docs/algorithms/)."""
     clip_ratio_low: float = 0.2
     """PPO clip: the ratio is kept above ``1 - clip_ratio_low``."""
     clip_ratio_high: float = 0.2
     """PPO clip: the ratio is kept below ``1 + clip_ratio_high`` (raise it for DAPO's clip-higher)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (``policy_loss='dual_clip'``); must be > 1."""
+    sapo_tau_pos: float = 1.0
+    """SAPO's gate temperature where the advantage is positive (``policy_loss='sapo'``); > 0."""
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperature where the advantage is negative (``policy_loss='sapo'``); > 0."""
+    dppo_kl_threshold: float = 0.05
+    """DPPO's bound on a token's binary KL (``policy_loss='dppo_kl'``); > 0."""
+    dppo_tv_threshold: float = 0.2
+    """DPPO's bound on the change of a token's probability (``policy_loss='dppo_tv'``); in (0, 1)."""
     value_clip: float = 0.2
     """Critic: new values stay within this distance of the rollout's values."""
     loss_agg: str = "token-mean"
@@ -457,6 +466,11 @@ class LossConfig:
                 _fail(self, field, getattr(self, field), ">= 0")
         if self.clip_ratio_c <= 1:
             _fail(self, "clip_ratio_c", self.clip_ratio_c, "a value > 1 (dual-clip bound, 3.0 is usual)")
+        for field in ("sapo_tau_pos", "sapo_tau_neg", "dppo_kl_threshold"):
+            if getattr(self, field) <= 0:
+                _fail(self, field, getattr(self, field), "a value > 0")
+        if not 0 < self.dppo_tv_threshold < 1:
+            _fail(self, "dppo_tv_threshold", self.dppo_tv_threshold, "a value in (0, 1) (0.2 is usual)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -282,6 +282,10 @@ class ActorRole(EpisodesMixin, Role):
             clip_low=algo.loss.clip_ratio_low,
             clip_high=algo.loss.clip_ratio_high,
             clip_ratio_c=algo.loss.clip_ratio_c,
+            tau_pos=algo.loss.sapo_tau_pos,
+            tau_neg=algo.loss.sapo_tau_neg,
+            dppo_kl_threshold=algo.loss.dppo_kl_threshold,
+            dppo_tv_threshold=algo.loss.dppo_tv_threshold,
             **agg.loss_kwargs,
         )
         entropy = agg.aggregate(out["entropy"] if keep is None else out["entropy"] * keep, mask)
@@ -385,7 +389,7 @@ class ActorRole(EpisodesMixin, Role):
         return token_loss, micro["loss_mask"][:, 1:width].to(device).float()
 
 
-ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "dual_clip", "gspo"})
+ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "dual_clip", "gspo", "cispo", "sapo", "gpg", "dppo_kl", "dppo_tv"})
 """Registered policy losses whose loss, and so gradient, is 0 for a sample whose advantages are all 0."""
 
 

@@ -94,7 +94,18 @@ def test_weights_reach_the_engine_only_after_an_update(tiny_model: str, monkeypa
     assert actor.hybrid.sync() == (0.0, 0)
 
 
-@pytest.mark.parametrize(("loss", "agg"), [("dual_clip", "token-mean"), ("gspo", "seq-mean-token-sum-norm")])
+@pytest.mark.parametrize(
+    ("loss", "agg"),
+    [
+        ("dual_clip", "token-mean"),
+        ("gspo", "seq-mean-token-sum-norm"),
+        ("cispo", "token-mean"),
+        ("sapo", "seq-mean-token-mean"),
+        ("gpg", "token-mean"),
+        ("dppo_kl", "token-mean"),
+        ("dppo_tv", "token-mean"),
+    ],
+)
 def test_registered_policy_losses_train(tiny_model: str, loss: str, agg: str) -> None:
     actor = make_actor(tiny_model, policy_loss=loss, loss_agg=agg)
     before = [p.detach().clone() for p in actor.model.parameters()]

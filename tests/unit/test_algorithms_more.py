@@ -38,6 +38,7 @@ def close(actual: torch.Tensor, expected: object, atol: float = 1e-5) -> None:
 def test_registries_list_new_names() -> None:
     assert ADVANTAGE_ESTIMATORS.names() == [
         "gae",
+        "gpg",
         "grpo",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
@@ -45,7 +46,7 @@ def test_registries_list_new_names() -> None:
         "rloo",
     ]
     assert "seq-mean-token-sum-norm" in LOSS_AGGREGATIONS
-    assert POLICY_LOSSES.names() == ["dual_clip", "gspo", "vanilla"]
+    assert POLICY_LOSSES.names() == ["cispo", "dppo_kl", "dppo_tv", "dual_clip", "gpg", "gspo", "sapo", "vanilla"]
     assert POLICY_LOSSES.get("vanilla") is policy_loss_clipped
     assert POLICY_LOSSES.get("dual_clip") is policy_loss_dual_clip
     assert POLICY_LOSSES.get("gspo") is policy_loss_gspo
@@ -56,9 +57,11 @@ def test_unknown_names_list_valid_ones() -> None:
     with pytest.raises(ValueError) as info:
         compute_policy_loss("dual-clip", lp, lp, lp, torch.ones(1, 2))
     assert (
-        str(info.value) == "Unknown policy loss 'dual-clip'. Valid: dual_clip, gspo, vanilla. Did you mean 'dual_clip'?"
+        str(info.value)
+        == "Unknown policy loss 'dual-clip'. Valid: cispo, dppo_kl, dppo_tv, dual_clip, gpg, gspo, sapo, "
+        "vanilla. Did you mean 'dual_clip'?"
     )
-    with pytest.raises(ValueError, match=r"Valid: gae, grpo, reinforce_plus_plus, .*rloo\. Did you mean 'rloo'\?"):
+    with pytest.raises(ValueError, match=r"Valid: gae, gpg, grpo, reinforce_plus_plus, .*rloo\. Did you mean 'rloo'\?"):
         compute_advantages("rlo", token_rewards=lp, response_mask=torch.ones(1, 2))
     with pytest.raises(ValueError, match="Valid: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"):
         aggregate_loss(lp, torch.ones(1, 2), mode="nope")
