@@ -149,9 +149,10 @@ LONG_TIER: dict[str, str] = {
         "openai client, the same episodes as the built-in loop, the refusals (test_agent_http)"
     ),
     "tests/e2e/test_algorithms_learn.py": (
-        "120-step learning runs of five more algorithms: in CI, GRPO learns with vLLM (test_demo_learns), GRPO and "
-        "PPO with transformers' generate and the CPU layer off (test_cpu_layer_off); every algorithm's maths has unit "
-        "tests and 2-step runs"
+        "120-step learning runs of five more algorithms and 150-step runs of five policy losses: in CI, GRPO "
+        "learns with vLLM (test_demo_learns), GRPO and PPO with transformers' generate and the CPU layer off "
+        "(test_cpu_layer_off); every algorithm's maths has unit tests and 2-step runs, every policy loss a "
+        "hand-computed case and an update (test_policy_losses_2026, test_actor_update)"
     ),
     "tests/distributed/test_faults.py::test_sigterm_on_rank_0_saves_exits_143_and_resumes_like_an_uninterrupted_run": (
         "CI: resume equals the uninterrupted run (test_training), SIGUSR1 stops every rank (this file)"

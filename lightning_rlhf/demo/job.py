@@ -37,6 +37,7 @@ def _algorithms() -> dict[str, tuple[Any, str]]:
 
     return {
         "grpo": (m.GRPOModule, "grpo"),
+        "distill": (m.OnPolicyDistillationModule, "grpo"),
         "dapo": (m.DAPOModule, "grpo"),
         "safe": (m.SafeRLHFModule, "grpo"),
         "rloo": (m.RLOOModule, "rloo"),
@@ -46,7 +47,7 @@ def _algorithms() -> dict[str, tuple[Any, str]]:
     }
 
 
-ALGORITHMS_NAMES = ("grpo", "rloo", "reinforce_pp", "remax", "ppo", "dapo", "safe")
+ALGORITHMS_NAMES = ("grpo", "rloo", "reinforce_pp", "remax", "ppo", "dapo", "safe", "distill")
 
 
 _VERSION_ENV = "LIGHTNING_RLHF_RUN_VERSION"
@@ -121,10 +122,12 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         reference=False,
         rollout=rollout,
         algorithm=C.AlgorithmConfig(
-            advantage=advantage,
+            advantage=args.advantage or advantage,
             kl=C.KLConfig(coef=0.0),
             batching=C.BatchingConfig(
-                micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens
+                micro_batch_size=args.micro_batch_size,
+                micro_batch_tokens=args.micro_batch_tokens,
+                mini_batch_size=args.mini_batch_size,
             ),
             asynchronous=C.AsyncConfig(
                 max_staleness=args.max_staleness, stream=args.stream, partial_rollouts=args.partial_rollouts
@@ -160,7 +163,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         enable_checkpointing=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        val_check_interval=args.steps,  # validate again after the last step
+        val_check_interval=args.val_every or args.steps,  # validate again after the last step (and every val_every)
         check_val_every_n_epoch=None,
     )
     return module, data, trainer
@@ -173,8 +176,10 @@ def _choices(args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any],
     from lightning_rlhf.demo.task import addition_cost, addition_splits
 
     tools = args.task == "tools"
-    if tools and args.algo == "safe":
-        raise SystemExit("--task tools --algo safe: the tool task has no cost function. HINT: another --algo.")
+    if tools and args.algo in ("safe", "distill"):
+        raise SystemExit(
+            f"--task tools --algo {args.algo}: the tool task has no cost function and no teacher. HINT: another --algo."
+        )
     extra: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     sampling = {"n": args.n, "temperature": 1.0, "seed": args.seed, "decode": args.decode}
@@ -182,6 +187,14 @@ def _choices(args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any],
         extra = {"critic": model_path, "critic_optim": C.OptimConfig(lr=args.lr * 2, warmup_steps=args.warmup)}
     if args.algo == "dapo":  # clip-higher and dynamic sampling; no overlong shaping at 6 new tokens
         settings = {"loss": C.LossConfig(clip_ratio_high=0.28), "filtering": C.FilteringConfig(dynamic_sampling=True)}
+    if args.policy_loss:  # another registered policy loss, over the module's clip settings
+        settings["loss"] = C.LossConfig(
+            **{**vars(settings.get("loss", C.LossConfig())), "policy_loss": args.policy_loss}
+        )
+    if args.algo == "distill":  # the teacher: this warm start after the GRPO demo's run (built once, cached)
+        from lightning_rlhf.demo.warmstart import prepare_demo_teacher
+
+        extra = {"teacher": prepare_demo_teacher(args.cache, seed=args.seed)}
     if args.algo == "safe":  # answers with a 7 are "unsafe": at most 2% of responses may write one
         extra = {"cost": addition_cost, "safety": C.SafetyConfig(cost_limit=0.02, lambda_init=0.5, lambda_lr=0.5)}
     if tools:  # multi-turn episodes: the environment runs the calculator and scores the final answer
@@ -247,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--algo", choices=ALGORITHMS_NAMES, default="grpo", help="ready module to train with")
     add(
+        "--policy-loss",
+        default=None,
+        help="LossConfig.policy_loss: a registered policy loss (vanilla, dual_clip, gspo, cispo, sapo, gpg, dppo_kl, "
+        "dppo_tv; default: the module's)",
+    )
+    add("--advantage", default=None, help="AlgorithmConfig.advantage: a registered estimator (default: the module's)")
+    add(
         "--task",
         choices=list(TASK_DEFAULTS),
         default="addition",
@@ -287,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--n", type=int, default=8, help="samples per prompt")
     add("--lr", type=float, default=None, help="actor learning rate (addition 5e-4, tools 3e-4)")
     add("--warmup", type=int, default=None, help="learning-rate warm-up steps (addition 20, tools 5)")
+    add(
+        "--mini-batch-size",
+        type=int,
+        default=None,
+        help="BatchingConfig.mini_batch_size: samples per optimizer step (default: the whole batch, one step); "
+        "smaller makes the later steps of a batch off-policy, where the policy losses' clips act",
+    )
     add("--micro-batch-size", type=int, default=128)
     add("--micro-batch-tokens", type=int, default=None, help="token budget per micro-batch (packs rows, no padding)")
     add("--precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (fp32 master weights either way)")
@@ -330,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on with the new weights (needs --placement rollout and --max-staleness >= 1)",
     )
     add("--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)")
+    add("--val-every", type=int, default=None, help="validate every N steps as well (default: before and after)")
     add("--seed", type=int, default=0)
     add("--out", default="runs", help="parent folder of the run folder")
     add(

@@ -193,6 +193,31 @@ def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
     return build_once(cache_dir, f"demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
+TEACHER_RL_STEPS = 250
+"""GRPO steps that make the demo's teacher (:func:`prepare_demo_teacher`) from its warm start (the demo's default)."""
+
+
+def prepare_demo_teacher(cache_dir: str, *, seed: int = 0, steps: int = TEACHER_RL_STEPS) -> str:
+    """The demo's teacher for on-policy distillation: :func:`prepare_demo_model`'s warm start after ``steps`` steps of
+    the GRPO demo (``python -m lightning_rlhf.demo``, the transformers engine, in a child process), its exported actor
+    cached in ``cache_dir/demo-teacher-{CACHE_VERSION}-seed{seed}-rl{steps}`` (:func:`build_once`). Runs on: any process
+    (plain function; call it before a multi-process ``fit``: the child is a 2-process run of its own)."""
+
+    def build(tmp: str) -> str:
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_RLHF_RUN", "LOCAL_RANK", "NODE_RANK"))
+        }
+        command = [sys.executable, "-m", "lightning_rlhf.demo", "--steps", str(steps), "--seed", str(seed)]
+        command += ["--rollout", "hf", "--cache", cache_dir, "--out", tmp]
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the demo's teacher run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        run = proc.stdout.strip().splitlines()[-1].removeprefix("run folder: ")
+        return os.path.join(run, "actor")
+
+    return build_once(cache_dir, f"demo-teacher-{CACHE_VERSION}-seed{seed}-rl{steps}", build)
+
+
 TOOL_WARM_START_STEPS = 150
 """Supervised steps of the tool task's warm start (batches of 32 transcripts)."""
 

@@ -2,6 +2,7 @@
 (``SFTModule``: supervised fine-tuning, the warm start before RL); its own default ``algorithm`` (and ``rollout``)
 applies when the argument is missing or None (the command line passes unset ones as None)."""
 
+from lightning_rlhf.modules.distill import OnPolicyDistillationModule
 from lightning_rlhf.modules.grpo import GRPOModule
 from lightning_rlhf.modules.ppo import PPOModule
 from lightning_rlhf.modules.remax import ReMaxModule
@@ -13,6 +14,7 @@ __all__ = [
     "DAPOModule",
     "DrGRPOModule",
     "GRPOModule",
+    "OnPolicyDistillationModule",
     "PPOModule",
     "REINFORCEPPModule",
     "RLOOModule",

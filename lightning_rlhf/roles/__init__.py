@@ -4,7 +4,7 @@ the strategy's business."""
 from lightning_rlhf.roles.actor import ActorRole
 from lightning_rlhf.roles.base import Role
 from lightning_rlhf.roles.critic import CriticRole
-from lightning_rlhf.roles.reference import ReferenceRole
+from lightning_rlhf.roles.reference import ReferenceRole, TeacherRole
 from lightning_rlhf.roles.reward import RewardFn, RewardFunctionError, RewardRole
 from lightning_rlhf.roles.rollout import RolloutRole
 
@@ -17,4 +17,5 @@ __all__ = [
     "RewardRole",
     "Role",
     "RolloutRole",
+    "TeacherRole",
 ]

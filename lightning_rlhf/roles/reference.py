@@ -1,4 +1,5 @@
-"""The reference: a frozen copy of the initial policy, for the KL term."""
+"""The reference: a frozen copy of the initial policy, for the KL term; and the teacher, a frozen model of another
+size whose log-probs of the student's tokens are on-policy distillation's signal."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, forward_response
 from lightning_rlhf.roles.base import Role, load_model
 
-__all__ = ["ReferenceRole"]
+__all__ = ["ReferenceRole", "TeacherRole", "check_same_vocabulary"]
 
 
 class ReferenceRole(Role):
@@ -27,6 +28,8 @@ class ReferenceRole(Role):
     """
 
     name = "reference"
+    SETTING = "ReferenceRole(path=...)"
+    """What errors call the role's model."""
 
     def __init__(
         self,
@@ -38,7 +41,7 @@ class ReferenceRole(Role):
         shared_prefix: bool = True,
         adapters_of: Role | None = None,
     ) -> None:
-        super().__init__(micro_batch_size=micro_batch_size, dtype=dtype, setting="ReferenceRole(path=...)")
+        super().__init__(micro_batch_size=micro_batch_size, dtype=dtype, setting=self.SETTING)
         self.path = path
         self.temperature = logprob_temperature(temperature)
         self.shared_prefix = shared_prefix
@@ -64,12 +67,18 @@ class ReferenceRole(Role):
         from transformers import AutoModelForCausalLM
 
         if self.model is None and self.base is None:
-            model = load_model(AutoModelForCausalLM, self.path, setting="ReferenceRole(path=...)", dtype=self.dtype)
+            model = load_model(AutoModelForCausalLM, self.path, setting=self.SETTING, dtype=self.dtype)
             self.set_model(model.eval().requires_grad_(False))
 
     @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("ref_logprobs",), sequence_parallel=True)
     def log_prob(self, batch: Batch) -> Batch:
         """Reference log-probs of the responses, as ``ref_logprobs`` ``[B, R]``. Runs on: every worker rank."""
+        batch["ref_logprobs"] = self.response_logprobs(batch)
+        return batch
+
+    def response_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The frozen model's log-probs of ``batch``'s response tokens ``[B, R]``, at the rollout's temperature. Runs
+        on: every worker rank (inside a role method)."""
         temperature = self.temperature
         group = int(batch.meta.get("group_size", 1)) if self.shared_prefix else 1
         kernels = self.train_engine.layer.token_kernels()  # the device layer's (the CPU's compiled ones)
@@ -85,5 +94,44 @@ class ReferenceRole(Role):
             adapted: Any = self.base.model
             with adapted.disable_adapter():  # peft: the base model's forward, the same shards
                 out = self.base.train_engine.infer(batch, logprobs)
-        batch["ref_logprobs"] = out["logprobs"]
+        return out["logprobs"]
+
+
+class TeacherRole(ReferenceRole):
+    """A frozen teacher (on-policy distillation): loaded, sharded and placed as the reference is, its log-probs of the
+    student's sampled tokens written as ``teacher_logprobs``. Its tokenizer must be the student's
+    (:func:`check_same_vocabulary`). Runs on: every process; ``log_prob`` on all ranks of its pool."""
+
+    name = "teacher"
+
+    SETTING = "OnPolicyDistillationModule(teacher=...)"
+
+    @role_method(Dispatch.DP_SPLIT, reads=RESPONSE_INPUTS, writes=("teacher_logprobs",), sequence_parallel=True)
+    def log_prob(self, batch: Batch) -> Batch:
+        """The teacher's log-probs of the responses, as ``teacher_logprobs`` ``[B, R]``. Runs on: every worker rank."""
+        batch["teacher_logprobs"] = self.response_logprobs(batch)
         return batch
+
+
+def check_same_vocabulary(student: Any, teacher_path: str, *, setting: str) -> None:
+    """Refuse a teacher whose tokenizer maps any token to another id than the student's ``student`` tokenizer does: its
+    log-probs would score other tokens than the student sampled. Runs on: every process (the module's constructor,
+    before any model loads).
+
+    Raises:
+        ValueError: the vocabularies differ, naming ``setting``, both sizes and a token that differs.
+    """
+    from transformers import AutoTokenizer
+
+    teacher = AutoTokenizer.from_pretrained(teacher_path)
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    if ours == theirs:
+        return
+    token = min((set(ours.items()) ^ set(theirs.items())), key=lambda kv: kv[1])[0]
+    example = f"; e.g. {token!r} is id {ours.get(token)} for the student and {theirs.get(token)} for the teacher"
+    raise ValueError(
+        f"{setting}={teacher_path!r}: its tokenizer has {len(theirs)} tokens and the student's {len(ours)}, not the "
+        f"same ids{example}. On-policy distillation scores the student's sampled token ids with the teacher, so both "
+        "must share one vocabulary. HINT: a teacher of the student's family (the same tokenizer), or RL with a reward "
+        "instead."
+    )

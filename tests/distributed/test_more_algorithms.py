@@ -47,3 +47,21 @@ def test_safe_rlhf_trains_two_critics_and_raises_the_multiplier_over_the_limit(d
     # cost_limit=0: the multiplier grows on every step whose responses wrote a 7, and never shrinks
     for before, now, cost in zip([1.0, *lambdas], lambdas, costs, strict=False):
         assert now > before if cost > 0 else now == pytest.approx(before)
+
+
+def test_distillation_scores_the_students_tokens_with_a_teacher_on_a_pool_of_its_own(
+    demo_model: str, tiny_model: str, tmp_path: Path
+) -> None:
+    """On-policy distillation, the student (the demo's warm start) on rank 0 with the reward, the teacher (a random
+    model of the same vocabulary) alone on rank 1: every step logs the reverse KL to the teacher and trains the
+    actor on it."""
+    placement = '{"actor": [0], "reward": [0], "teacher": [1]}'
+    args = ["--model", demo_model, "--out", str(tmp_path), "--algo", "distill", "--teacher", tiny_model]
+    proc = run_script("train.py", *args, "--devices", "2", "--placement", placement, "--steps", "3")
+    assert proc.returncode == 0, failure_text(proc)
+    rows = _rows(tmp_path)
+    assert len(rows) == 3
+    for r in rows:  # a random teacher disagrees with the warm-started student on nearly every token
+        assert float(r["distill/reverse_kl"]) > 1.0
+        assert math.isfinite(float(r["actor/pg_loss"])) and float(r["actor/grad_norm"]) > 0
+        assert float(r["timing_s/teacher"]) > 0  # the teacher's call ran (on its pool)

@@ -60,3 +60,22 @@ def test_algorithm_learns_addition(algo: str, placement: str, demo_model: str, t
         assert all(0 < float(r["actor/rollout_is_mean"]) <= 2.0 for r in rows)
     if algo == "remax":
         assert "critic/baseline_score/mean" in rows[0]
+
+
+@pytest.mark.parametrize(
+    ("loss", "advantage"),
+    [("cispo", "grpo"), ("sapo", "grpo"), ("gpg", "gpg"), ("dppo_kl", "grpo"), ("dppo_tv", "grpo")],
+)
+def test_policy_loss_learns_addition(loss: str, advantage: str, demo_model: str, tmp_path: Path) -> None:
+    """The 2026 policy losses on GRPO's dataflow, 150 steps, four optimizer steps per batch (``--mini-batch-size
+    64`` of 256 samples), so that the later ones are off-policy and the loss's clip, gate or mask acts: each gains at
+    least 0.3."""
+    cache = str(Path(demo_model).parent)
+    cmd = [sys.executable, "-m", "lightning_rlhf.demo", "--policy-loss", loss, "--advantage", advantage]
+    cmd += ["--mini-batch-size", "64", "--steps", "150", "--out", str(tmp_path), "--cache", cache, "--rollout", "hf"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    rows = demo_rows(proc)
+    first, last = first_last([float(r["critic/score/mean"]) for r in rows])
+    assert last >= first + 0.3, (loss, first, last)
+    if loss != "gpg":  # the clip, gate or mask acted on some token (GPG has none)
+        assert any(float(r["actor/pg_clipfrac"]) > 0 for r in rows), loss

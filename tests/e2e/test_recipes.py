@@ -55,6 +55,8 @@ def substitutes(recipe: str, model: str, tmp_path: Path) -> list[str]:
         return [*common, *small, "--model.critic", model, "--model.algorithm.batching.mini_batch_size", "2"]
     if recipe in ("grpo_gsm8k", "rloo"):
         return [*common, *small, "--model.rollout.n", "2"]
+    if recipe == "distill":  # the student as its own teacher: the wiring, not the signal
+        return [*common, *small, "--model.rollout.n", "2", "--model.teacher", model, "--model.frozen_dtype", "float32"]
     if recipe == "real_size_cpu":  # as written but the model and the lengths (the real size: the long tier)
         short = ["--data.chat_template", "false", "--model.rollout.max_new_tokens", "6", "--trainer.callbacks", "[]"]
         return [*common, *short, "--model.rollout.n", "2"]

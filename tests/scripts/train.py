@@ -23,6 +23,7 @@ from lightning_rlhf import (
     GRPOModule,
     KLConfig,
     LossConfig,
+    OnPolicyDistillationModule,
     OptimConfig,
     PPOModule,
     PromptDataModule,
@@ -183,6 +184,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--algo", default="grpo")
+    p.add_argument("--teacher", help="--algo distill: the teacher's model folder")
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (GPU runs)")
     p.add_argument("--devices", type=int, default=2)
@@ -305,6 +307,10 @@ def main() -> None:
             safety=SafetyConfig(cost_limit=0.0, lambda_init=1.0, lambda_lr=1.0),
             critic_optim=OptimConfig(lr=1e-3),
             **common,
+        )
+    elif args.algo == "distill":  # on-policy distillation toward --teacher
+        module = OnPolicyDistillationModule(
+            args.model, teacher=args.teacher, algorithm=AlgorithmConfig(**algo_kwargs), **common
         )
     elif args.algo == "dapo":  # dynamic sampling with a single extra round at most
         module = DAPOModule(

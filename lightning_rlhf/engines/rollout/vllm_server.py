@@ -225,10 +225,10 @@ class VLLMServerEngine:
         pool."""
         return EngineAbilities(copies_each_weight=True, interrupts=self.tp_size == 1)
 
-    def step_requests(self, new: list[Request], aborts: list[str], interrupt: bool) -> list[Completion]:
-        """One step of the server's request queue (``ServerRequestQueue``'s round trip). Runs on: the rollout's
-        process (TP 1)."""
-        return self._call("requests", new, aborts, interrupt)  # type: ignore[no-any-return]
+    def step_requests(self, new: list[Request], aborts: list[str], interrupt: bool, most: int) -> list[Completion]:
+        """Up to ``most`` scheduling steps of the server's request queue (``ServerRequestQueue``'s round trip). Runs on:
+        the rollout's process (TP 1)."""
+        return self._call("requests", new, aborts, interrupt, most)  # type: ignore[no-any-return]
 
     def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
         """``RolloutEngine.agree``, by the servers of the TP group (one rank: its own). Runs on: every rank of the
@@ -396,15 +396,19 @@ class _Server:
             pass
         self.reply("ok", handed)
 
-    def step_requests(self, new: list[Any], aborts: list[str], interrupt: bool) -> list[Any]:
-        """One step of the engine's request queue, for the client's ``ServerRequestQueue``."""
+    def step_requests(self, new: list[Any], aborts: list[str], interrupt: bool, most: int) -> list[Any]:
+        """Up to ``most`` steps of the engine's request queue for the client's ``ServerRequestQueue`` (fewer when none
+        is left running)."""
         queue = self.engine.requests
         queue.abort(aborts)
         queue.add(new)
         if interrupt:
             queue.interrupt()
         ended: list[Any] = []
-        queue.step(ended.append, True)
+        for _ in range(max(1, most)):
+            queue.step(ended.append, True)
+            if not queue.pending():
+                break
         return ended
 
     def serve(self) -> None:
