@@ -144,6 +144,11 @@ LONG_TIER: dict[str, str] = {
         "in CI the stream's mechanics (test_stream), a partial-rollout run on the pool with validation, episodes "
         "streamed and a resumed stream (test_async_rollouts)"
     ),
+    "tests/e2e/test_demo_learns.py::test_demo_learns_by_distillation": (
+        "the demo's GRPO teacher (250 steps) and 100 steps of distillation (about 3 min): in CI the module on two "
+        "ranks with the teacher on its own pool (test_more_algorithms), its parts (test_distillation), its recipe "
+        "(test_recipes)"
+    ),
     "tests/e2e/test_demo_learns.py::test_tool_demo_learns_with_an_agent_over_http": (
         "the tool task's 60 steps with the openai-client agent (about 3 min): in CI the endpoint against the real "
         "openai client, the same episodes as the built-in loop, the refusals (test_agent_http)"

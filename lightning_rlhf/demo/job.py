@@ -176,10 +176,8 @@ def _choices(args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any],
     from lightning_rlhf.demo.task import addition_cost, addition_splits
 
     tools = args.task == "tools"
-    if tools and args.algo in ("safe", "distill"):
-        raise SystemExit(
-            f"--task tools --algo {args.algo}: the tool task has no cost function and no teacher. HINT: another --algo."
-        )
+    if tools and args.algo == "safe":
+        raise SystemExit("--task tools --algo safe: the tool task has no cost function. HINT: another --algo.")
     extra: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     sampling = {"n": args.n, "temperature": 1.0, "seed": args.seed, "decode": args.decode}
@@ -191,10 +189,10 @@ def _choices(args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any],
         settings["loss"] = C.LossConfig(
             **{**vars(settings.get("loss", C.LossConfig())), "policy_loss": args.policy_loss}
         )
-    if args.algo == "distill":  # the teacher: this warm start after the GRPO demo's run (built once, cached)
+    if args.algo == "distill":  # by default the task's warm start after its GRPO demo run (built once, cached)
         from lightning_rlhf.demo.warmstart import prepare_demo_teacher
 
-        extra = {"teacher": prepare_demo_teacher(args.cache, seed=args.seed)}
+        extra = {"teacher": args.teacher or prepare_demo_teacher(args.cache, task=args.task, seed=args.seed)}
     if args.algo == "safe":  # answers with a 7 are "unsafe": at most 2% of responses may write one
         extra = {"cost": addition_cost, "safety": C.SafetyConfig(cost_limit=0.02, lambda_init=0.5, lambda_lr=0.5)}
     if tools:  # multi-turn episodes: the environment runs the calculator and scores the final answer
@@ -357,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
         "on with the new weights (needs --placement rollout and --max-staleness >= 1)",
     )
     add("--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)")
+    add(
+        "--teacher",
+        default=None,
+        help="--algo distill: the teacher's model folder (default: the task's warm start after its GRPO demo run, "
+        "built on first use and cached)",
+    )
     add("--val-every", type=int, default=None, help="validate every N steps as well (default: before and after)")
     add("--seed", type=int, default=0)
     add("--out", default="runs", help="parent folder of the run folder")
@@ -388,9 +392,28 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(module, datamodule=data)  # RunSummary prints the summary; MetricPlots draws reward.png & co
     if trainer.global_rank != 0:
         return
+    teacher = getattr(module, "teacher", None)
+    teacher_path = None if teacher is None else str(teacher.path)
     if args.task == "tools":
-        print_tool_table(model_path, _exported(trainer), trainer.logger.log_dir)
+        print_tool_table(model_path, _exported(trainer), trainer.logger.log_dir, teacher=teacher_path)
+    elif teacher_path is not None:
+        print_distillation(model_path, _exported(trainer), teacher_path, trainer.logger.log_dir)
     print(f"run folder: {os.path.abspath(trainer.logger.log_dir)}")
+
+
+def print_distillation(before: str, after: str, teacher: str, log_dir: str) -> dict[str, float]:
+    """The addition task's held-out success (greedy) of the student before and after distillation and of its teacher;
+    printed, and written to ``log_dir/distillation.json``. Runs on: rank 0, after ``fit``."""
+    from lightning_rlhf.demo.warmstart import held_out_accuracy
+
+    table = {"student before": held_out_accuracy(before), "student after": held_out_accuracy(after)}
+    table["teacher"] = held_out_accuracy(teacher)
+    print("held-out success (20 single-digit sums, greedy):")
+    for name, value in table.items():
+        print(f"  {name:<16} {value:.3f}")
+    with open(os.path.join(log_dir, "distillation.json"), "w") as f:
+        json.dump(table, f, indent=1)
+    return table
 
 
 def _exported(trainer: Any) -> str:
@@ -402,10 +425,12 @@ def _exported(trainer: Any) -> str:
     return str(folder)
 
 
-def print_tool_table(before: str, after: str, log_dir: str) -> dict[str, dict[str, float]]:
+def print_tool_table(
+    before: str, after: str, log_dir: str, *, teacher: str | None = None
+) -> dict[str, dict[str, float]]:
     """The tool task's held-out success (greedy episodes) of the warm-started model (``before``) and the RL-trained one
-    (``after``), each with and without the tool; printed, and written to ``log_dir/tool_success.json``. Runs on: rank 0,
-    after ``fit``."""
+    (``after``), each with and without the tool (and of a distillation's ``teacher``, with it); printed, and written to
+    ``log_dir/tool_success.json``. Runs on: rank 0, after ``fit``."""
     from lightning_rlhf.demo.tool_task import tool_splits
     from lightning_rlhf.demo.warmstart import tool_success
 
@@ -415,6 +440,8 @@ def print_tool_table(before: str, after: str, log_dir: str) -> dict[str, dict[st
         for when, path in (("before RL", before), ("after RL", after))
         for how in ("with the tool", "without the tool")
     }
+    if teacher is not None:
+        table["teacher, with the tool"] = tool_success(teacher, test, with_tool=True)
     print(f"held-out success ({len(test)} three-digit sums, greedy episodes):")
     for name, row in table.items():
         print(

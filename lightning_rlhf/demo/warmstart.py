@@ -193,29 +193,31 @@ def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
     return build_once(cache_dir, f"demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
-TEACHER_RL_STEPS = 250
-"""GRPO steps that make the demo's teacher (:func:`prepare_demo_teacher`) from its warm start (the demo's default)."""
+TEACHER_RL_STEPS = {"addition": 250, "tools": 60}
+"""GRPO steps that make the demo's teacher (:func:`prepare_demo_teacher`) from its warm start: each task's default."""
 
 
-def prepare_demo_teacher(cache_dir: str, *, seed: int = 0, steps: int = TEACHER_RL_STEPS) -> str:
-    """The demo's teacher for on-policy distillation: :func:`prepare_demo_model`'s warm start after ``steps`` steps of
-    the GRPO demo (``python -m lightning_rlhf.demo``, the transformers engine, in a child process), its exported actor
-    cached in ``cache_dir/demo-teacher-{CACHE_VERSION}-seed{seed}-rl{steps}`` (:func:`build_once`). Runs on: any process
-    (plain function; call it before a multi-process ``fit``: the child is a 2-process run of its own)."""
+def prepare_demo_teacher(cache_dir: str, *, task: str = "addition", seed: int = 0) -> str:
+    """The demo's teacher for on-policy distillation: the ``task``'s warm start (:func:`prepare_demo_model` or
+    :func:`prepare_tool_model`) after the demo's default GRPO run (:data:`TEACHER_RL_STEPS`; ``python -m
+    lightning_rlhf.demo --task TASK``, in a child process), its exported actor cached in
+    ``cache_dir/demo-teacher-{task}-{CACHE_VERSION}-seed{seed}`` (:func:`build_once`). Runs on: any process (plain
+    function; call it before a multi-process ``fit``: the child is a 2-process run of its own)."""
+    steps = TEACHER_RL_STEPS[task]
 
     def build(tmp: str) -> str:
         env = {
             k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_RLHF_RUN", "LOCAL_RANK", "NODE_RANK"))
         }
-        command = [sys.executable, "-m", "lightning_rlhf.demo", "--steps", str(steps), "--seed", str(seed)]
-        command += ["--rollout", "hf", "--cache", cache_dir, "--out", tmp]
+        command = [sys.executable, "-m", "lightning_rlhf.demo", "--task", task, "--steps", str(steps)]
+        command += ["--seed", str(seed), "--cache", cache_dir, "--out", tmp]
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"the demo's teacher run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         run = proc.stdout.strip().splitlines()[-1].removeprefix("run folder: ")
         return os.path.join(run, "actor")
 
-    return build_once(cache_dir, f"demo-teacher-{CACHE_VERSION}-seed{seed}-rl{steps}", build)
+    return build_once(cache_dir, f"demo-teacher-{task}-{CACHE_VERSION}-seed{seed}", build)
 
 
 TOOL_WARM_START_STEPS = 150
@@ -301,6 +303,13 @@ def sampled_accuracy(
     untouched. Runs on: any process (plain function)."""
     data = addition_dataset(seed=seed, digits=digits)
     return _accuracy(model_dir, data, num_samples, temperature=temperature, seed=seed)
+
+
+def held_out_accuracy(model_dir: str, *, seed: int = 0) -> float:
+    """Mean exact-match reward of greedy completions over the addition task's held-out prompts
+    (:func:`addition_splits`' ``"test"``, the demo's ``val/score/mean`` prompts) of the model in ``model_dir``. Runs on:
+    any process (plain function)."""
+    return _accuracy(model_dir, addition_splits(seed=seed)["test"])
 
 
 def greedy_accuracy(model_dir: str, *, digits: int = 1) -> float:

@@ -114,3 +114,20 @@ def test_tool_demo_learns_with_an_agent_over_http(tmp_path: Path) -> None:
     assert sum(scores[-k:]) / k >= sum(scores[:k]) / k + 0.1, scores
     assert min(float(r["rollout/turns/mean"]) for r in rows if r.get("rollout/turns/mean")) > 1.5
     assert "held-out success" in proc.stdout
+
+
+def test_demo_learns_by_distillation(tmp_path: Path) -> None:
+    """``--algo distill --steps 100``: the demo's GRPO-trained model (built once, in a child run) taught to a fresh
+    copy of the warm start: the reverse KL to the teacher falls to a quarter, the training reward gains 0.3, and the
+    student's held-out success ends within 0.1 of the teacher's."""
+    proc, rows = _demo(tmp_path, "--algo", "distill", "--steps", "100", "--rollout", "hf", timeout=1500)
+    steps = [r for r in rows if r.get("critic/score/mean")]
+    scores = [float(r["critic/score/mean"]) for r in steps]
+    kl = [float(r["distill/reverse_kl"]) for r in steps]
+    k = len(steps) // 10
+    assert sum(scores[-k:]) / k >= sum(scores[:k]) / k + 0.3, scores
+    assert sum(kl[-k:]) / k <= sum(kl[:k]) / k / 4, kl
+    run = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run folder: "))
+    table = json.loads((run / "distillation.json").read_text())
+    assert table["student after"] >= table["teacher"] - 0.1, table
+    assert table["teacher"] > table["student before"], table  # the teacher knows more than the warm start
