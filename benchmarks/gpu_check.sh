@@ -20,13 +20,15 @@
 #      tokens (benchmarks/bench_sequence_parallel.py, size_sp1.txt / size_sp2.txt), else says why not (size_sp.txt).
 #  10. partial (issue 46): partial rollouts on CUDA: the transformers engine's generate interrupted by a pause, the
 #      requests going on after it from their tokens (tests/gpu/test_gpu_partial.py): partial.txt.
-# PARTS="handoff learn" (names: tests profile tools bench lora handoff learn size partial) runs only those; all by
+#  11. distill (issue 47): on-policy distillation on CUDA, bf16: the demo's warm start taught by a random model of the
+#      same vocabulary (tests/scripts/train.py --algo distill), 4 steps: distill_metrics.csv, the reverse KL per step.
+# PARTS="handoff learn" (names: tests profile tools bench lora handoff learn size partial distill) runs only those; all by
 # default.
 # Every part has its own time limit; logs and tables go to $OUT (the device tool's folder), or ./gpu_out.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-PARTS=${PARTS:-tests profile tools bench lora handoff learn size partial}
+PARTS=${PARTS:-tests profile tools bench lora handoff learn size partial distill}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 if ! python3 -c "import matplotlib" 2>/dev/null; then  # the demo's plots
@@ -75,6 +77,18 @@ if want size; then  # about 1-2 minutes: the model is built and loaded once, 12 
     echo "size: SP 2 needs two GPUs; this machine has ${NGPU:-0}, so SP 1 vs SP 2 is skipped" | tee "$OUT/size_sp.txt"
   fi
 fi
+if want partial; then  # under a minute
+  step partial 60 python3 -m pytest -q tests/gpu/test_gpu_partial.py -p no:cacheprovider
+  tail -3 "$OUT/partial.txt"
+fi
+if want distill; then  # under a minute
+  STUDENT=$(python3 -c "from lightning_rlhf.demo import prepare_demo_model; print(prepare_demo_model('/tmp/cache'))" 2>/dev/null | tail -1)
+  TEACHER=$(python3 -c "from lightning_rlhf.demo import save_tiny; print(save_tiny('/tmp/teacher', seed=1))" 2>/dev/null | tail -1)
+  step distill 90 python3 tests/scripts/train.py --model "$STUDENT" --teacher "$TEACHER" --algo distill --out /tmp/distill \
+    --accelerator gpu --devices 1 --bf16 --steps 4
+  cp /tmp/distill/metrics.csv "$OUT/distill_metrics.csv" 2>/dev/null
+  python3 -c "import csv; print([(r['step'], r.get('distill/reverse_kl'), r.get('timing_s/step')) for r in csv.DictReader(open('/tmp/distill/metrics.csv'))])" 2>/dev/null
+fi
 want profile || want tools || want bench || want lora || exit 0
 MODEL=$(python3 -c "from lightning_rlhf.demo import prepare_demo_model; print(prepare_demo_model('/tmp/cache'))" 2>/dev/null | tail -1)
 want profile && step ppo_profile 90 python3 tests/scripts/train.py --model "$MODEL" --out /tmp/ppo --accelerator gpu --devices 1 \
@@ -97,7 +111,3 @@ want lora && for run in full lora; do
     --devices 1 --bf16 --kl-coef 0.05 --steps 6 --prompts 16 --n 4 --micro-batch-size 16 "${extra[@]}"
   python3 -c "import csv; r=list(csv.DictReader(open('/tmp/lora_$run/metrics.csv'))); print('$run', max(float(x['perf/max_memory_allocated_gb']) for x in r if x.get('perf/max_memory_allocated_gb')), r[-1].get('timing_s/step'), r[-1].get('timing_s/update_actor'), r[-1].get('timing_s/update_weights'))" 2>/dev/null
 done
-if want partial; then  # under a minute
-  step partial 60 python3 -m pytest -q tests/gpu/test_gpu_partial.py -p no:cacheprovider
-  tail -3 "$OUT/partial.txt"
-fi
