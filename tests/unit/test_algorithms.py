@@ -64,7 +64,7 @@ def test_registry_unknown_with_and_without_suggestion() -> None:
     with pytest.raises(ValueError) as info:
         ADVANTAGE_ESTIMATORS.get("gea")
     message = str(info.value)
-    assert message.startswith("Unknown advantage estimator 'gea'. Valid: gae, grpo, ")
+    assert message.startswith("Unknown advantage estimator 'gea'. Valid: gae, gpg, grpo, ")
     assert message.endswith(". Did you mean 'gae'?")
     with pytest.raises(ValueError) as info:
         KL_ESTIMATORS.get("zzz")

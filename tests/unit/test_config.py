@@ -37,7 +37,7 @@ from lightning_rlhf.config import (
         (
             AlgorithmConfig,
             {"advantage": "grpoo"},
-            r"advantage='grpoo' is invalid: expected one of \['gae', 'grpo', ",
+            r"advantage='grpoo' is invalid: expected one of \['gae', 'gpg', 'grpo', ",
         ),
         (KLConfig, {"estimator": "k9"}, r"KLConfig.estimator='k9' is invalid: expected one of \['k1'"),
         (KLConfig, {"target": 0.1}, r"KLConfig.target=0.1 is invalid: expected a KL > 0, with in_reward=True"),
