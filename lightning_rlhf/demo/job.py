@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from lightning_rlhf.config.models import embedded_cache_dir
@@ -253,9 +254,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The demo's command line (``python -m lightning_rlhf.demo --help``). Runs on: every process."""
+    """The demo's command line (``python -m lightning_rlhf.demo --help``), its options grouped by concern. Runs on:
+    every process."""
     parser = argparse.ArgumentParser(prog="python -m lightning_rlhf.demo", description=__doc__)
-    add = parser.add_argument
+    _task_arguments(parser.add_argument_group("task and algorithm").add_argument)
+    _placement_arguments(parser.add_argument_group("devices, engines and placement").add_argument)
+    _training_arguments(parser.add_argument_group("training").add_argument)
+    return parser
+
+
+def _task_arguments(add: Callable[..., Any]) -> None:
     add("--algo", choices=ALGORITHMS_NAMES, default="grpo", help="ready module to train with")
     add(
         "--policy-loss",
@@ -265,12 +273,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--advantage", default=None, help="AlgorithmConfig.advantage: a registered estimator (default: the module's)")
     add(
+        "--teacher",
+        default=None,
+        help="--algo distill: the teacher's model folder (default: the task's warm start after its GRPO demo run, "
+        "built on first use and cached)",
+    )
+    add(
         "--task",
         choices=list(TASK_DEFAULTS),
         default="addition",
         help="addition: single-digit sums in one turn; tools: three-digit sums in multi-turn episodes with a "
         "calculator tool (lightning_rlhf.demo.tool_task)",
     )
+    add(
+        "--agent",
+        choices=["builtin", "http"],
+        default="builtin",
+        help="--task tools: builtin (the tool loop) or http (a small agent written against the openai client talks "
+        "to the policy through an OpenAI-compatible endpoint on each rank)",
+    )
+    add("--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)")
+    add("--seed", type=int, default=0)
+
+
+def _placement_arguments(add: Callable[..., Any]) -> None:
     add(
         "--accelerator",
         choices=["cpu", "gpu"],
@@ -300,6 +326,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="RLHFStrategy(cpu_kernels=...), the CPU speed layer (compiled kernels, oneDNN linears). auto: "
         "$LIGHTNING_RLHF_CPU_KERNELS, else on with a CPU; off: PyTorch's own ops, as on a GPU",
     )
+    add(
+        "--placement",
+        default="colocate",
+        help="where roles run: colocate (all on every rank), split (actor+reward on the first half of the ranks, "
+        "the others on the second: with --algo ppo the critic's update overlaps the actor's; transformers "
+        "generation), rollout (generation alone on the second half), auto (the planner "
+        "chooses), or JSON role -> ranks",
+    )
+    add(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="AlgorithmConfig.asynchronous.max_staleness: 1 generates the next batch on the rollout pool while the "
+        "actor trains (asynchronous; needs --placement rollout)",
+    )
+    add(
+        "--stream",
+        action="store_true",
+        help="AsyncConfig.stream: the rollout pool generates continuously; each step trains on the oldest complete "
+        "groups (needs --placement rollout and --max-staleness >= 1)",
+    )
+    add(
+        "--partial-rollouts",
+        action="store_true",
+        help="AsyncConfig.partial_rollouts: streamed rollouts whose hand-offs interrupt the running requests, which go "
+        "on with the new weights (needs --placement rollout and --max-staleness >= 1)",
+    )
+    add("--out", default="runs", help="parent folder of the run folder")
+    add(
+        "--cache",
+        default=embedded_cache_dir(),
+        help="where the warm-started model is cached ($LIGHTNING_RLHF_CACHE, else ~/.cache/lightning_rlhf)",
+    )
+
+
+def _training_arguments(add: Callable[..., Any]) -> None:
     add("--steps", type=int, default=None, help="RL steps (addition 250, tools 60)")
     add("--prompts", type=int, default=None, help="prompts per step (addition 32, tools 16)")
     add("--n", type=int, default=8, help="samples per prompt")
@@ -320,56 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lora-rank", type=int, default=None, help=lora_help)
     add("--activation-checkpointing", action="store_true", help="RLHFModule(activation_checkpointing=True)")
     add("--sequence-parallel", type=int, default=1, help="RLHFModule(sequence_parallel=N), N dividing --devices")
-    add(
-        "--placement",
-        default="colocate",
-        help="where roles run: colocate (all on every rank), split (actor+reward on the first half of the ranks, "
-        "the others on the second: with --algo ppo the critic's update overlaps the actor's; transformers "
-        "generation), rollout (generation alone on the second half), auto (the planner "
-        "chooses), or JSON role -> ranks",
-    )
-    add(
-        "--max-staleness",
-        type=int,
-        default=0,
-        help="AlgorithmConfig.asynchronous.max_staleness: 1 generates the next batch on the rollout pool while the "
-        "actor trains (asynchronous; needs --placement rollout)",
-    )
-    add(
-        "--agent",
-        choices=["builtin", "http"],
-        default="builtin",
-        help="--task tools: builtin (the tool loop) or http (a small agent written against the openai client talks "
-        "to the policy through an OpenAI-compatible endpoint on each rank)",
-    )
-    add(
-        "--stream",
-        action="store_true",
-        help="AsyncConfig.stream: the rollout pool generates continuously; each step trains on the oldest complete "
-        "groups (needs --placement rollout and --max-staleness >= 1)",
-    )
-    add(
-        "--partial-rollouts",
-        action="store_true",
-        help="AsyncConfig.partial_rollouts: streamed rollouts whose hand-offs interrupt the running requests, which go "
-        "on with the new weights (needs --placement rollout and --max-staleness >= 1)",
-    )
-    add("--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)")
-    add(
-        "--teacher",
-        default=None,
-        help="--algo distill: the teacher's model folder (default: the task's warm start after its GRPO demo run, "
-        "built on first use and cached)",
-    )
     add("--val-every", type=int, default=None, help="validate every N steps as well (default: before and after)")
-    add("--seed", type=int, default=0)
-    add("--out", default="runs", help="parent folder of the run folder")
-    add(
-        "--cache",
-        default=embedded_cache_dir(),
-        help="where the warm-started model is cached ($LIGHTNING_RLHF_CACHE, else ~/.cache/lightning_rlhf)",
-    )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
