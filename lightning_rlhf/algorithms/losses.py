@@ -325,6 +325,13 @@ def _aggregate(per_token: Tensor, mask: Tensor, settings: PolicySettings) -> Ten
     return aggregate_loss(per_token, mask, mode=settings.agg, num_tokens=settings.num_tokens, max_len=settings.max_len)
 
 
+def _metrics(flagged: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """:class:`PolicyLoss`'s metrics: ``"pg_clipfrac"``, the share of valid tokens ``flagged`` (clipped, gated or
+    masked), and ``"ppo_kl"``."""
+    with torch.no_grad():
+        return {"pg_clipfrac": masked_mean(flagged.to(log_ratio.dtype), mask), "ppo_kl": masked_mean(-log_ratio, mask)}
+
+
 def _ratio(logprobs: Tensor, old_logprobs: Tensor) -> tuple[Tensor, Tensor]:
     """``(ratio, log_ratio)``: ``exp(clamp(logprobs - old_logprobs, -20, 20))`` and the log-ratio itself."""
     log_ratio = logprobs - old_logprobs
@@ -347,10 +354,7 @@ def policy_loss_cispo(
     ratio, log_ratio = _ratio(logprobs, old_logprobs)
     weight = ratio.detach().clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
     loss = _aggregate(-advantages * weight * logprobs, response_mask, config)
-    with torch.no_grad():
-        clipped = (weight != ratio.detach()).to(logprobs.dtype)
-        metrics = {"pg_clipfrac": masked_mean(clipped, response_mask), "ppo_kl": masked_mean(-log_ratio, response_mask)}
-    return loss, metrics
+    return loss, _metrics(weight != ratio.detach(), log_ratio, response_mask)
 
 
 @POLICY_LOSSES.register("sapo")
@@ -378,10 +382,8 @@ def policy_loss_sapo(
     tau = torch.where(advantages > 0, config.tau_pos, config.tau_neg).to(logprobs.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = _aggregate(-advantages * gate * (4.0 / tau), response_mask, config)
-    with torch.no_grad():
-        weak = (4.0 * gate * (1.0 - gate) < 0.5).to(logprobs.dtype)  # the gradient's weight, d f / d r = 4 s (1 - s)
-        metrics = {"pg_clipfrac": masked_mean(weak, response_mask), "ppo_kl": masked_mean(-log_ratio, response_mask)}
-    return loss, metrics
+    weak = 4.0 * gate.detach() * (1.0 - gate.detach()) < 0.5  # the gradient's weight, d f / d r = 4 s (1 - s)
+    return loss, _metrics(weak, log_ratio, response_mask)
 
 
 @POLICY_LOSSES.register("gpg")
@@ -397,12 +399,7 @@ def policy_loss_gpg(
     """
     config = PolicySettings(**settings)
     loss = _aggregate(-advantages * logprobs, response_mask, config)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
-            "ppo_kl": masked_mean(old_logprobs - logprobs, response_mask),
-        }
-    return loss, metrics
+    return loss, _metrics(torch.zeros_like(response_mask, dtype=torch.bool), logprobs - old_logprobs, response_mask)
 
 
 def _dppo(
@@ -422,12 +419,7 @@ def _dppo(
         pushed = ((advantages > 0) & (ratio > 1.0)) | ((advantages < 0) & (ratio < 1.0))
         blocked = (divergence > threshold) & pushed
     loss = _aggregate(torch.where(blocked, torch.zeros_like(ratio), -advantages * ratio), mask, config)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean(blocked.to(logprobs.dtype), mask),
-            "ppo_kl": masked_mean(-log_ratio, mask),
-        }
-    return loss, metrics
+    return loss, _metrics(blocked, log_ratio, mask)
 
 
 @POLICY_LOSSES.register("dppo_kl")
