@@ -580,7 +580,8 @@ class AsyncConfig:
     """Streamed rollouts (as ``stream``) whose hand-offs do not wait for the slowest requests: the running requests are
     interrupted, the new weights handed over, and they go on from their tokens so far with the new policy; each token
     records the version that sampled it (``rollout_versions``), and the staleness bound counts its oldest token. Needs
-    an engine that interrupts (the transformers engine on the rollout pool). Multi-turn episodes stream too: an
+    an engine that interrupts: the transformers engine, or vLLM at tensor parallel 1 (a pool at TP > 1 is refused
+    before launch). Multi-turn episodes stream too: an
     interrupted turn goes on inside ``episode.generate()``."""
     rollout_is: Literal["auto", "token", "sequence", "none"] = "auto"
     """Truncated importance sampling (Yao et al., 2025) for the gap between the weights that generated a sample and
