@@ -172,7 +172,8 @@ class ServerRequestQueue:
             self._running.add(request.id)
 
     def step(self, done: Done, busy: bool) -> bool:
-        """One scheduling step in the server; each request that ended to ``done``. Runs on: the rollout's process."""
+        """Up to ``steps_per_call`` scheduling steps in the server (one round trip); each request that ended to
+        ``done``. Runs on: the rollout's process."""
         if not self._running and not self._aborts:
             self._interrupt.clear()
             return busy
