@@ -208,8 +208,7 @@ class RequestDriver:
             waiting = any(s in ("tools", "other") for s in self._states.values())
             in_engine = self.queue.pending() > 0 or bool(self._aborts)
             if self._pausing.is_set() and not in_engine:  # idle until resumed
-                self._idle.set()
-                await self._until(lambda: not self._pausing.is_set() or self._closed)
+                await self._until(self._idle_until_resumed)
                 continue
             release = not self._pausing.is_set() and (not self.lockstep or not (waiting or in_engine))
             requests: list[Request] = []
@@ -227,6 +226,15 @@ class RequestDriver:
                 return
             self._changed.clear()
             await self._changed.wait()
+
+    def _idle_until_resumed(self) -> bool:
+        """Whether the pause ended; while it lasts, mark the driver idle at every wake: a resume and a new pause that
+        come before the loop runs again (a hand-off, then validation's generate) clear the mark, and the loop would
+        otherwise wait for the resume it never saw while the new pause waits for the mark."""
+        if self._pausing.is_set() and not self._closed:
+            self._idle.set()
+            return False
+        return True
 
     def _step(self, requests: list[Request], aborts: list[str], busy: bool) -> bool:
         """One engine step (in the engine's thread): the new requests queued, the aborted ones ended, one step."""

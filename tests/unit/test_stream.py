@@ -79,3 +79,27 @@ def test_a_failure_in_the_streams_thread_reaches_the_caller() -> None:
             stream.take(2, version=0)
     finally:
         stream.close()
+
+
+def test_a_pause_right_after_a_resume_returns_even_before_the_driver_saw_the_resume() -> None:
+    """A hand-off's pause and resume, then validation's pause at once (the pool's two calls of one step): the second
+    pause must not wait for the driver to notice the resume in between (it hung when the driver had not: its idle
+    mark was set once per pause, before it saw the resume)."""
+    import asyncio
+    import threading
+
+    from lightning_rlhf.agents.driver import RequestDriver
+    from lightning_rlhf.engines.rollout.requests import BatchedRequestQueue
+
+    driver = RequestDriver(BatchedRequestQueue(tiny_engine()), lockstep=False, shared=False, timeout_s=600)
+    thread = threading.Thread(target=asyncio.run, args=(driver.serve(),), daemon=True)
+    thread.start()
+    try:
+        driver.pause(interrupt=False, timeout_s=30)
+        for version in range(300):  # back to back: the driver's loop rarely runs between the two calls
+            driver.resume(version)
+            driver.pause(interrupt=False, timeout_s=30)  # TimeoutError if the driver never marks itself idle again
+    finally:
+        driver.close()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
