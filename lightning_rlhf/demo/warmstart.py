@@ -193,23 +193,18 @@ def prepare_demo_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
     return build_once(cache_dir, f"demo-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
-TEACHER_RL_STEPS = {"addition": 250, "tools": 60}
-"""GRPO steps that make the demo's teacher (:func:`prepare_demo_teacher`) from its warm start: each task's default."""
-
-
 def prepare_demo_teacher(cache_dir: str, *, task: str = "addition", seed: int = 0) -> str:
     """The demo's teacher for on-policy distillation: the ``task``'s warm start (:func:`prepare_demo_model` or
-    :func:`prepare_tool_model`) after the demo's default GRPO run (:data:`TEACHER_RL_STEPS`; ``python -m
-    lightning_rlhf.demo --task TASK``, in a child process), its exported actor cached in
+    :func:`prepare_tool_model`) after the demo's default GRPO run (``python -m lightning_rlhf.demo --task
+    TASK``, its task's steps, in a child process), its exported actor cached in
     ``cache_dir/demo-teacher-{task}-{CACHE_VERSION}-seed{seed}`` (:func:`build_once`). Runs on: any process (plain
     function; call it before a multi-process ``fit``: the child is a 2-process run of its own)."""
-    steps = TEACHER_RL_STEPS[task]
 
     def build(tmp: str) -> str:
         env = {
             k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_RLHF_RUN", "LOCAL_RANK", "NODE_RANK"))
         }
-        command = [sys.executable, "-m", "lightning_rlhf.demo", "--task", task, "--steps", str(steps)]
+        command = [sys.executable, "-m", "lightning_rlhf.demo", "--task", task]
         command += ["--seed", str(seed), "--cache", cache_dir, "--out", tmp]
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
