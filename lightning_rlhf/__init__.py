@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lightning_rlhf.compat.torchvision import install_import_hook
 from lightning_rlhf.lazy import lazy_exports
+
+install_import_hook()  # torchvision (the vision path) imports beside PyTorch's CPU build
 
 if TYPE_CHECKING:
     from lightning_rlhf.batch import Batch

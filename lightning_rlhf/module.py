@@ -105,6 +105,8 @@ class RLHFModule(L.LightningModule):
         sequence_parallel: ranks that share each sequence in the forwards of the actor, critic and reference
             (DeepSpeed-Ulysses: each holds ``1/N`` of the columns, attention exchanges heads; docs/performance.md).
             It must divide each of their pools and the models' attention heads; the data-parallel size is pool / N.
+        train_vision_tower: a vision-language actor (Qwen2-VL family) trains its vision tower too; by default it is
+            frozen and the language model alone learns (docs/vision.md).
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class RLHFModule(L.LightningModule):
         lora: Any = None,
         activation_checkpointing: bool | Sequence[str] = False,
         sequence_parallel: int = 1,
+        train_vision_tower: bool = False,
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -159,6 +162,7 @@ class RLHFModule(L.LightningModule):
             algorithm=algo,
             optim=actor_optim or OptimConfig(),
             lora=lora_of(task_type="CAUSAL_LM", model=actor),
+            train_vision_tower=train_vision_tower,
         )
         self.actor.environment = environment_factory(self.environment) if self.environment is not None else None
         if self.actor.environment is not None:  # the tools' schemas and the chat template, before any process starts

@@ -393,8 +393,10 @@ def _save_pretrained(state: dict[str, torch.Tensor], config: Any, generation: An
     over), and write it with ``save_pretrained`` beside the tokenizer. Runs on: one process (rank 0)."""
     from transformers import AutoModelForCausalLM
 
+    from lightning_rlhf.engines.train.vision import causal_lm_class
+
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = causal_lm_class(AutoModelForCausalLM, config).from_config(config)  # type: ignore[attr-defined]
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -409,3 +411,16 @@ def _save_pretrained(state: dict[str, torch.Tensor], config: Any, generation: An
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _save_processor(tokenizer.name_or_path, config, out)
+
+
+def _save_processor(source: str, config: Any, out: str) -> None:
+    """A vision-language model's processor (image processor, chat template) beside its tokenizer, so that the exported
+    folder loads with ``AutoProcessor`` and in vLLM; nothing for a text model. Runs on: one process (rank 0)."""
+    from lightning_rlhf.engines.train.vision import is_vision_language
+
+    if not is_vision_language(config) or not os.path.isdir(source):
+        return
+    from transformers import AutoProcessor
+
+    AutoProcessor.from_pretrained(source).save_pretrained(out)

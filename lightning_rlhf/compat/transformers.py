@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["SUPPORTED_TRANSFORMERS", "attention_implementation", "no_split_modules"]
+__all__ = ["SUPPORTED_TRANSFORMERS", "attention_implementation", "checkpoint_key_renamer", "no_split_modules"]
 
 SUPPORTED_TRANSFORMERS = ">=4.56,<6"
 """The transformers versions this module is written (and tested) against; ``pyproject.toml`` states the same range."""
@@ -43,3 +43,26 @@ def no_split_modules(model: nn.Module) -> set[str]:
     that declares none (not a transformers model). Relies on: ``PreTrainedModel._no_split_modules`` (the blocks
     ``device_map`` never splits). Runs on: every worker rank (FSDP2 wraps each block)."""
     return set(getattr(model, "_no_split_modules", None) or [])
+
+
+def checkpoint_key_renamer(model: nn.Module) -> Any:
+    """A function from a checkpoint's tensor name to the built model's, with the renamings transformers applies while
+    loading ``model``'s architecture (e.g. a Qwen2-VL checkpoint's legacy ``model.layers.*`` / ``visual.*`` for
+    ``model.language_model.layers.*`` / ``model.visual.*``); None when there are none, or when any conversion merges or
+    splits tensors (the sharded loader reads tensors as they are stored). Relies on: ``transformers.conversion_mapping.
+    get_model_conversion_mapping`` and ``transformers.core_model_loading.rename_source_key`` /``WeightRenaming`` (5.x).
+    Runs on: every process (the sharded loader)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4.x renames nothing while loading
+        return None
+    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    if not renamings or len(renamings) != len(transforms):
+        return None
+
+    def rename(key: str) -> str:
+        return str(rename_source_key(key, renamings, [])[0])
+
+    return rename

@@ -173,7 +173,7 @@ def _tied_embedding_in_place(worker: Any) -> None:
     materialise it in fresh memory, copy it in, pack it and copy it back; at Qwen3's width the vocabulary is 83% of
     the bytes, and a copy into fresh memory took 6x one into the engine's own tensors here. Its product is then the
     head's, which :func:`_refresh_tied_head` packs anew. Runs inside the vLLM worker, once the reload has opened."""
-    model = worker.model_runner.model
+    model = _language_model(worker.model_runner.model)
     embed = _TIED.get(model)
     if embed is not None:
         vllm_compat.load_in_place(embed)
@@ -187,7 +187,7 @@ def _refresh_tied_head(worker: Any) -> None:
     that one; else (the embedding loaded in place, :func:`_tied_embedding_in_place`) the head is packed anew and the
     embedding shares it. Packing is ~7x a memcpy (oneDNN's blocked layout): the vocabulary is packed once a hand-off,
     not twice (docs/performance-log.md, "The hand-off at Qwen3's width"). Runs inside the vLLM worker."""
-    model = worker.model_runner.model
+    model = _language_model(worker.model_runner.model)
     head = model.lm_head
     embed = next(
         (
@@ -206,6 +206,14 @@ def _refresh_tied_head(worker: Any) -> None:
             embed.cpu_linear = head.cpu_linear  # the old product goes
     if embed is not None and hasattr(embed, "cpu_linear"):
         _TIED[model] = embed
+
+
+def _language_model(model: Any) -> Any:
+    """The module holding ``lm_head`` in a vLLM model: the model itself, or a vision-language model's language model
+    (vLLM's ``SupportsMultiModal.get_language_model``)."""
+    if hasattr(model, "lm_head"):
+        return model
+    return model.get_language_model()
 
 
 def restore_model(model: nn.Module) -> int:

@@ -8,7 +8,26 @@ from typing import Any
 
 __all__ = ["chat_prompt_text", "check_messages", "render_chat", "template_kwargs"]
 
-_SHAPE = "a non-empty list of {'role': str, 'content': str} dicts with at least one 'user' message"
+_SHAPE = (
+    "a non-empty list of {'role': str, 'content': str or a list of {'type': 'text' | 'image', ...} items} dicts with "
+    "at least one 'user' message"
+)
+
+
+def content_text(content: Any) -> str:
+    """A message's text: its content, or the text items of a content list (images and other items left out). Runs
+    on: any process."""
+    if isinstance(content, list):
+        return "".join(str(item.get("text") or "") for item in content if item.get("type") == "text")
+    return str(content)
+
+
+def _is_content(content: Any) -> bool:
+    """Text, or a list of typed items (``{"type": "text", "text": ...}``, ``{"type": "image"}``): what chat templates
+    of vision-language models take."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(i, dict) and isinstance(i.get("type"), str) for i in content)
 
 
 def check_messages(value: Any, *, column: str, row: int, which: str) -> list[dict[str, Any]]:
@@ -23,14 +42,14 @@ def check_messages(value: Any, *, column: str, row: int, which: str) -> list[dic
         for j, message in enumerate(value):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 problem = f"message {j} is {message!r:.80}, without a text 'role'"
-            elif not isinstance(message.get("content"), str) and not (
+            elif not _is_content(message.get("content")) and not (
                 message.get("content") is None and message.get("tool_calls")
             ):  # an assistant turn that only calls tools may have no content
                 problem = f"message {j} ({message['role']!r}) has content {message.get('content')!r:.80}, not text"
             if problem:
                 break
         else:
-            users = [m["content"] for m in value if m["role"] == "user"]
+            users = [content_text(m["content"]) for m in value if m["role"] == "user"]
             if not users:
                 problem = f"no message has role 'user' (roles: {[m['role'] for m in value]})"
             elif not users[-1].strip():
@@ -47,7 +66,7 @@ def check_messages(value: Any, *, column: str, row: int, which: str) -> list[dic
 def chat_prompt_text(messages: list[dict[str, Any]]) -> str:
     """The text reward functions receive as the ``prompt`` of a chat: the content of its last user message (the
     chat itself stays in its column). Runs on: any process."""
-    return str([m["content"] for m in messages if m["role"] == "user"][-1])
+    return content_text([m["content"] for m in messages if m["role"] == "user"][-1])
 
 
 def template_kwargs(owner: str, value: Any) -> dict[str, Any]:

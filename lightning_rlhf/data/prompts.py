@@ -18,6 +18,13 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config.models import resolve_model_path
 from lightning_rlhf.data.chat import chat_prompt_text, check_messages, render_chat, template_kwargs
 from lightning_rlhf.data.sources import load_prompt_dataset, split_off
+from lightning_rlhf.data.vision import (
+    VISION_COLUMN,
+    count_image_items,
+    expand_image_tokens,
+    load_image,
+    vision_inputs,
+)
 
 __all__ = ["RESERVED_COLUMNS", "PromptDataModule", "PromptLoader"]
 
@@ -44,6 +51,7 @@ RESERVED_COLUMNS = frozenset(
         "token_rewards",
         "advantages",
         "returns",
+        VISION_COLUMN,
     }
 )
 """Batch columns the framework writes; a dataset column with one of these names would be overwritten."""
@@ -137,6 +145,11 @@ class PromptDataModule(L.LightningDataModule):
         batch_size: prompts per RL step (the samples per step are ``batch_size * RolloutConfig.n``).
         val_batch_size: prompts per validation batch (the last may be smaller); None: ``batch_size``.
         prompt_column: the column holding the prompt text.
+        image_column: the column holding each prompt's images (a vision-language actor, docs/vision.md): one image or
+            a list, each a ``datasets.Image`` value, a PIL image, a path or bytes. A text prompt becomes one user turn,
+            its images first, rendered with the chat template; in a ``messages_column`` chat the ``{"type": "image"}``
+            items take the row's images in order (their count must match). Each row then carries a
+            :class:`~lightning_rlhf.data.vision.VisionInputs` in the batch's ``vision`` column.
         messages_column: the column holding each prompt as a chat (``[{"role": "user", "content": ...}, ...]``),
             rendered with the chat template and the generation prompt, instead of ``prompt_column``. Reward
             functions get the last user message as the ``prompt``, and the chat under this column's name.
@@ -165,6 +178,7 @@ class PromptDataModule(L.LightningDataModule):
         val_batch_size: int | None = None,
         prompt_column: str = "prompt",
         messages_column: str | None = None,
+        image_column: str | None = None,
         max_prompt_length: int = 512,
         overlong: str = "filter",
         tokenizer: str | None = None,
@@ -215,6 +229,7 @@ class PromptDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size
         self.prompt_column = prompt_column
         self.messages_column = messages_column
+        self.image_column = image_column
         self.max_prompt_length = max_prompt_length
         self.overlong = overlong
         self.tokenizer_path = tokenizer
@@ -229,12 +244,15 @@ class PromptDataModule(L.LightningDataModule):
         self._val_rows: list[dict[str, Any]] | None = None
         self._loader: PromptLoader | None = None
         self._tokenizer: Any = None
+        self._image_processor: Any = None  # with image_column: the processor's image half (AutoImageProcessor)
 
     def setup(self, stage: str) -> None:
         """Load, check and tokenize the training and validation prompts. Runs on: every process, before models load."""
         if self._rows is not None:
             return
         self._tokenizer = self._resolve_tokenizer()
+        if self.image_column is not None:
+            self._image_processor = self._resolve_image_processor()
         train = self._placeholder_rows() if self.train is None else None
         if train is None:
             train = load_prompt_dataset(self.train, setting="train", config=self.dataset_config, split=self.train_split)
@@ -299,9 +317,16 @@ class PromptDataModule(L.LightningDataModule):
                 f"PromptDataModule: {which} dataset columns {clash} clash with the rollout columns lightning_rlhf "
                 "adds. HINT: rename them (datasets.Dataset.rename_column) before training."
             )
+        if self.image_column is not None and self.image_column not in dataset.column_names:
+            raise KeyError(
+                f"PromptDataModule(image_column={self.image_column!r}): the {which} data has no such column. "
+                f"Columns: {dataset.column_names}. HINT: set image_column to the column holding the images."
+            )
         entries: list[tuple[int, dict[str, Any], str, list[int]]] = []
         for i, row in enumerate(dataset):
-            if chat:
+            if self.image_column is not None:
+                i, row, text, ids = self._with_images(i, row, col, which)
+            elif chat:
                 messages = check_messages(row[col], column=col, row=i, which=which)
                 text = chat_prompt_text(messages)
                 ids = [] if environment is not None else self._render(messages, row=i, which=which)
@@ -337,6 +362,66 @@ class PromptDataModule(L.LightningDataModule):
             min_rows=min_rows,
         )
 
+    def _with_images(
+        self, i: int, row: dict[str, Any], col: str, which: str
+    ) -> tuple[int, dict[str, Any], str, list[int]]:
+        """A row with images: its images decoded, its prompt rendered with one placeholder per image (a text prompt as
+        one user turn, images first) and each placeholder repeated once per merged patch; the counts checked."""
+        column = str(self.image_column)
+        setting = f"image_column={column!r}"
+        value = row[column]
+        images = [
+            load_image(v, setting=setting, row=i, which=which) for v in (value if isinstance(value, list) else [value])
+        ]
+        if self.messages_column is not None:
+            messages = check_messages(row[col], column=col, row=i, which=which)
+            text = chat_prompt_text(messages)
+            if count_image_items(messages) != len(images):
+                raise ValueError(
+                    f"PromptDataModule({setting}): row {i} of the {which} data has {len(images)} images and "
+                    f"{count_image_items(messages)} image items ({{'type': 'image'}}) in its chat. HINT: give each "
+                    "image one image item in the messages, in order."
+                )
+        else:
+            prompt = row.get(col)
+            if not isinstance(prompt, str):
+                raise ValueError(
+                    f"PromptDataModule: row {i} has a non-text prompt in column {col!r} of the {which} data."
+                )
+            text = prompt
+            messages = [
+                {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}
+            ]
+        ids = self._render(messages, row=i, which=which)
+        grid = vision_inputs(self._image_processor, images)
+        merge = int(getattr(self._image_processor, "merge_size", 1))
+        try:
+            ids = expand_image_tokens(ids, self._image_token_id(), grid.tokens_per_image(merge))
+        except ValueError as err:
+            raise ValueError(
+                f"PromptDataModule({setting}): row {i} of the {which} data: {err} (the rendered prompt must hold one "
+                f"{self._tokenizer.convert_ids_to_tokens(self._image_token_id())!r} per image). HINT: remove image "
+                "tokens written into the prompt text; the chat template places them."
+            ) from err
+        return i, {**row, column: images}, text, ids
+
+    def _image_token_id(self) -> int:
+        token = getattr(self._tokenizer, "image_token", None) or "<|image_pad|>"
+        return int(self._tokenizer.convert_tokens_to_ids(token))
+
+    def _resolve_image_processor(self) -> Any:
+        from transformers import AutoImageProcessor
+
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        source = self.tokenizer_path or getattr(getattr(module, "actor", None), "path", None)
+        if source is None:
+            raise ValueError(
+                f"PromptDataModule(image_column={self.image_column!r}) needs the model's image processor: pass "
+                "tokenizer=<the model folder> or use it with an RLHFModule."
+            )
+        setting = "PromptDataModule(image_column=...)"
+        return AutoImageProcessor.from_pretrained(resolve_model_path(source, setting=setting, tokenizer_only=True))
+
     def _render(self, messages: list[dict[str, Any]], *, row: int, which: str) -> list[int]:
         return render_chat(
             self._tokenizer, messages, row=row, which=which, chat_template_kwargs=self.chat_template_kwargs
@@ -371,6 +456,8 @@ class PromptDataModule(L.LightningDataModule):
             prompts[i, width - n :] = torch.tensor(r["prompt_ids"])
             mask[i, width - n :] = 1
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
+        if self.image_column is not None:  # the processor's inputs, made per batch (not kept for the whole dataset)
+            columns[VISION_COLUMN] = [vision_inputs(self._image_processor, r[self.image_column]) for r in rows]
         meta: dict[str, Any] = {"max_prompt_length": self.max_prompt_length}  # an episode's first prompt's bound
         if self.chat_template_kwargs:  # every render of a chat: episodes, a reward model's chats
             meta["chat_template_kwargs"] = dict(self.chat_template_kwargs)

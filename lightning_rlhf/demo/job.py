@@ -112,14 +112,15 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
     from lightning_rlhf.data import PromptDataModule
     from lightning_rlhf.demo.task import addition_reward
+    from lightning_rlhf.demo.vision_task import corner_reward
     from lightning_rlhf.strategy import RLHFStrategy
 
     module_cls, advantage = _algorithms()[args.algo]
-    tools = args.task == "tools"
+    tools, vision = args.task == "tools", args.task == "vision"
     extra, settings, rollout, splits = _choices(args, model_path)
     module = module_cls(
         model_path,
-        reward=None if tools else addition_reward,
+        reward=None if tools else corner_reward if vision else addition_reward,
         reference=False,
         rollout=rollout,
         algorithm=C.AlgorithmConfig(
@@ -144,10 +145,15 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         **extra,
     )
     data = PromptDataModule(
-        splits["train"], val=splits["test"], batch_size=args.prompts, max_prompt_length=64, seed=args.seed
+        splits["train"],
+        val=splits["test"],
+        batch_size=args.prompts,
+        max_prompt_length=128 if vision else 64,
+        seed=args.seed,
+        image_column="image" if vision else None,
     )
     placement = demo_placement(args.placement, list(module.roles()), args.devices)
-    run_name = "demo-tools" if tools else "demo"
+    run_name = {"tools": "demo-tools", "vision": "demo-vision"}.get(args.task, "demo")
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
@@ -208,6 +214,11 @@ def _choices(args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any],
         episode = C.EpisodeConfig(max_turns=3, tool_workers=1, agent_loop=loop)
         rollout = C.RolloutConfig(**sampling, max_new_tokens=TOOL_TURN_TOKENS, episode=episode)
         splits = tool_splits()
+    elif args.task == "vision":  # a quadrant's number, read off a generated image (lightning_rlhf.demo.vision_task)
+        from lightning_rlhf.demo.vision_task import vision_splits
+
+        rollout = C.RolloutConfig(**sampling, max_new_tokens=3)
+        splits = vision_splits(seed=args.seed)
     else:
         rollout = C.RolloutConfig(**sampling, max_new_tokens=6)
         splits = addition_splits()  # the same 20 held-out prompts as the warm start left out
@@ -239,6 +250,7 @@ byte-level vocabulary)."""
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "addition": {"steps": 250, "prompts": 32, "lr": 5e-4, "warmup": 20, "warm_start_steps": 40},
     "tools": {"steps": 60, "prompts": 16, "lr": 3e-4, "warmup": 5, "warm_start_steps": None},
+    "vision": {"steps": 100, "prompts": 16, "lr": 1e-3, "warmup": 5, "warm_start_steps": 60},
 }
 """The demo's settings per ``--task`` where the command line leaves them out (``warm_start_steps`` None: the tool
 model's own default, :data:`~lightning_rlhf.demo.warmstart.TOOL_WARM_START_STEPS`)."""
@@ -283,7 +295,8 @@ def _task_arguments(add: Callable[..., Any]) -> None:
         choices=list(TASK_DEFAULTS),
         default="addition",
         help="addition: single-digit sums in one turn; tools: three-digit sums in multi-turn episodes with a "
-        "calculator tool (lightning_rlhf.demo.tool_task)",
+        "calculator tool (lightning_rlhf.demo.tool_task); vision: which quadrant of a generated image holds the "
+        "square, for a tiny Qwen2-VL (lightning_rlhf.demo.vision_task)",
     )
     add(
         "--agent",
@@ -292,7 +305,12 @@ def _task_arguments(add: Callable[..., Any]) -> None:
         help="--task tools: builtin (the tool loop) or http (a small agent written against the openai client talks "
         "to the policy through an OpenAI-compatible endpoint on each rank)",
     )
-    add("--warm-start-steps", type=int, default=None, help="SFTModule steps of the warm start (addition 40, tools 150)")
+    add(
+        "--warm-start-steps",
+        type=int,
+        default=None,
+        help="SFTModule steps of the warm start (addition 40, tools 150, vision 60)",
+    )
     add("--seed", type=int, default=0)
 
 
@@ -392,13 +410,15 @@ def main(argv: list[str] | None = None) -> None:
     import lightning as L
     import torch
 
-    from lightning_rlhf.demo.warmstart import prepare_demo_model, prepare_tool_model
+    from lightning_rlhf.demo.warmstart import prepare_demo_model, prepare_tool_model, prepare_vision_model
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     L.seed_everything(args.seed, verbose=False)
     if args.task == "tools":
         steps = {} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps}
         model_path = prepare_tool_model(args.cache, seed=args.seed, **steps)
+    elif args.task == "vision":
+        model_path = prepare_vision_model(args.cache, seed=args.seed, warm_start_steps=args.warm_start_steps)
     else:
         model_path = prepare_demo_model(args.cache, seed=args.seed, warm_start_steps=args.warm_start_steps)
     module, data, trainer = build_job(args, model_path)

@@ -240,6 +240,27 @@ def prepare_tool_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
     return build_once(cache_dir, f"tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
+VISION_WARM_START_STEPS = 60
+"""Supervised steps of the visual task's warm start (batches of 16; the answers drawn at random: the format only)."""
+
+
+def prepare_vision_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int = VISION_WARM_START_STEPS) -> str:
+    """The visual task's warm-started tiny VLM (:mod:`lightning_rlhf.demo.vision_task`), built and cached on first use
+    like :func:`prepare_demo_model`: a tiny Qwen2-VL and its processor
+    (:func:`~lightning_rlhf.demo.tiny_vlm.save_tiny_vlm`), then ``warm_start_steps`` supervised steps that teach the
+    answer format with answers drawn at random (:func:`~lightning_rlhf.demo.vision_task.warm_start_vision`). Cached in
+    ``cache_dir/vision-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}``. Runs on: any process (plain function;
+    call it before a multi-process ``fit``)."""
+    from lightning_rlhf.demo.tiny_vlm import save_tiny_vlm
+    from lightning_rlhf.demo.vision_task import warm_start_vision
+
+    def build(tmp: str) -> str:
+        base = save_tiny_vlm(os.path.join(tmp, "base"), seed=seed)
+        return warm_start_vision(base, os.path.join(tmp, "model"), steps=warm_start_steps, seed=seed)
+
+    return build_once(cache_dir, f"vision-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
+
+
 def tiny_addition_model(cache_dir: str) -> str:
     """The embedded model ``lightning-rlhf/tiny-addition``: :func:`prepare_demo_model` with seed 0. Runs on: any
     process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""

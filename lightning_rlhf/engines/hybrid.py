@@ -50,6 +50,7 @@ from lightning_rlhf.engines.train.lora import (
     merged_weights,
     write_adapter,
 )
+from lightning_rlhf.engines.train.vision import batch_vision, placeholder_ids
 
 __all__ = ["HybridEngine", "Trainer", "prompt_ids", "rollout_params", "sample_rollout"]
 
@@ -420,6 +421,8 @@ def rollout_params(
     configured ones, the model's ``generation_config.json``'s) and a seed from the step, the rank in the calling role's
     pool, the sampling round and ``seed_offset``. Runs on: a worker rank holding a rollout engine."""
     stops = {tokenizer.eos_token_id, *cfg.stop_token_ids, *(generation_eos_ids(model_path) if model_path else ())}
+    if model_path and batch_vision(batch) is not None:  # a sampled image placeholder ends the response
+        stops.update(placeholder_ids(model_path))
     stops.discard(None)
     step = int(batch.meta.get("step", 0))
     sampling_round = int(batch.meta.get("sampling_round", 0))
@@ -478,7 +481,7 @@ def sample_rollout(
         return sample_episodes(engine, batch, episodes, params, n=n, pad_id=tokenizer.pad_token_id)
     prompts = prompt_ids(batch)
     t0 = time.perf_counter()
-    out = engine.generate(prompts, params)
+    out = engine.generate(prompts, params, batch_vision(batch))
     gen_s = time.perf_counter() - t0
     width = max(1, max(len(r) for r in out.responses))
     responses = torch.full((len(out.responses), width), tokenizer.pad_token_id, dtype=torch.long)

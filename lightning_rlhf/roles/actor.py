@@ -26,6 +26,7 @@ from lightning_rlhf.engines.rollout import RolloutEngine
 from lightning_rlhf.engines.rollout.base import logprob_temperature
 from lightning_rlhf.engines.rollout.bridge import WeightBridge
 from lightning_rlhf.engines.train import RESPONSE_INPUTS, MetricAccumulator, forward_response, world
+from lightning_rlhf.engines.train.vision import freeze_vision_tower
 from lightning_rlhf.roles.base import EpisodesMixin, Role, RolloutEngineRequest, load_model
 
 __all__ = ["ActorRole", "rollout_is_weights", "rollout_probs_diff"]
@@ -51,6 +52,7 @@ class ActorRole(EpisodesMixin, Role):
         algorithm: AlgorithmConfig,
         optim: OptimConfig,
         lora: Any = None,
+        train_vision_tower: bool = False,
     ) -> None:
         super().__init__(
             micro_batch_size=algorithm.batching.micro_batch_size, optim=optim, setting="ActorRole(path=...)", lora=lora
@@ -63,6 +65,8 @@ class ActorRole(EpisodesMixin, Role):
                 "HINT: use one of those, or rollout_mask='none'."
             )
         self.path = path
+        self.train_vision_tower = train_vision_tower
+        """A vision-language actor: train the vision tower too (default: frozen, the language model alone learns)."""
         self.tokenizer = tokenizer
         self.rollout = rollout
         self.algorithm = algorithm
@@ -106,6 +110,8 @@ class ActorRole(EpisodesMixin, Role):
             model = load_model(
                 AutoModelForCausalLM, self.path, setting="ActorRole(path=...)", dtype=self.dtype, lora=self.lora
             )
+            if not self.train_vision_tower:
+                freeze_vision_tower(model)
             self.set_model(model.train())  # from_pretrained returns eval mode; dropout is off anyway
 
     # --------------------------------------------------------------------------------------- rollout

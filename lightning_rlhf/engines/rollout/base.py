@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rlhf.config import MAX_TEMPERATURE, MIN_TEMPERATURE, check_sampling, check_sequence_length
+from lightning_rlhf.data.vision import VisionInputs
 from lightning_rlhf.engines.rollout.requests import RequestQueue, RolloutOutput, SamplingParams
 
 __all__ = [
@@ -451,9 +452,12 @@ class RolloutEngine(Protocol):
         engine's weights and KV cache then share the device's memory with the trainer's parameters only)."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample ``params.n`` responses for each prompt (token ids without padding). Raises
-        :class:`WeightSyncError` while ``weights_discarded`` is True."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, vision: Sequence[VisionInputs | None] | None = None
+    ) -> RolloutOutput:
+        """Sample ``params.n`` responses for each prompt (token ids without padding; with ``vision``, each row's images,
+        their placeholders repeated per merged patch in the ids). Raises :class:`WeightSyncError` while
+        ``weights_discarded`` is True."""
         ...
 
     def agree(self, calls: int, busy: bool) -> tuple[int, bool]:

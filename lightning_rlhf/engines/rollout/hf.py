@@ -25,6 +25,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from lightning_rlhf.data.vision import VisionInputs
 from lightning_rlhf.engines.rollout.base import (
     WEIGHTS,
     EngineAbilities,
@@ -40,6 +41,7 @@ from lightning_rlhf.engines.rollout.base import (
     wake_tags,
 )
 from lightning_rlhf.engines.rollout.hf_requests import HFRequestQueue
+from lightning_rlhf.engines.train.vision import vision_kwargs
 
 if TYPE_CHECKING:
     from lightning_rlhf.engines.device_layer import DecodeLoop
@@ -213,9 +215,12 @@ class HFRolloutEngine:
         """One rank per engine: its own ``(calls, busy)`` (``RolloutEngine.agree``). Runs on: worker."""
         return calls, busy
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample ``params.n`` responses per prompt (greedy: one, repeated ``n`` times). Runs on: worker."""
-        return self.sample(prompts, params)
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, vision: Sequence[VisionInputs | None] | None = None
+    ) -> RolloutOutput:
+        """Sample ``params.n`` responses per prompt (greedy: one, repeated ``n`` times); ``vision``: each prompt's
+        images (transformers' ``generate`` then samples them). Runs on: worker."""
+        return self.sample(prompts, params, vision=vision)
 
     def sample(
         self,
@@ -227,6 +232,7 @@ class HFRolloutEngine:
         limits: Sequence[int] | None = None,
         on_done: Callable[[int, list[int], list[float]], None] | None = None,
         stop: Callable[[], bool] | None = None,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> RolloutOutput:
         """:meth:`generate` with what the engine's request queue asks of it. Runs on: worker.
 
@@ -250,7 +256,8 @@ class HFRolloutEngine:
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         devices = [self.device] if self.device.type == "cuda" else []
-        loop = self.decodes_with_loop(prompts, params)
+        has_images = vision is not None and any(v is not None for v in vision)
+        loop = not has_images and self.decodes_with_loop(prompts, params)  # the loop knows text models only
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             # On a CPU device only the CPU generator draws: `torch.manual_seed` would also queue a CUDA seeding with
             # a captured stack (`torch.cuda._lazy_call`) on every call, 3% of a tool episode's generation.
@@ -280,7 +287,8 @@ class HFRolloutEngine:
                         repeated = [past for past in kept for _ in range(copies)]
                         self._pasts.update(zip(keys, repeated, strict=True))
                 else:
-                    generated, token_lps = self._sample_with_generate(chunk, params, stops, stop)
+                    images = None if vision is None else vision[start : start + len(chunk)]
+                    generated, token_lps = self._sample_with_generate(chunk, params, stops, stop, images)
                 rows = range(len(generated))
                 for _, response, lps in _responses(rows, generated, token_lps, start, params.n, copies, bounds, stops):
                     responses.append(response)
@@ -307,7 +315,12 @@ class HFRolloutEngine:
             )
 
     def _sample_with_generate(
-        self, chunk: list[list[int]], params: SamplingParams, stops: set[int], stop: Callable[[], bool] | None = None
+        self,
+        chunk: list[list[int]],
+        params: SamplingParams,
+        stops: set[int],
+        stop: Callable[[], bool] | None = None,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Sample ``chunk``'s responses with transformers' ``generate`` (inside :meth:`generate`'s seeded RNG):
         the tokens ``[rows, steps]`` (junk after a row's stop) and their log-probs."""
@@ -325,12 +338,14 @@ class HFRolloutEngine:
         )
         ids, mask = left_pad(chunk, self.pad_token_id, self.device)
         recorder = _TokenLogprobs(params)
+        extra = vision_kwargs(self.model.config, ids, vision)
         out = self.model.generate(
-            input_ids=ids,
+            input_ids=extra.pop("input_ids", ids),
             attention_mask=mask.long(),
             generation_config=config,
             logits_processor=LogitsProcessorList([recorder]),
             stopping_criteria=StoppingCriteriaList([_Interrupt(stop)] if stop is not None else []),
+            **extra,
         )
         generated = out[:, ids.shape[1] :]
         return generated, recorder.result(generated)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 import lightning_rlhf.compat.vllm as vllm_compat
 from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.data.vision import VisionInputs, collapse_image_tokens
 from lightning_rlhf.engines.device_layer import PLAIN, DeviceLayer
 from lightning_rlhf.engines.rollout.base import (
     MEMORY_TAGS,
@@ -41,6 +42,7 @@ from lightning_rlhf.engines.rollout.base import (
 from lightning_rlhf.engines.rollout.requests import BatchedRequestQueue, RequestQueue
 from lightning_rlhf.engines.rollout.reshard import SliceHolder, Slicer, tp_slicer
 from lightning_rlhf.engines.rollout.vllm_requests import VLLMRequestQueue, vllm_ids_and_logprobs
+from lightning_rlhf.engines.train.vision import is_vision_language
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -132,6 +134,7 @@ def check_vllm_settings(
             f"vLLM cannot serve {model_path!r}: its architectures {archs} are not among vLLM's supported ones. "
             "HINT: use RLHFStrategy(rollout='hf') for this model."
         )
+    hf = hf.get_text_config()  # a vision-language model's language model (a text model's config itself)
     heads = int(hf.num_attention_heads)
     kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
@@ -307,6 +310,11 @@ class VLLMRolloutEngine:
                 "layer=lightning_rlhf.cpu.device_layer(None, 'cpu')."
             )
         _prepare_process()
+        self.model_path = model_path
+        self.image_token_id: int | None = (
+            getattr(hf_config, "image_token_id", None) if is_vision_language(hf_config) else None
+        )
+        """A vision-language model's image placeholder (None: a text model)."""
         self.config = config
         self.eos_token_id = eos_token_id
         self.device = device
@@ -331,7 +339,8 @@ class VLLMRolloutEngine:
         )
         self._takes_adapters = lora_rank is not None  # the actor hands over its adapters (load_adapter), not merged
         self.lora: Any = None  # the LoRARequest of the adapters the next requests use
-        self.llm = _build_llm(_engine_args(model_path, config, dtype, device, max_model_len, seed, lora_rank))
+        vision = self.image_token_id is not None
+        self.llm = _build_llm(_engine_args(model_path, config, dtype, device, max_model_len, seed, lora_rank, vision))
         self.llm.init_weight_transfer_engine({"init_info": {}})
         self._requests: RequestQueue = VLLMRequestQueue(self) if self._tp_group is None else BatchedRequestQueue(self)
         if on_cpu and config.sleep_level > 0:
@@ -352,12 +361,14 @@ class VLLMRolloutEngine:
         return mine, rank % tp
 
     # ------------------------------------------------------------------------------------- rollout
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, vision: Sequence[VisionInputs | None] | None = None
+    ) -> RolloutOutput:
         """Sample ``params.n`` responses per prompt; greedy decoding asks vLLM for one sequence per prompt (it refuses
-        ``n > 1`` at temperature 0) and repeats it ``n`` times. Runs on: worker (all ranks of a TP group together).
+        ``n > 1`` at temperature 0) and repeats it ``n`` times. ``vision``: each prompt's images, handed to vLLM's
+        multimodal input with one placeholder per image (vLLM's processor repeats it). Runs on: worker (all ranks of a
+        TP group together).
         """
-        from vllm.inputs import TokensPrompt
-
         params.check()  # what vLLM would change (a temperature below its floor) is refused, as in the hf engine
         if self.weights_discarded:
             raise WeightSyncError(
@@ -374,24 +385,25 @@ class VLLMRolloutEngine:
         copies = params.n if params.is_greedy else 1
         # each rank's prompts with its own settings: the ranks of a TP group run one batch, and a multi-turn episode
         # loop calls with its own bounds (and with no prompts while another rank's episodes still run)
-        parts: list[tuple[SamplingParams, list[list[int]]]] = [(params, prompts)]
+        images: list[VisionInputs | None] = list(vision) if vision is not None else [None] * len(prompts)
+        parts: list[tuple[SamplingParams, list[list[int]], list[VisionInputs | None]]] = [(params, prompts, images)]
         if self._tp_group is not None:
             gathered: list[Any] = [None] * self.tp_size
             dist.all_gather_object(gathered, parts[0], group=self._tp_group)
             parts = gathered
         # after the gather: every rank of a TP group checks the same prompts and raises with the others (a rank
         # raising alone would leave the others waiting in the next gather)
-        for part_params, group_prompts in parts:
+        for part_params, group_prompts, _ in parts:
             if group_prompts:
                 self.check_prompts(group_prompts, part_params)
         requests, sampling = [], []
-        for part_params, group_prompts in parts:
-            for i, p in enumerate(group_prompts):
+        for part_params, group_prompts, group_images in parts:
+            for i, (p, v) in enumerate(zip(group_prompts, group_images, strict=True)):
                 seed = (part_params.seed * 1_000_003 + i * part_params.n) % (1 << 62)
-                requests.append(TokensPrompt(prompt_token_ids=p))
+                requests.append(self._prompt(p, v))
                 sampling.append(self.vllm_params(part_params, seed))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.lora) if requests else []
-        start = sum(len(p) for _, p in parts[: self.tp_rank])
+        start = sum(len(p) for _, p, _ in parts[: self.tp_rank])
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         for out in outputs[start : start + len(prompts)]:
@@ -401,6 +413,22 @@ class VLLMRolloutEngine:
                     responses.append(list(ids))
                     logprobs.append(list(token_lps))
         return RolloutOutput(responses=responses, logprobs=logprobs)
+
+    def _prompt(self, ids: list[int], vision: VisionInputs | None) -> Any:
+        """vLLM's input for one prompt: its token ids, and with images one placeholder per image and the images."""
+        from vllm.inputs import TokensPrompt
+
+        if vision is None:
+            return TokensPrompt(prompt_token_ids=ids)
+        if self.image_token_id is None:
+            raise ValueError(
+                f"VLLMRolloutEngine.generate: a prompt with images, and the engine's model ({self.model_path}) is not "
+                "a vision-language model. HINT: use a Qwen2-VL-family actor, or drop PromptDataModule(image_column=)."
+            )
+        return TokensPrompt(
+            prompt_token_ids=collapse_image_tokens(ids, self.image_token_id),
+            multi_modal_data={"image": list(vision.images)},
+        )
 
     def check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """What vLLM would fail on at step k, refused now: the longest prompt plus ``max_new_tokens`` past
@@ -616,8 +644,10 @@ def _engine_args(
     max_model_len: int,
     seed: int,
     lora_rank: int | None,
+    vision: bool = False,
 ) -> dict[str, Any]:
-    """The arguments of vLLM's ``LLM`` for :class:`VLLMRolloutEngine`'s settings."""
+    """The arguments of vLLM's ``LLM`` for :class:`VLLMRolloutEngine`'s settings. ``vision``: a vision-language model,
+    whose multimodal processor needs the folder's tokenizer (ids still go in and come out as ids) and no video."""
     from vllm.config import WeightTransferConfig
 
     from lightning_rlhf.engines.rollout.transfer import BACKEND  # registers our engine with vLLM
@@ -638,6 +668,10 @@ def _engine_args(
         "logprobs_mode": "processed_logprobs",
         "weight_transfer_config": WeightTransferConfig(backend=BACKEND),
     }
+    if vision:
+        # the image normalisation stays in the processor: vLLM's on-device one keeps its constants in buffers that
+        # the weights' hand-off does not carry (load_format="dummy" leaves them random: log-probs off by 0.6 nats)
+        kwargs |= {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"video": 0}, "mm_device_do_normalize": False}
     if lora_rank is not None:
         kwargs |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": _vllm_lora_rank(lora_rank)}
     if dist.is_available() and dist.is_initialized():

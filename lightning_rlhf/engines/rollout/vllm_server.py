@@ -21,7 +21,7 @@ import tempfile
 import time
 import traceback
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rlhf.config import VLLMConfig
+from lightning_rlhf.data.vision import VisionInputs
 from lightning_rlhf.engines.rollout.base import (
     EngineAbilities,
     RolloutOutput,
@@ -211,10 +212,13 @@ class VLLMServerEngine:
         return self._receive()
 
     # ------------------------------------------------------------------------------------- engine
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample ``params.n`` responses per prompt in the server (see ``VLLMRolloutEngine.generate``). Runs on:
-        every rank of the pool together (the servers of a TP group gather their prompts)."""
-        return self._call("generate", prompts, params)  # type: ignore[no-any-return]
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, vision: Sequence[VisionInputs | None] | None = None
+    ) -> RolloutOutput:
+        """Sample ``params.n`` responses per prompt in the server (see ``VLLMRolloutEngine.generate``; the images
+        cross the pipe pickled). Runs on: every rank of the pool together (the servers of a TP group gather their
+        prompts)."""
+        return self._call("generate", prompts, params, vision)  # type: ignore[no-any-return]
 
     @property
     def abilities(self) -> EngineAbilities:

@@ -24,10 +24,11 @@ from lightning_rlhf.controller.dispatch import current_sequence_group
 from lightning_rlhf.engines.train.head import TokenHead
 from lightning_rlhf.engines.train.prefix import packed_response_logits, shares_prompts
 from lightning_rlhf.engines.train.ulysses import SequenceShard, causal_suffices, sharded
+from lightning_rlhf.engines.train.vision import batch_vision, vision_kwargs
 
 __all__ = ["RESPONSE_INPUTS", "forward_response", "left_aligned", "sequence_inputs"]
 
-RESPONSE_INPUTS = ("prompts", "prompt_mask", "responses", "response_mask")
+RESPONSE_INPUTS = ("prompts", "prompt_mask", "responses", "response_mask", "vision")
 """The columns :func:`forward_response` reads (with the batch's ``meta``): what a scoring role method declares in
 ``@role_method(..., reads=RESPONSE_INPUTS)``, so the control plane sends workers nothing else."""
 
@@ -80,6 +81,11 @@ def forward_response(
     """
     input_ids, attention_mask, position_ids = sequence_inputs(batch, next(model.parameters()).device)
     group = current_sequence_group()
+    if group is not None and batch_vision(batch) is not None:
+        raise ValueError(
+            "forward_response: sequence parallelism does not split prompts with images (each rank would need the "
+            "whole image's features). HINT: RLHFModule(sequence_parallel=1) for a vision-language actor."
+        )
     if group is not None and output == "values":
         return _sharded_values(model, _shard(group, input_ids), batch, input_ids, attention_mask, position_ids)
     if output == "values":
@@ -128,7 +134,8 @@ def _response_logprobs(
     positions those of any row's response. The head computes them in blocks at a large vocabulary
     (:class:`~lightning_rlhf.engines.train.head.TokenHead`). Runs on: worker."""
     prompt_len, resp_len = batch["prompts"].shape[1], batch["responses"].shape[1]
-    if shares_prompts(model, batch, group_size):
+    vision = batch_vision(batch)
+    if vision is None and shares_prompts(model, batch, group_size):
         real = batch["response_mask"].to(input_ids.device).bool()
         head = TokenHead(model, input_ids[:, prompt_len:][real][None], **token_kwargs)
         with head.installed():
@@ -142,13 +149,15 @@ def _response_logprobs(
         input_ids, attention_mask, position_ids, shift = left_aligned(input_ids, attention_mask, position_ids)
         start, stop = max(0, first - int(shift.max())), first + resp_len - int(shift.min())
         head = TokenHead(model, input_ids[:, start + 1 : stop + 1], **token_kwargs)
+        extra = vision_kwargs(model.config, input_ids, vision)  # images: the model makes its own 3D positions
         with head.installed():
             logits = model(  # use_cache=False: a scoring forward must not build a KV cache (transformers' default)
-                input_ids=input_ids,
+                input_ids=extra.pop("input_ids", input_ids),
                 attention_mask=None if causal_suffices(attention_mask) else attention_mask,
-                position_ids=position_ids,
+                position_ids=None if extra else position_ids,
                 logits_to_keep=torch.arange(start, stop, device=input_ids.device),
                 use_cache=False,
+                **extra,
             ).logits
 
         def place(v: Tensor) -> Tensor:

@@ -347,19 +347,26 @@ def load_pretrained(
         ValueError: deferred, and the checkpoint lacks a tensor the model needs (other than a new task head's), or
             holds one with another shape. Both are raised before any weight is allocated.
     """
-    if deferred is None:
-        deferred = loading_deferred()
-    if not deferred:
-        model: nn.Module = auto_class.from_pretrained(path, dtype=dtype, **kwargs)  # type: ignore[attr-defined]
-        return model
     from transformers import AutoConfig, GenerationConfig
 
-    entries = safetensors_index(path, setting=setting)  # the files exist and their headers parse
+    from lightning_rlhf.compat.transformers import checkpoint_key_renamer
+    from lightning_rlhf.engines.train.vision import causal_lm_class
+
+    if deferred is None:
+        deferred = loading_deferred()
     config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS or k == "trust_remote_code"}
     model_kwargs = {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS}
     config = AutoConfig.from_pretrained(path, **config_kwargs)
+    auto_class = causal_lm_class(auto_class, config)  # a vision-language model: AutoModelForImageTextToText
+    if not deferred:
+        model: nn.Module = auto_class.from_pretrained(path, dtype=dtype, **kwargs)  # type: ignore[attr-defined]
+        return model
+    entries = safetensors_index(path, setting=setting)  # the files exist and their headers parse
     with _parameters_on_meta():
         model = auto_class.from_config(config, dtype=dtype, **model_kwargs)  # type: ignore[attr-defined]
+    rename = checkpoint_key_renamer(model)  # legacy names transformers renames while loading (Qwen2-VL's)
+    if rename is not None:
+        entries = {rename(k): v for k, v in entries.items()}
     matched, fresh = _plan(model, entries, path=path, setting=setting)
     std = getattr(config, "initializer_range", None) or 0.02
     setattr(model, _SOURCE_ATTR, _Source(path, dtype, setting, matched, tuple(fresh), float(std)))

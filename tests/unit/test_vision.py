@@ -1,0 +1,164 @@
+"""Vision-language prompts: the data module's image column, the processor's placeholders, both engines' log-probs
+against the trainer's with images, and the bad inputs refused before training (docs/vision.md)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from lightning_rlhf.batch import Batch
+from lightning_rlhf.config import RolloutConfig
+from lightning_rlhf.data import PromptDataModule
+from lightning_rlhf.data.vision import VISION_COLUMN, collapse_image_tokens, expand_image_tokens
+from lightning_rlhf.demo.tiny_vlm import IMAGE_PAD, save_tiny_vlm
+from lightning_rlhf.demo.vision_task import corner_reward, draw_square, vision_dataset
+from lightning_rlhf.engines.hybrid import rollout_params
+from lightning_rlhf.engines.rollout.vllm import vllm_available
+from lightning_rlhf.engines.train.vision import placeholder_ids, vision_kwargs
+from tests.conftest import failure_text, run_script
+from tests.scripts.vision_agreement import agreement
+
+AGREEMENT = 1e-5
+"""The largest gap allowed between an engine's log-prob of a sampled token and the trainer's (float32)."""
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), seed=0)
+
+
+def _data(path: str, train: datasets.Dataset, **kw: object) -> PromptDataModule:
+    data = PromptDataModule(train, tokenizer=path, batch_size=4, max_prompt_length=128, **kw)  # type: ignore[arg-type]
+    data.setup("fit")
+    return data
+
+
+def test_image_column_gives_expanded_placeholders_and_the_processors_inputs(vlm: str) -> None:
+    data = _data(vlm, vision_dataset(8), image_column="image")
+    batch = next(iter(data.train_dataloader()))
+    image_id = data._tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert batch["prompts"].shape[0] == 4
+    # one placeholder per merged patch: a 56 x 56 image is 4 x 4 patches, merged 2 x 2 into 4 tokens
+    assert ((batch["prompts"] == image_id) & batch["prompt_mask"].bool()).sum(1).tolist() == [4, 4, 4, 4]
+    vision = batch[VISION_COLUMN]
+    assert [tuple(v.pixel_values.shape) for v in vision] == [(16, 1176)] * 4
+    assert [v.image_grid_thw.tolist() for v in vision] == [[[1, 4, 4]]] * 4
+    assert all(v.images[0].mode == "RGB" for v in vision)
+    # the reward functions still get the image column, decoded
+    assert all(len(images) == 1 for images in batch["image"])
+
+
+def test_chats_place_their_images_where_their_items_are(vlm: str) -> None:
+    rows = vision_dataset(4)
+    chats = [
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Look:"}, {"type": "image"}, {"type": "text", "text": p}],
+            }
+        ]
+        for p in rows["prompt"]
+    ]
+    data = _data(vlm, rows.add_column("messages", chats), image_column="image", messages_column="messages")
+    batch = next(iter(data.train_dataloader()))
+    text = data._tokenizer.decode(batch["prompts"][0][batch["prompt_mask"][0].bool()])
+    assert text.index("Look:") < text.index(IMAGE_PAD) < text.index("Where is the square?")
+
+
+def test_a_chat_whose_image_items_do_not_match_its_images_is_refused(vlm: str) -> None:
+    rows = vision_dataset(4)
+    two_items = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    bad = rows.add_column("messages", [two_items] * 4)
+    with pytest.raises(ValueError, match=r"image_column='image'.*row 0.*1 images and 2 image items"):
+        _data(vlm, bad, image_column="image", messages_column="messages")
+
+
+def test_an_image_that_cannot_be_decoded_is_refused_naming_the_row(vlm: str, tmp_path: Path) -> None:
+    good = io.BytesIO()
+    draw_square(0, __import__("random").Random(0)).save(good, format="PNG")
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image at all")
+    rows = datasets.Dataset.from_dict(
+        {"prompt": ["a", "b", "c", "d", "e"], "picture": [good.getvalue()] * 3 + [str(broken), good.getvalue()]}
+    )
+    with pytest.raises(ValueError, match=r"image_column='picture'.*row 3 of the training data.*cannot be decoded"):
+        _data(vlm, rows, image_column="picture")
+
+
+def test_a_missing_image_column_is_refused(vlm: str) -> None:
+    with pytest.raises(KeyError, match=r"image_column='pictures'.*no such column"):
+        _data(vlm, vision_dataset(4), image_column="pictures")
+
+
+def test_placeholders_in_the_prompt_text_are_refused(vlm: str) -> None:
+    rows = datasets.Dataset.from_dict(
+        {"prompt": [f"{IMAGE_PAD} where?"] * 4, "image": list(vision_dataset(4)["image"])}
+    )
+    with pytest.raises(ValueError, match=r"row 0.*2 image tokens in the prompt for 1 images"):
+        _data(vlm, rows, image_column="image")
+
+
+def test_expanding_and_collapsing_placeholders_are_inverse() -> None:
+    ids = [1, 7, 9, 7, 3]
+    expanded = expand_image_tokens(ids, 7, [3, 2])
+    assert expanded == [1, 7, 7, 7, 9, 7, 7, 3]
+    assert collapse_image_tokens(expanded, 7) == ids
+    with pytest.raises(ValueError, match="2 image tokens in the prompt for 1 images"):
+        expand_image_tokens(ids, 7, [3])
+
+
+def test_a_sampled_placeholder_ends_the_response_and_is_not_taken_for_an_image(vlm: str) -> None:
+    data = _data(vlm, vision_dataset(4), image_column="image")
+    batch = next(iter(data.train_dataloader()))
+    image_id = data._tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert image_id in placeholder_ids(vlm)
+    params = rollout_params(batch, RolloutConfig(), data._tokenizer, model_path=vlm)
+    assert image_id in params.stop_token_ids  # a sampled placeholder ends the response
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(vlm)
+    sampled = torch.cat([batch["prompts"], torch.full((4, 1), image_id)], dim=1)
+    extra = vision_kwargs(config, sampled, batch[VISION_COLUMN])
+    assert extra["mm_token_type_ids"].sum(1).tolist() == [4, 4, 4, 4]  # the prompt's placeholders only
+    assert (extra["input_ids"][:, -1] != image_id).all() and (extra["input_ids"][:, :-1] == sampled[:, :-1]).all()
+    with pytest.raises(ValueError, match="rows hold"):
+        vision_kwargs(config, batch["prompts"][:, -3:], batch[VISION_COLUMN])  # a prompt cut short of its images
+
+
+def test_transformers_engine_log_probs_with_images_are_the_trainers(vlm: str) -> None:
+    report = agreement("generate", vlm)
+    assert report["max"] <= AGREEMENT and report["tokens"] > 50 and report["distinct"] > 4, report
+
+
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_vllm_log_probs_with_images_after_a_weight_hand_off_are_the_trainers(vlm: str, tmp_path: Path) -> None:
+    """vLLM gets one placeholder per image and the images (its own processor makes the inputs), its weights by the
+    hand-off (load_format='dummy'); its log-probs of the sampled tokens are the trainer's with the same images."""
+    proc = run_script("vision_agreement.py", "--model", vlm, "--engine", "vllm", "--out", str(tmp_path))
+    assert proc.returncode == 0, failure_text(proc)
+    report = json.loads((tmp_path / "agreement.json").read_text())
+    assert report["max"] <= AGREEMENT and report["tokens"] > 50 and report["distinct"] > 4, report
+
+
+def test_torchvision_imports_beside_the_cpu_torch_in_a_fresh_interpreter() -> None:
+    """The vision path imports torchvision (transformers' Qwen2-VL processor, vLLM's Qwen2-VL); a process that has not
+    imported lightning_rlhf (vLLM's own subprocesses) gets the import hook from the venv's .pth line."""
+    for code in ("import torchvision.transforms", "import lightning_rlhf, torchvision.transforms"):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert proc.returncode == 0, (code, proc.stderr[-2000:])
+
+
+def test_corner_reward_reads_the_answer() -> None:
+    assert corner_reward(["p"] * 3, [" 1", "2", "3 "], ["1", "1", "3"]) == [1.0, 0.0, 1.0]
+
+
+def test_batch_without_images_has_no_vision_inputs() -> None:
+    assert vision_kwargs(object(), torch.zeros(2, 3, dtype=torch.long), None) == {}
+    assert VISION_COLUMN not in Batch({"prompts": torch.zeros(2, 3)})
