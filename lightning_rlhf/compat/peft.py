@@ -131,8 +131,13 @@ def target_layers(model: nn.Module, config: Any) -> list[tuple[str, nn.Linear]]:
     head = getattr(model, "get_output_embeddings", lambda: None)()
     saved = set(config.modules_to_save or [])
     found: list[tuple[str, nn.Linear]] = []
+    excluded = getattr(config, "exclude_modules", None)
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module is head or not name:
+            continue
+        if isinstance(excluded, str) and re.fullmatch(excluded, name):
+            continue
+        if isinstance(excluded, (list, set)) and any(name == e or name.endswith("." + e) for e in excluded):
             continue
         if config.target_modules == "all-linear":
             if not saved.intersection(name.split(".")):

@@ -185,7 +185,26 @@ def _worker_row_sums(worker: Any, dtype: torch.dtype) -> dict[str, tuple[Tensor,
                 # 25x as long), 16-bit ones in float64
                 sums = flat.sum(1) if flat.dtype == torch.float32 else flat.double().sum(1)
                 out[f"{prefix}.{name}"] = (sums.double().cpu(), flat.shape[1], sizes)
-    return out
+    back = _checkpoint_prefix(worker.model_runner.model)
+    return {back(name): value for name, value in out.items()}
+
+
+def _checkpoint_prefix(model: Any) -> Any:
+    """vLLM's module path to the checkpoint's: the inverse of the model class's ``hf_to_vllm_mapper`` prefixes (a
+    Qwen2-VL's ``language_model.model.`` is the checkpoint's ``model.language_model.``, ``visual.`` its
+    ``model.visual.``); text models map none. The first checkpoint prefix listed for a vLLM one wins (the current
+    transformers names come first in vLLM's tables). Relies on: ``WeightsMapper.orig_to_new_prefix``."""
+    mapper = getattr(type(model), "hf_to_vllm_mapper", None)
+    pairs = [(new, orig) for orig, new in (getattr(mapper, "orig_to_new_prefix", None) or {}).items() if new]
+    firsts = {new: orig for new, orig in reversed(pairs)}  # the first orig listed for each vLLM prefix
+
+    def back(name: str) -> str:
+        for new, orig in firsts.items():
+            if name.startswith(new):
+                return orig + name[len(new) :]
+        return name
+
+    return back
 
 
 def cpu_attention_head_sizes() -> list[int]:

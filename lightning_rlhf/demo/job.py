@@ -112,7 +112,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     from lightning_rlhf.callbacks import ExportActor, MetricPlots, RLHFProgressBar, RolloutSamples, RunSummary
     from lightning_rlhf.data import PromptDataModule
     from lightning_rlhf.demo.task import addition_reward
-    from lightning_rlhf.demo.vision_task import corner_reward
+    from lightning_rlhf.demo.vision_task import count_reward
     from lightning_rlhf.strategy import RLHFStrategy
 
     module_cls, advantage = _algorithms()[args.algo]
@@ -120,7 +120,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
     extra, settings, rollout, splits = _choices(args, model_path)
     module = module_cls(
         model_path,
-        reward=None if tools else corner_reward if vision else addition_reward,
+        reward=None if tools else count_reward if vision else addition_reward,
         reference=False,
         rollout=rollout,
         algorithm=C.AlgorithmConfig(
@@ -142,6 +142,7 @@ def build_job(args: argparse.Namespace, model_path: str) -> tuple[Any, Any, Any]
         lora={"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank} if args.lora_rank else None,
         activation_checkpointing=args.activation_checkpointing,
         sequence_parallel=args.sequence_parallel,
+        train_vision_tower=args.train_vision_tower,
         **extra,
     )
     data = PromptDataModule(
@@ -214,7 +215,7 @@ def _choices(args: argparse.Namespace, model_path: str) -> tuple[dict[str, Any],
         episode = C.EpisodeConfig(max_turns=3, tool_workers=1, agent_loop=loop)
         rollout = C.RolloutConfig(**sampling, max_new_tokens=TOOL_TURN_TOKENS, episode=episode)
         splits = tool_splits()
-    elif args.task == "vision":  # a quadrant's number, read off a generated image (lightning_rlhf.demo.vision_task)
+    elif args.task == "vision":  # how many squares a generated image holds (lightning_rlhf.demo.vision_task)
         from lightning_rlhf.demo.vision_task import vision_splits
 
         rollout = C.RolloutConfig(**sampling, max_new_tokens=3)
@@ -250,7 +251,7 @@ byte-level vocabulary)."""
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "addition": {"steps": 250, "prompts": 32, "lr": 5e-4, "warmup": 20, "warm_start_steps": 40},
     "tools": {"steps": 60, "prompts": 16, "lr": 3e-4, "warmup": 5, "warm_start_steps": None},
-    "vision": {"steps": 100, "prompts": 16, "lr": 1e-3, "warmup": 5, "warm_start_steps": 60},
+    "vision": {"steps": 100, "prompts": 16, "lr": 1e-3, "warmup": 5, "warm_start_steps": 40},
 }
 """The demo's settings per ``--task`` where the command line leaves them out (``warm_start_steps`` None: the tool
 model's own default, :data:`~lightning_rlhf.demo.warmstart.TOOL_WARM_START_STEPS`)."""
@@ -295,8 +296,8 @@ def _task_arguments(add: Callable[..., Any]) -> None:
         choices=list(TASK_DEFAULTS),
         default="addition",
         help="addition: single-digit sums in one turn; tools: three-digit sums in multi-turn episodes with a "
-        "calculator tool (lightning_rlhf.demo.tool_task); vision: which quadrant of a generated image holds the "
-        "square, for a tiny Qwen2-VL (lightning_rlhf.demo.vision_task)",
+        "calculator tool (lightning_rlhf.demo.tool_task); vision: how many squares a generated image holds, "
+        "for a tiny Qwen2-VL (lightning_rlhf.demo.vision_task)",
     )
     add(
         "--agent",
@@ -306,10 +307,15 @@ def _task_arguments(add: Callable[..., Any]) -> None:
         "to the policy through an OpenAI-compatible endpoint on each rank)",
     )
     add(
+        "--train-vision-tower",
+        action="store_true",
+        help="--task vision: train the vision tower too (RLHFModule(train_vision_tower=True); default: frozen)",
+    )
+    add(
         "--warm-start-steps",
         type=int,
         default=None,
-        help="SFTModule steps of the warm start (addition 40, tools 150, vision 60)",
+        help="SFTModule steps of the warm start (addition 40, tools 150, vision 40)",
     )
     add("--seed", type=int, default=0)
 

@@ -1,10 +1,15 @@
-"""The embedded visual task: "Where is the square?" on a generated 56 x 56 image, answered with its quadrant's number.
+"""The embedded visual task: "How many squares?" on a generated 56 x 56 image, answered with a digit.
 
-Each image is white with one filled square of a random colour and size in one of the four quadrants (at a random
-place inside it); the answer is ``"1"`` (top left), ``"2"`` (top right), ``"3"`` (bottom left) or ``"4"`` (bottom
-right), one token of the tiny vocabulary. The tiny VLM sees 4 image tokens (2 x 2 merged patches), one per quadrant:
-the answer is where the one that differs sits. A policy that answers in the format but ignores the image is right a
-quarter of the time.
+Each image is white with 1 to 4 dark squares, each filling most of its own quadrant (at a small random offset); the
+answer is their count, ``"1"`` to ``"4"`` (one token of the tiny vocabulary). The tiny VLM sees 4 image tokens (2 x 2
+merged patches), one per quadrant, so the count is how many of them show a square. A policy that answers in the
+format but ignores the image is right a quarter of the time.
+
+The warm start (:func:`warm_start_vision`) teaches the answer format on the question **without its image**: a warm start
+on the images with answers drawn at random teaches the model that the image tokens carry nothing, and its attention
+leaves them (measured: under 1% of the answer position's attention after 60 such steps, and no learning from images in
+200 supervised steps after it); the text-only one leaves the image tokens as the random model attends to them, and RL
+(the vision tower frozen, the default) then learns to count.
 """
 
 from __future__ import annotations
@@ -15,50 +20,56 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["CORNERS", "VISION_PROMPT", "corner_reward", "draw_square", "vision_dataset", "vision_splits"]
+__all__ = [
+    "COUNT_PROMPT",
+    "corner_reward",
+    "count_reward",
+    "draw_squares",
+    "vision_dataset",
+    "vision_splits",
+    "warm_start_vision",
+]
 
-CORNERS = ("top left", "top right", "bottom left", "bottom right")
-VISION_PROMPT = "Where is the square? 1 top left, 2 top right, 3 bottom left, 4 bottom right."
+COUNT_PROMPT = "How many squares? Answer 1, 2, 3 or 4."
 SIZE = 56
-_COLOURS = ((220, 30, 30), (30, 160, 40), (40, 60, 220), (20, 20, 20), (230, 150, 20))
+SIDE = 20
+"""A square's side in pixels: 28-pixel quadrants, 3 pixels of margin and up to 2 of random offset."""
 
 
-def draw_square(corner: int, rng: random.Random) -> Any:
-    """A white ``SIZE`` square image with a filled square of a random colour and side inside quadrant ``corner``
-    (0..3, in :data:`CORNERS` order). Runs on: any process."""
+def draw_squares(quadrants: list[int], rng: random.Random) -> Any:
+    """A white ``SIZE`` square image with a dark :data:`SIDE` square in each quadrant of ``quadrants`` (0 top left,
+    1 top right, 2 bottom left, 3 bottom right), each offset at random by up to 2 pixels. Runs on: any process."""
     from PIL import Image, ImageDraw
 
     half = SIZE // 2
-    side = rng.randint(12, 22)
-    x0 = (corner % 2) * half + rng.randint(1, half - side - 1)
-    y0 = (corner // 2) * half + rng.randint(1, half - side - 1)
     image = Image.new("RGB", (SIZE, SIZE), (255, 255, 255))
-    ImageDraw.Draw(image).rectangle([x0, y0, x0 + side, y0 + side], fill=rng.choice(_COLOURS))
+    draw = ImageDraw.Draw(image)
+    for quadrant in quadrants:
+        x0 = (quadrant % 2) * half + 3 + rng.randint(0, 2)
+        y0 = (quadrant // 2) * half + 3 + rng.randint(0, 2)
+        draw.rectangle([x0, y0, x0 + SIDE - 1, y0 + SIDE - 1], fill=(20, 20, 20))
     return image
 
 
+def _count_row(rng: random.Random, count: int) -> dict[str, Any]:
+    return {"prompt": COUNT_PROMPT, "image": draw_squares(rng.sample(range(4), count), rng), "answer": str(count)}
+
+
 def vision_dataset(num_prompts: int, *, seed: int = 0) -> datasets.Dataset:
-    """``num_prompts`` rows with columns ``"prompt"`` (:data:`VISION_PROMPT`), ``"image"`` (a ``datasets.Image``) and
-    ``"answer"`` (the square's quadrant, ``"1"`` to ``"4"``), the quadrants in turn, the drawings from ``seed``. Runs
-    on: any process."""
+    """``num_prompts`` counting rows with columns ``"prompt"`` (:data:`COUNT_PROMPT`), ``"image"`` (a
+    ``datasets.Image``) and ``"answer"`` (``"1"`` to ``"4"``, in turn), the drawings from ``seed``. Runs on: any
+    process."""
     import datasets
 
     rng = random.Random(seed)
-    corners = [i % len(CORNERS) for i in range(num_prompts)]
+    rows = [_count_row(rng, 1 + i % 4) for i in range(num_prompts)]
     features = datasets.Features(
         {"prompt": datasets.Value("string"), "image": datasets.Image(), "answer": datasets.Value("string")}
     )
-    return datasets.Dataset.from_dict(
-        {
-            "prompt": [VISION_PROMPT] * num_prompts,
-            "image": [draw_square(c, rng) for c in corners],
-            "answer": [str(c + 1) for c in corners],
-        },
-        features=features,
-    )
+    return datasets.Dataset.from_list(rows, features=features)
 
 
-def vision_splits(*, train: int = 64, test: int = 16, seed: int = 0) -> datasets.DatasetDict:
+def vision_splits(*, train: int = 64, test: int = 32, seed: int = 0) -> datasets.DatasetDict:
     """Training and held-out drawings (different seeds: no image is in both). Runs on: any process."""
     import datasets
 
@@ -67,42 +78,38 @@ def vision_splits(*, train: int = 64, test: int = 16, seed: int = 0) -> datasets
     )
 
 
-def corner_reward(prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+def count_reward(prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
     """1.0 when the completion, stripped, is its row's ``answer``; else 0.0. Runs on: any process."""
     return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
 
 
-def warm_start_vision(model_dir: str, out_dir: str, *, steps: int = 60, batch_size: int = 16, seed: int = 0) -> str:
-    """Teach the tiny VLM in ``model_dir`` the answer format, not the task: supervised steps on the training drawings
-    whose target corner is drawn at random (independent of the image), so the model answers with one of the four
-    corners about evenly, right a quarter of the time. Saves model and processor to ``out_dir``; returns it.
-    Runs on: one process (before the run's ranks start)."""
+corner_reward = count_reward
+"""The same exact-match reward under the name the first visual task used."""
+
+
+def warm_start_vision(model_dir: str, out_dir: str, *, steps: int = 40, batch_size: int = 16, seed: int = 0) -> str:
+    """Teach the answer format only: supervised steps on :data:`COUNT_PROMPT` without an image, each answer a digit
+    from 1 to 4 drawn at random (the module's docstring says why without the image). Saves model and processor to
+    ``out_dir``; returns it. Runs on: one process (before the run's ranks start)."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    data = vision_splits(seed=seed)["train"]
-    rng = random.Random(seed)
+    rng = random.Random(seed + 1)
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": COUNT_PROMPT}], add_generation_prompt=True, tokenize=False
+    )
     eos = processor.tokenizer.eos_token
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for _ in range(steps):
-            rows = [data[rng.randrange(len(data))] for _ in range(batch_size)]
-            chats = [
-                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["prompt"]}]}] for r in rows
-            ]
-            prompts = [processor.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-            texts = [p + str(rng.randint(1, len(CORNERS))) + eos for p in prompts]
-            enc = processor(text=texts, images=[r["image"] for r in rows], return_tensors="pt", padding=True)
-            enc_prompt = processor(text=prompts, images=[r["image"] for r in rows], return_tensors="pt", padding=True)
-            labels = enc["input_ids"].clone()
-            labels[enc["attention_mask"] == 0] = -100
-            for i, n in enumerate(enc_prompt["attention_mask"].sum(1).tolist()):
-                start = int((enc["attention_mask"][i] == 0).sum())  # left or right padding: the real tokens' start
-                labels[i, start : start + n] = -100
-            loss = model(**enc, labels=labels).loss
+            texts = [prompt + str(rng.randint(1, 4)) + eos for _ in range(batch_size)]
+            ids = processor.tokenizer(texts, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            labels = torch.full_like(ids, -100)
+            labels[:, -2:] = ids[:, -2:]  # the digit and the EOS (every row has the same length)
+            loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -240,8 +240,8 @@ def prepare_tool_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int =
     return build_once(cache_dir, f"tool-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
-VISION_WARM_START_STEPS = 60
-"""Supervised steps of the visual task's warm start (batches of 16; the answers drawn at random: the format only)."""
+VISION_WARM_START_STEPS = 40
+"""Supervised steps of the visual task's warm start (batches of 16 questions without their images: the format only)."""
 
 
 def prepare_vision_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int = VISION_WARM_START_STEPS) -> str:

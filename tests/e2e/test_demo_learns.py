@@ -131,3 +131,16 @@ def test_demo_learns_by_distillation(tmp_path: Path) -> None:
     table = json.loads((run / "distillation.json").read_text())
     assert table["student after"] >= table["teacher"] - 0.1, table
     assert table["teacher"] > table["student before"], table  # the teacher knows more than the warm start
+
+
+def test_vision_demo_learns_to_count(tmp_path: Path) -> None:
+    """``--task vision``: a tiny Qwen2-VL, warm-started on the answer format without the images, learns by GRPO (its
+    vision tower frozen, vLLM sampling with the images) to count the squares of images it has not seen: the held-out
+    success of greedy answers goes from chance (4 answers) to 0.8 or more (measured 1.0), the training reward (sampled
+    at temperature 1) gains 0.15 or more (measured 0.24 -> 0.53 with transformers' engine)."""
+    _, rows = _demo(tmp_path, "--task", "vision", timeout=1200)
+    scores = [float(r["critic/score/mean"]) for r in rows if r.get("critic/score/mean")]
+    held_out = [float(r["val/score/mean"]) for r in rows if r.get("val/score/mean")]
+    k = len(scores) // 10
+    assert sum(scores[-k:]) / k >= sum(scores[:k]) / k + 0.15, scores
+    assert held_out[0] <= 0.4 and held_out[-1] >= 0.8, held_out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from lightning_rlhf.config import RolloutConfig
 from lightning_rlhf.data import PromptDataModule
 from lightning_rlhf.data.vision import VISION_COLUMN, collapse_image_tokens, expand_image_tokens
 from lightning_rlhf.demo.tiny_vlm import IMAGE_PAD, save_tiny_vlm
-from lightning_rlhf.demo.vision_task import corner_reward, draw_square, vision_dataset
+from lightning_rlhf.demo.vision_task import count_reward, draw_squares, vision_dataset
 from lightning_rlhf.engines.hybrid import rollout_params
 from lightning_rlhf.engines.rollout.vllm import vllm_available
 from lightning_rlhf.engines.train.vision import placeholder_ids, vision_kwargs
@@ -69,7 +70,7 @@ def test_chats_place_their_images_where_their_items_are(vlm: str) -> None:
     data = _data(vlm, rows.add_column("messages", chats), image_column="image", messages_column="messages")
     batch = next(iter(data.train_dataloader()))
     text = data._tokenizer.decode(batch["prompts"][0][batch["prompt_mask"][0].bool()])
-    assert text.index("Look:") < text.index(IMAGE_PAD) < text.index("Where is the square?")
+    assert text.index("Look:") < text.index(IMAGE_PAD) < text.index("How many squares?")
 
 
 def test_a_chat_whose_image_items_do_not_match_its_images_is_refused(vlm: str) -> None:
@@ -82,7 +83,7 @@ def test_a_chat_whose_image_items_do_not_match_its_images_is_refused(vlm: str) -
 
 def test_an_image_that_cannot_be_decoded_is_refused_naming_the_row(vlm: str, tmp_path: Path) -> None:
     good = io.BytesIO()
-    draw_square(0, __import__("random").Random(0)).save(good, format="PNG")
+    draw_squares([0], random.Random(0)).save(good, format="PNG")
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not an image at all")
     rows = datasets.Dataset.from_dict(
@@ -155,8 +156,8 @@ def test_torchvision_imports_beside_the_cpu_torch_in_a_fresh_interpreter() -> No
         assert proc.returncode == 0, (code, proc.stderr[-2000:])
 
 
-def test_corner_reward_reads_the_answer() -> None:
-    assert corner_reward(["p"] * 3, [" 1", "2", "3 "], ["1", "1", "3"]) == [1.0, 0.0, 1.0]
+def test_count_reward_reads_the_answer() -> None:
+    assert count_reward(["p"] * 3, [" 1", "2", "3 "], ["1", "1", "3"]) == [1.0, 0.0, 1.0]
 
 
 def test_batch_without_images_has_no_vision_inputs() -> None:

@@ -121,6 +121,11 @@ def resolve_lora(
     return config
 
 
+VISION_TOWER_MODULES = r".*\bvisual\b.*"
+"""peft's ``exclude_modules`` for a vision-language model's ``"all-linear"`` adapters: the language model's layers only
+(the vision tower is frozen by default, and vLLM serves adapters on the language model only)."""
+
+
 def _saved_adapter_config(folder: str, *, setting: str) -> Any:
     """The ``LoraConfig`` of a folder written by peft's ``save_pretrained`` (its ``adapter_config.json``)."""
     from peft import LoraConfig
@@ -175,9 +180,13 @@ def check_lora_model(config: Any, model: str, *, setting: str) -> None:
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+    from lightning_rlhf.engines.train.vision import causal_lm_class, is_vision_language
+
     critic = config.task_type == "TOKEN_CLS"
     model_config = AutoConfig.from_pretrained(model, **({"num_labels": 1} if critic else {}))
-    auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    auto = AutoModelForTokenClassification if critic else causal_lm_class(AutoModelForCausalLM, model_config)
+    if is_vision_language(model_config) and config.target_modules == "all-linear" and not config.exclude_modules:
+        config.exclude_modules = VISION_TOWER_MODULES
     with torch.device("meta"):
         skeleton = auto.from_config(model_config)
     _check_targets(skeleton, config, setting=setting)
