@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.callbacks.history import run_folder, step_of
+from lightning_rlhf.data.vision import VISION_COLUMN
 
 __all__ = ["SAMPLE_COLUMNS", "RolloutSamples", "conversation_text", "sample_rows"]
 
@@ -31,10 +32,14 @@ def conversation_text(messages: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
+THUMBNAIL = 128
+"""The longest side, in pixels, of the thumbnails of a sample's images (``samples.jsonl``'s ``images``, the table)."""
+
+
 def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]]:
     """``count`` rows spread evenly over ``rollout`` (several prompts, not one prompt's group), as dicts with
     :data:`SAMPLE_COLUMNS` (empty strings for a missing column); episodes add ``episode`` (the messages), ``turns`` and
-    ``tool_calls``. Runs on: controller (rank 0)."""
+    ``tool_calls``; prompts with images add ``images`` (the PIL images). Runs on: controller (rank 0)."""
     size = len(rollout)
     count = min(count, size)
     index = [i * size // count for i in range(count)]
@@ -49,6 +54,10 @@ def sample_rows(rollout: Batch, count: int, *, step: int) -> list[dict[str, Any]
         }
         for i in index
     ]
+    vision = rollout.columns.get(VISION_COLUMN)
+    if vision is not None:
+        for row, i in zip(rows, index, strict=True):
+            row["images"] = list(vision[i].images) if vision[i] is not None else []
     episodes = rollout.columns.get("episode")
     if episodes is not None:
         for row, i in zip(rows, index, strict=True):
@@ -110,6 +119,7 @@ class RolloutSamples(L.Callback):
         rows = sample_rows(rollout, self.num_samples, step=step)
         self.path = os.path.join(run_folder(trainer), self.filename)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        thumbnails = _save_thumbnails(rows, os.path.dirname(self.path), step)
         with open(self.path, "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         for logger in trainer.loggers:
@@ -120,4 +130,32 @@ class RolloutSamples(L.Callback):
                     columns.append("conversation")
                     for line, row in zip(data, rows, strict=True):
                         line.append(conversation_text(row["episode"]))
+                if thumbnails is not None:  # the first image of each prompt, beside its completion
+                    import wandb
+
+                    columns.append("image")
+                    for line, images in zip(data, thumbnails, strict=True):
+                        line.append(wandb.Image(images[0]) if images else None)
                 logger.log_table(self.table_key, columns=columns, data=data, step=step)
+
+
+def _save_thumbnails(rows: list[dict[str, Any]], folder: str, step: int) -> list[list[Any]] | None:
+    """Thumbnails (:data:`THUMBNAIL` pixels at most) of the rows' ``images``, written as PNG files under
+    ``folder/sample_images/``; each row's ``images`` becomes their paths relative to ``folder``. Returns the thumbnails
+    per row (None when the rows have no images). Runs on: controller (rank 0)."""
+    if not rows or "images" not in rows[0]:
+        return None
+    os.makedirs(os.path.join(folder, "sample_images"), exist_ok=True)
+    out: list[list[Any]] = []
+    for r, row in enumerate(rows):
+        kept, paths = [], []
+        for k, image in enumerate(row["images"]):
+            small = image.copy()
+            small.thumbnail((THUMBNAIL, THUMBNAIL))
+            path = os.path.join("sample_images", f"step{step}-{r}-{k}.png")
+            small.save(os.path.join(folder, path))
+            kept.append(small)
+            paths.append(path)
+        row["images"] = paths
+        out.append(kept)
+    return out

@@ -20,6 +20,7 @@ from lightning_rlhf.data.chat import chat_prompt_text, check_messages, render_ch
 from lightning_rlhf.data.sources import load_prompt_dataset, split_off
 from lightning_rlhf.data.vision import (
     VISION_COLUMN,
+    check_image_prompts,
     count_image_items,
     expand_image_tokens,
     load_image,
@@ -252,6 +253,9 @@ class PromptDataModule(L.LightningDataModule):
             return
         self._tokenizer = self._resolve_tokenizer()
         if self.image_column is not None:
+            module = self.trainer.lightning_module if self.trainer is not None else None
+            if module is not None:
+                check_image_prompts(module, setting=f"image_column={self.image_column!r}")
             self._image_processor = self._resolve_image_processor()
         train = self._placeholder_rows() if self.train is None else None
         if train is None:

@@ -22,6 +22,7 @@ from torch import Tensor
 __all__ = [
     "VISION_COLUMN",
     "VisionInputs",
+    "check_image_prompts",
     "collapse_image_tokens",
     "count_image_items",
     "expand_image_tokens",
@@ -136,3 +137,24 @@ def stacked_vision(rows: Sequence[VisionInputs | None], device: torch.device | s
         "pixel_values": torch.cat([v.pixel_values for v in kept]).to(device),
         "image_grid_thw": torch.cat([v.image_grid_thw for v in kept]).to(device),
     }
+
+
+def check_image_prompts(module: Any, *, setting: str) -> None:
+    """Refuse, before any model loads, what does not carry a prompt's images yet: multi-turn episodes (an
+    environment), streamed or partial rollouts (``AsyncConfig(stream=True)`` / ``partial_rollouts``: the request
+    queues hand engines token ids only) and sequence parallelism. ``setting`` names the data module's image setting in
+    the message. Runs on: every process, in the data module's ``setup``."""
+    problems = []
+    if getattr(module, "environment", None) is not None:
+        problems.append("an environment (multi-turn episodes carry text only)")
+    asynchronous = getattr(getattr(module, "algorithm", None), "asynchronous", None)
+    if asynchronous is not None and (asynchronous.stream or asynchronous.partial_rollouts):
+        problems.append("AsyncConfig(stream=True) or partial_rollouts=True (streamed requests carry token ids only)")
+    if int(getattr(module, "sequence_parallel", 1) or 1) > 1:
+        problems.append(f"RLHFModule(sequence_parallel={module.sequence_parallel})")
+    if problems:
+        raise ValueError(
+            f"PromptDataModule({setting}): prompts with images cannot run with {'; '.join(problems)} yet. HINT: drop "
+            "those settings for a vision-language run (one-step-off rollouts on a pool, max_staleness=1, do carry "
+            "images), docs/vision.md."
+        )

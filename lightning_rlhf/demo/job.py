@@ -436,18 +436,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.task == "tools":
         print_tool_table(model_path, _exported(trainer), trainer.logger.log_dir, teacher=teacher_path)
     elif teacher_path is not None:
-        print_distillation(model_path, _exported(trainer), teacher_path, trainer.logger.log_dir)
+        print_distillation(model_path, _exported(trainer), teacher_path, trainer.logger.log_dir, task=args.task)
     print(f"run folder: {os.path.abspath(trainer.logger.log_dir)}")
 
 
-def print_distillation(before: str, after: str, teacher: str, log_dir: str) -> dict[str, float]:
-    """The addition task's held-out success (greedy) of the student before and after distillation and of its teacher;
-    printed, and written to ``log_dir/distillation.json``. Runs on: rank 0, after ``fit``."""
+def print_distillation(
+    before: str, after: str, teacher: str, log_dir: str, *, task: str = "addition"
+) -> dict[str, float]:
+    """The task's held-out success (greedy) of the student before and after distillation and of its teacher (the
+    addition task's 20 held-out sums, or the visual task's held-out drawings); printed, and written to
+    ``log_dir/distillation.json``. Runs on: rank 0, after ``fit``."""
+    from lightning_rlhf.demo.vision_task import vision_held_out_accuracy
     from lightning_rlhf.demo.warmstart import held_out_accuracy
 
-    table = {"student before": held_out_accuracy(before), "student after": held_out_accuracy(after)}
-    table["teacher"] = held_out_accuracy(teacher)
-    print("held-out success (20 single-digit sums, greedy):")
+    accuracy = vision_held_out_accuracy if task == "vision" else held_out_accuracy
+    table = {"student before": accuracy(before), "student after": accuracy(after), "teacher": accuracy(teacher)}
+    what = "the held-out drawings" if task == "vision" else "20 single-digit sums"
+    print(f"held-out success ({what}, greedy):")
     for name, value in table.items():
         print(f"  {name:<16} {value:.3f}")
     with open(os.path.join(log_dir, "distillation.json"), "w") as f:

@@ -116,3 +116,24 @@ def warm_start_vision(model_dir: str, out_dir: str, *, steps: int = 40, batch_si
     model.eval().save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+def vision_held_out_accuracy(model_dir: str, *, seed: int = 0) -> float:
+    """Mean :func:`count_reward` of the greedy answers of the model in ``model_dir`` to the held-out drawings
+    (:func:`vision_splits`' ``"test"``, the demo's ``val/score/mean`` prompts). Runs on: any process."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    test = vision_splits(seed=seed)["test"]
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": COUNT_PROMPT}]}]
+    prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    enc = processor(
+        text=[prompt] * len(test), images=list(test["image"]), return_tensors="pt", add_special_tokens=False
+    )
+    with torch.no_grad():
+        answers = model(**enc).logits[:, -1].argmax(-1)  # the answer is one token: greedy = the most likely one
+    completions = processor.tokenizer.batch_decode(answers[:, None], skip_special_tokens=True)
+    rewards = count_reward([prompt] * len(test), completions, list(test["answer"]))
+    return sum(rewards) / len(rewards)

@@ -163,3 +163,75 @@ def test_count_reward_reads_the_answer() -> None:
 def test_batch_without_images_has_no_vision_inputs() -> None:
     assert vision_kwargs(object(), torch.zeros(2, 3, dtype=torch.long), None) == {}
     assert VISION_COLUMN not in Batch({"prompts": torch.zeros(2, 3)})
+
+
+def test_samples_show_a_thumbnail_of_each_prompts_image(
+    vlm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """samples.jsonl names a PNG thumbnail of each sample's image; the wandb table has the image beside the
+    completion."""
+    import types
+
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    import lightning_rlhf.callbacks.samples as samples
+    from lightning_rlhf.callbacks import RolloutSamples
+
+    data = _data(vlm, vision_dataset(4), image_column="image")
+    rollout = next(iter(data.train_dataloader()))
+    rollout["completion"] = ["1", "2", "3", "4"]
+    rollout["scores"] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    logger = WandbLogger(offline=True, save_dir=str(tmp_path))
+    tables: list[dict[str, object]] = []
+    monkeypatch.setattr(logger, "log_table", lambda key, columns, data, step: tables.append({"c": columns, "d": data}))
+    monkeypatch.setattr(samples, "step_of", lambda trainer: 9)
+    trainer = types.SimpleNamespace(is_global_zero=True, loggers=[logger], default_root_dir=str(tmp_path))
+    RolloutSamples(every_n_steps=10, num_samples=2).on_train_batch_end(
+        trainer,
+        types.SimpleNamespace(last_rollout=rollout),
+        None,
+        None,
+        0,  # type: ignore[arg-type]
+    )
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(len(r["images"]) == 1 for r in rows)
+    from PIL import Image
+
+    assert Image.open(tmp_path / rows[0]["images"][0]).size == (56, 56)  # at most THUMBNAIL: the image itself here
+    table = tables[0]
+    assert table["c"][-1] == "image" and all(isinstance(line[-1], wandb.Image) for line in table["d"])  # type: ignore[index,union-attr]
+
+
+def test_lora_on_a_vlm_adapts_the_language_model_only(vlm: str) -> None:
+    """``lora={"r": 8}`` ("all-linear") on a vision-language actor: adapters on the language model's linear layers,
+    none on the vision tower (frozen, and vLLM serves adapters on the language model only)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from lightning_rlhf.compat.peft import target_layers
+    from lightning_rlhf.engines.train.lora import resolve_lora
+
+    config = resolve_lora({"r": 8}, setting="RLHFModule(lora=...)", task_type="CAUSAL_LM", model=vlm)
+    with torch.device("meta"):
+        skeleton = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(vlm))
+    names = [name for name, _ in target_layers(skeleton, config)]
+    assert names and all(".language_model." in name for name in names), names
+    assert any(name.endswith("self_attn.q_proj") for name in names)
+
+
+def test_what_does_not_carry_images_yet_is_refused_before_any_model_loads() -> None:
+    import types
+
+    from lightning_rlhf.config import AlgorithmConfig, AsyncConfig
+    from lightning_rlhf.data.vision import check_image_prompts
+
+    plain = types.SimpleNamespace(environment=None, algorithm=AlgorithmConfig(), sequence_parallel=1)
+    check_image_prompts(plain, setting="image_column='image'")  # GRPO, colocated: fine
+    episodes = types.SimpleNamespace(environment=object(), algorithm=AlgorithmConfig(), sequence_parallel=1)
+    with pytest.raises(ValueError, match=r"image_column='image'.*an environment"):
+        check_image_prompts(episodes, setting="image_column='image'")
+    streamed = AlgorithmConfig(asynchronous=AsyncConfig(max_staleness=1, stream=True))
+    with pytest.raises(ValueError, match=r"stream=True"):
+        check_image_prompts(
+            types.SimpleNamespace(environment=None, algorithm=streamed, sequence_parallel=2), setting="x"
+        )

@@ -257,6 +257,7 @@ class _DropExpectedWarnings(logging.Filter):
 
     _STARTS = (
         "RotaryEmbedding: Failed to load",
+        "MRotaryEmbedding: Failed to load",  # a vision-language model's rotary embedding (3D positions): a buffer
         "ParallelLMHead: Failed to load",
         "Using None for EOS token id because tokenizer is not initialized",
         "Using None for BOS token id because tokenizer is not initialized",

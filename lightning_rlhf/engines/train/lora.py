@@ -184,7 +184,7 @@ def check_lora_model(config: Any, model: str, *, setting: str) -> None:
 
     critic = config.task_type == "TOKEN_CLS"
     model_config = AutoConfig.from_pretrained(model, **({"num_labels": 1} if critic else {}))
-    auto = AutoModelForTokenClassification if critic else causal_lm_class(AutoModelForCausalLM, model_config)
+    auto: Any = AutoModelForTokenClassification if critic else causal_lm_class(AutoModelForCausalLM, model_config)
     if is_vision_language(model_config) and config.target_modules == "all-linear" and not config.exclude_modules:
         config.exclude_modules = VISION_TOWER_MODULES
     with torch.device("meta"):
