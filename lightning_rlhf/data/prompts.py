@@ -18,14 +18,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config.models import resolve_model_path
 from lightning_rlhf.data.chat import chat_prompt_text, check_messages, render_chat, template_kwargs
 from lightning_rlhf.data.sources import load_prompt_dataset, split_off
-from lightning_rlhf.data.vision import (
-    VISION_COLUMN,
-    check_image_prompts,
-    count_image_items,
-    expand_image_tokens,
-    load_image,
-    vision_inputs,
-)
+from lightning_rlhf.data.vision import VISION_COLUMN, PromptImages, check_image_prompts
 
 __all__ = ["RESERVED_COLUMNS", "PromptDataModule", "PromptLoader"]
 
@@ -245,7 +238,7 @@ class PromptDataModule(L.LightningDataModule):
         self._val_rows: list[dict[str, Any]] | None = None
         self._loader: PromptLoader | None = None
         self._tokenizer: Any = None
-        self._image_processor: Any = None  # with image_column: the processor's image half (AutoImageProcessor)
+        self._images: PromptImages | None = None  # with image_column: decoding, placeholders, processor inputs
 
     def setup(self, stage: str) -> None:
         """Load, check and tokenize the training and validation prompts. Runs on: every process, before models load."""
@@ -253,10 +246,7 @@ class PromptDataModule(L.LightningDataModule):
             return
         self._tokenizer = self._resolve_tokenizer()
         if self.image_column is not None:
-            module = self.trainer.lightning_module if self.trainer is not None else None
-            if module is not None:
-                check_image_prompts(module, setting=f"image_column={self.image_column!r}")
-            self._image_processor = self._resolve_image_processor()
+            self._images = self._prompt_images(self.image_column)
         train = self._placeholder_rows() if self.train is None else None
         if train is None:
             train = load_prompt_dataset(self.train, setting="train", config=self.dataset_config, split=self.train_split)
@@ -328,7 +318,7 @@ class PromptDataModule(L.LightningDataModule):
             )
         entries: list[tuple[int, dict[str, Any], str, list[int]]] = []
         for i, row in enumerate(dataset):
-            if self.image_column is not None:
+            if self._images is not None:
                 i, row, text, ids = self._with_images(i, row, col, which)
             elif chat:
                 messages = check_messages(row[col], column=col, row=i, which=which)
@@ -371,60 +361,38 @@ class PromptDataModule(L.LightningDataModule):
     ) -> tuple[int, dict[str, Any], str, list[int]]:
         """A row with images: its images decoded, its prompt rendered with one placeholder per image (a text prompt as
         one user turn, images first) and each placeholder repeated once per merged patch; the counts checked."""
-        column = str(self.image_column)
-        setting = f"image_column={column!r}"
-        value = row[column]
-        images = [
-            load_image(v, setting=setting, row=i, which=which) for v in (value if isinstance(value, list) else [value])
-        ]
+        assert self._images is not None
+        images = self._images.decode(row, index=i, which=which)
         if self.messages_column is not None:
             messages = check_messages(row[col], column=col, row=i, which=which)
+            self._images.check_chat(messages, images, index=i, which=which)
             text = chat_prompt_text(messages)
-            if count_image_items(messages) != len(images):
-                raise ValueError(
-                    f"PromptDataModule({setting}): row {i} of the {which} data has {len(images)} images and "
-                    f"{count_image_items(messages)} image items ({{'type': 'image'}}) in its chat. HINT: give each "
-                    "image one image item in the messages, in order."
-                )
         else:
-            prompt = row.get(col)
-            if not isinstance(prompt, str):
+            value = row.get(col)
+            if not isinstance(value, str):
                 raise ValueError(
                     f"PromptDataModule: row {i} has a non-text prompt in column {col!r} of the {which} data."
                 )
-            text = prompt
-            messages = [
-                {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}
-            ]
-        ids = self._render(messages, row=i, which=which)
-        grid = vision_inputs(self._image_processor, images)
-        merge = int(getattr(self._image_processor, "merge_size", 1))
-        try:
-            ids = expand_image_tokens(ids, self._image_token_id(), grid.tokens_per_image(merge))
-        except ValueError as err:
-            raise ValueError(
-                f"PromptDataModule({setting}): row {i} of the {which} data: {err} (the rendered prompt must hold one "
-                f"{self._tokenizer.convert_ids_to_tokens(self._image_token_id())!r} per image). HINT: remove image "
-                "tokens written into the prompt text; the chat template places them."
-            ) from err
-        return i, {**row, column: images}, text, ids
+            text = value
+            messages = self._images.chat(text, images)
+        ids = self._images.expand(self._render(messages, row=i, which=which), images, index=i, which=which)
+        return i, {**row, self._images.column: images}, text, ids
 
-    def _image_token_id(self) -> int:
-        token = getattr(self._tokenizer, "image_token", None) or "<|image_pad|>"
-        return int(self._tokenizer.convert_tokens_to_ids(token))
-
-    def _resolve_image_processor(self) -> Any:
+    def _prompt_images(self, column: str) -> PromptImages:
+        """The image half of the model's processor: from ``tokenizer=``'s folder, else the actor's."""
         from transformers import AutoImageProcessor
 
         module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is not None:
+            check_image_prompts(module, setting=f"image_column={column!r}")
         source = self.tokenizer_path or getattr(getattr(module, "actor", None), "path", None)
         if source is None:
             raise ValueError(
-                f"PromptDataModule(image_column={self.image_column!r}) needs the model's image processor: pass "
+                f"PromptDataModule(image_column={column!r}) needs the model's image processor: pass "
                 "tokenizer=<the model folder> or use it with an RLHFModule."
             )
-        setting = "PromptDataModule(image_column=...)"
-        return AutoImageProcessor.from_pretrained(resolve_model_path(source, setting=setting, tokenizer_only=True))
+        path = resolve_model_path(source, setting="PromptDataModule(image_column=...)", tokenizer_only=True)
+        return PromptImages(column, self._tokenizer, AutoImageProcessor.from_pretrained(path))
 
     def _render(self, messages: list[dict[str, Any]], *, row: int, which: str) -> list[int]:
         return render_chat(
@@ -460,8 +428,8 @@ class PromptDataModule(L.LightningDataModule):
             prompts[i, width - n :] = torch.tensor(r["prompt_ids"])
             mask[i, width - n :] = 1
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
-        if self.image_column is not None:  # the processor's inputs, made per batch (not kept for the whole dataset)
-            columns[VISION_COLUMN] = [vision_inputs(self._image_processor, r[self.image_column]) for r in rows]
+        if self._images is not None:  # the processor's inputs, made per batch (not kept for the whole dataset)
+            columns[VISION_COLUMN] = self._images.inputs(rows)
         meta: dict[str, Any] = {"max_prompt_length": self.max_prompt_length}  # an episode's first prompt's bound
         if self.chat_template_kwargs:  # every render of a chat: episodes, a reward model's chats
             meta["chat_template_kwargs"] = dict(self.chat_template_kwargs)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 __all__ = [
     "VISION_COLUMN",
+    "PromptImages",
     "VisionInputs",
     "check_image_prompts",
     "collapse_image_tokens",
@@ -158,3 +159,69 @@ def check_image_prompts(module: Any, *, setting: str) -> None:
             "those settings for a vision-language run (one-step-off rollouts on a pool, max_staleness=1, do carry "
             "images), docs/vision.md."
         )
+
+
+@dataclasses.dataclass
+class PromptImages:
+    """A prompt data module's images (``PromptDataModule(image_column=...)``): each row's images decoded, the chat
+    that places them, the rendered ids' placeholders expanded, and the processor's inputs made per batch. Runs on:
+    every process, in the data module's ``setup`` and collate.
+
+    Args:
+        column: the dataset column holding each row's image or images.
+        tokenizer: the model's tokenizer (its image placeholder token).
+        image_processor: the model's image processor (``AutoImageProcessor``).
+    """
+
+    column: str
+    tokenizer: Any
+    image_processor: Any
+
+    @property
+    def setting(self) -> str:
+        """The data module's setting, for error messages."""
+        return f"image_column={self.column!r}"
+
+    @property
+    def image_token_id(self) -> int:
+        """The image placeholder's id (Qwen2-VL's ``<|image_pad|>``)."""
+        token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+        return int(self.tokenizer.convert_tokens_to_ids(token))
+
+    def decode(self, row: dict[str, Any], *, index: int, which: str) -> list[Any]:
+        """Row ``index``'s images as PIL RGB images (:func:`load_image` on each)."""
+        value = row[self.column]
+        values = value if isinstance(value, list) else [value]
+        return [load_image(v, setting=self.setting, row=index, which=which) for v in values]
+
+    def chat(self, text: str, images: Sequence[Any]) -> list[dict[str, Any]]:
+        """A text prompt as one user turn, its images first (what TRL and verl do with a plain prompt)."""
+        return [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}]
+
+    def check_chat(self, messages: Sequence[dict[str, Any]], images: Sequence[Any], *, index: int, which: str) -> None:
+        """Refuse a chat whose image items are not the row's images in number."""
+        items = count_image_items(messages)
+        if items != len(images):
+            raise ValueError(
+                f"PromptDataModule({self.setting}): row {index} of the {which} data has {len(images)} images and "
+                f"{items} image items ({{'type': 'image'}}) in its chat. HINT: give each image one image item in the "
+                "messages, in order."
+            )
+
+    def expand(self, ids: list[int], images: Sequence[Any], *, index: int, which: str) -> list[int]:
+        """The rendered ``ids`` with each image's placeholder repeated once per merged patch of that image."""
+        merge = int(getattr(self.image_processor, "merge_size", 1))
+        counts = vision_inputs(self.image_processor, images).tokens_per_image(merge)
+        try:
+            return expand_image_tokens(ids, self.image_token_id, counts)
+        except ValueError as err:
+            token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+            raise ValueError(
+                f"PromptDataModule({self.setting}): row {index} of the {which} data: {err} (the rendered prompt must "
+                f"hold one {token!r} per image). HINT: remove image tokens written into the prompt text; the chat "
+                "template places them."
+            ) from err
+
+    def inputs(self, rows: Sequence[dict[str, Any]]) -> list[VisionInputs]:
+        """Each row's :class:`VisionInputs` (made per batch: the pixel values are not kept for the whole dataset)."""
+        return [vision_inputs(self.image_processor, row[self.column]) for row in rows]
