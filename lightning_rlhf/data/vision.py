@@ -46,6 +46,12 @@ class VisionInputs:
     pixel_values: Tensor
     image_grid_thw: Tensor
 
+    @classmethod
+    def of_images(cls, images: Sequence[Any]) -> VisionInputs:
+        """The images alone (no processor inputs), for an engine that runs its own processor on them (vLLM): what
+        crosses to a rollout pool's engine server, where a tensor would cross as a handle to shared memory."""
+        return cls(tuple(images), torch.empty(0), torch.empty(0, 3, dtype=torch.long))
+
     def tokens_per_image(self, merge_size: int) -> list[int]:
         """How many placeholder tokens each image takes in the prompt: its patches over ``merge_size`` squared."""
         return [int(n) // merge_size**2 for n in self.image_grid_thw.prod(-1).tolist()]

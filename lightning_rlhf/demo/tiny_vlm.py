@@ -48,10 +48,11 @@ IMAGE_SIZE = 56
 """The processor's fixed image side in pixels: 4 x 4 patches of 14 pixels, merged 2 x 2 into 4 image tokens."""
 
 
-def build_tiny_vlm_processor(save_dir: str | os.PathLike[str] | None = None) -> Any:
-    """The tiny tokenizer with the vision tokens, wrapped in a ``Qwen2VLProcessor`` whose image processor resizes every
-    image to :data:`IMAGE_SIZE` square (``min_pixels = max_pixels``). Runs on: any process."""
-    from transformers import Qwen2VLProcessor, Qwen2VLVideoProcessor
+def build_tiny_vlm_processor(save_dir: str | os.PathLike[str] | None = None, *, model_type: str = "qwen2_vl") -> Any:
+    """The tiny tokenizer with the vision tokens, wrapped in the family's processor (``Qwen2VLProcessor``, or
+    ``Qwen2_5_VLProcessor`` for ``model_type="qwen2_5_vl"``) whose image processor resizes every image to
+    :data:`IMAGE_SIZE` square (``min_pixels = max_pixels``). Runs on: any process."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_tiny_tokenizer()
@@ -61,7 +62,8 @@ def build_tiny_vlm_processor(save_dir: str | os.PathLike[str] | None = None) -> 
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=pixels, max_pixels=pixels, size={"shortest_edge": pixels, "longest_edge": pixels}
     )
-    processor = Qwen2VLProcessor(
+    processor_class = Qwen2_5_VLProcessor if model_type == "qwen2_5_vl" else Qwen2VLProcessor
+    processor = processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=Qwen2VLVideoProcessor(),
@@ -79,11 +81,14 @@ def build_tiny_vlm(
     num_layers: int = 2,
     vision_depth: int = 2,
     seed: int = 0,
+    model_type: str = "qwen2_vl",
 ) -> PreTrainedModel:
-    """A randomly initialised ``Qwen2VLForConditionalGeneration`` for ``processor``'s tokenizer: a language model of
-    ``hidden_size`` (heads of 32: vLLM's CPU attention takes no smaller) and a vision tower of ``vision_depth`` blocks
-    of width 64, patches of 14 pixels merged 2 x 2. Runs on: any process."""
-    from transformers import Qwen2VLForConditionalGeneration
+    """A randomly initialised ``Qwen2VLForConditionalGeneration`` (or, ``model_type="qwen2_5_vl"``,
+    ``Qwen2_5_VLForConditionalGeneration``: RMS norms and gated MLPs in the tower, windowed attention but in its last
+    block) for ``processor``'s tokenizer: a language model of ``hidden_size`` (heads of 32: vLLM's CPU attention takes
+    no smaller) and a vision tower of ``vision_depth`` blocks of width 64, patches of 14 pixels merged 2 x 2. Runs on:
+    any process."""
+    from transformers import AutoModelForImageTextToText
 
     tok = processor.tokenizer
     ids = {
@@ -93,7 +98,7 @@ def build_tiny_vlm(
     head_dim = 32
     heads = hidden_size // head_dim
     config = AutoConfig.for_model(
-        "qwen2_vl",
+        model_type,
         text_config={
             "vocab_size": -(-len(tok) // 8) * 8,
             "hidden_size": hidden_size,
@@ -109,17 +114,7 @@ def build_tiny_vlm(
             "bos_token_id": tok.bos_token_id,
             "eos_token_id": tok.eos_token_id,
         },
-        vision_config={
-            "depth": vision_depth,
-            "embed_dim": 64,
-            "hidden_size": hidden_size,
-            "num_heads": 2,
-            "mlp_ratio": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "initializer_range": INIT_STD,
-        },
+        vision_config=_vision_config(model_type, vision_depth, hidden_size),
         image_token_id=ids["image"],
         video_token_id=ids["video"],
         vision_start_token_id=ids["start"],
@@ -131,16 +126,26 @@ def build_tiny_vlm(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     gen = model.generation_config
     gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
     return cast(PreTrainedModel, model.float().eval())
 
 
-def save_tiny_vlm(model_dir: str | os.PathLike[str], *, seed: int = 0, **kw: Any) -> str:
-    """Build the tiny processor and VLM and save both (safetensors) to ``model_dir``; returns the path. Runs on: any
-    process."""
+def _vision_config(model_type: str, depth: int, out_size: int) -> dict[str, Any]:
+    """The tiny tower: width 64, 2 heads of 32, patches of 14 merged 2 x 2, into the language model's width."""
+    common = {"depth": depth, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    common["initializer_range"] = INIT_STD
+    if model_type == "qwen2_5_vl":
+        window = {"window_size": 56, "fullatt_block_indexes": [depth - 1]}
+        return common | window | {"hidden_size": 64, "intermediate_size": 128, "out_hidden_size": out_size}
+    return common | {"embed_dim": 64, "hidden_size": out_size, "mlp_ratio": 2}
+
+
+def save_tiny_vlm(model_dir: str | os.PathLike[str], *, seed: int = 0, model_type: str = "qwen2_vl", **kw: Any) -> str:
+    """Build the tiny processor and VLM of ``model_type`` (``"qwen2_vl"`` or ``"qwen2_5_vl"``) and save both
+    (safetensors) to ``model_dir``; returns the path. Runs on: any process."""
     path = os.fspath(model_dir)
-    processor = build_tiny_vlm_processor(path)
-    build_tiny_vlm(processor, seed=seed, **kw).save_pretrained(path)
+    processor = build_tiny_vlm_processor(path, model_type=model_type)
+    build_tiny_vlm(processor, seed=seed, model_type=model_type, **kw).save_pretrained(path)
     return path

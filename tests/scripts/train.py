@@ -39,6 +39,7 @@ from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RolloutSample
 from lightning_rlhf.controller.dispatch import Dispatch, role_method
 from lightning_rlhf.demo import addition_cost, addition_dataset, addition_reward
 from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
+from lightning_rlhf.demo.vision_task import count_reward, vision_dataset
 from lightning_rlhf.roles import ActorRole
 
 
@@ -232,9 +233,10 @@ def main() -> None:
     )
     p.add_argument(
         "--task",
-        choices=["addition", "tools"],
+        choices=["addition", "tools", "vision"],
         default="addition",
-        help="tools: episodes of the demo's tool task (CalculatorEnvironment scores them; --model needs its template)",
+        help="tools: episodes of the demo's tool task (CalculatorEnvironment scores them; --model needs its template); "
+        "vision: the demo's visual task, prompts with images (--model a tiny VLM, lightning_rlhf.demo.tiny_vlm)",
     )
     p.add_argument("--reward-timeout", type=float, default=60.0, help="RewardConfig.timeout_s")
     p.add_argument("--signal-at", default=None, help="RANK:SIGNAL:N: rank sends itself SIGNAL in its N-th actor.update")
@@ -270,6 +272,7 @@ def main() -> None:
         partial_rollouts=args.partial_rollouts,
     )
     reward = failing_reward if args.fault == "reward" else chars_reward if args.reward == "chars" else addition_reward
+    reward = count_reward if args.task == "vision" else reward
     tools = args.task == "tools"
     common = dict(
         reward=None if tools else hanging_reward(args.out) if args.reward == "hang" else reward,
@@ -392,12 +395,14 @@ def main() -> None:
         val_check_interval=args.val_every or None,
         check_val_every_n_epoch=None if args.val_every else 1,
     )
+    vision = args.task == "vision"
     data = PromptDataModule(
-        tool_splits()["train"] if tools else addition_dataset(),
+        tool_splits()["train"] if tools else vision_dataset(32) if vision else addition_dataset(),
         val=addition_dataset(num_prompts=args.val_prompts, seed=1) if args.val_every else None,
         val_batch_size=args.val_batch_size,
         batch_size=args.prompts,
-        max_prompt_length=64 if tools else 16,  # tools: the rendered episode prompt (53 tokens)
+        max_prompt_length=64 if tools else 128 if vision else 16,  # tools: the rendered episode prompt (53 tokens)
+        image_column="image" if vision else None,
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     if args.save_ckpt:

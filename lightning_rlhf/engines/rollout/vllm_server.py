@@ -216,9 +216,10 @@ class VLLMServerEngine:
         self, prompts: list[list[int]], params: SamplingParams, vision: Sequence[VisionInputs | None] | None = None
     ) -> RolloutOutput:
         """Sample ``params.n`` responses per prompt in the server (see ``VLLMRolloutEngine.generate``; the images
-        cross the pipe pickled). Runs on: every rank of the pool together (the servers of a TP group gather their
-        prompts)."""
-        return self._call("generate", prompts, params, vision)  # type: ignore[no-any-return]
+        cross the pipe as pickled PIL images, without the processor's tensors: vLLM makes its own). Runs on: every
+        rank of the pool together (the servers of a TP group gather their prompts)."""
+        images = None if vision is None else [None if v is None else list(v.images) for v in vision]
+        return self._call("generate", prompts, params, images)  # type: ignore[no-any-return]
 
     @property
     def abilities(self) -> EngineAbilities:
@@ -428,7 +429,11 @@ class _Server:
                 if op == "init":
                     self.start(message)
                 elif op == "generate":
-                    self.reply("ok", self.engine.generate(*message[1:]))
+                    prompts, params, images = message[1:]
+                    vision = (
+                        None if images is None else [None if i is None else VisionInputs.of_images(i) for i in images]
+                    )
+                    self.reply("ok", self.engine.generate(prompts, params, vision))
                 elif op == "requests":
                     self.reply("ok", self.step_requests(*message[1:]))
                 elif op == "load_begin":
