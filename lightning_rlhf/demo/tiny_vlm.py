@@ -134,8 +134,8 @@ def build_tiny_vlm(
 
 def _vision_config(model_type: str, depth: int, out_size: int) -> dict[str, Any]:
     """The tiny tower: width 64, 2 heads of 32, patches of 14 merged 2 x 2, into the language model's width."""
-    common = {"depth": depth, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
-    common["initializer_range"] = INIT_STD
+    common: dict[str, Any] = {"depth": depth, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2}
+    common |= {"temporal_patch_size": 2, "initializer_range": INIT_STD}
     if model_type == "qwen2_5_vl":
         window = {"window_size": 56, "fullatt_block_indexes": [depth - 1]}
         return common | window | {"hidden_size": 64, "intermediate_size": 128, "out_hidden_size": out_size}
