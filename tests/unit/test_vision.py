@@ -133,8 +133,12 @@ def test_a_sampled_placeholder_ends_the_response_and_is_not_taken_for_an_image(v
         vision_kwargs(config, batch["prompts"][:, -3:], batch[VISION_COLUMN])  # a prompt cut short of its images
 
 
-def test_transformers_engine_log_probs_with_images_are_the_trainers(vlm: str) -> None:
-    report = agreement("generate", vlm)
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_transformers_engine_log_probs_with_images_are_the_trainers(
+    vlm: str, family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    path = vlm if family == "qwen2_vl" else save_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm-2.5"), model_type=family)
+    report = agreement("generate", path)
     assert report["max"] <= AGREEMENT and report["tokens"] > 50 and report["distinct"] > 4, report
 
 
