@@ -22,13 +22,15 @@
 #      requests going on after it from their tokens (tests/gpu/test_gpu_partial.py): partial.txt.
 #  11. distill (issue 47): on-policy distillation on CUDA, bf16: the demo's warm start taught by a random model of the
 #      same vocabulary (tests/scripts/train.py --algo distill), 4 steps: distill_metrics.csv, the reverse KL per step.
-# PARTS="handoff learn" (names: tests profile tools bench lora handoff learn size partial distill) runs only those; all by
+#  12. vision (issue 47): a tiny Qwen2-VL on CUDA, bf16, transformers' engine: 4 GRPO steps of the visual task with
+#      images (tests/scripts/train.py --task vision): vision_metrics.csv. Needs torchvision on the machine.
+# PARTS="handoff learn" (names: tests profile tools bench lora handoff learn size partial distill vision) runs only those; all by
 # default.
 # Every part has its own time limit; logs and tables go to $OUT (the device tool's folder), or ./gpu_out.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-PARTS=${PARTS:-tests profile tools bench lora handoff learn size partial distill}
+PARTS=${PARTS:-tests profile tools bench lora handoff learn size partial distill vision}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 if ! python3 -c "import matplotlib" 2>/dev/null; then  # the demo's plots
@@ -88,6 +90,12 @@ if want distill; then  # under a minute
     --accelerator gpu --devices 1 --bf16 --steps 4
   cp /tmp/distill/metrics.csv "$OUT/distill_metrics.csv" 2>/dev/null
   python3 -c "import csv; print([(r['step'], r.get('distill/reverse_kl'), r.get('timing_s/step')) for r in csv.DictReader(open('/tmp/distill/metrics.csv'))])" 2>/dev/null
+fi
+if want vision; then  # under a minute
+  VLM=$(python3 -c "from lightning_rlhf.demo.tiny_vlm import save_tiny_vlm; print(save_tiny_vlm('/tmp/vlm'))" 2>/dev/null | tail -1)
+  step vision 90 python3 tests/scripts/train.py --model "$VLM" --task vision --out /tmp/vision --accelerator gpu \
+    --devices 1 --bf16 --steps 4
+  cp /tmp/vision/metrics.csv "$OUT/vision_metrics.csv" 2>/dev/null
 fi
 want profile || want tools || want bench || want lora || exit 0
 MODEL=$(python3 -c "from lightning_rlhf.demo import prepare_demo_model; print(prepare_demo_model('/tmp/cache'))" 2>/dev/null | tail -1)
