@@ -189,6 +189,12 @@ def _build(
         eos_token_id=tokenizer.eos_token_id,
         **extra,
     )
+    return seeded_model(auto_class, config, tokenizer, seed=seed)
+
+
+def seeded_model(auto_class: Any, config: Any, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> PreTrainedModel:
+    """``auto_class.from_config(config)`` initialised with ``seed`` (the global RNG left as it was), float32, in eval
+    mode, its generation config holding ``tokenizer``'s special ids. Runs on: any process."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto_class.from_config(config, dtype=torch.float32)

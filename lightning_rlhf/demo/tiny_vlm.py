@@ -10,12 +10,11 @@ loads in transformers (``AutoModelForImageTextToText``, ``AutoProcessor``) and i
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from typing import Any
 
-import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from lightning_rlhf.demo.tiny import INIT_STD, build_tiny_tokenizer
+from lightning_rlhf.demo.tiny import INIT_STD, build_tiny_tokenizer, seeded_model
 
 __all__ = [
     "IMAGE_PAD",
@@ -124,12 +123,7 @@ def build_tiny_vlm(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    gen = model.generation_config
-    gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
-    return cast(PreTrainedModel, model.float().eval())
+    return seeded_model(AutoModelForImageTextToText, config, tok, seed=seed)
 
 
 def _vision_config(model_type: str, depth: int, out_size: int) -> dict[str, Any]:
