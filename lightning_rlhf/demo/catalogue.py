@@ -25,6 +25,11 @@ DEMO_MODELS: dict[str, tuple[str, str]] = {
         "tiny_tools_model",
         "the same tiny model with a tool chat template, warm-started to call a calculator for 3-digit additions",
     ),
+    "lightning-rlhf/tiny-vision": (
+        "tiny_vision_model",
+        "a tiny Qwen2-VL (the same tokenizer with vision tokens, a 2-block vision tower) and its processor, "
+        "warm-started on the visual task's answer format (docs/vision.md)",
+    ),
 }
 """The embedded models the demo builds, by name: ``(builder, description)``, ``builder`` a function of
 :mod:`lightning_rlhf.demo.warmstart` (``build(cache_dir) -> folder``), registered below through

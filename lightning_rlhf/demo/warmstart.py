@@ -261,6 +261,12 @@ def prepare_vision_model(cache_dir: str, *, seed: int = 0, warm_start_steps: int
     return build_once(cache_dir, f"vision-model-{CACHE_VERSION}-seed{seed}-ws{warm_start_steps}", build)
 
 
+def tiny_vision_model(cache_dir: str) -> str:
+    """The embedded model ``lightning-rlhf/tiny-vision``: :func:`prepare_vision_model` with seed 0. Runs on: any
+    process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""
+    return prepare_vision_model(cache_dir, seed=0)
+
+
 def tiny_addition_model(cache_dir: str) -> str:
     """The embedded model ``lightning-rlhf/tiny-addition``: :func:`prepare_demo_model` with seed 0. Runs on: any
     process (what :func:`lightning_rlhf.config.models.resolve_model_path` calls)."""

@@ -43,6 +43,20 @@ def substitutes(recipe: str, model: str, tmp_path: Path) -> list[str]:
     if recipe == "agent_tools":  # as written (2 processes, its engine), on the short-warm-start tool model
         small = ["--data.batch_size", "4", "--model.rollout.n", "2", "--model.validation.before_train", "false"]
         return [*common, "--model.actor", model, *small]
+    if recipe == "grpo_vision":  # the embedded tiny VLM and 8 of the demo's drawings (its reference runs with images)
+        from lightning_rlhf.demo.vision_task import vision_dataset
+
+        data = tmp_path / "vision.parquet"
+        vision_dataset(8).to_parquet(str(data))
+        small = [
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+            "--trainer.strategy.rollout", "hf", "--trainer.strategy.param_dtype", "null",
+            "--data.train", str(data), "--data.prompt_column", "prompt", "--data.image_column", "image",
+            "--data.batch_size", "4",
+            "--data.max_prompt_length", "128", "--model.rollout.max_new_tokens", "3", "--model.rollout.n", "2",
+            "--model.algorithm.batching.micro_batch_size", "4",
+        ]  # fmt: skip
+        return [*common, "--model.actor", "lightning-rlhf/tiny-vision", *small]
     common += ["--model.actor", model]
     small = [
         "--trainer.accelerator", "cpu", "--trainer.devices", "1",

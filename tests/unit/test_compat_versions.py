@@ -18,6 +18,7 @@ RANGES = {  # compat module -> (the library whose private state it touches, the 
     "lightning": ("lightning", "SUPPORTED_LIGHTNING"),
     "torch": ("torch", "SUPPORTED_TORCH"),
     "sharding": ("torch", None),  # FSDP2's layout: compat.torch's range
+    "torchvision": ("torch", None),  # torch.library schemas for torchvision's import: compat.torch's range
     "peft": ("peft", "SUPPORTED_PEFT"),
     "transformers": ("transformers", "SUPPORTED_TRANSFORMERS"),
     "vllm": ("vllm", "SUPPORTED_VLLM"),

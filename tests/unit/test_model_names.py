@@ -102,8 +102,9 @@ def test_embedded_names_build_once_and_resolve_to_the_cached_folder(cache_dir: P
         "lightning-rlhf/tiny-addition",
         "lightning-rlhf/tiny-random",
         "lightning-rlhf/tiny-tools",
+        "lightning-rlhf/tiny-vision",
         *families,
-    }  # the tool model (a minute of warm start) is built by the tool task's tests
+    }  # the tool model (a minute of warm start) is built by the tool task's tests, the vision model by docs/vision.md's
     path = resolve_model_path("lightning-rlhf/tiny-addition", setting="s")
     assert path == prepare_demo_model(str(cache_dir)) and os.path.isfile(os.path.join(path, "config.json"))
     random_path = resolve_model_path("lightning-rlhf/tiny-random", setting="s")
