@@ -125,6 +125,10 @@ def run_cli(*args: str, timeout: float = 300, module: bool = False) -> subproces
 
 # ------------------------------------------------------------------------------------------------ the two tiers
 LONG_TIER: dict[str, str] = {
+    "tests/e2e/test_demo_learns.py::test_vision_demo_learns_to_count": (
+        "the visual task's 100-step learning run (about 2 min): in CI the vision path runs in test_vision.py (both "
+        "engines' log-probs with images), test_vision_runs.py (a rollout pool) and the grpo_vision recipe's 2 steps"
+    ),
     "tests/distributed/test_vision_runs.py::test_a_vlm_trains_with_vllm_rollouts[qwen2.5-vl-colocated]": (
         "a tiny Qwen2.5-VL colocated with vLLM for 3 steps (about 1.5 min): in CI the same path runs with Qwen2-VL "
         "(test_vision_demo_learns_to_count) and Qwen2.5-VL's hand-offs to vLLM on the rollout pool"
