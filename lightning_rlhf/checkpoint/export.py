@@ -367,10 +367,13 @@ def _load_sharded(path: Path, prefix: str, dtype: torch.dtype | None) -> dict[st
 def _base_weights(origin: str, adapted: set[str]) -> dict[str, torch.Tensor]:
     """The base model's weights in float32 under a LoRA model's names (``base_model.model.<name>``, an adapted
     layer's under ``<layer>.base_layer``), for merging adapters from a checkpoint that left the base out."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_rlhf.engines.train.vision import causal_lm_class
 
     source = resolve_model_path(origin, setting="export_checkpoint(base=...)")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    auto: Any = causal_lm_class(AutoModelForCausalLM, AutoConfig.from_pretrained(source))
+    model = auto.from_pretrained(source, dtype=torch.float32)
     return {wrapped_name(key, adapted): tensor for key, tensor in model.state_dict().items()}
 
 
