@@ -239,3 +239,37 @@ def test_what_does_not_carry_images_yet_is_refused_before_any_model_loads() -> N
         check_image_prompts(
             types.SimpleNamespace(environment=None, algorithm=streamed, sequence_parallel=2), setting="x"
         )
+
+
+def test_prompts_of_different_lengths_left_padded_with_images_agree(vlm: str) -> None:
+    """transformers' ``generate`` left-pads prompts of 32 to 74 tokens (its 3D positions from the attention mask); the
+    trainer left-aligns them: the sampled tokens' log-probs agree within :data:`AGREEMENT`."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
+    from lightning_rlhf.engines.train import forward_response
+
+    rows = vision_dataset(8, seed=1).map(lambda r, i: {"prompt": "How many? " + "x " * (3 * i)}, with_indices=True)
+    data = PromptDataModule(rows, image_column="image", tokenizer=vlm, batch_size=8, max_prompt_length=200)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert len(set(batch["prompt_mask"].sum(1).tolist())) == 8  # eight lengths
+    model = AutoModelForImageTextToText.from_pretrained(vlm).eval()
+    tok = data._tokenizer
+    engine = HFRolloutEngine(
+        model,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        device=torch.device("cpu"),
+        decode="generate",
+    )
+    prompts = [r[m.bool()].tolist() for r, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3), batch[VISION_COLUMN])
+    scored = batch.select(torch.arange(8).repeat_interleave(2))
+    width = max(map(len, out.responses))
+    scored["responses"] = torch.tensor([r + [0] * (width - len(r)) for r in out.responses])
+    scored["response_mask"] = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in out.responses])
+    with torch.no_grad():
+        trainer = forward_response(model, scored, output="logprobs")["logprobs"]
+    sampled = torch.tensor([r + [0.0] * (width - len(r)) for r in out.logprobs or []])
+    assert float((trainer - sampled).abs()[scored["response_mask"].bool()].max()) <= AGREEMENT
