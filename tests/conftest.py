@@ -133,6 +133,10 @@ LONG_TIER: dict[str, str] = {
         "a tiny Qwen2.5-VL colocated with vLLM for 3 steps (about 1.5 min): in CI the same path runs with Qwen2-VL "
         "(test_vision_demo_learns_to_count) and Qwen2.5-VL's hand-offs to vLLM on the rollout pool"
     ),
+    "tests/distributed/test_vision_runs.py::test_a_vlm_trains_with_vllm_rollouts[qwen2.5-vl-streamed-partial]": (
+        "prompts with images streamed to a rollout pool with partial rollouts (about 1 min): in CI a rollout pool's "
+        "requests carry images in the episodes' run (this file) and streamed rollouts run with text (test_stream)"
+    ),
     "tests/e2e/test_real_size.py": (
         "a 0.5B model's 4 steps, checkpoint, resume and export (about half an hour, ~10 GiB a process): in CI the "
         "same recipe runs with the demo's model (test_recipes, real_size_cpu), the memory figures with PPO "

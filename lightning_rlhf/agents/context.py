@@ -19,6 +19,7 @@ from lightning_rlhf.agents.parsing import ParsedTurn, ToolCall, parse_with_templ
 from lightning_rlhf.agents.tokens import ChatDelta
 from lightning_rlhf.agents.tools import ToolSet
 from lightning_rlhf.config import RolloutConfig
+from lightning_rlhf.data.vision import ChatImages, VisionInputs, join_vision
 from lightning_rlhf.engines.rollout.requests import Request, SamplingParams
 from lightning_rlhf.sandbox.tools import ToolExecutor, ToolResult
 
@@ -78,6 +79,8 @@ class EpisodeHost(Protocol):
     """The data module's extra chat template arguments."""
     model_name: str
     """The name agents over HTTP ask for (the actor's path)."""
+    images: ChatImages
+    """Images in the messages: decoded, their placeholders expanded."""
 
     def executor_of(self, env: Environment) -> ToolExecutor | None:
         """The tool workers of ``env``'s tools (None: none, or in this process)."""
@@ -105,7 +108,8 @@ class EpisodeContext:
     """One episode of a rollout: what an agent loop's ``run(episode)`` gets. ``env`` is the episode's environment,
     ``info`` the :class:`~lightning_rlhf.agents.env.Episode` its reward function reads (``messages``, ``turns``,
     ``truncated`` ...), ``prompt`` the first prompt's ids, ``ids`` what followed (sampled turns and observations),
-    ``sampled`` 1 for each sampled id and 0 for each observation id. Made by the rollout's
+    ``sampled`` 1 for each sampled id and 0 for each observation id, ``vision`` the images so far (``reset``'s, then
+    each observation's, in order; None: none). Made by the rollout's
     :class:`~lightning_rlhf.agents.rollout.EpisodeRunner`. Runs on: the rollout's process (an episode's coroutine).
     """
 
@@ -122,12 +126,14 @@ class EpisodeContext:
         prompt: list[int],
         params: SamplingParams,
         opening: str,
+        vision: VisionInputs | None = None,
     ) -> None:
         self.runner, self.driver, self.key, self.number = runner, driver, key, number
         self.env, self.info, self.tools, self.delta = env, info, tools, delta
         self.prompt = prompt
         self.params = params
         self.opening = opening  # the last user message of reset's messages
+        self.vision = vision
         self.ids: list[int] = []
         self.versions: list[int] = []  # per id: the weights' version that sampled it (-1: an observation)
         self.sampled: list[int] = []
@@ -171,7 +177,11 @@ class EpisodeContext:
         seed = (self.params.seed + self.number * _EPISODE_SEED + self.info.turns * _TURN_SEED) % (1 << 62)
         params = dataclasses.replace(self.params, n=1, max_new_tokens=limit, seed=seed)
         request = Request(
-            id=f"{self.key}/{self.info.turns}", prompt=self.prompt + self.ids, params=params, session=self.key
+            id=f"{self.key}/{self.info.turns}",
+            prompt=self.prompt + self.ids,
+            params=params,
+            session=self.key,
+            vision=self.vision,
         )
         done = await self.driver.request(self.key, request)
         turn = done.ids[:limit]
@@ -186,7 +196,9 @@ class EpisodeContext:
         message: Message = {"role": "assistant", "content": text}
         self.info.messages.append(message)
         truncated = not turn or turn[-1] not in self.stops  # cut by the turn's (or the episode's) token limit
-        if truncated:
+        # a sampled image placeholder (a stop id of a vision-language model) ends the episode: an image observed after
+        # it would be taken for the placeholder's (the trainer counts a row's image tokens in order)
+        if truncated or turn[-1] == self.runner.images.placeholder_id:
             self.truncate()
         return Turn(turn, logprobs, text, message, truncated)
 
@@ -228,6 +240,9 @@ class EpisodeContext:
                 if result.kind != "ok":
                     self.problem(result.kind, result.text)
                 answer = result.text
+                if result.images:  # an in-process tool's images: image items, then its text
+                    items = [{"type": "image", "image": image} for image in result.images]
+                    answer = [*items, *([{"type": "text", "text": answer}] if answer else [])]
             messages.append({"role": "tool", "name": call.name or "error", "content": answer})
         return messages
 
@@ -244,8 +259,15 @@ class EpisodeContext:
 
     def observe(self, messages: list[Message]) -> bool:
         """Append ``messages`` (tool results, the environment's turns) as the observation's ids; False (the episode
-        ends truncated, the overflow counted) where they do not fit the room left with one more sampled token."""
+        ends truncated, the overflow counted) where they do not fit the room left with one more sampled token. Their
+        image items (``{"type": "image", "image": ...}``) join the episode's images, each placeholder repeated per
+        merged patch; the episode's messages keep bare ``{"type": "image"}`` items."""
+        where = f"the observation of episode {self.key} (turn {self.info.turns})"
+        messages, images = self.runner.images.split(messages, where=where)
         obs = self.delta.observation_ids(messages, last_id=self.last_id)
+        seen = None
+        if images:
+            obs, seen = self.runner.images.expand(obs, images, where=where)
         room = self.room
         if len(obs) + 1 > room:
             self.truncate()
@@ -264,6 +286,8 @@ class EpisodeContext:
         self.logprobs += [0.0] * len(obs)
         self.observation_tokens += len(obs)
         self.info.messages += messages
+        if seen is not None:
+            self.vision = join_vision(self.vision, seen)
         return True
 
     async def wait(self, awaitable: Any) -> Any:

@@ -273,6 +273,7 @@ class RequestDriver:
                 prompt=request.prompt + so_far,
                 params=continued(request.params, len(so_far)),
                 session=request.session,
+                vision=request.vision,
             )
             self._origin[again.id] = known
             self._origin[known] = again.id

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -31,6 +32,7 @@ from lightning_rlhf.agents.tokens import ChatDelta, check_chat_template, render_
 from lightning_rlhf.agents.tools import ToolSet
 from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import RolloutConfig
+from lightning_rlhf.data.vision import VISION_COLUMN, ChatImages, VisionInputs, tool_images
 from lightning_rlhf.engines.rollout.base import RolloutEngine, SamplingParams
 from lightning_rlhf.sandbox.tools import ToolExecutor, ToolResult, tool_result
 
@@ -79,6 +81,7 @@ class EpisodeRunner:
         self.max_prompt_length: int | None = None
         self._rollouts = itertools.count()
         self.resources = RolloutResources()  # what a rollout's episodes share (an HTTP agent's endpoint)
+        self.images = ChatImages(tokenizer, model_name)  # images in the messages (its processor loads at the first)
         self._threads = cf.ThreadPoolExecutor(max(1, cfg.episode.tool_workers), thread_name_prefix="lightning-rlhf-env")
 
     def close(self) -> None:
@@ -136,8 +139,9 @@ class EpisodeRunner:
         tools, delta, _ = self._tools_of(env)
         if getattr(env, "in_process", False):  # stateful tools (bound methods): this episode's own instance's
             tools = tools.rebound(env.tools)
-        kwargs = self.chat_template_kwargs
-        prompt = render_chat(self.tokenizer, messages, generation=True, tools=tools.schemas or None, **kwargs)
+        prompt, vision, messages = _first_prompt(
+            self.tokenizer, self.images, env, messages, tools, self.chat_template_kwargs
+        )
         bound = self.max_prompt_length
         if bound is not None and len(prompt) > bound:
             raise ValueError(
@@ -149,7 +153,18 @@ class EpisodeRunner:
             )
         info = Episode(row=row, messages=[dict(m) for m in messages])
         return EpisodeContext(
-            self, driver, key, number, env, info, tools, delta, prompt, params, opening=_last_user(messages)
+            self,
+            driver,
+            key,
+            number,
+            env,
+            info,
+            tools,
+            delta,
+            prompt,
+            params,
+            opening=_last_user(messages),
+            vision=vision,
         )
 
     def in_thread(self, fn: Callable[..., Any], call: ToolCall) -> cf.Future[ToolResult]:
@@ -238,6 +253,29 @@ class EpisodeRunner:
             )
 
 
+def _first_prompt(
+    tokenizer: Any,
+    images: ChatImages | None,
+    env: Environment,
+    messages: list[Message],
+    tools: ToolSet,
+    chat_kwargs: dict[str, Any],
+) -> tuple[list[int], VisionInputs | None, list[Message]]:
+    """An episode's first prompt: ``reset``'s messages rendered (with the tools' schemas), each image item's
+    placeholder repeated per merged patch; its images' processor inputs (None: text); the messages with bare image
+    items. ``images`` None: the images are not processed (their placeholders counted once)."""
+    where = f"{type(env).__name__}.reset's messages"
+    decoded: list[Any] = []
+    if images is not None:
+        messages, decoded = images.split(messages, where=where)
+    prompt = render_chat(tokenizer, messages, generation=True, tools=tools.schemas or None, **chat_kwargs)
+    if not decoded:
+        return prompt, None, messages
+    assert images is not None
+    prompt, vision = images.expand(prompt, decoded, where=where)
+    return prompt, vision, messages
+
+
 def _first_messages(env: Environment, row: dict[str, Any]) -> list[Message]:
     messages = env.reset(row)
     if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
@@ -254,12 +292,14 @@ def episode_prompt_ids(
     rows: Sequence[dict[str, Any]],
     *,
     chat_template_kwargs: dict[str, Any] | None = None,
+    images: ChatImages | None = None,
 ) -> list[tuple[list[int], str]]:
     """Each row's episode prompt as the rollout renders it (``reset(row)``'s messages, the system turn and the
-    tools' schemas, by the chat template with ``chat_template_kwargs``), and the text reward functions get as its
-    ``prompt`` (the last user message). One environment per environment class is made and reset once per row.
-    Runs on: every process, in ``PromptDataModule.setup`` (before any model loads). Raises ValueError for a
-    ``reset`` that returns no messages."""
+    tools' schemas, by the chat template with ``chat_template_kwargs``; with ``images``, each image item's placeholder
+    repeated per merged patch), and the text reward functions get as its ``prompt`` (the last user message). One
+    environment per environment class is made and reset once per row. Runs on: every process, in
+    ``PromptDataModule.setup`` (before any model loads). Raises ValueError for a ``reset`` that returns no messages, or
+    an image that cannot be decoded."""
     kwargs = dict(chat_template_kwargs or {})
     envs: dict[Any, tuple[Environment, ToolSet]] = {}
     out = []
@@ -269,8 +309,7 @@ def episode_prompt_ids(
             env = make_env(row) if isinstance(make_env, EnvironmentChoice) else make_env()
             envs[key] = (env, ToolSet(env.tools))
         env, tools = envs[key]
-        messages = _first_messages(env, row)
-        prompt = render_chat(tokenizer, messages, generation=True, tools=tools.schemas or None, **kwargs)
+        prompt, _, messages = _first_prompt(tokenizer, images, env, _first_messages(env, row), tools, kwargs)
         out.append((prompt, _last_user(messages)))
     return out
 
@@ -314,10 +353,12 @@ def _episode_score(ep: EpisodeContext, reward: Any) -> float:
 
 
 def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> ToolResult:
-    """A stateful tool (a TRL-style environment's method) in a thread of the rollout's process."""
+    """A stateful tool (a TRL-style environment's method) in a thread of the rollout's process. It may return images
+    (a PIL image, or a list of images and text): they go into its message as image items."""
     from lightning_rlhf.sandbox.worker import tool_answer
 
     start = time.monotonic()
+    images: tuple[Any, ...] = ()
     try:
         value = fn(**call.arguments)
         if inspect.isawaitable(value):  # an ``async def`` method: its own event loop, cancelled at the timeout
@@ -327,8 +368,13 @@ def _in_process(fn: Callable[..., Any], call: ToolCall, cfg: RolloutConfig) -> T
     except Exception as err:
         kind, text = "raised", f"{type(err).__name__}: {err}"
     else:
-        kind, text = tool_answer(value, max_chars=cfg.episode.max_tool_response_chars)
-    return tool_result(call.name, kind, text, time.monotonic() - start)
+        images, value = tool_images(value)
+        if images and value is None:  # images alone
+            kind, text = "ok", ""
+        else:
+            kind, text = tool_answer(value, max_chars=cfg.episode.max_tool_response_chars)
+    result = tool_result(call.name, kind, text, time.monotonic() - start)
+    return dataclasses.replace(result, images=images) if images and kind == "ok" else result
 
 
 def _settled(values: list[Any]) -> list[Any]:
@@ -399,6 +445,8 @@ def episode_rows(
     rollout["turn_rewards"] = [list(ep.info.turn_rewards) for ep in episodes]
     rollout["episode_problems"] = [dict(ep.problems) for ep in episodes]
     rollout["episode"] = [ep.info.messages for ep in episodes]
+    if any(ep.vision is not None for ep in episodes):  # the prompts' and observations' images, in order
+        rollout[VISION_COLUMN] = [ep.vision for ep in episodes]
     if "prompt" in rollout.columns:  # a row without a prompt (the environment made it): its first user message
         rollout["prompt"] = [
             p if isinstance(p, str) and p.strip() else ep.opening

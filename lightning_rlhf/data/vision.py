@@ -11,6 +11,7 @@ squared) is what the functions assume; docs/vision.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 from collections.abc import Sequence
@@ -21,14 +22,18 @@ from torch import Tensor
 
 __all__ = [
     "VISION_COLUMN",
+    "ChatImages",
     "PromptImages",
     "VisionInputs",
     "check_image_prompts",
     "collapse_image_tokens",
     "count_image_items",
     "expand_image_tokens",
+    "join_vision",
     "load_image",
+    "placed_images",
     "stacked_vision",
+    "tool_images",
     "vision_inputs",
 ]
 
@@ -57,12 +62,13 @@ class VisionInputs:
         return [int(n) // merge_size**2 for n in self.image_grid_thw.prod(-1).tolist()]
 
 
-def load_image(value: Any, *, setting: str, row: int, which: str) -> Any:
-    """A dataset's image value as a PIL RGB image: a PIL image, a path, raw bytes, or ``datasets``' ``{"bytes",
-    "path"}`` form of an undecoded ``Image`` column. Runs on: every process, in the data module's ``setup``.
+def load_image(value: Any, *, where: str) -> Any:
+    """An image value as a PIL RGB image: a PIL image, a path, raw bytes, or ``datasets``' ``{"bytes", "path"}`` form
+    of an undecoded ``Image`` column. ``where`` starts the error message (the setting and the row). Runs on: every
+    process (the data module's ``setup``, an episode's observations).
 
     Raises:
-        ValueError: the value is of none of those kinds, or cannot be decoded (naming ``setting`` and the row).
+        ValueError: the value is of none of those kinds, or cannot be decoded.
     """
     from PIL import Image
 
@@ -81,10 +87,28 @@ def load_image(value: Any, *, setting: str, row: int, which: str) -> Any:
         image.load()
     except (OSError, TypeError, ValueError) as err:
         raise ValueError(
-            f"PromptDataModule({setting}): row {row} of the {which} data holds an image that cannot be decoded "
-            f"({value!r:.80}): {err}. HINT: fix or drop the row; a column of datasets.Image() decodes for you."
+            f"{where} holds an image that cannot be decoded ({value!r:.80}): {err}. HINT: give a PIL image, a path to "
+            "an image file or its bytes (a column of datasets.Image() decodes for you)."
         ) from err
     return image.convert("RGB")
+
+
+def tool_images(value: Any) -> tuple[tuple[Any, ...], Any]:
+    """``(the images, the rest)`` of an in-process tool's return value: a PIL image is an image with no text; a list
+    or tuple holding images gives them and its other items (its strings joined by newlines when it holds only strings,
+    else the list of them; None when nothing is left). Anything else: no images, the value as it is. Runs on: the
+    rollout's process (a tool's thread)."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return (value,), None
+    if not isinstance(value, (list, tuple)) or not any(isinstance(v, Image.Image) for v in value):
+        return (), value
+    images = tuple(v for v in value if isinstance(v, Image.Image))
+    rest = [v for v in value if not isinstance(v, Image.Image)]
+    if not rest:
+        return images, None
+    return images, "\n".join(rest) if all(isinstance(v, str) for v in rest) else rest
 
 
 def count_image_items(messages: Sequence[dict[str, Any]]) -> int:
@@ -95,6 +119,18 @@ def count_image_items(messages: Sequence[dict[str, Any]]) -> int:
         if isinstance(content, list):
             count += sum(1 for item in content if isinstance(item, dict) and item.get("type") == "image")
     return count
+
+
+def join_vision(first: VisionInputs | None, then: VisionInputs) -> VisionInputs:
+    """``first``'s images followed by ``then``'s (an episode's prompt images, then an observation's), in order. Runs on:
+    the rollout's process."""
+    if first is None:
+        return then
+    return VisionInputs(
+        first.images + then.images,
+        torch.cat([first.pixel_values, then.pixel_values]),
+        torch.cat([first.image_grid_thw, then.image_grid_thw]),
+    )
 
 
 def vision_inputs(image_processor: Any, images: Sequence[Any]) -> VisionInputs:
@@ -124,6 +160,26 @@ def expand_image_tokens(ids: Sequence[int], image_token_id: int, counts: Sequenc
     return out
 
 
+def placed_images(
+    tokenizer: Any, image_processor: Any, ids: list[int], images: Sequence[Any], *, where: str
+) -> tuple[list[int], VisionInputs]:
+    """``(ids with each image's placeholder repeated once per merged patch, the images' processor inputs)``; ``where``
+    starts the error message. Runs on: any process.
+
+    Raises:
+        ValueError: the rendered ids hold another number of placeholders than there are images."""
+    inputs = vision_inputs(image_processor, images)
+    token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+    counts = inputs.tokens_per_image(int(getattr(image_processor, "merge_size", 1)))
+    try:
+        return expand_image_tokens(ids, int(tokenizer.convert_tokens_to_ids(token)), counts), inputs
+    except ValueError as err:
+        raise ValueError(
+            f"{where}: {err} (the rendered prompt must hold one {token!r} per image: the chat template places them). "
+            "HINT: remove image tokens written into the text."
+        ) from err
+
+
 def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
     """``ids`` with each run of ``image_token_id`` cut to one token: the prompt vLLM's processor expands itself.
     Runs on: a worker holding a vLLM engine."""
@@ -147,23 +203,21 @@ def stacked_vision(rows: Sequence[VisionInputs | None], device: torch.device | s
 
 
 def check_image_prompts(module: Any, *, setting: str) -> None:
-    """Refuse, before any model loads, what does not carry a prompt's images yet: multi-turn episodes (an
-    environment), streamed or partial rollouts (``AsyncConfig(stream=True)`` / ``partial_rollouts``: the request
-    queues hand engines token ids only) and sequence parallelism. ``setting`` names the data module's image setting in
+    """Refuse, before any model loads, what does not take a data module's image column: an environment (its ``reset``
+    places the images in its messages) and sequence parallelism. ``setting`` names the data module's image setting in
     the message. Runs on: every process, in the data module's ``setup``."""
-    problems = []
     if getattr(module, "environment", None) is not None:
-        problems.append("an environment (multi-turn episodes carry text only)")
-    asynchronous = getattr(getattr(module, "algorithm", None), "asynchronous", None)
-    if asynchronous is not None and (asynchronous.stream or asynchronous.partial_rollouts):
-        problems.append("AsyncConfig(stream=True) or partial_rollouts=True (streamed requests carry token ids only)")
-    if int(getattr(module, "sequence_parallel", 1) or 1) > 1:
-        problems.append(f"RLHFModule(sequence_parallel={module.sequence_parallel})")
-    if problems:
         raise ValueError(
-            f"PromptDataModule({setting}): prompts with images cannot run with {'; '.join(problems)} yet. HINT: drop "
-            "those settings for a vision-language run (one-step-off rollouts on a pool, max_staleness=1, do carry "
-            "images), docs/vision.md."
+            f"PromptDataModule({setting}) with an environment: an episode's images are the ones its messages hold. "
+            "HINT: drop image_column and have reset(row) return them as items of its messages, e.g. {'role': "
+            "'user', 'content': [{'type': 'image', 'image': row['image']}, {'type': 'text', 'text': ...}]} (the row "
+            "holds the dataset's columns); docs/vision.md."
+        )
+    if int(getattr(module, "sequence_parallel", 1) or 1) > 1:
+        raise ValueError(
+            f"PromptDataModule({setting}): prompts with images cannot run with RLHFModule(sequence_parallel="
+            f"{module.sequence_parallel}) yet: each rank would need the whole image's features. HINT: "
+            "sequence_parallel=1 for a vision-language run, docs/vision.md."
         )
 
 
@@ -188,17 +242,12 @@ class PromptImages:
         """The data module's setting, for error messages."""
         return f"image_column={self.column!r}"
 
-    @property
-    def image_token_id(self) -> int:
-        """The image placeholder's id (Qwen2-VL's ``<|image_pad|>``)."""
-        token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
-        return int(self.tokenizer.convert_tokens_to_ids(token))
-
     def decode(self, row: dict[str, Any], *, index: int, which: str) -> list[Any]:
         """Row ``index``'s images as PIL RGB images (:func:`load_image` on each)."""
         value = row[self.column]
         values = value if isinstance(value, list) else [value]
-        return [load_image(v, setting=self.setting, row=index, which=which) for v in values]
+        where = f"PromptDataModule({self.setting}): row {index} of the {which} data"
+        return [load_image(v, where=where) for v in values]
 
     def chat(self, text: str, images: Sequence[Any]) -> list[dict[str, Any]]:
         """A text prompt as one user turn, its images first (what TRL and verl do with a plain prompt)."""
@@ -216,18 +265,101 @@ class PromptImages:
 
     def expand(self, ids: list[int], images: Sequence[Any], *, index: int, which: str) -> list[int]:
         """The rendered ``ids`` with each image's placeholder repeated once per merged patch of that image."""
-        merge = int(getattr(self.image_processor, "merge_size", 1))
-        counts = vision_inputs(self.image_processor, images).tokens_per_image(merge)
-        try:
-            return expand_image_tokens(ids, self.image_token_id, counts)
-        except ValueError as err:
-            token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
-            raise ValueError(
-                f"PromptDataModule({self.setting}): row {index} of the {which} data: {err} (the rendered prompt must "
-                f"hold one {token!r} per image). HINT: remove image tokens written into the prompt text; the chat "
-                "template places them."
-            ) from err
+        where = f"PromptDataModule({self.setting}): row {index} of the {which} data"
+        return placed_images(self.tokenizer, self.image_processor, ids, images, where=where)[0]
 
     def inputs(self, rows: Sequence[dict[str, Any]]) -> list[VisionInputs]:
         """Each row's :class:`VisionInputs` (made per batch: the pixel values are not kept for the whole dataset)."""
         return [vision_inputs(self.image_processor, row[self.column]) for row in rows]
+
+
+IMAGE_ITEM_KEYS = ("image", "path", "url")
+"""Where a chat message's image item holds its image: ``{"type": "image", "image": PIL image or bytes}``, or a local
+file under ``"path"`` or ``"url"`` (transformers' and TRL's forms)."""
+
+
+class ChatImages:
+    """Images inside an episode's chat messages (the messages of ``reset`` and the observations ``step`` or a loop
+    returns), as ``{"type": "image", "image": ...}`` content items (:data:`IMAGE_ITEM_KEYS`): :meth:`split` decodes
+    them and keeps the messages with bare ``{"type": "image"}`` items (what the chat template renders and the episode's
+    messages keep), :meth:`expand` repeats each rendered placeholder once per merged patch and makes the processor's
+    inputs. The image processor is loaded from ``model_path`` at the first image (a text episode never loads it).
+    Runs on: the rollout's process, and every process in the data module's ``setup`` (the first prompts).
+
+    Args:
+        tokenizer: the actor's tokenizer (its image placeholder token).
+        model_path: the actor's folder (its image processor; None: none, an image is refused).
+    """
+
+    def __init__(self, tokenizer: Any, model_path: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self._processor: Any = None
+
+    @property
+    def image_processor(self) -> Any:
+        """The actor's image processor, loaded on first use.
+
+        Raises:
+            ValueError: the actor has none (a text model given an image)."""
+        if self._processor is None:
+            from transformers import AutoImageProcessor
+
+            try:
+                if self.model_path is None:
+                    raise ValueError("no model folder given")
+                self._processor = AutoImageProcessor.from_pretrained(self.model_path)
+            except (OSError, ValueError) as err:
+                raise ValueError(
+                    f"an episode's messages hold an image, and the actor ({self.model_path}) has no image processor "
+                    f"({err}). HINT: use a vision-language actor (Qwen2-VL family), or keep images out of the "
+                    "environment's messages."
+                ) from err
+        return self._processor
+
+    @functools.cached_property
+    def placeholder_id(self) -> int | None:
+        """The tokenizer's image placeholder id (None: it has none)."""
+        token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+        found = self.tokenizer.convert_tokens_to_ids(token)
+        return None if found is None or found == getattr(self.tokenizer, "unk_token_id", None) else int(found)
+
+    def split(self, messages: Sequence[dict[str, Any]], *, where: str) -> tuple[list[dict[str, Any]], list[Any]]:
+        """``(messages with bare image items, their images decoded in order)``; ``where`` names the messages' source
+        in errors.
+
+        Raises:
+            ValueError: an image item without an image, or one that cannot be decoded."""
+        out: list[dict[str, Any]] = []
+        images: list[Any] = []
+        for message in messages:
+            content = message.get("content")
+            if not isinstance(content, list) or not any(_is_image_item(item) for item in content):
+                out.append(dict(message))
+                continue
+            items = []
+            for item in content:
+                if not _is_image_item(item):
+                    items.append(item)
+                    continue
+                value = next((item[k] for k in IMAGE_ITEM_KEYS if item.get(k) is not None), None)
+                if value is None:
+                    raise ValueError(
+                        f"{where}: an image item {item!r:.80} holds no image. HINT: put the image under one of "
+                        f"{list(IMAGE_ITEM_KEYS)}: {{'type': 'image', 'image': pil_image}}."
+                    )
+                images.append(load_image(value, where=where))
+                items.append({"type": "image"})
+            out.append({**message, "content": items})
+        return out, images
+
+    def expand(self, ids: list[int], images: Sequence[Any], *, where: str) -> tuple[list[int], VisionInputs]:
+        """``(ids with each image's placeholder repeated once per merged patch, the images' processor inputs)``.
+
+        Raises:
+            ValueError: the rendered ids hold another number of placeholders than there are images."""
+        return placed_images(self.tokenizer, self.image_processor, ids, images, where=where)
+
+
+def _is_image_item(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") == "image"

@@ -17,11 +17,14 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
+from lightning_rlhf.agents.env import Environment, Episode, Message
+
 if TYPE_CHECKING:
     import datasets
 
 __all__ = [
     "COUNT_PROMPT",
+    "CountTwiceEnvironment",
     "corner_reward",
     "count_reward",
     "draw_squares",
@@ -85,6 +88,37 @@ def count_reward(prompts: list[str], completions: list[str], answer: list[str], 
 
 corner_reward = count_reward
 """The same exact-match reward under the name the first visual task used."""
+
+
+class CountTwiceEnvironment(Environment):
+    """A visual episode of two turns, an image in each: ``reset`` shows the row's image (``"image"``) with
+    :data:`COUNT_PROMPT`; ``step`` answers the first reply with a second drawing of ``5 - answer`` squares and asks
+    again; the reward is the share of the two replies that are right. What a multi-turn episode with an image
+    observation looks like (docs/vision.md); the images are ``{"type": "image", "image": ...}`` items of the messages.
+    Runs on: the rollout's process (one instance per episode)."""
+
+    def reset(self, row: Any) -> list[Message]:
+        """The row's image and the question, as the user's turn."""
+        self.counts = [int(row["answer"])]
+        content = [{"type": "image", "image": row["image"]}, {"type": "text", "text": COUNT_PROMPT}]
+        return [{"role": "user", "content": content}]
+
+    def step(self, message: Message) -> tuple[list[Message], bool]:
+        """After the first reply, a second drawing and the question again; done after the second."""
+        if len(self.counts) == 2:
+            return [], True
+        count = 5 - self.counts[0]
+        rng = random.Random(self.counts[0])
+        self.counts.append(count)
+        picture = draw_squares(rng.sample(range(4), count), rng)
+        return [
+            {"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "And here?"}]}
+        ], False
+
+    def reward(self, episode: Episode) -> float:
+        """The share of the episode's (up to two) replies that give their image's count."""
+        replies = [str(m.get("content", "")).strip() for m in episode.messages if m.get("role") == "assistant"]
+        return sum(float(r == str(c)) for r, c in zip(replies, self.counts, strict=False)) / 2
 
 
 def warm_start_vision(model_dir: str, out_dir: str, *, steps: int = 40, batch_size: int = 16, seed: int = 0) -> str:

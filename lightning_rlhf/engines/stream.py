@@ -20,6 +20,7 @@ from lightning_rlhf.agents.context import EpisodeContext
 from lightning_rlhf.agents.driver import EpisodeOutcome, RequestDriver
 from lightning_rlhf.agents.rollout import EpisodeRunner, episode_rows
 from lightning_rlhf.batch import Batch
+from lightning_rlhf.data.vision import VISION_COLUMN
 from lightning_rlhf.engines.rollout.base import RolloutEngine
 from lightning_rlhf.engines.rollout.requests import Completion, Request, SamplingParams
 
@@ -183,7 +184,9 @@ class RolloutStream:
             seed = (group.params.seed + group.number * _SAMPLE_SEED + j + group.restarts * 7919) % (1 << 62)
             params = dataclasses.replace(group.params, n=1, seed=seed)
             if self.episodes is None:
-                self.driver.add(key, self._sample(key, group, j, Request(id=key, prompt=group.prompt, params=params)))
+                vision = (group.row.columns.get(VISION_COLUMN) or [None])[0]  # the prompt's images, if any
+                request = Request(id=key, prompt=group.prompt, params=params, vision=vision)
+                self.driver.add(key, self._sample(key, group, j, request))
                 continue
             row = {k: v[0] for k, v in group.row.columns.items()}
             episode, coro = self.episodes.start(self.driver, key, group.number * group.params.n + j, row, params)

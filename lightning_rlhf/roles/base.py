@@ -14,6 +14,7 @@ from lightning_rlhf.batch import Batch
 from lightning_rlhf.config import OptimConfig, RolloutConfig
 from lightning_rlhf.config.models import resolve_model_path
 from lightning_rlhf.controller.dispatch import Dispatch, role_method
+from lightning_rlhf.data.vision import ChatImages
 from lightning_rlhf.engines.hybrid import HybridEngine
 from lightning_rlhf.engines.train import TrainEngine, make_optimizer
 
@@ -89,7 +90,10 @@ class EpisodesMixin:
         """Each row's first episode prompt as the rollout renders it, and its prompt text (see
         :func:`lightning_rlhf.agents.rollout.episode_prompt_ids`): what ``PromptDataModule`` bounds by
         ``max_prompt_length``. Runs on: every process, in the data module's ``setup``, before any model loads."""
-        return episode_prompt_ids(self.environment, tokenizer, rows, chat_template_kwargs=chat_template_kwargs)
+        images = ChatImages(tokenizer, getattr(self, "path", None))  # its processor loads at the first image, if any
+        return episode_prompt_ids(
+            self.environment, tokenizer, rows, chat_template_kwargs=chat_template_kwargs, images=images
+        )
 
     def close(self) -> None:
         """End the environment's tool workers (idempotent; a later fit starts them again). Runs on: every rank, at

@@ -44,11 +44,12 @@ class ToolCallLike(Protocol):
 @dataclass(frozen=True)
 class ToolResult:
     """What a call gave: ``text`` (the observation's content), ``kind`` (``ok``, ``raised``, ``invalid_result``,
-    ``timeout``, ``crash``) and the call's ``seconds``."""
+    ``timeout``, ``crash``), the call's ``seconds``, and the ``images`` an in-process tool returned (PIL images)."""
 
     text: str
     kind: str
     seconds: float
+    images: tuple[Any, ...] = ()
 
 
 _COROUTINE_GRACE_S = 2.0

@@ -120,7 +120,8 @@ def tool_result_text(value: Any, *, max_chars: int) -> str:
         except (TypeError, ValueError) as err:
             raise TypeError(
                 f"it returned a {type(value).__name__}, which cannot be written into a message ({err}); a tool "
-                "returns a string, a number, a boolean, None, or a list/dict of those"
+                "returns a string, a number, a boolean, None, or a list/dict of those (images: only a tool that runs "
+                "in the rollout's process, an environment with in_process = True, returns PIL images)"
             ) from err
     if len(text) > max_chars:
         text = text[:max_chars] + f"... [{len(text) - max_chars} characters cut]"

@@ -39,7 +39,7 @@ from lightning_rlhf.callbacks import MetricPlots, RLHFProgressBar, RolloutSample
 from lightning_rlhf.controller.dispatch import Dispatch, role_method
 from lightning_rlhf.demo import addition_cost, addition_dataset, addition_reward
 from lightning_rlhf.demo.tool_task import CalculatorEnvironment, tool_splits
-from lightning_rlhf.demo.vision_task import count_reward, vision_dataset
+from lightning_rlhf.demo.vision_task import CountTwiceEnvironment, count_reward, vision_dataset
 from lightning_rlhf.roles import ActorRole
 
 
@@ -233,10 +233,11 @@ def main() -> None:
     )
     p.add_argument(
         "--task",
-        choices=["addition", "tools", "vision"],
+        choices=["addition", "tools", "vision", "vision-episodes"],
         default="addition",
         help="tools: episodes of the demo's tool task (CalculatorEnvironment scores them; --model needs its template); "
-        "vision: the demo's visual task, prompts with images (--model a tiny VLM, lightning_rlhf.demo.tiny_vlm)",
+        "vision: the demo's visual task, prompts with images (--model a tiny VLM, lightning_rlhf.demo.tiny_vlm); "
+        "vision-episodes: two-turn episodes with an image in each (CountTwiceEnvironment)",
     )
     p.add_argument("--reward-timeout", type=float, default=60.0, help="RewardConfig.timeout_s")
     p.add_argument("--signal-at", default=None, help="RANK:SIGNAL:N: rank sends itself SIGNAL in its N-th actor.update")
@@ -274,11 +275,15 @@ def main() -> None:
     reward = failing_reward if args.fault == "reward" else chars_reward if args.reward == "chars" else addition_reward
     reward = count_reward if args.task == "vision" else reward
     tools = args.task == "tools"
+    looks = args.task == "vision-episodes"  # two turns, an image in each
+    episode = EpisodeConfig(max_turns=2, tool_workers=1, max_episode_tokens=48) if looks else None
     common = dict(
-        reward=None if tools else hanging_reward(args.out) if args.reward == "hang" else reward,
+        reward=None if tools or looks else hanging_reward(args.out) if args.reward == "hang" else reward,
         reward_config=RewardConfig(timeout_s=args.reward_timeout),
         rollout=RolloutConfig(n=args.n, max_new_tokens=96, seed=0, episode=EpisodeConfig(max_turns=3, tool_workers=1))
         if tools
+        else RolloutConfig(n=args.n, max_new_tokens=5, seed=0, episode=episode)
+        if looks
         else RolloutConfig(
             n=args.n, max_new_tokens=max(5, args.min_new_tokens), min_new_tokens=args.min_new_tokens, seed=0
         ),
@@ -290,8 +295,8 @@ def main() -> None:
         activation_checkpointing=args.activation_checkpointing,
         sequence_parallel=args.sequence_parallel,
     )
-    if tools:
-        common["environment"] = CalculatorEnvironment
+    if tools or looks:
+        common["environment"] = CountTwiceEnvironment if looks else CalculatorEnvironment
     if args.algo == "ppo":
         module = PPOModule(
             args.model,
@@ -397,11 +402,15 @@ def main() -> None:
     )
     vision = args.task == "vision"
     data = PromptDataModule(
-        tool_splits()["train"] if tools else vision_dataset(32) if vision else addition_dataset(),
+        tool_splits()["train"] if tools else vision_dataset(32) if vision or looks else addition_dataset(),
         val=addition_dataset(num_prompts=args.val_prompts, seed=1) if args.val_every else None,
         val_batch_size=args.val_batch_size,
         batch_size=args.prompts,
-        max_prompt_length=64 if tools else 128 if vision else 16,  # tools: the rendered episode prompt (53 tokens)
+        max_prompt_length=64
+        if tools
+        else 128
+        if vision or looks
+        else 16,  # tools: the rendered episode prompt (53 tokens)
         image_column="image" if vision else None,
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)

@@ -24,7 +24,7 @@ from lightning_rlhf.engines.hybrid import rollout_params
 from lightning_rlhf.engines.rollout.vllm import vllm_available
 from lightning_rlhf.engines.train.vision import placeholder_ids, vision_kwargs
 from tests.conftest import failure_text, run_script
-from tests.scripts.vision_agreement import agreement
+from tests.scripts.vision_agreement import agreement, episode_agreement
 
 AGREEMENT = 1e-5
 """The largest gap allowed between an engine's log-prob of a sampled token and the trainer's (float32)."""
@@ -152,6 +152,130 @@ def test_vllm_log_probs_with_images_after_a_weight_hand_off_are_the_trainers(vlm
     assert report["max"] <= AGREEMENT and report["tokens"] > 50 and report["distinct"] > 4, report
 
 
+def _check_episodes(report: dict) -> None:
+    """Two-turn episodes with an image in reset's messages and one in the observation (CountTwiceEnvironment)."""
+    assert report["max"] <= AGREEMENT and report["tokens"] > 50, report
+    assert report["two_turns"] >= 2, report  # some episodes sampled a turn after the observed image
+    images, placeholders = report["images"], report["placeholders"]
+    assert set(images) <= {1, 2} and 2 in images, images
+    # the observation's image sits in the response, its 4 placeholders (2x2 merged patches) observed, never sampled
+    assert placeholders == [4 * (n - 1) for n in images] and report["sampled_placeholders"] == 0, report
+    messages = report["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[2]["content"][0] == {"type": "image"}  # the episode keeps the item, not the pixels
+
+
+def test_episodes_with_images_in_reset_and_observations_agree_with_the_trainer(vlm: str) -> None:
+    """The transformers engine (its request queue serves requests with images through generate, from the whole
+    prompt); the rows' vision column holds each episode's images in order, so the trainer's forward matches."""
+    _check_episodes(episode_agreement("generate", vlm))
+
+
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_vllm_episodes_with_images_agree_with_the_trainer(vlm: str, tmp_path: Path) -> None:
+    """vLLM's continuous request queue: each request hands the episode's images with one placeholder per image."""
+    proc = run_script("vision_agreement.py", "--model", vlm, "--engine", "vllm", "--episodes", "--out", str(tmp_path))
+    assert proc.returncode == 0, failure_text(proc)
+    _check_episodes(json.loads((tmp_path / "agreement.json").read_text()))
+
+
+class _Lens:
+    """An environment whose tool runs in the rollout's process and returns an image with a caption."""
+
+    in_process = True
+
+    def __init__(self) -> None:
+        self.tools = [self.look]
+
+    def look(self, quadrant: int) -> list[object]:
+        """Zoom into one quadrant of the picture.
+
+        Args:
+            quadrant: 0 top left, 1 top right, 2 bottom left, 3 bottom right.
+        """
+        return [draw_squares([quadrant], random.Random(quadrant)), f"quadrant {quadrant}"]
+
+    def reset(self, row: dict) -> list[dict]:
+        return [{"role": "user", "content": "Look closer."}]
+
+    def step(self, message: dict) -> None:
+        return None
+
+    def reward(self, episode: object) -> float:
+        return 0.0
+
+
+def test_an_in_process_tool_returning_an_image_is_observed_and_kept_out_of_the_loss(vlm: str) -> None:
+    """A tool's image goes into its tool message as an image item: the observation's placeholders (never sampled),
+    the episode's images, the message kept with a bare item and the caption."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from lightning_rlhf.agents import register_agent_loop
+    from lightning_rlhf.agents.env import Environment
+    from lightning_rlhf.agents.parsing import ToolCall
+    from lightning_rlhf.agents.rollout import EpisodeRunner, episode_rows
+    from lightning_rlhf.config import EpisodeConfig
+    from lightning_rlhf.engines.rollout import HFRolloutEngine, SamplingParams
+
+    @register_agent_loop("test-vision-look-once")
+    async def look_once(episode) -> None:  # type: ignore[no-untyped-def]
+        if (await episode.generate()).truncated:
+            return
+        if episode.observe(await episode.call_tools([ToolCall("look", {"quadrant": 2})])):
+            await episode.generate()
+
+    tok = AutoTokenizer.from_pretrained(vlm)
+    model = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()
+    engine = HFRolloutEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, device="cpu")
+    episode = EpisodeConfig(max_turns=2, tool_workers=1, max_episode_tokens=96, agent_loop="test-vision-look-once")
+    runner = EpisodeRunner(
+        type("Lens", (_Lens, Environment), {}), tok, RolloutConfig(max_new_tokens=4, episode=episode), model_name=vlm
+    )
+    image_id = tok.convert_tokens_to_ids(IMAGE_PAD)
+    # a vision rollout's stop ids hold the placeholder (engines/hybrid.py); digits and vowels end a random model's turn
+    stops = (tok.eos_token_id, image_id, *tok.convert_tokens_to_ids(list("0123456789aeiou")))
+    try:
+        episodes, _, _ = runner.run(
+            engine, [{"prompt": ""}] * 8, SamplingParams(max_new_tokens=4, seed=1, stop_token_ids=stops)
+        )
+    finally:
+        runner.close()
+    rows = episode_rows(Batch({"uid": torch.arange(8)}), episodes, [False] * 8, pad_id=tok.pad_token_id)
+    looked = [ep.info.turns == 2 for ep in episodes]
+    assert sum(looked) >= 2, looked
+    placeholders = rows["responses"] == image_id
+    assert (
+        placeholders.sum(1).tolist() == [4 * k for k in looked]
+        and not (placeholders & rows["sampled_mask"].bool()).any()
+    )
+    assert [0 if v is None else len(v.images) for v in rows[VISION_COLUMN]] == [int(k) for k in looked]
+    tool = episodes[looked.index(True)].info.messages[2]
+    assert tool["role"] == "tool" and tool["content"] == [{"type": "image"}, {"type": "text", "text": "quadrant 2"}]
+
+
+def test_image_items_in_episode_messages_are_checked(vlm: str, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from lightning_rlhf.data.vision import ChatImages
+
+    images = ChatImages(AutoTokenizer.from_pretrained(vlm), vlm)
+    picture = draw_squares([1], random.Random(0))
+    messages, decoded = images.split(
+        [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image", "image": picture}]}],
+        where="the observation",
+    )
+    assert messages[0]["content"][1] == {"type": "image"} and decoded[0].size == picture.size
+    with pytest.raises(ValueError, match=r"the observation: an image item .* holds no image"):
+        images.split([{"role": "user", "content": [{"type": "image"}]}], where="the observation")
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    with pytest.raises(ValueError, match=r"reset's messages holds an image that cannot be decoded"):
+        images.split([{"role": "user", "content": [{"type": "image", "path": str(broken)}]}], where="reset's messages")
+    text_model = ChatImages(AutoTokenizer.from_pretrained(vlm), str(tmp_path))  # a folder with no image processor
+    with pytest.raises(ValueError, match=r"no image processor.*vision-language actor"):
+        text_model.expand([1, 2], decoded, where="x")
+
+
 def test_torchvision_imports_beside_the_cpu_torch_in_a_fresh_interpreter() -> None:
     """The vision path imports torchvision (transformers' Qwen2-VL processor, vLLM's Qwen2-VL); a process that has not
     imported lightning_rlhf (vLLM's own subprocesses) gets the import hook from the venv's .pth line."""
@@ -223,21 +347,20 @@ def test_lora_on_a_vlm_adapts_the_language_model_only(vlm: str) -> None:
     assert any(name.endswith("self_attn.q_proj") for name in names)
 
 
-def test_what_does_not_carry_images_yet_is_refused_before_any_model_loads() -> None:
+def test_what_does_not_take_an_image_column_is_refused_before_any_model_loads() -> None:
     import types
 
-    from lightning_rlhf.config import AlgorithmConfig, AsyncConfig
+    from lightning_rlhf.config import AlgorithmConfig
     from lightning_rlhf.data.vision import check_image_prompts
 
     plain = types.SimpleNamespace(environment=None, algorithm=AlgorithmConfig(), sequence_parallel=1)
     check_image_prompts(plain, setting="image_column='image'")  # GRPO, colocated: fine
     episodes = types.SimpleNamespace(environment=object(), algorithm=AlgorithmConfig(), sequence_parallel=1)
-    with pytest.raises(ValueError, match=r"image_column='image'.*an environment"):
+    with pytest.raises(ValueError, match=r"image_column='image'.*with an environment.*reset\(row\)"):
         check_image_prompts(episodes, setting="image_column='image'")
-    streamed = AlgorithmConfig(asynchronous=AsyncConfig(max_staleness=1, stream=True))
-    with pytest.raises(ValueError, match=r"stream=True"):
+    with pytest.raises(ValueError, match=r"sequence_parallel=2"):
         check_image_prompts(
-            types.SimpleNamespace(environment=None, algorithm=streamed, sequence_parallel=2), setting="x"
+            types.SimpleNamespace(environment=None, algorithm=AlgorithmConfig(), sequence_parallel=2), setting="x"
         )
 
 

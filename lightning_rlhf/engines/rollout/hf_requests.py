@@ -86,8 +86,15 @@ class HFRequestQueue(BatchedRequestQueue):
         ]
 
     def serve(self, group: list[Request], params: SamplingParams, done: Done) -> None:
-        """One call of the engine for ``group``: each request's completion to ``done`` as soon as it ends. Runs on: the
+        """One call of the engine for ``group``: each request's completion to ``done`` as soon as it ends. Requests with
+        images go through ``generate`` from their whole prompt (the kept keys and values are text-only). Runs on: the
         rollout's process."""
+        images = [r for r in group if r.vision is not None]
+        if images:
+            super().serve(images, params, done)
+            group = [r for r in group if r.vision is None]
+            if not group:
+                return
         group, copies = shared_prompts(group)
         heads = group[::copies]
         sessions = [r.session for r in group]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Literal, Protocol
 
 from lightning_rlhf.config import check_sampling
+from lightning_rlhf.data.vision import VisionInputs
 
 __all__ = [
     "BatchedRequestQueue",
@@ -78,12 +79,14 @@ class Request:
     """One sample to draw: ``prompt`` (token ids, no padding) continued under ``params`` (``n`` is 1; its
     ``max_new_tokens`` is this request's own bound, its ``seed`` this request's draws). ``session``: the episode the
     request belongs to (an engine that keeps keys and values between turns keeps them under it until
-    :meth:`RequestQueue.end_sessions`)."""
+    :meth:`RequestQueue.end_sessions`). ``vision``: the images the prompt's placeholders stand for, in order (a
+    vision-language episode's prompt images and observations'; None: text)."""
 
     id: str
     prompt: list[int]
     params: SamplingParams
     session: Hashable | None = None
+    vision: VisionInputs | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +164,9 @@ def shared_prompts(requests: Sequence[Request]) -> tuple[list[Request], int]:
     if len(requests) < 2 or requests[0].params.is_greedy:
         return list(requests), 1
     same: dict[tuple[int, ...], list[Request]] = {}
-    for request in requests:  # the same prompt and the same bound
-        same.setdefault((request.params.max_new_tokens, *request.prompt), []).append(request)
+    for request in requests:  # the same prompt (and images) and the same bound
+        images = -1 if request.vision is None else id(request.vision)
+        same.setdefault((request.params.max_new_tokens, images, *request.prompt), []).append(request)
     sizes = {len(members) for members in same.values()}
     if len(sizes) != 1 or sizes == {1}:
         return list(requests), 1
@@ -187,8 +191,10 @@ class Generator(Protocol):
         """The most tokens a prompt and its response may hold together (None: unbounded)."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Sample ``params.n`` responses per prompt."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, vision: Sequence[VisionInputs | None] | None = None
+    ) -> RolloutOutput:
+        """Sample ``params.n`` responses per prompt (``vision``: each prompt's images)."""
         ...
 
     def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
@@ -272,8 +278,12 @@ class BatchedRequestQueue:
     def serve(self, group: list[Request], params: SamplingParams, done: Done) -> None:
         """One ``generate`` call for ``group`` (the samples of one prompt together), each completion to ``done``."""
         group, copies = shared_prompts(group)
+        heads = group[::copies]
+        images = [r.vision for r in heads]
         out: RolloutOutput = self.engine.generate(
-            [r.prompt for r in group[::copies]], dataclasses.replace(params, n=copies)
+            [r.prompt for r in heads],
+            dataclasses.replace(params, n=copies),
+            *([images] if any(v is not None for v in images) else []),  # an engine of one's own may take text only
         )
         logprobs = out.logprobs or [[] for _ in out.responses]
         for request, ids, lps in zip(group, out.responses, logprobs, strict=True):

@@ -401,7 +401,7 @@ class VLLMRolloutEngine:
         for part_params, group_prompts, group_images in parts:
             for i, (p, v) in enumerate(zip(group_prompts, group_images, strict=True)):
                 seed = (part_params.seed * 1_000_003 + i * part_params.n) % (1 << 62)
-                requests.append(self._prompt(p, v))
+                requests.append(self.prompt_input(p, v))
                 sampling.append(self.vllm_params(part_params, seed))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.lora) if requests else []
         start = sum(len(p) for _, p, _ in parts[: self.tp_rank])
@@ -415,8 +415,9 @@ class VLLMRolloutEngine:
                     logprobs.append(list(token_lps))
         return RolloutOutput(responses=responses, logprobs=logprobs)
 
-    def _prompt(self, ids: list[int], vision: VisionInputs | None) -> Any:
-        """vLLM's input for one prompt: its token ids, and with images one placeholder per image and the images."""
+    def prompt_input(self, ids: list[int], vision: VisionInputs | None) -> Any:
+        """vLLM's input for one prompt: its token ids, and with images one placeholder per image and the images. Runs
+        on: worker."""
         from vllm.inputs import TokensPrompt
 
         if vision is None:

@@ -45,6 +45,10 @@ class VLLMEngine(Protocol):
         """vLLM's sampling settings for ``params``."""
         ...
 
+    def prompt_input(self, ids: list[int], vision: Any) -> Any:
+        """vLLM's input for one prompt (its ids, and its images)."""
+        ...
+
 
 class VLLMRequestQueue:
     """Requests on a vLLM engine of one rank, decoded continuously (a
@@ -62,8 +66,6 @@ class VLLMRequestQueue:
     def add(self, requests: Sequence[Request]) -> None:
         """Queue ``requests`` in vLLM; they decode from the next :meth:`step` on. Checked as ``generate`` checks its
         prompts. Runs on: the rollout's process."""
-        from vllm.inputs import TokensPrompt
-
         engine = engine_ready(self.engine)
         for request in requests:
             request.params.check()
@@ -71,9 +73,8 @@ class VLLMRequestQueue:
             params = dataclasses.replace(request.params, n=1)
             sampling = engine.vllm_params(params, params.seed, final_only=True)
             name = f"lrlhf-{request.id}-{next(self._counter)}"
-            internal = vllm_compat.add_request(
-                engine.llm, name, TokensPrompt(prompt_token_ids=request.prompt), sampling, engine.lora
-            )
+            prompt = engine.prompt_input(request.prompt, request.vision)
+            internal = vllm_compat.add_request(engine.llm, name, prompt, sampling, engine.lora)
             self._running[request.id] = ((name, internal), request)
             self._ours[internal] = self._ours[name] = request.id
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import secrets
 import shutil
@@ -232,7 +233,12 @@ class VLLMServerEngine:
 
     def step_requests(self, new: list[Request], aborts: list[str], interrupt: bool, most: int) -> list[Completion]:
         """Up to ``most`` scheduling steps of the server's request queue (``ServerRequestQueue``'s round trip). Runs on:
-        the rollout's process (TP 1)."""
+        the rollout's process (TP 1). A request's images cross as PIL images (the server's vLLM runs its own
+        processor on them; a tensor would cross as a handle to shared memory)."""
+        new = [
+            r if r.vision is None else dataclasses.replace(r, vision=VisionInputs.of_images(r.vision.images))
+            for r in new
+        ]
         return self._call("requests", new, aborts, interrupt, most)  # type: ignore[no-any-return]
 
     def agree(self, calls: int, busy: bool) -> tuple[int, bool]:
