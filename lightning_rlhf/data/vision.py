@@ -161,23 +161,30 @@ def expand_image_tokens(ids: Sequence[int], image_token_id: int, counts: Sequenc
 
 
 def placed_images(
-    tokenizer: Any, image_processor: Any, ids: list[int], images: Sequence[Any], *, where: str
-) -> tuple[list[int], VisionInputs]:
+    tokenizer: Any, image_processor: Any, ids: list[int], images: Sequence[Any], *, where: str, inputs: bool = True
+) -> tuple[list[int], VisionInputs | None]:
     """``(ids with each image's placeholder repeated once per merged patch, the images' processor inputs)``; ``where``
-    starts the error message. Runs on: any process.
+    starts the error message. ``inputs=False``: the patches counted from each image's size where the processor can
+    (``get_number_of_image_patches``), no inputs made (None). Runs on: any process.
 
     Raises:
         ValueError: the rendered ids hold another number of placeholders than there are images."""
-    inputs = vision_inputs(image_processor, images)
+    merge = int(getattr(image_processor, "merge_size", 1))
+    made = None
+    if inputs or not hasattr(image_processor, "get_number_of_image_patches"):
+        made = vision_inputs(image_processor, images)
+        counts = made.tokens_per_image(merge)
+    else:  # the data module's setup: the count alone, without resizing and normalising every image twice
+        counts = [image_processor.get_number_of_image_patches(i.height, i.width, {}) // merge**2 for i in images]
     token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-    counts = inputs.tokens_per_image(int(getattr(image_processor, "merge_size", 1)))
     try:
-        return expand_image_tokens(ids, int(tokenizer.convert_tokens_to_ids(token)), counts), inputs
+        expanded = expand_image_tokens(ids, int(tokenizer.convert_tokens_to_ids(token)), counts)
     except ValueError as err:
         raise ValueError(
             f"{where}: {err} (the rendered prompt must hold one {token!r} per image: the chat template places them). "
             "HINT: remove image tokens written into the text."
         ) from err
+    return expanded, made if inputs else None
 
 
 def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
@@ -266,7 +273,7 @@ class PromptImages:
     def expand(self, ids: list[int], images: Sequence[Any], *, index: int, which: str) -> list[int]:
         """The rendered ``ids`` with each image's placeholder repeated once per merged patch of that image."""
         where = f"PromptDataModule({self.setting}): row {index} of the {which} data"
-        return placed_images(self.tokenizer, self.image_processor, ids, images, where=where)[0]
+        return placed_images(self.tokenizer, self.image_processor, ids, images, where=where, inputs=False)[0]
 
     def inputs(self, rows: Sequence[dict[str, Any]]) -> list[VisionInputs]:
         """Each row's :class:`VisionInputs` (made per batch: the pixel values are not kept for the whole dataset)."""
@@ -358,7 +365,9 @@ class ChatImages:
 
         Raises:
             ValueError: the rendered ids hold another number of placeholders than there are images."""
-        return placed_images(self.tokenizer, self.image_processor, ids, images, where=where)
+        expanded, inputs = placed_images(self.tokenizer, self.image_processor, ids, images, where=where)
+        assert inputs is not None
+        return expanded, inputs
 
 
 def _is_image_item(item: Any) -> bool:
