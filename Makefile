@@ -117,7 +117,7 @@ $(TRL_VENV)/.installed:
 # (CI) leaves the long tier out; `make test-all` runs everything. Two test files run at once (pytest-xdist, one
 # worker per core of the 2-core machines; docs/testing.md has the measured gain); PYTEST_WORKERS=0 runs serially.
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q tests -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
+PYTEST := $(BIN)/python -m pytest -q tests -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 \
 	--basetemp="$(CURDIR)/.pytest_tmp"
 test: setup lint typecheck docs  ## Lint, type-check, build the docs (strict) and run the suite without the long tier (CI)
 	$(PYTEST) -m "not long"

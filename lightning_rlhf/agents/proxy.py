@@ -124,6 +124,13 @@ class ChatProxy:
             return _error(400, "the episode has ended (a limit was reached); end the session", "episode_ended")
         episode = session.episode
         messages = [dict(m) for m in body.get("messages") or []]
+        if any(_has_image(m) for m in messages):
+            return _error(
+                400,
+                "a message holds an image (image_url): agents over HTTP are served text only; an environment's "
+                "messages carry images (docs/vision.md)",
+                "invalid_request",
+            )
         try:
             if not session.known:
                 self._first(session, messages, body.get("tools") or [])
@@ -201,3 +208,11 @@ class ChatProxy:
 
 def _error(status: int, message: str, code: str) -> tuple[int, dict[str, Any]]:
     return status, {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+
+
+def _has_image(message: dict[str, Any]) -> bool:
+    """Whether a chat message's content holds an image item (OpenAI's ``image_url``, or ``image``)."""
+    content = message.get("content")
+    return isinstance(content, list) and any(
+        isinstance(item, dict) and item.get("type") in ("image_url", "image", "input_image") for item in content
+    )

@@ -1,7 +1,7 @@
 """Any agent over HTTP (lightning_rlhf.agents.proxy, .http): an agent written against the real ``openai`` client talks
 to the policy through the real endpoint (FastAPI + uvicorn on 127.0.0.1) and its session becomes the same episode the
-built-in tool loop makes; the endpoint refuses another model, another machine, streaming and a conversation that is
-not the session's, each with a clear error; an agent that fails or never answers is counted."""
+built-in tool loop makes; the endpoint refuses another model, another machine, streaming, an image and a conversation
+that is not the session's, each with a clear error; an agent that fails or never answers is counted."""
 
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ def test_the_endpoint_refuses_other_machines_streaming_unknown_sessions_and_a_fo
         key = proxy.open(fake)  # type: ignore[arg-type]
         user, other = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}
         foreign = {"model": "policy", "messages": [user, other, user]}
+        picture = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}
         session = proxy._sessions[key]
         session.known = [user, {"role": "assistant", "content": "hello"}]
         out = [
@@ -92,6 +93,7 @@ def test_the_endpoint_refuses_other_machines_streaming_unknown_sessions_and_a_fo
             await _complete(proxy, "127.0.0.1", "nope", {"model": "policy", "messages": [user]}),
             await _complete(proxy, "127.0.0.1", key, {"model": "policy", "messages": [user], "stream": True}),
             await _complete(proxy, "127.0.0.1", key, foreign),
+            await _complete(proxy, "127.0.0.1", key, {"model": "policy", "messages": [picture]}),
         ]
         assert problems == ["http_diverged"] and proxy.diverged == 1
         return [(status, body["error"]["code"]) for status, body in out]
@@ -101,4 +103,5 @@ def test_the_endpoint_refuses_other_machines_streaming_unknown_sessions_and_a_fo
         (401, "invalid_api_key"),
         (400, "invalid_request"),
         (400, "diverged"),
+        (400, "invalid_request"),  # an image: agents over HTTP are served text only
     ]
