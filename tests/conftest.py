@@ -125,6 +125,11 @@ def run_cli(*args: str, timeout: float = 300, module: bool = False) -> subproces
 
 # ------------------------------------------------------------------------------------------------ the two tiers
 LONG_TIER: dict[str, str] = {
+    "tests/e2e/test_demo_learns.py::test_distillation_teaches_a_student_that_grpo_cannot_move": (
+        "the tool teacher (60 GRPO steps), 60 steps of distillation and 60 of GRPO from a weaker warm start (about 12 "
+        "min): in CI the module on two ranks with the teacher on its own pool (test_more_algorithms), its parts "
+        "(test_distillation), its recipe (test_recipes)"
+    ),
     "tests/e2e/test_demo_learns.py::test_vision_demo_learns_to_count": (
         "the visual task's 100-step learning run (about 2 min): in CI the vision path runs in test_vision.py (both "
         "engines' log-probs with images), test_vision_runs.py (a rollout pool) and the grpo_vision recipe's 2 steps"
