@@ -152,8 +152,8 @@ LONG_TIER: dict[str, str] = {
         "and runs the demo, recipe and CLI paths they use"
     ),
     "tests/e2e/test_demo_learns.py::test_tool_demo_learns_to_use_the_calculator": (
-        "the tool task's 60-step learning run (about 3 min): in CI its episodes run colocated on vLLM "
-        "(test_recipes, agent_tools), on a rollout pool one step off-policy (test_async_rollouts), and its parts "
+        "the tool task's 60-step learning run (about 3 min): in CI its episodes run colocated on vLLM (test_recipes, "
+        "the tool recipe at TP 2), on a rollout pool one step off-policy (test_async_rollouts), and its parts "
         "have unit tests (test_tool_task, test_agent_episodes)"
     ),
     "tests/e2e/test_demo_learns.py::test_demo_learns_with_partial_rollouts": (
@@ -227,6 +227,15 @@ LONG_TIER: dict[str, str] = {
         "equal the trainer's after every hand-off (this file, test_vllm_engine)"
     ),
     "tests/e2e/test_recipes.py::test_recipe_runs_two_steps[rloo]": "CI: the demo, PPO and SFT recipes",
+    "tests/e2e/test_recipes.py::test_recipe_runs_two_steps[agent_tools]": (
+        "the tool recipe at TP 1 (about 70 s): CI runs the same recipe with its episodes on vLLM at TP 2 "
+        "(test_the_tool_recipe_runs_its_episodes_on_vllm_at_tensor_parallel_2) and TP-1 episodes on vLLM's request "
+        "queue (test_vllm_episodes)"
+    ),
+    "tests/e2e/test_recipes.py::test_recipe_runs_two_steps[real_size_cpu]": (
+        "CI runs the same recipe for 3 steps and a resumed 4th "
+        "(test_the_real_size_recipe_resumes_into_its_own_run_folder)"
+    ),
     "tests/vllm/test_families.py": (
         "the real families at full width through vLLM (3-6 min each): in CI each family's vLLM settings at TP 1 "
         "and 2 (test_family_settings) and its template's token-in/token-out (test_family_templates); the tiny "
