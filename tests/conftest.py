@@ -126,7 +126,7 @@ def run_cli(*args: str, timeout: float = 300, module: bool = False) -> subproces
 # ------------------------------------------------------------------------------------------------ the two tiers
 LONG_TIER: dict[str, str] = {
     "tests/e2e/test_demo_learns.py::test_distillation_teaches_a_student_that_grpo_cannot_move": (
-        "the tool teacher (60 GRPO steps), 60 steps of distillation and 60 of GRPO from a weaker warm start (about 12 "
+        "the tool teacher (60 GRPO steps), 60 steps of distillation and 60 of GRPO from a weaker warm start (about 8 "
         "min): in CI the module on two ranks with the teacher on its own pool (test_more_algorithms), its parts "
         "(test_distillation), its recipe (test_recipes)"
     ),
