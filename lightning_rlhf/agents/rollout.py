@@ -255,7 +255,7 @@ class EpisodeRunner:
 
 def _first_prompt(
     tokenizer: Any,
-    images: ChatImages | None,
+    images: ChatImages,
     env: Environment,
     messages: list[Message],
     tools: ToolSet,
@@ -263,15 +263,12 @@ def _first_prompt(
 ) -> tuple[list[int], VisionInputs | None, list[Message]]:
     """An episode's first prompt: ``reset``'s messages rendered (with the tools' schemas), each image item's
     placeholder repeated per merged patch; its images' processor inputs (None: text); the messages with bare image
-    items. ``images`` None: the images are not processed (their placeholders counted once)."""
+    items."""
     where = f"{type(env).__name__}.reset's messages"
-    decoded: list[Any] = []
-    if images is not None:
-        messages, decoded = images.split(messages, where=where)
+    messages, decoded = images.split(messages, where=where)
     prompt = render_chat(tokenizer, messages, generation=True, tools=tools.schemas or None, **chat_kwargs)
     if not decoded:
         return prompt, None, messages
-    assert images is not None
     prompt, vision = images.expand(prompt, decoded, where=where)
     return prompt, vision, messages
 
@@ -295,12 +292,13 @@ def episode_prompt_ids(
     images: ChatImages | None = None,
 ) -> list[tuple[list[int], str]]:
     """Each row's episode prompt as the rollout renders it (``reset(row)``'s messages, the system turn and the
-    tools' schemas, by the chat template with ``chat_template_kwargs``; with ``images``, each image item's placeholder
-    repeated per merged patch), and the text reward functions get as its ``prompt`` (the last user message). One
-    environment per environment class is made and reset once per row. Runs on: every process, in
-    ``PromptDataModule.setup`` (before any model loads). Raises ValueError for a ``reset`` that returns no messages, or
-    an image that cannot be decoded."""
+    tools' schemas, by the chat template with ``chat_template_kwargs``; each image item's placeholder repeated per
+    merged patch by ``images``, None: an image is refused), and the text reward functions get as its ``prompt`` (the
+    last user message). One environment per environment class is made and reset once per row. Runs on: every process,
+    in ``PromptDataModule.setup`` (before any model loads). Raises ValueError for a ``reset`` that returns no
+    messages, or an image that cannot be decoded."""
     kwargs = dict(chat_template_kwargs or {})
+    images = images or ChatImages(tokenizer, None)
     envs: dict[Any, tuple[Environment, ToolSet]] = {}
     out = []
     for row in rows:

@@ -29,9 +29,11 @@ __all__ = [
     "collapse_image_tokens",
     "count_image_items",
     "expand_image_tokens",
+    "expand_placeholders",
+    "image_token",
     "join_vision",
     "load_image",
-    "placed_images",
+    "patch_counts",
     "stacked_vision",
     "tool_images",
     "vision_inputs",
@@ -160,31 +162,35 @@ def expand_image_tokens(ids: Sequence[int], image_token_id: int, counts: Sequenc
     return out
 
 
-def placed_images(
-    tokenizer: Any, image_processor: Any, ids: list[int], images: Sequence[Any], *, where: str, inputs: bool = True
-) -> tuple[list[int], VisionInputs | None]:
-    """``(ids with each image's placeholder repeated once per merged patch, the images' processor inputs)``; ``where``
-    starts the error message. ``inputs=False``: the patches counted from each image's size where the processor can
-    (``get_number_of_image_patches``), no inputs made (None). Runs on: any process.
+def image_token(tokenizer: Any) -> str:
+    """The tokenizer's image placeholder token (Qwen2-VL's ``<|image_pad|>`` when it names none). Runs on: any
+    process."""
+    return getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+
+
+def patch_counts(image_processor: Any, images: Sequence[Any]) -> list[int]:
+    """Each image's placeholder count (merged patches), from its size where the processor can tell
+    (``get_number_of_image_patches``: no resizing or normalising), else from its inputs. Runs on: any process."""
+    merge = int(getattr(image_processor, "merge_size", 1))
+    if not hasattr(image_processor, "get_number_of_image_patches"):
+        return vision_inputs(image_processor, images).tokens_per_image(merge)
+    return [image_processor.get_number_of_image_patches(i.height, i.width, {}) // merge**2 for i in images]
+
+
+def expand_placeholders(tokenizer: Any, ids: list[int], counts: Sequence[int], *, where: str) -> list[int]:
+    """:func:`expand_image_tokens` on the tokenizer's placeholder, its error starting with ``where``. Runs on: any
+    process.
 
     Raises:
-        ValueError: the rendered ids hold another number of placeholders than there are images."""
-    merge = int(getattr(image_processor, "merge_size", 1))
-    made = None
-    if inputs or not hasattr(image_processor, "get_number_of_image_patches"):
-        made = vision_inputs(image_processor, images)
-        counts = made.tokens_per_image(merge)
-    else:  # the data module's setup: the count alone, without resizing and normalising every image twice
-        counts = [image_processor.get_number_of_image_patches(i.height, i.width, {}) // merge**2 for i in images]
-    token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        ValueError: the rendered ids hold another number of placeholders than ``counts`` has images."""
+    token = image_token(tokenizer)
     try:
-        expanded = expand_image_tokens(ids, int(tokenizer.convert_tokens_to_ids(token)), counts)
+        return expand_image_tokens(ids, int(tokenizer.convert_tokens_to_ids(token)), counts)
     except ValueError as err:
         raise ValueError(
             f"{where}: {err} (the rendered prompt must hold one {token!r} per image: the chat template places them). "
             "HINT: remove image tokens written into the text."
         ) from err
-    return expanded, made if inputs else None
 
 
 def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
@@ -273,7 +279,7 @@ class PromptImages:
     def expand(self, ids: list[int], images: Sequence[Any], *, index: int, which: str) -> list[int]:
         """The rendered ``ids`` with each image's placeholder repeated once per merged patch of that image."""
         where = f"PromptDataModule({self.setting}): row {index} of the {which} data"
-        return placed_images(self.tokenizer, self.image_processor, ids, images, where=where, inputs=False)[0]
+        return expand_placeholders(self.tokenizer, ids, patch_counts(self.image_processor, images), where=where)
 
     def inputs(self, rows: Sequence[dict[str, Any]]) -> list[VisionInputs]:
         """Each row's :class:`VisionInputs` (made per batch: the pixel values are not kept for the whole dataset)."""
@@ -327,8 +333,7 @@ class ChatImages:
     @functools.cached_property
     def placeholder_id(self) -> int | None:
         """The tokenizer's image placeholder id (None: it has none)."""
-        token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
-        found = self.tokenizer.convert_tokens_to_ids(token)
+        found = self.tokenizer.convert_tokens_to_ids(image_token(self.tokenizer))
         return None if found is None or found == getattr(self.tokenizer, "unk_token_id", None) else int(found)
 
     def split(self, messages: Sequence[dict[str, Any]], *, where: str) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -365,9 +370,9 @@ class ChatImages:
 
         Raises:
             ValueError: the rendered ids hold another number of placeholders than there are images."""
-        expanded, inputs = placed_images(self.tokenizer, self.image_processor, ids, images, where=where)
-        assert inputs is not None
-        return expanded, inputs
+        inputs = vision_inputs(self.image_processor, images)
+        counts = inputs.tokens_per_image(int(getattr(self.image_processor, "merge_size", 1)))
+        return expand_placeholders(self.tokenizer, ids, counts, where=where), inputs
 
 
 def _is_image_item(item: Any) -> bool:
